@@ -1,0 +1,72 @@
+"""Test configuration shared by every nox session.
+
+Backend tests are written once and parametrized over runners:
+
+* ``MHA_MULTI_BACKENDS=torch,jax-nnx`` selects the backends (a nox session
+  sets it); a selected backend that fails to import is an error, not a skip.
+  Unset, every backend whose framework imports is used.
+* ``MHA_MULTI_REQUIRE_GPU=1`` turns a missing GPU into a failure instead of
+  a skip.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+DEVICES = ("cpu", "gpu")
+
+
+def selected_backends() -> list[str]:
+    from mha_multi.parity.runners import get_runner, runner_names
+
+    requested = os.environ.get("MHA_MULTI_BACKENDS", "").strip()
+    if requested:
+        return [name.strip() for name in requested.split(",") if name.strip()]
+    available = []
+    for name in runner_names():
+        try:
+            get_runner(name)
+        except ImportError:
+            continue
+        available.append(name)
+    return available
+
+
+def gpu_required() -> bool:
+    return os.environ.get("MHA_MULTI_REQUIRE_GPU", "") not in ("", "0")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", selected_backends(), scope="session")
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", DEVICES, scope="session")
+
+
+@pytest.fixture(scope="session")
+def runner(backend: str):
+    """The parity runner of ``backend`` (imports its framework)."""
+    from mha_multi.parity.runners import get_runner
+
+    return get_runner(backend)
+
+
+@pytest.fixture(scope="session")
+def available_device(runner, device: str) -> str:
+    """``device`` if the runner can use it; skips (or fails) otherwise."""
+    if not runner.device_available(device):
+        message = f"{runner.name}: no {device} device"
+        if device != "cpu" and gpu_required():
+            pytest.fail(f"{message}, and MHA_MULTI_REQUIRE_GPU is set")
+        pytest.skip(message)
+    return device
+
+
+@pytest.fixture(scope="session")
+def cases():
+    """Every parity case, built once per test session: name -> Case."""
+    from mha_multi.parity.cases import CASES, build_case
+
+    return {config.name: build_case(config) for config in CASES}

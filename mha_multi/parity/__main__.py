@@ -1,0 +1,72 @@
+"""``python -m mha_multi.parity``: cases, run, report.
+
+python -m mha_multi.parity cases DIR                  # write the case files
+python -m mha_multi.parity run --cases DIR --out RES torch jax-nnx
+python -m mha_multi.parity report --results RES --out REPORT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mha_multi.parity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    cases = commands.add_parser("cases", help="write every parity case to DIR/<name>.npz")
+    cases.add_argument("directory")
+    clean = commands.add_parser("clean", help="remove a results directory")
+    clean.add_argument("directory")
+    run = commands.add_parser("run", help="run backends on the case files")
+    run.add_argument("--cases", required=True)
+    run.add_argument("--out", required=True)
+    run.add_argument("backends", nargs="+")
+    report = commands.add_parser("report", help="compare results and write report.md/json")
+    report.add_argument("--results", required=True)
+    report.add_argument("--cases", help="case directory (default: RESULTS/../cases)")
+    report.add_argument("--out", required=True)
+    report.add_argument("--expect", default="", help="comma-separated backends that must appear")
+    args = parser.parse_args(argv)
+
+    if args.command == "cases":
+        from mha_multi.parity.cases import write_cases
+
+        paths = write_cases(args.directory)
+        print(f"[parity] wrote {len(paths)} cases to {args.directory}")
+        return 0
+    if args.command == "clean":
+        shutil.rmtree(args.directory, ignore_errors=True)
+        return 0
+    if args.command == "run":
+        from mha_multi.parity.run import run_backends
+
+        require_gpu = os.environ.get("MHA_MULTI_REQUIRE_GPU", "") not in ("", "0")
+        ok = run_backends(args.backends, args.cases, args.out, require_gpu=require_gpu)
+        return 0 if ok else 1
+    from mha_multi.parity.report import build_report, format_markdown
+
+    cases_dir = args.cases or str(Path(args.results).parent / "cases")
+    expected = [b for b in args.expect.split(",") if b]
+    result = build_report(args.results, cases_dir, expected)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    markdown = format_markdown(result)
+    (out / "report.md").write_text(markdown)
+    (out / "report.json").write_text(json.dumps(result, indent=2))
+    print(markdown)
+    print(f"[parity] report written to {out / 'report.md'} and {out / 'report.json'}")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Parity cases: seeded inputs, canonical weights and the float64 reference.
+
+A case is generated once (``write_cases``) and read by every environment from
+``.npz`` files, so that backends on different numpy versions see the very
+same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mha_multi import spec
+from mha_multi.weights import init_weights
+
+__all__ = ["CASES", "Case", "CaseConfig", "build_case", "load_case", "load_cases", "write_cases"]
+
+INPUT_NAMES = ("queries", "keys", "values")
+
+
+@dataclass(frozen=True)
+class CaseConfig:
+    """What a case is: sizes, flags and how its ``valid_lens`` look."""
+
+    name: str
+    num_hiddens: int = 16
+    num_heads: int = 4
+    batch: int = 3
+    num_queries: int = 5
+    num_keys: int = 7
+    query_size: int | None = None
+    key_size: int | None = None
+    value_size: int | None = None
+    bias: bool = False
+    causal: bool = False
+    #: ``None``, or explicit lengths: a list (1-D) or a list of lists (2-D).
+    valid_lens: Any = None
+    lens_dtype: str = "int64"
+    seed: int = 0
+    description: str = ""
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "query_size": self.query_size or self.num_hiddens,
+            "key_size": self.key_size or self.num_hiddens,
+            "value_size": self.value_size or self.num_hiddens,
+        }
+
+
+CASES: tuple[CaseConfig, ...] = (
+    CaseConfig(
+        "book",
+        num_hiddens=100,
+        num_heads=5,
+        batch=2,
+        num_queries=4,
+        num_keys=6,
+        valid_lens=[3, 2],
+        description="d2l's example: 100 hiddens, 5 heads, valid_lens [3, 2]",
+    ),
+    CaseConfig("lens_none", description="no valid_lens"),
+    CaseConfig("lens_1d", valid_lens=[4, 7, 1], description="1-D lengths"),
+    CaseConfig(
+        "lens_1d_float",
+        valid_lens=[2.5, 6.0, 0.5],
+        lens_dtype="float32",
+        description="float32 lengths (MXNet style); the rule is j < len",
+    ),
+    CaseConfig(
+        "lens_2d",
+        valid_lens=[[1, 2, 3, 4, 5], [7, 0, 7, 3, 9], [2, 2, 2, 2, 2]],
+        description="per-query lengths, with a zero and one longer than K",
+    ),
+    CaseConfig(
+        "lens_zero",
+        valid_lens=[0, -2, 3],
+        description="lengths <= 0 hide every key: uniform weights",
+    ),
+    CaseConfig("lens_overlong", valid_lens=[7, 12, 1000], description="lengths >= K hide nothing"),
+    CaseConfig("causal", num_queries=6, num_keys=6, causal=True, description="causal, Q == K"),
+    CaseConfig(
+        "causal_cross",
+        num_queries=3,
+        num_keys=7,
+        causal=True,
+        valid_lens=[6, 7, 2],
+        description="causal bottom-right aligned (Q < K) AND 1-D lengths",
+    ),
+    CaseConfig(
+        "causal_more_queries",
+        num_queries=6,
+        num_keys=3,
+        causal=True,
+        description="causal with Q > K: the first queries see nothing",
+    ),
+    CaseConfig(
+        "causal_lens_2d",
+        num_queries=5,
+        num_keys=5,
+        causal=True,
+        valid_lens=[[5, 5, 5, 5, 5], [0, 1, 2, 3, 4], [3, 0, 5, 1, 2]],
+        description="causal AND 2-D lengths",
+    ),
+    CaseConfig(
+        "cross_sizes",
+        num_hiddens=12,
+        num_heads=3,
+        query_size=7,
+        key_size=5,
+        value_size=3,
+        bias=True,
+        valid_lens=[5, 2, 6],
+        description="cross attention with query/key/value sizes 7/5/3, bias",
+    ),
+    CaseConfig("bias", bias=True, valid_lens=[3, 5, 7], description="biases on"),
+    CaseConfig("batch_1", batch=1, valid_lens=[4], description="batch of one"),
+    CaseConfig("one_head", num_heads=1, valid_lens=[2, 5, 7], description="a single head"),
+    CaseConfig("one_key", num_keys=1, valid_lens=[1, 0, 1], description="a single key"),
+)
+
+
+@dataclass
+class Case:
+    """A parity case: configuration, inputs, weights and reference results."""
+
+    config: CaseConfig
+    weights: dict[str, np.ndarray]
+    inputs: dict[str, np.ndarray]
+    valid_lens: np.ndarray | None
+    output_gradient: np.ndarray
+    reference: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+def build_case(config: CaseConfig) -> Case:
+    """Draws the case's inputs and weights and evaluates the float64 reference.
+
+    Inputs and weights are float32 values (so every dtype up from float32
+    sees the same numbers); the reference uses them in float64.
+    """
+    rng = np.random.default_rng(config.seed)
+    sizes = config.sizes()
+    weights = init_weights(config.num_hiddens, bias=config.bias, seed=config.seed + 1, **sizes)
+    shapes = {
+        "queries": (config.batch, config.num_queries, sizes["query_size"]),
+        "keys": (config.batch, config.num_keys, sizes["key_size"]),
+        "values": (config.batch, config.num_keys, sizes["value_size"]),
+    }
+    inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    # The cotangent of a loss averaged over the batch and the queries: weight
+    # gradients then stay of unit scale whatever B and Q, as the tolerances
+    # of DESIGN §5 assume.
+    output_gradient = (
+        rng.standard_normal((config.batch, config.num_queries, config.num_hiddens))
+        / np.sqrt(config.batch * config.num_queries)
+    ).astype(np.float32)
+    valid_lens = (
+        None if config.valid_lens is None else np.asarray(config.valid_lens, config.lens_dtype)
+    )
+    case = Case(config, weights, inputs, valid_lens, output_gradient)
+    case.reference = reference_results(case)
+    return case
+
+
+def reference_results(case: Case) -> dict[str, np.ndarray]:
+    """Output, attention weights and gradients of the float64 spec."""
+    args = (case.weights, case.inputs["queries"], case.inputs["keys"], case.inputs["values"])
+    kwargs = {"num_heads": case.config.num_heads, "causal": case.config.causal}
+    output, attention_weights = spec.reference_forward(*args, case.valid_lens, **kwargs)
+    grads = spec.reference_gradients(
+        *args, case.valid_lens, output_gradient=case.output_gradient, **kwargs
+    )
+    results = {"output": output, "attention_weights": attention_weights}
+    results.update({f"grad.{name}": value for name, value in grads.items()})
+    return results
+
+
+def _flatten(case: Case) -> dict[str, np.ndarray]:
+    arrays = {"config": np.array(json.dumps(dataclasses.asdict(case.config)))}
+    arrays.update({f"weight.{k}": v for k, v in case.weights.items()})
+    arrays.update({f"input.{k}": v for k, v in case.inputs.items()})
+    if case.valid_lens is not None:
+        arrays["valid_lens"] = case.valid_lens
+    arrays["output_gradient"] = case.output_gradient
+    arrays.update({f"reference.{k}": v for k, v in case.reference.items()})
+    return arrays
+
+
+def _unflatten(arrays: Mapping[str, np.ndarray]) -> Case:
+    config = CaseConfig(**json.loads(str(arrays["config"])))
+
+    def group(prefix: str) -> dict[str, np.ndarray]:
+        return {k[len(prefix) :]: np.asarray(v) for k, v in arrays.items() if k.startswith(prefix)}
+
+    return Case(
+        config=config,
+        weights=group("weight."),
+        inputs=group("input."),
+        valid_lens=arrays.get("valid_lens"),
+        output_gradient=np.asarray(arrays["output_gradient"]),
+        reference=group("reference."),
+    )
+
+
+def write_cases(
+    directory: str | os.PathLike[str], configs: Iterable[CaseConfig] = CASES
+) -> list[Path]:
+    """Builds every case and writes it to ``directory/<name>.npz``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for config in configs:
+        path = directory / f"{config.name}.npz"
+        with open(path, "wb") as file:
+            np.savez(file, **_flatten(build_case(config)))
+        paths.append(path)
+    return paths
+
+
+def load_case(path: str | os.PathLike[str]) -> Case:
+    """Reads a case written by :func:`write_cases` (no pickle)."""
+    with np.load(path, allow_pickle=False) as file:
+        return _unflatten({name: file[name] for name in file.files})
+
+
+def load_cases(directory: str | os.PathLike[str]) -> list[Case]:
+    """Reads every case of ``directory``, in the order of :data:`CASES`."""
+    order = {config.name: i for i, config in enumerate(CASES)}
+    paths = sorted(Path(directory).glob("*.npz"), key=lambda p: (order.get(p.stem, 1 << 30), p))
+    if not paths:
+        raise FileNotFoundError(f"no parity cases in {os.fspath(directory)!r}")
+    return [load_case(path) for path in paths]

@@ -1,0 +1,190 @@
+"""The parity report: every backend x device x dtype against the float64 reference."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mha_multi.parity.cases import Case, load_cases
+from mha_multi.parity.compare import Check, compare, errors
+
+__all__ = ["Cell", "build_report", "format_markdown"]
+
+
+@dataclass
+class Cell:
+    """One backend x device x dtype: the worst errors over every case."""
+
+    backend: str
+    device: str
+    dtype: str
+    forward: Check | None = None
+    gradient: Check | None = None
+    cases: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.cases > 0 and not self.failures
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "backend": self.backend,
+            "device": self.device,
+            "dtype": self.dtype,
+            "cases": self.cases,
+            "forward": self.forward and self.forward.as_dict(),
+            "gradient": self.gradient and self.gradient.as_dict(),
+            "failures": self.failures,
+            "passed": self.passed,
+        }
+
+
+def _worse(current: Check | None, new: Check) -> Check:
+    return new if current is None or not new.max_abs <= current.max_abs else current
+
+
+def _load(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as file:
+        return {name: file[name] for name in file.files}
+
+
+def build_report(
+    results_dir: str | os.PathLike[str],
+    cases_dir: str | os.PathLike[str],
+    expected_backends: Sequence[str] = (),
+) -> dict[str, object]:
+    """Compares every stored result with the reference and with each other.
+
+    A backend in ``expected_backends`` with no results, or a case missing
+    from a backend's cell, is a failure.
+    """
+    cases: dict[str, Case] = {case.name: case for case in load_cases(cases_dir)}
+    results_root = Path(results_dir)
+    metas = {}
+    cells: dict[tuple[str, str, str], Cell] = {}
+    outputs: dict[tuple[str, str, str], dict[str, np.ndarray]] = {}
+    backends = (
+        sorted(p.name for p in results_root.iterdir() if p.is_dir())
+        if results_root.exists()
+        else []
+    )
+    for backend in backends:
+        meta_path = results_root / backend / "meta.json"
+        metas[backend] = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        for path in sorted((results_root / backend).glob("*.npz")):
+            device, dtype, case_name = path.stem.split("__")
+            cell = cells.setdefault((backend, device, dtype), Cell(backend, device, dtype))
+            results = _load(path)
+            cell.cases += 1
+            for check in compare(results, cases[case_name].reference, dtype):
+                if check.quantity.startswith("grad."):
+                    cell.gradient = _worse(cell.gradient, check)
+                else:
+                    cell.forward = _worse(cell.forward, check)
+                if not check.passed:
+                    cell.failures.append(
+                        f"{case_name}: {check.quantity} max abs {check.max_abs:.3g} "
+                        f"> {check.tolerance:g}"
+                    )
+            outputs.setdefault((backend, device, dtype), {})[case_name] = results["output"]
+        for error in metas[backend].get("errors", []):
+            cell = cells.setdefault((backend, "-", "-"), Cell(backend, "-", "-"))
+            cell.failures.append(error.strip().splitlines()[0])
+    for cell in cells.values():
+        if cell.device != "-" and cell.cases < len(cases):
+            cell.failures.append(f"{len(cases) - cell.cases} of {len(cases)} cases have no result")
+    missing = [b for b in expected_backends if b not in backends]
+    for backend in missing:
+        cells[(backend, "-", "-")] = Cell(backend, "-", "-", failures=["no results"])
+
+    pairwise = []
+    for (key_a, out_a), (key_b, out_b) in itertools.combinations(sorted(outputs.items()), 2):
+        if key_a[1:] != key_b[1:]:
+            continue  # pairs on the same device and dtype
+        common = sorted(set(out_a) & set(out_b))
+        if common:
+            diff = max(errors(out_a[c], out_b[c])[0] for c in common)
+            pairwise.append(
+                {
+                    "a": key_a[0],
+                    "b": key_b[0],
+                    "device": key_a[1],
+                    "dtype": key_a[2],
+                    "max_abs": diff,
+                    "cases": len(common),
+                }
+            )
+    ordered = sorted(cells.values(), key=lambda c: (c.backend, c.device, _dtype_order(c.dtype)))
+    return {
+        "passed": bool(ordered) and all(c.passed for c in ordered),
+        "cells": [c.as_dict() for c in ordered],
+        "pairwise": pairwise,
+        "environments": metas,
+        "cases": list(cases),
+    }
+
+
+def _dtype_order(dtype: str) -> int:
+    order = ("float64", "float32", "bfloat16", "float16")
+    return order.index(dtype) if dtype in order else len(order)
+
+
+def _fmt(check: dict | None) -> str:
+    if not check:
+        return "-"
+    return f"{check['max_abs']:.2e} / {check['max_rel']:.1e}"
+
+
+def format_markdown(report: dict[str, object]) -> str:
+    """The report as Markdown (also what is printed)."""
+    lines = [
+        "# mha_multi parity report",
+        "",
+        f"Cases: {len(report['cases'])} ({', '.join(report['cases'])}).",
+        "Errors are max abs / max rel against the float64 reference, worst over every case;",
+        "forward covers the output of every code path and the attention weights,",
+        "gradients cover queries, keys, values and every weight.",
+        "",
+        "| backend | device | dtype | cases | forward | gradients | tolerance | result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in report["cells"]:
+        tol = "-"
+        if cell["forward"] and cell["gradient"]:
+            tol = f"{cell['forward']['tolerance']:g} / {cell['gradient']['tolerance']:g}"
+        lines.append(
+            f"| {cell['backend']} | {cell['device']} | {cell['dtype']} | {cell['cases']} | "
+            f"{_fmt(cell['forward'])} | {_fmt(cell['gradient'])} | {tol} | "
+            f"{'pass' if cell['passed'] else '**FAIL**'} |"
+        )
+    if report["pairwise"]:
+        lines += [
+            "",
+            "## Backend vs backend (output, max abs)",
+            "",
+            "| a | b | device | dtype | max abs |",
+            "|---|---|---|---|---|",
+        ]
+        for pair in report["pairwise"]:
+            lines.append(
+                f"| {pair['a']} | {pair['b']} | {pair['device']} | {pair['dtype']} | "
+                f"{pair['max_abs']:.2e} |"
+            )
+    lines += ["", "## Environments", ""]
+    for backend, meta in report["environments"].items():
+        versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
+        devices = ", ".join(f"{k}: {v}" for k, v in meta.get("devices", {}).items())
+        lines.append(f"- **{backend}**: {versions}; devices {devices}")
+    failures = [(c, f) for c in report["cells"] for f in c["failures"]]
+    if failures:
+        lines += ["", "## Failures", ""]
+        lines += [f"- {c['backend']} {c['device']} {c['dtype']}: {f}" for c, f in failures]
+    lines += ["", "**PASS**" if report["passed"] else "**FAIL**", ""]
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""Runs backends on the shared case files and writes their results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from mha_multi.parity.cases import load_cases
+from mha_multi.parity.compare import compare
+from mha_multi.parity.runners import DEVICES, DTYPES, get_runner
+
+__all__ = ["result_path", "run_backends"]
+
+
+def result_path(directory: Path, backend: str, device: str, dtype: str, case: str) -> Path:
+    return directory / backend / f"{device}__{dtype}__{case}.npz"
+
+
+def run_backends(
+    backends: Sequence[str],
+    cases_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    require_gpu: bool = False,
+) -> bool:
+    """Runs every case on every device and dtype of each backend.
+
+    Writes ``out_dir/<backend>/<device>__<dtype>__<case>.npz`` per result and
+    ``out_dir/<backend>/meta.json`` (versions, devices, errors). Prints a
+    progress line per backend x device x dtype.
+
+    Returns:
+        Whether everything ran (tolerances are judged by the report).
+    """
+    cases = load_cases(cases_dir)
+    out = Path(out_dir)
+    ok = True
+    for backend in backends:
+        runner = get_runner(backend)
+        directory = out / backend
+        directory.mkdir(parents=True, exist_ok=True)
+        meta: dict[str, object] = {
+            "backend": backend,
+            "versions": {**runner.versions(), "numpy": np.__version__},
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "devices": {},
+            "errors": [],
+        }
+        for device in DEVICES:
+            if not runner.device_available(device):
+                if device != "cpu" and require_gpu:
+                    meta["errors"].append(f"no {device} device, and MHA_MULTI_REQUIRE_GPU is set")
+                    ok = False
+                continue
+            meta["devices"][device] = runner.device_description(device)
+            for dtype in DTYPES:
+                if not runner.dtype_supported(device, dtype):
+                    continue
+                passed = 0
+                for case in cases:
+                    try:
+                        results = runner.run(case, device=device, dtype=dtype)
+                    except Exception:
+                        meta["errors"].append(
+                            f"{device} {dtype} {case.name}: {traceback.format_exc(limit=3)}"
+                        )
+                        ok = False
+                        continue
+                    path = result_path(out, backend, device, dtype, case.name)
+                    with open(path, "wb") as file:
+                        np.savez(file, **results)
+                    passed += all(c.passed for c in compare(results, case.reference, dtype))
+                print(
+                    f"[parity] {backend:<18} {device:<4} {dtype:<9} "
+                    f"{passed}/{len(cases)} cases within tolerance",
+                    flush=True,
+                )
+        (directory / "meta.json").write_text(json.dumps(meta, indent=2))
+    return ok

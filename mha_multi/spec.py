@@ -1,0 +1,536 @@
+"""The semantics of multi-head attention, written once.
+
+Every function here takes an *array-ops adapter* (``ops``) as its first
+argument: a small object with the handful of array operations the math needs
+(see :class:`ArrayOps`). :class:`NumpyOps` evaluates the spec in float64 and is
+the reference; each backend passes its own adapter, so the head layout, the
+``valid_lens`` rule, the causal rule and the masked softmax exist in exactly
+one place.
+
+The operations are chosen so that no function needs a concrete shape: head
+splitting is ``split_axis``/``merge_axes`` and positions come from
+``arange_like``. This lets symbolic frameworks (MXNet's hybridized graphs)
+share the same code as eager ones.
+
+Shapes, following d2l: queries ``(B, Q, query_size)``, keys
+``(B, K, key_size)``, values ``(B, K, value_size)``, ``num_hiddens = H * head_dim``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = [
+    "MASK_VALUE",
+    "ArrayOps",
+    "NumpyOps",
+    "attention",
+    "check_config",
+    "check_inputs",
+    "check_valid_lens_dtype",
+    "masked_softmax",
+    "reference_forward",
+    "reference_gradients",
+    "scaled_scores",
+    "transpose_output",
+    "transpose_qkv",
+    "visibility",
+]
+
+#: Hidden scores are *replaced* by this value before the softmax (d2l's rule).
+#: A row whose keys are all hidden therefore gets uniform weights ``1/K``.
+MASK_VALUE = -1e6
+
+Array = Any
+
+
+class ArrayOps(Protocol):
+    """The array operations the spec is written against.
+
+    Implementations must not change dtypes except where asked (``cast``) and
+    must follow numpy broadcasting.
+    """
+
+    def split_axis(self, x: Array, axis: int, sizes: tuple[int, int]) -> Array:
+        """Splits ``axis`` into two axes of ``sizes`` (one of them may be -1)."""
+
+    def merge_axes(self, x: Array, axis: int) -> Array:
+        """Merges ``axis`` and ``axis + 1`` into one axis (row-major)."""
+
+    def permute(self, x: Array, axes: Sequence[int]) -> Array: ...
+
+    def expand_dims(self, x: Array, axis: int) -> Array: ...
+
+    def matmul(self, a: Array, b: Array) -> Array:
+        """Batched matrix product over the last two axes."""
+
+    def swap_last(self, x: Array) -> Array:
+        """Transposes the last two axes."""
+
+    def arange_like(self, x: Array, axis: int) -> Array:
+        """``0 .. x.shape[axis] - 1`` as a 1-D integer array on ``x``'s device."""
+
+    def flip(self, x: Array) -> Array:
+        """Reverses a 1-D array."""
+
+    def less(self, a: Array, b: Array) -> Array: ...
+
+    def greater_equal(self, a: Array, b: Array) -> Array: ...
+
+    def logical_and(self, a: Array, b: Array) -> Array: ...
+
+    def where(self, condition: Array, x: Array, fill: float) -> Array: ...
+
+    def softmax(self, x: Array) -> Array:
+        """Softmax over the last axis."""
+
+    def cast(self, x: Array, dtype: Any) -> Array: ...
+
+    def dtype(self, x: Array) -> Any: ...
+
+    def dtype_kind(self, dtype: Any) -> str:
+        """numpy's ``dtype.kind`` for a dtype of this framework ('f', 'i', ...)."""
+
+    def itemsize(self, dtype: Any) -> int: ...
+
+    def float32(self) -> Any: ...
+
+    def ndim(self, x: Array) -> int: ...
+
+
+class NumpyOps:
+    """The spec on numpy; with float64 inputs this is the reference."""
+
+    def split_axis(self, x: np.ndarray, axis: int, sizes: tuple[int, int]) -> np.ndarray:
+        axis = axis % x.ndim
+        return x.reshape(x.shape[:axis] + tuple(sizes) + x.shape[axis + 1 :])
+
+    def merge_axes(self, x: np.ndarray, axis: int) -> np.ndarray:
+        axis = axis % x.ndim
+        return x.reshape((*x.shape[:axis], -1, *x.shape[axis + 2 :]))
+
+    def permute(self, x: np.ndarray, axes: Sequence[int]) -> np.ndarray:
+        return np.transpose(x, axes)
+
+    def expand_dims(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.expand_dims(x, axis)
+
+    def matmul(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.matmul(a, b)
+
+    def swap_last(self, x: np.ndarray) -> np.ndarray:
+        return np.swapaxes(x, -1, -2)
+
+    def arange_like(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.arange(x.shape[axis], dtype=np.int64)
+
+    def flip(self, x: np.ndarray) -> np.ndarray:
+        return x[::-1]
+
+    def less(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.less(a, b)
+
+    def greater_equal(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.greater_equal(a, b)
+
+    def logical_and(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.logical_and(a, b)
+
+    def where(self, condition: np.ndarray, x: np.ndarray, fill: float) -> np.ndarray:
+        return np.where(condition, x, np.asarray(fill, dtype=x.dtype))
+
+    def softmax(self, x: np.ndarray) -> np.ndarray:
+        shifted = np.exp(x - x.max(axis=-1, keepdims=True))
+        return shifted / shifted.sum(axis=-1, keepdims=True)
+
+    def cast(self, x: np.ndarray, dtype: Any) -> np.ndarray:
+        return np.asarray(x).astype(dtype, copy=False)
+
+    def dtype(self, x: np.ndarray) -> np.dtype:
+        return np.asarray(x).dtype
+
+    def dtype_kind(self, dtype: Any) -> str:
+        return np.dtype(dtype).kind
+
+    def itemsize(self, dtype: Any) -> int:
+        return np.dtype(dtype).itemsize
+
+    def float32(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    def ndim(self, x: np.ndarray) -> int:
+        return np.ndim(x)
+
+
+# --------------------------------------------------------------------------
+# Configuration and input checks (pure Python: shapes and dtypes only)
+# --------------------------------------------------------------------------
+
+
+def check_config(num_hiddens: Any, num_heads: Any, dropout: Any) -> int:
+    """Validates the layer configuration and returns ``head_dim``.
+
+    Raises:
+        TypeError: a size is not an integer or ``dropout`` not a number.
+        ValueError: a non-positive size, ``num_hiddens`` not divisible by
+            ``num_heads``, or ``dropout`` outside ``[0, 1)``.
+    """
+    for name, value in (("num_hiddens", num_hiddens), ("num_heads", num_heads)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be a positive int; got {value!r}")
+        if value <= 0:
+            raise ValueError(f"{name} must be a positive int; got {value}")
+    if num_hiddens % num_heads:
+        raise ValueError(
+            f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads})"
+        )
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating, np.integer)):
+        raise TypeError(f"dropout must be a float in [0, 1); got {dropout!r}")
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+    return int(num_hiddens) // int(num_heads)
+
+
+def check_input_sizes(**sizes: Any) -> None:
+    """Validates optional input sizes (``query_size=...`` etc.): positive ints or None."""
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{name} must be a positive int or None; got {value!r}")
+
+
+def check_inputs(
+    queries_shape: Sequence[int],
+    keys_shape: Sequence[int],
+    values_shape: Sequence[int],
+    valid_lens_shape: Sequence[int] | None = None,
+    *,
+    query_size: int | None = None,
+    key_size: int | None = None,
+    value_size: int | None = None,
+) -> None:
+    """Validates input shapes against each other and the layer's input sizes.
+
+    Args:
+        queries_shape: ``(B, Q, query_size)``.
+        keys_shape: ``(B, K, key_size)``.
+        values_shape: ``(B, K, value_size)``.
+        valid_lens_shape: ``None``, ``(B,)`` or ``(B, Q)``.
+        query_size, key_size, value_size: the layer's input sizes, or ``None``
+            where not yet known.
+
+    Raises:
+        ValueError: naming the offending argument and the expected shape.
+    """
+    names = ("queries", "keys", "values")
+    shapes = [tuple(queries_shape), tuple(keys_shape), tuple(values_shape)]
+    sizes = (query_size, key_size, value_size)
+    size_names = ("query_size", "key_size", "value_size")
+    for name, shape in zip(names, shapes, strict=True):
+        if len(shape) != 3:
+            raise ValueError(f"{name} must be 3-D (batch, length, features); got shape {shape}")
+    batch = shapes[0][0]
+    for name, shape in zip(names[1:], shapes[1:], strict=True):
+        if shape[0] != batch:
+            raise ValueError(
+                f"{name} batch size {shape[0]} differs from queries batch size {batch}"
+            )
+    if shapes[1][1] != shapes[2][1]:
+        raise ValueError(
+            f"keys and values must have the same length; got {shapes[1][1]} keys "
+            f"and {shapes[2][1]} values"
+        )
+    for name, size_name, shape, size in zip(names, size_names, shapes, sizes, strict=True):
+        if size is not None and shape[2] != size:
+            raise ValueError(f"{name} last dimension must be {size_name}={size}; got shape {shape}")
+    if valid_lens_shape is not None:
+        lens_shape = tuple(valid_lens_shape)
+        num_queries = shapes[0][1]
+        if lens_shape not in ((batch,), (batch, num_queries)):
+            raise ValueError(
+                f"valid_lens must have shape (batch,) = ({batch},) or "
+                f"(batch, num_queries) = ({batch}, {num_queries}); got {lens_shape}"
+            )
+
+
+def check_valid_lens_dtype(kind: str) -> None:
+    """Raises ``TypeError`` unless ``kind`` (numpy dtype kind) is integer or float."""
+    if kind not in "iuf":
+        raise TypeError(
+            f"valid_lens must be an integer or floating-point array; got dtype kind {kind!r}"
+        )
+
+
+# --------------------------------------------------------------------------
+# The math
+# --------------------------------------------------------------------------
+
+
+def transpose_qkv(ops: ArrayOps, x: Array, num_heads: int) -> Array:
+    """``(B, T, H*dh) -> (B*H, T, dh)``; the flat row index is ``b*H + h``."""
+    x = ops.split_axis(x, 2, (num_heads, -1))  # (B, T, H, dh)
+    x = ops.permute(x, (0, 2, 1, 3))  # (B, H, T, dh)
+    return ops.merge_axes(x, 0)  # (B*H, T, dh)
+
+
+def transpose_output(ops: ArrayOps, x: Array, num_heads: int) -> Array:
+    """``(B*H, T, dh) -> (B, T, H*dh)``; the exact inverse of :func:`transpose_qkv`."""
+    x = ops.split_axis(x, 0, (-1, num_heads))  # (B, H, T, dh)
+    x = ops.permute(x, (0, 2, 1, 3))  # (B, T, H, dh)
+    return ops.merge_axes(x, 2)
+
+
+def visibility(
+    ops: ArrayOps, scores: Array, valid_lens: Array | None, *, causal: bool = False
+) -> Array | None:
+    """Which keys each query may see.
+
+    Args:
+        ops: the array-ops adapter.
+        scores: any array whose last two axes are ``(Q, K)``; only its
+            positions are read.
+        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
+            Key ``j`` is visible to query ``i`` of example ``b`` iff
+            ``j < valid_lens[b]`` (or ``valid_lens[b, i]``).
+        causal: additionally hide key ``j`` from query ``i`` when
+            ``j > i + (K - Q)`` (bottom-right aligned).
+
+    Returns:
+        ``None`` if every key is visible, else a boolean array broadcastable
+        to ``(B, 1, Q, K)``: ``(B, 1, 1|Q, K)`` with lengths, ``(Q, K)`` with
+        only ``causal``.
+    """
+    visible = None
+    if valid_lens is not None:
+        lens_dtype = ops.dtype(valid_lens)
+        kind = ops.dtype_kind(lens_dtype)
+        check_valid_lens_dtype(kind)
+        # 16-bit floats cannot count past 256 (bf16) or 2048 (fp16) exactly.
+        if kind == "f" and ops.itemsize(lens_dtype) < 4:
+            valid_lens = ops.cast(valid_lens, ops.float32())
+            lens_dtype = ops.dtype(valid_lens)
+        key_positions = ops.cast(ops.arange_like(scores, -1), lens_dtype)  # (K,)
+        lens = ops.expand_dims(valid_lens, -1)  # (B, 1) or (B, Q, 1)
+        if ops.ndim(valid_lens) == 1:
+            lens = ops.expand_dims(lens, -1)  # (B, 1, 1)
+        visible = ops.expand_dims(ops.less(key_positions, lens), 1)  # (B, 1, 1|Q, K)
+    if causal:
+        # j <= i + (K - Q)  <=>  K - 1 - j >= Q - 1 - i: distances from the end
+        # need no concrete sizes.
+        keys_from_end = ops.flip(ops.arange_like(scores, -1))  # (K,)
+        queries_from_end = ops.expand_dims(ops.flip(ops.arange_like(scores, -2)), -1)
+        causal_visible = ops.greater_equal(keys_from_end, queries_from_end)  # (Q, K)
+        visible = causal_visible if visible is None else ops.logical_and(visible, causal_visible)
+    return visible
+
+
+def masked_softmax(ops: ArrayOps, scores: Array, visible: Array | None) -> Array:
+    """Softmax over the last axis with hidden scores replaced by ``MASK_VALUE``.
+
+    Args:
+        scores: ``(B, H, Q, K)``.
+        visible: ``None`` or a boolean array broadcastable to ``scores``.
+
+    Returns:
+        Weights of the dtype of ``scores``. For 16-bit inputs the softmax runs
+        in float32 (``-1e6`` overflows float16) and is cast back.
+    """
+    dtype = ops.dtype(scores)
+    low_precision = ops.dtype_kind(dtype) == "f" and ops.itemsize(dtype) < 4
+    if low_precision:
+        scores = ops.cast(scores, ops.float32())
+    if visible is not None:
+        scores = ops.where(visible, scores, MASK_VALUE)
+    weights = ops.softmax(scores)
+    return ops.cast(weights, dtype) if low_precision else weights
+
+
+def scaled_scores(ops: ArrayOps, q: Array, k: Array, head_dim: int) -> Array:
+    """``(q @ k^T) / sqrt(head_dim)`` for ``(B*H, T, dh)`` heads (d2l's order)."""
+    return ops.matmul(q, ops.swap_last(k)) / math.sqrt(head_dim)
+
+
+def attention(
+    ops: ArrayOps,
+    q: Array,
+    k: Array,
+    v: Array,
+    valid_lens: Array | None,
+    *,
+    num_heads: int,
+    head_dim: int,
+    causal: bool = False,
+    dropout: Callable[[Array], Array] | None = None,
+) -> tuple[Array, Array]:
+    """Multi-head scaled dot-product attention on projected inputs.
+
+    Args:
+        ops: the array-ops adapter.
+        q: projected queries ``(B, Q, num_hiddens)``.
+        k: projected keys ``(B, K, num_hiddens)``.
+        v: projected values ``(B, K, num_hiddens)``.
+        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
+        num_heads: ``H``; ``num_hiddens`` must be divisible by it.
+        head_dim: ``num_hiddens // num_heads`` (static, so that symbolic
+            graphs need no shapes).
+        causal: bottom-right aligned causal mask, combined with ``valid_lens``.
+        dropout: applied to the attention weights (training), or ``None``.
+
+    Returns:
+        ``(context, weights)``: the concatenated heads ``(B, Q, num_hiddens)``
+        before the output projection, and the pre-dropout attention weights
+        ``(B, H, Q, K)``.
+    """
+    q, k, v = (transpose_qkv(ops, x, num_heads) for x in (q, k, v))
+    head_scores = scaled_scores(ops, q, k, head_dim)  # (B*H, Q, K)
+    # Rows are b*H + h, so splitting axis 0 as (B, H) lines heads up with a
+    # (B, 1, ...) mask: valid_lens repeated interleaved, never tiled.
+    scores = ops.split_axis(head_scores, 0, (-1, num_heads))  # (B, H, Q, K)
+    weights = masked_softmax(ops, scores, visibility(ops, scores, valid_lens, causal=causal))
+    flat_weights = ops.merge_axes(weights, 0)
+    if dropout is not None:
+        flat_weights = dropout(flat_weights)
+    context = transpose_output(ops, ops.matmul(flat_weights, v), num_heads)
+    return context, weights
+
+
+# --------------------------------------------------------------------------
+# The float64 reference
+# --------------------------------------------------------------------------
+
+
+def _linear(x: np.ndarray, weights: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    y = x @ weights[f"W_{name}"]
+    bias = weights.get(f"b_{name}")
+    return y if bias is None else y + bias
+
+
+def _as_float64(x: Any) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def reference_forward(
+    weights: Mapping[str, Any],
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any = None,
+    *,
+    num_heads: int,
+    causal: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The spec evaluated in float64 numpy.
+
+    Args:
+        weights: canonical weights (``W_q``... in ``x @ W + b`` orientation).
+        queries: ``(B, Q, query_size)``.
+        keys: ``(B, K, key_size)``.
+        values: ``(B, K, value_size)``.
+        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
+        num_heads: number of heads.
+        causal: bottom-right aligned causal mask.
+
+    Returns:
+        ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and
+        ``(B, H, Q, K)``, float64.
+    """
+    ops = NumpyOps()
+    w = {name: _as_float64(value) for name, value in weights.items()}
+    queries, keys, values = (_as_float64(x) for x in (queries, keys, values))
+    lens = None if valid_lens is None else np.asarray(valid_lens)
+    check_inputs(
+        queries.shape,
+        keys.shape,
+        values.shape,
+        None if lens is None else lens.shape,
+        query_size=w["W_q"].shape[0],
+        key_size=w["W_k"].shape[0],
+        value_size=w["W_v"].shape[0],
+    )
+    head_dim = check_config(w["W_q"].shape[1], num_heads, 0.0)
+    context, attention_weights = attention(
+        ops,
+        _linear(queries, w, "q"),
+        _linear(keys, w, "k"),
+        _linear(values, w, "v"),
+        lens,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        causal=causal,
+    )
+    return _linear(context, w, "o"), attention_weights
+
+
+def reference_gradients(
+    weights: Mapping[str, Any],
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any = None,
+    *,
+    num_heads: int,
+    causal: bool = False,
+    output_gradient: Any,
+) -> dict[str, np.ndarray]:
+    """Float64 vector-Jacobian product of :func:`reference_forward`.
+
+    The backward pass is derived by hand (no autodiff framework), so it is an
+    independent check of every backend's gradients. Hidden scores are
+    replaced by a constant, so they receive no gradient.
+
+    Args:
+        weights, queries, keys, values, valid_lens, num_heads, causal: as in
+            :func:`reference_forward`.
+        output_gradient: the cotangent of the output, ``(B, Q, num_hiddens)``.
+
+    Returns:
+        Gradients keyed ``queries``, ``keys``, ``values`` and every weight name.
+    """
+    ops = NumpyOps()
+    w = {name: _as_float64(value) for name, value in weights.items()}
+    queries, keys, values = (_as_float64(x) for x in (queries, keys, values))
+    grad_out = _as_float64(output_gradient)
+    lens = None if valid_lens is None else np.asarray(valid_lens)
+    head_dim = w["W_q"].shape[1] // num_heads
+    scale = 1.0 / math.sqrt(head_dim)
+
+    projected = {
+        "q": _linear(queries, w, "q"),
+        "k": _linear(keys, w, "k"),
+        "v": _linear(values, w, "v"),
+    }
+    q, k, v = (transpose_qkv(ops, projected[n], num_heads) for n in "qkv")
+    scores = ops.split_axis(scaled_scores(ops, q, k, head_dim), 0, (-1, num_heads))
+    visible = visibility(ops, scores, lens, causal=causal)
+    attn = ops.merge_axes(masked_softmax(ops, scores, visible), 0)  # (B*H, Q, K)
+    context = transpose_output(ops, attn @ v, num_heads)
+
+    grads: dict[str, np.ndarray] = {}
+    grads["W_o"] = np.einsum("bqi,bqj->ij", context, grad_out)
+    if "b_o" in w:
+        grads["b_o"] = grad_out.sum(axis=(0, 1))
+    grad_heads = transpose_qkv(ops, grad_out @ w["W_o"].T, num_heads)  # d(attn @ v)
+    grad_attn = grad_heads @ np.swapaxes(v, -1, -2)
+    grad_v = np.swapaxes(attn, -1, -2) @ grad_heads
+    grad_scores = attn * (grad_attn - (grad_attn * attn).sum(axis=-1, keepdims=True))
+    if visible is not None:
+        grad_scores = ops.merge_axes(
+            np.where(visible, ops.split_axis(grad_scores, 0, (-1, num_heads)), 0.0), 0
+        )
+    grad_q = grad_scores @ k * scale
+    grad_k = np.swapaxes(grad_scores, -1, -2) @ q * scale
+
+    inputs = {"q": ("queries", queries), "k": ("keys", keys), "v": ("values", values)}
+    for name, grad_heads_x in (("q", grad_q), ("k", grad_k), ("v", grad_v)):
+        input_name, x = inputs[name]
+        grad_projected = transpose_output(ops, grad_heads_x, num_heads)
+        grads[f"W_{name}"] = np.einsum("bti,btj->ij", x, grad_projected)
+        if f"b_{name}" in w:
+            grads[f"b_{name}"] = grad_projected.sum(axis=(0, 1))
+        grads[input_name] = grad_projected @ w[f"W_{name}"].T
+    return grads

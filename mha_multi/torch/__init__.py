@@ -1,0 +1,5 @@
+"""PyTorch backend: ``MultiHeadAttention`` as a ``torch.nn.Module``."""
+
+from mha_multi.torch.layer import MultiHeadAttention, get_weights, set_weights
+
+__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]

@@ -1,0 +1,234 @@
+"""``MultiHeadAttention`` as a ``torch.nn.Module``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mha_multi import spec
+from mha_multi.torch._ops import OPS, dtype_kind
+from mha_multi.weights import KERNEL_NAMES, check_weights
+
+__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
+
+
+def _projection(in_features: int | None, num_hiddens: int, bias: bool) -> nn.Module:
+    if in_features is None:
+        return nn.LazyLinear(num_hiddens, bias=bias)
+    return nn.Linear(in_features, num_hiddens, bias=bias)
+
+
+def _in_features(linear: nn.Module) -> int | None:
+    if isinstance(linear.weight, nn.parameter.UninitializedParameter):
+        return None
+    return int(linear.weight.shape[1])
+
+
+def _finish_lazy(linear: nn.Module) -> None:
+    """Turns a lazy projection whose weight was loaded into a plain ``nn.Linear``.
+
+    Loading materialises the parameters but leaves the lazy class and its
+    hooks until the first call; a call on an empty batch finishes the job
+    now, so later calls (and ``torch.compile``) see an ordinary module.
+    """
+    if isinstance(linear, nn.modules.lazy.LazyModuleMixin):
+        linear.in_features = int(linear.weight.shape[1])
+        weight = linear.weight
+        linear(torch.zeros(0, linear.in_features, device=weight.device, dtype=weight.dtype))
+
+
+class MultiHeadAttention(nn.Module):
+    """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
+
+    The projections are ``nn.Linear`` modules named ``W_q``, ``W_k``, ``W_v``
+    and ``W_o`` as in d2l, so a d2l ``state_dict`` loads as it is. Input sizes
+    left as ``None`` are inferred on the first call (``nn.LazyLinear``).
+
+    Args:
+        num_hiddens: size of every projection and of the output.
+        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        dropout: dropout rate on the attention weights, active in ``train()``
+            mode only.
+        bias: whether the four projections have biases.
+        query_size: last dimension of the queries (lazy when ``None``).
+        key_size: last dimension of the keys (lazy when ``None``).
+        value_size: last dimension of the values (lazy when ``None``).
+        device: where to create the parameters.
+        dtype: dtype of the parameters.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: int | None = None,
+        key_size: int | None = None,
+        value_size: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.head_dim = spec.check_config(num_hiddens, num_heads, dropout)
+        spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
+        super().__init__()
+        self.num_hiddens = int(num_hiddens)
+        self.num_heads = int(num_heads)
+        self.bias = bool(bias)
+        self.W_q = _projection(query_size, num_hiddens, bias)
+        self.W_k = _projection(key_size, num_hiddens, bias)
+        self.W_v = _projection(value_size, num_hiddens, bias)
+        self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, bias={self.bias}"
+
+    def input_sizes(self) -> dict[str, int | None]:
+        """``query_size``, ``key_size``, ``value_size``; ``None`` where still lazy."""
+        return {
+            "query_size": _in_features(self.W_q),
+            "key_size": _in_features(self.W_k),
+            "value_size": _in_features(self.W_v),
+        }
+
+    def forward(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        valid_lens: torch.Tensor | None = None,
+        *,
+        causal: bool = False,
+        return_attention_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attends from ``queries`` to ``keys``/``values``.
+
+        Args:
+            queries: ``(B, Q, query_size)``.
+            keys: ``(B, K, key_size)``.
+            values: ``(B, K, value_size)``.
+            valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating;
+                key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
+                May live on the CPU or on the inputs' device.
+            causal: also hide key ``j`` from query ``i`` when
+                ``j > i + (K - Q)``.
+            return_attention_weights: also return the pre-dropout weights.
+
+        Returns:
+            ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
+            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``.
+        """
+        for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__}")
+            if not tensor.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor; got {tensor.dtype}")
+            parameter_dtype = self.W_o.weight.dtype
+            if tensor.dtype != parameter_dtype and not torch.is_autocast_enabled(
+                tensor.device.type
+            ):
+                raise TypeError(
+                    f"{name} dtype {tensor.dtype} differs from the layer's parameter dtype "
+                    f"{parameter_dtype}; convert one of them (e.g. layer.to({tensor.dtype}))"
+                )
+        valid_lens = _as_lens(valid_lens, queries.device)
+        spec.check_inputs(
+            queries.shape,
+            keys.shape,
+            values.shape,
+            None if valid_lens is None else valid_lens.shape,
+            **self.input_sizes(),
+        )
+        dropout = self.dropout if self.training and self.dropout.p > 0 else None
+        context, weights = spec.attention(
+            OPS,
+            self.W_q(queries),
+            self.W_k(keys),
+            self.W_v(values),
+            valid_lens,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            causal=causal,
+            dropout=dropout,
+        )
+        output = self.W_o(context)
+        return (output, weights) if return_attention_weights else output
+
+
+def _as_lens(valid_lens: Any, device: torch.device) -> torch.Tensor | None:
+    if valid_lens is None:
+        return None
+    if not isinstance(valid_lens, torch.Tensor):
+        try:
+            valid_lens = torch.as_tensor(np.asarray(valid_lens))
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(
+                f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
+            ) from error
+    spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
+    return valid_lens.to(device)
+
+
+def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiHeadAttention:
+    """Loads canonical weights into ``layer`` (strict) and returns it.
+
+    Lazy input sizes are fixed by the weights. Values are copied into the
+    existing parameters, keeping their device and dtype.
+
+    Raises:
+        ValueError: a missing, extra or mis-shaped entry, named.
+    """
+    arrays, _ = check_weights(
+        weights, num_hiddens=layer.num_hiddens, bias=layer.bias, **layer.input_sizes()
+    )
+    state = {}
+    for name, array in arrays.items():
+        tensor = torch.from_numpy(np.array(array, copy=True))
+        if name in KERNEL_NAMES:
+            state[f"{name}.weight"] = tensor.T.contiguous()
+        else:
+            state[f"W_{name[-1]}.bias"] = tensor
+    with torch.no_grad():
+        layer.load_state_dict(state, strict=True)
+        for name in KERNEL_NAMES:
+            _finish_lazy(getattr(layer, name))
+    return layer
+
+
+def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
+    """The canonical weights of ``layer`` as numpy arrays.
+
+    bfloat16 parameters are returned as float32 (numpy has no bfloat16);
+    every other dtype is kept.
+
+    Raises:
+        ValueError: some input size is still lazy (call the layer once, or
+            pass ``query_size``/``key_size``/``value_size``).
+    """
+    lazy = [name for name, size in layer.input_sizes().items() if size is None]
+    if lazy:
+        raise ValueError(
+            f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
+        )
+
+    def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+        tensor = tensor.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.float()
+        return tensor.numpy().copy()
+
+    weights = {}
+    for name in KERNEL_NAMES:
+        linear = getattr(layer, name)
+        weights[name] = to_numpy(linear.weight.T)
+        if layer.bias:
+            weights[f"b_{name[-1]}"] = to_numpy(linear.bias)
+    return weights

@@ -1,0 +1,227 @@
+"""Canonical weights: one framework-free mapping that every backend reads and writes.
+
+The mapping is ``str -> numpy.ndarray`` in the ``y = x @ W + b`` orientation
+(Keras/Flax ``Dense`` kernels; PyTorch and Gluon store the transpose):
+
+========  ===============================  ===============
+name      shape                            present
+========  ===============================  ===============
+``W_q``   ``(query_size, num_hiddens)``    always
+``W_k``   ``(key_size, num_hiddens)``      always
+``W_v``   ``(value_size, num_hiddens)``    always
+``W_o``   ``(num_hiddens, num_hiddens)``   always
+``b_*``   ``(num_hiddens,)``               iff ``bias=True``
+========  ===============================  ===============
+
+Files are ``.npz`` (read with ``allow_pickle=False``) or ``.safetensors``;
+a round trip is bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "BIAS_NAMES",
+    "KERNEL_NAMES",
+    "WeightsConfig",
+    "check_weights",
+    "init_weights",
+    "load_weights",
+    "save_weights",
+    "weight_shapes",
+]
+
+KERNEL_NAMES = ("W_q", "W_k", "W_v", "W_o")
+BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """The sizes a set of canonical weights describes."""
+
+    num_hiddens: int
+    query_size: int
+    key_size: int
+    value_size: int
+    bias: bool
+
+
+def weight_shapes(
+    num_hiddens: int,
+    *,
+    query_size: int | None = None,
+    key_size: int | None = None,
+    value_size: int | None = None,
+    bias: bool = False,
+) -> dict[str, tuple[int, ...]]:
+    """Canonical names and shapes for a configuration.
+
+    Input sizes default to ``num_hiddens``.
+    """
+    sizes = {
+        "q": num_hiddens if query_size is None else query_size,
+        "k": num_hiddens if key_size is None else key_size,
+        "v": num_hiddens if value_size is None else value_size,
+        "o": num_hiddens,
+    }
+    shapes: dict[str, tuple[int, ...]] = {
+        f"W_{name}": (size, num_hiddens) for name, size in sizes.items()
+    }
+    if bias:
+        shapes.update({name: (num_hiddens,) for name in BIAS_NAMES})
+    return shapes
+
+
+def init_weights(
+    num_hiddens: int,
+    *,
+    query_size: int | None = None,
+    key_size: int | None = None,
+    value_size: int | None = None,
+    bias: bool = False,
+    seed: int = 0,
+    dtype: Any = np.float32,
+) -> dict[str, np.ndarray]:
+    """Seeded canonical weights.
+
+    Each entry is drawn from ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, the
+    default initialisation of ``torch.nn.Linear`` (and so of d2l's layer),
+    which keeps activations of unit scale.
+
+    Args:
+        num_hiddens: output size of every projection.
+        query_size, key_size, value_size: input sizes (default ``num_hiddens``).
+        bias: whether to include ``b_q``, ``b_k``, ``b_v``, ``b_o``.
+        seed: seed of a ``numpy.random.default_rng``.
+        dtype: dtype of the returned arrays.
+
+    Returns:
+        The canonical mapping.
+    """
+    rng = np.random.default_rng(seed)
+    shapes = weight_shapes(
+        num_hiddens, query_size=query_size, key_size=key_size, value_size=value_size, bias=bias
+    )
+    weights = {}
+    for name, shape in shapes.items():
+        fan_in = shapes["W_" + name[-1]][0]
+        bound = 1.0 / np.sqrt(fan_in)
+        weights[name] = rng.uniform(-bound, bound, size=shape).astype(dtype)
+    return weights
+
+
+def check_weights(
+    weights: Mapping[str, Any],
+    *,
+    num_hiddens: int | None = None,
+    query_size: int | None = None,
+    key_size: int | None = None,
+    value_size: int | None = None,
+    bias: bool | None = None,
+) -> tuple[dict[str, np.ndarray], WeightsConfig]:
+    """Strictly validates a canonical mapping.
+
+    Sizes given as ``None`` are inferred from the weights (``num_hiddens`` and
+    the input sizes from the kernels, ``bias`` from the presence of ``b_q``).
+
+    Args:
+        weights: a mapping of canonical names to arrays (anything
+            ``numpy.asarray`` accepts).
+        num_hiddens, query_size, key_size, value_size, bias: what the
+            weights must describe, where known.
+
+    Returns:
+        ``(weights, config)``: the entries as numpy arrays, and the sizes.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping, or an entry is not a
+            floating-point array.
+        ValueError: a missing, extra or mis-shaped entry, named.
+    """
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a mapping of names to arrays; got {type(weights)}")
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in weights.items():
+        try:
+            array = np.asarray(value)
+        except Exception as error:
+            raise TypeError(f"weights[{name!r}] is not convertible to a numpy array") from error
+        arrays[name] = array
+    for name in KERNEL_NAMES:
+        if name not in arrays:
+            raise ValueError(f"weights is missing {name!r}")
+        if arrays[name].ndim != 2:
+            raise ValueError(f"weights[{name!r}] must be 2-D; got shape {arrays[name].shape}")
+    if num_hiddens is None:
+        num_hiddens = int(arrays["W_q"].shape[1])
+    if bias is None:
+        bias = "b_q" in arrays
+    expected = weight_shapes(
+        num_hiddens,
+        query_size=arrays["W_q"].shape[0] if query_size is None else query_size,
+        key_size=arrays["W_k"].shape[0] if key_size is None else key_size,
+        value_size=arrays["W_v"].shape[0] if value_size is None else value_size,
+        bias=bias,
+    )
+    for name in sorted(set(expected) - set(arrays)):
+        raise ValueError(f"weights is missing {name!r} (bias={bias})")
+    for name in sorted(set(arrays) - set(expected)):
+        reason = " (the layer has bias=False)" if name in BIAS_NAMES else ""
+        raise ValueError(
+            f"weights has an unexpected entry {name!r}{reason}; expected exactly {sorted(expected)}"
+        )
+    for name, shape in expected.items():
+        if arrays[name].shape != shape:
+            raise ValueError(f"weights[{name!r}] must have shape {shape}; got {arrays[name].shape}")
+        if arrays[name].dtype.kind != "f":
+            raise TypeError(
+                f"weights[{name!r}] must be a floating-point array; got dtype {arrays[name].dtype}"
+            )
+    config = WeightsConfig(
+        num_hiddens=num_hiddens,
+        query_size=expected["W_q"][0],
+        key_size=expected["W_k"][0],
+        value_size=expected["W_v"][0],
+        bias=bias,
+    )
+    return {name: arrays[name] for name in expected}, config
+
+
+def _format(path: str | os.PathLike[str]) -> str:
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix not in (".npz", ".safetensors"):
+        raise ValueError(f"path must end in .npz or .safetensors; got {os.fspath(path)!r}")
+    return suffix
+
+
+def save_weights(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> None:
+    """Writes canonical weights to ``.npz`` or ``.safetensors`` (by suffix).
+
+    The weights are validated first; nothing is written for an invalid mapping.
+    """
+    arrays, _ = check_weights(weights)
+    if _format(path) == ".npz":
+        with open(path, "wb") as file:
+            np.savez(file, **arrays)
+    else:
+        from safetensors.numpy import save_file
+
+        save_file({name: np.ascontiguousarray(a) for name, a in arrays.items()}, os.fspath(path))
+
+
+def load_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Reads and validates canonical weights from ``.npz`` or ``.safetensors``."""
+    if _format(path) == ".npz":
+        with np.load(path, allow_pickle=False) as file:
+            weights = {name: file[name] for name in file.files}
+    else:
+        from safetensors.numpy import load_file
+
+        weights = load_file(os.fspath(path))
+    return check_weights(weights)[0]

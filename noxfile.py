@@ -1,0 +1,137 @@
+"""nox sessions: one environment per framework, because they cannot share one.
+
+``nox`` runs every ``tests-*`` session and ``lint``; ``nox -s parity`` runs
+every backend on the shared parity cases and prints the report.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+
+ROOT = Path(__file__).parent
+PARITY_DIR = ROOT / "parity-report"
+
+# Every pinned version lives here. An unpinned torch pulls gigabytes of CUDA
+# packages; 2.13.0 resolves to a CPU wheel on the project's machines.
+PINS = {
+    "numpy": "numpy==2.4.6",
+    "safetensors": "safetensors==0.8.0",
+    "pytest": "pytest==9.2.0",
+    "hypothesis": "hypothesis==6.170.15",
+    "ruff": "ruff==0.17.5",
+    "torch": "torch==2.13.0",
+}
+
+
+@dataclass(frozen=True)
+class Environment:
+    """A framework environment: what it installs and which backends it runs."""
+
+    pins: tuple[str, ...]
+    extras: str
+    backends: tuple[str, ...] = ()
+    tests: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+
+COMMON = (PINS["numpy"], PINS["safetensors"], PINS["pytest"], PINS["hypothesis"])
+
+ENVIRONMENTS: dict[str, Environment] = {
+    "numpy": Environment(COMMON, "test", tests=("tests/core",)),
+    "torch": Environment(
+        (*COMMON, PINS["torch"]),
+        "torch,test",
+        backends=("torch",),
+        tests=("tests/backends", "tests/torch"),
+    ),
+}
+
+# GPU runs must compare IEEE float32 and not grab all device memory (DESIGN §5).
+GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
+
+
+def install(session: nox.Session, environment: Environment) -> None:
+    session.install(*environment.pins, "-e", f".[{environment.extras}]")
+
+
+def session_env(environment: Environment) -> dict[str, str]:
+    env = {**GPU_ENV, **environment.env, "MHA_MULTI_BACKENDS": ",".join(environment.backends)}
+    for name in ("MHA_MULTI_REQUIRE_GPU",):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+def make_test_session(name: str, environment: Environment) -> None:
+    @nox.session(name=f"tests-{name}")
+    def tests(session: nox.Session) -> None:
+        install(session, environment)
+        session.run("pytest", *environment.tests, *session.posargs, env=session_env(environment))
+
+
+def make_parity_session(name: str, environment: Environment) -> None:
+    @nox.session(name=f"parity-{name}", default=False)
+    def parity_backend(session: nox.Session) -> None:
+        install(session, environment)
+        session.run(
+            "python",
+            "-m",
+            "mha_multi.parity",
+            "run",
+            "--cases",
+            str(PARITY_DIR / "cases"),
+            "--out",
+            str(PARITY_DIR / "results"),
+            *environment.backends,
+            env=session_env(environment),
+        )
+
+
+for _name, _environment in ENVIRONMENTS.items():
+    make_test_session(_name, _environment)
+    if _environment.backends:
+        make_parity_session(_name, _environment)
+
+
+@nox.session(default=False)
+def parity(session: nox.Session) -> None:
+    """Every backend on the shared cases, then the report (non-zero on any failure)."""
+    install(session, ENVIRONMENTS["numpy"])
+    session.run("python", "-m", "mha_multi.parity", "cases", str(PARITY_DIR / "cases"))
+    session.run("python", "-m", "mha_multi.parity", "clean", str(PARITY_DIR / "results"))
+    for name, environment in ENVIRONMENTS.items():
+        if environment.backends:
+            session.notify(f"parity-{name}")
+    session.notify("parity-report")
+
+
+@nox.session(name="parity-report", default=False)
+def parity_report(session: nox.Session) -> None:
+    install(session, ENVIRONMENTS["numpy"])
+    expected = [b for e in ENVIRONMENTS.values() for b in e.backends]
+    session.run(
+        "python",
+        "-m",
+        "mha_multi.parity",
+        "report",
+        "--results",
+        str(PARITY_DIR / "results"),
+        "--out",
+        str(PARITY_DIR),
+        "--expect",
+        ",".join(expected),
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install(PINS["ruff"])
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")

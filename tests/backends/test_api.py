@@ -1,0 +1,197 @@
+"""The public API, identically in every backend: errors, weights, dropout, modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_multi import spec
+from mha_multi.weights import init_weights
+
+RNG = np.random.default_rng(0)
+
+
+def inputs(batch=2, num_queries=3, num_keys=4, sizes=(8, 8, 8)):
+    return (
+        RNG.standard_normal((batch, num_queries, sizes[0])).astype(np.float32),
+        RNG.standard_normal((batch, num_keys, sizes[1])).astype(np.float32),
+        RNG.standard_normal((batch, num_keys, sizes[2])).astype(np.float32),
+    )
+
+
+def built_layer(runner, num_hiddens=8, num_heads=2, sizes=(8, 8, 8), bias=False, **kwargs):
+    layer = runner.make_layer(
+        num_hiddens,
+        num_heads,
+        bias=bias,
+        query_size=sizes[0],
+        key_size=sizes[1],
+        value_size=sizes[2],
+        **kwargs,
+    )
+    weights = init_weights(
+        num_hiddens, query_size=sizes[0], key_size=sizes[1], value_size=sizes[2], bias=bias
+    )
+    return runner.set_weights(layer, weights), weights
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_hiddens": 10, "num_heads": 3}, ValueError, r"num_hiddens \(10\).*num_heads \(3\)"),
+        ({"num_hiddens": 8, "num_heads": 0}, ValueError, "num_heads must be a positive int"),
+        ({"num_hiddens": -8, "num_heads": 2}, ValueError, "num_hiddens must be a positive int"),
+        (
+            {"num_hiddens": 8, "num_heads": 2, "dropout": 1.0},
+            ValueError,
+            r"dropout must be in \[0, 1\)",
+        ),
+        (
+            {"num_hiddens": 8, "num_heads": 2, "dropout": -0.5},
+            ValueError,
+            r"dropout must be in \[0, 1\)",
+        ),
+        (
+            {"num_hiddens": 8, "num_heads": 2, "query_size": 0},
+            ValueError,
+            "query_size must be a positive int",
+        ),
+    ],
+)
+def test_bad_configuration(runner, kwargs, error, match):
+    kwargs = dict(kwargs)
+    with pytest.raises(error, match=match):
+        runner.make_layer(kwargs.pop("num_hiddens"), kwargs.pop("num_heads"), **kwargs)
+
+
+def _bad_inputs():
+    q, k, v = inputs()
+    return [
+        ((q[0], k, v, None), ValueError, "queries must be 3-D"),
+        ((q, k[..., None], v, None), ValueError, "keys must be 3-D"),
+        (
+            (q, k[:1], v[:1], None),
+            ValueError,
+            "keys batch size 1 differs from queries batch size 2",
+        ),
+        ((q, k, v[:, :3], None), ValueError, "same length; got 4 keys and 3 values"),
+        ((q[..., :5], k, v, None), ValueError, "queries last dimension must be query_size=8"),
+        ((q, k, v[..., :6], None), ValueError, "values last dimension must be value_size=8"),
+        ((q, k, v, np.array([1, 2, 3])), ValueError, r"valid_lens must have shape \(batch,\)"),
+        ((q, k, v, np.ones((2, 4))), ValueError, r"\(batch, num_queries\) = \(2, 3\)"),
+        ((q, k, v, np.ones((2, 3, 1))), ValueError, "valid_lens must have shape"),
+        ((q, k, v, np.array(["1", "2"])), TypeError, "valid_lens must be an integer or floating"),
+        (
+            (q, k, v, np.array([True, False])),
+            TypeError,
+            "valid_lens must be an integer or floating",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_inputs())))
+def test_bad_inputs(runner, case):
+    args, error, match = _bad_inputs()[case]
+    layer, _ = built_layer(runner)
+    with pytest.raises(error, match=match):
+        runner.call(layer, *args)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda w: w.pop("W_v"), "missing 'W_v'"),
+        (lambda w: w.update(b_o=np.zeros(8, np.float32)), "unexpected entry 'b_o'"),
+        (lambda w: w.update(W_q=np.zeros((8, 6), np.float32)), r"W_q'\] must have shape \(8, 8\)"),
+        (lambda w: w.update(W_o=np.zeros((8, 6), np.float32)), r"W_o'\] must have shape \(8, 8\)"),
+    ],
+)
+def test_bad_weights(runner, edit, match):
+    layer, weights = built_layer(runner)
+    edit(weights)
+    with pytest.raises(ValueError, match=match):
+        runner.set_weights(layer, weights)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_weights_round_trip_bit_exact(runner, bias, dtype):
+    sizes = (5, 6, 7)
+    layer = runner.make_layer(12, 3, bias=bias, query_size=5, key_size=6, value_size=7, dtype=dtype)
+    weights = init_weights(
+        12, query_size=5, key_size=6, value_size=7, bias=bias, seed=9, dtype=np.dtype(dtype)
+    )
+    got = runner.get_weights(runner.set_weights(layer, weights))
+    assert got.keys() == weights.keys()
+    for name, array in weights.items():
+        assert got[name].dtype == array.dtype, name
+        assert got[name].tobytes() == array.tobytes(), name
+    q, k, v = inputs(sizes=sizes)
+    expected, _ = spec.reference_forward(weights, q, k, v, num_heads=3)
+    np.testing.assert_allclose(runner.call(layer, q, k, v, dtype=dtype), expected, atol=5e-6)
+
+
+def test_attention_weights_shape_and_rows(runner):
+    layer, _ = built_layer(runner)
+    q, k, v = inputs()
+    output, weights = runner.call(layer, q, k, v, np.array([3, 0]), return_attention_weights=True)
+    assert output.shape == (2, 3, 8)
+    assert weights.shape == (2, 2, 3, 4)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
+    np.testing.assert_array_equal(weights[0, :, :, 3], 0.0)
+    np.testing.assert_allclose(weights[1], 0.25, atol=1e-7)  # fully hidden: uniform
+
+
+def test_fully_hidden_rows_float16_are_uniform_not_nan(runner):
+    layer, weights = built_layer(runner, dtype="float16")
+    q, k, v = inputs()
+    lens = np.zeros(2, np.int32)
+    output = runner.call(layer, q, k, v, lens, dtype="float16")
+    assert np.all(np.isfinite(output))
+    expected, _ = spec.reference_forward(weights, q, k, v, lens, num_heads=2)
+    np.testing.assert_allclose(output, expected, atol=2e-2)
+
+
+def test_eval_mode_is_deterministic_with_dropout(runner):
+    layer, weights = built_layer(runner, dropout=0.5)
+    q, k, v = inputs()
+    first = runner.call(layer, q, k, v, np.array([2, 4]))
+    second = runner.call(layer, q, k, v, np.array([2, 4]))
+    np.testing.assert_array_equal(first, second)
+    expected, _ = spec.reference_forward(weights, q, k, v, np.array([2, 4]), num_heads=2)
+    np.testing.assert_allclose(first, expected, atol=5e-6)
+
+
+def test_dropout_statistics_in_training(runner):
+    # One head with identity projections and one-hot values makes the output
+    # *be* the dropped-out attention weights.
+    size, rate = 64, 0.3
+    layer = runner.make_layer(
+        size, 1, dropout=rate, query_size=size, key_size=size, value_size=size
+    )
+    eye = np.eye(size, dtype=np.float32)
+    layer = runner.set_weights(layer, {"W_q": eye, "W_k": eye, "W_v": eye, "W_o": eye})
+    queries = RNG.standard_normal((4, size, size)).astype(np.float32)
+    keys = RNG.standard_normal((4, size, size)).astype(np.float32)
+    values = np.broadcast_to(eye, (4, size, size)).copy()
+    dropped, weights = runner.call(
+        layer, queries, keys, values, training=True, return_attention_weights=True
+    )
+    eval_weights = runner.call(layer, queries, keys, values, return_attention_weights=True)[1]
+    np.testing.assert_allclose(weights[:, 0], eval_weights[:, 0], atol=1e-6)  # pre-dropout
+    zero = dropped == 0
+    # 16384 Bernoulli(0.3) draws: 7 standard deviations is 0.025.
+    assert abs(zero.mean() - rate) < 0.025
+    kept = ~zero
+    np.testing.assert_allclose(dropped[kept], weights[:, 0][kept] / (1 - rate), rtol=1e-5)
+    again = runner.call(layer, queries, keys, values, training=True)
+    assert not np.array_equal(again, dropped)
+
+
+def test_training_without_dropout_equals_eval(runner):
+    layer, _ = built_layer(runner)
+    q, k, v = inputs()
+    np.testing.assert_array_equal(
+        runner.call(layer, q, k, v, np.array([1, 3]), training=True),
+        runner.call(layer, q, k, v, np.array([1, 3])),
+    )

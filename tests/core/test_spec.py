@@ -1,0 +1,218 @@
+"""The spec against independent implementations: loops, hand-computed cases, finite differences."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mha_multi import spec
+from mha_multi.parity.cases import CASES, build_case
+from mha_multi.weights import init_weights
+
+OPS = spec.NumpyOps()
+
+
+def naive_forward(weights, queries, keys, values, valid_lens, num_heads, causal):
+    """A stack of single-head attentions, one example and one head at a time."""
+    batch, num_queries, _ = queries.shape
+    num_keys = keys.shape[1]
+    num_hiddens = weights["W_o"].shape[0]
+    head_dim = num_hiddens // num_heads
+
+    def project(x, name):
+        y = x @ weights[f"W_{name}"]
+        return y + weights[f"b_{name}"] if f"b_{name}" in weights else y
+
+    q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
+    context = np.zeros((batch, num_queries, num_hiddens))
+    attention = np.zeros((batch, num_heads, num_queries, num_keys))
+    for b in range(batch):
+        for h in range(num_heads):
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            for i in range(num_queries):
+                scores = np.empty(num_keys)
+                for j in range(num_keys):
+                    visible = True
+                    if valid_lens is not None:
+                        length = valid_lens[b] if np.ndim(valid_lens) == 1 else valid_lens[b][i]
+                        visible = j < length
+                    if causal and j > i + (num_keys - num_queries):
+                        visible = False
+                    dot = sum(q[b, i, cols][d] * k[b, j, cols][d] for d in range(head_dim))
+                    scores[j] = dot / math.sqrt(head_dim) if visible else -1e6
+                weights_row = np.exp(scores - scores.max())
+                weights_row /= weights_row.sum()
+                attention[b, h, i] = weights_row
+                context[b, i, cols] = weights_row @ v[b, :, cols]
+    return project(context, "o"), attention
+
+
+@pytest.mark.parametrize("config", CASES, ids=lambda c: c.name)
+def test_reference_matches_naive_loops(config):
+    case = build_case(config)
+    expected_out, expected_attention = naive_forward(
+        {k: v.astype(np.float64) for k, v in case.weights.items()},
+        *(case.inputs[n].astype(np.float64) for n in ("queries", "keys", "values")),
+        None if case.valid_lens is None else case.valid_lens.tolist(),
+        config.num_heads,
+        config.causal,
+    )
+    np.testing.assert_allclose(case.reference["output"], expected_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        case.reference["attention_weights"], expected_attention, rtol=0, atol=1e-12
+    )
+
+
+def test_transpose_qkv_layout():
+    batch, length, num_heads, head_dim = 2, 3, 4, 5
+    x = np.arange(batch * length * num_heads * head_dim).reshape(batch, length, -1)
+    heads = spec.transpose_qkv(OPS, x, num_heads)
+    assert heads.shape == (batch * num_heads, length, head_dim)
+    for b in range(batch):
+        for h in range(num_heads):
+            np.testing.assert_array_equal(
+                heads[b * num_heads + h], x[b, :, h * head_dim : (h + 1) * head_dim]
+            )
+    np.testing.assert_array_equal(spec.transpose_output(OPS, heads, num_heads), x)
+
+
+def tiny_weights(num_hiddens):
+    eye = np.eye(num_hiddens)
+    return {"W_q": eye, "W_k": eye, "W_v": eye, "W_o": eye}
+
+
+def test_hand_computed_single_head():
+    # q = [1, 0]; keys [1, 0] and [0, 1]: scores 1/sqrt(2) and 0.
+    queries = np.array([[[1.0, 0.0]]])
+    keys = np.array([[[1.0, 0.0], [0.0, 1.0]]])
+    values = np.array([[[2.0, 0.0], [0.0, 4.0]]])
+    e = math.exp(1 / math.sqrt(2))
+    expected_weights = np.array([e, 1.0]) / (e + 1.0)
+    out, attention = spec.reference_forward(tiny_weights(2), queries, keys, values, num_heads=1)
+    np.testing.assert_allclose(attention[0, 0, 0], expected_weights, rtol=1e-15)
+    np.testing.assert_allclose(out[0, 0], [2 * expected_weights[0], 4 * expected_weights[1]])
+
+
+def test_hand_computed_masks():
+    queries = np.zeros((2, 2, 2))  # equal scores: weights are uniform over visible keys
+    keys = np.zeros((2, 3, 2))
+    values = np.array([[[3.0, 0], [6, 0], [9, 0]]] * 2)
+    w = tiny_weights(2)
+    _, a = spec.reference_forward(w, queries, keys, values, np.array([2, 0]), num_heads=1)
+    np.testing.assert_allclose(a[0, 0], [[0.5, 0.5, 0], [0.5, 0.5, 0]])
+    np.testing.assert_allclose(a[1, 0], np.full((2, 3), 1 / 3))  # fully hidden: uniform
+    out, a = spec.reference_forward(w, queries, keys, values, num_heads=1, causal=True)
+    # Q=2, K=3: query 0 sees keys 0..1, query 1 sees keys 0..2 (bottom-right).
+    np.testing.assert_allclose(a[0, 0], [[0.5, 0.5, 0], [1 / 3, 1 / 3, 1 / 3]])
+    np.testing.assert_allclose(out[0, :, 0], [4.5, 6.0])
+    lens_2d = np.array([[1, 5], [3, -1]])
+    _, a = spec.reference_forward(w, queries, keys, values, lens_2d, num_heads=1, causal=True)
+    np.testing.assert_allclose(a[0, 0], [[1, 0, 0], [1 / 3, 1 / 3, 1 / 3]])
+    np.testing.assert_allclose(a[1, 0], [[0.5, 0.5, 0], [1 / 3, 1 / 3, 1 / 3]])
+
+
+def test_float_lengths_are_compared_not_rounded():
+    scores = np.zeros((2, 1, 1, 4))
+    visible = spec.visibility(OPS, scores, np.array([2.5, 0.5], np.float32))
+    np.testing.assert_array_equal(visible[:, 0, 0], [[1, 1, 1, 0], [1, 0, 0, 0]])
+
+
+def test_sixteen_bit_lengths_are_compared_in_float32():
+    # float16 holds 2050 exactly but not every position below it (2049).
+    scores = np.zeros((1, 1, 1, 2100))
+    visible = spec.visibility(OPS, scores, np.array([2050], np.float16))
+    assert visible.sum() == 2050
+
+
+def test_valid_lens_repeat_interleaved_across_heads():
+    # Two examples with different lengths, three heads: every head of example
+    # b must use valid_lens[b] (interleaved), never valid_lens[h % B] (tiled).
+    rng = np.random.default_rng(0)
+    weights = init_weights(6, seed=1, dtype=np.float64)
+    x = rng.standard_normal((2, 1, 6))
+    kv = rng.standard_normal((2, 4, 6))
+    _, attention = spec.reference_forward(weights, x, kv, kv, np.array([1, 3]), num_heads=3)
+    assert np.all(attention[0, :, :, 1:] == 0) and np.all(attention[0, :, :, 0] == 1)
+    assert np.all(attention[1, :, :, 3] == 0) and np.all(attention[1, :, :, :3] > 0)
+
+
+def test_masked_softmax_sixteen_bit_is_computed_in_float32():
+    scores = np.zeros((1, 1, 1, 3), np.float16)
+    visible = np.zeros((1, 1, 1, 3), bool)  # fully hidden: -1e6 overflows float16
+    weights = spec.masked_softmax(OPS, scores, visible)
+    assert weights.dtype == np.float16
+    np.testing.assert_array_equal(weights, np.full((1, 1, 1, 3), np.float16(1 / 3)))
+
+
+def test_check_inputs_messages():
+    with pytest.raises(ValueError, match="queries must be 3-D"):
+        spec.check_inputs((2, 3), (2, 3, 4), (2, 3, 4))
+    with pytest.raises(ValueError, match="keys batch size 3 differs from queries batch size 2"):
+        spec.check_inputs((2, 3, 4), (3, 3, 4), (3, 3, 4))
+    with pytest.raises(ValueError, match="same length; got 3 keys and 4 values"):
+        spec.check_inputs((2, 3, 4), (2, 3, 4), (2, 4, 4))
+    with pytest.raises(ValueError, match="values last dimension must be value_size=5"):
+        spec.check_inputs((2, 3, 4), (2, 3, 4), (2, 3, 4), value_size=5)
+    with pytest.raises(ValueError, match=r"valid_lens must have shape \(batch,\) = \(2,\)"):
+        spec.check_inputs((2, 3, 4), (2, 5, 4), (2, 5, 4), (2, 5))
+    spec.check_inputs((2, 3, 4), (2, 5, 4), (2, 5, 4), (2, 3))
+
+
+@pytest.mark.parametrize(
+    ("num_hiddens", "num_heads", "dropout", "error", "match"),
+    [
+        (10, 3, 0.0, ValueError, r"num_hiddens \(10\) must be divisible by num_heads \(3\)"),
+        (0, 1, 0.0, ValueError, "num_hiddens must be a positive int"),
+        (8, -2, 0.0, ValueError, "num_heads must be a positive int"),
+        (8.0, 2, 0.0, TypeError, "num_hiddens must be a positive int"),
+        (8, 2, 1.0, ValueError, r"dropout must be in \[0, 1\)"),
+        (8, 2, -0.1, ValueError, r"dropout must be in \[0, 1\)"),
+        (8, 2, "0.1", TypeError, "dropout must be a float"),
+    ],
+)
+def test_check_config(num_hiddens, num_heads, dropout, error, match):
+    with pytest.raises(error, match=match):
+        spec.check_config(num_hiddens, num_heads, dropout)
+
+
+@pytest.mark.parametrize("config", CASES, ids=lambda c: c.name)
+def test_reference_gradients_match_finite_differences(config):
+    case = build_case(config)
+    weights = {k: v.astype(np.float64) for k, v in case.weights.items()}
+    inputs = {k: v.astype(np.float64) for k, v in case.inputs.items()}
+    cotangent = case.output_gradient.astype(np.float64)
+    kwargs = {"num_heads": config.num_heads, "causal": config.causal}
+
+    def loss():
+        out, _ = spec.reference_forward(
+            weights, inputs["queries"], inputs["keys"], inputs["values"], case.valid_lens, **kwargs
+        )
+        return float(np.sum(out * cotangent))
+
+    grads = spec.reference_gradients(
+        weights,
+        inputs["queries"],
+        inputs["keys"],
+        inputs["values"],
+        case.valid_lens,
+        output_gradient=cotangent,
+        **kwargs,
+    )
+    assert set(grads) == {"queries", "keys", "values", *weights}
+    rng = np.random.default_rng(0)
+    step = 1e-6
+    for name, grad in grads.items():
+        array = inputs[name] if name in inputs else weights[name]
+        # Central differences on a few random entries of every array.
+        for flat in rng.choice(array.size, size=min(6, array.size), replace=False):
+            index = np.unravel_index(flat, array.shape)
+            original = array[index]
+            array[index] = original + step
+            plus = loss()
+            array[index] = original - step
+            minus = loss()
+            array[index] = original
+            numeric = (plus - minus) / (2 * step)
+            assert abs(numeric - grad[index]) < 1e-7, (name, index, numeric, grad[index])
