@@ -414,6 +414,31 @@ def _as_float64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def _reference_inputs(
+    weights: Mapping[str, Any],
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any,
+    num_heads: int,
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """Float64 copies of the reference's arguments, checked; and ``head_dim``."""
+    w = {name: _as_float64(value) for name, value in weights.items()}
+    queries, keys, values = (_as_float64(x) for x in (queries, keys, values))
+    lens = None if valid_lens is None else np.asarray(valid_lens)
+    check_inputs(
+        queries.shape,
+        keys.shape,
+        values.shape,
+        None if lens is None else lens.shape,
+        query_size=w["W_q"].shape[0],
+        key_size=w["W_k"].shape[0],
+        value_size=w["W_v"].shape[0],
+    )
+    head_dim = check_config(w["W_q"].shape[1], num_heads, 0.0)
+    return w, queries, keys, values, lens, head_dim
+
+
 def reference_forward(
     weights: Mapping[str, Any],
     queries: Any,
@@ -439,22 +464,11 @@ def reference_forward(
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and
         ``(B, H, Q, K)``, float64.
     """
-    ops = NumpyOps()
-    w = {name: _as_float64(value) for name, value in weights.items()}
-    queries, keys, values = (_as_float64(x) for x in (queries, keys, values))
-    lens = None if valid_lens is None else np.asarray(valid_lens)
-    check_inputs(
-        queries.shape,
-        keys.shape,
-        values.shape,
-        None if lens is None else lens.shape,
-        query_size=w["W_q"].shape[0],
-        key_size=w["W_k"].shape[0],
-        value_size=w["W_v"].shape[0],
+    w, queries, keys, values, lens, head_dim = _reference_inputs(
+        weights, queries, keys, values, valid_lens, num_heads
     )
-    head_dim = check_config(w["W_q"].shape[1], num_heads, 0.0)
     context, attention_weights = attention(
-        ops,
+        NumpyOps(),
         _linear(queries, w, "q"),
         _linear(keys, w, "k"),
         _linear(values, w, "v"),
@@ -492,11 +506,10 @@ def reference_gradients(
         Gradients keyed ``queries``, ``keys``, ``values`` and every weight name.
     """
     ops = NumpyOps()
-    w = {name: _as_float64(value) for name, value in weights.items()}
-    queries, keys, values = (_as_float64(x) for x in (queries, keys, values))
+    w, queries, keys, values, lens, head_dim = _reference_inputs(
+        weights, queries, keys, values, valid_lens, num_heads
+    )
     grad_out = _as_float64(output_gradient)
-    lens = None if valid_lens is None else np.asarray(valid_lens)
-    head_dim = w["W_q"].shape[1] // num_heads
     scale = 1.0 / math.sqrt(head_dim)
 
     projected = {
