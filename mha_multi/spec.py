@@ -83,7 +83,7 @@ class ArrayOps(Protocol):
 
     def logical_and(self, a: Array, b: Array) -> Array: ...
 
-    def where(self, condition: Array, x: Array, fill: float) -> Array: ...
+    def where(self, condition: Array, x: Array, fill: float | Array) -> Array: ...
 
     def softmax(self, x: Array) -> Array:
         """Softmax over the last axis."""
@@ -100,6 +100,16 @@ class ArrayOps(Protocol):
     def float32(self) -> Any: ...
 
     def ndim(self, x: Array) -> int: ...
+
+    # Used only by fused paths (:func:`fix_fully_hidden_rows`).
+
+    def any_last(self, x: Array) -> Array:
+        """Logical OR over the last axis, kept as an axis of size 1."""
+
+    def logical_not(self, x: Array) -> Array: ...
+
+    def mean(self, x: Array, axis: int) -> Array:
+        """Mean over ``axis``, kept as an axis of size 1."""
 
 
 class NumpyOps:
@@ -140,7 +150,7 @@ class NumpyOps:
     def logical_and(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.logical_and(a, b)
 
-    def where(self, condition: np.ndarray, x: np.ndarray, fill: float) -> np.ndarray:
+    def where(self, condition: np.ndarray, x: np.ndarray, fill: Any) -> np.ndarray:
         return np.where(condition, x, np.asarray(fill, dtype=x.dtype))
 
     def softmax(self, x: np.ndarray) -> np.ndarray:
@@ -164,6 +174,15 @@ class NumpyOps:
 
     def ndim(self, x: np.ndarray) -> int:
         return np.ndim(x)
+
+    def any_last(self, x: np.ndarray) -> np.ndarray:
+        return np.any(x, axis=-1, keepdims=True)
+
+    def logical_not(self, x: np.ndarray) -> np.ndarray:
+        return np.logical_not(x)
+
+    def mean(self, x: np.ndarray, axis: int) -> np.ndarray:
+        return np.mean(x, axis=axis, keepdims=True)
 
 
 # --------------------------------------------------------------------------
@@ -348,6 +367,44 @@ def masked_softmax(ops: ArrayOps, scores: Array, visible: Array | None) -> Array
         scores = ops.where(visible, scores, MASK_VALUE)
     weights = ops.softmax(scores)
     return ops.cast(weights, dtype) if low_precision else weights
+
+
+def fix_fully_hidden_rows(
+    ops: ArrayOps, output: Array, values: Array, visible: Array | None, *, heads_axis: int
+) -> Array:
+    """Gives a fused kernel's fully hidden rows the spec's value.
+
+    Fused kernels mask with ``-inf`` and return 0 (or NaN) for a query that
+    sees no key. The spec replaces hidden scores by ``MASK_VALUE``, so such a
+    row has uniform weights ``1/K`` and its output is the mean of all value
+    rows; its gradient flows to every value row and to no query or key, which
+    selecting the mean reproduces. Rows with a visible key are untouched.
+
+    Args:
+        ops: the array-ops adapter.
+        output: per-head output, ``(B, H, Q, dh)`` when ``heads_axis == 1`` or
+            ``(B, Q, H, dh)`` when ``heads_axis == 2``.
+        values: per-head values in the same layout, ``K`` in place of ``Q``.
+        visible: what :func:`visibility` returned for these shapes.
+        heads_axis: where the heads axis is, 1 or 2.
+
+    Returns:
+        ``output`` with fully hidden rows replaced.
+    """
+    if visible is None:
+        return output
+    hidden = ops.logical_not(ops.any_last(visible))  # (B, 1, Q|1, 1) or (Q, 1)
+    if heads_axis == 2:
+        if ops.ndim(hidden) == 4:
+            hidden = ops.permute(hidden, (0, 2, 1, 3))  # (B, Q|1, 1, 1)
+        else:
+            hidden = ops.expand_dims(hidden, -1)  # (Q, 1, 1)
+        keys_axis = 1
+    elif heads_axis == 1:
+        keys_axis = 2
+    else:
+        raise ValueError(f"heads_axis must be 1 or 2; got {heads_axis}")
+    return ops.where(hidden, ops.mean(values, keys_axis), output)
 
 
 def scaled_scores(ops: ArrayOps, q: Array, k: Array, head_dim: int) -> Array:

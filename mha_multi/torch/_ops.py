@@ -55,7 +55,9 @@ class TorchOps:
     def logical_and(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.logical_and(a, b)
 
-    def where(self, condition: torch.Tensor, x: torch.Tensor, fill: float) -> torch.Tensor:
+    def where(
+        self, condition: torch.Tensor, x: torch.Tensor, fill: float | torch.Tensor
+    ) -> torch.Tensor:
         return torch.where(condition, x, fill)
 
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +80,15 @@ class TorchOps:
 
     def ndim(self, x: torch.Tensor) -> int:
         return x.dim()
+
+    def any_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x.any(dim=-1, keepdim=True)
+
+    def logical_not(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.logical_not(x)
+
+    def mean(self, x: torch.Tensor, axis: int) -> torch.Tensor:
+        return x.mean(dim=axis, keepdim=True)
 
 
 OPS = TorchOps()

@@ -147,20 +147,89 @@ class MultiHeadAttention(nn.Module):
             None if valid_lens is None else valid_lens.shape,
             **self.input_sizes(),
         )
-        dropout = self.dropout if self.training and self.dropout.p > 0 else None
+        q, k, v = self.W_q(queries), self.W_k(keys), self.W_v(values)
+        dropout_p = self.dropout.p if self.training else 0.0
+        if not return_attention_weights and _fused_path_exact(valid_lens, causal, dropout_p, q, k):
+            context = self._fused_attention(q, k, v, valid_lens, causal, dropout_p)
+            return self.W_o(context)
         context, weights = spec.attention(
             OPS,
-            self.W_q(queries),
-            self.W_k(keys),
-            self.W_v(values),
+            q,
+            k,
+            v,
             valid_lens,
             num_heads=self.num_heads,
             head_dim=self.head_dim,
             causal=causal,
-            dropout=dropout,
+            dropout=self.dropout if dropout_p > 0 else None,
         )
         output = self.W_o(context)
         return (output, weights) if return_attention_weights else output
+
+    def _fused_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid_lens: torch.Tensor | None,
+        causal: bool,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        """``scaled_dot_product_attention`` with the spec's masking semantics.
+
+        Args:
+            q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
+
+        Returns:
+            The concatenated heads ``(B, Q, num_hiddens)``.
+        """
+        num_queries, num_keys = q.shape[1], k.shape[1]
+        # (B, T, H*dh) -> (B, H, T, dh): the spec's head layout, unflattened.
+        q, k, v = (
+            x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for x in (q, k, v)
+        )
+        # Lengths that hide nothing need no mask, which lets flash kernels run.
+        # (The check reads a value, so compiled graphs keep the mask instead.)
+        if (
+            valid_lens is not None
+            and not torch.compiler.is_compiling()
+            and bool(valid_lens.min() >= num_keys)
+        ):
+            valid_lens = None
+        # A branch, not an expression: under dynamic shapes the comparison is
+        # symbolic, and SDPA takes a plain bool.
+        is_causal = False
+        if causal and valid_lens is None and num_queries == num_keys:
+            is_causal = True
+        visible = None
+        if valid_lens is not None or (causal and not is_causal):
+            # visibility() only reads the sizes of the last two axes.
+            positions = q.new_empty(()).expand(num_queries, num_keys)
+            visible = spec.visibility(OPS, positions, valid_lens, causal=causal)
+        output = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible, dropout_p=dropout_p, is_causal=is_causal
+        )
+        output = spec.fix_fully_hidden_rows(OPS, output, v, visible, heads_axis=1)
+        return output.transpose(1, 2).flatten(2)
+
+
+def _fused_path_exact(
+    valid_lens: torch.Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+) -> bool:
+    """Whether the fused path gives the spec's result (or its distribution).
+
+    Without dropout it always does. With dropout, a fully hidden row would
+    need dropout on its uniform weights, which the correction does not
+    draw; so dropout takes the fused path only when no row can be fully
+    hidden (no lengths, and no causal mask with more queries than keys).
+    """
+    if dropout_p == 0:
+        return True
+    return valid_lens is None and not (causal and q.shape[1] > k.shape[1])
 
 
 def _as_lens(valid_lens: Any, device: torch.device) -> torch.Tensor | None:

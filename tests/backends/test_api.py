@@ -184,8 +184,12 @@ def test_dropout_statistics_in_training(runner):
     assert abs(zero.mean() - rate) < 0.025
     kept = ~zero
     np.testing.assert_allclose(dropped[kept], weights[:, 0][kept] / (1 - rate), rtol=1e-5)
-    again = runner.call(layer, queries, keys, values, training=True)
-    assert not np.array_equal(again, dropped)
+    # The default call (a fused kernel, where the backend has one) drops the same way.
+    fused = runner.call(layer, queries, keys, values, training=True)
+    assert not np.array_equal(fused, dropped)
+    zero = fused == 0
+    assert abs(zero.mean() - rate) < 0.025
+    np.testing.assert_allclose(fused[~zero], weights[:, 0][~zero] / (1 - rate), rtol=1e-5)
 
 
 def test_training_without_dropout_equals_eval(runner):

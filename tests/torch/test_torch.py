@@ -137,3 +137,58 @@ def test_weights_round_trip_on_cuda(cuda):
     assert layer.W_q.weight.device.type == "cuda"
     got = get_weights(layer)
     assert all(got[k].tobytes() == weights[k].tobytes() for k in weights)
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Records the keyword arguments of every scaled_dot_product_attention call."""
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("name", "mask", "is_causal"),
+    [
+        ("lens_none", False, False),
+        ("lens_overlong", False, False),  # every length >= K: no mask, flash may run
+        ("lens_1d", True, False),
+        ("lens_zero", True, False),
+        ("causal", False, True),  # Q == K: SDPA's own causal flag
+        ("causal_cross", True, False),  # bottom-right alignment needs a mask
+    ],
+)
+def test_default_call_takes_the_fused_path(sdpa_calls, name, mask, is_causal):
+    case = build_case(next(c for c in CASES if c.name == name))
+    layer = layer_for(case).eval()
+    out = layer(*tensors(case), lens(case), causal=case.config.causal)
+    assert len(sdpa_calls) == 1
+    assert (sdpa_calls[0]["attn_mask"] is not None) == mask
+    assert sdpa_calls[0]["is_causal"] == is_causal
+    np.testing.assert_allclose(out.detach().numpy(), case.reference["output"], atol=5e-6)
+    layer(*tensors(case), lens(case), causal=case.config.causal, return_attention_weights=True)
+    assert len(sdpa_calls) == 1  # the weights come from the generic path
+
+
+def test_dropout_with_possibly_hidden_rows_takes_the_generic_path(sdpa_calls):
+    case = build_case(next(c for c in CASES if c.name == "lens_zero"))
+    layer = layer_for(case, dropout=0.5).train()
+    layer(*tensors(case), lens(case))
+    assert sdpa_calls == []
+    layer(*tensors(case))
+    assert len(sdpa_calls) == 1 and sdpa_calls[0]["dropout_p"] == 0.5
+
+
+@pytest.mark.parametrize("name", ["lens_zero", "causal_more_queries", "lens_overlong"])
+def test_torch_compile_fused_path_matches_reference(name):
+    case = build_case(next(c for c in CASES if c.name == name))
+    compiled = torch.compile(layer_for(case).eval(), fullgraph=True)
+    with torch.no_grad():
+        out = compiled(*tensors(case), lens(case), causal=case.config.causal)
+    np.testing.assert_allclose(out.numpy(), case.reference["output"], atol=5e-6)
