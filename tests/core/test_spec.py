@@ -216,3 +216,28 @@ def test_reference_gradients_match_finite_differences(config):
             array[index] = original
             numeric = (plus - minus) / (2 * step)
             assert abs(numeric - grad[index]) < 1e-7, (name, index, numeric, grad[index])
+
+
+def test_fix_fully_hidden_rows_gives_the_spec_result():
+    # A fused kernel's output for lengths [0, 2]: zeros where every key is hidden.
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 3, 4, 5)) for _ in range(3))  # (B, H, T, dh)
+    lens = np.array([0, 2])
+    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(5)
+    visible = spec.visibility(OPS, scores, lens)
+    masked = np.where(visible, scores, -np.inf)
+    with np.errstate(invalid="ignore"):
+        weights = np.exp(masked - masked.max(-1, keepdims=True))
+        fused = np.nan_to_num(weights / weights.sum(-1, keepdims=True)) @ v
+    expected = spec.masked_softmax(OPS, scores, visible) @ v
+    fixed = spec.fix_fully_hidden_rows(OPS, fused, v, visible, heads_axis=1)
+    np.testing.assert_allclose(fixed, expected, atol=1e-12)
+    heads_last = spec.fix_fully_hidden_rows(
+        OPS, fused.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), visible, heads_axis=2
+    )
+    np.testing.assert_allclose(heads_last, expected.transpose(0, 2, 1, 3), atol=1e-12)
+    causal = spec.visibility(OPS, np.zeros((4, 2)), None, causal=True)  # Q=4 > K=2
+    fused_causal = np.zeros((1, 1, 4, 5))
+    fixed = spec.fix_fully_hidden_rows(OPS, fused_causal, v[:1, :1, :2], causal, heads_axis=1)
+    np.testing.assert_allclose(fixed[0, 0, :2], np.broadcast_to(v[0, 0, :2].mean(0), (2, 5)))
+    np.testing.assert_array_equal(fixed[0, 0, 2:], 0.0)
