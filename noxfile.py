@@ -17,6 +17,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 ROOT = Path(__file__).parent
 PARITY_DIR = ROOT / "parity-report"
+BENCH_DIR = ROOT / "bench-report"
 
 # Every pinned version lives here. An unpinned torch pulls gigabytes of CUDA
 # packages; 2.13.0 resolves to a CPU wheel on the project's machines.
@@ -39,6 +40,7 @@ class Environment:
     backends: tuple[str, ...] = ()
     tests: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    benchmarks: tuple[str, ...] = ()
 
 
 COMMON = (PINS["numpy"], PINS["safetensors"], PINS["pytest"], PINS["hypothesis"])
@@ -50,6 +52,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         "torch,test",
         backends=("torch",),
         tests=("tests/backends", "tests/torch"),
+        benchmarks=("torch",),
     ),
 }
 
@@ -94,10 +97,29 @@ def make_parity_session(name: str, environment: Environment) -> None:
         )
 
 
+def make_bench_session(name: str, environment: Environment) -> None:
+    @nox.session(name=f"bench-{name}", default=False)
+    def bench_backend(session: nox.Session) -> None:
+        install(session, environment)
+        session.run(
+            "python",
+            "-m",
+            "mha_multi.bench",
+            "run",
+            "--out",
+            str(BENCH_DIR / "results"),
+            *session.posargs,
+            *environment.benchmarks,
+            env=session_env(environment),
+        )
+
+
 for _name, _environment in ENVIRONMENTS.items():
     make_test_session(_name, _environment)
     if _environment.backends:
         make_parity_session(_name, _environment)
+    if _environment.benchmarks:
+        make_bench_session(_name, _environment)
 
 
 @nox.session(default=False)
@@ -127,6 +149,35 @@ def parity_report(session: nox.Session) -> None:
         str(PARITY_DIR),
         "--expect",
         ",".join(expected),
+    )
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Ours vs each framework's own layer (a benchmark: prints tables, asserts nothing).
+
+    ``nox -s bench -- --quick`` runs small sizes only.
+    """
+    session.install(PINS["numpy"], "-e", ".")
+    session.run("python", "-m", "mha_multi.parity", "clean", str(BENCH_DIR / "results"))
+    for name, environment in ENVIRONMENTS.items():
+        if environment.benchmarks:
+            session.notify(f"bench-{name}", posargs=session.posargs)
+    session.notify("bench-report")
+
+
+@nox.session(name="bench-report", default=False)
+def bench_report(session: nox.Session) -> None:
+    session.install(PINS["numpy"], "-e", ".")
+    session.run(
+        "python",
+        "-m",
+        "mha_multi.bench",
+        "report",
+        "--results",
+        str(BENCH_DIR / "results"),
+        "--out",
+        str(BENCH_DIR),
     )
 
 

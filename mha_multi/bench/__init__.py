@@ -1,0 +1,10 @@
+"""Benchmarks: our layer against each framework's own, measured, never asserted.
+
+``python -m mha_multi.bench run BACKEND --out DIR`` writes ``DIR/BACKEND.json``;
+``python -m mha_multi.bench report --results DIR`` prints and writes the tables.
+"""
+
+#: Backend name -> module with ``run() -> list[dict]``; imported only when run.
+BENCHMARKS = {
+    "torch": "mha_multi.bench.torch",
+}

@@ -1,0 +1,54 @@
+"""``python -m mha_multi.bench``: run backends' benchmarks, then report."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from mha_multi.bench import BENCHMARKS
+from mha_multi.bench.common import format_markdown, machine_info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mha_multi.bench")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="benchmark backends, writing OUT/<backend>.json")
+    run.add_argument("--out", required=True)
+    run.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
+    run.add_argument("backends", nargs="+", choices=sorted(BENCHMARKS))
+    report = commands.add_parser("report", help="print and write report.md from results")
+    report.add_argument("--results", required=True)
+    report.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    if args.command == "run":
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for backend in args.backends:
+            module = importlib.import_module(BENCHMARKS[backend])
+            kwargs = {"lengths": (64, 128), "memory_lengths": (256,)} if args.quick else {}
+            results = module.run(**kwargs)
+            for result in results:
+                result["machine"] = machine_info()
+            (out / f"{backend}.json").write_text(json.dumps(results, indent=2))
+            print(format_markdown(results), flush=True)
+        return 0
+    results = []
+    for path in sorted(Path(args.results).glob("*.json")):
+        results += json.loads(path.read_text())
+    markdown = format_markdown(results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(markdown)
+    (out / "report.json").write_text(json.dumps(results, indent=2))
+    print(markdown)
+    print(f"[bench] report written to {out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Framework-free benchmark pieces: FLOP counts, timing statistics, the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "Measurement",
+    "Shape",
+    "attention_flops",
+    "format_markdown",
+    "machine_info",
+    "median_seconds",
+]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Self-attention of ``batch`` sequences of ``length`` tokens of ``num_hiddens``."""
+
+    batch: int = 8
+    length: int = 512
+    num_hiddens: int = 512
+    num_heads: int = 8
+
+
+def attention_flops(shape: Shape) -> float:
+    """FLOPs of one forward pass (DESIGN §7): projections plus attention."""
+    b, n, d = shape.batch, shape.length, shape.num_hiddens
+    projections = 2 * b * (n * d + n * d + n * d + n * d) * d
+    attention = 4 * b * n * n * d
+    return float(projections + attention)
+
+
+def median_seconds(
+    step: Callable[[], object], *, warmup: int = 2, repeats: int = 7, budget_s: float = 20.0
+) -> float:
+    """Median wall time of ``step`` after ``warmup`` calls.
+
+    ``step`` must block until its result is ready (synchronise devices).
+    Stops early, after at least three timed runs, once ``budget_s`` is spent.
+    """
+    for _ in range(warmup):
+        step()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < repeats:
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 3 and time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times)
+
+
+@dataclass
+class Measurement:
+    """One timing or memory figure."""
+
+    backend: str
+    implementation: str  # "ours", "ours (generic)", "native", "gemm"
+    mode: str  # "forward", "forward+backward", "peak memory", "gemm"
+    device: str
+    dtype: str
+    length: int
+    seconds: float | None = None
+    gflops: float | None = None
+    peak_mib: float | None = None
+    note: str = ""
+    shape: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def machine_info() -> dict[str, object]:
+    info: dict[str, object] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def write_results(
+    path: str | os.PathLike[str], measurements: Iterable[Measurement], extra: dict
+) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    payload = {**extra, "measurements": [m.as_dict() for m in measurements]}
+    Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def format_markdown(results: Sequence[dict]) -> str:
+    """One table per backend: ours vs native per length and mode, then memory."""
+    lines = ["# mha_multi benchmark", ""]
+    for result in results:
+        backend = result["backend"]
+        measurements = result["measurements"]
+        gemm = next((m for m in measurements if m["mode"] == "gemm"), None)
+        lines += [f"## {backend}", ""]
+        versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
+        machine = result.get("machine", {})
+        lines.append(
+            f"{versions}; {machine.get('cpu', machine.get('processor', '?'))}, "
+            f"{machine.get('cpu_count', '?')} cores; device {result.get('device', 'cpu')}."
+        )
+        if gemm:
+            lines.append(f"Measured GEMM rate ({gemm['note']}): {gemm['gflops']:.0f} GFLOP/s.")
+        lines += [
+            "",
+            "| mode | dtype | N | ours (ms) | native (ms) | ours / native | ours GFLOP/s "
+            "| % of GEMM | generic path (ms) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        timed = [m for m in measurements if m["mode"] in ("forward", "forward+backward")]
+        keys = sorted({(m["mode"], m["dtype"], m["length"]) for m in timed})
+        for mode, dtype, length in keys:
+            row = {
+                m["implementation"]: m
+                for m in timed
+                if (m["mode"], m["dtype"], m["length"]) == (mode, dtype, length)
+            }
+            ours, native = row.get("ours", {}), row.get("native", {})
+            generic = row.get("ours (generic)", {})
+            gflops = ours.get("gflops")
+            share = f"{100 * gflops / gemm['gflops']:.0f}%" if gflops and gemm else "-"
+            lines.append(
+                f"| {mode} | {dtype} | {length} | {_ms(ours.get('seconds'))} | "
+                f"{_ms(native.get('seconds'))} | "
+                f"{_ratio(ours.get('seconds'), native.get('seconds'))} | "
+                f"{'-' if gflops is None else f'{gflops:.0f}'} | {share} | "
+                f"{_ms(generic.get('seconds'))} |"
+            )
+        memory = [m for m in measurements if m["mode"] == "peak memory"]
+        if memory:
+            implementations = sorted({m["implementation"] for m in memory})
+            lines += [
+                "",
+                "Peak memory of one forward pass above the inputs (MiB):",
+                "",
+                "| N | " + " | ".join(implementations) + " |",
+                "|---|" + "---|" * len(implementations),
+            ]
+            for length in sorted({m["length"] for m in memory}):
+                cells = []
+                for implementation in implementations:
+                    m = next(
+                        (
+                            m
+                            for m in memory
+                            if m["length"] == length and m["implementation"] == implementation
+                        ),
+                        None,
+                    )
+                    if m is None:
+                        cells.append("-")
+                    elif m["peak_mib"] is None:
+                        cells.append(m["note"] or "-")
+                    else:
+                        cells.append(f"{m['peak_mib']:.0f}")
+                lines.append(f"| {length} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
