@@ -27,6 +27,7 @@ PINS = {
     "pytest": "pytest==9.2.0",
     "hypothesis": "hypothesis==6.170.15",
     "ruff": "ruff==0.17.5",
+    "matplotlib": "matplotlib==3.11.2",
     "torch": "torch==2.13.0",
 }
 
@@ -137,6 +138,7 @@ def parity(session: nox.Session) -> None:
 @nox.session(name="parity-report", default=False)
 def parity_report(session: nox.Session) -> None:
     install(session, ENVIRONMENTS["numpy"])
+    session.install(PINS["matplotlib"])  # heads.png
     expected = [b for e in ENVIRONMENTS.values() for b in e.backends]
     session.run(
         "python",

@@ -61,6 +61,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     markdown = format_markdown(result)
+    try:
+        from mha_multi.parity.cases import load_case
+        from mha_multi.parity.heads import plot_heads
+
+        heads = plot_heads(args.results, load_case(Path(cases_dir) / "book.npz"), out / "heads.png")
+        if heads:
+            markdown += f"\nAttention weights per head: `{heads.name}`.\n"
+    except ImportError:
+        print("[parity] matplotlib is not installed: no heads.png")
     (out / "report.md").write_text(markdown)
     (out / "report.json").write_text(json.dumps(result, indent=2))
     print(markdown)

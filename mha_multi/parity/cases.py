@@ -18,9 +18,18 @@ from typing import Any
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.weights import init_weights
+from mha_multi.weights import init_weights, save_weights
 
-__all__ = ["CASES", "Case", "CaseConfig", "build_case", "load_case", "load_cases", "write_cases"]
+__all__ = [
+    "CASES",
+    "WEIGHTS_FILE",
+    "Case",
+    "CaseConfig",
+    "build_case",
+    "load_case",
+    "load_cases",
+    "write_cases",
+]
 
 INPUT_NAMES = ("queries", "keys", "values")
 
@@ -215,16 +224,27 @@ def _unflatten(arrays: Mapping[str, np.ndarray]) -> Case:
 def write_cases(
     directory: str | os.PathLike[str], configs: Iterable[CaseConfig] = CASES
 ) -> list[Path]:
-    """Builds every case and writes it to ``directory/<name>.npz``."""
+    """Builds every case and writes it to ``directory/<name>.npz``.
+
+    The book example's weights also go to ``directory/book.safetensors``.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for config in configs:
+        case = build_case(config)
         path = directory / f"{config.name}.npz"
         with open(path, "wb") as file:
-            np.savez(file, **_flatten(build_case(config)))
+            np.savez(file, **_flatten(case))
         paths.append(path)
+        if config.name == "book":
+            save_weights(directory / WEIGHTS_FILE, case.weights)
     return paths
+
+
+#: The file of the user's workflow check: one ``.safetensors`` file of the
+#: book example's weights, loaded into every backend.
+WEIGHTS_FILE = "book.safetensors"
 
 
 def load_case(path: str | os.PathLike[str]) -> Case:

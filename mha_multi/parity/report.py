@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from mha_multi.parity.cases import Case, load_cases
-from mha_multi.parity.compare import Check, compare, errors
+from mha_multi.parity.compare import Check, compare, errors, tolerance
 
 __all__ = ["Cell", "build_report", "format_markdown"]
 
@@ -121,14 +121,43 @@ def build_report(
                     "cases": len(common),
                 }
             )
+    workflow = _workflow(results_root, backends, cases["book"])
     ordered = sorted(cells.values(), key=lambda c: (c.backend, c.device, _dtype_order(c.dtype)))
     return {
-        "passed": bool(ordered) and all(c.passed for c in ordered),
+        "passed": bool(ordered)
+        and all(c.passed for c in ordered)
+        and all(w["passed"] for w in workflow),
         "cells": [c.as_dict() for c in ordered],
         "pairwise": pairwise,
+        "workflow": workflow,
         "environments": metas,
         "cases": list(cases),
     }
+
+
+def _workflow(results_root: Path, backends: Sequence[str], book: Case) -> list[dict]:
+    """One ``.safetensors`` file in every backend: against the reference and pairwise."""
+    outputs = {}
+    for backend in backends:
+        path = results_root / backend / "workflow.npy"
+        if path.exists():
+            outputs[backend] = np.load(path, allow_pickle=False)
+    tol = tolerance("float32", "output")
+    rows = []
+    for backend, output in outputs.items():
+        max_abs = errors(output, book.reference["output"])[0]
+        others = [errors(output, other)[0] for name, other in outputs.items() if name != backend]
+        pairwise = max(others, default=0.0)
+        rows.append(
+            {
+                "backend": backend,
+                "max_abs": max_abs,
+                "max_pairwise": pairwise,
+                "tolerance": tol,
+                "passed": max_abs <= tol and pairwise <= tol,
+            }
+        )
+    return rows
 
 
 def _dtype_order(dtype: str) -> int:
@@ -176,6 +205,21 @@ def format_markdown(report: dict[str, object]) -> str:
             lines.append(
                 f"| {pair['a']} | {pair['b']} | {pair['device']} | {pair['dtype']} | "
                 f"{pair['max_abs']:.2e} |"
+            )
+    if report.get("workflow"):
+        lines += [
+            "",
+            "## One weights file, every backend",
+            "",
+            "`book.safetensors` loaded with `load_weights` + `set_weights`, float32 on CPU:",
+            "",
+            "| backend | vs reference | vs other backends (max) | result |",
+            "|---|---|---|---|",
+        ]
+        for row in report["workflow"]:
+            lines.append(
+                f"| {row['backend']} | {row['max_abs']:.2e} | {row['max_pairwise']:.2e} | "
+                f"{'pass' if row['passed'] else '**FAIL**'} |"
             )
     lines += ["", "## Environments", ""]
     for backend, meta in report["environments"].items():

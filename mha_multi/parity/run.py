@@ -12,15 +12,37 @@ from pathlib import Path
 
 import numpy as np
 
-from mha_multi.parity.cases import load_cases
+from mha_multi.parity.cases import WEIGHTS_FILE, Case, load_cases
 from mha_multi.parity.compare import compare
-from mha_multi.parity.runners import DEVICES, DTYPES, get_runner
+from mha_multi.parity.runners import DEVICES, DTYPES, Runner, get_runner
+from mha_multi.weights import load_weights
 
 __all__ = ["result_path", "run_backends"]
 
 
 def result_path(directory: Path, backend: str, device: str, dtype: str, case: str) -> Path:
     return directory / backend / f"{device}__{dtype}__{case}.npz"
+
+
+def workflow_output(runner: Runner, case: Case, weights_file: Path) -> np.ndarray:
+    """The user's workflow: weights from one ``.safetensors`` file, then a call.
+
+    Returns the float32 CPU output on the case's inputs.
+    """
+    config = case.config
+    layer = runner.make_layer(
+        config.num_hiddens, config.num_heads, bias=config.bias, **config.sizes()
+    )
+    layer = runner.set_weights(layer, load_weights(weights_file))
+    inputs = case.inputs
+    return runner.call(
+        layer,
+        inputs["queries"],
+        inputs["keys"],
+        inputs["values"],
+        case.valid_lens,
+        causal=config.causal,
+    )
 
 
 def run_backends(
@@ -44,6 +66,7 @@ def run_backends(
     ok = True
     for backend in backends:
         runner = get_runner(backend)
+        print(f"[parity] {backend}: loading {len(cases)} cases", flush=True)
         directory = out / backend
         directory.mkdir(parents=True, exist_ok=True)
         meta: dict[str, object] = {
@@ -83,5 +106,12 @@ def run_backends(
                     f"{passed}/{len(cases)} cases within tolerance",
                     flush=True,
                 )
+        book = next(case for case in cases if case.name == "book")
+        try:
+            output = workflow_output(runner, book, Path(cases_dir) / WEIGHTS_FILE)
+            np.save(directory / "workflow.npy", output)
+        except Exception:
+            meta["errors"].append(f"workflow ({WEIGHTS_FILE}): {traceback.format_exc(limit=3)}")
+            ok = False
         (directory / "meta.json").write_text(json.dumps(meta, indent=2))
     return ok
