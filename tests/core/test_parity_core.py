@@ -1,0 +1,99 @@
+"""The harness itself: case files, comparison, report verdicts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_multi.parity.cases import CASES, WEIGHTS_FILE, build_case, load_cases, write_cases
+from mha_multi.parity.compare import compare
+from mha_multi.parity.report import build_report, format_markdown
+from mha_multi.parity.run import result_path
+from mha_multi.weights import load_weights
+
+
+@pytest.fixture(scope="module")
+def case_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("cases")
+    write_cases(directory)
+    return directory
+
+
+def test_case_files_round_trip_bit_exact(case_dir):
+    loaded = {case.name: case for case in load_cases(case_dir)}
+    assert list(loaded) == [config.name for config in CASES]
+    for config in CASES:
+        built, read = build_case(config), loaded[config.name]
+        assert read.config == built.config
+        for group in ("weights", "inputs", "reference"):
+            a, b = getattr(built, group), getattr(read, group)
+            assert a.keys() == b.keys()
+            assert all(a[k].tobytes() == b[k].tobytes() and a[k].dtype == b[k].dtype for k in a)
+        if built.valid_lens is None:
+            assert read.valid_lens is None
+        else:
+            assert read.valid_lens.dtype == built.valid_lens.dtype
+            np.testing.assert_array_equal(read.valid_lens, built.valid_lens)
+    book = loaded["book"]
+    weights = load_weights(case_dir / WEIGHTS_FILE)
+    assert all(weights[k].tobytes() == book.weights[k].tobytes() for k in book.weights)
+
+
+def test_book_case_is_d2l_example():
+    book = build_case(CASES[0])
+    assert book.inputs["queries"].shape == (2, 4, 100)
+    assert book.inputs["keys"].shape == (2, 6, 100)
+    assert book.reference["attention_weights"].shape == (2, 5, 4, 6)
+    np.testing.assert_array_equal(book.valid_lens, [3, 2])
+
+
+def test_compare_fails_on_nan_missing_and_large_errors():
+    reference = {"output": np.ones((2, 2)), "grad.W_q": np.ones(3)}
+    checks = {
+        c.quantity: c for c in compare({"output": np.ones((2, 2)) + 1e-7}, reference, "float32")
+    }
+    assert checks["output"].passed and checks["output"].max_abs == pytest.approx(1e-7)
+    assert not checks["grad.W_q"].passed  # missing from the results
+    nan = compare({"output": np.full((2, 2), np.nan), "grad.W_q": np.ones(3)}, reference, "float32")
+    assert not next(c for c in nan if c.quantity == "output").passed
+    big = compare({"output": np.ones((2, 2)) * 1.1, "grad.W_q": np.ones(3)}, reference, "float64")
+    assert not next(c for c in big if c.quantity == "output").passed
+
+
+def _write_results(results_dir, backend, case, shift=0.0, dtype="float32"):
+    path = result_path(results_dir, backend, "cpu", dtype, case.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    results = {k: v + shift for k, v in case.reference.items()}
+    results["output[weights]"] = case.reference["output"]
+    np.savez(path, **results)
+
+
+def test_report_verdicts(tmp_path, case_dir):
+    cases = load_cases(case_dir)
+    for case in cases:
+        _write_results(tmp_path, "good", case)
+        _write_results(tmp_path, "bad", case, shift=1e-3 if case.name == "lens_2d" else 0.0)
+    _write_results(tmp_path, "partial", cases[0])
+    report = build_report(tmp_path, case_dir, expected_backends=["good", "bad", "absent"])
+    cells = {cell["backend"]: cell for cell in report["cells"]}
+    assert cells["good"]["passed"]
+    assert not cells["bad"]["passed"]
+    assert any(f.startswith("lens_2d: ") for f in cells["bad"]["failures"])
+    assert not cells["partial"]["passed"]  # 15 cases have no result
+    assert cells["absent"]["failures"] == ["no results"]
+    assert not report["passed"]
+    pair = next(p for p in report["pairwise"] if {p["a"], p["b"]} == {"bad", "good"})
+    assert pair["max_abs"] == pytest.approx(1e-3)
+    markdown = format_markdown(report)
+    assert "**FAIL**" in markdown and "lens_2d" in markdown
+    good_only = build_report(tmp_path, case_dir, expected_backends=["good"])
+    assert not good_only["passed"]  # the other backends' results are still there
+
+
+def test_report_passes_when_everything_is_within_tolerance(tmp_path, case_dir):
+    for case in load_cases(case_dir):
+        _write_results(tmp_path, "good", case)
+        _write_results(tmp_path, "good", case, shift=1e-13, dtype="float64")
+    report = build_report(tmp_path, case_dir, expected_backends=["good"])
+    assert report["passed"], format_markdown(report)
+    assert [c["dtype"] for c in report["cells"]] == ["float64", "float32"]
