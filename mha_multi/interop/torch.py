@@ -1,0 +1,206 @@
+"""Canonical weights to and from ``torch.nn.MultiheadAttention`` and d2l's torch layer.
+
+``torch.nn.MultiheadAttention`` computes the same function as the spec for
+``query_size == embed_dim``, with three differences callers must mind:
+
+* masks: its ``key_padding_mask`` and boolean ``attn_mask`` are ``True``
+  where a key is *hidden*; ``valid_lens`` counts visible keys
+  (:func:`key_padding_mask` converts);
+* a query that sees no key gets NaN (or zeros on its fused paths); the spec
+  gives uniform weights, i.e. the mean of all values;
+* its returned weights are averaged over heads unless
+  ``average_attn_weights=False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from mha_multi.weights import check_weights
+
+__all__ = [
+    "from_d2l_state_dict",
+    "from_torch_mha",
+    "from_torch_mha_state_dict",
+    "key_padding_mask",
+    "to_d2l_state_dict",
+    "to_torch_mha",
+    "to_torch_mha_state_dict",
+]
+
+_UNSUPPORTED = {
+    "bias_k": "add_bias_kv=True (learned extra key/value rows)",
+    "bias_v": "add_bias_kv=True (learned extra key/value rows)",
+}
+
+
+def _numpy(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        if value.dtype == torch.bfloat16:
+            value = value.float()
+        return value.numpy().copy()
+    return np.asarray(value)
+
+
+def from_torch_mha_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Canonical weights from a ``torch.nn.MultiheadAttention`` ``state_dict``.
+
+    Handles the packed ``in_proj_weight`` (``kdim == vdim == embed_dim``) and
+    the separate ``q/k/v_proj_weight`` layouts, with or without biases.
+
+    Raises:
+        ValueError: an entry the canonical layer cannot express (``bias_k``,
+            ``bias_v``), a missing entry, or inconsistent shapes.
+    """
+    for name, reason in _UNSUPPORTED.items():
+        if name in state_dict:
+            raise ValueError(f"unsupported torch.nn.MultiheadAttention option: {reason}")
+    expected = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}
+    expected |= {"q_proj_weight", "k_proj_weight", "v_proj_weight"}
+    extra = sorted(set(state_dict) - expected)
+    if extra:
+        raise ValueError(f"unexpected torch.nn.MultiheadAttention entries: {extra}")
+    if "out_proj.weight" not in state_dict:
+        raise ValueError("state_dict is missing 'out_proj.weight'")
+    out_weight = _numpy(state_dict["out_proj.weight"])
+    embed_dim = out_weight.shape[0]
+    if "in_proj_weight" in state_dict:
+        packed = _numpy(state_dict["in_proj_weight"])
+        if packed.shape != (3 * embed_dim, embed_dim):
+            raise ValueError(
+                f"in_proj_weight must have shape {(3 * embed_dim, embed_dim)}; got {packed.shape}"
+            )
+        kernels = np.split(packed, 3)
+    else:
+        missing = [
+            n for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight") if n not in state_dict
+        ]
+        if missing:
+            raise ValueError(f"state_dict is missing {missing} (and has no in_proj_weight)")
+        kernels = [_numpy(state_dict[f"{p}_proj_weight"]) for p in "qkv"]
+    weights = {f"W_{p}": kernel.T for p, kernel in zip("qkv", kernels, strict=True)}
+    weights["W_o"] = out_weight.T
+    has_in_bias = state_dict.get("in_proj_bias") is not None
+    has_out_bias = state_dict.get("out_proj.bias") is not None
+    if has_in_bias != has_out_bias:
+        raise ValueError(
+            "unsupported: biases on the input projections but not the output one (or the reverse)"
+        )
+    if has_in_bias:
+        biases = np.split(_numpy(state_dict["in_proj_bias"]), 3)
+        weights.update({f"b_{p}": bias for p, bias in zip("qkv", biases, strict=True)})
+        weights["b_o"] = _numpy(state_dict["out_proj.bias"])
+    weights = {name: np.ascontiguousarray(array) for name, array in weights.items()}
+    return check_weights(weights)[0]
+
+
+def to_torch_mha_state_dict(weights: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A ``torch.nn.MultiheadAttention`` ``state_dict`` holding canonical weights.
+
+    The packed layout is used when key and value sizes equal ``num_hiddens``.
+
+    Raises:
+        ValueError: invalid weights, or ``query_size != num_hiddens``, which
+            ``torch.nn.MultiheadAttention`` cannot express.
+    """
+    arrays, config = check_weights(weights)
+    if config.query_size != config.num_hiddens:
+        raise ValueError(
+            f"torch.nn.MultiheadAttention needs query_size == embed_dim; got query_size "
+            f"{config.query_size} and num_hiddens {config.num_hiddens}"
+        )
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+    state: dict[str, torch.Tensor] = {}
+    packed = config.key_size == config.value_size == config.num_hiddens
+    if packed:
+        state["in_proj_weight"] = tensor(np.concatenate([arrays[f"W_{p}"].T for p in "qkv"]))
+    else:
+        state.update({f"{p}_proj_weight": tensor(arrays[f"W_{p}"].T) for p in "qkv"})
+    if config.bias:
+        state["in_proj_bias"] = tensor(np.concatenate([arrays[f"b_{p}"] for p in "qkv"]))
+    state["out_proj.weight"] = tensor(arrays["W_o"].T)
+    if config.bias:
+        state["out_proj.bias"] = tensor(arrays["b_o"])
+    return state
+
+
+def from_torch_mha(module: torch.nn.MultiheadAttention) -> dict[str, np.ndarray]:
+    """Canonical weights of a ``torch.nn.MultiheadAttention`` (see the module notes).
+
+    Raises:
+        ValueError: ``add_bias_kv`` or ``add_zero_attn``, which the spec has no
+            counterpart for.
+    """
+    if module.add_zero_attn:
+        raise ValueError("unsupported torch.nn.MultiheadAttention option: add_zero_attn=True")
+    return from_torch_mha_state_dict(module.state_dict())
+
+
+def to_torch_mha(
+    weights: Mapping[str, Any], num_heads: int, *, batch_first: bool = True
+) -> torch.nn.MultiheadAttention:
+    """A new ``torch.nn.MultiheadAttention`` holding canonical weights (float32, CPU)."""
+    arrays, config = check_weights(weights)
+    module = torch.nn.MultiheadAttention(
+        config.num_hiddens,
+        num_heads,
+        bias=config.bias,
+        kdim=config.key_size,
+        vdim=config.value_size,
+        batch_first=batch_first,
+    )
+    state = to_torch_mha_state_dict(arrays)
+    module.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    return module
+
+
+def from_d2l_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Canonical weights from d2l's torch ``MultiHeadAttention`` (or ours) ``state_dict``.
+
+    d2l names its projections ``W_q``, ``W_k``, ``W_v``, ``W_o`` (``nn.Linear``,
+    weight ``(out, in)``); d2l's ``attention.dropout`` has no state.
+    """
+    weights = {}
+    for name, value in state_dict.items():
+        layer, _, kind = name.partition(".")
+        if layer not in ("W_q", "W_k", "W_v", "W_o") or kind not in ("weight", "bias"):
+            raise ValueError(f"unexpected entry {name!r} in a d2l MultiHeadAttention state_dict")
+        array = _numpy(value)
+        weights[layer if kind == "weight" else f"b_{layer[-1]}"] = (
+            np.ascontiguousarray(array.T) if kind == "weight" else array
+        )
+    return check_weights(weights)[0]
+
+
+def to_d2l_state_dict(weights: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """d2l's torch ``MultiHeadAttention`` ``state_dict`` (also ours) from canonical weights."""
+    arrays, _ = check_weights(weights)
+    state = {}
+    for name, array in arrays.items():
+        if name.startswith("W_"):
+            state[f"{name}.weight"] = torch.from_numpy(np.ascontiguousarray(array.T))
+        else:
+            state[f"W_{name[-1]}.bias"] = torch.from_numpy(np.ascontiguousarray(array))
+    return state
+
+
+def key_padding_mask(valid_lens: Any, num_keys: int) -> torch.Tensor:
+    """``torch.nn.MultiheadAttention``'s ``key_padding_mask`` for 1-D ``valid_lens``.
+
+    ``True`` marks a hidden key, the opposite polarity of the spec's
+    visibility: key ``j`` of example ``b`` is hidden iff ``j >= valid_lens[b]``.
+    """
+    lens = torch.as_tensor(np.asarray(valid_lens))
+    if lens.dim() != 1:
+        raise ValueError(
+            f"valid_lens must be 1-D for a key padding mask; got shape {tuple(lens.shape)}"
+        )
+    return torch.arange(num_keys)[None, :] >= lens[:, None]

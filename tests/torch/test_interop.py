@@ -1,0 +1,116 @@
+"""Weights to and from torch.nn.MultiheadAttention and d2l's torch layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mha_multi.interop.torch import (
+    from_d2l_state_dict,
+    from_torch_mha,
+    from_torch_mha_state_dict,
+    key_padding_mask,
+    to_d2l_state_dict,
+    to_torch_mha,
+    to_torch_mha_state_dict,
+)
+from mha_multi.parity.cases import CASES, build_case
+from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
+from mha_multi.weights import init_weights
+
+
+def case(name):
+    return build_case(next(c for c in CASES if c.name == name))
+
+
+def native_output(module, case, **kwargs):
+    q, k, v = (torch.tensor(case.inputs[n]) for n in ("queries", "keys", "values"))
+    module.eval()
+    with torch.no_grad():
+        out, _ = module(q, k, v, need_weights=False, **kwargs)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("name", ["book", "bias", "lens_1d", "lens_none", "one_head"])
+def test_native_layer_matches_reference(name):
+    c = case(name)
+    module = to_torch_mha(c.weights, c.config.num_heads)
+    kwargs = {}
+    if c.valid_lens is not None:
+        kwargs["key_padding_mask"] = key_padding_mask(c.valid_lens, c.config.num_keys)
+    np.testing.assert_allclose(
+        native_output(module, c, **kwargs), c.reference["output"], rtol=0, atol=5e-6
+    )
+
+
+def test_separate_projections_when_key_value_sizes_differ():
+    weights = init_weights(12, key_size=5, value_size=3, bias=True, seed=4)
+    state = to_torch_mha_state_dict(weights)
+    assert {"q_proj_weight", "k_proj_weight", "v_proj_weight"} <= set(state)
+    module = to_torch_mha(weights, 3)
+    assert not module._qkv_same_embed_dim
+    back = from_torch_mha(module)
+    assert all(back[k].tobytes() == weights[k].tobytes() for k in weights)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 12)).astype(np.float32)
+    k = rng.standard_normal((2, 6, 5)).astype(np.float32)
+    v = rng.standard_normal((2, 6, 3)).astype(np.float32)
+    ours = set_weights(MultiHeadAttention(12, 3, bias=True), weights).eval()
+    with torch.no_grad():
+        expected = ours(*map(torch.tensor, (q, k, v)), torch.tensor([6, 2])).numpy()
+        native, _ = module(
+            *map(torch.tensor, (q, k, v)),
+            key_padding_mask=key_padding_mask([6, 2], 6),
+            need_weights=False,
+        )
+    np.testing.assert_allclose(native.numpy(), expected, atol=5e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_round_trip_through_native_module_is_bit_exact(bias):
+    module = torch.nn.MultiheadAttention(16, 4, bias=bias, batch_first=False)
+    weights = from_torch_mha(module)
+    again = to_torch_mha(weights, 4, batch_first=False)
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+
+
+def test_unsupported_native_options_are_refused():
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        from_torch_mha(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
+    with pytest.raises(ValueError, match="add_zero_attn"):
+        from_torch_mha(torch.nn.MultiheadAttention(8, 2, add_zero_attn=True))
+    with pytest.raises(ValueError, match="query_size == embed_dim"):
+        to_torch_mha(init_weights(8, query_size=5), 2)
+    state = torch.nn.MultiheadAttention(8, 2).state_dict()
+    state["in_proj_weight"] = state["in_proj_weight"][:16]
+    with pytest.raises(ValueError, match="in_proj_weight must have shape"):
+        from_torch_mha_state_dict(state)
+
+
+def test_fully_hidden_rows_differ_from_native_by_design():
+    # The spec: a query that sees no key gets uniform weights (the mean of all
+    # values); torch's layer gives NaN or zeros there. Visible rows agree.
+    c = case("lens_zero")  # valid_lens [0, -2, 3]
+    module = to_torch_mha(c.weights, c.config.num_heads)
+    native = native_output(
+        module, c, key_padding_mask=key_padding_mask(c.valid_lens, c.config.num_keys)
+    )
+    np.testing.assert_allclose(native[2], c.reference["output"][2], atol=5e-6)
+    hidden = native[:2]
+    assert np.all(np.isnan(hidden) | (hidden == 0))
+    assert np.all(np.isfinite(c.reference["output"][:2]))
+
+
+def test_d2l_state_dict_round_trip():
+    weights = init_weights(10, query_size=3, bias=True, seed=1)
+    state = to_d2l_state_dict(weights)
+    layer = MultiHeadAttention(10, 2, bias=True)
+    layer.load_state_dict(state)  # d2l's names are ours
+    got = get_weights(layer)
+    assert all(got[k].tobytes() == weights[k].tobytes() for k in weights)
+    back = from_d2l_state_dict(layer.state_dict())
+    assert all(back[k].tobytes() == weights[k].tobytes() for k in weights)
+    with pytest.raises(ValueError, match="unexpected entry 'attention.x'"):
+        from_d2l_state_dict({**state, "attention.x": torch.zeros(1)})
