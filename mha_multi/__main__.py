@@ -1,0 +1,138 @@
+"""``python -m mha_multi convert SRC DST``: canonical weight files to and from native checkpoints.
+
+Formats, by file name (or ``--from``/``--to``):
+
+==================  ===========================================================
+``*.npz``           canonical weights (``allow_pickle=False``)
+``*.safetensors``   canonical weights
+``*.pt``, ``*.pth`` a PyTorch ``state_dict`` (read with ``weights_only=True``):
+                    ``torch-mha`` (``torch.nn.MultiheadAttention``) or
+                    ``torch-d2l`` (d2l's layer, also ``mha_multi.torch``'s);
+                    on reading, the kind is recognised from the keys
+==================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from mha_multi.weights import check_weights, load_weights, save_weights
+
+CANONICAL_SUFFIXES = (".npz", ".safetensors")
+TORCH_SUFFIXES = (".pt", ".pth")
+FORMATS = ("canonical", "torch-mha", "torch-d2l")
+
+
+def _format_of(path: str, explicit: str | None, reading: bool) -> str:
+    if explicit:
+        return explicit
+    suffix = Path(path).suffix.lower()
+    if suffix in CANONICAL_SUFFIXES:
+        return "canonical"
+    if suffix in TORCH_SUFFIXES:
+        return "torch" if reading else "torch-d2l"
+    raise ValueError(
+        f"cannot tell the format of {path!r} from its name; pass --from/--to "
+        f"(one of {', '.join(FORMATS)})"
+    )
+
+
+def read(path: str, kind: str) -> dict[str, np.ndarray]:
+    """Canonical weights from a file of ``kind`` (``torch`` recognises its layout)."""
+    if kind == "canonical":
+        return load_weights(path)
+    import torch
+
+    from mha_multi.interop import torch as interop
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path!r} does not hold a state_dict")
+    if kind == "torch":
+        kind = "torch-d2l" if any(k.startswith("W_") for k in state) else "torch-mha"
+    readers: dict[str, Callable] = {
+        "torch-mha": interop.from_torch_mha_state_dict,
+        "torch-d2l": interop.from_d2l_state_dict,
+    }
+    return readers[kind](state)
+
+
+def write(path: str, kind: str, weights: dict[str, np.ndarray]) -> None:
+    if kind == "canonical":
+        save_weights(path, weights)
+        return
+    import torch
+
+    from mha_multi.interop import torch as interop
+
+    writers: dict[str, Callable] = {
+        "torch-mha": interop.to_torch_mha_state_dict,
+        "torch-d2l": interop.to_d2l_state_dict,
+    }
+    torch.save(writers[kind](weights), path)
+
+
+def convert(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    num_heads: int | None = None,
+    source_format: str | None = None,
+    destination_format: str | None = None,
+) -> dict[str, np.ndarray]:
+    """Converts a weights file; returns the canonical weights that were written.
+
+    Raises:
+        ValueError: an unknown format, weights that do not fit the target, or
+            ``num_hiddens`` not divisible by ``num_heads``.
+    """
+    source, destination = os.fspath(source), os.fspath(destination)
+    weights = read(source, _format_of(source, source_format, reading=True))
+    _, config = check_weights(weights)
+    if num_heads is not None and config.num_hiddens % num_heads:
+        raise ValueError(
+            f"num_hiddens ({config.num_hiddens}) of {source!r} is not divisible by "
+            f"--num-heads ({num_heads})"
+        )
+    write(destination, _format_of(destination, destination_format, reading=False), weights)
+    return weights
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mha_multi",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("convert", help="convert a weights file")
+    command.add_argument("source")
+    command.add_argument("destination")
+    command.add_argument("--num-heads", type=int, help="checked against num_hiddens")
+    command.add_argument("--from", dest="source_format", choices=FORMATS)
+    command.add_argument("--to", dest="destination_format", choices=FORMATS)
+    args = parser.parse_args(argv)
+    try:
+        weights = convert(
+            args.source,
+            args.destination,
+            num_heads=args.num_heads,
+            source_format=args.source_format,
+            destination_format=args.destination_format,
+        )
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in weights.items())
+    print(f"{args.source} -> {args.destination}: {shapes}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

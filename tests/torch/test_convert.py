@@ -1,0 +1,77 @@
+"""``python -m mha_multi convert`` between canonical files and torch checkpoints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mha_multi.__main__ import convert, main
+from mha_multi.weights import init_weights, load_weights, save_weights
+
+
+@pytest.mark.parametrize("kind", ["torch-mha", "torch-d2l"])
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_canonical_to_torch_and_back_is_bit_exact(tmp_path, kind, suffix):
+    weights = init_weights(8, bias=True, seed=5)
+    source = tmp_path / f"weights{suffix}"
+    save_weights(source, weights)
+    checkpoint = tmp_path / "layer.pt"
+    convert(source, checkpoint, destination_format=kind, num_heads=2)
+    state = torch.load(checkpoint, weights_only=True)
+    assert ("in_proj_weight" in state) == (kind == "torch-mha")
+    back = tmp_path / f"back{suffix}"
+    convert(checkpoint, back)  # the layout is recognised from the keys
+    loaded = load_weights(back)
+    assert all(loaded[k].tobytes() == weights[k].tobytes() for k in weights)
+
+
+def test_native_checkpoint_loads_into_our_layer(tmp_path):
+    module = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    torch.save(module.state_dict(), tmp_path / "native.pt")
+    assert main(["convert", str(tmp_path / "native.pt"), str(tmp_path / "w.safetensors")]) == 0
+    from mha_multi.torch import MultiHeadAttention, set_weights
+
+    layer = set_weights(
+        MultiHeadAttention(8, 2, bias=True), load_weights(tmp_path / "w.safetensors")
+    )
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        expected, _ = module.eval()(x, x, x, need_weights=False)
+        np.testing.assert_allclose(layer.eval()(x, x, x).numpy(), expected.numpy(), atol=5e-6)
+
+
+def test_clear_errors(tmp_path, capsys):
+    save_weights(tmp_path / "w.npz", init_weights(8))
+    assert main(["convert", str(tmp_path / "w.npz"), str(tmp_path / "w.bin")]) == 2
+    assert "cannot tell the format" in capsys.readouterr().err
+    assert (
+        main(["convert", str(tmp_path / "w.npz"), str(tmp_path / "o.pt"), "--num-heads", "3"]) == 2
+    )
+    assert "not divisible by --num-heads (3)" in capsys.readouterr().err
+    torch.save({"W_q.weight": torch.zeros(8, 7)}, tmp_path / "bad.pt")
+    assert main(["convert", str(tmp_path / "bad.pt"), str(tmp_path / "o.npz")]) == 2
+    assert "missing 'W_k'" in capsys.readouterr().err
+
+
+def test_command_line_entry_point(tmp_path):
+    save_weights(tmp_path / "w.safetensors", init_weights(4, bias=True))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mha_multi",
+            "convert",
+            str(tmp_path / "w.safetensors"),
+            str(tmp_path / "w.pt"),
+            "--to",
+            "torch-mha",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "W_q (4, 4)" in result.stdout
