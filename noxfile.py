@@ -28,6 +28,9 @@ PINS = {
     "hypothesis": "hypothesis==6.170.15",
     "ruff": "ruff==0.17.5",
     "matplotlib": "matplotlib==3.11.2",
+    "sphinx": "sphinx==9.0.4",
+    "furo": "furo==2025.12.19",
+    "myst-parser": "myst-parser==5.2.0",
     "torch": "torch==2.13.0",
 }
 
@@ -181,6 +184,27 @@ def bench_report(session: nox.Session) -> None:
         "--out",
         str(BENCH_DIR),
     )
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site in docs/_build/html (warnings are errors).
+
+    Only the package and the docs tools are installed: the API pages mock the
+    frameworks (``autodoc_mock_imports``), and the figures come from
+    ``mha_multi.spec`` itself.
+    """
+    session.install(
+        PINS["numpy"],
+        PINS["safetensors"],
+        PINS["sphinx"],
+        PINS["furo"],
+        PINS["myst-parser"],
+        PINS["matplotlib"],
+        "-e",
+        ".[docs]",
+    )
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
 
 
 @nox.session

@@ -1,0 +1,162 @@
+"""Figures of the spec, drawn from ``mha_multi.spec`` itself at build time.
+
+``write_all(directory)`` writes ``head_layout.png`` (what ``transpose_qkv``
+does to a projection) and ``masks.png`` (the visibility rule for 1-D
+lengths, 2-D lengths and the causal mask). Every coloured cell is computed by
+the spec's own functions on the numpy adapter, so the pictures cannot drift
+from the code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+from matplotlib import pyplot as plt  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+
+from mha_multi import spec  # noqa: E402
+
+OPS = spec.NumpyOps()
+HEAD_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
+
+
+def _draw_grid(
+    axis, colors, labels, *, title: str, row_labels, column_labels, aspect: str = "equal"
+) -> None:
+    rows, columns = len(labels), len(labels[0])
+    for r in range(rows):
+        for c in range(columns):
+            axis.add_patch(
+                plt.Rectangle((c, rows - 1 - r), 1, 1, facecolor=colors[r][c], edgecolor="white")
+            )
+            axis.text(
+                c + 0.5, rows - 0.5 - r, labels[r][c], ha="center", va="center", fontsize=6.5,
+                color="white",
+            )
+    axis.set_xlim(0, columns)
+    axis.set_ylim(0, rows)
+    axis.set_xticks(np.arange(columns) + 0.5, column_labels, fontsize=7)
+    axis.set_yticks(np.arange(rows) + 0.5, list(reversed(row_labels)), fontsize=7)
+    axis.tick_params(length=0)
+    for side in ("top", "right", "bottom", "left"):
+        axis.spines[side].set_visible(False)
+    axis.set_title(title, fontsize=9)
+    axis.set_aspect(aspect)
+
+
+def head_layout(path: Path, batch: int = 2, length: int = 3, num_heads: int = 3) -> Path:
+    """``(B, T, H*dh) -> (B*H, T, dh)``: each cell keeps its (example, position, head)."""
+    head_dim = 2
+    shape = (batch, length, num_heads * head_dim)
+    b, t, f = np.indices(shape)
+    head = f // head_dim
+    # The spec moves index arrays exactly as it moves a projection.
+    moved = {
+        name: OPS.cast(spec.transpose_qkv(OPS, index, num_heads), np.int64)
+        for name, index in (("b", b), ("t", t), ("h", head), ("f", f % head_dim))
+    }
+    assert moved["b"].shape == (batch * num_heads, length, head_dim)
+
+    figure, (left, right) = plt.subplots(
+        1, 2, figsize=(8.6, 4.6), gridspec_kw={"width_ratios": [3.0, 1.9]}, layout="constrained"
+    )
+    colors = [[HEAD_COLORS[head[i, j, k]] for k in range(shape[2])] for i in range(batch)
+              for j in range(length)]
+    labels = [[f"b{i} t{j}" for _ in range(shape[2])] for i in range(batch) for j in range(length)]
+    _draw_grid(
+        left,
+        colors,
+        labels,
+        title=f"projection (B, T, H*dh) = {shape}\nrows b, t; columns grouped by head",
+        row_labels=[f"b={i}, t={j}" for i in range(batch) for j in range(length)],
+        column_labels=[f"h{k // head_dim}:{k % head_dim}" for k in range(shape[2])],
+    )
+    rows = batch * num_heads
+    colors = [[HEAD_COLORS[moved["h"][r, j, k]] for k in range(head_dim)] for r in range(rows)
+              for j in range(length)]
+    labels = [[f"b{moved['b'][r, j, k]} t{moved['t'][r, j, k]}" for k in range(head_dim)]
+              for r in range(rows) for j in range(length)]
+    _draw_grid(
+        right,
+        colors,
+        labels,
+        title=f"transpose_qkv: (B*H, T, dh) = {moved['b'].shape}\nflat row = b*H + h",
+        row_labels=[f"row {r} (b{r // num_heads} h{r % num_heads}), t={j}" for r in range(rows)
+                    for j in range(length)],
+        column_labels=[f"d{k}" for k in range(head_dim)],
+        aspect="auto",
+    )
+    for r in range(1, rows):
+        right.axhline(r * length, color="black", lw=1.2)
+    figure.savefig(path, dpi=140)
+    plt.close(figure)
+    return path
+
+
+def _visible(num_queries: int, num_keys: int, valid_lens, causal: bool = False) -> np.ndarray:
+    """``(B, Q, K)`` booleans from :func:`mha_multi.spec.visibility`."""
+    batch = 1 if valid_lens is None else len(valid_lens)
+    scores = np.zeros((batch, 1, num_queries, num_keys))
+    lens = None if valid_lens is None else np.asarray(valid_lens)
+    visible = spec.visibility(OPS, scores, lens, causal=causal)
+    if visible is None:
+        return np.ones((batch, num_queries, num_keys), bool)
+    return np.broadcast_to(visible, (batch, 1, num_queries, num_keys))[:, 0]
+
+
+def masks(path: Path) -> Path:
+    """Which key each query sees, for the three ways of hiding keys and their AND."""
+    panels = [
+        ("1-D valid_lens = [3, 2]\nexample 0 (len 3)", _visible(4, 6, [3, 2])[0], None),
+        ("1-D valid_lens = [3, 2]\nexample 1 (len 2)", _visible(4, 6, [3, 2])[1], None),
+        ("2-D valid_lens[b] =\n[1, 4, 0, 6]", _visible(4, 6, [[1, 4, 0, 6]])[0], [1, 4, 0, 6]),
+        ("causal, Q = K = 4", _visible(4, 4, None, causal=True)[0], None),
+        ("causal, Q = 4, K = 6\n(bottom-right aligned)", _visible(4, 6, None, causal=True)[0],
+         None),
+        ("causal AND\nvalid_lens = [4]", _visible(4, 6, [4], causal=True)[0], None),
+    ]
+    # Every panel must agree with the rule written out by hand.
+    q, k = np.indices((4, 6))
+    assert (panels[0][1] == (k < 3)).all() and (panels[4][1] == (k <= q + 2)).all()
+    figure, axes = plt.subplots(1, len(panels), figsize=(13.5, 3.0), layout="constrained")
+    cmap = ListedColormap(["#e8e8e8", "#4c72b0"])
+    for axis, (title, visible, row_lens) in zip(axes, panels, strict=True):
+        axis.imshow(visible, cmap=cmap, vmin=0, vmax=1)
+        num_queries, num_keys = visible.shape
+        axis.set_xticks(range(num_keys))
+        axis.set_yticks(range(num_queries))
+        axis.set_xticks(np.arange(num_keys + 1) - 0.5, minor=True)
+        axis.set_yticks(np.arange(num_queries + 1) - 0.5, minor=True)
+        axis.grid(which="minor", color="white", lw=1.5)
+        axis.tick_params(which="both", length=0, labelsize=7)
+        axis.set_xlabel("key j", fontsize=8)
+        axis.set_title(title, fontsize=8.5)
+        for i in range(num_queries):
+            if not visible[i].any():
+                axis.text(num_keys / 2 - 0.5, i, "all hidden: 1/K each", ha="center",
+                          va="center", fontsize=6.5, color="#c44e52")
+    axes[0].set_ylabel("query i", fontsize=8)
+    figure.suptitle("Visible keys (blue) per query; hidden scores are replaced by -1e6",
+                    fontsize=10)
+    figure.savefig(path, dpi=140)
+    plt.close(figure)
+    return path
+
+
+def write_all(directory: str | Path) -> list[Path]:
+    """Writes every figure into ``directory`` (created if needed)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return [head_layout(directory / "head_layout.png"), masks(directory / "masks.png")]
+
+
+if __name__ == "__main__":
+    import sys
+
+    for written in write_all(sys.argv[1] if len(sys.argv) > 1 else "_generated"):
+        print(written)

@@ -1,0 +1,46 @@
+"""Sphinx configuration of the mha_multi documentation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).parent
+sys.path.insert(0, str(DOCS / "_scripts"))
+
+import figures  # noqa: E402
+
+import mha_multi  # noqa: E402
+
+project = "mha_multi"
+author = "mha_multi contributors"
+copyright = "mha_multi contributors"  # noqa: A001
+release = version = mha_multi.__version__
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+]
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+exclude_patterns = ["_build", "examples", "_scripts"]
+myst_enable_extensions = ["colon_fence", "dollarmath", "deflist"]
+myst_heading_anchors = 3
+
+# The documentation environment installs no framework: every backend module
+# is imported against mocks, so that its docstrings and signatures render.
+autodoc_mock_imports = ["torch", "jax", "jaxlib", "flax", "keras", "tensorflow", "mxnet"]
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_typehints_format = "short"
+autodoc_default_options = {"members": True, "show-inheritance": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+html_theme = "furo"
+html_title = f"mha_multi {release}"
+pygments_style = "friendly"
+
+# Figures of the head layout and of the visibility masks, drawn by the spec.
+figures.write_all(DOCS / "_generated")
