@@ -14,7 +14,7 @@ import mha_multi  # noqa: E402
 
 project = "mha_multi"
 author = "mha_multi contributors"
-copyright = "mha_multi contributors"  # noqa: A001
+copyright = "mha_multi contributors"
 release = version = mha_multi.__version__
 
 extensions = [

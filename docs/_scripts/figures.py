@@ -15,11 +15,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import numpy as np  # noqa: E402
-from matplotlib import pyplot as plt  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
+import numpy as np
+from matplotlib import pyplot as plt
+from matplotlib.colors import ListedColormap
 
-from mha_multi import spec  # noqa: E402
+from mha_multi import spec
 
 OPS = spec.NumpyOps()
 HEAD_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
@@ -35,7 +35,12 @@ def _draw_grid(
                 plt.Rectangle((c, rows - 1 - r), 1, 1, facecolor=colors[r][c], edgecolor="white")
             )
             axis.text(
-                c + 0.5, rows - 0.5 - r, labels[r][c], ha="center", va="center", fontsize=6.5,
+                c + 0.5,
+                rows - 0.5 - r,
+                labels[r][c],
+                ha="center",
+                va="center",
+                fontsize=6.5,
                 color="white",
             )
     axis.set_xlim(0, columns)
@@ -65,8 +70,11 @@ def head_layout(path: Path, batch: int = 2, length: int = 3, num_heads: int = 3)
     figure, (left, right) = plt.subplots(
         1, 2, figsize=(8.6, 4.6), gridspec_kw={"width_ratios": [3.0, 1.9]}, layout="constrained"
     )
-    colors = [[HEAD_COLORS[head[i, j, k]] for k in range(shape[2])] for i in range(batch)
-              for j in range(length)]
+    colors = [
+        [HEAD_COLORS[head[i, j, k]] for k in range(shape[2])]
+        for i in range(batch)
+        for j in range(length)
+    ]
     labels = [[f"b{i} t{j}" for _ in range(shape[2])] for i in range(batch) for j in range(length)]
     _draw_grid(
         left,
@@ -77,17 +85,26 @@ def head_layout(path: Path, batch: int = 2, length: int = 3, num_heads: int = 3)
         column_labels=[f"h{k // head_dim}:{k % head_dim}" for k in range(shape[2])],
     )
     rows = batch * num_heads
-    colors = [[HEAD_COLORS[moved["h"][r, j, k]] for k in range(head_dim)] for r in range(rows)
-              for j in range(length)]
-    labels = [[f"b{moved['b'][r, j, k]} t{moved['t'][r, j, k]}" for k in range(head_dim)]
-              for r in range(rows) for j in range(length)]
+    colors = [
+        [HEAD_COLORS[moved["h"][r, j, k]] for k in range(head_dim)]
+        for r in range(rows)
+        for j in range(length)
+    ]
+    labels = [
+        [f"b{moved['b'][r, j, k]} t{moved['t'][r, j, k]}" for k in range(head_dim)]
+        for r in range(rows)
+        for j in range(length)
+    ]
     _draw_grid(
         right,
         colors,
         labels,
         title=f"transpose_qkv: (B*H, T, dh) = {moved['b'].shape}\nflat row = b*H + h",
-        row_labels=[f"row {r} (b{r // num_heads} h{r % num_heads}), t={j}" for r in range(rows)
-                    for j in range(length)],
+        row_labels=[
+            f"row {r} (b{r // num_heads} h{r % num_heads}), t={j}"
+            for r in range(rows)
+            for j in range(length)
+        ],
         column_labels=[f"d{k}" for k in range(head_dim)],
         aspect="auto",
     )
@@ -112,20 +129,22 @@ def _visible(num_queries: int, num_keys: int, valid_lens, causal: bool = False) 
 def masks(path: Path) -> Path:
     """Which key each query sees, for the three ways of hiding keys and their AND."""
     panels = [
-        ("1-D valid_lens = [3, 2]\nexample 0 (len 3)", _visible(4, 6, [3, 2])[0], None),
-        ("1-D valid_lens = [3, 2]\nexample 1 (len 2)", _visible(4, 6, [3, 2])[1], None),
-        ("2-D valid_lens[b] =\n[1, 4, 0, 6]", _visible(4, 6, [[1, 4, 0, 6]])[0], [1, 4, 0, 6]),
-        ("causal, Q = K = 4", _visible(4, 4, None, causal=True)[0], None),
-        ("causal, Q = 4, K = 6\n(bottom-right aligned)", _visible(4, 6, None, causal=True)[0],
-         None),
-        ("causal AND\nvalid_lens = [4]", _visible(4, 6, [4], causal=True)[0], None),
+        ("1-D valid_lens = [3, 2]\nexample 0 (len 3)", _visible(4, 6, [3, 2])[0]),
+        ("1-D valid_lens = [3, 2]\nexample 1 (len 2)", _visible(4, 6, [3, 2])[1]),
+        ("2-D valid_lens[b] =\n[1, 4, 0, 6]", _visible(4, 6, [[1, 4, 0, 6]])[0]),
+        ("causal, Q = K = 4", _visible(4, 4, None, causal=True)[0]),
+        (
+            "causal, Q = 4, K = 6\n(bottom-right aligned)",
+            _visible(4, 6, None, causal=True)[0],
+        ),
+        ("causal AND\nvalid_lens = [4]", _visible(4, 6, [4], causal=True)[0]),
     ]
     # Every panel must agree with the rule written out by hand.
     q, k = np.indices((4, 6))
     assert (panels[0][1] == (k < 3)).all() and (panels[4][1] == (k <= q + 2)).all()
     figure, axes = plt.subplots(1, len(panels), figsize=(13.5, 3.0), layout="constrained")
     cmap = ListedColormap(["#e8e8e8", "#4c72b0"])
-    for axis, (title, visible, row_lens) in zip(axes, panels, strict=True):
+    for axis, (title, visible) in zip(axes, panels, strict=True):
         axis.imshow(visible, cmap=cmap, vmin=0, vmax=1)
         num_queries, num_keys = visible.shape
         axis.set_xticks(range(num_keys))
@@ -138,11 +157,19 @@ def masks(path: Path) -> Path:
         axis.set_title(title, fontsize=8.5)
         for i in range(num_queries):
             if not visible[i].any():
-                axis.text(num_keys / 2 - 0.5, i, "all hidden: 1/K each", ha="center",
-                          va="center", fontsize=6.5, color="#c44e52")
+                axis.text(
+                    num_keys / 2 - 0.5,
+                    i,
+                    "all hidden: 1/K each",
+                    ha="center",
+                    va="center",
+                    fontsize=6.5,
+                    color="#c44e52",
+                )
     axes[0].set_ylabel("query i", fontsize=8)
-    figure.suptitle("Visible keys (blue) per query; hidden scores are replaced by -1e6",
-                    fontsize=10)
+    figure.suptitle(
+        "Visible keys (blue) per query; hidden scores are replaced by -1e6", fontsize=10
+    )
     figure.savefig(path, dpi=140)
     plt.close(figure)
     return path
