@@ -27,6 +27,9 @@ PINS = {
     "hypothesis": "hypothesis==6.170.15",
     "ruff": "ruff==0.17.5",
     "torch": "torch==2.13.0",
+    # MXNet 1.9 (the last release) uses np.bool: numpy < 1.24 in its environment.
+    "mxnet": "mxnet==1.9.1",
+    "numpy-mxnet": "numpy==1.23.5",
 }
 
 
@@ -50,6 +53,12 @@ ENVIRONMENTS: dict[str, Environment] = {
         "torch,test",
         backends=("torch",),
         tests=("tests/backends", "tests/torch"),
+    ),
+    "mxnet": Environment(
+        (PINS["numpy-mxnet"], PINS["safetensors"], PINS["pytest"], PINS["hypothesis"], PINS["mxnet"]),
+        "mxnet,test",
+        backends=("mxnet", "mxnet-hybrid"),
+        tests=("tests/core", "tests/backends", "tests/mxnet"),
     ),
 }
 
