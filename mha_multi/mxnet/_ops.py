@@ -19,6 +19,8 @@ themselves is worked around here:
 * ``matmul`` of float16 arrays on the CPU: MXNet 1.9 has float16 matrix
   products on GPUs only, so the product is taken in float32 and cast back,
   as GPUs accumulate float16 products in float32.
+* ``where`` with a scalar fill has a wrong backward in MXNet 1.9; the fill
+  is passed as a 0-d array.
 * ``arange_like`` counts in float32 where the array is 16-bit (float16
   cannot count past 2048 exactly) and returns int32.
 """
@@ -115,7 +117,11 @@ class MXNetOps:
         return self._np.multiply(a, b).astype(np.bool_)
 
     def where(self, condition: Array, x: Array, fill: float) -> Array:
-        return self._np.where(condition, x, fill)
+        # Not np.where(condition, x, fill): MXNet 1.9's backward of the scalar
+        # form routes the gradient to the wrong elements. A 0-d array is right.
+        placement = {"ctx": x.ctx} if _is_array(x) else {}
+        fill_array = self._np.full((), fill, dtype=self.dtype(x), **placement)
+        return self._np.where(condition, x, fill_array)
 
     def softmax(self, x: Array) -> Array:
         return self._npx.softmax(x, axis=-1)

@@ -394,7 +394,7 @@ def _as_lens(valid_lens: Any, ctx: mx.Context) -> mx.np.ndarray | None:
     if isinstance(valid_lens, mx.nd.NDArray):
         lens = valid_lens if isinstance(valid_lens, mx.np.ndarray) else valid_lens.as_np_ndarray()
         spec.check_valid_lens_dtype(dtype_kind(lens.dtype))
-        return lens.as_in_context(ctx)
+        return lens.as_in_ctx(ctx)
     try:
         array = np.asarray(valid_lens)
     except (TypeError, ValueError) as error:
