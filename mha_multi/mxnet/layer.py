@@ -236,6 +236,10 @@ class MultiHeadAttention(gluon.HybridBlock):
     def cast(self, dtype: Any) -> None:
         """Casts the parameters; graphs are rebuilt for the new dtype."""
         super().cast(dtype)
+        # MXNet 1.9 caches each parameter's symbol with its old dtype, so a
+        # graph traced after the cast would fail type inference.
+        for parameter in self.collect_params().values():
+            parameter._var = None
         self._graphs = _Graphs()
 
     def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = True) -> None:
@@ -253,9 +257,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         """
         graph = self._graphs.last
         if graph is None or not self._active:
-            raise RuntimeError(
-                "call hybridize() and then the layer at least once before export()"
-            )
+            raise RuntimeError("call hybridize() and then the layer at least once before export()")
         graph.export(path, epoch=epoch, remove_amp_cast=remove_amp_cast)
 
     # -- calling -------------------------------------------------------------
@@ -274,9 +276,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         args = (queries, keys, values, valid_lens)
         for hook in self._forward_pre_hooks.values():
             hook(self, args)
-        out = self.forward(
-            *args, causal=causal, return_attention_weights=return_attention_weights
-        )
+        out = self.forward(*args, causal=causal, return_attention_weights=return_attention_weights)
         for hook in self._forward_hooks.values():
             hook(self, args, out)
         return out

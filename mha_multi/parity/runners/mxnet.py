@@ -21,12 +21,12 @@ import numpy as np
 # before MXNet reads it.
 os.environ.setdefault("MXNET_CUDA_TENSOR_OP_MATH_ALLOW_CONVERSION", "0")
 
-import mxnet as mx  # noqa: E402
-from mxnet import autograd  # noqa: E402
+import mxnet as mx
+from mxnet import autograd
 
-from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights  # noqa: E402
-from mha_multi.parity.runners import Runner, as_float64, is_numeric  # noqa: E402
-from mha_multi.weights import KERNEL_NAMES  # noqa: E402
+from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
+from mha_multi.parity.runners import Runner, as_float64, is_numeric
+from mha_multi.weights import KERNEL_NAMES
 
 #: dtypes MXNet 1.9's numpy interface has (no bfloat16).
 DTYPES = ("float64", "float32", "float16")
