@@ -154,6 +154,9 @@ class MultiHeadAttention(gluon.HybridBlock):
     :func:`set_weights`.
 
     Parameters are created by ``initialize()`` or by :func:`set_weights`.
+    The layer runs on concrete ``mxnet.numpy`` arrays; it cannot be traced
+    with symbols inside another block's ``hybrid_forward`` (MXNet 1.9
+    symbols have no dtype or rank, which the masks depend on).
     ``hybridize()`` compiles one graph per call configuration (see the module
     docstring); the numbers are those of the imperative mode. Dropout acts
     only in training mode (``autograd.record()``).
@@ -376,6 +379,12 @@ def _in_units(dense: nn.Dense) -> int | None:
 
 
 def _check_array(name: str, array: Any, dtype: np.dtype) -> None:
+    if isinstance(array, mx.sym.Symbol):
+        raise TypeError(
+            f"{name} is a Symbol: MultiHeadAttention runs on concrete arrays, because MXNet "
+            "1.9 symbols have no dtype or rank and the masks depend on them; hybridize the "
+            "layer itself instead of tracing it inside another block's hybrid_forward"
+        )
     if not isinstance(array, mx.np.ndarray):
         hint = " (use .as_np_ndarray())" if isinstance(array, mx.nd.NDArray) else ""
         raise TypeError(f"{name} must be an mxnet.numpy.ndarray{hint}; got {type(array).__name__}")

@@ -57,7 +57,7 @@ def test_hybridized_equals_imperative(name):
     for _ in range(2):  # the first call builds the graph, the second runs the cached one
         hybrid = hybrid_layer(*arrays(case), lens(case), **kwargs)
         for got, want in zip(hybrid, eager, strict=True):
-            np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=0, atol=1e-7)
+            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
     assert_reference(case, *hybrid)
 
 
@@ -235,6 +235,19 @@ def test_bad_arrays_are_clear_errors():
         layer(x, x.as_in_ctx(mx.cpu(1)), x)
     with pytest.raises(TypeError, match="valid_lens must be an integer or floating"):
         layer(x, x, x, mx.np.array([True], dtype=bool))
+    symbol = mx.sym.var("x").as_np_ndarray()
+    with pytest.raises(TypeError, match="queries is a Symbol"):
+        layer(symbol, symbol, symbol)
+
+
+def test_hybridize_off_again_runs_imperatively(tmp_path):
+    case = case_named("lens_2d")
+    layer = layer_for(case, hybridize=True)
+    assert_reference(case, layer(*arrays(case), lens(case)))
+    layer.hybridize(False)
+    assert_reference(case, layer(*arrays(case), lens(case)))
+    with pytest.raises(RuntimeError, match="hybridize"):
+        layer.export(str(tmp_path / "mha"))
 
 
 def test_cast_rebuilds_for_the_new_dtype():
