@@ -71,7 +71,6 @@ class _AttentionGraph(gluon.HybridBlock):
         num_heads: int,
         head_dim: int,
         dropout: float,
-        bias: bool,
         prefix: str,
         params: gluon.ParameterDict,
         shared: Mapping[str, gluon.Parameter],
@@ -82,7 +81,6 @@ class _AttentionGraph(gluon.HybridBlock):
         self._num_heads = num_heads
         self._head_dim = head_dim
         self._dropout = dropout
-        self._bias = bias
         self._float16_in_float32 = config.device_type == "cpu" and config.dtype == "float16"
         #: dtypes and shapes of the call's inputs, by Gluon's graph input names.
         self.input_dtypes: dict[str, str] = {}
@@ -361,7 +359,6 @@ class MultiHeadAttention(gluon.HybridBlock):
                 num_heads=self.num_heads,
                 head_dim=self.head_dim,
                 dropout=self.dropout,
-                bias=self.bias,
                 prefix=self.prefix,
                 params=self.collect_params(),
                 shared=shared,
