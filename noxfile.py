@@ -29,6 +29,9 @@ PINS = {
     "ruff": "ruff==0.17.5",
     "matplotlib": "matplotlib==3.11.2",
     "torch": "torch==2.13.0",
+    # MXNet 1.9 (the last release) uses np.bool: numpy < 1.24 in its environment.
+    "mxnet": "mxnet==1.9.1",
+    "numpy-mxnet": "numpy==1.23.5",
 }
 
 
@@ -54,6 +57,19 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("torch",),
         tests=("tests/backends", "tests/torch"),
         benchmarks=("torch",),
+    ),
+    "mxnet": Environment(
+        # COMMON with numpy 1.23: MXNet 1.9 imports only with numpy < 1.24.
+        (
+            PINS["numpy-mxnet"],
+            PINS["safetensors"],
+            PINS["pytest"],
+            PINS["hypothesis"],
+            PINS["mxnet"],
+        ),
+        "mxnet,test",
+        backends=("mxnet", "mxnet-hybrid"),
+        tests=("tests/core", "tests/backends", "tests/mxnet"),
     ),
 }
 
