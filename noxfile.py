@@ -32,6 +32,9 @@ PINS = {
     "furo": "furo==2025.12.19",
     "myst-parser": "myst-parser==5.2.0",
     "torch": "torch==2.13.0",
+    # MXNet 1.9 (the last release) uses np.bool: numpy < 1.24 in its environment.
+    "mxnet": "mxnet==1.9.1",
+    "numpy-mxnet": "numpy==1.23.5",
 }
 
 
@@ -57,6 +60,19 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("torch",),
         tests=("tests/backends", "tests/torch"),
         benchmarks=("torch",),
+    ),
+    "mxnet": Environment(
+        # COMMON with numpy 1.23: MXNet 1.9 imports only with numpy < 1.24.
+        (
+            PINS["numpy-mxnet"],
+            PINS["safetensors"],
+            PINS["pytest"],
+            PINS["hypothesis"],
+            PINS["mxnet"],
+        ),
+        "mxnet,test",
+        backends=("mxnet", "mxnet-hybrid"),
+        tests=("tests/core", "tests/backends", "tests/mxnet"),
     ),
 }
 

@@ -188,14 +188,16 @@ class MultiHeadAttention(nn.Module):
         q, k, v = (
             x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for x in (q, k, v)
         )
-        # Lengths that hide nothing need no mask, which lets flash kernels run.
-        # (The check reads a value, so compiled graphs keep the mask instead.)
-        if (
-            valid_lens is not None
-            and not torch.compiler.is_compiling()
-            and bool(valid_lens.min() >= num_keys)
-        ):
-            valid_lens = None
+        # Reading the lengths (one sync) buys two things: lengths that hide
+        # nothing need no mask, which lets flash kernels run, and lengths > 0
+        # leave no row fully hidden, so no correction. Compiled graphs cannot
+        # branch on values and keep the general form.
+        may_hide_rows = True
+        if valid_lens is not None and not torch.compiler.is_compiling():
+            shortest = valid_lens.min().item()
+            may_hide_rows = shortest <= 0
+            if shortest >= num_keys:
+                valid_lens = None
         # A branch, not an expression: under dynamic shapes the comparison is
         # symbolic, and SDPA takes a plain bool.
         is_causal = False
@@ -209,7 +211,8 @@ class MultiHeadAttention(nn.Module):
         output = nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=visible, dropout_p=dropout_p, is_causal=is_causal
         )
-        output = spec.fix_fully_hidden_rows(OPS, output, v, visible, heads_axis=1)
+        if may_hide_rows or (causal and num_queries > num_keys):
+            output = spec.fix_fully_hidden_rows(OPS, output, v, visible, heads_axis=1)
         return output.transpose(1, 2).flatten(2)
 
 

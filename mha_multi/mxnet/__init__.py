@@ -1,0 +1,9 @@
+"""MXNet backend: ``MultiHeadAttention`` as a Gluon ``HybridBlock`` (numpy interface).
+
+Importing it turns on MXNet's numpy interface (``npx.set_np()``), which the
+layer is written for, as d2l does.
+"""
+
+from mha_multi.mxnet.layer import MultiHeadAttention, get_weights, set_weights
+
+__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]

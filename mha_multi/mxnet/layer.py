@@ -1,0 +1,478 @@
+"""``MultiHeadAttention`` as a Gluon ``HybridBlock`` on MXNet 1.9's numpy interface.
+
+MXNet 1.9 builds one static graph per ``HybridBlock``, from positional
+arrays only, and its symbols have neither shape nor dtype. The public block
+therefore does the checks on the concrete arrays it is called with, then
+hands them to a private graph block built for that call's *configuration*:
+device type, dtype, whether ``valid_lens`` is given and its rank and dtype,
+``causal`` and ``return_attention_weights``. The graph blocks share the
+public block's parameters (Gluon's ``params=`` sharing), are hybridized
+with it, and each keeps its own cached graph, so alternating configurations
+never rebuild a graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+from mxnet import gluon, npx
+from mxnet.gluon import nn
+
+from mha_multi import spec
+from mha_multi.mxnet._ops import MXNetOps, dtype_kind
+from mha_multi.weights import KERNEL_NAMES, check_weights
+
+__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
+
+# The layer is written for MXNet's numpy interface (as d2l is); it is a no-op
+# when already active.
+npx.set_np()
+
+_PROJECTIONS = ("q", "k", "v", "o")
+
+
+@dataclass(frozen=True)
+class _Config:
+    """What a graph is built for; everything else is a runtime input."""
+
+    device_type: str
+    dtype: str
+    lens_ndim: int | None  # None: no valid_lens
+    lens_dtype: str | None
+    causal: bool
+    return_attention_weights: bool
+
+
+class _Graphs:
+    """Holds the per-configuration graph blocks.
+
+    A plain dict attribute holding blocks would make Gluon warn about an
+    unregistered container; these blocks are deliberately not children, so
+    that the public block's parameter names stay d2l's.
+    """
+
+    def __init__(self) -> None:
+        self.by_config: dict[_Config, _AttentionGraph] = {}
+        self.last: _AttentionGraph | None = None
+
+
+class _AttentionGraph(gluon.HybridBlock):
+    """The layer's computation for one configuration, on shared parameters."""
+
+    def __init__(
+        self,
+        config: _Config,
+        *,
+        num_hiddens: int,
+        num_heads: int,
+        head_dim: int,
+        dropout: float,
+        prefix: str,
+        params: gluon.ParameterDict,
+        shared: Mapping[str, gluon.Parameter],
+    ) -> None:
+        super().__init__(prefix=prefix, params=params)
+        self._config = config
+        self._num_hiddens = num_hiddens
+        self._num_heads = num_heads
+        self._head_dim = head_dim
+        self._dropout = dropout
+        self._float16_in_float32 = config.device_type == "cpu" and config.dtype == "float16"
+        #: dtypes and shapes of the call's inputs, by Gluon's graph input names.
+        self.input_dtypes: dict[str, str] = {}
+        self.input_shapes: dict[str, tuple[int, ...]] = {}
+        with self.name_scope():
+            for name, parameter in shared.items():
+                found = self.params.get(name)
+                if found is not parameter:
+                    raise RuntimeError(f"parameter {parameter.name!r} could not be shared")
+                setattr(self, name, found)
+
+    def _project(self, F: Any, x: Any, weight: Any, bias: Any) -> Any:
+        if self._float16_in_float32:
+            # MXNet 1.9's CPU fully-connected kernel has no float16.
+            x, weight = x.astype(np.float32), weight.astype(np.float32)
+            bias = None if bias is None else bias.astype(np.float32)
+        y = F.npx.fully_connected(
+            x, weight, bias, no_bias=bias is None, num_hidden=self._num_hiddens, flatten=False
+        )
+        return y.astype(np.float16) if self._float16_in_float32 else y
+
+    def hybrid_forward(
+        self,
+        F: Any,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any = None,
+        **params: Any,
+    ) -> Any:
+        # Symbols (a graph being traced) get the traced call's input dtypes
+        # and shapes: MXNet 1.9 symbols carry neither.
+        ops = MXNetOps(
+            F,
+            float16_in_float32=self._float16_in_float32,
+            input_dtypes=self.input_dtypes,
+            input_shapes=self.input_shapes,
+        )
+
+        def project(x: Any, name: str) -> Any:
+            return self._project(F, x, params[f"W_{name}_weight"], params.get(f"W_{name}_bias"))
+
+        def dropout(weights: Any) -> Any:
+            # mode="training": active only while autograd is in training mode.
+            return F.npx.dropout(weights, p=self._dropout)
+
+        context, weights = spec.attention(
+            ops,
+            project(queries, "q"),
+            project(keys, "k"),
+            project(values, "v"),
+            valid_lens,
+            num_heads=self._num_heads,
+            head_dim=self._head_dim,
+            causal=self._config.causal,
+            dropout=dropout if self._dropout > 0 else None,
+        )
+        output = project(context, "o")
+        return (output, weights) if self._config.return_attention_weights else output
+
+
+class MultiHeadAttention(gluon.HybridBlock):
+    """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
+
+    The projections are ``nn.Dense(num_hiddens, flatten=False)`` blocks named
+    ``W_q``, ``W_k``, ``W_v`` and ``W_o`` as in d2l, so ``save_parameters``
+    writes ``W_q.weight`` and so on. Input sizes left as ``None`` are inferred
+    on the first call (Gluon's deferred initialization), or fixed by
+    :func:`set_weights`.
+
+    Parameters are created by ``initialize()`` or by :func:`set_weights`.
+    The layer runs on concrete ``mxnet.numpy`` arrays; it cannot be traced
+    with symbols inside another block's ``hybrid_forward`` (MXNet 1.9
+    symbols have no dtype or rank, which the masks depend on).
+    ``hybridize()`` compiles one graph per call configuration (see the module
+    docstring); the numbers are those of the imperative mode. Dropout acts
+    only in training mode (``autograd.record()``).
+
+    Args:
+        num_hiddens: size of every projection and of the output.
+        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        dropout: dropout rate on the attention weights, in training mode only.
+        bias: whether the four projections have biases.
+        query_size: last dimension of the queries (deferred when ``None``).
+        key_size: last dimension of the keys (deferred when ``None``).
+        value_size: last dimension of the values (deferred when ``None``).
+        dtype: dtype of the parameters ("float32", "float64" or "float16").
+        **kwargs: Gluon's ``prefix`` and ``params``.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: int | None = None,
+        key_size: int | None = None,
+        value_size: int | None = None,
+        dtype: Any = "float32",
+        **kwargs: Any,
+    ) -> None:
+        head_dim = spec.check_config(num_hiddens, num_heads, dropout)
+        spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
+        super().__init__(**kwargs)
+        self.num_hiddens = int(num_hiddens)
+        self.num_heads = int(num_heads)
+        self.head_dim = head_dim
+        self.dropout = float(dropout)
+        self.bias = bool(bias)
+        in_units = {"q": query_size, "k": key_size, "v": value_size, "o": num_hiddens}
+        with self.name_scope():
+            for name in _PROJECTIONS:
+                dense = nn.Dense(
+                    self.num_hiddens,
+                    flatten=False,
+                    use_bias=self.bias,
+                    dtype=dtype,
+                    in_units=in_units[name] or 0,
+                    prefix=f"W_{name}_",
+                )
+                setattr(self, f"W_{name}", dense)
+        self._graphs = _Graphs()
+        self._hybridize_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_hiddens={self.num_hiddens}, "
+            f"num_heads={self.num_heads}, dropout={self.dropout}, bias={self.bias})"
+        )
+
+    # -- configuration --------------------------------------------------------
+
+    def input_sizes(self) -> dict[str, int | None]:
+        """``query_size``, ``key_size``, ``value_size``; ``None`` where still deferred."""
+        return {
+            f"{kind}_size": _in_units(getattr(self, f"W_{name}"))
+            for name, kind in (("q", "query"), ("k", "key"), ("v", "value"))
+        }
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The parameters' dtype."""
+        return np.dtype(self.W_o.weight.dtype)
+
+    def hybridize(self, active: bool = True, *args: Any, **kwargs: Any) -> None:
+        """Gluon's ``hybridize``, applied to every configuration's graph."""
+        super().hybridize(active, *args, **kwargs)
+        self._hybridize_args = ((active, *args), kwargs)
+        for graph in self._graphs.by_config.values():
+            graph.hybridize(active, *args, **kwargs)
+
+    def cast(self, dtype: Any) -> None:
+        """Casts the parameters; graphs are rebuilt for the new dtype."""
+        super().cast(dtype)
+        # MXNet 1.9 caches each parameter's symbol with its old dtype, so a
+        # graph traced after the cast would fail type inference.
+        for parameter in self.collect_params().values():
+            parameter._var = None
+        self._graphs = _Graphs()
+
+    def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = True) -> None:
+        """Exports the graph of the most recent call (hybridized) to files.
+
+        Writes ``path-symbol.json`` and ``path-%04d.params``, loadable with
+        ``gluon.SymbolBlock.imports(symbol_file, names, params_file)``, where
+        ``names`` are ``["data0", "data1", "data2"]`` (queries, keys, values)
+        plus ``"data3"`` (``valid_lens``) if that call had lengths. The graph
+        computes that call's configuration (``causal``,
+        ``return_attention_weights``, lengths' rank and dtype).
+
+        Raises:
+            RuntimeError: the block is not hybridized or was not called yet.
+        """
+        graph = self._graphs.last
+        if graph is None or not self._active:
+            raise RuntimeError("call hybridize() and then the layer at least once before export()")
+        graph.export(path, epoch=epoch, remove_amp_cast=remove_amp_cast)
+
+    # -- calling -------------------------------------------------------------
+
+    def __call__(  # type: ignore[override]
+        self,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any = None,
+        *,
+        causal: bool = False,
+        return_attention_weights: bool = False,
+    ) -> Any:
+        # Gluon's Block.__call__ takes positional arguments only.
+        args = (queries, keys, values, valid_lens)
+        for hook in self._forward_pre_hooks.values():
+            hook(self, args)
+        out = self.forward(*args, causal=causal, return_attention_weights=return_attention_weights)
+        for hook in self._forward_hooks.values():
+            hook(self, args, out)
+        return out
+
+    def forward(  # type: ignore[override]
+        self,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any = None,
+        *,
+        causal: bool = False,
+        return_attention_weights: bool = False,
+    ) -> Any:
+        """Attends from ``queries`` to ``keys``/``values``.
+
+        Args:
+            queries: ``(B, Q, query_size)`` ``mxnet.numpy.ndarray``.
+            keys: ``(B, K, key_size)``, same dtype and device.
+            values: ``(B, K, value_size)``, same dtype and device.
+            valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating
+                (MXNet's default float32 included); an ``mxnet.numpy`` array
+                on any device, a numpy array or a list. Key ``j`` is visible
+                to query ``i`` iff ``j < valid_lens``.
+            causal: also hide key ``j`` from query ``i`` when
+                ``j > i + (K - Q)``.
+            return_attention_weights: also return the pre-dropout weights.
+
+        Returns:
+            ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
+            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``.
+
+        Raises:
+            TypeError: an input is not a floating ``mxnet.numpy.ndarray`` of
+                the parameters' dtype, or ``valid_lens`` is not numeric.
+            ValueError: mismatched shapes or devices.
+        """
+        for name, array in (("queries", queries), ("keys", keys), ("values", values)):
+            _check_array(name, array, self.dtype)
+        for name, array in (("keys", keys), ("values", values)):
+            if array.ctx != queries.ctx:
+                raise ValueError(f"{name} is on {array.ctx} but queries on {queries.ctx}")
+        lens = _as_lens(valid_lens, queries.ctx)
+        spec.check_inputs(
+            queries.shape,
+            keys.shape,
+            values.shape,
+            None if lens is None else lens.shape,
+            **self.input_sizes(),
+        )
+        config = _Config(
+            device_type=queries.ctx.device_type,
+            dtype=self.dtype.name,
+            lens_ndim=None if lens is None else lens.ndim,
+            lens_dtype=None if lens is None else np.dtype(lens.dtype).name,
+            causal=bool(causal),
+            return_attention_weights=bool(return_attention_weights),
+        )
+        inputs = (queries, keys, values) if lens is None else (queries, keys, values, lens)
+        graph = self._graph(config)
+        graph.input_dtypes = {f"data{i}": np.dtype(x.dtype).name for i, x in enumerate(inputs)}
+        graph.input_shapes = {f"data{i}": x.shape for i, x in enumerate(inputs)}
+        out = graph(*inputs)
+        self._graphs.last = graph
+        return tuple(out) if config.return_attention_weights else out
+
+    def _graph(self, config: _Config) -> _AttentionGraph:
+        graph = self._graphs.by_config.get(config)
+        if graph is None:
+            shared = {}
+            for name in _PROJECTIONS:
+                dense = getattr(self, f"W_{name}")
+                shared[f"W_{name}_weight"] = dense.weight
+                if self.bias:
+                    shared[f"W_{name}_bias"] = dense.bias
+            graph = _AttentionGraph(
+                config,
+                num_hiddens=self.num_hiddens,
+                num_heads=self.num_heads,
+                head_dim=self.head_dim,
+                dropout=self.dropout,
+                prefix=self.prefix,
+                params=self.collect_params(),
+                shared=shared,
+            )
+            if self._hybridize_args is not None:
+                args, kwargs = self._hybridize_args
+                graph.hybridize(*args, **kwargs)
+            self._graphs.by_config[config] = graph
+        return graph
+
+
+def _in_units(dense: nn.Dense) -> int | None:
+    size = dense.weight.shape[1]
+    return int(size) if size > 0 else None
+
+
+def _check_array(name: str, array: Any, dtype: np.dtype) -> None:
+    if isinstance(array, mx.sym.Symbol):
+        raise TypeError(
+            f"{name} is a Symbol: MultiHeadAttention runs on concrete arrays, because MXNet "
+            "1.9 symbols have no dtype or rank and the masks depend on them; hybridize the "
+            "layer itself instead of tracing it inside another block's hybrid_forward"
+        )
+    if not isinstance(array, mx.np.ndarray):
+        hint = " (use .as_np_ndarray())" if isinstance(array, mx.nd.NDArray) else ""
+        raise TypeError(f"{name} must be an mxnet.numpy.ndarray{hint}; got {type(array).__name__}")
+    if dtype_kind(array.dtype) != "f":
+        raise TypeError(f"{name} must be a floating-point array; got {np.dtype(array.dtype)}")
+    if np.dtype(array.dtype) != dtype:
+        raise TypeError(
+            f"{name} dtype {np.dtype(array.dtype)} differs from the layer's parameter dtype "
+            f"{dtype}; convert one of them (e.g. layer.cast({np.dtype(array.dtype).name!r}))"
+        )
+
+
+def _as_lens(valid_lens: Any, ctx: mx.Context) -> mx.np.ndarray | None:
+    if valid_lens is None:
+        return None
+    if isinstance(valid_lens, mx.nd.NDArray):
+        lens = valid_lens if isinstance(valid_lens, mx.np.ndarray) else valid_lens.as_np_ndarray()
+        spec.check_valid_lens_dtype(dtype_kind(lens.dtype))
+        return lens.as_in_ctx(ctx)
+    try:
+        array = np.asarray(valid_lens)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
+        ) from error
+    spec.check_valid_lens_dtype(array.dtype.kind)
+    return mx.np.array(array, dtype=array.dtype, ctx=ctx)
+
+
+def _initialized(parameter: gluon.Parameter) -> bool:
+    try:
+        parameter.data()
+    except (gluon.parameter.DeferredInitializationError, RuntimeError):
+        return False
+    return True
+
+
+def _load(parameter: gluon.Parameter, array: np.ndarray, ctx: mx.Context | None) -> None:
+    if not _initialized(parameter):
+        try:
+            contexts = parameter.list_ctx()  # deferred initialization keeps its devices
+        except RuntimeError:
+            contexts = [ctx or mx.context.current_context()]
+        parameter.shape = array.shape
+        # Zeros, not the default random initializer: the values are replaced
+        # at once, and MXNet 1.9's numpy uniform sampler rejects float64 outputs.
+        parameter.initialize(init=mx.init.Zero(), ctx=contexts, force_reinit=True)
+    parameter.set_data(mx.np.array(array, dtype=parameter.dtype))
+
+
+def set_weights(
+    layer: MultiHeadAttention, weights: Mapping[str, Any], *, ctx: mx.Context | None = None
+) -> MultiHeadAttention:
+    """Loads canonical weights into ``layer`` (strict) and returns it.
+
+    Deferred input sizes are fixed by the weights. Parameters not initialized
+    yet are created on ``ctx`` (default: the current context); initialized
+    ones keep their devices. Values are converted to the parameters' dtype.
+
+    Raises:
+        ValueError: a missing, extra or mis-shaped entry, named.
+    """
+    arrays, _ = check_weights(
+        weights, num_hiddens=layer.num_hiddens, bias=layer.bias, **layer.input_sizes()
+    )
+    for name, array in arrays.items():
+        dense = getattr(layer, f"W_{name[-1]}")
+        if name in KERNEL_NAMES:
+            _load(dense.weight, np.ascontiguousarray(array.T), ctx)
+        else:
+            _load(dense.bias, array, ctx)
+    return layer
+
+
+def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
+    """The canonical weights of ``layer`` as numpy arrays (the parameters' dtype).
+
+    Raises:
+        ValueError: some input size is still deferred (call the layer once,
+            or pass ``query_size``/``key_size``/``value_size``).
+        RuntimeError: the parameters are not initialized.
+    """
+    lazy = [name for name, size in layer.input_sizes().items() if size is None]
+    if lazy:
+        raise ValueError(
+            f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
+        )
+    weights = {}
+    for name in KERNEL_NAMES:
+        dense = getattr(layer, name)
+        weights[name] = np.ascontiguousarray(dense.weight.data().asnumpy().T)
+        if layer.bias:
+            weights[f"b_{name[-1]}"] = dense.bias.data().asnumpy().copy()
+    return weights

@@ -1,0 +1,297 @@
+"""What only the MXNet backend has: hybridize, export, deferred sizes, Gluon training, devices."""
+
+from __future__ import annotations
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon
+
+from conftest import gpu_required
+from mha_multi import spec
+from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
+from mha_multi.parity.cases import CASES, build_case
+from mha_multi.weights import init_weights
+
+INPUT_NAMES = ("queries", "keys", "values")
+
+
+def case_named(name):
+    return build_case(next(c for c in CASES if c.name == name))
+
+
+def layer_for(case, *, hybridize=False, dtype="float32", ctx=None):
+    config = case.config
+    layer = MultiHeadAttention(config.num_hiddens, config.num_heads, bias=config.bias, dtype=dtype)
+    set_weights(layer, case.weights, ctx=ctx)
+    if hybridize:
+        layer.hybridize()
+    return layer
+
+
+def arrays(case, dtype="float32", ctx=None):
+    ctx = ctx or mx.cpu()
+    return [mx.np.array(case.inputs[n], dtype=dtype, ctx=ctx) for n in INPUT_NAMES]
+
+
+def lens(case, ctx=None):
+    if case.valid_lens is None:
+        return None
+    return mx.np.array(case.valid_lens, dtype=case.valid_lens.dtype, ctx=ctx or mx.cpu())
+
+
+def assert_reference(case, output, weights=None, atol=5e-6):
+    np.testing.assert_allclose(output.asnumpy(), case.reference["output"], rtol=0, atol=atol)
+    if weights is not None:
+        np.testing.assert_allclose(
+            weights.asnumpy(), case.reference["attention_weights"], rtol=0, atol=atol
+        )
+
+
+@pytest.mark.parametrize("name", ["book", "causal_lens_2d", "lens_1d_float", "cross_sizes"])
+def test_hybridized_equals_imperative(name):
+    case = case_named(name)
+    kwargs = {"causal": case.config.causal, "return_attention_weights": True}
+    eager = layer_for(case)(*arrays(case), lens(case), **kwargs)
+    hybrid_layer = layer_for(case, hybridize=True)
+    for _ in range(2):  # the first call builds the graph, the second runs the cached one
+        hybrid = hybrid_layer(*arrays(case), lens(case), **kwargs)
+        for got, want in zip(hybrid, eager, strict=True):
+            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+    assert_reference(case, *hybrid)
+
+
+def test_alternating_configurations_share_parameters(tmp_path):
+    # One hybridized layer, four graphs: each keeps its own cache, all read
+    # the same parameters.
+    case = case_named("causal_cross")
+    layer = layer_for(case, hybridize=True)
+    q, k, v = arrays(case)
+    weights = case.weights
+    for _ in range(2):
+        for valid_lens in (None, lens(case)):
+            for causal in (False, True):
+                out = layer(q, k, v, valid_lens, causal=causal)
+                expected, _ = spec.reference_forward(
+                    weights,
+                    *(case.inputs[n] for n in INPUT_NAMES),
+                    None if valid_lens is None else case.valid_lens,
+                    num_heads=case.config.num_heads,
+                    causal=causal,
+                )
+                np.testing.assert_allclose(out.asnumpy(), expected, rtol=0, atol=5e-6)
+    assert len(list(layer.collect_params().keys())) == 4
+    # New weights are seen by every cached graph.
+    weights = init_weights(16, seed=5)
+    set_weights(layer, weights)
+    expected, _ = spec.reference_forward(
+        weights, *(case.inputs[n] for n in INPUT_NAMES), num_heads=4
+    )
+    np.testing.assert_allclose(layer(q, k, v).asnumpy(), expected, rtol=0, atol=5e-6)
+
+
+# SymbolBlock.imports warns that it cannot tell the inputs' dtypes before a call.
+@pytest.mark.filterwarnings("ignore:Cannot decide type")
+@pytest.mark.parametrize("name", ["causal_lens_2d", "lens_none", "cross_sizes"])
+def test_export_and_symbolblock_imports(tmp_path, name):
+    case = case_named(name)
+    layer = layer_for(case, hybridize=True)
+    inputs = arrays(case)
+    valid_lens = lens(case)
+    output, weights = layer(
+        *inputs, valid_lens, causal=case.config.causal, return_attention_weights=True
+    )
+    prefix = str(tmp_path / "mha")
+    layer.export(prefix)
+    names = ["data0", "data1", "data2"] + ([] if valid_lens is None else ["data3"])
+    imported = gluon.SymbolBlock.imports(f"{prefix}-symbol.json", names, f"{prefix}-0000.params")
+    args = inputs if valid_lens is None else [*inputs, valid_lens]
+    got_output, got_weights = imported(*args)
+    np.testing.assert_array_equal(got_output.asnumpy(), output.asnumpy())
+    np.testing.assert_array_equal(got_weights.asnumpy(), weights.asnumpy())
+    assert_reference(case, got_output, got_weights)
+
+
+def test_export_needs_a_hybridized_call(tmp_path):
+    case = case_named("book")
+    layer = layer_for(case)
+    layer(*arrays(case), lens(case))
+    with pytest.raises(RuntimeError, match="hybridize"):
+        layer.export(str(tmp_path / "mha"))
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_deferred_sizes_are_inferred_on_first_call(hybridize):
+    layer = MultiHeadAttention(12, 3)
+    layer.initialize()
+    if hybridize:
+        layer.hybridize()
+    with pytest.raises(ValueError, match="query_size, key_size, value_size not known yet"):
+        get_weights(layer)
+    q = mx.np.random.normal(size=(2, 3, 7))
+    k = mx.np.random.normal(size=(2, 5, 4))
+    v = mx.np.random.normal(size=(2, 5, 6))
+    assert layer(q, k, v, [5, 2]).shape == (2, 3, 12)
+    assert layer.input_sizes() == {"query_size": 7, "key_size": 4, "value_size": 6}
+    weights = get_weights(layer)
+    assert weights["W_v"].shape == (6, 12)
+    expected, _ = spec.reference_forward(
+        weights, q.asnumpy(), k.asnumpy(), v.asnumpy(), np.array([5, 2]), num_heads=3
+    )
+    np.testing.assert_allclose(layer(q, k, v, [5, 2]).asnumpy(), expected, rtol=0, atol=5e-6)
+    with pytest.raises(ValueError, match="queries last dimension must be query_size=7"):
+        layer(mx.np.zeros((2, 3, 8)), k, v)
+
+
+def test_set_weights_without_initialize_fixes_deferred_sizes():
+    case = case_named("cross_sizes")
+    layer = layer_for(case)  # never initialized; sizes and values come from the weights
+    assert layer.input_sizes() == {"query_size": 7, "key_size": 5, "value_size": 3}
+    assert_reference(case, layer(*arrays(case), lens(case)))
+    assert all(get_weights(layer)[n].tobytes() == w.tobytes() for n, w in case.weights.items())
+
+
+def test_parameter_names_are_d2l_names(tmp_path):
+    layer = MultiHeadAttention(8, 2, bias=True, query_size=8, key_size=8, value_size=8)
+    layer.initialize()
+    path = str(tmp_path / "mha.params")
+    layer.save_parameters(path)
+    loaded = mx.npx.load(path)
+    assert sorted(loaded) == sorted(f"W_{p}.{t}" for p in "qkvo" for t in ("weight", "bias"))
+    np.testing.assert_array_equal(get_weights(layer)["W_q"], loaded["W_q.weight"].asnumpy().T)
+    other = MultiHeadAttention(8, 2, bias=True, query_size=8, key_size=8, value_size=8)
+    other.load_parameters(path)
+    assert all(
+        get_weights(other)[name].tobytes() == array.tobytes()
+        for name, array in get_weights(layer).items()
+    )
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_gluon_trainer_updates_the_shared_parameters(hybridize):
+    # One SGD step moves each weight by -lr * gradient, with the reference
+    # gradient: the graphs train the very parameters the Trainer holds.
+    case = case_named("bias")
+    layer = layer_for(case, hybridize=hybridize, dtype="float64")
+    trainer = gluon.Trainer(layer.collect_params(), "sgd", {"learning_rate": 0.5})
+    inputs = arrays(case, "float64")
+    with autograd.record():
+        output = layer(*inputs, lens(case))
+    output.backward(mx.np.array(case.output_gradient, dtype="float64"))
+    trainer.step(1)
+    updated = get_weights(layer)
+    for name, before in case.weights.items():
+        expected = before.astype(np.float64) - 0.5 * case.reference[f"grad.{name}"]
+        np.testing.assert_allclose(updated[name], expected, rtol=0, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_dropout_only_under_autograd_record(hybridize):
+    layer = MultiHeadAttention(8, 2, dropout=0.5, query_size=8, key_size=8, value_size=8)
+    weights = init_weights(8, seed=3)
+    set_weights(layer, weights)
+    if hybridize:
+        layer.hybridize()
+    q = mx.np.random.normal(size=(2, 3, 8))
+    x = q.asnumpy()
+    expected, _ = spec.reference_forward(weights, x, x, x, num_heads=2)
+    np.testing.assert_allclose(layer(q, q, q).asnumpy(), expected, rtol=0, atol=5e-6)
+    with autograd.record(train_mode=False):
+        np.testing.assert_allclose(layer(q, q, q).asnumpy(), expected, rtol=0, atol=5e-6)
+    with autograd.record():
+        dropped = layer(q, q, q).asnumpy()
+    assert not np.allclose(dropped, expected, atol=1e-3)
+
+
+def test_valid_lens_accepts_lists_numpy_and_mxnet_arrays():
+    case = case_named("lens_1d")
+    layer = layer_for(case, hybridize=True)
+    inputs = arrays(case)
+    for valid_lens in (
+        case.valid_lens.tolist(),
+        case.valid_lens,
+        case.valid_lens.astype(np.int32),
+        mx.np.array(case.valid_lens),  # MXNet's default dtype: float32
+        mx.np.array(case.valid_lens, dtype="float16"),
+        mx.np.array(case.valid_lens, dtype="int64"),
+        mx.nd.array(case.valid_lens),  # the legacy NDArray interface
+    ):
+        assert_reference(case, layer(*inputs, valid_lens))
+
+
+def test_bad_arrays_are_clear_errors():
+    layer = MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8)
+    layer.initialize()
+    x = mx.np.zeros((1, 2, 8))
+    with pytest.raises(TypeError, match="queries dtype float64 differs from the layer's"):
+        layer(x.astype("float64"), x, x)
+    with pytest.raises(TypeError, match="keys must be a floating-point array"):
+        layer(x, x.astype("int32"), x)
+    with pytest.raises(TypeError, match=r"values must be an mxnet.numpy.ndarray \(use"):
+        layer(x, x, x.as_nd_ndarray())
+    with pytest.raises(TypeError, match="queries must be an mxnet.numpy.ndarray"):
+        layer(x.asnumpy(), x, x)
+    with pytest.raises(ValueError, match="keys is on cpu"):
+        layer(x, x.as_in_ctx(mx.cpu(1)), x)
+    with pytest.raises(TypeError, match="valid_lens must be an integer or floating"):
+        layer(x, x, x, mx.np.array([True], dtype=bool))
+    symbol = mx.sym.var("x").as_np_ndarray()
+    with pytest.raises(TypeError, match="queries is a Symbol"):
+        layer(symbol, symbol, symbol)
+
+
+def test_hybridize_off_again_runs_imperatively(tmp_path):
+    case = case_named("lens_2d")
+    layer = layer_for(case, hybridize=True)
+    assert_reference(case, layer(*arrays(case), lens(case)))
+    layer.hybridize(False)
+    assert_reference(case, layer(*arrays(case), lens(case)))
+    with pytest.raises(RuntimeError, match="hybridize"):
+        layer.export(str(tmp_path / "mha"))
+
+
+def test_cast_rebuilds_for_the_new_dtype():
+    case = case_named("book")
+    layer = layer_for(case, hybridize=True)
+    assert_reference(case, layer(*arrays(case), lens(case)))
+    layer.cast("float64")
+    assert get_weights(layer)["W_q"].dtype == np.float64
+    assert_reference(case, layer(*arrays(case, "float64"), lens(case)), atol=1e-12)
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_float16_fully_hidden_rows_are_uniform(hybridize):
+    case = case_named("lens_zero")
+    layer = layer_for(case, hybridize=hybridize, dtype="float16")
+    output, weights = layer(*arrays(case, "float16"), lens(case), return_attention_weights=True)
+    assert output.dtype == np.float16 and weights.dtype == np.float16
+    np.testing.assert_array_equal(weights.asnumpy()[:2], 1 / 7)  # lengths 0 and -2
+    assert_reference(case, output, weights, atol=2e-2)
+
+
+def test_bfloat16_is_not_in_mxnets_numpy_interface():
+    for make in (
+        lambda: mx.np.zeros(2, dtype="bfloat16"),
+        lambda: mx.np.ones(2).astype("bfloat16"),
+    ):
+        with pytest.raises((TypeError, mx.base.MXNetError), match="bfloat16"):
+            make()
+
+
+@pytest.fixture
+def gpu():
+    if mx.context.num_gpus() == 0:
+        if gpu_required():
+            pytest.fail("no GPU, and MHA_MULTI_REQUIRE_GPU is set")
+        pytest.skip("no GPU")
+    return mx.gpu(0)
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_gpu_with_valid_lens_on_either_device(gpu, hybridize):
+    case = case_named("lens_2d")
+    layer = layer_for(case, hybridize=hybridize, ctx=gpu)
+    for valid_lens in (lens(case), lens(case, gpu)):
+        out = layer(*arrays(case, ctx=gpu), valid_lens)
+        assert out.ctx == gpu
+        assert_reference(case, out)
