@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
+
+from sphinx.util.inspect import stringify_signature
 
 DOCS = Path(__file__).parent
 sys.path.insert(0, str(DOCS / "_scripts"))
@@ -34,13 +37,33 @@ autodoc_mock_imports = ["torch", "jax", "jaxlib", "flax", "keras", "tensorflow",
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_typehints_format = "short"
-autodoc_default_options = {"members": True, "show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
 html_theme = "furo"
 html_title = f"mha_multi {release}"
 pygments_style = "friendly"
+
+
+
+def _constructor_signature(app, what, name, obj, options, signature, return_annotation):
+    """The ``__init__`` signature of classes whose framework base class is mocked.
+
+    A mocked base class contributes a ``__new__(*args, **kwargs)`` that would
+    otherwise hide the real constructor arguments.
+    """
+    if what != "class" or signature != "(*args, **kwargs)" or "__init__" not in vars(obj):
+        return None
+    parameters = [
+        p.replace(annotation=inspect.Parameter.empty)
+        for p in list(inspect.signature(obj.__init__).parameters.values())[1:]
+    ]
+    return stringify_signature(inspect.Signature(parameters)), return_annotation
+
+
+def setup(app):
+    app.connect("autodoc-process-signature", _constructor_signature)
+
 
 # Figures of the head layout and of the visibility masks, drawn by the spec.
 figures.write_all(DOCS / "_generated")
