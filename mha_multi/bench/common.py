@@ -80,6 +80,25 @@ class Measurement:
         return asdict(self)
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (``VmHWM``), in MiB.
+
+    ``ru_maxrss`` would not do: Linux carries it across ``fork``/``exec``, so
+    a child started by a large parent reports the parent's peak.
+    """
+    with open("/proc/self/status") as file:
+        for line in file:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Resets ``VmHWM`` to the current resident size (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as file:
+        file.write("5")
+
+
 def machine_info() -> dict[str, object]:
     info: dict[str, object] = {
         "platform": platform.platform(),

@@ -5,14 +5,20 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import resource
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
 import torch
 
-from mha_multi.bench.common import Measurement, Shape, attention_flops, median_seconds
+from mha_multi.bench.common import (
+    Measurement,
+    Shape,
+    attention_flops,
+    median_seconds,
+    peak_rss_mib,
+    reset_peak_rss,
+)
 from mha_multi.torch import MultiHeadAttention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -150,9 +156,10 @@ def peak_memory_mib(implementation: str, length: int, device: str, base: Shape) 
             call(x, lens, padding)
             torch.cuda.synchronize()
             return (torch.cuda.max_memory_allocated() - before) / 2**20
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        reset_peak_rss()
+        before = peak_rss_mib()
         call(x, lens, padding)
-        return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        return peak_rss_mib() - before
 
 
 def measure_memory(lengths: Sequence[int], device: str, base: Shape) -> list[Measurement]:
