@@ -45,7 +45,6 @@ html_title = f"mha_multi {release}"
 pygments_style = "friendly"
 
 
-
 def _constructor_signature(app, what, name, obj, options, signature, return_annotation):
     """The ``__init__`` signature of classes whose framework base class is mocked.
 

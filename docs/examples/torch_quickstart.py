@@ -5,7 +5,7 @@ import torch
 
 from mha_multi.spec import reference_forward
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
-from mha_multi.weights import init_weights
+from mha_multi.weights import init_weights, load_weights, save_weights
 
 num_hiddens, num_heads = 100, 5
 layer = MultiHeadAttention(num_hiddens=num_hiddens, num_heads=num_heads, dropout=0.1)
@@ -18,7 +18,7 @@ queries = torch.randn(2, 4, num_hiddens, generator=generator)
 keys = values = torch.randn(2, 6, num_hiddens, generator=generator)
 valid_lens = torch.tensor([3, 2])
 
-output = layer(queries, keys, values, valid_lens)
+output = layer(queries, keys, values, valid_lens)  # (B, Q, num_hiddens)
 output, attention = layer(queries, keys, values, valid_lens, return_attention_weights=True)
 print(output.shape, attention.shape)  # torch.Size([2, 4, 100]) torch.Size([2, 5, 4, 6])
 assert output.shape == (2, 4, num_hiddens) and attention.shape == (2, num_heads, 4, 6)
@@ -45,4 +45,10 @@ assert layer.W_q.weight.grad is not None
 
 # get_weights returns the canonical mapping, bit for bit.
 for name, array in get_weights(layer).items():
+    np.testing.assert_array_equal(array, weights[name])
+
+# [save]
+save_weights("mha.safetensors", get_weights(layer))  # loads into any backend
+# [/save]
+for name, array in load_weights("mha.safetensors").items():
     np.testing.assert_array_equal(array, weights[name])
