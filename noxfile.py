@@ -27,6 +27,10 @@ PINS = {
     "hypothesis": "hypothesis==6.170.15",
     "ruff": "ruff==0.17.5",
     "torch": "torch==2.13.0",
+    "keras": "keras==3.15.1",
+    "tensorflow": "tensorflow==2.21.0",
+    "jax": "jax==0.10.2",
+    "jaxlib": "jaxlib==0.10.2",
 }
 
 
@@ -50,6 +54,29 @@ ENVIRONMENTS: dict[str, Environment] = {
         "torch,test",
         backends=("torch",),
         tests=("tests/backends", "tests/torch"),
+    ),
+    # Keras fixes its backend per process from KERAS_BACKEND, so each Keras
+    # backend is an environment of its own running the same layer.
+    "keras-tensorflow": Environment(
+        (*COMMON, PINS["keras"], PINS["tensorflow"]),
+        "keras,test",
+        backends=("keras-tensorflow",),
+        tests=("tests/backends", "tests/keras"),
+        env={"KERAS_BACKEND": "tensorflow"},
+    ),
+    "keras-jax": Environment(
+        (*COMMON, PINS["keras"], PINS["jax"], PINS["jaxlib"]),
+        "test",
+        backends=("keras-jax",),
+        tests=("tests/backends", "tests/keras"),
+        env={"KERAS_BACKEND": "jax"},
+    ),
+    "keras-torch": Environment(
+        (*COMMON, PINS["keras"], PINS["torch"]),
+        "test",
+        backends=("keras-torch",),
+        tests=("tests/backends", "tests/keras"),
+        env={"KERAS_BACKEND": "torch"},
     ),
 }
 

@@ -22,6 +22,9 @@ __all__ = ["DEVICES", "DTYPES", "RUNNERS", "Runner", "get_runner", "runner_names
 #: Runner name -> "module:Class". Importing the module imports the framework.
 RUNNERS: dict[str, str] = {
     "torch": "mha_multi.parity.runners.torch:TorchRunner",
+    "keras-tensorflow": "mha_multi.parity.runners.keras:KerasTensorFlowRunner",
+    "keras-jax": "mha_multi.parity.runners.keras:KerasJaxRunner",
+    "keras-torch": "mha_multi.parity.runners.keras:KerasTorchRunner",
 }
 
 DEVICES = ("cpu", "gpu")
