@@ -276,7 +276,7 @@ class MultiHeadAttention(keras.layers.Layer):
         on which input sizes were known at construction; names do not.
         """
         for name, variable in self.canonical_variables().items():
-            store[name] = variable
+            store[name] = to_numpy(variable.value)
 
     def load_own_variables(self, store: Any) -> None:
         """Loads variables saved by :meth:`save_own_variables`."""
