@@ -244,6 +244,9 @@ class KerasJaxRunner(KerasRunner):
         trainable = layer.trainable_variables
         non_trainable = [v.value for v in layer.non_trainable_variables]
 
+        # Compiled as one program: op-by-op, every new shape and dtype costs
+        # dozens of small XLA compilations.
+        @jax.jit
         def forward(trainable_values: list[Any], *inputs: Any) -> Any:
             output, _ = layer.stateless_call(
                 trainable_values, non_trainable, *inputs, valid_lens, causal=causal, training=False
