@@ -35,6 +35,10 @@ PINS = {
     # MXNet 1.9 (the last release) uses np.bool: numpy < 1.24 in its environment.
     "mxnet": "mxnet==1.9.1",
     "numpy-mxnet": "numpy==1.23.5",
+    "keras": "keras==3.15.1",
+    "tensorflow": "tensorflow==2.21.0",
+    "jax": "jax==0.10.2",
+    "jaxlib": "jaxlib==0.10.2",
 }
 
 
@@ -73,6 +77,29 @@ ENVIRONMENTS: dict[str, Environment] = {
         "mxnet,test",
         backends=("mxnet", "mxnet-hybrid"),
         tests=("tests/core", "tests/backends", "tests/mxnet"),
+    ),
+    # Keras fixes its backend per process from KERAS_BACKEND, so each Keras
+    # backend is an environment of its own running the same layer.
+    "keras-tensorflow": Environment(
+        (*COMMON, PINS["keras"], PINS["tensorflow"]),
+        "keras,test",
+        backends=("keras-tensorflow",),
+        tests=("tests/backends", "tests/keras"),
+        env={"KERAS_BACKEND": "tensorflow"},
+    ),
+    "keras-jax": Environment(
+        (*COMMON, PINS["keras"], PINS["jax"], PINS["jaxlib"]),
+        "test",
+        backends=("keras-jax",),
+        tests=("tests/backends", "tests/keras"),
+        env={"KERAS_BACKEND": "jax"},
+    ),
+    "keras-torch": Environment(
+        (*COMMON, PINS["keras"], PINS["torch"]),
+        "test",
+        backends=("keras-torch",),
+        tests=("tests/backends", "tests/keras"),
+        env={"KERAS_BACKEND": "torch"},
     ),
 }
 

@@ -24,6 +24,9 @@ RUNNERS: dict[str, str] = {
     "torch": "mha_multi.parity.runners.torch:TorchRunner",
     "mxnet": "mha_multi.parity.runners.mxnet:MXNetRunner",
     "mxnet-hybrid": "mha_multi.parity.runners.mxnet:MXNetHybridRunner",
+    "keras-tensorflow": "mha_multi.parity.runners.keras:KerasTensorFlowRunner",
+    "keras-jax": "mha_multi.parity.runners.keras:KerasJaxRunner",
+    "keras-torch": "mha_multi.parity.runners.keras:KerasTorchRunner",
 }
 
 DEVICES = ("cpu", "gpu")

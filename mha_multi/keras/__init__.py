@@ -1,0 +1,9 @@
+"""Keras 3 backend: ``MultiHeadAttention`` as a ``keras.layers.Layer``.
+
+The layer is written against ``keras.ops`` and runs on whichever Keras
+backend is active (``KERAS_BACKEND``: TensorFlow, JAX or PyTorch).
+"""
+
+from mha_multi.keras.layer import MultiHeadAttention, get_weights, set_weights
+
+__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]

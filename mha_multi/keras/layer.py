@@ -1,0 +1,381 @@
+"""``MultiHeadAttention`` as a Keras 3 layer, written once against ``keras.ops``.
+
+The layer runs on Keras' TensorFlow (primary), JAX and PyTorch backends: it
+calls no TensorFlow, JAX or PyTorch function itself. The math is
+:func:`mha_multi.spec.attention` on the :mod:`mha_multi.keras._ops` adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+import numpy as np
+
+from mha_multi import spec
+from mha_multi.keras._ops import OPS, dtype_kind, to_numpy
+from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
+
+__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
+
+_INPUT_NAMES = ("queries", "keys", "values")
+_PROJECTIONS = ("q", "k", "v", "o")
+_SIZE_NAMES = ("query_size", "key_size", "value_size")
+
+
+def _is_tensor(x: Any) -> bool:
+    return keras.ops.is_tensor(x) or isinstance(x, keras.KerasTensor)
+
+
+@keras.saving.register_keras_serializable(package="mha_multi")
+class MultiHeadAttention(keras.layers.Layer):
+    """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
+
+    The layer's variables are the canonical weights as they are: kernels
+    ``W_q``, ``W_k``, ``W_v``, ``W_o`` of shape ``(in, num_hiddens)`` used as
+    ``x @ W + b`` (Keras ``Dense`` orientation), and biases ``b_q``...
+    ``b_o`` with ``bias=True``. Input sizes left as ``None`` are inferred from
+    the first call (Keras' lazy ``build``); given up front, the layer is built
+    at construction.
+
+    The projections are the layer's own ``add_weight`` kernels rather than
+    ``keras.layers.Dense`` sublayers because Keras' type promotion maps
+    float64 to float32 on its JAX and PyTorch backends, and on PyTorch
+    ``ops.matmul`` (and so ``Dense``) returns float32 for float64 inputs; the
+    projections here go through the same float64-preserving product as the
+    attention (:class:`mha_multi.keras._ops.KerasOps`).
+
+    Mixed precision: variables follow the policy's variable dtype (float32
+    under ``mixed_float16``/``mixed_bfloat16``), the projections and the
+    attention run in its compute dtype, and the masked softmax of 16-bit
+    scores runs in float32 (the spec's rule). Queries, keys and values are
+    cast to the compute dtype; ``valid_lens`` keeps its dtype (the layer is
+    created with ``autocast=False``), because float lengths rounded to 16
+    bits would move the mask.
+
+    Args:
+        num_hiddens: size of every projection and of the output.
+        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        dropout: dropout rate on the attention weights, active only in
+            training (``training=True``).
+        bias: whether the four projections have biases.
+        query_size: last dimension of the queries (lazy when ``None``).
+        key_size: last dimension of the keys (lazy when ``None``).
+        value_size: last dimension of the values (lazy when ``None``).
+        kernel_initializer: initializer of the ``W_*`` kernels (Keras
+            ``Dense``'s default, as in d2l's TensorFlow layer).
+        bias_initializer: initializer of the ``b_*`` biases.
+        seed: seed of the dropout's ``keras.random.SeedGenerator``.
+        **kwargs: ``keras.layers.Layer`` arguments (``name``, ``dtype``,
+            ``trainable``...).
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: int | None = None,
+        key_size: int | None = None,
+        value_size: int | None = None,
+        kernel_initializer: Any = "glorot_uniform",
+        bias_initializer: Any = "zeros",
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.head_dim = spec.check_config(num_hiddens, num_heads, dropout)
+        spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
+        kwargs.setdefault("autocast", False)
+        super().__init__(**kwargs)
+        self.num_hiddens = int(num_hiddens)
+        self.num_heads = int(num_heads)
+        self.dropout = float(dropout)
+        self.bias = bool(bias)
+        self.seed = seed
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.attention_dropout = keras.layers.Dropout(
+            self.dropout, seed=seed, dtype=self.dtype_policy, name="attention_dropout"
+        )
+        for name in _PROJECTIONS:
+            setattr(self, f"W_{name}", None)
+            setattr(self, f"b_{name}", None)
+        self._add_projection("o", self.num_hiddens)
+        sizes = (query_size, key_size, value_size)
+        if all(size is not None for size in sizes):
+            self.build(*((None, None, size) for size in sizes))
+        else:
+            for name, size in zip(_PROJECTIONS, sizes, strict=False):
+                if size is not None:
+                    self._add_projection(name, int(size))
+
+    def _add_projection(self, name: str, in_features: int) -> None:
+        kernel = self.add_weight(
+            shape=(in_features, self.num_hiddens),
+            initializer=self.kernel_initializer,
+            name=f"W_{name}",
+        )
+        setattr(self, f"W_{name}", kernel)
+        if self.bias:
+            bias = self.add_weight(
+                shape=(self.num_hiddens,), initializer=self.bias_initializer, name=f"b_{name}"
+            )
+            setattr(self, f"b_{name}", bias)
+
+    def canonical_variables(self) -> dict[str, keras.Variable]:
+        """Canonical weight name -> variable, for the projections created so far."""
+        variables = {}
+        for name in (*KERNEL_NAMES, *BIAS_NAMES):
+            variable = getattr(self, name)
+            if variable is not None:
+                variables[name] = variable
+        return variables
+
+    def input_sizes(self) -> dict[str, int | None]:
+        """``query_size``, ``key_size``, ``value_size``; ``None`` where still lazy."""
+        sizes = {}
+        for size_name, name in zip(_SIZE_NAMES, _PROJECTIONS, strict=False):
+            kernel = getattr(self, f"W_{name}")
+            sizes[size_name] = None if kernel is None else int(kernel.shape[0])
+        return sizes
+
+    def build(
+        self,
+        queries_shape: tuple[int | None, ...],
+        keys_shape: tuple[int | None, ...],
+        values_shape: tuple[int | None, ...],
+        valid_lens_shape: tuple[int | None, ...] | None = None,
+    ) -> None:
+        """Creates the projections still missing from the inputs' last dimensions.
+
+        Args:
+            queries_shape: ``(B, Q, query_size)``.
+            keys_shape: ``(B, K, key_size)``.
+            values_shape: ``(B, K, value_size)``.
+            valid_lens_shape: ``None``, ``(B,)`` or ``(B, Q)``.
+
+        Raises:
+            ValueError: shapes that disagree with each other or with known sizes.
+        """
+        shapes = (queries_shape, keys_shape, values_shape)
+        spec.check_inputs(*shapes, valid_lens_shape, **self.input_sizes())
+        for name, shape in zip(_PROJECTIONS, shapes, strict=False):
+            if getattr(self, f"W_{name}") is None:
+                self._add_projection(name, int(shape[-1]))
+
+    def _project(self, x: Any, name: str) -> Any:
+        dtype = self.compute_dtype
+        y = OPS.matmul(keras.ops.cast(x, dtype), keras.ops.cast(getattr(self, f"W_{name}"), dtype))
+        bias = getattr(self, f"b_{name}")
+        return y if bias is None else keras.ops.add(y, keras.ops.cast(bias, dtype))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Keras turns array arguments into tensors before ``call``; numpy
+        # strings or booleans must meet the spec's TypeError first, not a
+        # backend's conversion error, and lists become arrays so that they
+        # may be passed positionally like any array.
+        if len(args) > 3:
+            args = (*args[:3], _checked_lens(args[3]), *args[4:])
+        elif "valid_lens" in kwargs:
+            kwargs["valid_lens"] = _checked_lens(kwargs["valid_lens"])
+        return super().__call__(*args, **kwargs)
+
+    def call(
+        self,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any = None,
+        *,
+        causal: bool = False,
+        return_attention_weights: bool = False,
+        training: bool | None = None,
+    ) -> Any:
+        """Attends from ``queries`` to ``keys``/``values``.
+
+        Args:
+            queries: ``(B, Q, query_size)``, floating.
+            keys: ``(B, K, key_size)``, floating.
+            values: ``(B, K, value_size)``, floating.
+            valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating;
+                key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
+            causal: also hide key ``j`` from query ``i`` when
+                ``j > i + (K - Q)``.
+            return_attention_weights: also return the pre-dropout weights.
+            training: dropout is active only when ``True``.
+
+        Returns:
+            ``(B, Q, num_hiddens)`` in the compute dtype, and with
+            ``return_attention_weights`` the tuple ``(output, weights)`` with
+            weights ``(B, H, Q, K)``.
+        """
+        self._check_call(queries, keys, values, valid_lens)
+        dropout = self._drop if training and self.dropout > 0 else None
+        context, weights = spec.attention(
+            OPS,
+            self._project(queries, "q"),
+            self._project(keys, "k"),
+            self._project(values, "v"),
+            valid_lens,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            causal=causal,
+            dropout=dropout,
+        )
+        output = self._project(context, "o")
+        return (output, weights) if return_attention_weights else output
+
+    def _drop(self, weights: Any) -> Any:
+        return self.attention_dropout(weights, training=True)
+
+    def _check_call(self, queries: Any, keys: Any, values: Any, valid_lens: Any) -> None:
+        for name, tensor in zip(_INPUT_NAMES, (queries, keys, values), strict=True):
+            if not _is_tensor(tensor):
+                raise TypeError(f"{name} must be a tensor; got {type(tensor).__name__}")
+            if dtype_kind(tensor.dtype) != "f":
+                raise TypeError(f"{name} must be a floating-point tensor; got {tensor.dtype}")
+        if valid_lens is not None:
+            spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
+        spec.check_inputs(
+            queries.shape,
+            keys.shape,
+            values.shape,
+            None if valid_lens is None else valid_lens.shape,
+            **self.input_sizes(),
+        )
+
+    def compute_output_spec(
+        self,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any = None,
+        *,
+        causal: bool = False,
+        return_attention_weights: bool = False,
+        training: bool | None = None,
+    ) -> Any:
+        """Symbolic outputs for the functional API, from shapes alone."""
+        self._check_call(queries, keys, values, valid_lens)
+        batch, num_queries = queries.shape[:2]
+        output = keras.KerasTensor((batch, num_queries, self.num_hiddens), dtype=self.compute_dtype)
+        if not return_attention_weights:
+            return output
+        weights = keras.KerasTensor(
+            (batch, self.num_heads, num_queries, keys.shape[1]), dtype=self.compute_dtype
+        )
+        return output, weights
+
+    def save_own_variables(self, store: Any) -> None:
+        """Saves the variables under their canonical names (``W_q``...).
+
+        Keras keys a layer's variables by creation order, which here depends
+        on which input sizes were known at construction; names do not.
+        """
+        for name, variable in self.canonical_variables().items():
+            store[name] = to_numpy(variable.value)
+
+    def load_own_variables(self, store: Any) -> None:
+        """Loads variables saved by :meth:`save_own_variables`."""
+        variables = self.canonical_variables()
+        if set(store.keys()) != set(variables):
+            raise ValueError(
+                f"layer {self.name!r} expects saved variables {sorted(variables)}; "
+                f"got {sorted(store.keys())}"
+            )
+        for name, variable in variables.items():
+            variable.assign(store[name])
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor arguments; input sizes are recorded once known."""
+        config = super().get_config()
+        config.update(
+            num_hiddens=self.num_hiddens,
+            num_heads=self.num_heads,
+            dropout=self.dropout,
+            bias=self.bias,
+            kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+            bias_initializer=keras.initializers.serialize(self.bias_initializer),
+            seed=self.seed,
+            autocast=self.autocast,
+            **self.input_sizes(),
+        )
+        return config
+
+
+def _checked_lens(valid_lens: Any) -> Any:
+    """``valid_lens`` as a tensor or a numeric numpy array (``TypeError`` otherwise)."""
+    if valid_lens is None or _is_tensor(valid_lens):
+        return valid_lens
+    try:
+        array = np.asarray(valid_lens)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
+        ) from error
+    spec.check_valid_lens_dtype(array.dtype.kind)
+    return array
+
+
+def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiHeadAttention:
+    """Loads canonical weights into ``layer`` (strict) and returns it.
+
+    Lazy input sizes are fixed by the weights (the missing projections are
+    built). Values are cast to each variable's dtype; float32 variables of a
+    mixed-precision layer stay float32.
+
+    Args:
+        layer: the layer to load into.
+        weights: canonical mapping ``W_q``, ``W_k``, ``W_v``, ``W_o`` (and
+            ``b_*`` iff the layer has biases), ``x @ W + b`` orientation.
+
+    Returns:
+        ``layer``.
+
+    Raises:
+        ValueError: a missing, extra or mis-shaped entry, named.
+    """
+    arrays, config = check_weights(
+        weights, num_hiddens=layer.num_hiddens, bias=layer.bias, **layer.input_sizes()
+    )
+    if not layer.built:
+        sizes = (config.query_size, config.key_size, config.value_size)
+        layer.build(*((None, None, size) for size in sizes))
+    variables = layer.canonical_variables()
+    for name, array in arrays.items():
+        variables[name].assign(array)
+    return layer
+
+
+def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
+    """The canonical weights of ``layer`` as numpy arrays.
+
+    bfloat16 variables are returned as float32 (numpy has no bfloat16);
+    every other dtype is kept.
+
+    Args:
+        layer: a layer whose input sizes are known.
+
+    Returns:
+        ``W_q``, ``W_k``, ``W_v``, ``W_o`` (and ``b_*`` with biases).
+
+    Raises:
+        ValueError: some input size is still lazy (call the layer once, or
+            pass ``query_size``/``key_size``/``value_size``).
+    """
+    lazy = [name for name, size in layer.input_sizes().items() if size is None]
+    if lazy:
+        raise ValueError(
+            f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
+        )
+
+    def as_numpy(variable: keras.Variable) -> np.ndarray:
+        array = to_numpy(variable.value)
+        if array.dtype.kind != "f":
+            array = array.astype(np.float32)  # ml_dtypes' bfloat16 is of kind 'V'
+        return array
+
+    return {name: as_numpy(variable) for name, variable in layer.canonical_variables().items()}

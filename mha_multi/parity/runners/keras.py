@@ -1,0 +1,309 @@
+"""Parity runners for :mod:`mha_multi.keras`, one per Keras backend.
+
+Keras picks its backend once per process from ``KERAS_BACKEND``; each nox
+environment sets it. A runner whose backend is not the active one raises
+``ImportError`` when created, so it counts as unavailable in the wrong
+environment. The layer itself is backend-agnostic; only the gradients (the
+tape or transformation of each framework) and the device/precision settings
+are backend-specific here.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+import keras
+import numpy as np
+
+from mha_multi.keras import MultiHeadAttention, get_weights, set_weights
+from mha_multi.keras._ops import to_numpy
+from mha_multi.parity.runners import Runner, as_float64, is_numeric
+
+__all__ = ["KerasJaxRunner", "KerasRunner", "KerasTensorFlowRunner", "KerasTorchRunner"]
+
+INPUT_NAMES = ("queries", "keys", "values")
+
+
+def to_float64(x: Any) -> np.ndarray:
+    """A backend tensor as float64 numpy (bfloat16 goes through ml_dtypes)."""
+    return as_float64(to_numpy(x).astype(np.float64))
+
+
+class KerasRunner(Runner):
+    """What the three Keras backends share: layer creation, conversion, calls."""
+
+    #: ``keras.backend.backend()`` this runner needs.
+    keras_backend: ClassVar[str]
+
+    def __init__(self) -> None:
+        active = keras.backend.backend()
+        if active != self.keras_backend:
+            raise ImportError(
+                f"{self.name} needs KERAS_BACKEND={self.keras_backend}; "
+                f"this process runs Keras on {active!r}"
+            )
+        self.configure()
+
+    @abc.abstractmethod
+    def configure(self) -> None:
+        """Framework settings for parity: IEEE float32 matmuls, float64 support."""
+
+    @abc.abstractmethod
+    def gpu_available(self) -> bool:
+        """Whether the framework under Keras sees a GPU."""
+
+    @abc.abstractmethod
+    def gradients_of(
+        self,
+        layer: MultiHeadAttention,
+        inputs: list[Any],
+        valid_lens: Any,
+        *,
+        causal: bool,
+        output_gradient: Any,
+    ) -> dict[str, Any]:
+        """The VJP of the layer's output with ``output_gradient``, as backend tensors.
+
+        Keyed ``queries``, ``keys``, ``values`` and the canonical weight names.
+        """
+
+    def device_available(self, device: str) -> bool:
+        return device == "cpu" or (device == "gpu" and self.gpu_available())
+
+    @contextlib.contextmanager
+    def on(self, device: str) -> Iterator[None]:
+        # No device index: Keras on PyTorch turns variables created under
+        # "cpu:0" into plain tensors (its Parameter is moved with .to()).
+        with keras.device(device):
+            yield
+
+    def to_tensor(self, x: np.ndarray, dtype: str) -> Any:
+        return keras.ops.cast(keras.ops.convert_to_tensor(np.array(x, copy=True)), dtype)
+
+    def _lens(self, valid_lens: Any) -> Any:
+        if is_numeric(valid_lens):
+            return keras.ops.convert_to_tensor(np.array(valid_lens, copy=True))
+        return valid_lens
+
+    def make_layer(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        **kwargs: Any,
+    ) -> MultiHeadAttention:
+        with self.on(device):
+            return MultiHeadAttention(num_hiddens, num_heads, dtype=dtype, **kwargs)
+
+    def set_weights(
+        self, layer: MultiHeadAttention, weights: Mapping[str, np.ndarray]
+    ) -> MultiHeadAttention:
+        return set_weights(layer, weights)
+
+    def get_weights(self, layer: MultiHeadAttention) -> dict[str, np.ndarray]:
+        return get_weights(layer)
+
+    def call(
+        self,
+        layer: MultiHeadAttention,
+        queries: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        valid_lens: Any = None,
+        *,
+        training: bool = False,
+        device: str = "cpu",
+        dtype: str = "float32",
+        **kwargs: Any,
+    ) -> Any:
+        with self.on(device):
+            tensors = [self.to_tensor(x, dtype) for x in (queries, keys, values)]
+            result = layer(*tensors, self._lens(valid_lens), training=training, **kwargs)
+        if isinstance(result, tuple):
+            return tuple(to_float64(r) for r in result)
+        return to_float64(result)
+
+    def gradients(
+        self,
+        layer: MultiHeadAttention,
+        queries: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        valid_lens: Any,
+        *,
+        causal: bool,
+        output_gradient: np.ndarray,
+        device: str,
+        dtype: str,
+    ) -> dict[str, np.ndarray]:
+        with self.on(device):
+            inputs = [self.to_tensor(x, dtype) for x in (queries, keys, values)]
+            grads = self.gradients_of(
+                layer,
+                inputs,
+                self._lens(valid_lens),
+                causal=causal,
+                output_gradient=self.to_tensor(output_gradient, dtype),
+            )
+        return {name: to_float64(grad) for name, grad in grads.items()}
+
+
+class KerasTensorFlowRunner(KerasRunner):
+    """Keras on TensorFlow; gradients with ``tf.GradientTape``."""
+
+    name = "keras-tensorflow"
+    keras_backend = "tensorflow"
+    distributions = ("keras", "tensorflow")
+
+    def configure(self) -> None:
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+
+    def gpu_available(self) -> bool:
+        import tensorflow as tf
+
+        return bool(tf.config.list_physical_devices("GPU"))
+
+    def device_description(self, device: str) -> str:
+        if device != "gpu":
+            return "cpu"
+        import tensorflow as tf
+
+        details = tf.config.experimental.get_device_details(
+            tf.config.list_physical_devices("GPU")[0]
+        )
+        return str(details.get("device_name", "gpu"))
+
+    def gradients_of(
+        self,
+        layer: MultiHeadAttention,
+        inputs: list[Any],
+        valid_lens: Any,
+        *,
+        causal: bool,
+        output_gradient: Any,
+    ) -> dict[str, Any]:
+        import tensorflow as tf
+
+        variables = layer.canonical_variables()
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            output = layer(*inputs, valid_lens, causal=causal, training=False)
+        grads = tape.gradient(
+            output, [*inputs, *variables.values()], output_gradients=output_gradient
+        )
+        return dict(zip([*INPUT_NAMES, *variables], grads, strict=True))
+
+
+class KerasJaxRunner(KerasRunner):
+    """Keras on JAX; gradients with ``jax.vjp`` of ``Layer.stateless_call``."""
+
+    name = "keras-jax"
+    keras_backend = "jax"
+    distributions = ("keras", "jax", "jaxlib")
+
+    def configure(self) -> None:
+        import jax
+
+        # float64 parity needs 64-bit arrays; float32 parity needs IEEE matmuls.
+        jax.config.update("jax_enable_x64", True)
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+    def gpu_available(self) -> bool:
+        import jax
+
+        try:
+            return bool(jax.devices("gpu"))
+        except RuntimeError:
+            return False
+
+    def device_description(self, device: str) -> str:
+        if device != "gpu":
+            return "cpu"
+        import jax
+
+        return str(jax.devices("gpu")[0].device_kind)
+
+    def gradients_of(
+        self,
+        layer: MultiHeadAttention,
+        inputs: list[Any],
+        valid_lens: Any,
+        *,
+        causal: bool,
+        output_gradient: Any,
+    ) -> dict[str, Any]:
+        import jax
+
+        trainable = layer.trainable_variables
+        non_trainable = [v.value for v in layer.non_trainable_variables]
+
+        # Compiled as one program: op-by-op, every new shape and dtype costs
+        # dozens of small XLA compilations.
+        @jax.jit
+        def forward(trainable_values: list[Any], *inputs: Any) -> Any:
+            output, _ = layer.stateless_call(
+                trainable_values, non_trainable, *inputs, valid_lens, causal=causal, training=False
+            )
+            return output
+
+        _, vjp = jax.vjp(forward, [v.value for v in trainable], *inputs)
+        weight_grads, *input_grads = vjp(output_gradient)
+        grads = dict(zip(INPUT_NAMES, input_grads, strict=True))
+        for name, variable in layer.canonical_variables().items():
+            index = next(i for i, v in enumerate(trainable) if v is variable)
+            grads[name] = weight_grads[index]
+        return grads
+
+
+class KerasTorchRunner(KerasRunner):
+    """Keras on PyTorch; gradients with ``torch.autograd.grad``."""
+
+    name = "keras-torch"
+    keras_backend = "torch"
+    distributions = ("keras", "torch")
+
+    def configure(self) -> None:
+        import torch
+
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+
+    def gpu_available(self) -> bool:
+        import torch
+
+        return torch.cuda.is_available()
+
+    def device_description(self, device: str) -> str:
+        if device != "gpu":
+            return "cpu"
+        import torch
+
+        return torch.cuda.get_device_name()
+
+    def gradients_of(
+        self,
+        layer: MultiHeadAttention,
+        inputs: list[Any],
+        valid_lens: Any,
+        *,
+        causal: bool,
+        output_gradient: Any,
+    ) -> dict[str, Any]:
+        import torch
+
+        inputs = [x.detach().requires_grad_(True) for x in inputs]
+        variables = layer.canonical_variables()
+        output = layer(*inputs, valid_lens, causal=causal, training=False)
+        grads = torch.autograd.grad(
+            output,
+            [*inputs, *(v.value for v in variables.values())],
+            grad_outputs=output_gradient,
+        )
+        return dict(zip([*INPUT_NAMES, *variables], grads, strict=True))
