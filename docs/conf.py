@@ -6,6 +6,7 @@ import inspect
 import sys
 from pathlib import Path
 
+from sphinx.ext.autodoc.mock import mock
 from sphinx.util.inspect import stringify_signature
 
 DOCS = Path(__file__).parent
@@ -35,6 +36,16 @@ myst_heading_anchors = 3
 # is imported against mocks, so that its docstrings and signatures render.
 autodoc_mock_imports = ["torch", "jax", "jaxlib", "flax", "keras", "tensorflow", "mxnet"]
 autodoc_member_order = "bysource"
+
+# A mocked class decorator would replace the Keras layer class by a mock and
+# hide its members: import the module once with a pass-through decorator, so
+# that autodoc finds the real class in sys.modules.
+with mock(autodoc_mock_imports):
+    import keras.saving
+
+    keras.saving.register_keras_serializable = lambda *args, **kwargs: lambda cls: cls
+    import mha_multi.keras
+
 autodoc_typehints = "description"
 autodoc_typehints_format = "short"
 napoleon_google_docstring = True
