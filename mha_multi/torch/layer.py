@@ -147,7 +147,7 @@ class MultiHeadAttention(nn.Module):
             None if valid_lens is None else valid_lens.shape,
             **self.input_sizes(),
         )
-        q, k, v = self.W_q(queries), self.W_k(keys), self.W_v(values)
+        q, k, v = self._project(queries, keys, values)
         dropout_p = self.dropout.p if self.training else 0.0
         if not return_attention_weights and _fused_path_exact(valid_lens, causal, dropout_p, q, k):
             context = self._fused_attention(q, k, v, valid_lens, causal, dropout_p)
@@ -165,6 +165,29 @@ class MultiHeadAttention(nn.Module):
         )
         output = self.W_o(context)
         return (output, weights) if return_attention_weights else output
+
+    def _project(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three input projections; one GEMM for inputs that are one tensor.
+
+        Self-attention (``queries is keys is values``) and shared keys/values
+        project with the weights stacked, as ``nn.MultiheadAttention`` does:
+        every output element is the same dot product, and the backward pass
+        gets one input gradient instead of a sum of three.
+        """
+        projections = [self.W_q, self.W_k, self.W_v]
+        inputs = [queries, keys, values]
+        first = 0 if queries is keys else 1
+        shared = [i for i in range(first, 3) if inputs[i] is inputs[first]]
+        if len(shared) < 2 or any(_in_features(projections[i]) is None for i in shared):
+            return self.W_q(queries), self.W_k(keys), self.W_v(values)  # (lazy ones infer)
+        weight = torch.cat([projections[i].weight for i in shared])
+        bias = torch.cat([projections[i].bias for i in shared]) if self.bias else None
+        packed = nn.functional.linear(inputs[first], weight, bias).chunk(len(shared), dim=-1)
+        outputs = dict(zip(shared, packed, strict=True))
+        q, k, v = (outputs[i] if i in outputs else projections[i](inputs[i]) for i in range(3))
+        return q, k, v
 
     def _fused_attention(
         self,

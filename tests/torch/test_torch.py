@@ -192,3 +192,27 @@ def test_torch_compile_fused_path_matches_reference(name):
     with torch.no_grad():
         out = compiled(*tensors(case), lens(case), causal=case.config.causal)
     np.testing.assert_allclose(out.numpy(), case.reference["output"], atol=5e-6)
+
+
+@pytest.mark.parametrize("shared", ["qkv", "kv", "qk"])
+def test_shared_inputs_project_in_one_product(shared):
+    case = build_case(next(c for c in CASES if c.name == "bias"))
+    layer = layer_for(case).eval()
+    x = torch.tensor(case.inputs["queries"][:, :5])
+    lens = torch.tensor([3, 5, 0])
+    q, k, v = {"qkv": (x, x, x), "kv": (x[:, :2], x, x), "qk": (x, x, x[:, :5] * 2)}[shared]
+    expected, _ = spec.reference_forward(case.weights, q, k, v, lens, num_heads=4)
+    with torch.no_grad():
+        out = layer(q, k, v, lens)
+    np.testing.assert_allclose(out.numpy(), expected, atol=5e-6)
+    grads = torch.autograd.grad(layer(q.requires_grad_(), k, v, lens).sum(), layer.W_k.weight)
+    reference = spec.reference_gradients(
+        case.weights,
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        lens,
+        num_heads=4,
+        output_gradient=np.ones(expected.shape),
+    )
+    np.testing.assert_allclose(grads[0].T.numpy(), reference["W_k"], atol=5e-5)
