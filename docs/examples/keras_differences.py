@@ -22,10 +22,10 @@ native_output, native_scores = native(x, x, x, attention_mask=mask, return_atten
 # Keras keeps per-head kernels (in, H, dh) and (H, dh, out); merging the head
 # axes gives the canonical (in, H*dh) layout: head h owns columns h*dh:(h+1)*dh.
 weights = {
-    "W_q": native.query_dense.kernel.numpy().reshape(num_hiddens, -1),
-    "W_k": native.key_dense.kernel.numpy().reshape(num_hiddens, -1),
-    "W_v": native.value_dense.kernel.numpy().reshape(num_hiddens, -1),
-    "W_o": native.output_dense.kernel.numpy().reshape(-1, num_hiddens),
+    "W_q": keras.ops.convert_to_numpy(native.query_dense.kernel).reshape(num_hiddens, -1),
+    "W_k": keras.ops.convert_to_numpy(native.key_dense.kernel).reshape(num_hiddens, -1),
+    "W_v": keras.ops.convert_to_numpy(native.value_dense.kernel).reshape(num_hiddens, -1),
+    "W_o": keras.ops.convert_to_numpy(native.output_dense.kernel).reshape(-1, num_hiddens),
 }
 ours = set_weights(MultiHeadAttention(num_hiddens, num_heads), weights)
 output, attention = ours(x, x, x, valid_lens, return_attention_weights=True)
