@@ -27,6 +27,9 @@ PINS = {
     "hypothesis": "hypothesis==6.170.15",
     "ruff": "ruff==0.17.5",
     "torch": "torch==2.13.0",
+    "jax": "jax==0.10.2",
+    "jaxlib": "jaxlib==0.10.2",
+    "flax": "flax==0.12.8",
 }
 
 
@@ -50,6 +53,12 @@ ENVIRONMENTS: dict[str, Environment] = {
         "torch,test",
         backends=("torch",),
         tests=("tests/backends", "tests/torch"),
+    ),
+    "jax": Environment(
+        (*COMMON, PINS["jax"], PINS["jaxlib"], PINS["flax"]),
+        "jax,test",
+        backends=("jax-nnx", "jax-linen"),
+        tests=("tests/backends", "tests/jax"),
     ),
 }
 
