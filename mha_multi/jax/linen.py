@@ -45,7 +45,9 @@ class Projection(nn.Module):
 
     @nn.compact
     def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array | None]:
-        kernel = self.param("kernel", self.kernel_init, (in_features, self.features), self.param_dtype)
+        kernel = self.param(
+            "kernel", self.kernel_init, (in_features, self.features), self.param_dtype
+        )
         if not self.use_bias:
             return kernel, None
         return kernel, self.param("bias", self.bias_init, (self.features,), self.param_dtype)

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_multi.jax import MultiHeadAttention, get_weights, set_weights
-from mha_multi.jax import linen
+from mha_multi.jax import MultiHeadAttention, get_weights, linen, set_weights
 from mha_multi.parity.runners import Runner, is_numeric
 from mha_multi.weights import KERNEL_NAMES
 
