@@ -36,6 +36,7 @@ PINS = {
     "tensorflow": "tensorflow==2.21.0",
     "jax": "jax==0.10.2",
     "jaxlib": "jaxlib==0.10.2",
+    "flax": "flax==0.12.8",
 }
 
 
@@ -61,6 +62,12 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("torch",),
         tests=("tests/backends", "tests/torch"),
         benchmarks=("torch",),
+    ),
+    "jax": Environment(
+        (*COMMON, PINS["jax"], PINS["jaxlib"], PINS["flax"]),
+        "jax,test",
+        backends=("jax-nnx", "jax-linen"),
+        tests=("tests/backends", "tests/jax"),
     ),
     "mxnet": Environment(
         # COMMON with numpy 1.23: MXNet 1.9 imports only with numpy < 1.24.
