@@ -133,6 +133,11 @@ def make_test_session(name: str, environment: Environment) -> None:
 def make_parity_session(name: str, environment: Environment) -> None:
     @nox.session(name=f"parity-{name}", default=False)
     def parity_backend(session: nox.Session) -> None:
+        with_backends = [n for n, e in ENVIRONMENTS.items() if e.backends]
+        position = with_backends.index(name) + 1
+        backends = ", ".join(environment.backends)
+        session.log(f"[parity] environment {position}/{len(with_backends)}: {name} ({backends})")
+        session.log("[parity] installing (first run only: frameworks are large)")
         install(session, environment)
         session.run(
             "python",
