@@ -39,6 +39,7 @@ PINS = {
     "tensorflow": "tensorflow==2.21.0",
     "jax": "jax==0.10.2",
     "jaxlib": "jaxlib==0.10.2",
+    "flax": "flax==0.12.8",
 }
 
 
@@ -64,6 +65,12 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("torch",),
         tests=("tests/backends", "tests/torch"),
         benchmarks=("torch",),
+    ),
+    "jax": Environment(
+        (*COMMON, PINS["jax"], PINS["jaxlib"], PINS["flax"]),
+        "jax,test",
+        backends=("jax-nnx", "jax-linen"),
+        tests=("tests/backends", "tests/jax"),
     ),
     "mxnet": Environment(
         # COMMON with numpy 1.23: MXNet 1.9 imports only with numpy < 1.24.
@@ -129,6 +136,11 @@ def make_test_session(name: str, environment: Environment) -> None:
 def make_parity_session(name: str, environment: Environment) -> None:
     @nox.session(name=f"parity-{name}", default=False)
     def parity_backend(session: nox.Session) -> None:
+        with_backends = [n for n, e in ENVIRONMENTS.items() if e.backends]
+        position = with_backends.index(name) + 1
+        backends = ", ".join(environment.backends)
+        session.log(f"[parity] environment {position}/{len(with_backends)}: {name} ({backends})")
+        session.log("[parity] installing (first run only: frameworks are large)")
         install(session, environment)
         session.run(
             "python",

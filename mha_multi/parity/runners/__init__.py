@@ -22,6 +22,8 @@ __all__ = ["DEVICES", "DTYPES", "RUNNERS", "Runner", "get_runner", "runner_names
 #: Runner name -> "module:Class". Importing the module imports the framework.
 RUNNERS: dict[str, str] = {
     "torch": "mha_multi.parity.runners.torch:TorchRunner",
+    "jax-nnx": "mha_multi.parity.runners.jax:JaxNNXRunner",
+    "jax-linen": "mha_multi.parity.runners.jax:JaxLinenRunner",
     "mxnet": "mha_multi.parity.runners.mxnet:MXNetRunner",
     "mxnet-hybrid": "mha_multi.parity.runners.mxnet:MXNetHybridRunner",
     "keras-tensorflow": "mha_multi.parity.runners.keras:KerasTensorFlowRunner",

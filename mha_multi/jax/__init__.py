@@ -1,0 +1,11 @@
+"""JAX/Flax backend: ``MultiHeadAttention`` as a Flax NNX module.
+
+The Flax Linen module is in :mod:`mha_multi.jax.linen`; both are thin
+wrappers over the pure function
+:func:`mha_multi.jax.functional.multi_head_attention`.
+"""
+
+from mha_multi.jax.functional import multi_head_attention
+from mha_multi.jax.layer import MultiHeadAttention, get_weights, set_weights
+
+__all__ = ["MultiHeadAttention", "get_weights", "multi_head_attention", "set_weights"]

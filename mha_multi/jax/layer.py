@@ -1,0 +1,239 @@
+"""``MultiHeadAttention`` as a Flax NNX module."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.typing import DTypeLike
+
+from mha_multi import spec
+from mha_multi.jax import functional
+from mha_multi.jax._ops import PrecisionLike
+from mha_multi.weights import KERNEL_NAMES, check_weights
+
+__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
+
+Initializer = Any
+
+default_kernel_init = nnx.initializers.lecun_normal()
+default_bias_init = nnx.initializers.zeros_init()
+
+
+class MultiHeadAttention(nnx.Module):
+    """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
+
+    The projections are ``nnx.Linear`` modules named ``W_q``, ``W_k``, ``W_v``
+    and ``W_o`` as in d2l (state ``W_q.kernel``, ``W_q.bias``...), with
+    kernels in the canonical ``x @ W + b`` orientation. The forward pass is
+    :func:`mha_multi.jax.functional.multi_head_attention` on those parameters,
+    shared with the Linen module, so both give bit-identical outputs.
+
+    Dropout follows ``nnx.Dropout``: active while ``deterministic`` is
+    ``False`` (the default, and after ``.train()``), off after ``.eval()``
+    or with ``deterministic=True`` at call time.
+
+    Args:
+        num_hiddens: size of every projection and of the output.
+        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        dropout: dropout rate on the attention weights.
+        bias: whether the four projections have biases.
+        query_size: last dimension of the queries (default ``num_hiddens``).
+        key_size: last dimension of the keys (default ``num_hiddens``).
+        value_size: last dimension of the values (default ``num_hiddens``).
+        deterministic: initial mode; ``True`` disables dropout.
+        dtype: computation dtype; ``None`` promotes inputs and parameters.
+        param_dtype: dtype of the parameters.
+        precision: precision of every matrix product.
+        kernel_init: initializer of the kernels (Flax's ``lecun_normal``).
+        bias_init: initializer of the biases (zeros).
+        rngs: ``params`` (or default) stream for initialisation; the
+            ``dropout`` (or default) stream is forked for dropout masks.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: int | None = None,
+        key_size: int | None = None,
+        value_size: int | None = None,
+        deterministic: bool = False,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        precision: PrecisionLike = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.head_dim = spec.check_config(num_hiddens, num_heads, dropout)
+        spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
+        self.num_hiddens = int(num_hiddens)
+        self.num_heads = int(num_heads)
+        self.dropout = float(dropout)
+        self.bias = bool(bias)
+        self.deterministic = bool(deterministic)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        linear = functools.partial(
+            nnx.Linear,
+            out_features=self.num_hiddens,
+            use_bias=self.bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            rngs=rngs,
+        )
+        self.W_q = linear(self.num_hiddens if query_size is None else int(query_size))
+        self.W_k = linear(self.num_hiddens if key_size is None else int(key_size))
+        self.W_v = linear(self.num_hiddens if value_size is None else int(value_size))
+        self.W_o = linear(self.num_hiddens)
+        self.rngs = rngs.dropout.fork() if self.dropout > 0 else nnx.data(None)
+
+    def input_sizes(self) -> dict[str, int]:
+        """``query_size``, ``key_size`` and ``value_size``."""
+        return {
+            "query_size": int(self.W_q.kernel.shape[0]),
+            "key_size": int(self.W_k.kernel.shape[0]),
+            "value_size": int(self.W_v.kernel.shape[0]),
+        }
+
+    def params(self) -> dict[str, jax.Array]:
+        """The parameters under their canonical names (``W_q``... ``b_o``), as arrays."""
+        params = {}
+        for name in KERNEL_NAMES:
+            linear = getattr(self, name)
+            params[name] = linear.kernel[...]
+            if linear.bias is not None:
+                params[f"b_{name[-1]}"] = linear.bias[...]
+        return params
+
+    def set_view(self, deterministic: bool | None = None) -> None:
+        """Used by ``nnx.view``.
+
+        Args:
+            deterministic: if ``True``, disables dropout.
+        """
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+    def __call__(
+        self,
+        queries: jax.Array,
+        keys: jax.Array,
+        values: jax.Array,
+        valid_lens: Any = None,
+        *,
+        causal: bool = False,
+        return_attention_weights: bool = False,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """Attends from ``queries`` to ``keys``/``values``.
+
+        Args:
+            queries: ``(B, Q, query_size)``.
+            keys: ``(B, K, key_size)``.
+            values: ``(B, K, value_size)``.
+            valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating
+                (JAX or numpy array, or a sequence); key ``j`` is visible to
+                query ``i`` iff ``j < valid_lens``.
+            causal: also hide key ``j`` from query ``i`` when ``j > i + (K - Q)``.
+            return_attention_weights: also return the pre-dropout weights.
+            deterministic: overrides the module's mode for this call.
+            rngs: overrides the module's dropout stream for this call: an
+                ``nnx.Rngs`` (its ``dropout`` stream), an ``nnx.RngStream`` or
+                a PRNG key used as it is.
+
+        Returns:
+            ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
+            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``.
+
+        Raises:
+            TypeError: a non-floating input or non-numeric ``valid_lens``.
+            ValueError: inconsistent shapes, named; raised while tracing.
+        """
+        sizes = self.input_sizes()
+        queries, keys, values, valid_lens = functional.check_call(
+            queries, keys, values, valid_lens, **sizes
+        )
+        deterministic = self.deterministic if deterministic is None else deterministic
+        dropout_rng = None
+        if not deterministic and self.dropout > 0:
+            dropout_rng = _dropout_key(self.rngs if rngs is None else rngs)
+        output, weights = functional.multi_head_attention(
+            self.params(),
+            queries,
+            keys,
+            values,
+            valid_lens,
+            num_heads=self.num_heads,
+            causal=causal,
+            dropout_rate=self.dropout,
+            deterministic=deterministic,
+            dropout_rng=dropout_rng,
+            dtype=self.dtype,
+            precision=self.precision,
+        )
+        return (output, weights) if return_attention_weights else output
+
+
+def _dropout_key(rngs: nnx.Rngs | nnx.RngStream | jax.Array | None) -> jax.Array:
+    if isinstance(rngs, nnx.Rngs):
+        return rngs.dropout()
+    if isinstance(rngs, nnx.RngStream):
+        return rngs()
+    if isinstance(rngs, jax.Array):
+        return rngs
+    raise ValueError(
+        "dropout is active (deterministic=False) but the layer has no dropout rng: "
+        "pass rngs= to the call, or call .eval()"
+    )
+
+
+def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiHeadAttention:
+    """Loads canonical weights into ``layer`` (strict) and returns it.
+
+    Values are converted to each parameter's dtype and placed with its
+    sharding (device).
+
+    Raises:
+        ValueError: a missing, extra or mis-shaped entry, named.
+        TypeError: a non-floating entry.
+    """
+    arrays, _ = check_weights(
+        weights, num_hiddens=layer.num_hiddens, bias=layer.bias, **layer.input_sizes()
+    )
+    for name, array in arrays.items():
+        linear = getattr(layer, f"W_{name[-1]}")
+        param = linear.kernel if name in KERNEL_NAMES else linear.bias
+        current = param[...]
+        value = np.asarray(array).astype(np.dtype(current.dtype))
+        param.set_value(jax.device_put(value, current.sharding))
+    return layer
+
+
+def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
+    """The canonical weights of ``layer`` as numpy arrays.
+
+    bfloat16 parameters are returned as float32 (the canonical format holds
+    numpy floating dtypes only); every other dtype is kept.
+    """
+    weights = {}
+    for name, value in layer.params().items():
+        array = np.asarray(jax.device_get(value))
+        if array.dtype == np.dtype(jnp.bfloat16):
+            array = array.astype(np.float32)
+        weights[name] = array.copy()
+    return weights

@@ -1,0 +1,248 @@
+"""``MultiHeadAttention`` as a Flax Linen module, called like d2l's JAX version.
+
+Parameters live under ``params/W_q/kernel``, ``params/W_q/bias``... as in
+d2l (whose projections are ``nn.Dense`` modules of those names), in the
+canonical ``x @ W + b`` orientation. Input sizes are inferred from the inputs
+at ``init``. The forward pass is
+:func:`mha_multi.jax.functional.multi_head_attention`, shared with the NNX
+module, so both give bit-identical outputs for the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from jax.typing import DTypeLike
+
+from mha_multi import spec
+from mha_multi.jax import functional
+from mha_multi.jax._ops import PrecisionLike
+from mha_multi.weights import KERNEL_NAMES, check_weights
+
+__all__ = ["MultiHeadAttention", "variables_from_weights", "weights_from_variables"]
+
+Initializer = Any
+
+
+class Projection(nn.Module):
+    """Holds one projection's ``kernel`` and ``bias``; the math is elsewhere.
+
+    Calling it returns the parameters (created on ``init`` for
+    ``in_features`` inputs) rather than applying them, so that the shared
+    functional core does the arithmetic.
+    """
+
+    features: int
+    use_bias: bool
+    param_dtype: DTypeLike = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array | None]:
+        kernel = self.param(
+            "kernel", self.kernel_init, (in_features, self.features), self.param_dtype
+        )
+        if not self.use_bias:
+            return kernel, None
+        return kernel, self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+
+
+class MultiHeadAttention(nn.Module):
+    """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
+
+    Attributes:
+        num_hiddens: size of every projection and of the output.
+        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        dropout: dropout rate on the attention weights (``training=True``
+            only; needs a ``'dropout'`` rng).
+        bias: whether the four projections have biases.
+        query_size: last dimension of the queries; ``None`` infers it at init.
+        key_size: last dimension of the keys; ``None`` infers it at init.
+        value_size: last dimension of the values; ``None`` infers it at init.
+        dtype: computation dtype; ``None`` promotes inputs and parameters.
+        param_dtype: dtype of the parameters.
+        precision: precision of every matrix product.
+        kernel_init: initializer of the kernels (``nn.Dense``'s ``lecun_normal``).
+        bias_init: initializer of the biases (zeros).
+    """
+
+    num_hiddens: int
+    num_heads: int
+    dropout: float = 0.0
+    bias: bool = False
+    query_size: int | None = None
+    key_size: int | None = None
+    value_size: int | None = None
+    dtype: DTypeLike | None = None
+    param_dtype: DTypeLike = jnp.float32
+    precision: PrecisionLike = None
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros_init()
+
+    def __post_init__(self) -> None:
+        # Configuration errors surface at construction, as in the other backends.
+        spec.check_config(self.num_hiddens, self.num_heads, self.dropout)
+        spec.check_input_sizes(
+            query_size=self.query_size, key_size=self.key_size, value_size=self.value_size
+        )
+        super().__post_init__()
+
+    def _known_sizes(self) -> dict[str, int | None]:
+        """Input sizes from the attributes, else from existing kernels, else ``None``."""
+        params = nn.meta.unbox(self.variables.get("params", {}))
+        sizes = {}
+        for size_name, name in (("query_size", "W_q"), ("key_size", "W_k"), ("value_size", "W_v")):
+            size = getattr(self, size_name)
+            kernel = params.get(name, {}).get("kernel")
+            if size is None and kernel is not None:
+                size = int(kernel.shape[0])
+            sizes[size_name] = size
+        return sizes
+
+    @nn.compact
+    def __call__(
+        self,
+        queries: jax.Array,
+        keys: jax.Array,
+        values: jax.Array,
+        valid_lens: Any = None,
+        *,
+        causal: bool = False,
+        return_attention_weights: bool = False,
+        training: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """Attends from ``queries`` to ``keys``/``values``.
+
+        Args:
+            queries: ``(B, Q, query_size)``.
+            keys: ``(B, K, key_size)``.
+            values: ``(B, K, value_size)``.
+            valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating;
+                key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
+            causal: also hide key ``j`` from query ``i`` when ``j > i + (K - Q)``.
+            return_attention_weights: also return the pre-dropout weights.
+            training: apply dropout (draws from the ``'dropout'`` rng).
+
+        Returns:
+            ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
+            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``.
+
+        Raises:
+            TypeError: a non-floating input or non-numeric ``valid_lens``.
+            ValueError: inconsistent shapes, named; raised while tracing.
+        """
+        queries, keys, values, valid_lens = functional.check_call(
+            queries, keys, values, valid_lens, **self._known_sizes()
+        )
+        params = {}
+        in_features = {
+            "q": queries.shape[-1],
+            "k": keys.shape[-1],
+            "v": values.shape[-1],
+            "o": self.num_hiddens,
+        }
+        for name, size in in_features.items():
+            kernel, bias = Projection(
+                self.num_hiddens,
+                self.bias,
+                self.param_dtype,
+                self.kernel_init,
+                self.bias_init,
+                name=f"W_{name}",
+            )(size)
+            params[f"W_{name}"] = kernel
+            if bias is not None:
+                params[f"b_{name}"] = bias
+        use_dropout = training and self.dropout > 0
+        output, weights = functional.multi_head_attention(
+            params,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            num_heads=self.num_heads,
+            causal=causal,
+            dropout_rate=self.dropout,
+            deterministic=not use_dropout,
+            dropout_rng=self.make_rng("dropout") if use_dropout else None,
+            dtype=self.dtype,
+            precision=self.precision,
+        )
+        return (output, weights) if return_attention_weights else output
+
+
+def variables_from_weights(
+    weights: Mapping[str, Any],
+    module: MultiHeadAttention | None = None,
+    *,
+    dtype: DTypeLike | None = None,
+) -> dict[str, Any]:
+    """Canonical weights as Linen variables ``{'params': {'W_q': {'kernel': ...}}}``.
+
+    Args:
+        weights: the canonical mapping (validated strictly).
+        module: if given, the weights must match its ``num_hiddens``,
+            ``bias`` and the input sizes it fixes, and are converted to its
+            ``param_dtype``.
+        dtype: the dtype of the variables; overrides ``module.param_dtype``.
+            Without either, each array keeps its dtype.
+
+    Returns:
+        The variables, as JAX arrays, for ``module.apply``.
+
+    Raises:
+        ValueError: a missing, extra or mis-shaped entry, named.
+        TypeError: a non-floating entry.
+    """
+    config: dict[str, Any] = {}
+    if module is not None:
+        config = {
+            "num_hiddens": module.num_hiddens,
+            "bias": module.bias,
+            "query_size": module.query_size,
+            "key_size": module.key_size,
+            "value_size": module.value_size,
+        }
+        if dtype is None:
+            dtype = module.param_dtype
+    arrays, _ = check_weights(weights, **config)
+    params: dict[str, dict[str, jax.Array]] = {}
+    for name, array in arrays.items():
+        if dtype is not None:
+            array = np.asarray(array).astype(np.dtype(dtype))
+        entry = "kernel" if name in KERNEL_NAMES else "bias"
+        params.setdefault(f"W_{name[-1]}", {})[entry] = jnp.asarray(array)
+    return {"params": params}
+
+
+def weights_from_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The canonical weights in Linen variables, as numpy arrays.
+
+    Args:
+        variables: ``{'params': {...}}`` as returned by ``init``, or the
+            ``params`` collection itself.
+
+    Returns:
+        The canonical mapping (validated). bfloat16 parameters are returned
+        as float32; every other dtype is kept.
+
+    Raises:
+        ValueError: a missing or extra projection parameter, named.
+    """
+    params = nn.meta.unbox(variables.get("params", variables))
+    weights = {}
+    for name in KERNEL_NAMES:
+        projection = params.get(name, {})
+        for entry, canonical in (("kernel", name), ("bias", f"b_{name[-1]}")):
+            if entry in projection:
+                array = np.asarray(jax.device_get(projection[entry]))
+                if array.dtype == np.dtype(jnp.bfloat16):
+                    array = array.astype(np.float32)
+                weights[canonical] = array.copy()
+    return check_weights(weights)[0]

@@ -1,0 +1,486 @@
+"""What only the JAX backend has: transformations, NNX/Linen equivalence, Flax conventions."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.test_util import check_grads
+
+from conftest import gpu_required
+from mha_multi import spec
+from mha_multi.jax import MultiHeadAttention, get_weights, linen, multi_head_attention, set_weights
+from mha_multi.parity.cases import CASES, build_case
+from mha_multi.weights import init_weights
+
+# float64 runs need x64; the parity runners turn it on as well.
+jax.config.update("jax_enable_x64", True)
+
+DTYPES = (jnp.float64, jnp.float32, jnp.bfloat16, jnp.float16)
+INPUT_NAMES = ("queries", "keys", "values")
+
+
+@functools.cache
+def case_named(name):
+    return build_case(next(c for c in CASES if c.name == name))
+
+
+def arrays(case, dtype=jnp.float32):
+    return [jnp.asarray(case.inputs[name], dtype) for name in INPUT_NAMES]
+
+
+def nnx_layer(case, dtype=jnp.float32, *, training=False, **kwargs):
+    config = case.config
+    layer = MultiHeadAttention(
+        config.num_hiddens,
+        config.num_heads,
+        bias=config.bias,
+        param_dtype=dtype,
+        rngs=nnx.Rngs(0),
+        **config.sizes(),
+        **kwargs,
+    )
+    if training:
+        layer.train()
+    else:
+        layer.eval()
+    return set_weights(layer, case.weights)
+
+
+def linen_layer(case, dtype=jnp.float32, **kwargs):
+    config = case.config
+    module = linen.MultiHeadAttention(
+        config.num_hiddens, config.num_heads, bias=config.bias, param_dtype=dtype, **kwargs
+    )
+    return module, linen.variables_from_weights(case.weights, module)
+
+
+def small_inputs(seed=0, batch=2, num_queries=3, num_keys=4, size=8):
+    rng = np.random.default_rng(seed)
+    return [
+        jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+        for shape in ((batch, num_queries, size), (batch, num_keys, size), (batch, num_keys, size))
+    ]
+
+
+# -- gradients ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["lens_2d", "causal_cross", "cross_sizes", "lens_zero"])
+def test_check_grads_float64(name):
+    case = case_named(name)
+    params = {key: jnp.asarray(value, jnp.float64) for key, value in case.weights.items()}
+    lens = case.valid_lens
+
+    def forward(params, q, k, v):
+        return multi_head_attention(
+            params, q, k, v, lens, num_heads=case.config.num_heads, causal=case.config.causal
+        )[0]
+
+    check_grads(forward, (params, *arrays(case, jnp.float64)), order=1, modes=("fwd", "rev"))
+
+    module, variables = linen_layer(case, jnp.float64)
+
+    def linen_forward(variables, q, k, v):
+        return module.apply(variables, q, k, v, lens, causal=case.config.causal)
+
+    check_grads(linen_forward, (variables, *arrays(case, jnp.float64)), order=1, modes=("rev",))
+
+
+@pytest.mark.parametrize("name", ["book", "causal_lens_2d", "cross_sizes"])
+def test_jitted_grad_matches_reference_gradients(name):
+    case = case_named(name)
+    layer = nnx_layer(case)
+    cotangent = jnp.asarray(case.output_gradient)
+
+    @nnx.jit
+    def loss_grads(layer, q, k, v, lens):
+        def loss(layer, q, k, v):
+            out = layer(q, k, v, lens, causal=case.config.causal)
+            return jnp.sum(out * cotangent)
+
+        return nnx.grad(loss, argnums=(0, 1, 2, 3))(layer, q, k, v)
+
+    layer_grads, *input_grads = loss_grads(layer, *arrays(case), case.valid_lens)
+    for name_, grad in zip(INPUT_NAMES, input_grads, strict=True):
+        np.testing.assert_allclose(grad, case.reference[f"grad.{name_}"], atol=5e-5)
+    pure = nnx.to_pure_dict(layer_grads)
+    for weight_name in case.weights:
+        entry = "kernel" if weight_name.startswith("W") else "bias"
+        grad = pure[f"W_{weight_name[-1]}"][entry]
+        np.testing.assert_allclose(grad, case.reference[f"grad.{weight_name}"], atol=5e-5)
+
+
+# -- transformations -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["book", "lens_1d_float", "causal_more_queries", "cross_sizes"])
+def test_jit_matches_reference(name):
+    case = case_named(name)
+    causal = case.config.causal
+    expected = case.reference["output"], case.reference["attention_weights"]
+
+    nnx_call = nnx.jit(
+        lambda layer, q, k, v, lens: layer(
+            q, k, v, lens, causal=causal, return_attention_weights=True
+        )
+    )
+    module, variables = linen_layer(case)
+    linen_call = jax.jit(
+        lambda variables, q, k, v, lens: module.apply(
+            variables, q, k, v, lens, causal=causal, return_attention_weights=True
+        )
+    )
+    functional_call = jax.jit(
+        multi_head_attention, static_argnames=("num_heads", "causal", "dtype", "precision")
+    )
+    results = {
+        "nnx": nnx_call(nnx_layer(case), *arrays(case), case.valid_lens),
+        "linen": linen_call(variables, *arrays(case), case.valid_lens),
+        "functional": functional_call(
+            case.weights,
+            *arrays(case),
+            case.valid_lens,
+            num_heads=case.config.num_heads,
+            causal=causal,
+        ),
+    }
+    for got in results.values():
+        for actual, reference in zip(got, expected, strict=True):
+            np.testing.assert_allclose(actual, reference, atol=5e-6)
+
+
+def test_vmap_over_an_extra_leading_axis():
+    num_stacks, weights = 3, init_weights(8, bias=True, seed=4)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((num_stacks, 2, 3, 8)).astype(np.float32)
+    kv = rng.standard_normal((num_stacks, 2, 5, 8)).astype(np.float32)
+    lens = np.array([[1, 5], [0, 3], [4, 2]])
+    expected = np.stack(
+        [
+            spec.reference_forward(weights, q[i], kv[i], kv[i], lens[i], num_heads=2)[0]
+            for i in range(num_stacks)
+        ]
+    )
+
+    functional = jax.vmap(
+        lambda q, kv, lens: multi_head_attention(weights, q, kv, kv, lens, num_heads=2)[0]
+    )
+    layer = set_weights(MultiHeadAttention(8, 2, bias=True, rngs=nnx.Rngs(0)), weights)
+    nnx_vmapped = nnx.vmap(
+        lambda layer, q, kv, lens: layer(q, kv, kv, lens), in_axes=(None, 0, 0, 0)
+    )
+    module = linen.MultiHeadAttention(8, 2, bias=True)
+    variables = linen.variables_from_weights(weights, module)
+    linen_vmapped = jax.vmap(lambda q, kv, lens: module.apply(variables, q, kv, kv, lens))
+
+    for got in (
+        functional(q, kv, lens),
+        nnx_vmapped(layer, q, kv, lens),
+        jax.jit(linen_vmapped)(q, kv, lens),
+    ):
+        assert got.shape == (num_stacks, 2, 3, 8)
+        np.testing.assert_allclose(got, expected, atol=5e-6)
+
+
+# -- errors under jit ------------------------------------------------------------
+
+
+def test_jitted_bad_shapes_raise_the_same_value_error():
+    weights = init_weights(8)
+    layer = set_weights(MultiHeadAttention(8, 2, rngs=nnx.Rngs(0)), weights)
+    module = linen.MultiHeadAttention(8, 2)
+    variables = linen.variables_from_weights(weights, module)
+    q, k, v = small_inputs()
+    nnx_call = nnx.jit(lambda layer, q, k, v, lens: layer(q, k, v, lens))
+    linen_call = jax.jit(lambda q, k, v, lens: module.apply(variables, q, k, v, lens))
+    functional_call = jax.jit(
+        lambda q, k, v, lens: multi_head_attention(weights, q, k, v, lens, num_heads=2)
+    )
+    calls = [functools.partial(nnx_call, layer), linen_call, functional_call]
+    bad = [
+        ((q[..., :5], k, v, None), "queries last dimension must be query_size=8"),
+        ((q, k, v[:, :3], None), "same length; got 4 keys and 3 values"),
+        ((q, k, v, jnp.ones((2, 4))), r"\(batch, num_queries\) = \(2, 3\)"),
+    ]
+    for call in calls:
+        for args, match in bad:
+            with pytest.raises(ValueError, match=match):
+                call(*args)
+        with pytest.raises(TypeError, match="valid_lens must be an integer or floating"):
+            call(q, k, v, jnp.array([True, False]))
+
+
+def test_non_floating_inputs_are_a_type_error():
+    layer = MultiHeadAttention(8, 2, rngs=nnx.Rngs(0))
+    q, k, v = small_inputs()
+    with pytest.raises(TypeError, match="keys must be a floating-point array; got int32"):
+        layer(q, k.astype(jnp.int32), v)
+    with pytest.raises(TypeError, match="queries must be an array; got list"):
+        layer([[[0.0] * 8]], k, v)
+
+
+# -- NNX and Linen are the same computation ------------------------------------------
+
+
+# The parity report compares the two runners on every case; here, one case
+# per feature keeps the eager (op-by-op compiled) comparison quick.
+BIT_IDENTICAL_CASES = ("book", "lens_1d_float", "causal_lens_2d", "cross_sizes")
+
+
+@pytest.mark.parametrize("name", BIT_IDENTICAL_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_nnx_and_linen_are_bit_identical(dtype, name):
+    case = case_named(name)
+    causal = case.config.causal
+    layer = nnx_layer(case, dtype)
+    module, variables = linen_layer(case, dtype)
+    inputs = arrays(case, dtype)
+    got_nnx = layer(*inputs, case.valid_lens, causal=causal, return_attention_weights=True)
+    got_linen = module.apply(
+        variables, *inputs, case.valid_lens, causal=causal, return_attention_weights=True
+    )
+    for a, b in zip(got_nnx, got_linen, strict=True):
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_array_equal(a, b)
+
+    def nnx_forward(state, q, k, v):
+        return nnx.merge(graphdef, state)(q, k, v, case.valid_lens, causal=causal)
+
+    def linen_forward(variables, q, k, v):
+        return module.apply(variables, q, k, v, case.valid_lens, causal=causal)
+
+    graphdef, state = nnx.split(layer)
+    cotangent = jnp.asarray(case.output_gradient, dtype)
+    nnx_grads, *nnx_input_grads = jax.vjp(nnx_forward, state, *inputs)[1](cotangent)
+    linen_grads, *linen_input_grads = jax.vjp(linen_forward, variables, *inputs)[1](cotangent)
+    for a, b in zip(nnx_input_grads, linen_input_grads, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_equal(nnx.to_pure_dict(nnx_grads), jax.device_get(linen_grads["params"]))
+
+
+@pytest.mark.parametrize("name", ["book", "causal_lens_2d"])
+def test_nnx_and_linen_are_bit_identical_under_jit(name):
+    case = case_named(name)
+    causal = case.config.causal
+    module, variables = linen_layer(case)
+    got_nnx = nnx.jit(lambda layer, *x: layer(*x, causal=causal, return_attention_weights=True))(
+        nnx_layer(case), *arrays(case), case.valid_lens
+    )
+    got_linen = jax.jit(
+        lambda v, *x: module.apply(v, *x, causal=causal, return_attention_weights=True)
+    )(variables, *arrays(case), case.valid_lens)
+    for a, b in zip(got_nnx, got_linen, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dropout_with_the_same_key_is_bit_identical():
+    case = case_named("book")
+    layer = nnx_layer(case, dropout=0.4, training=True)
+    module, variables = linen_layer(case, dropout=0.4)
+    root = jax.random.key(7)
+    # The key Linen's top-level module draws for its first 'dropout' request.
+    key = module.apply(variables, method=lambda m: m.make_rng("dropout"), rngs={"dropout": root})
+    inputs = arrays(case)
+    got_linen = module.apply(
+        variables, *inputs, case.valid_lens, training=True, rngs={"dropout": root}
+    )
+    got_nnx = layer(*inputs, case.valid_lens, rngs=key)
+    got_nnx_jit = nnx.jit(lambda layer, *x: layer(*x, rngs=key))(layer, *inputs, case.valid_lens)
+    got_functional = multi_head_attention(
+        case.weights,
+        *inputs,
+        case.valid_lens,
+        num_heads=5,
+        dropout_rate=0.4,
+        deterministic=False,
+        dropout_rng=key,
+    )[0]
+    np.testing.assert_array_equal(got_nnx, got_linen)
+    np.testing.assert_array_equal(got_functional, got_linen)
+    np.testing.assert_allclose(got_nnx_jit, got_linen, atol=1e-6)
+    # Dropout did act: the result is not the deterministic output.
+    assert np.abs(np.asarray(got_nnx) - case.reference["output"]).max() > 1e-2
+
+
+def test_dropout_streams_are_reproducible_and_advance():
+    case = case_named("book")
+    first = nnx_layer(case, dropout=0.4, training=True)
+    second = nnx_layer(case, dropout=0.4, training=True)
+    inputs = arrays(case)
+    a1, b1 = first(*inputs, case.valid_lens), second(*inputs, case.valid_lens)
+    np.testing.assert_array_equal(a1, b1)  # same seed, same masks
+    assert not np.array_equal(first(*inputs, case.valid_lens), a1)  # the stream advanced
+
+
+# -- modes -----------------------------------------------------------------------
+
+
+def test_train_eval_deterministic_and_view():
+    case = case_named("book")
+    layer = nnx_layer(case, dropout=0.5, training=True)
+    inputs = arrays(case)
+    expected = case.reference["output"]
+
+    def close_to_reference(out):
+        return np.abs(np.asarray(out) - expected).max() < 5e-6
+
+    assert not layer.deterministic  # nnx.Dropout's default: training
+    assert not close_to_reference(layer(*inputs, case.valid_lens))
+    assert close_to_reference(layer(*inputs, case.valid_lens, deterministic=True))
+    layer.eval()
+    assert close_to_reference(layer(*inputs, case.valid_lens))
+    assert not close_to_reference(layer(*inputs, case.valid_lens, deterministic=False))
+    layer.train()
+    assert close_to_reference(nnx.view(layer, deterministic=True)(*inputs, case.valid_lens))
+    assert not close_to_reference(layer(*inputs, case.valid_lens))
+
+
+def test_linen_training_needs_a_dropout_rng_and_eval_does_not():
+    case = case_named("book")
+    module, variables = linen_layer(case, dropout=0.5)
+    inputs = arrays(case)
+    out = module.apply(variables, *inputs, case.valid_lens)
+    np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
+    with pytest.raises(Exception, match="dropout"):
+        module.apply(variables, *inputs, case.valid_lens, training=True)
+
+
+def test_functional_dropout_without_a_key_is_an_error():
+    q, k, v = small_inputs()
+    with pytest.raises(ValueError, match="dropout_rng is required"):
+        multi_head_attention(
+            init_weights(8), q, k, v, num_heads=2, dropout_rate=0.1, deterministic=False
+        )
+
+
+# -- dtypes ------------------------------------------------------------------------
+
+
+def test_computation_dtype_and_promotion():
+    case = case_named("lens_zero")
+    reference = case.reference["output"]
+    layer = MultiHeadAttention(16, 4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    set_weights(layer, case.weights)
+    out = layer(*arrays(case), case.valid_lens)
+    assert out.dtype == jnp.bfloat16 and layer.W_q.kernel[...].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out, np.float32), reference, atol=2e-2)
+    # Without a computation dtype, inputs and parameters promote (Flax's rule).
+    promoted = nnx_layer(case)(*arrays(case, jnp.float16), case.valid_lens)
+    assert promoted.dtype == jnp.float32
+
+
+def test_set_weights_keeps_the_parameter_dtype():
+    weights = init_weights(8, bias=True, seed=3)
+    layer = set_weights(
+        MultiHeadAttention(8, 2, bias=True, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), weights
+    )
+    assert layer.W_o.bias[...].dtype == jnp.bfloat16
+    got = get_weights(layer)
+    for name, array in weights.items():
+        assert got[name].dtype == np.float32
+        np.testing.assert_array_equal(got[name], array.astype(jnp.bfloat16).astype(np.float32))
+
+
+# -- parameters and weights -----------------------------------------------------------
+
+
+def test_state_uses_d2l_names():
+    layer = MultiHeadAttention(8, 2, bias=True, rngs=nnx.Rngs(0))
+    paths = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+    assert paths == {f"W_{p}/{t}" for p in "qkvo" for t in ("kernel", "bias")}
+    module = linen.MultiHeadAttention(8, 2, bias=True)
+    variables = module.init(jax.random.key(0), *small_inputs())
+    assert jax.tree.map(jnp.shape, variables) == {
+        "params": {f"W_{p}": {"kernel": (8, 8), "bias": (8,)} for p in "qkvo"}
+    }
+    np.testing.assert_array_equal(get_weights(layer)["W_q"], np.asarray(layer.W_q.kernel[...]))
+
+
+def test_linen_infers_sizes_at_init_and_checks_them_after():
+    module = linen.MultiHeadAttention(12, 3)
+    rng = np.random.default_rng(1)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s).astype(np.float32))
+        for s in ((2, 3, 7), (2, 5, 4), (2, 5, 6))
+    )
+    variables = module.init(jax.random.key(0), q, k, v)
+    weights = linen.weights_from_variables(variables)
+    assert {name: w.shape for name, w in weights.items()} == {
+        "W_q": (7, 12),
+        "W_k": (4, 12),
+        "W_v": (6, 12),
+        "W_o": (12, 12),
+    }
+    expected, _ = spec.reference_forward(weights, q, k, v, num_heads=3)
+    np.testing.assert_allclose(module.apply(variables, q, k, v), expected, atol=5e-6)
+    with pytest.raises(ValueError, match="keys last dimension must be key_size=4"):
+        module.apply(variables, q, v, v)
+    with pytest.raises(ValueError, match="queries last dimension must be query_size=8"):
+        linen.MultiHeadAttention(12, 3, query_size=8).init(jax.random.key(0), q, k, v)
+
+
+def test_linen_variables_round_trip_and_strict_loading():
+    weights = init_weights(12, query_size=5, key_size=6, value_size=7, bias=True, seed=9)
+    module = linen.MultiHeadAttention(12, 3, bias=True)
+    got = linen.weights_from_variables(linen.variables_from_weights(weights, module))
+    assert got.keys() == weights.keys()
+    assert all(got[name].tobytes() == weights[name].tobytes() for name in weights)
+    with pytest.raises(ValueError, match="missing 'b_k'"):
+        linen.variables_from_weights(init_weights(12), module)
+    with pytest.raises(ValueError, match=r"W_q'\] must have shape \(8, 12\)"):
+        module = linen.MultiHeadAttention(12, 3, bias=True, query_size=8)
+        linen.variables_from_weights(weights, module)
+
+
+def test_configuration_errors_at_construction():
+    with pytest.raises(ValueError, match=r"num_hiddens \(10\).*num_heads \(3\)"):
+        linen.MultiHeadAttention(10, 3)
+    with pytest.raises(ValueError, match="key_size must be a positive int"):
+        MultiHeadAttention(8, 2, key_size=-1, rngs=nnx.Rngs(0))
+
+
+def test_valid_lens_accepts_sequences_numpy_and_jax_arrays():
+    case = case_named("lens_2d")
+    layer = nnx_layer(case)
+    for valid_lens in (
+        case.valid_lens.tolist(),
+        case.valid_lens,
+        jnp.asarray(case.valid_lens),
+        case.valid_lens.astype(np.float16),
+    ):
+        out = layer(*arrays(case), valid_lens)
+        np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
+
+
+# -- GPU --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu():
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        if gpu_required():
+            pytest.fail("no GPU visible to JAX, and MHA_MULTI_REQUIRE_GPU is set")
+        pytest.skip("no GPU visible to JAX")
+
+
+def test_gpu_highest_precision_float32_parity(gpu):
+    case = case_named("causal_lens_2d")
+    with jax.default_device(gpu):
+        layer = nnx_layer(case, precision="highest")
+        module, variables = linen_layer(case, precision="highest")
+        inputs = [jax.device_put(x, gpu) for x in arrays(case)]
+        out = layer(*inputs, case.valid_lens, causal=True)
+        linen_out = module.apply(variables, *inputs, case.valid_lens, causal=True)
+    assert layer.W_q.kernel[...].devices() == {gpu}
+    assert out.devices() == {gpu}
+    np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
+    np.testing.assert_array_equal(out, linen_out)
+    got = get_weights(layer)
+    assert all(got[name].tobytes() == case.weights[name].tobytes() for name in case.weights)
