@@ -47,6 +47,7 @@ with mock(autodoc_mock_imports):
     import mha_multi.keras
 
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"
 autodoc_typehints_format = "short"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -57,17 +58,29 @@ pygments_style = "friendly"
 
 
 def _constructor_signature(app, what, name, obj, options, signature, return_annotation):
-    """The ``__init__`` signature of classes whose framework base class is mocked.
+    """The constructor signature of classes whose framework base class is mocked.
 
     A mocked base class contributes a ``__new__(*args, **kwargs)`` that would
-    otherwise hide the real constructor arguments.
+    otherwise hide the real arguments: those of the class's own ``__init__``,
+    or, for dataclass-style modules (Flax Linen), its annotated fields.
     """
-    if what != "class" or signature != "(*args, **kwargs)" or "__init__" not in vars(obj):
+    if what != "class" or signature != "(*args, **kwargs)":
         return None
-    parameters = [
-        p.replace(annotation=inspect.Parameter.empty)
-        for p in list(inspect.signature(obj.__init__).parameters.values())[1:]
-    ]
+    if "__init__" in vars(obj):
+        parameters = list(inspect.signature(obj.__init__).parameters.values())[1:]
+    else:
+        fields = [f for f in vars(obj).get("__annotations__", {}) if not f.startswith("_")]
+        if not fields:
+            return None
+        parameters = [
+            inspect.Parameter(
+                field,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                default=vars(obj).get(field, inspect.Parameter.empty),
+            )
+            for field in fields
+        ]
+    parameters = [p.replace(annotation=inspect.Parameter.empty) for p in parameters]
     return stringify_signature(inspect.Signature(parameters)), return_annotation
 
 
