@@ -58,19 +58,19 @@ class Environment:
 COMMON = (PINS["numpy"], PINS["safetensors"], PINS["pytest"], PINS["hypothesis"])
 
 ENVIRONMENTS: dict[str, Environment] = {
-    "numpy": Environment(COMMON, "test", tests=("tests/core",)),
+    "numpy": Environment(COMMON, "test", tests=("tests/core", "tests/examples")),
     "torch": Environment(
         (*COMMON, PINS["torch"]),
         "torch,test",
         backends=("torch",),
-        tests=("tests/backends", "tests/torch"),
+        tests=("tests/backends", "tests/torch", "tests/examples"),
         benchmarks=("torch",),
     ),
     "jax": Environment(
         (*COMMON, PINS["jax"], PINS["jaxlib"], PINS["flax"]),
         "jax,test",
         backends=("jax-nnx", "jax-linen"),
-        tests=("tests/backends", "tests/jax"),
+        tests=("tests/backends", "tests/jax", "tests/examples"),
     ),
     "mxnet": Environment(
         # COMMON with numpy 1.23: MXNet 1.9 imports only with numpy < 1.24.
@@ -83,7 +83,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         ),
         "mxnet,test",
         backends=("mxnet", "mxnet-hybrid"),
-        tests=("tests/core", "tests/backends", "tests/mxnet"),
+        tests=("tests/core", "tests/backends", "tests/mxnet", "tests/examples"),
     ),
     # Keras fixes its backend per process from KERAS_BACKEND, so each Keras
     # backend is an environment of its own running the same layer.
@@ -91,21 +91,21 @@ ENVIRONMENTS: dict[str, Environment] = {
         (*COMMON, PINS["keras"], PINS["tensorflow"]),
         "keras,test",
         backends=("keras-tensorflow",),
-        tests=("tests/backends", "tests/keras"),
+        tests=("tests/backends", "tests/keras", "tests/examples"),
         env={"KERAS_BACKEND": "tensorflow"},
     ),
     "keras-jax": Environment(
         (*COMMON, PINS["keras"], PINS["jax"], PINS["jaxlib"]),
         "test",
         backends=("keras-jax",),
-        tests=("tests/backends", "tests/keras"),
+        tests=("tests/backends", "tests/keras", "tests/examples"),
         env={"KERAS_BACKEND": "jax"},
     ),
     "keras-torch": Environment(
         (*COMMON, PINS["keras"], PINS["torch"]),
         "test",
         backends=("keras-torch",),
-        tests=("tests/backends", "tests/keras"),
+        tests=("tests/backends", "tests/keras", "tests/examples"),
         env={"KERAS_BACKEND": "torch"},
     ),
 }
