@@ -2,14 +2,12 @@
 
 Formats, by file name (or ``--from``/``--to``):
 
-==================  ===========================================================
-``*.npz``           canonical weights (``allow_pickle=False``)
-``*.safetensors``   canonical weights
-``*.pt``, ``*.pth`` a PyTorch ``state_dict`` (read with ``weights_only=True``):
-                    ``torch-mha`` (``torch.nn.MultiheadAttention``) or
-                    ``torch-d2l`` (d2l's layer, also ``mha_multi.torch``'s);
-                    on reading, the kind is recognised from the keys
-==================  ===========================================================
+* ``*.npz``, ``*.safetensors``: canonical weights (``.npz`` read with
+  ``allow_pickle=False``).
+* ``*.pt``, ``*.pth``: a PyTorch ``state_dict`` (read with
+  ``weights_only=True``), either ``torch-mha`` (``torch.nn.MultiheadAttention``)
+  or ``torch-d2l`` (d2l's layer, also ``mha_multi.torch``'s); on reading, the
+  kind is recognised from the keys.
 """
 
 from __future__ import annotations
