@@ -9,17 +9,29 @@ device type, dtype, whether ``valid_lens`` is given and its rank and dtype,
 public block's parameters (Gluon's ``params=`` sharing), are hybridized
 with it, and each keeps its own cached graph, so alternating configurations
 never rebuild a graph.
+
+When the attention weights are not asked for, a graph takes a faster route
+to the same numbers (:meth:`_AttentionGraph._fused_attention`): ``batch_dot``
+with the transposed keys instead of an explicit transpose, the scale folded
+into the softmax's temperature, and the mask given to MXNet's softmax as
+per-row lengths (``use_length=True``) instead of replacing hidden scores in
+a full-size copy. Every mask of the spec hides a suffix of the keys (lengths
+and the causal rule both do), so the number of visible keys, counted from
+:func:`mha_multi.spec.visibility`, is that length; rows with no visible key
+get the spec's value from :func:`mha_multi.spec.fix_fully_hidden_rows`.
+Asking for the weights runs the generic :func:`mha_multi.spec.attention`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import mxnet as mx
 import numpy as np
-from mxnet import gluon, npx
+from mxnet import autograd, gluon, npx
 from mxnet.gluon import nn
 
 from mha_multi import spec
@@ -45,6 +57,7 @@ class _Config:
     lens_dtype: str | None
     causal: bool
     return_attention_weights: bool
+    fused: bool  # the length-masked softmax route instead of spec.attention
 
 
 class _Graphs:
@@ -127,11 +140,15 @@ class _AttentionGraph(gluon.HybridBlock):
             # mode="training": active only while autograd is in training mode.
             return F.npx.dropout(weights, p=self._dropout)
 
+        q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
+        if self._config.fused:
+            context = self._fused_attention(F, ops, q, k, v, valid_lens)
+            return project(context, "o")
         context, weights = spec.attention(
             ops,
-            project(queries, "q"),
-            project(keys, "k"),
-            project(values, "v"),
+            q,
+            k,
+            v,
             valid_lens,
             num_heads=self._num_heads,
             head_dim=self._head_dim,
@@ -140,6 +157,76 @@ class _AttentionGraph(gluon.HybridBlock):
         )
         output = project(context, "o")
         return (output, weights) if self._config.return_attention_weights else output
+
+    def _batch_dot(self, F: Any, a: Any, b: Any, *, transpose_b: bool = False) -> Any:
+        if self._float16_in_float32:
+            # MXNet 1.9 has float16 matrix products on GPUs only (as MXNetOps.matmul).
+            product = F.npx.batch_dot(
+                a.astype(np.float32), b.astype(np.float32), transpose_b=transpose_b
+            )
+            return product.astype(np.float16)
+        return F.npx.batch_dot(a, b, transpose_b=transpose_b)
+
+    def _fused_attention(
+        self, F: Any, ops: MXNetOps, q: Any, k: Any, v: Any, valid_lens: Any
+    ) -> Any:
+        """Attention with MXNet's length-masked softmax, to the spec's numbers.
+
+        Args:
+            F: ``mxnet.ndarray`` or ``mxnet.symbol``.
+            ops: the adapter for ``F``.
+            q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
+            valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
+
+        Returns:
+            The concatenated heads ``(B, Q, num_hiddens)``.
+        """
+        num_heads = self._num_heads
+        q, k, v = (spec.transpose_qkv(ops, x, num_heads) for x in (q, k, v))  # (B*H, T, dh)
+        scores = self._batch_dot(F, q, k, transpose_b=True)  # (B*H, Q, K), not yet scaled
+        dtype = np.dtype(self._config.dtype)
+        low_precision = dtype.itemsize < 4
+        if low_precision:
+            # The spec's softmax runs in float32 for 16-bit inputs.
+            scores = scores.astype(np.float32)
+        split_scores = ops.split_axis(scores, 0, (-1, num_heads))  # (B, H, Q, K), a view
+        visible = spec.visibility(ops, split_scores, valid_lens, causal=self._config.causal)
+        # Dividing the scores by sqrt(head_dim) is folded into the softmax.
+        temperature = math.sqrt(self._head_dim)
+        if visible is None:
+            weights = F.npx.softmax(scores, axis=-1, temperature=temperature)
+        else:
+            # Visible keys form a prefix of each row (lengths and the causal
+            # rule hide suffixes, and so does their AND): the count of visible
+            # keys is the softmax's length, always within [0, K] (MXNet reads
+            # past the row for longer lengths).
+            counts = F.np.sum(visible.astype(np.int32), axis=-1)  # (B, 1, 1|Q) or (Q,)
+            rows = F.np.zeros_like(split_scores[:, :, :, 0], dtype=np.int32)  # (B, H, Q)
+            lengths = ops.merge_axes(rows + counts, 0)  # (B*H, Q)
+            weights = F.npx.softmax(
+                scores, lengths, axis=-1, temperature=temperature, use_length=True
+            )
+        if low_precision:
+            weights = weights.astype(dtype)
+        if self._dropout > 0:
+            # The layer takes this route in training only when no row can be
+            # fully hidden (see MultiHeadAttention.forward).
+            weights = F.npx.dropout(weights, p=self._dropout)
+        context = self._batch_dot(F, weights, v)  # (B*H, Q, dh)
+        if visible is not None:
+            # A row with no visible key came out as zeros; the spec gives it
+            # uniform weights, i.e. the mean of all value rows.
+            context = ops.merge_axes(
+                spec.fix_fully_hidden_rows(
+                    ops,
+                    ops.split_axis(context, 0, (-1, num_heads)),
+                    ops.split_axis(v, 0, (-1, num_heads)),
+                    visible,
+                    heads_axis=1,
+                ),
+                0,
+            )
+        return spec.transpose_output(ops, context, num_heads)
 
 
 class MultiHeadAttention(gluon.HybridBlock):
@@ -335,6 +422,8 @@ class MultiHeadAttention(gluon.HybridBlock):
             lens_dtype=None if lens is None else np.dtype(lens.dtype).name,
             causal=bool(causal),
             return_attention_weights=bool(return_attention_weights),
+            fused=not return_attention_weights
+            and _fused_path_exact(self.dropout, lens, causal, queries.shape[1], keys.shape[1]),
         )
         inputs = (queries, keys, values) if lens is None else (queries, keys, values, lens)
         graph = self._graph(config)
@@ -368,6 +457,21 @@ class MultiHeadAttention(gluon.HybridBlock):
                 graph.hybridize(*args, **kwargs)
             self._graphs.by_config[config] = graph
         return graph
+
+
+def _fused_path_exact(
+    dropout: float, lens: Any, causal: bool, num_queries: int, num_keys: int
+) -> bool:
+    """Whether the fused route gives the spec's result (or its distribution).
+
+    Without active dropout it always does. With dropout, a fully hidden row
+    would need dropout on its uniform weights, which the correction does not
+    draw; so active dropout takes the fused route only when no row can be
+    fully hidden (no lengths, and no causal mask with more queries than keys).
+    """
+    if dropout == 0 or not autograd.is_training():
+        return True
+    return lens is None and not (causal and num_queries > num_keys)
 
 
 def _in_units(dense: nn.Dense) -> int | None:
