@@ -70,6 +70,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         "mxnet,test",
         backends=("mxnet", "mxnet-hybrid"),
         tests=("tests/core", "tests/backends", "tests/mxnet"),
+        benchmarks=("mxnet",),
     ),
 }
 

@@ -11,14 +11,14 @@ with it, and each keeps its own cached graph, so alternating configurations
 never rebuild a graph.
 
 When the attention weights are not asked for, a graph takes a faster route
-to the same numbers (:meth:`_AttentionGraph._fused_attention`): ``batch_dot``
-with the transposed keys instead of an explicit transpose, the scale folded
-into the softmax's temperature, and the mask given to MXNet's softmax as
-per-row lengths (``use_length=True``) instead of replacing hidden scores in
-a full-size copy. Every mask of the spec hides a suffix of the keys (lengths
-and the causal rule both do), so the number of visible keys, counted from
-:func:`mha_multi.spec.visibility`, is that length; rows with no visible key
-get the spec's value from :func:`mha_multi.spec.fix_fully_hidden_rows`.
+to the same numbers (:meth:`_AttentionGraph._fused_attention`): the scale
+applied to the queries rather than to the scores, ``batch_dot`` with the
+transposed keys instead of an explicit transpose, and the mask applied by
+``SequenceMask`` (which replaces hidden scores by ``MASK_VALUE``, exactly the
+spec's rule) instead of a broadcast ``where``, so the softmax is MXNet's
+plain (oneDNN) one. Every mask of the spec hides a suffix of the keys
+(lengths and the causal rule both do), so the number of visible keys,
+counted from :func:`mha_multi.spec.visibility`, is that mask's length.
 Asking for the weights runs the generic :func:`mha_multi.spec.attention`.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import mxnet as mx
 import numpy as np
-from mxnet import autograd, gluon, npx
+from mxnet import gluon, npx
 from mxnet.gluon import nn
 
 from mha_multi import spec
@@ -57,7 +57,7 @@ class _Config:
     lens_dtype: str | None
     causal: bool
     return_attention_weights: bool
-    fused: bool  # the length-masked softmax route instead of spec.attention
+    fused: bool  # the SequenceMask route (no weights returned) instead of spec.attention
 
 
 class _Graphs:
@@ -170,7 +170,7 @@ class _AttentionGraph(gluon.HybridBlock):
     def _fused_attention(
         self, F: Any, ops: MXNetOps, q: Any, k: Any, v: Any, valid_lens: Any
     ) -> Any:
-        """Attention with MXNet's length-masked softmax, to the spec's numbers.
+        """Attention through MXNet's fastest CPU kernels, to the spec's numbers.
 
         Args:
             F: ``mxnet.ndarray`` or ``mxnet.symbol``.
@@ -182,50 +182,41 @@ class _AttentionGraph(gluon.HybridBlock):
             The concatenated heads ``(B, Q, num_hiddens)``.
         """
         num_heads = self._num_heads
+        # Scaling the queries instead of the (B*H, Q, K) scores is K / head_dim
+        # times less work; for a power-of-two head_dim it is exact.
+        q = q / math.sqrt(self._head_dim)
         q, k, v = (spec.transpose_qkv(ops, x, num_heads) for x in (q, k, v))  # (B*H, T, dh)
-        scores = self._batch_dot(F, q, k, transpose_b=True)  # (B*H, Q, K), not yet scaled
+        scores = self._batch_dot(F, q, k, transpose_b=True)  # (B*H, Q, K)
         dtype = np.dtype(self._config.dtype)
         low_precision = dtype.itemsize < 4
         if low_precision:
-            # The spec's softmax runs in float32 for 16-bit inputs.
+            # The spec's masked softmax runs in float32 for 16-bit inputs.
             scores = scores.astype(np.float32)
         split_scores = ops.split_axis(scores, 0, (-1, num_heads))  # (B, H, Q, K), a view
         visible = spec.visibility(ops, split_scores, valid_lens, causal=self._config.causal)
-        # Dividing the scores by sqrt(head_dim) is folded into the softmax.
-        temperature = math.sqrt(self._head_dim)
-        if visible is None:
-            weights = F.npx.softmax(scores, axis=-1, temperature=temperature)
-        else:
+        if visible is not None:
             # Visible keys form a prefix of each row (lengths and the causal
-            # rule hide suffixes, and so does their AND): the count of visible
-            # keys is the softmax's length, always within [0, K] (MXNet reads
-            # past the row for longer lengths).
+            # rule hide suffixes, and so does their AND), so the number of
+            # visible keys is a SequenceMask length, and SequenceMask
+            # *replaces* the rest by the spec's MASK_VALUE: fully hidden rows
+            # get uniform weights and hidden scores no gradient, as in the spec.
             counts = F.np.sum(visible.astype(np.int32), axis=-1)  # (B, 1, 1|Q) or (Q,)
             rows = F.np.zeros_like(split_scores[:, :, :, 0], dtype=np.int32)  # (B, H, Q)
-            lengths = ops.merge_axes(rows + counts, 0)  # (B*H, Q)
-            weights = F.npx.softmax(
-                scores, lengths, axis=-1, temperature=temperature, use_length=True
+            lengths = F.npx.reshape(rows + counts, (-1,))  # (B*H*Q,)
+            masked = F.npx.sequence_mask(
+                F.npx.reshape(scores, (-5, -2)),  # (B*H*Q, K)
+                lengths,
+                use_sequence_length=True,
+                value=spec.MASK_VALUE,
+                axis=1,
             )
+            scores = F.npx.reshape_like(masked, scores)
+        weights = F.npx.softmax(scores, axis=-1)
         if low_precision:
             weights = weights.astype(dtype)
         if self._dropout > 0:
-            # The layer takes this route in training only when no row can be
-            # fully hidden (see MultiHeadAttention.forward).
             weights = F.npx.dropout(weights, p=self._dropout)
         context = self._batch_dot(F, weights, v)  # (B*H, Q, dh)
-        if visible is not None:
-            # A row with no visible key came out as zeros; the spec gives it
-            # uniform weights, i.e. the mean of all value rows.
-            context = ops.merge_axes(
-                spec.fix_fully_hidden_rows(
-                    ops,
-                    ops.split_axis(context, 0, (-1, num_heads)),
-                    ops.split_axis(v, 0, (-1, num_heads)),
-                    visible,
-                    heads_axis=1,
-                ),
-                0,
-            )
         return spec.transpose_output(ops, context, num_heads)
 
 
@@ -422,8 +413,7 @@ class MultiHeadAttention(gluon.HybridBlock):
             lens_dtype=None if lens is None else np.dtype(lens.dtype).name,
             causal=bool(causal),
             return_attention_weights=bool(return_attention_weights),
-            fused=not return_attention_weights
-            and _fused_path_exact(self.dropout, lens, causal, queries.shape[1], keys.shape[1]),
+            fused=not return_attention_weights,
         )
         inputs = (queries, keys, values) if lens is None else (queries, keys, values, lens)
         graph = self._graph(config)
@@ -457,21 +447,6 @@ class MultiHeadAttention(gluon.HybridBlock):
                 graph.hybridize(*args, **kwargs)
             self._graphs.by_config[config] = graph
         return graph
-
-
-def _fused_path_exact(
-    dropout: float, lens: Any, causal: bool, num_queries: int, num_keys: int
-) -> bool:
-    """Whether the fused route gives the spec's result (or its distribution).
-
-    Without active dropout it always does. With dropout, a fully hidden row
-    would need dropout on its uniform weights, which the correction does not
-    draw; so active dropout takes the fused route only when no row can be
-    fully hidden (no lengths, and no causal mask with more queries than keys).
-    """
-    if dropout == 0 or not autograd.is_training():
-        return True
-    return lens is None and not (causal and num_queries > num_keys)
 
 
 def _in_units(dense: nn.Dense) -> int | None:
