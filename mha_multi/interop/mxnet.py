@@ -9,8 +9,9 @@ which is also what :class:`mha_multi.mxnet.MultiHeadAttention` writes, so
 such files load into either layer.
 
 d2l's layer computes the spec's function (its ``masked_softmax`` replaces
-hidden scores by ``-1e6``), with ``valid_lens`` given as float32 1-D or 2-D
-arrays.
+hidden scores by ``-1e6``) for integer-valued ``valid_lens`` (which d2l
+passes as float32). A fractional length differs: d2l's ``SequenceMask``
+truncates it (2.5 shows 2 keys), while the spec's rule ``j < 2.5`` shows 3.
 """
 
 from __future__ import annotations
@@ -135,9 +136,9 @@ def set_d2l_weights(
         if not isinstance(dense, gluon.nn.Dense):
             raise ValueError(f"{type(block).__name__} has no Dense block {layer!r}")
         if (dense.bias is not None) != config.bias:
-            has = "has" if dense.bias is not None else "has no"
             raise ValueError(
-                f"{layer} {has} a bias but the weights {'have' if config.bias else 'have none'}"
+                f"{layer} has {'a' if dense.bias is not None else 'no'} bias but the weights "
+                f"{'have' if config.bias else 'have none'}"
             )
         denses[layer] = dense
     for name, array in arrays.items():
@@ -146,7 +147,7 @@ def set_d2l_weights(
         value = np.ascontiguousarray(array.T) if name in _LAYERS else array
         known = tuple(parameter.shape or ())
         if len(known) != value.ndim or any(
-            k not in (0, v) for k, v in zip(known, value.shape, strict=True)
+            k not in (0, -1, v) for k, v in zip(known, value.shape, strict=True)
         ):
             raise ValueError(
                 f"{name} of shape {array.shape} does not fit {parameter.name} of shape {known}"
