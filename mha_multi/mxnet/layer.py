@@ -235,7 +235,9 @@ class MultiHeadAttention(gluon.HybridBlock):
     symbols have no dtype or rank, which the masks depend on).
     ``hybridize()`` compiles one graph per call configuration (see the module
     docstring); the numbers are those of the imperative mode. Dropout acts
-    only in training mode (``autograd.record()``).
+    only in training mode (``autograd.record()``). Calls that do not ask for
+    the attention weights take a faster route to the same numbers (see the
+    module docstring).
 
     Args:
         num_hiddens: size of every projection and of the output.
