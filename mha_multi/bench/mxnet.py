@@ -133,15 +133,19 @@ def _inputs(shape: Shape, ctx: mx.Context, dtype: str) -> tuple[mx.np.ndarray, m
 def _implementations(
     shape: Shape, ctx: mx.Context, dtype: str
 ) -> dict[str, tuple[gluon.Block, Callable[[Any, Any], Any]]]:
-    """name -> (block, call(x, lens)); both blocks hybridized, same weights."""
+    """name -> (block, call(x, lens)); both blocks hybridized.
+
+    Not with ``static_alloc``: each cached graph would then keep its own
+    full-size buffers, several GiB per graph at N = 2048.
+    """
     d, h = shape.num_hiddens, shape.num_heads
     ours = MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d, dtype=dtype)
     ours.initialize(mx.init.Xavier(), ctx=ctx)
-    ours.hybridize(static_alloc=True, static_shape=True)
+    ours.hybridize()
     native = D2LMultiHeadAttention(d, h)
     native.initialize(mx.init.Xavier(), ctx=ctx)
     native.cast(dtype)
-    native.hybridize(static_alloc=True, static_shape=True)
+    native.hybridize()
     return {
         "ours": (ours, lambda x, lens: ours(x, x, x, lens)),
         "ours (generic)": (
