@@ -32,10 +32,13 @@ DTYPES = ("float32", "float16")
 #: Past this estimate of the (B*H, N, N) arrays an implementation holds, it is
 #: not run (the machine's memory is shared).
 ATTENTION_LIMIT_BYTES = 4 << 30
-#: Full-size (B*H, N, N) arrays alive at the peak of a forward pass: scores
-#: and weights for ours; scores, masked scores and weights for d2l's and for
-#: the generic path.
+#: Full-size (B*H, N, N) float arrays alive at the peak of a forward pass:
+#: scores and weights for ours; scores, masked scores and weights for d2l's
+#: and for the generic path.
 _SCORE_ARRAYS = {"ours": 2, "native": 3, "ours (generic)": 3}
+#: The same for forward+backward, from measured peak memory (N = 1024: about
+#: 1 GiB for ours and d2l's, 2 GiB for the generic path).
+_TRAINING_SCORE_ARRAYS = {"ours": 4, "native": 4, "ours (generic)": 8}
 
 
 def masked_softmax(F: Any, X: Any, valid_lens: Any) -> Any:
@@ -156,9 +159,12 @@ def _implementations(
     }
 
 
-def _attention_bytes(implementation: str, shape: Shape, dtype: str) -> int:
+def _attention_bytes(
+    implementation: str, shape: Shape, dtype: str, *, training: bool = False
+) -> int:
     count = shape.batch * shape.num_heads * shape.length**2
-    return _SCORE_ARRAYS[implementation] * count * np.dtype(dtype).itemsize
+    arrays = (_TRAINING_SCORE_ARRAYS if training else _SCORE_ARRAYS)[implementation]
+    return arrays * count * np.dtype(dtype).itemsize
 
 
 def gemm_rate(ctx: mx.Context, dtype: str, size: int = 2048) -> float:
@@ -188,10 +194,6 @@ def time_layers(lengths: Sequence[int], device: str, dtype: str, base: Shape) ->
                 "length": length,
                 "shape": vars(shape),
             }
-            if _attention_bytes(name, shape, dtype) > ATTENTION_LIMIT_BYTES:
-                for mode in ("forward", "forward+backward"):
-                    measurements.append(Measurement(mode=mode, note="too large", **kwargs))
-                continue
 
             def forward(call: Callable = call, args: tuple = (x, lens)) -> None:
                 call(*args).wait_to_read()
@@ -211,6 +213,11 @@ def time_layers(lengths: Sequence[int], device: str, dtype: str, base: Shape) ->
                 ("forward", forward, 1),
                 ("forward+backward", forward_backward, 3),
             ):
+                needed = _attention_bytes(name, shape, dtype, training=factor > 1)
+                if needed > ATTENTION_LIMIT_BYTES:
+                    note = f"too large (~{needed / 2**30:.0f} GiB)"
+                    measurements.append(Measurement(mode=mode, note=note, **kwargs))
+                    continue
                 seconds = median_seconds(step)
                 measurements.append(
                     Measurement(
