@@ -237,9 +237,25 @@ def peak_memory_mib(implementation: str, length: int, device: str, base: Shape) 
     small = x[:, :16]
     call(small, mx.np.full_like(lens, 16)).wait_to_read()  # load kernels, thread pools
     gc.collect()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = _peak_rss_kib()
     call(x, lens).wait_to_read()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    return (_peak_rss_kib() - before) / 1024
+
+
+def _peak_rss_kib() -> int:
+    """This process's peak resident memory in KiB.
+
+    ``VmHWM`` rather than ``ru_maxrss``: Linux keeps ``ru_maxrss`` across
+    ``exec``, so a process started by a large one would start at its parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as file:
+            for line in file:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def measure_memory(lengths: Sequence[int], device: str, base: Shape) -> list[Measurement]:
