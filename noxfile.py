@@ -84,6 +84,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         "mxnet,test",
         backends=("mxnet", "mxnet-hybrid"),
         tests=("tests/core", "tests/backends", "tests/mxnet", "tests/examples"),
+        benchmarks=("mxnet",),
     ),
     # Keras fixes its backend per process from KERAS_BACKEND, so each Keras
     # backend is an environment of its own running the same layer.

@@ -8,6 +8,8 @@ Formats, by file name (or ``--from``/``--to``):
   ``weights_only=True``), either ``torch-mha`` (``torch.nn.MultiheadAttention``)
   or ``torch-d2l`` (d2l's layer, also ``mha_multi.torch``'s); on reading, the
   kind is recognised from the keys.
+* ``*.params``: ``mxnet-d2l``, Gluon parameters of d2l's MXNet layer (also
+  ``mha_multi.mxnet``'s), as ``save_parameters`` writes them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from mha_multi.weights import check_weights, load_weights, save_weights
 
 CANONICAL_SUFFIXES = (".npz", ".safetensors")
 TORCH_SUFFIXES = (".pt", ".pth")
-FORMATS = ("canonical", "torch-mha", "torch-d2l")
+MXNET_SUFFIXES = (".params",)
+FORMATS = ("canonical", "torch-mha", "torch-d2l", "mxnet-d2l")
 
 
 def _format_of(path: str, explicit: str | None, reading: bool) -> str:
@@ -35,6 +38,8 @@ def _format_of(path: str, explicit: str | None, reading: bool) -> str:
         return "canonical"
     if suffix in TORCH_SUFFIXES:
         return "torch" if reading else "torch-d2l"
+    if suffix in MXNET_SUFFIXES:
+        return "mxnet-d2l"
     raise ValueError(
         f"cannot tell the format of {path!r} from its name; pass --from/--to "
         f"(one of {', '.join(FORMATS)})"
@@ -45,6 +50,10 @@ def read(path: str, kind: str) -> dict[str, np.ndarray]:
     """Canonical weights from a file of ``kind`` (``torch`` recognises its layout)."""
     if kind == "canonical":
         return load_weights(path)
+    if kind == "mxnet-d2l":
+        from mha_multi.interop import mxnet as mxnet_interop
+
+        return mxnet_interop.load_d2l_params(path)
     import torch
 
     from mha_multi.interop import torch as interop
@@ -64,6 +73,11 @@ def read(path: str, kind: str) -> dict[str, np.ndarray]:
 def write(path: str, kind: str, weights: dict[str, np.ndarray]) -> None:
     if kind == "canonical":
         save_weights(path, weights)
+        return
+    if kind == "mxnet-d2l":
+        from mha_multi.interop import mxnet as mxnet_interop
+
+        mxnet_interop.save_d2l_params(path, weights)
         return
     import torch
 

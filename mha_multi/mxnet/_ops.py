@@ -20,7 +20,7 @@ themselves is worked around here:
   products on GPUs only, so the product is taken in float32 and cast back,
   as GPUs accumulate float16 products in float32.
 * ``where`` with a scalar fill has a wrong backward in MXNet 1.9; the fill
-  is passed as a 0-d array.
+  is passed as a 0-d array (an array fill is passed as it is).
 * ``arange_like`` counts in float32 where the array is 16-bit (float16
   cannot count past 2048 exactly) and returns int32.
 """
@@ -116,12 +116,23 @@ class MXNetOps:
     def logical_and(self, a: Array, b: Array) -> Array:
         return self._np.multiply(a, b).astype(np.bool_)
 
-    def where(self, condition: Array, x: Array, fill: float) -> Array:
+    def where(self, condition: Array, x: Array, fill: float | Array) -> Array:
+        if _is_array(fill) or isinstance(fill, mx.sym.Symbol):
+            return self._np.where(condition, x, fill)
         # Not np.where(condition, x, fill): MXNet 1.9's backward of the scalar
         # form routes the gradient to the wrong elements. A 0-d array is right.
         placement = {"ctx": x.ctx} if _is_array(x) else {}
         fill_array = self._np.full((), fill, dtype=self.dtype(x), **placement)
         return self._np.where(condition, x, fill_array)
+
+    def any_last(self, x: Array) -> Array:
+        return self._np.any(x, axis=-1, keepdims=True)
+
+    def logical_not(self, x: Array) -> Array:
+        return self._np.logical_not(x)
+
+    def mean(self, x: Array, axis: int) -> Array:
+        return self._np.mean(x, axis=axis, keepdims=True)
 
     def softmax(self, x: Array) -> Array:
         return self._npx.softmax(x, axis=-1)

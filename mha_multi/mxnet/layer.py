@@ -9,10 +9,22 @@ device type, dtype, whether ``valid_lens`` is given and its rank and dtype,
 public block's parameters (Gluon's ``params=`` sharing), are hybridized
 with it, and each keeps its own cached graph, so alternating configurations
 never rebuild a graph.
+
+When the attention weights are not asked for, a graph takes a faster route
+to the same numbers (:meth:`_AttentionGraph._fused_attention`): the scale
+applied to the queries rather than to the scores, ``batch_dot`` with the
+transposed keys instead of an explicit transpose, and the mask applied by
+``SequenceMask`` (which replaces hidden scores by ``MASK_VALUE``, exactly the
+spec's rule) instead of a broadcast ``where``, so the softmax is MXNet's
+plain (oneDNN) one. Every mask of the spec hides a suffix of the keys
+(lengths and the causal rule both do), so the number of visible keys,
+counted from :func:`mha_multi.spec.visibility`, is that mask's length.
+Asking for the weights runs the generic :func:`mha_multi.spec.attention`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +57,7 @@ class _Config:
     lens_dtype: str | None
     causal: bool
     return_attention_weights: bool
+    fused: bool  # the SequenceMask route (no weights returned) instead of spec.attention
 
 
 class _Graphs:
@@ -127,11 +140,15 @@ class _AttentionGraph(gluon.HybridBlock):
             # mode="training": active only while autograd is in training mode.
             return F.npx.dropout(weights, p=self._dropout)
 
+        q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
+        if self._config.fused:
+            context = self._fused_attention(F, ops, q, k, v, valid_lens)
+            return project(context, "o")
         context, weights = spec.attention(
             ops,
-            project(queries, "q"),
-            project(keys, "k"),
-            project(values, "v"),
+            q,
+            k,
+            v,
             valid_lens,
             num_heads=self._num_heads,
             head_dim=self._head_dim,
@@ -140,6 +157,67 @@ class _AttentionGraph(gluon.HybridBlock):
         )
         output = project(context, "o")
         return (output, weights) if self._config.return_attention_weights else output
+
+    def _batch_dot(self, F: Any, a: Any, b: Any, *, transpose_b: bool = False) -> Any:
+        if self._float16_in_float32:
+            # MXNet 1.9 has float16 matrix products on GPUs only (as MXNetOps.matmul).
+            product = F.npx.batch_dot(
+                a.astype(np.float32), b.astype(np.float32), transpose_b=transpose_b
+            )
+            return product.astype(np.float16)
+        return F.npx.batch_dot(a, b, transpose_b=transpose_b)
+
+    def _fused_attention(
+        self, F: Any, ops: MXNetOps, q: Any, k: Any, v: Any, valid_lens: Any
+    ) -> Any:
+        """Attention through MXNet's fastest CPU kernels, to the spec's numbers.
+
+        Args:
+            F: ``mxnet.ndarray`` or ``mxnet.symbol``.
+            ops: the adapter for ``F``.
+            q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
+            valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
+
+        Returns:
+            The concatenated heads ``(B, Q, num_hiddens)``.
+        """
+        num_heads = self._num_heads
+        # Scaling the queries instead of the (B*H, Q, K) scores is K / head_dim
+        # times less work; for a power-of-two head_dim it is exact.
+        q = q / math.sqrt(self._head_dim)
+        q, k, v = (spec.transpose_qkv(ops, x, num_heads) for x in (q, k, v))  # (B*H, T, dh)
+        scores = self._batch_dot(F, q, k, transpose_b=True)  # (B*H, Q, K)
+        dtype = np.dtype(self._config.dtype)
+        low_precision = dtype.itemsize < 4
+        if low_precision:
+            # The spec's masked softmax runs in float32 for 16-bit inputs.
+            scores = scores.astype(np.float32)
+        split_scores = ops.split_axis(scores, 0, (-1, num_heads))  # (B, H, Q, K), a view
+        visible = spec.visibility(ops, split_scores, valid_lens, causal=self._config.causal)
+        if visible is not None:
+            # Visible keys form a prefix of each row (lengths and the causal
+            # rule hide suffixes, and so does their AND), so the number of
+            # visible keys is a SequenceMask length, and SequenceMask
+            # *replaces* the rest by the spec's MASK_VALUE: fully hidden rows
+            # get uniform weights and hidden scores no gradient, as in the spec.
+            counts = F.np.sum(visible.astype(np.int32), axis=-1)  # (B, 1, 1|Q) or (Q,)
+            rows = F.np.zeros_like(split_scores[:, :, :, 0], dtype=np.int32)  # (B, H, Q)
+            lengths = F.npx.reshape(rows + counts, (-1,))  # (B*H*Q,)
+            masked = F.npx.sequence_mask(
+                F.npx.reshape(scores, (-5, -2)),  # (B*H*Q, K)
+                lengths,
+                use_sequence_length=True,
+                value=spec.MASK_VALUE,
+                axis=1,
+            )
+            scores = F.npx.reshape_like(masked, scores)
+        weights = F.npx.softmax(scores, axis=-1)
+        if low_precision:
+            weights = weights.astype(dtype)
+        if self._dropout > 0:
+            weights = F.npx.dropout(weights, p=self._dropout)
+        context = self._batch_dot(F, weights, v)  # (B*H, Q, dh)
+        return spec.transpose_output(ops, context, num_heads)
 
 
 class MultiHeadAttention(gluon.HybridBlock):
@@ -157,7 +235,9 @@ class MultiHeadAttention(gluon.HybridBlock):
     symbols have no dtype or rank, which the masks depend on).
     ``hybridize()`` compiles one graph per call configuration (see the module
     docstring); the numbers are those of the imperative mode. Dropout acts
-    only in training mode (``autograd.record()``).
+    only in training mode (``autograd.record()``). Calls that do not ask for
+    the attention weights take a faster route to the same numbers (see the
+    module docstring).
 
     Args:
         num_hiddens: size of every projection and of the output.
@@ -335,6 +415,7 @@ class MultiHeadAttention(gluon.HybridBlock):
             lens_dtype=None if lens is None else np.dtype(lens.dtype).name,
             causal=bool(causal),
             return_attention_weights=bool(return_attention_weights),
+            fused=not return_attention_weights,
         )
         inputs = (queries, keys, values) if lens is None else (queries, keys, values, lens)
         graph = self._graph(config)
