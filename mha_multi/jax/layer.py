@@ -185,6 +185,7 @@ class MultiHeadAttention(nnx.Module):
             dropout_rng=dropout_rng,
             dtype=self.dtype,
             precision=self.precision,
+            return_attention_weights=return_attention_weights,
         )
         return (output, weights) if return_attention_weights else output
 

@@ -173,6 +173,7 @@ class MultiHeadAttention(nn.Module):
             dropout_rng=self.make_rng("dropout") if use_dropout else None,
             dtype=self.dtype,
             precision=self.precision,
+            return_attention_weights=return_attention_weights,
         )
         return (output, weights) if return_attention_weights else output
 
