@@ -7,4 +7,5 @@
 #: Backend name -> module with ``run() -> list[dict]``; imported only when run.
 BENCHMARKS = {
     "torch": "mha_multi.bench.torch",
+    "jax": "mha_multi.bench.jax",
 }
