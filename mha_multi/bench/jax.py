@@ -162,7 +162,9 @@ def time_layers(
                 ("forward+backward", forward_backward, 3),
             ):
 
-                def step(jitted: Callable = jitted, module: nnx.Module = module) -> None:
+                def step(
+                    jitted: Callable = jitted, module: nnx.Module = module, args: tuple = args
+                ) -> None:
                     jax.block_until_ready(jitted(module, *args))
 
                 seconds = median_seconds(step)

@@ -172,8 +172,8 @@ def from_flax_mha_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     weights = {}
     for name, short in FLAX_NAMES.items():
         kernel = kernels[name]
-        weights[f"W_{short}"] = kernel.reshape(-1, num_hiddens) if short != "o" else (
-            kernel.reshape(num_hiddens, -1)
+        weights[f"W_{short}"] = (
+            kernel.reshape(-1, num_hiddens) if short != "o" else (kernel.reshape(num_hiddens, -1))
         )
         if with_bias:
             weights[f"b_{short}"] = _numpy(tree[name]["bias"]).reshape(-1)

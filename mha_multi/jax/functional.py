@@ -452,7 +452,13 @@ def multi_head_attention(
         precision=precision,
     ):
         context = _fused_attention(
-            q, k, v, lens, num_heads=num_heads, head_dim=head_dim, causal=causal,
+            q,
+            k,
+            v,
+            lens,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            causal=causal,
             precision=precision,
         )
         return project(context, "o"), None
