@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -240,7 +241,7 @@ def test_precision_reaches_the_kernel_products():
 def _equations(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _equations(sub)
 
 
