@@ -1,6 +1,9 @@
-"""JAX benchmark: ours (fused and generic, Flax NNX) vs ``flax.nnx.MultiHeadAttention``.
+"""JAX benchmark: ours (Flax NNX) vs ``flax.nnx.MultiHeadAttention``.
 
-Every implementation runs under ``nnx.jit``; forward+backward is ``nnx.grad``
+``ours`` is the layer's default call; ``ours (generic)`` asks for the
+attention weights, which forces the generic path; ``ours (fused, xla)``
+runs the fused path through XLA's kernel (``implementation="xla"``), the
+figures behind the default's choice of kernel. Every implementation runs under ``nnx.jit``; forward+backward is ``nnx.grad``
 of the summed output with respect to the parameters and the input, under
 ``nnx.jit``. The native layer gets the boolean mask equivalent to the key
 lengths (Flax's ``True`` = attend, shape ``(B, 1, 1, N)``).
@@ -37,7 +40,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 #: run. XLA's kernel on a CPU materialises the (B, H, N, N) scores on every
 #: path, ours included; cuDNN's flash kernel does not.
 LIMIT_BYTES = 4 << 30
-IMPLEMENTATIONS = ("ours", "native", "ours (generic)")
+IMPLEMENTATIONS = ("ours", "native", "ours (generic)", "ours (fused, xla)")
 
 Call = Callable[[nnx.Module, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -60,10 +63,10 @@ def _implementations(
 ) -> dict[str, tuple[nnx.Module, Call]]:
     """name -> (module, call(module, x, lens, mask)), each call a pure function."""
     d, h = shape.num_hiddens, shape.num_heads
+    sizes = {"query_size": d, "key_size": d, "value_size": d, "param_dtype": dtype}
     with jax.default_device(device):
-        ours = MultiHeadAttention(
-            d, h, query_size=d, key_size=d, value_size=d, param_dtype=dtype, rngs=nnx.Rngs(0)
-        )
+        ours = MultiHeadAttention(d, h, rngs=nnx.Rngs(0), **sizes)
+        fused = MultiHeadAttention(d, h, implementation="xla", rngs=nnx.Rngs(0), **sizes)
         native = nnx.MultiHeadAttention(
             num_heads=h,
             in_features=d,
@@ -73,8 +76,8 @@ def _implementations(
             param_dtype=dtype,
             rngs=nnx.Rngs(0),
         )
-    ours.eval()
-    native.eval()
+    for module in (ours, fused, native):
+        module.eval()
 
     def ours_call(layer: MultiHeadAttention, x: jax.Array, lens: jax.Array, mask: jax.Array):
         return layer(x, x, x, lens)
@@ -89,12 +92,14 @@ def _implementations(
         "ours": (ours, ours_call),
         "ours (generic)": (ours, generic_call),
         "native": (native, native_call),
+        "ours (fused, xla)": (fused, ours_call),
     }
 
 
 def _attention_bytes(shape: Shape, dtype: Any, implementation: str, platform: str) -> int:
     """What one forward pass holds at once: three ``(B, H, N, N)`` arrays (scores,
-    masked scores, weights), float32 for 16-bit inputs; none for ours on cuDNN."""
+    masked scores, weights), float32 for 16-bit inputs; none for ours on cuDNN
+    (the default for 16-bit inputs on a GPU)."""
     if implementation == "ours" and platform == "gpu" and dtype != jnp.float32:
         return 0
     return 3 * shape.batch * shape.num_heads * shape.length**2 * 4

@@ -11,10 +11,19 @@ while a ``jax.jit``-ed call is being traced, before any array operation.
 Two paths compute the attention. The generic one is :func:`mha_multi.spec.attention`
 on :class:`~mha_multi.jax._ops.JaxOps`; it materialises the weights and is
 the only one that can return them or apply dropout. The fused one is
-:func:`jax.nn.dot_product_attention` (cuDNN's flash attention for 16-bit
-inputs on a GPU, XLA's otherwise) with the spec's masking rules translated
-into its arguments and its fully hidden rows given the spec's value; it runs
-when neither the weights nor dropout are needed (see :func:`fused_path_exact`).
+:func:`jax.nn.dot_product_attention` with the spec's masking rules translated
+into its arguments and its fully hidden rows given the spec's value; it can
+run when neither the weights nor dropout are needed (see
+:func:`fused_path_exact`). Which kernel runs is ``implementation``:
+
+* ``None`` (the default): cuDNN's flash attention for 16-bit inputs on a
+  GPU, which never materialises the ``(B, H, Q, K)`` scores; the generic path
+  everywhere else, and wherever cuDNN declines the shapes. XLA's kernel is
+  the generic path's own arithmetic and measured no faster (slower
+  forward+backward on CPU; see ``python -m mha_multi.bench``), so it is not
+  chosen automatically.
+* ``"xla"`` or ``"cudnn"``: that kernel, wherever the fused path is exact.
+* ``"generic"``: always the generic path.
 """
 
 from __future__ import annotations
@@ -36,12 +45,16 @@ from mha_multi.weights import WeightsConfig, check_weights
 __all__ = [
     "as_valid_lens",
     "check_call",
+    "check_implementation",
     "check_params",
     "fused_path_exact",
     "multi_head_attention",
 ]
 
 INPUT_NAMES = ("queries", "keys", "values")
+
+#: The values of ``implementation``; ``None`` chooses (see the module notes).
+IMPLEMENTATIONS = (None, "generic", "xla", "cudnn")
 
 #: Dtypes the fused path serves. Its softmax always runs in float32, which is
 #: the spec's rule for 16-bit inputs and exact for float32, but would cost
@@ -224,6 +237,14 @@ def _precision_setting(precision: PrecisionLike) -> str | None:
     raise ValueError(f"no single matmul precision setting for {precision!r}")
 
 
+def check_implementation(implementation: Any) -> None:
+    """Raises ``ValueError`` unless ``implementation`` is one of :data:`IMPLEMENTATIONS`."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be None, 'generic', 'xla' or 'cudnn'; got {implementation!r}"
+        )
+
+
 def fused_path_exact(
     dtype: DTypeLike,
     *,
@@ -269,29 +290,16 @@ def _dot_product_attention(
     seq_lengths: jax.Array | None,
     implementation: str,
 ) -> jax.Array:
-    """One :func:`jax.nn.dot_product_attention` call; cuDNN falls back to XLA.
-
-    cuDNN supports a subset of head sizes, sequence lengths and GPUs and
-    says so by raising while the call is traced; XLA's kernel takes any.
-    """
-
-    def call(implementation: str) -> jax.Array:
-        return jax.nn.dot_product_attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            is_causal=is_causal,
-            key_value_seq_lengths=seq_lengths,
-            implementation=implementation,
-        )
-
-    if implementation == "cudnn":
-        try:
-            return call("cudnn")
-        except (NotImplementedError, ValueError, RuntimeError):
-            pass
-    return call("xla")
+    """One :func:`jax.nn.dot_product_attention` call (looked up at call time)."""
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        key_value_seq_lengths=seq_lengths,
+        implementation=implementation,
+    )
 
 
 class _Positions:
@@ -312,6 +320,7 @@ def _fused_attention(
     head_dim: int,
     causal: bool,
     precision: PrecisionLike,
+    implementation: str,
 ) -> jax.Array:
     """:func:`jax.nn.dot_product_attention` with the spec's masking semantics.
 
@@ -319,6 +328,7 @@ def _fused_attention(
         q: projected queries ``(B, Q, num_hiddens)``; ``k``, ``v`` likewise
             with ``K``.
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
+        implementation: ``"xla"`` or ``"cudnn"``.
 
     Returns:
         The concatenated heads ``(B, Q, num_hiddens)``.
@@ -340,14 +350,11 @@ def _fused_attention(
         seq_lengths = jnp.clip(valid_lens, 1, num_keys).astype(jnp.int32)
         mask_lens = None
     mask = spec.visibility(ops, positions, mask_lens, causal=causal and not is_causal)
-    implementation = "xla"
-    if q.dtype != jnp.float32 and _platform(q) == "gpu":
-        implementation = "cudnn"
-        if mask is not None:
-            # cuDNN turns the mask into a bias, which must span every query.
-            mask = jnp.asarray(mask)
-            mask = mask if mask.ndim == 4 else mask[None, None]
-            mask = jnp.broadcast_to(mask, (mask.shape[0], 1, num_queries, num_keys))
+    if implementation == "cudnn" and mask is not None:
+        # cuDNN turns the mask into a bias, which must span every query.
+        mask = jnp.asarray(mask)
+        mask = mask if mask.ndim == 4 else mask[None, None]
+        mask = jnp.broadcast_to(mask, (mask.shape[0], 1, num_queries, num_keys))
     setting = _precision_setting(precision)
     with contextlib.nullcontext() if setting is None else jax.default_matmul_precision(setting):
         output = _dot_product_attention(q, k, v, mask, is_causal, seq_lengths, implementation)
@@ -376,18 +383,19 @@ def multi_head_attention(
     dtype: DTypeLike | None = None,
     precision: PrecisionLike = None,
     return_attention_weights: bool = True,
+    implementation: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """d2l's multi-head attention, exact to :mod:`mha_multi.spec`, as a pure function.
 
     Differentiable in ``params`` and the inputs; works under ``jax.jit``
     (``num_heads``, ``causal``, ``dropout_rate``, ``deterministic``,
-    ``dtype``, ``precision`` and ``return_attention_weights`` static),
-    ``jax.grad`` and ``jax.vmap``.
+    ``dtype``, ``precision``, ``return_attention_weights`` and
+    ``implementation`` static), ``jax.grad`` and ``jax.vmap``.
 
     With ``return_attention_weights=False`` and no active dropout, float32
-    and 16-bit calls take the fused path (:func:`jax.nn.dot_product_attention`),
-    which never materialises the weights on cuDNN; its result is the spec's,
-    fully hidden rows included (see :func:`fused_path_exact`).
+    and 16-bit calls may take the fused path (:func:`jax.nn.dot_product_attention`;
+    by default cuDNN's for 16-bit inputs on a GPU, see the module notes); its
+    result is the spec's, fully hidden rows included.
 
     Args:
         params: canonical weights: ``W_q (query_size, num_hiddens)``,
@@ -412,6 +420,9 @@ def multi_head_attention(
             float32 products on GPU and TPU).
         return_attention_weights: compute and return the weights; ``False``
             lets the fused path run.
+        implementation: ``None`` (choose), ``"generic"``, ``"xla"`` or
+            ``"cudnn"`` (see the module notes); a fused kernel runs only
+            where :func:`fused_path_exact` allows, the generic path elsewhere.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and the
@@ -422,6 +433,7 @@ def multi_head_attention(
         TypeError: a non-floating input or weight, or non-numeric ``valid_lens``.
         ValueError: a bad configuration, weights or shapes, named.
     """
+    check_implementation(implementation)
     config = check_params(params)
     head_dim = spec.check_config(config.num_hiddens, num_heads, dropout_rate)
     queries, keys, values, lens = check_call(
@@ -445,23 +457,35 @@ def multi_head_attention(
         return _linear(x, weights[f"W_{name}"], weights.get(f"b_{name}"), precision)
 
     q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
-    if fused_path_exact(
+    kernel = implementation
+    if kernel is None:
+        half = np.dtype(dtype) in FUSED_DTYPES and np.dtype(dtype).itemsize == 2
+        kernel = "cudnn" if half and _platform(q) == "gpu" else "generic"
+    if kernel != "generic" and fused_path_exact(
         dtype,
         return_attention_weights=return_attention_weights,
         use_dropout=use_dropout,
         precision=precision,
     ):
-        context = _fused_attention(
-            q,
-            k,
-            v,
-            lens,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            causal=causal,
-            precision=precision,
-        )
-        return project(context, "o"), None
+        try:
+            context = _fused_attention(
+                q,
+                k,
+                v,
+                lens,
+                num_heads=num_heads,
+                head_dim=head_dim,
+                causal=causal,
+                precision=precision,
+                implementation=kernel,
+            )
+            return project(context, "o"), None
+        except (NotImplementedError, ValueError, RuntimeError):
+            # cuDNN serves some head sizes, sequence lengths and GPUs only,
+            # and says so while the call is traced. Asked for by name, that
+            # is the caller's error; chosen here, the generic path serves.
+            if implementation is not None:
+                raise
 
     dropout = None
     if use_dropout:

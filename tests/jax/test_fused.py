@@ -1,4 +1,8 @@
-"""The fused path (jax.nn.dot_product_attention): when it runs, what it is given, its numbers."""
+"""The fused path (jax.nn.dot_product_attention): when it runs, what it is given, its numbers.
+
+On a CPU the default is the generic path; ``implementation="xla"`` runs the
+fused path through XLA's kernel, the translation cuDNN's shares.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,11 @@ from flax import nnx
 from jax import lax
 
 from conftest import gpu_required
+from mha_multi import spec
 from mha_multi.jax import MultiHeadAttention, linen, multi_head_attention, set_weights
 from mha_multi.jax.functional import fused_path_exact
 from mha_multi.parity.cases import CASES, build_case
+from mha_multi.weights import init_weights
 
 jax.config.update("jax_enable_x64", True)
 
@@ -31,7 +37,7 @@ def arrays(case, dtype=jnp.float32):
     return [jnp.asarray(case.inputs[name], dtype) for name in INPUT_NAMES]
 
 
-def nnx_layer(case, dtype=jnp.float32, **kwargs):
+def nnx_layer(case, dtype=jnp.float32, implementation="xla", **kwargs):
     config = case.config
     layer = MultiHeadAttention(
         config.num_hiddens,
@@ -39,6 +45,7 @@ def nnx_layer(case, dtype=jnp.float32, **kwargs):
         bias=config.bias,
         param_dtype=dtype,
         rngs=nnx.Rngs(0),
+        implementation=implementation,
         **config.sizes(),
         **kwargs,
     )
@@ -119,6 +126,7 @@ def test_every_case_and_its_gradients_match_the_reference_under_jit(kernel_calls
                     num_heads=num_heads,
                     causal=causal,
                     return_attention_weights=False,
+                    implementation="xla",
                 )[0]
                 return jnp.sum(out * cotangent), out
 
@@ -162,6 +170,7 @@ def test_fully_hidden_rows_are_corrected_whatever_the_kernel_leaves_there(monkey
             num_heads=case.config.num_heads,
             causal=case.config.causal,
             return_attention_weights=False,
+            implementation="xla",
         )[0]
 
     out, vjp = jax.vjp(forward, params, *arrays(case))
@@ -179,7 +188,14 @@ def test_fully_hidden_rows_are_the_mean_of_the_values():
     weights = {f"W_{p}": np.eye(4, dtype=np.float32) for p in "qkvo"}
     q, k, v = (jnp.asarray(rng.standard_normal((2, 3, 4)).astype(np.float32)) for _ in range(3))
     out, _ = multi_head_attention(
-        weights, q, k, v, jnp.array([0, -1]), num_heads=2, return_attention_weights=False
+        weights,
+        q,
+        k,
+        v,
+        jnp.array([0, -1]),
+        num_heads=2,
+        return_attention_weights=False,
+        implementation="xla",
     )
     expected = np.broadcast_to(np.asarray(v).mean(axis=1, keepdims=True), (2, 3, 4))
     np.testing.assert_allclose(out, expected, atol=1e-6)
@@ -224,6 +240,7 @@ def test_precision_reaches_the_kernel_products():
                 num_heads=case.config.num_heads,
                 precision=precision,
                 return_attention_weights=False,
+                implementation="xla",
             )[0]
         )(q, k, v)
         return [
@@ -263,7 +280,11 @@ def test_nnx_and_linen_fused_paths_are_bit_identical(kernel_calls, dtype, name):
     layer = nnx_layer(case, dtype)
     config = case.config
     module = linen.MultiHeadAttention(
-        config.num_hiddens, config.num_heads, bias=config.bias, param_dtype=dtype
+        config.num_hiddens,
+        config.num_heads,
+        bias=config.bias,
+        param_dtype=dtype,
+        implementation="xla",
     )
     variables = linen.variables_from_weights(case.weights, module)
     inputs = arrays(case, dtype)
@@ -292,22 +313,63 @@ def gpu():
         pytest.skip("no GPU visible to JAX")
 
 
-@pytest.mark.parametrize("name", ["lens_zero", "causal_lens_2d", "causal_more_queries", "book"])
-def test_gpu_16_bit_asks_for_cudnn_and_matches_the_reference(kernel_calls, gpu, name):
-    # cuDNN serves head sizes that are multiples of 8 up to 128/256; others
-    # (the book's 20) fall back to XLA's kernel within the same call.
-    case = case_named(name)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_cpu_default_is_the_generic_path(kernel_calls, dtype):
+    # XLA's kernel measured no faster than the generic path on a CPU.
+    case = case_named("causal_lens_2d")
+    out = nnx_layer(case, dtype, implementation=None)(
+        *arrays(case, dtype), case.valid_lens, causal=True
+    )
+    out_generic = nnx_layer(case, dtype, implementation="generic")(
+        *arrays(case, dtype), case.valid_lens, causal=True
+    )
+    assert kernel_calls == []
+    np.testing.assert_array_equal(out, out_generic)
+
+
+def test_unknown_implementation_is_a_value_error():
+    with pytest.raises(ValueError, match="implementation must be None, 'generic', 'xla'"):
+        MultiHeadAttention(8, 2, implementation="flash", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="implementation must be None"):
+        linen.MultiHeadAttention(8, 2, implementation="flash")
+    q = jnp.ones((1, 2, 8))
+    with pytest.raises(ValueError, match="implementation must be None"):
+        multi_head_attention(init_weights(8), q, q, q, num_heads=2, implementation="flash")
+
+
+@pytest.mark.parametrize(
+    ("lens", "causal", "num_queries"),
+    [([0, 5], False, 6), ([[0, 1, 2, 3, 4, 6]] * 2, True, 6), (None, True, 8), ([3, 1], True, 4)],
+)
+def test_gpu_16_bit_default_is_cudnn_and_matches_the_reference(
+    kernel_calls, gpu, lens, causal, num_queries
+):
+    weights = init_weights(32, bias=True, seed=6)  # 2 heads of 16: cuDNN's head sizes
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, num_queries, 32)).astype(np.float32)
+    kv = rng.standard_normal((2, 6, 32)).astype(np.float32)
+    lens = None if lens is None else np.asarray(lens)
+    expected, _ = spec.reference_forward(weights, q, kv, kv, lens, num_heads=2, causal=causal)
     with jax.default_device(gpu):
-        layer = nnx_layer(case, jnp.bfloat16)
-        inputs = [jax.device_put(x, gpu) for x in arrays(case, jnp.bfloat16)]
-        out = layer(*inputs, case.valid_lens, causal=case.config.causal)
+        layer = set_weights(
+            MultiHeadAttention(32, 2, bias=True, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
+            weights,
+        )
+        layer.eval()
+        q16, kv16 = (jax.device_put(jnp.asarray(x, jnp.bfloat16), gpu) for x in (q, kv))
+        out = layer(q16, kv16, kv16, lens, causal=causal)
         grads = jax.grad(
-            lambda q: (
-                layer(q, *inputs[1:], case.valid_lens, causal=case.config.causal)
-                .astype(jnp.float32)
-                .sum()
-            )
-        )(inputs[0])
+            lambda q: layer(q, kv16, kv16, lens, causal=causal).astype(jnp.float32).sum()
+        )(q16)
     assert kernel_calls[0]["implementation"] == "cudnn"
-    np.testing.assert_allclose(np.asarray(out, np.float64), case.reference["output"], atol=2e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-2)
     assert np.isfinite(np.asarray(grads, np.float32)).all()
+
+
+def test_gpu_16_bit_head_sizes_cudnn_declines_take_the_generic_path(kernel_calls, gpu):
+    case = case_named("book")  # head size 20: not a multiple of 8
+    with jax.default_device(gpu):
+        layer = nnx_layer(case, jnp.bfloat16, implementation=None)
+        out = layer(*[jax.device_put(x, gpu) for x in arrays(case, jnp.bfloat16)], case.valid_lens)
+    assert [call["implementation"] for call in kernel_calls] == ["cudnn"]
+    np.testing.assert_allclose(np.asarray(out, np.float64), case.reference["output"], atol=2e-2)
