@@ -3,10 +3,11 @@
 ``ours`` is the layer's default call; ``ours (generic)`` asks for the
 attention weights, which forces the generic path; ``ours (fused, xla)``
 runs the fused path through XLA's kernel (``implementation="xla"``), the
-figures behind the default's choice of kernel. Every implementation runs under ``nnx.jit``; forward+backward is ``nnx.grad``
-of the summed output with respect to the parameters and the input, under
-``nnx.jit``. The native layer gets the boolean mask equivalent to the key
-lengths (Flax's ``True`` = attend, shape ``(B, 1, 1, N)``).
+figures behind the default's choice of kernel. Every implementation runs
+under ``nnx.jit``; forward+backward is ``nnx.grad`` of the summed output with
+respect to the parameters and the input, under ``nnx.jit``. The native
+layer gets the boolean mask equivalent to the key lengths (Flax's ``True`` =
+attend, shape ``(B, 1, 1, N)``).
 """
 
 from __future__ import annotations
