@@ -345,8 +345,9 @@ def _fused_attention(
     if valid_lens is not None and valid_lens.ndim == 1 and dtype_kind(valid_lens.dtype) in "iu":
         # j < len for integer j and len is what the kernel's key lengths say.
         # A row with len <= 0 is replaced below; a length of at least 1 keeps
-        # the kernel's own row finite there (cuDNN leaves empty rows NaN,
-        # whose gradients would leak through the replacement).
+        # the kernel's own row well defined there (a flash kernel may leave a
+        # row with no key NaN, and NaN would reach the gradients through the
+        # replacement).
         seq_lengths = jnp.clip(valid_lens, 1, num_keys).astype(jnp.int32)
         mask_lens = None
     mask = spec.visibility(ops, positions, mask_lens, causal=causal and not is_causal)
