@@ -71,6 +71,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         "jax,test",
         backends=("jax-nnx", "jax-linen"),
         tests=("tests/backends", "tests/jax", "tests/examples"),
+        benchmarks=("jax",),
     ),
     "mxnet": Environment(
         # COMMON with numpy 1.23: MXNet 1.9 imports only with numpy < 1.24.

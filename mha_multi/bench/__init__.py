@@ -7,5 +7,6 @@
 #: Backend name -> module with ``run() -> list[dict]``; imported only when run.
 BENCHMARKS = {
     "torch": "mha_multi.bench.torch",
+    "jax": "mha_multi.bench.jax",
     "mxnet": "mha_multi.bench.mxnet",
 }

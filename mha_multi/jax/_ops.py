@@ -71,7 +71,8 @@ class JaxOps:
     def logical_and(self, a: jax.Array, b: jax.Array) -> jax.Array:
         return jnp.logical_and(a, b)
 
-    def where(self, condition: jax.Array, x: jax.Array, fill: float) -> jax.Array:
+    def where(self, condition: jax.Array, x: jax.Array, fill: float | jax.Array) -> jax.Array:
+        # The fill takes x's dtype: a Python float must not promote 16-bit x.
         return jnp.where(condition, x, jnp.asarray(fill, dtype=x.dtype))
 
     def softmax(self, x: jax.Array) -> jax.Array:
@@ -94,3 +95,13 @@ class JaxOps:
 
     def ndim(self, x: jax.Array) -> int:
         return x.ndim
+
+    def any_last(self, x: jax.Array) -> jax.Array:
+        return jnp.any(x, axis=-1, keepdims=True)
+
+    def logical_not(self, x: jax.Array) -> jax.Array:
+        return jnp.logical_not(x)
+
+    def mean(self, x: jax.Array, axis: int) -> jax.Array:
+        # jnp.mean accumulates 16-bit floats in float32 and casts back.
+        return jnp.mean(x, axis=axis, keepdims=True)

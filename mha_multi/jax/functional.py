@@ -7,10 +7,28 @@ very same operations and give bit-identical results.
 
 Every check here reads static shapes and dtypes only, so it runs (and raises)
 while a ``jax.jit``-ed call is being traced, before any array operation.
+
+Two paths compute the attention. The generic one is :func:`mha_multi.spec.attention`
+on :class:`~mha_multi.jax._ops.JaxOps`; it materialises the weights and is
+the only one that can return them or apply dropout. The fused one is
+:func:`jax.nn.dot_product_attention` with the spec's masking rules translated
+into its arguments and its fully hidden rows given the spec's value; it can
+run when neither the weights nor dropout are needed (see
+:func:`fused_path_exact`). Which kernel runs is ``implementation``:
+
+* ``None`` (the default): cuDNN's flash attention for 16-bit inputs on a
+  GPU, which never materialises the ``(B, H, Q, K)`` scores; the generic path
+  everywhere else, and wherever cuDNN declines the shapes. XLA's kernel is
+  the generic path's own arithmetic and measured no faster (slower
+  forward+backward on CPU; see ``python -m mha_multi.bench``), so it is not
+  chosen automatically.
+* ``"xla"`` or ``"cudnn"``: that kernel, wherever the fused path is exact.
+* ``"generic"``: always the generic path.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,9 +42,24 @@ from mha_multi import spec
 from mha_multi.jax._ops import JaxOps, PrecisionLike, dtype_kind
 from mha_multi.weights import WeightsConfig, check_weights
 
-__all__ = ["as_valid_lens", "check_call", "check_params", "multi_head_attention"]
+__all__ = [
+    "as_valid_lens",
+    "check_call",
+    "check_implementation",
+    "check_params",
+    "fused_path_exact",
+    "multi_head_attention",
+]
 
 INPUT_NAMES = ("queries", "keys", "values")
+
+#: The values of ``implementation``; ``None`` chooses (see the module notes).
+IMPLEMENTATIONS = (None, "generic", "xla", "cudnn")
+
+#: Dtypes the fused path serves. Its softmax always runs in float32, which is
+#: the spec's rule for 16-bit inputs and exact for float32, but would cost
+#: float64 its precision.
+FUSED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 def _stand_in(name: str, value: Any) -> np.ndarray:
@@ -171,6 +204,171 @@ def _dropout(rng: jax.Array, rate: float, x: jax.Array) -> jax.Array:
     return lax.select(mask, x / keep, jnp.zeros_like(x))
 
 
+def _precision_setting(precision: PrecisionLike) -> str | None:
+    """``precision`` as a ``jax.default_matmul_precision`` value.
+
+    :func:`jax.nn.dot_product_attention` takes no precision argument; its
+    products follow ``jax_default_matmul_precision``, so the fused path sets
+    that for the duration of the call.
+
+    Returns:
+        ``None`` for ``None`` (keep the ambient setting), else the setting.
+
+    Raises:
+        ValueError: a precision no single setting expresses (two different
+            operand precisions, a custom ``DotAlgorithm``).
+    """
+    if precision is None:
+        return None
+    if isinstance(precision, (list, tuple)):
+        if len(precision) == 2 and precision[0] == precision[1]:
+            return _precision_setting(precision[0])
+        raise ValueError(f"no single matmul precision setting for {precision!r}")
+    if isinstance(precision, lax.Precision):
+        return precision.name.lower()
+    if isinstance(precision, lax.DotAlgorithmPreset):
+        return precision.name
+    if isinstance(precision, str):
+        lax_precision = getattr(lax.Precision, precision.upper(), None)
+        if lax_precision is not None or precision in lax.DotAlgorithmPreset.__members__:
+            return precision
+        # Legacy aliases such as "float32" or "bfloat16".
+        return lax.Precision(precision).name.lower()
+    raise ValueError(f"no single matmul precision setting for {precision!r}")
+
+
+def check_implementation(implementation: Any) -> None:
+    """Raises ``ValueError`` unless ``implementation`` is one of :data:`IMPLEMENTATIONS`."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be None, 'generic', 'xla' or 'cudnn'; got {implementation!r}"
+        )
+
+
+def fused_path_exact(
+    dtype: DTypeLike,
+    *,
+    return_attention_weights: bool,
+    use_dropout: bool,
+    precision: PrecisionLike = None,
+) -> bool:
+    """Whether :func:`jax.nn.dot_product_attention` can give the spec's result.
+
+    It cannot return the attention weights and has no dropout, so either
+    request takes the generic path (unlike PyTorch's fused kernel, which
+    applies dropout itself). Its softmax is float32, so float64 stays on
+    the generic path, and a precision it cannot be given does too.
+
+    Args:
+        dtype: the computation dtype.
+        return_attention_weights: whether the weights are requested.
+        use_dropout: whether dropout is active for this call.
+        precision: the matmul precision of the layer.
+    """
+    if return_attention_weights or use_dropout or np.dtype(dtype) not in FUSED_DTYPES:
+        return False
+    try:
+        _precision_setting(precision)
+    except ValueError:
+        return False
+    return True
+
+
+def _platform(x: jax.Array) -> str:
+    """The platform ``x`` lives on; the default backend for tracers under ``jit``."""
+    if isinstance(x, jax.core.Tracer):
+        return jax.default_backend()
+    return next(iter(x.devices())).platform
+
+
+def _dot_product_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    is_causal: bool,
+    seq_lengths: jax.Array | None,
+    implementation: str,
+) -> jax.Array:
+    """One :func:`jax.nn.dot_product_attention` call (looked up at call time)."""
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        key_value_seq_lengths=seq_lengths,
+        implementation=implementation,
+    )
+
+
+class _Positions:
+    """Stands for a ``(Q, K)`` array in :func:`mha_multi.spec.visibility`, which
+    reads nothing but the sizes of the last two axes."""
+
+    def __init__(self, num_queries: int, num_keys: int) -> None:
+        self.shape = (num_queries, num_keys)
+
+
+def _fused_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    valid_lens: jax.Array | None,
+    *,
+    num_heads: int,
+    head_dim: int,
+    causal: bool,
+    precision: PrecisionLike,
+    implementation: str,
+) -> jax.Array:
+    """:func:`jax.nn.dot_product_attention` with the spec's masking semantics.
+
+    Args:
+        q: projected queries ``(B, Q, num_hiddens)``; ``k``, ``v`` likewise
+            with ``K``.
+        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
+        implementation: ``"xla"`` or ``"cudnn"``.
+
+    Returns:
+        The concatenated heads ``(B, Q, num_hiddens)``.
+    """
+    ops = JaxOps(precision)
+    num_queries, num_keys = q.shape[1], k.shape[1]
+    # (B, T, H*dh) -> (B, T, H, dh) is the kernel's layout: no transposes.
+    q, k, v = (ops.split_axis(x, 2, (num_heads, head_dim)) for x in (q, k, v))
+    positions = _Positions(num_queries, num_keys)
+    # The kernel's causal flag is top-left aligned, the spec's rule only when Q == K.
+    is_causal = causal and num_queries == num_keys
+    seq_lengths = None
+    mask_lens = valid_lens
+    if valid_lens is not None and valid_lens.ndim == 1 and dtype_kind(valid_lens.dtype) in "iu":
+        # j < len for integer j and len is what the kernel's key lengths say.
+        # A row with len <= 0 is replaced below; a length of at least 1 keeps
+        # the kernel's own row well defined there (a flash kernel may leave a
+        # row with no key NaN, and NaN would reach the gradients through the
+        # replacement).
+        seq_lengths = jnp.clip(valid_lens, 1, num_keys).astype(jnp.int32)
+        mask_lens = None
+    mask = spec.visibility(ops, positions, mask_lens, causal=causal and not is_causal)
+    if implementation == "cudnn" and mask is not None:
+        # cuDNN turns the mask into a bias, which must span every query.
+        mask = jnp.asarray(mask)
+        mask = mask if mask.ndim == 4 else mask[None, None]
+        mask = jnp.broadcast_to(mask, (mask.shape[0], 1, num_queries, num_keys))
+    setting = _precision_setting(precision)
+    with contextlib.nullcontext() if setting is None else jax.default_matmul_precision(setting):
+        output = _dot_product_attention(q, k, v, mask, is_causal, seq_lengths, implementation)
+    # Fully hidden rows. With Q <= K the causal rule leaves key 0 visible to
+    # every query, so only lengths <= 0 can hide a whole row.
+    if valid_lens is not None or (causal and num_queries > num_keys):
+        visible = spec.visibility(
+            ops, positions, valid_lens, causal=causal and num_queries > num_keys
+        )
+        output = spec.fix_fully_hidden_rows(ops, output, v, visible, heads_axis=2)
+    return ops.merge_axes(output, 2)
+
+
 def multi_head_attention(
     params: Mapping[str, Any],
     queries: Any,
@@ -185,12 +383,20 @@ def multi_head_attention(
     dropout_rng: jax.Array | None = None,
     dtype: DTypeLike | None = None,
     precision: PrecisionLike = None,
-) -> tuple[jax.Array, jax.Array]:
+    return_attention_weights: bool = True,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
     """d2l's multi-head attention, exact to :mod:`mha_multi.spec`, as a pure function.
 
     Differentiable in ``params`` and the inputs; works under ``jax.jit``
     (``num_heads``, ``causal``, ``dropout_rate``, ``deterministic``,
-    ``dtype`` and ``precision`` static), ``jax.grad`` and ``jax.vmap``.
+    ``dtype``, ``precision``, ``return_attention_weights`` and
+    ``implementation`` static), ``jax.grad`` and ``jax.vmap``.
+
+    With ``return_attention_weights=False`` and no active dropout, float32
+    and 16-bit calls may take the fused path (:func:`jax.nn.dot_product_attention`;
+    by default cuDNN's for 16-bit inputs on a GPU, see the module notes); its
+    result is the spec's, fully hidden rows included.
 
     Args:
         params: canonical weights: ``W_q (query_size, num_hiddens)``,
@@ -213,15 +419,22 @@ def multi_head_attention(
             in float32.
         precision: precision of every matrix product (``"highest"`` for IEEE
             float32 products on GPU and TPU).
+        return_attention_weights: compute and return the weights; ``False``
+            lets the fused path run.
+        implementation: ``None`` (choose), ``"generic"``, ``"xla"`` or
+            ``"cudnn"`` (see the module notes); a fused kernel runs only
+            where :func:`fused_path_exact` allows, the generic path elsewhere.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and the
-        pre-dropout weights ``(B, H, Q, K)``, both of the computation dtype.
+        pre-dropout weights ``(B, H, Q, K)`` (``None`` when not requested),
+        both of the computation dtype.
 
     Raises:
         TypeError: a non-floating input or weight, or non-numeric ``valid_lens``.
         ValueError: a bad configuration, weights or shapes, named.
     """
+    check_implementation(implementation)
     config = check_params(params)
     head_dim = spec.check_config(config.num_hiddens, num_heads, dropout_rate)
     queries, keys, values, lens = check_call(
@@ -244,6 +457,37 @@ def multi_head_attention(
     def project(x: jax.Array, name: str) -> jax.Array:
         return _linear(x, weights[f"W_{name}"], weights.get(f"b_{name}"), precision)
 
+    q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
+    kernel = implementation
+    if kernel is None:
+        half = np.dtype(dtype) in FUSED_DTYPES and np.dtype(dtype).itemsize == 2
+        kernel = "cudnn" if half and _platform(q) == "gpu" else "generic"
+    if kernel != "generic" and fused_path_exact(
+        dtype,
+        return_attention_weights=return_attention_weights,
+        use_dropout=use_dropout,
+        precision=precision,
+    ):
+        try:
+            context = _fused_attention(
+                q,
+                k,
+                v,
+                lens,
+                num_heads=num_heads,
+                head_dim=head_dim,
+                causal=causal,
+                precision=precision,
+                implementation=kernel,
+            )
+            return project(context, "o"), None
+        except (NotImplementedError, ValueError, RuntimeError):
+            # cuDNN serves some head sizes, sequence lengths and GPUs only,
+            # and says so while the call is traced. Asked for by name, that
+            # is the caller's error; chosen here, the generic path serves.
+            if implementation is not None:
+                raise
+
     dropout = None
     if use_dropout:
 
@@ -252,13 +496,13 @@ def multi_head_attention(
 
     context, attention_weights = spec.attention(
         JaxOps(precision),
-        project(queries, "q"),
-        project(keys, "k"),
-        project(values, "v"),
+        q,
+        k,
+        v,
         lens,
         num_heads=num_heads,
         head_dim=head_dim,
         causal=causal,
         dropout=dropout,
     )
-    return project(context, "o"), attention_weights
+    return project(context, "o"), attention_weights if return_attention_weights else None

@@ -50,6 +50,10 @@ class MultiHeadAttention(nnx.Module):
         dtype: computation dtype; ``None`` promotes inputs and parameters.
         param_dtype: dtype of the parameters.
         precision: precision of every matrix product.
+        implementation: which attention kernel runs when the weights are not
+            requested and dropout is off: ``None`` (cuDNN's for 16-bit inputs
+            on a GPU, the generic path otherwise), ``"generic"``, ``"xla"``
+            or ``"cudnn"``; see :mod:`mha_multi.jax.functional`.
         kernel_init: initializer of the kernels (Flax's ``lecun_normal``).
         bias_init: initializer of the biases (zeros).
         rngs: ``params`` (or default) stream for initialisation; the
@@ -70,12 +74,14 @@ class MultiHeadAttention(nnx.Module):
         dtype: DTypeLike | None = None,
         param_dtype: DTypeLike = jnp.float32,
         precision: PrecisionLike = None,
+        implementation: str | None = None,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
     ) -> None:
         self.head_dim = spec.check_config(num_hiddens, num_heads, dropout)
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
+        functional.check_implementation(implementation)
         self.num_hiddens = int(num_hiddens)
         self.num_heads = int(num_heads)
         self.dropout = float(dropout)
@@ -84,6 +90,7 @@ class MultiHeadAttention(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
+        self.implementation = implementation
         linear = functools.partial(
             nnx.Linear,
             out_features=self.num_hiddens,
@@ -185,6 +192,8 @@ class MultiHeadAttention(nnx.Module):
             dropout_rng=dropout_rng,
             dtype=self.dtype,
             precision=self.precision,
+            return_attention_weights=return_attention_weights,
+            implementation=self.implementation,
         )
         return (output, weights) if return_attention_weights else output
 

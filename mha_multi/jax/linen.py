@@ -68,6 +68,10 @@ class MultiHeadAttention(nn.Module):
         dtype: computation dtype; ``None`` promotes inputs and parameters.
         param_dtype: dtype of the parameters.
         precision: precision of every matrix product.
+        implementation: which attention kernel runs when the weights are not
+            requested and dropout is off: ``None`` (cuDNN's for 16-bit inputs
+            on a GPU, the generic path otherwise), ``"generic"``, ``"xla"``
+            or ``"cudnn"``; see :mod:`mha_multi.jax.functional`.
         kernel_init: initializer of the kernels (``nn.Dense``'s ``lecun_normal``).
         bias_init: initializer of the biases (zeros).
     """
@@ -82,6 +86,7 @@ class MultiHeadAttention(nn.Module):
     dtype: DTypeLike | None = None
     param_dtype: DTypeLike = jnp.float32
     precision: PrecisionLike = None
+    implementation: str | None = None
     kernel_init: Initializer = nn.initializers.lecun_normal()
     bias_init: Initializer = nn.initializers.zeros_init()
 
@@ -91,6 +96,7 @@ class MultiHeadAttention(nn.Module):
         spec.check_input_sizes(
             query_size=self.query_size, key_size=self.key_size, value_size=self.value_size
         )
+        functional.check_implementation(self.implementation)
         super().__post_init__()
 
     def _known_sizes(self) -> dict[str, int | None]:
@@ -173,6 +179,8 @@ class MultiHeadAttention(nn.Module):
             dropout_rng=self.make_rng("dropout") if use_dropout else None,
             dtype=self.dtype,
             precision=self.precision,
+            return_attention_weights=return_attention_weights,
+            implementation=self.implementation,
         )
         return (output, weights) if return_attention_weights else output
 

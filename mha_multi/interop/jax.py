@@ -1,0 +1,412 @@
+"""Canonical weights to and from Flax's attention layers and d2l's JAX layer.
+
+Flax's ``flax.nnx.MultiHeadAttention`` and Linen's
+``flax.linen.MultiHeadDotProductAttention`` compute the same function as the
+spec when ``qkv_features == out_features`` (``num_hiddens``) and
+``normalize_qk=False``. Their parameters are one tree (NNX state and Linen
+``params`` alike)::
+
+    query/kernel (query_size, H, head_dim)   query/bias (H, head_dim)
+    key/kernel   (key_size, H, head_dim)     key/bias   (H, head_dim)
+    value/kernel (value_size, H, head_dim)   value/bias (H, head_dim)
+    out/kernel   (H, head_dim, num_hiddens)  out/bias   (num_hiddens,)
+
+and head ``h`` owns the same columns ``[h*head_dim, (h+1)*head_dim)`` as in
+the spec, so the conversion is a reshape. Differences callers must mind:
+
+* masks: Flax's boolean ``mask`` is ``True`` where a key takes part, the
+  spec's visibility polarity (PyTorch's masks are the opposite). It has the
+  shape ``(B, H|1, Q|1, K)``; :func:`attention_mask` builds it from
+  ``valid_lens`` and ``causal`` with the spec's own rule;
+* fully hidden rows: Flax replaces hidden scores by a large finite negative
+  (``finfo(dtype).min``, or ``-0.7 * finfo(float32).max`` inside
+  :func:`jax.nn.dot_product_attention`) rather than ``-inf``, so a query
+  that sees no key gets uniform weights and the mean of all values, as in
+  the spec (PyTorch gives NaN or zeros there);
+* dtypes: like ours, Flax promotes inputs and parameters to a common dtype
+  unless ``dtype`` is given. For 16-bit inputs, NNX's layer without
+  dropout calls :func:`jax.nn.dot_product_attention`, whose softmax runs in
+  float32 as the spec's does; Linen's layer, and NNX's with dropout or
+  ``sow_weights``, run the softmax in the 16-bit dtype itself;
+* Flax scales the queries by ``1/sqrt(head_dim)`` before the product, the
+  spec scales the scores after it: the results differ by rounding only;
+* NNX's layer has one ``in_kv_features`` for keys and values, so
+  ``key_size`` must equal ``value_size`` there (Linen infers each).
+
+d2l's JAX ``MultiHeadAttention`` ("Dive into Deep Learning", Flax Linen) holds
+four ``nn.Dense(num_hiddens, use_bias=bias)`` projections named ``W_q``,
+``W_k``, ``W_v`` and ``W_o`` (``bias=False`` by default) and a parameter-free
+``attention`` submodule, so its variables are
+``{'params': {'W_q': {'kernel': (query_size, num_hiddens), 'bias': ...}, ...}}``:
+the canonical orientation and the layout of :mod:`mha_multi.jax.linen`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen, nnx
+
+from mha_multi import spec
+from mha_multi.weights import KERNEL_NAMES, check_weights
+
+__all__ = [
+    "attention_mask",
+    "from_d2l_variables",
+    "from_flax_mha_params",
+    "from_linen_mha",
+    "from_nnx_mha",
+    "to_d2l_variables",
+    "to_flax_mha_params",
+    "to_linen_mha",
+    "to_nnx_mha",
+]
+
+#: Flax's projection names, in the canonical order q, k, v, o.
+FLAX_NAMES = {"query": "q", "key": "k", "value": "v", "out": "o"}
+
+_UNSUPPORTED = {
+    "query_ln": "normalize_qk=True (LayerNorm on queries and keys)",
+    "key_ln": "normalize_qk=True (LayerNorm on queries and keys)",
+    "cached_key": "decode=True (an autoregressive cache)",
+    "cached_value": "decode=True (an autoregressive cache)",
+    "cache_index": "decode=True (an autoregressive cache)",
+}
+
+
+def _numpy(value: Any) -> np.ndarray:
+    if isinstance(value, nnx.Variable):
+        value = value[...]
+    array = np.asarray(jax.device_get(value))
+    if array.dtype == np.dtype(jnp.bfloat16):
+        array = array.astype(np.float32)
+    return array
+
+
+def _params_tree(tree: Any) -> dict[str, Any]:
+    """The ``params`` collection of Linen variables, an NNX state or a plain tree."""
+    if isinstance(tree, nnx.State):
+        tree = nnx.to_pure_dict(tree)
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"expected a mapping of parameters; got {type(tree).__name__}")
+    tree = linen.meta.unbox(dict(tree))
+    if "params" in tree and isinstance(tree["params"], Mapping):
+        extra = sorted(set(tree) - {"params"})
+        if extra:
+            raise ValueError(f"unsupported variable collections besides 'params': {extra}")
+        tree = linen.meta.unbox(dict(tree["params"]))
+    return tree
+
+
+def from_flax_mha_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Canonical weights from a Flax attention parameter tree (NNX or Linen).
+
+    Args:
+        params: ``{'query': {'kernel': ..., 'bias': ...}, 'key': ..., 'value':
+            ..., 'out': ...}``, or Linen variables ``{'params': {...}}``, or an
+            ``nnx.State``. ``num_heads`` is ``params['query']['kernel'].shape[1]``.
+
+    Returns:
+        The canonical mapping (validated), numpy arrays; bfloat16 becomes float32.
+
+    Raises:
+        ValueError: what the canonical layer cannot express (``normalize_qk``,
+            an autoregressive cache, grouped key/value heads, ``out_features``
+            other than ``qkv_features``, biases on some projections only), a
+            missing or unexpected entry, or inconsistent shapes.
+    """
+    tree = _params_tree(params)
+    for name, reason in _UNSUPPORTED.items():
+        if name in tree:
+            raise ValueError(f"unsupported Flax attention option: {reason}")
+    extra = sorted(set(tree) - set(FLAX_NAMES))
+    if extra:
+        raise ValueError(f"unexpected entries in Flax attention parameters: {extra}")
+    missing = [name for name in FLAX_NAMES if name not in tree]
+    if missing:
+        raise ValueError(f"Flax attention parameters are missing {missing}")
+    for name in FLAX_NAMES:
+        unexpected = sorted(set(tree[name]) - {"kernel", "bias"})
+        if unexpected or "kernel" not in tree[name]:
+            raise ValueError(
+                f"Flax attention parameters {name!r} must hold 'kernel' (and 'bias'); "
+                f"got {sorted(tree[name])}"
+            )
+    kernels = {name: _numpy(tree[name]["kernel"]) for name in FLAX_NAMES}
+    for name in ("query", "key", "value"):
+        if kernels[name].ndim != 3:
+            raise ValueError(
+                f"{name}/kernel must have shape (features, num_heads, head_dim); "
+                f"got {kernels[name].shape}"
+            )
+    _, num_heads, head_dim = kernels["query"].shape
+    for name in ("key", "value"):
+        heads, dim = kernels[name].shape[1:]
+        if heads != num_heads:
+            raise ValueError(
+                f"unsupported: {name} has {heads} heads and query {num_heads} "
+                "(grouped key/value heads, num_kv_heads != num_heads)"
+            )
+        if dim != head_dim:
+            raise ValueError(
+                f"unsupported: {name} head size {dim} differs from the query head size {head_dim}"
+            )
+    num_hiddens = num_heads * head_dim
+    out = kernels["out"]
+    if out.ndim != 3 or out.shape[:2] != (num_heads, head_dim):
+        raise ValueError(
+            f"out/kernel must have shape ({num_heads}, {head_dim}, out_features); got {out.shape}"
+        )
+    if out.shape[2] != num_hiddens:
+        raise ValueError(
+            f"unsupported: out_features ({out.shape[2]}) differs from qkv_features "
+            f"({num_hiddens}); the canonical W_o is (num_hiddens, num_hiddens)"
+        )
+    with_bias = [name for name in FLAX_NAMES if tree[name].get("bias") is not None]
+    if with_bias and len(with_bias) != len(FLAX_NAMES):
+        raise ValueError(f"unsupported: biases on some projections only ({with_bias})")
+    weights = {}
+    for name, short in FLAX_NAMES.items():
+        kernel = kernels[name]
+        weights[f"W_{short}"] = (
+            kernel.reshape(-1, num_hiddens) if short != "o" else (kernel.reshape(num_hiddens, -1))
+        )
+        if with_bias:
+            weights[f"b_{short}"] = _numpy(tree[name]["bias"]).reshape(-1)
+    weights = {name: np.ascontiguousarray(array) for name, array in weights.items()}
+    return check_weights(weights)[0]
+
+
+def to_flax_mha_params(
+    weights: Mapping[str, Any], num_heads: int
+) -> dict[str, dict[str, np.ndarray]]:
+    """The Flax attention parameter tree (NNX state and Linen ``params`` alike).
+
+    Args:
+        weights: canonical weights (validated strictly).
+        num_heads: ``H``; must divide ``num_hiddens``.
+
+    Returns:
+        ``{'query': {'kernel': (query_size, H, head_dim), 'bias': (H, head_dim)},
+        ..., 'out': {'kernel': (H, head_dim, num_hiddens), 'bias': (num_hiddens,)}}``
+        as numpy arrays (biases only if the weights have them).
+
+    Raises:
+        ValueError: invalid weights, or ``num_hiddens`` not divisible by ``num_heads``.
+    """
+    arrays, config = check_weights(weights)
+    head_dim = spec.check_config(config.num_hiddens, num_heads, 0.0)
+    params: dict[str, dict[str, np.ndarray]] = {}
+    for name, short in FLAX_NAMES.items():
+        kernel = arrays[f"W_{short}"]
+        if short == "o":
+            entry = {"kernel": kernel.reshape(num_heads, head_dim, -1)}
+        else:
+            entry = {"kernel": kernel.reshape(-1, num_heads, head_dim)}
+        if config.bias:
+            bias = arrays[f"b_{short}"]
+            entry["bias"] = bias if short == "o" else bias.reshape(num_heads, head_dim)
+        params[name] = {k: np.ascontiguousarray(v) for k, v in entry.items()}
+    return params
+
+
+def _check_flax_module(module: Any) -> None:
+    if getattr(module, "normalize_qk", False):
+        raise ValueError(f"unsupported Flax attention option: {_UNSUPPORTED['query_ln']}")
+    num_kv_heads = getattr(module, "num_kv_heads", None)
+    if num_kv_heads is not None and num_kv_heads != module.num_heads:
+        raise ValueError(
+            f"unsupported: num_kv_heads ({num_kv_heads}) != num_heads ({module.num_heads}) "
+            "(grouped key/value heads)"
+        )
+    qkv, out = module.qkv_features, module.out_features
+    if qkv is not None and out is not None and qkv != out:
+        raise ValueError(
+            f"unsupported: out_features ({out}) differs from qkv_features ({qkv}); "
+            "the canonical W_o is (num_hiddens, num_hiddens)"
+        )
+
+
+def from_nnx_mha(module: nnx.MultiHeadAttention) -> dict[str, np.ndarray]:
+    """Canonical weights of a ``flax.nnx.MultiHeadAttention`` (see the module notes).
+
+    Raises:
+        ValueError: an option the canonical layer cannot express (see
+            :func:`from_flax_mha_params`).
+    """
+    _check_flax_module(module)
+    return from_flax_mha_params(nnx.state(module, nnx.Param))
+
+
+def to_nnx_mha(
+    weights: Mapping[str, Any],
+    num_heads: int,
+    *,
+    rngs: nnx.Rngs | None = None,
+    **kwargs: Any,
+) -> nnx.MultiHeadAttention:
+    """A new ``flax.nnx.MultiHeadAttention`` holding canonical weights.
+
+    Args:
+        weights: canonical weights (validated strictly).
+        num_heads: ``H``; must divide ``num_hiddens``.
+        rngs: for the layer's construction (and its dropout stream);
+            ``nnx.Rngs(0)`` by default.
+        **kwargs: further constructor arguments (``dtype``, ``param_dtype``,
+            ``dropout_rate``, ``precision``...); the sizes, ``use_bias``,
+            ``decode=False`` and ``normalize_qk=False`` are set here.
+
+    Returns:
+        The layer; its parameters have ``param_dtype`` (float32 by default).
+
+    Raises:
+        ValueError: invalid weights, ``key_size != value_size`` (NNX has one
+            ``in_kv_features``), or a size option in ``kwargs``.
+    """
+    arrays, config = check_weights(weights)
+    if config.key_size != config.value_size:
+        raise ValueError(
+            f"flax.nnx.MultiHeadAttention has one in_kv_features for keys and values; "
+            f"got key_size {config.key_size} and value_size {config.value_size}"
+        )
+    fixed = {"in_features", "qkv_features", "out_features", "in_kv_features", "use_bias"}
+    fixed |= {"num_kv_heads", "normalize_qk", "decode"}
+    clashes = sorted(fixed & set(kwargs))
+    if clashes:
+        raise ValueError(f"{clashes} follow from the weights; do not pass them")
+    module = nnx.MultiHeadAttention(
+        num_heads,
+        config.query_size,
+        qkv_features=config.num_hiddens,
+        out_features=config.num_hiddens,
+        in_kv_features=config.key_size,
+        use_bias=config.bias,
+        decode=False,
+        rngs=nnx.Rngs(0) if rngs is None else rngs,
+        **kwargs,
+    )
+    state = nnx.state(module, nnx.Param)
+    params = to_flax_mha_params(arrays, num_heads)
+    current = nnx.to_pure_dict(state)
+    typed = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), params, current)
+    nnx.replace_by_pure_dict(state, typed)
+    nnx.update(module, state)
+    return module
+
+
+def from_linen_mha(
+    variables: Mapping[str, Any], module: linen.MultiHeadDotProductAttention | None = None
+) -> dict[str, np.ndarray]:
+    """Canonical weights from ``flax.linen.MultiHeadDotProductAttention`` variables.
+
+    Args:
+        variables: ``{'params': {...}}`` as ``init`` returns, or the params.
+        module: if given, its options are checked too.
+
+    Raises:
+        ValueError: an option the canonical layer cannot express (see
+            :func:`from_flax_mha_params`).
+    """
+    if module is not None:
+        _check_flax_module(module)
+    return from_flax_mha_params(variables)
+
+
+def to_linen_mha(
+    weights: Mapping[str, Any], num_heads: int, **kwargs: Any
+) -> tuple[linen.MultiHeadDotProductAttention, dict[str, Any]]:
+    """A ``flax.linen.MultiHeadDotProductAttention`` and its variables, holding the weights.
+
+    Args:
+        weights: canonical weights (validated strictly).
+        num_heads: ``H``; must divide ``num_hiddens``.
+        **kwargs: further module attributes (``dtype``, ``dropout_rate``...);
+            the sizes, ``use_bias`` and ``normalize_qk=False`` are set here.
+
+    Returns:
+        ``(module, variables)`` for ``module.apply(variables, q, k, v, mask=...)``;
+        the variables are JAX arrays of the weights' dtype.
+    """
+    arrays, config = check_weights(weights)
+    fixed = {"qkv_features", "out_features", "use_bias", "normalize_qk"}
+    clashes = sorted(fixed & set(kwargs))
+    if clashes:
+        raise ValueError(f"{clashes} follow from the weights; do not pass them")
+    module = linen.MultiHeadDotProductAttention(
+        num_heads=num_heads,
+        qkv_features=config.num_hiddens,
+        out_features=config.num_hiddens,
+        use_bias=config.bias,
+        **kwargs,
+    )
+    params = jax.tree.map(jnp.asarray, to_flax_mha_params(arrays, num_heads))
+    return module, {"params": params}
+
+
+def from_d2l_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Canonical weights from d2l's JAX ``MultiHeadAttention`` variables (or ours).
+
+    Args:
+        variables: ``{'params': {'W_q': {'kernel': ...}, ...}}`` or the params.
+
+    Raises:
+        ValueError: an unexpected entry (d2l's ``attention`` submodule has no
+            parameters), a missing one or inconsistent shapes, named.
+    """
+    tree = _params_tree(variables)
+    weights = {}
+    for layer, entries in tree.items():
+        if layer not in KERNEL_NAMES or not isinstance(entries, Mapping):
+            raise ValueError(f"unexpected entry {layer!r} in d2l MultiHeadAttention params")
+        for kind, value in entries.items():
+            if kind not in ("kernel", "bias"):
+                raise ValueError(
+                    f"unexpected entry '{layer}/{kind}' in d2l MultiHeadAttention params"
+                )
+            weights[layer if kind == "kernel" else f"b_{layer[-1]}"] = _numpy(value)
+    return check_weights(weights)[0]
+
+
+def to_d2l_variables(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """d2l's JAX ``MultiHeadAttention`` variables (also :mod:`mha_multi.jax.linen`'s).
+
+    Returns:
+        ``{'params': {'W_q': {'kernel': ..., 'bias': ...}, ...}}`` as JAX
+        arrays of the weights' dtype.
+    """
+    arrays, _ = check_weights(weights)
+    params: dict[str, dict[str, jax.Array]] = {}
+    for name, array in arrays.items():
+        entry = "kernel" if name in KERNEL_NAMES else "bias"
+        params.setdefault(f"W_{name[-1]}", {})[entry] = jnp.asarray(array)
+    return {"params": params}
+
+
+def attention_mask(
+    valid_lens: Any, num_queries: int, num_keys: int, *, causal: bool = False
+) -> jax.Array | None:
+    """Flax's boolean ``mask`` for the spec's ``valid_lens`` and ``causal`` rules.
+
+    Args:
+        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
+        num_queries: ``Q``.
+        num_keys: ``K``.
+        causal: the spec's bottom-right aligned causal rule.
+
+    Returns:
+        ``None`` when every key is visible, else a boolean array, ``True``
+        where key ``j`` is visible to query ``i``: ``(B, 1, 1|Q, K)``, or
+        ``(1, 1, Q, K)`` for ``causal`` alone.
+    """
+    lens = None if valid_lens is None else np.asarray(valid_lens)
+    # visibility() reads only the sizes of the last two axes.
+    positions = np.broadcast_to(np.zeros((), bool), (num_queries, num_keys))
+    visible = spec.visibility(spec.NumpyOps(), positions, lens, causal=causal)
+    if visible is None:
+        return None
+    visible = np.asarray(visible)
+    return jnp.asarray(visible if visible.ndim == 4 else visible[None, None])

@@ -1,0 +1,288 @@
+"""Weights to and from Flax's attention layers (NNX, Linen) and d2l's JAX layer."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+from mha_multi.interop.jax import (
+    attention_mask,
+    from_d2l_variables,
+    from_flax_mha_params,
+    from_linen_mha,
+    from_nnx_mha,
+    to_d2l_variables,
+    to_flax_mha_params,
+    to_linen_mha,
+    to_nnx_mha,
+)
+from mha_multi.jax import MultiHeadAttention, get_weights, linen, set_weights
+from mha_multi.parity.cases import CASES, build_case
+from mha_multi.weights import init_weights
+
+INPUT_NAMES = ("queries", "keys", "values")
+# Every feature: lengths of each kind, causal of each alignment, fully hidden
+# rows (lens_zero, lens_2d, causal_more_queries, one_key), biases.
+NATIVE_CASES = [c.name for c in CASES if c.name != "cross_sizes"]
+
+
+@functools.cache
+def case(name):
+    return build_case(next(c for c in CASES if c.name == name))
+
+
+def arrays(c, dtype=jnp.float32):
+    return [jnp.asarray(c.inputs[name], dtype) for name in INPUT_NAMES]
+
+
+def mask_of(c):
+    return attention_mask(
+        c.valid_lens, c.config.num_queries, c.config.num_keys, causal=c.config.causal
+    )
+
+
+@pytest.mark.parametrize("name", NATIVE_CASES)
+def test_native_layers_match_the_reference(name):
+    # Flax fills hidden scores with a large finite negative, so fully hidden
+    # rows get uniform weights there too: every case agrees, those included.
+    c = case(name)
+    q, k, v = arrays(c)
+    native = to_nnx_mha(c.weights, c.config.num_heads)
+    out = native(q, k, v, mask=mask_of(c), deterministic=True)
+    module, variables = to_linen_mha(c.weights, c.config.num_heads)
+    linen_out = module.apply(variables, q, k, v, mask=mask_of(c), deterministic=True)
+    for got in (out, linen_out):
+        np.testing.assert_allclose(got, c.reference["output"], rtol=0, atol=5e-6)
+    ours = set_weights(
+        MultiHeadAttention(
+            c.config.num_hiddens, c.config.num_heads, bias=c.config.bias, rngs=nnx.Rngs(0)
+        ),
+        c.weights,
+    )
+    np.testing.assert_allclose(
+        ours(q, k, v, c.valid_lens, causal=c.config.causal), out, rtol=0, atol=5e-6
+    )
+
+
+def test_fully_hidden_rows_agree_with_the_spec():
+    c = case("lens_zero")  # valid_lens [0, -2, 3]
+    q, k, v = arrays(c)
+    out = to_nnx_mha(c.weights, c.config.num_heads)(q, k, v, mask=mask_of(c))
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(out[:2], c.reference["output"][:2], atol=5e-6)
+
+
+def test_linen_takes_different_key_and_value_sizes_and_nnx_refuses_them():
+    c = case("cross_sizes")  # query/key/value sizes 7/5/3, biases
+    q, k, v = arrays(c)
+    module, variables = to_linen_mha(c.weights, c.config.num_heads)
+    out = module.apply(variables, q, k, v, mask=mask_of(c))
+    np.testing.assert_allclose(out, c.reference["output"], atol=5e-6)
+    back = from_linen_mha(variables, module)
+    assert all(back[n].tobytes() == c.weights[n].tobytes() for n in c.weights)
+    with pytest.raises(ValueError, match="one in_kv_features.*key_size 5 and value_size 3"):
+        to_nnx_mha(c.weights, c.config.num_heads)
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_round_trips_through_native_layers_are_bit_exact(use_bias):
+    native = nnx.MultiHeadAttention(
+        4,
+        16,
+        qkv_features=24,
+        out_features=24,
+        use_bias=use_bias,
+        decode=False,
+        rngs=nnx.Rngs(3),
+    )
+    weights = from_nnx_mha(native)
+    assert weights["W_q"].shape == (16, 24) and weights["W_o"].shape == (24, 24)
+    again = to_nnx_mha(weights, 4)
+    state, again_state = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (native, again))
+    jax.tree.map(np.testing.assert_array_equal, state, again_state)
+
+    module = nn.MultiHeadDotProductAttention(4, qkv_features=24, out_features=24, use_bias=use_bias)
+    x = jnp.ones((1, 2, 16))
+    variables = module.init(jax.random.key(0), x, jnp.ones((1, 3, 5)))
+    weights = from_linen_mha(variables, module)
+    assert weights["W_k"].shape == (5, 24)
+    _, again_variables = to_linen_mha(weights, 4)
+    jax.tree.map(np.testing.assert_array_equal, variables, again_variables)
+
+
+def test_params_tree_layout_matches_flax():
+    weights = init_weights(12, query_size=7, key_size=5, value_size=5, bias=True, seed=2)
+    params = to_flax_mha_params(weights, 3)
+    native = to_nnx_mha(weights, 3)
+    shapes = jax.tree.map(np.shape, nnx.to_pure_dict(nnx.state(native, nnx.Param)))
+    assert jax.tree.map(np.shape, params) == shapes
+    assert shapes["query"] == {"kernel": (7, 3, 4), "bias": (3, 4)}
+    assert shapes["out"] == {"kernel": (3, 4, 12), "bias": (12,)}
+    # Head h owns columns [h*head_dim, (h+1)*head_dim) in both layouts.
+    np.testing.assert_array_equal(params["key"]["kernel"][:, 1, :], weights["W_k"][:, 4:8])
+    np.testing.assert_array_equal(params["out"]["kernel"][2], weights["W_o"][8:12])
+
+
+def test_unsupported_native_options_are_refused():
+    with pytest.raises(ValueError, match="normalize_qk"):
+        from_nnx_mha(
+            nnx.MultiHeadAttention(2, 8, normalize_qk=True, decode=False, rngs=nnx.Rngs(0))
+        )
+    with pytest.raises(ValueError, match=r"out_features \(6\) differs from qkv_features \(8\)"):
+        from_nnx_mha(nnx.MultiHeadAttention(2, 8, out_features=6, decode=False, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        from_nnx_mha(nnx.MultiHeadAttention(4, 8, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0)))
+    # The default out_features is in_features: a 5-feature query projected to 8 hiddens.
+    module = nn.MultiHeadDotProductAttention(2, qkv_features=8)
+    variables = module.init(jax.random.key(0), jnp.ones((1, 2, 5)))
+    with pytest.raises(ValueError, match=r"out_features \(5\) differs from qkv_features \(8\)"):
+        from_linen_mha(variables)
+    module = nn.MultiHeadDotProductAttention(2, normalize_qk=True)
+    variables = module.init(jax.random.key(0), jnp.ones((1, 2, 8)))
+    with pytest.raises(ValueError, match="normalize_qk"):
+        from_linen_mha(variables)
+    params = to_flax_mha_params(init_weights(8, bias=True), 2)
+    del params["key"]["bias"]
+    with pytest.raises(ValueError, match="biases on some projections only"):
+        from_flax_mha_params(params)
+    with pytest.raises(ValueError, match=r"unexpected entries.*\['extra'\]"):
+        from_flax_mha_params({**to_flax_mha_params(init_weights(8), 2), "extra": {}})
+    with pytest.raises(ValueError, match=r"missing \['out'\]"):
+        from_flax_mha_params(
+            {k: v for k, v in to_flax_mha_params(init_weights(8), 2).items() if k != "out"}
+        )
+    with pytest.raises(ValueError, match=r"num_hiddens \(8\) must be divisible by num_heads \(3\)"):
+        to_flax_mha_params(init_weights(8), 3)
+
+
+def test_attention_mask_follows_the_spec_rule():
+    # Hand-written: example 0 sees keys 0-1, example 1 key 0 only (from 0.5).
+    mask = attention_mask(np.array([2.0, 0.5]), 2, 3)
+    assert mask.shape == (2, 1, 1, 3)
+    np.testing.assert_array_equal(mask[:, 0, 0], [[True, True, False], [True, False, False]])
+    causal = attention_mask(None, 2, 3, causal=True)  # bottom-right: j <= i + 1
+    np.testing.assert_array_equal(causal[0, 0], [[True, True, False], [True, True, True]])
+    assert attention_mask(None, 2, 3) is None
+
+
+# -- d2l's JAX layer ("Dive into Deep Learning", the book's code, Flax Linen) ------------
+
+
+def _sequence_mask(X, valid_len, value=0):
+    maxlen = X.shape[1]
+    mask = jnp.arange((maxlen), dtype=jnp.float32)[None, :] < valid_len[:, None]
+    return jnp.where(mask, X, value)
+
+
+def masked_softmax(X, valid_lens):
+    if valid_lens is None:
+        return nn.softmax(X, axis=-1)
+    shape = X.shape
+    if valid_lens.ndim == 1:
+        valid_lens = jnp.repeat(valid_lens, shape[1])
+    else:
+        valid_lens = valid_lens.reshape(-1)
+    X = _sequence_mask(X.reshape(-1, shape[-1]), valid_lens, value=-1e6)
+    return nn.softmax(X.reshape(shape), axis=-1)
+
+
+class DotProductAttention(nn.Module):
+    dropout: float
+
+    @nn.compact
+    def __call__(self, queries, keys, values, valid_lens=None, training=False):
+        d = queries.shape[-1]
+        scores = queries @ (keys.swapaxes(1, 2)) / math.sqrt(d)
+        attention_weights = masked_softmax(scores, valid_lens)
+        dropout_layer = nn.Dropout(self.dropout, deterministic=not training)
+        return dropout_layer(attention_weights) @ values, attention_weights
+
+
+class D2LMultiHeadAttention(nn.Module):
+    num_hiddens: int
+    num_heads: int
+    dropout: float
+    bias: bool = False
+
+    def setup(self):
+        self.attention = DotProductAttention(self.dropout)
+        self.W_q = nn.Dense(self.num_hiddens, use_bias=self.bias)
+        self.W_k = nn.Dense(self.num_hiddens, use_bias=self.bias)
+        self.W_v = nn.Dense(self.num_hiddens, use_bias=self.bias)
+        self.W_o = nn.Dense(self.num_hiddens, use_bias=self.bias)
+
+    def __call__(self, queries, keys, values, valid_lens, training=False):
+        queries = self.transpose_qkv(self.W_q(queries))
+        keys = self.transpose_qkv(self.W_k(keys))
+        values = self.transpose_qkv(self.W_v(values))
+        if valid_lens is not None:
+            valid_lens = jnp.repeat(valid_lens, self.num_heads, axis=0)
+        output, attention_weights = self.attention(
+            queries, keys, values, valid_lens, training=training
+        )
+        output_concat = self.transpose_output(output)
+        return self.W_o(output_concat), attention_weights
+
+    def transpose_qkv(self, X):
+        X = X.reshape((X.shape[0], X.shape[1], self.num_heads, -1))
+        X = jnp.transpose(X, (0, 2, 1, 3))
+        return X.reshape((-1, X.shape[2], X.shape[3]))
+
+    def transpose_output(self, X):
+        X = X.reshape((-1, self.num_heads, X.shape[1], X.shape[2]))
+        X = jnp.transpose(X, (0, 2, 1, 3))
+        return X.reshape((X.shape[0], X.shape[1], -1))
+
+
+@pytest.mark.parametrize("name", ["book", "bias", "lens_2d", "lens_zero", "cross_sizes"])
+def test_d2l_layer_with_converted_weights_matches_the_reference(name):
+    c = case(name)
+    d2l = D2LMultiHeadAttention(c.config.num_hiddens, c.config.num_heads, 0.0, c.config.bias)
+    variables = to_d2l_variables(c.weights)
+    out, weights = d2l.apply(variables, *arrays(c), jnp.asarray(c.valid_lens))
+    np.testing.assert_allclose(out, c.reference["output"], atol=5e-6)
+    np.testing.assert_allclose(
+        weights.reshape(c.reference["attention_weights"].shape),
+        c.reference["attention_weights"],
+        atol=5e-6,
+    )
+
+
+def test_d2l_variables_round_trip_and_strict_loading():
+    d2l = D2LMultiHeadAttention(12, 3, 0.1, bias=True)
+    x = jnp.ones((2, 4, 7))
+    variables = d2l.init(jax.random.key(0), x, jnp.ones((2, 5, 6)), jnp.ones((2, 5, 6)), None)
+    weights = from_d2l_variables(variables)
+    assert weights["W_q"].shape == (7, 12) and weights["b_o"].shape == (12,)
+    jax.tree.map(np.testing.assert_array_equal, to_d2l_variables(weights), variables)
+    # Our Linen module uses d2l's layout: the variables load as they are.
+    module = linen.MultiHeadAttention(12, 3, bias=True)
+    assert linen.weights_from_variables(variables).keys() == weights.keys()
+    ours = module.apply(variables, x, jnp.ones((2, 5, 6)), jnp.ones((2, 5, 6)))
+    theirs, _ = d2l.apply(variables, x, jnp.ones((2, 5, 6)), jnp.ones((2, 5, 6)), None)
+    np.testing.assert_allclose(ours, theirs, atol=5e-6)
+    with pytest.raises(ValueError, match="unexpected entry 'attention'"):
+        from_d2l_variables({"params": {**variables["params"], "attention": {"x": x}}})
+    with pytest.raises(ValueError, match="unexpected entry 'W_q/scale'"):
+        params = dict(variables["params"])
+        params["W_q"] = {**params["W_q"], "scale": x}
+        from_d2l_variables(params)
+    with pytest.raises(ValueError, match="missing 'b_k'"):
+        params = dict(variables["params"])
+        params["W_k"] = {"kernel": params["W_k"]["kernel"]}
+        from_d2l_variables(params)
+
+
+def test_nnx_state_of_ours_and_canonical_weights_agree():
+    weights = init_weights(8, bias=True, seed=5)
+    layer = set_weights(MultiHeadAttention(8, 2, bias=True, rngs=nnx.Rngs(0)), weights)
+    native = to_nnx_mha(get_weights(layer), 2)
+    back = from_nnx_mha(native)
+    assert all(back[n].tobytes() == weights[n].tobytes() for n in weights)
