@@ -7,4 +7,5 @@
 #: Backend name -> module with ``run() -> list[dict]``; imported only when run.
 BENCHMARKS = {
     "torch": "mha_multi.bench.torch",
+    **{f"keras-{b}": "mha_multi.bench.keras" for b in ("tensorflow", "jax", "torch")},
 }
