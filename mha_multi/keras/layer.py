@@ -19,12 +19,30 @@ from mha_multi import spec
 from mha_multi.keras._ops import OPS, Positions, dtype_kind, to_numpy
 from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
 
-__all__ = ["FUSED_BACKENDS", "MultiHeadAttention", "fused_path_taken", "get_weights", "set_weights"]
+__all__ = [
+    "FUSED_BACKENDS",
+    "FUSED_DTYPES",
+    "MultiHeadAttention",
+    "fused_path_taken",
+    "get_weights",
+    "set_weights",
+]
 
 #: Keras backends on which the default call goes through
 #: ``keras.ops.dot_product_attention``: those where it measured faster than
 #: the generic path (``python -m mha_multi.bench run keras``).
 FUSED_BACKENDS: frozenset[str] = frozenset({"tensorflow", "jax", "torch"})
+
+#: Compute dtypes the fused path takes, per Keras backend. Not float64: the
+#: kernels are written for float32 and 16-bit (JAX's runs its softmax in
+#: float32, TensorFlow's casts the scale through float32), which would cost
+#: float64 its precision. Not float16 on JAX: the kernel asks for a float16
+#: product accumulated in float32, which XLA:CPU does not compile.
+FUSED_DTYPES: dict[str, frozenset[str]] = {
+    "tensorflow": frozenset({"float32", "float16", "bfloat16"}),
+    "jax": frozenset({"float32", "bfloat16"}),
+    "torch": frozenset({"float32", "float16", "bfloat16"}),
+}
 
 _INPUT_NAMES = ("queries", "keys", "values")
 _PROJECTIONS = ("q", "k", "v", "o")
@@ -359,11 +377,9 @@ def fused_path_taken(*, dtype: str, dropout_active: bool, return_attention_weigh
     """Whether a call goes through ``keras.ops.dot_product_attention``.
 
     The kernel returns no weights and has no dropout, so calls that want
-    either take the generic path. So does float64: the kernels are written
-    for float32 and 16-bit (JAX's runs the softmax in float32, TensorFlow's
-    casts the scale through float32), which would cost float64 its
-    precision. Elsewhere the fused path gives the spec's numbers, fully
-    hidden rows included, within the float tolerances.
+    either take the generic path. So do dtypes the kernels are not made for
+    (see :data:`FUSED_DTYPES`). Elsewhere the fused path gives the spec's
+    numbers, fully hidden rows included, within the float tolerances.
 
     Args:
         dtype: the compute dtype of the projections.
@@ -373,9 +389,10 @@ def fused_path_taken(*, dtype: str, dropout_active: bool, return_attention_weigh
     Returns:
         ``True`` where the fused path is taken.
     """
-    if keras.backend.backend() not in FUSED_BACKENDS:
+    backend = keras.backend.backend()
+    if backend not in FUSED_BACKENDS or dropout_active or return_attention_weights:
         return False
-    return not (dropout_active or return_attention_weights or dtype == "float64")
+    return dtype in FUSED_DTYPES.get(backend, ())
 
 
 def _checked_lens(valid_lens: Any) -> Any:
