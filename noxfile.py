@@ -83,6 +83,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("keras-tensorflow",),
         tests=("tests/backends", "tests/keras"),
         env={"KERAS_BACKEND": "tensorflow"},
+        benchmarks=("keras-tensorflow",),
     ),
     "keras-jax": Environment(
         (*COMMON, PINS["keras"], PINS["jax"], PINS["jaxlib"]),
@@ -90,6 +91,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("keras-jax",),
         tests=("tests/backends", "tests/keras"),
         env={"KERAS_BACKEND": "jax"},
+        benchmarks=("keras-jax",),
     ),
     "keras-torch": Environment(
         (*COMMON, PINS["keras"], PINS["torch"]),
@@ -97,6 +99,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("keras-torch",),
         tests=("tests/backends", "tests/keras"),
         env={"KERAS_BACKEND": "torch"},
+        benchmarks=("keras-torch",),
     ),
 }
 

@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = commands.add_parser("convert", help="convert a weights file")
     command.add_argument("source")
     command.add_argument("destination")
-    command.add_argument("--num-heads", type=int, help="checked against num_hiddens; needed to write keras-mha"
+    command.add_argument(
+        "--num-heads", type=int, help="checked against num_hiddens; needed to write keras-mha"
     )
     command.add_argument("--from", dest="source_format", choices=FORMATS)
     command.add_argument("--to", dest="destination_format", choices=FORMATS)

@@ -211,7 +211,9 @@ def _backward_steps(impl: Implementation, x: Any, lens: Any, mask: Any) -> dict[
 def gemm_rate(size: int = 2048) -> float:
     """Measured GFLOP/s of a ``size`` x ``size`` float32 matrix product on this backend."""
     rng = np.random.default_rng(0)
-    a, b = (keras.ops.convert_to_tensor(rng.standard_normal((size, size), np.float32)) for _ in "ab")
+    a, b = (
+        keras.ops.convert_to_tensor(rng.standard_normal((size, size), np.float32)) for _ in "ab"
+    )
     return 2 * size**3 / median_seconds(lambda: sync(keras.ops.matmul(a, b))) / 1e9
 
 
@@ -224,10 +226,14 @@ def time_layers(lengths: Sequence[int], base: Shape) -> dict[str, list[Measureme
         flops = attention_flops(shape)
         for name, impl in implementations(shape).items():
             too_large = scores_bytes(name, shape) > LIMIT_BYTES
-            steps = {} if too_large else {
-                "forward": _forward_steps(impl, x, lens, mask),
-                "forward+backward": _backward_steps(impl, x, lens, mask),
-            }
+            steps = (
+                {}
+                if too_large
+                else {
+                    "forward": _forward_steps(impl, x, lens, mask),
+                    "forward+backward": _backward_steps(impl, x, lens, mask),
+                }
+            )
             for execution in EXECUTIONS:
                 for mode, factor in (("forward", 1), ("forward+backward", 3)):
                     kwargs = {
@@ -251,7 +257,9 @@ def time_layers(lengths: Sequence[int], base: Shape) -> dict[str, list[Measureme
                         measurements[execution].append(Measurement(note=note, **kwargs))
                         continue
                     measurements[execution].append(
-                        Measurement(seconds=seconds, gflops=factor * flops / seconds / 1e9, **kwargs)
+                        Measurement(
+                            seconds=seconds, gflops=factor * flops / seconds / 1e9, **kwargs
+                        )
                     )
             gc.collect()
     return measurements

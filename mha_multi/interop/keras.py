@@ -20,12 +20,13 @@ weights are those kernels reshaped. Things callers must mind:
   spec's rule for any sizes;
 * fully hidden rows: the spec replaces hidden scores by ``-1e6``, so a
   query that sees no key gets uniform weights (the mean of all values).
-  Keras either replaces them by a large negative number (its fused
-  ``dot_product_attention`` path) or adds ``-1e9`` (float32) to them (its
-  softmax path, taken with ``return_attention_scores=True`` or dropout):
-  both give uniform weights too, but only because the scores are lost
-  against the large number; they are equal to the spec's within rounding
-  for scores of ordinary size, not by rule;
+  Keras' layer has two paths. Without scores and dropout it calls
+  ``keras.ops.dot_product_attention``, which replaces hidden scores by a
+  huge negative number: uniform weights, the spec's result. With
+  ``return_attention_scores=True`` or dropout it uses its masked
+  ``Softmax``, which zeroes hidden weights after the softmax: such a row
+  attends to nothing, and its output is the output bias alone. Rows that
+  see a key agree on both paths;
 * returned scores are ``(B, H, Q, K)`` like the spec's weights.
 
 What the canonical layer cannot express raises a ``ValueError`` saying what
@@ -149,9 +150,7 @@ def from_keras_mha_arrays(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
             bias = np.asarray(arrays[f"{name}/bias"])
             expected_shape = (num_hiddens,) if name == "output" else (num_heads, key_dim)
             if bias.shape != expected_shape:
-                raise ValueError(
-                    f"{name} bias must have shape {expected_shape}; got {bias.shape}"
-                )
+                raise ValueError(f"{name} bias must have shape {expected_shape}; got {bias.shape}")
             weights[f"b_{letter}"] = bias.reshape(num_hiddens)
     weights = {name: np.ascontiguousarray(array) for name, array in weights.items()}
     return check_weights(weights)[0]
@@ -272,7 +271,9 @@ def to_keras_mha(
         **kwargs,
     )
     layer.build(
-        (None, None, config.query_size), (None, None, config.value_size), (None, None, config.key_size)
+        (None, None, config.query_size),
+        (None, None, config.value_size),
+        (None, None, config.key_size),
     )
     for key, array in to_keras_mha_arrays(arrays, num_heads).items():
         name, kind = key.split("/")
@@ -441,8 +442,9 @@ def write_keras_mha_weights(path: str, weights: Mapping[str, Any], *, num_heads:
     """Writes canonical weights as a Keras ``.weights.h5`` file of one ``MultiHeadAttention``.
 
     The file is ``save_weights`` of a functional model
-    ``MultiHeadAttention(num_heads, key_dim)(query, value, key)``; a model of
-    that structure loads it with ``load_weights``.
+    ``MultiHeadAttention(num_heads, key_dim)(query, value, key)`` whose layer
+    is named ``multi_head_attention`` (Keras' default name); a model of that
+    structure, with that layer name, loads it with ``load_weights``.
 
     Args:
         path: destination, ending in ``.weights.h5`` (Keras' rule).
@@ -453,7 +455,7 @@ def write_keras_mha_weights(path: str, weights: Mapping[str, Any], *, num_heads:
         ValueError: invalid weights or ``num_hiddens`` not divisible by ``num_heads``.
     """
     arrays, config = check_weights(weights)
-    layer = to_keras_mha(arrays, num_heads)
+    layer = to_keras_mha(arrays, num_heads, name="multi_head_attention")
     query = keras.Input((None, config.query_size), name="query")
     value = keras.Input((None, config.value_size), name="value")
     key = keras.Input((None, config.key_size), name="key")

@@ -7,10 +7,9 @@ calls no TensorFlow, JAX or PyTorch function itself. The math is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
-
-import math
 
 import keras
 import numpy as np

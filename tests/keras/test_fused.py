@@ -108,7 +108,9 @@ def test_default_call_takes_the_fused_path(kernel_calls, name, masked, is_causal
     call = kernel_calls[0]
     assert call["mask_shape"] == (expected_mask_shape(case) if masked else None)
     assert call["is_causal"] == is_causal
-    assert call["scale"] == pytest.approx(1 / np.sqrt(case.config.num_hiddens // case.config.num_heads))
+    assert call["scale"] == pytest.approx(
+        1 / np.sqrt(case.config.num_hiddens // case.config.num_heads)
+    )
     np.testing.assert_allclose(numpy(out), case.reference["output"], atol=5e-6)
     out, weights = layer(
         *arrays(case), lens, causal=case.config.causal, return_attention_weights=True
@@ -183,13 +185,6 @@ def test_16_bit_fused_path_within_tolerance(kernel_calls, dtype):
     np.testing.assert_allclose(numpy(out), case.reference["output"], atol=2e-2)
 
 
-def test_fused_backends_are_the_measured_choice():
-    # The benchmark (python -m mha_multi.bench run keras-<backend>) decides.
-    assert layer_module.FUSED_BACKENDS <= {"tensorflow", "jax", "torch"}
-    assert set(layer_module.FUSED_DTYPES) == {"tensorflow", "jax", "torch"}
-    assert all("float64" not in dtypes for dtypes in layer_module.FUSED_DTYPES.values())
-
-
 # -- compiled -------------------------------------------------------------------
 
 
@@ -220,9 +215,7 @@ def test_tf_function_unknown_lengths_keep_the_causal_rule(kernel_calls):
     case = case_named("causal_more_queries")
     layer = layer_for(case)
     spec_3d = tf.TensorSpec((None, None, case.config.sizes()["query_size"]), tf.float32)
-    attend = tf.function(
-        lambda q, k, v: layer(q, k, v, causal=True), input_signature=[spec_3d] * 3
-    )
+    attend = tf.function(lambda q, k, v: layer(q, k, v, causal=True), input_signature=[spec_3d] * 3)
     out = attend(*arrays(case))
     assert kernel_calls[0]["is_causal"] is False
     np.testing.assert_allclose(out.numpy(), case.reference["output"], atol=5e-6)
