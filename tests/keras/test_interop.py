@@ -243,8 +243,8 @@ class D2lMultiHeadAttention(keras.layers.Layer):
             for dense, x in ((self.W_q, queries), (self.W_k, keys), (self.W_v, values))
         )
         scores = ops.matmul(q, ops.swapaxes(k, 1, 2)) / np.sqrt(q.shape[-1])
-        lens = np.repeat(valid_lens, self.num_heads, axis=0)  # d2l: repeat, not tile
-        visible = np.arange(scores.shape[-1])[None, None, :] < lens[:, None, None]
+        lens = ops.repeat(ops.cast(valid_lens, "int32"), self.num_heads, axis=0)  # not tile
+        visible = ops.arange(scores.shape[-1])[None, None, :] < lens[:, None, None]
         weights = ops.softmax(ops.where(visible, scores, -1e6), axis=-1)
         out = ops.matmul(weights, v)
         out = ops.reshape(out, (-1, self.num_heads, out.shape[1], out.shape[2]))
