@@ -29,7 +29,7 @@ __all__ = [
 
 #: Keras backends on which the default call goes through
 #: ``keras.ops.dot_product_attention``: those where it measured faster than
-#: the generic path (``python -m mha_multi.bench run keras``).
+#: the generic path (``python -m mha_multi.bench run keras-<backend>``).
 FUSED_BACKENDS: frozenset[str] = frozenset({"tensorflow", "jax", "torch"})
 
 #: Compute dtypes the fused path takes, per Keras backend. Not float64: the
@@ -69,6 +69,14 @@ class MultiHeadAttention(keras.layers.Layer):
     ``ops.matmul`` (and so ``Dense``) returns float32 for float64 inputs; the
     projections here go through the same float64-preserving product as the
     attention (:class:`mha_multi.keras._ops.KerasOps`).
+
+    Fast path: a call that returns no weights and applies no dropout goes
+    through ``keras.ops.dot_product_attention`` on the backends of
+    :data:`FUSED_BACKENDS` (for the dtypes of :data:`FUSED_DTYPES`), with
+    the spec's mask as a boolean mask (or the kernel's ``is_causal`` where
+    that is the spec's rule: ``Q == K``, no lengths) and fully hidden rows
+    corrected by :func:`mha_multi.spec.fix_fully_hidden_rows`; any other
+    call takes the generic path of :func:`mha_multi.spec.attention`.
 
     Mixed precision: variables follow the policy's variable dtype (float32
     under ``mixed_float16``/``mixed_bfloat16``), the projections and the
