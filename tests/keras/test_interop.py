@@ -39,6 +39,7 @@ def native_call(layer, case, **kwargs):
     return layer(q, v, k, training=False, **kwargs)  # Keras' order: (query, value, key)
 
 
+@pytest.mark.filterwarnings("ignore:You are using a softmax over axis:UserWarning")  # one_key
 @pytest.mark.parametrize(
     "name", ["book", "bias", "lens_2d", "lens_zero", "causal_cross", "cross_sizes", "one_key"]
 )
