@@ -95,6 +95,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("keras-tensorflow",),
         tests=("tests/backends", "tests/keras", "tests/examples"),
         env={"KERAS_BACKEND": "tensorflow"},
+        benchmarks=("keras-tensorflow",),
     ),
     "keras-jax": Environment(
         (*COMMON, PINS["keras"], PINS["jax"], PINS["jaxlib"]),
@@ -102,6 +103,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("keras-jax",),
         tests=("tests/backends", "tests/keras", "tests/examples"),
         env={"KERAS_BACKEND": "jax"},
+        benchmarks=("keras-jax",),
     ),
     "keras-torch": Environment(
         (*COMMON, PINS["keras"], PINS["torch"]),
@@ -109,6 +111,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("keras-torch",),
         tests=("tests/backends", "tests/keras", "tests/examples"),
         env={"KERAS_BACKEND": "torch"},
+        benchmarks=("keras-torch",),
     ),
 }
 

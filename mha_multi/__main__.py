@@ -10,6 +10,9 @@ Formats, by file name (or ``--from``/``--to``):
   kind is recognised from the keys.
 * ``*.params``: ``mxnet-d2l``, Gluon parameters of d2l's MXNet layer (also
   ``mha_multi.mxnet``'s), as ``save_parameters`` writes them.
+* ``*.weights.h5``: ``keras-mha``, Keras ``save_weights`` of a model holding
+  one ``keras.layers.MultiHeadAttention`` (writing needs ``--num-heads``;
+  reading checks it against the file).
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ from mha_multi.weights import check_weights, load_weights, save_weights
 CANONICAL_SUFFIXES = (".npz", ".safetensors")
 TORCH_SUFFIXES = (".pt", ".pth")
 MXNET_SUFFIXES = (".params",)
-FORMATS = ("canonical", "torch-mha", "torch-d2l", "mxnet-d2l")
+KERAS_SUFFIXES = (".weights.h5",)
+FORMATS = ("canonical", "torch-mha", "torch-d2l", "mxnet-d2l", "keras-mha")
 
 
 def _format_of(path: str, explicit: str | None, reading: bool) -> str:
     if explicit:
         return explicit
     suffix = Path(path).suffix.lower()
+    if path.lower().endswith(KERAS_SUFFIXES):
+        return "keras-mha"
     if suffix in CANONICAL_SUFFIXES:
         return "canonical"
     if suffix in TORCH_SUFFIXES:
@@ -46,7 +52,7 @@ def _format_of(path: str, explicit: str | None, reading: bool) -> str:
     )
 
 
-def read(path: str, kind: str) -> dict[str, np.ndarray]:
+def read(path: str, kind: str, *, num_heads: int | None = None) -> dict[str, np.ndarray]:
     """Canonical weights from a file of ``kind`` (``torch`` recognises its layout)."""
     if kind == "canonical":
         return load_weights(path)
@@ -54,6 +60,10 @@ def read(path: str, kind: str) -> dict[str, np.ndarray]:
         from mha_multi.interop import mxnet as mxnet_interop
 
         return mxnet_interop.load_d2l_params(path)
+    if kind == "keras-mha":
+        from mha_multi.interop import keras as keras_interop  # imports keras
+
+        return keras_interop.read_keras_mha_weights(path, num_heads=num_heads)
     import torch
 
     from mha_multi.interop import torch as interop
@@ -70,7 +80,9 @@ def read(path: str, kind: str) -> dict[str, np.ndarray]:
     return readers[kind](state)
 
 
-def write(path: str, kind: str, weights: dict[str, np.ndarray]) -> None:
+def write(
+    path: str, kind: str, weights: dict[str, np.ndarray], *, num_heads: int | None = None
+) -> None:
     if kind == "canonical":
         save_weights(path, weights)
         return
@@ -78,6 +90,15 @@ def write(path: str, kind: str, weights: dict[str, np.ndarray]) -> None:
         from mha_multi.interop import mxnet as mxnet_interop
 
         mxnet_interop.save_d2l_params(path, weights)
+        return
+    if kind == "keras-mha":
+        if num_heads is None:
+            raise ValueError("writing keras-mha needs --num-heads (the kernels are per head)")
+        if not path.lower().endswith(KERAS_SUFFIXES):
+            raise ValueError(f"Keras weights files must end in .weights.h5; got {path!r}")
+        from mha_multi.interop import keras as keras_interop  # imports keras
+
+        keras_interop.write_keras_mha_weights(path, weights, num_heads=num_heads)
         return
     import torch
 
@@ -105,14 +126,19 @@ def convert(
             ``num_hiddens`` not divisible by ``num_heads``.
     """
     source, destination = os.fspath(source), os.fspath(destination)
-    weights = read(source, _format_of(source, source_format, reading=True))
+    weights = read(source, _format_of(source, source_format, reading=True), num_heads=num_heads)
     _, config = check_weights(weights)
     if num_heads is not None and config.num_hiddens % num_heads:
         raise ValueError(
             f"num_hiddens ({config.num_hiddens}) of {source!r} is not divisible by "
             f"--num-heads ({num_heads})"
         )
-    write(destination, _format_of(destination, destination_format, reading=False), weights)
+    write(
+        destination,
+        _format_of(destination, destination_format, reading=False),
+        weights,
+        num_heads=num_heads,
+    )
     return weights
 
 
@@ -126,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = commands.add_parser("convert", help="convert a weights file")
     command.add_argument("source")
     command.add_argument("destination")
-    command.add_argument("--num-heads", type=int, help="checked against num_hiddens")
+    command.add_argument(
+        "--num-heads", type=int, help="checked against num_hiddens; needed to write keras-mha"
+    )
     command.add_argument("--from", dest="source_format", choices=FORMATS)
     command.add_argument("--to", dest="destination_format", choices=FORMATS)
     args = parser.parse_args(argv)

@@ -9,4 +9,5 @@ BENCHMARKS = {
     "torch": "mha_multi.bench.torch",
     "jax": "mha_multi.bench.jax",
     "mxnet": "mha_multi.bench.mxnet",
+    **{f"keras-{b}": "mha_multi.bench.keras" for b in ("tensorflow", "jax", "torch")},
 }

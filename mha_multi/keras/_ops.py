@@ -54,6 +54,22 @@ def to_numpy(x: Any) -> np.ndarray:
         return np.array(keras.ops.convert_to_numpy(x), copy=True)
 
 
+class Positions:
+    """Stands for a ``(Q, K)`` scores array in :func:`mha_multi.spec.visibility`.
+
+    ``visibility`` reads only the sizes of the last two axes of its
+    ``scores`` argument; a fused path has no scores array, and materialising
+    one just for its shape would cost ``Q * K`` memory in eager TensorFlow.
+
+    Args:
+        num_queries: ``Q``, a Python int or a scalar tensor (unknown size).
+        num_keys: ``K``, likewise.
+    """
+
+    def __init__(self, num_queries: Any, num_keys: Any) -> None:
+        self.shape = (num_queries, num_keys)
+
+
 class KerasOps:
     """:class:`mha_multi.spec.ArrayOps` on ``keras.ops`` (any Keras backend)."""
 
@@ -84,8 +100,9 @@ class KerasOps:
     def swap_last(self, x: Tensor) -> Tensor:
         return ops.swapaxes(x, -1, -2)
 
-    def arange_like(self, x: Tensor, axis: int) -> Tensor:
-        return ops.arange(ops.shape(x)[axis], dtype="int32")
+    def arange_like(self, x: Tensor | Positions, axis: int) -> Tensor:
+        shape = x.shape if isinstance(x, Positions) else ops.shape(x)
+        return ops.arange(shape[axis], dtype="int32")
 
     def flip(self, x: Tensor) -> Tensor:
         return ops.flip(x, axis=0)
@@ -99,7 +116,7 @@ class KerasOps:
     def logical_and(self, a: Tensor, b: Tensor) -> Tensor:
         return ops.logical_and(a, b)
 
-    def where(self, condition: Tensor, x: Tensor, fill: float) -> Tensor:
+    def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
         # An explicit fill of x's dtype: no backend's promotion rules apply.
         return ops.where(condition, x, ops.cast(fill, self.dtype(x)))
 
@@ -127,6 +144,15 @@ class KerasOps:
 
     def ndim(self, x: Tensor) -> int:
         return len(x.shape)
+
+    def any_last(self, x: Tensor) -> Tensor:
+        return ops.any(x, axis=-1, keepdims=True)
+
+    def logical_not(self, x: Tensor) -> Tensor:
+        return ops.logical_not(x)
+
+    def mean(self, x: Tensor, axis: int) -> Tensor:
+        return ops.mean(x, axis=axis, keepdims=True)
 
 
 OPS = KerasOps()

@@ -1,0 +1,463 @@
+"""Canonical weights to and from ``keras.layers.MultiHeadAttention`` and d2l's Keras layer.
+
+``keras.layers.MultiHeadAttention(num_heads=H, key_dim=dh)`` on 3-D inputs
+computes the spec's function with ``num_hiddens = H * dh``. Its projections
+are ``EinsumDense`` layers named ``query``, ``key``, ``value`` (kernels
+``(in, H, dh)``, biases ``(H, dh)``) and ``output`` (kernel ``(H, dh, out)``,
+bias ``(out,)``); reshaping a kernel to ``(in, H * dh)`` puts head ``h`` in
+columns ``[h*dh, (h+1)*dh)``, the spec's head layout, so the canonical
+weights are those kernels reshaped. Things callers must mind:
+
+* scaling: Keras scales the scores by ``1/sqrt(key_dim)``, which is the
+  spec's ``1/sqrt(head_dim)`` since ``key_dim`` is the head size;
+* call order: Keras' layer is called ``(query, value, key)``, the spec's
+  ``(queries, keys, values)``;
+* masks: Keras' ``attention_mask`` is ``(B, Q, K)`` with ``True`` where a key
+  is *visible* (:func:`attention_mask` builds it from ``valid_lens``);
+  ``valid_lens`` counts visible keys. Keras' ``use_causal_mask`` aligns the
+  triangle top-left, which equals the spec's bottom-right ``causal`` only
+  when ``Q == K``; :func:`attention_mask` with ``causal=True`` gives the
+  spec's rule for any sizes;
+* fully hidden rows: the spec replaces hidden scores by ``-1e6``, so a
+  query that sees no key gets uniform weights (the mean of all values).
+  Keras' layer has two paths. Without scores and dropout it calls
+  ``keras.ops.dot_product_attention``, which replaces hidden scores by a
+  huge negative number: uniform weights, the spec's result. With
+  ``return_attention_scores=True`` or dropout it uses its masked
+  ``Softmax``, which zeroes hidden weights after the softmax: such a row
+  attends to nothing, and its output is the output bias alone. Rows that
+  see a key agree on both paths;
+* returned scores are ``(B, H, Q, K)`` like the spec's weights.
+
+What the canonical layer cannot express raises a ``ValueError`` saying what
+is unsupported: attention over several axes, ``value_dim != key_dim``, an
+``output_shape`` other than ``num_hiddens``, biases on some projections
+only, a gate (``use_gate``) or a ``sliding_window``.
+
+d2l's Keras/TensorFlow ``MultiHeadAttention`` holds ``keras.layers.Dense``
+projections ``W_q``, ``W_k``, ``W_v``, ``W_o`` (``use_bias=False`` in the
+book); their kernels are already canonical (:func:`from_d2l_layer`,
+:func:`to_d2l_layer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+import numpy as np
+
+from mha_multi import spec
+from mha_multi.keras._ops import to_numpy
+from mha_multi.weights import check_weights
+
+__all__ = [
+    "KERAS_MHA_NAMES",
+    "attention_mask",
+    "from_d2l_layer",
+    "from_keras_mha",
+    "from_keras_mha_arrays",
+    "to_d2l_layer",
+    "to_keras_mha",
+    "to_keras_mha_arrays",
+]
+
+#: Keras' sublayer name -> canonical projection letter.
+KERAS_MHA_NAMES = {"query": "q", "key": "k", "value": "v", "output": "o"}
+
+
+def _float_numpy(value: Any) -> np.ndarray:
+    array = to_numpy(value)
+    if array.dtype.kind != "f":
+        array = array.astype(np.float32)  # ml_dtypes' bfloat16 is of kind 'V'
+    return array
+
+
+def from_keras_mha_arrays(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Canonical weights from the arrays of a ``keras.layers.MultiHeadAttention``.
+
+    Args:
+        arrays: ``query/kernel`` ``(query_size, H, dh)``, ``key/kernel``
+            ``(key_size, H, dh)``, ``value/kernel`` ``(value_size, H, dh)``,
+            ``output/kernel`` ``(H, dh, H * dh)``, and with biases
+            ``query/bias`` ``(H, dh)`` ... ``output/bias`` ``(H * dh,)``.
+
+    Returns:
+        The canonical mapping (``num_heads`` is the kernels' middle axis).
+
+    Raises:
+        ValueError: a missing or unexpected entry, biases on some
+            projections only, or shapes the canonical layer cannot express
+            (named).
+    """
+    expected = {f"{name}/{kind}" for name in KERAS_MHA_NAMES for kind in ("kernel", "bias")}
+    extra = sorted(set(arrays) - expected)
+    if extra:
+        raise ValueError(f"unexpected keras.layers.MultiHeadAttention entries: {extra}")
+    missing = [f"{name}/kernel" for name in KERAS_MHA_NAMES if f"{name}/kernel" not in arrays]
+    if missing:
+        raise ValueError(f"keras.layers.MultiHeadAttention weights are missing {missing}")
+    with_bias = [name for name in KERAS_MHA_NAMES if f"{name}/bias" in arrays]
+    if with_bias and len(with_bias) != len(KERAS_MHA_NAMES):
+        raise ValueError(
+            f"unsupported: biases on some projections only ({', '.join(with_bias)}); "
+            "the canonical layer has biases on all four or on none"
+        )
+    kernels = {name: np.asarray(arrays[f"{name}/kernel"]) for name in KERAS_MHA_NAMES}
+    for name in ("query", "key", "value"):
+        if kernels[name].ndim != 3:
+            raise ValueError(
+                f"unsupported: {name} kernel of shape {kernels[name].shape}; expected "
+                "(in, num_heads, head_dim), i.e. attention over a single axis of 3-D inputs"
+            )
+    num_heads, key_dim = kernels["query"].shape[1:]
+    for name in ("key", "value"):
+        if kernels[name].shape[1] != num_heads:
+            raise ValueError(
+                f"{name} kernel has {kernels[name].shape[1]} heads; query kernel has {num_heads}"
+            )
+    value_dim = kernels["value"].shape[2]
+    if kernels["key"].shape[2] != key_dim:
+        raise ValueError(
+            f"key kernel head size {kernels['key'].shape[2]} differs from query's {key_dim}"
+        )
+    if value_dim != key_dim:
+        raise ValueError(
+            f"unsupported: value_dim ({value_dim}) != key_dim ({key_dim}); the canonical "
+            "layer uses one head size for queries, keys and values"
+        )
+    num_hiddens = num_heads * key_dim
+    output = kernels["output"]
+    if output.shape[:2] != (num_heads, key_dim) or output.ndim != 3:
+        raise ValueError(
+            f"output kernel must have shape ({num_heads}, {key_dim}, out); got {output.shape}"
+        )
+    if output.shape[2] != num_hiddens:
+        raise ValueError(
+            f"unsupported: output size {output.shape[2]} != num_heads * key_dim "
+            f"({num_hiddens}); the canonical layer projects back to num_hiddens (Keras' "
+            "output_shape defaults to the query size)"
+        )
+    weights = {
+        f"W_{letter}": kernels[name].reshape(kernels[name].shape[0], num_hiddens)
+        for name, letter in KERAS_MHA_NAMES.items()
+        if name != "output"
+    }
+    weights["W_o"] = output.reshape(num_hiddens, num_hiddens)
+    if with_bias:
+        for name, letter in KERAS_MHA_NAMES.items():
+            bias = np.asarray(arrays[f"{name}/bias"])
+            expected_shape = (num_hiddens,) if name == "output" else (num_heads, key_dim)
+            if bias.shape != expected_shape:
+                raise ValueError(f"{name} bias must have shape {expected_shape}; got {bias.shape}")
+            weights[f"b_{letter}"] = bias.reshape(num_hiddens)
+    weights = {name: np.ascontiguousarray(array) for name, array in weights.items()}
+    return check_weights(weights)[0]
+
+
+def to_keras_mha_arrays(weights: Mapping[str, Any], num_heads: int) -> dict[str, np.ndarray]:
+    """The ``keras.layers.MultiHeadAttention`` arrays (see :func:`from_keras_mha_arrays`).
+
+    Args:
+        weights: canonical weights.
+        num_heads: ``H``; must divide ``num_hiddens``.
+
+    Returns:
+        ``query/kernel`` ... ``output/bias`` keyed as in :data:`KERAS_MHA_NAMES`.
+
+    Raises:
+        ValueError: invalid weights, or ``num_hiddens`` not divisible by ``num_heads``.
+    """
+    arrays, config = check_weights(weights)
+    head_dim = spec.check_config(config.num_hiddens, num_heads, 0.0)
+    result = {}
+    for name, letter in KERAS_MHA_NAMES.items():
+        kernel = arrays[f"W_{letter}"]
+        shape = (num_heads, head_dim, -1) if name == "output" else (-1, num_heads, head_dim)
+        result[f"{name}/kernel"] = np.ascontiguousarray(kernel.reshape(shape))
+        if config.bias:
+            bias = arrays[f"b_{letter}"]
+            result[f"{name}/bias"] = bias if name == "output" else bias.reshape(num_heads, head_dim)
+    return result
+
+
+def _check_keras_mha(layer: keras.layers.MultiHeadAttention) -> None:
+    config = layer.get_config()
+    if config.get("use_gate"):
+        raise ValueError("unsupported keras.layers.MultiHeadAttention option: use_gate=True")
+    if config.get("sliding_window") is not None:
+        raise ValueError(
+            "unsupported keras.layers.MultiHeadAttention option: "
+            f"sliding_window={config['sliding_window']}"
+        )
+    axes = config.get("attention_axes")
+    if axes is not None and len(tuple(axes)) != 1:
+        raise ValueError(
+            f"unsupported: attention over several axes (attention_axes={tuple(axes)}); "
+            "the canonical layer attends over the sequence axis of 3-D inputs"
+        )
+    if config["value_dim"] != config["key_dim"]:
+        raise ValueError(
+            f"unsupported: value_dim ({config['value_dim']}) != key_dim ({config['key_dim']})"
+        )
+    num_hiddens = config["num_heads"] * config["key_dim"]
+    output_shape = config.get("output_shape")
+    if output_shape is not None and tuple(output_shape) != (num_hiddens,):
+        raise ValueError(
+            f"unsupported: output_shape={tuple(output_shape)}; the canonical layer's output "
+            f"has num_heads * key_dim = {num_hiddens} features"
+        )
+    if not layer.built:
+        raise ValueError("the keras.layers.MultiHeadAttention is not built yet: call it once")
+
+
+def from_keras_mha(layer: keras.layers.MultiHeadAttention) -> dict[str, np.ndarray]:
+    """Canonical weights of a built ``keras.layers.MultiHeadAttention``.
+
+    Args:
+        layer: built on 3-D inputs.
+
+    Returns:
+        The canonical mapping; ``num_heads`` is ``layer.num_heads``.
+
+    Raises:
+        ValueError: an option the canonical layer cannot express (see the
+            module notes), or an unbuilt layer.
+    """
+    _check_keras_mha(layer)
+    arrays = {}
+    for name in KERAS_MHA_NAMES:
+        dense = getattr(layer, f"{name}_dense")
+        arrays[f"{name}/kernel"] = _float_numpy(dense.kernel)
+        if dense.bias is not None:
+            arrays[f"{name}/bias"] = _float_numpy(dense.bias)
+    return from_keras_mha_arrays(arrays)
+
+
+def to_keras_mha(
+    weights: Mapping[str, Any], num_heads: int, **kwargs: Any
+) -> keras.layers.MultiHeadAttention:
+    """A new, built ``keras.layers.MultiHeadAttention`` holding canonical weights.
+
+    Args:
+        weights: canonical weights.
+        num_heads: ``H``; ``key_dim`` is ``num_hiddens / H``.
+        **kwargs: more ``keras.layers.MultiHeadAttention`` arguments
+            (``dropout``, ``dtype``, ``name``...); not ``key_dim``,
+            ``value_dim``, ``use_bias`` or ``output_shape``, which the
+            weights fix.
+
+    Returns:
+        The layer, built for ``(B, Q, query_size)`` queries and
+        ``(B, K, key_size|value_size)`` keys and values. Its output has
+        ``num_hiddens`` features (``output_shape`` is set when
+        ``query_size`` differs).
+
+    Raises:
+        ValueError: invalid weights, ``num_hiddens`` not divisible by
+            ``num_heads``, or a keyword the weights fix.
+    """
+    fixed = sorted({"key_dim", "value_dim", "use_bias", "output_shape"} & set(kwargs))
+    if fixed:
+        raise ValueError(f"{', '.join(fixed)} follow from the weights; do not pass them")
+    arrays, config = check_weights(weights)
+    head_dim = spec.check_config(config.num_hiddens, num_heads, 0.0)
+    layer = keras.layers.MultiHeadAttention(
+        num_heads,
+        head_dim,
+        use_bias=config.bias,
+        output_shape=None if config.query_size == config.num_hiddens else config.num_hiddens,
+        **kwargs,
+    )
+    layer.build(
+        (None, None, config.query_size),
+        (None, None, config.value_size),
+        (None, None, config.key_size),
+    )
+    for key, array in to_keras_mha_arrays(arrays, num_heads).items():
+        name, kind = key.split("/")
+        getattr(getattr(layer, f"{name}_dense"), kind).assign(array)
+    return layer
+
+
+def attention_mask(
+    valid_lens: Any, num_queries: int, num_keys: int, *, causal: bool = False
+) -> np.ndarray:
+    """Keras' boolean ``attention_mask`` equivalent to the spec's masking.
+
+    Args:
+        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``; with ``None``, pass
+            ``causal=True`` (otherwise nothing is hidden and no mask is needed).
+        num_queries: ``Q``.
+        num_keys: ``K``.
+        causal: the spec's bottom-right aligned causal rule.
+
+    Returns:
+        ``(B, Q, K)`` (or ``(1, Q, K)`` without lengths), ``True`` where a key
+        is visible (Keras' polarity).
+
+    Raises:
+        ValueError: neither lengths nor ``causal``.
+    """
+    if valid_lens is None and not causal:
+        raise ValueError("nothing is hidden without valid_lens or causal=True: pass no mask")
+    lens = None if valid_lens is None else np.asarray(valid_lens)
+    if lens is not None:
+        spec.check_valid_lens_dtype(lens.dtype.kind)
+    positions = np.empty((num_queries, num_keys), dtype=np.bool_)
+    visible = spec.visibility(spec.NumpyOps(), positions, lens, causal=causal)
+    batch = 1 if lens is None else lens.shape[0]
+    return np.broadcast_to(visible, (batch, 1, num_queries, num_keys))[:, 0].copy()
+
+
+def from_d2l_layer(layer: Any) -> dict[str, np.ndarray]:
+    """Canonical weights of d2l's Keras/TensorFlow ``MultiHeadAttention`` (or ours).
+
+    d2l's layer holds ``keras.layers.Dense`` projections ``W_q``, ``W_k``,
+    ``W_v``, ``W_o``; their kernels are canonical as they are.
+
+    Args:
+        layer: any object whose ``W_q``... attributes have a ``kernel`` and,
+            with biases, a ``bias`` (Dense layers), or are variables (ours).
+
+    Raises:
+        ValueError: a missing projection or invalid weights.
+    """
+    weights = {}
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        projection = getattr(layer, name, None)
+        if projection is None:
+            raise ValueError(f"the layer has no {name} projection (not built yet?)")
+        if isinstance(projection, keras.Variable):  # ours: the kernel itself, b_* beside it
+            kernel, bias = projection, getattr(layer, f"b_{name[-1]}", None)
+        else:  # a Dense layer
+            kernel, bias = projection.kernel, projection.bias
+        weights[name] = _float_numpy(kernel)
+        if bias is not None:
+            weights[f"b_{name[-1]}"] = _float_numpy(bias)
+    return check_weights(weights)[0]
+
+
+def to_d2l_layer(weights: Mapping[str, Any], layer: Any) -> Any:
+    """Loads canonical weights into d2l's Keras/TensorFlow ``MultiHeadAttention``.
+
+    Args:
+        weights: canonical weights.
+        layer: d2l's layer, built (called once), whose ``Dense`` projections
+            have biases iff the weights do.
+
+    Returns:
+        ``layer``.
+
+    Raises:
+        ValueError: invalid weights, an unbuilt layer, or bias/shape mismatches.
+    """
+    arrays, config = check_weights(weights)
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        dense = getattr(layer, name)
+        if not dense.built:
+            raise ValueError(f"{name} is not built yet: call the layer once")
+        if (dense.bias is not None) != config.bias:
+            raise ValueError(
+                f"{name} has {'a' if dense.bias is not None else 'no'} bias; the weights "
+                f"have {'biases' if config.bias else 'none'}"
+            )
+        if tuple(dense.kernel.shape) != arrays[name].shape:
+            raise ValueError(
+                f"{name} kernel has shape {tuple(dense.kernel.shape)}; the weights' {name} "
+                f"has {arrays[name].shape}"
+            )
+        dense.kernel.assign(arrays[name])
+        if config.bias:
+            dense.bias.assign(arrays[f"b_{name[-1]}"])
+    return layer
+
+
+def _find_mha_groups(file: Any) -> list[Any]:
+    """The groups of an h5 weights file that hold a MultiHeadAttention's projections."""
+    import h5py
+
+    found = []
+
+    def visit(_: str, group: Any) -> None:
+        if isinstance(group, h5py.Group) and all(
+            f"{name}_dense" in group for name in KERAS_MHA_NAMES
+        ):
+            found.append(group)
+
+    file.visititems(visit)
+    return found
+
+
+def read_keras_mha_weights(path: str, *, num_heads: int | None = None) -> dict[str, np.ndarray]:
+    """Canonical weights from a Keras ``.weights.h5`` file holding one ``MultiHeadAttention``.
+
+    The file is what ``model.save_weights`` writes for a model with exactly
+    one ``keras.layers.MultiHeadAttention``; other layers' variables are
+    ignored.
+
+    Args:
+        path: the ``.weights.h5`` file.
+        num_heads: if given, checked against the heads stored in the kernels.
+
+    Raises:
+        ValueError: no or several attention layers, an unexpected variable
+            layout, shapes the canonical layer cannot express, or a
+            ``num_heads`` that differs from the file's.
+    """
+    import h5py
+
+    with h5py.File(path, "r") as file:
+        groups = _find_mha_groups(file)
+        if len(groups) != 1:
+            names = [group.name for group in groups]
+            raise ValueError(
+                f"{path!r} must hold exactly one keras.layers.MultiHeadAttention; "
+                f"found {len(groups)} {names if names else ''}".rstrip()
+            )
+        arrays = {}
+        for name in KERAS_MHA_NAMES:
+            variables = groups[0][f"{name}_dense"].get("vars", {})
+            keys = sorted(variables, key=int)
+            if keys not in (["0"], ["0", "1"]):
+                raise ValueError(
+                    f"{groups[0].name}/{name}_dense holds variables {keys}; expected a kernel "
+                    "and an optional bias"
+                )
+            arrays[f"{name}/kernel"] = np.asarray(variables["0"])
+            if len(keys) == 2:
+                arrays[f"{name}/bias"] = np.asarray(variables["1"])
+    weights = from_keras_mha_arrays(arrays)
+    stored_heads = arrays["query/kernel"].shape[1]
+    if num_heads is not None and num_heads != stored_heads:
+        raise ValueError(
+            f"--num-heads {num_heads} does not match the {stored_heads} heads stored in {path!r} "
+            f"(query kernel shape {arrays['query/kernel'].shape})"
+        )
+    return weights
+
+
+def write_keras_mha_weights(path: str, weights: Mapping[str, Any], *, num_heads: int) -> None:
+    """Writes canonical weights as a Keras ``.weights.h5`` file of one ``MultiHeadAttention``.
+
+    The file is ``save_weights`` of a functional model
+    ``MultiHeadAttention(num_heads, key_dim)(query, value, key)`` whose layer
+    is named ``multi_head_attention`` (Keras' default name); a model of that
+    structure, with that layer name, loads it with ``load_weights``.
+
+    Args:
+        path: destination, ending in ``.weights.h5`` (Keras' rule).
+        weights: canonical weights.
+        num_heads: ``H``.
+
+    Raises:
+        ValueError: invalid weights or ``num_hiddens`` not divisible by ``num_heads``.
+    """
+    arrays, config = check_weights(weights)
+    layer = to_keras_mha(arrays, num_heads, name="multi_head_attention")
+    query = keras.Input((None, config.query_size), name="query")
+    value = keras.Input((None, config.value_size), name="value")
+    key = keras.Input((None, config.key_size), name="key")
+    model = keras.Model([query, value, key], layer(query, value, key))
+    model.save_weights(path)

@@ -1,0 +1,343 @@
+"""Interop with ``keras.layers.MultiHeadAttention``, d2l's Keras layer, and ``convert keras-mha``.
+
+Equal outputs are checked against the native layer given the same weights and
+the equivalent mask, and against the float64 reference, on the active Keras
+backend; the documented differences (mask polarity, top-left causal mask,
+call order) are checked as differences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+
+from mha_multi import spec  # noqa: E402
+from mha_multi.__main__ import main as cli  # noqa: E402
+from mha_multi.interop import keras as interop  # noqa: E402
+from mha_multi.keras import MultiHeadAttention, get_weights, set_weights  # noqa: E402
+from mha_multi.keras._ops import to_numpy  # noqa: E402
+from mha_multi.parity.cases import CASES, build_case  # noqa: E402
+from mha_multi.weights import init_weights, load_weights, save_weights  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
+)
+
+
+def case_named(name):
+    return build_case(next(c for c in CASES if c.name == name))
+
+
+def numpy(x):
+    return to_numpy(x).astype(np.float64)
+
+
+def native_call(layer, case, **kwargs):
+    q, k, v = (case.inputs[n] for n in ("queries", "keys", "values"))
+    return layer(q, v, k, training=False, **kwargs)  # Keras' order: (query, value, key)
+
+
+@pytest.mark.filterwarnings("ignore:You are using a softmax over axis:UserWarning")  # one_key
+@pytest.mark.parametrize(
+    "name", ["book", "bias", "lens_2d", "lens_zero", "causal_cross", "cross_sizes", "one_key"]
+)
+def test_native_layer_with_our_weights_matches_reference(name):
+    case = case_named(name)
+    config = case.config
+    native = interop.to_keras_mha(case.weights, config.num_heads)
+    mask = None
+    if case.valid_lens is not None or config.causal:
+        mask = interop.attention_mask(
+            case.valid_lens, config.num_queries, config.num_keys, causal=config.causal
+        )
+    out = native_call(native, case, attention_mask=mask)
+    np.testing.assert_allclose(numpy(out), case.reference["output"], atol=5e-6)
+    # The softmax path (with scores) too, on rows that see a key; its scores
+    # are the spec's weights (fully hidden rows: see the test below).
+    out, scores = native_call(native, case, attention_mask=mask, return_attention_scores=True)
+    seen = np.ones((config.batch, config.num_queries), bool) if mask is None else mask.any(-1)
+    seen = np.broadcast_to(seen, (config.batch, config.num_queries))
+    np.testing.assert_allclose(numpy(out)[seen], case.reference["output"][seen], atol=5e-6)
+    np.testing.assert_allclose(
+        numpy(scores).transpose(0, 2, 1, 3)[seen],
+        case.reference["attention_weights"].transpose(0, 2, 1, 3)[seen],
+        atol=5e-6,
+    )
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_weights_from_a_native_layer_give_equal_outputs(bias):
+    native = keras.layers.MultiHeadAttention(4, 6, use_bias=bias, bias_initializer="random_normal")
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((3, 5, 24)).astype(np.float32)
+    kv = rng.standard_normal((3, 7, 11)).astype(np.float32)
+    lens = np.array([7, 3, 0])
+    mask = interop.attention_mask(lens, 5, 7)
+    expected = numpy(native(q, kv, kv, attention_mask=mask))
+    weights = interop.from_keras_mha(native)
+    assert weights["W_q"].shape == (24, 24) and weights["W_k"].shape == (11, 24)
+    ours = set_weights(MultiHeadAttention(24, 4, bias=bias), weights)
+    np.testing.assert_allclose(numpy(ours(q, kv, kv, lens)), expected, atol=5e-6)
+    reference, _ = spec.reference_forward(weights, q, kv, kv, lens, num_heads=4)
+    np.testing.assert_allclose(expected, reference, atol=5e-6)
+
+
+def test_round_trip_is_bit_exact():
+    weights = init_weights(12, bias=True, seed=3, query_size=5, key_size=7, value_size=9)
+    back = interop.from_keras_mha(interop.to_keras_mha(weights, 3))
+    assert back.keys() == weights.keys()
+    assert all(back[k].tobytes() == weights[k].astype(np.float32).tobytes() for k in weights)
+    arrays = interop.to_keras_mha_arrays(weights, 3)
+    assert arrays["query/kernel"].shape == (5, 3, 4)
+    assert arrays["output/kernel"].shape == (3, 4, 12)
+    assert arrays["value/bias"].shape == (3, 4) and arrays["output/bias"].shape == (12,)
+    # Head h owns columns [h*dh, (h+1)*dh): the spec's layout.
+    np.testing.assert_array_equal(arrays["key/kernel"][:, 1], weights["W_k"][:, 4:8])
+
+
+def test_query_size_other_than_num_hiddens_sets_output_shape():
+    weights = init_weights(8, seed=1, query_size=5)
+    native = interop.to_keras_mha(weights, 2)
+    q = np.ones((1, 3, 5), np.float32)
+    kv = np.ones((1, 4, 8), np.float32)
+    assert tuple(native(q, kv).shape) == (1, 3, 8)
+
+
+# -- differences, checked as differences ----------------------------------------
+
+
+def test_mask_polarity_is_the_opposite_of_hidden_keys():
+    mask = interop.attention_mask(np.array([2, 0]), 1, 3)
+    np.testing.assert_array_equal(mask, [[[True, True, False]], [[False, False, False]]])
+
+
+def test_keras_causal_mask_is_top_left_aligned():
+    case = case_named("causal_cross")  # Q != K: the alignments differ
+    assert case.config.num_queries != case.config.num_keys
+    native = interop.to_keras_mha(case.weights, case.config.num_heads)
+    keras_causal = numpy(native_call(native, case, use_causal_mask=True))
+    expected, _ = spec.reference_forward(
+        case.weights,
+        *(case.inputs[n] for n in ("queries", "keys", "values")),
+        num_heads=case.config.num_heads,
+        causal=True,
+    )
+    assert np.abs(keras_causal - expected).max() > 1e-2  # not the spec's rule
+    top_left = np.tril(np.ones((case.config.num_queries, case.config.num_keys), bool))
+    np.testing.assert_allclose(
+        keras_causal, numpy(native_call(native, case, attention_mask=top_left[None])), atol=5e-6
+    )
+    square = interop.attention_mask(None, 4, 4, causal=True)[0]
+    np.testing.assert_array_equal(square, np.tril(np.ones((4, 4), bool)))  # equal when Q == K
+
+
+@pytest.mark.parametrize("name", ["lens_zero", "causal_more_queries", "bias"])
+def test_keras_fully_hidden_rows_depend_on_its_path(name):
+    case = case_named(name)
+    config = case.config
+    native = interop.to_keras_mha(case.weights, config.num_heads)
+    lens = case.valid_lens
+    if name == "bias":  # hide every key of the second example
+        lens = np.full(config.batch, config.num_keys)
+        lens[1] = 0
+    mask = interop.attention_mask(lens, config.num_queries, config.num_keys, causal=config.causal)
+    hidden = np.broadcast_to(~mask.any(-1), (config.batch, config.num_queries))  # see no key
+    assert hidden.any()
+    expected, _ = spec.reference_forward(
+        case.weights,
+        *(case.inputs[n] for n in ("queries", "keys", "values")),
+        lens,
+        num_heads=config.num_heads,
+        causal=config.causal,
+    )
+    # Keras' fused path (no scores, no dropout): uniform weights, as in the spec.
+    fused = numpy(native_call(native, case, attention_mask=mask))
+    np.testing.assert_allclose(fused, expected, atol=5e-6)
+    # Keras' softmax path zeroes hidden weights after the softmax: a fully
+    # hidden row attends to nothing, so its output is the output bias alone,
+    # where the spec gives the mean of all values.
+    out, scores = native_call(native, case, attention_mask=mask, return_attention_scores=True)
+    out = numpy(out)
+    assert np.all(numpy(scores).transpose(0, 2, 1, 3)[hidden] == 0)
+    output_bias = case.weights.get("b_o", np.zeros(config.num_hiddens))
+    np.testing.assert_allclose(
+        out[hidden], np.broadcast_to(output_bias, out[hidden].shape), atol=1e-6
+    )
+    assert np.abs(out[hidden] - expected[hidden]).max() > 1e-3
+    np.testing.assert_allclose(out[~hidden], expected[~hidden], atol=5e-6)
+
+
+# -- unsupported options ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"value_dim": 3}, r"value_dim \(3\) != key_dim \(4\)"),
+        ({"output_shape": 10}, r"output_shape=\(10,\)"),
+        ({"attention_axes": (1, 2)}, "attention over several axes"),
+        ({"use_gate": True}, "use_gate=True"),
+        ({"sliding_window": 2}, "sliding_window=2"),
+    ],
+)
+def test_unsupported_native_options_are_clear_errors(kwargs, message):
+    native = keras.layers.MultiHeadAttention(2, 4, **kwargs)
+    shape = (1, 3, 3, 8) if "attention_axes" in kwargs else (1, 3, 8)
+    native.build(shape, shape)  # (calling it would hit a Keras bug on JAX with value_dim)
+    with pytest.raises(ValueError, match=message):
+        interop.from_keras_mha(native)
+
+
+def test_unbuilt_layer_is_a_clear_error():
+    with pytest.raises(ValueError, match="not built yet"):
+        interop.from_keras_mha(keras.layers.MultiHeadAttention(2, 4))
+
+
+def test_bias_on_some_projections_only_is_a_clear_error():
+    arrays = interop.to_keras_mha_arrays(init_weights(8, bias=True, seed=0), 2)
+    del arrays["output/bias"]
+    with pytest.raises(ValueError, match="biases on some projections only"):
+        interop.from_keras_mha_arrays(arrays)
+
+
+def test_output_size_other_than_num_hiddens_is_a_clear_error():
+    arrays = interop.to_keras_mha_arrays(init_weights(8, seed=0), 2)
+    arrays["output/kernel"] = np.zeros((2, 4, 5), np.float32)
+    with pytest.raises(ValueError, match="output size 5 != num_heads"):
+        interop.from_keras_mha_arrays(arrays)
+
+
+def test_to_keras_mha_rejects_keywords_the_weights_fix():
+    with pytest.raises(ValueError, match="key_dim follow from the weights"):
+        interop.to_keras_mha(init_weights(8, seed=0), 2, key_dim=3)
+    with pytest.raises(ValueError, match=r"num_hiddens \(8\) must be divisible by num_heads \(3\)"):
+        interop.to_keras_mha(init_weights(8, seed=0), 3)
+
+
+# -- d2l's Keras layer -----------------------------------------------------------------
+
+
+class D2lMultiHeadAttention(keras.layers.Layer):
+    """d2l's Keras/TensorFlow ``MultiHeadAttention``, on ``keras.ops`` (book structure)."""
+
+    def __init__(self, num_hiddens, num_heads, bias=False, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = num_heads
+        self.W_q = keras.layers.Dense(num_hiddens, use_bias=bias)
+        self.W_k = keras.layers.Dense(num_hiddens, use_bias=bias)
+        self.W_v = keras.layers.Dense(num_hiddens, use_bias=bias)
+        self.W_o = keras.layers.Dense(num_hiddens, use_bias=bias)
+
+    def transpose_qkv(self, x):
+        ops = keras.ops
+        x = ops.reshape(x, (x.shape[0], x.shape[1], self.num_heads, -1))
+        x = ops.transpose(x, (0, 2, 1, 3))
+        return ops.reshape(x, (-1, x.shape[2], x.shape[3]))
+
+    def call(self, queries, keys, values, valid_lens):
+        ops = keras.ops
+        q, k, v = (
+            self.transpose_qkv(dense(x))
+            for dense, x in ((self.W_q, queries), (self.W_k, keys), (self.W_v, values))
+        )
+        scores = ops.matmul(q, ops.swapaxes(k, 1, 2)) / np.sqrt(q.shape[-1])
+        lens = ops.repeat(ops.cast(valid_lens, "int32"), self.num_heads, axis=0)  # not tile
+        visible = ops.arange(scores.shape[-1])[None, None, :] < lens[:, None, None]
+        weights = ops.softmax(ops.where(visible, scores, -1e6), axis=-1)
+        out = ops.matmul(weights, v)
+        out = ops.reshape(out, (-1, self.num_heads, out.shape[1], out.shape[2]))
+        out = ops.reshape(ops.transpose(out, (0, 2, 1, 3)), (out.shape[0], out.shape[2], -1))
+        return self.W_o(out)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_d2l_keras_layer_weights_give_equal_outputs(bias):
+    case = case_named("book")  # valid_lens [3, 2]
+    q, k, v = (case.inputs[n] for n in ("queries", "keys", "values"))
+    d2l = D2lMultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=bias)
+    expected = numpy(d2l(q, k, v, case.valid_lens))
+    weights = interop.from_d2l_layer(d2l)
+    assert set(weights) == (
+        {"W_q", "W_k", "W_v", "W_o"} | ({"b_q", "b_k", "b_v", "b_o"} if bias else set())
+    )
+    ours = set_weights(
+        MultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=bias), weights
+    )
+    np.testing.assert_allclose(numpy(ours(q, k, v, case.valid_lens)), expected, atol=5e-6)
+    # and back: ours -> d2l's
+    other = D2lMultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=bias)
+    other(q, k, v, case.valid_lens)
+    interop.to_d2l_layer(get_weights(ours), other)
+    np.testing.assert_allclose(numpy(other(q, k, v, case.valid_lens)), expected, atol=5e-6)
+    assert interop.from_d2l_layer(ours).keys() == weights.keys()
+
+
+def test_d2l_layer_bias_mismatch_is_a_clear_error():
+    d2l = D2lMultiHeadAttention(8, 2)
+    x = np.ones((1, 2, 8), np.float32)
+    d2l(x, x, x, np.array([2]))
+    with pytest.raises(ValueError, match="W_q has no bias; the weights have biases"):
+        interop.to_d2l_layer(init_weights(8, bias=True, seed=0), d2l)
+    with pytest.raises(ValueError, match="has no W_q projection"):
+        interop.from_d2l_layer(object())
+
+
+# -- convert keras-mha --------------------------------------------------------------------
+
+
+def test_convert_to_and_from_keras_weights_file(tmp_path, capsys):
+    case = case_named("cross_sizes")
+    source = tmp_path / "weights.npz"
+    save_weights(source, case.weights)
+    keras_file = tmp_path / "mha.weights.h5"
+    heads = str(case.config.num_heads)
+    assert cli(["convert", str(source), str(keras_file), "--num-heads", heads]) == 0
+    # Keras itself loads the file into a model of the same structure ...
+    other = init_weights(
+        case.config.num_hiddens, bias=case.config.bias, seed=9, **case.config.sizes()
+    )
+    native = interop.to_keras_mha(other, case.config.num_heads, name="multi_head_attention")
+    sizes = case.config.sizes()
+    inputs = [keras.Input((None, sizes[n])) for n in ("query_size", "value_size", "key_size")]
+    model = keras.Model(inputs, native(*inputs))
+    model.load_weights(keras_file)
+    mask = interop.attention_mask(case.valid_lens, case.config.num_queries, case.config.num_keys)
+    out = native_call(native, case, attention_mask=mask)
+    np.testing.assert_allclose(numpy(out), case.reference["output"], atol=5e-6)
+    # ... and it converts back bit-exactly.
+    back = tmp_path / "back.safetensors"
+    assert cli(["convert", str(keras_file), str(back)]) == 0
+    restored = load_weights(back)
+    assert all(restored[k].tobytes() == case.weights[k].tobytes() for k in case.weights)
+    capsys.readouterr()
+
+
+def test_convert_keras_mha_errors(tmp_path, capsys):
+    weights = init_weights(8, seed=0)
+    source = tmp_path / "w.npz"
+    save_weights(source, weights)
+    keras_file = tmp_path / "mha.weights.h5"
+    assert cli(["convert", str(source), str(keras_file)]) == 2
+    assert "writing keras-mha needs --num-heads" in capsys.readouterr().err
+    assert cli(["convert", str(source), str(keras_file), "--num-heads", "2"]) == 0
+    assert cli(["convert", str(keras_file), str(tmp_path / "x.npz"), "--num-heads", "4"]) == 2
+    assert "--num-heads 4 does not match the 2 heads stored" in capsys.readouterr().err
+    # A file with no attention layer at all.
+    dense_file = tmp_path / "dense.weights.h5"
+    x = keras.Input((3,))
+    keras.Model(x, keras.layers.Dense(2)(x)).save_weights(dense_file)
+    assert cli(["convert", str(dense_file), str(tmp_path / "y.npz")]) == 2
+    assert (
+        "must hold exactly one keras.layers.MultiHeadAttention; found 0" in capsys.readouterr().err
+    )
+    # A file whose value projection has another head size.
+    import h5py
+
+    with h5py.File(keras_file, "r+") as file:
+        group = file["layers/multi_head_attention/value_dense/vars"]
+        del group["0"]
+        group["0"] = np.zeros((8, 2, 3), np.float32)
+    assert cli(["convert", str(keras_file), str(tmp_path / "z.npz")]) == 2
+    assert "value_dim (3) != key_dim (4)" in capsys.readouterr().err
