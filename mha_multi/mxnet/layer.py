@@ -183,7 +183,8 @@ class _AttentionGraph(gluon.HybridBlock):
         """
         num_heads = self._num_heads
         # Scaling the queries instead of the (B*H, Q, K) scores is K / head_dim
-        # times less work; for a power-of-two head_dim it is exact.
+        # times less work; it is exact when sqrt(head_dim) is a power of two
+        # (head_dim 4, 16, 64, 256), and otherwise differs by rounding only.
         q = q / math.sqrt(self._head_dim)
         q, k, v = (spec.transpose_qkv(ops, x, num_heads) for x in (q, k, v))  # (B*H, T, dh)
         scores = self._batch_dot(F, q, k, transpose_b=True)  # (B*H, Q, K)
