@@ -59,7 +59,8 @@ IMPLEMENTATIONS = (None, "generic", "xla", "cudnn")
 #: Dtypes the fused path serves. Its softmax always runs in float32, which is
 #: the spec's rule for 16-bit inputs and exact for float32, but would cost
 #: float64 its precision.
-FUSED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+#: (Names, not dtype objects: resolving them is left to call time.)
+FUSED_DTYPES = frozenset({"float32", "bfloat16", "float16"})
 
 
 def _stand_in(name: str, value: Any) -> np.ndarray:
@@ -265,7 +266,7 @@ def fused_path_exact(
         use_dropout: whether dropout is active for this call.
         precision: the matmul precision of the layer.
     """
-    if return_attention_weights or use_dropout or np.dtype(dtype) not in FUSED_DTYPES:
+    if return_attention_weights or use_dropout or np.dtype(dtype).name not in FUSED_DTYPES:
         return False
     try:
         _precision_setting(precision)
@@ -460,7 +461,7 @@ def multi_head_attention(
     q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
     kernel = implementation
     if kernel is None:
-        half = np.dtype(dtype) in FUSED_DTYPES and np.dtype(dtype).itemsize == 2
+        half = np.dtype(dtype).name in FUSED_DTYPES and np.dtype(dtype).itemsize == 2
         kernel = "cudnn" if half and _platform(q) == "gpu" else "generic"
     if kernel != "generic" and fused_path_exact(
         dtype,
