@@ -59,6 +59,8 @@ class Runner(abc.ABC):
     name: ClassVar[str]
     #: Distributions whose versions the report records.
     distributions: ClassVar[tuple[str, ...]]
+    #: The backend package with module-level ``set_weights``/``get_weights``.
+    package: ClassVar[str]
 
     # -- what the backend can do ------------------------------------------
 
@@ -92,13 +94,13 @@ class Runner(abc.ABC):
     ) -> Any:
         """Builds the backend's ``MultiHeadAttention`` (configuration errors propagate)."""
 
-    @abc.abstractmethod
     def set_weights(self, layer: Any, weights: Mapping[str, np.ndarray]) -> Any:
         """The backend's ``set_weights``; returns the (possibly new) layer."""
+        return importlib.import_module(self.package).set_weights(layer, weights)
 
-    @abc.abstractmethod
     def get_weights(self, layer: Any) -> dict[str, np.ndarray]:
         """The backend's ``get_weights``."""
+        return importlib.import_module(self.package).get_weights(layer)
 
     @abc.abstractmethod
     def call(

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_multi.jax import MultiHeadAttention, get_weights, linen, set_weights
+from mha_multi.jax import MultiHeadAttention, linen
 from mha_multi.parity.runners import Runner, is_numeric
 from mha_multi.weights import KERNEL_NAMES
 
@@ -37,6 +37,7 @@ class _JaxRunner(Runner):
     """What the NNX and Linen runners share: devices, conversions."""
 
     distributions = ("jax", "jaxlib", "flax")
+    package = "mha_multi.jax"
 
     def __init__(self) -> None:
         configure()
@@ -89,12 +90,6 @@ class JaxNNXRunner(_JaxRunner):
             return MultiHeadAttention(
                 num_hiddens, num_heads, param_dtype=DTYPES[dtype], rngs=nnx.Rngs(0), **kwargs
             )
-
-    def set_weights(self, layer: MultiHeadAttention, weights: Mapping[str, np.ndarray]) -> Any:
-        return set_weights(layer, weights)
-
-    def get_weights(self, layer: MultiHeadAttention) -> dict[str, np.ndarray]:
-        return get_weights(layer)
 
     def call(
         self,

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import keras
 import numpy as np
 
-from mha_multi.keras import MultiHeadAttention, get_weights, set_weights
+from mha_multi.keras import MultiHeadAttention
 from mha_multi.keras._ops import to_numpy
 from mha_multi.parity.runners import Runner, as_float64, is_numeric
 
@@ -35,6 +35,7 @@ def to_float64(x: Any) -> np.ndarray:
 class KerasRunner(Runner):
     """What the three Keras backends share: layer creation, conversion, calls."""
 
+    package = "mha_multi.keras"
     #: ``keras.backend.backend()`` this runner needs.
     keras_backend: ClassVar[str]
 
@@ -99,14 +100,6 @@ class KerasRunner(Runner):
     ) -> MultiHeadAttention:
         with self.on(device):
             return MultiHeadAttention(num_hiddens, num_heads, dtype=dtype, **kwargs)
-
-    def set_weights(
-        self, layer: MultiHeadAttention, weights: Mapping[str, np.ndarray]
-    ) -> MultiHeadAttention:
-        return set_weights(layer, weights)
-
-    def get_weights(self, layer: MultiHeadAttention) -> dict[str, np.ndarray]:
-        return get_weights(layer)
 
     def call(
         self,

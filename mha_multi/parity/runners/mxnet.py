@@ -11,7 +11,6 @@ on GPUs).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,7 @@ os.environ.setdefault("MXNET_CUDA_TENSOR_OP_MATH_ALLOW_CONVERSION", "0")
 import mxnet as mx
 from mxnet import autograd
 
-from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
+from mha_multi.mxnet import MultiHeadAttention
 from mha_multi.parity.runners import Runner, as_float64, is_numeric
 from mha_multi.weights import KERNEL_NAMES
 
@@ -37,6 +36,7 @@ class MXNetRunner(Runner):
 
     name = "mxnet"
     distributions = ("mxnet", "mxnet-cu112", "mxnet-cu110")
+    package = "mha_multi.mxnet"
     hybridize = False
 
     def device_available(self, device: str) -> bool:
@@ -79,12 +79,6 @@ class MXNetRunner(Runner):
         if self.hybridize:
             layer.hybridize()
         return layer
-
-    def set_weights(self, layer: MultiHeadAttention, weights: Mapping[str, np.ndarray]) -> Any:
-        return set_weights(layer, weights)
-
-    def get_weights(self, layer: MultiHeadAttention) -> dict[str, np.ndarray]:
-        return get_weights(layer)
 
     def call(
         self,

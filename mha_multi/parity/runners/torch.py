@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from mha_multi.parity.runners import Runner, as_float64, is_numeric
-from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
+from mha_multi.torch import MultiHeadAttention
 from mha_multi.weights import KERNEL_NAMES
 
 DTYPES = {
@@ -29,6 +28,7 @@ def exact_float32() -> None:
 class TorchRunner(Runner):
     name = "torch"
     distributions = ("torch",)
+    package = "mha_multi.torch"
 
     def __init__(self) -> None:
         exact_float32()
@@ -62,12 +62,6 @@ class TorchRunner(Runner):
         return MultiHeadAttention(
             num_hiddens, num_heads, device=self._device(device), dtype=DTYPES[dtype], **kwargs
         )
-
-    def set_weights(self, layer: MultiHeadAttention, weights: Mapping[str, np.ndarray]) -> Any:
-        return set_weights(layer, weights)
-
-    def get_weights(self, layer: MultiHeadAttention) -> dict[str, np.ndarray]:
-        return get_weights(layer)
 
     def call(
         self,
