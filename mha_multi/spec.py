@@ -30,12 +30,16 @@ __all__ = [
     "NumpyOps",
     "attention",
     "check_config",
+    "check_causal",
     "check_inputs",
+    "clip_integer_lens",
     "check_valid_lens_dtype",
+    "is_low_precision",
     "masked_softmax",
     "reference_forward",
     "reference_gradients",
     "scaled_scores",
+    "static_split_sizes",
     "transpose_output",
     "transpose_qkv",
     "visibility",
@@ -46,6 +50,21 @@ __all__ = [
 MASK_VALUE = -1e6
 
 Array = Any
+
+
+def static_split_sizes(size: Any, sizes: tuple[int, int]) -> tuple[Any, Any]:
+    """``sizes`` with a ``-1`` resolved from the size of the axis being split.
+
+    Reshapes cannot infer ``-1`` for arrays with no elements (``B = 0`` or
+    ``Q = 0``), so adapters whose shapes are known resolve it here; ``size``
+    may be a Python int or a symbolic size (``torch.SymInt``, a scalar tensor).
+    """
+    first, second = sizes
+    if first == -1:
+        return size // second, second
+    if second == -1:
+        return first, size // first
+    return first, second
 
 
 class ArrayOps(Protocol):
@@ -117,11 +136,13 @@ class NumpyOps:
 
     def split_axis(self, x: np.ndarray, axis: int, sizes: tuple[int, int]) -> np.ndarray:
         axis = axis % x.ndim
-        return x.reshape(x.shape[:axis] + tuple(sizes) + x.shape[axis + 1 :])
+        sizes = static_split_sizes(x.shape[axis], sizes)
+        return x.reshape(x.shape[:axis] + sizes + x.shape[axis + 1 :])
 
     def merge_axes(self, x: np.ndarray, axis: int) -> np.ndarray:
         axis = axis % x.ndim
-        return x.reshape((*x.shape[:axis], -1, *x.shape[axis + 2 :]))
+        merged = x.shape[axis] * x.shape[axis + 1]
+        return x.reshape((*x.shape[:axis], merged, *x.shape[axis + 2 :]))
 
     def permute(self, x: np.ndarray, axes: Sequence[int]) -> np.ndarray:
         return np.transpose(x, axes)
@@ -154,6 +175,8 @@ class NumpyOps:
         return np.where(condition, x, np.asarray(fill, dtype=x.dtype))
 
     def softmax(self, x: np.ndarray) -> np.ndarray:
+        if x.shape[-1] == 0:  # no keys: nothing to normalise (and max() has no identity)
+            return x.copy()
         shifted = np.exp(x - x.max(axis=-1, keepdims=True))
         return shifted / shifted.sum(axis=-1, keepdims=True)
 
@@ -223,6 +246,17 @@ def check_input_sizes(**sizes: Any) -> None:
             raise ValueError(f"{name} must be a positive int or None; got {value!r}")
 
 
+def check_causal(causal: Any) -> None:
+    """Raises ``TypeError`` unless ``causal`` is a bool.
+
+    A string such as ``"False"`` is truthy and an array has no single truth
+    value, so anything but a bool would silently turn the mask on or fail
+    deep inside a framework.
+    """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool; got {causal!r} of type {type(causal).__name__}")
+
+
 def check_inputs(
     queries_shape: Sequence[int],
     keys_shape: Sequence[int],
@@ -232,6 +266,7 @@ def check_inputs(
     query_size: int | None = None,
     key_size: int | None = None,
     value_size: int | None = None,
+    causal: Any = False,
 ) -> None:
     """Validates input shapes against each other and the layer's input sizes.
 
@@ -242,10 +277,13 @@ def check_inputs(
         valid_lens_shape: ``None``, ``(B,)`` or ``(B, Q)``.
         query_size, key_size, value_size: the layer's input sizes, or ``None``
             where not yet known.
+        causal: the call's ``causal`` flag (checked by :func:`check_causal`).
 
     Raises:
         ValueError: naming the offending argument and the expected shape.
+        TypeError: ``causal`` is not a bool.
     """
+    check_causal(causal)
     names = ("queries", "keys", "values")
     shapes = [tuple(queries_shape), tuple(keys_shape), tuple(values_shape)]
     sizes = (query_size, key_size, value_size)
@@ -283,6 +321,28 @@ def check_valid_lens_dtype(kind: str) -> None:
         raise TypeError(
             f"valid_lens must be an integer or floating-point array; got dtype kind {kind!r}"
         )
+
+
+def clip_integer_lens(valid_lens: np.ndarray, dtype: Any) -> np.ndarray:
+    """Integer lengths converted to the integer ``dtype`` by clipping, never wrapping.
+
+    A framework that counts in 32 bits (JAX without x64) would wrap ``2**62``
+    to 0 and hide every key. Lengths at or beyond the key count all hide
+    nothing and lengths at or below 0 all hide everything, so clipping to the
+    target's range keeps the meaning of every length (key counts fit in it).
+    Floating lengths are returned unchanged.
+    """
+    valid_lens = np.asarray(valid_lens)
+    if valid_lens.dtype.kind not in "iu":
+        return valid_lens
+    info = np.iinfo(dtype)
+    # Compare in Python ints: numpy would wrap or promote uint64 against int32 bounds.
+    if valid_lens.size and (
+        int(valid_lens.min()) < info.min or int(valid_lens.max()) > info.max
+    ):
+        low = np.array(info.min).astype(valid_lens.dtype) if valid_lens.dtype.kind == "i" else 0
+        valid_lens = np.clip(valid_lens, low, np.array(info.max).astype(valid_lens.dtype))
+    return valid_lens.astype(dtype)
 
 
 # --------------------------------------------------------------------------
@@ -348,25 +408,35 @@ def visibility(
     return visible
 
 
-def masked_softmax(ops: ArrayOps, scores: Array, visible: Array | None) -> Array:
+def is_low_precision(ops: ArrayOps, dtype: Any) -> bool:
+    """Whether ``dtype`` is a 16-bit float (float16, bfloat16)."""
+    return ops.dtype_kind(dtype) == "f" and ops.itemsize(dtype) < 4
+
+
+def masked_softmax(
+    ops: ArrayOps, scores: Array, visible: Array | None, dtype: Any = None
+) -> Array:
     """Softmax over the last axis with hidden scores replaced by ``MASK_VALUE``.
+
+    Hidden scores are *replaced*, so a NaN or inf score of a hidden key does
+    not reach the weights.
 
     Args:
         scores: ``(B, H, Q, K)``.
         visible: ``None`` or a boolean array broadcastable to ``scores``.
+        dtype: the dtype of the weights; ``None`` keeps that of ``scores``.
 
     Returns:
-        Weights of the dtype of ``scores``. For 16-bit inputs the softmax runs
-        in float32 (``-1e6`` overflows float16) and is cast back.
+        Weights of ``dtype``. 16-bit scores are softmaxed in float32
+        (``-1e6`` overflows float16) and the weights rounded once.
     """
-    dtype = ops.dtype(scores)
-    low_precision = ops.dtype_kind(dtype) == "f" and ops.itemsize(dtype) < 4
-    if low_precision:
+    dtype = ops.dtype(scores) if dtype is None else dtype
+    if is_low_precision(ops, ops.dtype(scores)):
         scores = ops.cast(scores, ops.float32())
     if visible is not None:
         scores = ops.where(visible, scores, MASK_VALUE)
     weights = ops.softmax(scores)
-    return ops.cast(weights, dtype) if low_precision else weights
+    return weights if ops.dtype(weights) == dtype else ops.cast(weights, dtype)
 
 
 def fix_fully_hidden_rows(
@@ -408,7 +478,15 @@ def fix_fully_hidden_rows(
 
 
 def scaled_scores(ops: ArrayOps, q: Array, k: Array, head_dim: int) -> Array:
-    """``(q @ k^T) / sqrt(head_dim)`` for ``(B*H, T, dh)`` heads (d2l's order)."""
+    """``(q @ k^T) / sqrt(head_dim)`` for ``(B*H, T, dh)`` heads (d2l's order).
+
+    16-bit heads give float32 scores: the products of two 16-bit numbers are
+    exact in float32 and the sum is accumulated there, so the scores of
+    inputs of magnitude 300 (about 1e5) cannot overflow float16 on their way
+    into the float32 softmax.
+    """
+    if is_low_precision(ops, ops.dtype(q)):
+        q, k = ops.cast(q, ops.float32()), ops.cast(k, ops.float32())
     return ops.matmul(q, ops.swap_last(k)) / math.sqrt(head_dim)
 
 
@@ -448,7 +526,8 @@ def attention(
     # Rows are b*H + h, so splitting axis 0 as (B, H) lines heads up with a
     # (B, 1, ...) mask: valid_lens repeated interleaved, never tiled.
     scores = ops.split_axis(head_scores, 0, (-1, num_heads))  # (B, H, Q, K)
-    weights = masked_softmax(ops, scores, visibility(ops, scores, valid_lens, causal=causal))
+    visible = visibility(ops, scores, valid_lens, causal=causal)
+    weights = masked_softmax(ops, scores, visible, ops.dtype(v))
     flat_weights = ops.merge_axes(weights, 0)
     if dropout is not None:
         flat_weights = dropout(flat_weights)
@@ -478,6 +557,7 @@ def _reference_inputs(
     values: Any,
     valid_lens: Any,
     num_heads: int,
+    causal: Any,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, int]:
     """Float64 copies of the reference's arguments, checked; and ``head_dim``."""
     w = {name: _as_float64(value) for name, value in weights.items()}
@@ -491,6 +571,7 @@ def _reference_inputs(
         query_size=w["W_q"].shape[0],
         key_size=w["W_k"].shape[0],
         value_size=w["W_v"].shape[0],
+        causal=causal,
     )
     head_dim = check_config(w["W_q"].shape[1], num_heads, 0.0)
     return w, queries, keys, values, lens, head_dim
@@ -522,7 +603,7 @@ def reference_forward(
         ``(B, H, Q, K)``, float64.
     """
     w, queries, keys, values, lens, head_dim = _reference_inputs(
-        weights, queries, keys, values, valid_lens, num_heads
+        weights, queries, keys, values, valid_lens, num_heads, causal
     )
     context, attention_weights = attention(
         NumpyOps(),
@@ -564,7 +645,7 @@ def reference_gradients(
     """
     ops = NumpyOps()
     w, queries, keys, values, lens, head_dim = _reference_inputs(
-        weights, queries, keys, values, valid_lens, num_heads
+        weights, queries, keys, values, valid_lens, num_heads, causal
     )
     grad_out = _as_float64(output_gradient)
     scale = 1.0 / math.sqrt(head_dim)
