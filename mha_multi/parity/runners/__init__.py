@@ -94,6 +94,10 @@ class Runner(abc.ABC):
     ) -> Any:
         """Builds the backend's ``MultiHeadAttention`` (configuration errors propagate)."""
 
+    @abc.abstractmethod
+    def to_native(self, x: np.ndarray, device: str = "cpu", dtype: str = "float32") -> Any:
+        """``x`` as the framework's array of ``dtype`` on ``device``."""
+
     def set_weights(self, layer: Any, weights: Mapping[str, np.ndarray]) -> Any:
         """The backend's ``set_weights``; returns the (possibly new) layer."""
         return importlib.import_module(self.package).set_weights(layer, weights)
@@ -142,6 +146,14 @@ class Runner(abc.ABC):
         Keyed ``queries``, ``keys``, ``values`` and the canonical weight
         names, in the canonical orientation, as float64 numpy.
         """
+
+    def call_as_given(self, layer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Calls the layer the way a user of the framework does, converting nothing.
+
+        For the layer's own argument checks (a Python list where an array
+        belongs must meet the layer, not a conversion in the runner).
+        """
+        return layer(*args, **kwargs)
 
     # -- shared ---------------------------------------------------------------
 

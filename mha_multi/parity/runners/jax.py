@@ -56,7 +56,7 @@ class _JaxRunner(Runner):
     def _device(self, device: str) -> jax.Device:
         return jax.devices("gpu" if device == "gpu" else "cpu")[0]
 
-    def to_array(self, x: np.ndarray, device: str, dtype: str) -> jax.Array:
+    def to_native(self, x: np.ndarray, device: str = "cpu", dtype: str = "float32") -> jax.Array:
         return jax.device_put(np.asarray(x).astype(np.dtype(DTYPES[dtype])), self._device(device))
 
     def _lens(self, valid_lens: Any, device: str) -> Any:
@@ -65,7 +65,7 @@ class _JaxRunner(Runner):
         return valid_lens
 
     def _inputs(self, arrays: tuple[np.ndarray, ...], device: str, dtype: str) -> list[jax.Array]:
-        return [self.to_array(x, device, dtype) for x in arrays]
+        return [self.to_native(x, device, dtype) for x in arrays]
 
 
 def _results(result: Any) -> Any:
@@ -133,7 +133,7 @@ class JaxNNXRunner(_JaxRunner):
 
         arrays = self._inputs((queries, keys, values), device, dtype)
         _, vjp = jax.vjp(forward, params, *arrays)
-        param_grads, *input_grads = vjp(self.to_array(output_gradient, device, dtype))
+        param_grads, *input_grads = vjp(self.to_native(output_gradient, device, dtype))
         grads = {
             name: as_float64(g)
             for name, g in zip(("queries", "keys", "values"), input_grads, strict=True)
@@ -218,6 +218,9 @@ class JaxLinenRunner(_JaxRunner):
         )
         return _results(result)
 
+    def call_as_given(self, layer: LinenLayer, *args: Any, **kwargs: Any) -> Any:
+        return layer.module.apply(layer.variables, *args, **kwargs)
+
     def gradients(
         self,
         layer: LinenLayer,
@@ -238,7 +241,7 @@ class JaxLinenRunner(_JaxRunner):
 
         arrays = self._inputs((queries, keys, values), device, dtype)
         _, vjp = jax.vjp(forward, layer.variables, *arrays)
-        variable_grads, *input_grads = vjp(self.to_array(output_gradient, device, dtype))
+        variable_grads, *input_grads = vjp(self.to_native(output_gradient, device, dtype))
         grads = {
             name: as_float64(g)
             for name, g in zip(("queries", "keys", "values"), input_grads, strict=True)

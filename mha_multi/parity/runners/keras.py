@@ -81,7 +81,7 @@ class KerasRunner(Runner):
         with keras.device(device):
             yield
 
-    def to_tensor(self, x: np.ndarray, dtype: str) -> Any:
+    def to_native(self, x: np.ndarray, device: str = "cpu", dtype: str = "float32") -> Any:
         return keras.ops.cast(keras.ops.convert_to_tensor(np.array(x, copy=True)), dtype)
 
     def _lens(self, valid_lens: Any) -> Any:
@@ -115,7 +115,7 @@ class KerasRunner(Runner):
         **kwargs: Any,
     ) -> Any:
         with self.on(device):
-            tensors = [self.to_tensor(x, dtype) for x in (queries, keys, values)]
+            tensors = [self.to_native(x, dtype=dtype) for x in (queries, keys, values)]
             result = layer(*tensors, self._lens(valid_lens), training=training, **kwargs)
         if isinstance(result, tuple):
             return tuple(to_float64(r) for r in result)
@@ -135,13 +135,13 @@ class KerasRunner(Runner):
         dtype: str,
     ) -> dict[str, np.ndarray]:
         with self.on(device):
-            inputs = [self.to_tensor(x, dtype) for x in (queries, keys, values)]
+            inputs = [self.to_native(x, dtype=dtype) for x in (queries, keys, values)]
             grads = self.gradients_of(
                 layer,
                 inputs,
                 self._lens(valid_lens),
                 causal=causal,
-                output_gradient=self.to_tensor(output_gradient, dtype),
+                output_gradient=self.to_native(output_gradient, dtype=dtype),
             )
         return {name: to_float64(grad) for name, grad in grads.items()}
 

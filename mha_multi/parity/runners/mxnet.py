@@ -55,7 +55,9 @@ class MXNetRunner(Runner):
     def _ctx(self, device: str) -> mx.Context:
         return mx.gpu(0) if device == "gpu" else mx.cpu()
 
-    def to_array(self, x: np.ndarray, device: str, dtype: str) -> mx.np.ndarray:
+    def to_native(
+        self, x: np.ndarray, device: str = "cpu", dtype: str = "float32"
+    ) -> mx.np.ndarray:
         return mx.np.array(np.asarray(x, dtype=dtype), dtype=dtype, ctx=self._ctx(device))
 
     def _lens(self, valid_lens: Any, device: str) -> Any:
@@ -93,7 +95,7 @@ class MXNetRunner(Runner):
         dtype: str = "float32",
         **kwargs: Any,
     ) -> Any:
-        arrays = [self.to_array(x, device, dtype) for x in (queries, keys, values)]
+        arrays = [self.to_native(x, device, dtype) for x in (queries, keys, values)]
         lens = self._lens(valid_lens, device)
         if training:
             with autograd.record(train_mode=True):
@@ -117,12 +119,12 @@ class MXNetRunner(Runner):
         device: str,
         dtype: str,
     ) -> dict[str, np.ndarray]:
-        inputs = [self.to_array(x, device, dtype) for x in (queries, keys, values)]
+        inputs = [self.to_native(x, device, dtype) for x in (queries, keys, values)]
         for array in inputs:
             array.attach_grad()
         with autograd.record(train_mode=False):
             output = layer(*inputs, self._lens(valid_lens, device), causal=causal)
-        output.backward(self.to_array(output_gradient, device, dtype))
+        output.backward(self.to_native(output_gradient, device, dtype))
         grads = {
             name: as_float64(array.grad.asnumpy())
             for name, array in zip(("queries", "keys", "values"), inputs, strict=True)

@@ -42,7 +42,7 @@ class TorchRunner(Runner):
     def _device(self, device: str) -> torch.device:
         return torch.device("cuda" if device == "gpu" else "cpu")
 
-    def to_tensor(self, x: np.ndarray, device: str, dtype: str) -> torch.Tensor:
+    def to_native(self, x: np.ndarray, device: str = "cpu", dtype: str = "float32") -> torch.Tensor:
         return torch.from_numpy(np.array(x, copy=True)).to(self._device(device), DTYPES[dtype])
 
     def _lens(self, valid_lens: Any, device: str) -> Any:
@@ -77,7 +77,7 @@ class TorchRunner(Runner):
         **kwargs: Any,
     ) -> Any:
         layer.train(training)
-        tensors = [self.to_tensor(x, device, dtype) for x in (queries, keys, values)]
+        tensors = [self.to_native(x, device, dtype) for x in (queries, keys, values)]
         with torch.no_grad():
             result = layer(*tensors, self._lens(valid_lens, device), **kwargs)
         if isinstance(result, tuple):
@@ -100,10 +100,10 @@ class TorchRunner(Runner):
         layer.eval()
         layer.zero_grad(set_to_none=True)
         inputs = [
-            self.to_tensor(x, device, dtype).requires_grad_(True) for x in (queries, keys, values)
+            self.to_native(x, device, dtype).requires_grad_(True) for x in (queries, keys, values)
         ]
         output = layer(*inputs, self._lens(valid_lens, device), causal=causal)
-        output.backward(self.to_tensor(output_gradient, device, dtype))
+        output.backward(self.to_native(output_gradient, device, dtype))
         grads = {
             name: as_float64(t.grad.double().cpu())
             for name, t in zip(("queries", "keys", "values"), inputs, strict=True)

@@ -1,0 +1,339 @@
+"""Edge inputs, identically in every backend and on every code path.
+
+Each test compares a backend against the float64 reference (or a value
+computed here by hand) on inputs where a careless path goes wrong: 16-bit
+products that do not accumulate in float32, scores that overflow float16,
+non-finite inputs, huge or NaN lengths, empty axes and arguments of the
+wrong type. ``output`` is the default call (a fused kernel where the backend
+has one); ``return_attention_weights=True`` takes the generic path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from mha_multi import spec
+from mha_multi.weights import init_weights
+
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` rounded to ``dtype`` (round to nearest even), as float64."""
+    if dtype == "float16":
+        return np.asarray(x, np.float64).astype(np.float16).astype(np.float64)
+    assert dtype == "bfloat16"
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def skip_unsupported(runner, dtype: str) -> None:
+    if not runner.dtype_supported("cpu", dtype):
+        pytest.skip(f"{runner.name} has no {dtype}")
+
+
+def layer_with(runner, weights, num_heads, *, dtype="float32"):
+    num_hiddens = weights["W_o"].shape[1]
+    layer = runner.make_layer(
+        num_hiddens,
+        num_heads,
+        bias="b_o" in weights,
+        query_size=weights["W_q"].shape[0],
+        key_size=weights["W_k"].shape[0],
+        value_size=weights["W_v"].shape[0],
+        dtype=dtype,
+    )
+    return runner.set_weights(layer, weights)
+
+
+def both_paths(runner, layer, *args, **kwargs):
+    """The default call's output and the generic path's (the one returning weights)."""
+    fused = runner.call(layer, *args, **kwargs)
+    generic, weights = runner.call(layer, *args, return_attention_weights=True, **kwargs)
+    return {"default": fused, "generic": generic}, weights
+
+
+def assert_matches_reference(got, expected, atol):
+    """Same non-finite pattern as the reference, finite values within ``atol``."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected), err_msg="NaN pattern")
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected), err_msg="+inf")
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected), err_msg="-inf")
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=0, atol=atol)
+
+
+def assert_rounded_once(got, exact, dtype):
+    """``got`` is ``exact`` rounded to ``dtype`` once, up to the rare flip.
+
+    Summing in float32 and rounding once lands on the rounded exact value
+    except where the float32 sum sits within its own error of a rounding
+    boundary; a product accumulated in 16 bits (or rounded in blocks) is off
+    by one or more units in the last place in a large share of the elements.
+    """
+    expected = round_to(exact, dtype)
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(expected))) - (7 if dtype == "bfloat16" else 10))
+    off = np.abs(got - expected) / ulp
+    assert off.max() <= 1, f"{off.max():.1f} units in the last place off"
+    assert np.mean(off > 0) <= 0.02, f"{np.mean(off > 0):.1%} of the elements not rounded once"
+
+
+# -- 16-bit products accumulate in float32 and round once --------------------
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT)
+def test_16bit_projection_accumulates_in_float32(runner, dtype):
+    """One key and an identity ``W_o`` make the output the value projection itself."""
+    skip_unsupported(runner, dtype)
+    rng = np.random.default_rng(1)
+    value_size, num_hiddens, batch = 512, 64, 32
+    weights = {
+        "W_q": rng.standard_normal((4, num_hiddens)),
+        "W_k": rng.standard_normal((4, num_hiddens)),
+        "W_v": rng.standard_normal((value_size, num_hiddens)),
+        "W_o": np.eye(num_hiddens),
+    }
+    weights = {name: round_to(w, dtype).astype(np.float32) for name, w in weights.items()}
+    queries = rng.standard_normal((batch, 1, 4)).astype(np.float32)
+    keys = rng.standard_normal((batch, 1, 4)).astype(np.float32)
+    values = round_to(rng.standard_normal((batch, 1, value_size)), dtype).astype(np.float32)
+    layer = layer_with(runner, weights, 1, dtype=dtype)
+    exact = values.astype(np.float64) @ weights["W_v"].astype(np.float64)
+    outputs, _ = both_paths(runner, layer, queries, keys, values, dtype=dtype)
+    for path, output in outputs.items():
+        assert output.shape == exact.shape, path
+        assert_rounded_once(output, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT)
+def test_16bit_attention_product_accumulates_in_float32(runner, dtype):
+    """``W_q = 0`` gives uniform weights ``1/512`` (exact), so the output is a mean of values."""
+    skip_unsupported(runner, dtype)
+    rng = np.random.default_rng(2)
+    num_keys, num_hiddens, batch = 512, 64, 16
+    eye = np.eye(num_hiddens, dtype=np.float32)
+    weights = {
+        "W_q": np.zeros((num_hiddens, num_hiddens), np.float32),
+        "W_k": round_to(rng.standard_normal((num_hiddens, num_hiddens)), dtype).astype(np.float32),
+        "W_v": eye,
+        "W_o": eye,
+    }
+    queries = rng.standard_normal((batch, 1, num_hiddens)).astype(np.float32)
+    keys = rng.standard_normal((batch, num_keys, num_hiddens)).astype(np.float32)
+    values = round_to(rng.standard_normal((batch, num_keys, num_hiddens)), dtype)
+    layer = layer_with(runner, weights, 1, dtype=dtype)
+    exact = values.mean(axis=1, keepdims=True)
+    outputs, _ = both_paths(runner, layer, queries, keys, values.astype(np.float32), dtype=dtype)
+    for path, output in outputs.items():
+        assert output.shape == exact.shape, path
+        assert_rounded_once(output, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT)
+def test_16bit_huge_scores_neither_overflow_nor_leak(runner, dtype):
+    """Scores of 1.8e5 (visible) and 3.6e5 (hidden) in float16's range of 65504.
+
+    Identity ``W_q``/``W_k`` and inputs of 300 make every visible score equal,
+    so the weights are uniform over the visible keys whatever the rounding;
+    the hidden keys score higher and must still get weight 0.
+    """
+    skip_unsupported(runner, dtype)
+    rng = np.random.default_rng(3)
+    size, num_keys = 8, 6
+    weights = {
+        "W_q": np.eye(size, dtype=np.float32),
+        "W_k": np.eye(size, dtype=np.float32),
+        "W_v": rng.standard_normal((size, size)).astype(np.float32) / np.sqrt(size),
+        "W_o": rng.standard_normal((size, size)).astype(np.float32) / np.sqrt(size),
+    }
+    queries = np.full((2, 3, size), 300.0, np.float32)
+    keys = np.full((2, num_keys, size), 300.0, np.float32)
+    keys[:, 4:] = 600.0  # hidden by the lengths below
+    values = rng.standard_normal((2, num_keys, size)).astype(np.float32)
+    lens = np.array([4, 2])
+    expected, _ = spec.reference_forward(weights, queries, keys, values, lens, num_heads=2)
+    layer = layer_with(runner, weights, 2, dtype=dtype)
+    outputs, _ = both_paths(runner, layer, queries, keys, values, lens, dtype=dtype)
+    for path, output in outputs.items():
+        assert np.all(np.isfinite(output)), path
+        np.testing.assert_allclose(output, expected, atol=2e-2, err_msg=path)
+
+
+# -- non-finite inputs propagate exactly as in the reference -----------------
+
+
+def _nonfinite_cases():
+    rng = np.random.default_rng(4)
+    weights = init_weights(8, bias=True, seed=4)
+    queries = rng.standard_normal((2, 3, 8))
+    keys = rng.standard_normal((2, 5, 8))
+    values = rng.standard_normal((2, 5, 8))
+    lens = np.array([3, 5])
+
+    def case(**edits):
+        w, q, k, v = (dict(weights), queries.copy(), keys.copy(), values.copy())
+        arrays = {"q": q, "k": k, "v": v}
+        for target, edit in edits.items():
+            if target in arrays:
+                edit(arrays[target])
+            else:
+                w[target] = w[target].copy()
+                edit(w[target])
+        return w, q, k, v
+
+    def put(index, value):
+        def edit(array):
+            array[index] = value
+
+        return edit
+
+    return {
+        "nan_query_element": (*case(q=put((0, 1, 2), np.nan)), lens),
+        "nan_in_W_q": (*case(W_q=put((3, 0), np.nan)), lens),
+        "inf_in_hidden_key": (*case(k=put((0, 4, 1), np.inf)), lens),
+        "nan_in_hidden_key": (*case(k=put((0, 3), np.nan)), lens),
+        "nan_in_hidden_value": (*case(v=put((0, 4, 0), np.nan)), lens),
+        "inf_in_visible_key": (*case(k=put((1, 2, 5), np.inf)), lens),
+        "nan_in_b_v": (*case(b_v=put(3, np.nan)), None),
+    }
+
+
+NONFINITE = _nonfinite_cases()
+
+
+@pytest.mark.parametrize("name", sorted(NONFINITE))
+def test_nonfinite_inputs_propagate_as_in_reference(runner, name):
+    weights, queries, keys, values, lens = NONFINITE[name]
+    expected, expected_weights = spec.reference_forward(
+        weights, queries, keys, values, lens, num_heads=2
+    )
+    layer = layer_with(runner, {n: w.astype(np.float32) for n, w in weights.items()}, 2)
+    f32 = [x.astype(np.float32) for x in (queries, keys, values)]
+    for causal in (False, True):
+        if causal:
+            expected, expected_weights = spec.reference_forward(
+                weights, queries, keys, values, lens, num_heads=2, causal=True
+            )
+        outputs, attention_weights = both_paths(runner, layer, *f32, lens, causal=causal)
+        for path, output in outputs.items():
+            assert_matches_reference(output, expected, atol=5e-6)
+        assert_matches_reference(attention_weights, expected_weights, atol=5e-6)
+
+
+# -- lengths: NaN, huge, negative --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lens",
+    [
+        np.array([np.nan, 0.0]),
+        np.array([np.nan, 2.0], np.float32),
+        np.array([[np.nan, 1, 2], [0, np.inf, -np.inf]]),
+        np.array([2**62, 2], np.int64),
+        np.array([sys.maxsize, -sys.maxsize - 1], np.int64),
+        np.array([2**31, 1], np.int64),
+        np.array([2**63 + 5, 3], np.uint64),
+        np.array([[2**40, 0, -(2**40)], [1, 2**33, 3]], np.int64),
+    ],
+    ids=["nan_zero", "nan_f32", "nan_inf_2d", "2^62", "maxsize", "2^31", "uint64", "2d_large"],
+)
+def test_extreme_lengths_mean_what_they_say(runner, lens):
+    rng = np.random.default_rng(5)
+    weights = init_weights(8, seed=5)
+    queries, keys, values = (rng.standard_normal((2, n, 8)) for n in (3, 4, 4))
+    layer = layer_with(runner, {n: w.astype(np.float32) for n, w in weights.items()}, 2)
+    f32 = [x.astype(np.float32) for x in (queries, keys, values)]
+    for causal in (False, True):
+        expected, _ = spec.reference_forward(
+            weights, queries, keys, values, lens, num_heads=2, causal=causal
+        )
+        outputs, _ = both_paths(runner, layer, *f32, lens, causal=causal)
+        for path, output in outputs.items():
+            np.testing.assert_allclose(output, expected, atol=5e-6, err_msg=path)
+
+
+# -- empty axes ---------------------------------------------------------------
+
+
+EMPTY_SHAPES = {"no_keys": (2, 3, 0), "no_queries": (2, 0, 4), "no_batch": (0, 3, 4)}
+
+
+@pytest.mark.parametrize("lens_kind", ["none", "1d", "2d"])
+@pytest.mark.parametrize("shape", sorted(EMPTY_SHAPES))
+def test_empty_axes(runner, shape, lens_kind):
+    batch, num_queries, num_keys = EMPTY_SHAPES[shape]
+    rng = np.random.default_rng(6)
+    weights = init_weights(8, bias=True, seed=6)
+    queries, keys, values = (
+        rng.standard_normal((batch, n, 8)) for n in (num_queries,) + 2 * (num_keys,)
+    )
+    lens = {
+        "none": None,
+        "1d": np.arange(batch) + 1,
+        "2d": np.ones((batch, num_queries), np.int64),
+    }[lens_kind]
+    layer = layer_with(runner, {n: w.astype(np.float32) for n, w in weights.items()}, 2)
+    f32 = [x.astype(np.float32) for x in (queries, keys, values)]
+    for causal in (False, True):
+        expected, expected_weights = spec.reference_forward(
+            weights, queries, keys, values, lens, num_heads=2, causal=causal
+        )
+        outputs, attention_weights = both_paths(runner, layer, *f32, lens, causal=causal)
+        assert attention_weights.shape == (batch, 2, num_queries, num_keys)
+        for path, output in outputs.items():
+            assert output.shape == (batch, num_queries, 8), path
+            np.testing.assert_allclose(output, expected, atol=5e-6, err_msg=path)
+    output_gradient = rng.standard_normal(expected.shape)
+    expected_grads = spec.reference_gradients(
+        weights, queries, keys, values, lens, num_heads=2, output_gradient=output_gradient
+    )
+    grads = runner.gradients(
+        layer,
+        *f32,
+        lens,
+        causal=False,
+        output_gradient=output_gradient.astype(np.float32),
+        device="cpu",
+        dtype="float32",
+    )
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        assert grad.shape == expected_grads[name].shape, name
+        np.testing.assert_allclose(grad, expected_grads[name], atol=5e-5, err_msg=name)
+    # The layer (and its framework) still works after an empty call.
+    full = [rng.standard_normal((2, n, 8)).astype(np.float32) for n in (3, 4, 4)]
+    expected, _ = spec.reference_forward(weights, *full, num_heads=2)
+    np.testing.assert_allclose(runner.call(layer, *full), expected, atol=5e-6)
+
+
+# -- arguments of the wrong type ---------------------------------------------
+
+
+@pytest.mark.parametrize("causal", ["False", "True", 1, np.array(True), np.array([True, False])])
+def test_causal_must_be_a_bool(runner, causal):
+    weights = init_weights(8, seed=7)
+    layer = layer_with(runner, weights, 2)
+    rng = np.random.default_rng(7)
+    f32 = [rng.standard_normal((2, n, 8)).astype(np.float32) for n in (3, 4, 4)]
+    for return_attention_weights in (False, True):
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            runner.call(
+                layer, *f32, causal=causal, return_attention_weights=return_attention_weights
+            )
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_python_lists_are_not_arrays(runner, position):
+    weights = init_weights(8, seed=8)
+    layer = layer_with(runner, weights, 2)
+    rng = np.random.default_rng(8)
+    arrays = [rng.standard_normal((2, n, 8)).astype(np.float32) for n in (3, 4, 4)]
+    native = runner.call_as_given  # the framework's own arrays for the other two
+    converted = [runner.to_native(x) for x in arrays]
+    converted[position] = arrays[position].tolist()
+    name = ("queries", "keys", "values")[position]
+    with pytest.raises(TypeError, match=name):
+        native(layer, *converted)
