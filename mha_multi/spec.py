@@ -337,9 +337,7 @@ def clip_integer_lens(valid_lens: np.ndarray, dtype: Any) -> np.ndarray:
         return valid_lens
     info = np.iinfo(dtype)
     # Compare in Python ints: numpy would wrap or promote uint64 against int32 bounds.
-    if valid_lens.size and (
-        int(valid_lens.min()) < info.min or int(valid_lens.max()) > info.max
-    ):
+    if valid_lens.size and (int(valid_lens.min()) < info.min or int(valid_lens.max()) > info.max):
         low = np.array(info.min).astype(valid_lens.dtype) if valid_lens.dtype.kind == "i" else 0
         valid_lens = np.clip(valid_lens, low, np.array(info.max).astype(valid_lens.dtype))
     return valid_lens.astype(dtype)
@@ -413,9 +411,7 @@ def is_low_precision(ops: ArrayOps, dtype: Any) -> bool:
     return ops.dtype_kind(dtype) == "f" and ops.itemsize(dtype) < 4
 
 
-def masked_softmax(
-    ops: ArrayOps, scores: Array, visible: Array | None, dtype: Any = None
-) -> Array:
+def masked_softmax(ops: ArrayOps, scores: Array, visible: Array | None, dtype: Any = None) -> Array:
     """Softmax over the last axis with hidden scores replaced by ``MASK_VALUE``.
 
     Hidden scores are *replaced*, so a NaN or inf score of a hidden key does
@@ -605,17 +601,20 @@ def reference_forward(
     w, queries, keys, values, lens, head_dim = _reference_inputs(
         weights, queries, keys, values, valid_lens, num_heads, causal
     )
-    context, attention_weights = attention(
-        NumpyOps(),
-        _linear(queries, w, "q"),
-        _linear(keys, w, "k"),
-        _linear(values, w, "v"),
-        lens,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        causal=causal,
-    )
-    return _linear(context, w, "o"), attention_weights
+    # Non-finite inputs propagate by design (docs: "Edge cases"); numpy's warnings
+    # about them would only be noise.
+    with np.errstate(invalid="ignore", over="ignore"):
+        context, attention_weights = attention(
+            NumpyOps(),
+            _linear(queries, w, "q"),
+            _linear(keys, w, "k"),
+            _linear(values, w, "v"),
+            lens,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            causal=causal,
+        )
+        return _linear(context, w, "o"), attention_weights
 
 
 def reference_gradients(

@@ -42,6 +42,8 @@ def naive_forward(weights, queries, keys, values, valid_lens, num_heads, causal)
                         visible = False
                     dot = sum(q[b, i, cols][d] * k[b, j, cols][d] for d in range(head_dim))
                     scores[j] = dot / math.sqrt(head_dim) if visible else -1e6
+                if num_keys == 0:  # nothing to attend to: a zero context
+                    continue
                 weights_row = np.exp(scores - scores.max())
                 weights_row /= weights_row.sum()
                 attention[b, h, i] = weights_row
@@ -241,3 +243,102 @@ def test_fix_fully_hidden_rows_gives_the_spec_result():
     fixed = spec.fix_fully_hidden_rows(OPS, fused_causal, v[:1, :1, :2], causal, heads_axis=1)
     np.testing.assert_allclose(fixed[0, 0, :2], np.broadcast_to(v[0, 0, :2].mean(0), (2, 5)))
     np.testing.assert_array_equal(fixed[0, 0, 2:], 0.0)
+
+
+def _edge_inputs():
+    rng = np.random.default_rng(11)
+    queries, keys, values = (rng.standard_normal((2, n, 6)) for n in (3, 4, 4))
+    lens = np.array([2, 4])
+
+    def edited(array, index, value):
+        array = array.copy()
+        array[index] = value
+        return array
+
+    return {
+        "nan_query": (edited(queries, (0, 1, 2), np.nan), keys, values, lens),
+        "inf_hidden_key": (queries, edited(keys, (0, 3, 0), np.inf), values, lens),
+        "nan_hidden_value": (queries, keys, edited(values, (0, 3, 0), np.nan), lens),
+        "inf_visible_key": (queries, edited(keys, (1, 0, 0), np.inf), values, lens),
+        "nan_lengths": (queries, keys, values, np.array([np.nan, 3.0])),
+        "huge_lengths": (queries, keys, values, np.array([2**62, -(2**62)])),
+        "no_keys": (queries, keys[:, :0], values[:, :0], lens),
+        "no_queries": (queries[:, :0], keys, values, np.ones((2, 0))),
+        "no_batch": (queries[:0], keys[:0], values[:0], lens[:0]),
+    }
+
+
+EDGE_INPUTS = _edge_inputs()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", sorted(EDGE_INPUTS))
+def test_reference_edges_match_naive_loops(name, causal):
+    """Non-finite inputs, NaN and huge lengths and empty axes, against one-at-a-time loops."""
+    weights = init_weights(6, bias=True, seed=11)
+    queries, keys, values, lens = EDGE_INPUTS[name]
+    out, attention = spec.reference_forward(
+        weights, queries, keys, values, lens, num_heads=3, causal=causal
+    )
+    expected_out, expected_attention = naive_forward(
+        weights, queries, keys, values, lens, 3, causal
+    )
+    for got, expected in ((out, expected_out), (attention, expected_attention)):
+        assert got.shape == expected.shape
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(got[finite], expected[finite], rtol=0, atol=1e-12)
+
+
+def test_no_keys_gives_the_output_bias_and_its_gradients():
+    weights = init_weights(6, bias=True, seed=12)
+    rng = np.random.default_rng(12)
+    queries, keys = rng.standard_normal((2, 3, 6)), np.zeros((2, 0, 6))
+    out, attention = spec.reference_forward(weights, queries, keys, keys, num_heads=3)
+    assert attention.shape == (2, 3, 3, 0)
+    np.testing.assert_array_equal(out, np.broadcast_to(weights["b_o"], (2, 3, 6)))
+    grad_out = rng.standard_normal(out.shape)
+    grads = spec.reference_gradients(
+        weights, queries, keys, keys, num_heads=3, output_gradient=grad_out
+    )
+    np.testing.assert_allclose(grads["b_o"], grad_out.sum(axis=(0, 1)), atol=1e-12)
+    for name in ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "queries"):
+        np.testing.assert_array_equal(grads[name], 0.0, err_msg=name)
+    assert grads["keys"].shape == grads["values"].shape == (2, 0, 6)
+
+
+def test_scores_of_sixteen_bit_heads_stay_float32():
+    """Heads of 300 give scores near 1.8e5, past float16's largest number (65504)."""
+    q = np.full((1, 2, 4), 300.0, np.float16)
+    scores = spec.scaled_scores(OPS, q, q, head_dim=4)
+    assert scores.dtype == np.float32
+    np.testing.assert_array_equal(scores, np.full((1, 2, 2), 4 * 300.0**2 / 2, np.float32))
+
+
+def test_attention_weights_take_the_dtype_of_the_values():
+    q = np.full((2, 2, 4), 300.0, np.float16)
+    context, weights = spec.attention(OPS, q, q, q, np.array([1, 2]), num_heads=2, head_dim=2)
+    assert weights.dtype == context.dtype == np.float16
+    assert np.all(np.isfinite(weights)) and np.all(np.isfinite(context))
+
+
+@pytest.mark.parametrize("causal", ["False", 1, np.array(True), None])
+def test_causal_must_be_a_bool(causal):
+    weights = init_weights(6, seed=13)
+    x = np.ones((1, 2, 6))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        spec.reference_forward(weights, x, x, x, num_heads=3, causal=causal)
+    spec.reference_forward(weights, x, x, x, num_heads=3, causal=np.bool_(True))
+
+
+def test_integer_lengths_are_clipped_not_wrapped():
+    lens = np.array([2**62, -(2**62), 2**31, 7, -1], np.int64)
+    np.testing.assert_array_equal(
+        spec.clip_integer_lens(lens, np.int32), [2**31 - 1, -(2**31), 2**31 - 1, 7, -1]
+    )
+    assert spec.clip_integer_lens(lens, np.int32).dtype == np.int32
+    unsigned = np.array([2**64 - 1, 3], np.uint64)
+    np.testing.assert_array_equal(spec.clip_integer_lens(unsigned, np.int32), [2**31 - 1, 3])
+    floats = np.array([np.nan, 2.5])
+    assert spec.clip_integer_lens(floats, np.int32) is floats
