@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from mha_multi import spec
+
 PrecisionLike = Any
 
 
@@ -22,6 +24,33 @@ def dtype_kind(dtype: DTypeLike) -> str:
     if jnp.issubdtype(dtype, jnp.floating):
         return "f"
     return np.dtype(dtype).kind
+
+
+def is_16_bit(dtype: DTypeLike) -> bool:
+    """Whether ``dtype`` is a 16-bit float (``float16``, ``bfloat16``)."""
+    return dtype_kind(dtype) == "f" and np.dtype(dtype).itemsize == 2
+
+
+def matmul(a: jax.Array, b: jax.Array, precision: PrecisionLike = None) -> jax.Array:
+    """``a @ b``; 16-bit operands accumulate in float32 and the result is rounded once.
+
+    Left to itself, XLA may accumulate a float16 product in float16 or round
+    partial sums (XLA:CPU is measured two units in the last place off), so
+    the float32 accumulator is asked for explicitly on every machine.
+
+    Args:
+        a: left operand, ``(..., n, k)``.
+        b: right operand, ``(..., k, m)``.
+        precision: as for :func:`jax.numpy.matmul`.
+
+    Returns:
+        The product in the operands' promoted dtype.
+    """
+    dtype = jnp.result_type(a, b)
+    if not is_16_bit(dtype):
+        return jnp.matmul(a, b, precision=precision)
+    product = jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32)
+    return product.astype(dtype)
 
 
 class JaxOps:
@@ -38,11 +67,14 @@ class JaxOps:
 
     def split_axis(self, x: jax.Array, axis: int, sizes: tuple[int, int]) -> jax.Array:
         axis = axis % x.ndim
+        sizes = spec.static_split_sizes(x.shape[axis], sizes)
         return jnp.reshape(x, (*x.shape[:axis], *sizes, *x.shape[axis + 1 :]))
 
     def merge_axes(self, x: jax.Array, axis: int) -> jax.Array:
         axis = axis % x.ndim
-        return jnp.reshape(x, (*x.shape[:axis], -1, *x.shape[axis + 2 :]))
+        # No -1: a reshape cannot infer it when another axis is empty (B = 0, Q = 0).
+        merged = x.shape[axis] * x.shape[axis + 1]
+        return jnp.reshape(x, (*x.shape[:axis], merged, *x.shape[axis + 2 :]))
 
     def permute(self, x: jax.Array, axes: Sequence[int]) -> jax.Array:
         return jnp.transpose(x, tuple(axes))
@@ -51,7 +83,7 @@ class JaxOps:
         return jnp.expand_dims(x, axis)
 
     def matmul(self, a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.matmul(a, b, precision=self.precision)
+        return matmul(a, b, self.precision)
 
     def swap_last(self, x: jax.Array) -> jax.Array:
         return jnp.swapaxes(x, -1, -2)

@@ -22,7 +22,8 @@ run when neither the weights nor dropout are needed (see
   the generic path's own arithmetic and measured no faster (slower
   forward+backward on CPU; see ``python -m mha_multi.bench``), so it is not
   chosen automatically.
-* ``"xla"`` or ``"cudnn"``: that kernel, wherever the fused path is exact.
+* ``"xla"`` or ``"cudnn"``: that kernel, wherever the fused path is exact
+  (and no axis is empty, see :func:`fused_shapes_supported`).
 * ``"generic"``: always the generic path.
 """
 
@@ -39,7 +40,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from mha_multi import spec
-from mha_multi.jax._ops import JaxOps, PrecisionLike, dtype_kind
+from mha_multi.jax._ops import JaxOps, PrecisionLike, dtype_kind, is_16_bit, matmul
 from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "check_implementation",
     "check_params",
     "fused_path_exact",
+    "fused_shapes_supported",
     "multi_head_attention",
 ]
 
@@ -123,21 +125,35 @@ def as_valid_lens(valid_lens: Any) -> jax.Array | None:
 
     Accepts ``None``, JAX arrays, numpy arrays and nested sequences. Integer
     and floating dtypes are accepted (the rule is ``j < valid_lens``).
+    Integer lengths that JAX cannot hold (beyond 32 bits without
+    ``jax_enable_x64``, ``uint64`` beyond ``int64`` with it) are clipped,
+    not wrapped: ``2**62`` still hides nothing instead of everything. JAX
+    arrays are already within JAX's range and are taken as they are.
+
+    Args:
+        valid_lens: ``None`` or the lengths.
+
+    Returns:
+        ``None`` or the lengths as a JAX array.
 
     Raises:
         TypeError: a boolean, string or otherwise non-numeric ``valid_lens``.
     """
     if valid_lens is None:
         return None
-    if not isinstance(valid_lens, jax.Array):
-        try:
-            valid_lens = np.asarray(valid_lens)
-        except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
-            ) from error
-    spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
-    return jnp.asarray(valid_lens)
+    if isinstance(valid_lens, jax.Array):
+        spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
+        return valid_lens
+    try:
+        lens = np.asarray(valid_lens)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
+        ) from error
+    spec.check_valid_lens_dtype(dtype_kind(lens.dtype))
+    if lens.dtype.kind in "iu":
+        lens = spec.clip_integer_lens(lens, jax.dtypes.canonicalize_dtype(np.int64))
+    return jnp.asarray(lens)
 
 
 def _check_input(name: str, x: Any) -> Any:
@@ -157,6 +173,7 @@ def check_call(
     query_size: int | None = None,
     key_size: int | None = None,
     value_size: int | None = None,
+    causal: Any = False,
 ) -> tuple[Any, Any, Any, jax.Array | None]:
     """Validates the arguments of a call (traceable) and converts ``valid_lens``.
 
@@ -167,13 +184,14 @@ def check_call(
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
         query_size, key_size, value_size: the layer's input sizes, or
             ``None`` where not known yet.
+        causal: the call's ``causal`` flag, which must be a bool.
 
     Returns:
         ``(queries, keys, values, valid_lens)`` with ``valid_lens`` a JAX array.
 
     Raises:
-        TypeError: an input is not a floating array, or ``valid_lens`` is
-            not numeric.
+        TypeError: an input is not a floating array, ``valid_lens`` is not
+            numeric, or ``causal`` is not a bool.
         ValueError: inconsistent shapes, named (see
             :func:`mha_multi.spec.check_inputs`).
     """
@@ -189,13 +207,20 @@ def check_call(
         query_size=query_size,
         key_size=key_size,
         value_size=value_size,
+        causal=causal,
     )
     return queries, keys, values, lens
 
 
 def _linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, precision: Any) -> jax.Array:
-    y = jnp.matmul(x, kernel, precision=precision)
-    return y if bias is None else y + bias
+    if not is_16_bit(x.dtype):
+        y = matmul(x, kernel, precision)
+        return y if bias is None else y + bias
+    # The bias joins the float32 accumulator, so x @ W + b is rounded once.
+    y = jnp.matmul(x, kernel, precision=precision, preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
 
 
 def _dropout(rng: jax.Array, rate: float, x: jax.Array) -> jax.Array:
@@ -275,6 +300,17 @@ def fused_path_exact(
     return True
 
 
+def fused_shapes_supported(batch: int, num_queries: int, num_keys: int) -> bool:
+    """Whether the fused kernels serve these sizes: none of them may be 0.
+
+    With no key the spec's output is a zero context (the bias of the output
+    projection); with no query or no example it is empty. The generic path
+    gives exactly that, while the kernels reshape by inferred sizes, take a
+    softmax over nothing or divide by the key count.
+    """
+    return batch > 0 and num_queries > 0 and num_keys > 0
+
+
 def _platform(x: jax.Array) -> str:
     """The platform ``x`` lives on; the default backend for tracers under ``jit``."""
     if isinstance(x, jax.core.Tracer):
@@ -335,6 +371,12 @@ def _fused_attention(
         The concatenated heads ``(B, Q, num_hiddens)``.
     """
     ops = JaxOps(precision)
+    dtype = q.dtype
+    if implementation == "xla" and is_16_bit(dtype):
+        # XLA's kernel multiplies its 16-bit weights by the 16-bit values with
+        # no float32 accumulator; in float32 it gives the spec's products
+        # (the products of 16-bit numbers are exact there), rounded once below.
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     num_queries, num_keys = q.shape[1], k.shape[1]
     # (B, T, H*dh) -> (B, T, H, dh) is the kernel's layout: no transposes.
     q, k, v = (ops.split_axis(x, 2, (num_heads, head_dim)) for x in (q, k, v))
@@ -367,7 +409,7 @@ def _fused_attention(
             ops, positions, valid_lens, causal=causal and num_queries > num_keys
         )
         output = spec.fix_fully_hidden_rows(ops, output, v, visible, heads_axis=2)
-    return ops.merge_axes(output, 2)
+    return ops.merge_axes(output, 2).astype(dtype)
 
 
 def multi_head_attention(
@@ -424,7 +466,8 @@ def multi_head_attention(
             lets the fused path run.
         implementation: ``None`` (choose), ``"generic"``, ``"xla"`` or
             ``"cudnn"`` (see the module notes); a fused kernel runs only
-            where :func:`fused_path_exact` allows, the generic path elsewhere.
+            where :func:`fused_path_exact` and :func:`fused_shapes_supported`
+            allow, the generic path elsewhere.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and the
@@ -446,6 +489,7 @@ def multi_head_attention(
         query_size=config.query_size,
         key_size=config.key_size,
         value_size=config.value_size,
+        causal=causal,
     )
     use_dropout = not deterministic and dropout_rate > 0
     if use_dropout and dropout_rng is None:
@@ -463,11 +507,15 @@ def multi_head_attention(
     if kernel is None:
         half = np.dtype(dtype).name in FUSED_DTYPES and np.dtype(dtype).itemsize == 2
         kernel = "cudnn" if half and _platform(q) == "gpu" else "generic"
-    if kernel != "generic" and fused_path_exact(
-        dtype,
-        return_attention_weights=return_attention_weights,
-        use_dropout=use_dropout,
-        precision=precision,
+    if (
+        kernel != "generic"
+        and fused_path_exact(
+            dtype,
+            return_attention_weights=return_attention_weights,
+            use_dropout=use_dropout,
+            precision=precision,
+        )
+        and fused_shapes_supported(q.shape[0], q.shape[1], k.shape[1])
     ):
         try:
             context = _fused_attention(

@@ -173,7 +173,7 @@ class MultiHeadAttention(nnx.Module):
         """
         sizes = self.input_sizes()
         queries, keys, values, valid_lens = functional.check_call(
-            queries, keys, values, valid_lens, **sizes
+            queries, keys, values, valid_lens, causal=causal, **sizes
         )
         deterministic = self.deterministic if deterministic is None else deterministic
         dropout_rng = None

@@ -144,7 +144,7 @@ class MultiHeadAttention(nn.Module):
             ValueError: inconsistent shapes, named; raised while tracing.
         """
         queries, keys, values, valid_lens = functional.check_call(
-            queries, keys, values, valid_lens, **self._known_sizes()
+            queries, keys, values, valid_lens, causal=causal, **self._known_sizes()
         )
         params = {}
         in_features = {
