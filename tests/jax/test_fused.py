@@ -19,9 +19,11 @@ from jax import lax
 from conftest import gpu_required
 from mha_multi import spec
 from mha_multi.jax import MultiHeadAttention, linen, multi_head_attention, set_weights
-from mha_multi.jax.functional import fused_path_exact
+from mha_multi.jax.functional import fused_path_exact, fused_shapes_supported
 from mha_multi.parity.cases import CASES, build_case
+from mha_multi.parity.runners.jax import JaxNNXRunner
 from mha_multi.weights import init_weights
+from tests.backends import test_edges as edges
 
 jax.config.update("jax_enable_x64", True)
 
@@ -373,3 +375,68 @@ def test_gpu_16_bit_head_sizes_cudnn_declines_take_the_generic_path(kernel_calls
         out = layer(*[jax.device_put(x, gpu) for x in arrays(case, jnp.bfloat16)], case.valid_lens)
     assert [call["implementation"] for call in kernel_calls] == ["cudnn"]
     np.testing.assert_allclose(np.asarray(out, np.float64), case.reference["output"], atol=2e-2)
+
+
+# -- the edge inputs of tests/backends/test_edges.py on XLA's kernel ------------
+
+
+class XlaNNXRunner(JaxNNXRunner):
+    """The NNX runner with ``implementation="xla"``: its default call is the fused path."""
+
+    name = "jax-nnx-xla"
+
+    def make_layer(self, num_hiddens, num_heads, **kwargs):
+        return super().make_layer(num_hiddens, num_heads, implementation="xla", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def xla_runner():
+    return XlaNNXRunner()
+
+
+def _parameters(test, argname):
+    """The values ``test`` is parametrized with for ``argname``, as its own marks list them."""
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name == "parametrize" and mark.args[0] == argname:
+            return list(mark.args[1]), mark.kwargs.get("ids")
+    raise LookupError(f"{test.__name__} is not parametrized over {argname}")
+
+
+EXTREME_LENS, EXTREME_LENS_IDS = _parameters(edges.test_extreme_lengths_mean_what_they_say, "lens")
+
+
+@pytest.mark.parametrize("name", sorted(edges.NONFINITE))
+def test_xla_kernel_nonfinite_inputs_propagate_as_in_reference(kernel_calls, xla_runner, name):
+    edges.test_nonfinite_inputs_propagate_as_in_reference(xla_runner, name)
+    assert len(kernel_calls) == 2  # causal False and True: the default calls are fused
+
+
+@pytest.mark.parametrize("lens", EXTREME_LENS, ids=EXTREME_LENS_IDS)
+def test_xla_kernel_extreme_lengths_mean_what_they_say(kernel_calls, xla_runner, lens):
+    edges.test_extreme_lengths_mean_what_they_say(xla_runner, lens)
+    assert len(kernel_calls) == 2
+
+
+@pytest.mark.parametrize("dtype", edges.SIXTEEN_BIT)
+@pytest.mark.parametrize(
+    "test",
+    [
+        edges.test_16bit_projection_accumulates_in_float32,
+        edges.test_16bit_attention_product_accumulates_in_float32,
+        edges.test_16bit_huge_scores_neither_overflow_nor_leak,
+    ],
+    ids=lambda test: test.__name__.removeprefix("test_16bit_"),
+)
+def test_xla_kernel_16_bit_edges(kernel_calls, xla_runner, test, dtype):
+    test(xla_runner, dtype)
+    assert len(kernel_calls) == 1
+
+
+@pytest.mark.parametrize("lens_kind", ["none", "1d", "2d"])
+@pytest.mark.parametrize("shape", sorted(edges.EMPTY_SHAPES))
+def test_xla_layer_with_empty_axes_takes_the_generic_path(
+    kernel_calls, xla_runner, shape, lens_kind
+):
+    edges.test_empty_axes(xla_runner, shape, lens_kind)
+    assert len(kernel_calls) == 1  # only the closing call on full shapes is fused
+    assert not fused_shapes_supported(*edges.EMPTY_SHAPES[shape])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,14 @@ from jax.test_util import check_grads
 
 from conftest import gpu_required
 from mha_multi import spec
-from mha_multi.jax import MultiHeadAttention, get_weights, linen, multi_head_attention, set_weights
+from mha_multi.jax import (
+    MultiHeadAttention,
+    functional,
+    get_weights,
+    linen,
+    multi_head_attention,
+    set_weights,
+)
 from mha_multi.parity.cases import CASES, build_case
 from mha_multi.weights import init_weights
 
@@ -455,6 +463,39 @@ def test_valid_lens_accepts_sequences_numpy_and_jax_arrays():
     ):
         out = layer(*arrays(case), valid_lens)
         np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
+
+
+@pytest.mark.parametrize("implementation", ["generic", "xla"])
+@pytest.mark.parametrize(
+    "lens",
+    [
+        np.array([2**62, 2]),
+        [sys.maxsize, -sys.maxsize - 1],
+        np.array([2**31, -(2**31) - 1]),
+        np.array([2**63 + 5, 3], np.uint64),
+        np.array([[2**40, 0, -(2**40)], [1, 2**33, 3]]),
+    ],
+    ids=["2^62", "maxsize_list", "2^31", "uint64", "2d_large"],
+)
+def test_integer_lengths_beyond_32_bits_are_clipped_not_wrapped(lens, implementation):
+    # Without x64 JAX would turn 2**62 into 0 and 2**31 into -2**31: every key hidden.
+    weights = init_weights(8, seed=5)
+    queries, keys, values = small_inputs(5)
+    expected, _ = spec.reference_forward(weights, queries, keys, values, lens, num_heads=2)
+    with jax.enable_x64(False):
+        params = {name: jnp.asarray(w, jnp.float32) for name, w in weights.items()}
+        assert functional.as_valid_lens(lens).dtype == jnp.int32
+        out, _ = multi_head_attention(
+            params,
+            queries,
+            keys,
+            values,
+            lens,
+            num_heads=2,
+            return_attention_weights=False,
+            implementation=implementation,
+        )
+    np.testing.assert_allclose(out, expected, atol=5e-6)
 
 
 # -- GPU --------------------------------------------------------------------------
