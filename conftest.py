@@ -7,6 +7,8 @@ Backend tests are written once and parametrized over runners:
   Unset, every backend whose framework imports is used.
 * ``MHA_MULTI_REQUIRE_GPU=1`` turns a missing GPU into a failure instead of
   a skip.
+* ``HYPOTHESIS_PROFILE=exhaustive`` runs the randomised tests with many more
+  examples.
 """
 
 from __future__ import annotations
@@ -14,8 +16,16 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 DEVICES = ("cpu", "gpu")
+
+# Randomised tests: a few dozen examples per backend in the default run (eager
+# frameworks compile every new shape, so examples are the suite's main cost);
+# ``HYPOTHESIS_PROFILE=exhaustive`` (the ``exhaustive-*`` nox sessions) for many.
+settings.register_profile("mha_multi", max_examples=40)
+settings.register_profile("exhaustive", max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "mha_multi"))
 
 
 def selected_backends() -> list[str]:

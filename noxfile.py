@@ -1,7 +1,8 @@
 """nox sessions: one environment per framework, because they cannot share one.
 
-``nox`` runs every ``tests-*`` session and ``lint``; ``nox -s parity`` runs
-every backend on the shared parity cases and prints the report.
+``nox`` runs every ``tests-*`` session, ``lint`` and ``docs``; ``nox -s parity``
+runs every backend on the shared parity cases and prints the report;
+``nox -s exhaustive`` runs the randomised tests with many more examples.
 """
 
 from __future__ import annotations
@@ -137,6 +138,15 @@ def make_test_session(name: str, environment: Environment) -> None:
         install(session, environment)
         session.run("pytest", *environment.tests, *session.posargs, env=session_env(environment))
 
+    if environment.backends:
+
+        @nox.session(name=f"exhaustive-{name}", default=False)
+        def exhaustive(session: nox.Session) -> None:
+            """The randomised backend tests with many examples (not in the default run)."""
+            install(session, environment)
+            env = {**session_env(environment), "HYPOTHESIS_PROFILE": "exhaustive"}
+            session.run("pytest", "tests/backends/test_random.py", *session.posargs, env=env)
+
 
 def make_parity_session(name: str, environment: Environment) -> None:
     @nox.session(name=f"parity-{name}", default=False)
@@ -184,6 +194,14 @@ for _name, _environment in ENVIRONMENTS.items():
         make_parity_session(_name, _environment)
     if _environment.benchmarks:
         make_bench_session(_name, _environment)
+
+
+@nox.session(default=False)
+def exhaustive(session: nox.Session) -> None:
+    """Every backend's randomised tests with many hypothesis examples."""
+    for name, environment in ENVIRONMENTS.items():
+        if environment.backends:
+            session.notify(f"exhaustive-{name}", posargs=session.posargs)
 
 
 @nox.session(default=False)

@@ -48,7 +48,8 @@ def configurations(draw):
 
 
 @settings(
-    max_examples=200,
+    # The example count comes from the hypothesis profile (conftest.py): a few
+    # dozen in the default run, many more in the opt-in ``exhaustive`` session.
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
