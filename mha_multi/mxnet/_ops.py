@@ -16,11 +16,15 @@ themselves is worked around here:
   split one), for non-negative axes (the spec uses no other).
 * ``logical_and``: ``mxnet.numpy`` 1.9 has none; boolean arrays multiply
   (MXNet promotes them to float32, exactly 0 or 1) and are cast back.
-* ``matmul`` of float16 arrays on the CPU: MXNet 1.9 has float16 matrix
-  products on GPUs only, so the product is taken in float32 and cast back,
-  as GPUs accumulate float16 products in float32.
+* ``matmul`` of 16-bit arrays: the spec asks for float32 accumulation
+  rounded once, and MXNet 1.9 promises nothing about it (its CPU kernels have
+  no float16 products at all), so the operands are cast to float32 and the
+  product cast back, on every device.
 * ``where`` with a scalar fill has a wrong backward in MXNet 1.9; the fill
-  is passed as a 0-d array (an array fill is passed as it is).
+  is passed as a 0-d array of ``x``'s dtype (an array fill of another dtype,
+  too, is cast to it: MXNet's ``where`` would promote).
+* ``softmax``: MXNet's kernel confines a NaN or inf score to its own key;
+  the reference's whole row becomes NaN, and so does the adapter's.
 * ``arange_like`` counts in float32 where the array is 16-bit (float16
   cannot count past 2048 exactly) and returns int32.
 """
@@ -52,8 +56,6 @@ class MXNetOps:
 
     Args:
         F: ``mxnet.ndarray`` or ``mxnet.symbol``, as a ``HybridBlock`` receives it.
-        float16_in_float32: take float16 matrix products in float32 (MXNet's
-            CPU kernels have no float16 products).
         input_dtypes: graph input name -> dtype; used only for symbols.
         input_shapes: graph input name -> shape; used only for symbols.
     """
@@ -62,13 +64,11 @@ class MXNetOps:
         self,
         F: Any,
         *,
-        float16_in_float32: bool = False,
         input_dtypes: Mapping[str, Any] | None = None,
         input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         self._np = F.np
         self._npx = F.npx
-        self._float16_in_float32 = float16_in_float32
         self._input_dtypes = {k: np.dtype(v).name for k, v in (input_dtypes or {}).items()}
         self._input_shapes = dict(input_shapes or {})
 
@@ -97,10 +97,13 @@ class MXNetOps:
     # -- arithmetic -----------------------------------------------------------
 
     def matmul(self, a: Array, b: Array) -> Array:
-        if self._float16_in_float32 and self.dtype(a) == np.float16:
-            product = self._np.matmul(a.astype(np.float32), b.astype(np.float32))
-            return product.astype(np.float16)
-        return self._np.matmul(a, b)
+        a_dtype, b_dtype = self.dtype(a), self.dtype(b)
+        if a_dtype.itemsize >= 4 and b_dtype.itemsize >= 4:
+            return self._np.matmul(a, b)
+        # 16-bit operands: accumulate in float32, round once (numpy's result dtype).
+        result = np.result_type(a_dtype, b_dtype)
+        product = self._np.matmul(_to(a, a_dtype, np.float32), _to(b, b_dtype, np.float32))
+        return _to(product, np.dtype(np.float32), result)
 
     def arange_like(self, x: Array, axis: int) -> Array:
         if self.itemsize(self.dtype(x)) < 4:
@@ -118,7 +121,7 @@ class MXNetOps:
 
     def where(self, condition: Array, x: Array, fill: float | Array) -> Array:
         if _is_array(fill) or isinstance(fill, mx.sym.Symbol):
-            return self._np.where(condition, x, fill)
+            return self._np.where(condition, x, _to(fill, self.dtype(fill), self.dtype(x)))
         # Not np.where(condition, x, fill): MXNet 1.9's backward of the scalar
         # form routes the gradient to the wrong elements. A 0-d array is right.
         placement = {"ctx": x.ctx} if _is_array(x) else {}
@@ -135,10 +138,15 @@ class MXNetOps:
         return self._np.mean(x, axis=axis, keepdims=True)
 
     def softmax(self, x: Array) -> Array:
-        return self._npx.softmax(x, axis=-1)
+        # MXNet's kernel gives 0 to the other keys of a row holding a NaN or
+        # inf score; the reference (exp(x - max) / sum) makes the whole row
+        # NaN. 0 * max is NaN exactly for those rows (MXNet's max keeps NaN)
+        # and adds an exact 0 elsewhere.
+        weights = self._npx.softmax(x, axis=-1)
+        return weights + 0 * self._np.max(x, axis=-1, keepdims=True)
 
     def cast(self, x: Array, dtype: Any) -> Array:
-        return x.astype(dtype)
+        return _to(x, self.dtype(x), np.dtype(dtype))
 
     # -- static information -------------------------------------------------
 
@@ -166,6 +174,11 @@ class MXNetOps:
         if shape is None:
             raise ValueError(f"cannot infer the rank of {x.name!r} from {self._input_shapes}")
         return len(shape)
+
+
+def _to(x: Array, dtype: np.dtype, target: Any) -> Array:
+    """``x`` (of ``dtype``) as ``target``; no copy, and no graph node, when they are equal."""
+    return x if np.dtype(dtype) == np.dtype(target) else x.astype(target)
 
 
 def _check_axis(axis: int) -> None:

@@ -94,7 +94,7 @@ class _AttentionGraph(gluon.HybridBlock):
         self._num_heads = num_heads
         self._head_dim = head_dim
         self._dropout = dropout
-        self._float16_in_float32 = config.device_type == "cpu" and config.dtype == "float16"
+        self._low_precision = np.dtype(config.dtype).itemsize < 4
         #: dtypes and shapes of the call's inputs, by Gluon's graph input names.
         self.input_dtypes: dict[str, str] = {}
         self.input_shapes: dict[str, tuple[int, ...]] = {}
@@ -106,14 +106,16 @@ class _AttentionGraph(gluon.HybridBlock):
                 setattr(self, name, found)
 
     def _project(self, F: Any, x: Any, weight: Any, bias: Any) -> Any:
-        if self._float16_in_float32:
-            # MXNet 1.9's CPU fully-connected kernel has no float16.
+        if self._low_precision:
+            # The spec accumulates 16-bit products in float32 and rounds once;
+            # MXNet's kernels promise nothing (its CPU kernel has no float16
+            # at all), so the product is taken in float32 on every device.
             x, weight = x.astype(np.float32), weight.astype(np.float32)
             bias = None if bias is None else bias.astype(np.float32)
         y = F.npx.fully_connected(
             x, weight, bias, no_bias=bias is None, num_hidden=self._num_hiddens, flatten=False
         )
-        return y.astype(np.float16) if self._float16_in_float32 else y
+        return y.astype(self._config.dtype) if self._low_precision else y
 
     def hybrid_forward(
         self,
@@ -128,7 +130,6 @@ class _AttentionGraph(gluon.HybridBlock):
         # and shapes: MXNet 1.9 symbols carry neither.
         ops = MXNetOps(
             F,
-            float16_in_float32=self._float16_in_float32,
             input_dtypes=self.input_dtypes,
             input_shapes=self.input_shapes,
         )
@@ -158,14 +159,12 @@ class _AttentionGraph(gluon.HybridBlock):
         output = project(context, "o")
         return (output, weights) if self._config.return_attention_weights else output
 
-    def _batch_dot(self, F: Any, a: Any, b: Any, *, transpose_b: bool = False) -> Any:
-        if self._float16_in_float32:
-            # MXNet 1.9 has float16 matrix products on GPUs only (as MXNetOps.matmul).
-            product = F.npx.batch_dot(
-                a.astype(np.float32), b.astype(np.float32), transpose_b=transpose_b
-            )
-            return product.astype(np.float16)
-        return F.npx.batch_dot(a, b, transpose_b=transpose_b)
+    def _batch_dot(self, F: Any, a: Any, b: Any) -> Any:
+        """``a @ b`` of the layer's dtype; 16-bit accumulated in float32, as in MXNetOps.matmul."""
+        if self._low_precision:
+            product = F.npx.batch_dot(a.astype(np.float32), b.astype(np.float32))
+            return product.astype(self._config.dtype)
+        return F.npx.batch_dot(a, b)
 
     def _fused_attention(
         self, F: Any, ops: MXNetOps, q: Any, k: Any, v: Any, valid_lens: Any
@@ -182,17 +181,17 @@ class _AttentionGraph(gluon.HybridBlock):
             The concatenated heads ``(B, Q, num_hiddens)``.
         """
         num_heads = self._num_heads
+        if self._low_precision:
+            # As spec.scaled_scores: 16-bit heads give float32 scores, which
+            # stay float32 into the float32 softmax (inputs of magnitude 300
+            # give scores beyond float16's range).
+            q, k = q.astype(np.float32), k.astype(np.float32)
         # Scaling the queries instead of the (B*H, Q, K) scores is K / head_dim
         # times less work; it is exact when sqrt(head_dim) is a power of two
         # (head_dim 4, 16, 64, 256), and otherwise differs by rounding only.
         q = q / math.sqrt(self._head_dim)
         q, k, v = (spec.transpose_qkv(ops, x, num_heads) for x in (q, k, v))  # (B*H, T, dh)
-        scores = self._batch_dot(F, q, k, transpose_b=True)  # (B*H, Q, K)
-        dtype = np.dtype(self._config.dtype)
-        low_precision = dtype.itemsize < 4
-        if low_precision:
-            # The spec's masked softmax runs in float32 for 16-bit inputs.
-            scores = scores.astype(np.float32)
+        scores = F.npx.batch_dot(q, k, transpose_b=True)  # (B*H, Q, K)
         split_scores = ops.split_axis(scores, 0, (-1, num_heads))  # (B, H, Q, K), a view
         visible = spec.visibility(ops, split_scores, valid_lens, causal=self._config.causal)
         if visible is not None:
@@ -213,8 +212,8 @@ class _AttentionGraph(gluon.HybridBlock):
             )
             scores = F.npx.reshape_like(masked, scores)
         weights = F.npx.softmax(scores, axis=-1)
-        if low_precision:
-            weights = weights.astype(dtype)
+        if self._low_precision:
+            weights = weights.astype(self._config.dtype)
         if self._dropout > 0:
             weights = F.npx.dropout(weights, p=self._dropout)
         context = self._batch_dot(F, weights, v)  # (B*H, Q, dh)
@@ -407,8 +406,13 @@ class MultiHeadAttention(gluon.HybridBlock):
             keys.shape,
             values.shape,
             None if lens is None else lens.shape,
+            causal=causal,
             **self.input_sizes(),
         )
+        if 0 in (queries.shape[0], queries.shape[1], keys.shape[1]):
+            # MXNet 1.9's kernels fail on these shapes (some crash the process,
+            # some leave the engine unusable), so the result is built here.
+            return self._empty_attention(queries, keys, values, bool(return_attention_weights))
         config = _Config(
             device_type=queries.ctx.device_type,
             dtype=self.dtype.name,
@@ -425,6 +429,49 @@ class MultiHeadAttention(gluon.HybridBlock):
         out = graph(*inputs)
         self._graphs.last = graph
         return tuple(out) if config.return_attention_weights else out
+
+    def _empty_attention(
+        self, queries: Any, keys: Any, values: Any, return_attention_weights: bool
+    ) -> Any:
+        """The spec's result when ``B``, ``Q`` or ``K`` is 0, built from shapes.
+
+        With no keys every query's context is empty (zero), so the output is
+        ``b_o`` broadcast (zeros without bias) and the weights are
+        ``(B, H, Q, 0)``; with no queries or no batch everything is empty.
+        Every input and parameter is linked into the result with a zero
+        contribution, so that a backward pass writes them zero gradients of
+        their own shapes (and ``b_o`` the sum of the output's gradient), as
+        the reference does, instead of leaving earlier gradients in place.
+        """
+        ctx, dtype = queries.ctx, self.dtype
+        batch, num_queries, num_keys = queries.shape[0], queries.shape[1], keys.shape[1]
+        parameters = self._parameter_arrays(queries, keys, values)
+        output = mx.np.zeros((batch, num_queries, self.num_hiddens), dtype=dtype, ctx=ctx)
+        if self.bias and output.size:
+            output = output + self.W_o.bias.data(ctx)
+        if mx.autograd.is_recording():
+            for x in (queries, keys, values, *parameters):
+                output = output + _zero_link(x)
+        if not return_attention_weights:
+            return output
+        weights_shape = (batch, self.num_heads, num_queries, num_keys)
+        return output, mx.np.zeros(weights_shape, dtype=dtype, ctx=ctx)
+
+    def _parameter_arrays(self, queries: Any, keys: Any, values: Any) -> list[Any]:
+        """Every parameter's array on the inputs' device; deferred sizes fixed by the inputs."""
+        ctx = queries.ctx
+        arrays = []
+        for name, x in (("q", queries), ("k", keys), ("v", values), ("o", None)):
+            dense = getattr(self, f"W_{name}")
+            for parameter in (dense.weight, dense.bias):
+                if parameter is None:
+                    continue
+                if x is not None and parameter is dense.weight and 0 in parameter.shape:
+                    # Gluon's deferred initialization, which a graph call would do.
+                    parameter.shape = (self.num_hiddens, x.shape[2])
+                    parameter._finish_deferred_init()
+                arrays.append(parameter.data(ctx))
+        return arrays
 
     def _graph(self, config: _Config) -> _AttentionGraph:
         graph = self._graphs.by_config.get(config)
@@ -450,6 +497,14 @@ class MultiHeadAttention(gluon.HybridBlock):
                 graph.hybridize(*args, **kwargs)
             self._graphs.by_config[config] = graph
         return graph
+
+
+def _zero_link(x: Any) -> Any:
+    """A 0-d zero whose gradient to ``x`` is zeros of ``x``'s shape, whatever ``x`` holds.
+
+    ``0 * x`` would be NaN where ``x`` is not finite.
+    """
+    return mx.np.zeros_like(x).sum()
 
 
 def _in_units(dense: nn.Dense) -> int | None:
@@ -490,6 +545,9 @@ def _as_lens(valid_lens: Any, ctx: mx.Context) -> mx.np.ndarray | None:
             f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
         ) from error
     spec.check_valid_lens_dtype(array.dtype.kind)
+    # MXNet has no unsigned integers beyond uint8; any length past int32's
+    # range means what int32's bound means (key counts fit in it).
+    array = spec.clip_integer_lens(array, np.int32)
     return mx.np.array(array, dtype=array.dtype, ctx=ctx)
 
 
@@ -514,10 +572,17 @@ def _load(parameter: gluon.Parameter, array: np.ndarray, ctx: mx.Context | None)
     parameter.set_data(mx.np.array(array, dtype=parameter.dtype))
 
 
+def _as_numpy(value: Any) -> Any:
+    return value.asnumpy() if isinstance(value, mx.nd.NDArray) else value
+
+
 def set_weights(
     layer: MultiHeadAttention, weights: Mapping[str, Any], *, ctx: mx.Context | None = None
 ) -> MultiHeadAttention:
     """Loads canonical weights into ``layer`` (strict) and returns it.
+
+    Entries may be numpy arrays, ``mxnet.numpy`` arrays or legacy
+    ``mxnet.nd`` arrays, on any device.
 
     Deferred input sizes are fixed by the weights. Parameters not initialized
     yet are created on ``ctx`` (default: the current context); initialized
@@ -526,6 +591,9 @@ def set_weights(
     Raises:
         ValueError: a missing, extra or mis-shaped entry, named.
     """
+    if isinstance(weights, Mapping):
+        # numpy would wrap an MXNet array as a 0-d object array, not read it.
+        weights = {name: _as_numpy(value) for name, value in weights.items()}
     arrays, _ = check_weights(
         weights, num_hiddens=layer.num_hiddens, bias=layer.bias, **layer.input_sizes()
     )
