@@ -29,6 +29,8 @@ from mha_multi.weights import KERNEL_NAMES
 
 #: dtypes MXNet 1.9's numpy interface has (no bfloat16).
 DTYPES = ("float64", "float32", "float16")
+#: Numeric dtypes of ``mxnet.numpy`` arrays (no unsigned integers beyond uint8).
+LENS_DTYPES = ("float64", "float32", "float16", "int64", "int32", "int8", "uint8")
 
 
 class MXNetRunner(Runner):
@@ -62,6 +64,9 @@ class MXNetRunner(Runner):
 
     def _lens(self, valid_lens: Any, device: str) -> Any:
         if is_numeric(valid_lens):
+            if np.dtype(valid_lens.dtype).name not in LENS_DTYPES:
+                # As a user must: MXNet has no such arrays; the layer takes numpy ones.
+                return valid_lens
             return mx.np.array(valid_lens, dtype=valid_lens.dtype, ctx=self._ctx(device))
         return valid_lens
 
