@@ -466,7 +466,7 @@ class MultiHeadAttention(gluon.HybridBlock):
             for parameter in (dense.weight, dense.bias):
                 if parameter is None:
                     continue
-                if x is not None and parameter is dense.weight and 0 in parameter.shape:
+                if x is not None and parameter is dense.weight and _in_units(dense) is None:
                     # Gluon's deferred initialization, which a graph call would do.
                     parameter.shape = (self.num_hiddens, x.shape[2])
                     parameter._finish_deferred_init()
