@@ -239,6 +239,11 @@ class MultiHeadAttention(gluon.HybridBlock):
     the attention weights take a faster route to the same numbers (see the
     module docstring).
 
+    float16 products are taken in float32 and rounded once, on every device.
+    Inputs with no batch, no queries or no keys are answered without a
+    graph: no keys give the output ``b_o`` (zeros without bias) and weights
+    of shape ``(B, H, Q, 0)``, and gradients flow as in the spec.
+
     Args:
         num_hiddens: size of every projection and of the output.
         num_heads: number of heads ``H``; must divide ``num_hiddens``.
@@ -380,9 +385,10 @@ class MultiHeadAttention(gluon.HybridBlock):
             values: ``(B, K, value_size)``, same dtype and device.
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating
                 (MXNet's default float32 included); an ``mxnet.numpy`` array
-                on any device, a numpy array or a list. Key ``j`` is visible
-                to query ``i`` iff ``j < valid_lens``.
-            causal: also hide key ``j`` from query ``i`` when
+                on any device, a numpy array (any integer dtype: lengths
+                beyond int32 are clipped, which keeps their meaning) or a
+                list. Key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
+            causal: a bool; also hide key ``j`` from query ``i`` when
                 ``j > i + (K - Q)``.
             return_attention_weights: also return the pre-dropout weights.
 
@@ -392,7 +398,8 @@ class MultiHeadAttention(gluon.HybridBlock):
 
         Raises:
             TypeError: an input is not a floating ``mxnet.numpy.ndarray`` of
-                the parameters' dtype, or ``valid_lens`` is not numeric.
+                the parameters' dtype, ``valid_lens`` is not numeric, or
+                ``causal`` is not a bool.
             ValueError: mismatched shapes or devices.
         """
         for name, array in (("queries", queries), ("keys", keys), ("values", values)):

@@ -4,8 +4,8 @@
 MXNet 1.9's numpy interface has no bfloat16 (``mxnet.numpy`` rejects the
 dtype name), so :meth:`MXNetRunner.dtype_supported` declines it and those
 parity tests show as skips. float16 runs on the CPU too: the layer takes its
-matrix products there in float32 (MXNet 1.9 has CPU float16 products only
-on GPUs).
+matrix products in float32 on every device (MXNet 1.9 has float16 products
+only on GPUs).
 """
 
 from __future__ import annotations
