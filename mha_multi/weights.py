@@ -20,6 +20,8 @@ a round trip is bit-exact.
 from __future__ import annotations
 
 import os
+import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,9 @@ __all__ = [
 
 KERNEL_NAMES = ("W_q", "W_k", "W_v", "W_o")
 BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
+
+# A zip archive starts with a local file header, or, when empty, with its end record.
+_ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")
 
 
 @dataclass(frozen=True)
@@ -210,18 +215,87 @@ def save_weights(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> No
         with open(path, "wb") as file:
             np.savez(file, **arrays)
     else:
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save
 
-        save_file({name: np.ascontiguousarray(a) for name, a in arrays.items()}, os.fspath(path))
+        # Serialised in memory and written by Python so that an unwritable path
+        # raises the usual OSError rather than safetensors' own error.
+        data = save({name: np.ascontiguousarray(a) for name, a in arrays.items()})
+        with open(path, "wb") as file:
+            file.write(data)
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    # Opened here so that a missing or unreadable file keeps its OSError, and
+    # checked for the zip signature because np.load hands anything else to its
+    # pickle branch, whose message (or, on numpy 2, EOFError for an empty file)
+    # would not say that the file is damaged.
+    with open(path, "rb") as stream:
+        if stream.read(4) not in _ZIP_SIGNATURES:
+            raise ValueError(
+                f"{path!r} is not a valid .npz file: it is not a zip archive "
+                "(truncated, or another format)"
+            )
+        stream.seek(0)
+        try:
+            with np.load(stream, allow_pickle=False) as archive:
+                return {name: archive[name] for name in archive.files}
+        # What zipfile and zlib raise for damaged archives: a bad header can ask
+        # for an unsupported feature or version, encryption, or a seek before
+        # the start of the file (OSError).
+        except (
+            zipfile.BadZipFile,
+            zlib.error,
+            EOFError,
+            NotImplementedError,
+            RuntimeError,
+            OSError,
+        ) as error:
+            raise ValueError(
+                f"{path!r} is not a valid .npz file (truncated or corrupt): {error}"
+            ) from error
+        except ValueError as error:  # e.g. an object array, refused without unpickling
+            raise ValueError(f"{path!r} is not a valid .npz file: {error}") from error
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise ValueError(
+            f"{path!r} is not a valid .safetensors file (truncated or corrupt): {error}"
+        ) from error
+    except TypeError as error:  # a valid file of a dtype numpy lacks, e.g. bfloat16
+        raise TypeError(
+            f"{path!r} holds a tensor numpy cannot represent ({error}); "
+            "canonical weights are float16, float32 or float64"
+        ) from error
 
 
 def load_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Reads and validates canonical weights from ``.npz`` or ``.safetensors``."""
-    if _format(path) == ".npz":
-        with np.load(path, allow_pickle=False) as file:
-            weights = {name: file[name] for name in file.files}
-    else:
-        from safetensors.numpy import load_file
+    """Reads and validates canonical weights from ``.npz`` or ``.safetensors``.
 
-        weights = load_file(os.fspath(path))
-    return check_weights(weights)[0]
+    Raises:
+        OSError: the file cannot be opened (``FileNotFoundError`` when there is none).
+        ValueError: a suffix other than ``.npz``/``.safetensors``; a
+            truncated, corrupt or empty file, or one holding pickled objects;
+            weights that :func:`check_weights` rejects (its message, after
+            the file's name).
+        TypeError: a tensor whose dtype numpy cannot represent (``bfloat16``),
+            or weights that are not floating-point.
+    """
+    reader = _read_npz if _format(path) == ".npz" else _read_safetensors
+    path = os.fspath(path)
+    weights = reader(path)
+    if not weights:
+        raise ValueError(
+            f"{path!r} holds no arrays; expected canonical weights {', '.join(KERNEL_NAMES)}"
+        )
+    try:
+        return check_weights(weights)[0]
+    except ValueError as error:
+        raise ValueError(f"{path!r}: {error}") from error
+    except TypeError as error:
+        raise TypeError(f"{path!r}: {error}") from error

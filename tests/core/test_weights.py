@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import struct
+import zipfile
+
 import numpy as np
 import pytest
+from safetensors import SafetensorError
+from safetensors.numpy import save as safetensors_bytes
 
 from mha_multi.weights import check_weights, init_weights, load_weights, save_weights, weight_shapes
 
@@ -104,5 +110,123 @@ def test_npz_load_refuses_pickles(tmp_path):
     path = tmp_path / "weights.npz"
     weights = dict(init_weights(4))
     np.savez(path, **weights, W_extra=np.array([object()], dtype=object))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as info:
         load_weights(path)
+    assert str(info.value) == (
+        f"{str(path)!r} is not a valid .npz file: "
+        "Object arrays cannot be loaded when allow_pickle=False"
+    )
+
+
+def saved(tmp_path, suffix):
+    path = tmp_path / f"weights{suffix}"
+    save_weights(path, init_weights(8, bias=True, seed=1))
+    return path, path.read_bytes()
+
+
+# Cut inside the signature, mid-file and one byte short. An empty .npz file is
+# the case where numpy 1.23 (a pickle error) and numpy 2 (EOFError) differ.
+@pytest.mark.parametrize("keep", [0, 3, 0.5, -1])
+def test_truncated_npz_is_a_value_error_naming_the_file(tmp_path, keep):
+    path, data = saved(tmp_path, ".npz")
+    size = int(len(data) * keep) if isinstance(keep, float) else keep % len(data)
+    path.write_bytes(data[:size])
+    with pytest.raises(ValueError) as info:
+        load_weights(path)
+    if size < 4:
+        assert str(info.value) == (
+            f"{str(path)!r} is not a valid .npz file: it is not a zip archive "
+            "(truncated, or another format)"
+        )
+    else:
+        assert str(info.value) == (
+            f"{str(path)!r} is not a valid .npz file (truncated or corrupt): File is not a zip file"
+        )
+        assert isinstance(info.value.__cause__, zipfile.BadZipFile)
+
+
+def test_corrupt_npz_is_a_value_error_naming_the_file(tmp_path):
+    path, data = saved(tmp_path, ".npz")
+    # Flip a byte of W_q's data (after the 30-byte zip entry header and the
+    # 128-byte .npy header): the archive stays well-formed, its CRC fails.
+    corrupt = bytearray(data)
+    corrupt[30 + len("W_q.npy") + 128 + 5] ^= 0xFF
+    path.write_bytes(bytes(corrupt))
+    with pytest.raises(ValueError) as info:
+        load_weights(path)
+    assert str(info.value) == (
+        f"{str(path)!r} is not a valid .npz file (truncated or corrupt): "
+        "Bad CRC-32 for file 'W_q.npy'"
+    )
+
+
+@pytest.mark.parametrize("keep", [0, 5, 12, 0.5, -1])
+def test_truncated_safetensors_is_a_value_error_naming_the_file(tmp_path, keep):
+    path, data = saved(tmp_path, ".safetensors")
+    size = int(len(data) * keep) if isinstance(keep, float) else keep % len(data)
+    path.write_bytes(data[:size])
+    with pytest.raises(ValueError) as info:
+        load_weights(path)
+    prefix = f"{str(path)!r} is not a valid .safetensors file (truncated or corrupt): "
+    assert str(info.value).startswith(prefix)
+    assert isinstance(info.value.__cause__, SafetensorError)
+    assert str(info.value) == prefix + str(info.value.__cause__)
+
+
+def test_corrupt_safetensors_header_is_a_value_error(tmp_path):
+    path, data = saved(tmp_path, ".safetensors")
+    corrupt = bytearray(data)
+    corrupt[8] = ord("]")  # the JSON header's opening brace
+    path.write_bytes(bytes(corrupt))
+    with pytest.raises(ValueError, match=r"is not a valid \.safetensors file") as info:
+        load_weights(path)
+    assert str(path) in str(info.value)
+    assert isinstance(info.value.__cause__, SafetensorError)
+
+
+def test_empty_files_are_the_same_value_error(tmp_path):
+    npz = tmp_path / "empty.npz"
+    np.savez(npz)  # no arrays: an empty zip archive
+    safetensors = tmp_path / "empty.safetensors"
+    safetensors.write_bytes(safetensors_bytes({}))
+    for path in (npz, safetensors):
+        with pytest.raises(ValueError) as info:
+            load_weights(path)
+        assert str(info.value) == (
+            f"{str(path)!r} holds no arrays; expected canonical weights W_q, W_k, W_v, W_o"
+        )
+
+
+def test_invalid_weights_in_a_file_are_named_with_the_file(tmp_path):
+    path = tmp_path / "weights.npz"
+    weights = init_weights(4)
+    del weights["W_k"]
+    np.savez(path, **weights)
+    with pytest.raises(ValueError) as info:
+        load_weights(path)
+    assert str(info.value) == f"{str(path)!r}: weights is missing 'W_k'"
+    np.savez(path, **{**init_weights(4), "W_q": np.zeros((4, 4), np.int32)})
+    with pytest.raises(TypeError) as info:
+        load_weights(path)
+    assert str(info.value) == (
+        f"{str(path)!r}: weights['W_q'] must be a floating-point array; got dtype int32"
+    )
+
+
+def test_bfloat16_safetensors_is_a_type_error(tmp_path):
+    # What torch writes for a bfloat16 model; numpy has no bfloat16.
+    header = json.dumps({"W_q": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}})
+    path = tmp_path / "bf16.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(8))
+    with pytest.raises(TypeError) as info:
+        load_weights(path)
+    assert str(info.value).startswith(f"{str(path)!r} holds a tensor numpy cannot represent (")
+    assert "bfloat16" in str(info.value)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_missing_files_and_directories_are_os_errors(tmp_path, suffix):
+    with pytest.raises(FileNotFoundError):
+        load_weights(tmp_path / f"none{suffix}")
+    with pytest.raises(FileNotFoundError):
+        save_weights(tmp_path / "none" / f"weights{suffix}", init_weights(4))
