@@ -105,7 +105,11 @@ class ArrayOps(Protocol):
     def where(self, condition: Array, x: Array, fill: float | Array) -> Array: ...
 
     def softmax(self, x: Array) -> Array:
-        """Softmax over the last axis."""
+        """Softmax over the last axis, as numpy's ``exp(x - max) / sum``.
+
+        A row holding a NaN or ``+inf`` score, or only ``-inf`` scores, is all
+        NaN (kernels that skip non-finite entries drift from the reference).
+        """
 
     def cast(self, x: Array, dtype: Any) -> Array: ...
 
