@@ -1,10 +1,40 @@
-"""The spec's array-ops adapter for PyTorch."""
+"""The spec's array-ops adapter for PyTorch, and how its products accumulate."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
+
+from mha_multi import spec
+
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def accumulates_in_float32(device: torch.device) -> bool:
+    """Whether 16-bit products on ``device`` accumulate in float32 by construction.
+
+    CUDA GEMMs (tensor cores, cuBLAS with a float32 compute type) and fused
+    attention kernels do. cuBLAS may still reduce split-K partial sums in
+    16 bits while ``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction``
+    (or its bf16 twin) is ``True``, PyTorch's default; that is a global
+    setting the caller owns, so the layer does not change it (the parity
+    runner turns it off). CPU kernels differ by machine and dtype (float16
+    ``bmm`` was measured rounding 7% of the elements twice), so elsewhere the
+    layer computes 16-bit products on float32 copies and rounds once.
+    """
+    return device.type == "cuda"
+
+
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """Autocast disabled on ``device`` (a no-op where it is not enabled).
+
+    Products whose dtype is chosen here must not be recast by autocast.
+    """
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def dtype_kind(dtype: torch.dtype) -> str:
@@ -22,7 +52,8 @@ class TorchOps:
     """:class:`mha_multi.spec.ArrayOps` on ``torch.Tensor``."""
 
     def split_axis(self, x: torch.Tensor, axis: int, sizes: tuple[int, int]) -> torch.Tensor:
-        return x.unflatten(axis, sizes)
+        # unflatten cannot infer -1 when the tensor has no elements.
+        return x.unflatten(axis, spec.static_split_sizes(x.shape[axis], sizes))
 
     def merge_axes(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         axis = axis % x.dim()
@@ -35,7 +66,13 @@ class TorchOps:
         return x.unsqueeze(axis)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(a, b)
+        # The spec chose these dtypes (float32 scores for 16-bit heads):
+        # autocast must not lower them.
+        dtype = torch.promote_types(a.dtype, b.dtype)
+        with autocast_off(a.device):
+            if dtype in SIXTEEN_BIT and not accumulates_in_float32(a.device):
+                return torch.matmul(a.float(), b.float()).to(dtype)
+            return torch.matmul(a, b)
 
     def swap_last(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(-1, -2)

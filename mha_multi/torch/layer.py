@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
 from mha_multi import spec
-from mha_multi.torch._ops import OPS, dtype_kind
+from mha_multi.torch._ops import (
+    OPS,
+    SIXTEEN_BIT,
+    accumulates_in_float32,
+    autocast_off,
+    dtype_kind,
+)
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
@@ -39,6 +45,43 @@ def _finish_lazy(linear: nn.Module) -> None:
         linear.in_features = int(linear.weight.shape[1])
         weight = linear.weight
         linear(torch.zeros(0, linear.in_features, device=weight.device, dtype=weight.dtype))
+
+
+def _product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``x @ weight.T`` is computed in: autocast's for float32 operands."""
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    if dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return dtype
+
+
+def _project_with(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``, with a 16-bit product accumulated in float32 and rounded once.
+
+    Where the device's kernels do that by construction the module is simply
+    called (its hooks run); elsewhere the product runs on float32 copies.
+    """
+    if not _needs_float32_copies(x, linear.weight):
+        return linear(x)
+    if _in_features(linear) is None:
+        linear(x[:0])  # a lazy projection learns its size; nothing is computed
+    return _linear(x, linear.weight, linear.bias)
+
+
+def _needs_float32_copies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _product_dtype(x, weight) in SIXTEEN_BIT and not accumulates_in_float32(x.device)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` whose 16-bit products accumulate in float32 and round once."""
+    if not _needs_float32_copies(x, weight):
+        return nn.functional.linear(x, weight, bias)
+    dtype = _product_dtype(x, weight)
+    # Rounding to ``dtype`` first is what autocast does to float32 operands.
+    x, weight = (t.to(dtype).float() for t in (x, weight))
+    bias = None if bias is None else bias.to(dtype).float()
+    with autocast_off(x.device):
+        return nn.functional.linear(x, weight, bias).to(dtype)
 
 
 class MultiHeadAttention(nn.Module):
@@ -125,6 +168,12 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
             tuple ``(output, weights)`` with weights ``(B, H, Q, K)``.
+
+        Raises:
+            TypeError: an input is not a floating-point tensor of the
+                parameters' dtype, ``valid_lens`` is not numeric, or
+                ``causal`` is not a bool.
+            ValueError: shapes that do not fit together or the layer.
         """
         for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
             if not isinstance(tensor, torch.Tensor):
@@ -146,12 +195,15 @@ class MultiHeadAttention(nn.Module):
             values.shape,
             None if valid_lens is None else valid_lens.shape,
             **self.input_sizes(),
+            causal=causal,
         )
         q, k, v = self._project(queries, keys, values)
         dropout_p = self.dropout.p if self.training else 0.0
-        if not return_attention_weights and _fused_path_exact(valid_lens, causal, dropout_p, q, k):
-            context = self._fused_attention(q, k, v, valid_lens, causal, dropout_p)
-            return self.W_o(context)
+        if not return_attention_weights:
+            choice = _choose_kernel(q, k, v, valid_lens, causal, dropout_p)
+            if choice.fused:
+                context = self._fused_attention(q, k, v, valid_lens, choice, causal, dropout_p)
+                return _project_with(self.W_o, context)
         context, weights = spec.attention(
             OPS,
             q,
@@ -163,7 +215,7 @@ class MultiHeadAttention(nn.Module):
             causal=causal,
             dropout=self.dropout if dropout_p > 0 else None,
         )
-        output = self.W_o(context)
+        output = _project_with(self.W_o, context)
         return (output, weights) if return_attention_weights else output
 
     def _project(
@@ -181,12 +233,17 @@ class MultiHeadAttention(nn.Module):
         first = 0 if queries is keys else 1
         shared = [i for i in range(first, 3) if inputs[i] is inputs[first]]
         if len(shared) < 2 or any(_in_features(projections[i]) is None for i in shared):
-            return self.W_q(queries), self.W_k(keys), self.W_v(values)  # (lazy ones infer)
+            return tuple(  # (lazy ones infer)
+                _project_with(linear, x) for linear, x in zip(projections, inputs, strict=True)
+            )
         weight = torch.cat([projections[i].weight for i in shared])
         bias = torch.cat([projections[i].bias for i in shared]) if self.bias else None
-        packed = nn.functional.linear(inputs[first], weight, bias).chunk(len(shared), dim=-1)
+        packed = _linear(inputs[first], weight, bias).chunk(len(shared), dim=-1)
         outputs = dict(zip(shared, packed, strict=True))
-        q, k, v = (outputs[i] if i in outputs else projections[i](inputs[i]) for i in range(3))
+        q, k, v = (
+            outputs[i] if i in outputs else _project_with(projections[i], inputs[i])
+            for i in range(3)
+        )
         return q, k, v
 
     def _fused_attention(
@@ -195,6 +252,7 @@ class MultiHeadAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         valid_lens: torch.Tensor | None,
+        choice: _KernelChoice,
         causal: bool,
         dropout_p: float,
     ) -> torch.Tensor:
@@ -202,25 +260,31 @@ class MultiHeadAttention(nn.Module):
 
         Args:
             q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
+            valid_lens: the lengths, as :func:`_as_lens` returned them.
+            choice: what :func:`_choose_kernel` read from the values.
+            causal: the causal flag.
+            dropout_p: dropout rate on the weights (0 in eval mode).
 
         Returns:
             The concatenated heads ``(B, Q, num_hiddens)``.
         """
         num_queries, num_keys = q.shape[1], k.shape[1]
+        dtype = v.dtype
+        if dtype in SIXTEEN_BIT and not accumulates_in_float32(q.device):
+            # CPU kernels may sum 16-bit products in 16 bits: float32 copies,
+            # one rounding at the end.
+            q, k, v = q.float(), k.float(), v.float()
         # (B, T, H*dh) -> (B, H, T, dh): the spec's head layout, unflattened.
         q, k, v = (
             x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for x in (q, k, v)
         )
-        # Reading the lengths (one sync) buys two things: lengths that hide
-        # nothing need no mask, which lets flash kernels run, and lengths > 0
-        # leave no row fully hidden, so no correction. Compiled graphs cannot
-        # branch on values and keep the general form.
-        may_hide_rows = True
-        if valid_lens is not None and not torch.compiler.is_compiling():
-            shortest = valid_lens.min().item()
-            may_hide_rows = shortest <= 0
-            if shortest >= num_keys:
-                valid_lens = None
+        # Lengths that hide nothing need no mask, which lets flash kernels
+        # run; lengths > 0 leave no row fully hidden, so no correction. NaN
+        # hides every key (j < NaN is false), hence "not > 0".
+        shortest = choice.shortest_length
+        may_hide_rows = shortest is not None and not shortest > 0
+        if shortest is not None and shortest >= num_keys:
+            valid_lens = None
         # A branch, not an expression: under dynamic shapes the comparison is
         # symbolic, and SDPA takes a plain bool.
         is_causal = False
@@ -231,45 +295,91 @@ class MultiHeadAttention(nn.Module):
             # visibility() only reads the sizes of the last two axes.
             positions = q.new_empty(()).expand(num_queries, num_keys)
             visible = spec.visibility(OPS, positions, valid_lens, causal=causal)
-        output = nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=visible, dropout_p=dropout_p, is_causal=is_causal
-        )
+        with autocast_off(q.device):
+            output = nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=visible, dropout_p=dropout_p, is_causal=is_causal
+            )
         if may_hide_rows or (causal and num_queries > num_keys):
             output = spec.fix_fully_hidden_rows(OPS, output, v, visible, heads_axis=1)
-        return output.transpose(1, 2).flatten(2)
+        return output.transpose(1, 2).flatten(2).to(dtype)
 
 
-def _fused_path_exact(
+class _KernelChoice(NamedTuple):
+    """Which attention kernel a call runs, and what was read to decide."""
+
+    fused: bool
+    """``scaled_dot_product_attention`` (else the spec's generic path)."""
+    shortest_length: float | None = None
+    """The shortest of the lengths (NaN if any is NaN); ``None`` without lengths."""
+
+
+def _choose_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     valid_lens: torch.Tensor | None,
     causal: bool,
     dropout_p: float,
-    q: torch.Tensor,
-    k: torch.Tensor,
-) -> bool:
-    """Whether the fused path gives the spec's result (or its distribution).
+) -> _KernelChoice:
+    """The kernel choice: SDPA only where it gives the spec's numbers.
 
-    Without dropout it always does. With dropout, a fully hidden row would
-    need dropout on its uniform weights, which the correction does not
-    draw; so dropout takes the fused path only when no row can be fully
-    hidden (no lengths, and no causal mask with more queries than keys).
+    - Empty axes (``B``, ``Q`` or ``K`` = 0) run the generic path, which
+      defines them (``K = 0`` gives a zero context); SDPA and ``min`` do not.
+    - Non-finite projections run the generic path: SDPA's CPU kernel turns a
+      NaN query row into zeros, and its ``-inf`` mask is *added*, so a
+      non-finite score of a hidden key still reaches the weights, where the
+      spec replaces it. The check is O(N * d), next to O(N^2 * d) attention.
+    - Under ``torch.compile`` values cannot be branched on, so the compiled
+      graph runs the generic path, which is exact for any values (and whose
+      masking and softmax the compiler fuses).
+    - With dropout, a fully hidden row would need dropout on its uniform
+      weights, which the correction does not draw; so dropout takes the
+      fused path only when no row can be fully hidden (no lengths, and no
+      causal mask with more queries than keys).
+
+    Outside compilation the values are read with one synchronisation.
     """
-    if dropout_p == 0:
-        return True
-    return valid_lens is None and not (causal and q.shape[1] > k.shape[1])
+    num_queries, num_keys = q.shape[1], k.shape[1]
+    if q.shape[0] == 0 or num_queries == 0 or num_keys == 0:
+        return _KernelChoice(fused=False)
+    if torch.compiler.is_compiling():
+        return _KernelChoice(fused=False)
+    if dropout_p > 0 and (valid_lens is not None or (causal and num_queries > num_keys)):
+        return _KernelChoice(fused=False)
+    finite = torch.stack([torch.isfinite(x).all() for x in (q, k, v)]).all()
+    if valid_lens is None:
+        return _KernelChoice(fused=bool(finite.item()))
+    # float64 keeps the order of every length (int64 ones round monotonically).
+    facts = torch.stack([finite.double(), valid_lens.min().double()]).tolist()
+    return _KernelChoice(fused=bool(facts[0]), shortest_length=facts[1])
 
 
 def _as_lens(valid_lens: Any, device: torch.device) -> torch.Tensor | None:
+    """``valid_lens`` as a tensor on ``device``; integer lengths as int64.
+
+    int64 holds every key count, so clipping wider (uint64) lengths into it
+    keeps their meaning (``>= K`` hides nothing), and narrower ones widened
+    never wrap the key positions they are compared with.
+    """
     if valid_lens is None:
         return None
-    if not isinstance(valid_lens, torch.Tensor):
-        try:
-            valid_lens = torch.as_tensor(np.asarray(valid_lens))
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise TypeError(
-                f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
-            ) from error
-    spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
-    return valid_lens.to(device)
+    if isinstance(valid_lens, torch.Tensor):
+        spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
+        if valid_lens.dtype == torch.uint64:  # beyond int64, and few kernels take it
+            valid_lens = valid_lens.cpu().numpy()
+        elif not valid_lens.is_floating_point():
+            return valid_lens.to(device, torch.int64)
+        else:
+            return valid_lens.to(device)
+    try:
+        array = np.asarray(valid_lens)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
+        ) from error
+    spec.check_valid_lens_dtype(array.dtype.kind)
+    array = spec.clip_integer_lens(array, np.int64)
+    return torch.from_numpy(np.array(array, copy=True)).to(device)
 
 
 def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiHeadAttention:
