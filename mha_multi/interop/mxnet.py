@@ -156,6 +156,12 @@ def set_d2l_weights(
     return block
 
 
+def _reason(error: Exception) -> str:
+    # MXNet's messages open with a C++ backtrace; the last line is the failed check.
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1].removeprefix("MXNetError: ") if lines else type(error).__name__
+
+
 def save_d2l_params(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> None:
     """Writes canonical weights as a ``.params`` file that d2l's layer ``load_parameters``."""
     npx.save(os.fspath(path), to_d2l_params(weights))
@@ -173,13 +179,18 @@ def load_d2l_params(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such file: {path!r}")
     try:
-        loaded = npx.load(path)
-    except mx.base.MXNetError as error:
-        if "is_np_shape" not in str(error):
-            raise ValueError(f"{path!r} is not a Gluon parameter file: {error}") from error
-        # Saved outside the numpy interface (legacy NDArrays): read as Gluon does.
-        with mx.util.np_array(False), mx.util.np_shape(False):
-            loaded = mx.nd.load(path)
+        try:
+            loaded = npx.load(path)
+        except mx.base.MXNetError as error:
+            if "is_np_shape" not in str(error):
+                raise
+            # Saved outside the numpy interface (legacy NDArrays): read as Gluon does.
+            with mx.util.np_array(False), mx.util.np_shape(False):
+                loaded = mx.nd.load(path)
+    except (mx.base.MXNetError, UnicodeDecodeError) as error:  # names are decoded as UTF-8
+        raise ValueError(
+            f"{path!r} is not a Gluon parameter file (truncated or corrupt?): {_reason(error)}"
+        ) from error
     if not isinstance(loaded, dict):
         raise ValueError(f"{path!r} holds unnamed arrays, not Gluon parameters")
     return from_d2l_params(loaded)

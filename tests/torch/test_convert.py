@@ -75,3 +75,77 @@ def test_command_line_entry_point(tmp_path):
         check=True,
     )
     assert "W_q (4, 4)" in result.stdout
+
+
+PREFIX = "python -m mha_multi convert: error: "
+NOT_A_CHECKPOINT = "is not a PyTorch checkpoint that torch.load(weights_only=True) reads: "
+
+
+def test_format_that_does_not_match_the_file(tmp_path):
+    source = tmp_path / "w.npz"
+    save_weights(source, init_weights(8))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mha_multi",
+            "convert",
+            str(source),
+            str(tmp_path / "o.npz"),
+            "--from",
+            "torch-mha",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        f"{PREFIX}{str(source)!r} {NOT_A_CHECKPOINT}"
+        "file in archive is not in a subdirectory: W_q.npy"
+    ]
+
+
+def error_of(capsys, *args) -> str:
+    assert main(["convert", *map(str, args)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert err.startswith(PREFIX)
+    return err[len(PREFIX) : -1]
+
+
+def test_damaged_and_foreign_checkpoints(tmp_path, capsys):
+    module = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    native = tmp_path / "native.pt"
+    torch.save(module.state_dict(), native)
+    data = native.read_bytes()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(data[: len(data) // 2])
+    assert error_of(capsys, truncated, tmp_path / "o.npz") == (
+        f"{str(truncated)!r} {NOT_A_CHECKPOINT}"
+        "PytorchStreamReader failed reading zip archive: failed finding central directory"
+    )
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    assert error_of(capsys, empty, tmp_path / "o.npz") == (
+        f"{str(empty)!r} {NOT_A_CHECKPOINT}EOFError"
+    )
+    # The layout named by --from is checked against the keys.
+    assert error_of(capsys, native, tmp_path / "o.npz", "--from", "torch-d2l") == (
+        "unexpected entry 'in_proj_weight' in a d2l MultiHeadAttention state_dict"
+    )
+    # Objects that weights_only=True refuses to build are reported, not loaded.
+    pickled = tmp_path / "numpy.pt"
+    torch.save({"W_q.weight": np.zeros((8, 8), np.float32)}, pickled)
+    message = error_of(capsys, pickled, tmp_path / "o.npz")
+    assert message.startswith(f"{str(pickled)!r} {NOT_A_CHECKPOINT}Unsupported global: ")
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_destination_in_a_missing_directory(tmp_path, capsys):
+    source = tmp_path / "w.npz"
+    save_weights(source, init_weights(8))
+    destination = tmp_path / "none" / "o.pt"
+    assert error_of(capsys, source, destination) == (
+        f"no such directory: {str(tmp_path / 'none')!r} (for {str(destination)!r})"
+    )
