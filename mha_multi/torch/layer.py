@@ -365,12 +365,14 @@ def _as_lens(valid_lens: Any, device: torch.device) -> torch.Tensor | None:
         return None
     if isinstance(valid_lens, torch.Tensor):
         spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
-        if valid_lens.dtype == torch.uint64:  # beyond int64, and few kernels take it
-            valid_lens = valid_lens.cpu().numpy()
-        elif not valid_lens.is_floating_point():
-            return valid_lens.to(device, torch.int64)
-        else:
+        if valid_lens.is_floating_point():
             return valid_lens.to(device)
+        lens = valid_lens.to(device, torch.int64)
+        if valid_lens.dtype == torch.uint64:
+            # The conversion wraps lengths >= 2**63 to negative numbers, which
+            # no unsigned length is: they are the ones to clip.
+            lens = torch.where(lens < 0, torch.iinfo(torch.int64).max, lens)
+        return lens
     try:
         array = np.asarray(valid_lens)
     except (TypeError, ValueError) as error:

@@ -19,10 +19,18 @@ DTYPES = {
 }
 
 
-def exact_float32() -> None:
-    """Float32 parity needs IEEE matmuls on GPU: TF32 off (DESIGN §5)."""
+def exact_matmuls() -> None:
+    """IEEE float32 matmuls and single-rounding 16-bit ones on GPU (DESIGN §1, §5).
+
+    TF32 off for float32 parity. cuBLAS may add up split-K partial sums of
+    16-bit GEMMs in 16 bits unless told not to; the layer leaves these
+    process-wide settings to its caller, and parity asks for the products
+    accumulated in float32 and rounded once.
+    """
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 class TorchRunner(Runner):
@@ -31,7 +39,7 @@ class TorchRunner(Runner):
     package = "mha_multi.torch"
 
     def __init__(self) -> None:
-        exact_float32()
+        exact_matmuls()
 
     def device_available(self, device: str) -> bool:
         return device == "cpu" or (device == "gpu" and torch.cuda.is_available())
