@@ -1,7 +1,8 @@
 """The spec's array-ops adapter on ``keras.ops``.
 
 Written against ``keras.ops`` only, so the same adapter serves Keras'
-TensorFlow, JAX and PyTorch backends. Shapes are read with
+TensorFlow, JAX and PyTorch backends (:func:`values_readable` alone asks the
+framework underneath whether it runs eagerly). Shapes are read with
 ``keras.ops.shape``, which gives Python ints where a dimension is static and
 scalar tensors where it is not (TensorFlow graphs with an unknown batch), so
 the reshapes below work in eager code, in ``tf.function``/XLA and in the
@@ -18,6 +19,8 @@ from typing import Any
 import keras
 import numpy as np
 from keras import ops
+
+from mha_multi import spec
 
 Tensor = Any
 
@@ -41,6 +44,70 @@ def _itemsize(dtype: Any) -> int:
     if bits is None:
         raise TypeError(f"dtype {name!r} has no fixed item size")
     return int(bits.group()) // 8
+
+
+def is_16_bit(dtype: Any) -> bool:
+    """Whether ``dtype`` is a 16-bit float (``float16``, ``bfloat16``)."""
+    return dtype_kind(dtype) == "f" and _itemsize(dtype) == 2
+
+
+def matmul_16_bit(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``a @ b (+ bias)`` of 16-bit operands, accumulated in float32 and rounded once.
+
+    ``keras.ops.matmul`` cannot ask for a float32 accumulator, and the
+    kernels underneath do not all use one: TensorFlow's bfloat16 matmul on
+    x86 CPUs without AVX-512 BF16 is measured at twice the error of one
+    rounding, XLA:CPU's float16 dot and PyTorch's CPU float16 bmm are not
+    rounded once either. The products of two 16-bit numbers are exact in
+    float32, so computing in float32 and rounding once is the spec's
+    product on every machine; the gradients of this cast-compute-cast are
+    accumulated in float32 alike.
+
+    Args:
+        a: left operand ``(..., n, k)``, 16-bit.
+        b: right operand ``(..., k, m)``, 16-bit.
+        bias: added to the float32 product before the rounding (``(m,)``).
+
+    Returns:
+        The product in ``a``'s dtype.
+    """
+    dtype = a.dtype
+    product = ops.matmul(ops.cast(a, "float32"), ops.cast(b, "float32"))
+    if bias is not None:
+        product = ops.add(product, ops.cast(bias, "float32"))
+    return ops.cast(product, dtype)
+
+
+def index_dtype() -> str:
+    """The integer dtype an int64 numpy array becomes on the active backend.
+
+    ``int32`` on JAX without ``jax_enable_x64`` (read at every call: the flag
+    may change while the process runs), ``int64`` elsewhere.
+    """
+    return keras.backend.standardize_dtype(ops.convert_to_tensor(np.zeros(0, np.int64)).dtype)
+
+
+def values_readable(x: Tensor) -> bool:
+    """Whether the values of ``x`` can be read now (eager execution).
+
+    Inside ``tf.function``, under ``jax.jit`` or while ``torch.compile``
+    traces, a tensor has no value yet, and a branch on one would fail (or,
+    in PyTorch, break the graph).
+    """
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        return not torch.compiler.is_compiling()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly() and not isinstance(x, keras.KerasTensor)
+    if backend == "jax":
+        import jax
+
+        return not isinstance(x, (jax.core.Tracer, keras.KerasTensor))
+    return False
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -76,12 +143,16 @@ class KerasOps:
     def split_axis(self, x: Tensor, axis: int, sizes: tuple[int, int]) -> Tensor:
         shape = list(ops.shape(x))
         axis %= len(shape)
+        sizes = spec.static_split_sizes(shape[axis], sizes)
         return ops.reshape(x, [*shape[:axis], *sizes, *shape[axis + 1 :]])
 
     def merge_axes(self, x: Tensor, axis: int) -> Tensor:
         shape = list(ops.shape(x))
         axis %= len(shape)
-        return ops.reshape(x, [*shape[:axis], -1, *shape[axis + 2 :]])
+        # No -1: a reshape cannot infer it when another axis is empty (B = 0,
+        # Q = 0). Unknown sizes are scalar tensors, whose product is one too.
+        merged = shape[axis] * shape[axis + 1]
+        return ops.reshape(x, [*shape[:axis], merged, *shape[axis + 2 :]])
 
     def permute(self, x: Tensor, axes: Sequence[int]) -> Tensor:
         return ops.transpose(x, tuple(axes))
@@ -95,6 +166,8 @@ class KerasOps:
             # PyTorch backends, and ops.matmul on PyTorch casts its result to
             # that type; ops.einsum keeps float64.
             return ops.einsum("...ij,...jk->...ik", a, b)
+        if is_16_bit(a.dtype) and is_16_bit(b.dtype):
+            return matmul_16_bit(a, b)
         return ops.matmul(a, b)
 
     def swap_last(self, x: Tensor) -> Tensor:
@@ -121,11 +194,19 @@ class KerasOps:
         return ops.where(condition, x, ops.cast(fill, self.dtype(x)))
 
     def softmax(self, x: Tensor) -> Tensor:
-        # A single key is a legitimate case (its weight is 1); Keras warns
-        # about a softmax over an axis of size 1.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "You are using a softmax over axis", UserWarning)
-            return ops.softmax(x, axis=-1)
+        if x.shape[-1] == 0:  # no keys: nothing to normalise (and max() has no identity)
+            return x
+        # Written out rather than ops.softmax: TensorFlow's float32 softmax
+        # kernel gives 0 instead of NaN to the other entries of a row holding
+        # a NaN or +inf, where the spec (IEEE arithmetic) makes the whole row
+        # NaN. The shift only guards exp() against overflow: it cancels in
+        # the quotient, so it carries no gradient.
+        # (An explicit initial value: Keras checks eagerly for an empty
+        # reduction otherwise, which costs a device read per call.)
+        row_max = ops.max(x, axis=-1, keepdims=True, initial=-float("inf"))
+        shifted = x - ops.stop_gradient(row_max)
+        exponentials = ops.exp(shifted)
+        return exponentials / ops.sum(exponentials, axis=-1, keepdims=True)
 
     def cast(self, x: Tensor, dtype: Any) -> Tensor:
         return ops.cast(x, dtype)

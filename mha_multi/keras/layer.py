@@ -15,13 +15,24 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.keras._ops import OPS, Positions, dtype_kind, to_numpy
+from mha_multi.keras._ops import (
+    OPS,
+    Positions,
+    dtype_kind,
+    index_dtype,
+    is_16_bit,
+    matmul_16_bit,
+    to_numpy,
+    values_readable,
+)
 from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
 
 __all__ = [
     "FUSED_BACKENDS",
     "FUSED_DTYPES",
+    "FUSED_SCORE_LIMIT",
     "MultiHeadAttention",
+    "fused_path_exact",
     "fused_path_taken",
     "get_weights",
     "set_weights",
@@ -41,12 +52,21 @@ FUSED_BACKENDS: frozenset[str] = frozenset({"torch"})
 #: kernels are written for float32 and 16-bit (JAX's runs its softmax in
 #: float32, TensorFlow's casts the scale through float32), which would cost
 #: float64 its precision. Not float16 on JAX: the kernel asks for a float16
-#: product accumulated in float32, which XLA:CPU does not compile.
+#: product accumulated in float32, which XLA:CPU does not compile. 16-bit
+#: inputs run the kernel in float32 (see ``_fused_attention``).
 FUSED_DTYPES: dict[str, frozenset[str]] = {
     "tensorflow": frozenset({"float32", "float16", "bfloat16"}),
     "jax": frozenset({"float32", "bfloat16"}),
     "torch": frozenset({"float32", "float16", "bfloat16"}),
 }
+
+#: Bound on ``|q . k| / sqrt(head_dim)`` below which the fused kernel gives
+#: the spec's weights. The spec *replaces* hidden scores by ``MASK_VALUE``
+#: (-1e6) while the kernels add a large negative number (Keras' PyTorch
+#: backend: -0.7 times the dtype's maximum): the two agree only when every
+#: hidden key's weight is exactly 0 both ways, i.e. when no visible score
+#: of a row lies near or below -1e6 (exp(-5e5) is 0 in every float type).
+FUSED_SCORE_LIMIT: float = -spec.MASK_VALUE / 2
 
 _INPUT_NAMES = ("queries", "keys", "values")
 _PROJECTIONS = ("q", "k", "v", "o")
@@ -205,15 +225,31 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _project(self, x: Any, name: str) -> Any:
         dtype = self.compute_dtype
-        y = OPS.matmul(keras.ops.cast(x, dtype), keras.ops.cast(getattr(self, f"W_{name}"), dtype))
+        x = keras.ops.cast(x, dtype)
+        kernel = keras.ops.cast(getattr(self, f"W_{name}"), dtype)
         bias = getattr(self, f"b_{name}")
+        if is_16_bit(dtype):
+            # The bias joins the float32 accumulator: x @ W + b is rounded once.
+            return matmul_16_bit(x, kernel, bias)
+        y = OPS.matmul(x, kernel)
         return y if bias is None else keras.ops.add(y, keras.ops.cast(bias, dtype))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Keras turns array arguments into tensors before ``call``; numpy
-        # strings or booleans must meet the spec's TypeError first, not a
-        # backend's conversion error, and lists become arrays so that they
-        # may be passed positionally like any array.
+        # Keras turns array arguments into tensors (and rejects other
+        # positional values) before ``call``: wrong types must meet the
+        # spec's TypeError first, not a backend's conversion error or Keras'
+        # ValueError. Lengths that are lists become arrays so that they may
+        # be passed positionally like any array.
+        for position, name in enumerate(_INPUT_NAMES):
+            value = args[position] if position < len(args) else kwargs.get(name)
+            if not (_is_tensor(value) or isinstance(value, np.ndarray)):
+                raise TypeError(
+                    f"{name} must be a tensor or a numpy array; got {type(value).__name__}"
+                )
+            if isinstance(value, np.ndarray) and value.dtype.kind != "f":
+                # Keras would cast it to the layer's dtype without a word.
+                raise TypeError(f"{name} must be a floating-point array; got {value.dtype}")
+        spec.check_causal(kwargs.get("causal", False))
         if len(args) > 3:
             args = (*args[:3], _checked_lens(args[3]), *args[4:])
         elif "valid_lens" in kwargs:
@@ -249,14 +285,15 @@ class MultiHeadAttention(keras.layers.Layer):
             ``return_attention_weights`` the tuple ``(output, weights)`` with
             weights ``(B, H, Q, K)``.
         """
-        self._check_call(queries, keys, values, valid_lens)
+        self._check_call(queries, keys, values, valid_lens, causal)
         dropout = self._drop if training and self.dropout > 0 else None
         q, k, v = (self._project(x, n) for x, n in ((queries, "q"), (keys, "k"), (values, "v")))
         if fused_path_taken(
             dtype=OPS.dtype(q),
             dropout_active=dropout is not None,
             return_attention_weights=return_attention_weights,
-        ):
+            sizes=(q.shape[0], q.shape[1], k.shape[1]),
+        ) and fused_path_exact(q, k, v, self.head_dim):
             return self._project(self._fused_attention(q, k, v, valid_lens, causal), "o")
         context, weights = spec.attention(
             OPS,
@@ -286,6 +323,14 @@ class MultiHeadAttention(keras.layers.Layer):
         Returns:
             The concatenated heads ``(B, Q, num_hiddens)``.
         """
+        dtype = OPS.dtype(q)
+        if is_16_bit(dtype):
+            # In float32 the kernel's products of 16-bit numbers are exact and
+            # accumulated in float32, its scores cannot overflow float16, and
+            # its additive mask (-0.7 times the dtype's maximum: -45850 in
+            # float16) cannot be overcome by a hidden score; the output is
+            # rounded once, below.
+            q, k, v = (keras.ops.cast(x, "float32") for x in (q, k, v))
         # (B, T, H*dh) -> (B, T, H, dh): the kernel's layout; head h owns
         # columns [h*dh, (h+1)*dh) exactly as in transpose_qkv.
         q, k, v = (OPS.split_axis(x, 2, (self.num_heads, self.head_dim)) for x in (q, k, v))
@@ -308,9 +353,11 @@ class MultiHeadAttention(keras.layers.Layer):
         # see no key is always corrected (a reduction over the mask and a
         # select: cheap next to the attention itself).
         output = spec.fix_fully_hidden_rows(OPS, output, v, visible, heads_axis=2)
-        return OPS.merge_axes(output, 2)
+        return keras.ops.cast(OPS.merge_axes(output, 2), dtype)
 
-    def _check_call(self, queries: Any, keys: Any, values: Any, valid_lens: Any) -> None:
+    def _check_call(
+        self, queries: Any, keys: Any, values: Any, valid_lens: Any, causal: Any
+    ) -> None:
         for name, tensor in zip(_INPUT_NAMES, (queries, keys, values), strict=True):
             if not _is_tensor(tensor):
                 raise TypeError(f"{name} must be a tensor; got {type(tensor).__name__}")
@@ -323,6 +370,7 @@ class MultiHeadAttention(keras.layers.Layer):
             keys.shape,
             values.shape,
             None if valid_lens is None else valid_lens.shape,
+            causal=causal,
             **self.input_sizes(),
         )
 
@@ -338,7 +386,7 @@ class MultiHeadAttention(keras.layers.Layer):
         training: bool | None = None,
     ) -> Any:
         """Symbolic outputs for the functional API, from shapes alone."""
-        self._check_call(queries, keys, values, valid_lens)
+        self._check_call(queries, keys, values, valid_lens, causal)
         batch, num_queries = queries.shape[:2]
         output = keras.KerasTensor((batch, num_queries, self.num_hiddens), dtype=self.compute_dtype)
         if not return_attention_weights:
@@ -385,30 +433,78 @@ class MultiHeadAttention(keras.layers.Layer):
         return config
 
 
-def fused_path_taken(*, dtype: str, dropout_active: bool, return_attention_weights: bool) -> bool:
-    """Whether a call goes through ``keras.ops.dot_product_attention``.
+def fused_path_taken(
+    *,
+    dtype: str,
+    dropout_active: bool,
+    return_attention_weights: bool,
+    sizes: tuple[int | None, int | None, int | None] = (1, 1, 1),
+) -> bool:
+    """Whether a call may go through ``keras.ops.dot_product_attention``.
 
-    The kernel returns no weights and has no dropout, so calls that want
-    either take the generic path. So do dtypes the kernels are not made for
-    (see :data:`FUSED_DTYPES`). Elsewhere the fused path gives the spec's
-    numbers, fully hidden rows included, within the float tolerances.
+    What is known before any value is read: the kernel returns no weights
+    and has no dropout, so calls that want either take the generic path. So
+    do dtypes the kernels are not made for (see :data:`FUSED_DTYPES`), and
+    empty axes (the kernels reshape by inferred sizes and divide by the key
+    count; the spec's zero context for ``K = 0`` is the generic path's). The
+    values decide the rest (:func:`fused_path_exact`).
 
     Args:
         dtype: the compute dtype of the projections.
         dropout_active: whether attention dropout applies to this call.
         return_attention_weights: whether the call returns the weights.
+        sizes: ``(B, Q, K)``; ``None`` where unknown (traced graphs).
 
     Returns:
-        ``True`` where the fused path is taken.
+        ``True`` where the fused path may be taken.
     """
     backend = keras.backend.backend()
     if backend not in FUSED_BACKENDS or dropout_active or return_attention_weights:
         return False
+    if any(size is None or size == 0 for size in sizes):
+        return False
     return dtype in FUSED_DTYPES.get(backend, ())
 
 
+def fused_path_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool:
+    """Whether the fused kernel gives the spec's numbers for these values.
+
+    The kernels differ from the spec where values are extreme: PyTorch's
+    SDPA turns a NaN query row into zeros, and any additive mask lets a
+    hidden key's ``+inf`` score through as NaN where the spec replaces it.
+    So the fused path needs every projected element finite and every score
+    bounded by :data:`FUSED_SCORE_LIMIT`, which ``sqrt(head_dim) * max|q| *
+    max|k|`` bounds from above (Cauchy-Schwarz, per element). That costs a
+    few reductions over ``(B, T, D)`` and one read of a boolean: nothing
+    next to the ``(B, H, Q, K)`` attention.
+
+    Values cannot be read in a traced graph (``tf.function``, ``jax.jit``,
+    ``torch.compile``), where a branch on them is impossible; there the
+    generic path, exact for every value, is taken.
+
+    Args:
+        q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
+        head_dim: the size of each head.
+
+    Returns:
+        ``True`` where the fused path is exact for these values.
+    """
+    if not values_readable(q):
+        return False
+    ops = keras.ops
+    finite = [ops.all(ops.isfinite(x)) for x in (q, k, v)]
+    largest_q, largest_k = (ops.max(ops.abs(ops.cast(x, "float32")), initial=0.0) for x in (q, k))
+    within = ops.less(largest_q * largest_k * math.sqrt(head_dim), FUSED_SCORE_LIMIT)
+    return bool(to_numpy(ops.all(ops.stack([*finite, within]))))
+
+
 def _checked_lens(valid_lens: Any) -> Any:
-    """``valid_lens`` as a tensor or a numeric numpy array (``TypeError`` otherwise)."""
+    """``valid_lens`` as a tensor or a numeric numpy array (``TypeError`` otherwise).
+
+    Integer arrays are converted to the backend's integer type by clipping:
+    Keras' JAX backend without ``jax_enable_x64`` would wrap ``2**62`` to 0
+    and hide every key. Tensors are within their backend's range already.
+    """
     if valid_lens is None or _is_tensor(valid_lens):
         return valid_lens
     try:
@@ -418,6 +514,8 @@ def _checked_lens(valid_lens: Any) -> Any:
             f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
         ) from error
     spec.check_valid_lens_dtype(array.dtype.kind)
+    if array.dtype.kind in "iu":
+        array = spec.clip_integer_lens(array, index_dtype())
     return array
 
 

@@ -85,9 +85,14 @@ class KerasRunner(Runner):
         return keras.ops.cast(keras.ops.convert_to_tensor(np.array(x, copy=True)), dtype)
 
     def _lens(self, valid_lens: Any) -> Any:
-        if is_numeric(valid_lens):
+        if not is_numeric(valid_lens):
+            return valid_lens
+        try:
             return keras.ops.convert_to_tensor(np.array(valid_lens, copy=True))
-        return valid_lens
+        except (TypeError, ValueError):
+            # A dtype the backend has no tensors of (uint64 on PyTorch): the
+            # layer takes numpy lengths as they are.
+            return np.array(valid_lens, copy=True)
 
     def make_layer(
         self,
