@@ -146,6 +146,31 @@ def test_bad_tensor_inputs_are_clear_errors():
         layer(x, x, x, keras.ops.convert_to_tensor(np.array([True, False])))
     with pytest.raises(TypeError, match="valid_lens must be an integer or floating"):
         layer(x, x, x, valid_lens=["a", "b"])
+    with pytest.raises(TypeError, match="values must be a tensor or a numpy array; got list"):
+        layer(x, x, values=[[[0.0] * 8] * 3] * 2)
+    with pytest.raises(TypeError, match="queries must be a floating-point array"):
+        layer(np.ones((2, 3, 8), np.int64), x, x)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        layer(x, x, x, causal=np.array([True, False]))
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax_enable_x64 is JAX's")
+def test_integer_lengths_beyond_32_bits_are_clipped_without_x64():
+    import jax
+
+    case = case_named("lens_1d")
+    layer = layer_for(case)
+    huge = np.array([2**62, -(2**40), 2**32 + 1], np.int64)  # 0, 0 and 1 when wrapped
+    expected, _ = spec.reference_forward(
+        case.weights, *arrays(case), huge, num_heads=case.config.num_heads
+    )
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        out = layer(*arrays(case), huge)
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+    np.testing.assert_allclose(numpy(out), expected, atol=5e-6)
 
 
 # -- serialization ------------------------------------------------------------
