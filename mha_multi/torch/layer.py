@@ -58,8 +58,9 @@ def _product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 def _project_with(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``linear(x)``, with a 16-bit product accumulated in float32 and rounded once.
 
-    Where the device's kernels do that by construction the module is simply
-    called (its hooks run); elsewhere the product runs on float32 copies.
+    Products that are not 16-bit, or whose device kernels accumulate in
+    float32 by construction, call the module itself (its hooks run); the
+    others run on float32 copies.
     """
     if not _needs_float32_copies(x, linear.weight):
         return linear(x)
