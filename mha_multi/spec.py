@@ -395,7 +395,13 @@ def visibility(
         if kind == "f" and ops.itemsize(lens_dtype) < 4:
             valid_lens = ops.cast(valid_lens, ops.float32())
             lens_dtype = ops.dtype(valid_lens)
-        key_positions = ops.cast(ops.arange_like(scores, -1), lens_dtype)  # (K,)
+        key_positions = ops.arange_like(scores, -1)  # (K,)
+        positions_dtype = ops.dtype(key_positions)
+        if kind in "iu" and ops.itemsize(lens_dtype) < ops.itemsize(positions_dtype):
+            # Positions cast to int8 would wrap past 127: widen the lengths instead.
+            valid_lens = ops.cast(valid_lens, positions_dtype)
+        else:
+            key_positions = ops.cast(key_positions, lens_dtype)
         lens = ops.expand_dims(valid_lens, -1)  # (B, 1) or (B, Q, 1)
         if ops.ndim(valid_lens) == 1:
             lens = ops.expand_dims(lens, -1)  # (B, 1, 1)

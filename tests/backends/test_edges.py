@@ -197,6 +197,8 @@ def _nonfinite_cases():
         "nan_in_hidden_value": (*case(v=put((0, 4, 0), np.nan)), lens),
         "inf_in_visible_key": (*case(k=put((1, 2, 5), np.inf)), lens),
         "nan_in_b_v": (*case(b_v=put(3, np.nan)), None),
+        "nan_query_element_no_lengths": (*case(q=put((0, 1, 2), np.nan)), None),
+        "nan_in_W_q_no_lengths": (*case(W_q=put((3, 0), np.nan)), None),
     }
 
 
@@ -246,6 +248,23 @@ def test_extreme_lengths_mean_what_they_say(runner, lens):
             weights, queries, keys, values, lens, num_heads=2, causal=causal
         )
         outputs, _ = both_paths(runner, layer, *f32, lens, causal=causal)
+        for path, output in outputs.items():
+            np.testing.assert_allclose(output, expected, atol=5e-6, err_msg=path)
+
+
+def test_narrow_integer_lengths_do_not_wrap(runner):
+    """int8 lengths against 200 key positions: positions must not be cast to int8."""
+    rng = np.random.default_rng(9)
+    weights = init_weights(8, seed=9)
+    queries, keys = rng.standard_normal((2, 2, 8)), rng.standard_normal((2, 200, 8))
+    layer = layer_with(runner, {n: w.astype(np.float32) for n, w in weights.items()}, 2)
+    for lens in (np.array([100, 127], np.int8), np.array([130, 255], np.uint8)):
+        expected, expected_weights = spec.reference_forward(
+            weights, queries, keys, keys, lens, num_heads=2
+        )
+        assert np.count_nonzero(expected_weights[0, 0, 0]) == lens[0]
+        f32 = [x.astype(np.float32) for x in (queries, keys, keys)]
+        outputs, _ = both_paths(runner, layer, *f32, lens)
         for path, output in outputs.items():
             np.testing.assert_allclose(output, expected, atol=5e-6, err_msg=path)
 

@@ -342,3 +342,10 @@ def test_integer_lengths_are_clipped_not_wrapped():
     np.testing.assert_array_equal(spec.clip_integer_lens(unsigned, np.int32), [2**31 - 1, 3])
     floats = np.array([np.nan, 2.5])
     assert spec.clip_integer_lens(floats, np.int32) is floats
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16])
+def test_narrow_integer_lengths_compare_without_wrapping(dtype):
+    scores = np.zeros((1, 1, 1, 200))
+    visible = spec.visibility(OPS, scores, np.array([100, 127], dtype))
+    np.testing.assert_array_equal(visible.sum(axis=-1).ravel(), [100, 127])
