@@ -89,14 +89,20 @@ def test_check_grads_float64(name):
             params, q, k, v, lens, num_heads=case.config.num_heads, causal=case.config.causal
         )[0]
 
-    check_grads(forward, (params, *arrays(case, jnp.float64)), order=1, modes=("fwd", "rev"))
+    # Compiled: check_grads evaluates the function and its derivatives many
+    # times, and eagerly each evaluation compiles every operation anew.
+    check_grads(
+        jax.jit(forward), (params, *arrays(case, jnp.float64)), order=1, modes=("fwd", "rev")
+    )
 
     module, variables = linen_layer(case, jnp.float64)
 
     def linen_forward(variables, q, k, v):
         return module.apply(variables, q, k, v, lens, causal=case.config.causal)
 
-    check_grads(linen_forward, (variables, *arrays(case, jnp.float64)), order=1, modes=("rev",))
+    check_grads(
+        jax.jit(linen_forward), (variables, *arrays(case, jnp.float64)), order=1, modes=("rev",)
+    )
 
 
 @pytest.mark.parametrize("name", ["book", "causal_lens_2d", "cross_sizes"])
