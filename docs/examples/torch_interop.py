@@ -4,10 +4,10 @@ import numpy as np
 import torch
 
 from mha_multi.interop.torch import (
-    from_d2l_state_dict,
+    from_torch_d2l_state,
     from_torch_mha,
     key_padding_mask,
-    to_d2l_state_dict,
+    to_torch_d2l_state,
     to_torch_mha,
 )
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
@@ -41,8 +41,8 @@ for name, tensor in native.state_dict().items():
 
 # d2l's torch layer names its projections W_q, W_k, W_v, W_o like ours: its
 # state_dict loads as it is, or converts to canonical weights.
-d2l_state = to_d2l_state_dict(weights)
+d2l_state = to_torch_d2l_state(weights)
 d2l_like = MultiHeadAttention(32, num_heads=4, bias=True)
 d2l_like.load_state_dict(d2l_state)
-for name, array in from_d2l_state_dict(d2l_like.state_dict()).items():
+for name, array in from_torch_d2l_state(d2l_like.state_dict()).items():
     np.testing.assert_array_equal(array, weights[name])

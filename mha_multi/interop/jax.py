@@ -55,15 +55,16 @@ from mha_multi import spec
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
 __all__ = [
+    "FLAX_NAMES",
     "attention_mask",
-    "from_d2l_variables",
-    "from_flax_mha_params",
-    "from_linen_mha",
-    "from_nnx_mha",
-    "to_d2l_variables",
-    "to_flax_mha_params",
-    "to_linen_mha",
-    "to_nnx_mha",
+    "from_flax_linen",
+    "from_flax_nnx",
+    "from_flax_nnx_state",
+    "from_jax_d2l",
+    "to_flax_linen",
+    "to_flax_nnx",
+    "to_flax_nnx_state",
+    "to_jax_d2l",
 ]
 
 #: Flax's projection names, in the canonical order q, k, v, o.
@@ -102,13 +103,14 @@ def _params_tree(tree: Any) -> dict[str, Any]:
     return tree
 
 
-def from_flax_mha_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Canonical weights from a Flax attention parameter tree (NNX or Linen).
+def from_flax_nnx_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Canonical weights from a Flax attention parameter tree (NNX state or Linen params).
 
     Args:
-        params: ``{'query': {'kernel': ..., 'bias': ...}, 'key': ..., 'value':
-            ..., 'out': ...}``, or Linen variables ``{'params': {...}}``, or an
-            ``nnx.State``. ``num_heads`` is ``params['query']['kernel'].shape[1]``.
+        state: an ``nnx.State`` or its pure dict ``{'query': {'kernel': ...,
+            'bias': ...}, 'key': ..., 'value': ..., 'out': ...}``, or Linen
+            variables ``{'params': {...}}`` (the same tree). ``num_heads`` is
+            ``state['query']['kernel'].shape[1]``.
 
     Returns:
         The canonical mapping (validated), numpy arrays; bfloat16 becomes float32.
@@ -119,7 +121,7 @@ def from_flax_mha_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
             other than ``qkv_features``, biases on some projections only), a
             missing or unexpected entry, or inconsistent shapes.
     """
-    tree = _params_tree(params)
+    tree = _params_tree(state)
     for name, reason in _UNSUPPORTED.items():
         if name in tree:
             raise ValueError(f"unsupported Flax attention option: {reason}")
@@ -181,7 +183,7 @@ def from_flax_mha_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return check_weights(weights)[0]
 
 
-def to_flax_mha_params(
+def to_flax_nnx_state(
     weights: Mapping[str, Any], num_heads: int
 ) -> dict[str, dict[str, np.ndarray]]:
     """The Flax attention parameter tree (NNX state and Linen ``params`` alike).
@@ -231,18 +233,18 @@ def _check_flax_module(module: Any) -> None:
         )
 
 
-def from_nnx_mha(module: nnx.MultiHeadAttention) -> dict[str, np.ndarray]:
+def from_flax_nnx(module: nnx.MultiHeadAttention) -> dict[str, np.ndarray]:
     """Canonical weights of a ``flax.nnx.MultiHeadAttention`` (see the module notes).
 
     Raises:
         ValueError: an option the canonical layer cannot express (see
-            :func:`from_flax_mha_params`).
+            :func:`from_flax_nnx_state`).
     """
     _check_flax_module(module)
-    return from_flax_mha_params(nnx.state(module, nnx.Param))
+    return from_flax_nnx_state(nnx.state(module, nnx.Param))
 
 
-def to_nnx_mha(
+def to_flax_nnx(
     weights: Mapping[str, Any],
     num_heads: int,
     *,
@@ -290,7 +292,7 @@ def to_nnx_mha(
         **kwargs,
     )
     state = nnx.state(module, nnx.Param)
-    params = to_flax_mha_params(arrays, num_heads)
+    params = to_flax_nnx_state(arrays, num_heads)
     current = nnx.to_pure_dict(state)
     typed = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), params, current)
     nnx.replace_by_pure_dict(state, typed)
@@ -298,7 +300,7 @@ def to_nnx_mha(
     return module
 
 
-def from_linen_mha(
+def from_flax_linen(
     variables: Mapping[str, Any], module: linen.MultiHeadDotProductAttention | None = None
 ) -> dict[str, np.ndarray]:
     """Canonical weights from ``flax.linen.MultiHeadDotProductAttention`` variables.
@@ -309,14 +311,14 @@ def from_linen_mha(
 
     Raises:
         ValueError: an option the canonical layer cannot express (see
-            :func:`from_flax_mha_params`).
+            :func:`from_flax_nnx_state`).
     """
     if module is not None:
         _check_flax_module(module)
-    return from_flax_mha_params(variables)
+    return from_flax_nnx_state(variables)
 
 
-def to_linen_mha(
+def to_flax_linen(
     weights: Mapping[str, Any], num_heads: int, **kwargs: Any
 ) -> tuple[linen.MultiHeadDotProductAttention, dict[str, Any]]:
     """A ``flax.linen.MultiHeadDotProductAttention`` and its variables, holding the weights.
@@ -343,11 +345,11 @@ def to_linen_mha(
         use_bias=config.bias,
         **kwargs,
     )
-    params = jax.tree.map(jnp.asarray, to_flax_mha_params(arrays, num_heads))
+    params = jax.tree.map(jnp.asarray, to_flax_nnx_state(arrays, num_heads))
     return module, {"params": params}
 
 
-def from_d2l_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def from_jax_d2l(variables: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Canonical weights from d2l's JAX ``MultiHeadAttention`` variables (or ours).
 
     Args:
@@ -371,7 +373,7 @@ def from_d2l_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return check_weights(weights)[0]
 
 
-def to_d2l_variables(weights: Mapping[str, Any]) -> dict[str, Any]:
+def to_jax_d2l(weights: Mapping[str, Any]) -> dict[str, Any]:
     """d2l's JAX ``MultiHeadAttention`` variables (also :mod:`mha_multi.jax.linen`'s).
 
     Returns:

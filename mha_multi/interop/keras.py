@@ -36,12 +36,13 @@ only, a gate (``use_gate``) or a ``sliding_window``.
 
 d2l's Keras/TensorFlow ``MultiHeadAttention`` holds ``keras.layers.Dense``
 projections ``W_q``, ``W_k``, ``W_v``, ``W_o`` (``use_bias=False`` in the
-book); their kernels are already canonical (:func:`from_d2l_layer`,
-:func:`to_d2l_layer`).
+book); their kernels are already canonical (:func:`from_keras_d2l`,
+:func:`to_keras_d2l`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,12 +56,14 @@ from mha_multi.weights import check_weights
 __all__ = [
     "KERAS_MHA_NAMES",
     "attention_mask",
-    "from_d2l_layer",
+    "from_keras_d2l",
     "from_keras_mha",
-    "from_keras_mha_arrays",
-    "to_d2l_layer",
+    "from_keras_mha_state",
+    "load_keras_mha",
+    "save_keras_mha",
+    "to_keras_d2l",
     "to_keras_mha",
-    "to_keras_mha_arrays",
+    "to_keras_mha_state",
 ]
 
 #: Keras' sublayer name -> canonical projection letter.
@@ -74,11 +77,11 @@ def _float_numpy(value: Any) -> np.ndarray:
     return array
 
 
-def from_keras_mha_arrays(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def from_keras_mha_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Canonical weights from the arrays of a ``keras.layers.MultiHeadAttention``.
 
     Args:
-        arrays: ``query/kernel`` ``(query_size, H, dh)``, ``key/kernel``
+        state: ``query/kernel`` ``(query_size, H, dh)``, ``key/kernel``
             ``(key_size, H, dh)``, ``value/kernel`` ``(value_size, H, dh)``,
             ``output/kernel`` ``(H, dh, H * dh)``, and with biases
             ``query/bias`` ``(H, dh)`` ... ``output/bias`` ``(H * dh,)``.
@@ -92,19 +95,19 @@ def from_keras_mha_arrays(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
             (named).
     """
     expected = {f"{name}/{kind}" for name in KERAS_MHA_NAMES for kind in ("kernel", "bias")}
-    extra = sorted(set(arrays) - expected)
+    extra = sorted(set(state) - expected)
     if extra:
         raise ValueError(f"unexpected keras.layers.MultiHeadAttention entries: {extra}")
-    missing = [f"{name}/kernel" for name in KERAS_MHA_NAMES if f"{name}/kernel" not in arrays]
+    missing = [f"{name}/kernel" for name in KERAS_MHA_NAMES if f"{name}/kernel" not in state]
     if missing:
         raise ValueError(f"keras.layers.MultiHeadAttention weights are missing {missing}")
-    with_bias = [name for name in KERAS_MHA_NAMES if f"{name}/bias" in arrays]
+    with_bias = [name for name in KERAS_MHA_NAMES if f"{name}/bias" in state]
     if with_bias and len(with_bias) != len(KERAS_MHA_NAMES):
         raise ValueError(
             f"unsupported: biases on some projections only ({', '.join(with_bias)}); "
             "the canonical layer has biases on all four or on none"
         )
-    kernels = {name: np.asarray(arrays[f"{name}/kernel"]) for name in KERAS_MHA_NAMES}
+    kernels = {name: np.asarray(state[f"{name}/kernel"]) for name in KERAS_MHA_NAMES}
     for name in ("query", "key", "value"):
         if kernels[name].ndim != 3:
             raise ValueError(
@@ -147,7 +150,7 @@ def from_keras_mha_arrays(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
     weights["W_o"] = output.reshape(num_hiddens, num_hiddens)
     if with_bias:
         for name, letter in KERAS_MHA_NAMES.items():
-            bias = np.asarray(arrays[f"{name}/bias"])
+            bias = np.asarray(state[f"{name}/bias"])
             expected_shape = (num_hiddens,) if name == "output" else (num_heads, key_dim)
             if bias.shape != expected_shape:
                 raise ValueError(f"{name} bias must have shape {expected_shape}; got {bias.shape}")
@@ -156,8 +159,8 @@ def from_keras_mha_arrays(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return check_weights(weights)[0]
 
 
-def to_keras_mha_arrays(weights: Mapping[str, Any], num_heads: int) -> dict[str, np.ndarray]:
-    """The ``keras.layers.MultiHeadAttention`` arrays (see :func:`from_keras_mha_arrays`).
+def to_keras_mha_state(weights: Mapping[str, Any], num_heads: int) -> dict[str, np.ndarray]:
+    """The ``keras.layers.MultiHeadAttention`` arrays (see :func:`from_keras_mha_state`).
 
     Args:
         weights: canonical weights.
@@ -232,7 +235,7 @@ def from_keras_mha(layer: keras.layers.MultiHeadAttention) -> dict[str, np.ndarr
         arrays[f"{name}/kernel"] = _float_numpy(dense.kernel)
         if dense.bias is not None:
             arrays[f"{name}/bias"] = _float_numpy(dense.bias)
-    return from_keras_mha_arrays(arrays)
+    return from_keras_mha_state(arrays)
 
 
 def to_keras_mha(
@@ -275,7 +278,7 @@ def to_keras_mha(
         (None, None, config.value_size),
         (None, None, config.key_size),
     )
-    for key, array in to_keras_mha_arrays(arrays, num_heads).items():
+    for key, array in to_keras_mha_state(arrays, num_heads).items():
         name, kind = key.split("/")
         getattr(getattr(layer, f"{name}_dense"), kind).assign(array)
     return layer
@@ -311,7 +314,7 @@ def attention_mask(
     return np.broadcast_to(visible, (batch, 1, num_queries, num_keys))[:, 0].copy()
 
 
-def from_d2l_layer(layer: Any) -> dict[str, np.ndarray]:
+def from_keras_d2l(layer: Any) -> dict[str, np.ndarray]:
     """Canonical weights of d2l's Keras/TensorFlow ``MultiHeadAttention`` (or ours).
 
     d2l's layer holds ``keras.layers.Dense`` projections ``W_q``, ``W_k``,
@@ -339,7 +342,7 @@ def from_d2l_layer(layer: Any) -> dict[str, np.ndarray]:
     return check_weights(weights)[0]
 
 
-def to_d2l_layer(weights: Mapping[str, Any], layer: Any) -> Any:
+def to_keras_d2l(weights: Mapping[str, Any], layer: Any) -> Any:
     """Loads canonical weights into d2l's Keras/TensorFlow ``MultiHeadAttention``.
 
     Args:
@@ -390,7 +393,9 @@ def _find_mha_groups(file: Any) -> list[Any]:
     return found
 
 
-def read_keras_mha_weights(path: str, *, num_heads: int | None = None) -> dict[str, np.ndarray]:
+def load_keras_mha(
+    path: str | os.PathLike[str], *, num_heads: int | None = None
+) -> dict[str, np.ndarray]:
     """Canonical weights from a Keras ``.weights.h5`` file holding one ``MultiHeadAttention``.
 
     The file is what ``model.save_weights`` writes for a model with exactly
@@ -402,13 +407,22 @@ def read_keras_mha_weights(path: str, *, num_heads: int | None = None) -> dict[s
         num_heads: if given, checked against the heads stored in the kernels.
 
     Raises:
-        ValueError: no or several attention layers, an unexpected variable
-            layout, shapes the canonical layer cannot express, or a
-            ``num_heads`` that differs from the file's.
+        FileNotFoundError: no file at ``path``.
+        ValueError: a file that is not HDF5 or is damaged, no or several
+            attention layers, an unexpected variable layout, shapes the
+            canonical layer cannot express, or a ``num_heads`` that differs
+            from the file's.
     """
     import h5py
 
-    with h5py.File(path, "r") as file:
+    path = os.fspath(path)
+    if not os.path.exists(path):  # h5py reports it as a plain OSError
+        raise FileNotFoundError(f"no such file: {path!r}")
+    try:
+        file = h5py.File(path, "r")
+    except OSError as error:  # h5py's error for a file that is not HDF5, or is damaged
+        raise ValueError(f"{path!r} is not a readable .weights.h5 file: {error}") from error
+    with file:
         groups = _find_mha_groups(file)
         if len(groups) != 1:
             names = [group.name for group in groups]
@@ -428,7 +442,7 @@ def read_keras_mha_weights(path: str, *, num_heads: int | None = None) -> dict[s
             arrays[f"{name}/kernel"] = np.asarray(variables["0"])
             if len(keys) == 2:
                 arrays[f"{name}/bias"] = np.asarray(variables["1"])
-    weights = from_keras_mha_arrays(arrays)
+    weights = from_keras_mha_state(arrays)
     stored_heads = arrays["query/kernel"].shape[1]
     if num_heads is not None and num_heads != stored_heads:
         raise ValueError(
@@ -438,7 +452,9 @@ def read_keras_mha_weights(path: str, *, num_heads: int | None = None) -> dict[s
     return weights
 
 
-def write_keras_mha_weights(path: str, weights: Mapping[str, Any], *, num_heads: int) -> None:
+def save_keras_mha(
+    path: str | os.PathLike[str], weights: Mapping[str, Any], *, num_heads: int
+) -> None:
     """Writes canonical weights as a Keras ``.weights.h5`` file of one ``MultiHeadAttention``.
 
     The file is ``save_weights`` of a functional model
@@ -452,8 +468,12 @@ def write_keras_mha_weights(path: str, weights: Mapping[str, Any], *, num_heads:
         num_heads: ``H``.
 
     Raises:
-        ValueError: invalid weights or ``num_hiddens`` not divisible by ``num_heads``.
+        ValueError: a path not ending in ``.weights.h5``, invalid weights, or
+            ``num_hiddens`` not divisible by ``num_heads``.
     """
+    path = os.fspath(path)
+    if not path.lower().endswith(".weights.h5"):
+        raise ValueError(f"Keras weights files must end in .weights.h5; got {path!r}")
     arrays, config = check_weights(weights)
     layer = to_keras_mha(arrays, num_heads, name="multi_head_attention")
     query = keras.Input((None, config.query_size), name="query")

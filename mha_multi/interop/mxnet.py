@@ -28,12 +28,12 @@ from mha_multi.mxnet.layer import _load
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
 __all__ = [
-    "from_d2l_block",
-    "from_d2l_params",
-    "load_d2l_params",
-    "save_d2l_params",
-    "set_d2l_weights",
-    "to_d2l_params",
+    "from_mxnet_d2l",
+    "from_mxnet_d2l_state",
+    "load_mxnet_d2l",
+    "save_mxnet_d2l",
+    "to_mxnet_d2l",
+    "to_mxnet_d2l_state",
 ]
 
 # d2l's MXNet chapters run on the numpy interface; a no-op when already active.
@@ -50,7 +50,7 @@ def _numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def from_d2l_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def from_mxnet_d2l_state(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Canonical weights from d2l's MXNet layer parameters, keyed as in a ``.params`` file.
 
     Args:
@@ -80,7 +80,7 @@ def from_d2l_params(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return check_weights(weights)[0]
 
 
-def to_d2l_params(weights: Mapping[str, Any]) -> dict[str, mx.np.ndarray]:
+def to_mxnet_d2l_state(weights: Mapping[str, Any]) -> dict[str, mx.np.ndarray]:
     """d2l's MXNet layer parameters (``.params`` names, ``(out, in)`` weights) from canonical ones.
 
     Raises:
@@ -97,7 +97,7 @@ def to_d2l_params(weights: Mapping[str, Any]) -> dict[str, mx.np.ndarray]:
     return params
 
 
-def from_d2l_block(block: gluon.Block) -> dict[str, np.ndarray]:
+def from_mxnet_d2l(block: gluon.Block) -> dict[str, np.ndarray]:
     """Canonical weights of a d2l MXNet ``MultiHeadAttention`` block (or ours).
 
     Raises:
@@ -113,11 +113,11 @@ def from_d2l_block(block: gluon.Block) -> dict[str, np.ndarray]:
         params[f"{layer}.weight"] = dense.weight
         if dense.bias is not None:
             params[f"{layer}.bias"] = dense.bias
-    return from_d2l_params(params)
+    return from_mxnet_d2l_state(params)
 
 
-def set_d2l_weights(
-    block: gluon.Block, weights: Mapping[str, Any], *, ctx: mx.Context | None = None
+def to_mxnet_d2l(
+    weights: Mapping[str, Any], block: gluon.Block, *, ctx: mx.Context | None = None
 ) -> gluon.Block:
     """Loads canonical weights into a d2l MXNet ``MultiHeadAttention`` block (strict).
 
@@ -162,12 +162,12 @@ def _reason(error: Exception) -> str:
     return lines[-1].removeprefix("MXNetError: ") if lines else type(error).__name__
 
 
-def save_d2l_params(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> None:
+def save_mxnet_d2l(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> None:
     """Writes canonical weights as a ``.params`` file that d2l's layer ``load_parameters``."""
-    npx.save(os.fspath(path), to_d2l_params(weights))
+    npx.save(os.fspath(path), to_mxnet_d2l_state(weights))
 
 
-def load_d2l_params(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+def load_mxnet_d2l(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """Canonical weights from a ``.params`` file of d2l's MXNet layer (``save_parameters``).
 
     Raises:
@@ -193,4 +193,4 @@ def load_d2l_params(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         ) from error
     if not isinstance(loaded, dict):
         raise ValueError(f"{path!r} holds unnamed arrays, not Gluon parameters")
-    return from_d2l_params(loaded)
+    return from_mxnet_d2l_state(loaded)

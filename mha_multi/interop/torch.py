@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,13 +25,20 @@ import torch
 from mha_multi.weights import check_weights
 
 __all__ = [
-    "from_d2l_state_dict",
+    "checkpoint_format",
+    "from_torch_d2l",
+    "from_torch_d2l_state",
     "from_torch_mha",
-    "from_torch_mha_state_dict",
+    "from_torch_mha_state",
     "key_padding_mask",
-    "to_d2l_state_dict",
+    "load_torch_d2l",
+    "load_torch_mha",
+    "save_torch_d2l",
+    "save_torch_mha",
+    "to_torch_d2l",
+    "to_torch_d2l_state",
     "to_torch_mha",
-    "to_torch_mha_state_dict",
+    "to_torch_mha_state",
 ]
 
 _UNSUPPORTED = {
@@ -47,7 +56,7 @@ def _numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def from_torch_mha_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def from_torch_mha_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Canonical weights from a ``torch.nn.MultiheadAttention`` ``state_dict``.
 
     Handles the packed ``in_proj_weight`` (``kdim == vdim == embed_dim``) and
@@ -99,7 +108,7 @@ def from_torch_mha_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.nda
     return check_weights(weights)[0]
 
 
-def to_torch_mha_state_dict(weights: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def to_torch_mha_state(weights: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """A ``torch.nn.MultiheadAttention`` ``state_dict`` holding canonical weights.
 
     The packed layout is used when key and value sizes equal ``num_hiddens``.
@@ -141,7 +150,7 @@ def from_torch_mha(module: torch.nn.MultiheadAttention) -> dict[str, np.ndarray]
     """
     if module.add_zero_attn:
         raise ValueError("unsupported torch.nn.MultiheadAttention option: add_zero_attn=True")
-    return from_torch_mha_state_dict(module.state_dict())
+    return from_torch_mha_state(module.state_dict())
 
 
 def to_torch_mha(
@@ -157,12 +166,12 @@ def to_torch_mha(
         vdim=config.value_size,
         batch_first=batch_first,
     )
-    state = to_torch_mha_state_dict(arrays)
+    state = to_torch_mha_state(arrays)
     module.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
     return module
 
 
-def from_d2l_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def from_torch_d2l_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Canonical weights from d2l's torch ``MultiHeadAttention`` (or ours) ``state_dict``.
 
     d2l names its projections ``W_q``, ``W_k``, ``W_v``, ``W_o`` (``nn.Linear``,
@@ -180,7 +189,7 @@ def from_d2l_state_dict(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return check_weights(weights)[0]
 
 
-def to_d2l_state_dict(weights: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def to_torch_d2l_state(weights: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """d2l's torch ``MultiHeadAttention`` ``state_dict`` (also ours) from canonical weights."""
     arrays, _ = check_weights(weights)
     state = {}
@@ -190,6 +199,140 @@ def to_d2l_state_dict(weights: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         else:
             state[f"W_{name[-1]}.bias"] = torch.from_numpy(np.ascontiguousarray(array))
     return state
+
+
+def from_torch_d2l(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Canonical weights of d2l's torch ``MultiHeadAttention`` (or ours).
+
+    Raises:
+        ValueError: a parameter or buffer other than the projections', or
+            weights that do not fit the canonical layer.
+    """
+    return from_torch_d2l_state(module.state_dict())
+
+
+def to_torch_d2l(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Module:
+    """Loads canonical weights into d2l's torch ``MultiHeadAttention`` (or ours), strictly.
+
+    Values are cast to the module's parameter dtypes and devices.
+
+    Args:
+        weights: canonical weights.
+        module: the layer, with biases iff the weights have them.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        ValueError: invalid weights, or a layer whose parameters differ in
+            names or shapes.
+    """
+    state = to_torch_d2l_state(weights)
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as error:  # torch lists every mismatch, one per line
+        text = str(error).split(":", 1)[-1]  # after "Error(s) in loading state_dict for X:"
+        raise ValueError(
+            f"the weights do not fit {type(module).__name__}: {' '.join(text.split())}"
+        ) from error
+    return module
+
+
+def _first_sentence(text: str) -> str:
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    # torch's C++ checks prefix their message with where they failed.
+    line = re.sub(r"^\[enforce fail at [^\]]*\][\s.]*", "", line)
+    return line.split(". ", 1)[0].rstrip(".")
+
+
+def _load_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = os.fspath(path)
+    with open(path, "rb") as file:  # so that a missing file stays a FileNotFoundError
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as error:
+            # A damaged or foreign file fails wherever torch's parser stops
+            # (RuntimeError, EOFError, UnpicklingError, KeyError, struct.error,
+            # ...), and nothing in it ran (weights_only=True): it is a bad input.
+            text = str(error)
+            if "WeightsUnpickler error:" in text:  # the reason after paragraphs of advice
+                text = text.split("WeightsUnpickler error:", 1)[1]
+            detail = _first_sentence(text) or type(error).__name__
+            raise ValueError(
+                f"{path!r} is not a PyTorch checkpoint that torch.load(weights_only=True) "
+                f"reads: {detail}"
+            ) from error
+    if not isinstance(state, dict):
+        raise ValueError(f"{path!r} does not hold a state_dict")
+    return state
+
+
+def _save_state_dict(path: str | os.PathLike[str], state: dict[str, torch.Tensor]) -> None:
+    with open(path, "wb") as file:  # an unwritable path raises OSError, not torch's RuntimeError
+        torch.save(state, file)
+
+
+def checkpoint_format(path: str | os.PathLike[str]) -> str:
+    """Which layout a PyTorch checkpoint holds: ``"torch-d2l"`` or ``"torch-mha"``.
+
+    d2l's layer (and ours) names its projections ``W_q``...; any other
+    ``state_dict`` is taken for ``torch.nn.MultiheadAttention``'s, whose
+    reader then checks it.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not a checkpoint that ``torch.load(weights_only=True)``
+            reads, or not a ``state_dict``.
+    """
+    state = _load_state_dict(path)
+    return "torch-d2l" if any(str(k).startswith("W_") for k in state) else "torch-mha"
+
+
+def load_torch_mha(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Canonical weights from a checkpoint of a ``torch.nn.MultiheadAttention`` ``state_dict``.
+
+    The file is read with ``torch.load(weights_only=True)``: nothing in it runs.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: a damaged file, one that is not a ``state_dict``, or one
+            of another layout (see :func:`from_torch_mha_state`).
+    """
+    return from_torch_mha_state(_load_state_dict(path))
+
+
+def save_torch_mha(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> None:
+    """Writes canonical weights as a ``torch.nn.MultiheadAttention`` ``state_dict`` checkpoint.
+
+    Raises:
+        ValueError: weights the native layer cannot express (see
+            :func:`to_torch_mha_state`).
+        OSError: the file cannot be written.
+    """
+    _save_state_dict(path, to_torch_mha_state(weights))
+
+
+def load_torch_d2l(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Canonical weights from a checkpoint of d2l's torch layer's ``state_dict`` (or ours).
+
+    The file is read with ``torch.load(weights_only=True)``: nothing in it runs.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: a damaged file, one that is not a ``state_dict``, or one
+            of another layout (see :func:`from_torch_d2l_state`).
+    """
+    return from_torch_d2l_state(_load_state_dict(path))
+
+
+def save_torch_d2l(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> None:
+    """Writes canonical weights as a ``state_dict`` checkpoint of d2l's torch layer (or ours).
+
+    Raises:
+        ValueError: invalid weights.
+        OSError: the file cannot be written.
+    """
+    _save_state_dict(path, to_torch_d2l_state(weights))
 
 
 def key_padding_mask(valid_lens: Any, num_keys: int) -> torch.Tensor:

@@ -14,14 +14,14 @@ from flax import nnx
 
 from mha_multi.interop.jax import (
     attention_mask,
-    from_d2l_variables,
-    from_flax_mha_params,
-    from_linen_mha,
-    from_nnx_mha,
-    to_d2l_variables,
-    to_flax_mha_params,
-    to_linen_mha,
-    to_nnx_mha,
+    from_flax_linen,
+    from_flax_nnx,
+    from_flax_nnx_state,
+    from_jax_d2l,
+    to_flax_linen,
+    to_flax_nnx,
+    to_flax_nnx_state,
+    to_jax_d2l,
 )
 from mha_multi.jax import MultiHeadAttention, get_weights, linen, set_weights
 from mha_multi.parity.cases import CASES, build_case
@@ -54,9 +54,9 @@ def test_native_layers_match_the_reference(name):
     # rows get uniform weights there too: every case agrees, those included.
     c = case(name)
     q, k, v = arrays(c)
-    native = to_nnx_mha(c.weights, c.config.num_heads)
+    native = to_flax_nnx(c.weights, c.config.num_heads)
     out = native(q, k, v, mask=mask_of(c), deterministic=True)
-    module, variables = to_linen_mha(c.weights, c.config.num_heads)
+    module, variables = to_flax_linen(c.weights, c.config.num_heads)
     linen_out = module.apply(variables, q, k, v, mask=mask_of(c), deterministic=True)
     for got in (out, linen_out):
         np.testing.assert_allclose(got, c.reference["output"], rtol=0, atol=5e-6)
@@ -74,7 +74,7 @@ def test_native_layers_match_the_reference(name):
 def test_fully_hidden_rows_agree_with_the_spec():
     c = case("lens_zero")  # valid_lens [0, -2, 3]
     q, k, v = arrays(c)
-    out = to_nnx_mha(c.weights, c.config.num_heads)(q, k, v, mask=mask_of(c))
+    out = to_flax_nnx(c.weights, c.config.num_heads)(q, k, v, mask=mask_of(c))
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(out[:2], c.reference["output"][:2], atol=5e-6)
 
@@ -82,13 +82,13 @@ def test_fully_hidden_rows_agree_with_the_spec():
 def test_linen_takes_different_key_and_value_sizes_and_nnx_refuses_them():
     c = case("cross_sizes")  # query/key/value sizes 7/5/3, biases
     q, k, v = arrays(c)
-    module, variables = to_linen_mha(c.weights, c.config.num_heads)
+    module, variables = to_flax_linen(c.weights, c.config.num_heads)
     out = module.apply(variables, q, k, v, mask=mask_of(c))
     np.testing.assert_allclose(out, c.reference["output"], atol=5e-6)
-    back = from_linen_mha(variables, module)
+    back = from_flax_linen(variables, module)
     assert all(back[n].tobytes() == c.weights[n].tobytes() for n in c.weights)
     with pytest.raises(ValueError, match="one in_kv_features.*key_size 5 and value_size 3"):
-        to_nnx_mha(c.weights, c.config.num_heads)
+        to_flax_nnx(c.weights, c.config.num_heads)
 
 
 @pytest.mark.parametrize("use_bias", [False, True])
@@ -102,25 +102,25 @@ def test_round_trips_through_native_layers_are_bit_exact(use_bias):
         decode=False,
         rngs=nnx.Rngs(3),
     )
-    weights = from_nnx_mha(native)
+    weights = from_flax_nnx(native)
     assert weights["W_q"].shape == (16, 24) and weights["W_o"].shape == (24, 24)
-    again = to_nnx_mha(weights, 4)
+    again = to_flax_nnx(weights, 4)
     state, again_state = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (native, again))
     jax.tree.map(np.testing.assert_array_equal, state, again_state)
 
     module = nn.MultiHeadDotProductAttention(4, qkv_features=24, out_features=24, use_bias=use_bias)
     x = jnp.ones((1, 2, 16))
     variables = module.init(jax.random.key(0), x, jnp.ones((1, 3, 5)))
-    weights = from_linen_mha(variables, module)
+    weights = from_flax_linen(variables, module)
     assert weights["W_k"].shape == (5, 24)
-    _, again_variables = to_linen_mha(weights, 4)
+    _, again_variables = to_flax_linen(weights, 4)
     jax.tree.map(np.testing.assert_array_equal, variables, again_variables)
 
 
 def test_params_tree_layout_matches_flax():
     weights = init_weights(12, query_size=7, key_size=5, value_size=5, bias=True, seed=2)
-    params = to_flax_mha_params(weights, 3)
-    native = to_nnx_mha(weights, 3)
+    params = to_flax_nnx_state(weights, 3)
+    native = to_flax_nnx(weights, 3)
     shapes = jax.tree.map(np.shape, nnx.to_pure_dict(nnx.state(native, nnx.Param)))
     assert jax.tree.map(np.shape, params) == shapes
     assert shapes["query"] == {"kernel": (7, 3, 4), "bias": (3, 4)}
@@ -132,34 +132,34 @@ def test_params_tree_layout_matches_flax():
 
 def test_unsupported_native_options_are_refused():
     with pytest.raises(ValueError, match="normalize_qk"):
-        from_nnx_mha(
+        from_flax_nnx(
             nnx.MultiHeadAttention(2, 8, normalize_qk=True, decode=False, rngs=nnx.Rngs(0))
         )
     with pytest.raises(ValueError, match=r"out_features \(6\) differs from qkv_features \(8\)"):
-        from_nnx_mha(nnx.MultiHeadAttention(2, 8, out_features=6, decode=False, rngs=nnx.Rngs(0)))
+        from_flax_nnx(nnx.MultiHeadAttention(2, 8, out_features=6, decode=False, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="num_kv_heads"):
-        from_nnx_mha(nnx.MultiHeadAttention(4, 8, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0)))
+        from_flax_nnx(nnx.MultiHeadAttention(4, 8, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0)))
     # The default out_features is in_features: a 5-feature query projected to 8 hiddens.
     module = nn.MultiHeadDotProductAttention(2, qkv_features=8)
     variables = module.init(jax.random.key(0), jnp.ones((1, 2, 5)))
     with pytest.raises(ValueError, match=r"out_features \(5\) differs from qkv_features \(8\)"):
-        from_linen_mha(variables)
+        from_flax_linen(variables)
     module = nn.MultiHeadDotProductAttention(2, normalize_qk=True)
     variables = module.init(jax.random.key(0), jnp.ones((1, 2, 8)))
     with pytest.raises(ValueError, match="normalize_qk"):
-        from_linen_mha(variables)
-    params = to_flax_mha_params(init_weights(8, bias=True), 2)
+        from_flax_linen(variables)
+    params = to_flax_nnx_state(init_weights(8, bias=True), 2)
     del params["key"]["bias"]
     with pytest.raises(ValueError, match="biases on some projections only"):
-        from_flax_mha_params(params)
+        from_flax_nnx_state(params)
     with pytest.raises(ValueError, match=r"unexpected entries.*\['extra'\]"):
-        from_flax_mha_params({**to_flax_mha_params(init_weights(8), 2), "extra": {}})
+        from_flax_nnx_state({**to_flax_nnx_state(init_weights(8), 2), "extra": {}})
     with pytest.raises(ValueError, match=r"missing \['out'\]"):
-        from_flax_mha_params(
-            {k: v for k, v in to_flax_mha_params(init_weights(8), 2).items() if k != "out"}
+        from_flax_nnx_state(
+            {k: v for k, v in to_flax_nnx_state(init_weights(8), 2).items() if k != "out"}
         )
     with pytest.raises(ValueError, match=r"num_hiddens \(8\) must be divisible by num_heads \(3\)"):
-        to_flax_mha_params(init_weights(8), 3)
+        to_flax_nnx_state(init_weights(8), 3)
 
 
 def test_attention_mask_follows_the_spec_rule():
@@ -245,7 +245,7 @@ class D2LMultiHeadAttention(nn.Module):
 def test_d2l_layer_with_converted_weights_matches_the_reference(name):
     c = case(name)
     d2l = D2LMultiHeadAttention(c.config.num_hiddens, c.config.num_heads, 0.0, c.config.bias)
-    variables = to_d2l_variables(c.weights)
+    variables = to_jax_d2l(c.weights)
     out, weights = d2l.apply(variables, *arrays(c), jnp.asarray(c.valid_lens))
     np.testing.assert_allclose(out, c.reference["output"], atol=5e-6)
     np.testing.assert_allclose(
@@ -259,9 +259,9 @@ def test_d2l_variables_round_trip_and_strict_loading():
     d2l = D2LMultiHeadAttention(12, 3, 0.1, bias=True)
     x = jnp.ones((2, 4, 7))
     variables = d2l.init(jax.random.key(0), x, jnp.ones((2, 5, 6)), jnp.ones((2, 5, 6)), None)
-    weights = from_d2l_variables(variables)
+    weights = from_jax_d2l(variables)
     assert weights["W_q"].shape == (7, 12) and weights["b_o"].shape == (12,)
-    jax.tree.map(np.testing.assert_array_equal, to_d2l_variables(weights), variables)
+    jax.tree.map(np.testing.assert_array_equal, to_jax_d2l(weights), variables)
     # Our Linen module uses d2l's layout: the variables load as they are.
     module = linen.MultiHeadAttention(12, 3, bias=True)
     assert linen.weights_from_variables(variables).keys() == weights.keys()
@@ -269,20 +269,20 @@ def test_d2l_variables_round_trip_and_strict_loading():
     theirs, _ = d2l.apply(variables, x, jnp.ones((2, 5, 6)), jnp.ones((2, 5, 6)), None)
     np.testing.assert_allclose(ours, theirs, atol=5e-6)
     with pytest.raises(ValueError, match="unexpected entry 'attention'"):
-        from_d2l_variables({"params": {**variables["params"], "attention": {"x": x}}})
+        from_jax_d2l({"params": {**variables["params"], "attention": {"x": x}}})
     with pytest.raises(ValueError, match="unexpected entry 'W_q/scale'"):
         params = dict(variables["params"])
         params["W_q"] = {**params["W_q"], "scale": x}
-        from_d2l_variables(params)
+        from_jax_d2l(params)
     with pytest.raises(ValueError, match="missing 'b_k'"):
         params = dict(variables["params"])
         params["W_k"] = {"kernel": params["W_k"]["kernel"]}
-        from_d2l_variables(params)
+        from_jax_d2l(params)
 
 
 def test_nnx_state_of_ours_and_canonical_weights_agree():
     weights = init_weights(8, bias=True, seed=5)
     layer = set_weights(MultiHeadAttention(8, 2, bias=True, rngs=nnx.Rngs(0)), weights)
-    native = to_nnx_mha(get_weights(layer), 2)
-    back = from_nnx_mha(native)
+    native = to_flax_nnx(get_weights(layer), 2)
+    back = from_flax_nnx(native)
     assert all(back[n].tobytes() == weights[n].tobytes() for n in weights)

@@ -89,7 +89,7 @@ def test_round_trip_is_bit_exact():
     back = interop.from_keras_mha(interop.to_keras_mha(weights, 3))
     assert back.keys() == weights.keys()
     assert all(back[k].tobytes() == weights[k].astype(np.float32).tobytes() for k in weights)
-    arrays = interop.to_keras_mha_arrays(weights, 3)
+    arrays = interop.to_keras_mha_state(weights, 3)
     assert arrays["query/kernel"].shape == (5, 3, 4)
     assert arrays["output/kernel"].shape == (3, 4, 12)
     assert arrays["value/bias"].shape == (3, 4) and arrays["output/bias"].shape == (12,)
@@ -196,17 +196,17 @@ def test_unbuilt_layer_is_a_clear_error():
 
 
 def test_bias_on_some_projections_only_is_a_clear_error():
-    arrays = interop.to_keras_mha_arrays(init_weights(8, bias=True, seed=0), 2)
+    arrays = interop.to_keras_mha_state(init_weights(8, bias=True, seed=0), 2)
     del arrays["output/bias"]
     with pytest.raises(ValueError, match="biases on some projections only"):
-        interop.from_keras_mha_arrays(arrays)
+        interop.from_keras_mha_state(arrays)
 
 
 def test_output_size_other_than_num_hiddens_is_a_clear_error():
-    arrays = interop.to_keras_mha_arrays(init_weights(8, seed=0), 2)
+    arrays = interop.to_keras_mha_state(init_weights(8, seed=0), 2)
     arrays["output/kernel"] = np.zeros((2, 4, 5), np.float32)
     with pytest.raises(ValueError, match="output size 5 != num_heads"):
-        interop.from_keras_mha_arrays(arrays)
+        interop.from_keras_mha_state(arrays)
 
 
 def test_to_keras_mha_rejects_keywords_the_weights_fix():
@@ -258,7 +258,7 @@ def test_d2l_keras_layer_weights_give_equal_outputs(bias):
     q, k, v = (case.inputs[n] for n in ("queries", "keys", "values"))
     d2l = D2lMultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=bias)
     expected = numpy(d2l(q, k, v, case.valid_lens))
-    weights = interop.from_d2l_layer(d2l)
+    weights = interop.from_keras_d2l(d2l)
     assert set(weights) == (
         {"W_q", "W_k", "W_v", "W_o"} | ({"b_q", "b_k", "b_v", "b_o"} if bias else set())
     )
@@ -269,9 +269,9 @@ def test_d2l_keras_layer_weights_give_equal_outputs(bias):
     # and back: ours -> d2l's
     other = D2lMultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=bias)
     other(q, k, v, case.valid_lens)
-    interop.to_d2l_layer(get_weights(ours), other)
+    interop.to_keras_d2l(get_weights(ours), other)
     np.testing.assert_allclose(numpy(other(q, k, v, case.valid_lens)), expected, atol=5e-6)
-    assert interop.from_d2l_layer(ours).keys() == weights.keys()
+    assert interop.from_keras_d2l(ours).keys() == weights.keys()
 
 
 def test_d2l_layer_bias_mismatch_is_a_clear_error():
@@ -279,9 +279,9 @@ def test_d2l_layer_bias_mismatch_is_a_clear_error():
     x = np.ones((1, 2, 8), np.float32)
     d2l(x, x, x, np.array([2]))
     with pytest.raises(ValueError, match="W_q has no bias; the weights have biases"):
-        interop.to_d2l_layer(init_weights(8, bias=True, seed=0), d2l)
+        interop.to_keras_d2l(init_weights(8, bias=True, seed=0), d2l)
     with pytest.raises(ValueError, match="has no W_q projection"):
-        interop.from_d2l_layer(object())
+        interop.from_keras_d2l(object())
 
 
 # -- convert keras-mha --------------------------------------------------------------------

@@ -12,12 +12,12 @@ import pytest
 from mha_multi.__main__ import convert, main
 from mha_multi.bench.mxnet import D2LMultiHeadAttention
 from mha_multi.interop.mxnet import (
-    from_d2l_block,
-    from_d2l_params,
-    load_d2l_params,
-    save_d2l_params,
-    set_d2l_weights,
-    to_d2l_params,
+    from_mxnet_d2l,
+    from_mxnet_d2l_state,
+    load_mxnet_d2l,
+    save_mxnet_d2l,
+    to_mxnet_d2l,
+    to_mxnet_d2l_state,
 )
 from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
 from mha_multi.parity.cases import CASES, build_case
@@ -94,7 +94,7 @@ def test_trained_d2l_layer_converts_into_ours(tmp_path, bias):
     assert weights["W_q"].shape == (6, 8) and weights["W_k"].shape == (3, 8)
     ours = set_weights(MultiHeadAttention(8, 2, bias=bias), load_weights(tmp_path / "w.npz"))
     np.testing.assert_allclose(ours(q, kv, kv, lens).asnumpy(), expected, rtol=0, atol=5e-6)
-    from_block = from_d2l_block(d2l)
+    from_block = from_mxnet_d2l(d2l)
     assert all(from_block[k].tobytes() == weights[k].tobytes() for k in weights)
 
 
@@ -105,21 +105,21 @@ def test_params_round_trip_is_bit_exact(tmp_path, bias, dtype):
         k: v.astype(dtype)
         for k, v in init_weights(12, key_size=5, value_size=3, bias=bias, seed=2).items()
     }
-    params = to_d2l_params(weights)
+    params = to_mxnet_d2l_state(weights)
     assert params["W_k.weight"].shape == (12, 5)  # Gluon's (out, in)
-    save_d2l_params(tmp_path / "w.params", weights)
-    for back in (from_d2l_params(params), load_d2l_params(tmp_path / "w.params")):
+    save_mxnet_d2l(tmp_path / "w.params", weights)
+    for back in (from_mxnet_d2l_state(params), load_mxnet_d2l(tmp_path / "w.params")):
         assert sorted(back) == sorted(weights)
         assert all(back[k].dtype == np.dtype(dtype) for k in back)
         assert all(back[k].tobytes() == weights[k].tobytes() for k in weights)
 
 
 @pytest.mark.parametrize("hybridize", [False, True])
-def test_set_d2l_weights_into_a_fresh_d2l_layer(hybridize):
+def test_to_mxnet_d2l_loads_a_fresh_d2l_layer(hybridize):
     case = case_named("cross_sizes")
-    layer = set_d2l_weights(d2l_layer(case, hybridize=hybridize), case.weights)
+    layer = to_mxnet_d2l(case.weights, d2l_layer(case, hybridize=hybridize))
     np.testing.assert_allclose(d2l_output(layer, case), case.reference["output"], atol=5e-6)
-    back = from_d2l_block(layer)
+    back = from_mxnet_d2l(layer)
     assert all(back[k].tobytes() == case.weights[k].tobytes() for k in case.weights)
 
 
@@ -128,33 +128,33 @@ def test_ours_and_d2l_blocks_share_the_params_layout(tmp_path):
     ours = set_weights(
         MultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=True), case.weights
     )
-    assert all(from_d2l_block(ours)[k].tobytes() == v.tobytes() for k, v in case.weights.items())
+    assert all(from_mxnet_d2l(ours)[k].tobytes() == v.tobytes() for k, v in case.weights.items())
     ours.save_parameters(str(tmp_path / "ours.params"))
-    loaded = load_d2l_params(tmp_path / "ours.params")
+    loaded = load_mxnet_d2l(tmp_path / "ours.params")
     assert all(loaded[k].tobytes() == v.tobytes() for k, v in get_weights(ours).items())
 
 
 def test_strict_errors(tmp_path):
-    params = to_d2l_params(init_weights(8, bias=True, seed=1))
+    params = to_mxnet_d2l_state(init_weights(8, bias=True, seed=1))
     with pytest.raises(ValueError, match="unexpected entry 'attention.weight'"):
-        from_d2l_params({**params, "attention.weight": params["W_q.weight"]})
+        from_mxnet_d2l_state({**params, "attention.weight": params["W_q.weight"]})
     missing = {k: v for k, v in params.items() if k != "W_k.weight"}
     with pytest.raises(ValueError, match="missing 'W_k'"):
-        from_d2l_params(missing)
+        from_mxnet_d2l_state(missing)
     with pytest.raises(ValueError, match="W_o.weight must be 2-D"):
-        from_d2l_params({**params, "W_o.weight": params["W_o.bias"]})
+        from_mxnet_d2l_state({**params, "W_o.weight": params["W_o.bias"]})
     with pytest.raises(ValueError, match="b_v"):
-        from_d2l_params({**params, "W_v.bias": params["W_o.bias"][:3]})
+        from_mxnet_d2l_state({**params, "W_v.bias": params["W_o.bias"][:3]})
     no_bias = D2LMultiHeadAttention(8, 2)
     with pytest.raises(ValueError, match="W_q has no bias but the weights have"):
-        set_d2l_weights(no_bias, init_weights(8, bias=True))
+        to_mxnet_d2l(init_weights(8, bias=True), no_bias)
     fixed = D2LMultiHeadAttention(8, 2)
     fixed.initialize()
     fixed(*(mx.np.zeros((1, 2, 8)),) * 3)  # sizes now 8
     with pytest.raises(ValueError, match="W_q of shape \\(6, 8\\) does not fit"):
-        set_d2l_weights(fixed, init_weights(8, query_size=6))
+        to_mxnet_d2l(init_weights(8, query_size=6), fixed)
     with pytest.raises(ValueError, match="has no Dense block 'W_q'"):
-        from_d2l_block(mx.gluon.nn.Dense(3))
+        from_mxnet_d2l(mx.gluon.nn.Dense(3))
 
 
 def test_convert_clear_errors(tmp_path, capsys):
@@ -177,10 +177,10 @@ def test_convert_clear_errors(tmp_path, capsys):
 def test_legacy_ndarray_params_files_load(tmp_path):
     # Files written outside the numpy interface (mx.nd.save, older d2l) load too.
     weights = init_weights(8, seed=4)
-    legacy = {k: v.as_nd_ndarray() for k, v in to_d2l_params(weights).items()}
+    legacy = {k: v.as_nd_ndarray() for k, v in to_mxnet_d2l_state(weights).items()}
     with mx.util.np_array(False), mx.util.np_shape(False):
         mx.nd.save(str(tmp_path / "legacy.params"), legacy)
-    loaded = load_d2l_params(tmp_path / "legacy.params")
+    loaded = load_mxnet_d2l(tmp_path / "legacy.params")
     assert all(loaded[k].tobytes() == weights[k].tobytes() for k in weights)
 
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from mha_multi.__main__ import convert, main
+from mha_multi.interop import FORMATS, detect_format, load, save
+from mha_multi.interop.torch import checkpoint_format
 from mha_multi.weights import init_weights, load_weights, save_weights
 
 
@@ -148,4 +150,34 @@ def test_destination_in_a_missing_directory(tmp_path, capsys):
     destination = tmp_path / "none" / "o.pt"
     assert error_of(capsys, source, destination) == (
         f"no such directory: {str(tmp_path / 'none')!r} (for {str(destination)!r})"
+    )
+
+
+@pytest.mark.parametrize("name", ["torch-mha", "torch-d2l"])
+@pytest.mark.parametrize("suffix", [".pt", ".pth", ".PT"])
+def test_checkpoints_are_recognised_as_registry_formats(tmp_path, name, suffix):
+    weights = init_weights(8, bias=True, seed=1)
+    path = tmp_path / f"layer{suffix}"
+    save(path, weights, name)
+    assert checkpoint_format(path) == name
+    assert detect_format(path, reading=True) == name in FORMATS
+    assert detect_format(path, reading=False) == "torch-d2l"  # the default for writing
+    back = load(path)
+    assert all(back[k].tobytes() == weights[k].tobytes() for k in weights)
+
+
+def test_native_module_checkpoint_is_torch_mha(tmp_path):
+    module = torch.nn.MultiheadAttention(8, 2, kdim=5, vdim=3, bias=False)
+    torch.save(module.state_dict(), tmp_path / "native.pth")
+    assert detect_format(tmp_path / "native.pth", reading=True) == "torch-mha"
+    assert load(tmp_path / "native.pth")["W_v"].shape == (3, 8)
+
+
+def test_checkpoint_that_is_not_a_state_dict(tmp_path, capsys):
+    torch.save([torch.zeros(2)], tmp_path / "list.pt")
+    assert error_of(capsys, tmp_path / "list.pt", tmp_path / "o.npz") == (
+        f"{str(tmp_path / 'list.pt')!r} does not hold a state_dict"
+    )
+    assert error_of(capsys, tmp_path / "list.pt", tmp_path / "o.npz", "--from", "torch-mha") == (
+        f"{str(tmp_path / 'list.pt')!r} does not hold a state_dict"
     )

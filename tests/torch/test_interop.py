@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from mha_multi.interop.torch import (
-    from_d2l_state_dict,
+    from_torch_d2l,
+    from_torch_d2l_state,
     from_torch_mha,
-    from_torch_mha_state_dict,
+    from_torch_mha_state,
     key_padding_mask,
-    to_d2l_state_dict,
+    to_torch_d2l,
+    to_torch_d2l_state,
     to_torch_mha,
-    to_torch_mha_state_dict,
+    to_torch_mha_state,
 )
 from mha_multi.parity.cases import CASES, build_case
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
@@ -46,7 +48,7 @@ def test_native_layer_matches_reference(name):
 
 def test_separate_projections_when_key_value_sizes_differ():
     weights = init_weights(12, key_size=5, value_size=3, bias=True, seed=4)
-    state = to_torch_mha_state_dict(weights)
+    state = to_torch_mha_state(weights)
     assert {"q_proj_weight", "k_proj_weight", "v_proj_weight"} <= set(state)
     module = to_torch_mha(weights, 3)
     assert not module._qkv_same_embed_dim
@@ -86,7 +88,7 @@ def test_unsupported_native_options_are_refused():
     state = torch.nn.MultiheadAttention(8, 2).state_dict()
     state["in_proj_weight"] = state["in_proj_weight"][:16]
     with pytest.raises(ValueError, match="in_proj_weight must have shape"):
-        from_torch_mha_state_dict(state)
+        from_torch_mha_state(state)
 
 
 def test_fully_hidden_rows_differ_from_native_by_design():
@@ -103,14 +105,26 @@ def test_fully_hidden_rows_differ_from_native_by_design():
     assert np.all(np.isfinite(c.reference["output"][:2]))
 
 
-def test_d2l_state_dict_round_trip():
+def test_torch_d2l_state_round_trip():
     weights = init_weights(10, query_size=3, bias=True, seed=1)
-    state = to_d2l_state_dict(weights)
+    state = to_torch_d2l_state(weights)
     layer = MultiHeadAttention(10, 2, bias=True)
     layer.load_state_dict(state)  # d2l's names are ours
     got = get_weights(layer)
     assert all(got[k].tobytes() == weights[k].tobytes() for k in weights)
-    back = from_d2l_state_dict(layer.state_dict())
+    back = from_torch_d2l_state(layer.state_dict())
     assert all(back[k].tobytes() == weights[k].tobytes() for k in weights)
     with pytest.raises(ValueError, match="unexpected entry 'attention.x'"):
-        from_d2l_state_dict({**state, "attention.x": torch.zeros(1)})
+        from_torch_d2l_state({**state, "attention.x": torch.zeros(1)})
+
+
+def test_torch_d2l_layer_round_trip_and_strict_loading():
+    weights = init_weights(10, key_size=4, bias=True, seed=2)
+    layer = to_torch_d2l(weights, MultiHeadAttention(10, 2, bias=True).double())
+    assert layer.W_k.weight.dtype == torch.float64  # the layer's dtype is kept
+    back = from_torch_d2l(layer.float())
+    assert all(back[k].tobytes() == weights[k].tobytes() for k in weights)
+    with pytest.raises(ValueError, match="do not fit MultiHeadAttention.*Unexpected key"):
+        to_torch_d2l(weights, MultiHeadAttention(10, 2, bias=False))
+    with pytest.raises(ValueError, match="do not fit MultiHeadAttention.*size mismatch"):
+        to_torch_d2l(init_weights(10, key_size=6, bias=True), layer)
