@@ -193,9 +193,11 @@ def to_flax_nnx_state(
         num_heads: ``H``; must divide ``num_hiddens``.
 
     Returns:
-        ``{'query': {'kernel': (query_size, H, head_dim), 'bias': (H, head_dim)},
-        ..., 'out': {'kernel': (H, head_dim, num_hiddens), 'bias': (num_hiddens,)}}``
-        as numpy arrays (biases only if the weights have them).
+        The tree of numpy arrays, ``query``, ``key``, ``value`` and ``out``
+        each holding a ``kernel`` and (if the weights have biases) a
+        ``bias``: ``query/kernel`` ``(query_size, H, head_dim)``,
+        ``query/bias`` ``(H, head_dim)`` ... ``out/kernel``
+        ``(H, head_dim, num_hiddens)``, ``out/bias`` ``(num_hiddens,)``.
 
     Raises:
         ValueError: invalid weights, or ``num_hiddens`` not divisible by ``num_heads``.
