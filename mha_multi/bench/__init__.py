@@ -4,7 +4,8 @@
 ``python -m mha_multi.bench report --results DIR`` prints and writes the tables.
 """
 
-#: Backend name -> module with ``run() -> list[dict]``; imported only when run.
+#: Benchmark name -> module whose ``FRAMEWORK`` (a
+#: :class:`~mha_multi.bench.driver.Framework`) it runs; imported only when run.
 BENCHMARKS = {
     "torch": "mha_multi.bench.torch",
     "jax": "mha_multi.bench.jax",

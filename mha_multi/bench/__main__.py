@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mha_multi.bench import BENCHMARKS
-from mha_multi.bench.common import format_markdown, machine_info
+from mha_multi.bench import BENCHMARKS, driver
+from mha_multi.bench.common import Shape, format_markdown, machine_info
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,15 +22,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = commands.add_parser("report", help="print and write report.md from results")
     report.add_argument("--results", required=True)
     report.add_argument("--out", required=True)
+    # What ``run`` starts for each peak-memory figure, a process's peak being
+    # meaningful only for its first pass.
+    memory = commands.add_parser("memory", help="peak memory of one forward pass, in MiB")
+    memory.add_argument("backend", choices=sorted(BENCHMARKS))
+    memory.add_argument("implementation")
+    memory.add_argument("device")
+    memory.add_argument("shape", type=lambda text: Shape(**json.loads(text)))
     args = parser.parse_args(argv)
+
+    if args.command == "memory":
+        framework = driver.load(args.backend)
+        print(driver.peak_memory_mib(framework, args.implementation, args.device, args.shape))
+        return 0
 
     if args.command == "run":
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         for backend in args.backends:
-            module = importlib.import_module(BENCHMARKS[backend])
             kwargs = {"lengths": (64, 128), "memory_lengths": (256,)} if args.quick else {}
-            results = module.run(**kwargs)
+            results = driver.run(driver.load(backend), **kwargs)
             for result in results:
                 result["machine"] = machine_info()
             (out / f"{backend}.json").write_text(json.dumps(results, indent=2))

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 __all__ = [
     "Measurement",
@@ -32,7 +30,13 @@ class Shape:
 
 
 def attention_flops(shape: Shape) -> float:
-    """FLOPs of one forward pass (DESIGN §7): projections plus attention."""
+    """FLOPs of one forward pass of self-attention: projections plus attention.
+
+    For ``Q`` queries and ``K`` keys of sizes ``dq``, ``dk``, ``dv`` and
+    ``nh`` hiddens: ``2*B*(Q*dq + K*dk + K*dv + Q*nh)*nh`` for the four
+    projections and ``4*B*Q*K*nh`` for scores and weighted values; here
+    ``Q = K = N`` and every size is ``nh``.
+    """
     b, n, d = shape.batch, shape.length, shape.num_hiddens
     projections = 2 * b * (n * d + n * d + n * d + n * d) * d
     attention = 4 * b * n * n * d
@@ -77,6 +81,7 @@ class Measurement:
     shape: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
+        """The measurement as the result files hold it."""
         return asdict(self)
 
 
@@ -100,6 +105,7 @@ def reset_peak_rss() -> None:
 
 
 def machine_info() -> dict[str, object]:
+    """Platform, processor, core count and Python version of this machine."""
     info: dict[str, object] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -115,14 +121,6 @@ def machine_info() -> dict[str, object]:
     except OSError:
         pass
     return info
-
-
-def write_results(
-    path: str | os.PathLike[str], measurements: Iterable[Measurement], extra: dict
-) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    payload = {**extra, "measurements": [m.as_dict() for m in measurements]}
-    Path(path).write_text(json.dumps(payload, indent=2))
 
 
 def _ms(seconds: float | None) -> str:

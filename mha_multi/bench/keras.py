@@ -15,39 +15,23 @@ Both layers see the same key padding: ours as ``valid_lens``, Keras' as an
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import subprocess
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import keras
 import numpy as np
 
-from mha_multi.bench.common import (
-    Measurement,
-    Shape,
-    attention_flops,
-    median_seconds,
-    peak_rss_mib,
-    reset_peak_rss,
-)
+from mha_multi.bench.common import Shape
+from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.keras import MultiHeadAttention
 
 BACKEND = keras.backend.backend()
-NAME = f"keras-{BACKEND}"
-IMPLEMENTATIONS = ("ours", "ours (generic)", "native")
-EXECUTIONS = ("eager", "compiled")
 COMPILERS = {
     "tensorflow": "tf.function(jit_compile=True)",
     "jax": "jax.jit of stateless_call",
     "torch": "torch.compile",
 }
-#: Paths that materialise (B*H, N, N) scores are not run past this estimate.
-LIMIT_BYTES = 4 << 30
 
 
 @dataclass
@@ -71,93 +55,36 @@ class Implementation:
         return result[0] if self.takes_first else result
 
 
-def implementations(shape: Shape) -> dict[str, Implementation]:
-    """name -> implementation, built for ``shape`` in float32."""
-    d, h = shape.num_hiddens, shape.num_heads
-    ours = MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d)
-    native = keras.layers.MultiHeadAttention(num_heads=h, key_dim=d // h, use_bias=False)
-    x = keras.ops.zeros((1, 2, d))
-    native(x, x)  # builds the projections
-    return {
-        "ours": Implementation(ours, lambda x, lens, mask: ((x, x, x, lens), {}), False),
-        "ours (generic)": Implementation(
-            ours,
-            lambda x, lens, mask: ((x, x, x, lens), {"return_attention_weights": True}),
-            True,
-        ),
-        "native": Implementation(
-            native, lambda x, lens, mask: ((x, x), {"attention_mask": mask}), False
-        ),
-    }
-
-
-def inputs(shape: Shape) -> tuple[Any, Any, Any]:
-    """``x`` ``(B, N, D)``, ``lens`` ``(B,)`` and Keras' ``attention_mask`` ``(B, 1, N)``."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((shape.batch, shape.length, shape.num_hiddens), dtype=np.float32)
-    # Key padding: example b keeps N - b*N/(2B) tokens (as in the torch benchmark).
-    lens = np.array(
-        [shape.length - b * shape.length // (2 * shape.batch) for b in range(shape.batch)],
-        dtype=np.int32,
-    )
-    mask = np.arange(shape.length)[None, None, :] < lens[:, None, None]  # True = attend
-    return tuple(keras.ops.convert_to_tensor(a) for a in (x, lens, mask))
-
-
-def sync(tree: Any) -> None:
-    """Blocks until every array in ``tree`` is computed."""
-    if BACKEND == "jax":
-        import jax
-
-        jax.block_until_ready(tree)
-        return
-    leaves = tree if isinstance(tree, (list, tuple)) else [tree]
-    for leaf in leaves:
-        # Reading one element waits for the op that produced the array.
-        keras.ops.convert_to_numpy(keras.ops.reshape(leaf, (-1,))[:1])
-
-
-def scores_bytes(implementation: str, shape: Shape) -> int:
-    """Rough peak of the (B*H, N, N) arrays a forward pass holds (float32)."""
-    one = shape.batch * shape.num_heads * shape.length**2 * 4
-    if implementation == "ours" and BACKEND == "torch":
-        return 0  # SDPA's CPU kernel works in blocks
-    return 3 * one
-
-
-def _forward_steps(impl: Implementation, x: Any, lens: Any, mask: Any) -> dict[str, Callable]:
-    """execution -> a step running one forward pass (or ``None`` if it cannot compile)."""
+def _forward(impl: Implementation, args: tuple, compiled: bool) -> Callable[[], Any]:
+    """One forward pass, eager or compiled."""
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
-        compiled = tf.function(lambda x, lens, mask: impl(x, lens, mask), jit_compile=True)
-        return {"eager": lambda: impl(x, lens, mask), "compiled": lambda: compiled(x, lens, mask)}
+        function = tf.function(lambda *a: impl(*a), jit_compile=True) if compiled else impl
+        return lambda: function(*args)
     if BACKEND == "jax":
         import jax
 
+        if not compiled:
+            return lambda: impl(*args)
         trainable = [v.value for v in impl.layer.trainable_variables]
         non_trainable = [v.value for v in impl.layer.non_trainable_variables]
-        compiled = jax.jit(impl.stateless)
-        return {
-            "eager": lambda: impl(x, lens, mask),
-            "compiled": lambda: compiled(trainable, non_trainable, x, lens, mask),
-        }
+        function = jax.jit(impl.stateless)
+        return lambda: function(trainable, non_trainable, *args)
     import torch
 
-    compiled = torch.compile(lambda x, lens, mask: impl(x, lens, mask))
+    function = torch.compile(lambda *a: impl(*a)) if compiled else impl
 
-    def run(function: Callable) -> Callable:
-        def step() -> Any:
-            with torch.no_grad():
-                return function(x, lens, mask)
+    def step() -> Any:
+        with torch.no_grad():
+            return function(*args)
 
-        return step
-
-    return {"eager": run(impl), "compiled": run(compiled)}
+    return step
 
 
-def _backward_steps(impl: Implementation, x: Any, lens: Any, mask: Any) -> dict[str, Callable]:
-    """execution -> a step computing the gradients of ``sum(output)`` w.r.t. input and weights."""
+def _forward_backward(impl: Implementation, args: tuple, compiled: bool) -> Callable[[], Any]:
+    """The gradients of ``sum(output)`` with respect to input and weights, eager or compiled."""
+    x, lens, mask = args
     variables = impl.layer.trainable_variables
     if BACKEND == "tensorflow":
         import tensorflow as tf
@@ -168,11 +95,8 @@ def _backward_steps(impl: Implementation, x: Any, lens: Any, mask: Any) -> dict[
                 loss = tf.reduce_sum(impl(x, lens, mask))
             return tape.gradient(loss, [x, *variables])
 
-        compiled = tf.function(gradients, jit_compile=True)
-        return {
-            "eager": lambda: gradients(x, lens, mask),
-            "compiled": lambda: compiled(x, lens, mask),
-        }
+        function = tf.function(gradients, jit_compile=True) if compiled else gradients
+        return lambda: function(x, lens, mask)
     if BACKEND == "jax":
         import jax
         import jax.numpy as jnp
@@ -183,188 +107,92 @@ def _backward_steps(impl: Implementation, x: Any, lens: Any, mask: Any) -> dict[
         def loss(trainable: list, x: Any) -> Any:
             return jnp.sum(impl.stateless(trainable, non_trainable, x, lens, mask))
 
-        gradients = jax.grad(loss, argnums=(0, 1))
-        compiled = jax.jit(gradients)
-        return {
-            "eager": lambda: gradients(trainable, x),
-            "compiled": lambda: compiled(trainable, x),
-        }
+        grad = jax.grad(loss, argnums=(0, 1))
+        function = jax.jit(grad) if compiled else grad
+        return lambda: function(trainable, x)
     import torch
 
-    def forward(x: Any, lens: Any, mask: Any) -> Any:
+    def summed(x: Any, lens: Any, mask: Any) -> Any:
         return impl(x, lens, mask).sum()
 
-    compiled = torch.compile(forward)
+    function = torch.compile(summed) if compiled else summed
 
-    def run(function: Callable) -> Callable:
-        def step() -> Any:
-            inputs = x.detach().requires_grad_(True)
-            return torch.autograd.grad(
-                function(inputs, lens, mask), [inputs, *(v.value for v in variables)]
-            )
-
-        return step
-
-    return {"eager": run(forward), "compiled": run(compiled)}
-
-
-def gemm_rate(size: int = 2048) -> float:
-    """Measured GFLOP/s of a ``size`` x ``size`` float32 matrix product on this backend."""
-    rng = np.random.default_rng(0)
-    a, b = (
-        keras.ops.convert_to_tensor(rng.standard_normal((size, size), np.float32)) for _ in "ab"
-    )
-    return 2 * size**3 / median_seconds(lambda: sync(keras.ops.matmul(a, b))) / 1e9
-
-
-def time_layers(lengths: Sequence[int], base: Shape) -> dict[str, list[Measurement]]:
-    """execution -> timings of every implementation, forward and forward+backward."""
-    measurements: dict[str, list[Measurement]] = {e: [] for e in EXECUTIONS}
-    for length in lengths:
-        shape = Shape(base.batch, length, base.num_hiddens, base.num_heads)
-        x, lens, mask = inputs(shape)
-        flops = attention_flops(shape)
-        for name, impl in implementations(shape).items():
-            too_large = scores_bytes(name, shape) > LIMIT_BYTES
-            steps = (
-                {}
-                if too_large
-                else {
-                    "forward": _forward_steps(impl, x, lens, mask),
-                    "forward+backward": _backward_steps(impl, x, lens, mask),
-                }
-            )
-            for execution in EXECUTIONS:
-                for mode, factor in (("forward", 1), ("forward+backward", 3)):
-                    kwargs = {
-                        "backend": f"{NAME} ({execution})",
-                        "implementation": name,
-                        "mode": mode,
-                        "device": "cpu",
-                        "dtype": "float32",
-                        "length": length,
-                        "shape": vars(shape),
-                    }
-                    if too_large:
-                        measurements[execution].append(Measurement(note="too large", **kwargs))
-                        continue
-                    step = steps[mode][execution]
-                    try:
-                        seconds = median_seconds(lambda step=step: sync(step()))
-                    except Exception as error:  # a compiler that cannot take the layer
-                        note = f"failed: {type(error).__name__}"
-                        print(f"[bench] {kwargs['backend']} {name} {mode}: {error}", flush=True)
-                        measurements[execution].append(Measurement(note=note, **kwargs))
-                        continue
-                    measurements[execution].append(
-                        Measurement(
-                            seconds=seconds, gflops=factor * flops / seconds / 1e9, **kwargs
-                        )
-                    )
-            gc.collect()
-    return measurements
-
-
-def peak_memory_mib(implementation: str, length: int, base: Shape) -> float:
-    """Peak resident memory of one eager forward pass above its inputs and weights."""
-    shape = Shape(base.batch, length, base.num_hiddens, base.num_heads)
-    x, lens, mask = inputs(shape)
-    impl = implementations(shape)[implementation]
-    step = _forward_steps(impl, x, lens, mask)["eager"]
-    small = Shape(base.batch, 16, base.num_hiddens, base.num_heads)
-    sync(_forward_steps(impl, *inputs(small))["eager"]())  # load kernels, thread pools
-    gc.collect()
-    reset_peak_rss()
-    before = peak_rss_mib()
-    sync(step())
-    return peak_rss_mib() - before
-
-
-def measure_memory(lengths: Sequence[int], base: Shape) -> list[Measurement]:
-    """Each figure in a fresh process, since a process's peak RSS never falls."""
-    measurements = []
-    for length in lengths:
-        shape = Shape(base.batch, length, base.num_hiddens, base.num_heads)
-        for implementation in IMPLEMENTATIONS:
-            kwargs = {
-                "backend": f"{NAME} (eager)",
-                "implementation": implementation,
-                "mode": "peak memory",
-                "device": "cpu",
-                "dtype": "float32",
-                "length": length,
-                "shape": vars(shape),
-            }
-            estimate = scores_bytes(implementation, shape)
-            if estimate > LIMIT_BYTES:
-                gib = estimate / 2**30
-                measurements.append(Measurement(note=f"skipped (~{gib:.0f} GiB)", **kwargs))
-                continue
-            command = [
-                sys.executable,
-                "-m",
-                "mha_multi.bench.keras",
-                "memory",
-                implementation,
-                str(length),
-            ]
-            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            measurements.append(Measurement(peak_mib=float(output.split()[-1]), **kwargs))
-    return measurements
-
-
-def _versions() -> dict[str, str]:
-    versions = {"keras": keras.__version__}
-    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[BACKEND]
-    versions[module] = __import__(module).__version__
-    return versions
-
-
-def run(
-    *,
-    lengths: Sequence[int] = (128, 512, 2048),
-    memory_lengths: Sequence[int] = (1024, 2048, 4096, 8192),
-    base: Shape | None = None,
-) -> list[dict[str, object]]:
-    """The whole Keras benchmark on the active backend: eager and compiled results (CPU)."""
-    base = base or Shape()
-    rate = gemm_rate()
-    timings = time_layers(lengths, base)
-    memory = measure_memory(memory_lengths, base)
-    results = []
-    for execution in EXECUTIONS:
-        gemm = Measurement(
-            f"{NAME} ({execution})",
-            "gemm",
-            "gemm",
-            "cpu",
-            "float32",
-            2048,
-            gflops=rate,
-            note="2048x2048 float32, keras.ops.matmul",
+    def step() -> Any:
+        inputs = x.detach().requires_grad_(True)
+        return torch.autograd.grad(
+            function(inputs, lens, mask), [inputs, *(v.value for v in variables)]
         )
-        measurements = [gemm, *timings[execution], *(memory if execution == "eager" else [])]
+
+    return step
+
+
+class Keras(Framework):
+    """The active Keras backend on the CPU, eager and compiled."""
+
+    name = f"keras-{BACKEND}"
+    executions = ("eager", "compiled")
+    gemm_op = "keras.ops.matmul"
+
+    def describe(self, device: str, execution: str | None) -> str:
         how = "layers called eagerly" if execution == "eager" else COMPILERS[BACKEND]
-        results.append(
-            {
-                "backend": f"{NAME} ({execution})",
-                "device": f"cpu; {how}",
-                "versions": _versions(),
-                "measurements": [m.as_dict() for m in measurements],
-            }
-        )
-    return results
+        return f"{device}; {how}"
+
+    def versions(self) -> dict[str, str]:
+        return {"keras": keras.__version__, BACKEND: __import__(BACKEND).__version__}
+
+    def array(self, value: np.ndarray, device: str, dtype: str) -> Any:
+        return keras.ops.convert_to_tensor(value, dtype=dtype)
+
+    def matmul(self, a: Any, b: Any) -> Any:
+        return keras.ops.matmul(a, b)
+
+    def convert(
+        self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
+    ) -> tuple[Any, ...]:
+        mask = visible[:, None, :]  # (B, 1, N): the same keys for every query
+        lens = lens.astype(np.int32)
+        return self.array(x, device, dtype), *map(keras.ops.convert_to_tensor, (lens, mask))
+
+    def build(self, shape: Shape, device: str, dtype: str) -> dict[str, Implementation]:
+        d, h = shape.num_hiddens, shape.num_heads
+        ours = MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d)
+        native = keras.layers.MultiHeadAttention(num_heads=h, key_dim=d // h, use_bias=False)
+        x = keras.ops.zeros((1, 2, d))
+        native(x, x)  # builds the projections
+        return {
+            "ours": Implementation(ours, lambda x, lens, mask: ((x, x, x, lens), {}), False),
+            "ours (generic)": Implementation(
+                ours,
+                lambda x, lens, mask: ((x, x, x, lens), {"return_attention_weights": True}),
+                True,
+            ),
+            "native": Implementation(
+                native, lambda x, lens, mask: ((x, x), {"attention_mask": mask}), False
+            ),
+        }
+
+    def step(self, impl: Any, args: Any, mode: str, execution: str | None) -> Callable[[], Any]:
+        make = _forward if mode == "forward" else _forward_backward
+        return make(impl, args, compiled=execution == "compiled")
+
+    def sync(self, value: Any) -> None:
+        if BACKEND == "jax":
+            import jax
+
+            jax.block_until_ready(value)
+            return
+        leaves = value if isinstance(value, (list, tuple)) else [value]
+        for leaf in leaves:
+            # Reading one element waits for the op that produced the array.
+            keras.ops.convert_to_numpy(keras.ops.reshape(leaf, (-1,))[:1])
+
+    def scratch_bytes(
+        self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool
+    ) -> int:
+        if implementation == "ours" and BACKEND == "torch":
+            return 0  # SDPA's CPU kernel works in blocks
+        # Scores, masked scores and weights, each (B*H, N, N).
+        return score_bytes(shape, 3)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser()
-    commands = parser.add_subparsers(dest="command", required=True)
-    memory = commands.add_parser("memory")
-    memory.add_argument("implementation", choices=IMPLEMENTATIONS)
-    memory.add_argument("length", type=int)
-    args = parser.parse_args(argv)
-    print(json.dumps(peak_memory_mib(args.implementation, args.length, Shape())))
-
-
-if __name__ == "__main__":
-    main()
+FRAMEWORK = Keras()

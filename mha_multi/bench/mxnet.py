@@ -7,14 +7,8 @@ written here as a ``HybridBlock`` so that both sides run hybridized.
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import math
-import resource
-import subprocess
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import mxnet as mx
@@ -22,16 +16,12 @@ import numpy as np
 from mxnet import autograd, gluon, npx
 from mxnet.gluon import nn
 
-from mha_multi.bench.common import Measurement, Shape, attention_flops, median_seconds
+from mha_multi.bench.common import Shape
+from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.mxnet import MultiHeadAttention
 
 npx.set_np()
 
-#: MXNet 1.9's numpy interface has no bfloat16; float16 runs fast on GPUs only.
-DTYPES = ("float32", "float16")
-#: Past this estimate of the (B*H, N, N) arrays an implementation holds, it is
-#: not run (the machine's memory is shared).
-ATTENTION_LIMIT_BYTES = 4 << 30
 #: Full-size (B*H, N, N) float arrays alive at the peak of a forward pass:
 #: scores and weights for ours; scores, masked scores and weights for d2l's
 #: and for the generic path.
@@ -118,235 +108,82 @@ def _ctx(device: str) -> mx.Context:
     return mx.gpu(0) if device == "gpu" else mx.cpu()
 
 
-def _sync() -> None:
-    mx.npx.waitall()
+class MXNet(Framework):
+    """Both layers hybridized, on the CPU and the first GPU."""
+
+    name = "mxnet"
+    # MXNet 1.9's numpy interface has no bfloat16; its CPU float16 products
+    # are emulated, so float16 is timed on GPUs only.
+    fast_dtype = "float16"
+
+    def devices(self) -> list[str]:
+        return ["cpu"] + (["gpu"] if mx.context.num_gpus() > 0 else [])
+
+    def describe(self, device: str, execution: str | None) -> str:
+        return f"gpu ({mx.context.num_gpus()})" if device == "gpu" else device
+
+    def versions(self) -> dict[str, str]:
+        return {"mxnet": mx.__version__}
+
+    def array(self, value: np.ndarray, device: str, dtype: str) -> mx.np.ndarray:
+        return mx.np.array(value, dtype=dtype, ctx=_ctx(device))
+
+    def matmul(self, a: mx.np.ndarray, b: mx.np.ndarray) -> mx.np.ndarray:
+        return mx.np.dot(a, b)
+
+    def convert(
+        self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
+    ) -> tuple[mx.np.ndarray, mx.np.ndarray]:
+        # Lengths in float32, as d2l passes them.
+        return self.array(x, device, dtype), self.array(lens, device, "float32")
+
+    def build(self, shape: Shape, device: str, dtype: str) -> dict[str, Any]:
+        # Hybridized without ``static_alloc``: each cached graph would then keep
+        # its own full-size buffers, several GiB per graph at N = 2048.
+        d, h = shape.num_hiddens, shape.num_heads
+        ours = MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d, dtype=dtype)
+        ours.initialize(mx.init.Xavier(), ctx=_ctx(device))
+        ours.hybridize()
+        native = D2LMultiHeadAttention(d, h)
+        native.initialize(mx.init.Xavier(), ctx=_ctx(device))
+        native.cast(dtype)
+        native.hybridize()
+        return {
+            "ours": (ours, lambda x, lens: ours(x, x, x, lens)),
+            "ours (generic)": (
+                ours,
+                lambda x, lens: ours(x, x, x, lens, return_attention_weights=True)[0],
+            ),
+            "native": (native, lambda x, lens: native(x, x, x, lens)),
+        }
+
+    def step(self, impl: Any, args: Any, mode: str, execution: str | None) -> Callable[[], Any]:
+        block, call = impl
+        x, lens = args
+        if mode == "forward":
+            return lambda: call(x, lens)
+
+        def forward_backward() -> None:
+            inputs = x.copy()
+            inputs.attach_grad()
+            with autograd.record():
+                output = call(inputs, lens)
+            output.backward()  # head gradient of ones: the gradient of output.sum()
+            block.collect_params().zero_grad()
+
+        return forward_backward
+
+    def sync(self, value: Any) -> None:
+        mx.npx.waitall()
+
+    def scratch_bytes(
+        self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool
+    ) -> int:
+        arrays = (_TRAINING_SCORE_ARRAYS if training else _SCORE_ARRAYS)[implementation]
+        return score_bytes(shape, arrays, dtype)
+
+    def measures_memory(self, device: str) -> bool:
+        return device == "cpu"  # resident memory; MXNet's GPU pool keeps no peak statistics
 
 
-def _inputs(shape: Shape, ctx: mx.Context, dtype: str) -> tuple[mx.np.ndarray, mx.np.ndarray]:
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((shape.batch, shape.length, shape.num_hiddens), dtype=np.float32)
-    # Key padding: example b keeps N - b*N/(2B) tokens (float32, as d2l passes them).
-    lens = [shape.length - b * shape.length // (2 * shape.batch) for b in range(shape.batch)]
-    return (
-        mx.np.array(x, dtype=dtype, ctx=ctx),
-        mx.np.array(lens, dtype="float32", ctx=ctx),
-    )
-
-
-def _implementations(
-    shape: Shape, ctx: mx.Context, dtype: str
-) -> dict[str, tuple[gluon.Block, Callable[[Any, Any], Any]]]:
-    """name -> (block, call(x, lens)); both blocks hybridized.
-
-    Not with ``static_alloc``: each cached graph would then keep its own
-    full-size buffers, several GiB per graph at N = 2048.
-    """
-    d, h = shape.num_hiddens, shape.num_heads
-    ours = MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d, dtype=dtype)
-    ours.initialize(mx.init.Xavier(), ctx=ctx)
-    ours.hybridize()
-    native = D2LMultiHeadAttention(d, h)
-    native.initialize(mx.init.Xavier(), ctx=ctx)
-    native.cast(dtype)
-    native.hybridize()
-    return {
-        "ours": (ours, lambda x, lens: ours(x, x, x, lens)),
-        "ours (generic)": (
-            ours,
-            lambda x, lens: ours(x, x, x, lens, return_attention_weights=True)[0],
-        ),
-        "native": (native, lambda x, lens: native(x, x, x, lens)),
-    }
-
-
-def _attention_bytes(
-    implementation: str, shape: Shape, dtype: str, *, training: bool = False
-) -> int:
-    count = shape.batch * shape.num_heads * shape.length**2
-    arrays = (_TRAINING_SCORE_ARRAYS if training else _SCORE_ARRAYS)[implementation]
-    return arrays * count * np.dtype(dtype).itemsize
-
-
-def gemm_rate(ctx: mx.Context, dtype: str, size: int = 2048) -> float:
-    """Measured GFLOP/s of a ``size`` x ``size`` matrix product."""
-    a = mx.np.random.normal(size=(size, size), ctx=ctx).astype(dtype)
-    b = mx.np.random.normal(size=(size, size), ctx=ctx).astype(dtype)
-
-    def step() -> None:
-        mx.np.dot(a, b).wait_to_read()
-
-    return 2 * size**3 / median_seconds(step) / 1e9
-
-
-def time_layers(lengths: Sequence[int], device: str, dtype: str, base: Shape) -> list[Measurement]:
-    ctx = _ctx(device)
-    measurements = []
-    for length in lengths:
-        shape = Shape(base.batch, length, base.num_hiddens, base.num_heads)
-        x, lens = _inputs(shape, ctx, dtype)
-        flops = attention_flops(shape)
-        for name, (block, call) in _implementations(shape, ctx, dtype).items():
-            kwargs = {
-                "backend": "mxnet",
-                "implementation": name,
-                "device": device,
-                "dtype": dtype,
-                "length": length,
-                "shape": vars(shape),
-            }
-
-            def forward(call: Callable = call, args: tuple = (x, lens)) -> None:
-                call(*args).wait_to_read()
-
-            def forward_backward(
-                call: Callable = call, block: gluon.Block = block, args: tuple = (x, lens)
-            ) -> None:
-                inputs = args[0].copy()
-                inputs.attach_grad()
-                with autograd.record():
-                    output = call(inputs, args[1])
-                output.backward()  # head gradient of ones: the gradient of output.sum()
-                block.collect_params().zero_grad()
-                _sync()
-
-            for mode, step, factor in (
-                ("forward", forward, 1),
-                ("forward+backward", forward_backward, 3),
-            ):
-                needed = _attention_bytes(name, shape, dtype, training=factor > 1)
-                if needed > ATTENTION_LIMIT_BYTES:
-                    note = f"too large (~{needed / 2**30:.0f} GiB)"
-                    measurements.append(Measurement(mode=mode, note=note, **kwargs))
-                    continue
-                seconds = median_seconds(step)
-                measurements.append(
-                    Measurement(
-                        mode=mode, seconds=seconds, gflops=factor * flops / seconds / 1e9, **kwargs
-                    )
-                )
-            gc.collect()
-    return measurements
-
-
-def peak_memory_mib(implementation: str, length: int, device: str, base: Shape) -> float:
-    """Peak resident memory of one forward pass above what inputs and weights hold."""
-    shape = Shape(base.batch, length, base.num_hiddens, base.num_heads)
-    ctx = _ctx(device)
-    x, lens = _inputs(shape, ctx, "float32")
-    _, call = _implementations(shape, ctx, "float32")[implementation]
-    small = x[:, :16]
-    call(small, mx.np.full_like(lens, 16)).wait_to_read()  # load kernels, thread pools
-    gc.collect()
-    before = _peak_rss_kib()
-    call(x, lens).wait_to_read()
-    return (_peak_rss_kib() - before) / 1024
-
-
-def _peak_rss_kib() -> int:
-    """This process's peak resident memory in KiB.
-
-    ``VmHWM`` rather than ``ru_maxrss``: Linux keeps ``ru_maxrss`` across
-    ``exec``, so a process started by a large one would start at its parent's peak.
-    """
-    try:
-        with open("/proc/self/status") as file:
-            for line in file:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def measure_memory(lengths: Sequence[int], device: str, base: Shape) -> list[Measurement]:
-    """Each figure in a fresh process, since a process's peak RSS never falls."""
-    measurements = []
-    for length in lengths:
-        shape = Shape(base.batch, length, base.num_hiddens, base.num_heads)
-        for implementation in ("ours", "native", "ours (generic)"):
-            kwargs = {
-                "backend": "mxnet",
-                "implementation": implementation,
-                "mode": "peak memory",
-                "device": device,
-                "dtype": "float32",
-                "length": length,
-                "shape": vars(shape),
-            }
-            estimate = _attention_bytes(implementation, shape, "float32")
-            if estimate > ATTENTION_LIMIT_BYTES:
-                measurements.append(
-                    Measurement(note=f"skipped (~{estimate / 2**30:.0f} GiB)", **kwargs)
-                )
-                continue
-            command = [
-                sys.executable,
-                "-m",
-                "mha_multi.bench.mxnet",
-                "memory",
-                implementation,
-                str(length),
-                device,
-            ]
-            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            measurements.append(Measurement(peak_mib=float(output.split()[-1]), **kwargs))
-    return measurements
-
-
-def run(
-    *,
-    lengths: Sequence[int] = (128, 512, 2048),
-    memory_lengths: Sequence[int] = (1024, 2048, 4096, 8192),
-    base: Shape | None = None,
-) -> list[dict[str, object]]:
-    """The whole MXNet benchmark, one result per device here."""
-    base = base or Shape()
-    devices = ["cpu"] + (["gpu"] if mx.context.num_gpus() > 0 else [])
-    results = []
-    for device in devices:
-        # On CPU only float32 is meaningful (MXNet's CPU float16 products are
-        # emulated); on a GPU, float16 is what runs fast.
-        dtypes = ["float32"] if device == "cpu" else list(DTYPES)
-        measurements = []
-        for dtype in dtypes:
-            rate = gemm_rate(_ctx(device), dtype)
-            measurements.append(
-                Measurement(
-                    "mxnet",
-                    "gemm",
-                    "gemm",
-                    device,
-                    dtype,
-                    2048,
-                    gflops=rate,
-                    note=f"2048x2048 {dtype}",
-                )
-            )
-            measurements += time_layers(lengths, device, dtype, base)
-        if device == "cpu":
-            # Resident memory; MXNet's GPU pool keeps no peak statistics.
-            measurements += measure_memory(memory_lengths, device, base)
-        results.append(
-            {
-                "backend": "mxnet",
-                "device": "cpu" if device == "cpu" else f"gpu ({mx.context.num_gpus()})",
-                "versions": {"mxnet": mx.__version__},
-                "measurements": [m.as_dict() for m in measurements],
-            }
-        )
-    return results
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser()
-    commands = parser.add_subparsers(dest="command", required=True)
-    memory = commands.add_parser("memory")
-    memory.add_argument("implementation")
-    memory.add_argument("length", type=int)
-    memory.add_argument("device")
-    args = parser.parse_args(argv)
-    print(json.dumps(peak_memory_mib(args.implementation, args.length, args.device, Shape())))
-
-
-if __name__ == "__main__":
-    main()
+FRAMEWORK = MXNet()

@@ -1,0 +1,356 @@
+"""The benchmark, written once: what each framework adds is a :class:`Framework`.
+
+For every device and dtype a framework offers, the driver measures the GEMM
+rate, then times each implementation (ours, its variants, the framework's own
+layer) in every execution mode the framework has, forward in evaluation mode
+and forward+backward, on self-attention with key padding. Peak memory of one
+float32 forward pass is measured last, each figure in a process of its own.
+Configurations whose attention scores would not fit under
+:data:`LIMIT_BYTES` are recorded with a note instead of run.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from mha_multi.bench import BENCHMARKS
+from mha_multi.bench.common import (
+    Measurement,
+    Shape,
+    attention_flops,
+    median_seconds,
+    peak_rss_mib,
+    reset_peak_rss,
+)
+
+__all__ = [
+    "LIMIT_BYTES",
+    "MODES",
+    "Framework",
+    "inputs",
+    "key_lengths",
+    "load",
+    "peak_memory_mib",
+    "run",
+    "score_bytes",
+]
+
+#: Past this estimate of what one pass holds at once, a configuration is not
+#: run: the machines the benchmark runs on are shared.
+LIMIT_BYTES = 4 << 30
+#: Mode -> its FLOPs as a multiple of one forward pass (the backward pass
+#: costs about two forward passes).
+MODES = {"forward": 1, "forward+backward": 3}
+GEMM_SIZE = 2048
+#: Tokens of the small pass that loads kernels before memory is measured.
+WARMUP_LENGTH = 16
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def key_lengths(shape: Shape) -> np.ndarray:
+    """Key padding: example ``b`` keeps ``N - b*N/(2B)`` tokens, from all to about half."""
+    n, batch = shape.length, shape.batch
+    return np.array([n - b * n // (2 * batch) for b in range(batch)], dtype=np.int64)
+
+
+def inputs(shape: Shape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The benchmark's input, in numpy.
+
+    Returns:
+        ``x`` ``(B, N, D)`` float32, the key lengths ``(B,)`` and the boolean
+        ``(B, N)`` mask that is ``True`` where a key is visible.
+    """
+    x = np.random.default_rng(0).standard_normal(
+        (shape.batch, shape.length, shape.num_hiddens), dtype=np.float32
+    )
+    lens = key_lengths(shape)
+    visible = np.arange(shape.length)[None, :] < lens[:, None]
+    return x, lens, visible
+
+
+def score_bytes(shape: Shape, arrays: int, dtype: str = "float32") -> int:
+    """Bytes of ``arrays`` arrays of ``(B*H, N, N)`` attention scores in ``dtype``."""
+    return arrays * shape.batch * shape.num_heads * shape.length**2 * ITEMSIZE[dtype]
+
+
+class Framework:
+    """What one framework's benchmark supplies; the rest is :func:`run`.
+
+    ``Impl`` and ``Args`` below are whatever the framework chooses: the driver
+    only hands them back. Devices and dtypes are names (``"cpu"``,
+    ``"float32"``); the framework maps them to its own objects.
+
+    Attributes:
+        name: the benchmark's name, as ``python -m mha_multi.bench run`` takes it.
+        implementations: names of what :meth:`build` returns: ``"ours"``,
+            ``"native"`` (the framework's own layer) and variants of ours.
+        executions: execution modes, each reported as a table of its own;
+            ``None`` alone for a framework with one.
+        fast_dtype: the 16-bit dtype timed on accelerators besides float32.
+        gemm_op: what the GEMM rate is measured with, when worth saying.
+    """
+
+    name: str
+    implementations: tuple[str, ...] = ("ours", "ours (generic)", "native")
+    executions: tuple[str | None, ...] = (None,)
+    fast_dtype: str = "bfloat16"
+    gemm_op: str = ""
+
+    def setup(self) -> None:
+        """Process-wide settings, before anything is built."""
+
+    def devices(self) -> list[str]:
+        """The devices to benchmark on, ``"cpu"`` first."""
+        return ["cpu"]
+
+    def describe(self, device: str, execution: str | None) -> str:
+        """The device (and execution mode) as the report names it."""
+        return device
+
+    def versions(self) -> dict[str, str]:
+        """Package name -> version, for the report."""
+        raise NotImplementedError
+
+    def dtypes(self, device: str) -> list[str]:
+        """The dtypes timed on ``device``.
+
+        On a CPU only float32 is meaningful; on an accelerator, the 16-bit
+        type is what runs fast.
+        """
+        return ["float32"] if device == "cpu" else ["float32", self.fast_dtype]
+
+    def array(self, value: np.ndarray, device: str, dtype: str) -> Any:
+        """``value`` as the framework's array on ``device`` in ``dtype``."""
+        raise NotImplementedError
+
+    def matmul(self, a: Any, b: Any) -> Any:
+        """The framework's matrix product (compiled where that is the norm)."""
+        raise NotImplementedError
+
+    def convert(
+        self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
+    ) -> Any:
+        """The arguments :meth:`step` passes to the layers, from :func:`inputs`."""
+        raise NotImplementedError
+
+    def build(self, shape: Shape, device: str, dtype: str) -> dict[str, Any]:
+        """Implementation name -> our layer or the native one, set up to call on
+        :meth:`convert`'s arguments, in evaluation mode."""
+        raise NotImplementedError
+
+    def step(self, impl: Any, args: Any, mode: str, execution: str | None) -> Callable[[], Any]:
+        """One pass of ``mode`` (a key of :data:`MODES`) as a function of nothing.
+
+        forward+backward computes the gradients of the summed output with
+        respect to the input and the weights. What the step returns is given
+        to :meth:`sync`.
+        """
+        raise NotImplementedError
+
+    def sync(self, value: Any) -> None:
+        """Blocks until ``value`` (a step's result) is computed."""
+        raise NotImplementedError
+
+    def scratch_bytes(
+        self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool
+    ) -> int:
+        """Estimate of the attention arrays one pass holds at once (0: none of
+        ``(B*H, N, N)`` size); past :data:`LIMIT_BYTES` the pass is not run."""
+        raise NotImplementedError
+
+    def measures_memory(self, device: str) -> bool:
+        """Whether peak memory can be measured on ``device``."""
+        return True
+
+    def memory_step(self, impl: Any, args: Any, warmup: Any) -> Callable[[], Any]:
+        """A forward step on ``args`` with what it loads on first use (kernels,
+        thread pools, compiled programs) loaded, without running at full size.
+
+        The default runs one forward pass on the small ``warmup`` arguments.
+        """
+        execution = self.executions[0]
+        self.sync(self.step(impl, warmup, "forward", execution)())
+        return self.step(impl, args, "forward", execution)
+
+    def peak_mib(self, device: str, run: Callable[[], None]) -> float:
+        """Peak memory that ``run`` adds, in MiB; the default reads resident memory."""
+        reset_peak_rss()
+        before = peak_rss_mib()
+        run()
+        return peak_rss_mib() - before
+
+    def label(self, execution: str | None) -> str:
+        """The result's backend name for ``execution``."""
+        return self.name if execution is None else f"{self.name} ({execution})"
+
+
+def load(name: str) -> Framework:
+    """The framework benchmarked as ``name`` (a key of ``BENCHMARKS``).
+
+    Raises:
+        SystemExit: the module benchmarks another name, as a Keras module
+            does in a process whose ``KERAS_BACKEND`` is another backend.
+    """
+    framework: Framework = importlib.import_module(BENCHMARKS[name]).FRAMEWORK
+    if framework.name != name:
+        raise SystemExit(f"[bench] {name} asked for, but this process benchmarks {framework.name}")
+    return framework
+
+
+def _gemm_rate(framework: Framework, device: str, dtype: str) -> float:
+    """Measured GFLOP/s of a square matrix product."""
+    rng = np.random.default_rng(1)
+    a, b = (
+        framework.array(rng.standard_normal((GEMM_SIZE,) * 2, dtype=np.float32), device, dtype)
+        for _ in range(2)
+    )
+    seconds = median_seconds(lambda: framework.sync(framework.matmul(a, b)))
+    return 2 * GEMM_SIZE**3 / seconds / 1e9
+
+
+def _time_layers(
+    framework: Framework,
+    device: str,
+    dtype: str,
+    lengths: Sequence[int],
+    base: Shape,
+    measurements: dict[str | None, list[Measurement]],
+) -> None:
+    """Appends the timings of every implementation to its execution's list."""
+    for length in lengths:
+        shape = replace(base, length=length)
+        args = framework.convert(*inputs(shape), device, dtype)
+        for name, impl in framework.build(shape, device, dtype).items():
+            for execution in framework.executions:
+                for mode in MODES:
+                    label = framework.label(execution)
+                    row = Measurement(label, name, mode, device, dtype, length, shape=vars(shape))
+                    measurements[execution].append(
+                        _timing(framework, impl, args, execution, shape, row)
+                    )
+            gc.collect()
+
+
+def _timing(
+    framework: Framework,
+    impl: Any,
+    args: Any,
+    execution: str | None,
+    shape: Shape,
+    row: Measurement,
+) -> Measurement:
+    """``row`` with the median time of its pass, or a note on why there is none."""
+    factor = MODES[row.mode]
+    needed = framework.scratch_bytes(
+        row.implementation, shape, row.dtype, row.device, training=factor > 1
+    )
+    if needed > LIMIT_BYTES:
+        return replace(row, note=f"too large (~{needed / 2**30:.0f} GiB)")
+    try:
+        step = framework.step(impl, args, row.mode, execution)
+        seconds = median_seconds(lambda: framework.sync(step()))
+    except Exception as error:  # e.g. a compiler that cannot take the layer
+        print(f"[bench] {row.backend} {row.implementation} {row.mode}: {error}", flush=True)
+        return replace(row, note=f"failed: {type(error).__name__}")
+    gflops = factor * attention_flops(shape) / seconds / 1e9
+    return replace(row, seconds=seconds, gflops=gflops)
+
+
+def peak_memory_mib(framework: Framework, implementation: str, device: str, shape: Shape) -> float:
+    """Peak memory of one float32 forward pass above what its inputs and weights hold.
+
+    Meaningful only as the first measurement of a process: a process's peak
+    resident memory never falls.
+    """
+    framework.setup()
+    impl = framework.build(shape, device, "float32")[implementation]
+    args = framework.convert(*inputs(shape), device, "float32")
+    warmup = framework.convert(*inputs(replace(shape, length=WARMUP_LENGTH)), device, "float32")
+    step = framework.memory_step(impl, args, warmup)
+    gc.collect()
+    return framework.peak_mib(device, lambda: framework.sync(step()))
+
+
+def _measure_memory(
+    framework: Framework, device: str, lengths: Sequence[int], base: Shape
+) -> list[Measurement]:
+    """Each figure from ``python -m mha_multi.bench memory`` in a fresh process."""
+    label = framework.label(framework.executions[0])
+    measurements = []
+    for length in lengths:
+        shape = replace(base, length=length)
+        for name in framework.implementations:
+            row = Measurement(
+                label, name, "peak memory", device, "float32", length, shape=vars(shape)
+            )
+            estimate = framework.scratch_bytes(name, shape, "float32", device, training=False)
+            if estimate > LIMIT_BYTES:
+                measurements.append(replace(row, note=f"skipped (~{estimate / 2**30:.0f} GiB)"))
+                continue
+            command = [sys.executable, "-m", "mha_multi.bench", "memory", framework.name, name]
+            command += [device, json.dumps(vars(shape))]
+            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            # The last word: frameworks may print to stdout while loading.
+            measurements.append(replace(row, peak_mib=float(output.split()[-1])))
+    return measurements
+
+
+def run(
+    framework: Framework,
+    *,
+    lengths: Sequence[int] = (128, 512, 2048),
+    memory_lengths: Sequence[int] = (1024, 2048, 4096, 8192),
+    base: Shape | None = None,
+) -> list[dict[str, object]]:
+    """The whole benchmark of ``framework``.
+
+    Args:
+        framework: what to benchmark.
+        lengths: sequence lengths ``N`` to time.
+        memory_lengths: sequence lengths whose peak memory to measure.
+        base: batch, width and heads (its length is replaced).
+
+    Returns:
+        One result per device and execution mode: ``backend``, ``device``,
+        ``versions`` and ``measurements`` (:class:`Measurement` as dicts), the
+        form :func:`~mha_multi.bench.common.format_markdown` reads.
+    """
+    base = base or Shape()
+    framework.setup()
+    results = []
+    for device in framework.devices():
+        measurements: dict[str | None, list[Measurement]] = {e: [] for e in framework.executions}
+        for dtype in framework.dtypes(device):
+            rate = _gemm_rate(framework, device, dtype)
+            note = f"{GEMM_SIZE}x{GEMM_SIZE} {dtype}"
+            note += f", {framework.gemm_op}" if framework.gemm_op else ""
+            for execution, rows in measurements.items():
+                label = framework.label(execution)
+                rows.append(
+                    Measurement(
+                        label, "gemm", "gemm", device, dtype, GEMM_SIZE, gflops=rate, note=note
+                    )
+                )
+            _time_layers(framework, device, dtype, lengths, base, measurements)
+        if framework.measures_memory(device):
+            memory = _measure_memory(framework, device, memory_lengths, base)
+            measurements[framework.executions[0]] += memory
+        results += [
+            {
+                "backend": framework.label(execution),
+                "device": framework.describe(device, execution),
+                "versions": framework.versions(),
+                "measurements": [m.as_dict() for m in rows],
+            }
+            for execution, rows in measurements.items()
+        ]
+    return results
