@@ -116,7 +116,7 @@ ENVIRONMENTS: dict[str, Environment] = {
     ),
 }
 
-# GPU runs must compare IEEE float32 and not grab all device memory (DESIGN §5).
+# GPU runs must compare IEEE float32 and not grab all device memory (docs: "Architecture").
 GPU_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
 
 

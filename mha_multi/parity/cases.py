@@ -168,7 +168,7 @@ def build_case(config: CaseConfig) -> Case:
     inputs = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
     # The cotangent of a loss averaged over the batch and the queries: weight
     # gradients then stay of unit scale whatever B and Q, as the tolerances
-    # of DESIGN §5 assume.
+    # assume (docs: "Architecture").
     output_gradient = (
         rng.standard_normal((config.batch, config.num_queries, config.num_hiddens))
         / np.sqrt(config.batch * config.num_queries)

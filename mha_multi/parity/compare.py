@@ -1,4 +1,7 @@
-"""Comparison of backend results with the float64 reference, against DESIGN §5."""
+"""Comparison of backend results with the float64 reference, against the tolerances.
+
+The tolerances and why they hold on any machine: docs, "Architecture".
+"""
 
 from __future__ import annotations
 

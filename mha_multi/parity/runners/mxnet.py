@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-# Float32 parity needs IEEE float32 products on GPUs (DESIGN §5): no silent
+# Float32 parity needs IEEE float32 products on GPUs (docs: "Architecture"): no silent
 # conversion to tensor-core math. This is MXNet's default; it is pinned here
 # before MXNet reads it.
 os.environ.setdefault("MXNET_CUDA_TENSOR_OP_MATH_ALLOW_CONVERSION", "0")

@@ -20,7 +20,7 @@ DTYPES = {
 
 
 def exact_matmuls() -> None:
-    """IEEE float32 matmuls and single-rounding 16-bit ones on GPU (DESIGN §1, §5).
+    """IEEE float32 matmuls and single-rounding 16-bit ones on GPU (docs: "Architecture").
 
     TF32 off for float32 parity. cuBLAS may add up split-K partial sums of
     16-bit GEMMs in 16 bits unless told not to; the layer leaves these
