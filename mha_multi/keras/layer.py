@@ -285,6 +285,7 @@ class MultiHeadAttention(keras.layers.Layer):
             ``return_attention_weights`` the tuple ``(output, weights)`` with
             weights ``(B, H, Q, K)``.
         """
+        valid_lens = _checked_lens(valid_lens)  # stateless_call does not pass __call__
         self._check_call(queries, keys, values, valid_lens, causal)
         dropout = self._drop if training and self.dropout > 0 else None
         q, k, v = (self._project(x, n) for x, n in ((queries, "q"), (keys, "k"), (values, "v")))

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import keras
@@ -103,6 +104,10 @@ class KerasRunner(Runner):
         dtype: str = "float32",
         **kwargs: Any,
     ) -> MultiHeadAttention:
+        # Every caller loads weights right away; Keras' random initializers
+        # would cost a compilation per new shape on the JAX backend (about
+        # half a second per layer there).
+        kwargs.setdefault("kernel_initializer", "zeros")
         with self.on(device):
             return MultiHeadAttention(num_hiddens, num_heads, dtype=dtype, **kwargs)
 
@@ -200,11 +205,28 @@ class KerasTensorFlowRunner(KerasRunner):
 
 
 class KerasJaxRunner(KerasRunner):
-    """Keras on JAX; gradients with ``jax.vjp`` of ``Layer.stateless_call``."""
+    """Keras on JAX; calls and gradients ``jax.jit``-compiled over ``Layer.stateless_call``.
+
+    Keras' JAX users run compiled steps (``jit_compile`` defaults to on
+    there); op by op, JAX compiles every operation again for every new
+    shape, which made this backend's test session the slowest. One compiled
+    program per layer configuration, call flags and input shapes is cached
+    and shared by every layer of that configuration: it is evaluated on a
+    template layer of the configuration (``get_config`` without the name)
+    with the variable values of the layer under test, which is what
+    ``stateless_call`` is for. Calls with values that cannot be traced
+    (a ``causal`` that is not a bool, non-numeric lengths) or in training
+    go through the layer eagerly, as a user's call does.
+    """
 
     name = "keras-jax"
     keras_backend = "jax"
     distributions = ("keras", "jax", "jaxlib")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self._templates: dict[str, MultiHeadAttention] = {}
 
     def configure(self) -> None:
         import jax
@@ -212,6 +234,112 @@ class KerasJaxRunner(KerasRunner):
         # float64 parity needs 64-bit arrays; float32 parity needs IEEE matmuls.
         jax.config.update("jax_enable_x64", True)
         jax.config.update("jax_default_matmul_precision", "highest")
+
+    def _template(self, layer: MultiHeadAttention) -> tuple[str, MultiHeadAttention]:
+        config = layer.get_config()
+        config.pop("name", None)
+        key = json.dumps(config, sort_keys=True, default=str)
+        if key not in self._templates:
+            self._templates[key] = MultiHeadAttention.from_config(config)
+        return key, self._templates[key]
+
+    def _state(
+        self, template: MultiHeadAttention, layer: MultiHeadAttention
+    ) -> tuple[list[Any], list[Any]]:
+        """``layer``'s variable values in the order of ``template``'s variables."""
+        by_path = {v.path.split("/", 1)[-1]: v.value for v in layer.variables}
+
+        def values(variables: list[Any]) -> list[Any]:
+            return [by_path[v.path.split("/", 1)[-1]] for v in variables]
+
+        return values(template.trainable_variables), values(template.non_trainable_variables)
+
+    def _forward(
+        self, layer: MultiHeadAttention, causal: bool, return_attention_weights: bool
+    ) -> tuple[MultiHeadAttention, Callable[..., Any]]:
+        """The template of ``layer`` and its forward ``(trainable, non_trainable, *inputs)``."""
+        template = self._template(layer)[1]
+
+        def forward(trainable: list[Any], non_trainable: list[Any], *inputs: Any) -> Any:
+            output, _ = template.stateless_call(
+                trainable,
+                non_trainable,
+                *inputs,
+                causal=causal,
+                return_attention_weights=return_attention_weights,
+                training=False,
+            )
+            return output
+
+        return template, forward
+
+    def _cached(self, kind: str, layer: MultiHeadAttention, *flags: bool) -> Any:
+        key = (kind, self._template(layer)[0], *flags)
+        if key not in self._compiled:
+            import jax
+
+            template, forward = self._forward(layer, *flags)
+            if kind == "call":
+                self._compiled[key] = (template, jax.jit(forward))
+            else:
+
+                def vjp(
+                    trainable: list[Any],
+                    non_trainable: list[Any],
+                    inputs: list[Any],
+                    lens: Any,
+                    cotangent: Any,
+                ) -> Any:
+                    def of_differentiable(trainable: list[Any], *inputs: Any) -> Any:
+                        return forward(trainable, non_trainable, *inputs, lens)
+
+                    _, pullback = jax.vjp(of_differentiable, trainable, *inputs)
+                    return pullback(cotangent)
+
+                self._compiled[key] = (template, jax.jit(vjp))
+        return self._compiled[key]
+
+    def call(
+        self,
+        layer: MultiHeadAttention,
+        queries: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        valid_lens: Any = None,
+        *,
+        training: bool = False,
+        device: str = "cpu",
+        dtype: str = "float32",
+        **kwargs: Any,
+    ) -> Any:
+        causal = kwargs.get("causal", False)
+        return_attention_weights = kwargs.get("return_attention_weights", False)
+        traceable = (
+            not training
+            and set(kwargs) <= {"causal", "return_attention_weights"}
+            and type(causal) is bool
+            and type(return_attention_weights) is bool
+            and (valid_lens is None or is_numeric(valid_lens))
+        )
+        if not traceable:
+            return super().call(
+                layer,
+                queries,
+                keys,
+                values,
+                valid_lens,
+                training=training,
+                device=device,
+                dtype=dtype,
+                **kwargs,
+            )
+        template, compiled = self._cached("call", layer, causal, return_attention_weights)
+        with self.on(device):
+            tensors = [self.to_native(x, dtype=dtype) for x in (queries, keys, values)]
+            result = compiled(*self._state(template, layer), *tensors, self._lens(valid_lens))
+        if isinstance(result, tuple):
+            return tuple(to_float64(r) for r in result)
+        return to_float64(result)
 
     def gpu_available(self) -> bool:
         import jax
@@ -237,25 +365,14 @@ class KerasJaxRunner(KerasRunner):
         causal: bool,
         output_gradient: Any,
     ) -> dict[str, Any]:
-        import jax
-
-        trainable = layer.trainable_variables
-        non_trainable = [v.value for v in layer.non_trainable_variables]
-
-        # Compiled as one program: op-by-op, every new shape and dtype costs
-        # dozens of small XLA compilations.
-        @jax.jit
-        def forward(trainable_values: list[Any], *inputs: Any) -> Any:
-            output, _ = layer.stateless_call(
-                trainable_values, non_trainable, *inputs, valid_lens, causal=causal, training=False
-            )
-            return output
-
-        _, vjp = jax.vjp(forward, [v.value for v in trainable], *inputs)
-        weight_grads, *input_grads = vjp(output_gradient)
+        template, vjp = self._cached("vjp", layer, causal, False)
+        trainable, non_trainable = self._state(template, layer)
+        weight_grads, *input_grads = vjp(
+            trainable, non_trainable, list(inputs), valid_lens, output_gradient
+        )
         grads = dict(zip(INPUT_NAMES, input_grads, strict=True))
-        for name, variable in layer.canonical_variables().items():
-            index = next(i for i, v in enumerate(trainable) if v is variable)
+        for name, variable in template.canonical_variables().items():
+            index = next(i for i, v in enumerate(template.trainable_variables) if v is variable)
             grads[name] = weight_grads[index]
         return grads
 
