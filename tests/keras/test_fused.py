@@ -45,6 +45,9 @@ def case_named(name):
 
 
 def layer_for(case, **kwargs):
+    # The weights are loaded at once: no random initialisation, which on the
+    # JAX backend compiles anew for every shape.
+    kwargs.setdefault("kernel_initializer", "zeros")
     layer = MultiHeadAttention(
         case.config.num_hiddens, case.config.num_heads, bias=case.config.bias, **kwargs
     )
@@ -131,7 +134,7 @@ def test_fully_hidden_rows_are_the_mean_of_all_values(kernel_calls):
     # Hand-computed: with lengths 0 every weight is 1/K, so each output row is
     # (mean of the projected values) @ W_o.
     weights = init_weights(8, seed=11)
-    layer = set_weights(MultiHeadAttention(8, 2), weights)
+    layer = set_weights(MultiHeadAttention(8, 2, kernel_initializer="zeros"), weights)
     rng = np.random.default_rng(0)
     q, kv = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 5, 8))
     out = layer(*(x.astype(np.float32) for x in (q, kv, kv)), np.array([0, 0]))
@@ -273,7 +276,7 @@ def test_torch_compile_tracing_takes_the_generic_path(kernel_calls, monkeypatch)
 @pytest.mark.parametrize("edit", ["nan_query", "inf_key", "nan_value"])
 def test_non_finite_projections_take_the_generic_path(kernel_calls, edit):
     weights = init_weights(8, seed=12)
-    layer = set_weights(MultiHeadAttention(8, 2), weights)
+    layer = set_weights(MultiHeadAttention(8, 2, kernel_initializer="zeros"), weights)
     rng = np.random.default_rng(12)
     q, k, v = (rng.standard_normal((2, n, 8)) for n in (3, 5, 5))
     target, value = {"nan_query": (q, np.nan), "inf_key": (k, np.inf), "nan_value": (v, np.nan)}[
@@ -300,7 +303,7 @@ def test_scores_below_the_mask_value_take_the_generic_path(kernel_calls):
         "W_v": np.random.default_rng(13).standard_normal((size, size)),
         "W_o": np.eye(size),
     }
-    layer = set_weights(MultiHeadAttention(size, 2), weights)
+    layer = set_weights(MultiHeadAttention(size, 2, kernel_initializer="zeros"), weights)
     queries = np.full((1, 2, size), 1000.0)
     keys = np.full((1, 4, size), -1000.0)
     values = np.random.default_rng(14).standard_normal((1, 4, size))
@@ -335,7 +338,7 @@ def test_torch_backend_fused_path_no_grad(kernel_calls):
 
 def test_fused_and_generic_paths_agree_on_a_longer_sequence(kernel_calls):
     weights = init_weights(32, seed=4)
-    layer = set_weights(MultiHeadAttention(32, 4), weights)
+    layer = set_weights(MultiHeadAttention(32, 4, kernel_initializer="zeros"), weights)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((3, 40, 32)).astype(np.float32)
     lens = np.array([40, 17, 0])

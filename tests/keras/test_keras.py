@@ -30,6 +30,9 @@ def case_named(name):
 
 
 def layer_for(case, **kwargs):
+    # The weights are loaded at once: no random initialisation, which on the
+    # JAX backend compiles anew for every shape.
+    kwargs.setdefault("kernel_initializer", "zeros")
     layer = MultiHeadAttention(
         case.config.num_hiddens, case.config.num_heads, bias=case.config.bias, **kwargs
     )
