@@ -92,13 +92,16 @@ def test_16bit_projection_accumulates_in_float32(runner, dtype):
     weights = {
         "W_q": rng.standard_normal((4, num_hiddens)),
         "W_k": rng.standard_normal((4, num_hiddens)),
-        "W_v": rng.standard_normal((value_size, num_hiddens)),
+        # Nonnegative, so no sum cancels to a value whose float32 error is
+        # a whole 16-bit unit (the float32 sum itself is not exact).
+        "W_v": np.abs(rng.standard_normal((value_size, num_hiddens))),
         "W_o": np.eye(num_hiddens),
     }
     weights = {name: round_to(w, dtype).astype(np.float32) for name, w in weights.items()}
     queries = rng.standard_normal((batch, 1, 4)).astype(np.float32)
     keys = rng.standard_normal((batch, 1, 4)).astype(np.float32)
-    values = round_to(rng.standard_normal((batch, 1, value_size)), dtype).astype(np.float32)
+    values = round_to(np.abs(rng.standard_normal((batch, 1, value_size))), dtype)
+    values = values.astype(np.float32)
     layer = layer_with(runner, weights, 1, dtype=dtype)
     exact = values.astype(np.float64) @ weights["W_v"].astype(np.float64)
     outputs, _ = both_paths(runner, layer, queries, keys, values, dtype=dtype)
