@@ -381,14 +381,9 @@ def test_gpu_16_bit_head_sizes_cudnn_declines_take_the_generic_path(kernel_calls
 
 
 class XlaNNXRunner(JaxNNXRunner):
-    """The NNX runner with ``implementation="xla"``: its default call is the fused path.
-
-    Eager, unlike the shared runners: so the edge inputs meet the layer
-    called as users call it, and every call traces (``kernel_calls`` counts).
-    """
+    """The NNX runner with ``implementation="xla"``: its default call is the fused path."""
 
     name = "jax-nnx-xla"
-    jit = False
 
     def make_layer(self, num_hiddens, num_heads, **kwargs):
         return super().make_layer(num_hiddens, num_heads, implementation="xla", **kwargs)

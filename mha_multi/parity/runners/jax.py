@@ -1,21 +1,10 @@
-"""Parity runners for :mod:`mha_multi.jax` (Flax NNX) and :mod:`mha_multi.jax.linen`.
-
-Eager JAX compiles every operation anew for every new shape, and the
-test-suite and the parity cases bring many shapes: so the runners build
-layers and run evaluation calls and gradients through ``jax.jit`` (one
-compilation per configuration and shape, cached across layers of the same
-configuration). A runner with ``jit = False`` calls everything eagerly, and
-anything a compiled call cannot take as an argument (training with dropout,
-non-numeric ``valid_lens``, a ``causal`` that is not a bool, meant to meet
-the layer's own checks) is called eagerly too.
-"""
+"""Parity runners for :mod:`mha_multi.jax` (Flax NNX) and :mod:`mha_multi.jax.linen`."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,110 +33,11 @@ def as_float64(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(x)).astype(np.float64)
 
 
-def _compilable(valid_lens: Any, kwargs: Mapping[str, Any]) -> bool:
-    """Whether a call can go through ``jax.jit`` and still meet the layer's checks.
-
-    ``valid_lens`` must be ``None`` or an array (non-numeric ones must reach
-    the layer's own ``TypeError``), and the keyword arguments hashable
-    Python values with ``causal`` a bool (an array would fail as a static
-    argument before the layer could say what is wrong with it).
-    """
-    if valid_lens is not None and not isinstance(valid_lens, jax.Array):
-        return False
-    if not isinstance(kwargs.get("causal", False), bool):
-        return False
-    return all(isinstance(value, (bool, int, float, str, type(None))) for value in kwargs.values())
-
-
-@functools.partial(nnx.jit, static_argnames=("num_hiddens", "num_heads", "param_dtype", "options"))
-def _new_nnx_layer(
-    num_hiddens: int, num_heads: int, param_dtype: Any, options: tuple[tuple[str, Any], ...]
-) -> MultiHeadAttention:
-    return MultiHeadAttention(
-        num_hiddens, num_heads, param_dtype=param_dtype, rngs=nnx.Rngs(0), **dict(options)
-    )
-
-
-@functools.partial(nnx.jit, static_argnames=("options",))
-def _nnx_call(
-    layer: MultiHeadAttention, *arrays: jax.Array | None, options: tuple[tuple[str, Any], ...]
-) -> Any:
-    return layer(*arrays, **dict(options))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "causal"))
-def _nnx_vjp(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    rest: nnx.State,
-    arrays: tuple[jax.Array, ...],
-    valid_lens: jax.Array | None,
-    output_gradient: jax.Array,
-    causal: bool,
-) -> tuple[Any, ...]:
-    """The cotangents of the parameters and the three inputs (eval mode)."""
-
-    def forward(params: nnx.State, *arrays: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, params, rest)(*arrays, valid_lens, causal=causal)
-
-    _, vjp = jax.vjp(forward, params, *arrays)
-    return vjp(output_gradient)
-
-
-@functools.partial(jax.jit, static_argnames=("module",))
-def _linen_init(module: linen.MultiHeadAttention, rng: jax.Array, *shapes: jax.Array) -> Any:
-    return module.init(rng, *shapes)
-
-
-@functools.partial(jax.jit, static_argnames=("module", "options"))
-def _linen_apply(
-    module: linen.MultiHeadAttention,
-    variables: Any,
-    *arrays: jax.Array | None,
-    options: tuple[tuple[str, Any], ...],
-) -> Any:
-    return module.apply(variables, *arrays, **dict(options))
-
-
-@functools.partial(jax.jit, static_argnames=("module", "causal"))
-def _linen_vjp(
-    module: linen.MultiHeadAttention,
-    variables: Any,
-    arrays: tuple[jax.Array, ...],
-    valid_lens: jax.Array | None,
-    output_gradient: jax.Array,
-    causal: bool,
-) -> tuple[Any, ...]:
-    """The cotangents of the variables and the three inputs."""
-
-    def forward(variables: Any, *arrays: jax.Array) -> jax.Array:
-        return module.apply(variables, *arrays, valid_lens, causal=causal)
-
-    _, vjp = jax.vjp(forward, variables, *arrays)
-    return vjp(output_gradient)
-
-
-def _hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-# The same functions called eagerly (``jit = False``).
-_nnx_vjp_eager = _nnx_vjp.__wrapped__
-_linen_vjp_eager = _linen_vjp.__wrapped__
-_linen_init_eager = _linen_init.__wrapped__
-
-
 class _JaxRunner(Runner):
     """What the NNX and Linen runners share: devices, conversions."""
 
     distributions = ("jax", "jaxlib", "flax")
     package = "mha_multi.jax"
-    #: Whether layers are built and called through ``jax.jit`` (see the module notes).
-    jit: ClassVar[bool] = True
 
     def __init__(self) -> None:
         configure()
@@ -196,10 +86,7 @@ class JaxNNXRunner(_JaxRunner):
         dtype: str = "float32",
         **kwargs: Any,
     ) -> MultiHeadAttention:
-        options = tuple(sorted(kwargs.items()))
         with jax.default_device(self._device(device)):
-            if self.jit and _hashable(options):
-                return _new_nnx_layer(num_hiddens, num_heads, DTYPES[dtype], options)
             return MultiHeadAttention(
                 num_hiddens, num_heads, param_dtype=DTYPES[dtype], rngs=nnx.Rngs(0), **kwargs
             )
@@ -222,10 +109,7 @@ class JaxNNXRunner(_JaxRunner):
         else:
             layer.eval()
         arrays = self._inputs((queries, keys, values), device, dtype)
-        lens = self._lens(valid_lens, device)
-        if self.jit and not training and _compilable(lens, kwargs):
-            return _results(_nnx_call(layer, *arrays, lens, options=tuple(sorted(kwargs.items()))))
-        return _results(layer(*arrays, lens, **kwargs))
+        return _results(layer(*arrays, self._lens(valid_lens, device), **kwargs))
 
     def gradients(
         self,
@@ -243,10 +127,13 @@ class JaxNNXRunner(_JaxRunner):
         layer.eval()
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
         lens = self._lens(valid_lens, device)
-        arrays = tuple(self._inputs((queries, keys, values), device, dtype))
-        cotangent = self.to_native(output_gradient, device, dtype)
-        vjp = _nnx_vjp if self.jit and _compilable(lens, {"causal": causal}) else _nnx_vjp_eager
-        param_grads, *input_grads = vjp(graphdef, params, rest, arrays, lens, cotangent, causal)
+
+        def forward(params: nnx.State, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            return nnx.merge(graphdef, params, rest)(q, k, v, lens, causal=causal)
+
+        arrays = self._inputs((queries, keys, values), device, dtype)
+        _, vjp = jax.vjp(forward, params, *arrays)
+        param_grads, *input_grads = vjp(self.to_native(output_gradient, device, dtype))
         grads = {
             name: as_float64(g)
             for name, g in zip(("queries", "keys", "values"), input_grads, strict=True)
@@ -291,10 +178,9 @@ class JaxLinenRunner(_JaxRunner):
         layer = LinenLayer(module, None, self._device(device), jax.random.key(0))
         sizes = (module.query_size, module.key_size, module.value_size)
         if all(size is not None for size in sizes):
+            shapes = [jnp.zeros((1, 1, size), DTYPES[dtype]) for size in sizes]
             with jax.default_device(layer.device):
-                shapes = [jnp.zeros((1, 1, size), DTYPES[dtype]) for size in sizes]
-                init = _linen_init if self.jit else _linen_init_eager
-                layer.variables = init(module, layer.next_rng(), *shapes)
+                layer.variables = module.init(layer.next_rng(), *shapes)
         return layer
 
     def set_weights(self, layer: LinenLayer, weights: Mapping[str, np.ndarray]) -> LinenLayer:
@@ -321,17 +207,11 @@ class JaxLinenRunner(_JaxRunner):
         **kwargs: Any,
     ) -> Any:
         arrays = self._inputs((queries, keys, values), device, dtype)
-        lens = self._lens(valid_lens, device)
-        if self.jit and not training and _compilable(lens, kwargs):
-            options = tuple(sorted(kwargs.items()))
-            return _results(
-                _linen_apply(layer.module, layer.variables, *arrays, lens, options=options)
-            )
         rngs = {"dropout": layer.next_rng()} if training else {}
         result = layer.module.apply(
             layer.variables,
             *arrays,
-            lens,
+            self._lens(valid_lens, device),
             training=training,
             rngs=rngs,
             **kwargs,
@@ -355,12 +235,13 @@ class JaxLinenRunner(_JaxRunner):
         dtype: str,
     ) -> dict[str, np.ndarray]:
         lens = self._lens(valid_lens, device)
-        arrays = tuple(self._inputs((queries, keys, values), device, dtype))
-        cotangent = self.to_native(output_gradient, device, dtype)
-        vjp = _linen_vjp if self.jit and _compilable(lens, {"causal": causal}) else _linen_vjp_eager
-        variable_grads, *input_grads = vjp(
-            layer.module, layer.variables, arrays, lens, cotangent, causal
-        )
+
+        def forward(variables: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            return layer.module.apply(variables, q, k, v, lens, causal=causal)
+
+        arrays = self._inputs((queries, keys, values), device, dtype)
+        _, vjp = jax.vjp(forward, layer.variables, *arrays)
+        variable_grads, *input_grads = vjp(self.to_native(output_gradient, device, dtype))
         grads = {
             name: as_float64(g)
             for name, g in zip(("queries", "keys", "values"), input_grads, strict=True)
