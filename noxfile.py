@@ -26,6 +26,7 @@ PINS = {
     "numpy": "numpy==2.4.6",
     "safetensors": "safetensors==0.8.0",
     "pytest": "pytest==9.2.0",
+    "pytest-xdist": "pytest-xdist==3.8.0",
     "hypothesis": "hypothesis==6.170.15",
     "ruff": "ruff==0.17.5",
     "matplotlib": "matplotlib==3.11.2",
@@ -56,7 +57,8 @@ class Environment:
     benchmarks: tuple[str, ...] = ()
 
 
-COMMON = (PINS["numpy"], PINS["safetensors"], PINS["pytest"], PINS["hypothesis"])
+TEST_TOOLS = (PINS["pytest"], PINS["pytest-xdist"], PINS["hypothesis"])
+COMMON = (PINS["numpy"], PINS["safetensors"], *TEST_TOOLS)
 
 ENVIRONMENTS: dict[str, Environment] = {
     "numpy": Environment(COMMON, "test", tests=("tests/core", "tests/examples")),
@@ -79,8 +81,7 @@ ENVIRONMENTS: dict[str, Environment] = {
         (
             PINS["numpy-mxnet"],
             PINS["safetensors"],
-            PINS["pytest"],
-            PINS["hypothesis"],
+            *TEST_TOOLS,
             PINS["mxnet"],
         ),
         "mxnet,test",
@@ -132,11 +133,23 @@ def session_env(environment: Environment) -> dict[str, str]:
     return env
 
 
+# One pytest worker per core: eager JAX spends the suite's time compiling each
+# operation for each new shape, single-threaded (tests-jax: 407 s in one
+# process, 250 s in two on a 2-core machine).
+PARALLEL = ("--numprocesses", "auto")
+
+
 def make_test_session(name: str, environment: Environment) -> None:
     @nox.session(name=f"tests-{name}")
     def tests(session: nox.Session) -> None:
         install(session, environment)
-        session.run("pytest", *environment.tests, *session.posargs, env=session_env(environment))
+        session.run(
+            "pytest",
+            *PARALLEL,
+            *environment.tests,
+            *session.posargs,
+            env=session_env(environment),
+        )
 
     if environment.backends:
 
@@ -145,7 +158,9 @@ def make_test_session(name: str, environment: Environment) -> None:
             """The randomised backend tests with many examples (not in the default run)."""
             install(session, environment)
             env = {**session_env(environment), "HYPOTHESIS_PROFILE": "exhaustive"}
-            session.run("pytest", "tests/backends/test_random.py", *session.posargs, env=env)
+            session.run(
+                "pytest", *PARALLEL, "tests/backends/test_random.py", *session.posargs, env=env
+            )
 
 
 def make_parity_session(name: str, environment: Environment) -> None:
