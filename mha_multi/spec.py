@@ -33,6 +33,7 @@ __all__ = [
     "check_causal",
     "check_inputs",
     "clip_integer_lens",
+    "lens_as_numpy",
     "check_valid_lens_dtype",
     "is_low_precision",
     "masked_softmax",
@@ -325,6 +326,29 @@ def check_valid_lens_dtype(kind: str) -> None:
         raise TypeError(
             f"valid_lens must be an integer or floating-point array; got dtype kind {kind!r}"
         )
+
+
+def lens_as_numpy(valid_lens: Any, index_dtype: Any) -> np.ndarray:
+    """Lengths given as a numpy array, a list or a scalar, checked and converted.
+
+    What each backend does with lengths that are not yet its own arrays.
+
+    Args:
+        valid_lens: array-like lengths.
+        index_dtype: the framework's integer type; integer lengths are clipped
+            into it (:func:`clip_integer_lens`), floating ones kept.
+
+    Raises:
+        TypeError: ``valid_lens`` is not numeric (strings, booleans, objects).
+    """
+    try:
+        array = np.asarray(valid_lens)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
+        ) from error
+    check_valid_lens_dtype(array.dtype.kind)
+    return clip_integer_lens(array, index_dtype)
 
 
 def clip_integer_lens(valid_lens: np.ndarray, dtype: Any) -> np.ndarray:

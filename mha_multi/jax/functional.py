@@ -144,16 +144,7 @@ def as_valid_lens(valid_lens: Any) -> jax.Array | None:
     if isinstance(valid_lens, jax.Array):
         spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
         return valid_lens
-    try:
-        lens = np.asarray(valid_lens)
-    except (TypeError, ValueError) as error:
-        raise TypeError(
-            f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
-        ) from error
-    spec.check_valid_lens_dtype(dtype_kind(lens.dtype))
-    if lens.dtype.kind in "iu":
-        lens = spec.clip_integer_lens(lens, jax.dtypes.canonicalize_dtype(np.int64))
-    return jnp.asarray(lens)
+    return jnp.asarray(spec.lens_as_numpy(valid_lens, jax.dtypes.canonicalize_dtype(np.int64)))
 
 
 def _check_input(name: str, x: Any) -> Any:

@@ -508,16 +508,7 @@ def _checked_lens(valid_lens: Any) -> Any:
     """
     if valid_lens is None or _is_tensor(valid_lens):
         return valid_lens
-    try:
-        array = np.asarray(valid_lens)
-    except (TypeError, ValueError) as error:
-        raise TypeError(
-            f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
-        ) from error
-    spec.check_valid_lens_dtype(array.dtype.kind)
-    if array.dtype.kind in "iu":
-        array = spec.clip_integer_lens(array, index_dtype())
-    return array
+    return spec.lens_as_numpy(valid_lens, index_dtype())
 
 
 def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiHeadAttention:

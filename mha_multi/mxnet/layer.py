@@ -545,16 +545,9 @@ def _as_lens(valid_lens: Any, ctx: mx.Context) -> mx.np.ndarray | None:
         lens = valid_lens if isinstance(valid_lens, mx.np.ndarray) else valid_lens.as_np_ndarray()
         spec.check_valid_lens_dtype(dtype_kind(lens.dtype))
         return lens.as_in_ctx(ctx)
-    try:
-        array = np.asarray(valid_lens)
-    except (TypeError, ValueError) as error:
-        raise TypeError(
-            f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
-        ) from error
-    spec.check_valid_lens_dtype(array.dtype.kind)
     # MXNet has no unsigned integers beyond uint8; any length past int32's
     # range means what int32's bound means (key counts fit in it).
-    array = spec.clip_integer_lens(array, np.int32)
+    array = spec.lens_as_numpy(valid_lens, np.int32)
     return mx.np.array(array, dtype=array.dtype, ctx=ctx)
 
 

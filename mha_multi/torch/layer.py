@@ -374,14 +374,7 @@ def _as_lens(valid_lens: Any, device: torch.device) -> torch.Tensor | None:
             # no unsigned length is: they are the ones to clip.
             lens = torch.where(lens < 0, torch.iinfo(torch.int64).max, lens)
         return lens
-    try:
-        array = np.asarray(valid_lens)
-    except (TypeError, ValueError) as error:
-        raise TypeError(
-            f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
-        ) from error
-    spec.check_valid_lens_dtype(array.dtype.kind)
-    array = spec.clip_integer_lens(array, np.int64)
+    array = spec.lens_as_numpy(valid_lens, np.int64)
     return torch.from_numpy(np.array(array, copy=True)).to(device)
 
 
