@@ -50,6 +50,17 @@ def layer_with(runner, weights, num_heads, *, dtype="float32"):
     return runner.set_weights(layer, weights)
 
 
+def float32_layer(runner, weights, num_heads=2):
+    return layer_with(runner, {n: w.astype(np.float32) for n, w in weights.items()}, num_heads)
+
+
+def against_reference(runner, layer, weights, inputs, lens, *, causal=False):
+    """The float64 reference ``(output, weights)`` and the backend's float32 results."""
+    expected = spec.reference_forward(weights, *inputs, lens, num_heads=2, causal=causal)
+    f32 = [x.astype(np.float32) for x in inputs]
+    return expected, *both_paths(runner, layer, *f32, lens, causal=causal)
+
+
 def both_paths(runner, layer, *args, **kwargs):
     """The default call's output and the generic path's (the one returning weights)."""
     fused = runner.call(layer, *args, **kwargs)
@@ -210,14 +221,12 @@ NONFINITE = _nonfinite_cases()
 
 @pytest.mark.parametrize("name", sorted(NONFINITE))
 def test_nonfinite_inputs_propagate_as_in_reference(runner, name):
-    weights, queries, keys, values, lens = NONFINITE[name]
-    layer = layer_with(runner, {n: w.astype(np.float32) for n, w in weights.items()}, 2)
-    f32 = [x.astype(np.float32) for x in (queries, keys, values)]
+    weights, *inputs, lens = NONFINITE[name]
+    layer = float32_layer(runner, weights)
     for causal in (False, True):
-        expected, expected_weights = spec.reference_forward(
-            weights, queries, keys, values, lens, num_heads=2, causal=causal
+        (expected, expected_weights), outputs, attention_weights = against_reference(
+            runner, layer, weights, inputs, lens, causal=causal
         )
-        outputs, attention_weights = both_paths(runner, layer, *f32, lens, causal=causal)
         for path, output in outputs.items():
             assert_matches_reference(output, expected, 5e-6, f"{path} causal={causal}")
         assert_matches_reference(attention_weights, expected_weights, 5e-6, "weights")
@@ -243,14 +252,12 @@ def test_nonfinite_inputs_propagate_as_in_reference(runner, name):
 def test_extreme_lengths_mean_what_they_say(runner, lens):
     rng = np.random.default_rng(5)
     weights = init_weights(8, seed=5)
-    queries, keys, values = (rng.standard_normal((2, n, 8)) for n in (3, 4, 4))
-    layer = layer_with(runner, {n: w.astype(np.float32) for n, w in weights.items()}, 2)
-    f32 = [x.astype(np.float32) for x in (queries, keys, values)]
+    inputs = [rng.standard_normal((2, n, 8)) for n in (3, 4, 4)]
+    layer = float32_layer(runner, weights)
     for causal in (False, True):
-        expected, _ = spec.reference_forward(
-            weights, queries, keys, values, lens, num_heads=2, causal=causal
+        (expected, _), outputs, _ = against_reference(
+            runner, layer, weights, inputs, lens, causal=causal
         )
-        outputs, _ = both_paths(runner, layer, *f32, lens, causal=causal)
         for path, output in outputs.items():
             np.testing.assert_allclose(output, expected, atol=5e-6, err_msg=path)
 
@@ -260,14 +267,12 @@ def test_narrow_integer_lengths_do_not_wrap(runner):
     rng = np.random.default_rng(9)
     weights = init_weights(8, seed=9)
     queries, keys = rng.standard_normal((2, 2, 8)), rng.standard_normal((2, 200, 8))
-    layer = layer_with(runner, {n: w.astype(np.float32) for n, w in weights.items()}, 2)
+    layer = float32_layer(runner, weights)
     for lens in (np.array([100, 127], np.int8), np.array([130, 255], np.uint8)):
-        expected, expected_weights = spec.reference_forward(
-            weights, queries, keys, keys, lens, num_heads=2
+        (expected, expected_weights), outputs, _ = against_reference(
+            runner, layer, weights, (queries, keys, keys), lens
         )
         assert np.count_nonzero(expected_weights[0, 0, 0]) == lens[0]
-        f32 = [x.astype(np.float32) for x in (queries, keys, keys)]
-        outputs, _ = both_paths(runner, layer, *f32, lens)
         for path, output in outputs.items():
             np.testing.assert_allclose(output, expected, atol=5e-6, err_msg=path)
 
@@ -284,21 +289,19 @@ def test_empty_axes(runner, shape, lens_kind):
     batch, num_queries, num_keys = EMPTY_SHAPES[shape]
     rng = np.random.default_rng(6)
     weights = init_weights(8, bias=True, seed=6)
-    queries, keys, values = (
-        rng.standard_normal((batch, n, 8)) for n in (num_queries,) + 2 * (num_keys,)
-    )
+    inputs = [rng.standard_normal((batch, n, 8)) for n in (num_queries,) + 2 * (num_keys,)]
+    queries, keys, values = inputs
     lens = {
         "none": None,
         "1d": np.arange(batch) + 1,
         "2d": np.ones((batch, num_queries), np.int64),
     }[lens_kind]
-    layer = layer_with(runner, {n: w.astype(np.float32) for n, w in weights.items()}, 2)
-    f32 = [x.astype(np.float32) for x in (queries, keys, values)]
+    layer = float32_layer(runner, weights)
+    f32 = [x.astype(np.float32) for x in inputs]
     for causal in (False, True):
-        expected, expected_weights = spec.reference_forward(
-            weights, queries, keys, values, lens, num_heads=2, causal=causal
+        (expected, expected_weights), outputs, attention_weights = against_reference(
+            runner, layer, weights, inputs, lens, causal=causal
         )
-        outputs, attention_weights = both_paths(runner, layer, *f32, lens, causal=causal)
         assert attention_weights.shape == (batch, 2, num_queries, num_keys)
         np.testing.assert_allclose(attention_weights, expected_weights, atol=5e-6)
         for path, output in outputs.items():
