@@ -24,7 +24,7 @@ DTYPES = {
 
 
 def configure() -> None:
-    """float64 needs x64; float32 parity needs IEEE matmuls on GPU (DESIGN §5)."""
+    """float64 needs x64; float32 parity needs IEEE matmuls on GPU (docs: "Architecture")."""
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_default_matmul_precision", "highest")
 
