@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-FRAMEWORKS = ("torch", "jax", "flax", "tensorflow", "keras", "mxnet")
+FRAMEWORKS = ("torch", "jax", "flax", "tensorflow", "keras", "mxnet", "h5py")
 
 
 @pytest.mark.parametrize(
@@ -20,6 +20,10 @@ FRAMEWORKS = ("torch", "jax", "flax", "tensorflow", "keras", "mxnet")
         "mha_multi.parity.cases",
         "mha_multi.parity.compare",
         "mha_multi.parity.runners",
+        # The format registry and the command line name frameworks, import none.
+        "mha_multi.interop",
+        "mha_multi.interop.formats",
+        "mha_multi.__main__",
     ],
 )
 def test_no_framework_is_imported(module):
