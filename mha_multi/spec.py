@@ -8,9 +8,10 @@ the reference; each backend passes its own adapter, so the head layout, the
 one place.
 
 The operations are chosen so that no function needs a concrete shape: head
-splitting is ``split_axis``/``merge_axes`` and positions come from
-``arange_like``. This lets symbolic frameworks (MXNet's hybridized graphs)
-share the same code as eager ones.
+splitting is ``split_axis``/``merge_axes``, and sizes are what ``ops.size``
+returns (ints where shapes are known, an adapter's own handle where they are
+not) and become positions only through ``ops.arange``. This lets symbolic
+frameworks (MXNet's hybridized graphs) share the same code as eager ones.
 
 Shapes, following d2l: queries ``(B, Q, query_size)``, keys
 ``(B, K, key_size)``, values ``(B, K, value_size)``, ``num_hiddens = H * head_dim``.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,6 +29,8 @@ import numpy as np
 __all__ = [
     "MASK_VALUE",
     "ArrayOps",
+    "FusedKernel",
+    "KernelPlan",
     "NumpyOps",
     "attention",
     "check_config",
@@ -37,6 +41,7 @@ __all__ = [
     "check_valid_lens_dtype",
     "is_low_precision",
     "masked_softmax",
+    "plan_kernel",
     "reference_forward",
     "reference_gradients",
     "scaled_scores",
@@ -91,8 +96,16 @@ class ArrayOps(Protocol):
     def swap_last(self, x: Array) -> Array:
         """Transposes the last two axes."""
 
-    def arange_like(self, x: Array, axis: int) -> Array:
-        """``0 .. x.shape[axis] - 1`` as a 1-D integer array on ``x``'s device."""
+    def size(self, x: Array, axis: int) -> Any:
+        """The size of ``axis`` of ``x``.
+
+        A Python int where the shape is known; otherwise whatever the
+        adapter's :meth:`arange` takes (a scalar tensor in a traced graph, a
+        handle on a symbol whose shape MXNet does not know).
+        """
+
+    def arange(self, size: Any) -> Array:
+        """``0 .. size - 1`` as a 1-D integer array on the adapter's device."""
 
     def flip(self, x: Array) -> Array:
         """Reverses a 1-D array."""
@@ -161,8 +174,11 @@ class NumpyOps:
     def swap_last(self, x: np.ndarray) -> np.ndarray:
         return np.swapaxes(x, -1, -2)
 
-    def arange_like(self, x: np.ndarray, axis: int) -> np.ndarray:
-        return np.arange(x.shape[axis], dtype=np.int64)
+    def size(self, x: np.ndarray, axis: int) -> int:
+        return np.shape(x)[axis]
+
+    def arange(self, size: int) -> np.ndarray:
+        return np.arange(size, dtype=np.int64)
 
     def flip(self, x: np.ndarray) -> np.ndarray:
         return x[::-1]
@@ -391,14 +407,19 @@ def transpose_output(ops: ArrayOps, x: Array, num_heads: int) -> Array:
 
 
 def visibility(
-    ops: ArrayOps, scores: Array, valid_lens: Array | None, *, causal: bool = False
+    ops: ArrayOps,
+    num_queries: Any,
+    num_keys: Any,
+    valid_lens: Array | None,
+    *,
+    causal: bool = False,
 ) -> Array | None:
     """Which keys each query may see.
 
     Args:
         ops: the array-ops adapter.
-        scores: any array whose last two axes are ``(Q, K)``; only its
-            positions are read.
+        num_queries: ``Q``, as ``ops.size`` gives it (an int where known).
+        num_keys: ``K``, likewise.
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
             Key ``j`` is visible to query ``i`` of example ``b`` iff
             ``j < valid_lens[b]`` (or ``valid_lens[b, i]``).
@@ -419,7 +440,7 @@ def visibility(
         if kind == "f" and ops.itemsize(lens_dtype) < 4:
             valid_lens = ops.cast(valid_lens, ops.float32())
             lens_dtype = ops.dtype(valid_lens)
-        key_positions = ops.arange_like(scores, -1)  # (K,)
+        key_positions = ops.arange(num_keys)  # (K,)
         positions_dtype = ops.dtype(key_positions)
         if kind in "iu" and ops.itemsize(lens_dtype) < ops.itemsize(positions_dtype):
             # Positions cast to int8 would wrap past 127: widen the lengths instead.
@@ -433,11 +454,181 @@ def visibility(
     if causal:
         # j <= i + (K - Q)  <=>  K - 1 - j >= Q - 1 - i: distances from the end
         # need no concrete sizes.
-        keys_from_end = ops.flip(ops.arange_like(scores, -1))  # (K,)
-        queries_from_end = ops.expand_dims(ops.flip(ops.arange_like(scores, -2)), -1)
+        keys_from_end = ops.flip(ops.arange(num_keys))  # (K,)
+        queries_from_end = ops.expand_dims(ops.flip(ops.arange(num_queries)), -1)
         causal_visible = ops.greater_equal(keys_from_end, queries_from_end)  # (Q, K)
         visible = causal_visible if visible is None else ops.logical_and(visible, causal_visible)
     return visible
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """What a backend's fused attention kernel can be given: the facts
+    :func:`plan_kernel` decides from, so that every backend decides by the
+    same rules (docs: "Fast paths").
+
+    Attributes:
+        name: the kernel, for messages and tests.
+        takes_dropout: applies dropout to its weights itself, as the spec does.
+        takes_key_lengths: takes per-example key lengths ``(B,)`` (integer
+            lengths need no mask then).
+        causal_flag: has its own (top-left aligned) causal flag.
+        mask_and_causal: takes a boolean mask together with that flag.
+        replaces_hidden_scores: hides keys by *replacing* their scores, as the
+            spec does. A kernel that *adds* ``-inf`` lets a hidden key's
+            non-finite score through, and may turn a NaN row into zeros, so it
+            runs only where the caller read the values and found them exact
+            (``values_exact``).
+        hidden_rows_uniform: gives a query that sees no key uniform weights,
+            as the spec does (it masks with ``MASK_VALUE`` itself), so no row
+            needs :func:`fix_fully_hidden_rows`.
+    """
+
+    name: str
+    takes_dropout: bool = False
+    takes_key_lengths: bool = False
+    causal_flag: bool = True
+    mask_and_causal: bool = False
+    replaces_hidden_scores: bool = False
+    hidden_rows_uniform: bool = False
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """What one call gives a fused kernel, or that it takes the generic path.
+
+    Attributes:
+        fused: whether the fused kernel runs at all.
+        reason: why not, when ``fused`` is false (for messages and tests).
+        is_causal: pass the kernel's own causal flag (top-left aligned, which
+            is the spec's rule because ``Q == K``).
+        key_lengths: pass the ``(B,)`` lengths as the kernel's key lengths.
+        mask_lens: the boolean mask holds the lengths.
+        mask_causal: the boolean mask holds the causal rule.
+        fix_rows: rows may be fully hidden; give them the spec's value with
+            :func:`fix_fully_hidden_rows` and :meth:`fix_visibility`.
+        fix_causal: the causal rule can hide whole rows (``Q > K``).
+    """
+
+    fused: bool
+    reason: str = ""
+    is_causal: bool = False
+    key_lengths: bool = False
+    mask_lens: bool = False
+    mask_causal: bool = False
+    fix_rows: bool = False
+    fix_causal: bool = False
+
+    @property
+    def needs_mask(self) -> bool:
+        return self.mask_lens or self.mask_causal
+
+    def mask(
+        self, ops: ArrayOps, num_queries: Any, num_keys: Any, valid_lens: Array | None
+    ) -> Array | None:
+        """The boolean mask the kernel is given (``None`` where it needs none)."""
+        if not self.needs_mask:
+            return None
+        lens = valid_lens if self.mask_lens else None
+        return visibility(ops, num_queries, num_keys, lens, causal=self.mask_causal)
+
+    def fix_visibility(
+        self, ops: ArrayOps, num_queries: Any, num_keys: Any, valid_lens: Array | None
+    ) -> Array | None:
+        """What :func:`fix_fully_hidden_rows` reads (``None``: no row to fix).
+
+        The causal rule hides whole rows only when ``Q > K``, so below that
+        the lengths alone tell which rows are fully hidden.
+        """
+        if not self.fix_rows:
+            return None
+        return visibility(ops, num_queries, num_keys, valid_lens, causal=self.fix_causal)
+
+
+def _generic(reason: str) -> KernelPlan:
+    return KernelPlan(fused=False, reason=reason)
+
+
+def plan_kernel(
+    kernel: FusedKernel,
+    *,
+    sizes: tuple[Any, Any, Any],
+    lens_ndim: int | None,
+    lens_integer: bool = True,
+    causal: bool = False,
+    dropout: bool = False,
+    return_attention_weights: bool = False,
+    dtype_supported: bool = True,
+    values_exact: bool | None = None,
+    shortest_length: float | None = None,
+) -> KernelPlan:
+    """Whether a call runs ``kernel``, and what the kernel is given.
+
+    One decision for every backend: the fused path runs only where it gives
+    the spec's numbers, so it is an optimisation and never a second
+    definition (docs: "Fast paths").
+
+    Args:
+        kernel: the facts of the backend's kernel.
+        sizes: ``(B, Q, K)``; ``None`` (or anything not an int) where unknown.
+        lens_ndim: ``None`` without lengths, else 1 or 2.
+        lens_integer: whether the lengths are integers.
+        causal: the spec's causal flag.
+        dropout: whether dropout is active for this call.
+        return_attention_weights: whether the call returns the weights.
+        dtype_supported: whether the kernel serves this dtype and precision.
+        values_exact: what the caller read from the values: ``True`` when
+            every projection is finite (and, where the backend's kernel needs
+            it, bounded), ``False`` when not, ``None`` when they cannot be
+            read (a traced graph).
+        shortest_length: the shortest length, where it was read; ``None``
+            where it was not (every row may then be fully hidden).
+
+    Returns:
+        The plan.
+    """
+    if return_attention_weights:
+        return _generic("the attention weights are requested")
+    if not dtype_supported:
+        return _generic("the kernel does not serve this dtype or precision")
+    if not all(isinstance(size, int) for size in sizes):
+        return _generic("sizes unknown while tracing")
+    batch, num_queries, num_keys = sizes
+    if batch == 0 or num_queries == 0 or num_keys == 0:
+        return _generic("an empty axis")
+    if not kernel.replaces_hidden_scores and values_exact is not True:
+        return _generic(
+            "non-finite or unbounded values" if values_exact is False else "values unreadable"
+        )
+    if shortest_length is not None and lens_ndim is not None and shortest_length >= num_keys:
+        lens_ndim = None  # lengths that hide nothing need no mask
+    lens_may_hide_rows = lens_ndim is not None and not (
+        shortest_length is not None and shortest_length > 0  # NaN hides every key
+    )
+    causal_hides_rows = causal and num_queries > num_keys
+    fix_rows = (lens_may_hide_rows or causal_hides_rows) and not kernel.hidden_rows_uniform
+    if dropout and not kernel.takes_dropout:
+        return _generic("the kernel has no dropout")
+    if dropout and fix_rows:
+        # A fully hidden row would need dropout on its uniform weights.
+        return _generic("dropout with rows that may be fully hidden")
+    key_lengths = lens_ndim == 1 and lens_integer and kernel.takes_key_lengths
+    mask_lens = lens_ndim is not None and not key_lengths
+    is_causal = (
+        causal
+        and kernel.causal_flag
+        and num_queries == num_keys
+        and (not mask_lens or kernel.mask_and_causal)
+    )
+    return KernelPlan(
+        fused=True,
+        is_causal=is_causal,
+        key_lengths=key_lengths,
+        mask_lens=mask_lens,
+        mask_causal=causal and not is_causal,
+        fix_rows=fix_rows,
+        fix_causal=causal_hides_rows,
+    )
 
 
 def is_low_precision(ops: ArrayOps, dtype: Any) -> bool:
@@ -556,7 +747,7 @@ def attention(
     # Rows are b*H + h, so splitting axis 0 as (B, H) lines heads up with a
     # (B, 1, ...) mask: valid_lens repeated interleaved, never tiled.
     scores = ops.split_axis(head_scores, 0, (-1, num_heads))  # (B, H, Q, K)
-    visible = visibility(ops, scores, valid_lens, causal=causal)
+    visible = visibility(ops, ops.size(scores, 2), ops.size(scores, 3), valid_lens, causal=causal)
     weights = masked_softmax(ops, scores, visible, ops.dtype(v))
     flat_weights = ops.merge_axes(weights, 0)
     if dropout is not None:
@@ -690,7 +881,7 @@ def reference_gradients(
     }
     q, k, v = (transpose_qkv(ops, projected[n], num_heads) for n in "qkv")
     scores = ops.split_axis(scaled_scores(ops, q, k, head_dim), 0, (-1, num_heads))
-    visible = visibility(ops, scores, lens, causal=causal)
+    visible = visibility(ops, q.shape[1], k.shape[1], lens, causal=causal)
     attn = ops.merge_axes(masked_softmax(ops, scores, visible), 0)  # (B*H, Q, K)
     context = transpose_output(ops, attn @ v, num_heads)
 

@@ -118,9 +118,8 @@ def head_layout(path: Path, batch: int = 2, length: int = 3, num_heads: int = 3)
 def _visible(num_queries: int, num_keys: int, valid_lens, causal: bool = False) -> np.ndarray:
     """``(B, Q, K)`` booleans from :func:`mha_multi.spec.visibility`."""
     batch = 1 if valid_lens is None else len(valid_lens)
-    scores = np.zeros((batch, 1, num_queries, num_keys))
     lens = None if valid_lens is None else np.asarray(valid_lens)
-    visible = spec.visibility(OPS, scores, lens, causal=causal)
+    visible = spec.visibility(OPS, num_queries, num_keys, lens, causal=causal)
     if visible is None:
         return np.ones((batch, num_queries, num_keys), bool)
     return np.broadcast_to(visible, (batch, 1, num_queries, num_keys))[:, 0]

@@ -10,23 +10,25 @@ scores = np.random.default_rng(0).standard_normal((batch, num_heads, num_queries
 query, key = np.indices((num_queries, num_keys))
 
 # 1-D lengths: key j is visible to every query of example b iff j < valid_lens[b].
-visible = visibility(ops, scores, np.array([3, 0]))
+visible = visibility(ops, num_queries, num_keys, np.array([3, 0]))
 assert visible.shape == (batch, 1, 1, num_keys)
 np.testing.assert_array_equal(visible[0, 0, 0], key[0] < 3)
 
 # Float lengths follow the same comparison: 2.5 shows keys 0, 1 and 2.
-np.testing.assert_array_equal(visibility(ops, scores, np.array([2.5, 6.0]))[0, 0, 0], key[0] < 2.5)
+np.testing.assert_array_equal(
+    visibility(ops, num_queries, num_keys, np.array([2.5, 6.0]))[0, 0, 0], key[0] < 2.5
+)
 
 # 2-D lengths: one length per query.
 lens_2d = np.array([[1, 4, 0, 6], [6, 6, 6, 6]])
-visible_2d = visibility(ops, scores, lens_2d)
+visible_2d = visibility(ops, num_queries, num_keys, lens_2d)
 assert visible_2d.shape == (batch, 1, num_queries, num_keys)
 np.testing.assert_array_equal(visible_2d[0, 0], key < lens_2d[0][:, None])
 
 # causal: bottom-right aligned, j <= i + (K - Q); AND-ed with the lengths.
-causal = visibility(ops, scores, None, causal=True)
+causal = visibility(ops, num_queries, num_keys, None, causal=True)
 np.testing.assert_array_equal(causal, key <= query + (num_keys - num_queries))
-both = visibility(ops, scores, np.array([3, 0]), causal=True)
+both = visibility(ops, num_queries, num_keys, np.array([3, 0]), causal=True)
 np.testing.assert_array_equal(both[0, 0], (key < 3) & (key <= query + 2))
 
 # Hidden scores are *replaced* by -1e6: a row with no visible key is uniform.

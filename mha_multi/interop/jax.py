@@ -407,9 +407,7 @@ def attention_mask(
         ``(1, 1, Q, K)`` for ``causal`` alone.
     """
     lens = None if valid_lens is None else np.asarray(valid_lens)
-    # visibility() reads only the sizes of the last two axes.
-    positions = np.broadcast_to(np.zeros((), bool), (num_queries, num_keys))
-    visible = spec.visibility(spec.NumpyOps(), positions, lens, causal=causal)
+    visible = spec.visibility(spec.NumpyOps(), num_queries, num_keys, lens, causal=causal)
     if visible is None:
         return None
     visible = np.asarray(visible)

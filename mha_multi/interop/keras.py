@@ -308,8 +308,7 @@ def attention_mask(
     lens = None if valid_lens is None else np.asarray(valid_lens)
     if lens is not None:
         spec.check_valid_lens_dtype(lens.dtype.kind)
-    positions = np.empty((num_queries, num_keys), dtype=np.bool_)
-    visible = spec.visibility(spec.NumpyOps(), positions, lens, causal=causal)
+    visible = spec.visibility(spec.NumpyOps(), num_queries, num_keys, lens, causal=causal)
     batch = 1 if lens is None else lens.shape[0]
     return np.broadcast_to(visible, (batch, 1, num_queries, num_keys))[:, 0].copy()
 

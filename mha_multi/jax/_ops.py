@@ -88,8 +88,11 @@ class JaxOps:
     def swap_last(self, x: jax.Array) -> jax.Array:
         return jnp.swapaxes(x, -1, -2)
 
-    def arange_like(self, x: jax.Array, axis: int) -> jax.Array:
-        return jnp.arange(x.shape[axis])
+    def size(self, x: jax.Array, axis: int) -> int:
+        return x.shape[axis]
+
+    def arange(self, size: int) -> jax.Array:
+        return jnp.arange(size)
 
     def flip(self, x: jax.Array) -> jax.Array:
         return jnp.flip(x, 0)

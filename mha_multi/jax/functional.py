@@ -13,8 +13,10 @@ on :class:`~mha_multi.jax._ops.JaxOps`; it materialises the weights and is
 the only one that can return them or apply dropout. The fused one is
 :func:`jax.nn.dot_product_attention` with the spec's masking rules translated
 into its arguments and its fully hidden rows given the spec's value; it can
-run when neither the weights nor dropout are needed (see
-:func:`fused_path_exact`). Which kernel runs is ``implementation``:
+run when neither the weights nor dropout are needed, as
+:func:`mha_multi.spec.plan_kernel` decides for every backend (with the
+kernel's facts in :data:`DOT_PRODUCT_ATTENTION`). Which kernel runs is
+``implementation``:
 
 * ``None`` (the default): cuDNN's flash attention for 16-bit inputs on a
   GPU, which never materialises the ``(B, H, Q, K)`` scores; the generic path
@@ -23,7 +25,7 @@ run when neither the weights nor dropout are needed (see
   forward+backward on CPU; see ``python -m mha_multi.bench``), so it is not
   chosen automatically.
 * ``"xla"`` or ``"cudnn"``: that kernel, wherever the fused path is exact
-  (and no axis is empty, see :func:`fused_shapes_supported`).
+  (and no axis is empty).
 * ``"generic"``: always the generic path.
 """
 
@@ -48,8 +50,7 @@ __all__ = [
     "check_call",
     "check_implementation",
     "check_params",
-    "fused_path_exact",
-    "fused_shapes_supported",
+    "fused_dtype_supported",
     "multi_head_attention",
 ]
 
@@ -262,44 +263,21 @@ def check_implementation(implementation: Any) -> None:
         )
 
 
-def fused_path_exact(
-    dtype: DTypeLike,
-    *,
-    return_attention_weights: bool,
-    use_dropout: bool,
-    precision: PrecisionLike = None,
-) -> bool:
-    """Whether :func:`jax.nn.dot_product_attention` can give the spec's result.
+def fused_dtype_supported(dtype: DTypeLike, precision: PrecisionLike = None) -> bool:
+    """Whether :func:`jax.nn.dot_product_attention` serves ``dtype`` and ``precision``.
 
-    It cannot return the attention weights and has no dropout, so either
-    request takes the generic path (unlike PyTorch's fused kernel, which
-    applies dropout itself). Its softmax is float32, so float64 stays on
-    the generic path, and a precision it cannot be given does too.
-
-    Args:
-        dtype: the computation dtype.
-        return_attention_weights: whether the weights are requested.
-        use_dropout: whether dropout is active for this call.
-        precision: the matmul precision of the layer.
+    Its softmax is float32, so float64 stays on the generic path, and a
+    precision it cannot be given does too. (It returns no weights and has no
+    dropout: :func:`mha_multi.spec.plan_kernel` decides those for every
+    backend alike.)
     """
-    if return_attention_weights or use_dropout or np.dtype(dtype).name not in FUSED_DTYPES:
+    if np.dtype(dtype).name not in FUSED_DTYPES:
         return False
     try:
         _precision_setting(precision)
     except ValueError:
         return False
     return True
-
-
-def fused_shapes_supported(batch: int, num_queries: int, num_keys: int) -> bool:
-    """Whether the fused kernels serve these sizes: none of them may be 0.
-
-    With no key the spec's output is a zero context (the bias of the output
-    projection); with no query or no example it is empty. The generic path
-    gives exactly that, while the kernels reshape by inferred sizes, take a
-    softmax over nothing or divide by the key count.
-    """
-    return batch > 0 and num_queries > 0 and num_keys > 0
 
 
 def _platform(x: jax.Array) -> str:
@@ -330,12 +308,15 @@ def _dot_product_attention(
     )
 
 
-class _Positions:
-    """Stands for a ``(Q, K)`` array in :func:`mha_multi.spec.visibility`, which
-    reads nothing but the sizes of the last two axes."""
-
-    def __init__(self, num_queries: int, num_keys: int) -> None:
-        self.shape = (num_queries, num_keys)
+#: JAX's fused kernel: it takes key lengths and a mask with its own causal
+#: flag, and replaces hidden scores (with a large negative number) as the spec
+#: does; it has no dropout.
+DOT_PRODUCT_ATTENTION = spec.FusedKernel(
+    "jax.nn.dot_product_attention",
+    takes_key_lengths=True,
+    mask_and_causal=True,
+    replaces_hidden_scores=True,
+)
 
 
 def _fused_attention(
@@ -343,10 +324,10 @@ def _fused_attention(
     k: jax.Array,
     v: jax.Array,
     valid_lens: jax.Array | None,
+    plan: spec.KernelPlan,
     *,
     num_heads: int,
     head_dim: int,
-    causal: bool,
     precision: PrecisionLike,
     implementation: str,
 ) -> jax.Array:
@@ -356,6 +337,7 @@ def _fused_attention(
         q: projected queries ``(B, Q, num_hiddens)``; ``k``, ``v`` likewise
             with ``K``.
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
+        plan: what :func:`mha_multi.spec.plan_kernel` decided the kernel is given.
         implementation: ``"xla"`` or ``"cudnn"``.
 
     Returns:
@@ -371,20 +353,15 @@ def _fused_attention(
     num_queries, num_keys = q.shape[1], k.shape[1]
     # (B, T, H*dh) -> (B, T, H, dh) is the kernel's layout: no transposes.
     q, k, v = (ops.split_axis(x, 2, (num_heads, head_dim)) for x in (q, k, v))
-    positions = _Positions(num_queries, num_keys)
-    # The kernel's causal flag is top-left aligned, the spec's rule only when Q == K.
-    is_causal = causal and num_queries == num_keys
     seq_lengths = None
-    mask_lens = valid_lens
-    if valid_lens is not None and valid_lens.ndim == 1 and dtype_kind(valid_lens.dtype) in "iu":
+    if plan.key_lengths:
         # j < len for integer j and len is what the kernel's key lengths say.
         # A row with len <= 0 is replaced below; a length of at least 1 keeps
         # the kernel's own row well defined there (a flash kernel may leave a
         # row with no key NaN, and NaN would reach the gradients through the
         # replacement).
         seq_lengths = jnp.clip(valid_lens, 1, num_keys).astype(jnp.int32)
-        mask_lens = None
-    mask = spec.visibility(ops, positions, mask_lens, causal=causal and not is_causal)
+    mask = plan.mask(ops, num_queries, num_keys, valid_lens)
     if implementation == "cudnn" and mask is not None:
         # cuDNN turns the mask into a bias, which must span every query.
         mask = jnp.asarray(mask)
@@ -392,14 +369,9 @@ def _fused_attention(
         mask = jnp.broadcast_to(mask, (mask.shape[0], 1, num_queries, num_keys))
     setting = _precision_setting(precision)
     with contextlib.nullcontext() if setting is None else jax.default_matmul_precision(setting):
-        output = _dot_product_attention(q, k, v, mask, is_causal, seq_lengths, implementation)
-    # Fully hidden rows. With Q <= K the causal rule leaves key 0 visible to
-    # every query, so only lengths <= 0 can hide a whole row.
-    if valid_lens is not None or (causal and num_queries > num_keys):
-        visible = spec.visibility(
-            ops, positions, valid_lens, causal=causal and num_queries > num_keys
-        )
-        output = spec.fix_fully_hidden_rows(ops, output, v, visible, heads_axis=2)
+        output = _dot_product_attention(q, k, v, mask, plan.is_causal, seq_lengths, implementation)
+    visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
+    output = spec.fix_fully_hidden_rows(ops, output, v, visible, heads_axis=2)
     return ops.merge_axes(output, 2).astype(dtype)
 
 
@@ -457,8 +429,7 @@ def multi_head_attention(
             lets the fused path run.
         implementation: ``None`` (choose), ``"generic"``, ``"xla"`` or
             ``"cudnn"`` (see the module notes); a fused kernel runs only
-            where :func:`fused_path_exact` and :func:`fused_shapes_supported`
-            allow, the generic path elsewhere.
+            where :func:`mha_multi.spec.plan_kernel` allows, the generic path elsewhere.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and the
@@ -498,25 +469,26 @@ def multi_head_attention(
     if kernel is None:
         half = np.dtype(dtype).name in FUSED_DTYPES and np.dtype(dtype).itemsize == 2
         kernel = "cudnn" if half and _platform(q) == "gpu" else "generic"
-    if (
-        kernel != "generic"
-        and fused_path_exact(
-            dtype,
-            return_attention_weights=return_attention_weights,
-            use_dropout=use_dropout,
-            precision=precision,
-        )
-        and fused_shapes_supported(q.shape[0], q.shape[1], k.shape[1])
-    ):
+    plan = spec.plan_kernel(
+        DOT_PRODUCT_ATTENTION,
+        sizes=(q.shape[0], q.shape[1], k.shape[1]),
+        lens_ndim=None if lens is None else lens.ndim,
+        lens_integer=lens is None or dtype_kind(lens.dtype) in "iu",
+        causal=causal,
+        dropout=use_dropout,
+        return_attention_weights=return_attention_weights,
+        dtype_supported=kernel != "generic" and fused_dtype_supported(dtype, precision),
+    )
+    if plan.fused:
         try:
             context = _fused_attention(
                 q,
                 k,
                 v,
                 lens,
+                plan,
                 num_heads=num_heads,
                 head_dim=head_dim,
-                causal=causal,
                 precision=precision,
                 implementation=kernel,
             )

@@ -121,22 +121,6 @@ def to_numpy(x: Any) -> np.ndarray:
         return np.array(keras.ops.convert_to_numpy(x), copy=True)
 
 
-class Positions:
-    """Stands for a ``(Q, K)`` scores array in :func:`mha_multi.spec.visibility`.
-
-    ``visibility`` reads only the sizes of the last two axes of its
-    ``scores`` argument; a fused path has no scores array, and materialising
-    one just for its shape would cost ``Q * K`` memory in eager TensorFlow.
-
-    Args:
-        num_queries: ``Q``, a Python int or a scalar tensor (unknown size).
-        num_keys: ``K``, likewise.
-    """
-
-    def __init__(self, num_queries: Any, num_keys: Any) -> None:
-        self.shape = (num_queries, num_keys)
-
-
 class KerasOps:
     """:class:`mha_multi.spec.ArrayOps` on ``keras.ops`` (any Keras backend)."""
 
@@ -173,9 +157,12 @@ class KerasOps:
     def swap_last(self, x: Tensor) -> Tensor:
         return ops.swapaxes(x, -1, -2)
 
-    def arange_like(self, x: Tensor | Positions, axis: int) -> Tensor:
-        shape = x.shape if isinstance(x, Positions) else ops.shape(x)
-        return ops.arange(shape[axis], dtype="int32")
+    def size(self, x: Tensor, axis: int) -> Any:
+        # An int, or a scalar tensor where a traced graph does not know it.
+        return ops.shape(x)[axis]
+
+    def arange(self, size: Any) -> Tensor:
+        return ops.arange(size, dtype="int32")
 
     def flip(self, x: Tensor) -> Tensor:
         return ops.flip(x, axis=0)

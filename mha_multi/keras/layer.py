@@ -17,7 +17,6 @@ import numpy as np
 from mha_multi import spec
 from mha_multi.keras._ops import (
     OPS,
-    Positions,
     dtype_kind,
     index_dtype,
     is_16_bit,
@@ -32,8 +31,7 @@ __all__ = [
     "FUSED_DTYPES",
     "FUSED_SCORE_LIMIT",
     "MultiHeadAttention",
-    "fused_path_exact",
-    "fused_path_taken",
+    "values_exact",
     "get_weights",
     "set_weights",
 ]
@@ -289,13 +287,9 @@ class MultiHeadAttention(keras.layers.Layer):
         self._check_call(queries, keys, values, valid_lens, causal)
         dropout = self._drop if training and self.dropout > 0 else None
         q, k, v = (self._project(x, n) for x, n in ((queries, "q"), (keys, "k"), (values, "v")))
-        if fused_path_taken(
-            dtype=OPS.dtype(q),
-            dropout_active=dropout is not None,
-            return_attention_weights=return_attention_weights,
-            sizes=(q.shape[0], q.shape[1], k.shape[1]),
-        ) and fused_path_exact(q, k, v, self.head_dim):
-            return self._project(self._fused_attention(q, k, v, valid_lens, causal), "o")
+        plan = _plan(q, k, v, valid_lens, self.head_dim, causal, dropout, return_attention_weights)
+        if plan.fused:
+            return self._project(self._fused_attention(q, k, v, valid_lens, plan), "o")
         context, weights = spec.attention(
             OPS,
             q,
@@ -313,13 +307,15 @@ class MultiHeadAttention(keras.layers.Layer):
     def _drop(self, weights: Any) -> Any:
         return self.attention_dropout(weights, training=True)
 
-    def _fused_attention(self, q: Any, k: Any, v: Any, valid_lens: Any, causal: bool) -> Any:
+    def _fused_attention(
+        self, q: Any, k: Any, v: Any, valid_lens: Any, plan: spec.KernelPlan
+    ) -> Any:
         """``keras.ops.dot_product_attention`` with the spec's masking semantics.
 
         Args:
             q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
-            causal: the spec's bottom-right aligned causal mask.
+            plan: what :func:`_plan` decided the kernel is given.
 
         Returns:
             The concatenated heads ``(B, Q, num_hiddens)``.
@@ -335,24 +331,14 @@ class MultiHeadAttention(keras.layers.Layer):
         # (B, T, H*dh) -> (B, T, H, dh): the kernel's layout; head h owns
         # columns [h*dh, (h+1)*dh) exactly as in transpose_qkv.
         q, k, v = (OPS.split_axis(x, 2, (self.num_heads, self.head_dim)) for x in (q, k, v))
-        num_queries, num_keys = q.shape[1], k.shape[1]
-        # The kernels align a causal mask top-left; it is the spec's
-        # bottom-right rule only when Q == K (statically known).
-        is_causal = (
-            causal and valid_lens is None and num_queries is not None and num_queries == num_keys
-        )
-        visible = None
-        if valid_lens is not None or (causal and not is_causal):
-            positions = Positions(keras.ops.shape(q)[1], keras.ops.shape(k)[1])
-            visible = spec.visibility(OPS, positions, valid_lens, causal=causal)
-            if OPS.ndim(visible) == 2:  # (Q, K) -> (1, 1, Q, K) for every kernel
-                visible = OPS.expand_dims(OPS.expand_dims(visible, 0), 0)
+        num_queries, num_keys = OPS.size(q, 1), OPS.size(k, 1)
+        mask = plan.mask(OPS, num_queries, num_keys, valid_lens)
+        if mask is not None and OPS.ndim(mask) == 2:  # (Q, K) -> (1, 1, Q, K) for every kernel
+            mask = OPS.expand_dims(OPS.expand_dims(mask, 0), 0)
         output = keras.ops.dot_product_attention(
-            q, k, v, mask=visible, scale=1.0 / math.sqrt(self.head_dim), is_causal=is_causal
+            q, k, v, mask=mask, scale=1.0 / math.sqrt(self.head_dim), is_causal=plan.is_causal
         )
-        # Values cannot be read inside a compiled graph, so a row that may
-        # see no key is always corrected (a reduction over the mask and a
-        # select: cheap next to the attention itself).
+        visible = plan.fix_visibility(OPS, num_queries, num_keys, valid_lens)
         output = spec.fix_fully_hidden_rows(OPS, output, v, visible, heads_axis=2)
         return keras.ops.cast(OPS.merge_axes(output, 2), dtype)
 
@@ -434,40 +420,46 @@ class MultiHeadAttention(keras.layers.Layer):
         return config
 
 
-def fused_path_taken(
-    *,
-    dtype: str,
-    dropout_active: bool,
+#: Keras' fused kernel: no dropout, no key lengths, and an *added* mask, so it
+#: runs only on values read as exact (:func:`values_exact`).
+DOT_PRODUCT_ATTENTION = spec.FusedKernel("keras.ops.dot_product_attention")
+
+
+def _plan(
+    q: Any,
+    k: Any,
+    v: Any,
+    valid_lens: Any,
+    head_dim: int,
+    causal: bool,
+    dropout: Any,
     return_attention_weights: bool,
-    sizes: tuple[int | None, int | None, int | None] = (1, 1, 1),
-) -> bool:
-    """Whether a call may go through ``keras.ops.dot_product_attention``.
+) -> spec.KernelPlan:
+    """The kernel plan of a call, by :func:`mha_multi.spec.plan_kernel`.
 
-    What is known before any value is read: the kernel returns no weights
-    and has no dropout, so calls that want either take the generic path. So
-    do dtypes the kernels are not made for (see :data:`FUSED_DTYPES`), and
-    empty axes (the kernels reshape by inferred sizes and divide by the key
-    count; the spec's zero context for ``K = 0`` is the generic path's). The
-    values decide the rest (:func:`fused_path_exact`).
-
-    Args:
-        dtype: the compute dtype of the projections.
-        dropout_active: whether attention dropout applies to this call.
-        return_attention_weights: whether the call returns the weights.
-        sizes: ``(B, Q, K)``; ``None`` where unknown (traced graphs).
-
-    Returns:
-        ``True`` where the fused path may be taken.
+    The backend and dtype decide first (:data:`FUSED_BACKENDS`,
+    :data:`FUSED_DTYPES`); the values are read only where they can still
+    change the decision.
     """
     backend = keras.backend.backend()
-    if backend not in FUSED_BACKENDS or dropout_active or return_attention_weights:
-        return False
-    if any(size is None or size == 0 for size in sizes):
-        return False
-    return dtype in FUSED_DTYPES.get(backend, ())
+    facts = {
+        "sizes": (q.shape[0], q.shape[1], k.shape[1]),
+        "lens_ndim": None if valid_lens is None else len(valid_lens.shape),
+        "lens_integer": valid_lens is None or dtype_kind(valid_lens.dtype) in "iu",
+        "causal": causal,
+        "dropout": dropout is not None,
+        "return_attention_weights": return_attention_weights,
+        "dtype_supported": OPS.dtype(q) in FUSED_DTYPES.get(backend, ())
+        and backend in FUSED_BACKENDS,
+    }
+    optimistic = spec.plan_kernel(DOT_PRODUCT_ATTENTION, **facts, values_exact=True)
+    if not optimistic.fused:
+        return optimistic
+    exact = values_exact(q, k, v, head_dim)
+    return spec.plan_kernel(DOT_PRODUCT_ATTENTION, **facts, values_exact=exact)
 
 
-def fused_path_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool:
+def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:
     """Whether the fused kernel gives the spec's numbers for these values.
 
     The kernels differ from the spec where values are extreme: PyTorch's
@@ -479,19 +471,18 @@ def fused_path_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool:
     few reductions over ``(B, T, D)`` and one read of a boolean: nothing
     next to the ``(B, H, Q, K)`` attention.
 
-    Values cannot be read in a traced graph (``tf.function``, ``jax.jit``,
-    ``torch.compile``), where a branch on them is impossible; there the
-    generic path, exact for every value, is taken.
-
     Args:
         q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
         head_dim: the size of each head.
 
     Returns:
-        ``True`` where the fused path is exact for these values.
+        ``True`` where the fused path is exact for these values, ``None``
+        where they cannot be read (a traced graph: ``tf.function``,
+        ``jax.jit``, ``torch.compile``; there the generic path, exact for
+        every value, is taken).
     """
     if not values_readable(q):
-        return False
+        return None
     ops = keras.ops
     finite = [ops.all(ops.isfinite(x)) for x in (q, k, v)]
     largest_q, largest_k = (ops.max(ops.abs(ops.cast(x, "float32")), initial=0.0) for x in (q, k))

@@ -32,6 +32,7 @@ themselves is worked around here:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mxnet as mx
@@ -105,10 +106,16 @@ class MXNetOps:
         product = self._np.matmul(_to(a, a_dtype, np.float32), _to(b, b_dtype, np.float32))
         return _to(product, np.dtype(np.float32), result)
 
-    def arange_like(self, x: Array, axis: int) -> Array:
+    def size(self, x: Array, axis: int) -> _Size:
+        # Symbols have no shape: a size is the axis of an array, counted by
+        # arange_like in the graph.
+        return _Size(x, axis)
+
+    def arange(self, size: _Size) -> Array:
+        x = size.array
         if self.itemsize(self.dtype(x)) < 4:
-            x = x.astype(np.float32)
-        return self._npx.arange_like(x, axis=axis).astype(np.int32)
+            x = x.astype(np.float32)  # float16 cannot count past 2048
+        return self._npx.arange_like(x, axis=size.axis).astype(np.int32)
 
     def less(self, a: Array, b: Array) -> Array:
         return self._np.less(a, b)
@@ -174,6 +181,14 @@ class MXNetOps:
         if shape is None:
             raise ValueError(f"cannot infer the rank of {x.name!r} from {self._input_shapes}")
         return len(shape)
+
+
+@dataclass(frozen=True)
+class _Size:
+    """The size of ``axis`` of ``array`` (an array or a symbol)."""
+
+    array: Array
+    axis: int
 
 
 def _to(x: Array, dtype: np.dtype, target: Any) -> Array:

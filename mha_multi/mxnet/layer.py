@@ -57,7 +57,7 @@ class _Config:
     lens_dtype: str | None
     causal: bool
     return_attention_weights: bool
-    fused: bool  # the SequenceMask route (no weights returned) instead of spec.attention
+    plan: spec.KernelPlan  # the SequenceMask route, or spec.attention where not fused
 
 
 class _Graphs:
@@ -142,7 +142,7 @@ class _AttentionGraph(gluon.HybridBlock):
             return F.npx.dropout(weights, p=self._dropout)
 
         q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
-        if self._config.fused:
+        if self._config.plan.fused:
             context = self._fused_attention(F, ops, q, k, v, valid_lens)
             return project(context, "o")
         context, weights = spec.attention(
@@ -193,14 +193,16 @@ class _AttentionGraph(gluon.HybridBlock):
         q, k, v = (spec.transpose_qkv(ops, x, num_heads) for x in (q, k, v))  # (B*H, T, dh)
         scores = F.npx.batch_dot(q, k, transpose_b=True)  # (B*H, Q, K)
         split_scores = ops.split_axis(scores, 0, (-1, num_heads))  # (B, H, Q, K), a view
-        visible = spec.visibility(ops, split_scores, valid_lens, causal=self._config.causal)
-        if visible is not None:
+        mask = self._config.plan.mask(
+            ops, ops.size(split_scores, 2), ops.size(split_scores, 3), valid_lens
+        )
+        if mask is not None:
             # Visible keys form a prefix of each row (lengths and the causal
             # rule hide suffixes, and so does their AND), so the number of
             # visible keys is a SequenceMask length, and SequenceMask
             # *replaces* the rest by the spec's MASK_VALUE: fully hidden rows
             # get uniform weights and hidden scores no gradient, as in the spec.
-            counts = F.np.sum(visible.astype(np.int32), axis=-1)  # (B, 1, 1|Q) or (Q,)
+            counts = F.np.sum(mask.astype(np.int32), axis=-1)  # (B, 1, 1|Q) or (Q,)
             rows = F.np.zeros_like(split_scores[:, :, :, 0], dtype=np.int32)  # (B, H, Q)
             lengths = F.npx.reshape(rows + counts, (-1,))  # (B*H*Q,)
             masked = F.npx.sequence_mask(
@@ -218,6 +220,19 @@ class _AttentionGraph(gluon.HybridBlock):
             weights = F.npx.dropout(weights, p=self._dropout)
         context = self._batch_dot(F, weights, v)  # (B*H, Q, dh)
         return spec.transpose_output(ops, context, num_heads)
+
+
+#: The fast route's kernel: SequenceMask *replaces* hidden scores by the
+#: spec's MASK_VALUE, so fully hidden rows get uniform weights, non-finite
+#: hidden scores do not reach the weights, and dropout on the weights is the
+#: generic path's; it has no causal flag (the rule goes into the mask).
+SEQUENCE_MASK = spec.FusedKernel(
+    "npx.sequence_mask",
+    takes_dropout=True,
+    causal_flag=False,
+    replaces_hidden_scores=True,
+    hidden_rows_uniform=True,
+)
 
 
 class MultiHeadAttention(gluon.HybridBlock):
@@ -427,7 +442,14 @@ class MultiHeadAttention(gluon.HybridBlock):
             lens_dtype=None if lens is None else np.dtype(lens.dtype).name,
             causal=bool(causal),
             return_attention_weights=bool(return_attention_weights),
-            fused=not return_attention_weights,
+            plan=spec.plan_kernel(
+                SEQUENCE_MASK,
+                sizes=(queries.shape[0], queries.shape[1], keys.shape[1]),
+                lens_ndim=None if lens is None else lens.ndim,
+                causal=bool(causal),
+                dropout=self.dropout > 0,
+                return_attention_weights=bool(return_attention_weights),
+            ),
         )
         inputs = (queries, keys, values) if lens is None else (queries, keys, values, lens)
         graph = self._graph(config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +50,14 @@ def dtype_kind(dtype: torch.dtype) -> str:
 
 
 class TorchOps:
-    """:class:`mha_multi.spec.ArrayOps` on ``torch.Tensor``."""
+    """:class:`mha_multi.spec.ArrayOps` on ``torch.Tensor``.
+
+    Args:
+        device: where :meth:`arange` puts the positions of a mask.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
 
     def split_axis(self, x: torch.Tensor, axis: int, sizes: tuple[int, int]) -> torch.Tensor:
         # unflatten cannot infer -1 when the tensor has no elements.
@@ -77,8 +85,11 @@ class TorchOps:
     def swap_last(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(-1, -2)
 
-    def arange_like(self, x: torch.Tensor, axis: int) -> torch.Tensor:
-        return torch.arange(x.shape[axis], device=x.device)
+    def size(self, x: torch.Tensor, axis: int) -> int:
+        return x.shape[axis]
+
+    def arange(self, size: int) -> torch.Tensor:
+        return torch.arange(size, device=self.device)
 
     def flip(self, x: torch.Tensor) -> torch.Tensor:
         return torch.flip(x, (0,))
@@ -129,3 +140,9 @@ class TorchOps:
 
 
 OPS = TorchOps()
+
+
+@functools.cache
+def ops_on(device: torch.device) -> TorchOps:
+    """The adapter whose masks live on ``device``."""
+    return TorchOps(device)

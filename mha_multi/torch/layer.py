@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,11 +11,11 @@ from torch import nn
 
 from mha_multi import spec
 from mha_multi.torch._ops import (
-    OPS,
     SIXTEEN_BIT,
     accumulates_in_float32,
     autocast_off,
     dtype_kind,
+    ops_on,
 )
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
@@ -200,13 +200,12 @@ class MultiHeadAttention(nn.Module):
         )
         q, k, v = self._project(queries, keys, values)
         dropout_p = self.dropout.p if self.training else 0.0
-        if not return_attention_weights:
-            choice = _choose_kernel(q, k, v, valid_lens, causal, dropout_p)
-            if choice.fused:
-                context = self._fused_attention(q, k, v, valid_lens, choice, causal, dropout_p)
-                return _project_with(self.W_o, context)
+        plan = _plan(q, k, v, valid_lens, causal, dropout_p, return_attention_weights)
+        if plan.fused:
+            context = self._fused_attention(q, k, v, valid_lens, plan, dropout_p)
+            return _project_with(self.W_o, context)
         context, weights = spec.attention(
-            OPS,
+            ops_on(q.device),
             q,
             k,
             v,
@@ -253,8 +252,7 @@ class MultiHeadAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         valid_lens: torch.Tensor | None,
-        choice: _KernelChoice,
-        causal: bool,
+        plan: spec.KernelPlan,
         dropout_p: float,
     ) -> torch.Tensor:
         """``scaled_dot_product_attention`` with the spec's masking semantics.
@@ -262,14 +260,14 @@ class MultiHeadAttention(nn.Module):
         Args:
             q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
             valid_lens: the lengths, as :func:`_as_lens` returned them.
-            choice: what :func:`_choose_kernel` read from the values.
-            causal: the causal flag.
+            plan: what :func:`_plan` decided the kernel is given.
             dropout_p: dropout rate on the weights (0 in eval mode).
 
         Returns:
             The concatenated heads ``(B, Q, num_hiddens)``.
         """
         num_queries, num_keys = q.shape[1], k.shape[1]
+        ops = ops_on(q.device)
         dtype = v.dtype
         if dtype in SIXTEEN_BIT and not accumulates_in_float32(q.device):
             # CPU kernels may sum 16-bit products in 16 bits: float32 copies,
@@ -279,80 +277,64 @@ class MultiHeadAttention(nn.Module):
         q, k, v = (
             x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for x in (q, k, v)
         )
-        # Lengths that hide nothing need no mask, which lets flash kernels
-        # run; lengths > 0 leave no row fully hidden, so no correction. NaN
-        # hides every key (j < NaN is false), hence "not > 0".
-        shortest = choice.shortest_length
-        may_hide_rows = shortest is not None and not shortest > 0
-        if shortest is not None and shortest >= num_keys:
-            valid_lens = None
-        # A branch, not an expression: under dynamic shapes the comparison is
-        # symbolic, and SDPA takes a plain bool.
-        is_causal = False
-        if causal and valid_lens is None and num_queries == num_keys:
-            is_causal = True
-        visible = None
-        if valid_lens is not None or (causal and not is_causal):
-            # visibility() only reads the sizes of the last two axes.
-            positions = q.new_empty(()).expand(num_queries, num_keys)
-            visible = spec.visibility(OPS, positions, valid_lens, causal=causal)
+        mask = plan.mask(ops, num_queries, num_keys, valid_lens)
         with autocast_off(q.device):
             output = nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=visible, dropout_p=dropout_p, is_causal=is_causal
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=plan.is_causal
             )
-        if may_hide_rows or (causal and num_queries > num_keys):
-            output = spec.fix_fully_hidden_rows(OPS, output, v, visible, heads_axis=1)
+        visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
+        output = spec.fix_fully_hidden_rows(ops, output, v, visible, heads_axis=1)
         return output.transpose(1, 2).flatten(2).to(dtype)
 
 
-class _KernelChoice(NamedTuple):
-    """Which attention kernel a call runs, and what was read to decide."""
-
-    fused: bool
-    """``scaled_dot_product_attention`` (else the spec's generic path)."""
-    shortest_length: float | None = None
-    """The shortest of the lengths (NaN if any is NaN); ``None`` without lengths."""
+#: PyTorch's fused kernel: it applies dropout itself and adds ``-inf`` where
+#: keys are hidden, so it runs only on values read as finite.
+SDPA = spec.FusedKernel("scaled_dot_product_attention", takes_dropout=True)
 
 
-def _choose_kernel(
+def _plan(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     valid_lens: torch.Tensor | None,
     causal: bool,
     dropout_p: float,
-) -> _KernelChoice:
-    """The kernel choice: SDPA only where it gives the spec's numbers.
+    return_attention_weights: bool,
+) -> spec.KernelPlan:
+    """The kernel plan of a call: SDPA only where it gives the spec's numbers.
 
-    - Empty axes (``B``, ``Q`` or ``K`` = 0) run the generic path, which
-      defines them (``K = 0`` gives a zero context); SDPA and ``min`` do not.
-    - Non-finite projections run the generic path: SDPA's CPU kernel turns a
-      NaN query row into zeros, and its ``-inf`` mask is *added*, so a
-      non-finite score of a hidden key still reaches the weights, where the
-      spec replaces it. The check is O(N * d), next to O(N^2 * d) attention.
-    - Under ``torch.compile`` values cannot be branched on, so the compiled
-      graph runs the generic path, which is exact for any values (and whose
-      masking and softmax the compiler fuses).
-    - With dropout, a fully hidden row would need dropout on its uniform
-      weights, which the correction does not draw; so dropout takes the
-      fused path only when no row can be fully hidden (no lengths, and no
-      causal mask with more queries than keys).
-
-    Outside compilation the values are read with one synchronisation.
+    What :func:`mha_multi.spec.plan_kernel` needs from the values is read
+    here, with one synchronisation: whether every projection is finite
+    (SDPA's CPU kernel turns a NaN query row into zeros, and its added
+    ``-inf`` mask lets a hidden key's non-finite score reach the weights;
+    the check is O(N * d), next to O(N^2 * d) attention) and the shortest
+    length (lengths that hide nothing need no mask, which lets flash kernels
+    run; lengths > 0 leave no row fully hidden). Under ``torch.compile``
+    values cannot be branched on, so the compiled graph runs the generic
+    path, which is exact for any values (and whose masking and softmax the
+    compiler fuses).
     """
-    num_queries, num_keys = q.shape[1], k.shape[1]
-    if q.shape[0] == 0 or num_queries == 0 or num_keys == 0:
-        return _KernelChoice(fused=False)
+    sizes = (q.shape[0], q.shape[1], k.shape[1])
+    facts = {
+        "sizes": sizes,
+        "lens_ndim": None if valid_lens is None else valid_lens.dim(),
+        "lens_integer": valid_lens is None or not valid_lens.is_floating_point(),
+        "causal": causal,
+        "dropout": dropout_p > 0,
+        "return_attention_weights": return_attention_weights,
+    }
     if torch.compiler.is_compiling():
-        return _KernelChoice(fused=False)
-    if dropout_p > 0 and (valid_lens is not None or (causal and num_queries > num_keys)):
-        return _KernelChoice(fused=False)
+        return spec.plan_kernel(SDPA, **facts, values_exact=None)
+    # Values are read only where they can still change the decision.
+    optimistic = spec.plan_kernel(SDPA, **facts, values_exact=True)
+    if not optimistic.fused:
+        return optimistic
     finite = torch.stack([torch.isfinite(x).all() for x in (q, k, v)]).all()
     if valid_lens is None:
-        return _KernelChoice(fused=bool(finite.item()))
+        return spec.plan_kernel(SDPA, **facts, values_exact=bool(finite.item()))
     # float64 keeps the order of every length (int64 ones round monotonically).
-    facts = torch.stack([finite.double(), valid_lens.min().double()]).tolist()
-    return _KernelChoice(fused=bool(facts[0]), shortest_length=facts[1])
+    read = torch.stack([finite.double(), valid_lens.min().double()]).tolist()
+    return spec.plan_kernel(SDPA, **facts, values_exact=bool(read[0]), shortest_length=read[1])
 
 
 def _as_lens(valid_lens: Any, device: torch.device) -> torch.Tensor | None:

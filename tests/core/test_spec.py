@@ -116,15 +116,13 @@ def test_hand_computed_masks():
 
 
 def test_float_lengths_are_compared_not_rounded():
-    scores = np.zeros((2, 1, 1, 4))
-    visible = spec.visibility(OPS, scores, np.array([2.5, 0.5], np.float32))
+    visible = spec.visibility(OPS, 1, 4, np.array([2.5, 0.5], np.float32))
     np.testing.assert_array_equal(visible[:, 0, 0], [[1, 1, 1, 0], [1, 0, 0, 0]])
 
 
 def test_sixteen_bit_lengths_are_compared_in_float32():
     # float16 holds 2050 exactly but not every position below it (2049).
-    scores = np.zeros((1, 1, 1, 2100))
-    visible = spec.visibility(OPS, scores, np.array([2050], np.float16))
+    visible = spec.visibility(OPS, 1, 2100, np.array([2050], np.float16))
     assert visible.sum() == 2050
 
 
@@ -226,7 +224,7 @@ def test_fix_fully_hidden_rows_gives_the_spec_result():
     q, k, v = (rng.standard_normal((2, 3, 4, 5)) for _ in range(3))  # (B, H, T, dh)
     lens = np.array([0, 2])
     scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(5)
-    visible = spec.visibility(OPS, scores, lens)
+    visible = spec.visibility(OPS, 4, 4, lens)
     masked = np.where(visible, scores, -np.inf)
     with np.errstate(invalid="ignore"):
         weights = np.exp(masked - masked.max(-1, keepdims=True))
@@ -238,7 +236,7 @@ def test_fix_fully_hidden_rows_gives_the_spec_result():
         OPS, fused.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), visible, heads_axis=2
     )
     np.testing.assert_allclose(heads_last, expected.transpose(0, 2, 1, 3), atol=1e-12)
-    causal = spec.visibility(OPS, np.zeros((4, 2)), None, causal=True)  # Q=4 > K=2
+    causal = spec.visibility(OPS, 4, 2, None, causal=True)  # Q=4 > K=2
     fused_causal = np.zeros((1, 1, 4, 5))
     fixed = spec.fix_fully_hidden_rows(OPS, fused_causal, v[:1, :1, :2], causal, heads_axis=1)
     np.testing.assert_allclose(fixed[0, 0, :2], np.broadcast_to(v[0, 0, :2].mean(0), (2, 5)))
@@ -346,6 +344,152 @@ def test_integer_lengths_are_clipped_not_wrapped():
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16])
 def test_narrow_integer_lengths_compare_without_wrapping(dtype):
-    scores = np.zeros((1, 1, 1, 200))
-    visible = spec.visibility(OPS, scores, np.array([100, 127], dtype))
+    visible = spec.visibility(OPS, 1, 200, np.array([100, 127], dtype))
     np.testing.assert_array_equal(visible.sum(axis=-1).ravel(), [100, 127])
+
+
+# -- the kernel plan ---------------------------------------------------------
+
+SDPA_LIKE = spec.FusedKernel("adds -inf, takes dropout", takes_dropout=True)
+XLA_LIKE = spec.FusedKernel(
+    "replaces, key lengths, mask with causal",
+    takes_key_lengths=True,
+    mask_and_causal=True,
+    replaces_hidden_scores=True,
+)
+MASK_ONLY = spec.FusedKernel(
+    "replaces by MASK_VALUE, no causal flag",
+    takes_dropout=True,
+    causal_flag=False,
+    replaces_hidden_scores=True,
+    hidden_rows_uniform=True,
+)
+
+
+# (kernel, facts, expected (is_causal, key_lengths, mask_lens, mask_causal, fix_rows, fix_causal)),
+# each worked out from the rules on the "Fast paths" page.
+PLANS = {
+    "no lengths": (SDPA_LIKE, {}, (False, False, False, False, False, False)),
+    "causal, Q == K: the kernel's flag": (
+        SDPA_LIKE,
+        {"causal": True},
+        (True, False, False, False, False, False),
+    ),
+    "causal, Q < K: bottom-right needs the mask": (
+        SDPA_LIKE,
+        {"causal": True, "sizes": (2, 3, 5)},
+        (False, False, False, True, False, False),
+    ),
+    "causal, Q > K: whole rows hidden": (
+        SDPA_LIKE,
+        {"causal": True, "sizes": (2, 5, 3)},
+        (False, False, False, True, True, True),
+    ),
+    "lengths into the mask, rows may be hidden": (
+        SDPA_LIKE,
+        {"lens_ndim": 1},
+        (False, False, True, False, True, False),
+    ),
+    "lengths read as > 0 hide no row": (
+        SDPA_LIKE,
+        {"lens_ndim": 1, "shortest_length": 1.0},
+        (False, False, True, False, False, False),
+    ),
+    "lengths read as >= K hide nothing": (
+        SDPA_LIKE,
+        {"lens_ndim": 2, "shortest_length": 4.0, "causal": True},
+        (True, False, False, False, False, False),
+    ),
+    "NaN lengths hide every key": (
+        SDPA_LIKE,
+        {"lens_ndim": 1, "shortest_length": float("nan")},
+        (False, False, True, False, True, False),
+    ),
+    "lengths with causal: no flag beside a mask": (
+        SDPA_LIKE,
+        {"lens_ndim": 1, "causal": True},
+        (False, False, True, True, True, False),
+    ),
+    "integer lengths as key lengths, causal flag beside them": (
+        XLA_LIKE,
+        {"lens_ndim": 1, "causal": True},
+        (True, True, False, False, True, False),
+    ),
+    "float lengths into the mask": (
+        XLA_LIKE,
+        {"lens_ndim": 1, "lens_integer": False},
+        (False, False, True, False, True, False),
+    ),
+    "2-D lengths into the mask, with the flag": (
+        XLA_LIKE,
+        {"lens_ndim": 2, "causal": True},
+        (True, False, True, False, True, False),
+    ),
+    "no causal flag: the rule goes into the mask": (
+        MASK_ONLY,
+        {"lens_ndim": 1, "causal": True},
+        (False, False, True, True, False, False),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_kernel_plan(name):
+    kernel, facts, expected = PLANS[name]
+    facts = {"sizes": (2, 4, 4), "lens_ndim": None, **facts}
+    plan = spec.plan_kernel(kernel, **facts, values_exact=True)
+    assert plan.fused, plan.reason
+    got = (
+        plan.is_causal,
+        plan.key_lengths,
+        plan.mask_lens,
+        plan.mask_causal,
+        plan.fix_rows,
+        plan.fix_causal,
+    )
+    assert got == expected
+
+
+GENERIC = {
+    "weights requested": (SDPA_LIKE, {"return_attention_weights": True}),
+    "dtype not served": (SDPA_LIKE, {"dtype_supported": False}),
+    "empty batch": (SDPA_LIKE, {"sizes": (0, 4, 4)}),
+    "no keys": (XLA_LIKE, {"sizes": (2, 4, 0)}),
+    "sizes unknown": (XLA_LIKE, {"sizes": (2, None, 4)}),
+    "values unreadable, added mask": (SDPA_LIKE, {"values_exact": None}),
+    "values not finite, added mask": (SDPA_LIKE, {"values_exact": False}),
+    "dropout, no dropout in the kernel": (XLA_LIKE, {"dropout": True}),
+    "dropout, rows may be hidden": (SDPA_LIKE, {"dropout": True, "lens_ndim": 1}),
+    "dropout, causal Q > K": (SDPA_LIKE, {"dropout": True, "causal": True, "sizes": (2, 5, 3)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GENERIC))
+def test_kernel_plan_generic(name):
+    kernel, facts = GENERIC[name]
+    facts = {"sizes": (2, 4, 4), "lens_ndim": None, "values_exact": True, **facts}
+    plan = spec.plan_kernel(kernel, **facts)
+    assert not plan.fused and plan.reason
+
+
+def test_kernel_plan_fused_where_values_do_not_matter():
+    # A kernel that replaces hidden scores needs no read of the values;
+    # dropout with lengths that may hide rows is exact where rows come out uniform.
+    assert spec.plan_kernel(XLA_LIKE, sizes=(1, 2, 2), lens_ndim=None, values_exact=None).fused
+    plan = spec.plan_kernel(MASK_ONLY, sizes=(1, 2, 2), lens_ndim=1, dropout=True)
+    assert plan.fused and not plan.fix_rows
+
+
+def test_kernel_plan_masks_are_the_spec_visibility():
+    lens = np.array([3, 0])
+    plan = spec.plan_kernel(SDPA_LIKE, sizes=(2, 4, 3), lens_ndim=1, causal=True, values_exact=True)
+    mask = plan.mask(OPS, 4, 3, lens)
+    np.testing.assert_array_equal(mask, spec.visibility(OPS, 4, 3, lens, causal=True))
+    fix = plan.fix_visibility(OPS, 4, 3, lens)
+    np.testing.assert_array_equal(fix, mask)
+    no_causal_rows = spec.plan_kernel(
+        SDPA_LIKE, sizes=(2, 3, 4), lens_ndim=1, causal=True, values_exact=True
+    )
+    np.testing.assert_array_equal(
+        no_causal_rows.fix_visibility(OPS, 3, 4, lens), spec.visibility(OPS, 3, 4, lens)
+    )

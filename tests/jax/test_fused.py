@@ -19,7 +19,7 @@ from jax import lax
 from conftest import gpu_required
 from mha_multi import spec
 from mha_multi.jax import MultiHeadAttention, linen, multi_head_attention, set_weights
-from mha_multi.jax.functional import fused_path_exact, fused_shapes_supported
+from mha_multi.jax.functional import fused_dtype_supported
 from mha_multi.parity.cases import CASES, build_case
 from mha_multi.parity.runners.jax import JaxNNXRunner
 from mha_multi.weights import init_weights
@@ -264,14 +264,12 @@ def _equations(jaxpr):
             yield from _equations(sub)
 
 
-def test_which_calls_the_fused_path_serves():
-    exact = functools.partial(fused_path_exact, return_attention_weights=False, use_dropout=False)
-    assert exact(jnp.float32) and exact(jnp.bfloat16) and exact(jnp.float16)
-    assert exact(jnp.float32, precision=lax.DotAlgorithmPreset.F32_F32_F32)
-    assert not exact(jnp.float64)
-    assert not exact(jnp.float32, precision=(lax.Precision.DEFAULT, lax.Precision.HIGHEST))
-    assert not fused_path_exact(jnp.float32, return_attention_weights=True, use_dropout=False)
-    assert not fused_path_exact(jnp.float32, return_attention_weights=False, use_dropout=True)
+def test_which_dtypes_and_precisions_the_fused_path_serves():
+    served = fused_dtype_supported
+    assert served(jnp.float32) and served(jnp.bfloat16) and served(jnp.float16)
+    assert served(jnp.float32, precision=lax.DotAlgorithmPreset.F32_F32_F32)
+    assert not served(jnp.float64)
+    assert not served(jnp.float32, precision=(lax.Precision.DEFAULT, lax.Precision.HIGHEST))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
@@ -439,4 +437,3 @@ def test_xla_layer_with_empty_axes_takes_the_generic_path(
 ):
     edges.test_empty_axes(xla_runner, shape, lens_kind)
     assert len(kernel_calls) == 1  # only the closing call on full shapes is fused
-    assert not fused_shapes_supported(*edges.EMPTY_SHAPES[shape])

@@ -318,9 +318,9 @@ def test_scores_below_the_mask_value_take_the_generic_path(kernel_calls):
     ("scale", "exact"),
     [(1.0, True), (1e30, False), (np.nan, False), (np.inf, False)],
 )
-def test_fused_path_exact_reads_the_values(scale, exact):
+def test_values_exact_reads_the_values(scale, exact):
     q, k, v = (keras.ops.full((2, 3, 8), value) for value in (scale, 1.0, 1.0))
-    assert layer_module.fused_path_exact(q, k, v, 4) is exact
+    assert layer_module.values_exact(q, k, v, 4) is exact
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch.no_grad is PyTorch's")

@@ -203,10 +203,13 @@ def test_adapter_fixes_fully_hidden_rows_like_numpy():
     valid_lens = np.array([[0, 2, 6, -1], [1, 0, 3, 9]])
     numpy_ops = spec.NumpyOps()
     scores = np.zeros((2, 3, 4, 6))
-    visible = spec.visibility(numpy_ops, scores, valid_lens, causal=True)
+    visible = spec.visibility(numpy_ops, 4, 6, valid_lens, causal=True)
     expected = spec.fix_fully_hidden_rows(numpy_ops, output, values, visible, heads_axis=1)
     ops = MXNetOps(mx.nd)
-    got_visible = spec.visibility(ops, mx.np.array(scores), mx.np.array(valid_lens), causal=True)
+    scores = mx.np.array(scores)
+    got_visible = spec.visibility(
+        ops, ops.size(scores, 2), ops.size(scores, 3), mx.np.array(valid_lens), causal=True
+    )
     got = spec.fix_fully_hidden_rows(
         ops, mx.np.array(output), mx.np.array(values), got_visible, heads_axis=1
     )
