@@ -29,11 +29,7 @@ def workflow_output(runner: Runner, case: Case, weights_file: Path) -> np.ndarra
 
     Returns the float32 CPU output on the case's inputs.
     """
-    config = case.config
-    layer = runner.make_layer(
-        config.num_hiddens, config.num_heads, bias=config.bias, **config.sizes()
-    )
-    layer = runner.set_weights(layer, load_weights(weights_file))
+    layer = runner.layer_for(case, weights=load_weights(weights_file))
     inputs = case.inputs
     return runner.call(
         layer,
@@ -41,7 +37,7 @@ def workflow_output(runner: Runner, case: Case, weights_file: Path) -> np.ndarra
         inputs["keys"],
         inputs["values"],
         case.valid_lens,
-        causal=config.causal,
+        causal=case.config.causal,
     )
 
 

@@ -9,15 +9,25 @@ line to :data:`RUNNERS`.
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from mha_multi import spec
 from mha_multi.parity.cases import Case
 
-__all__ = ["DEVICES", "DTYPES", "RUNNERS", "Runner", "get_runner", "runner_names"]
+__all__ = [
+    "DEVICES",
+    "DTYPES",
+    "RUNNERS",
+    "KernelCall",
+    "Runner",
+    "get_runner",
+    "runner_names",
+]
 
 #: Runner name -> "module:Class". Importing the module imports the framework.
 RUNNERS: dict[str, str] = {
@@ -33,6 +43,19 @@ RUNNERS: dict[str, str] = {
 
 DEVICES = ("cpu", "gpu")
 DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+class KernelCall(NamedTuple):
+    """What one call of a backend's fused kernel was given."""
+
+    mask: bool
+    """Whether a boolean mask was passed."""
+    is_causal: bool
+    """The kernel's own causal flag."""
+    key_lengths: np.ndarray | None = None
+    """Per-example key lengths, where the kernel takes them."""
+    dropout: float = 0.0
+    """The kernel's dropout rate."""
 
 
 def runner_names() -> list[str]:
@@ -51,8 +74,10 @@ def get_runner(name: str) -> Runner:
 class Runner(abc.ABC):
     """Drives one backend's layer from numpy.
 
-    Subclasses implement the conversions and the framework-specific calls;
-    :meth:`run` is the same for all of them.
+    Subclasses supply the framework's facts (conversions, devices, layer
+    construction, one forward call and one vector-Jacobian product, through
+    the framework's ``_backend`` module); :meth:`call`, :meth:`gradients`
+    and :meth:`run` are written here once.
     """
 
     #: Name in :data:`RUNNERS` and in reports.
@@ -106,7 +131,67 @@ class Runner(abc.ABC):
         """The backend's ``get_weights``."""
         return importlib.import_module(self.package).get_weights(layer)
 
-    @abc.abstractmethod
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """A framework array (bfloat16 included) as float64 numpy, on the host."""
+        raise NotImplementedError
+
+    def native_lens(self, valid_lens: Any, device: str = "cpu") -> Any:
+        """``valid_lens`` as the framework's array on ``device``, keeping its dtype.
+
+        Anything that is not a numeric numpy array is passed as it is, so
+        that the layer's own checks answer.
+        """
+        return valid_lens
+
+    def forward(
+        self,
+        layer: Any,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any,
+        *,
+        training: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Calls the layer on framework arrays; ``kwargs`` are the layer's
+        (``causal``, ``return_attention_weights``). Returns framework arrays."""
+        raise NotImplementedError
+
+    def vjp(
+        self,
+        layer: Any,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any,
+        *,
+        causal: bool,
+        output_gradient: Any,
+    ) -> Mapping[str, Any]:
+        """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
+
+        Keyed ``queries``, ``keys``, ``values`` and the canonical weight names,
+        in the canonical orientation, as framework arrays.
+        """
+        raise NotImplementedError
+
+    def kernel_spy(self) -> contextlib.AbstractContextManager[list[KernelCall]]:
+        """Records every call of the backend's fused kernel while active.
+
+        Backends with no fused kernel record nothing: the list stays empty.
+        """
+        return contextlib.nullcontext([])
+
+    #: The fused kernel a default call may plan for (docs: "Fast paths");
+    #: ``None`` where the default call always takes the generic path.
+    fused_kernel: ClassVar[spec.FusedKernel | None] = None
+    #: Whether the backend reads the shortest length before it plans (so
+    #: lengths that hide nothing need no mask).
+    reads_shortest_length: ClassVar[bool] = False
+
+    # -- written once -------------------------------------------------------
+
     def call(
         self,
         layer: Any,
@@ -115,19 +200,25 @@ class Runner(abc.ABC):
         values: np.ndarray,
         valid_lens: np.ndarray | None = None,
         *,
-        causal: bool = False,
-        return_attention_weights: bool = False,
         training: bool = False,
         device: str = "cpu",
         dtype: str = "float32",
-    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        **kwargs: Any,
+    ) -> np.ndarray | tuple[np.ndarray, ...]:
         """Calls the layer on numpy inputs converted to ``dtype`` on ``device``.
 
         Numeric ``valid_lens`` keep their dtype; anything else is passed as
-        it is, so that the layer's own checks answer. Returns float64 numpy.
+        it is, so that the layer's own checks answer. ``kwargs`` are the
+        layer's (``causal``, ``return_attention_weights``). Returns float64
+        numpy.
         """
+        arrays = [self.to_native(x, device, dtype) for x in (queries, keys, values)]
+        lens = self.native_lens(valid_lens, device)
+        result = self.forward(layer, *arrays, lens, training=training, **kwargs)
+        if isinstance(result, (tuple, list)):
+            return tuple(self.to_numpy(r) for r in result)
+        return self.to_numpy(result)
 
-    @abc.abstractmethod
     def gradients(
         self,
         layer: Any,
@@ -146,6 +237,15 @@ class Runner(abc.ABC):
         Keyed ``queries``, ``keys``, ``values`` and the canonical weight
         names, in the canonical orientation, as float64 numpy.
         """
+        arrays = [self.to_native(x, device, dtype) for x in (queries, keys, values)]
+        grads = self.vjp(
+            layer,
+            *arrays,
+            self.native_lens(valid_lens, device),
+            causal=causal,
+            output_gradient=self.to_native(output_gradient, device, dtype),
+        )
+        return {name: self.to_numpy(value) for name, value in grads.items()}
 
     def call_as_given(self, layer: Any, *args: Any, **kwargs: Any) -> Any:
         """Calls the layer the way a user of the framework does, converting nothing.
@@ -168,8 +268,15 @@ class Runner(abc.ABC):
                 found[distribution] = "not installed"
         return found
 
-    def layer_for(self, case: Case, *, device: str, dtype: str) -> Any:
-        """A layer of the case's configuration holding the case's weights."""
+    def layer_for(
+        self,
+        case: Case,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        weights: Mapping[str, np.ndarray] | None = None,
+    ) -> Any:
+        """A layer of the case's configuration holding ``weights`` (the case's by default)."""
         config = case.config
         layer = self.make_layer(
             config.num_hiddens,
@@ -179,7 +286,7 @@ class Runner(abc.ABC):
             dtype=dtype,
             **config.sizes(),
         )
-        return self.set_weights(layer, case.weights)
+        return self.set_weights(layer, case.weights if weights is None else weights)
 
     def run(self, case: Case, *, device: str, dtype: str) -> dict[str, np.ndarray]:
         """Every checked quantity of ``case`` on ``device`` in ``dtype``.
