@@ -30,10 +30,13 @@ __all__ = [
     "MASK_VALUE",
     "ArrayOps",
     "FusedKernel",
+    "Heads",
     "KernelPlan",
     "NumpyOps",
     "attention",
     "check_config",
+    "check_heads",
+    "heads_of_weights",
     "check_causal",
     "check_inputs",
     "clip_integer_lens",
@@ -46,6 +49,8 @@ __all__ = [
     "reference_gradients",
     "scaled_scores",
     "static_split_sizes",
+    "transpose_grouped_output",
+    "transpose_grouped_queries",
     "transpose_output",
     "transpose_qkv",
     "visibility",
@@ -234,28 +239,105 @@ class NumpyOps:
 # --------------------------------------------------------------------------
 
 
-def check_config(num_hiddens: Any, num_heads: Any, dropout: Any) -> int:
+@dataclass(frozen=True)
+class Heads:
+    """The head layout of a layer (docs: "The spec", grouped-query attention).
+
+    Query head ``h`` reads key/value head ``h // group_size``; with
+    ``num_kv_heads == num_heads`` this is d2l's multi-head attention, with
+    ``num_kv_heads == 1`` multi-query attention.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def grouped(self) -> bool:
+        """Whether key/value heads are shared (``num_kv_heads < num_heads``)."""
+        return self.num_kv_heads != self.num_heads
+
+    @property
+    def query_features(self) -> int:
+        """``num_heads * head_dim``: the width of projected queries and of ``W_o``'s input."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_features(self) -> int:
+        """``num_kv_heads * head_dim``: the width of projected keys and values."""
+        return self.num_kv_heads * self.head_dim
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int; got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int; got {value}")
+
+
+def check_heads(
+    num_hiddens: Any, num_heads: Any, *, num_kv_heads: Any = None, head_dim: Any = None
+) -> Heads:
+    """Validates the head configuration.
+
+    Args:
+        num_hiddens: the output size of the layer.
+        num_heads: the number of query heads ``H``.
+        num_kv_heads: the number of key/value heads; ``None`` for ``num_heads``.
+            Must divide ``num_heads``.
+        head_dim: the size of each head; ``None`` for ``num_hiddens // num_heads``
+            (which ``num_heads`` must then divide).
+
+    Raises:
+        TypeError: a size is not an integer.
+        ValueError: a non-positive size, ``num_kv_heads`` not dividing
+            ``num_heads``, or ``num_hiddens`` not divisible by ``num_heads``
+            without an explicit ``head_dim``.
+    """
+    _check_positive_int("num_hiddens", num_hiddens)
+    _check_positive_int("num_heads", num_heads)
+    if num_kv_heads is None:
+        num_kv_heads = num_heads
+    _check_positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+    if head_dim is None:
+        if num_hiddens % num_heads:
+            raise ValueError(
+                f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads}), "
+                "or head_dim must be given"
+            )
+        head_dim = num_hiddens // num_heads
+    _check_positive_int("head_dim", head_dim)
+    return Heads(int(num_heads), int(num_kv_heads), int(head_dim))
+
+
+def check_config(
+    num_hiddens: Any,
+    num_heads: Any,
+    dropout: Any,
+    *,
+    num_kv_heads: Any = None,
+    head_dim: Any = None,
+) -> int:
     """Validates the layer configuration and returns ``head_dim``.
 
     Raises:
         TypeError: a size is not an integer or ``dropout`` not a number.
-        ValueError: a non-positive size, ``num_hiddens`` not divisible by
-            ``num_heads``, or ``dropout`` outside ``[0, 1)``.
+        ValueError: a bad head configuration (:func:`check_heads`), or
+            ``dropout`` outside ``[0, 1)``.
     """
-    for name, value in (("num_hiddens", num_hiddens), ("num_heads", num_heads)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be a positive int; got {value!r}")
-        if value <= 0:
-            raise ValueError(f"{name} must be a positive int; got {value}")
-    if num_hiddens % num_heads:
-        raise ValueError(
-            f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads})"
-        )
+    heads = check_heads(num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating, np.integer)):
         raise TypeError(f"dropout must be a float in [0, 1); got {dropout!r}")
     if not 0.0 <= float(dropout) < 1.0:
         raise ValueError(f"dropout must be in [0, 1); got {dropout}")
-    return int(num_hiddens) // int(num_heads)
+    return heads.head_dim
 
 
 def check_input_sizes(**sizes: Any) -> None:
@@ -404,6 +486,44 @@ def transpose_output(ops: ArrayOps, x: Array, num_heads: int) -> Array:
     x = ops.split_axis(x, 0, (-1, num_heads))  # (B, H, T, dh)
     x = ops.permute(x, (0, 2, 1, 3))  # (B, T, H, dh)
     return ops.merge_axes(x, 2)
+
+
+def transpose_grouped_queries(ops: ArrayOps, x: Array, num_kv_heads: int, group_size: int) -> Array:
+    """``(B, Q, H*dh) -> (B*H_kv, G*Q, dh)`` for ``G = group_size`` query heads per key/value head.
+
+    Query head ``h = j*G + g`` lands in row block ``b*H_kv + j`` at rows
+    ``g*Q .. g*Q + Q - 1``, next to the other heads that read key/value head
+    ``j``: one matrix product per key/value head serves its whole group, and
+    no key or value is repeated. With ``G = 1`` it is :func:`transpose_qkv`.
+    """
+    x = ops.split_axis(x, 2, (num_kv_heads, -1))  # (B, Q, H_kv, G*dh)
+    x = ops.split_axis(x, 3, (group_size, -1))  # (B, Q, H_kv, G, dh)
+    x = ops.permute(x, (0, 2, 3, 1, 4))  # (B, H_kv, G, Q, dh)
+    x = ops.merge_axes(x, 2)  # (B, H_kv, G*Q, dh)
+    return ops.merge_axes(x, 0)
+
+
+def transpose_grouped_output(ops: ArrayOps, x: Array, num_kv_heads: int, group_size: int) -> Array:
+    """``(B*H_kv, G*Q, dh) -> (B, Q, H*dh)``: the inverse of :func:`transpose_grouped_queries`."""
+    x = ops.split_axis(x, 0, (-1, num_kv_heads))  # (B, H_kv, G*Q, dh)
+    x = ops.split_axis(x, 2, (group_size, -1))  # (B, H_kv, G, Q, dh)
+    x = ops.permute(x, (0, 3, 1, 2, 4))  # (B, Q, H_kv, G, dh)
+    x = ops.merge_axes(x, 3)  # (B, Q, H_kv, G*dh)
+    return ops.merge_axes(x, 2)
+
+
+def _grouped_to_heads(ops: ArrayOps, x: Array, num_kv_heads: int, group_size: int) -> Array:
+    """``(B*H_kv, G*Q, K) -> (B, H, Q, K)`` with ``h = j*G + g``."""
+    x = ops.split_axis(x, 0, (-1, num_kv_heads))  # (B, H_kv, G*Q, K)
+    x = ops.split_axis(x, 2, (group_size, -1))  # (B, H_kv, G, Q, K)
+    return ops.merge_axes(x, 1)
+
+
+def _heads_to_grouped(ops: ArrayOps, x: Array, num_kv_heads: int, group_size: int) -> Array:
+    """``(B, H, Q, K) -> (B*H_kv, G*Q, K)``: the inverse of :func:`_grouped_to_heads`."""
+    x = ops.split_axis(x, 1, (num_kv_heads, group_size))  # (B, H_kv, G, Q, K)
+    x = ops.merge_axes(x, 2)  # (B, H_kv, G*Q, K)
+    return ops.merge_axes(x, 0)
 
 
 def visibility(
@@ -720,6 +840,7 @@ def attention(
     *,
     num_heads: int,
     head_dim: int,
+    num_kv_heads: int | None = None,
     causal: bool = False,
     dropout: Callable[[Array], Array] | None = None,
 ) -> tuple[Array, Array]:
@@ -727,21 +848,27 @@ def attention(
 
     Args:
         ops: the array-ops adapter.
-        q: projected queries ``(B, Q, num_hiddens)``.
-        k: projected keys ``(B, K, num_hiddens)``.
-        v: projected values ``(B, K, num_hiddens)``.
+        q: projected queries ``(B, Q, num_heads * head_dim)``.
+        k: projected keys ``(B, K, num_kv_heads * head_dim)``.
+        v: projected values ``(B, K, num_kv_heads * head_dim)``.
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
-        num_heads: ``H``; ``num_hiddens`` must be divisible by it.
-        head_dim: ``num_hiddens // num_heads`` (static, so that symbolic
-            graphs need no shapes).
+        num_heads: ``H``, the query heads.
+        head_dim: the size of each head (static, so that symbolic graphs
+            need no shapes); scores are scaled by ``1/sqrt(head_dim)``.
+        num_kv_heads: the key/value heads (``None``: ``num_heads``); query
+            head ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``.
         causal: bottom-right aligned causal mask, combined with ``valid_lens``.
         dropout: applied to the attention weights (training), or ``None``.
 
     Returns:
-        ``(context, weights)``: the concatenated heads ``(B, Q, num_hiddens)``
-        before the output projection, and the pre-dropout attention weights
-        ``(B, H, Q, K)``.
+        ``(context, weights)``: the concatenated heads ``(B, Q, num_heads *
+        head_dim)`` before the output projection, and the pre-dropout
+        attention weights ``(B, H, Q, K)``.
     """
+    if num_kv_heads is not None and num_kv_heads != num_heads:
+        return _grouped_attention(
+            ops, q, k, v, valid_lens, num_heads, num_kv_heads, head_dim, causal, dropout
+        )
     q, k, v = (transpose_qkv(ops, x, num_heads) for x in (q, k, v))
     head_scores = scaled_scores(ops, q, k, head_dim)  # (B*H, Q, K)
     # Rows are b*H + h, so splitting axis 0 as (B, H) lines heads up with a
@@ -754,6 +881,40 @@ def attention(
         flat_weights = dropout(flat_weights)
     context = transpose_output(ops, ops.matmul(flat_weights, v), num_heads)
     return context, weights
+
+
+def _grouped_attention(
+    ops: ArrayOps,
+    q: Array,
+    k: Array,
+    v: Array,
+    valid_lens: Array | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    causal: bool,
+    dropout: Callable[[Array], Array] | None,
+) -> tuple[Array, Array]:
+    """:func:`attention` with ``num_kv_heads < num_heads``, no key or value repeated.
+
+    Each key/value head meets its group of query heads in one product
+    (:func:`transpose_grouped_queries`); every score is the same dot product
+    as with the key/value heads repeated, so the numbers are those of
+    multi-head attention on repeated heads.
+    """
+    group_size = num_heads // num_kv_heads
+    q = transpose_grouped_queries(ops, q, num_kv_heads, group_size)  # (B*H_kv, G*Q, dh)
+    k, v = (transpose_qkv(ops, x, num_kv_heads) for x in (k, v))  # (B*H_kv, K, dh)
+    scores = _grouped_to_heads(
+        ops, scaled_scores(ops, q, k, head_dim), num_kv_heads, group_size
+    )  # (B, H, Q, K)
+    visible = visibility(ops, ops.size(scores, 2), ops.size(scores, 3), valid_lens, causal=causal)
+    weights = masked_softmax(ops, scores, visible, ops.dtype(v))
+    flat_weights = _heads_to_grouped(ops, weights, num_kv_heads, group_size)
+    if dropout is not None:
+        flat_weights = dropout(flat_weights)
+    context = ops.matmul(flat_weights, v)  # (B*H_kv, G*Q, dh)
+    return transpose_grouped_output(ops, context, num_kv_heads, group_size), weights
 
 
 # --------------------------------------------------------------------------
@@ -778,9 +939,10 @@ def _reference_inputs(
     values: Any,
     valid_lens: Any,
     num_heads: int,
+    num_kv_heads: int | None,
     causal: Any,
-) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, int]:
-    """Float64 copies of the reference's arguments, checked; and ``head_dim``."""
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, Heads]:
+    """Float64 copies of the reference's arguments, checked; and the head layout."""
     w = {name: _as_float64(value) for name, value in weights.items()}
     queries, keys, values = (_as_float64(x) for x in (queries, keys, values))
     lens = None if valid_lens is None else np.asarray(valid_lens)
@@ -794,8 +956,44 @@ def _reference_inputs(
         value_size=w["W_v"].shape[0],
         causal=causal,
     )
-    head_dim = check_config(w["W_q"].shape[1], num_heads, 0.0)
-    return w, queries, keys, values, lens, head_dim
+    heads = heads_of_weights(w, num_heads, num_kv_heads=num_kv_heads)
+    return w, queries, keys, values, lens, heads
+
+
+def heads_of_weights(
+    weights: Mapping[str, Any], num_heads: int, *, num_kv_heads: int | None = None
+) -> Heads:
+    """The head layout canonical weights describe for ``num_heads`` query heads.
+
+    ``head_dim`` is ``W_q``'s width over ``num_heads``; ``num_kv_heads``, when
+    not given, is ``W_k``'s width over ``head_dim``.
+
+    Raises:
+        ValueError: widths that no head layout of ``num_heads`` heads explains.
+    """
+    query_features = np.shape(weights["W_q"])[1]
+    kv_features = np.shape(weights["W_k"])[1]
+    _check_positive_int("num_heads", num_heads)
+    if query_features % num_heads:
+        raise ValueError(
+            f"W_q has {query_features} columns, which num_heads ({num_heads}) does not divide"
+        )
+    head_dim = query_features // num_heads
+    if num_kv_heads is None:
+        if kv_features % head_dim:
+            raise ValueError(
+                f"W_k has {kv_features} columns, not a multiple of head_dim ({head_dim})"
+            )
+        num_kv_heads = kv_features // head_dim
+    heads = check_heads(
+        np.shape(weights["W_o"])[1], num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
+    if kv_features != heads.kv_features:
+        raise ValueError(
+            f"W_k must have num_kv_heads * head_dim = {heads.kv_features} columns; "
+            f"got {kv_features}"
+        )
+    return heads
 
 
 def reference_forward(
@@ -806,6 +1004,7 @@ def reference_forward(
     valid_lens: Any = None,
     *,
     num_heads: int,
+    num_kv_heads: int | None = None,
     causal: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The spec evaluated in float64 numpy.
@@ -816,15 +1015,18 @@ def reference_forward(
         keys: ``(B, K, key_size)``.
         values: ``(B, K, value_size)``.
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
-        num_heads: number of heads.
+        num_heads: number of (query) heads; ``head_dim`` is ``W_q``'s width
+            over it.
+        num_kv_heads: number of key/value heads; ``None`` infers it from
+            ``W_k``'s width (``num_heads`` for multi-head attention).
         causal: bottom-right aligned causal mask.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and
         ``(B, H, Q, K)``, float64.
     """
-    w, queries, keys, values, lens, head_dim = _reference_inputs(
-        weights, queries, keys, values, valid_lens, num_heads, causal
+    w, queries, keys, values, lens, heads = _reference_inputs(
+        weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal
     )
     # Non-finite inputs propagate by design (docs: "Edge cases"); numpy's warnings
     # about them would only be noise.
@@ -835,8 +1037,9 @@ def reference_forward(
             _linear(keys, w, "k"),
             _linear(values, w, "v"),
             lens,
-            num_heads=num_heads,
-            head_dim=head_dim,
+            num_heads=heads.num_heads,
+            head_dim=heads.head_dim,
+            num_kv_heads=heads.num_kv_heads,
             causal=causal,
         )
         return _linear(context, w, "o"), attention_weights
@@ -850,6 +1053,7 @@ def reference_gradients(
     valid_lens: Any = None,
     *,
     num_heads: int,
+    num_kv_heads: int | None = None,
     causal: bool = False,
     output_gradient: Any,
 ) -> dict[str, np.ndarray]:
@@ -860,17 +1064,18 @@ def reference_gradients(
     replaced by a constant, so they receive no gradient.
 
     Args:
-        weights, queries, keys, values, valid_lens, num_heads, causal: as in
-            :func:`reference_forward`.
+        weights, queries, keys, values, valid_lens, num_heads, num_kv_heads,
+            causal: as in :func:`reference_forward`.
         output_gradient: the cotangent of the output, ``(B, Q, num_hiddens)``.
 
     Returns:
         Gradients keyed ``queries``, ``keys``, ``values`` and every weight name.
     """
     ops = NumpyOps()
-    w, queries, keys, values, lens, head_dim = _reference_inputs(
-        weights, queries, keys, values, valid_lens, num_heads, causal
+    w, queries, keys, values, lens, heads = _reference_inputs(
+        weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal
     )
+    head_dim = heads.head_dim
     grad_out = _as_float64(output_gradient)
     scale = 1.0 / math.sqrt(head_dim)
 
@@ -879,31 +1084,39 @@ def reference_gradients(
         "k": _linear(keys, w, "k"),
         "v": _linear(values, w, "v"),
     }
-    q, k, v = (transpose_qkv(ops, projected[n], num_heads) for n in "qkv")
-    scores = ops.split_axis(scaled_scores(ops, q, k, head_dim), 0, (-1, num_heads))
-    visible = visibility(ops, q.shape[1], k.shape[1], lens, causal=causal)
-    attn = ops.merge_axes(masked_softmax(ops, scores, visible), 0)  # (B*H, Q, K)
-    context = transpose_output(ops, attn @ v, num_heads)
+    # The grouped layout (docs: "The spec"): (B*H_kv, G*Q, dh) queries against
+    # (B*H_kv, K, dh) keys and values; with G = 1 it is d2l's (B*H, Q, dh).
+    kv_heads, group = heads.num_kv_heads, heads.group_size
+    q = transpose_grouped_queries(ops, projected["q"], kv_heads, group)
+    k, v = (transpose_qkv(ops, projected[n], kv_heads) for n in "kv")
+    scores = _grouped_to_heads(ops, scaled_scores(ops, q, k, head_dim), kv_heads, group)
+    visible = visibility(ops, scores.shape[2], scores.shape[3], lens, causal=causal)
+    attn = _heads_to_grouped(ops, masked_softmax(ops, scores, visible), kv_heads, group)
+    context = transpose_grouped_output(ops, attn @ v, kv_heads, group)
 
     grads: dict[str, np.ndarray] = {}
     grads["W_o"] = np.einsum("bqi,bqj->ij", context, grad_out)
     if "b_o" in w:
         grads["b_o"] = grad_out.sum(axis=(0, 1))
-    grad_heads = transpose_qkv(ops, grad_out @ w["W_o"].T, num_heads)  # d(attn @ v)
-    grad_attn = grad_heads @ np.swapaxes(v, -1, -2)
+    grad_heads = transpose_grouped_queries(ops, grad_out @ w["W_o"].T, kv_heads, group)
+    grad_attn = grad_heads @ np.swapaxes(v, -1, -2)  # d(attn @ v) / d attn
+    # A key/value head's gradient sums over its whole group (the G*Q rows).
     grad_v = np.swapaxes(attn, -1, -2) @ grad_heads
     grad_scores = attn * (grad_attn - (grad_attn * attn).sum(axis=-1, keepdims=True))
     if visible is not None:
-        grad_scores = ops.merge_axes(
-            np.where(visible, ops.split_axis(grad_scores, 0, (-1, num_heads)), 0.0), 0
-        )
+        hidden_zeroed = np.where(visible, _grouped_to_heads(ops, grad_scores, kv_heads, group), 0.0)
+        grad_scores = _heads_to_grouped(ops, hidden_zeroed, kv_heads, group)
     grad_q = grad_scores @ k * scale
     grad_k = np.swapaxes(grad_scores, -1, -2) @ q * scale
 
     inputs = {"q": ("queries", queries), "k": ("keys", keys), "v": ("values", values)}
-    for name, grad_heads_x in (("q", grad_q), ("k", grad_k), ("v", grad_v)):
+    projected_grads = {
+        "q": transpose_grouped_output(ops, grad_q, kv_heads, group),
+        "k": transpose_output(ops, grad_k, kv_heads),
+        "v": transpose_output(ops, grad_v, kv_heads),
+    }
+    for name, grad_projected in projected_grads.items():
         input_name, x = inputs[name]
-        grad_projected = transpose_output(ops, grad_heads_x, num_heads)
         grads[f"W_{name}"] = np.einsum("bti,btj->ij", x, grad_projected)
         if f"b_{name}" in w:
             grads[f"b_{name}"] = grad_projected.sum(axis=(0, 1))

@@ -3,15 +3,21 @@
 The mapping is ``str -> numpy.ndarray`` in the ``y = x @ W + b`` orientation
 (Keras/Flax ``Dense`` kernels; PyTorch and Gluon store the transpose):
 
-========  ===============================  ===============
-name      shape                            present
-========  ===============================  ===============
-``W_q``   ``(query_size, num_hiddens)``    always
-``W_k``   ``(key_size, num_hiddens)``      always
-``W_v``   ``(value_size, num_hiddens)``    always
-``W_o``   ``(num_hiddens, num_hiddens)``   always
-``b_*``   ``(num_hiddens,)``               iff ``bias=True``
-========  ===============================  ===============
+==============  ==========================================  ===============
+name            shape                                       present
+==============  ==========================================  ===============
+``W_q``         ``(query_size, num_heads*head_dim)``        always
+``W_k``         ``(key_size, num_kv_heads*head_dim)``       always
+``W_v``         ``(value_size, num_kv_heads*head_dim)``     always
+``W_o``         ``(num_heads*head_dim, num_hiddens)``       always
+``b_q``         ``(num_heads*head_dim,)``                   iff ``bias=True``
+``b_k``, ``b_v````(num_kv_heads*head_dim,)``                iff ``bias=True``
+``b_o``         ``(num_hiddens,)``                          iff ``bias=True``
+==============  ==========================================  ===============
+
+For multi-head attention with the default head size (``num_kv_heads =
+num_heads``, ``head_dim = num_hiddens // num_heads``) every width is
+``num_hiddens``, so those weights need no head configuration.
 
 Files are ``.npz`` (read with ``allow_pickle=False``) or ``.safetensors``;
 a round trip is bit-exact.
@@ -27,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from mha_multi import spec
 
 __all__ = [
     "BIAS_NAMES",
@@ -55,6 +63,22 @@ class WeightsConfig:
     key_size: int
     value_size: int
     bias: bool
+    query_features: int | None = None
+    """Width of the projected queries, ``num_heads * head_dim`` (``W_q``'s columns)."""
+    kv_features: int | None = None
+    """Width of the projected keys and values, ``num_kv_heads * head_dim``."""
+
+
+def _features(
+    num_hiddens: int, num_heads: int | None, num_kv_heads: int | None, head_dim: int | None
+) -> tuple[int, int]:
+    """``(num_heads * head_dim, num_kv_heads * head_dim)``; both ``num_hiddens`` without heads."""
+    if num_heads is None:
+        if num_kv_heads is not None or head_dim is not None:
+            raise ValueError("num_kv_heads and head_dim need num_heads")
+        return num_hiddens, num_hiddens
+    heads = spec.check_heads(num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return heads.query_features, heads.kv_features
 
 
 def weight_shapes(
@@ -64,22 +88,32 @@ def weight_shapes(
     key_size: int | None = None,
     value_size: int | None = None,
     bias: bool = False,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Canonical names and shapes for a configuration.
 
-    Input sizes default to ``num_hiddens``.
+    Input sizes default to ``num_hiddens``. Without ``num_heads`` the layout is
+    multi-head attention with the default head size, whose shapes do not
+    depend on the number of heads.
     """
-    sizes = {
-        "q": num_hiddens if query_size is None else query_size,
-        "k": num_hiddens if key_size is None else key_size,
-        "v": num_hiddens if value_size is None else value_size,
-        "o": num_hiddens,
-    }
+    query_features, kv_features = _features(num_hiddens, num_heads, num_kv_heads, head_dim)
     shapes: dict[str, tuple[int, ...]] = {
-        f"W_{name}": (size, num_hiddens) for name, size in sizes.items()
+        "W_q": (num_hiddens if query_size is None else query_size, query_features),
+        "W_k": (num_hiddens if key_size is None else key_size, kv_features),
+        "W_v": (num_hiddens if value_size is None else value_size, kv_features),
+        "W_o": (query_features, num_hiddens),
     }
     if bias:
-        shapes.update({name: (num_hiddens,) for name in BIAS_NAMES})
+        shapes.update(
+            {
+                "b_q": (query_features,),
+                "b_k": (kv_features,),
+                "b_v": (kv_features,),
+                "b_o": (num_hiddens,),
+            }
+        )
     return shapes
 
 
@@ -90,6 +124,9 @@ def init_weights(
     key_size: int | None = None,
     value_size: int | None = None,
     bias: bool = False,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
     seed: int = 0,
     dtype: Any = np.float32,
 ) -> dict[str, np.ndarray]:
@@ -103,6 +140,9 @@ def init_weights(
         num_hiddens: output size of every projection.
         query_size, key_size, value_size: input sizes (default ``num_hiddens``).
         bias: whether to include ``b_q``, ``b_k``, ``b_v``, ``b_o``.
+        num_heads, num_kv_heads, head_dim: the head layout (see
+            :func:`mha_multi.spec.check_heads`); only grouped heads or an
+            explicit ``head_dim`` change the shapes.
         seed: seed of a ``numpy.random.default_rng``.
         dtype: dtype of the returned arrays.
 
@@ -111,7 +151,14 @@ def init_weights(
     """
     rng = np.random.default_rng(seed)
     shapes = weight_shapes(
-        num_hiddens, query_size=query_size, key_size=key_size, value_size=value_size, bias=bias
+        num_hiddens,
+        query_size=query_size,
+        key_size=key_size,
+        value_size=value_size,
+        bias=bias,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
     )
     weights = {}
     for name, shape in shapes.items():
@@ -129,17 +176,23 @@ def check_weights(
     key_size: int | None = None,
     value_size: int | None = None,
     bias: bool | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
 ) -> tuple[dict[str, np.ndarray], WeightsConfig]:
     """Strictly validates a canonical mapping.
 
     Sizes given as ``None`` are inferred from the weights (``num_hiddens`` and
     the input sizes from the kernels, ``bias`` from the presence of ``b_q``).
+    Without ``num_heads`` the projection widths are read from ``W_q`` and
+    ``W_k`` as well (any head layout); with it, they must be the layout's.
 
     Args:
         weights: a mapping of canonical names to arrays (anything
             ``numpy.asarray`` accepts).
         num_hiddens, query_size, key_size, value_size, bias: what the
             weights must describe, where known.
+        num_heads, num_kv_heads, head_dim: the layer's head layout, where known.
 
     Returns:
         ``(weights, config)``: the entries as numpy arrays, and the sizes.
@@ -164,9 +217,14 @@ def check_weights(
         if arrays[name].ndim != 2:
             raise ValueError(f"weights[{name!r}] must be 2-D; got shape {arrays[name].shape}")
     if num_hiddens is None:
-        num_hiddens = int(arrays["W_q"].shape[1])
+        num_hiddens = int(arrays["W_o"].shape[1])
     if bias is None:
         bias = "b_q" in arrays
+    if num_heads is None:
+        # Any head layout: the widths the kernels have (checked against each other below).
+        query_features, kv_features = int(arrays["W_q"].shape[1]), int(arrays["W_k"].shape[1])
+    else:
+        query_features, kv_features = _features(num_hiddens, num_heads, num_kv_heads, head_dim)
     expected = weight_shapes(
         num_hiddens,
         query_size=arrays["W_q"].shape[0] if query_size is None else query_size,
@@ -174,6 +232,12 @@ def check_weights(
         value_size=arrays["W_v"].shape[0] if value_size is None else value_size,
         bias=bias,
     )
+    expected["W_q"] = (expected["W_q"][0], query_features)
+    expected["W_k"] = (expected["W_k"][0], kv_features)
+    expected["W_v"] = (expected["W_v"][0], kv_features)
+    expected["W_o"] = (query_features, num_hiddens)
+    if bias:
+        expected.update({"b_q": (query_features,), "b_k": (kv_features,), "b_v": (kv_features,)})
     for name in sorted(set(expected) - set(arrays)):
         raise ValueError(f"weights is missing {name!r} (bias={bias})")
     for name in sorted(set(arrays) - set(expected)):
@@ -194,6 +258,8 @@ def check_weights(
         key_size=expected["W_k"][0],
         value_size=expected["W_v"][0],
         bias=bias,
+        query_features=query_features,
+        kv_features=kv_features,
     )
     return {name: arrays[name] for name in expected}, config
 

@@ -493,3 +493,146 @@ def test_kernel_plan_masks_are_the_spec_visibility():
     np.testing.assert_array_equal(
         no_causal_rows.fix_visibility(OPS, 3, 4, lens), spec.visibility(OPS, 3, 4, lens)
     )
+
+
+# -- grouped-query attention and an explicit head size ------------------------
+
+
+def _repeat_kv_columns(weights, num_kv_heads, group_size):
+    """Multi-head weights whose key/value heads are the grouped ones repeated."""
+    repeated = dict(weights)
+    for name in ("W_k", "W_v", "b_k", "b_v"):
+        if name in weights:
+            w = weights[name]
+            heads = w.reshape(*w.shape[:-1], num_kv_heads, -1)
+            repeated[name] = np.repeat(heads, group_size, axis=-2).reshape(*w.shape[:-1], -1)
+    return repeated
+
+
+def _naive_attention(
+    weights, queries, keys, values, valid_lens, *, num_heads, head_dim, group_size
+):
+    """A per-example, per-head loop: query head h reads key/value head h // group_size."""
+    q = queries @ weights["W_q"]
+    k = keys @ weights["W_k"]
+    v = values @ weights["W_v"]
+    batch, num_queries, _ = queries.shape
+    context = np.zeros((batch, num_queries, num_heads * head_dim))
+    for b in range(batch):
+        for h in range(num_heads):
+            j = h // group_size
+            q_h = q[b, :, h * head_dim : (h + 1) * head_dim]
+            k_h = k[b, :, j * head_dim : (j + 1) * head_dim]
+            v_h = v[b, :, j * head_dim : (j + 1) * head_dim]
+            scores = q_h @ k_h.T / np.sqrt(head_dim)
+            scores[:, np.arange(keys.shape[1]) >= valid_lens[b]] = -1e6
+            attn = np.exp(scores - scores.max(-1, keepdims=True))
+            context[b, :, h * head_dim : (h + 1) * head_dim] = (
+                attn / attn.sum(-1, keepdims=True) @ v_h
+            )
+    return context @ weights["W_o"]
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 2, 3), (4, 1, 3), (6, 3, 2), (3, 3, 5), (2, 1, 7)],
+)
+def test_grouped_heads_match_a_per_head_loop(num_heads, num_kv_heads, head_dim):
+    rng = np.random.default_rng(21)
+    num_hiddens, batch = 10, 2
+    weights = {
+        "W_q": rng.standard_normal((5, num_heads * head_dim)),
+        "W_k": rng.standard_normal((6, num_kv_heads * head_dim)),
+        "W_v": rng.standard_normal((7, num_kv_heads * head_dim)),
+        "W_o": rng.standard_normal((num_heads * head_dim, num_hiddens)),
+    }
+    queries = rng.standard_normal((batch, 3, 5))
+    keys, values = rng.standard_normal((batch, 4, 6)), rng.standard_normal((batch, 4, 7))
+    lens = np.array([2, 4])
+    out, attn = spec.reference_forward(weights, queries, keys, values, lens, num_heads=num_heads)
+    assert attn.shape == (batch, num_heads, 3, 4)
+    expected = _naive_attention(
+        weights,
+        queries,
+        keys,
+        values,
+        lens,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        group_size=num_heads // num_kv_heads,
+    )
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_grouped_gradients_sum_the_repeated_heads(num_kv_heads, causal):
+    # GQA is MHA on repeated key/value heads: its key/value weight gradients are
+    # the repeated heads' gradients summed over each group.
+    rng = np.random.default_rng(22)
+    num_heads, head_dim, group = 4, 3, 4 // num_kv_heads
+    weights = {
+        "W_q": rng.standard_normal((5, num_heads * head_dim)),
+        "W_k": rng.standard_normal((5, num_kv_heads * head_dim)),
+        "W_v": rng.standard_normal((5, num_kv_heads * head_dim)),
+        "W_o": rng.standard_normal((num_heads * head_dim, 8)),
+        "b_q": rng.standard_normal(num_heads * head_dim),
+        "b_k": rng.standard_normal(num_kv_heads * head_dim),
+        "b_v": rng.standard_normal(num_kv_heads * head_dim),
+        "b_o": rng.standard_normal(8),
+    }
+    queries, keys, values = (rng.standard_normal((2, 5, 5)) for _ in range(3))
+    lens = np.array([[1, 3, 0, 5, 2], [4, 4, 4, 4, 4]])
+    cotangent = rng.standard_normal((2, 5, 8))
+    kwargs = {"num_heads": num_heads, "causal": causal, "output_gradient": cotangent}
+    grads = spec.reference_gradients(weights, queries, keys, values, lens, **kwargs)
+    repeated = _repeat_kv_columns(weights, num_kv_heads, group)
+    expected = spec.reference_gradients(repeated, queries, keys, values, lens, **kwargs)
+    for name in ("queries", "keys", "values", "W_q", "W_o", "b_q", "b_o"):
+        np.testing.assert_allclose(grads[name], expected[name], rtol=0, atol=1e-10)
+    for name in ("W_k", "W_v", "b_k", "b_v"):
+        summed = expected[name].reshape(*expected[name].shape[:-1], num_kv_heads, group, head_dim)
+        np.testing.assert_allclose(
+            grads[name], summed.sum(axis=-2).reshape(grads[name].shape), rtol=0, atol=1e-10
+        )
+    out, _ = spec.reference_forward(
+        weights, queries, keys, values, lens, num_heads=num_heads, causal=causal
+    )
+    out_repeated, _ = spec.reference_forward(
+        repeated, queries, keys, values, lens, num_heads=num_heads, causal=causal
+    )
+    np.testing.assert_allclose(out, out_repeated, rtol=0, atol=1e-12)
+
+
+def test_grouped_layout_round_trips():
+    x = np.arange(2 * 3 * 12).reshape(2, 3, 12)  # B=2, Q=3, H=4 heads of 3
+    grouped = spec.transpose_grouped_queries(OPS, x, 2, 2)
+    assert grouped.shape == (4, 6, 3)
+    # Row block b*H_kv + j holds heads j*G .. j*G + G - 1, one after the other.
+    np.testing.assert_array_equal(grouped[1, 3:], x[0, :, 9:12])
+    np.testing.assert_array_equal(spec.transpose_grouped_output(OPS, grouped, 2, 2), x)
+    np.testing.assert_array_equal(
+        spec.transpose_grouped_queries(OPS, x, 4, 1), spec.transpose_qkv(OPS, x, 4)
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_kv_heads": 3}, ValueError, r"num_kv_heads \(3\) must divide num_heads \(4\)"),
+        ({"num_kv_heads": 0}, ValueError, "num_kv_heads must be a positive int"),
+        ({"num_kv_heads": 2.0}, TypeError, "num_kv_heads must be a positive int"),
+        ({"head_dim": 0}, ValueError, "head_dim must be a positive int"),
+        ({"head_dim": "8"}, TypeError, "head_dim must be a positive int"),
+    ],
+)
+def test_head_configuration_errors_name_the_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        spec.check_heads(8, 4, **kwargs)
+
+
+def test_explicit_head_dim_frees_num_hiddens_from_num_heads():
+    with pytest.raises(ValueError, match="or head_dim must be given"):
+        spec.check_heads(10, 4)
+    heads = spec.check_heads(10, 4, num_kv_heads=2, head_dim=3)
+    assert (heads.query_features, heads.kv_features, heads.group_size) == (12, 6, 2)

@@ -60,7 +60,11 @@ def test_check_infers_config():
             "unexpected entry 'b_q'",
         ),
         (lambda w: w.update(extra=np.zeros(1)), {}, "unexpected entry 'extra'"),
-        (lambda w: w.update(W_o=np.zeros((8, 9), np.float32)), {}, r"W_o'\] must have shape"),
+        (
+            lambda w: w.update(W_o=np.zeros((8, 9), np.float32)),
+            {"num_hiddens": 8},
+            r"W_o'\] must have shape",
+        ),
         (
             lambda w: w.update(W_q=np.zeros((5, 8), np.float32)),
             {"query_size": 8},
@@ -230,3 +234,33 @@ def test_missing_files_and_directories_are_os_errors(tmp_path, suffix):
         load_weights(tmp_path / f"none{suffix}")
     with pytest.raises(FileNotFoundError):
         save_weights(tmp_path / "none" / f"weights{suffix}", init_weights(4))
+
+
+def test_grouped_heads_and_head_dim_shapes():
+    shapes = weight_shapes(10, num_heads=4, num_kv_heads=2, head_dim=3, query_size=5, bias=True)
+    assert shapes == {
+        "W_q": (5, 12),
+        "W_k": (10, 6),
+        "W_v": (10, 6),
+        "W_o": (12, 10),
+        "b_q": (12,),
+        "b_k": (6,),
+        "b_v": (6,),
+        "b_o": (10,),
+    }
+    # Multi-head attention with the default head size needs no head layout.
+    assert weight_shapes(8, num_heads=2) == weight_shapes(8)
+
+
+def test_grouped_weights_load_strictly():
+    weights = init_weights(10, num_heads=4, num_kv_heads=2, head_dim=3, bias=True, seed=1)
+    _, config = check_weights(weights, num_heads=4, num_kv_heads=2, head_dim=3)
+    assert (config.num_hiddens, config.query_features, config.kv_features) == (10, 12, 6)
+    assert check_weights(weights)[1] == config  # any layout: widths read from the kernels
+    with pytest.raises(ValueError, match=r"weights\['W_k'\] must have shape \(10, 3\)"):
+        check_weights(weights, num_heads=4, num_kv_heads=1, head_dim=3)
+    bad = {**weights, "W_v": np.zeros((10, 9), np.float32)}
+    with pytest.raises(ValueError, match=r"weights\['W_v'\] must have shape \(10, 6\)"):
+        check_weights(bad)
+    with pytest.raises(ValueError, match=r"num_kv_heads \(3\) must divide num_heads \(4\)"):
+        init_weights(12, num_heads=4, num_kv_heads=3)
