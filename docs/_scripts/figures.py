@@ -1,8 +1,9 @@
 """Figures of the spec, drawn from ``mha_multi.spec`` itself at build time.
 
 ``write_all(directory)`` writes ``head_layout.png`` (what ``transpose_qkv``
-does to a projection) and ``masks.png`` (the visibility rule for 1-D
-lengths, 2-D lengths and the causal mask). Every coloured cell is computed by
+does to a projection), ``head_grouping.png`` (grouped-query heads) and
+``masks.png`` (the visibility rule for 1-D lengths, 2-D lengths and the
+causal mask). Every coloured cell is computed by
 the spec's own functions on the numpy adapter, so the pictures cannot drift
 from the code.
 """
@@ -115,6 +116,67 @@ def head_layout(path: Path, batch: int = 2, length: int = 3, num_heads: int = 3)
     return path
 
 
+def head_grouping(
+    path: Path, length: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 2
+) -> Path:
+    """Grouped-query attention: which key/value head each query head reads, and
+    the grouped layout :func:`mha_multi.spec.transpose_grouped_queries` builds."""
+    group = num_heads // num_kv_heads
+    shape = (1, length, num_heads * head_dim)
+    _, t, f = np.indices(shape)
+    moved = {
+        name: OPS.cast(spec.transpose_grouped_queries(OPS, index, num_kv_heads, group), np.int64)
+        for name, index in (("t", t), ("h", f // head_dim))
+    }
+    rows, grouped_length, _ = moved["h"].shape  # (B*H_kv, G*Q, dh)
+
+    figure, (left, middle, right) = plt.subplots(
+        1,
+        3,
+        figsize=(9.6, 3.4),
+        gridspec_kw={"width_ratios": [num_heads * head_dim, num_kv_heads * head_dim, 4.0]},
+        layout="constrained",
+    )
+    _draw_grid(
+        left,
+        [[HEAD_COLORS[(k // head_dim) // group] for k in range(shape[2])] for _ in range(length)],
+        [[f"h{k // head_dim}" for k in range(shape[2])] for _ in range(length)],
+        title=f"queries: {num_heads} heads\n(colour: the key/value head read)",
+        row_labels=[f"t={j}" for j in range(length)],
+        column_labels=[f"h{k // head_dim}:{k % head_dim}" for k in range(shape[2])],
+    )
+    _draw_grid(
+        middle,
+        [[HEAD_COLORS[k // head_dim] for k in range(num_kv_heads * head_dim)] for _ in range(3)],
+        [[f"kv{k // head_dim}" for k in range(num_kv_heads * head_dim)] for _ in range(3)],
+        title=f"keys, values:\n{num_kv_heads} heads",
+        row_labels=[f"key {j}" for j in range(3)],
+        column_labels=[f"kv{k // head_dim}:{k % head_dim}" for k in range(num_kv_heads * head_dim)],
+    )
+    _draw_grid(
+        right,
+        [
+            [HEAD_COLORS[moved["h"][r, i, 0] // group] for _ in range(head_dim)]
+            for r in range(rows)
+            for i in range(grouped_length)
+        ],
+        [
+            [f"h{moved['h'][r, i, 0]} t{moved['t'][r, i, 0]}" for _ in range(head_dim)]
+            for r in range(rows)
+            for i in range(grouped_length)
+        ],
+        title=f"grouped queries\n(B*H_kv, G*Q, dh) = {moved['h'].shape}",
+        row_labels=[f"kv{r} row {i}" for r in range(rows) for i in range(grouped_length)],
+        column_labels=[f"d{k}" for k in range(head_dim)],
+        aspect="auto",
+    )
+    for r in range(1, rows):
+        right.axhline(r * grouped_length, color="black", lw=1.2)
+    figure.savefig(path, dpi=140)
+    plt.close(figure)
+    return path
+
+
 def _visible(num_queries: int, num_keys: int, valid_lens, causal: bool = False) -> np.ndarray:
     """``(B, Q, K)`` booleans from :func:`mha_multi.spec.visibility`."""
     batch = 1 if valid_lens is None else len(valid_lens)
@@ -178,7 +240,11 @@ def write_all(directory: str | Path) -> list[Path]:
     """Writes every figure into ``directory`` (created if needed)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return [head_layout(directory / "head_layout.png"), masks(directory / "masks.png")]
+    return [
+        head_layout(directory / "head_layout.png"),
+        head_grouping(directory / "head_grouping.png"),
+        masks(directory / "masks.png"),
+    ]
 
 
 if __name__ == "__main__":
