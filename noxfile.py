@@ -34,6 +34,8 @@ PINS = {
     "furo": "furo==2025.12.19",
     "myst-parser": "myst-parser==5.2.0",
     "torch": "torch==2.13.0",
+    # Tests only: llama-style attention modules to convert weights from and to.
+    "transformers": "transformers==5.23.0",
     # MXNet 1.9 (the last release) uses np.bool: numpy < 1.24 in its environment.
     "mxnet": "mxnet==1.9.1",
     "numpy-mxnet": "numpy==1.23.5",
@@ -63,7 +65,7 @@ COMMON = (PINS["numpy"], PINS["safetensors"], *TEST_TOOLS)
 ENVIRONMENTS: dict[str, Environment] = {
     "numpy": Environment(COMMON, "test", tests=("tests/core", "tests/examples")),
     "torch": Environment(
-        (*COMMON, PINS["torch"]),
+        (*COMMON, PINS["torch"], PINS["transformers"]),
         "torch,test",
         backends=("torch",),
         tests=("tests/backends", "tests/torch", "tests/examples"),

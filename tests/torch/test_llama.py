@@ -1,0 +1,130 @@
+"""Llama-style attention (transformers) to and from canonical weights, against its own output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mha_multi import spec
+from mha_multi.interop.llama import (
+    from_llama,
+    from_llama_state,
+    llama_config,
+    to_llama,
+    to_llama_state,
+)
+from mha_multi.weights import init_weights
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaConfig  # noqa: E402
+
+# (num_heads, num_kv_heads, head_dim): GQA with a head size of its own, MQA, MHA. (transformers
+# wants an even head_dim and a hidden_size that num_heads divides.)
+HEADS = [(4, 2, 6), (4, 1, 8), (4, 4, 4)]
+
+
+def llama_attention(num_heads, num_kv_heads, head_dim, *, bias, hidden_size=16, seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        attention_bias=bias,
+    )
+    # SDPA: the eager implementation takes its softmax in float32 whatever the dtype.
+    config._attn_implementation = "sdpa"
+    module = LlamaAttention(config, layer_idx=0).double().eval()
+    if bias:  # transformers starts biases at zero: make them count
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(module, name).bias.normal_()
+    return module
+
+
+def llama_output(module, x, *, causal):
+    """The module's output with rotary embeddings turned off (cos = 1, sin = 0).
+
+    Without a mask the module is causal unless told otherwise (``is_causal``).
+    """
+    batch, length, _ = x.shape
+    cos = torch.ones(batch, length, module.head_dim, dtype=x.dtype)
+    sin = torch.zeros_like(cos)
+    module.is_causal = causal
+    with torch.no_grad():
+        output, _ = module(x, position_embeddings=(cos, sin), attention_mask=None)
+    return output.numpy()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEADS)
+def test_llama_weights_give_the_module_output(num_heads, num_kv_heads, head_dim, bias, causal):
+    module = llama_attention(num_heads, num_kv_heads, head_dim, bias=bias)
+    weights, heads = from_llama(module)
+    assert heads == {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    x = np.random.default_rng(1).standard_normal((2, 5, 16))
+    expected = llama_output(module, torch.from_numpy(x), causal=causal)
+    output, _ = spec.reference_forward(
+        weights, x, x, x, None, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal
+    )
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEADS)
+def test_canonical_weights_load_into_llama_and_back(num_heads, num_kv_heads, head_dim):
+    weights = init_weights(
+        16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias=True, seed=3
+    )
+    weights = {name: value.astype(np.float64) for name, value in weights.items()}
+    module = to_llama(weights, llama_attention(num_heads, num_kv_heads, head_dim, bias=True))
+    x = np.random.default_rng(2).standard_normal((2, 4, 16))
+    expected, _ = spec.reference_forward(weights, x, x, x, None, num_heads=num_heads)
+    np.testing.assert_allclose(
+        llama_output(module, torch.from_numpy(x), causal=False), expected, rtol=0, atol=1e-12
+    )
+    back = from_llama_state(to_llama_state(weights, num_heads=num_heads), num_heads=num_heads)
+    assert all(back[name].tobytes() == weights[name].tobytes() for name in weights)
+
+
+def test_query_key_value_biases_only_convert_with_a_zero_output_bias():
+    module = llama_attention(4, 2, 6, bias=True)
+    state = {k: v for k, v in module.state_dict().items() if k != "o_proj.bias"}
+    weights = from_llama_state(state, num_heads=4)
+    np.testing.assert_array_equal(weights["b_o"], 0.0)
+    np.testing.assert_array_equal(weights["b_q"], module.q_proj.bias.detach().numpy())
+
+
+def test_prefixed_model_state_dict():
+    module = llama_attention(4, 2, 6, bias=False)
+    prefix = "model.layers.3.self_attn."
+    state = {prefix + k: v for k, v in module.state_dict().items()}
+    state["model.embed_tokens.weight"] = torch.zeros(3, 16)
+    weights = from_llama_state(state, num_heads=4, prefix=prefix)
+    np.testing.assert_array_equal(weights["W_k"], module.k_proj.weight.detach().numpy().T)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s: s.pop("v_proj.weight"), "missing 'v_proj.weight'"),
+        (
+            lambda s: s.update(extra=torch.zeros(1)),
+            r"unexpected Llama attention entries \['extra'\]",
+        ),
+        (lambda s: s.pop("q_proj.bias"), r"on \['k', 'o', 'v'\]"),
+        (lambda s: s.update({"k_proj.weight": torch.zeros(5, 16)}), "not a multiple of head_dim"),
+    ],
+)
+def test_bad_state_dicts_are_named(change, match):
+    state = dict(llama_attention(4, 2, 6, bias=True).state_dict())
+    change(state)
+    with pytest.raises(ValueError, match=match):
+        from_llama_state(state, num_heads=4)
+
+
+def test_cross_attention_weights_have_no_llama_form():
+    weights = init_weights(16, query_size=8, num_heads=4)
+    with pytest.raises(ValueError, match="query_size, key_size, value_size and num_hiddens"):
+        llama_config(weights, num_heads=4)
