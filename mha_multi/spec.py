@@ -602,6 +602,8 @@ class FusedKernel:
         hidden_rows_uniform: gives a query that sees no key uniform weights,
             as the spec does (it masks with ``MASK_VALUE`` itself), so no row
             needs :func:`fix_fully_hidden_rows`.
+        takes_grouped_heads: takes fewer key/value heads than query heads
+            (grouped-query attention) without their being repeated.
     """
 
     name: str
@@ -611,6 +613,7 @@ class FusedKernel:
     mask_and_causal: bool = False
     replaces_hidden_scores: bool = False
     hidden_rows_uniform: bool = False
+    takes_grouped_heads: bool = False
 
 
 @dataclass(frozen=True)
@@ -628,6 +631,8 @@ class KernelPlan:
         fix_rows: rows may be fully hidden; give them the spec's value with
             :func:`fix_fully_hidden_rows` and :meth:`fix_visibility`.
         fix_causal: the causal rule can hide whole rows (``Q > K``).
+        repeat_kv: grouped key/value heads must be repeated (once, on the
+            projected heads) for a kernel that takes no groups.
     """
 
     fused: bool
@@ -638,6 +643,7 @@ class KernelPlan:
     mask_causal: bool = False
     fix_rows: bool = False
     fix_causal: bool = False
+    repeat_kv: bool = False
 
     @property
     def needs_mask(self) -> bool:
@@ -681,6 +687,7 @@ def plan_kernel(
     dtype_supported: bool = True,
     values_exact: bool | None = None,
     shortest_length: float | None = None,
+    grouped: bool = False,
 ) -> KernelPlan:
     """Whether a call runs ``kernel``, and what the kernel is given.
 
@@ -703,6 +710,7 @@ def plan_kernel(
             read (a traced graph).
         shortest_length: the shortest length, where it was read; ``None``
             where it was not (every row may then be fully hidden).
+        grouped: fewer key/value heads than query heads.
 
     Returns:
         The plan.
@@ -748,6 +756,7 @@ def plan_kernel(
         mask_causal=causal and not is_causal,
         fix_rows=fix_rows,
         fix_causal=causal_hides_rows,
+        repeat_kv=grouped and not kernel.takes_grouped_heads,
     )
 
 

@@ -480,6 +480,14 @@ def test_kernel_plan_fused_where_values_do_not_matter():
     assert plan.fused and not plan.fix_rows
 
 
+def test_kernel_plan_repeats_grouped_heads_only_for_kernels_without_groups():
+    facts = {"sizes": (1, 2, 2), "lens_ndim": None, "values_exact": True, "grouped": True}
+    assert spec.plan_kernel(SDPA_LIKE, **facts).repeat_kv
+    grouping = spec.FusedKernel("grouping", takes_grouped_heads=True)
+    assert not spec.plan_kernel(grouping, **facts).repeat_kv
+    assert not spec.plan_kernel(SDPA_LIKE, **{**facts, "grouped": False}).repeat_kv
+
+
 def test_kernel_plan_masks_are_the_spec_visibility():
     lens = np.array([3, 0])
     plan = spec.plan_kernel(SDPA_LIKE, sizes=(2, 4, 3), lens_ndim=1, causal=True, values_exact=True)
