@@ -10,9 +10,10 @@ import torch
 
 from mha_multi.bench.common import Shape
 from mha_multi.bench.driver import Framework, score_bytes
-from mha_multi.torch import MultiHeadAttention
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from mha_multi.interop.torch import key_padding_mask
+from mha_multi.torch import _backend as backend
+from mha_multi.torch import set_weights
+from mha_multi.weights import init_weights
 
 
 class Torch(Framework):
@@ -22,19 +23,19 @@ class Torch(Framework):
     name = "torch"
 
     def setup(self) -> None:
-        torch.set_float32_matmul_precision("highest")
+        backend.exact_float32()
 
     def devices(self) -> list[str]:
-        return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        return ["cpu"] + (["gpu"] if backend.gpu_available() else [])
 
     def describe(self, device: str, execution: str | None) -> str:
-        return torch.cuda.get_device_name() if device == "cuda" else device
+        return backend.device_description(device)
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}
 
     def array(self, value: np.ndarray, device: str, dtype: str) -> torch.Tensor:
-        return torch.from_numpy(value).to(device, DTYPES[dtype])
+        return backend.to_native(value, device, dtype)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b)
@@ -42,14 +43,17 @@ class Torch(Framework):
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
     ) -> tuple[torch.Tensor, ...]:
-        padding = torch.from_numpy(~visible).to(device)
-        return self.array(x, device, dtype), torch.from_numpy(lens).to(device), padding
+        padding = key_padding_mask(lens, x.shape[1]).to(backend.device(device))
+        return self.array(x, device, dtype), backend.lens_to_native(lens, device), padding
 
     def build(self, shape: Shape, device: str, dtype: str) -> dict[str, Any]:
         d, h = shape.num_hiddens, shape.num_heads
-        kwargs = {"device": device, "dtype": DTYPES[dtype]}
-        ours = MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d, **kwargs).eval()
-        native = torch.nn.MultiheadAttention(d, h, bias=False, batch_first=True, **kwargs).eval()
+        weights = init_weights(d)  # both layers hold the same weights
+        ours = backend.make_layer(
+            d, h, query_size=d, key_size=d, value_size=d, device=device, dtype=dtype
+        )
+        ours = set_weights(ours, weights).eval()
+        native = backend.native_layer(weights, h, device=device, dtype=dtype)
         return {
             "ours": (ours, lambda x, lens, padding: ours(x, x, x, lens)),
             "ours (generic)": (
@@ -84,8 +88,7 @@ class Torch(Framework):
         return forward_backward
 
     def sync(self, value: Any) -> None:
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            torch.cuda.synchronize()
+        backend.sync(value)
 
     def scratch_bytes(
         self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool
@@ -95,7 +98,7 @@ class Torch(Framework):
         return score_bytes(shape, 3, dtype) if implementation == "ours (generic)" else 0
 
     def peak_mib(self, device: str, run: Callable[[], None]) -> float:
-        if device != "cuda":
+        if device != "gpu":
             return super().peak_mib(device, run)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mha_multi.torch._backend import host_array
 from mha_multi.weights import check_weights
 
 __all__ = [
@@ -48,12 +49,7 @@ _UNSUPPORTED = {
 
 
 def _numpy(value: Any) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
-        if value.dtype == torch.bfloat16:
-            value = value.float()
-        return value.numpy().copy()
-    return np.asarray(value)
+    return np.asarray(host_array(value))
 
 
 def from_torch_mha_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mha_multi import spec
+from mha_multi.torch._backend import host_array
 from mha_multi.torch._ops import (
     SIXTEEN_BIT,
     accumulates_in_float32,
@@ -401,17 +402,10 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
         raise ValueError(
             f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
         )
-
-    def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-        tensor = tensor.detach().cpu()
-        if tensor.dtype == torch.bfloat16:
-            tensor = tensor.float()
-        return tensor.numpy().copy()
-
     weights = {}
     for name in KERNEL_NAMES:
         linear = getattr(layer, name)
-        weights[name] = to_numpy(linear.weight.T)
+        weights[name] = host_array(linear.weight.T)
         if layer.bias:
-            weights[f"b_{name[-1]}"] = to_numpy(linear.bias)
+            weights[f"b_{name[-1]}"] = host_array(linear.bias)
     return weights

@@ -17,32 +17,36 @@ from mha_multi.interop.torch import (
     to_torch_mha,
     to_torch_mha_state,
 )
-from mha_multi.parity.cases import CASES, build_case
+from mha_multi.parity.cases import INPUT_NAMES
+from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
+from mha_multi.torch import _backend as backend
 from mha_multi.weights import init_weights
 
 
-def case(name):
-    return build_case(next(c for c in CASES if c.name == name))
+@pytest.fixture(scope="module")
+def runner():
+    return get_runner("torch")
 
 
-def native_output(module, case, **kwargs):
-    q, k, v = (torch.tensor(case.inputs[n]) for n in ("queries", "keys", "values"))
-    module.eval()
+def native_output(runner, case):
+    """``torch.nn.MultiheadAttention`` holding the case's weights, on its inputs and padding."""
+    module = backend.native_layer(case.weights, case.config.num_heads)
+    kwargs = {}
+    if case.valid_lens is not None:
+        kwargs["key_padding_mask"] = key_padding_mask(case.valid_lens, case.config.num_keys)
     with torch.no_grad():
-        out, _ = module(q, k, v, need_weights=False, **kwargs)
-    return out.numpy()
+        out, _ = module(
+            *(runner.to_native(case.inputs[n]) for n in INPUT_NAMES), need_weights=False, **kwargs
+        )
+    return runner.to_numpy(out)
 
 
 @pytest.mark.parametrize("name", ["book", "bias", "lens_1d", "lens_none", "one_head"])
-def test_native_layer_matches_reference(name):
-    c = case(name)
-    module = to_torch_mha(c.weights, c.config.num_heads)
-    kwargs = {}
-    if c.valid_lens is not None:
-        kwargs["key_padding_mask"] = key_padding_mask(c.valid_lens, c.config.num_keys)
+def test_native_layer_matches_reference(runner, cases, name):
+    case = cases[name]
     np.testing.assert_allclose(
-        native_output(module, c, **kwargs), c.reference["output"], rtol=0, atol=5e-6
+        native_output(runner, case), case.reference["output"], rtol=0, atol=5e-6
     )
 
 
@@ -91,18 +95,15 @@ def test_unsupported_native_options_are_refused():
         from_torch_mha_state(state)
 
 
-def test_fully_hidden_rows_differ_from_native_by_design():
+def test_fully_hidden_rows_differ_from_native_by_design(runner, cases):
     # The spec: a query that sees no key gets uniform weights (the mean of all
     # values); torch's layer gives NaN or zeros there. Visible rows agree.
-    c = case("lens_zero")  # valid_lens [0, -2, 3]
-    module = to_torch_mha(c.weights, c.config.num_heads)
-    native = native_output(
-        module, c, key_padding_mask=key_padding_mask(c.valid_lens, c.config.num_keys)
-    )
-    np.testing.assert_allclose(native[2], c.reference["output"][2], atol=5e-6)
+    case = cases["lens_zero"]  # valid_lens [0, -2, 3]
+    native = native_output(runner, case)
+    np.testing.assert_allclose(native[2], case.reference["output"][2], atol=5e-6)
     hidden = native[:2]
     assert np.all(np.isnan(hidden) | (hidden == 0))
-    assert np.all(np.isfinite(c.reference["output"][:2]))
+    assert np.all(np.isfinite(case.reference["output"][:2]))
 
 
 def test_torch_d2l_state_round_trip():

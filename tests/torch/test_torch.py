@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
 
 from conftest import gpu_required
 from mha_multi import spec
-from mha_multi.parity.cases import CASES, build_case
+from mha_multi.parity.cases import INPUT_NAMES
+from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
+from mha_multi.torch import _backend as backend
 from mha_multi.torch._ops import OPS
 from mha_multi.torch.layer import _linear
 from mha_multi.weights import init_weights
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return get_runner("torch")
 
 
 @pytest.fixture
@@ -27,52 +36,49 @@ def compiler():
     torch._dynamo.reset()
 
 
-def layer_for(case, **kwargs):
-    layer = MultiHeadAttention(
-        case.config.num_hiddens, case.config.num_heads, bias=case.config.bias, **kwargs
-    )
-    return set_weights(layer, case.weights)
-
-
-def tensors(case, dtype=torch.float32, device="cpu"):
-    return [
-        torch.tensor(case.inputs[n], dtype=dtype, device=device)
-        for n in ("queries", "keys", "values")
-    ]
-
-
-def lens(case, device="cpu"):
-    return None if case.valid_lens is None else torch.tensor(case.valid_lens, device=device)
+@pytest.fixture
+def gpu():
+    if not backend.gpu_available():
+        if gpu_required():
+            pytest.fail("no CUDA device, and MHA_MULTI_REQUIRE_GPU is set")
+        pytest.skip("no CUDA device")
+    return "gpu"
 
 
 @pytest.mark.parametrize("name", ["lens_2d", "causal_cross", "cross_sizes", "lens_zero"])
-def test_gradcheck_float64(name):
-    case = build_case(next(c for c in CASES if c.name == name))
-    layer = layer_for(case).double()
-    inputs = [t.requires_grad_(True) for t in tensors(case, torch.float64)]
+def test_gradcheck_float64(runner, cases, name):
+    case = cases[name]
+    layer = runner.layer_for(case, dtype="float64")
+    inputs = [
+        runner.to_native(case.inputs[n], dtype="float64").requires_grad_(True) for n in INPUT_NAMES
+    ]
+    lens = runner.native_lens(case.valid_lens)
     assert torch.autograd.gradcheck(
-        lambda q, k, v: layer(q, k, v, lens(case), causal=case.config.causal), inputs
+        lambda q, k, v: layer(q, k, v, lens, causal=case.config.causal), inputs
     )
 
 
-def test_lazy_sizes_are_inferred_on_first_call():
+def test_lazy_sizes_are_inferred_on_first_call(runner):
+    rng = np.random.default_rng(0)
     layer = MultiHeadAttention(12, 3)
     with pytest.raises(ValueError, match="query_size, key_size, value_size not known yet"):
         get_weights(layer)
-    q, k, v = (torch.randn(2, 3, 7), torch.randn(2, 5, 4), torch.randn(2, 5, 6))
+    q, k, v = (runner.to_native(rng.standard_normal(s)) for s in [(2, 3, 7), (2, 5, 4), (2, 5, 6)])
     assert layer(q, k, v).shape == (2, 3, 12)
     assert layer.input_sizes() == {"query_size": 7, "key_size": 4, "value_size": 6}
     assert get_weights(layer)["W_v"].shape == (6, 12)
     with pytest.raises(ValueError, match="queries last dimension must be query_size=7"):
-        layer(torch.randn(2, 3, 8), k, v)
+        layer(runner.to_native(rng.standard_normal((2, 3, 8))), k, v)
 
 
-def test_set_weights_fixes_lazy_sizes():
-    case = build_case(next(c for c in CASES if c.name == "cross_sizes"))
-    layer = layer_for(case)  # lazy, sizes come from the weights
+def test_set_weights_fixes_lazy_sizes(runner, cases):
+    case = cases["cross_sizes"]
+    config = case.config
+    layer = MultiHeadAttention(config.num_hiddens, config.num_heads, bias=config.bias)
+    layer = set_weights(layer, case.weights)  # the layer is lazy: the sizes come from the weights
     assert layer.input_sizes() == {"query_size": 7, "key_size": 5, "value_size": 3}
-    out = layer(*tensors(case), lens(case))
-    np.testing.assert_allclose(out.detach().numpy(), case.reference["output"], atol=5e-6)
+    out = runner.call(layer, *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens)
+    np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
 
 
 def test_state_dict_uses_d2l_names():
@@ -84,135 +90,106 @@ def test_state_dict_uses_d2l_names():
     np.testing.assert_array_equal(weights["W_q"], layer.W_q.weight.detach().numpy().T)
 
 
-def test_dtype_mismatch_is_a_clear_error():
+def test_dtype_mismatch_is_a_clear_error(runner):
     layer = MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8)
-    x = torch.randn(1, 2, 8, dtype=torch.float64)
+    x = runner.to_native(np.random.default_rng(0).standard_normal((1, 2, 8)), dtype="float64")
     with pytest.raises(TypeError, match="queries dtype torch.float64 differs from the layer's"):
         layer(x, x.float(), x.float())
     with pytest.raises(TypeError, match="keys must be a floating-point tensor"):
         layer(x.float(), x.long(), x.float())
 
 
-def test_valid_lens_accepts_lists_and_numpy():
-    case = build_case(next(c for c in CASES if c.name == "lens_1d"))
-    layer = layer_for(case)
-    expected = case.reference["output"]
-    for valid_lens in (case.valid_lens.tolist(), case.valid_lens, lens(case)):
-        out = layer(*tensors(case), valid_lens)
-        np.testing.assert_allclose(out.detach().numpy(), expected, atol=5e-6)
+def test_valid_lens_accepts_lists_and_numpy(runner, cases):
+    case = cases["lens_1d"]
+    layer = runner.layer_for(case)
+    tensors = [runner.to_native(case.inputs[n]) for n in INPUT_NAMES]
+    for valid_lens in (
+        case.valid_lens.tolist(),
+        case.valid_lens,
+        runner.native_lens(case.valid_lens),
+    ):
+        out = runner.forward(layer, *tensors, valid_lens)
+        np.testing.assert_allclose(runner.to_numpy(out), case.reference["output"], atol=5e-6)
 
 
 @pytest.mark.parametrize("name", ["book", "causal_lens_2d", "lens_1d_float"])
-def test_torch_compile_matches_reference(name, compiler):
-    case = build_case(next(c for c in CASES if c.name == name))
-    layer = layer_for(case)
-    compiled = compiler(layer, fullgraph=True)
-    with torch.no_grad():
-        out, weights = compiled(
-            *tensors(case), lens(case), causal=case.config.causal, return_attention_weights=True
-        )
-    np.testing.assert_allclose(out.numpy(), case.reference["output"], atol=5e-6)
-    np.testing.assert_allclose(weights.numpy(), case.reference["attention_weights"], atol=5e-6)
+def test_torch_compile_matches_reference(runner, cases, name, compiler):
+    case = cases[name]
+    compiled = compiler(runner.layer_for(case), fullgraph=True)
+    out, weights = runner.call(
+        compiled,
+        *(case.inputs[n] for n in INPUT_NAMES),
+        case.valid_lens,
+        causal=case.config.causal,
+        return_attention_weights=True,
+    )
+    np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
+    np.testing.assert_allclose(weights, case.reference["attention_weights"], atol=5e-6)
 
 
-def test_autocast_bfloat16_softmax_is_float32_safe():
-    layer = MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8)
-    weights = get_weights(layer)
-    q, k, v = (torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8))
-    valid_lens = torch.tensor([0, 2])
+def test_autocast_bfloat16_softmax_is_float32_safe(runner):
+    weights = init_weights(8, seed=1)
+    layer = set_weights(MultiHeadAttention(8, 2), weights)
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal(s).astype(np.float32) for s in [(2, 3, 8), (2, 4, 8), (2, 4, 8)]]
+    valid_lens = np.array([0, 2])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = layer(q, k, v, valid_lens)
+        out = layer(*map(runner.to_native, inputs), runner.native_lens(valid_lens))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    expected, _ = spec.reference_forward(weights, q, k, v, valid_lens.numpy(), num_heads=2)
-    np.testing.assert_allclose(out.detach().float().numpy(), expected, atol=2e-2)
+    expected, _ = spec.reference_forward(weights, *inputs, valid_lens, num_heads=2)
+    np.testing.assert_allclose(runner.to_numpy(out), expected, atol=2e-2)
 
 
-@pytest.fixture
-def cuda():
-    if not torch.cuda.is_available():
-        if gpu_required():
-            pytest.fail("no CUDA device, and MHA_MULTI_REQUIRE_GPU is set")
-        pytest.skip("no CUDA device")
-    return torch.device("cuda")
+def test_gpu_with_valid_lens_on_either_device(runner, cases, gpu):
+    case = cases["lens_2d"]
+    layer = runner.layer_for(case, device=gpu)
+    tensors = [runner.to_native(case.inputs[n], gpu) for n in INPUT_NAMES]
+    for lens_device in ("cpu", gpu):
+        out = runner.forward(layer, *tensors, runner.native_lens(case.valid_lens, lens_device))
+        assert out.device.type == backend.device(gpu).type
+        np.testing.assert_allclose(runner.to_numpy(out), case.reference["output"], atol=5e-6)
 
 
-def test_cuda_with_valid_lens_on_either_device(cuda):
-    case = build_case(next(c for c in CASES if c.name == "lens_2d"))
-    layer = layer_for(case, device=cuda)
-    for valid_lens in (lens(case), lens(case, cuda)):
-        out = layer(*tensors(case, device=cuda), valid_lens)
-        assert out.device.type == "cuda"
-        np.testing.assert_allclose(out.detach().cpu().numpy(), case.reference["output"], atol=5e-6)
-
-
-def test_weights_round_trip_on_cuda(cuda):
+def test_weights_round_trip_on_gpu(gpu):
     weights = init_weights(8, bias=True, seed=2)
-    layer = set_weights(MultiHeadAttention(8, 2, bias=True, device=cuda), weights)
-    assert layer.W_q.weight.device.type == "cuda"
+    layer = set_weights(backend.make_layer(8, 2, bias=True, device=gpu), weights)
+    assert layer.W_q.weight.device.type == backend.device(gpu).type
     got = get_weights(layer)
     assert all(got[k].tobytes() == weights[k].tobytes() for k in weights)
 
 
-@pytest.fixture
-def sdpa_calls(monkeypatch):
-    """Records the keyword arguments of every scaled_dot_product_attention call."""
-    calls = []
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def recording(*args, **kwargs):
-        calls.append({**kwargs, "dtypes": [x.dtype for x in args]})
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
-    return calls
-
-
-@pytest.mark.parametrize(
-    ("name", "mask", "is_causal"),
-    [
-        ("lens_none", False, False),
-        ("lens_overlong", False, False),  # every length >= K: no mask, flash may run
-        ("lens_1d", True, False),
-        ("lens_zero", True, False),
-        ("causal", False, True),  # Q == K: SDPA's own causal flag
-        ("causal_cross", True, False),  # bottom-right alignment needs a mask
-    ],
-)
-def test_default_call_takes_the_fused_path(sdpa_calls, name, mask, is_causal):
-    case = build_case(next(c for c in CASES if c.name == name))
-    layer = layer_for(case).eval()
-    out = layer(*tensors(case), lens(case), causal=case.config.causal)
-    assert len(sdpa_calls) == 1
-    assert (sdpa_calls[0]["attn_mask"] is not None) == mask
-    assert sdpa_calls[0]["is_causal"] == is_causal
-    np.testing.assert_allclose(out.detach().numpy(), case.reference["output"], atol=5e-6)
-    layer(*tensors(case), lens(case), causal=case.config.causal, return_attention_weights=True)
-    assert len(sdpa_calls) == 1  # the weights come from the generic path
-
-
-def test_dropout_with_possibly_hidden_rows_takes_the_generic_path(sdpa_calls):
-    case = build_case(next(c for c in CASES if c.name == "lens_zero"))
-    layer = layer_for(case, dropout=0.5).train()
-    layer(*tensors(case), lens(case))
-    assert sdpa_calls == []
-    layer(*tensors(case))
-    assert len(sdpa_calls) == 1 and sdpa_calls[0]["dropout_p"] == 0.5
+def test_dropout_with_possibly_hidden_rows_takes_the_generic_path(runner, cases):
+    case = cases["lens_zero"]
+    config = case.config
+    layer = runner.make_layer(config.num_hiddens, config.num_heads, dropout=0.5, **config.sizes())
+    layer = runner.set_weights(layer, case.weights)
+    inputs = [case.inputs[n] for n in INPUT_NAMES]
+    with backend.kernel_spy() as calls:
+        runner.call(layer, *inputs, case.valid_lens, training=True)
+    assert calls == []
+    with backend.kernel_spy() as calls:
+        runner.call(layer, *inputs, training=True)
+    assert len(calls) == 1 and calls[0].dropout == 0.5  # SDPA applies the dropout itself
 
 
 @pytest.mark.parametrize("name", ["lens_zero", "causal_more_queries", "lens_overlong"])
-def test_torch_compile_default_call_matches_reference(name, compiler):
-    case = build_case(next(c for c in CASES if c.name == name))
-    compiled = compiler(layer_for(case).eval(), fullgraph=True)
-    with torch.no_grad():
-        out = compiled(*tensors(case), lens(case), causal=case.config.causal)
-    np.testing.assert_allclose(out.numpy(), case.reference["output"], atol=5e-6)
+def test_torch_compile_default_call_matches_reference(runner, cases, name, compiler):
+    case = cases[name]
+    compiled = compiler(runner.layer_for(case), fullgraph=True)
+    out = runner.call(
+        compiled,
+        *(case.inputs[n] for n in INPUT_NAMES),
+        case.valid_lens,
+        causal=case.config.causal,
+    )
+    np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
 
 
 @pytest.mark.parametrize("shared", ["qkv", "kv", "qk"])
-def test_shared_inputs_project_in_one_product(shared):
-    case = build_case(next(c for c in CASES if c.name == "bias"))
-    layer = layer_for(case).eval()
-    x = torch.tensor(case.inputs["queries"][:, :5])
+def test_shared_inputs_project_in_one_product(runner, cases, shared):
+    case = cases["bias"]
+    layer = runner.layer_for(case).eval()
+    x = runner.to_native(case.inputs["queries"][:, :5])
     lens = torch.tensor([3, 5, 0])
     q, k, v = {"qkv": (x, x, x), "kv": (x[:, :2], x, x), "qk": (x, x, x[:, :5] * 2)}[shared]
     expected, _ = spec.reference_forward(case.weights, q, k, v, lens, num_heads=4)
@@ -252,41 +229,36 @@ def assert_same_nonfinite_pattern(got, expected):
     np.testing.assert_allclose(got[finite], expected[finite], rtol=0, atol=5e-6)
 
 
-@pytest.mark.parametrize("where", ["query", "W_q", "hidden_key"])
-def test_nonfinite_projections_take_the_generic_path(sdpa_calls, where):
+# A non-finite key that lengths hide is tests/backends/test_fused_path.py's.
+@pytest.mark.parametrize("where", ["query", "W_q"])
+def test_nonfinite_projections_take_the_generic_path(runner, where):
     """Without lengths SDPA's CPU kernel returned zeros for a NaN query row."""
     weights, layer = edge_layer()
     queries, keys, values = edge_inputs()
-    valid_lens = None
     if where == "query":
         queries[0, 1, 2] = np.nan
-    elif where == "W_q":
+    else:
         weights = {**weights, "W_q": weights["W_q"].copy()}
         weights["W_q"][3, 0] = np.inf
         set_weights(layer, weights)
-    else:
-        keys[0, 4, 1] = np.inf
-        valid_lens = np.array([3, 5])
-    expected, _ = spec.reference_forward(weights, queries, keys, values, valid_lens, num_heads=2)
-    with torch.no_grad():
-        out = layer(
-            *(torch.tensor(x, dtype=torch.float32) for x in (queries, keys, values)), valid_lens
-        )
-    assert sdpa_calls == []
-    assert_same_nonfinite_pattern(out.numpy(), expected)
+    expected, _ = spec.reference_forward(weights, queries, keys, values, num_heads=2)
+    with backend.kernel_spy() as calls:
+        out = runner.call(layer, queries, keys, values)
+    assert calls == []
+    assert_same_nonfinite_pattern(out, expected)
 
 
 @pytest.mark.parametrize("shape", [(0, 3, 4), (2, 0, 4), (2, 3, 0)])
-def test_empty_axes_take_the_generic_path(sdpa_calls, shape):
+def test_empty_axes_take_the_generic_path(runner, shape):
     batch, num_queries, num_keys = shape
     weights, layer = edge_layer()
     inputs = edge_inputs(num_queries, num_keys, batch)
     expected, _ = spec.reference_forward(weights, *inputs, np.ones(batch), num_heads=2)
-    with torch.no_grad():
-        out = layer(*(torch.tensor(x, dtype=torch.float32) for x in inputs), torch.ones(batch))
-    assert sdpa_calls == []
+    with backend.kernel_spy() as calls:
+        out = runner.call(layer, *inputs, np.ones(batch, np.float32))
+    assert calls == []
     assert out.shape == expected.shape
-    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=5e-6)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -294,7 +266,10 @@ def test_16bit_products_accumulate_in_float32_by_construction(dtype):
     """On CPU every 16-bit product is the float32 product of the same numbers, rounded once."""
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(3, 64, 256, generator=generator).to(dtype) for _ in range(2))
-    weight, bias = torch.randn(32, 256, generator=generator).to(dtype), torch.randn(32).to(dtype)
+    weight, bias = (
+        torch.randn(32, 256, generator=generator).to(dtype),
+        torch.randn(32, generator=generator).to(dtype),
+    )
     product = OPS.matmul(a, b.transpose(1, 2))
     assert product.dtype == dtype
     assert torch.equal(product, (a.float() @ b.float().transpose(1, 2)).to(dtype))
@@ -304,15 +279,19 @@ def test_16bit_products_accumulate_in_float32_by_construction(dtype):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_16bit_fused_path_runs_sdpa_on_float32_copies_on_cpu(sdpa_calls, dtype):
-    case = build_case(next(c for c in CASES if c.name == "lens_1d"))
-    layer = layer_for(case).to(dtype).eval()
-    with torch.no_grad():
-        out = layer(*tensors(case, dtype), lens(case))
-    assert len(sdpa_calls) == 1 and sdpa_calls[0]["dtypes"] == 3 * [torch.float32]
-    assert out.dtype == dtype
-    np.testing.assert_allclose(out.float().numpy(), case.reference["output"], atol=2e-2)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_fused_path_runs_sdpa_on_float32_copies_on_cpu(runner, cases, dtype):
+    case = cases["lens_1d"]
+    layer = runner.layer_for(case, dtype=dtype)
+    tensors = [runner.to_native(case.inputs[n], dtype=dtype) for n in INPUT_NAMES]
+    # The operands' dtypes are not a KernelCall's: the kernel itself is wrapped.
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", wraps=sdpa) as spy:
+        out = runner.forward(layer, *tensors, runner.native_lens(case.valid_lens))
+    spy.assert_called_once()
+    assert [x.dtype for x in spy.call_args.args] == 3 * [torch.float32]
+    assert out.dtype == backend.DTYPES[dtype]
+    np.testing.assert_allclose(runner.to_numpy(out), case.reference["output"], atol=2e-2)
 
 
 def test_autocast_rounds_operands_once_and_keeps_float32_scores():
@@ -338,7 +317,7 @@ def test_autocast_rounds_operands_once_and_keeps_float32_scores():
     ],
     ids=["uint8", "int8", "uint64_tensor", "uint64_numpy", "list"],
 )
-def test_integer_lengths_are_compared_in_int64(valid_lens):
+def test_integer_lengths_are_compared_in_int64(runner, valid_lens):
     """Narrow lengths are widened before meeting key positions up to 199 (int8 wraps at 128)."""
     weights, layer = edge_layer()
     inputs = edge_inputs(2, 200)
@@ -347,13 +326,16 @@ def test_integer_lengths_are_compared_in_int64(valid_lens):
     )
     as_int64 = np.clip(as_int64, -1, 200).astype(np.int64)
     expected, expected_weights = spec.reference_forward(weights, *inputs, as_int64, num_heads=2)
-    tensors_ = [torch.tensor(x, dtype=torch.float32) for x in inputs]
-    with torch.no_grad():
-        out = layer(*tensors_, valid_lens)
-        generic, attention_weights = layer(*tensors_, valid_lens, return_attention_weights=True)
+    tensors = [runner.to_native(x) for x in inputs]
+    out = runner.forward(layer, *tensors, valid_lens)
+    generic, attention_weights = runner.forward(
+        layer, *tensors, valid_lens, return_attention_weights=True
+    )
     for got in (out, generic):
-        np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=5e-6)
-    np.testing.assert_allclose(attention_weights.numpy(), expected_weights, rtol=0, atol=5e-6)
+        np.testing.assert_allclose(runner.to_numpy(got), expected, rtol=0, atol=5e-6)
+    np.testing.assert_allclose(
+        runner.to_numpy(attention_weights), expected_weights, rtol=0, atol=5e-6
+    )
 
 
 COMPILED_EDGES = {
@@ -365,7 +347,7 @@ COMPILED_EDGES = {
 
 
 @pytest.mark.parametrize("name", sorted(COMPILED_EDGES))
-def test_torch_compile_edge_inputs_match_reference(name, compiler):
+def test_torch_compile_edge_inputs_match_reference(runner, name, compiler):
     """Compiled graphs cannot branch on values; the path they take must be exact for any."""
     edit, valid_lens = COMPILED_EDGES[name]
     weights, layer = edge_layer()
@@ -373,18 +355,15 @@ def test_torch_compile_edge_inputs_match_reference(name, compiler):
     edit(*inputs)
     reference_lens = None if valid_lens is None else np.clip(valid_lens, None, 5)
     compiled = compiler(layer, fullgraph=True)
-    tensors_ = [torch.tensor(x, dtype=torch.float32) for x in inputs]
     for causal in (False, True):
         expected, _ = spec.reference_forward(
             weights, *inputs, reference_lens, num_heads=2, causal=causal
         )
-        with torch.no_grad():
-            lens_ = None if valid_lens is None else torch.from_numpy(valid_lens.copy())
-            out = compiled(*tensors_, lens_, causal=causal)
-        assert_same_nonfinite_pattern(out.numpy(), expected)
+        out = runner.call(compiled, *inputs, valid_lens, causal=causal)
+        assert_same_nonfinite_pattern(out, expected)
 
 
-def test_torch_compile_empty_keys_and_gradients(compiler):
+def test_torch_compile_empty_keys_and_gradients(runner, compiler):
     weights, layer = edge_layer()
     inputs = edge_inputs(num_keys=0)
     output_gradient = np.ones((2, 3, 8))
@@ -392,12 +371,12 @@ def test_torch_compile_empty_keys_and_gradients(compiler):
         weights, *inputs, np.array([1, 2]), num_heads=2, output_gradient=output_gradient
     )
     compiled = compiler(layer, fullgraph=True)
-    tensors_ = [torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in inputs]
-    out = compiled(*tensors_, torch.tensor([1, 2]))
+    tensors = [runner.to_native(x).requires_grad_(True) for x in inputs]
+    out = compiled(*tensors, torch.tensor([1, 2]))
     np.testing.assert_allclose(
         out.detach().numpy(), np.broadcast_to(weights["b_o"], (2, 3, 8)), rtol=0, atol=5e-6
     )
-    out.backward(torch.tensor(output_gradient, dtype=torch.float32))
+    out.backward(runner.to_native(output_gradient))
     np.testing.assert_allclose(layer.W_o.bias.grad.numpy(), expected["b_o"], atol=5e-5)
-    np.testing.assert_allclose(tensors_[0].grad.numpy(), expected["queries"], atol=5e-5)
-    assert tensors_[1].grad.shape == (2, 0, 8)
+    np.testing.assert_allclose(tensors[0].grad.numpy(), expected["queries"], atol=5e-5)
+    assert tensors[1].grad.shape == (2, 0, 8)
