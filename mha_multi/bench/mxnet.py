@@ -11,6 +11,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+# First: MXNet's exact-float32 environment is in place before MXNet loads
+# (docs: "Architecture").
+from mha_multi.mxnet import _backend as backend  # isort: split
+
 import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon, npx
@@ -18,7 +22,8 @@ from mxnet.gluon import nn
 
 from mha_multi.bench.common import Shape
 from mha_multi.bench.driver import Framework, score_bytes
-from mha_multi.mxnet import MultiHeadAttention
+from mha_multi.mxnet import set_weights
+from mha_multi.weights import init_weights
 
 npx.set_np()
 
@@ -104,10 +109,6 @@ class D2LMultiHeadAttention(gluon.HybridBlock):
         return F.npx.reshape(X, (-2, -2, -5))
 
 
-def _ctx(device: str) -> mx.Context:
-    return mx.gpu(0) if device == "gpu" else mx.cpu()
-
-
 class MXNet(Framework):
     """Both layers hybridized, on the CPU and the first GPU."""
 
@@ -116,17 +117,20 @@ class MXNet(Framework):
     # are emulated, so float16 is timed on GPUs only.
     fast_dtype = "float16"
 
+    def setup(self) -> None:
+        backend.exact_float32()
+
     def devices(self) -> list[str]:
-        return ["cpu"] + (["gpu"] if mx.context.num_gpus() > 0 else [])
+        return ["cpu"] + (["gpu"] if backend.gpu_available() else [])
 
     def describe(self, device: str, execution: str | None) -> str:
-        return f"gpu ({mx.context.num_gpus()})" if device == "gpu" else device
+        return backend.device_description(device)
 
     def versions(self) -> dict[str, str]:
         return {"mxnet": mx.__version__}
 
     def array(self, value: np.ndarray, device: str, dtype: str) -> mx.np.ndarray:
-        return mx.np.array(value, dtype=dtype, ctx=_ctx(device))
+        return backend.to_native(value, device, dtype)
 
     def matmul(self, a: mx.np.ndarray, b: mx.np.ndarray) -> mx.np.ndarray:
         return mx.np.dot(a, b)
@@ -141,11 +145,12 @@ class MXNet(Framework):
         # Hybridized without ``static_alloc``: each cached graph would then keep
         # its own full-size buffers, several GiB per graph at N = 2048.
         d, h = shape.num_hiddens, shape.num_heads
-        ours = MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d, dtype=dtype)
-        ours.initialize(mx.init.Xavier(), ctx=_ctx(device))
-        ours.hybridize()
+        ours = backend.make_layer(
+            d, h, query_size=d, key_size=d, value_size=d, device=device, dtype=dtype, hybridize=True
+        )
+        set_weights(ours, init_weights(d))
         native = D2LMultiHeadAttention(d, h)
-        native.initialize(mx.init.Xavier(), ctx=_ctx(device))
+        native.initialize(mx.init.Xavier(), ctx=backend.device(device))
         native.cast(dtype)
         native.hybridize()
         return {
@@ -174,7 +179,7 @@ class MXNet(Framework):
         return forward_backward
 
     def sync(self, value: Any) -> None:
-        mx.npx.waitall()
+        backend.sync(value)
 
     def scratch_bytes(
         self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool

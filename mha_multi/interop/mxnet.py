@@ -24,6 +24,7 @@ import mxnet as mx
 import numpy as np
 from mxnet import gluon, npx
 
+from mha_multi.mxnet._backend import host_array
 from mha_multi.mxnet.layer import _load
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
@@ -43,11 +44,7 @@ _LAYERS = tuple(KERNEL_NAMES)  # ("W_q", "W_k", "W_v", "W_o")
 
 
 def _numpy(value: Any) -> np.ndarray:
-    if isinstance(value, gluon.Parameter):
-        value = value.data()
-    if isinstance(value, mx.nd.NDArray):
-        return value.asnumpy()
-    return np.asarray(value)
+    return np.asarray(host_array(value))
 
 
 def from_mxnet_d2l_state(params: Mapping[str, Any]) -> dict[str, np.ndarray]:

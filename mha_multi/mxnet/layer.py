@@ -29,6 +29,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# First: the backend module puts MXNet's exact-float32 environment in place
+# before MXNet is loaded (docs: "Architecture").
+from mha_multi.mxnet._backend import host_array  # isort: split
+
 import mxnet as mx
 import numpy as np
 from mxnet import gluon, npx
@@ -594,10 +598,6 @@ def _load(parameter: gluon.Parameter, array: np.ndarray, ctx: mx.Context | None)
     parameter.set_data(mx.np.array(array, dtype=parameter.dtype))
 
 
-def _as_numpy(value: Any) -> Any:
-    return value.asnumpy() if isinstance(value, mx.nd.NDArray) else value
-
-
 def set_weights(
     layer: MultiHeadAttention, weights: Mapping[str, Any], *, ctx: mx.Context | None = None
 ) -> MultiHeadAttention:
@@ -615,7 +615,7 @@ def set_weights(
     """
     if isinstance(weights, Mapping):
         # numpy would wrap an MXNet array as a 0-d object array, not read it.
-        weights = {name: _as_numpy(value) for name, value in weights.items()}
+        weights = {name: host_array(value) for name, value in weights.items()}
     arrays, _ = check_weights(
         weights, num_hiddens=layer.num_hiddens, bias=layer.bias, **layer.input_sizes()
     )
@@ -644,7 +644,7 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
     weights = {}
     for name in KERNEL_NAMES:
         dense = getattr(layer, name)
-        weights[name] = np.ascontiguousarray(dense.weight.data().asnumpy().T)
+        weights[name] = np.ascontiguousarray(host_array(dense.weight).T)
         if layer.bias:
-            weights[f"b_{name[-1]}"] = dense.bias.data().asnumpy().copy()
+            weights[f"b_{name[-1]}"] = host_array(dense.bias)
     return weights

@@ -1,4 +1,8 @@
-"""The MXNet layer's fast route: taken by default, the spec's numbers on every mask."""
+"""The MXNet layer's fast route: the spec's numbers on every mask, in every dtype.
+
+That the default call takes it, as the kernel plan says, is
+tests/backends/test_fused_path.py's.
+"""
 
 from __future__ import annotations
 
@@ -7,96 +11,34 @@ import json
 import mxnet as mx
 import numpy as np
 import pytest
-from mxnet import autograd
 
 from mha_multi import spec
-from mha_multi.mxnet import MultiHeadAttention, set_weights
+from mha_multi.mxnet import _backend as backend
 from mha_multi.mxnet._ops import MXNetOps
-from mha_multi.parity.cases import CASES, build_case
-from mha_multi.weights import KERNEL_NAMES
+from mha_multi.parity.cases import INPUT_NAMES
+from mha_multi.parity.runners import get_runner
 
-INPUT_NAMES = ("queries", "keys", "values")
 #: Cases with rows that see no key (lengths <= 0, causal with Q > K) or
 #: per-query masks: where a fast kernel would most likely depart from the spec.
 HIDDEN_ROW_CASES = ("lens_zero", "lens_2d", "causal_more_queries", "causal_lens_2d", "one_key")
+HYBRID = get_runner("mxnet-hybrid")
 
 
-def case_named(name):
-    return build_case(next(c for c in CASES if c.name == name))
+@pytest.fixture(params=["mxnet", "mxnet-hybrid"])
+def mxnet_runner(request):
+    """The imperative layer's runner, then the hybridized one's."""
+    return get_runner(request.param)
 
 
-def layer_for(case, *, hybridize=False, dtype="float32", **kwargs):
-    config = case.config
-    layer = MultiHeadAttention(
-        config.num_hiddens, config.num_heads, bias=config.bias, dtype=dtype, **kwargs
-    )
-    set_weights(layer, case.weights)
-    if hybridize:
-        layer.hybridize()
-    return layer
-
-
-def arrays(case, dtype="float32"):
-    return [mx.np.array(case.inputs[n], dtype=dtype) for n in INPUT_NAMES]
-
-
-def lens(case):
-    if case.valid_lens is None:
-        return None
-    return mx.np.array(case.valid_lens, dtype=case.valid_lens.dtype)
-
-
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Names of the fast route's kernels, recorded whenever Python calls them.
-
-    A hybridized layer calls them while tracing its graph (its first call
-    per configuration); an imperative one on every call.
-    """
-    calls = []
-    for module in (mx.ndarray.numpy_extension, mx.symbol.numpy_extension):
-        for name in ("batch_dot", "sequence_mask"):
-            original = getattr(module, name)
-
-            def recording(*args, _original=original, _name=name, **kwargs):
-                calls.append(_name)
-                return _original(*args, **kwargs)
-
-            monkeypatch.setattr(module, name, recording)
-    return calls
-
-
-@pytest.mark.parametrize("hybridize", [False, True])
-@pytest.mark.parametrize(
-    ("name", "masked"),
-    [("lens_none", False), ("lens_1d", True), ("lens_zero", True), ("causal", True)],
-)
-def test_default_call_takes_the_fast_route(kernel_calls, hybridize, name, masked):
-    case = case_named(name)
-    layer = layer_for(case, hybridize=hybridize)
-    out = layer(*arrays(case), lens(case), causal=case.config.causal)
-    assert kernel_calls.count("batch_dot") == 2
-    assert kernel_calls.count("sequence_mask") == int(masked)
-    np.testing.assert_allclose(out.asnumpy(), case.reference["output"], rtol=0, atol=5e-6)
-    kernel_calls.clear()
-    output, weights = layer(
-        *arrays(case), lens(case), causal=case.config.causal, return_attention_weights=True
-    )
-    assert kernel_calls == []  # the weights come from spec.attention
-    np.testing.assert_allclose(output.asnumpy(), case.reference["output"], rtol=0, atol=5e-6)
-    np.testing.assert_allclose(
-        weights.asnumpy(), case.reference["attention_weights"], rtol=0, atol=5e-6
-    )
-
-
-def test_exported_default_graph_masks_without_where(tmp_path):
-    case = case_named("causal_lens_2d")
-    layer = layer_for(case, hybridize=True)
+def test_exported_default_graph_masks_without_where(tmp_path, cases):
+    case = cases["causal_lens_2d"]
+    layer = HYBRID.layer_for(case)
     ops = {}
     for return_attention_weights in (False, True):
-        layer(
-            *arrays(case),
-            lens(case),
+        HYBRID.call(
+            layer,
+            *(case.inputs[n] for n in INPUT_NAMES),
+            case.valid_lens,
             causal=True,
             return_attention_weights=return_attention_weights,
         )
@@ -110,41 +52,36 @@ def test_exported_default_graph_masks_without_where(tmp_path):
     assert "_npi_where" in ops[True] and "SequenceMask" not in ops[True]
 
 
-def _forward_and_gradients(layer, case, dtype="float32"):
-    inputs = arrays(case, dtype)
-    for array in inputs:
-        array.attach_grad()
-    with autograd.record(train_mode=False):
-        output = layer(*inputs, lens(case), causal=case.config.causal)
-    output.backward(mx.np.array(case.output_gradient, dtype=dtype))
-    grads = {n: a.grad.asnumpy() for n, a in zip(INPUT_NAMES, inputs, strict=True)}
-    for name in KERNEL_NAMES:
-        dense = getattr(layer, name)
-        grads[name] = dense.weight.grad().asnumpy().T
-        if dense.bias is not None:
-            grads[f"b_{name[-1]}"] = dense.bias.grad().asnumpy()
-    return output.asnumpy(), grads
-
-
-@pytest.mark.parametrize("hybridize", [False, True])
 @pytest.mark.parametrize("name", HIDDEN_ROW_CASES)
-def test_fast_route_matches_reference_with_fully_hidden_rows(name, hybridize):
-    case = case_named(name)
-    output, grads = _forward_and_gradients(layer_for(case, hybridize=hybridize), case)
+def test_fast_route_matches_reference_with_fully_hidden_rows(mxnet_runner, cases, name):
+    runner, case = mxnet_runner, cases[name]
+    layer = runner.layer_for(case)
+    args = (layer, *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens)
+    with backend.kernel_spy() as calls:
+        output = runner.call(*args, causal=case.config.causal)
+    assert len(calls) == 1  # the fast route
     np.testing.assert_allclose(output, case.reference["output"], rtol=0, atol=5e-6)
+    grads = runner.gradients(
+        *args,
+        causal=case.config.causal,
+        output_gradient=case.output_gradient,
+        device="cpu",
+        dtype="float32",
+    )
     for key, grad in grads.items():
         np.testing.assert_allclose(
             grad, case.reference[f"grad.{key}"], rtol=0, atol=5e-5, err_msg=key
         )
 
 
-@pytest.mark.parametrize("hybridize", [False, True])
-def test_fully_hidden_rows_are_the_mean_of_the_values(hybridize):
+def test_fully_hidden_rows_are_the_mean_of_the_values(mxnet_runner, cases):
     # Hand-computed expectation: a row that sees no key has uniform weights,
     # so its output is W_o applied to the mean of the projected values.
-    case = case_named("lens_zero")  # lengths [0, -2, 3]
-    layer = layer_for(case, hybridize=hybridize, dtype="float64")
-    out = layer(*arrays(case, "float64"), lens(case)).asnumpy()
+    runner, case = mxnet_runner, cases["lens_zero"]  # lengths [0, -2, 3]
+    layer = runner.layer_for(case, dtype="float64")
+    out = runner.call(
+        layer, *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens, dtype="float64"
+    )
     values = case.inputs["values"].astype(np.float64)
     w = {k: v.astype(np.float64) for k, v in case.weights.items()}
     for b in (0, 1):
@@ -156,41 +93,57 @@ def test_fully_hidden_rows_are_the_mean_of_the_values(hybridize):
     ("dtype", "atol", "grad_atol"), [("float64", 1e-12, 1e-12), ("float16", 2e-2, 2e-2)]
 )
 @pytest.mark.parametrize("name", ["lens_zero", "causal_more_queries"])
-def test_fast_route_other_dtypes(name, dtype, atol, grad_atol):
-    case = case_named(name)
-    layer = layer_for(case, hybridize=True, dtype=dtype)
-    output, grads = _forward_and_gradients(layer, case, dtype)
-    assert output.dtype == np.dtype(dtype)
-    np.testing.assert_allclose(output, case.reference["output"], rtol=0, atol=atol)
+def test_fast_route_other_dtypes(cases, name, dtype, atol, grad_atol):
+    case = cases[name]
+    layer = HYBRID.layer_for(case, dtype=dtype)
+    arrays = [HYBRID.to_native(case.inputs[n], dtype=dtype) for n in INPUT_NAMES]
+    lens = HYBRID.native_lens(case.valid_lens)
+    output = HYBRID.forward(layer, *arrays, lens, causal=case.config.causal)
+    assert output.dtype == backend.DTYPES[dtype]
+    np.testing.assert_allclose(HYBRID.to_numpy(output), case.reference["output"], rtol=0, atol=atol)
+    grads = HYBRID.vjp(
+        layer,
+        *arrays,
+        lens,
+        causal=case.config.causal,
+        output_gradient=HYBRID.to_native(case.output_gradient, dtype=dtype),
+    )
     for key in INPUT_NAMES:
         np.testing.assert_allclose(
-            grads[key], case.reference[f"grad.{key}"], rtol=0, atol=grad_atol, err_msg=key
+            HYBRID.to_numpy(grads[key]),
+            case.reference[f"grad.{key}"],
+            rtol=0,
+            atol=grad_atol,
+            err_msg=key,
         )
 
 
 @pytest.mark.parametrize("name", ["book", "lens_1d_float", "causal_cross", "cross_sizes"])
-def test_fast_and_generic_routes_agree(name):
-    case = case_named(name)
-    layer = layer_for(case, hybridize=True)
-    kwargs = {"causal": case.config.causal}
-    fast = layer(*arrays(case), lens(case), **kwargs).asnumpy()
-    generic, _ = layer(*arrays(case), lens(case), return_attention_weights=True, **kwargs)
-    np.testing.assert_allclose(fast, generic.asnumpy(), rtol=0, atol=1e-6)
+def test_fast_and_generic_routes_agree(cases, name):
+    # Closer to each other than to the reference: the fast route differs
+    # from the generic one by where the scale is applied, a rounding.
+    case = cases[name]
+    layer = HYBRID.layer_for(case)
+    args = (layer, *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens)
+    fast = HYBRID.call(*args, causal=case.config.causal)
+    generic, _ = HYBRID.call(*args, causal=case.config.causal, return_attention_weights=True)
+    np.testing.assert_allclose(fast, case.reference["output"], rtol=0, atol=5e-6)
+    np.testing.assert_allclose(fast, generic, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("hybridize", [False, True])
-def test_fast_route_dropout_reaches_fully_hidden_rows(hybridize):
+def test_fast_route_dropout_reaches_fully_hidden_rows(mxnet_runner, cases):
     # SequenceMask gives a fully hidden row the spec's uniform weights
     # *before* dropout, so dropout acts there too: the row is the mean of
     # the kept values scaled by 1/(1-p), not the plain mean.
-    case = case_named("lens_zero")
-    layer = layer_for(case, hybridize=hybridize, dropout=0.5)
-    inputs = arrays(case)
-    with autograd.record():
-        dropped = layer(*inputs, lens(case)).asnumpy()
-    np.testing.assert_allclose(
-        layer(*inputs, lens(case)).asnumpy(), case.reference["output"], rtol=0, atol=5e-6
-    )
+    runner, case = mxnet_runner, cases["lens_zero"]
+    config = case.config
+    layer = runner.make_layer(config.num_hiddens, config.num_heads, dropout=0.5, **config.sizes())
+    layer = runner.set_weights(layer, case.weights)
+    args = (layer, *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens)
+    with backend.kernel_spy() as calls:
+        dropped = runner.call(*args, training=True)
+    assert calls[0].mask and calls[0].dropout == 0.5  # the fast route's own dropout
+    np.testing.assert_allclose(runner.call(*args), case.reference["output"], rtol=0, atol=5e-6)
     assert not np.allclose(dropped[:2], case.reference["output"][:2], atol=1e-3)
 
 

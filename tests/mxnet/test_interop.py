@@ -20,25 +20,13 @@ from mha_multi.interop.mxnet import (
     to_mxnet_d2l_state,
 )
 from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
-from mha_multi.parity.cases import CASES, build_case
+from mha_multi.parity.cases import INPUT_NAMES
+from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights, load_weights, save_weights
 
-INPUT_NAMES = ("queries", "keys", "values")
 #: Cases d2l's layer expresses: no lengths or 1-D lengths, no causal mask.
 D2L_CASES = ("book", "bias", "lens_none", "lens_1d", "lens_zero", "cross_sizes")
-
-
-def case_named(name):
-    return build_case(next(c for c in CASES if c.name == name))
-
-
-def arrays(case):
-    return [mx.np.array(case.inputs[n], dtype="float32") for n in INPUT_NAMES]
-
-
-def d2l_lens(case):
-    # d2l passes float32 lengths.
-    return None if case.valid_lens is None else mx.np.array(case.valid_lens, dtype="float32")
+RUNNER = get_runner("mxnet")
 
 
 def d2l_layer(case, *, hybridize):
@@ -51,15 +39,17 @@ def d2l_layer(case, *, hybridize):
 
 
 def d2l_output(layer, case):
-    lens = d2l_lens(case)
-    args = arrays(case) if lens is None else [*arrays(case), lens]
-    return layer(*args).asnumpy()
+    """d2l's layer on the case's inputs, with the lengths in float32 as d2l passes them."""
+    args = [RUNNER.to_native(case.inputs[n]) for n in INPUT_NAMES]
+    if case.valid_lens is not None:
+        args.append(RUNNER.to_native(case.valid_lens, dtype="float32"))
+    return RUNNER.to_numpy(layer(*args))
 
 
 @pytest.mark.parametrize("hybridize", [False, True])
 @pytest.mark.parametrize("name", D2L_CASES)
-def test_d2l_layer_loads_converted_params_and_matches_ours(tmp_path, name, hybridize):
-    case = case_named(name)
+def test_d2l_layer_loads_converted_params_and_matches_ours(tmp_path, cases, name, hybridize):
+    case = cases[name]
     save_weights(tmp_path / "w.safetensors", case.weights)
     assert main(["convert", str(tmp_path / "w.safetensors"), str(tmp_path / "d2l.params")]) == 0
     layer = d2l_layer(case, hybridize=hybridize)
@@ -68,8 +58,10 @@ def test_d2l_layer_loads_converted_params_and_matches_ours(tmp_path, name, hybri
     np.testing.assert_allclose(got, case.reference["output"], rtol=0, atol=5e-6)
     ours = MultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=case.config.bias)
     ours.load_parameters(str(tmp_path / "d2l.params"))  # the same file, same names
-    ours_output = ours(*arrays(case), d2l_lens(case)).asnumpy()
+    lens = None if case.valid_lens is None else case.valid_lens.astype(np.float32)
+    ours_output = RUNNER.call(ours, *(case.inputs[n] for n in INPUT_NAMES), lens)
     np.testing.assert_allclose(got, ours_output, rtol=0, atol=5e-6)
+    np.testing.assert_allclose(ours_output, case.reference["output"], rtol=0, atol=5e-6)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -77,9 +69,9 @@ def test_trained_d2l_layer_converts_into_ours(tmp_path, bias):
     # A d2l layer with its own (Xavier) parameters: save_parameters, convert,
     # and our layer computes what d2l's does.
     rng = np.random.default_rng(7)
-    q = mx.np.array(rng.standard_normal((2, 4, 6)), dtype="float32")
-    kv = mx.np.array(rng.standard_normal((2, 5, 3)), dtype="float32")
-    lens = mx.np.array([3, 0], dtype="float32")
+    q = RUNNER.to_native(rng.standard_normal((2, 4, 6)))
+    kv = RUNNER.to_native(rng.standard_normal((2, 5, 3)))
+    lens = RUNNER.to_native(np.array([3, 0]))
     d2l = D2LMultiHeadAttention(8, 2, use_bias=bias)
     d2l.initialize(mx.init.Xavier())
     if bias:
@@ -115,16 +107,16 @@ def test_params_round_trip_is_bit_exact(tmp_path, bias, dtype):
 
 
 @pytest.mark.parametrize("hybridize", [False, True])
-def test_to_mxnet_d2l_loads_a_fresh_d2l_layer(hybridize):
-    case = case_named("cross_sizes")
+def test_to_mxnet_d2l_loads_a_fresh_d2l_layer(cases, hybridize):
+    case = cases["cross_sizes"]
     layer = to_mxnet_d2l(case.weights, d2l_layer(case, hybridize=hybridize))
     np.testing.assert_allclose(d2l_output(layer, case), case.reference["output"], atol=5e-6)
     back = from_mxnet_d2l(layer)
     assert all(back[k].tobytes() == case.weights[k].tobytes() for k in case.weights)
 
 
-def test_ours_and_d2l_blocks_share_the_params_layout(tmp_path):
-    case = case_named("bias")
+def test_ours_and_d2l_blocks_share_the_params_layout(tmp_path, cases):
+    case = cases["bias"]
     ours = set_weights(
         MultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=True), case.weights
     )

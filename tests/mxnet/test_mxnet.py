@@ -10,96 +10,83 @@ from mxnet import autograd, gluon
 from conftest import gpu_required
 from mha_multi import spec
 from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
-from mha_multi.parity.cases import CASES, build_case
+from mha_multi.mxnet import _backend as backend
+from mha_multi.parity.cases import INPUT_NAMES
+from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 
-INPUT_NAMES = ("queries", "keys", "values")
+IMPERATIVE = get_runner("mxnet")
+HYBRID = get_runner("mxnet-hybrid")
 
 
-def case_named(name):
-    return build_case(next(c for c in CASES if c.name == name))
-
-
-def layer_for(case, *, hybridize=False, dtype="float32", ctx=None):
-    config = case.config
-    layer = MultiHeadAttention(config.num_hiddens, config.num_heads, bias=config.bias, dtype=dtype)
-    set_weights(layer, case.weights, ctx=ctx)
-    if hybridize:
-        layer.hybridize()
-    return layer
-
-
-def arrays(case, dtype="float32", ctx=None):
-    ctx = ctx or mx.cpu()
-    return [mx.np.array(case.inputs[n], dtype=dtype, ctx=ctx) for n in INPUT_NAMES]
-
-
-def lens(case, ctx=None):
-    if case.valid_lens is None:
-        return None
-    return mx.np.array(case.valid_lens, dtype=case.valid_lens.dtype, ctx=ctx or mx.cpu())
+@pytest.fixture(params=["mxnet", "mxnet-hybrid"])
+def mxnet_runner(request):
+    """The imperative layer's runner, then the hybridized one's."""
+    return get_runner(request.param)
 
 
 def assert_reference(case, output, weights=None, atol=5e-6):
-    np.testing.assert_allclose(output.asnumpy(), case.reference["output"], rtol=0, atol=atol)
+    """``output`` (and ``weights``), MXNet arrays or float64 numpy, against the case's reference."""
+    np.testing.assert_allclose(
+        backend.to_numpy(output), case.reference["output"], rtol=0, atol=atol
+    )
     if weights is not None:
         np.testing.assert_allclose(
-            weights.asnumpy(), case.reference["attention_weights"], rtol=0, atol=atol
+            backend.to_numpy(weights), case.reference["attention_weights"], rtol=0, atol=atol
         )
 
 
 @pytest.mark.parametrize("name", ["book", "causal_lens_2d", "lens_1d_float", "cross_sizes"])
-def test_hybridized_equals_imperative(name):
-    case = case_named(name)
+def test_hybridized_equals_imperative(cases, name):
+    case = cases[name]
+    inputs = [case.inputs[n] for n in INPUT_NAMES]
     kwargs = {"causal": case.config.causal, "return_attention_weights": True}
-    eager = layer_for(case)(*arrays(case), lens(case), **kwargs)
-    hybrid_layer = layer_for(case, hybridize=True)
+    eager = IMPERATIVE.call(IMPERATIVE.layer_for(case), *inputs, case.valid_lens, **kwargs)
+    hybrid_layer = HYBRID.layer_for(case)
     for _ in range(2):  # the first call builds the graph, the second runs the cached one
-        hybrid = hybrid_layer(*arrays(case), lens(case), **kwargs)
+        hybrid = HYBRID.call(hybrid_layer, *inputs, case.valid_lens, **kwargs)
         for got, want in zip(hybrid, eager, strict=True):
-            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+            np.testing.assert_array_equal(got, want)
     assert_reference(case, *hybrid)
 
 
-def test_alternating_configurations_share_parameters(tmp_path):
+def test_alternating_configurations_share_parameters(cases):
     # One hybridized layer, four graphs: each keeps its own cache, all read
     # the same parameters.
-    case = case_named("causal_cross")
-    layer = layer_for(case, hybridize=True)
-    q, k, v = arrays(case)
+    case = cases["causal_cross"]
+    layer = HYBRID.layer_for(case)
+    inputs = [case.inputs[n] for n in INPUT_NAMES]
     weights = case.weights
     for _ in range(2):
-        for valid_lens in (None, lens(case)):
+        for valid_lens in (None, case.valid_lens):
             for causal in (False, True):
-                out = layer(q, k, v, valid_lens, causal=causal)
+                out = HYBRID.call(layer, *inputs, valid_lens, causal=causal)
                 expected, _ = spec.reference_forward(
                     weights,
-                    *(case.inputs[n] for n in INPUT_NAMES),
-                    None if valid_lens is None else case.valid_lens,
+                    *inputs,
+                    valid_lens,
                     num_heads=case.config.num_heads,
                     causal=causal,
                 )
-                np.testing.assert_allclose(out.asnumpy(), expected, rtol=0, atol=5e-6)
+                np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
     assert len(list(layer.collect_params().keys())) == 4
     # New weights are seen by every cached graph.
     weights = init_weights(16, seed=5)
     set_weights(layer, weights)
-    expected, _ = spec.reference_forward(
-        weights, *(case.inputs[n] for n in INPUT_NAMES), num_heads=4
-    )
-    np.testing.assert_allclose(layer(q, k, v).asnumpy(), expected, rtol=0, atol=5e-6)
+    expected, _ = spec.reference_forward(weights, *inputs, num_heads=4)
+    np.testing.assert_allclose(HYBRID.call(layer, *inputs), expected, rtol=0, atol=5e-6)
 
 
 # SymbolBlock.imports warns that it cannot tell the inputs' dtypes before a call.
 @pytest.mark.filterwarnings("ignore:Cannot decide type")
 @pytest.mark.parametrize("name", ["causal_lens_2d", "lens_none", "cross_sizes"])
-def test_export_and_symbolblock_imports(tmp_path, name):
-    case = case_named(name)
-    layer = layer_for(case, hybridize=True)
-    inputs = arrays(case)
-    valid_lens = lens(case)
-    output, weights = layer(
-        *inputs, valid_lens, causal=case.config.causal, return_attention_weights=True
+def test_export_and_symbolblock_imports(tmp_path, cases, name):
+    case = cases[name]
+    layer = HYBRID.layer_for(case)
+    inputs = [HYBRID.to_native(case.inputs[n]) for n in INPUT_NAMES]
+    valid_lens = HYBRID.native_lens(case.valid_lens)
+    output, weights = HYBRID.forward(
+        layer, *inputs, valid_lens, causal=case.config.causal, return_attention_weights=True
     )
     prefix = str(tmp_path / "mha")
     layer.export(prefix)
@@ -112,42 +99,44 @@ def test_export_and_symbolblock_imports(tmp_path, name):
     assert_reference(case, got_output, got_weights)
 
 
-def test_export_needs_a_hybridized_call(tmp_path):
-    case = case_named("book")
-    layer = layer_for(case)
-    layer(*arrays(case), lens(case))
+def test_export_needs_a_hybridized_call(tmp_path, cases):
+    case = cases["book"]
+    layer = IMPERATIVE.layer_for(case)
+    IMPERATIVE.call(layer, *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens)
     with pytest.raises(RuntimeError, match="hybridize"):
         layer.export(str(tmp_path / "mha"))
 
 
-@pytest.mark.parametrize("hybridize", [False, True])
-def test_deferred_sizes_are_inferred_on_first_call(hybridize):
+def test_deferred_sizes_are_inferred_on_first_call(mxnet_runner):
+    runner = mxnet_runner
     layer = MultiHeadAttention(12, 3)
     layer.initialize()
-    if hybridize:
+    if runner.hybridize:
         layer.hybridize()
     with pytest.raises(ValueError, match="query_size, key_size, value_size not known yet"):
         get_weights(layer)
-    q = mx.np.random.normal(size=(2, 3, 7))
-    k = mx.np.random.normal(size=(2, 5, 4))
-    v = mx.np.random.normal(size=(2, 5, 6))
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(s).astype(np.float32) for s in [(2, 3, 7), (2, 5, 4), (2, 5, 6)]]
+    q, k, v = (runner.to_native(x) for x in inputs)
     assert layer(q, k, v, [5, 2]).shape == (2, 3, 12)
     assert layer.input_sizes() == {"query_size": 7, "key_size": 4, "value_size": 6}
     weights = get_weights(layer)
     assert weights["W_v"].shape == (6, 12)
-    expected, _ = spec.reference_forward(
-        weights, q.asnumpy(), k.asnumpy(), v.asnumpy(), np.array([5, 2]), num_heads=3
-    )
-    np.testing.assert_allclose(layer(q, k, v, [5, 2]).asnumpy(), expected, rtol=0, atol=5e-6)
+    expected, _ = spec.reference_forward(weights, *inputs, np.array([5, 2]), num_heads=3)
+    np.testing.assert_allclose(runner.to_numpy(layer(q, k, v, [5, 2])), expected, rtol=0, atol=5e-6)
     with pytest.raises(ValueError, match="queries last dimension must be query_size=7"):
         layer(mx.np.zeros((2, 3, 8)), k, v)
 
 
-def test_set_weights_without_initialize_fixes_deferred_sizes():
-    case = case_named("cross_sizes")
-    layer = layer_for(case)  # never initialized; sizes and values come from the weights
+def test_set_weights_without_initialize_fixes_deferred_sizes(cases):
+    case = cases["cross_sizes"]
+    config = case.config
+    layer = MultiHeadAttention(config.num_hiddens, config.num_heads, bias=config.bias)
+    layer = set_weights(layer, case.weights)  # never initialized; sizes and values from the weights
     assert layer.input_sizes() == {"query_size": 7, "key_size": 5, "value_size": 3}
-    assert_reference(case, layer(*arrays(case), lens(case)))
+    assert_reference(
+        case, IMPERATIVE.call(layer, *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens)
+    )
     assert all(get_weights(layer)[n].tobytes() == w.tobytes() for n, w in case.weights.items())
 
 
@@ -167,17 +156,16 @@ def test_parameter_names_are_d2l_names(tmp_path):
     )
 
 
-@pytest.mark.parametrize("hybridize", [False, True])
-def test_gluon_trainer_updates_the_shared_parameters(hybridize):
+def test_gluon_trainer_updates_the_shared_parameters(mxnet_runner, cases):
     # One SGD step moves each weight by -lr * gradient, with the reference
     # gradient: the graphs train the very parameters the Trainer holds.
-    case = case_named("bias")
-    layer = layer_for(case, hybridize=hybridize, dtype="float64")
+    runner, case = mxnet_runner, cases["bias"]
+    layer = runner.layer_for(case, dtype="float64")
     trainer = gluon.Trainer(layer.collect_params(), "sgd", {"learning_rate": 0.5})
-    inputs = arrays(case, "float64")
+    inputs = [runner.to_native(case.inputs[n], dtype="float64") for n in INPUT_NAMES]
     with autograd.record():
-        output = layer(*inputs, lens(case))
-    output.backward(mx.np.array(case.output_gradient, dtype="float64"))
+        output = layer(*inputs, runner.native_lens(case.valid_lens))
+    output.backward(runner.to_native(case.output_gradient, dtype="float64"))
     trainer.step(1)
     updated = get_weights(layer)
     for name, before in case.weights.items():
@@ -185,28 +173,26 @@ def test_gluon_trainer_updates_the_shared_parameters(hybridize):
         np.testing.assert_allclose(updated[name], expected, rtol=0, atol=1e-12, err_msg=name)
 
 
-@pytest.mark.parametrize("hybridize", [False, True])
-def test_dropout_only_under_autograd_record(hybridize):
-    layer = MultiHeadAttention(8, 2, dropout=0.5, query_size=8, key_size=8, value_size=8)
+def test_dropout_only_under_autograd_record(mxnet_runner):
+    runner = mxnet_runner
     weights = init_weights(8, seed=3)
-    set_weights(layer, weights)
-    if hybridize:
-        layer.hybridize()
-    q = mx.np.random.normal(size=(2, 3, 8))
-    x = q.asnumpy()
+    layer = runner.make_layer(8, 2, dropout=0.5, query_size=8, key_size=8, value_size=8)
+    layer = runner.set_weights(layer, weights)
+    x = np.random.default_rng(3).standard_normal((2, 3, 8)).astype(np.float32)
+    q = runner.to_native(x)
     expected, _ = spec.reference_forward(weights, x, x, x, num_heads=2)
-    np.testing.assert_allclose(layer(q, q, q).asnumpy(), expected, rtol=0, atol=5e-6)
+    np.testing.assert_allclose(runner.to_numpy(layer(q, q, q)), expected, rtol=0, atol=5e-6)
     with autograd.record(train_mode=False):
-        np.testing.assert_allclose(layer(q, q, q).asnumpy(), expected, rtol=0, atol=5e-6)
+        np.testing.assert_allclose(runner.to_numpy(layer(q, q, q)), expected, rtol=0, atol=5e-6)
     with autograd.record():
-        dropped = layer(q, q, q).asnumpy()
+        dropped = runner.to_numpy(layer(q, q, q))
     assert not np.allclose(dropped, expected, atol=1e-3)
 
 
-def test_valid_lens_accepts_lists_numpy_and_mxnet_arrays():
-    case = case_named("lens_1d")
-    layer = layer_for(case, hybridize=True)
-    inputs = arrays(case)
+def test_valid_lens_accepts_lists_numpy_and_mxnet_arrays(cases):
+    case = cases["lens_1d"]
+    layer = HYBRID.layer_for(case)
+    inputs = [HYBRID.to_native(case.inputs[n]) for n in INPUT_NAMES]
     for valid_lens in (
         case.valid_lens.tolist(),
         case.valid_lens,
@@ -240,36 +226,45 @@ def test_bad_arrays_are_clear_errors():
         layer(symbol, symbol, symbol)
 
 
-def test_hybridize_off_again_runs_imperatively(tmp_path):
-    case = case_named("lens_2d")
-    layer = layer_for(case, hybridize=True)
-    assert_reference(case, layer(*arrays(case), lens(case)))
+def test_hybridize_off_again_runs_imperatively(tmp_path, cases):
+    case = cases["lens_2d"]
+    layer = HYBRID.layer_for(case)
+    args = (layer, *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens)
+    assert_reference(case, HYBRID.call(*args))
     layer.hybridize(False)
-    assert_reference(case, layer(*arrays(case), lens(case)))
+    assert_reference(case, HYBRID.call(*args))
     with pytest.raises(RuntimeError, match="hybridize"):
         layer.export(str(tmp_path / "mha"))
 
 
-def test_cast_rebuilds_for_the_new_dtype():
-    case = case_named("book")
-    layer = layer_for(case, hybridize=True)
-    assert_reference(case, layer(*arrays(case), lens(case)))
+def test_cast_rebuilds_for_the_new_dtype(cases):
+    case = cases["book"]
+    layer = HYBRID.layer_for(case)
+    inputs = [case.inputs[n] for n in INPUT_NAMES]
+    assert_reference(case, HYBRID.call(layer, *inputs, case.valid_lens))
     layer.cast("float64")
     assert get_weights(layer)["W_q"].dtype == np.float64
-    assert_reference(case, layer(*arrays(case, "float64"), lens(case)), atol=1e-12)
+    assert_reference(
+        case, HYBRID.call(layer, *inputs, case.valid_lens, dtype="float64"), atol=1e-12
+    )
 
 
-@pytest.mark.parametrize("hybridize", [False, True])
-def test_float16_fully_hidden_rows_are_uniform(hybridize):
-    case = case_named("lens_zero")
-    layer = layer_for(case, hybridize=hybridize, dtype="float16")
-    output, weights = layer(*arrays(case, "float16"), lens(case), return_attention_weights=True)
+def test_float16_fully_hidden_rows_are_uniform(mxnet_runner, cases):
+    runner, case = mxnet_runner, cases["lens_zero"]
+    layer = runner.layer_for(case, dtype="float16")
+    output, weights = runner.forward(
+        layer,
+        *(runner.to_native(case.inputs[n], dtype="float16") for n in INPUT_NAMES),
+        runner.native_lens(case.valid_lens),
+        return_attention_weights=True,
+    )
     assert output.dtype == np.float16 and weights.dtype == np.float16
     np.testing.assert_array_equal(weights.asnumpy()[:2], 1 / 7)  # lengths 0 and -2
     assert_reference(case, output, weights, atol=2e-2)
 
 
 def test_bfloat16_is_not_in_mxnets_numpy_interface():
+    assert "bfloat16" not in backend.DTYPES
     for make in (
         lambda: mx.np.zeros(2, dtype="bfloat16"),
         lambda: mx.np.ones(2).astype("bfloat16"),
@@ -280,18 +275,18 @@ def test_bfloat16_is_not_in_mxnets_numpy_interface():
 
 @pytest.fixture
 def gpu():
-    if mx.context.num_gpus() == 0:
+    if not backend.gpu_available():
         if gpu_required():
             pytest.fail("no GPU, and MHA_MULTI_REQUIRE_GPU is set")
         pytest.skip("no GPU")
-    return mx.gpu(0)
+    return "gpu"
 
 
-@pytest.mark.parametrize("hybridize", [False, True])
-def test_gpu_with_valid_lens_on_either_device(gpu, hybridize):
-    case = case_named("lens_2d")
-    layer = layer_for(case, hybridize=hybridize, ctx=gpu)
-    for valid_lens in (lens(case), lens(case, gpu)):
-        out = layer(*arrays(case, ctx=gpu), valid_lens)
-        assert out.ctx == gpu
+def test_gpu_with_valid_lens_on_either_device(mxnet_runner, cases, gpu):
+    runner, case = mxnet_runner, cases["lens_2d"]
+    layer = runner.layer_for(case, device=gpu)
+    inputs = [runner.to_native(case.inputs[n], gpu) for n in INPUT_NAMES]
+    for lens_device in ("cpu", gpu):
+        out = runner.forward(layer, *inputs, runner.native_lens(case.valid_lens, lens_device))
+        assert out.ctx == backend.device(gpu)
         assert_reference(case, out)
