@@ -20,6 +20,11 @@ plain (oneDNN) one. Every mask of the spec hides a suffix of the keys
 (lengths and the causal rule both do), so the number of visible keys,
 counted from :func:`mha_multi.spec.visibility`, is that mask's length.
 Asking for the weights runs the generic :func:`mha_multi.spec.attention`.
+
+Importing the layer sets ``MXNET_CUDA_TENSOR_OP_MATH_ALLOW_CONVERSION`` to
+MXNet's own default, ``0``, where the environment does not set it, before
+MXNet is loaded (:func:`mha_multi.mxnet._backend.exact_float32`): MXNet's
+behaviour is unchanged, and the parity runs are sure of it.
 """
 
 from __future__ import annotations
