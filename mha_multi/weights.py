@@ -184,8 +184,10 @@ def check_weights(
 
     Sizes given as ``None`` are inferred from the weights (``num_hiddens`` and
     the input sizes from the kernels, ``bias`` from the presence of ``b_q``).
-    Without ``num_heads`` the projection widths are read from ``W_q`` and
-    ``W_k`` as well (any head layout); with it, they must be the layout's.
+    With neither ``num_hiddens`` nor ``num_heads`` every width is read from the
+    kernels (any head layout); with ``num_hiddens`` alone the layout is
+    multi-head attention with the default head size; with ``num_heads``,
+    the widths are those of the head layout.
 
     Args:
         weights: a mapping of canonical names to arrays (anything
@@ -216,14 +218,19 @@ def check_weights(
             raise ValueError(f"weights is missing {name!r}")
         if arrays[name].ndim != 2:
             raise ValueError(f"weights[{name!r}] must be 2-D; got shape {arrays[name].shape}")
-    if num_hiddens is None:
-        num_hiddens = int(arrays["W_o"].shape[1])
     if bias is None:
         bias = "b_q" in arrays
-    if num_heads is None:
-        # Any head layout: the widths the kernels have (checked against each other below).
+    if num_hiddens is None and num_heads is None:
+        # Nothing known: any head layout, the widths the kernels have (checked
+        # against each other below).
+        num_hiddens = int(arrays["W_o"].shape[1])
         query_features, kv_features = int(arrays["W_q"].shape[1]), int(arrays["W_k"].shape[1])
+    elif num_heads is None:
+        # A layer that gives no head layout is d2l's: every width num_hiddens.
+        query_features = kv_features = num_hiddens
     else:
+        if num_hiddens is None:
+            num_hiddens = int(arrays["W_o"].shape[1])
         query_features, kv_features = _features(num_hiddens, num_heads, num_kv_heads, head_dim)
     expected = weight_shapes(
         num_hiddens,
