@@ -74,10 +74,12 @@ def get_runner(name: str) -> Runner:
 class Runner(abc.ABC):
     """Drives one backend's layer from numpy.
 
-    Subclasses supply the framework's facts (conversions, devices, layer
-    construction, one forward call and one vector-Jacobian product, through
-    the framework's ``_backend`` module); :meth:`call`, :meth:`gradients`
-    and :meth:`run` are written here once.
+    A runner names the framework's facts module (:attr:`backend`: its
+    conversions, devices, layer construction, one forward call and one
+    vector-Jacobian product) and hands it every framework call; a runner
+    overrides only what differs (JAX's Linen runner, MXNet's hybridized
+    one). :meth:`call`, :meth:`gradients` and :meth:`run` are written here
+    once.
     """
 
     #: Name in :data:`RUNNERS` and in reports.
@@ -86,24 +88,36 @@ class Runner(abc.ABC):
     distributions: ClassVar[tuple[str, ...]]
     #: The backend package with module-level ``set_weights``/``get_weights``.
     package: ClassVar[str]
+    #: The framework's facts module (``mha_multi.<framework>._backend``), by
+    #: import path; the framework glue below hands its calls to it.
+    backend: ClassVar[str]
+    #: The fused kernel a default call may plan for (docs: "Fast paths");
+    #: ``None`` where the default call always takes the generic path.
+    fused_kernel: ClassVar[spec.FusedKernel | None] = None
+    #: Whether the backend reads the shortest length before it plans (so
+    #: lengths that hide nothing need no mask).
+    reads_shortest_length: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.facts = importlib.import_module(self.backend)
+        self.facts.exact_float32()
 
     # -- what the backend can do ------------------------------------------
 
-    @abc.abstractmethod
     def device_available(self, device: str) -> bool:
         """Whether ``device`` (``"cpu"`` or ``"gpu"``) can run here."""
+        return device == "cpu" or (device == "gpu" and self.facts.gpu_available())
 
     def dtype_supported(self, device: str, dtype: str) -> bool:
         """Whether the backend runs ``dtype`` on ``device``."""
-        return dtype in DTYPES
+        return dtype in self.facts.DTYPES
 
     def device_description(self, device: str) -> str:
         """Human-readable device name for reports."""
-        return device
+        return self.facts.device_description(device)
 
-    # -- framework glue ----------------------------------------------------
+    # -- framework glue: the facts module's ---------------------------------
 
-    @abc.abstractmethod
     def make_layer(
         self,
         num_hiddens: int,
@@ -116,12 +130,41 @@ class Runner(abc.ABC):
         value_size: int | None = None,
         device: str = "cpu",
         dtype: str = "float32",
+        **heads: Any,
     ) -> Any:
-        """Builds the backend's ``MultiHeadAttention`` (configuration errors propagate)."""
+        """Builds the backend's ``MultiHeadAttention`` (configuration errors propagate).
 
-    @abc.abstractmethod
+        ``heads`` are the head options (``num_kv_heads``, ``head_dim``),
+        passed to the layer as given.
+        """
+        return self.facts.make_layer(
+            num_hiddens,
+            num_heads,
+            dropout=dropout,
+            bias=bias,
+            query_size=query_size,
+            key_size=key_size,
+            value_size=value_size,
+            device=device,
+            dtype=dtype,
+            **heads,
+        )
+
     def to_native(self, x: np.ndarray, device: str = "cpu", dtype: str = "float32") -> Any:
         """``x`` as the framework's array of ``dtype`` on ``device``."""
+        return self.facts.to_native(x, device, dtype)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """A framework array (bfloat16 included) as float64 numpy, on the host."""
+        return self.facts.to_numpy(x)
+
+    def native_lens(self, valid_lens: Any, device: str = "cpu") -> Any:
+        """``valid_lens`` as the framework's array on ``device``, keeping its dtype.
+
+        Anything that is not a numeric numpy array is passed as it is, so
+        that the layer's own checks answer.
+        """
+        return self.facts.lens_to_native(valid_lens, device)
 
     def set_weights(self, layer: Any, weights: Mapping[str, np.ndarray]) -> Any:
         """The backend's ``set_weights``; returns the (possibly new) layer."""
@@ -130,18 +173,6 @@ class Runner(abc.ABC):
     def get_weights(self, layer: Any) -> dict[str, np.ndarray]:
         """The backend's ``get_weights``."""
         return importlib.import_module(self.package).get_weights(layer)
-
-    def to_numpy(self, x: Any) -> np.ndarray:
-        """A framework array (bfloat16 included) as float64 numpy, on the host."""
-        raise NotImplementedError
-
-    def native_lens(self, valid_lens: Any, device: str = "cpu") -> Any:
-        """``valid_lens`` as the framework's array on ``device``, keeping its dtype.
-
-        Anything that is not a numeric numpy array is passed as it is, so
-        that the layer's own checks answer.
-        """
-        return valid_lens
 
     def forward(
         self,
@@ -156,7 +187,9 @@ class Runner(abc.ABC):
     ) -> Any:
         """Calls the layer on framework arrays; ``kwargs`` are the layer's
         (``causal``, ``return_attention_weights``). Returns framework arrays."""
-        raise NotImplementedError
+        return self.facts.forward(
+            layer, queries, keys, values, valid_lens, training=training, **kwargs
+        )
 
     def vjp(
         self,
@@ -174,21 +207,19 @@ class Runner(abc.ABC):
         Keyed ``queries``, ``keys``, ``values`` and the canonical weight names,
         in the canonical orientation, as framework arrays.
         """
-        raise NotImplementedError
+        return self.facts.vjp(
+            layer,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            causal=causal,
+            output_gradient=output_gradient,
+        )
 
     def kernel_spy(self) -> contextlib.AbstractContextManager[list[KernelCall]]:
-        """Records every call of the backend's fused kernel while active.
-
-        Backends with no fused kernel record nothing: the list stays empty.
-        """
-        return contextlib.nullcontext([])
-
-    #: The fused kernel a default call may plan for (docs: "Fast paths");
-    #: ``None`` where the default call always takes the generic path.
-    fused_kernel: ClassVar[spec.FusedKernel | None] = None
-    #: Whether the backend reads the shortest length before it plans (so
-    #: lengths that hide nothing need no mask).
-    reads_shortest_length: ClassVar[bool] = False
+        """Records every call of the backend's fused kernel while active."""
+        return self.facts.kernel_spy()
 
     # -- written once -------------------------------------------------------
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from mha_multi.mxnet import MultiHeadAttention
-from mha_multi.mxnet import _backend as backend
 from mha_multi.mxnet.layer import SEQUENCE_MASK
 from mha_multi.parity.runners import Runner
 
@@ -23,36 +22,19 @@ class MXNetRunner(Runner):
     name = "mxnet"
     distributions = ("mxnet", "mxnet-cu112", "mxnet-cu110")
     package = "mha_multi.mxnet"
+    backend = "mha_multi.mxnet._backend"
     fused_kernel = SEQUENCE_MASK
     # The plan is made from shapes and flags only: a hybridized graph is
     # built per configuration, not per length.
     reads_shortest_length = False
     hybridize = False
 
-    def __init__(self) -> None:
-        backend.exact_float32()
-
-    def device_available(self, device: str) -> bool:
-        return device == "cpu" or (device == "gpu" and backend.gpu_available())
-
-    def dtype_supported(self, device: str, dtype: str) -> bool:
-        return dtype in backend.DTYPES
-
     def versions(self) -> dict[str, str]:
         found = super().versions()
         return {name: v for name, v in found.items() if v != "not installed"} or found
 
     def make_layer(self, num_hiddens: int, num_heads: int, **kwargs: Any) -> MultiHeadAttention:
-        return backend.make_layer(num_hiddens, num_heads, hybridize=self.hybridize, **kwargs)
-
-    # The framework's facts, as its backend module gives them.
-    device_description = staticmethod(backend.device_description)
-    to_native = staticmethod(backend.to_native)
-    to_numpy = staticmethod(backend.to_numpy)
-    native_lens = staticmethod(backend.lens_to_native)
-    forward = staticmethod(backend.forward)
-    vjp = staticmethod(backend.vjp)
-    kernel_spy = staticmethod(backend.kernel_spy)
+        return self.facts.make_layer(num_hiddens, num_heads, hybridize=self.hybridize, **kwargs)
 
 
 class MXNetHybridRunner(MXNetRunner):
