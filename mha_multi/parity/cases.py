@@ -41,6 +41,9 @@ class CaseConfig:
     name: str
     num_hiddens: int = 16
     num_heads: int = 4
+    #: Grouped key/value heads (``None``: ``num_heads``) and an explicit head size.
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
     batch: int = 3
     num_queries: int = 5
     num_keys: int = 7
@@ -54,6 +57,11 @@ class CaseConfig:
     lens_dtype: str = "int64"
     seed: int = 0
     description: str = ""
+
+    def heads(self) -> dict[str, int]:
+        """The head options a layer is built with: only those the case sets."""
+        options = {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+        return {name: value for name, value in options.items() if value is not None}
 
     def sizes(self) -> dict[str, int]:
         return {
@@ -132,6 +140,36 @@ CASES: tuple[CaseConfig, ...] = (
     CaseConfig("batch_1", batch=1, valid_lens=[4], description="batch of one"),
     CaseConfig("one_head", num_heads=1, valid_lens=[2, 5, 7], description="a single head"),
     CaseConfig("one_key", num_keys=1, valid_lens=[1, 0, 1], description="a single key"),
+    CaseConfig(
+        "gqa",
+        num_hiddens=32,
+        num_heads=8,
+        num_kv_heads=2,
+        bias=True,
+        causal=True,
+        valid_lens=[4, 7, 0],
+        description="grouped-query: 8 query heads read 2 key/value heads; lengths, causal Q < K",
+    ),
+    CaseConfig(
+        "mqa",
+        num_kv_heads=1,
+        num_queries=6,
+        num_keys=6,
+        causal=True,
+        valid_lens=[[1, 6, 0, 3, 6, 2], [6, 6, 6, 6, 6, 6], [2, 2, 2, 5, 5, 5]],
+        description="multi-query: one key/value head; per-query lengths, causal Q == K",
+    ),
+    CaseConfig(
+        "head_dim",
+        num_hiddens=10,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=3,
+        query_size=6,
+        bias=True,
+        valid_lens=[3, 0, 7],
+        description="explicit head_dim 3, num_hiddens 10 not divisible by 4 heads; grouped",
+    ),
 )
 
 
@@ -159,7 +197,14 @@ def build_case(config: CaseConfig) -> Case:
     """
     rng = np.random.default_rng(config.seed)
     sizes = config.sizes()
-    weights = init_weights(config.num_hiddens, bias=config.bias, seed=config.seed + 1, **sizes)
+    weights = init_weights(
+        config.num_hiddens,
+        bias=config.bias,
+        seed=config.seed + 1,
+        num_heads=config.num_heads,
+        **config.heads(),
+        **sizes,
+    )
     shapes = {
         "queries": (config.batch, config.num_queries, sizes["query_size"]),
         "keys": (config.batch, config.num_keys, sizes["key_size"]),
@@ -184,7 +229,11 @@ def build_case(config: CaseConfig) -> Case:
 def reference_results(case: Case) -> dict[str, np.ndarray]:
     """Output, attention weights and gradients of the float64 spec."""
     args = (case.weights, case.inputs["queries"], case.inputs["keys"], case.inputs["values"])
-    kwargs = {"num_heads": case.config.num_heads, "causal": case.config.causal}
+    kwargs = {
+        "num_heads": case.config.num_heads,
+        "num_kv_heads": case.config.num_kv_heads,
+        "causal": case.config.causal,
+    }
     output, attention_weights = spec.reference_forward(*args, case.valid_lens, **kwargs)
     grads = spec.reference_gradients(
         *args, case.valid_lens, output_gradient=case.output_gradient, **kwargs

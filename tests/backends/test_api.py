@@ -56,6 +56,31 @@ def built_layer(runner, num_hiddens=8, num_heads=2, sizes=(8, 8, 8), bias=False,
             ValueError,
             "query_size must be a positive int",
         ),
+        (
+            {"num_hiddens": 8, "num_heads": 4, "num_kv_heads": 3},
+            ValueError,
+            r"num_kv_heads \(3\) must divide num_heads \(4\)",
+        ),
+        (
+            {"num_hiddens": 8, "num_heads": 4, "num_kv_heads": 0},
+            ValueError,
+            "num_kv_heads must be a positive int",
+        ),
+        (
+            {"num_hiddens": 8, "num_heads": 4, "num_kv_heads": 2.0},
+            TypeError,
+            "num_kv_heads must be a positive int",
+        ),
+        (
+            {"num_hiddens": 8, "num_heads": 4, "head_dim": 0},
+            ValueError,
+            "head_dim must be a positive int",
+        ),
+        (
+            {"num_hiddens": 10, "num_heads": 4, "head_dim": "3"},
+            TypeError,
+            "head_dim must be a positive int",
+        ),
     ],
 )
 def test_bad_configuration(runner, kwargs, error, match):
@@ -144,6 +169,30 @@ def test_weights_round_trip_bit_exact(runner, bias, dtype):
     q, k, v = inputs(sizes=sizes)
     expected, _ = spec.reference_forward(weights, q, k, v, num_heads=3)
     np.testing.assert_allclose(runner.call(layer, q, k, v, dtype=dtype), expected, atol=5e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_weights_round_trip_and_load_strictly(runner, bias):
+    heads = {"num_kv_heads": 2, "head_dim": 3}
+    layer = runner.make_layer(10, 4, bias=bias, query_size=5, key_size=6, value_size=7, **heads)
+    weights = init_weights(
+        10, num_heads=4, query_size=5, key_size=6, value_size=7, bias=bias, seed=4, **heads
+    )
+    got = runner.get_weights(runner.set_weights(layer, weights))
+    assert {name: array.shape for name, array in got.items()} == {
+        name: array.shape for name, array in weights.items()
+    }
+    assert all(got[name].tobytes() == weights[name].tobytes() for name in weights)
+    q, k, v = inputs(sizes=(5, 6, 7))
+    lens = np.array([3, 1])
+    expected, _ = spec.reference_forward(weights, q, k, v, lens, num_heads=4, causal=True)
+    np.testing.assert_allclose(
+        runner.call(layer, q, k, v, lens, causal=True), expected, rtol=0, atol=5e-6
+    )
+    # Keys projected to every query head's width do not fit two key/value heads.
+    too_wide = {**weights, "W_k": np.zeros((6, 12), np.float32)}
+    with pytest.raises(ValueError, match=r"weights\['W_k'\] must have shape \(6, 6\)"):
+        runner.set_weights(layer, too_wide)
 
 
 def test_attention_weights_shape_and_rows(runner):

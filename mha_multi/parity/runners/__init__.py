@@ -316,6 +316,7 @@ class Runner(abc.ABC):
             device=device,
             dtype=dtype,
             **config.sizes(),
+            **config.heads(),
         )
         return self.set_weights(layer, case.weights if weights is None else weights)
 
