@@ -40,7 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         for backend in args.backends:
-            kwargs = {"lengths": (64, 128), "memory_lengths": (256,)} if args.quick else {}
+            kwargs = (
+                {"lengths": (64, 128), "memory_lengths": (256,), "grouped_lengths": (64,)}
+                if args.quick
+                else {}
+            )
             results = driver.run(driver.load(backend), **kwargs)
             for result in results:
                 result["machine"] = machine_info()

@@ -14,6 +14,7 @@ __all__ = [
     "Shape",
     "attention_flops",
     "format_markdown",
+    "kv_bytes",
     "machine_info",
     "median_seconds",
 ]
@@ -27,20 +28,34 @@ class Shape:
     length: int = 512
     num_hiddens: int = 512
     num_heads: int = 8
+    #: Grouped key/value heads; ``None``: ``num_heads`` (multi-head attention).
+    num_kv_heads: int | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
 
 def attention_flops(shape: Shape) -> float:
     """FLOPs of one forward pass of self-attention: projections plus attention.
 
-    For ``Q`` queries and ``K`` keys of sizes ``dq``, ``dk``, ``dv`` and
-    ``nh`` hiddens: ``2*B*(Q*dq + K*dk + K*dv + Q*nh)*nh`` for the four
+    For ``Q`` queries and ``K`` keys of sizes ``dq``, ``dk``, ``dv``, ``nh``
+    hiddens and key/value projections of ``nkv = nh * kv_heads / num_heads``:
+    ``2*B*(Q*dq*nh + K*dk*nkv + K*dv*nkv + Q*nh*nh)`` for the four
     projections and ``4*B*Q*K*nh`` for scores and weighted values; here
     ``Q = K = N`` and every size is ``nh``.
     """
     b, n, d = shape.batch, shape.length, shape.num_hiddens
-    projections = 2 * b * (n * d + n * d + n * d + n * d) * d
+    kv = d * shape.kv_heads // shape.num_heads
+    projections = 2 * b * n * (d * d + d * kv + d * kv + d * d)
     attention = 4 * b * n * n * d
     return float(projections + attention)
+
+
+def kv_bytes(shape: Shape, itemsize: int = 4) -> int:
+    """Bytes of the projected keys and values: what a key/value cache holds."""
+    head_dim = shape.num_hiddens // shape.num_heads
+    return 2 * shape.batch * shape.length * shape.kv_heads * head_dim * itemsize
 
 
 def median_seconds(
@@ -149,24 +164,31 @@ def format_markdown(results: Sequence[dict]) -> str:
             lines.append(f"Measured GEMM rate ({gemm['note']}): {gemm['gflops']:.0f} GFLOP/s.")
         lines += [
             "",
-            "| mode | dtype | N | ours (ms) | native (ms) | ours / native | ours GFLOP/s "
-            "| % of GEMM | generic path (ms) |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| mode | dtype | N | heads (q/kv) | ours (ms) | native (ms) | ours / native "
+            "| ours GFLOP/s | % of GEMM | generic path (ms) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         timed = [m for m in measurements if m["mode"] in ("forward", "forward+backward")]
-        keys = sorted({(m["mode"], m["dtype"], m["length"]) for m in timed})
-        for mode, dtype, length in keys:
+
+        def key(m: dict) -> tuple:
+            shape = m.get("shape") or {}
+            heads = shape.get("num_heads", 0)
+            kv_heads = shape.get("num_kv_heads") or heads
+            return (m["mode"], m["dtype"], m["length"], -kv_heads, heads)
+
+        for mode, dtype, length, minus_kv, heads in sorted({key(m) for m in timed}):
             row = {
                 m["implementation"]: m
                 for m in timed
-                if (m["mode"], m["dtype"], m["length"]) == (mode, dtype, length)
+                if key(m) == (mode, dtype, length, minus_kv, heads)
             }
             ours, native = row.get("ours", {}), row.get("native", {})
             generic = row.get("ours (generic)", {})
             gflops = ours.get("gflops")
             share = f"{100 * gflops / gemm['gflops']:.0f}%" if gflops and gemm else "-"
             lines.append(
-                f"| {mode} | {dtype} | {length} | {_ms(ours.get('seconds'))} | "
+                f"| {mode} | {dtype} | {length} | {heads}/{-minus_kv} | "
+                f"{_ms(ours.get('seconds'))} | "
                 f"{_ms(native.get('seconds'))} | "
                 f"{_ratio(ours.get('seconds'), native.get('seconds'))} | "
                 f"{'-' if gflops is None else f'{gflops:.0f}'} | {share} | "
@@ -200,5 +222,8 @@ def format_markdown(results: Sequence[dict]) -> str:
                     else:
                         cells.append(f"{m['peak_mib']:.0f}")
                 lines.append(f"| {length} | " + " | ".join(cells) + " |")
+        notes = sorted({m["note"] for m in timed if m.get("note", "").startswith("K/V")})
+        if notes:
+            lines += ["", *(f"Grouped heads: {note}." for note in notes)]
         lines.append("")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from mha_multi.bench.common import (
     Measurement,
     Shape,
     attention_flops,
+    kv_bytes,
     median_seconds,
     peak_rss_mib,
     reset_peak_rss,
@@ -228,12 +229,22 @@ def _time_layers(
     """Appends the timings of every implementation to its execution's list."""
     for length in lengths:
         shape = replace(base, length=length)
+        note = ""
+        if shape.kv_heads != shape.num_heads:
+            saved = kv_bytes(replace(shape, num_kv_heads=None), ITEMSIZE[dtype])
+            note = (
+                f"K/V of {shape.kv_heads} of {shape.num_heads} heads at N={length}, "
+                f"{dtype}: {kv_bytes(shape, ITEMSIZE[dtype]) / 2**20:.1f} MiB instead of "
+                f"{saved / 2**20:.1f} MiB"
+            )
         args = framework.convert(*inputs(shape), device, dtype)
         for name, impl in framework.build(shape, device, dtype).items():
             for execution in framework.executions:
                 for mode in MODES:
                     label = framework.label(execution)
-                    row = Measurement(label, name, mode, device, dtype, length, shape=vars(shape))
+                    row = Measurement(
+                        label, name, mode, device, dtype, length, shape=vars(shape), note=note
+                    )
                     measurements[execution].append(
                         _timing(framework, impl, args, execution, shape, row)
                     )
@@ -310,6 +321,8 @@ def run(
     lengths: Sequence[int] = (128, 512, 2048),
     memory_lengths: Sequence[int] = (1024, 2048, 4096, 8192),
     base: Shape | None = None,
+    grouped_lengths: Sequence[int] = (512,),
+    num_kv_heads: int = 2,
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -318,6 +331,10 @@ def run(
         lengths: sequence lengths ``N`` to time.
         memory_lengths: sequence lengths whose peak memory to measure.
         base: batch, width and heads (its length is replaced).
+        grouped_lengths: sequence lengths timed again with ``num_kv_heads``
+            key/value heads (grouped-query attention: ours and the
+            framework's grouped kernel or layer).
+        num_kv_heads: the key/value heads of those rows.
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -341,6 +358,8 @@ def run(
                     )
                 )
             _time_layers(framework, device, dtype, lengths, base, measurements)
+            grouped = replace(base, num_kv_heads=num_kv_heads)
+            _time_layers(framework, device, dtype, grouped_lengths, grouped, measurements)
         if framework.measures_memory(device):
             memory = _measure_memory(framework, device, memory_lengths, base)
             measurements[framework.executions[0]] += memory
