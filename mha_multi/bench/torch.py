@@ -1,4 +1,9 @@
-"""PyTorch benchmark: ours (fused and generic) vs ``torch.nn.MultiheadAttention``."""
+"""PyTorch benchmark: ours (fused and generic) vs ``torch.nn.MultiheadAttention``.
+
+``torch.nn.MultiheadAttention`` has no grouped key/value heads; grouped rows
+are timed against PyTorch's own grouped-query route instead,
+:class:`GroupedSDPA`.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,41 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from mha_multi.bench.common import Shape
 from mha_multi.bench.driver import Framework, score_bytes
-from mha_multi.interop.torch import key_padding_mask
+from mha_multi.interop.torch import key_padding_mask, to_torch_d2l
 from mha_multi.torch import _backend as backend
 from mha_multi.torch import set_weights
 from mha_multi.weights import init_weights
+
+
+class GroupedSDPA(nn.Module):
+    """Grouped-query self-attention as PyTorch offers it: ``nn.Linear``
+    projections named as d2l's, and ``scaled_dot_product_attention`` with
+    ``enable_gqa=True`` given the key padding as a boolean mask."""
+
+    def __init__(self, num_hiddens: int, num_heads: int, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        kv_features = num_hiddens // num_heads * num_kv_heads
+        self.W_q = nn.Linear(num_hiddens, num_hiddens, bias=False)
+        self.W_k = nn.Linear(num_hiddens, kv_features, bias=False)
+        self.W_v = nn.Linear(num_hiddens, kv_features, bias=False)
+        self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=False)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        q = self.W_q(x).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+        k, v = (
+            linear(x).unflatten(-1, (self.num_kv_heads, -1)).transpose(1, 2)
+            for linear in (self.W_k, self.W_v)
+        )
+        visible = ~padding[:, None, None, :]
+        context = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible, enable_gqa=True
+        )
+        return self.W_o(context.transpose(1, 2).flatten(2))
 
 
 class Torch(Framework):
@@ -47,25 +80,32 @@ class Torch(Framework):
         return self.array(x, device, dtype), backend.lens_to_native(lens, device), padding
 
     def build(self, shape: Shape, device: str, dtype: str) -> dict[str, Any]:
-        d, h = shape.num_hiddens, shape.num_heads
-        weights = init_weights(d)  # both layers hold the same weights
-        ours = backend.make_layer(
-            d, h, query_size=d, key_size=d, value_size=d, device=device, dtype=dtype
-        )
+        d, h, kv_heads = shape.num_hiddens, shape.num_heads, shape.kv_heads
+        # Both layers hold the same weights.
+        weights = init_weights(d, num_heads=h, num_kv_heads=kv_heads)
+        sizes = {"query_size": d, "key_size": d, "value_size": d}
+        ours = backend.make_layer(d, h, num_kv_heads=kv_heads, device=device, dtype=dtype, **sizes)
         ours = set_weights(ours, weights).eval()
-        native = backend.native_layer(weights, h, device=device, dtype=dtype)
+        if kv_heads == h:
+            native = backend.native_layer(weights, h, device=device, dtype=dtype)
+
+            def native_call(x: torch.Tensor, lens: Any, padding: torch.Tensor) -> torch.Tensor:
+                return native(x, x, x, key_padding_mask=padding, need_weights=False)[0]
+
+        else:
+            native = to_torch_d2l(weights, GroupedSDPA(d, h, kv_heads))
+            native = native.to(backend.device(device), backend.DTYPES[dtype]).eval()
+
+            def native_call(x: torch.Tensor, lens: Any, padding: torch.Tensor) -> torch.Tensor:
+                return native(x, padding)
+
         return {
             "ours": (ours, lambda x, lens, padding: ours(x, x, x, lens)),
             "ours (generic)": (
                 ours,
                 lambda x, lens, padding: ours(x, x, x, lens, return_attention_weights=True)[0],
             ),
-            "native": (
-                native,
-                lambda x, lens, padding: native(
-                    x, x, x, key_padding_mask=padding, need_weights=False
-                )[0],
-            ),
+            "native": (native, native_call),
         }
 
     def step(self, impl: Any, args: Any, mode: str, execution: str | None) -> Callable[[], Any]:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mha_multi import spec
-from mha_multi.interop.torch import _numpy
+from mha_multi.torch._backend import host_array
 from mha_multi.weights import check_weights
 
 __all__ = ["from_llama", "from_llama_state", "llama_config", "to_llama", "to_llama_state"]
@@ -72,7 +72,7 @@ def from_llama_state(
         key = f"{module}.weight"
         if key not in entries:
             raise ValueError(f"the Llama attention state dict is missing {prefix + key!r}")
-        weights[f"W_{name}"] = _numpy(entries[key]).T.copy()
+        weights[f"W_{name}"] = np.asarray(host_array(entries[key])).T.copy()
     biases = {name for name, module in PROJECTIONS.items() if f"{module}.bias" in entries}
     if biases == set("qkv"):
         biases.add("o")
@@ -83,7 +83,7 @@ def from_llama_state(
             f"or none; this state dict has them on {sorted(biases)}"
         )
     for name in sorted(biases & set("qkv")) + (["o"] if "o_proj.bias" in entries else []):
-        weights[f"b_{name}"] = _numpy(entries[f"{PROJECTIONS[name]}.bias"])
+        weights[f"b_{name}"] = np.asarray(host_array(entries[f"{PROJECTIONS[name]}.bias"]))
     heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=num_kv_heads)
     arrays, _ = check_weights(
         weights,

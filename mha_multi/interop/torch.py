@@ -10,6 +10,11 @@
   gives uniform weights, i.e. the mean of all values;
 * its returned weights are averaged over heads unless
   ``average_attn_weights=False``.
+
+It has no grouped key/value heads and no head size of its own (every
+projection has ``embed_dim`` features): weights of such a layer have no
+``torch.nn.MultiheadAttention`` form. d2l's layout, four named projections,
+holds them (:func:`to_torch_d2l_state`), shapes following the weights.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import numpy as np
 import torch
 
 from mha_multi.torch._backend import host_array
-from mha_multi.weights import check_weights
+from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [
     "checkpoint_format",
@@ -104,16 +109,35 @@ def from_torch_mha_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]
     return check_weights(weights)[0]
 
 
+def _check_native_heads(config: WeightsConfig) -> None:
+    """Raises ``ValueError`` for a head layout ``torch.nn.MultiheadAttention`` cannot express."""
+    if config.kv_features != config.query_features:
+        raise ValueError(
+            "torch.nn.MultiheadAttention has no grouped key/value heads (num_kv_heads < "
+            f"num_heads): W_k and W_v have {config.kv_features} columns, W_q "
+            f"{config.query_features}; its every projection has embed_dim features"
+        )
+    if config.query_features != config.num_hiddens:
+        raise ValueError(
+            "torch.nn.MultiheadAttention has no head size of its own (its head_dim is "
+            f"embed_dim // num_heads): W_q has {config.query_features} columns, not "
+            f"num_hiddens = {config.num_hiddens}"
+        )
+
+
 def to_torch_mha_state(weights: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """A ``torch.nn.MultiheadAttention`` ``state_dict`` holding canonical weights.
 
     The packed layout is used when key and value sizes equal ``num_hiddens``.
 
     Raises:
-        ValueError: invalid weights, or ``query_size != num_hiddens``, which
-            ``torch.nn.MultiheadAttention`` cannot express.
+        ValueError: invalid weights, or what ``torch.nn.MultiheadAttention``
+            cannot express: ``query_size != num_hiddens``, grouped key/value
+            heads, or projections of another width than ``num_hiddens`` (an
+            explicit ``head_dim``).
     """
     arrays, config = check_weights(weights)
+    _check_native_heads(config)
     if config.query_size != config.num_hiddens:
         raise ValueError(
             f"torch.nn.MultiheadAttention needs query_size == embed_dim; got query_size "
@@ -152,8 +176,13 @@ def from_torch_mha(module: torch.nn.MultiheadAttention) -> dict[str, np.ndarray]
 def to_torch_mha(
     weights: Mapping[str, Any], num_heads: int, *, batch_first: bool = True
 ) -> torch.nn.MultiheadAttention:
-    """A new ``torch.nn.MultiheadAttention`` holding canonical weights (float32, CPU)."""
+    """A new ``torch.nn.MultiheadAttention`` holding canonical weights (float32, CPU).
+
+    Raises:
+        ValueError: as :func:`to_torch_mha_state`.
+    """
     arrays, config = check_weights(weights)
+    _check_native_heads(config)
     module = torch.nn.MultiheadAttention(
         config.num_hiddens,
         num_heads,
@@ -171,7 +200,8 @@ def from_torch_d2l_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]
     """Canonical weights from d2l's torch ``MultiHeadAttention`` (or ours) ``state_dict``.
 
     d2l names its projections ``W_q``, ``W_k``, ``W_v``, ``W_o`` (``nn.Linear``,
-    weight ``(out, in)``); d2l's ``attention.dropout`` has no state.
+    weight ``(out, in)``); d2l's ``attention.dropout`` has no state. Grouped
+    heads or an explicit ``head_dim`` (ours) give the widths of their layout.
     """
     weights = {}
     for name, value in state_dict.items():

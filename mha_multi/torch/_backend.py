@@ -147,6 +147,8 @@ def make_layer(
     num_hiddens: int,
     num_heads: int,
     *,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
     device: str = "cpu",
     dtype: str = "float32",
     **kwargs: Any,
@@ -156,6 +158,8 @@ def make_layer(
     Args:
         num_hiddens: the layer's ``num_hiddens``.
         num_heads: the layer's ``num_heads``.
+        num_kv_heads: the layer's ``num_kv_heads`` (``None``: ``num_heads``).
+        head_dim: the layer's ``head_dim`` (``None``: ``num_hiddens // num_heads``).
         device: ``"cpu"`` or ``"gpu"``.
         dtype: a key of :data:`DTYPES`.
         **kwargs: the layer's other arguments (``dropout``, ``bias``, sizes).
@@ -163,7 +167,13 @@ def make_layer(
     from mha_multi.torch.layer import MultiHeadAttention
 
     return MultiHeadAttention(
-        num_hiddens, num_heads, device=_device(device), dtype=DTYPES[dtype], **kwargs
+        num_hiddens,
+        num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        device=_device(device),
+        dtype=DTYPES[dtype],
+        **kwargs,
     )
 
 

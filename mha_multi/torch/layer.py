@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,10 +24,10 @@ from mha_multi.weights import KERNEL_NAMES, check_weights
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
 
-def _projection(in_features: int | None, num_hiddens: int, bias: bool) -> nn.Module:
+def _projection(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
     if in_features is None:
-        return nn.LazyLinear(num_hiddens, bias=bias)
-    return nn.Linear(in_features, num_hiddens, bias=bias)
+        return nn.LazyLinear(out_features, bias=bias)
+    return nn.Linear(in_features, out_features, bias=bias)
 
 
 def _in_features(linear: nn.Module) -> int | None:
@@ -93,15 +94,24 @@ class MultiHeadAttention(nn.Module):
     and ``W_o`` as in d2l, so a d2l ``state_dict`` loads as it is. Input sizes
     left as ``None`` are inferred on the first call (``nn.LazyLinear``).
 
+    Grouped-query attention (docs: "The spec", grouped heads): with
+    ``num_kv_heads < num_heads`` query head ``h`` reads key/value head
+    ``h // (num_heads // num_kv_heads)``; ``W_k`` and ``W_v`` project to
+    ``num_kv_heads * head_dim`` features, ``W_q`` to ``num_heads * head_dim``.
+
     Args:
-        num_hiddens: size of every projection and of the output.
-        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        num_hiddens: size of the output (and, by default, of every projection).
+        num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
+            unless ``head_dim`` is given.
         dropout: dropout rate on the attention weights, active in ``train()``
             mode only.
         bias: whether the four projections have biases.
         query_size: last dimension of the queries (lazy when ``None``).
         key_size: last dimension of the keys (lazy when ``None``).
         value_size: last dimension of the values (lazy when ``None``).
+        num_kv_heads: number of key/value heads; must divide ``num_heads``
+            (``None``: ``num_heads``).
+        head_dim: size of each head (``None``: ``num_hiddens // num_heads``).
         device: where to create the parameters.
         dtype: dtype of the parameters.
     """
@@ -116,25 +126,35 @@ class MultiHeadAttention(nn.Module):
         query_size: int | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.head_dim = spec.check_config(num_hiddens, num_heads, dropout)
+        heads = {"num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        spec.check_config(num_hiddens, num_heads, dropout, **heads)
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         super().__init__()
+        self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
         self.num_hiddens = int(num_hiddens)
-        self.num_heads = int(num_heads)
+        self.num_heads = self._heads.num_heads
+        self.num_kv_heads = self._heads.num_kv_heads
+        self.head_dim = self._heads.head_dim
         self.bias = bool(bias)
-        self.W_q = _projection(query_size, num_hiddens, bias)
-        self.W_k = _projection(key_size, num_hiddens, bias)
-        self.W_v = _projection(value_size, num_hiddens, bias)
-        self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias)
+        query_features, kv_features = self._heads.query_features, self._heads.kv_features
+        self.W_q = _projection(query_size, query_features, bias)
+        self.W_k = _projection(key_size, kv_features, bias)
+        self.W_v = _projection(value_size, kv_features, bias)
+        self.W_o = nn.Linear(query_features, num_hiddens, bias=bias)
         self.dropout = nn.Dropout(dropout)
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
-        return f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, bias={self.bias}"
+        return (
+            f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, bias={self.bias}"
+        )
 
     def input_sizes(self) -> dict[str, int | None]:
         """``query_size``, ``key_size``, ``value_size``; ``None`` where still lazy."""
@@ -201,7 +221,9 @@ class MultiHeadAttention(nn.Module):
         )
         q, k, v = self._project(queries, keys, values)
         dropout_p = self.dropout.p if self.training else 0.0
-        plan = _plan(q, k, v, valid_lens, causal, dropout_p, return_attention_weights)
+        plan = _plan(
+            q, k, v, valid_lens, causal, dropout_p, return_attention_weights, self._heads.grouped
+        )
         if plan.fused:
             context = self._fused_attention(q, k, v, valid_lens, plan, dropout_p)
             return _project_with(self.W_o, context)
@@ -213,6 +235,7 @@ class MultiHeadAttention(nn.Module):
             valid_lens,
             num_heads=self.num_heads,
             head_dim=self.head_dim,
+            num_kv_heads=self.num_kv_heads,
             causal=causal,
             dropout=self.dropout if dropout_p > 0 else None,
         )
@@ -239,7 +262,9 @@ class MultiHeadAttention(nn.Module):
             )
         weight = torch.cat([projections[i].weight for i in shared])
         bias = torch.cat([projections[i].bias for i in shared]) if self.bias else None
-        packed = _linear(inputs[first], weight, bias).chunk(len(shared), dim=-1)
+        # Grouped heads project queries wider than keys and values.
+        widths = [projections[i].out_features for i in shared]
+        packed = _linear(inputs[first], weight, bias).split(widths, dim=-1)
         outputs = dict(zip(shared, packed, strict=True))
         q, k, v = (
             outputs[i] if i in outputs else _project_with(projections[i], inputs[i])
@@ -258,14 +283,20 @@ class MultiHeadAttention(nn.Module):
     ) -> torch.Tensor:
         """``scaled_dot_product_attention`` with the spec's masking semantics.
 
+        Grouped key/value heads reach SDPA as they are, with ``enable_gqa``
+        (query head ``h`` reads key/value head ``h // G``, the spec's rule);
+        only a PyTorch whose SDPA has no ``enable_gqa`` gets them repeated,
+        once, on the projected heads (the plan's ``repeat_kv``).
+
         Args:
-            q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
+            q: projected queries ``(B, Q, num_heads * head_dim)``; k, v
+                ``(B, K, num_kv_heads * head_dim)``.
             valid_lens: the lengths, as :func:`_as_lens` returned them.
             plan: what :func:`_plan` decided the kernel is given.
             dropout_p: dropout rate on the weights (0 in eval mode).
 
         Returns:
-            The concatenated heads ``(B, Q, num_hiddens)``.
+            The concatenated heads ``(B, Q, num_heads * head_dim)``.
         """
         num_queries, num_keys = q.shape[1], k.shape[1]
         ops = ops_on(q.device)
@@ -275,22 +306,41 @@ class MultiHeadAttention(nn.Module):
             # one rounding at the end.
             q, k, v = q.float(), k.float(), v.float()
         # (B, T, H*dh) -> (B, H, T, dh): the spec's head layout, unflattened.
-        q, k, v = (
-            x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for x in (q, k, v)
-        )
+        q = q.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        k, v = (x.unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2) for x in (k, v))
+        group_size = self._heads.group_size
+        if plan.repeat_kv:
+            k, v = (x.repeat_interleave(group_size, dim=1) for x in (k, v))
+        grouped = self._heads.grouped and not plan.repeat_kv
         mask = plan.mask(ops, num_queries, num_keys, valid_lens)
         with autocast_off(q.device):
             output = nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=plan.is_causal
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=plan.is_causal,
+                # Passed only where needed: PyTorch before 2.5 has no such argument.
+                **({"enable_gqa": True} if grouped else {}),
             )
         visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
+        if visible is not None and grouped:
+            # A fully hidden row is the mean of its key/value head's values:
+            # the means, (B, H_kv, 1, dh), are what is repeated, not the values.
+            v = v.mean(2, keepdim=True).repeat_interleave(group_size, dim=1)
         output = spec.fix_fully_hidden_rows(ops, output, v, visible, heads_axis=1)
         return output.transpose(1, 2).flatten(2).to(dtype)
 
 
 #: PyTorch's fused kernel: it applies dropout itself and adds ``-inf`` where
-#: keys are hidden, so it runs only on values read as finite.
-SDPA = spec.FusedKernel("scaled_dot_product_attention", takes_dropout=True)
+#: keys are hidden, so it runs only on values read as finite. Its
+#: ``enable_gqa`` (PyTorch 2.5 and later) takes grouped key/value heads.
+SDPA = spec.FusedKernel(
+    "scaled_dot_product_attention",
+    takes_dropout=True,
+    takes_grouped_heads=torch.__version__ >= "2.5",
+)
 
 
 def _plan(
@@ -301,6 +351,7 @@ def _plan(
     causal: bool,
     dropout_p: float,
     return_attention_weights: bool,
+    grouped: bool,
 ) -> spec.KernelPlan:
     """The kernel plan of a call: SDPA only where it gives the spec's numbers.
 
@@ -323,6 +374,7 @@ def _plan(
         "causal": causal,
         "dropout": dropout_p > 0,
         "return_attention_weights": return_attention_weights,
+        "grouped": grouped,
     }
     if torch.compiler.is_compiling():
         return spec.plan_kernel(SDPA, **facts, values_exact=None)
@@ -371,7 +423,11 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
         ValueError: a missing, extra or mis-shaped entry, named.
     """
     arrays, _ = check_weights(
-        weights, num_hiddens=layer.num_hiddens, bias=layer.bias, **layer.input_sizes()
+        weights,
+        num_hiddens=layer.num_hiddens,
+        bias=layer.bias,
+        **dataclasses.asdict(layer._heads),  # num_heads, num_kv_heads, head_dim
+        **layer.input_sizes(),
     )
     state = {}
     for name, array in arrays.items():

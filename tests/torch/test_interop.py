@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from mha_multi import spec
 from mha_multi.interop.torch import (
     from_torch_d2l,
     from_torch_d2l_state,
@@ -129,3 +130,45 @@ def test_torch_d2l_layer_round_trip_and_strict_loading():
         to_torch_d2l(weights, MultiHeadAttention(10, 2, bias=False))
     with pytest.raises(ValueError, match="do not fit MultiHeadAttention.*size mismatch"):
         to_torch_d2l(init_weights(10, key_size=6, bias=True), layer)
+
+
+@pytest.mark.parametrize(
+    ("heads", "match"),
+    [
+        ({"num_kv_heads": 2}, "has no grouped key/value heads"),
+        ({"num_kv_heads": 1}, "has no grouped key/value heads"),
+        ({"head_dim": 3}, "has no head size of its own"),
+    ],
+)
+def test_heads_the_native_layer_lacks_are_refused(heads, match):
+    weights = init_weights(8, num_heads=4, bias=True, **heads)
+    for convert in (to_torch_mha_state, lambda w: to_torch_mha(w, 4)):
+        with pytest.raises(ValueError, match=match):
+            convert(weights)
+
+
+def test_grouped_torch_d2l_state_loads_with_the_widths_of_its_weights(cases):
+    case = cases["head_dim"]  # 4 query heads of size 3 read 2 key/value heads
+    state = to_torch_d2l_state(case.weights)
+    assert state["W_k.weight"].shape == (6, 10) and state["W_o.weight"].shape == (10, 12)
+    back = from_torch_d2l_state(state)
+    assert all(back[k].tobytes() == case.weights[k].tobytes() for k in case.weights)
+    layer = MultiHeadAttention(10, 4, bias=True, num_kv_heads=2, head_dim=3)
+    layer = to_torch_d2l(case.weights, layer)
+    got = get_weights(layer)
+    assert all(got[k].tobytes() == case.weights[k].tobytes() for k in case.weights)
+    with pytest.raises(ValueError, match="do not fit MultiHeadAttention.*size mismatch"):
+        to_torch_d2l(case.weights, MultiHeadAttention(10, 2, bias=True, query_size=6))
+
+
+def test_the_benchmarks_grouped_baseline_holds_canonical_weights(runner):
+    from mha_multi.bench.torch import GroupedSDPA
+
+    weights = init_weights(16, num_heads=4, num_kv_heads=2, seed=5)
+    module = to_torch_d2l(weights, GroupedSDPA(16, 4, 2)).eval()
+    x = np.random.default_rng(5).standard_normal((2, 6, 16)).astype(np.float32)
+    lens = np.array([6, 3])
+    expected, _ = spec.reference_forward(weights, x, x, x, lens, num_heads=4)
+    with torch.no_grad():
+        output = module(runner.to_native(x), key_padding_mask(lens, 6))
+    np.testing.assert_allclose(runner.to_numpy(output), expected, rtol=0, atol=5e-6)

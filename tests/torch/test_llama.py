@@ -14,6 +14,8 @@ from mha_multi.interop.llama import (
     to_llama,
     to_llama_state,
 )
+from mha_multi.torch import _backend as backend
+from mha_multi.torch import set_weights
 from mha_multi.weights import init_weights
 
 transformers = pytest.importorskip("transformers")
@@ -70,6 +72,10 @@ def test_llama_weights_give_the_module_output(num_heads, num_kv_heads, head_dim,
         weights, x, x, x, None, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal
     )
     np.testing.assert_allclose(output, expected, rtol=0, atol=1e-12)
+    # Our layer, built with the module's heads, holds the converted weights as they are.
+    layer = set_weights(backend.make_layer(16, dtype="float64", bias=bias, **heads), weights)
+    ours = backend.forward(layer, *(3 * [torch.from_numpy(x)]), None, causal=causal)
+    np.testing.assert_allclose(backend.to_numpy(ours), expected, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEADS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import numpy as np
@@ -14,6 +15,7 @@ from mha_multi.parity.cases import INPUT_NAMES
 from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
 from mha_multi.torch import _backend as backend
+from mha_multi.torch import layer as layer_module
 from mha_multi.torch._ops import OPS
 from mha_multi.torch.layer import _linear
 from mha_multi.weights import init_weights
@@ -45,7 +47,10 @@ def gpu():
     return "gpu"
 
 
-@pytest.mark.parametrize("name", ["lens_2d", "causal_cross", "cross_sizes", "lens_zero"])
+# head_dim: grouped heads, and rows that lengths of 0 hide entirely.
+@pytest.mark.parametrize(
+    "name", ["lens_2d", "causal_cross", "cross_sizes", "lens_zero", "head_dim"]
+)
 def test_gradcheck_float64(runner, cases, name):
     case = cases[name]
     layer = runner.layer_for(case, dtype="float64")
@@ -185,14 +190,16 @@ def test_torch_compile_default_call_matches_reference(runner, cases, name, compi
     np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
 
 
+@pytest.mark.parametrize("name", ["bias", "gqa"])  # gqa: queries projected wider than keys
 @pytest.mark.parametrize("shared", ["qkv", "kv", "qk"])
-def test_shared_inputs_project_in_one_product(runner, cases, shared):
-    case = cases["bias"]
+def test_shared_inputs_project_in_one_product(runner, cases, shared, name):
+    case = cases[name]
+    num_heads = case.config.num_heads
     layer = runner.layer_for(case).eval()
     x = runner.to_native(case.inputs["queries"][:, :5])
     lens = torch.tensor([3, 5, 0])
     q, k, v = {"qkv": (x, x, x), "kv": (x[:, :2], x, x), "qk": (x, x, x[:, :5] * 2)}[shared]
-    expected, _ = spec.reference_forward(case.weights, q, k, v, lens, num_heads=4)
+    expected, _ = spec.reference_forward(case.weights, q, k, v, lens, num_heads=num_heads)
     with torch.no_grad():
         out = layer(q, k, v, lens)
     np.testing.assert_allclose(out.numpy(), expected, atol=5e-6)
@@ -203,10 +210,112 @@ def test_shared_inputs_project_in_one_product(runner, cases, shared):
         k.detach(),
         v.detach(),
         lens,
-        num_heads=4,
+        num_heads=num_heads,
         output_gradient=np.ones(expected.shape),
     )
     np.testing.assert_allclose(grads[0].T.numpy(), reference["W_k"], atol=5e-5)
+
+
+# -- grouped key/value heads ----------------------------------------------------
+
+
+def sdpa_spy():
+    """``scaled_dot_product_attention`` wrapped, so that its operands can be read."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", wraps=sdpa)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa", "head_dim"])
+def test_sdpa_takes_grouped_heads_unrepeated(runner, cases, name):
+    case, config = cases[name], cases[name].config
+    with sdpa_spy() as spy:
+        out = runner.call(
+            runner.layer_for(case),
+            *(case.inputs[n] for n in INPUT_NAMES),
+            case.valid_lens,
+            causal=config.causal,
+        )
+    spy.assert_called_once()
+    query, key, value = spy.call_args.args[:3]
+    head_dim = query.shape[-1]
+    assert query.shape == (config.batch, config.num_heads, config.num_queries, head_dim)
+    kv_shape = (config.batch, config.num_kv_heads, config.num_keys, head_dim)
+    assert key.shape == value.shape == kv_shape
+    assert spy.call_args.kwargs["enable_gqa"] is True
+    np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)
+
+
+def test_sdpa_gets_no_grouping_argument_for_multi_head_attention(runner, cases):
+    case = cases["lens_1d"]
+    with sdpa_spy() as spy:
+        runner.call(runner.layer_for(case), *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens)
+    spy.assert_called_once()
+    assert "enable_gqa" not in spy.call_args.kwargs  # PyTorch before 2.5 has no such argument
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
+def test_sdpa_without_grouped_heads_gets_them_repeated_once(runner, cases, name):
+    """The route of a PyTorch whose SDPA has no ``enable_gqa``: the plan's ``repeat_kv``."""
+    case, config = cases[name], cases[name].config
+    without_groups = dataclasses.replace(layer_module.SDPA, takes_grouped_heads=False)
+    with mock.patch.object(layer_module, "SDPA", without_groups), sdpa_spy() as spy:
+        out = runner.call(
+            runner.layer_for(case),
+            *(case.inputs[n] for n in INPUT_NAMES),
+            case.valid_lens,
+            causal=config.causal,
+        )
+    spy.assert_called_once()
+    query, key = spy.call_args.args[:2]
+    assert key.shape[1] == query.shape[1] == config.num_heads
+    assert "enable_gqa" not in spy.call_args.kwargs
+    np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa", "head_dim"])
+def test_torch_compile_grouped_heads_match_reference(runner, cases, name, compiler):
+    case = cases[name]
+    layer = runner.layer_for(case)
+    compiled = compiler(layer, fullgraph=True)
+    inputs = [case.inputs[n] for n in INPUT_NAMES]
+    kwargs = {"causal": case.config.causal}
+    out = runner.call(compiled, *inputs, case.valid_lens, **kwargs)
+    np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)
+    out, weights = runner.call(
+        compiled, *inputs, case.valid_lens, return_attention_weights=True, **kwargs
+    )
+    np.testing.assert_allclose(weights, case.reference["attention_weights"], rtol=0, atol=5e-6)
+    tensors = [runner.to_native(x).requires_grad_(True) for x in inputs]
+    compiled(*tensors, runner.native_lens(case.valid_lens), **kwargs).backward(
+        runner.to_native(case.output_gradient)
+    )
+    np.testing.assert_allclose(
+        tensors[1].grad.numpy(), case.reference["grad.keys"], rtol=0, atol=5e-5
+    )
+    np.testing.assert_allclose(
+        layer.W_v.weight.grad.T.numpy(), case.reference["grad.W_v"], rtol=0, atol=5e-5
+    )
+
+
+def test_lazy_sizes_with_grouped_heads_and_head_dim(runner):
+    rng = np.random.default_rng(0)
+    layer = MultiHeadAttention(10, 4, num_kv_heads=2, head_dim=3)
+    assert (layer.num_kv_heads, layer.head_dim) == (2, 3)
+    assert "num_kv_heads=2, head_dim=3" in repr(layer)
+    q, k, v = (runner.to_native(rng.standard_normal(s)) for s in [(2, 3, 7), (2, 5, 4), (2, 5, 6)])
+    assert layer(q, k, v).shape == (2, 3, 10)
+    shapes = {name: array.shape for name, array in get_weights(layer).items()}
+    assert shapes == {"W_q": (7, 12), "W_k": (4, 6), "W_v": (6, 6), "W_o": (12, 10)}
+
+
+def test_set_weights_fixes_lazy_sizes_with_grouped_heads(runner, cases):
+    case = cases["head_dim"]
+    config = case.config
+    layer = MultiHeadAttention(config.num_hiddens, config.num_heads, bias=True, **config.heads())
+    layer = set_weights(layer, case.weights)
+    assert layer.input_sizes() == {"query_size": 6, "key_size": 10, "value_size": 10}
+    out = runner.call(layer, *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens)
+    np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)
 
 
 # -- edge inputs beyond tests/backends/test_edges.py --------------------------
