@@ -50,7 +50,7 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.keras._ops import to_numpy
+from mha_multi.keras import _backend
 from mha_multi.weights import check_weights
 
 __all__ = [
@@ -67,14 +67,7 @@ __all__ = [
 ]
 
 #: Keras' sublayer name -> canonical projection letter.
-KERAS_MHA_NAMES = {"query": "q", "key": "k", "value": "v", "output": "o"}
-
-
-def _float_numpy(value: Any) -> np.ndarray:
-    array = to_numpy(value)
-    if array.dtype.kind != "f":
-        array = array.astype(np.float32)  # ml_dtypes' bfloat16 is of kind 'V'
-    return array
+KERAS_MHA_NAMES = _backend.NATIVE_PROJECTIONS
 
 
 def from_keras_mha_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -232,9 +225,9 @@ def from_keras_mha(layer: keras.layers.MultiHeadAttention) -> dict[str, np.ndarr
     arrays = {}
     for name in KERAS_MHA_NAMES:
         dense = getattr(layer, f"{name}_dense")
-        arrays[f"{name}/kernel"] = _float_numpy(dense.kernel)
+        arrays[f"{name}/kernel"] = _backend.host_array(dense.kernel)
         if dense.bias is not None:
-            arrays[f"{name}/bias"] = _float_numpy(dense.bias)
+            arrays[f"{name}/bias"] = _backend.host_array(dense.bias)
     return from_keras_mha_state(arrays)
 
 
@@ -264,24 +257,7 @@ def to_keras_mha(
     fixed = sorted({"key_dim", "value_dim", "use_bias", "output_shape"} & set(kwargs))
     if fixed:
         raise ValueError(f"{', '.join(fixed)} follow from the weights; do not pass them")
-    arrays, config = check_weights(weights)
-    head_dim = spec.check_config(config.num_hiddens, num_heads, 0.0)
-    layer = keras.layers.MultiHeadAttention(
-        num_heads,
-        head_dim,
-        use_bias=config.bias,
-        output_shape=None if config.query_size == config.num_hiddens else config.num_hiddens,
-        **kwargs,
-    )
-    layer.build(
-        (None, None, config.query_size),
-        (None, None, config.value_size),
-        (None, None, config.key_size),
-    )
-    for key, array in to_keras_mha_state(arrays, num_heads).items():
-        name, kind = key.split("/")
-        getattr(getattr(layer, f"{name}_dense"), kind).assign(array)
-    return layer
+    return _backend.native_layer(weights, num_heads, **kwargs)
 
 
 def attention_mask(
@@ -335,9 +311,9 @@ def from_keras_d2l(layer: Any) -> dict[str, np.ndarray]:
             kernel, bias = projection, getattr(layer, f"b_{name[-1]}", None)
         else:  # a Dense layer
             kernel, bias = projection.kernel, projection.bias
-        weights[name] = _float_numpy(kernel)
+        weights[name] = _backend.host_array(kernel)
         if bias is not None:
-            weights[f"b_{name[-1]}"] = _float_numpy(bias)
+            weights[f"b_{name[-1]}"] = _backend.host_array(bias)
     return check_weights(weights)[0]
 
 

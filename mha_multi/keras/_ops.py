@@ -1,8 +1,8 @@
 """The spec's array-ops adapter on ``keras.ops``.
 
 Written against ``keras.ops`` only, so the same adapter serves Keras'
-TensorFlow, JAX and PyTorch backends (:func:`values_readable` alone asks the
-framework underneath whether it runs eagerly). Shapes are read with
+TensorFlow, JAX and PyTorch backends (what differs between them is in
+:mod:`mha_multi.keras._backend`). Shapes are read with
 ``keras.ops.shape``, which gives Python ints where a dimension is static and
 scalar tensors where it is not (TensorFlow graphs with an unknown batch), so
 the reshapes below work in eager code, in ``tf.function``/XLA and in the
@@ -12,7 +12,6 @@ functional API alike.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,40 +84,6 @@ def index_dtype() -> str:
     may change while the process runs), ``int64`` elsewhere.
     """
     return keras.backend.standardize_dtype(ops.convert_to_tensor(np.zeros(0, np.int64)).dtype)
-
-
-def values_readable(x: Tensor) -> bool:
-    """Whether the values of ``x`` can be read now (eager execution).
-
-    Inside ``tf.function``, under ``jax.jit`` or while ``torch.compile``
-    traces, a tensor has no value yet, and a branch on one would fail (or,
-    in PyTorch, break the graph).
-    """
-    backend = keras.backend.backend()
-    if backend == "torch":
-        import torch
-
-        return not torch.compiler.is_compiling()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.executing_eagerly() and not isinstance(x, keras.KerasTensor)
-    if backend == "jax":
-        import jax
-
-        return not isinstance(x, (jax.core.Tracer, keras.KerasTensor))
-    return False
-
-
-def to_numpy(x: Any) -> np.ndarray:
-    """A backend tensor or variable value as a new numpy array (bfloat16 via ml_dtypes)."""
-    with warnings.catch_warnings():
-        # Keras converts with np.array(x), and the __array__ of TensorFlow
-        # variables and PyTorch tensors predates numpy 2's copy keyword.
-        warnings.filterwarnings(
-            "ignore", "__array__ implementation doesn't accept a copy keyword", DeprecationWarning
-        )
-        return np.array(keras.ops.convert_to_numpy(x), copy=True)
 
 
 class KerasOps:

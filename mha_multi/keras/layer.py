@@ -1,8 +1,10 @@
 """``MultiHeadAttention`` as a Keras 3 layer, written once against ``keras.ops``.
 
 The layer runs on Keras' TensorFlow (primary), JAX and PyTorch backends: it
-calls no TensorFlow, JAX or PyTorch function itself. The math is
-:func:`mha_multi.spec.attention` on the :mod:`mha_multi.keras._ops` adapter.
+calls no TensorFlow, JAX or PyTorch function itself (whether values can be
+read now is :func:`mha_multi.keras._backend.values_readable`'s to say). The
+math is :func:`mha_multi.spec.attention` on the :mod:`mha_multi.keras._ops`
+adapter.
 """
 
 from __future__ import annotations
@@ -15,15 +17,8 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.keras._ops import (
-    OPS,
-    dtype_kind,
-    index_dtype,
-    is_16_bit,
-    matmul_16_bit,
-    to_numpy,
-    values_readable,
-)
+from mha_multi.keras._backend import as_numpy, host_array, values_readable
+from mha_multi.keras._ops import OPS, dtype_kind, index_dtype, is_16_bit, matmul_16_bit
 from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
 
 __all__ = [
@@ -390,7 +385,7 @@ class MultiHeadAttention(keras.layers.Layer):
         on which input sizes were known at construction; names do not.
         """
         for name, variable in self.canonical_variables().items():
-            store[name] = to_numpy(variable.value)
+            store[name] = as_numpy(variable.value)
 
     def load_own_variables(self, store: Any) -> None:
         """Loads variables saved by :meth:`save_own_variables`."""
@@ -487,7 +482,7 @@ def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:
     finite = [ops.all(ops.isfinite(x)) for x in (q, k, v)]
     largest_q, largest_k = (ops.max(ops.abs(ops.cast(x, "float32")), initial=0.0) for x in (q, k))
     within = ops.less(largest_q * largest_k * math.sqrt(head_dim), FUSED_SCORE_LIMIT)
-    return bool(to_numpy(ops.all(ops.stack([*finite, within]))))
+    return bool(as_numpy(ops.all(ops.stack([*finite, within]))))
 
 
 def _checked_lens(valid_lens: Any) -> Any:
@@ -553,11 +548,6 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
         raise ValueError(
             f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
         )
-
-    def as_numpy(variable: keras.Variable) -> np.ndarray:
-        array = to_numpy(variable.value)
-        if array.dtype.kind != "f":
-            array = array.astype(np.float32)  # ml_dtypes' bfloat16 is of kind 'V'
-        return array
-
-    return {name: as_numpy(variable) for name, variable in layer.canonical_variables().items()}
+    return {
+        name: host_array(variable.value) for name, variable in layer.canonical_variables().items()
+    }

@@ -13,29 +13,19 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
+from keras_testing import COPY_KEYWORD_WARNING, inputs, keras_runner  # noqa: E402, F401
+
 from mha_multi import spec  # noqa: E402
 from mha_multi.__main__ import main as cli  # noqa: E402
 from mha_multi.interop import keras as interop  # noqa: E402
-from mha_multi.keras import MultiHeadAttention, get_weights, set_weights  # noqa: E402
-from mha_multi.keras._ops import to_numpy  # noqa: E402
-from mha_multi.parity.cases import CASES, build_case  # noqa: E402
+from mha_multi.keras import _backend as backend  # noqa: E402
 from mha_multi.weights import init_weights, load_weights, save_weights  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
-)
-
-
-def case_named(name):
-    return build_case(next(c for c in CASES if c.name == name))
-
-
-def numpy(x):
-    return to_numpy(x).astype(np.float64)
+pytestmark = COPY_KEYWORD_WARNING
 
 
 def native_call(layer, case, **kwargs):
-    q, k, v = (case.inputs[n] for n in ("queries", "keys", "values"))
+    q, k, v = inputs(case)
     return layer(q, v, k, training=False, **kwargs)  # Keras' order: (query, value, key)
 
 
@@ -43,43 +33,45 @@ def native_call(layer, case, **kwargs):
 @pytest.mark.parametrize(
     "name", ["book", "bias", "lens_2d", "lens_zero", "causal_cross", "cross_sizes", "one_key"]
 )
-def test_native_layer_with_our_weights_matches_reference(name):
-    case = case_named(name)
+def test_native_layer_with_our_weights_matches_reference(cases, name):
+    case = cases[name]
     config = case.config
-    native = interop.to_keras_mha(case.weights, config.num_heads)
+    native = backend.native_layer(case.weights, config.num_heads)
     mask = None
     if case.valid_lens is not None or config.causal:
         mask = interop.attention_mask(
             case.valid_lens, config.num_queries, config.num_keys, causal=config.causal
         )
     out = native_call(native, case, attention_mask=mask)
-    np.testing.assert_allclose(numpy(out), case.reference["output"], atol=5e-6)
+    np.testing.assert_allclose(backend.to_numpy(out), case.reference["output"], atol=5e-6)
     # The softmax path (with scores) too, on rows that see a key; its scores
     # are the spec's weights (fully hidden rows: see the test below).
     out, scores = native_call(native, case, attention_mask=mask, return_attention_scores=True)
     seen = np.ones((config.batch, config.num_queries), bool) if mask is None else mask.any(-1)
     seen = np.broadcast_to(seen, (config.batch, config.num_queries))
-    np.testing.assert_allclose(numpy(out)[seen], case.reference["output"][seen], atol=5e-6)
     np.testing.assert_allclose(
-        numpy(scores).transpose(0, 2, 1, 3)[seen],
+        backend.to_numpy(out)[seen], case.reference["output"][seen], atol=5e-6
+    )
+    np.testing.assert_allclose(
+        backend.to_numpy(scores).transpose(0, 2, 1, 3)[seen],
         case.reference["attention_weights"].transpose(0, 2, 1, 3)[seen],
         atol=5e-6,
     )
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_weights_from_a_native_layer_give_equal_outputs(bias):
+def test_weights_from_a_native_layer_give_equal_outputs(runner, bias):
     native = keras.layers.MultiHeadAttention(4, 6, use_bias=bias, bias_initializer="random_normal")
     rng = np.random.default_rng(5)
     q = rng.standard_normal((3, 5, 24)).astype(np.float32)
     kv = rng.standard_normal((3, 7, 11)).astype(np.float32)
     lens = np.array([7, 3, 0])
     mask = interop.attention_mask(lens, 5, 7)
-    expected = numpy(native(q, kv, kv, attention_mask=mask))
+    expected = backend.to_numpy(native(q, kv, kv, attention_mask=mask))
     weights = interop.from_keras_mha(native)
     assert weights["W_q"].shape == (24, 24) and weights["W_k"].shape == (11, 24)
-    ours = set_weights(MultiHeadAttention(24, 4, bias=bias, kernel_initializer="zeros"), weights)
-    np.testing.assert_allclose(numpy(ours(q, kv, kv, lens)), expected, atol=5e-6)
+    ours = runner.set_weights(runner.make_layer(24, 4, bias=bias), weights)
+    np.testing.assert_allclose(runner.call(ours, q, kv, kv, lens), expected, atol=5e-6)
     reference, _ = spec.reference_forward(weights, q, kv, kv, lens, num_heads=4)
     np.testing.assert_allclose(expected, reference, atol=5e-6)
 
@@ -113,31 +105,33 @@ def test_mask_polarity_is_the_opposite_of_hidden_keys():
     np.testing.assert_array_equal(mask, [[[True, True, False]], [[False, False, False]]])
 
 
-def test_keras_causal_mask_is_top_left_aligned():
-    case = case_named("causal_cross")  # Q != K: the alignments differ
+def test_keras_causal_mask_is_top_left_aligned(cases):
+    case = cases["causal_cross"]  # Q != K: the alignments differ
     assert case.config.num_queries != case.config.num_keys
-    native = interop.to_keras_mha(case.weights, case.config.num_heads)
-    keras_causal = numpy(native_call(native, case, use_causal_mask=True))
+    native = backend.native_layer(case.weights, case.config.num_heads)
+    keras_causal = backend.to_numpy(native_call(native, case, use_causal_mask=True))
     expected, _ = spec.reference_forward(
         case.weights,
-        *(case.inputs[n] for n in ("queries", "keys", "values")),
+        *inputs(case),
         num_heads=case.config.num_heads,
         causal=True,
     )
     assert np.abs(keras_causal - expected).max() > 1e-2  # not the spec's rule
     top_left = np.tril(np.ones((case.config.num_queries, case.config.num_keys), bool))
     np.testing.assert_allclose(
-        keras_causal, numpy(native_call(native, case, attention_mask=top_left[None])), atol=5e-6
+        keras_causal,
+        backend.to_numpy(native_call(native, case, attention_mask=top_left[None])),
+        atol=5e-6,
     )
     square = interop.attention_mask(None, 4, 4, causal=True)[0]
     np.testing.assert_array_equal(square, np.tril(np.ones((4, 4), bool)))  # equal when Q == K
 
 
 @pytest.mark.parametrize("name", ["lens_zero", "causal_more_queries", "bias"])
-def test_keras_fully_hidden_rows_depend_on_its_path(name):
-    case = case_named(name)
+def test_keras_fully_hidden_rows_depend_on_its_path(cases, name):
+    case = cases[name]
     config = case.config
-    native = interop.to_keras_mha(case.weights, config.num_heads)
+    native = backend.native_layer(case.weights, config.num_heads)
     lens = case.valid_lens
     if name == "bias":  # hide every key of the second example
         lens = np.full(config.batch, config.num_keys)
@@ -147,20 +141,20 @@ def test_keras_fully_hidden_rows_depend_on_its_path(name):
     assert hidden.any()
     expected, _ = spec.reference_forward(
         case.weights,
-        *(case.inputs[n] for n in ("queries", "keys", "values")),
+        *inputs(case),
         lens,
         num_heads=config.num_heads,
         causal=config.causal,
     )
     # Keras' fused path (no scores, no dropout): uniform weights, as in the spec.
-    fused = numpy(native_call(native, case, attention_mask=mask))
+    fused = backend.to_numpy(native_call(native, case, attention_mask=mask))
     np.testing.assert_allclose(fused, expected, atol=5e-6)
     # Keras' softmax path zeroes hidden weights after the softmax: a fully
     # hidden row attends to nothing, so its output is the output bias alone,
     # where the spec gives the mean of all values.
     out, scores = native_call(native, case, attention_mask=mask, return_attention_scores=True)
-    out = numpy(out)
-    assert np.all(numpy(scores).transpose(0, 2, 1, 3)[hidden] == 0)
+    out = backend.to_numpy(out)
+    assert np.all(backend.to_numpy(scores).transpose(0, 2, 1, 3)[hidden] == 0)
     output_bias = case.weights.get("b_o", np.zeros(config.num_hiddens))
     np.testing.assert_allclose(
         out[hidden], np.broadcast_to(output_bias, out[hidden].shape), atol=1e-6
@@ -253,24 +247,31 @@ class D2lMultiHeadAttention(keras.layers.Layer):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_d2l_keras_layer_weights_give_equal_outputs(bias):
-    case = case_named("book")  # valid_lens [3, 2]
-    q, k, v = (case.inputs[n] for n in ("queries", "keys", "values"))
-    d2l = D2lMultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=bias)
-    expected = numpy(d2l(q, k, v, case.valid_lens))
+def test_d2l_keras_layer_weights_give_equal_outputs(runner, cases, bias):
+    case = cases["book"]  # valid_lens [3, 2]
+    config = case.config
+    q, k, v = inputs(case)
+    d2l = D2lMultiHeadAttention(config.num_hiddens, config.num_heads, bias=bias)
+    expected = backend.to_numpy(d2l(q, k, v, case.valid_lens))
     weights = interop.from_keras_d2l(d2l)
     assert set(weights) == (
         {"W_q", "W_k", "W_v", "W_o"} | ({"b_q", "b_k", "b_v", "b_o"} if bias else set())
     )
-    ours = set_weights(
-        MultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=bias), weights
+    reference, _ = spec.reference_forward(
+        weights, q, k, v, case.valid_lens, num_heads=config.num_heads
     )
-    np.testing.assert_allclose(numpy(ours(q, k, v, case.valid_lens)), expected, atol=5e-6)
+    np.testing.assert_allclose(expected, reference, atol=5e-6)
+    ours = runner.set_weights(
+        runner.make_layer(config.num_hiddens, config.num_heads, bias=bias), weights
+    )
+    np.testing.assert_allclose(runner.call(ours, q, k, v, case.valid_lens), expected, atol=5e-6)
     # and back: ours -> d2l's
-    other = D2lMultiHeadAttention(case.config.num_hiddens, case.config.num_heads, bias=bias)
+    other = D2lMultiHeadAttention(config.num_hiddens, config.num_heads, bias=bias)
     other(q, k, v, case.valid_lens)
-    interop.to_keras_d2l(get_weights(ours), other)
-    np.testing.assert_allclose(numpy(other(q, k, v, case.valid_lens)), expected, atol=5e-6)
+    interop.to_keras_d2l(runner.get_weights(ours), other)
+    np.testing.assert_allclose(
+        backend.to_numpy(other(q, k, v, case.valid_lens)), expected, atol=5e-6
+    )
     assert interop.from_keras_d2l(ours).keys() == weights.keys()
 
 
@@ -287,8 +288,8 @@ def test_d2l_layer_bias_mismatch_is_a_clear_error():
 # -- convert keras-mha --------------------------------------------------------------------
 
 
-def test_convert_to_and_from_keras_weights_file(tmp_path, capsys):
-    case = case_named("cross_sizes")
+def test_convert_to_and_from_keras_weights_file(cases, tmp_path, capsys):
+    case = cases["cross_sizes"]
     source = tmp_path / "weights.npz"
     save_weights(source, case.weights)
     keras_file = tmp_path / "mha.weights.h5"
@@ -305,7 +306,7 @@ def test_convert_to_and_from_keras_weights_file(tmp_path, capsys):
     model.load_weights(keras_file)
     mask = interop.attention_mask(case.valid_lens, case.config.num_queries, case.config.num_keys)
     out = native_call(native, case, attention_mask=mask)
-    np.testing.assert_allclose(numpy(out), case.reference["output"], atol=5e-6)
+    np.testing.assert_allclose(backend.to_numpy(out), case.reference["output"], atol=5e-6)
     # ... and it converts back bit-exactly.
     back = tmp_path / "back.safetensors"
     assert cli(["convert", str(keras_file), str(back)]) == 0

@@ -8,43 +8,14 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
-from conftest import gpu_required  # noqa: E402
+from keras_testing import COPY_KEYWORD_WARNING, inputs, keras_runner  # noqa: E402, F401
+
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import MultiHeadAttention, get_weights, set_weights  # noqa: E402
-from mha_multi.keras._ops import to_numpy  # noqa: E402
-from mha_multi.parity.cases import CASES, build_case  # noqa: E402
+from mha_multi.keras import _backend as backend  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
-BACKEND = keras.backend.backend()
-
-# Keras' own numpy conversions (Layer.get_weights, predict...) call np.array on
-# framework arrays whose __array__ predates numpy 2's copy keyword.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
-)
-RNG = np.random.default_rng(1)
-
-
-def case_named(name):
-    return build_case(next(c for c in CASES if c.name == name))
-
-
-def layer_for(case, **kwargs):
-    # The weights are loaded at once: no random initialisation, which on the
-    # JAX backend compiles anew for every shape.
-    kwargs.setdefault("kernel_initializer", "zeros")
-    layer = MultiHeadAttention(
-        case.config.num_hiddens, case.config.num_heads, bias=case.config.bias, **kwargs
-    )
-    return set_weights(layer, case.weights)
-
-
-def arrays(case):
-    return [case.inputs[name] for name in ("queries", "keys", "values")]
-
-
-def numpy(x):
-    return to_numpy(x).astype(np.float64)
+pytestmark = COPY_KEYWORD_WARNING
 
 
 @pytest.fixture
@@ -59,22 +30,24 @@ def policy():
 
 
 def test_lazy_sizes_are_inferred_on_first_call():
+    rng = np.random.default_rng(1)
     layer = MultiHeadAttention(12, 3)
     assert not layer.built
     with pytest.raises(ValueError, match="query_size, key_size, value_size not known yet"):
         get_weights(layer)
-    q, k, v = (RNG.standard_normal(s).astype(np.float32) for s in ((2, 3, 7), (2, 5, 4), (2, 5, 6)))
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 7), (2, 5, 4), (2, 5, 6)))
     assert tuple(layer(q, k, v).shape) == (2, 3, 12)
     assert layer.built
     assert layer.input_sizes() == {"query_size": 7, "key_size": 4, "value_size": 6}
     assert get_weights(layer)["W_v"].shape == (6, 12)
     with pytest.raises(ValueError, match="queries last dimension must be query_size=7"):
-        layer(RNG.standard_normal((2, 3, 8)).astype(np.float32), k, v)
+        layer(rng.standard_normal((2, 3, 8)).astype(np.float32), k, v)
 
 
 def test_lazy_build_checks_shapes_before_creating_variables():
+    rng = np.random.default_rng(2)
     layer = MultiHeadAttention(8, 2)
-    q = RNG.standard_normal((2, 3, 8)).astype(np.float32)
+    q = rng.standard_normal((2, 3, 8)).astype(np.float32)
     with pytest.raises(ValueError, match="keys and values must have the same length"):
         layer(q, q[:, :2], q)
     assert layer.input_sizes() == {"query_size": None, "key_size": None, "value_size": None}
@@ -95,24 +68,24 @@ def test_sizes_given_up_front_build_at_construction():
     }
 
 
-def test_set_weights_fixes_lazy_sizes_and_matches_reference():
-    case = case_named("cross_sizes")
-    layer = layer_for(case)
+def test_set_weights_fixes_lazy_sizes_and_matches_reference(runner, cases):
+    case = cases["cross_sizes"]
+    layer = runner.layer_for(case)
     assert layer.input_sizes() == {"query_size": 7, "key_size": 5, "value_size": 3}
-    out = layer(*arrays(case), case.valid_lens)
-    np.testing.assert_allclose(numpy(out), case.reference["output"], atol=5e-6)
+    out = layer(*inputs(case), case.valid_lens)
+    np.testing.assert_allclose(backend.to_numpy(out), case.reference["output"], atol=5e-6)
 
 
-def test_variables_are_the_canonical_weights():
-    case = case_named("bias")
-    layer = layer_for(case)
+def test_variables_are_the_canonical_weights(runner, cases):
+    case = cases["bias"]
+    layer = runner.layer_for(case)
     for name, array in case.weights.items():
-        np.testing.assert_array_equal(to_numpy(getattr(layer, name).value), array)
+        np.testing.assert_array_equal(backend.as_numpy(getattr(layer, name).value), array)
 
 
-def test_keras_list_weights_api_still_works():
-    case = case_named("bias")
-    source = layer_for(case)
+def test_keras_list_weights_api_still_works(runner, cases):
+    case = cases["bias"]
+    source = runner.layer_for(case)
     target = MultiHeadAttention(16, 4, bias=True, query_size=16, key_size=16, value_size=16)
     target.set_weights(source.get_weights())  # Keras' own list-based methods
     for name, array in get_weights(target).items():
@@ -128,16 +101,16 @@ def test_initialization_is_keras_dense_default():
     np.testing.assert_array_equal(weights["b_o"], 0.0)
 
 
-def test_valid_lens_accepts_lists_numpy_and_tensors():
-    case = case_named("lens_1d")
-    layer = layer_for(case)
+def test_valid_lens_accepts_lists_numpy_and_tensors(runner, cases):
+    case = cases["lens_1d"]
+    layer = runner.layer_for(case)
     expected = case.reference["output"]
-    lens_tensor = keras.ops.convert_to_tensor(case.valid_lens)
+    lens_tensor = backend.lens_to_native(case.valid_lens)
     for valid_lens in (case.valid_lens.tolist(), case.valid_lens, lens_tensor):
-        out = layer(*arrays(case), valid_lens)
-        np.testing.assert_allclose(numpy(out), expected, atol=5e-6)
-    out = layer(*arrays(case), valid_lens=case.valid_lens.tolist())
-    np.testing.assert_allclose(numpy(out), expected, atol=5e-6)
+        out = layer(*inputs(case), valid_lens)
+        np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
+    out = layer(*inputs(case), valid_lens=case.valid_lens.tolist())
+    np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
 
 
 def test_bad_tensor_inputs_are_clear_errors():
@@ -157,23 +130,23 @@ def test_bad_tensor_inputs_are_clear_errors():
         layer(x, x, x, causal=np.array([True, False]))
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="jax_enable_x64 is JAX's")
-def test_integer_lengths_beyond_32_bits_are_clipped_without_x64():
+@pytest.mark.skipif(backend.BACKEND != "jax", reason="jax_enable_x64 is JAX's")
+def test_integer_lengths_beyond_32_bits_are_clipped_without_x64(runner, cases):
     import jax
 
-    case = case_named("lens_1d")
-    layer = layer_for(case)
+    case = cases["lens_1d"]
+    layer = runner.layer_for(case)
     huge = np.array([2**62, -(2**40), 2**32 + 1], np.int64)  # 0, 0 and 1 when wrapped
     expected, _ = spec.reference_forward(
-        case.weights, *arrays(case), huge, num_heads=case.config.num_heads
+        case.weights, *inputs(case), huge, num_heads=case.config.num_heads
     )
     x64 = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", False)
     try:
-        out = layer(*arrays(case), huge)
+        out = layer(*inputs(case), huge)
     finally:
         jax.config.update("jax_enable_x64", x64)
-    np.testing.assert_allclose(numpy(out), expected, atol=5e-6)
+    np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
 
 
 # -- serialization ------------------------------------------------------------
@@ -194,8 +167,9 @@ def test_config_round_trip():
 
 
 def test_config_records_sizes_learned_from_the_first_call():
+    rng = np.random.default_rng(3)
     layer = MultiHeadAttention(8, 2)
-    q = RNG.standard_normal((1, 2, 3)).astype(np.float32)
+    q = rng.standard_normal((1, 2, 3)).astype(np.float32)
     layer(q, q, q)
     clone = MultiHeadAttention.from_config(layer.get_config())
     assert clone.built
@@ -222,9 +196,9 @@ def functional_model(layer, case, *, lens_dtype="int32", weights_output=False):
 
 
 @pytest.mark.parametrize("name", ["book", "causal_lens_2d", "cross_sizes"])
-def test_functional_model_matches_reference(name):
-    case = case_named(name)
-    layer = layer_for(case)
+def test_functional_model_matches_reference(runner, cases, name):
+    case = cases[name]
+    layer = runner.layer_for(case)
     model = functional_model(layer, case, weights_output=True)
     assert tuple(model.outputs[0].shape) == (None, case.config.num_queries, case.config.num_hiddens)
     assert tuple(model.outputs[1].shape) == (
@@ -233,18 +207,20 @@ def test_functional_model_matches_reference(name):
         case.config.num_queries,
         case.config.num_keys,
     )
-    output, weights = model([*arrays(case), case.valid_lens.astype(np.int32)])
-    np.testing.assert_allclose(numpy(output), case.reference["output"], atol=5e-6)
-    np.testing.assert_allclose(numpy(weights), case.reference["attention_weights"], atol=5e-6)
-    predicted = model.predict([*arrays(case), case.valid_lens.astype(np.int32)], verbose=0)
+    output, weights = model([*inputs(case), case.valid_lens.astype(np.int32)])
+    np.testing.assert_allclose(backend.to_numpy(output), case.reference["output"], atol=5e-6)
+    np.testing.assert_allclose(
+        backend.to_numpy(weights), case.reference["attention_weights"], atol=5e-6
+    )
+    predicted = model.predict([*inputs(case), case.valid_lens.astype(np.int32)], verbose=0)
     np.testing.assert_allclose(predicted[0], case.reference["output"], atol=5e-6)
 
 
-def test_functional_model_with_float_lens():
-    case = case_named("lens_1d_float")
-    model = functional_model(layer_for(case), case, lens_dtype="float32")
-    output = model([*arrays(case), case.valid_lens])
-    np.testing.assert_allclose(numpy(output), case.reference["output"], atol=5e-6)
+def test_functional_model_with_float_lens(runner, cases):
+    case = cases["lens_1d_float"]
+    model = functional_model(runner.layer_for(case), case, lens_dtype="float32")
+    output = model([*inputs(case), case.valid_lens])
+    np.testing.assert_allclose(backend.to_numpy(output), case.reference["output"], atol=5e-6)
 
 
 def test_functional_api_rejects_bad_shapes_and_dtypes():
@@ -259,8 +235,8 @@ def test_functional_api_rejects_bad_shapes_and_dtypes():
 
 
 @pytest.mark.parametrize("sizes", ["given", "lazy", "key_size_only"])
-def test_saved_model_loads_with_identical_outputs(tmp_path, sizes):
-    case = case_named("cross_sizes")
+def test_saved_model_loads_with_identical_outputs(cases, tmp_path, sizes):
+    case = cases["cross_sizes"]
     kwargs = {
         "given": case.config.sizes(),
         "lazy": {},
@@ -272,15 +248,15 @@ def test_saved_model_loads_with_identical_outputs(tmp_path, sizes):
     )
     model = functional_model(layer, case)
     set_weights(layer, case.weights)
-    inputs = [*arrays(case), case.valid_lens.astype(np.int32)]
-    expected = numpy(model(inputs))
+    arguments = [*inputs(case), case.valid_lens.astype(np.int32)]
+    expected = backend.to_numpy(model(arguments))
     np.testing.assert_allclose(expected, case.reference["output"], atol=5e-6)
 
     path = tmp_path / "model.keras"
     model.save(path)
     loaded = keras.saving.load_model(path)
     loaded_layer = next(lyr for lyr in loaded.layers if isinstance(lyr, MultiHeadAttention))
-    np.testing.assert_array_equal(numpy(loaded(inputs)), expected)
+    np.testing.assert_array_equal(backend.to_numpy(loaded(arguments)), expected)
     for name, array in get_weights(loaded_layer).items():
         np.testing.assert_array_equal(array, case.weights[name])
     assert loaded_layer.get_config() == layer.get_config()
@@ -289,60 +265,59 @@ def test_saved_model_loads_with_identical_outputs(tmp_path, sizes):
 # -- compilation --------------------------------------------------------------
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function is TensorFlow's")
+@pytest.mark.skipif(backend.BACKEND != "tensorflow", reason="tf.function is TensorFlow's")
 @pytest.mark.parametrize("name", ["book", "causal_cross", "lens_2d", "lens_1d_float"])
-def test_tf_function_jit_compile_matches_reference(name):
+def test_tf_function_jit_compile_matches_reference(runner, cases, name):
     import tensorflow as tf
 
-    case = case_named(name)
-    layer = layer_for(case)
+    case = cases[name]
+    layer = runner.layer_for(case)
 
     @tf.function(jit_compile=True)
     def attend(q, k, v, lens):
         return layer(q, k, v, lens, causal=case.config.causal, return_attention_weights=True)
 
-    out, weights = attend(*arrays(case), tf.constant(case.valid_lens))
-    np.testing.assert_allclose(out.numpy(), case.reference["output"], atol=5e-6)
-    np.testing.assert_allclose(weights.numpy(), case.reference["attention_weights"], atol=5e-6)
+    out, weights = attend(*inputs(case), backend.lens_to_native(case.valid_lens))
+    np.testing.assert_allclose(backend.to_numpy(out), case.reference["output"], atol=5e-6)
+    np.testing.assert_allclose(
+        backend.to_numpy(weights), case.reference["attention_weights"], atol=5e-6
+    )
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function is TensorFlow's")
-def test_tf_function_with_unknown_batch_and_lengths():
+@pytest.mark.skipif(backend.BACKEND != "tensorflow", reason="tf.function is TensorFlow's")
+def test_tf_function_with_unknown_batch_and_lengths(runner, cases):
     import tensorflow as tf
 
-    case = case_named("lens_2d")
-    layer = layer_for(case)
+    case = cases["lens_2d"]
+    layer = runner.layer_for(case)
     spec_3d = tf.TensorSpec((None, None, 16), tf.float32)
     attend = tf.function(
         lambda q, k, v, lens: layer(q, k, v, lens),
         input_signature=[spec_3d, spec_3d, spec_3d, tf.TensorSpec((None, None), tf.int64)],
     )
-    out = attend(*arrays(case), tf.constant(case.valid_lens))
-    np.testing.assert_allclose(out.numpy(), case.reference["output"], atol=5e-6)
+    out = attend(*inputs(case), backend.lens_to_native(case.valid_lens))
+    np.testing.assert_allclose(backend.to_numpy(out), case.reference["output"], atol=5e-6)
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="jax.jit is JAX's")
-def test_jax_jit_of_stateless_call_matches_reference():
+@pytest.mark.skipif(backend.BACKEND != "jax", reason="jax.jit is JAX's")
+def test_jax_jit_of_stateless_call_matches_reference(runner, cases):
     import jax
 
-    case = case_named("causal_lens_2d")
-    layer = layer_for(case)
+    case = cases["causal_lens_2d"]
+    layer = runner.layer_for(case)
 
     @jax.jit
-    def attend(trainable, non_trainable, q, k, v, lens):
+    def attend(values, q, k, v, lens):
         (out, weights), _ = layer.stateless_call(
-            trainable, non_trainable, q, k, v, lens, causal=True, return_attention_weights=True
+            *values, q, k, v, lens, causal=True, return_attention_weights=True
         )
         return out, weights
 
-    out, weights = attend(
-        [v.value for v in layer.trainable_variables],
-        [v.value for v in layer.non_trainable_variables],
-        *arrays(case),
-        case.valid_lens,
+    out, weights = attend(backend.state(layer), *inputs(case), case.valid_lens)
+    np.testing.assert_allclose(backend.to_numpy(out), case.reference["output"], atol=5e-6)
+    np.testing.assert_allclose(
+        backend.to_numpy(weights), case.reference["attention_weights"], atol=5e-6
     )
-    np.testing.assert_allclose(np.asarray(out), case.reference["output"], atol=5e-6)
-    np.testing.assert_allclose(np.asarray(weights), case.reference["attention_weights"], atol=5e-6)
 
 
 # -- mixed precision ------------------------------------------------------------
@@ -350,6 +325,7 @@ def test_jax_jit_of_stateless_call_matches_reference():
 
 @pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_keeps_float32_variables(policy, policy_name):
+    rng = np.random.default_rng(4)
     policy(policy_name)
     compute = policy_name.removeprefix("mixed_")
     layer = MultiHeadAttention(8, 2, bias=True, query_size=8, key_size=8, value_size=8)
@@ -357,29 +333,30 @@ def test_mixed_precision_keeps_float32_variables(policy, policy_name):
     assert {v.dtype for v in layer.weights} == {"float32"}
     weights = init_weights(8, bias=True, seed=3)
     set_weights(layer, weights)
-    q, k, v = (RNG.standard_normal(s).astype(np.float32) for s in ((2, 3, 8), (2, 4, 8), (2, 4, 8)))
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 8), (2, 4, 8), (2, 4, 8)))
     lens = np.array([0, 2])  # a fully hidden row: -1e6 overflows float16
     out, attention = layer(q, k, v, lens, return_attention_weights=True)
     assert keras.backend.standardize_dtype(out.dtype) == compute
     assert keras.backend.standardize_dtype(attention.dtype) == compute
-    assert np.all(np.isfinite(numpy(out)))
+    assert np.all(np.isfinite(backend.to_numpy(out)))
     expected, expected_weights = spec.reference_forward(weights, q, k, v, lens, num_heads=2)
-    np.testing.assert_allclose(numpy(out), expected, atol=2e-2)
-    np.testing.assert_allclose(numpy(attention), expected_weights, atol=2e-2)
+    np.testing.assert_allclose(backend.to_numpy(out), expected, atol=2e-2)
+    np.testing.assert_allclose(backend.to_numpy(attention), expected_weights, atol=2e-2)
     for name, array in get_weights(layer).items():
         assert array.dtype == np.float32
         np.testing.assert_array_equal(array, weights[name])
 
 
 def test_mixed_precision_does_not_round_float_lengths(policy):
+    rng = np.random.default_rng(5)
     # bfloat16 spaces numbers 2 apart at 256: a length of 256.5 would become
     # 256 and hide key 256, which 256.5 shows.
     policy("mixed_bfloat16")
     layer = MultiHeadAttention(4, 1, query_size=4, key_size=4, value_size=4)
-    q = RNG.standard_normal((1, 1, 4)).astype(np.float32)
+    q = rng.standard_normal((1, 1, 4)).astype(np.float32)
     kv = np.zeros((1, 258, 4), np.float32)
     _, attention = layer(q, kv, kv, np.array([256.5], np.float32), return_attention_weights=True)
-    weights = numpy(attention)[0, 0, 0]
+    weights = backend.to_numpy(attention)[0, 0, 0]
     np.testing.assert_allclose(weights[:257], 1 / 257, rtol=1e-2)
     assert weights[257] == 0.0
 
@@ -388,23 +365,26 @@ def test_mixed_precision_does_not_round_float_lengths(policy):
 
 
 def test_dropout_is_seeded_and_only_in_training():
+    rng = np.random.default_rng(6)
     make = lambda: MultiHeadAttention(  # noqa: E731
         16, 2, dropout=0.5, seed=7, query_size=16, key_size=16, value_size=16
     )
     weights = init_weights(16, seed=5)
     first, second = (set_weights(make(), weights) for _ in range(2))
-    q = RNG.standard_normal((2, 6, 16)).astype(np.float32)
-    a, b = (numpy(layer(q, q, q, training=True)) for layer in (first, second))
+    q = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    a, b = (backend.to_numpy(layer(q, q, q, training=True)) for layer in (first, second))
     np.testing.assert_array_equal(a, b)  # same seed, same masks
     expected, _ = spec.reference_forward(weights, q, q, q, num_heads=2)
     assert np.abs(a - expected).max() > 1e-3
-    np.testing.assert_allclose(numpy(first(q, q, q)), expected, atol=5e-6)
-    np.testing.assert_allclose(numpy(first(q, q, q, training=False)), expected, atol=5e-6)
+    np.testing.assert_allclose(backend.to_numpy(first(q, q, q)), expected, atol=5e-6)
+    np.testing.assert_allclose(
+        backend.to_numpy(first(q, q, q, training=False)), expected, atol=5e-6
+    )
 
 
-def test_fit_reduces_the_loss():
+def test_fit_reduces_the_loss(cases):
     keras.utils.set_random_seed(0)
-    case = case_named("book")
+    case = cases["book"]
     layer = MultiHeadAttention(16, 4, dropout=0.1, query_size=16, key_size=16, value_size=16)
     queries = keras.Input((4, 16))
     keys = keras.Input((6, 16))
@@ -428,27 +408,10 @@ def test_fit_reduces_the_loss():
 # -- devices ------------------------------------------------------------------
 
 
-@pytest.fixture
-def gpu(runner):
-    if not runner.device_available("gpu"):
-        if gpu_required():
-            pytest.fail("no GPU, and MHA_MULTI_REQUIRE_GPU is set")
-        pytest.skip("no GPU")
-    return "gpu"
-
-
-@pytest.fixture
-def runner():
-    from mha_multi.parity.runners import get_runner
-
-    return get_runner(f"keras-{BACKEND}")
-
-
-def test_gpu_weights_round_trip_and_reference(gpu):
-    case = case_named("lens_2d")
-    with keras.device(gpu):
-        layer = layer_for(case)
-        out = layer(*arrays(case), case.valid_lens)
-    np.testing.assert_allclose(numpy(out), case.reference["output"], atol=5e-6)
+def test_weights_round_trip_and_reference_on_each_device(runner, cases, available_device):
+    case = cases["lens_2d"]
+    layer = runner.layer_for(case, device=available_device)
+    out = runner.call(layer, *inputs(case), case.valid_lens, device=available_device)
+    np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)
     got = get_weights(layer)
     assert all(got[k].tobytes() == case.weights[k].tobytes() for k in case.weights)
