@@ -6,7 +6,9 @@ use_bias=False, flatten=False)`` blocks named ``W_q``, ``W_k``, ``W_v`` and
 canonical kernel. ``block.save_parameters(path)`` writes them to a ``.params``
 file under the names ``W_q.weight`` (and ``W_q.bias`` with ``use_bias=True``),
 which is also what :class:`mha_multi.mxnet.MultiHeadAttention` writes, so
-such files load into either layer.
+such files load into either layer. Ours with grouped key/value heads or an
+explicit ``head_dim`` writes the same names with the widths of its layout;
+those files load into ours built with that layout (d2l's layer has none).
 
 d2l's layer computes the spec's function (its ``masked_softmax`` replaces
 hidden scores by ``-1e6``) for integer-valued ``valid_lens`` (which d2l
@@ -52,7 +54,8 @@ def from_mxnet_d2l_state(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
     Args:
         params: ``W_q.weight`` ``(num_hiddens, query_size)`` ... ``W_o.weight``,
-            and ``W_x.bias`` ``(num_hiddens,)`` for a layer with biases; values
+            and ``W_x.bias`` ``(num_hiddens,)`` for a layer with biases (the
+            widths of its head layout for ours with grouped heads); values
             are ``mxnet`` arrays, Gluon ``Parameter`` objects or numpy arrays
             (what ``mx.npx.load`` returns for a file from ``save_parameters``).
 

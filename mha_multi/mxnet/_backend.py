@@ -161,6 +161,8 @@ def make_layer(
     num_hiddens: int,
     num_heads: int,
     *,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
     device: str = "cpu",
     dtype: str = "float32",
     hybridize: bool = False,
@@ -174,6 +176,8 @@ def make_layer(
     Args:
         num_hiddens: the layer's ``num_hiddens``.
         num_heads: the layer's ``num_heads``.
+        num_kv_heads: the layer's ``num_kv_heads`` (``None``: ``num_heads``).
+        head_dim: the layer's ``head_dim`` (``None``: ``num_hiddens // num_heads``).
         device: ``"cpu"`` or ``"gpu"``.
         dtype: a key of :data:`DTYPES`.
         hybridize: hybridize it (one cached graph per call configuration).
@@ -181,7 +185,9 @@ def make_layer(
     """
     from mha_multi.mxnet.layer import MultiHeadAttention
 
-    layer = MultiHeadAttention(num_hiddens, num_heads, dtype=dtype, **kwargs)
+    layer = MultiHeadAttention(
+        num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, **kwargs
+    )
     layer.initialize(mx.init.Zero(), ctx=_device(device))
     if hybridize:
         layer.hybridize()

@@ -19,6 +19,9 @@ spec's rule) instead of a broadcast ``where``, so the softmax is MXNet's
 plain (oneDNN) one. Every mask of the spec hides a suffix of the keys
 (lengths and the causal rule both do), so the number of visible keys,
 counted from :func:`mha_multi.spec.visibility`, is that mask's length.
+Grouped key/value heads take the spec's grouped layout
+(:func:`mha_multi.spec.transpose_grouped_queries`): one ``batch_dot`` per
+key/value head scores its whole group, and no key or value is repeated.
 Asking for the weights runs the generic :func:`mha_multi.spec.attention`.
 
 Importing the layer sets ``MXNET_CUDA_TENSOR_OP_MATH_ALLOW_CONVERSION`` to
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # First: the backend module puts MXNet's exact-float32 environment in place
@@ -90,8 +93,7 @@ class _AttentionGraph(gluon.HybridBlock):
         config: _Config,
         *,
         num_hiddens: int,
-        num_heads: int,
-        head_dim: int,
+        heads: spec.Heads,
         dropout: float,
         prefix: str,
         params: gluon.ParameterDict,
@@ -100,8 +102,7 @@ class _AttentionGraph(gluon.HybridBlock):
         super().__init__(prefix=prefix, params=params)
         self._config = config
         self._num_hiddens = num_hiddens
-        self._num_heads = num_heads
-        self._head_dim = head_dim
+        self._heads = heads
         self._dropout = dropout
         self._low_precision = np.dtype(config.dtype).itemsize < 4
         #: dtypes and shapes of the call's inputs, by Gluon's graph input names.
@@ -114,7 +115,7 @@ class _AttentionGraph(gluon.HybridBlock):
                     raise RuntimeError(f"parameter {parameter.name!r} could not be shared")
                 setattr(self, name, found)
 
-    def _project(self, F: Any, x: Any, weight: Any, bias: Any) -> Any:
+    def _project(self, F: Any, x: Any, weight: Any, bias: Any, features: int) -> Any:
         if self._low_precision:
             # The spec accumulates 16-bit products in float32 and rounds once;
             # MXNet's kernels promise nothing (its CPU kernel has no float16
@@ -122,7 +123,7 @@ class _AttentionGraph(gluon.HybridBlock):
             x, weight = x.astype(np.float32), weight.astype(np.float32)
             bias = None if bias is None else bias.astype(np.float32)
         y = F.npx.fully_connected(
-            x, weight, bias, no_bias=bias is None, num_hidden=self._num_hiddens, flatten=False
+            x, weight, bias, no_bias=bias is None, num_hidden=features, flatten=False
         )
         return y.astype(self._config.dtype) if self._low_precision else y
 
@@ -143,8 +144,17 @@ class _AttentionGraph(gluon.HybridBlock):
             input_shapes=self.input_shapes,
         )
 
+        heads = self._heads
+        features = {
+            "q": heads.query_features,
+            "k": heads.kv_features,
+            "v": heads.kv_features,
+            "o": self._num_hiddens,
+        }
+
         def project(x: Any, name: str) -> Any:
-            return self._project(F, x, params[f"W_{name}_weight"], params.get(f"W_{name}_bias"))
+            weight, bias = params[f"W_{name}_weight"], params.get(f"W_{name}_bias")
+            return self._project(F, x, weight, bias, features[name])
 
         def dropout(weights: Any) -> Any:
             # mode="training": active only while autograd is in training mode.
@@ -160,8 +170,9 @@ class _AttentionGraph(gluon.HybridBlock):
             k,
             v,
             valid_lens,
-            num_heads=self._num_heads,
-            head_dim=self._head_dim,
+            num_heads=heads.num_heads,
+            head_dim=heads.head_dim,
+            num_kv_heads=heads.num_kv_heads,
             causal=self._config.causal,
             dropout=dropout if self._dropout > 0 else None,
         )
@@ -180,16 +191,22 @@ class _AttentionGraph(gluon.HybridBlock):
     ) -> Any:
         """Attention through MXNet's fastest CPU kernels, to the spec's numbers.
 
+        Heads are in the spec's grouped layout (docs: "The spec", grouped
+        heads): the ``G`` query heads that read key/value head ``j`` are rows
+        of one ``(G*Q, dh)`` block, which meets that head's ``(K, dh)`` keys
+        and values in one ``batch_dot``; with ``G = 1`` it is d2l's layout.
+
         Args:
             F: ``mxnet.ndarray`` or ``mxnet.symbol``.
             ops: the adapter for ``F``.
-            q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
+            q: projected queries ``(B, Q, num_heads * head_dim)``.
+            k, v: projected keys and values ``(B, K, num_kv_heads * head_dim)``.
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
 
         Returns:
-            The concatenated heads ``(B, Q, num_hiddens)``.
+            The concatenated heads ``(B, Q, num_heads * head_dim)``.
         """
-        num_heads = self._num_heads
+        kv_heads, group_size = self._heads.num_kv_heads, self._heads.group_size
         if self._low_precision:
             # As spec.scaled_scores: 16-bit heads give float32 scores, which
             # stay float32 into the float32 softmax (inputs of magnitude 300
@@ -198,12 +215,16 @@ class _AttentionGraph(gluon.HybridBlock):
         # Scaling the queries instead of the (B*H, Q, K) scores is K / head_dim
         # times less work; it is exact when sqrt(head_dim) is a power of two
         # (head_dim 4, 16, 64, 256), and otherwise differs by rounding only.
-        q = q / math.sqrt(self._head_dim)
-        q, k, v = (spec.transpose_qkv(ops, x, num_heads) for x in (q, k, v))  # (B*H, T, dh)
-        scores = F.npx.batch_dot(q, k, transpose_b=True)  # (B*H, Q, K)
-        split_scores = ops.split_axis(scores, 0, (-1, num_heads))  # (B, H, Q, K), a view
+        q = q / math.sqrt(self._heads.head_dim)
+        q = spec.transpose_grouped_queries(ops, q, kv_heads, group_size)  # (B*H_kv, G*Q, dh)
+        k, v = (spec.transpose_qkv(ops, x, kv_heads) for x in (k, v))  # (B*H_kv, K, dh)
+        scores = F.npx.batch_dot(q, k, transpose_b=True)  # (B*H_kv, G*Q, K)
+        # Row ((b*H_kv + j)*G + g)*Q + i is query i of head h = j*G + g: as
+        # (B, H, Q, K), a view, the rows line up with the spec's masks.
+        head_scores = ops.split_axis(scores, 0, (-1, kv_heads))  # (B, H_kv, G*Q, K)
+        head_scores = ops.merge_axes(ops.split_axis(head_scores, 2, (group_size, -1)), 1)
         mask = self._config.plan.mask(
-            ops, ops.size(split_scores, 2), ops.size(split_scores, 3), valid_lens
+            ops, ops.size(head_scores, 2), ops.size(head_scores, 3), valid_lens
         )
         if mask is not None:
             # Visible keys form a prefix of each row (lengths and the causal
@@ -212,8 +233,8 @@ class _AttentionGraph(gluon.HybridBlock):
             # *replaces* the rest by the spec's MASK_VALUE: fully hidden rows
             # get uniform weights and hidden scores no gradient, as in the spec.
             counts = F.np.sum(mask.astype(np.int32), axis=-1)  # (B, 1, 1|Q) or (Q,)
-            rows = F.np.zeros_like(split_scores[:, :, :, 0], dtype=np.int32)  # (B, H, Q)
-            lengths = F.npx.reshape(rows + counts, (-1,))  # (B*H*Q,)
+            rows = F.np.zeros_like(head_scores[:, :, :, 0], dtype=np.int32)  # (B, H, Q)
+            lengths = F.npx.reshape(rows + counts, (-1,))  # (B*H*Q,), the order of scores' rows
             masked = F.npx.sequence_mask(
                 F.npx.reshape(scores, (-5, -2)),  # (B*H*Q, K)
                 lengths,
@@ -227,8 +248,8 @@ class _AttentionGraph(gluon.HybridBlock):
             weights = weights.astype(self._config.dtype)
         if self._dropout > 0:
             weights = F.npx.dropout(weights, p=self._dropout)
-        context = self._batch_dot(F, weights, v)  # (B*H, Q, dh)
-        return spec.transpose_output(ops, context, num_heads)
+        context = self._batch_dot(F, weights, v)  # (B*H_kv, G*Q, dh)
+        return spec.transpose_grouped_output(ops, context, kv_heads, group_size)
 
 
 #: The fast route's kernel: SequenceMask *replaces* hidden scores by the
@@ -241,13 +262,14 @@ SEQUENCE_MASK = spec.FusedKernel(
     causal_flag=False,
     replaces_hidden_scores=True,
     hidden_rows_uniform=True,
+    takes_grouped_heads=True,
 )
 
 
 class MultiHeadAttention(gluon.HybridBlock):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
-    The projections are ``nn.Dense(num_hiddens, flatten=False)`` blocks named
+    The projections are ``nn.Dense(..., flatten=False)`` blocks named
     ``W_q``, ``W_k``, ``W_v`` and ``W_o`` as in d2l, so ``save_parameters``
     writes ``W_q.weight`` and so on. Input sizes left as ``None`` are inferred
     on the first call (Gluon's deferred initialization), or fixed by
@@ -268,14 +290,23 @@ class MultiHeadAttention(gluon.HybridBlock):
     graph: no keys give the output ``b_o`` (zeros without bias) and weights
     of shape ``(B, H, Q, 0)``, and gradients flow as in the spec.
 
+    Grouped-query attention (docs: "The spec", grouped heads): with
+    ``num_kv_heads < num_heads`` query head ``h`` reads key/value head
+    ``h // (num_heads // num_kv_heads)``; ``W_k`` and ``W_v`` project to
+    ``num_kv_heads * head_dim`` features, ``W_q`` to ``num_heads * head_dim``.
+
     Args:
-        num_hiddens: size of every projection and of the output.
-        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        num_hiddens: size of the output (and, by default, of every projection).
+        num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
+            unless ``head_dim`` is given.
         dropout: dropout rate on the attention weights, in training mode only.
         bias: whether the four projections have biases.
         query_size: last dimension of the queries (deferred when ``None``).
         key_size: last dimension of the keys (deferred when ``None``).
         value_size: last dimension of the values (deferred when ``None``).
+        num_kv_heads: number of key/value heads; must divide ``num_heads``
+            (``None``: ``num_heads``).
+        head_dim: size of each head (``None``: ``num_hiddens // num_heads``).
         dtype: dtype of the parameters ("float32", "float64" or "float16").
         **kwargs: Gluon's ``prefix`` and ``params``.
     """
@@ -290,22 +321,29 @@ class MultiHeadAttention(gluon.HybridBlock):
         query_size: int | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         dtype: Any = "float32",
         **kwargs: Any,
     ) -> None:
-        head_dim = spec.check_config(num_hiddens, num_heads, dropout)
+        heads = {"num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        spec.check_config(num_hiddens, num_heads, dropout, **heads)
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         super().__init__(**kwargs)
+        self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
         self.num_hiddens = int(num_hiddens)
-        self.num_heads = int(num_heads)
-        self.head_dim = head_dim
+        self.num_heads = self._heads.num_heads
+        self.num_kv_heads = self._heads.num_kv_heads
+        self.head_dim = self._heads.head_dim
         self.dropout = float(dropout)
         self.bias = bool(bias)
-        in_units = {"q": query_size, "k": key_size, "v": value_size, "o": num_hiddens}
+        query_features, kv_features = self._heads.query_features, self._heads.kv_features
+        in_units = {"q": query_size, "k": key_size, "v": value_size, "o": query_features}
+        units = {"q": query_features, "k": kv_features, "v": kv_features, "o": self.num_hiddens}
         with self.name_scope():
             for name in _PROJECTIONS:
                 dense = nn.Dense(
-                    self.num_hiddens,
+                    units[name],
                     flatten=False,
                     use_bias=self.bias,
                     dtype=dtype,
@@ -319,7 +357,8 @@ class MultiHeadAttention(gluon.HybridBlock):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(num_hiddens={self.num_hiddens}, "
-            f"num_heads={self.num_heads}, dropout={self.dropout}, bias={self.bias})"
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dropout={self.dropout}, bias={self.bias})"
         )
 
     # -- configuration --------------------------------------------------------
@@ -458,6 +497,7 @@ class MultiHeadAttention(gluon.HybridBlock):
                 causal=bool(causal),
                 dropout=self.dropout > 0,
                 return_attention_weights=bool(return_attention_weights),
+                grouped=self._heads.grouped,
             ),
         )
         inputs = (queries, keys, values) if lens is None else (queries, keys, values, lens)
@@ -506,7 +546,7 @@ class MultiHeadAttention(gluon.HybridBlock):
                     continue
                 if x is not None and parameter is dense.weight and _in_units(dense) is None:
                     # Gluon's deferred initialization, which a graph call would do.
-                    parameter.shape = (self.num_hiddens, x.shape[2])
+                    parameter.shape = (parameter.shape[0], x.shape[2])
                     parameter._finish_deferred_init()
                 arrays.append(parameter.data(ctx))
         return arrays
@@ -523,8 +563,7 @@ class MultiHeadAttention(gluon.HybridBlock):
             graph = _AttentionGraph(
                 config,
                 num_hiddens=self.num_hiddens,
-                num_heads=self.num_heads,
-                head_dim=self.head_dim,
+                heads=self._heads,
                 dropout=self.dropout,
                 prefix=self.prefix,
                 params=self.collect_params(),
@@ -622,7 +661,11 @@ def set_weights(
         # numpy would wrap an MXNet array as a 0-d object array, not read it.
         weights = {name: host_array(value) for name, value in weights.items()}
     arrays, _ = check_weights(
-        weights, num_hiddens=layer.num_hiddens, bias=layer.bias, **layer.input_sizes()
+        weights,
+        num_hiddens=layer.num_hiddens,
+        bias=layer.bias,
+        **asdict(layer._heads),  # num_heads, num_kv_heads, head_dim
+        **layer.input_sizes(),
     )
     for name, array in arrays.items():
         dense = getattr(layer, f"W_{name[-1]}")

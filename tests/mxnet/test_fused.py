@@ -7,6 +7,7 @@ tests/backends/test_fused_path.py's.
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import mxnet as mx
 import numpy as np
@@ -21,13 +22,80 @@ from mha_multi.parity.runners import get_runner
 #: Cases with rows that see no key (lengths <= 0, causal with Q > K) or
 #: per-query masks: where a fast kernel would most likely depart from the spec.
 HIDDEN_ROW_CASES = ("lens_zero", "lens_2d", "causal_more_queries", "causal_lens_2d", "one_key")
+#: Grouped key/value heads (each case also hides whole rows): the fast route's
+#: grouped layout must line every row's mask length up with its head.
+GROUPED_CASES = ("gqa", "mqa", "head_dim")
 HYBRID = get_runner("mxnet-hybrid")
+IMPERATIVE = get_runner("mxnet")
 
 
 @pytest.fixture(params=["mxnet", "mxnet-hybrid"])
 def mxnet_runner(request):
     """The imperative layer's runner, then the hybridized one's."""
     return get_runner(request.param)
+
+
+def exported_graph(tmp_path, layer, case, **kwargs):
+    """The nodes and parameter shapes of ``layer``'s graph for one call on ``case``."""
+    HYBRID.call(
+        layer,
+        *(case.inputs[n] for n in INPUT_NAMES),
+        case.valid_lens,
+        causal=case.config.causal,
+        **kwargs,
+    )
+    prefix = str(tmp_path / "mha")
+    layer.export(prefix)
+    with open(f"{prefix}-symbol.json") as file:
+        nodes = json.load(file)["nodes"]
+    loaded = mx.npx.load(f"{prefix}-0000.params")  # "arg:<prefix>W_q_weight"...
+    params = {"W_" + name.rsplit("_W_", 1)[-1]: value.shape for name, value in loaded.items()}
+    return nodes, params
+
+
+@pytest.mark.parametrize("name", GROUPED_CASES)
+def test_exported_grouped_graphs_repeat_no_key_or_value(tmp_path, cases, name):
+    case, config = cases[name], cases[name].config
+    layer = HYBRID.layer_for(case)
+    for return_attention_weights in (False, True):
+        nodes, params = exported_graph(
+            tmp_path, layer, case, return_attention_weights=return_attention_weights
+        )
+        ops = {node["op"] for node in nodes}
+        assert not [op for op in ops if "repeat" in op or "tile" in op or "broadcast_to" in op]
+        head_dim = params["W_q_weight"][0] // config.num_heads
+        assert params["W_k_weight"][0] == params["W_v_weight"][0] == config.num_kv_heads * head_dim
+        if not return_attention_weights:
+            assert {"SequenceMask", "batch_dot"} <= ops and "_npi_where" not in ops
+
+
+@pytest.mark.parametrize("name", GROUPED_CASES)
+def test_fast_route_scores_each_key_value_head_once(cases, name):
+    # One batch_dot of queries by keys per key/value head and example, its G
+    # query heads stacked as rows; the weights then meet the same values.
+    case, config = cases[name], cases[name].config
+    inputs = [IMPERATIVE.to_native(case.inputs[n]) for n in INPUT_NAMES]
+    seen = []
+    original = mx.ndarray.numpy_extension.batch_dot
+
+    def recording(a, b, *args, **kwargs):
+        seen.append((a.shape, b.shape))
+        return original(a, b, *args, **kwargs)
+
+    layer = IMPERATIVE.layer_for(case)
+    lens = IMPERATIVE.native_lens(case.valid_lens)
+    with mock.patch.object(mx.ndarray.numpy_extension, "batch_dot", recording):
+        output = IMPERATIVE.forward(layer, *inputs, lens, causal=config.causal)
+    head_dim = layer.head_dim
+    blocks, rows = config.batch * config.num_kv_heads, config.num_queries * config.num_heads
+    kv_shape = (blocks, config.num_keys, head_dim)
+    assert seen == [
+        ((blocks, rows // config.num_kv_heads, head_dim), kv_shape),
+        ((blocks, rows // config.num_kv_heads, config.num_keys), kv_shape),
+    ]
+    np.testing.assert_allclose(
+        IMPERATIVE.to_numpy(output), case.reference["output"], rtol=0, atol=5e-6
+    )
 
 
 def test_exported_default_graph_masks_without_where(tmp_path, cases):
@@ -52,7 +120,7 @@ def test_exported_default_graph_masks_without_where(tmp_path, cases):
     assert "_npi_where" in ops[True] and "SequenceMask" not in ops[True]
 
 
-@pytest.mark.parametrize("name", HIDDEN_ROW_CASES)
+@pytest.mark.parametrize("name", HIDDEN_ROW_CASES + GROUPED_CASES)
 def test_fast_route_matches_reference_with_fully_hidden_rows(mxnet_runner, cases, name):
     runner, case = mxnet_runner, cases[name]
     layer = runner.layer_for(case)
@@ -92,7 +160,7 @@ def test_fully_hidden_rows_are_the_mean_of_the_values(mxnet_runner, cases):
 @pytest.mark.parametrize(
     ("dtype", "atol", "grad_atol"), [("float64", 1e-12, 1e-12), ("float16", 2e-2, 2e-2)]
 )
-@pytest.mark.parametrize("name", ["lens_zero", "causal_more_queries"])
+@pytest.mark.parametrize("name", ["lens_zero", "causal_more_queries", "gqa"])
 def test_fast_route_other_dtypes(cases, name, dtype, atol, grad_atol):
     case = cases[name]
     layer = HYBRID.layer_for(case, dtype=dtype)
@@ -118,7 +186,9 @@ def test_fast_route_other_dtypes(cases, name, dtype, atol, grad_atol):
         )
 
 
-@pytest.mark.parametrize("name", ["book", "lens_1d_float", "causal_cross", "cross_sizes"])
+@pytest.mark.parametrize(
+    "name", ["book", "lens_1d_float", "causal_cross", "cross_sizes", *GROUPED_CASES]
+)
 def test_fast_and_generic_routes_agree(cases, name):
     # Closer to each other than to the reference: the fast route differs
     # from the generic one by where the scale is applied, a rounding.

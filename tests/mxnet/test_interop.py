@@ -185,3 +185,25 @@ def test_canonical_conversion_does_not_import_mxnet(tmp_path):
         "assert 'mxnet' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_grouped_params_load_into_ours_with_the_widths_of_the_weights(tmp_path, cases):
+    case = cases["gqa"]  # 8 query heads read 2 key/value heads: W_k is (32, 8)
+    config = case.config
+    inputs = [case.inputs[n] for n in INPUT_NAMES]
+    save_mxnet_d2l(tmp_path / "gqa.params", case.weights)
+    loaded = MultiHeadAttention(config.num_hiddens, config.num_heads, bias=True, **config.heads())
+    loaded.load_parameters(str(tmp_path / "gqa.params"))
+    converted = to_mxnet_d2l(
+        case.weights,
+        MultiHeadAttention(config.num_hiddens, config.num_heads, bias=True, **config.heads()),
+    )
+    for ours in (loaded, converted):
+        output = RUNNER.call(ours, *inputs, case.valid_lens, causal=True)
+        np.testing.assert_allclose(output, case.reference["output"], rtol=0, atol=5e-6)
+        back = from_mxnet_d2l(ours)
+        assert all(back[k].tobytes() == v.tobytes() for k, v in case.weights.items())
+    # d2l's layer projects keys to every query head's width.
+    d2l = D2LMultiHeadAttention(config.num_hiddens, config.num_heads, use_bias=True)
+    with pytest.raises(ValueError, match=r"W_k of shape \(32, 8\) does not fit"):
+        to_mxnet_d2l(case.weights, d2l)

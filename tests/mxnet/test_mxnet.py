@@ -36,7 +36,9 @@ def assert_reference(case, output, weights=None, atol=5e-6):
         )
 
 
-@pytest.mark.parametrize("name", ["book", "causal_lens_2d", "lens_1d_float", "cross_sizes"])
+@pytest.mark.parametrize(
+    "name", ["book", "causal_lens_2d", "lens_1d_float", "cross_sizes", "gqa", "head_dim"]
+)
 def test_hybridized_equals_imperative(cases, name):
     case = cases[name]
     inputs = [case.inputs[n] for n in INPUT_NAMES]
@@ -79,7 +81,7 @@ def test_alternating_configurations_share_parameters(cases):
 
 # SymbolBlock.imports warns that it cannot tell the inputs' dtypes before a call.
 @pytest.mark.filterwarnings("ignore:Cannot decide type")
-@pytest.mark.parametrize("name", ["causal_lens_2d", "lens_none", "cross_sizes"])
+@pytest.mark.parametrize("name", ["causal_lens_2d", "lens_none", "cross_sizes", "mqa"])
 def test_export_and_symbolblock_imports(tmp_path, cases, name):
     case = cases[name]
     layer = HYBRID.layer_for(case)
@@ -137,6 +139,51 @@ def test_set_weights_without_initialize_fixes_deferred_sizes(cases):
     assert_reference(
         case, IMPERATIVE.call(layer, *(case.inputs[n] for n in INPUT_NAMES), case.valid_lens)
     )
+    assert all(get_weights(layer)[n].tobytes() == w.tobytes() for n, w in case.weights.items())
+
+
+def test_deferred_sizes_with_grouped_heads_and_head_dim(mxnet_runner):
+    runner = mxnet_runner
+    layer = MultiHeadAttention(10, 4, num_kv_heads=2, head_dim=3)
+    assert (layer.num_kv_heads, layer.head_dim) == (2, 3)
+    assert "num_kv_heads=2, head_dim=3" in repr(layer)
+    layer.initialize()
+    if runner.hybridize:
+        layer.hybridize()
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(s).astype(np.float32) for s in [(2, 3, 7), (2, 5, 4), (2, 5, 6)]]
+    q, k, v = (runner.to_native(x) for x in inputs)
+    assert layer(q, k, v, [5, 0]).shape == (2, 3, 10)
+    weights = get_weights(layer)
+    shapes = {name: array.shape for name, array in weights.items()}
+    assert shapes == {"W_q": (7, 12), "W_k": (4, 6), "W_v": (6, 6), "W_o": (12, 10)}
+    expected, _ = spec.reference_forward(weights, *inputs, np.array([5, 0]), num_heads=4)
+    np.testing.assert_allclose(runner.to_numpy(layer(q, k, v, [5, 0])), expected, rtol=0, atol=5e-6)
+
+
+def test_empty_keys_with_grouped_heads_fix_deferred_sizes(cases):
+    case = cases["head_dim"]  # query_size 6, 4 heads of size 3 reading 2 key/value heads
+    config = case.config
+    layer = MultiHeadAttention(config.num_hiddens, config.num_heads, bias=True, **config.heads())
+    layer.initialize()
+    queries = mx.np.ones((2, 3, 6))
+    keys = mx.np.ones((2, 0, 5))
+    output, weights = layer(queries, keys, keys, return_attention_weights=True)
+    assert output.shape == (2, 3, 10) and weights.shape == (2, 4, 3, 0)
+    assert layer.input_sizes() == {"query_size": 6, "key_size": 5, "value_size": 5}
+    assert layer.W_k.weight.shape == (6, 5) and layer.W_o.weight.shape == (10, 12)
+
+
+def test_set_weights_without_initialize_fixes_grouped_deferred_sizes(mxnet_runner, cases):
+    runner, case = mxnet_runner, cases["head_dim"]
+    config = case.config
+    layer = MultiHeadAttention(config.num_hiddens, config.num_heads, bias=True, **config.heads())
+    if runner.hybridize:
+        layer.hybridize()
+    layer = set_weights(layer, case.weights)
+    assert layer.input_sizes() == {"query_size": 6, "key_size": 10, "value_size": 10}
+    inputs = [case.inputs[n] for n in INPUT_NAMES]
+    assert_reference(case, runner.call(layer, *inputs, case.valid_lens))
     assert all(get_weights(layer)[n].tobytes() == w.tobytes() for n, w in case.weights.items())
 
 
