@@ -36,7 +36,9 @@ __all__ = [
     "attention",
     "check_config",
     "check_heads",
+    "grouped_to_heads",
     "heads_of_weights",
+    "heads_to_grouped",
     "check_causal",
     "check_inputs",
     "clip_integer_lens",
@@ -512,15 +514,15 @@ def transpose_grouped_output(ops: ArrayOps, x: Array, num_kv_heads: int, group_s
     return ops.merge_axes(x, 2)
 
 
-def _grouped_to_heads(ops: ArrayOps, x: Array, num_kv_heads: int, group_size: int) -> Array:
+def grouped_to_heads(ops: ArrayOps, x: Array, num_kv_heads: int, group_size: int) -> Array:
     """``(B*H_kv, G*Q, K) -> (B, H, Q, K)`` with ``h = j*G + g``."""
     x = ops.split_axis(x, 0, (-1, num_kv_heads))  # (B, H_kv, G*Q, K)
     x = ops.split_axis(x, 2, (group_size, -1))  # (B, H_kv, G, Q, K)
     return ops.merge_axes(x, 1)
 
 
-def _heads_to_grouped(ops: ArrayOps, x: Array, num_kv_heads: int, group_size: int) -> Array:
-    """``(B, H, Q, K) -> (B*H_kv, G*Q, K)``: the inverse of :func:`_grouped_to_heads`."""
+def heads_to_grouped(ops: ArrayOps, x: Array, num_kv_heads: int, group_size: int) -> Array:
+    """``(B, H, Q, K) -> (B*H_kv, G*Q, K)``: the inverse of :func:`grouped_to_heads`."""
     x = ops.split_axis(x, 1, (num_kv_heads, group_size))  # (B, H_kv, G, Q, K)
     x = ops.merge_axes(x, 2)  # (B, H_kv, G*Q, K)
     return ops.merge_axes(x, 0)
@@ -914,12 +916,12 @@ def _grouped_attention(
     group_size = num_heads // num_kv_heads
     q = transpose_grouped_queries(ops, q, num_kv_heads, group_size)  # (B*H_kv, G*Q, dh)
     k, v = (transpose_qkv(ops, x, num_kv_heads) for x in (k, v))  # (B*H_kv, K, dh)
-    scores = _grouped_to_heads(
+    scores = grouped_to_heads(
         ops, scaled_scores(ops, q, k, head_dim), num_kv_heads, group_size
     )  # (B, H, Q, K)
     visible = visibility(ops, ops.size(scores, 2), ops.size(scores, 3), valid_lens, causal=causal)
     weights = masked_softmax(ops, scores, visible, ops.dtype(v))
-    flat_weights = _heads_to_grouped(ops, weights, num_kv_heads, group_size)
+    flat_weights = heads_to_grouped(ops, weights, num_kv_heads, group_size)
     if dropout is not None:
         flat_weights = dropout(flat_weights)
     context = ops.matmul(flat_weights, v)  # (B*H_kv, G*Q, dh)
@@ -1098,9 +1100,9 @@ def reference_gradients(
     kv_heads, group = heads.num_kv_heads, heads.group_size
     q = transpose_grouped_queries(ops, projected["q"], kv_heads, group)
     k, v = (transpose_qkv(ops, projected[n], kv_heads) for n in "kv")
-    scores = _grouped_to_heads(ops, scaled_scores(ops, q, k, head_dim), kv_heads, group)
+    scores = grouped_to_heads(ops, scaled_scores(ops, q, k, head_dim), kv_heads, group)
     visible = visibility(ops, scores.shape[2], scores.shape[3], lens, causal=causal)
-    attn = _heads_to_grouped(ops, masked_softmax(ops, scores, visible), kv_heads, group)
+    attn = heads_to_grouped(ops, masked_softmax(ops, scores, visible), kv_heads, group)
     context = transpose_grouped_output(ops, attn @ v, kv_heads, group)
 
     grads: dict[str, np.ndarray] = {}
@@ -1113,8 +1115,8 @@ def reference_gradients(
     grad_v = np.swapaxes(attn, -1, -2) @ grad_heads
     grad_scores = attn * (grad_attn - (grad_attn * attn).sum(axis=-1, keepdims=True))
     if visible is not None:
-        hidden_zeroed = np.where(visible, _grouped_to_heads(ops, grad_scores, kv_heads, group), 0.0)
-        grad_scores = _heads_to_grouped(ops, hidden_zeroed, kv_heads, group)
+        hidden_zeroed = np.where(visible, grouped_to_heads(ops, grad_scores, kv_heads, group), 0.0)
+        grad_scores = heads_to_grouped(ops, hidden_zeroed, kv_heads, group)
     grad_q = grad_scores @ k * scale
     grad_k = np.swapaxes(grad_scores, -1, -2) @ q * scale
 

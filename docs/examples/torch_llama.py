@@ -24,7 +24,7 @@ llama = LlamaAttention(config, layer_idx=0).eval()
 
 weights, heads = from_llama(llama)  # canonical weights and the head layout
 print(heads)  # {'num_heads': 8, 'num_kv_heads': 2, 'head_dim': 8}
-layer = set_weights(MultiHeadAttention(32, **heads), weights).eval()
+layer = set_weights(MultiHeadAttention(32, bias=True, **heads), weights).eval()
 # [/llama]
 
 # Llama rotates queries and keys by position (rotary embeddings) inside its

@@ -221,8 +221,7 @@ class _AttentionGraph(gluon.HybridBlock):
         scores = F.npx.batch_dot(q, k, transpose_b=True)  # (B*H_kv, G*Q, K)
         # Row ((b*H_kv + j)*G + g)*Q + i is query i of head h = j*G + g: as
         # (B, H, Q, K), a view, the rows line up with the spec's masks.
-        head_scores = ops.split_axis(scores, 0, (-1, kv_heads))  # (B, H_kv, G*Q, K)
-        head_scores = ops.merge_axes(ops.split_axis(head_scores, 2, (group_size, -1)), 1)
+        head_scores = spec.grouped_to_heads(ops, scores, kv_heads, group_size)  # (B, H, Q, K)
         mask = self._config.plan.mask(
             ops, ops.size(head_scores, 2), ops.size(head_scores, 3), valid_lens
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -339,7 +340,8 @@ class MultiHeadAttention(nn.Module):
 SDPA = spec.FusedKernel(
     "scaled_dot_product_attention",
     takes_dropout=True,
-    takes_grouped_heads=torch.__version__ >= "2.5",
+    takes_grouped_heads=tuple(int(n) for n in re.findall(r"\d+", str(torch.__version__))[:2])
+    >= (2, 5),
 )
 
 

@@ -14,12 +14,16 @@ from mha_multi.weights import init_weights
 OPS = spec.NumpyOps()
 
 
-def naive_forward(weights, queries, keys, values, valid_lens, num_heads, causal):
-    """A stack of single-head attentions, one example and one head at a time."""
+def naive_forward(weights, queries, keys, values, valid_lens, num_heads, causal, num_kv_heads=None):
+    """A stack of single-head attentions, one example and one head at a time.
+
+    Query head ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``.
+    """
     batch, num_queries, _ = queries.shape
     num_keys = keys.shape[1]
-    num_hiddens = weights["W_o"].shape[0]
+    num_hiddens = weights["W_o"].shape[0]  # num_heads * head_dim
     head_dim = num_hiddens // num_heads
+    group_size = num_heads // (num_kv_heads or num_heads)
 
     def project(x, name):
         y = x @ weights[f"W_{name}"]
@@ -31,6 +35,8 @@ def naive_forward(weights, queries, keys, values, valid_lens, num_heads, causal)
     for b in range(batch):
         for h in range(num_heads):
             cols = slice(h * head_dim, (h + 1) * head_dim)
+            kv = h // group_size
+            kv_cols = slice(kv * head_dim, (kv + 1) * head_dim)
             for i in range(num_queries):
                 scores = np.empty(num_keys)
                 for j in range(num_keys):
@@ -40,14 +46,14 @@ def naive_forward(weights, queries, keys, values, valid_lens, num_heads, causal)
                         visible = j < length
                     if causal and j > i + (num_keys - num_queries):
                         visible = False
-                    dot = sum(q[b, i, cols][d] * k[b, j, cols][d] for d in range(head_dim))
+                    dot = sum(q[b, i, cols][d] * k[b, j, kv_cols][d] for d in range(head_dim))
                     scores[j] = dot / math.sqrt(head_dim) if visible else -1e6
                 if num_keys == 0:  # nothing to attend to: a zero context
                     continue
                 weights_row = np.exp(scores - scores.max())
                 weights_row /= weights_row.sum()
                 attention[b, h, i] = weights_row
-                context[b, i, cols] = weights_row @ v[b, :, cols]
+                context[b, i, cols] = weights_row @ v[b, :, kv_cols]
     return project(context, "o"), attention
 
 
@@ -60,6 +66,7 @@ def test_reference_matches_naive_loops(config):
         None if case.valid_lens is None else case.valid_lens.tolist(),
         config.num_heads,
         config.causal,
+        config.num_kv_heads,
     )
     np.testing.assert_allclose(case.reference["output"], expected_out, rtol=0, atol=1e-12)
     np.testing.assert_allclose(
