@@ -5,7 +5,8 @@ reach Keras through this module (docs: "Architecture"): the dtypes, devices
 and GPU detection, the process-wide settings for exact float32 products,
 conversions to and from numpy (bfloat16 included), how the layer is built,
 called and differentiated, how a call of the fused kernel is observed, and
-``keras.layers.MultiHeadAttention`` holding canonical weights.
+``keras.layers.MultiHeadAttention`` and ``keras.layers.GroupQueryAttention``
+holding canonical weights.
 
 Keras fixes its backend per process (``KERAS_BACKEND``); what differs
 between TensorFlow, JAX and PyTorch underneath is one class each below, of
@@ -30,7 +31,7 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.weights import check_weights
+from mha_multi.weights import WeightsConfig, check_weights
 
 if TYPE_CHECKING:
     from mha_multi.keras.layer import MultiHeadAttention
@@ -40,9 +41,11 @@ __all__ = [
     "BACKEND",
     "DTYPES",
     "INPUT_NAMES",
+    "NATIVE_GQA_PROJECTIONS",
     "NATIVE_PROJECTIONS",
     "LayerCall",
     "as_numpy",
+    "check_native_mha_layout",
     "device_description",
     "device_of",
     "device_scope",
@@ -56,6 +59,8 @@ __all__ = [
     "kernel_spy",
     "lens_to_native",
     "make_layer",
+    "gqa_projections",
+    "native_gqa_layer",
     "native_layer",
     "state",
     "sync",
@@ -74,6 +79,16 @@ DTYPES: tuple[str, ...] = ("float64", "float32", "bfloat16", "float16")
 #: ``keras.layers.MultiHeadAttention``'s projection sublayers (``<name>_dense``)
 #: -> canonical projection letter.
 NATIVE_PROJECTIONS: dict[str, str] = {"query": "q", "key": "k", "value": "v", "output": "o"}
+
+#: ``keras.layers.GroupQueryAttention``'s projection sublayers, by their
+#: names (which its variable paths and weights files use) -> canonical
+#: projection letter.
+NATIVE_GQA_PROJECTIONS: dict[str, str] = {
+    "query": "q",
+    "key": "k",
+    "value": "v",
+    "attention_output": "o",
+}
 
 #: The differentiable inputs of a call, in order.
 INPUT_NAMES = ("queries", "keys", "values")
@@ -446,6 +461,8 @@ def make_layer(
     num_hiddens: int,
     num_heads: int,
     *,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
     device: str = "cpu",
     dtype: str = "float32",
     **kwargs: Any,
@@ -459,6 +476,8 @@ def make_layer(
     Args:
         num_hiddens: the layer's ``num_hiddens``.
         num_heads: the layer's ``num_heads``.
+        num_kv_heads: the layer's ``num_kv_heads`` (``None``: ``num_heads``).
+        head_dim: the layer's ``head_dim`` (``None``: ``num_hiddens // num_heads``).
         device: ``"cpu"`` or ``"gpu"``.
         dtype: one of :data:`DTYPES`, or a Keras dtype policy.
         **kwargs: the layer's other arguments (``dropout``, ``bias``, sizes, ``seed``).
@@ -467,7 +486,14 @@ def make_layer(
 
     kwargs.setdefault("kernel_initializer", "zeros")
     with device_scope(device):
-        return MultiHeadAttention(num_hiddens, num_heads, dtype=dtype, **kwargs)
+        return MultiHeadAttention(
+            num_hiddens,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            **kwargs,
+        )
 
 
 def state(layer: keras.layers.Layer, order: keras.layers.Layer | None = None) -> State:
@@ -681,9 +707,12 @@ def native_layer(
         output features (``output_shape`` is set when ``query_size`` differs).
 
     Raises:
-        ValueError: invalid weights, or ``num_hiddens`` not divisible by ``num_heads``.
+        ValueError: invalid weights, ``num_hiddens`` not divisible by
+            ``num_heads``, or a head layout other than d2l's
+            (:func:`check_native_mha_layout`).
     """
     arrays, config = check_weights(weights)
+    check_native_mha_layout(config)
     head_dim = spec.check_config(config.num_hiddens, num_heads, 0.0)
     with device_scope(device):
         layer = keras.layers.MultiHeadAttention(
@@ -700,6 +729,107 @@ def native_layer(
         )
     for name, letter in NATIVE_PROJECTIONS.items():
         dense = getattr(layer, f"{name}_dense")
+        dense.kernel.assign(arrays[f"W_{letter}"].reshape(dense.kernel.shape))
+        if config.bias:
+            dense.bias.assign(arrays[f"b_{letter}"].reshape(dense.bias.shape))
+    return layer
+
+
+def check_native_mha_layout(config: WeightsConfig) -> None:
+    """Refuses weights whose head layout the ``keras.layers.MultiHeadAttention``
+    converters do not hold: grouped key/value heads, which that layer lacks
+    (every head has its own key and value), or an explicit ``head_dim``.
+
+    Args:
+        config: what :func:`mha_multi.weights.check_weights` read.
+
+    Raises:
+        ValueError: saying which, and that ``keras.layers.GroupQueryAttention``
+            holds both.
+    """
+    if config.kv_features != config.query_features:
+        raise ValueError(
+            "keras.layers.MultiHeadAttention has no grouped key/value heads "
+            f"(num_kv_heads < num_heads): W_k and W_v have {config.kv_features} columns, "
+            f"W_q {config.query_features}; keras.layers.GroupQueryAttention holds them "
+            "(mha_multi.interop.keras.to_keras_gqa)"
+        )
+    if config.query_features != config.num_hiddens:
+        raise ValueError(
+            "the keras.layers.MultiHeadAttention converters hold the default head size "
+            f"(num_heads * key_dim = num_hiddens): W_q has {config.query_features} columns, "
+            f"not num_hiddens = {config.num_hiddens}; keras.layers.GroupQueryAttention takes "
+            "an explicit head_dim (mha_multi.interop.keras.to_keras_gqa)"
+        )
+
+
+def gqa_projections(layer: keras.layers.GroupQueryAttention) -> dict[str, keras.layers.Layer]:
+    """The ``EinsumDense`` projections of a built ``keras.layers.GroupQueryAttention``.
+
+    Keyed by their names (:data:`NATIVE_GQA_PROJECTIONS`); the layer holds
+    them as private attributes (``_query_dense``...), created by ``build``.
+
+    Raises:
+        ValueError: the layer is not built yet.
+    """
+    if not layer.built:
+        raise ValueError("the keras.layers.GroupQueryAttention is not built yet: call it once")
+    sublayers = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
+    return {dense.name: dense for dense in sublayers}
+
+
+def native_gqa_layer(
+    weights: Mapping[str, Any],
+    num_heads: int,
+    *,
+    num_kv_heads: int | None = None,
+    device: str = "cpu",
+    **kwargs: Any,
+) -> keras.layers.GroupQueryAttention:
+    """``keras.layers.GroupQueryAttention`` holding canonical weights, built.
+
+    Each canonical array, reshaped to its variable's shape, is that variable:
+    kernels ``(in, heads, head_dim)`` and ``(num_heads, head_dim, out)``, head
+    ``h`` in columns ``[h*dh, (h+1)*dh)`` in both layouts (see
+    :mod:`mha_multi.interop.keras`). It is called ``(query, value, key)``.
+
+    Args:
+        weights: canonical weights.
+        num_heads: the query heads (``num_query_heads``); ``head_dim`` is
+            ``W_q``'s width over it.
+        num_kv_heads: the key/value heads (``num_key_value_heads``); ``None``
+            reads them from ``W_k``'s width.
+        device: ``"cpu"`` or ``"gpu"``.
+        **kwargs: more ``keras.layers.GroupQueryAttention`` arguments
+            (``dropout``, ``dtype``, ``name``...).
+
+    Returns:
+        The layer, built for ``(B, Q, query_size)`` queries and
+        ``(B, K, key_size|value_size)`` keys and values.
+
+    Raises:
+        ValueError: invalid weights, widths no head layout of ``num_heads``
+            heads explains, or ``query_size != num_hiddens`` (the layer
+            projects back to the query size).
+    """
+    arrays, config = check_weights(weights)
+    heads = spec.heads_of_weights(arrays, num_heads, num_kv_heads=num_kv_heads)
+    if config.query_size != config.num_hiddens:
+        raise ValueError(
+            "keras.layers.GroupQueryAttention projects back to the query size: "
+            f"query_size ({config.query_size}) must equal num_hiddens ({config.num_hiddens})"
+        )
+    with device_scope(device):
+        layer = keras.layers.GroupQueryAttention(
+            heads.head_dim, heads.num_heads, heads.num_kv_heads, use_bias=config.bias, **kwargs
+        )
+        layer.build(
+            (None, None, config.query_size),
+            (None, None, config.value_size),
+            (None, None, config.key_size),
+        )
+    for name, dense in gqa_projections(layer).items():
+        letter = NATIVE_GQA_PROJECTIONS[name]
         dense.kernel.assign(arrays[f"W_{letter}"].reshape(dense.kernel.shape))
         if config.bias:
             dense.bias.assign(arrays[f"b_{letter}"].reshape(dense.bias.shape))

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.keras._backend import as_numpy, host_array, values_readable
+from mha_multi.keras._backend import BACKEND, as_numpy, host_array, values_readable
 from mha_multi.keras._ops import OPS, dtype_kind, index_dtype, is_16_bit, matmul_16_bit
 from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
 
@@ -75,11 +75,17 @@ class MultiHeadAttention(keras.layers.Layer):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
     The layer's variables are the canonical weights as they are: kernels
-    ``W_q``, ``W_k``, ``W_v``, ``W_o`` of shape ``(in, num_hiddens)`` used as
-    ``x @ W + b`` (Keras ``Dense`` orientation), and biases ``b_q``...
-    ``b_o`` with ``bias=True``. Input sizes left as ``None`` are inferred from
-    the first call (Keras' lazy ``build``); given up front, the layer is built
-    at construction.
+    ``W_q``, ``W_k``, ``W_v``, ``W_o`` used as ``x @ W + b`` (Keras ``Dense``
+    orientation), and biases ``b_q``... ``b_o`` with ``bias=True``, of the
+    shapes of docs: "Canonical weights and files" (every width
+    ``num_hiddens`` by default). Input sizes left as ``None`` are inferred
+    from the first call (Keras' lazy ``build``); given up front, the layer is
+    built at construction.
+
+    Grouped-query attention (docs: "The spec", grouped heads): with
+    ``num_kv_heads < num_heads`` query head ``h`` reads key/value head
+    ``h // (num_heads // num_kv_heads)``; ``W_k`` and ``W_v`` project to
+    ``num_kv_heads * head_dim`` features, ``W_q`` to ``num_heads * head_dim``.
 
     The projections are the layer's own ``add_weight`` kernels rather than
     ``keras.layers.Dense`` sublayers because Keras' type promotion maps
@@ -105,14 +111,18 @@ class MultiHeadAttention(keras.layers.Layer):
     bits would move the mask.
 
     Args:
-        num_hiddens: size of every projection and of the output.
-        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        num_hiddens: size of the output (and, by default, of every projection).
+        num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
+            unless ``head_dim`` is given.
         dropout: dropout rate on the attention weights, active only in
             training (``training=True``).
         bias: whether the four projections have biases.
         query_size: last dimension of the queries (lazy when ``None``).
         key_size: last dimension of the keys (lazy when ``None``).
         value_size: last dimension of the values (lazy when ``None``).
+        num_kv_heads: number of key/value heads; must divide ``num_heads``
+            (``None``: ``num_heads``).
+        head_dim: size of each head (``None``: ``num_hiddens // num_heads``).
         kernel_initializer: initializer of the ``W_*`` kernels (Keras
             ``Dense``'s default, as in d2l's TensorFlow layer).
         bias_initializer: initializer of the ``b_*`` biases.
@@ -131,17 +141,23 @@ class MultiHeadAttention(keras.layers.Layer):
         query_size: int | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         kernel_initializer: Any = "glorot_uniform",
         bias_initializer: Any = "zeros",
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
-        self.head_dim = spec.check_config(num_hiddens, num_heads, dropout)
+        heads = {"num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        spec.check_config(num_hiddens, num_heads, dropout, **heads)
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
+        self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
         self.num_hiddens = int(num_hiddens)
-        self.num_heads = int(num_heads)
+        self.num_heads = self._heads.num_heads
+        self.num_kv_heads = self._heads.num_kv_heads
+        self.head_dim = self._heads.head_dim
         self.dropout = float(dropout)
         self.bias = bool(bias)
         self.seed = seed
@@ -153,7 +169,7 @@ class MultiHeadAttention(keras.layers.Layer):
         for name in _PROJECTIONS:
             setattr(self, f"W_{name}", None)
             setattr(self, f"b_{name}", None)
-        self._add_projection("o", self.num_hiddens)
+        self._add_projection("o", self._heads.query_features)
         sizes = (query_size, key_size, value_size)
         if all(size is not None for size in sizes):
             self.build(*((None, None, size) for size in sizes))
@@ -163,15 +179,21 @@ class MultiHeadAttention(keras.layers.Layer):
                     self._add_projection(name, int(size))
 
     def _add_projection(self, name: str, in_features: int) -> None:
+        out_features = {
+            "q": self._heads.query_features,
+            "k": self._heads.kv_features,
+            "v": self._heads.kv_features,
+            "o": self.num_hiddens,
+        }[name]
         kernel = self.add_weight(
-            shape=(in_features, self.num_hiddens),
+            shape=(in_features, out_features),
             initializer=self.kernel_initializer,
             name=f"W_{name}",
         )
         setattr(self, f"W_{name}", kernel)
         if self.bias:
             bias = self.add_weight(
-                shape=(self.num_hiddens,), initializer=self.bias_initializer, name=f"b_{name}"
+                shape=(out_features,), initializer=self.bias_initializer, name=f"b_{name}"
             )
             setattr(self, f"b_{name}", bias)
 
@@ -282,7 +304,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self._check_call(queries, keys, values, valid_lens, causal)
         dropout = self._drop if training and self.dropout > 0 else None
         q, k, v = (self._project(x, n) for x, n in ((queries, "q"), (keys, "k"), (values, "v")))
-        plan = _plan(q, k, v, valid_lens, self.head_dim, causal, dropout, return_attention_weights)
+        plan = _plan(q, k, v, valid_lens, self._heads, causal, dropout, return_attention_weights)
         if plan.fused:
             return self._project(self._fused_attention(q, k, v, valid_lens, plan), "o")
         context, weights = spec.attention(
@@ -293,6 +315,7 @@ class MultiHeadAttention(keras.layers.Layer):
             valid_lens,
             num_heads=self.num_heads,
             head_dim=self.head_dim,
+            num_kv_heads=self.num_kv_heads,
             causal=causal,
             dropout=dropout,
         )
@@ -307,13 +330,19 @@ class MultiHeadAttention(keras.layers.Layer):
     ) -> Any:
         """``keras.ops.dot_product_attention`` with the spec's masking semantics.
 
+        Grouped key/value heads reach the kernel as they are where it takes
+        them (query head ``h`` reads key/value head ``h // G`` there too);
+        otherwise they are repeated, once, on the projected heads (the
+        plan's ``repeat_kv``).
+
         Args:
-            q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
+            q: projected queries ``(B, Q, num_heads * head_dim)``; k, v
+                ``(B, K, num_kv_heads * head_dim)``.
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
             plan: what :func:`_plan` decided the kernel is given.
 
         Returns:
-            The concatenated heads ``(B, Q, num_hiddens)``.
+            The concatenated heads ``(B, Q, num_heads * head_dim)``.
         """
         dtype = OPS.dtype(q)
         if is_16_bit(dtype):
@@ -325,7 +354,12 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v = (keras.ops.cast(x, "float32") for x in (q, k, v))
         # (B, T, H*dh) -> (B, T, H, dh): the kernel's layout; head h owns
         # columns [h*dh, (h+1)*dh) exactly as in transpose_qkv.
-        q, k, v = (OPS.split_axis(x, 2, (self.num_heads, self.head_dim)) for x in (q, k, v))
+        q = OPS.split_axis(q, 2, (self.num_heads, self.head_dim))
+        k, v = (OPS.split_axis(x, 2, (self.num_kv_heads, self.head_dim)) for x in (k, v))
+        group_size = self._heads.group_size
+        if plan.repeat_kv:
+            k, v = (keras.ops.repeat(x, group_size, axis=2) for x in (k, v))
+        grouped = self._heads.grouped and not plan.repeat_kv
         num_queries, num_keys = OPS.size(q, 1), OPS.size(k, 1)
         mask = plan.mask(OPS, num_queries, num_keys, valid_lens)
         if mask is not None and OPS.ndim(mask) == 2:  # (Q, K) -> (1, 1, Q, K) for every kernel
@@ -334,6 +368,10 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v, mask=mask, scale=1.0 / math.sqrt(self.head_dim), is_causal=plan.is_causal
         )
         visible = plan.fix_visibility(OPS, num_queries, num_keys, valid_lens)
+        if visible is not None and grouped:
+            # A fully hidden row is the mean of its key/value head's values:
+            # the means, (B, 1, H_kv, dh), are what is repeated, not the values.
+            v = keras.ops.repeat(OPS.mean(v, 1), group_size, axis=2)
         output = spec.fix_fully_hidden_rows(OPS, output, v, visible, heads_axis=2)
         return keras.ops.cast(OPS.merge_axes(output, 2), dtype)
 
@@ -404,6 +442,8 @@ class MultiHeadAttention(keras.layers.Layer):
         config.update(
             num_hiddens=self.num_hiddens,
             num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
             dropout=self.dropout,
             bias=self.bias,
             kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
@@ -416,8 +456,14 @@ class MultiHeadAttention(keras.layers.Layer):
 
 
 #: Keras' fused kernel: no dropout, no key lengths, and an *added* mask, so it
-#: runs only on values read as exact (:func:`values_exact`).
-DOT_PRODUCT_ATTENTION = spec.FusedKernel("keras.ops.dot_product_attention")
+#: runs only on values read as exact (:func:`values_exact`). It takes fewer
+#: key/value heads than query heads (``(B, K, H_kv, dh)``; query head ``h``
+#: reads key/value head ``h // G``), except on Keras' TensorFlow backend,
+#: whose einsum does not broadcast a single key/value head (multi-query
+#: attention): there the heads are repeated before the call.
+DOT_PRODUCT_ATTENTION = spec.FusedKernel(
+    "keras.ops.dot_product_attention", takes_grouped_heads=BACKEND != "tensorflow"
+)
 
 
 def _plan(
@@ -425,7 +471,7 @@ def _plan(
     k: Any,
     v: Any,
     valid_lens: Any,
-    head_dim: int,
+    heads: spec.Heads,
     causal: bool,
     dropout: Any,
     return_attention_weights: bool,
@@ -446,11 +492,12 @@ def _plan(
         "return_attention_weights": return_attention_weights,
         "dtype_supported": OPS.dtype(q) in FUSED_DTYPES.get(backend, ())
         and backend in FUSED_BACKENDS,
+        "grouped": heads.grouped,
     }
     optimistic = spec.plan_kernel(DOT_PRODUCT_ATTENTION, **facts, values_exact=True)
     if not optimistic.fused:
         return optimistic
-    exact = values_exact(q, k, v, head_dim)
+    exact = values_exact(q, k, v, heads.head_dim)
     return spec.plan_kernel(DOT_PRODUCT_ATTENTION, **facts, values_exact=exact)
 
 
@@ -467,7 +514,8 @@ def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:
     next to the ``(B, H, Q, K)`` attention.
 
     Args:
-        q: projected queries ``(B, Q, num_hiddens)``; k, v likewise with K.
+        q: projected queries ``(B, Q, num_heads * head_dim)``; k, v
+            ``(B, K, num_kv_heads * head_dim)``.
         head_dim: the size of each head.
 
     Returns:
@@ -516,7 +564,13 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
         ValueError: a missing, extra or mis-shaped entry, named.
     """
     arrays, config = check_weights(
-        weights, num_hiddens=layer.num_hiddens, bias=layer.bias, **layer.input_sizes()
+        weights,
+        num_hiddens=layer.num_hiddens,
+        bias=layer.bias,
+        num_heads=layer.num_heads,
+        num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim,
+        **layer.input_sizes(),
     )
     if not layer.built:
         sizes = (config.query_size, config.key_size, config.value_size)
