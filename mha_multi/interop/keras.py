@@ -1,4 +1,5 @@
-"""Canonical weights to and from ``keras.layers.MultiHeadAttention`` and d2l's Keras layer.
+"""Canonical weights to and from ``keras.layers.MultiHeadAttention``,
+``keras.layers.GroupQueryAttention`` and d2l's Keras layer.
 
 ``keras.layers.MultiHeadAttention(num_heads=H, key_dim=dh)`` on 3-D inputs
 computes the spec's function with ``num_hiddens = H * dh``. Its projections
@@ -32,7 +33,35 @@ weights are those kernels reshaped. Things callers must mind:
 What the canonical layer cannot express raises a ``ValueError`` saying what
 is unsupported: attention over several axes, ``value_dim != key_dim``, an
 ``output_shape`` other than ``num_hiddens``, biases on some projections
-only, a gate (``use_gate``) or a ``sliding_window``.
+only, a gate (``use_gate``) or a ``sliding_window``. The other way, these
+converters hold d2l's head layout only: grouped key/value heads, which
+``keras.layers.MultiHeadAttention`` lacks, or an explicit ``head_dim`` raise
+a ``ValueError`` pointing to ``GroupQueryAttention``.
+
+``keras.layers.GroupQueryAttention(head_dim, num_query_heads,
+num_key_value_heads)`` computes the spec's grouped-query attention (docs:
+"The spec", grouped heads) with ``num_heads = num_query_heads`` and
+``num_kv_heads = num_key_value_heads``: it repeats each projected key/value
+head ``G = num_heads // num_kv_heads`` times one after the other
+(``ops.repeat`` on the heads axis), so query head ``h`` reads key/value head
+``h // G``, the spec's rule. Its projections are ``EinsumDense`` layers named
+``query`` (kernel ``(in, num_heads, head_dim)``), ``key`` and ``value``
+(``(in, num_kv_heads, head_dim)``) and ``attention_output`` (``(num_heads,
+head_dim, query_size)``), biases ``(heads, head_dim)`` and ``(query_size,)``
+iff ``use_bias`` (on by default); the canonical weights are those kernels
+reshaped, as above. What differs from ``MultiHeadAttention``, and what not:
+
+* it scales the scores by ``1/sqrt(head_dim)``, the spec's scale, for any
+  ``head_dim`` (it need not divide the output size);
+* its output has the query's size (it has no ``output_shape``), so only
+  weights with ``query_size == num_hiddens`` convert to it;
+* call order, ``attention_mask`` polarity and shape, the top-left
+  ``use_causal_mask`` and the two paths for fully hidden rows are those of
+  ``MultiHeadAttention`` above (the same ``ops.dot_product_attention``, or
+  the masked ``Softmax`` with scores or dropout); its dropout, like the
+  spec's, drops attention weights;
+* a gate (``use_gate``) or a ``sliding_window`` has no canonical form and
+  is refused both ways.
 
 d2l's Keras/TensorFlow ``MultiHeadAttention`` holds ``keras.layers.Dense``
 projections ``W_q``, ``W_k``, ``W_v``, ``W_o`` (``use_bias=False`` in the
@@ -54,20 +83,57 @@ from mha_multi.keras import _backend
 from mha_multi.weights import check_weights
 
 __all__ = [
+    "KERAS_GQA_NAMES",
     "KERAS_MHA_NAMES",
     "attention_mask",
     "from_keras_d2l",
+    "from_keras_gqa",
+    "from_keras_gqa_state",
     "from_keras_mha",
     "from_keras_mha_state",
     "load_keras_mha",
     "save_keras_mha",
     "to_keras_d2l",
+    "to_keras_gqa",
+    "to_keras_gqa_state",
     "to_keras_mha",
     "to_keras_mha_state",
 ]
 
 #: Keras' sublayer name -> canonical projection letter.
 KERAS_MHA_NAMES = _backend.NATIVE_PROJECTIONS
+#: ``keras.layers.GroupQueryAttention``'s sublayer name -> canonical projection letter.
+KERAS_GQA_NAMES = _backend.NATIVE_GQA_PROJECTIONS
+
+
+def _kernels_of_state(
+    state: Mapping[str, Any], names: Mapping[str, str], layer: str
+) -> tuple[dict[str, np.ndarray], bool]:
+    """The kernels of a Keras attention layer's arrays, and whether it has biases.
+
+    Args:
+        state: ``<sublayer>/kernel`` and ``<sublayer>/bias`` arrays.
+        names: the layer's sublayer names.
+        layer: the layer's class name, for messages.
+
+    Raises:
+        ValueError: an unexpected entry, a missing kernel, or biases on some
+            projections only.
+    """
+    expected = {f"{name}/{kind}" for name in names for kind in ("kernel", "bias")}
+    extra = sorted(set(state) - expected)
+    if extra:
+        raise ValueError(f"unexpected keras.layers.{layer} entries: {extra}")
+    missing = [f"{name}/kernel" for name in names if f"{name}/kernel" not in state]
+    if missing:
+        raise ValueError(f"keras.layers.{layer} weights are missing {missing}")
+    with_bias = [name for name in names if f"{name}/bias" in state]
+    if with_bias and len(with_bias) != len(names):
+        raise ValueError(
+            f"unsupported: biases on some projections only ({', '.join(with_bias)}); "
+            "the canonical layer has biases on all four or on none"
+        )
+    return {name: np.asarray(state[f"{name}/kernel"]) for name in names}, bool(with_bias)
 
 
 def from_keras_mha_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -87,20 +153,7 @@ def from_keras_mha_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
             projections only, or shapes the canonical layer cannot express
             (named).
     """
-    expected = {f"{name}/{kind}" for name in KERAS_MHA_NAMES for kind in ("kernel", "bias")}
-    extra = sorted(set(state) - expected)
-    if extra:
-        raise ValueError(f"unexpected keras.layers.MultiHeadAttention entries: {extra}")
-    missing = [f"{name}/kernel" for name in KERAS_MHA_NAMES if f"{name}/kernel" not in state]
-    if missing:
-        raise ValueError(f"keras.layers.MultiHeadAttention weights are missing {missing}")
-    with_bias = [name for name in KERAS_MHA_NAMES if f"{name}/bias" in state]
-    if with_bias and len(with_bias) != len(KERAS_MHA_NAMES):
-        raise ValueError(
-            f"unsupported: biases on some projections only ({', '.join(with_bias)}); "
-            "the canonical layer has biases on all four or on none"
-        )
-    kernels = {name: np.asarray(state[f"{name}/kernel"]) for name in KERAS_MHA_NAMES}
+    kernels, with_bias = _kernels_of_state(state, KERAS_MHA_NAMES, "MultiHeadAttention")
     for name in ("query", "key", "value"):
         if kernels[name].ndim != 3:
             raise ValueError(
@@ -163,9 +216,11 @@ def to_keras_mha_state(weights: Mapping[str, Any], num_heads: int) -> dict[str, 
         ``query/kernel`` ... ``output/bias`` keyed as in :data:`KERAS_MHA_NAMES`.
 
     Raises:
-        ValueError: invalid weights, or ``num_hiddens`` not divisible by ``num_heads``.
+        ValueError: invalid weights, ``num_hiddens`` not divisible by
+            ``num_heads``, grouped key/value heads or an explicit ``head_dim``.
     """
     arrays, config = check_weights(weights)
+    _backend.check_native_mha_layout(config)
     head_dim = spec.check_config(config.num_hiddens, num_heads, 0.0)
     result = {}
     for name, letter in KERAS_MHA_NAMES.items():
@@ -252,12 +307,181 @@ def to_keras_mha(
 
     Raises:
         ValueError: invalid weights, ``num_hiddens`` not divisible by
-            ``num_heads``, or a keyword the weights fix.
+            ``num_heads``, grouped key/value heads or an explicit ``head_dim``
+            (:func:`to_keras_gqa` holds those), or a keyword the weights fix.
     """
     fixed = sorted({"key_dim", "value_dim", "use_bias", "output_shape"} & set(kwargs))
     if fixed:
         raise ValueError(f"{', '.join(fixed)} follow from the weights; do not pass them")
     return _backend.native_layer(weights, num_heads, **kwargs)
+
+
+def from_keras_gqa_state(
+    state: Mapping[str, Any],
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Canonical weights and head layout from the arrays of a ``keras.layers.GroupQueryAttention``.
+
+    Args:
+        state: ``query/kernel`` ``(query_size, num_heads, head_dim)``,
+            ``key/kernel`` ``(key_size, num_kv_heads, head_dim)``,
+            ``value/kernel`` ``(value_size, num_kv_heads, head_dim)``,
+            ``attention_output/kernel`` ``(num_heads, head_dim, out)``, and
+            with biases ``query/bias`` ``(num_heads, head_dim)`` ...
+            ``attention_output/bias`` ``(out,)``.
+
+    Returns:
+        ``(weights, heads)``: the canonical mapping, and ``num_heads``,
+        ``num_kv_heads``, ``head_dim`` as the layer's keywords
+        (``MultiHeadAttention(out, **heads)``).
+
+    Raises:
+        ValueError: a missing or unexpected entry (a gate's, named so),
+            biases on some projections only, or shapes no head layout
+            explains (named).
+    """
+    if any(name.startswith("gate/") for name in state):
+        raise ValueError(
+            "unsupported keras.layers.GroupQueryAttention option: use_gate=True "
+            "(the canonical layer has no gate)"
+        )
+    kernels, with_bias = _kernels_of_state(state, KERAS_GQA_NAMES, "GroupQueryAttention")
+    for name, kernel in kernels.items():
+        if kernel.ndim != 3:
+            layout = (
+                "(heads, head_dim, out)" if name == "attention_output" else "(in, heads, head_dim)"
+            )
+            raise ValueError(f"{name} kernel must be 3-D {layout}; got shape {kernel.shape}")
+    num_heads, head_dim = kernels["query"].shape[1:]
+    num_kv_heads = kernels["key"].shape[1]
+    for name in ("key", "value"):
+        if kernels[name].shape[1:] != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} kernel must have shape (in, {num_kv_heads}, {head_dim}) "
+                f"(num_kv_heads, head_dim); got {kernels[name].shape}"
+            )
+    output = kernels["attention_output"]
+    if output.shape[:2] != (num_heads, head_dim):
+        raise ValueError(
+            f"attention_output kernel must have shape ({num_heads}, {head_dim}, out); "
+            f"got {output.shape}"
+        )
+    heads = spec.check_heads(
+        output.shape[2], int(num_heads), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim)
+    )
+    weights = {
+        f"W_{letter}": kernels[name].reshape(kernels[name].shape[0], -1)
+        for name, letter in KERAS_GQA_NAMES.items()
+        if letter != "o"
+    }
+    weights["W_o"] = output.reshape(heads.query_features, output.shape[2])
+    if with_bias:
+        for name, letter in KERAS_GQA_NAMES.items():
+            bias = np.asarray(state[f"{name}/bias"])
+            expected_shape = (output.shape[2],) if letter == "o" else kernels[name].shape[1:]
+            if bias.shape != expected_shape:
+                raise ValueError(f"{name} bias must have shape {expected_shape}; got {bias.shape}")
+            weights[f"b_{letter}"] = bias.reshape(-1)
+    layout = {
+        "num_heads": heads.num_heads,
+        "num_kv_heads": heads.num_kv_heads,
+        "head_dim": heads.head_dim,
+    }
+    weights = {name: np.ascontiguousarray(array) for name, array in weights.items()}
+    return check_weights(weights, **layout)[0], layout
+
+
+def to_keras_gqa_state(
+    weights: Mapping[str, Any], *, num_heads: int, num_kv_heads: int | None = None
+) -> dict[str, np.ndarray]:
+    """The ``keras.layers.GroupQueryAttention`` arrays (see :func:`from_keras_gqa_state`).
+
+    Args:
+        weights: canonical weights, with ``query_size == num_hiddens`` (the
+            layer projects back to the query size).
+        num_heads: the query heads; ``head_dim`` is ``W_q``'s width over it.
+        num_kv_heads: the key/value heads; ``None`` reads them from ``W_k``'s
+            width.
+
+    Returns:
+        ``query/kernel`` ... ``attention_output/bias`` keyed as in
+        :data:`KERAS_GQA_NAMES`.
+
+    Raises:
+        ValueError: invalid weights, widths no head layout of ``num_heads``
+            heads explains, or ``query_size != num_hiddens``.
+    """
+    return _backend.gqa_state(weights, num_heads, num_kv_heads=num_kv_heads)
+
+
+def _check_keras_gqa(layer: keras.layers.GroupQueryAttention) -> None:
+    config = layer.get_config()
+    for option, default in (("use_gate", False), ("sliding_window", None)):
+        if config.get(option, default) != default:
+            raise ValueError(
+                f"unsupported keras.layers.GroupQueryAttention option: {option}={config[option]!r}"
+            )
+
+
+def from_keras_gqa(
+    layer: keras.layers.GroupQueryAttention,
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Canonical weights and head layout of a built ``keras.layers.GroupQueryAttention``.
+
+    Returns:
+        ``(weights, heads)`` as :func:`from_keras_gqa_state` returns them:
+        ``num_heads`` is ``num_query_heads``, ``num_kv_heads``
+        ``num_key_value_heads``.
+
+    Raises:
+        ValueError: a gate or a sliding window, or an unbuilt layer.
+    """
+    _check_keras_gqa(layer)
+    arrays = {}
+    for name, dense in _backend.gqa_projections(layer).items():
+        arrays[f"{name}/kernel"] = _backend.host_array(dense.kernel)
+        if dense.bias is not None:
+            arrays[f"{name}/bias"] = _backend.host_array(dense.bias)
+    return from_keras_gqa_state(arrays)
+
+
+def to_keras_gqa(
+    weights: Mapping[str, Any],
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    **kwargs: Any,
+) -> keras.layers.GroupQueryAttention:
+    """A new, built ``keras.layers.GroupQueryAttention`` holding canonical weights.
+
+    Args:
+        weights: canonical weights, with ``query_size == num_hiddens``.
+        num_heads: the query heads (``num_query_heads``).
+        num_kv_heads: the key/value heads (``num_key_value_heads``); ``None``
+            reads them from ``W_k``'s width.
+        **kwargs: more ``keras.layers.GroupQueryAttention`` arguments
+            (``dropout``, ``dtype``, ``name``, ``seed``...); not ``head_dim``,
+            ``num_query_heads``, ``num_key_value_heads`` or ``use_bias``,
+            which the weights fix, nor ``use_gate`` or ``sliding_window``,
+            which the canonical layer lacks.
+
+    Returns:
+        The layer, built for ``(B, Q, query_size)`` queries and
+        ``(B, K, key_size|value_size)`` keys and values, called
+        ``(query, value, key)``.
+
+    Raises:
+        ValueError: as :func:`to_keras_gqa_state`, or a keyword refused above.
+    """
+    fixed = sorted({"head_dim", "num_query_heads", "num_key_value_heads", "use_bias"} & set(kwargs))
+    if fixed:
+        raise ValueError(f"{', '.join(fixed)} follow from the weights; do not pass them")
+    unsupported = sorted({"use_gate", "sliding_window"} & set(kwargs))
+    if unsupported:
+        raise ValueError(
+            f"unsupported: {', '.join(unsupported)}; the canonical layer has no gate "
+            "and no sliding window"
+        )
+    return _backend.native_gqa_layer(weights, num_heads, num_kv_heads=num_kv_heads, **kwargs)
 
 
 def attention_mask(

@@ -60,6 +60,7 @@ __all__ = [
     "lens_to_native",
     "make_layer",
     "gqa_projections",
+    "gqa_state",
     "native_gqa_layer",
     "native_layer",
     "state",
@@ -778,20 +779,16 @@ def gqa_projections(layer: keras.layers.GroupQueryAttention) -> dict[str, keras.
     return {dense.name: dense for dense in sublayers}
 
 
-def native_gqa_layer(
-    weights: Mapping[str, Any],
-    num_heads: int,
-    *,
-    num_kv_heads: int | None = None,
-    device: str = "cpu",
-    **kwargs: Any,
-) -> keras.layers.GroupQueryAttention:
-    """``keras.layers.GroupQueryAttention`` holding canonical weights, built.
+def gqa_state(
+    weights: Mapping[str, Any], num_heads: int, *, num_kv_heads: int | None = None
+) -> dict[str, np.ndarray]:
+    """The variables of a ``keras.layers.GroupQueryAttention`` holding canonical weights.
 
-    Each canonical array, reshaped to its variable's shape, is that variable:
-    kernels ``(in, heads, head_dim)`` and ``(num_heads, head_dim, out)``, head
-    ``h`` in columns ``[h*dh, (h+1)*dh)`` in both layouts (see
-    :mod:`mha_multi.interop.keras`). It is called ``(query, value, key)``.
+    Kernels ``(in, heads, head_dim)`` (``query``: ``num_heads`` heads,
+    ``key``/``value``: ``num_kv_heads``) and ``(num_heads, head_dim, out)``
+    (``attention_output``), biases ``(heads, head_dim)`` and ``(out,)``: the
+    canonical arrays reshaped, head ``h`` in columns ``[h*dh, (h+1)*dh)`` in
+    both layouts.
 
     Args:
         weights: canonical weights.
@@ -799,13 +796,10 @@ def native_gqa_layer(
             ``W_q``'s width over it.
         num_kv_heads: the key/value heads (``num_key_value_heads``); ``None``
             reads them from ``W_k``'s width.
-        device: ``"cpu"`` or ``"gpu"``.
-        **kwargs: more ``keras.layers.GroupQueryAttention`` arguments
-            (``dropout``, ``dtype``, ``name``...).
 
     Returns:
-        The layer, built for ``(B, Q, query_size)`` queries and
-        ``(B, K, key_size|value_size)`` keys and values.
+        ``query/kernel`` ... ``attention_output/bias``, keyed by the names of
+        :data:`NATIVE_GQA_PROJECTIONS` (biases iff the weights have them).
 
     Raises:
         ValueError: invalid weights, widths no head layout of ``num_heads``
@@ -819,18 +813,65 @@ def native_gqa_layer(
             "keras.layers.GroupQueryAttention projects back to the query size: "
             f"query_size ({config.query_size}) must equal num_hiddens ({config.num_hiddens})"
         )
+    head_counts = {"q": heads.num_heads, "k": heads.num_kv_heads, "v": heads.num_kv_heads}
+    state = {}
+    for name, letter in NATIVE_GQA_PROJECTIONS.items():
+        kernel = arrays[f"W_{letter}"]
+        if letter == "o":
+            shape = (heads.num_heads, heads.head_dim, config.num_hiddens)
+        else:
+            shape = (kernel.shape[0], head_counts[letter], heads.head_dim)
+        state[f"{name}/kernel"] = np.ascontiguousarray(kernel.reshape(shape))
+        if config.bias:
+            bias = arrays[f"b_{letter}"]
+            shape = bias.shape if letter == "o" else (head_counts[letter], heads.head_dim)
+            state[f"{name}/bias"] = np.ascontiguousarray(bias.reshape(shape))
+    return state
+
+
+def native_gqa_layer(
+    weights: Mapping[str, Any],
+    num_heads: int,
+    *,
+    num_kv_heads: int | None = None,
+    device: str = "cpu",
+    **kwargs: Any,
+) -> keras.layers.GroupQueryAttention:
+    """``keras.layers.GroupQueryAttention`` holding canonical weights, built.
+
+    Its variables are :func:`gqa_state` of the weights. It is called
+    ``(query, value, key)``; see :mod:`mha_multi.interop.keras` for how it
+    computes.
+
+    Args:
+        weights: canonical weights.
+        num_heads: the query heads (``num_query_heads``).
+        num_kv_heads: the key/value heads; ``None`` reads them from ``W_k``'s width.
+        device: ``"cpu"`` or ``"gpu"``.
+        **kwargs: more ``keras.layers.GroupQueryAttention`` arguments
+            (``dropout``, ``dtype``, ``name``...).
+
+    Returns:
+        The layer, built for ``(B, Q, query_size)`` queries and
+        ``(B, K, key_size|value_size)`` keys and values.
+
+    Raises:
+        ValueError: as :func:`gqa_state`.
+    """
+    state = gqa_state(weights, num_heads, num_kv_heads=num_kv_heads)
+    in_features = {name: state[f"{name}/kernel"].shape[0] for name in ("query", "key", "value")}
+    _, num_kv_heads, head_dim = state["key/kernel"].shape
     with device_scope(device):
         layer = keras.layers.GroupQueryAttention(
-            heads.head_dim, heads.num_heads, heads.num_kv_heads, use_bias=config.bias, **kwargs
+            head_dim, num_heads, num_kv_heads, use_bias="query/bias" in state, **kwargs
         )
         layer.build(
-            (None, None, config.query_size),
-            (None, None, config.value_size),
-            (None, None, config.key_size),
+            (None, None, in_features["query"]),
+            (None, None, in_features["value"]),
+            (None, None, in_features["key"]),
         )
     for name, dense in gqa_projections(layer).items():
-        letter = NATIVE_GQA_PROJECTIONS[name]
-        dense.kernel.assign(arrays[f"W_{letter}"].reshape(dense.kernel.shape))
-        if config.bias:
-            dense.bias.assign(arrays[f"b_{letter}"].reshape(dense.bias.shape))
+        dense.kernel.assign(state[f"{name}/kernel"])
+        if dense.bias is not None:
+            dense.bias.assign(state[f"{name}/bias"])
     return layer

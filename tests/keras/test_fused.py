@@ -4,9 +4,10 @@
 parity case follows the kernel plan wherever a runner has a fused kernel.
 These tests check what is Keras' own: on which backends production takes
 the kernel at all (written here, independently of the layer's table),
-fully hidden rows, 16-bit inputs, and the calls that take the generic path
+fully hidden rows, 16-bit inputs, the calls that take the generic path
 (weights, dropout, float64, values the kernel would get wrong, traced
-graphs), each against the float64 reference.
+graphs), and what the kernel is given for grouped key/value heads on each
+backend (as they are, or repeated once), each against the float64 reference.
 """
 
 from __future__ import annotations
@@ -290,3 +291,109 @@ def test_fused_and_generic_paths_agree_on_a_longer_sequence(runner):
     assert len(calls) == int(FUSED)
     np.testing.assert_allclose(fused, expected, atol=5e-6)
     np.testing.assert_allclose(fused, generic, atol=5e-6)
+
+
+# -- grouped key/value heads -------------------------------------------------------------
+
+
+def kernel_shapes(monkeypatch):
+    """Records the key heads of every ``keras.ops.dot_product_attention`` call."""
+    key_heads = []
+    original = keras.ops.dot_product_attention
+
+    def recording(query, key, value, *args, **kwargs):
+        key_heads.append(int(key.shape[2]))
+        return original(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(keras.ops, "dot_product_attention", recording)
+    return key_heads
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_keras_kernel_takes_grouped_heads_where_the_layer_says(num_kv_heads):
+    # What Keras 3.15 does with (B, K, H_kv, dh) keys, checked against numpy:
+    # query head h reads key/value head h // G on PyTorch and JAX; TensorFlow's
+    # einsum fails on a single key/value head, so the layer repeats them there.
+    rng = np.random.default_rng(14)
+    q = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 6, num_kv_heads, 5)).astype(np.float32) for _ in range(2))
+    repeated_k, repeated_v = (np.repeat(x, 4 // num_kv_heads, axis=2) for x in (k, v))
+    logits = np.einsum("bqhd,bkhd->bhqk", q, repeated_k) * 0.5
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = np.einsum("bhqk,bkhd->bqhd", weights, repeated_v)
+    try:
+        out = backend.to_numpy(keras.ops.dot_product_attention(q, k, v, scale=0.5))
+    except Exception:  # the backend's own error type
+        assert not layer_module.DOT_PRODUCT_ATTENTION.takes_grouped_heads
+        assert backend.BACKEND == "tensorflow" and num_kv_heads == 1
+        return
+    np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
+    assert layer_module.DOT_PRODUCT_ATTENTION.takes_grouped_heads == (
+        backend.BACKEND != "tensorflow"
+    )
+
+
+@pytest.fixture
+def fused_here(monkeypatch):
+    """The default call takes the kernel on this backend, whatever the benchmark chose."""
+    monkeypatch.setattr(layer_module, "FUSED_BACKENDS", frozenset({backend.BACKEND}))
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa", "head_dim"])
+def test_grouped_heads_reach_the_kernel_as_the_plan_says(
+    runner, cases, name, fused_here, monkeypatch
+):
+    case = cases[name]
+    key_heads = kernel_shapes(monkeypatch)
+    out = attend(runner, case)
+    takes = layer_module.DOT_PRODUCT_ATTENTION.takes_grouped_heads
+    assert key_heads == [case.config.num_kv_heads if takes else case.config.num_heads]
+    np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
+def test_a_kernel_without_groups_gets_the_heads_repeated_once(
+    runner, cases, name, fused_here, monkeypatch
+):
+    # The plan's repeat_kv: the projected (B, K, H_kv, dh) heads are repeated
+    # h // G, never the inputs; fully hidden rows (gqa: length 0) take the
+    # mean of their key/value head's values.
+    kernel = spec.FusedKernel("keras.ops.dot_product_attention", takes_grouped_heads=False)
+    monkeypatch.setattr(layer_module, "DOT_PRODUCT_ATTENTION", kernel)
+    case = cases[name]
+    key_heads = kernel_shapes(monkeypatch)
+    out = attend(runner, case)
+    assert key_heads == [case.config.num_heads]
+    np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)
+    grads = runner.gradients(
+        runner.layer_for(case),
+        *inputs(case),
+        case.valid_lens,
+        causal=case.config.causal,
+        output_gradient=case.output_gradient,
+        device="cpu",
+        dtype="float32",
+    )
+    checked = [quantity for quantity in case.reference if quantity.startswith("grad.")]
+    assert checked
+    for quantity in checked:
+        grad = grads[quantity.removeprefix("grad.")]
+        expected = case.reference[quantity]
+        assert grad.shape == expected.shape, quantity
+        np.testing.assert_allclose(grad, expected, rtol=0, atol=5e-5, err_msg=quantity)
+
+
+def test_grouped_fully_hidden_rows_are_their_key_value_heads_mean(runner):
+    # Hand-computed: with length 0 every weight is 1/K, so query head h
+    # outputs the mean of key/value head h // G's values.
+    weights = init_weights(8, num_heads=4, num_kv_heads=2, head_dim=3, seed=15)
+    layer = runner.set_weights(runner.make_layer(8, 4, num_kv_heads=2, head_dim=3), weights)
+    rng = np.random.default_rng(15)
+    q, kv = rng.standard_normal((1, 2, 8)), rng.standard_normal((1, 5, 8))
+    with runner.kernel_spy() as calls:
+        out = eager(layer, q, kv, kv, np.array([0]))
+    assert len(calls) == int(FUSED)
+    means = (kv @ weights["W_v"]).mean(axis=1).reshape(2, 3)  # (H_kv, dh)
+    context = np.repeat(means, 2, axis=0).reshape(-1)  # query heads 0, 1 | 2, 3
+    np.testing.assert_allclose(out[0], np.tile(context @ weights["W_o"], (2, 1)), atol=5e-6)

@@ -1,4 +1,5 @@
-"""Interop with ``keras.layers.MultiHeadAttention``, d2l's Keras layer, and ``convert keras-mha``.
+"""Interop with ``keras.layers.MultiHeadAttention``, ``keras.layers.GroupQueryAttention``,
+d2l's Keras layer, and ``convert keras-mha``.
 
 Equal outputs are checked against the native layer given the same weights and
 the equivalent mask, and against the float64 reference, on the active Keras
@@ -342,3 +343,198 @@ def test_convert_keras_mha_errors(tmp_path, capsys):
         group["0"] = np.zeros((8, 2, 3), np.float32)
     assert cli(["convert", str(keras_file), str(tmp_path / "z.npz")]) == 2
     assert "value_dim (3) != key_dim (4)" in capsys.readouterr().err
+
+
+# -- keras.layers.GroupQueryAttention -------------------------------------------------------
+
+
+def grouped_weights(bias):
+    """Canonical weights of 4 query heads reading 2 key/value heads of size 3,
+    whose width (12) is not the output's (10): an explicit head_dim."""
+    heads = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 3}
+    return init_weights(10, key_size=6, value_size=7, bias=bias, seed=6, **heads)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
+def test_gqa_layer_with_our_weights_matches_reference(cases, name):
+    case = cases[name]
+    config = case.config
+    native = interop.to_keras_gqa(case.weights, num_heads=config.num_heads)
+    assert (native.num_query_heads, native.num_key_value_heads) == (
+        config.num_heads,
+        config.num_kv_heads,
+    )
+    assert native.use_bias == config.bias
+    mask = interop.attention_mask(
+        case.valid_lens, config.num_queries, config.num_keys, causal=config.causal
+    )
+    # Keras' fused path, fully hidden rows included (gqa: lengths [4, 7, 0]).
+    out = native_call(native, case, attention_mask=mask)
+    np.testing.assert_allclose(backend.to_numpy(out), case.reference["output"], rtol=0, atol=5e-6)
+    # The softmax path: its scores are the spec's weights, per query head, on
+    # rows that see a key.
+    out, scores = native_call(native, case, attention_mask=mask, return_attention_scores=True)
+    seen = np.broadcast_to(mask.any(-1), (config.batch, config.num_queries))
+    np.testing.assert_allclose(
+        backend.to_numpy(out)[seen], case.reference["output"][seen], rtol=0, atol=5e-6
+    )
+    np.testing.assert_allclose(
+        backend.to_numpy(scores).transpose(0, 2, 1, 3)[seen],
+        case.reference["attention_weights"].transpose(0, 2, 1, 3)[seen],
+        rtol=0,
+        atol=5e-6,
+    )
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_weights_from_a_gqa_layer_give_equal_outputs(runner, bias):
+    # An explicit head_dim (3 with 10 hiddens) and 2 of 4 key/value heads;
+    # key and value sizes of their own.
+    native = keras.layers.GroupQueryAttention(
+        3, 4, 2, use_bias=bias, bias_initializer="random_normal", seed=0
+    )
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((3, 5, 10)).astype(np.float32)
+    k = rng.standard_normal((3, 7, 6)).astype(np.float32)
+    v = rng.standard_normal((3, 7, 11)).astype(np.float32)
+    lens = np.array([[7, 1, 3, 0, 5], [2, 2, 2, 2, 2], [7, 7, 7, 7, 7]])
+    mask = interop.attention_mask(lens, 5, 7)
+    expected = backend.to_numpy(native(q, v, k, attention_mask=mask))  # Keras' order
+    weights, heads = interop.from_keras_gqa(native)
+    assert heads == {"num_heads": 4, "num_kv_heads": 2, "head_dim": 3}
+    assert weights["W_q"].shape == (10, 12) and weights["W_v"].shape == (11, 6)
+    assert weights["W_o"].shape == (12, 10)
+    assert ("b_k" in weights) == bias
+    reference, _ = spec.reference_forward(weights, q, k, v, lens, num_heads=4)
+    np.testing.assert_allclose(expected, reference, rtol=0, atol=5e-6)
+    ours = runner.set_weights(runner.make_layer(10, bias=bias, **heads), weights)
+    np.testing.assert_allclose(runner.call(ours, q, k, v, lens), expected, rtol=0, atol=5e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gqa_round_trip_is_bit_exact(bias):
+    weights = grouped_weights(bias)
+    native = interop.to_keras_gqa(weights, num_heads=4)  # num_kv_heads read from W_k
+    assert (native.head_dim, native.num_key_value_heads) == (3, 2)
+    back, heads = interop.from_keras_gqa(native)
+    assert heads == {"num_heads": 4, "num_kv_heads": 2, "head_dim": 3}
+    assert back.keys() == weights.keys()
+    assert all(back[n].tobytes() == weights[n].astype(np.float32).tobytes() for n in weights)
+    arrays = interop.to_keras_gqa_state(weights, num_heads=4, num_kv_heads=2)
+    assert arrays["query/kernel"].shape == (10, 4, 3)
+    assert arrays["key/kernel"].shape == (6, 2, 3) and arrays["value/kernel"].shape == (7, 2, 3)
+    assert arrays["attention_output/kernel"].shape == (4, 3, 10)
+    # Head h owns columns [h*dh, (h+1)*dh): the spec's layout.
+    np.testing.assert_array_equal(arrays["value/kernel"][:, 1], weights["W_v"][:, 3:6])
+    if bias:
+        assert arrays["key/bias"].shape == (2, 3) and arrays["attention_output/bias"].shape == (10,)
+    state_back, _ = interop.from_keras_gqa_state(arrays)
+    assert all(state_back[n].tobytes() == weights[n].tobytes() for n in weights)
+
+
+def test_gqa_layer_reads_key_value_head_h_over_group_size():
+    # Query head h sees the scores of key/value head h // G and no other:
+    # with the heads' key projections set apart, the layer's scores are those
+    # of the repeated heads, in this order, and not tiled.
+    weights = grouped_weights(False)
+    native = interop.to_keras_gqa(weights, num_heads=4)
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 2, 10)).astype(np.float32)
+    k = rng.standard_normal((1, 3, 6)).astype(np.float32)
+    v = rng.standard_normal((1, 3, 7)).astype(np.float32)
+    _, scores = native(q, v, k, return_attention_scores=True)
+    projected_q = (q @ weights["W_q"]).reshape(1, 2, 4, 3)
+    projected_k = (k @ weights["W_k"]).reshape(1, 3, 2, 3)
+    logits = np.einsum("bqhd,bkhd->bhqk", projected_q, projected_k[:, :, [0, 0, 1, 1]]) / np.sqrt(3)
+    expected = np.exp(logits - logits.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_allclose(backend.to_numpy(scores), expected, rtol=0, atol=5e-6)
+
+
+def test_gqa_causal_mask_is_top_left_aligned(cases):
+    case = cases["gqa"]  # Q = 5 < K = 7: the alignments differ
+    config = case.config
+    assert config.num_queries != config.num_keys
+    native = interop.to_keras_gqa(case.weights, num_heads=config.num_heads)
+    keras_causal = backend.to_numpy(native_call(native, case, use_causal_mask=True))
+    expected, _ = spec.reference_forward(
+        case.weights, *inputs(case), num_heads=config.num_heads, causal=True
+    )
+    assert np.abs(keras_causal - expected).max() > 1e-2  # not the spec's rule
+    top_left = np.tril(np.ones((config.num_queries, config.num_keys), bool))
+    np.testing.assert_allclose(
+        keras_causal,
+        backend.to_numpy(native_call(native, case, attention_mask=top_left[None])),
+        rtol=0,
+        atol=5e-6,
+    )
+    # attention_mask(causal=True) gives the spec's rule.
+    mask = interop.attention_mask(None, config.num_queries, config.num_keys, causal=True)
+    np.testing.assert_allclose(
+        backend.to_numpy(native_call(native, case, attention_mask=mask)),
+        expected,
+        rtol=0,
+        atol=5e-6,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"use_gate": True}, "use_gate=True"),
+        ({"sliding_window": 2}, "sliding_window=2"),
+    ],
+)
+def test_unsupported_gqa_options_are_clear_errors(kwargs, message):
+    native = keras.layers.GroupQueryAttention(4, 2, 1, **kwargs)
+    native.build((1, 3, 8), (1, 3, 8))
+    with pytest.raises(ValueError, match=message):
+        interop.from_keras_gqa(native)
+    with pytest.raises(ValueError, match="unsupported: " + next(iter(kwargs))):
+        interop.to_keras_gqa(grouped_weights(False), num_heads=4, **kwargs)
+
+
+def test_gqa_conversion_errors():
+    with pytest.raises(ValueError, match="not built yet"):
+        interop.from_keras_gqa(keras.layers.GroupQueryAttention(4, 2, 1))
+    weights = grouped_weights(True)
+    with pytest.raises(ValueError, match="head_dim, use_bias follow from the weights"):
+        interop.to_keras_gqa(weights, num_heads=4, head_dim=3, use_bias=True)
+    with pytest.raises(ValueError, match=r"num_kv_heads \(3\) must divide num_heads \(4\)"):
+        interop.to_keras_gqa(weights, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"query_size \(5\) must equal num_hiddens \(10\)"):
+        interop.to_keras_gqa_state(
+            init_weights(10, num_heads=4, num_kv_heads=2, head_dim=3, query_size=5, seed=0),
+            num_heads=4,
+        )
+    arrays = interop.to_keras_gqa_state(weights, num_heads=4)
+    with pytest.raises(ValueError, match="biases on some projections only"):
+        interop.from_keras_gqa_state({k: a for k, a in arrays.items() if k != "key/bias"})
+    with pytest.raises(ValueError, match="use_gate=True"):
+        interop.from_keras_gqa_state({**arrays, "gate/kernel": arrays["query/kernel"]})
+    wrong = {**arrays, "value/kernel": np.zeros((7, 2, 4), np.float32)}
+    with pytest.raises(ValueError, match=r"value kernel must have shape \(in, 2, 3\)"):
+        interop.from_keras_gqa_state(wrong)
+
+
+@pytest.mark.parametrize(
+    ("heads", "message"),
+    [
+        ({"num_kv_heads": 2}, "keras.layers.MultiHeadAttention has no grouped key/value heads"),
+        ({"head_dim": 3}, "hold the default head size"),
+    ],
+)
+def test_keras_mha_converters_refuse_other_head_layouts(tmp_path, capsys, heads, message):
+    weights = init_weights(8, num_heads=4, seed=0, **heads)
+    with pytest.raises(ValueError, match=message):
+        interop.to_keras_mha(weights, 4)
+    with pytest.raises(ValueError, match=message):
+        interop.to_keras_mha_state(weights, 4)
+    with pytest.raises(ValueError, match=message):
+        interop.save_keras_mha(tmp_path / "w.weights.h5", weights, num_heads=4)
+    source = tmp_path / "w.npz"
+    save_weights(source, weights)
+    target = tmp_path / "mha.weights.h5"
+    assert cli(["convert", str(source), str(target), "--num-heads", "4"]) == 2
+    assert "GroupQueryAttention" in capsys.readouterr().err
+    assert not target.exists()

@@ -166,6 +166,45 @@ def test_config_round_trip():
     assert restored.get_config() == config
 
 
+def test_grouped_config_round_trip():
+    layer = MultiHeadAttention(10, 4, num_kv_heads=2, head_dim=3, bias=True, key_size=5)
+    config = layer.get_config()
+    assert (config["num_kv_heads"], config["head_dim"]) == (2, 3)
+    clone = MultiHeadAttention.from_config(config)
+    assert clone.get_config() == config
+    assert (clone.num_kv_heads, clone.head_dim) == (2, 3)
+    assert {name: tuple(v.shape) for name, v in clone.canonical_variables().items()} == {
+        "W_k": (5, 6),
+        "b_k": (6,),
+        "W_o": (12, 10),
+        "b_o": (10,),
+    }
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
+    assert restored.get_config() == config
+
+
+def test_config_without_head_options_is_multi_head_attention():
+    # What get_config recorded before num_kv_heads and head_dim existed.
+    config = MultiHeadAttention(12, 3).get_config()
+    assert (config.pop("num_kv_heads"), config.pop("head_dim")) == (3, 4)
+    layer = MultiHeadAttention.from_config(config)
+    assert (layer.num_heads, layer.num_kv_heads, layer.head_dim) == (3, 3, 4)
+
+
+def test_grouped_lazy_sizes_are_inferred_on_first_call():
+    rng = np.random.default_rng(4)
+    layer = MultiHeadAttention(10, 4, num_kv_heads=2, head_dim=3)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 7), (2, 5, 4), (2, 5, 6)))
+    out, weights = layer(q, k, v, return_attention_weights=True)
+    assert tuple(out.shape) == (2, 3, 10) and tuple(weights.shape) == (2, 4, 3, 5)
+    assert {name: a.shape for name, a in get_weights(layer).items()} == {
+        "W_q": (7, 12),
+        "W_k": (4, 6),
+        "W_v": (6, 6),
+        "W_o": (12, 10),
+    }
+
+
 def test_config_records_sizes_learned_from_the_first_call():
     rng = np.random.default_rng(3)
     layer = MultiHeadAttention(8, 2)
@@ -195,7 +234,7 @@ def functional_model(layer, case, *, lens_dtype="int32", weights_output=False):
     return keras.Model([queries, keys, values, valid_lens], outputs)
 
 
-@pytest.mark.parametrize("name", ["book", "causal_lens_2d", "cross_sizes"])
+@pytest.mark.parametrize("name", ["book", "causal_lens_2d", "cross_sizes", "gqa", "head_dim"])
 def test_functional_model_matches_reference(runner, cases, name):
     case = cases[name]
     layer = runner.layer_for(case)
@@ -260,6 +299,25 @@ def test_saved_model_loads_with_identical_outputs(cases, tmp_path, sizes):
     for name, array in get_weights(loaded_layer).items():
         np.testing.assert_array_equal(array, case.weights[name])
     assert loaded_layer.get_config() == layer.get_config()
+
+
+def test_grouped_saved_model_loads_with_identical_outputs(cases, tmp_path):
+    case = cases["head_dim"]  # 2 of 4 key/value heads of size 3, 10 hiddens
+    config = case.config
+    layer = MultiHeadAttention(config.num_hiddens, config.num_heads, bias=True, **config.heads())
+    model = functional_model(layer, case)
+    set_weights(layer, case.weights)
+    arguments = [*inputs(case), case.valid_lens.astype(np.int32)]
+    expected = backend.to_numpy(model(arguments))
+    np.testing.assert_allclose(expected, case.reference["output"], rtol=0, atol=5e-6)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    loaded_layer = next(lyr for lyr in loaded.layers if isinstance(lyr, MultiHeadAttention))
+    assert (loaded_layer.num_kv_heads, loaded_layer.head_dim) == (2, 3)
+    np.testing.assert_array_equal(backend.to_numpy(loaded(arguments)), expected)
+    for name, array in get_weights(loaded_layer).items():
+        np.testing.assert_array_equal(array, case.weights[name])
 
 
 # -- compilation --------------------------------------------------------------
