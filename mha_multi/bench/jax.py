@@ -6,8 +6,8 @@ runs the fused path through XLA's kernel (``implementation="xla"``), the
 figures behind the default's choice of kernel. Every implementation runs
 under ``nnx.jit``; forward+backward is ``nnx.grad`` of the summed output with
 respect to the parameters and the input, under ``nnx.jit``. The native
-layer gets the boolean mask equivalent to the key lengths (Flax's ``True`` =
-attend, shape ``(B, 1, 1, N)``).
+layer holds our layer's weights and gets the boolean mask equivalent to the
+key lengths (Flax's ``True`` = attend, shape ``(B, 1, 1, N)``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from flax import nnx
 
 from mha_multi.bench.common import Shape
 from mha_multi.bench.driver import Framework, score_bytes
-from mha_multi.jax import MultiHeadAttention
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from mha_multi.jax import MultiHeadAttention, _backend, get_weights
 
 Call = Callable[[nnx.Module, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -57,22 +55,19 @@ class Jax(Framework):
 
     def setup(self) -> None:
         # IEEE float32 products on GPUs (no TF32), for ours and the native layer alike.
-        jax.config.update("jax_default_matmul_precision", "highest")
+        _backend.exact_float32()
 
     def devices(self) -> list[str]:
-        try:
-            return ["cpu"] + (["gpu"] if jax.devices("gpu") else [])
-        except RuntimeError:
-            return ["cpu"]
+        return ["cpu", "gpu"] if _backend.gpu_available() else ["cpu"]
 
     def describe(self, device: str, execution: str | None) -> str:
-        return jax.devices(device)[0].device_kind if device == "gpu" else device
+        return _backend.device_description(device) if device == "gpu" else device
 
     def versions(self) -> dict[str, str]:
         return {name: version(name) for name in ("jax", "jaxlib", "flax")}
 
     def array(self, value: np.ndarray, device: str, dtype: str) -> jax.Array:
-        return jax.device_put(value.astype(DTYPES[dtype]), jax.devices(device)[0])
+        return _backend.to_native(value, device, dtype)
 
     def matmul(self, a: jax.Array, b: jax.Array) -> jax.Array:
         return self._matmul(a, b)
@@ -82,25 +77,18 @@ class Jax(Framework):
     ) -> tuple[jax.Array, ...]:
         # Flax's mask broadcasts over heads and queries.
         lens, mask = lens.astype(np.int32), visible[:, None, None, :]
-        put = (jax.device_put(a, jax.devices(device)[0]) for a in (lens, mask))
+        put = (_backend.lens_to_native(lens, device), jax.device_put(mask, _backend.device(device)))
         return self.array(x, device, dtype), *put
 
     def build(self, shape: Shape, device: str, dtype: str) -> dict[str, tuple[nnx.Module, Call]]:
         d, h = shape.num_hiddens, shape.num_heads
-        sizes = {"query_size": d, "key_size": d, "value_size": d, "param_dtype": DTYPES[dtype]}
-        with jax.default_device(jax.devices(device)[0]):
-            ours = MultiHeadAttention(d, h, rngs=nnx.Rngs(0), **sizes)
-            fused = MultiHeadAttention(d, h, implementation="xla", rngs=nnx.Rngs(0), **sizes)
-            native = nnx.MultiHeadAttention(
-                num_heads=h,
-                in_features=d,
-                qkv_features=d,
-                decode=False,
-                use_bias=False,
-                param_dtype=DTYPES[dtype],
-                rngs=nnx.Rngs(0),
-            )
-        for module in (ours, fused, native):
+        place = {"device": device, "dtype": dtype}
+        ours, fused = (
+            _backend.make_layer(d, h, implementation=implementation, **place)
+            for implementation in (None, "xla")
+        )
+        native = _backend.native_layer(get_weights(ours), h, **place)
+        for module in (ours, fused):
             module.eval()
         return {
             "ours": (ours, _ours),
@@ -127,7 +115,7 @@ class Jax(Framework):
         return lambda: forward_backward(module, *args)
 
     def sync(self, value: Any) -> None:
-        jax.block_until_ready(value)
+        _backend.sync(value)
 
     def scratch_bytes(
         self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool
@@ -154,7 +142,7 @@ class Jax(Framework):
     def peak_mib(self, device: str, run: Callable[[], None]) -> float:
         if device != "gpu":
             return super().peak_mib(device, run)
-        stats = jax.devices(device)[0].memory_stats
+        stats = _backend.device(device).memory_stats
         before = (stats() or {}).get("bytes_in_use", 0)
         run()
         return ((stats() or {}).get("peak_bytes_in_use", 0) - before) / 2**20

@@ -52,6 +52,7 @@ import numpy as np
 from flax import linen, nnx
 
 from mha_multi import spec
+from mha_multi.jax._backend import host_array
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
 __all__ = [
@@ -77,15 +78,6 @@ _UNSUPPORTED = {
     "cached_value": "decode=True (an autoregressive cache)",
     "cache_index": "decode=True (an autoregressive cache)",
 }
-
-
-def _numpy(value: Any) -> np.ndarray:
-    if isinstance(value, nnx.Variable):
-        value = value[...]
-    array = np.asarray(jax.device_get(value))
-    if array.dtype == np.dtype(jnp.bfloat16):
-        array = array.astype(np.float32)
-    return array
 
 
 def _params_tree(tree: Any) -> dict[str, Any]:
@@ -138,7 +130,7 @@ def from_flax_nnx_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
                 f"Flax attention parameters {name!r} must hold 'kernel' (and 'bias'); "
                 f"got {sorted(tree[name])}"
             )
-    kernels = {name: _numpy(tree[name]["kernel"]) for name in FLAX_NAMES}
+    kernels = {name: host_array(tree[name]["kernel"]) for name in FLAX_NAMES}
     for name in ("query", "key", "value"):
         if kernels[name].ndim != 3:
             raise ValueError(
@@ -178,7 +170,7 @@ def from_flax_nnx_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
             kernel.reshape(-1, num_hiddens) if short != "o" else (kernel.reshape(num_hiddens, -1))
         )
         if with_bias:
-            weights[f"b_{short}"] = _numpy(tree[name]["bias"]).reshape(-1)
+            weights[f"b_{short}"] = host_array(tree[name]["bias"]).reshape(-1)
     weights = {name: np.ascontiguousarray(array) for name, array in weights.items()}
     return check_weights(weights)[0]
 
@@ -371,7 +363,7 @@ def from_jax_d2l(variables: Mapping[str, Any]) -> dict[str, np.ndarray]:
                 raise ValueError(
                     f"unexpected entry '{layer}/{kind}' in d2l MultiHeadAttention params"
                 )
-            weights[layer if kind == "kernel" else f"b_{layer[-1]}"] = _numpy(value)
+            weights[layer if kind == "kernel" else f"b_{layer[-1]}"] = host_array(value)
     return check_weights(weights)[0]
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from mha_multi import spec
-from mha_multi.jax import functional
+from mha_multi.jax import _backend, functional
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
@@ -239,10 +239,4 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
     bfloat16 parameters are returned as float32 (the canonical format holds
     numpy floating dtypes only); every other dtype is kept.
     """
-    weights = {}
-    for name, value in layer.params().items():
-        array = np.asarray(jax.device_get(value))
-        if array.dtype == np.dtype(jnp.bfloat16):
-            array = array.astype(np.float32)
-        weights[name] = array.copy()
-    return weights
+    return {name: _backend.host_array(value) for name, value in layer.params().items()}

@@ -20,7 +20,7 @@ from flax import linen as nn
 from jax.typing import DTypeLike
 
 from mha_multi import spec
-from mha_multi.jax import functional
+from mha_multi.jax import _backend, functional
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
@@ -249,8 +249,5 @@ def weights_from_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray
         projection = params.get(name, {})
         for entry, canonical in (("kernel", name), ("bias", f"b_{name[-1]}")):
             if entry in projection:
-                array = np.asarray(jax.device_get(projection[entry]))
-                if array.dtype == np.dtype(jnp.bfloat16):
-                    array = array.astype(np.float32)
-                weights[canonical] = array.copy()
+                weights[canonical] = _backend.host_array(projection[entry])
     return check_weights(weights)[0]

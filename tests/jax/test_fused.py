@@ -6,8 +6,6 @@ fused path through XLA's kernel, the translation cuDNN's shares.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -15,102 +13,70 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import lax
+from jax_support import LinenRunner, NNXRunner, gpu, inputs
 
-from conftest import gpu_required
 from mha_multi import spec
-from mha_multi.jax import MultiHeadAttention, linen, multi_head_attention, set_weights
-from mha_multi.jax.functional import fused_dtype_supported
-from mha_multi.parity.cases import CASES, build_case
-from mha_multi.parity.runners.jax import JaxNNXRunner
+from mha_multi.jax import MultiHeadAttention, _backend, linen, multi_head_attention, set_weights
+from mha_multi.jax.functional import DOT_PRODUCT_ATTENTION, fused_dtype_supported
+from mha_multi.parity.cases import CASES
+from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 from tests.backends import test_edges as edges
+from tests.backends import test_fused_path as fused_path
 
-jax.config.update("jax_enable_x64", True)
-
-INPUT_NAMES = ("queries", "keys", "values")
-
-
-@functools.cache
-def case_named(name):
-    return build_case(next(c for c in CASES if c.name == name))
+INPUT_NAMES = _backend.INPUT_NAMES
 
 
-def arrays(case, dtype=jnp.float32):
-    return [jnp.asarray(case.inputs[name], dtype) for name in INPUT_NAMES]
+class XlaRunner(NNXRunner):
+    """Layers with ``implementation="xla"``: the default call is the fused path,
+    through XLA's kernel."""
+
+    fused_kernel = DOT_PRODUCT_ATTENTION
+
+    def __init__(self, **options):
+        super().__init__(implementation="xla", **options)
 
 
-def nnx_layer(case, dtype=jnp.float32, implementation="xla", **kwargs):
-    config = case.config
-    layer = MultiHeadAttention(
-        config.num_hiddens,
-        config.num_heads,
-        bias=config.bias,
-        param_dtype=dtype,
-        rngs=nnx.Rngs(0),
-        implementation=implementation,
-        **config.sizes(),
-        **kwargs,
-    )
-    layer.eval()
-    return set_weights(layer, case.weights)
+XLA = XlaRunner()
+SIXTEEN_BIT = ("bfloat16", "float16")
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch):
-    """Records the keyword arguments of every jax.nn.dot_product_attention call."""
-    calls = []
-    original = jax.nn.dot_product_attention
-
-    def recording(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
-    return calls
+def kernel_calls():
+    """Every jax.nn.dot_product_attention call of the layers during the test."""
+    with _backend.kernel_spy() as calls:
+        yield calls
 
 
-# (case, what the kernel gets: mask, key lengths, is_causal)
-PATHS = [
-    ("lens_none", False, None, False),
-    ("lens_1d", False, [4, 7, 1], False),
-    ("lens_overlong", False, [7, 7, 7], False),  # clipped to K = 7
-    ("lens_zero", False, [1, 1, 3], False),  # rows of lengths <= 0 are replaced after
-    ("lens_1d_float", True, None, False),  # j < 2.5: a mask, not lengths
-    ("lens_2d", True, None, False),
-    ("causal", False, None, True),  # Q == K: the kernel's own (top-left) flag
-    ("causal_cross", True, [6, 7, 2], False),  # Q < K: bottom-right needs a mask
-    ("causal_more_queries", True, None, False),
-    ("causal_lens_2d", True, None, True),
-]
+def numpy_inputs(case):
+    return [case.inputs[name] for name in INPUT_NAMES]
 
 
-@pytest.mark.parametrize(("name", "mask", "lengths", "is_causal"), PATHS)
-def test_default_call_takes_the_fused_path(kernel_calls, name, mask, lengths, is_causal):
-    case = case_named(name)
-    layer = nnx_layer(case)
-    out = layer(*arrays(case), case.valid_lens, causal=case.config.causal)
-    assert len(kernel_calls) == 1
-    call = kernel_calls[0]
-    assert (call["mask"] is not None) == mask
-    assert call["is_causal"] == is_causal
-    assert call["implementation"] == "xla"  # CPU
-    if lengths is None:
-        assert call["key_value_seq_lengths"] is None
-    else:
-        np.testing.assert_array_equal(call["key_value_seq_lengths"], lengths)
-        assert call["key_value_seq_lengths"].dtype == jnp.int32
-    np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
-    # The weights come from the generic path.
-    _, weights = layer(
-        *arrays(case), case.valid_lens, causal=case.config.causal, return_attention_weights=True
-    )
-    assert len(kernel_calls) == 1
-    np.testing.assert_allclose(weights, case.reference["attention_weights"], atol=5e-6)
+@pytest.mark.parametrize("name", [config.name for config in CASES])
+def test_xla_kernel_follows_the_kernel_plan(cases, name):
+    fused_path.test_default_call_follows_the_kernel_plan(XLA, cases, name)
 
 
-def test_every_case_and_its_gradients_match_the_reference_under_jit(kernel_calls):
-    for config in CASES:
-        case = case_named(config.name)
+@pytest.mark.parametrize(
+    ("name", "lengths"),
+    [
+        ("lens_1d", [4, 7, 1]),
+        ("lens_overlong", [7, 7, 7]),  # clipped to K = 7
+        ("lens_zero", [1, 1, 3]),  # rows of lengths <= 0 are replaced after
+        ("causal_cross", [6, 7, 2]),
+    ],
+)
+def test_key_lengths_reach_the_kernel_as_int32_within_one_and_k(kernel_calls, cases, name, lengths):
+    case = cases[name]
+    XLA.call(XLA.layer_for(case), *numpy_inputs(case), case.valid_lens, causal=case.config.causal)
+    (call,) = kernel_calls
+    np.testing.assert_array_equal(call.key_lengths, lengths)
+    assert call.key_lengths.dtype == np.int32
+
+
+def test_every_case_and_its_gradients_match_the_reference_under_jit(kernel_calls, cases):
+    for case in cases.values():
+        config = case.config
         causal = config.causal
         cotangent = jnp.asarray(case.output_gradient)
 
@@ -135,17 +101,17 @@ def test_every_case_and_its_gradients_match_the_reference_under_jit(kernel_calls
             return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(params, q, k, v)
 
         params = {name: jnp.asarray(value) for name, value in case.weights.items()}
-        (param_grads, *input_grads), out = forward_and_grads(params, *arrays(case), case.valid_lens)
+        (param_grads, *input_grads), out = forward_and_grads(params, *inputs(case), case.valid_lens)
         np.testing.assert_allclose(out, case.reference["output"], atol=5e-6, err_msg=config.name)
         for name, grad in zip(INPUT_NAMES, input_grads, strict=True):
             np.testing.assert_allclose(grad, case.reference[f"grad.{name}"], atol=5e-5)
         for name, grad in param_grads.items():
             np.testing.assert_allclose(grad, case.reference[f"grad.{name}"], atol=5e-5)
-    assert len(kernel_calls) == len(CASES)  # traced once per case: the fused path
+    assert len(kernel_calls) == len(cases)  # traced once per case: the fused path
 
 
 @pytest.mark.parametrize("name", ["lens_2d", "causal_more_queries", "causal_lens_2d"])
-def test_fully_hidden_rows_are_corrected_whatever_the_kernel_leaves_there(monkeypatch, name):
+def test_fully_hidden_rows_are_corrected_whatever_the_kernel_leaves_there(monkeypatch, cases, name):
     # cuDNN's kernel leaves a query that sees no key NaN; the correction must
     # replace those rows and keep their NaN out of every gradient.
     original = jax.nn.dot_product_attention
@@ -159,7 +125,7 @@ def test_fully_hidden_rows_are_corrected_whatever_the_kernel_leaves_there(monkey
         return jnp.where(seen, out, jnp.nan)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", nan_rows)
-    case = case_named(name)
+    case = cases[name]
     params = {n: jnp.asarray(w) for n, w in case.weights.items()}
 
     def forward(params, q, k, v):
@@ -175,7 +141,7 @@ def test_fully_hidden_rows_are_corrected_whatever_the_kernel_leaves_there(monkey
             implementation="xla",
         )[0]
 
-    out, vjp = jax.vjp(forward, params, *arrays(case))
+    out, vjp = jax.vjp(forward, params, *inputs(case))
     np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
     param_grads, *input_grads = vjp(jnp.asarray(case.output_gradient))
     for name_, grad in zip(INPUT_NAMES, input_grads, strict=True):
@@ -203,33 +169,33 @@ def test_fully_hidden_rows_are_the_mean_of_the_values():
     np.testing.assert_allclose(out, expected, atol=1e-6)
 
 
-def test_dropout_and_float64_take_the_generic_path(kernel_calls):
-    case = case_named("lens_none")
-    layer = nnx_layer(case, dropout=0.5)
+def test_dropout_and_float64_take_the_generic_path(kernel_calls, cases):
+    case = cases["lens_none"]
+    layer = XlaRunner(dropout=0.5).layer_for(case)
     layer.train()
-    layer(*arrays(case), rngs=jax.random.key(0))  # no kernel has dropout on the weights
+    layer(*inputs(case), rngs=jax.random.key(0))  # no kernel has dropout on the weights
     assert kernel_calls == []
     layer.eval()
-    layer(*arrays(case))
+    layer(*inputs(case))
     assert len(kernel_calls) == 1  # a layer with dropout, in eval mode
-    out = nnx_layer(case, jnp.float64)(*arrays(case, jnp.float64))
+    out = XLA.call(XLA.layer_for(case, dtype="float64"), *numpy_inputs(case), dtype="float64")
     assert len(kernel_calls) == 1  # the kernel's softmax is float32
     np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT)
 @pytest.mark.parametrize("name", ["lens_zero", "causal_lens_2d", "lens_1d_float"])
-def test_16_bit_fused_path_within_tolerance(kernel_calls, dtype, name):
-    case = case_named(name)
-    layer = nnx_layer(case, dtype)
-    out = layer(*arrays(case, dtype), case.valid_lens, causal=case.config.causal)
-    assert len(kernel_calls) == 1 and out.dtype == dtype
+def test_16_bit_fused_path_within_tolerance(kernel_calls, cases, dtype, name):
+    case = cases[name]
+    layer = XLA.layer_for(case, dtype=dtype)
+    out = layer(*inputs(case, dtype), case.valid_lens, causal=case.config.causal)
+    assert len(kernel_calls) == 1 and out.dtype == _backend.DTYPES[dtype]
     np.testing.assert_allclose(np.asarray(out, np.float64), case.reference["output"], atol=2e-2)
 
 
-def test_precision_reaches_the_kernel_products():
-    case = case_named("lens_1d")
-    q, k, v = arrays(case)
+def test_precision_reaches_the_kernel_products(cases):
+    case = cases["lens_1d"]
+    q, k, v = inputs(case)
 
     def products(precision):
         jaxpr = jax.make_jaxpr(
@@ -272,56 +238,39 @@ def test_which_dtypes_and_precisions_the_fused_path_serves():
     assert not served(jnp.float32, precision=(lax.Precision.DEFAULT, lax.Precision.HIGHEST))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["lens_zero", "causal_cross", "causal_lens_2d"])
-def test_nnx_and_linen_fused_paths_are_bit_identical(kernel_calls, dtype, name):
-    case = case_named(name)
+def test_nnx_and_linen_fused_paths_are_bit_identical(cases, dtype, name):
+    case = cases[name]
     causal = case.config.causal
-    layer = nnx_layer(case, dtype)
-    config = case.config
-    module = linen.MultiHeadAttention(
-        config.num_hiddens,
-        config.num_heads,
-        bias=config.bias,
-        param_dtype=dtype,
-        implementation="xla",
-    )
-    variables = linen.variables_from_weights(case.weights, module)
-    inputs = arrays(case, dtype)
-    eager = (
-        layer(*inputs, case.valid_lens, causal=causal),
-        module.apply(variables, *inputs, case.valid_lens, causal=causal),
-    )
-    jitted = (
-        nnx.jit(lambda layer, *x: layer(*x, causal=causal))(layer, *inputs, case.valid_lens),
-        jax.jit(lambda v, *x: module.apply(v, *x, causal=causal))(
-            variables, *inputs, case.valid_lens
-        ),
-    )
-    assert len(kernel_calls) == 4
+    layer = XLA.layer_for(case, dtype=dtype)
+    linen_layer = LinenRunner(implementation="xla").layer_for(case, dtype=dtype)
+    module, variables = linen_layer.module, linen_layer.variables
+    arrays = inputs(case, dtype)
+    with _backend.kernel_spy() as calls:
+        eager = (
+            layer(*arrays, case.valid_lens, causal=causal),
+            module.apply(variables, *arrays, case.valid_lens, causal=causal),
+        )
+        jitted = (
+            nnx.jit(lambda layer, *x: layer(*x, causal=causal))(layer, *arrays, case.valid_lens),
+            jax.jit(lambda v, *x: module.apply(v, *x, causal=causal))(
+                variables, *arrays, case.valid_lens
+            ),
+        )
+    assert len(calls) == 4
     for nnx_out, linen_out in (eager, jitted):
         np.testing.assert_array_equal(nnx_out, linen_out)
 
 
-@pytest.fixture
-def gpu():
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError:
-        if gpu_required():
-            pytest.fail("no GPU visible to JAX, and MHA_MULTI_REQUIRE_GPU is set")
-        pytest.skip("no GPU visible to JAX")
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_cpu_default_is_the_generic_path(kernel_calls, dtype):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_default_is_the_generic_path(kernel_calls, cases, dtype):
     # XLA's kernel measured no faster than the generic path on a CPU.
-    case = case_named("causal_lens_2d")
-    out = nnx_layer(case, dtype, implementation=None)(
-        *arrays(case, dtype), case.valid_lens, causal=True
-    )
-    out_generic = nnx_layer(case, dtype, implementation="generic")(
-        *arrays(case, dtype), case.valid_lens, causal=True
+    case = cases["causal_lens_2d"]
+    default, generic = get_runner("jax-nnx"), NNXRunner(implementation="generic")
+    out, out_generic = (
+        runner.layer_for(case, dtype=dtype)(*inputs(case, dtype), case.valid_lens, causal=True)
+        for runner in (default, generic)
     )
     assert kernel_calls == []
     np.testing.assert_array_equal(out, out_generic)
@@ -342,54 +291,45 @@ def test_unknown_implementation_is_a_value_error():
     [([0, 5], False, 6), ([[0, 1, 2, 3, 4, 6]] * 2, True, 6), (None, True, 8), ([3, 1], True, 4)],
 )
 def test_gpu_16_bit_default_is_cudnn_and_matches_the_reference(
-    kernel_calls, gpu, lens, causal, num_queries
+    kernel_calls, lens, causal, num_queries
 ):
+    device = gpu()
     weights = init_weights(32, bias=True, seed=6)  # 2 heads of 16: cuDNN's head sizes
     rng = np.random.default_rng(7)
     q = rng.standard_normal((2, num_queries, 32)).astype(np.float32)
     kv = rng.standard_normal((2, 6, 32)).astype(np.float32)
     lens = None if lens is None else np.asarray(lens)
     expected, _ = spec.reference_forward(weights, q, kv, kv, lens, num_heads=2, causal=causal)
-    with jax.default_device(gpu):
-        layer = set_weights(
-            MultiHeadAttention(32, 2, bias=True, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
-            weights,
-        )
-        layer.eval()
-        q16, kv16 = (jax.device_put(jnp.asarray(x, jnp.bfloat16), gpu) for x in (q, kv))
+    layer = _backend.make_layer(32, 2, bias=True, device=device, dtype="bfloat16")
+    set_weights(layer, weights).eval()
+    q16, kv16 = (_backend.to_native(x, device, "bfloat16") for x in (q, kv))
+    with jax.default_device(_backend.device(device)):
         out = layer(q16, kv16, kv16, lens, causal=causal)
         grads = jax.grad(
             lambda q: layer(q, kv16, kv16, lens, causal=causal).astype(jnp.float32).sum()
         )(q16)
-    assert kernel_calls[0]["implementation"] == "cudnn"
+    # The default asks for no kernel but cuDNN's on a GPU.
+    assert kernel_calls
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-2)
     assert np.isfinite(np.asarray(grads, np.float32)).all()
 
 
-def test_gpu_16_bit_head_sizes_cudnn_declines_take_the_generic_path(kernel_calls, gpu):
-    case = case_named("book")  # head size 20: not a multiple of 8
-    with jax.default_device(gpu):
-        layer = nnx_layer(case, jnp.bfloat16, implementation=None)
-        out = layer(*[jax.device_put(x, gpu) for x in arrays(case, jnp.bfloat16)], case.valid_lens)
-    assert [call["implementation"] for call in kernel_calls] == ["cudnn"]
+def test_gpu_16_bit_head_sizes_cudnn_declines_take_the_generic_path(kernel_calls, cases):
+    device = gpu()
+    case = cases["book"]  # head size 20: not a multiple of 8
+    layer = get_runner("jax-nnx").layer_for(case, device=device, dtype="bfloat16")
+    with jax.default_device(_backend.device(device)):
+        out = layer(*inputs(case, "bfloat16", device), case.valid_lens)
+    assert len(kernel_calls) == 1  # cuDNN's, which declined while traced
     np.testing.assert_allclose(np.asarray(out, np.float64), case.reference["output"], atol=2e-2)
 
 
 # -- the edge inputs of tests/backends/test_edges.py on XLA's kernel ------------
 
 
-class XlaNNXRunner(JaxNNXRunner):
-    """The NNX runner with ``implementation="xla"``: its default call is the fused path."""
-
-    name = "jax-nnx-xla"
-
-    def make_layer(self, num_hiddens, num_heads, **kwargs):
-        return super().make_layer(num_hiddens, num_heads, implementation="xla", **kwargs)
-
-
 @pytest.fixture(scope="module")
 def xla_runner():
-    return XlaNNXRunner()
+    return XLA
 
 
 def _parameters(test, argname):

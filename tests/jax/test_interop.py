@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
+from jax_support import inputs
 
 from mha_multi.interop.jax import (
     attention_mask,
@@ -24,22 +24,13 @@ from mha_multi.interop.jax import (
     to_jax_d2l,
 )
 from mha_multi.jax import MultiHeadAttention, get_weights, linen, set_weights
-from mha_multi.parity.cases import CASES, build_case
+from mha_multi.parity.cases import CASES
+from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 
-INPUT_NAMES = ("queries", "keys", "values")
 # Every feature: lengths of each kind, causal of each alignment, fully hidden
 # rows (lens_zero, lens_2d, causal_more_queries, one_key), biases.
 NATIVE_CASES = [c.name for c in CASES if c.name != "cross_sizes"]
-
-
-@functools.cache
-def case(name):
-    return build_case(next(c for c in CASES if c.name == name))
-
-
-def arrays(c, dtype=jnp.float32):
-    return [jnp.asarray(c.inputs[name], dtype) for name in INPUT_NAMES]
 
 
 def mask_of(c):
@@ -49,39 +40,34 @@ def mask_of(c):
 
 
 @pytest.mark.parametrize("name", NATIVE_CASES)
-def test_native_layers_match_the_reference(name):
+def test_native_layers_match_the_reference(cases, name):
     # Flax fills hidden scores with a large finite negative, so fully hidden
     # rows get uniform weights there too: every case agrees, those included.
-    c = case(name)
-    q, k, v = arrays(c)
+    c = cases[name]
+    q, k, v = inputs(c)
     native = to_flax_nnx(c.weights, c.config.num_heads)
     out = native(q, k, v, mask=mask_of(c), deterministic=True)
     module, variables = to_flax_linen(c.weights, c.config.num_heads)
     linen_out = module.apply(variables, q, k, v, mask=mask_of(c), deterministic=True)
     for got in (out, linen_out):
         np.testing.assert_allclose(got, c.reference["output"], rtol=0, atol=5e-6)
-    ours = set_weights(
-        MultiHeadAttention(
-            c.config.num_hiddens, c.config.num_heads, bias=c.config.bias, rngs=nnx.Rngs(0)
-        ),
-        c.weights,
-    )
+    ours = get_runner("jax-nnx").layer_for(c)
     np.testing.assert_allclose(
         ours(q, k, v, c.valid_lens, causal=c.config.causal), out, rtol=0, atol=5e-6
     )
 
 
-def test_fully_hidden_rows_agree_with_the_spec():
-    c = case("lens_zero")  # valid_lens [0, -2, 3]
-    q, k, v = arrays(c)
+def test_fully_hidden_rows_agree_with_the_spec(cases):
+    c = cases["lens_zero"]  # valid_lens [0, -2, 3]
+    q, k, v = inputs(c)
     out = to_flax_nnx(c.weights, c.config.num_heads)(q, k, v, mask=mask_of(c))
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(out[:2], c.reference["output"][:2], atol=5e-6)
 
 
-def test_linen_takes_different_key_and_value_sizes_and_nnx_refuses_them():
-    c = case("cross_sizes")  # query/key/value sizes 7/5/3, biases
-    q, k, v = arrays(c)
+def test_linen_takes_different_key_and_value_sizes_and_nnx_refuses_them(cases):
+    c = cases["cross_sizes"]  # query/key/value sizes 7/5/3, biases
+    q, k, v = inputs(c)
     module, variables = to_flax_linen(c.weights, c.config.num_heads)
     out = module.apply(variables, q, k, v, mask=mask_of(c))
     np.testing.assert_allclose(out, c.reference["output"], atol=5e-6)
@@ -242,11 +228,11 @@ class D2LMultiHeadAttention(nn.Module):
 
 
 @pytest.mark.parametrize("name", ["book", "bias", "lens_2d", "lens_zero", "cross_sizes"])
-def test_d2l_layer_with_converted_weights_matches_the_reference(name):
-    c = case(name)
+def test_d2l_layer_with_converted_weights_matches_the_reference(cases, name):
+    c = cases[name]
     d2l = D2LMultiHeadAttention(c.config.num_hiddens, c.config.num_heads, 0.0, c.config.bias)
     variables = to_jax_d2l(c.weights)
-    out, weights = d2l.apply(variables, *arrays(c), jnp.asarray(c.valid_lens))
+    out, weights = d2l.apply(variables, *inputs(c), jnp.asarray(c.valid_lens))
     np.testing.assert_allclose(out, c.reference["output"], atol=5e-6)
     np.testing.assert_allclose(
         weights.reshape(c.reference["attention_weights"].shape),

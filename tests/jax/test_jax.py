@@ -11,60 +11,29 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.test_util import check_grads
+from jax_support import LinenRunner, NNXRunner, gpu, inputs
 
-from conftest import gpu_required
 from mha_multi import spec
 from mha_multi.jax import (
     MultiHeadAttention,
+    _backend,
     functional,
     get_weights,
     linen,
     multi_head_attention,
     set_weights,
 )
-from mha_multi.parity.cases import CASES, build_case
+from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 
-# float64 runs need x64; the parity runners turn it on as well.
-jax.config.update("jax_enable_x64", True)
-
-DTYPES = (jnp.float64, jnp.float32, jnp.bfloat16, jnp.float16)
-INPUT_NAMES = ("queries", "keys", "values")
+NNX, LINEN = get_runner("jax-nnx"), get_runner("jax-linen")  # they turn on x64 for float64
+INPUT_NAMES = _backend.INPUT_NAMES
 
 
-@functools.cache
-def case_named(name):
-    return build_case(next(c for c in CASES if c.name == name))
-
-
-def arrays(case, dtype=jnp.float32):
-    return [jnp.asarray(case.inputs[name], dtype) for name in INPUT_NAMES]
-
-
-def nnx_layer(case, dtype=jnp.float32, *, training=False, **kwargs):
-    config = case.config
-    layer = MultiHeadAttention(
-        config.num_hiddens,
-        config.num_heads,
-        bias=config.bias,
-        param_dtype=dtype,
-        rngs=nnx.Rngs(0),
-        **config.sizes(),
-        **kwargs,
-    )
-    if training:
-        layer.train()
-    else:
-        layer.eval()
-    return set_weights(layer, case.weights)
-
-
-def linen_layer(case, dtype=jnp.float32, **kwargs):
-    config = case.config
-    module = linen.MultiHeadAttention(
-        config.num_hiddens, config.num_heads, bias=config.bias, param_dtype=dtype, **kwargs
-    )
-    return module, linen.variables_from_weights(case.weights, module)
+def linen_layer(case, dtype="float32", device="cpu", **options):
+    """The Linen module of ``case`` (with ``options``) and its variables."""
+    layer = LinenRunner(**options).layer_for(case, device=device, dtype=dtype)
+    return layer.module, layer.variables
 
 
 def small_inputs(seed=0, batch=2, num_queries=3, num_keys=4, size=8):
@@ -79,8 +48,8 @@ def small_inputs(seed=0, batch=2, num_queries=3, num_keys=4, size=8):
 
 
 @pytest.mark.parametrize("name", ["lens_2d", "causal_cross", "cross_sizes", "lens_zero"])
-def test_check_grads_float64(name):
-    case = case_named(name)
+def test_check_grads_float64(cases, name):
+    case = cases[name]
     params = {key: jnp.asarray(value, jnp.float64) for key, value in case.weights.items()}
     lens = case.valid_lens
 
@@ -91,24 +60,22 @@ def test_check_grads_float64(name):
 
     # Compiled: check_grads evaluates the function and its derivatives many
     # times, and eagerly each evaluation compiles every operation anew.
-    check_grads(
-        jax.jit(forward), (params, *arrays(case, jnp.float64)), order=1, modes=("fwd", "rev")
-    )
+    check_grads(jax.jit(forward), (params, *inputs(case, "float64")), order=1, modes=("fwd", "rev"))
 
-    module, variables = linen_layer(case, jnp.float64)
+    module, variables = linen_layer(case, "float64")
 
     def linen_forward(variables, q, k, v):
         return module.apply(variables, q, k, v, lens, causal=case.config.causal)
 
     check_grads(
-        jax.jit(linen_forward), (variables, *arrays(case, jnp.float64)), order=1, modes=("rev",)
+        jax.jit(linen_forward), (variables, *inputs(case, "float64")), order=1, modes=("rev",)
     )
 
 
 @pytest.mark.parametrize("name", ["book", "causal_lens_2d", "cross_sizes"])
-def test_jitted_grad_matches_reference_gradients(name):
-    case = case_named(name)
-    layer = nnx_layer(case)
+def test_jitted_grad_matches_reference_gradients(cases, name):
+    case = cases[name]
+    layer = NNX.layer_for(case)
     cotangent = jnp.asarray(case.output_gradient)
 
     @nnx.jit
@@ -119,7 +86,7 @@ def test_jitted_grad_matches_reference_gradients(name):
 
         return nnx.grad(loss, argnums=(0, 1, 2, 3))(layer, q, k, v)
 
-    layer_grads, *input_grads = loss_grads(layer, *arrays(case), case.valid_lens)
+    layer_grads, *input_grads = loss_grads(layer, *inputs(case), case.valid_lens)
     for name_, grad in zip(INPUT_NAMES, input_grads, strict=True):
         np.testing.assert_allclose(grad, case.reference[f"grad.{name_}"], atol=5e-5)
     pure = nnx.to_pure_dict(layer_grads)
@@ -133,8 +100,8 @@ def test_jitted_grad_matches_reference_gradients(name):
 
 
 @pytest.mark.parametrize("name", ["book", "lens_1d_float", "causal_more_queries", "cross_sizes"])
-def test_jit_matches_reference(name):
-    case = case_named(name)
+def test_jit_matches_reference(cases, name):
+    case = cases[name]
     causal = case.config.causal
     expected = case.reference["output"], case.reference["attention_weights"]
 
@@ -153,11 +120,11 @@ def test_jit_matches_reference(name):
         multi_head_attention, static_argnames=("num_heads", "causal", "dtype", "precision")
     )
     results = {
-        "nnx": nnx_call(nnx_layer(case), *arrays(case), case.valid_lens),
-        "linen": linen_call(variables, *arrays(case), case.valid_lens),
+        "nnx": nnx_call(NNX.layer_for(case), *inputs(case), case.valid_lens),
+        "linen": linen_call(variables, *inputs(case), case.valid_lens),
         "functional": functional_call(
             case.weights,
-            *arrays(case),
+            *inputs(case),
             case.valid_lens,
             num_heads=case.config.num_heads,
             causal=causal,
@@ -247,67 +214,64 @@ BIT_IDENTICAL_CASES = ("book", "lens_1d_float", "causal_lens_2d", "cross_sizes")
 
 
 @pytest.mark.parametrize("name", BIT_IDENTICAL_CASES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_nnx_and_linen_are_bit_identical(dtype, name):
-    case = case_named(name)
+@pytest.mark.parametrize("dtype", list(_backend.DTYPES))
+def test_nnx_and_linen_are_bit_identical(cases, dtype, name):
+    case = cases[name]
     causal = case.config.causal
-    layer = nnx_layer(case, dtype)
-    module, variables = linen_layer(case, dtype)
-    inputs = arrays(case, dtype)
-    got_nnx = layer(*inputs, case.valid_lens, causal=causal, return_attention_weights=True)
-    got_linen = module.apply(
-        variables, *inputs, case.valid_lens, causal=causal, return_attention_weights=True
+    layers = [runner.layer_for(case, dtype=dtype) for runner in (NNX, LINEN)]
+    arrays = inputs(case, dtype)
+    got_nnx, got_linen = (
+        runner.forward(
+            layer, *arrays, case.valid_lens, causal=causal, return_attention_weights=True
+        )
+        for runner, layer in zip((NNX, LINEN), layers, strict=True)
     )
     for a, b in zip(got_nnx, got_linen, strict=True):
-        assert a.dtype == b.dtype == dtype
+        assert a.dtype == b.dtype == _backend.DTYPES[dtype]
         np.testing.assert_array_equal(a, b)
 
-    def nnx_forward(state, q, k, v):
-        return nnx.merge(graphdef, state)(q, k, v, case.valid_lens, causal=causal)
-
-    def linen_forward(variables, q, k, v):
-        return module.apply(variables, q, k, v, case.valid_lens, causal=causal)
-
-    graphdef, state = nnx.split(layer)
-    cotangent = jnp.asarray(case.output_gradient, dtype)
-    nnx_grads, *nnx_input_grads = jax.vjp(nnx_forward, state, *inputs)[1](cotangent)
-    linen_grads, *linen_input_grads = jax.vjp(linen_forward, variables, *inputs)[1](cotangent)
-    for a, b in zip(nnx_input_grads, linen_input_grads, strict=True):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_equal(nnx.to_pure_dict(nnx_grads), jax.device_get(linen_grads["params"]))
+    cotangent = _backend.to_native(case.output_gradient, dtype=dtype)
+    nnx_grads, linen_grads = (
+        runner.vjp(layer, *arrays, case.valid_lens, causal=causal, output_gradient=cotangent)
+        for runner, layer in zip((NNX, LINEN), layers, strict=True)
+    )
+    assert nnx_grads.keys() == linen_grads.keys()
+    for name_, grad in nnx_grads.items():
+        np.testing.assert_array_equal(grad, linen_grads[name_], err_msg=name_)
 
 
 @pytest.mark.parametrize("name", ["book", "causal_lens_2d"])
-def test_nnx_and_linen_are_bit_identical_under_jit(name):
-    case = case_named(name)
+def test_nnx_and_linen_are_bit_identical_under_jit(cases, name):
+    case = cases[name]
     causal = case.config.causal
     module, variables = linen_layer(case)
     got_nnx = nnx.jit(lambda layer, *x: layer(*x, causal=causal, return_attention_weights=True))(
-        nnx_layer(case), *arrays(case), case.valid_lens
+        NNX.layer_for(case), *inputs(case), case.valid_lens
     )
     got_linen = jax.jit(
         lambda v, *x: module.apply(v, *x, causal=causal, return_attention_weights=True)
-    )(variables, *arrays(case), case.valid_lens)
+    )(variables, *inputs(case), case.valid_lens)
     for a, b in zip(got_nnx, got_linen, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_dropout_with_the_same_key_is_bit_identical():
-    case = case_named("book")
-    layer = nnx_layer(case, dropout=0.4, training=True)
+def test_dropout_with_the_same_key_is_bit_identical(cases):
+    case = cases["book"]
+    layer = NNXRunner(dropout=0.4).layer_for(case)
+    layer.train()
     module, variables = linen_layer(case, dropout=0.4)
     root = jax.random.key(7)
     # The key Linen's top-level module draws for its first 'dropout' request.
     key = module.apply(variables, method=lambda m: m.make_rng("dropout"), rngs={"dropout": root})
-    inputs = arrays(case)
+    arrays = inputs(case)
     got_linen = module.apply(
-        variables, *inputs, case.valid_lens, training=True, rngs={"dropout": root}
+        variables, *arrays, case.valid_lens, training=True, rngs={"dropout": root}
     )
-    got_nnx = layer(*inputs, case.valid_lens, rngs=key)
-    got_nnx_jit = nnx.jit(lambda layer, *x: layer(*x, rngs=key))(layer, *inputs, case.valid_lens)
+    got_nnx = layer(*arrays, case.valid_lens, rngs=key)
+    got_nnx_jit = nnx.jit(lambda layer, *x: layer(*x, rngs=key))(layer, *arrays, case.valid_lens)
     got_functional = multi_head_attention(
         case.weights,
-        *inputs,
+        *arrays,
         case.valid_lens,
         num_heads=5,
         dropout_rate=0.4,
@@ -321,47 +285,47 @@ def test_dropout_with_the_same_key_is_bit_identical():
     assert np.abs(np.asarray(got_nnx) - case.reference["output"]).max() > 1e-2
 
 
-def test_dropout_streams_are_reproducible_and_advance():
-    case = case_named("book")
-    first = nnx_layer(case, dropout=0.4, training=True)
-    second = nnx_layer(case, dropout=0.4, training=True)
-    inputs = arrays(case)
-    a1, b1 = first(*inputs, case.valid_lens), second(*inputs, case.valid_lens)
+def test_dropout_streams_are_reproducible_and_advance(cases):
+    case = cases["book"]
+    runner = NNXRunner(dropout=0.4)
+    first, second = runner.layer_for(case), runner.layer_for(case)  # training: NNX's default
+    arrays = inputs(case)
+    a1, b1 = first(*arrays, case.valid_lens), second(*arrays, case.valid_lens)
     np.testing.assert_array_equal(a1, b1)  # same seed, same masks
-    assert not np.array_equal(first(*inputs, case.valid_lens), a1)  # the stream advanced
+    assert not np.array_equal(first(*arrays, case.valid_lens), a1)  # the stream advanced
 
 
 # -- modes -----------------------------------------------------------------------
 
 
-def test_train_eval_deterministic_and_view():
-    case = case_named("book")
-    layer = nnx_layer(case, dropout=0.5, training=True)
-    inputs = arrays(case)
+def test_train_eval_deterministic_and_view(cases):
+    case = cases["book"]
+    layer = NNXRunner(dropout=0.5).layer_for(case)
+    arrays = inputs(case)
     expected = case.reference["output"]
 
     def close_to_reference(out):
         return np.abs(np.asarray(out) - expected).max() < 5e-6
 
     assert not layer.deterministic  # nnx.Dropout's default: training
-    assert not close_to_reference(layer(*inputs, case.valid_lens))
-    assert close_to_reference(layer(*inputs, case.valid_lens, deterministic=True))
+    assert not close_to_reference(layer(*arrays, case.valid_lens))
+    assert close_to_reference(layer(*arrays, case.valid_lens, deterministic=True))
     layer.eval()
-    assert close_to_reference(layer(*inputs, case.valid_lens))
-    assert not close_to_reference(layer(*inputs, case.valid_lens, deterministic=False))
+    assert close_to_reference(layer(*arrays, case.valid_lens))
+    assert not close_to_reference(layer(*arrays, case.valid_lens, deterministic=False))
     layer.train()
-    assert close_to_reference(nnx.view(layer, deterministic=True)(*inputs, case.valid_lens))
-    assert not close_to_reference(layer(*inputs, case.valid_lens))
+    assert close_to_reference(nnx.view(layer, deterministic=True)(*arrays, case.valid_lens))
+    assert not close_to_reference(layer(*arrays, case.valid_lens))
 
 
-def test_linen_training_needs_a_dropout_rng_and_eval_does_not():
-    case = case_named("book")
+def test_linen_training_needs_a_dropout_rng_and_eval_does_not(cases):
+    case = cases["book"]
     module, variables = linen_layer(case, dropout=0.5)
-    inputs = arrays(case)
-    out = module.apply(variables, *inputs, case.valid_lens)
+    arrays = inputs(case)
+    out = module.apply(variables, *arrays, case.valid_lens)
     np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
     with pytest.raises(Exception, match="dropout"):
-        module.apply(variables, *inputs, case.valid_lens, training=True)
+        module.apply(variables, *arrays, case.valid_lens, training=True)
 
 
 def test_functional_dropout_without_a_key_is_an_error():
@@ -375,16 +339,16 @@ def test_functional_dropout_without_a_key_is_an_error():
 # -- dtypes ------------------------------------------------------------------------
 
 
-def test_computation_dtype_and_promotion():
-    case = case_named("lens_zero")
+def test_computation_dtype_and_promotion(cases):
+    case = cases["lens_zero"]
     reference = case.reference["output"]
     layer = MultiHeadAttention(16, 4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     set_weights(layer, case.weights)
-    out = layer(*arrays(case), case.valid_lens)
+    out = layer(*inputs(case), case.valid_lens)
     assert out.dtype == jnp.bfloat16 and layer.W_q.kernel[...].dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out, np.float32), reference, atol=2e-2)
     # Without a computation dtype, inputs and parameters promote (Flax's rule).
-    promoted = nnx_layer(case)(*arrays(case, jnp.float16), case.valid_lens)
+    promoted = NNX.layer_for(case)(*inputs(case, "float16"), case.valid_lens)
     assert promoted.dtype == jnp.float32
 
 
@@ -458,16 +422,16 @@ def test_configuration_errors_at_construction():
         MultiHeadAttention(8, 2, key_size=-1, rngs=nnx.Rngs(0))
 
 
-def test_valid_lens_accepts_sequences_numpy_and_jax_arrays():
-    case = case_named("lens_2d")
-    layer = nnx_layer(case)
+def test_valid_lens_accepts_sequences_numpy_and_jax_arrays(cases):
+    case = cases["lens_2d"]
+    layer = NNX.layer_for(case)
     for valid_lens in (
         case.valid_lens.tolist(),
         case.valid_lens,
         jnp.asarray(case.valid_lens),
         case.valid_lens.astype(np.float16),
     ):
-        out = layer(*arrays(case), valid_lens)
+        out = layer(*inputs(case), valid_lens)
         np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
 
 
@@ -507,26 +471,17 @@ def test_integer_lengths_beyond_32_bits_are_clipped_not_wrapped(lens, implementa
 # -- GPU --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def gpu():
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError:
-        if gpu_required():
-            pytest.fail("no GPU visible to JAX, and MHA_MULTI_REQUIRE_GPU is set")
-        pytest.skip("no GPU visible to JAX")
-
-
-def test_gpu_highest_precision_float32_parity(gpu):
-    case = case_named("causal_lens_2d")
-    with jax.default_device(gpu):
-        layer = nnx_layer(case, precision="highest")
-        module, variables = linen_layer(case, precision="highest")
-        inputs = [jax.device_put(x, gpu) for x in arrays(case)]
-        out = layer(*inputs, case.valid_lens, causal=True)
-        linen_out = module.apply(variables, *inputs, case.valid_lens, causal=True)
-    assert layer.W_q.kernel[...].devices() == {gpu}
-    assert out.devices() == {gpu}
+def test_gpu_highest_precision_float32_parity(cases):
+    device = gpu()
+    case = cases["causal_lens_2d"]
+    layer = NNXRunner(precision="highest").layer_for(case, device=device)
+    module, variables = linen_layer(case, device=device, precision="highest")
+    arrays = inputs(case, device=device)
+    with jax.default_device(_backend.device(device)):
+        out = layer(*arrays, case.valid_lens, causal=True)
+        linen_out = module.apply(variables, *arrays, case.valid_lens, causal=True)
+    assert layer.W_q.kernel[...].devices() == {_backend.device(device)}
+    assert out.devices() == {_backend.device(device)}
     np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
     np.testing.assert_array_equal(out, linen_out)
     got = get_weights(layer)

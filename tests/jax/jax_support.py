@@ -1,0 +1,49 @@
+"""What several JAX test files build: runners whose layers take JAX-only
+options, a case's inputs as JAX arrays, the GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import pytest
+
+from conftest import gpu_required
+from mha_multi.jax import _backend
+from mha_multi.parity.cases import Case
+from mha_multi.parity.runners.jax import JaxLinenRunner, JaxNNXRunner
+
+
+class _WithOptions:
+    """A runner whose layers get ``options`` (``implementation``, ``dropout``,
+    ``precision``...) besides the case's configuration."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self.options = options
+        self.name = f"{self.name}[{', '.join(f'{k}={v!r}' for k, v in options.items())}]"
+
+    def make_layer(self, num_hiddens: int, num_heads: int, **kwargs: Any) -> Any:
+        return super().make_layer(num_hiddens, num_heads, **kwargs, **self.options)
+
+
+class NNXRunner(_WithOptions, JaxNNXRunner):
+    """The NNX runner with layer options."""
+
+
+class LinenRunner(_WithOptions, JaxLinenRunner):
+    """The Linen runner with layer options."""
+
+
+def inputs(case: Case, dtype: str = "float32", device: str = "cpu") -> list[jax.Array]:
+    """The case's queries, keys and values as JAX arrays."""
+    return [_backend.to_native(case.inputs[name], device, dtype) for name in _backend.INPUT_NAMES]
+
+
+def gpu() -> str:
+    """``"gpu"`` where JAX sees one; skips the test otherwise (fails it where one is required)."""
+    if not _backend.gpu_available():
+        if gpu_required():
+            pytest.fail("no GPU visible to JAX, and MHA_MULTI_REQUIRE_GPU is set")
+        pytest.skip("no GPU visible to JAX")
+    return "gpu"
