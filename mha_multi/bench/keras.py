@@ -1,4 +1,5 @@
-"""Keras 3 benchmark: ours (fused and generic) vs ``keras.layers.MultiHeadAttention``.
+"""Keras 3 benchmark: ours (fused and generic) vs ``keras.layers.MultiHeadAttention``,
+and, for grouped key/value heads, vs ``keras.layers.GroupQueryAttention``.
 
 Runs on the Keras backend of the process (``KERAS_BACKEND``: TensorFlow,
 JAX or PyTorch), in two execution modes, each reported as a table of its own:
@@ -11,7 +12,8 @@ JAX or PyTorch), in two execution modes, each reported as a table of its own:
 
 Both layers hold the same weights and see the same key padding: ours as
 ``valid_lens``, Keras' as an ``attention_mask`` with ``True`` where a key is
-*visible* (Keras' polarity). How each backend runs, differentiates and
+*visible* (Keras' polarity). Grouped rows build ours with ``num_kv_heads``
+and, as the native layer, Keras' own grouped-query layer. How each backend runs, differentiates and
 waits is in :mod:`mha_multi.keras._backend`.
 """
 
@@ -74,11 +76,17 @@ class Keras(Framework):
         )
 
     def build(self, shape: Shape, device: str, dtype: str) -> dict[str, LayerCall]:
-        d, h = shape.num_hiddens, shape.num_heads
-        weights = init_weights(d, seed=0)
+        d, h, kv_heads = shape.num_hiddens, shape.num_heads, shape.kv_heads
+        weights = init_weights(d, num_heads=h, num_kv_heads=kv_heads, seed=0)
         sizes = {"query_size": d, "key_size": d, "value_size": d}
-        ours = set_weights(backend.make_layer(d, h, device=device, dtype=dtype, **sizes), weights)
-        native = backend.native_layer(weights, h, device=device, dtype=dtype)
+        ours = backend.make_layer(d, h, num_kv_heads=kv_heads, device=device, dtype=dtype, **sizes)
+        ours = set_weights(ours, weights)
+        if kv_heads == h:
+            native = backend.native_layer(weights, h, device=device, dtype=dtype)
+        else:
+            native = backend.native_gqa_layer(
+                weights, h, num_kv_heads=kv_heads, device=device, dtype=dtype
+            )
         return {
             "ours": LayerCall(ours, lambda x, lens, mask: ((x, x, x, lens), {})),
             "ours (generic)": LayerCall(
