@@ -84,7 +84,9 @@ class Jax(Framework):
         d, h = shape.num_hiddens, shape.num_heads
         place = {"device": device, "dtype": dtype}
         ours, fused = (
-            _backend.make_layer(d, h, implementation=implementation, **place)
+            _backend.make_layer(
+                d, h, num_kv_heads=shape.num_kv_heads, implementation=implementation, **place
+            )
             for implementation in (None, "xla")
         )
         native = _backend.native_layer(get_weights(ours), h, **place)

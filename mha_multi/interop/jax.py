@@ -2,17 +2,20 @@
 
 Flax's ``flax.nnx.MultiHeadAttention`` and Linen's
 ``flax.linen.MultiHeadDotProductAttention`` compute the same function as the
-spec when ``qkv_features == out_features`` (``num_hiddens``) and
-``normalize_qk=False``. Their parameters are one tree (NNX state and Linen
-``params`` alike)::
+spec with ``normalize_qk=False`` (``qkv_features`` is ``num_heads *
+head_dim``, ``out_features`` is ``num_hiddens``). Their parameters are one
+tree (NNX state and Linen ``params`` alike)::
 
-    query/kernel (query_size, H, head_dim)   query/bias (H, head_dim)
-    key/kernel   (key_size, H, head_dim)     key/bias   (H, head_dim)
-    value/kernel (value_size, H, head_dim)   value/bias (H, head_dim)
-    out/kernel   (H, head_dim, num_hiddens)  out/bias   (num_hiddens,)
+    query/kernel (query_size, H, head_dim)      query/bias (H, head_dim)
+    key/kernel   (key_size, H_kv, head_dim)     key/bias   (H_kv, head_dim)
+    value/kernel (value_size, H_kv, head_dim)   value/bias (H_kv, head_dim)
+    out/kernel   (H, head_dim, num_hiddens)     out/bias   (num_hiddens,)
 
-and head ``h`` owns the same columns ``[h*head_dim, (h+1)*head_dim)`` as in
-the spec, so the conversion is a reshape. Differences callers must mind:
+``H_kv`` is NNX's ``num_kv_heads`` (grouped-query attention; Linen's layer
+has none). Head ``h`` owns the same columns ``[h*head_dim, (h+1)*head_dim)``
+as in the spec, and NNX's query head ``h`` reads key/value head
+``h // (H // H_kv)`` as the spec's does, so the conversion is a reshape.
+Differences callers must mind:
 
 * masks: Flax's boolean ``mask`` is ``True`` where a key takes part, the
   spec's visibility polarity (PyTorch's masks are the opposite). It has the
@@ -102,15 +105,16 @@ def from_flax_nnx_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
         state: an ``nnx.State`` or its pure dict ``{'query': {'kernel': ...,
             'bias': ...}, 'key': ..., 'value': ..., 'out': ...}``, or Linen
             variables ``{'params': {...}}`` (the same tree). ``num_heads`` is
-            ``state['query']['kernel'].shape[1]``.
+            ``state['query']['kernel'].shape[1]``, ``num_kv_heads``
+            ``state['key']['kernel'].shape[1]`` (grouped-query attention when
+            fewer), ``head_dim`` their last axis.
 
     Returns:
         The canonical mapping (validated), numpy arrays; bfloat16 becomes float32.
 
     Raises:
         ValueError: what the canonical layer cannot express (``normalize_qk``,
-            an autoregressive cache, grouped key/value heads, ``out_features``
-            other than ``qkv_features``, biases on some projections only), a
+            an autoregressive cache, biases on some projections only), a
             missing or unexpected entry, or inconsistent shapes.
     """
     tree = _params_tree(state)
@@ -138,27 +142,22 @@ def from_flax_nnx_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
                 f"got {kernels[name].shape}"
             )
     _, num_heads, head_dim = kernels["query"].shape
+    num_kv_heads = kernels["key"].shape[1]
     for name in ("key", "value"):
         heads, dim = kernels[name].shape[1:]
-        if heads != num_heads:
+        if heads != num_kv_heads or num_heads % heads:
             raise ValueError(
-                f"unsupported: {name} has {heads} heads and query {num_heads} "
-                "(grouped key/value heads, num_kv_heads != num_heads)"
+                f"{name} has {heads} heads: key and value need the same number of heads, "
+                f"which must divide the query's {num_heads}"
             )
         if dim != head_dim:
             raise ValueError(
                 f"unsupported: {name} head size {dim} differs from the query head size {head_dim}"
             )
-    num_hiddens = num_heads * head_dim
     out = kernels["out"]
     if out.ndim != 3 or out.shape[:2] != (num_heads, head_dim):
         raise ValueError(
             f"out/kernel must have shape ({num_heads}, {head_dim}, out_features); got {out.shape}"
-        )
-    if out.shape[2] != num_hiddens:
-        raise ValueError(
-            f"unsupported: out_features ({out.shape[2]}) differs from qkv_features "
-            f"({num_hiddens}); the canonical W_o is (num_hiddens, num_hiddens)"
         )
     with_bias = [name for name in FLAX_NAMES if tree[name].get("bias") is not None]
     if with_bias and len(with_bias) != len(FLAX_NAMES):
@@ -166,8 +165,11 @@ def from_flax_nnx_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
     weights = {}
     for name, short in FLAX_NAMES.items():
         kernel = kernels[name]
+        # (in, heads, head_dim) -> (in, heads*head_dim); out: (H, dh, out) -> (H*dh, out).
         weights[f"W_{short}"] = (
-            kernel.reshape(-1, num_hiddens) if short != "o" else (kernel.reshape(num_hiddens, -1))
+            kernel.reshape(kernel.shape[0], -1)
+            if short != "o"
+            else kernel.reshape(num_heads * head_dim, -1)
         )
         if with_bias:
             weights[f"b_{short}"] = host_array(tree[name]["bias"]).reshape(-1)
@@ -176,13 +178,14 @@ def from_flax_nnx_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 def to_flax_nnx_state(
-    weights: Mapping[str, Any], num_heads: int
+    weights: Mapping[str, Any], num_heads: int, *, num_kv_heads: int | None = None
 ) -> dict[str, dict[str, np.ndarray]]:
     """The Flax attention parameter tree (NNX state and Linen ``params`` alike).
 
     Args:
         weights: canonical weights (validated strictly).
-        num_heads: ``H``; must divide ``num_hiddens``.
+        num_heads: ``H``; must divide ``W_q``'s width.
+        num_kv_heads: key/value heads; ``None`` reads them from ``W_k``'s width.
 
     Returns:
         The tree of numpy arrays, ``query``, ``key``, ``value`` and ``out``
@@ -192,20 +195,23 @@ def to_flax_nnx_state(
         ``(H, head_dim, num_hiddens)``, ``out/bias`` ``(num_hiddens,)``.
 
     Raises:
-        ValueError: invalid weights, or ``num_hiddens`` not divisible by ``num_heads``.
+        ValueError: invalid weights, or widths no head layout of ``num_heads``
+            heads explains.
     """
     arrays, config = check_weights(weights)
-    head_dim = spec.check_config(config.num_hiddens, num_heads, 0.0)
+    heads = spec.heads_of_weights(arrays, num_heads, num_kv_heads=num_kv_heads)
+    head_dim = heads.head_dim
     params: dict[str, dict[str, np.ndarray]] = {}
     for name, short in FLAX_NAMES.items():
         kernel = arrays[f"W_{short}"]
+        count = heads.num_heads if short in "qo" else heads.num_kv_heads
         if short == "o":
-            entry = {"kernel": kernel.reshape(num_heads, head_dim, -1)}
+            entry = {"kernel": kernel.reshape(count, head_dim, -1)}
         else:
-            entry = {"kernel": kernel.reshape(-1, num_heads, head_dim)}
+            entry = {"kernel": kernel.reshape(-1, count, head_dim)}
         if config.bias:
             bias = arrays[f"b_{short}"]
-            entry["bias"] = bias if short == "o" else bias.reshape(num_heads, head_dim)
+            entry["bias"] = bias if short == "o" else bias.reshape(count, head_dim)
         params[name] = {k: np.ascontiguousarray(v) for k, v in entry.items()}
     return params
 
@@ -213,18 +219,6 @@ def to_flax_nnx_state(
 def _check_flax_module(module: Any) -> None:
     if getattr(module, "normalize_qk", False):
         raise ValueError(f"unsupported Flax attention option: {_UNSUPPORTED['query_ln']}")
-    num_kv_heads = getattr(module, "num_kv_heads", None)
-    if num_kv_heads is not None and num_kv_heads != module.num_heads:
-        raise ValueError(
-            f"unsupported: num_kv_heads ({num_kv_heads}) != num_heads ({module.num_heads}) "
-            "(grouped key/value heads)"
-        )
-    qkv, out = module.qkv_features, module.out_features
-    if qkv is not None and out is not None and qkv != out:
-        raise ValueError(
-            f"unsupported: out_features ({out}) differs from qkv_features ({qkv}); "
-            "the canonical W_o is (num_hiddens, num_hiddens)"
-        )
 
 
 def from_flax_nnx(module: nnx.MultiHeadAttention) -> dict[str, np.ndarray]:
@@ -242,6 +236,7 @@ def to_flax_nnx(
     weights: Mapping[str, Any],
     num_heads: int,
     *,
+    num_kv_heads: int | None = None,
     rngs: nnx.Rngs | None = None,
     **kwargs: Any,
 ) -> nnx.MultiHeadAttention:
@@ -249,7 +244,9 @@ def to_flax_nnx(
 
     Args:
         weights: canonical weights (validated strictly).
-        num_heads: ``H``; must divide ``num_hiddens``.
+        num_heads: ``H``; must divide ``W_q``'s width.
+        num_kv_heads: key/value heads (grouped-query attention); ``None``
+            reads them from ``W_k``'s width.
         rngs: for the layer's construction (and its dropout stream);
             ``nnx.Rngs(0)`` by default.
         **kwargs: further constructor arguments (``dtype``, ``param_dtype``,
@@ -274,11 +271,13 @@ def to_flax_nnx(
     clashes = sorted(fixed & set(kwargs))
     if clashes:
         raise ValueError(f"{clashes} follow from the weights; do not pass them")
+    heads = spec.heads_of_weights(arrays, num_heads, num_kv_heads=num_kv_heads)
     module = nnx.MultiHeadAttention(
         num_heads,
         config.query_size,
-        qkv_features=config.num_hiddens,
+        qkv_features=heads.query_features,
         out_features=config.num_hiddens,
+        num_kv_heads=heads.num_kv_heads,
         in_kv_features=config.key_size,
         use_bias=config.bias,
         decode=False,
@@ -286,7 +285,7 @@ def to_flax_nnx(
         **kwargs,
     )
     state = nnx.state(module, nnx.Param)
-    params = to_flax_nnx_state(arrays, num_heads)
+    params = to_flax_nnx_state(arrays, num_heads, num_kv_heads=heads.num_kv_heads)
     current = nnx.to_pure_dict(state)
     typed = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), params, current)
     nnx.replace_by_pure_dict(state, typed)
@@ -319,7 +318,7 @@ def to_flax_linen(
 
     Args:
         weights: canonical weights (validated strictly).
-        num_heads: ``H``; must divide ``num_hiddens``.
+        num_heads: ``H``; must divide ``W_q``'s width.
         **kwargs: further module attributes (``dtype``, ``dropout_rate``...);
             the sizes, ``use_bias`` and ``normalize_qk=False`` are set here.
 
@@ -332,9 +331,16 @@ def to_flax_linen(
     clashes = sorted(fixed & set(kwargs))
     if clashes:
         raise ValueError(f"{clashes} follow from the weights; do not pass them")
+    heads = spec.heads_of_weights(arrays, num_heads)
+    if heads.grouped:
+        raise ValueError(
+            "flax.linen.MultiHeadDotProductAttention has no grouped key/value heads "
+            f"(these weights have {heads.num_kv_heads} for {heads.num_heads} query heads); "
+            "flax.nnx.MultiHeadAttention has: use to_flax_nnx"
+        )
     module = linen.MultiHeadDotProductAttention(
         num_heads=num_heads,
-        qkv_features=config.num_hiddens,
+        qkv_features=heads.query_features,
         out_features=config.num_hiddens,
         use_bias=config.bias,
         **kwargs,

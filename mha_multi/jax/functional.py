@@ -316,6 +316,7 @@ DOT_PRODUCT_ATTENTION = spec.FusedKernel(
     takes_key_lengths=True,
     mask_and_causal=True,
     replaces_hidden_scores=True,
+    takes_grouped_heads=True,
 )
 
 
@@ -326,22 +327,23 @@ def _fused_attention(
     valid_lens: jax.Array | None,
     plan: spec.KernelPlan,
     *,
-    num_heads: int,
-    head_dim: int,
+    heads: spec.Heads,
     precision: PrecisionLike,
     implementation: str,
 ) -> jax.Array:
     """:func:`jax.nn.dot_product_attention` with the spec's masking semantics.
 
     Args:
-        q: projected queries ``(B, Q, num_hiddens)``; ``k``, ``v`` likewise
-            with ``K``.
+        q: projected queries ``(B, Q, num_heads*head_dim)``; ``k``, ``v``
+            ``(B, K, num_kv_heads*head_dim)``.
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
         plan: what :func:`mha_multi.spec.plan_kernel` decided the kernel is given.
+        heads: the head layout; the kernel takes grouped key/value heads as
+            they are.
         implementation: ``"xla"`` or ``"cudnn"``.
 
     Returns:
-        The concatenated heads ``(B, Q, num_hiddens)``.
+        The concatenated heads ``(B, Q, num_heads*head_dim)``.
     """
     ops = JaxOps(precision)
     dtype = q.dtype
@@ -352,7 +354,8 @@ def _fused_attention(
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     num_queries, num_keys = q.shape[1], k.shape[1]
     # (B, T, H*dh) -> (B, T, H, dh) is the kernel's layout: no transposes.
-    q, k, v = (ops.split_axis(x, 2, (num_heads, head_dim)) for x in (q, k, v))
+    q = ops.split_axis(q, 2, (heads.num_heads, heads.head_dim))
+    k, v = (ops.split_axis(x, 2, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
     seq_lengths = None
     if plan.key_lengths:
         # j < len for integer j and len is what the kernel's key lengths say.
@@ -371,6 +374,10 @@ def _fused_attention(
     with contextlib.nullcontext() if setting is None else jax.default_matmul_precision(setting):
         output = _dot_product_attention(q, k, v, mask, plan.is_causal, seq_lengths, implementation)
     visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
+    if visible is not None and heads.grouped:
+        # A fully hidden row is the mean of its key/value head's values: the
+        # means, (B, 1, H_kv, dh), are what is repeated, never the values.
+        v = jnp.repeat(jnp.mean(v, axis=1, keepdims=True), heads.group_size, axis=2)
     output = spec.fix_fully_hidden_rows(ops, output, v, visible, heads_axis=2)
     return ops.merge_axes(output, 2).astype(dtype)
 
@@ -383,6 +390,7 @@ def multi_head_attention(
     valid_lens: Any = None,
     *,
     num_heads: int,
+    num_kv_heads: int | None = None,
     causal: bool = False,
     dropout_rate: float = 0.0,
     deterministic: bool = True,
@@ -395,7 +403,7 @@ def multi_head_attention(
     """d2l's multi-head attention, exact to :mod:`mha_multi.spec`, as a pure function.
 
     Differentiable in ``params`` and the inputs; works under ``jax.jit``
-    (``num_heads``, ``causal``, ``dropout_rate``, ``deterministic``,
+    (``num_heads``, ``num_kv_heads``, ``causal``, ``dropout_rate``, ``deterministic``,
     ``dtype``, ``precision``, ``return_attention_weights`` and
     ``implementation`` static), ``jax.grad`` and ``jax.vmap``.
 
@@ -405,16 +413,21 @@ def multi_head_attention(
     result is the spec's, fully hidden rows included.
 
     Args:
-        params: canonical weights: ``W_q (query_size, num_hiddens)``,
-            ``W_k (key_size, num_hiddens)``, ``W_v (value_size, num_hiddens)``,
-            ``W_o (num_hiddens, num_hiddens)`` and optionally all four biases
-            ``b_q``, ``b_k``, ``b_v``, ``b_o`` of shape ``(num_hiddens,)``.
+        params: canonical weights: ``W_q (query_size, num_heads*head_dim)``,
+            ``W_k (key_size, num_kv_heads*head_dim)``, ``W_v (value_size,
+            num_kv_heads*head_dim)``, ``W_o (num_heads*head_dim, num_hiddens)``
+            and optionally all four biases ``b_q``, ``b_k``, ``b_v``, ``b_o``
+            of the widths of their kernels' outputs (docs: "Canonical weights").
+            ``head_dim`` is ``W_q``'s width over ``num_heads``.
         queries: ``(B, Q, query_size)``.
         keys: ``(B, K, key_size)``.
         values: ``(B, K, value_size)``.
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating;
             key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
-        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        num_heads: number of (query) heads ``H``; must divide ``W_q``'s width.
+        num_kv_heads: number of key/value heads; ``None`` reads it from
+            ``W_k``'s width. Query head ``h`` reads key/value head
+            ``h // (num_heads // num_kv_heads)``.
         causal: also hide key ``j`` from query ``i`` when ``j > i + (K - Q)``.
         dropout_rate: dropout rate on the attention weights.
         deterministic: no dropout when ``True``.
@@ -442,7 +455,14 @@ def multi_head_attention(
     """
     check_implementation(implementation)
     config = check_params(params)
-    head_dim = spec.check_config(config.num_hiddens, num_heads, dropout_rate)
+    heads = spec.heads_of_weights(params, num_heads, num_kv_heads=num_kv_heads)
+    spec.check_config(
+        config.num_hiddens,
+        num_heads,
+        dropout_rate,
+        num_kv_heads=heads.num_kv_heads,
+        head_dim=heads.head_dim,
+    )
     queries, keys, values, lens = check_call(
         queries,
         keys,
@@ -478,6 +498,7 @@ def multi_head_attention(
         dropout=use_dropout,
         return_attention_weights=return_attention_weights,
         dtype_supported=kernel != "generic" and fused_dtype_supported(dtype, precision),
+        grouped=heads.grouped,
     )
     if plan.fused:
         try:
@@ -487,8 +508,7 @@ def multi_head_attention(
                 v,
                 lens,
                 plan,
-                num_heads=num_heads,
-                head_dim=head_dim,
+                heads=heads,
                 precision=precision,
                 implementation=kernel,
             )
@@ -513,7 +533,8 @@ def multi_head_attention(
         v,
         lens,
         num_heads=num_heads,
-        head_dim=head_dim,
+        head_dim=heads.head_dim,
+        num_kv_heads=heads.num_kv_heads,
         causal=causal,
         dropout=dropout,
     )

@@ -40,12 +40,17 @@ class MultiHeadAttention(nnx.Module):
 
     Args:
         num_hiddens: size of every projection and of the output.
-        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
+            unless ``head_dim`` is given.
         dropout: dropout rate on the attention weights.
         bias: whether the four projections have biases.
         query_size: last dimension of the queries (default ``num_hiddens``).
         key_size: last dimension of the keys (default ``num_hiddens``).
         value_size: last dimension of the values (default ``num_hiddens``).
+        num_kv_heads: key/value heads, shared by groups of query heads
+            (grouped-query attention; default ``num_heads``); must divide
+            ``num_heads``.
+        head_dim: the size of each head (default ``num_hiddens // num_heads``).
         deterministic: initial mode; ``True`` disables dropout.
         dtype: computation dtype; ``None`` promotes inputs and parameters.
         param_dtype: dtype of the parameters.
@@ -70,6 +75,8 @@ class MultiHeadAttention(nnx.Module):
         query_size: int | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         deterministic: bool = False,
         dtype: DTypeLike | None = None,
         param_dtype: DTypeLike = jnp.float32,
@@ -79,7 +86,14 @@ class MultiHeadAttention(nnx.Module):
         bias_init: Initializer = default_bias_init,
         rngs: nnx.Rngs,
     ) -> None:
-        self.head_dim = spec.check_config(num_hiddens, num_heads, dropout)
+        spec.check_config(
+            num_hiddens, num_heads, dropout, num_kv_heads=num_kv_heads, head_dim=head_dim
+        )
+        heads = spec.check_heads(
+            num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+        )
+        self.head_dim = heads.head_dim
+        self.num_kv_heads = heads.num_kv_heads
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         functional.check_implementation(implementation)
         self.num_hiddens = int(num_hiddens)
@@ -93,7 +107,6 @@ class MultiHeadAttention(nnx.Module):
         self.implementation = implementation
         linear = functools.partial(
             nnx.Linear,
-            out_features=self.num_hiddens,
             use_bias=self.bias,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -102,10 +115,16 @@ class MultiHeadAttention(nnx.Module):
             bias_init=bias_init,
             rngs=rngs,
         )
-        self.W_q = linear(self.num_hiddens if query_size is None else int(query_size))
-        self.W_k = linear(self.num_hiddens if key_size is None else int(key_size))
-        self.W_v = linear(self.num_hiddens if value_size is None else int(value_size))
-        self.W_o = linear(self.num_hiddens)
+        self.W_q = linear(
+            self.num_hiddens if query_size is None else int(query_size), heads.query_features
+        )
+        self.W_k = linear(
+            self.num_hiddens if key_size is None else int(key_size), heads.kv_features
+        )
+        self.W_v = linear(
+            self.num_hiddens if value_size is None else int(value_size), heads.kv_features
+        )
+        self.W_o = linear(heads.query_features, self.num_hiddens)
         self.rngs = rngs.dropout.fork() if self.dropout > 0 else nnx.data(None)
 
     def input_sizes(self) -> dict[str, int]:
@@ -186,6 +205,7 @@ class MultiHeadAttention(nnx.Module):
             values,
             valid_lens,
             num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
             causal=causal,
             dropout_rate=self.dropout,
             deterministic=deterministic,
@@ -222,7 +242,13 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
         TypeError: a non-floating entry.
     """
     arrays, _ = check_weights(
-        weights, num_hiddens=layer.num_hiddens, bias=layer.bias, **layer.input_sizes()
+        weights,
+        num_hiddens=layer.num_hiddens,
+        bias=layer.bias,
+        num_heads=layer.num_heads,
+        num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim,
+        **layer.input_sizes(),
     )
     for name, array in arrays.items():
         linear = getattr(layer, f"W_{name[-1]}")

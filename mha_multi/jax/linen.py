@@ -58,13 +58,17 @@ class MultiHeadAttention(nn.Module):
 
     Attributes:
         num_hiddens: size of every projection and of the output.
-        num_heads: number of heads ``H``; must divide ``num_hiddens``.
+        num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
+            unless ``head_dim`` is given.
         dropout: dropout rate on the attention weights (``training=True``
             only; needs a ``'dropout'`` rng).
         bias: whether the four projections have biases.
         query_size: last dimension of the queries; ``None`` infers it at init.
         key_size: last dimension of the keys; ``None`` infers it at init.
         value_size: last dimension of the values; ``None`` infers it at init.
+        num_kv_heads: key/value heads, shared by groups of query heads
+            (grouped-query attention; ``None``: ``num_heads``).
+        head_dim: the size of each head (``None``: ``num_hiddens // num_heads``).
         dtype: computation dtype; ``None`` promotes inputs and parameters.
         param_dtype: dtype of the parameters.
         precision: precision of every matrix product.
@@ -83,6 +87,8 @@ class MultiHeadAttention(nn.Module):
     query_size: int | None = None
     key_size: int | None = None
     value_size: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
     dtype: DTypeLike | None = None
     param_dtype: DTypeLike = jnp.float32
     precision: PrecisionLike = None
@@ -92,12 +98,25 @@ class MultiHeadAttention(nn.Module):
 
     def __post_init__(self) -> None:
         # Configuration errors surface at construction, as in the other backends.
-        spec.check_config(self.num_hiddens, self.num_heads, self.dropout)
+        spec.check_config(
+            self.num_hiddens,
+            self.num_heads,
+            self.dropout,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
         spec.check_input_sizes(
             query_size=self.query_size, key_size=self.key_size, value_size=self.value_size
         )
         functional.check_implementation(self.implementation)
         super().__post_init__()
+
+    @property
+    def heads(self) -> spec.Heads:
+        """The head layout (docs: "The spec")."""
+        return spec.check_heads(
+            self.num_hiddens, self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim
+        )
 
     def _known_sizes(self) -> dict[str, int | None]:
         """Input sizes from the attributes, else from existing kernels, else ``None``."""
@@ -147,15 +166,17 @@ class MultiHeadAttention(nn.Module):
             queries, keys, values, valid_lens, causal=causal, **self._known_sizes()
         )
         params = {}
-        in_features = {
-            "q": queries.shape[-1],
-            "k": keys.shape[-1],
-            "v": values.shape[-1],
-            "o": self.num_hiddens,
+        heads = self.heads
+        # (in_features, out_features) of each projection.
+        shapes = {
+            "q": (queries.shape[-1], heads.query_features),
+            "k": (keys.shape[-1], heads.kv_features),
+            "v": (values.shape[-1], heads.kv_features),
+            "o": (heads.query_features, self.num_hiddens),
         }
-        for name, size in in_features.items():
+        for name, (size, features) in shapes.items():
             kernel, bias = Projection(
-                self.num_hiddens,
+                features,
                 self.bias,
                 self.param_dtype,
                 self.kernel_init,
@@ -173,6 +194,7 @@ class MultiHeadAttention(nn.Module):
             values,
             valid_lens,
             num_heads=self.num_heads,
+            num_kv_heads=heads.num_kv_heads,
             causal=causal,
             dropout_rate=self.dropout,
             deterministic=not use_dropout,
@@ -196,7 +218,7 @@ def variables_from_weights(
     Args:
         weights: the canonical mapping (validated strictly).
         module: if given, the weights must match its ``num_hiddens``,
-            ``bias`` and the input sizes it fixes, and are converted to its
+            ``bias``, head layout and the input sizes it fixes, and are converted to its
             ``param_dtype``.
         dtype: the dtype of the variables; overrides ``module.param_dtype``.
             Without either, each array keeps its dtype.
@@ -216,6 +238,9 @@ def variables_from_weights(
             "query_size": module.query_size,
             "key_size": module.key_size,
             "value_size": module.value_size,
+            "num_heads": module.num_heads,
+            "num_kv_heads": module.num_kv_heads,
+            "head_dim": module.heads.head_dim,
         }
         if dtype is None:
             dtype = module.param_dtype

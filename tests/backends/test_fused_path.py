@@ -34,6 +34,7 @@ def planned(runner, case) -> spec.KernelPlan:
         causal=config.causal,
         values_exact=True,  # the cases' values are finite and small
         shortest_length=shortest,
+        grouped=config.num_kv_heads not in (None, config.num_heads),
     )
 
 

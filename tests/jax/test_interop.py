@@ -12,6 +12,7 @@ from flax import linen as nn
 from flax import nnx
 from jax_support import inputs
 
+from mha_multi import spec
 from mha_multi.interop.jax import (
     attention_mask,
     from_flax_linen,
@@ -47,9 +48,11 @@ def test_native_layers_match_the_reference(cases, name):
     q, k, v = inputs(c)
     native = to_flax_nnx(c.weights, c.config.num_heads)
     out = native(q, k, v, mask=mask_of(c), deterministic=True)
-    module, variables = to_flax_linen(c.weights, c.config.num_heads)
-    linen_out = module.apply(variables, q, k, v, mask=mask_of(c), deterministic=True)
-    for got in (out, linen_out):
+    outputs = [out]
+    if c.config.num_kv_heads is None:  # Linen's layer has no grouped heads
+        module, variables = to_flax_linen(c.weights, c.config.num_heads)
+        outputs.append(module.apply(variables, q, k, v, mask=mask_of(c), deterministic=True))
+    for got in outputs:
         np.testing.assert_allclose(got, c.reference["output"], rtol=0, atol=5e-6)
     ours = get_runner("jax-nnx").layer_for(c)
     np.testing.assert_allclose(
@@ -121,15 +124,9 @@ def test_unsupported_native_options_are_refused():
         from_flax_nnx(
             nnx.MultiHeadAttention(2, 8, normalize_qk=True, decode=False, rngs=nnx.Rngs(0))
         )
-    with pytest.raises(ValueError, match=r"out_features \(6\) differs from qkv_features \(8\)"):
-        from_flax_nnx(nnx.MultiHeadAttention(2, 8, out_features=6, decode=False, rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        from_flax_nnx(nnx.MultiHeadAttention(4, 8, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0)))
-    # The default out_features is in_features: a 5-feature query projected to 8 hiddens.
-    module = nn.MultiHeadDotProductAttention(2, qkv_features=8)
-    variables = module.init(jax.random.key(0), jnp.ones((1, 2, 5)))
-    with pytest.raises(ValueError, match=r"out_features \(5\) differs from qkv_features \(8\)"):
-        from_flax_linen(variables)
+    grouped = init_weights(8, num_heads=4, num_kv_heads=2, seed=1)
+    with pytest.raises(ValueError, match="no grouped key/value heads"):
+        to_flax_linen(grouped, 4)
     module = nn.MultiHeadDotProductAttention(2, normalize_qk=True)
     variables = module.init(jax.random.key(0), jnp.ones((1, 2, 8)))
     with pytest.raises(ValueError, match="normalize_qk"):
@@ -144,8 +141,57 @@ def test_unsupported_native_options_are_refused():
         from_flax_nnx_state(
             {k: v for k, v in to_flax_nnx_state(init_weights(8), 2).items() if k != "out"}
         )
-    with pytest.raises(ValueError, match=r"num_hiddens \(8\) must be divisible by num_heads \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"W_q has 8 columns, which num_heads \(3\) does not divide"
+    ):
         to_flax_nnx_state(init_weights(8), 3)
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "qkv_features", "out_features"), [(2, 8, 8), (1, 12, 8), (4, 12, 10)]
+)
+def test_nnx_grouped_heads_and_own_widths_both_ways(num_kv_heads, qkv_features, out_features):
+    # NNX's num_kv_heads and a qkv_features other than out_features are
+    # grouped heads and an explicit head_dim: its own output is the reference's.
+    native = nnx.MultiHeadAttention(
+        4,
+        6,
+        qkv_features=qkv_features,
+        out_features=out_features,
+        num_kv_heads=num_kv_heads,
+        decode=False,
+        rngs=nnx.Rngs(3),
+    )
+    weights = from_flax_nnx(native)
+    assert weights["W_k"].shape == (6, num_kv_heads * qkv_features // 4)
+    rng = np.random.default_rng(5)
+    q, kv = rng.standard_normal((2, 3, 6)), rng.standard_normal((2, 5, 6))
+    lens = np.array([2, 5])
+    mask = attention_mask(lens, 3, 5, causal=False)
+    expected, _ = spec.reference_forward(weights, q, kv, kv, lens, num_heads=4)
+    got = native(q.astype(np.float32), kv.astype(np.float32), mask=mask, deterministic=True)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=5e-6)
+    back = to_flax_nnx(weights, 4)
+    assert back.num_kv_heads == num_kv_heads
+    np.testing.assert_allclose(
+        back(q.astype(np.float32), kv.astype(np.float32), mask=mask, deterministic=True),
+        got,
+        rtol=0,
+        atol=1e-6,
+    )
+    ours = get_runner("jax-nnx").make_layer(
+        out_features,
+        4,
+        query_size=6,
+        key_size=6,
+        value_size=6,
+        num_kv_heads=num_kv_heads,
+        head_dim=qkv_features // 4,
+        bias=True,  # NNX's default use_bias
+    )
+    ours = set_weights(ours, weights)
+    ours.eval()
+    np.testing.assert_allclose(ours(q, kv, kv, lens), expected, rtol=0, atol=5e-6)
 
 
 def test_attention_mask_follows_the_spec_rule():
