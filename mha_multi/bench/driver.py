@@ -101,21 +101,25 @@ class Framework:
     """
 
     name: str
+    #: The framework's facts module (``mha_multi.<framework>._backend``):
+    #: settings, devices, conversions and sync come from it by default.
+    backend: Any = None
     implementations: tuple[str, ...] = ("ours", "ours (generic)", "native")
     executions: tuple[str | None, ...] = (None,)
     fast_dtype: str = "bfloat16"
     gemm_op: str = ""
 
     def setup(self) -> None:
-        """Process-wide settings, before anything is built."""
+        """Process-wide settings, before anything is built: exact float32 products."""
+        self.backend.exact_float32()
 
     def devices(self) -> list[str]:
         """The devices to benchmark on, ``"cpu"`` first."""
-        return ["cpu"]
+        return ["cpu", "gpu"] if self.backend.gpu_available() else ["cpu"]
 
     def describe(self, device: str, execution: str | None) -> str:
         """The device (and execution mode) as the report names it."""
-        return device
+        return self.backend.device_description(device)
 
     def versions(self) -> dict[str, str]:
         """Package name -> version, for the report."""
@@ -131,7 +135,7 @@ class Framework:
 
     def array(self, value: np.ndarray, device: str, dtype: str) -> Any:
         """``value`` as the framework's array on ``device`` in ``dtype``."""
-        raise NotImplementedError
+        return self.backend.to_native(value, device, dtype)
 
     def matmul(self, a: Any, b: Any) -> Any:
         """The framework's matrix product (compiled where that is the norm)."""
@@ -159,7 +163,7 @@ class Framework:
 
     def sync(self, value: Any) -> None:
         """Blocks until ``value`` (a step's result) is computed."""
-        raise NotImplementedError
+        self.backend.sync(value)
 
     def scratch_bytes(
         self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool

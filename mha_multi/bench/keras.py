@@ -43,11 +43,9 @@ class Keras(Framework):
     """The active Keras backend on the CPU, eager and compiled."""
 
     name = f"keras-{backend.BACKEND}"
+    backend = backend
     executions = ("eager", "compiled")
     gemm_op = "keras.ops.matmul"
-
-    def setup(self) -> None:
-        backend.exact_float32()
 
     def describe(self, device: str, execution: str | None) -> str:
         how = "layers called eagerly" if execution == "eager" else COMPILERS[backend.BACKEND]
@@ -58,9 +56,6 @@ class Keras(Framework):
             "keras": keras.__version__,
             backend.BACKEND: __import__(backend.BACKEND).__version__,
         }
-
-    def array(self, value: np.ndarray, device: str, dtype: str) -> Any:
-        return backend.to_native(value, device, dtype)
 
     def matmul(self, a: Any, b: Any) -> Any:
         return keras.ops.matmul(a, b)
@@ -109,9 +104,6 @@ class Keras(Framework):
         gradients = backend.gradient_function(impl, wrt=1, compiled=compiled)
         cotangent = keras.ops.ones_like(args[0])  # the output has the input's shape
         return lambda: gradients(values, list(args), cotangent)
-
-    def sync(self, value: Any) -> None:
-        backend.sync(value)
 
     def scratch_bytes(
         self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool

@@ -114,24 +114,13 @@ class MXNet(Framework):
     """Both layers hybridized, on the CPU and the first GPU."""
 
     name = "mxnet"
+    backend = backend
     # MXNet 1.9's numpy interface has no bfloat16; its CPU float16 products
     # are emulated, so float16 is timed on GPUs only.
     fast_dtype = "float16"
 
-    def setup(self) -> None:
-        backend.exact_float32()
-
-    def devices(self) -> list[str]:
-        return ["cpu"] + (["gpu"] if backend.gpu_available() else [])
-
-    def describe(self, device: str, execution: str | None) -> str:
-        return backend.device_description(device)
-
     def versions(self) -> dict[str, str]:
         return {"mxnet": mx.__version__}
-
-    def array(self, value: np.ndarray, device: str, dtype: str) -> mx.np.ndarray:
-        return backend.to_native(value, device, dtype)
 
     def matmul(self, a: mx.np.ndarray, b: mx.np.ndarray) -> mx.np.ndarray:
         return mx.np.dot(a, b)
@@ -182,9 +171,6 @@ class MXNet(Framework):
             block.collect_params().zero_grad()
 
         return forward_backward
-
-    def sync(self, value: Any) -> None:
-        backend.sync(value)
 
     def scratch_bytes(
         self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool

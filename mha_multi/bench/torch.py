@@ -54,21 +54,10 @@ class Torch(Framework):
     key padding as ``key_padding_mask`` (``True`` = hidden)."""
 
     name = "torch"
-
-    def setup(self) -> None:
-        backend.exact_float32()
-
-    def devices(self) -> list[str]:
-        return ["cpu"] + (["gpu"] if backend.gpu_available() else [])
-
-    def describe(self, device: str, execution: str | None) -> str:
-        return backend.device_description(device)
+    backend = backend
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}
-
-    def array(self, value: np.ndarray, device: str, dtype: str) -> torch.Tensor:
-        return backend.to_native(value, device, dtype)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b)
@@ -126,9 +115,6 @@ class Torch(Framework):
             return inputs.grad
 
         return forward_backward
-
-    def sync(self, value: Any) -> None:
-        backend.sync(value)
 
     def scratch_bytes(
         self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool
