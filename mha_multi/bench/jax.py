@@ -24,6 +24,7 @@ from flax import nnx
 from mha_multi.bench.common import Shape
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.jax import MultiHeadAttention, _backend, get_weights
+from mha_multi.jax.functional import batch_pieces
 
 Call = Callable[[nnx.Module, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -122,12 +123,18 @@ class Jax(Framework):
     def scratch_bytes(
         self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool
     ) -> int:
-        # XLA's kernel on a CPU materialises the (B, H, N, N) scores on every
-        # path, ours included, as three float32 arrays (scores, masked scores,
-        # weights) even for 16-bit inputs; cuDNN's flash kernel (ours'
-        # default for 16-bit inputs on a GPU) does not.
+        # XLA materialises the (B, H, N, N) scores as three float32 arrays
+        # (scores, masked scores, weights) even for 16-bit inputs; ours' generic
+        # path on a CPU holds them for one piece of the batch at a time (and
+        # the generic implementation returns the whole weights besides).
+        # cuDNN's flash kernel (ours' default for 16-bit inputs on a GPU)
+        # holds none.
         if implementation == "ours" and device == "gpu" and dtype != "float32":
             return 0
+        if device == "cpu" and implementation in ("ours", "ours (generic)"):
+            example_bytes = score_bytes(shape, 1) // shape.batch
+            held = score_bytes(shape, 3) // batch_pieces(shape.batch, example_bytes)
+            return held + (score_bytes(shape, 1) if implementation == "ours (generic)" else 0)
         return score_bytes(shape, 3)
 
     def memory_step(self, impl: Any, args: Any, warmup: Any) -> Callable[[], Any]:

@@ -23,8 +23,10 @@ from mha_multi.jax import (
     multi_head_attention,
     set_weights,
 )
+from mha_multi.parity.cases import CASES
 from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
+from tests.backends import test_parity as parity
 
 NNX, LINEN = get_runner("jax-nnx"), get_runner("jax-linen")  # they turn on x64 for float64
 INPUT_NAMES = _backend.INPUT_NAMES
@@ -466,6 +468,47 @@ def test_integer_lengths_beyond_32_bits_are_clipped_not_wrapped(lens, implementa
             implementation=implementation,
         )
     np.testing.assert_allclose(out, expected, atol=5e-6)
+
+
+# -- the generic path on a CPU, piece by piece -------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case_name", [c.name for c in CASES])
+def test_pieces_of_the_batch_match_the_reference(monkeypatch, cases, dtype, case_name):
+    # The cases' scores are far below the budget: one byte makes every example a piece.
+    monkeypatch.setattr(functional, "CPU_PIECE_BYTES", 1)
+    parity.test_case_within_tolerance(NNX, "cpu", dtype, case_name, cases)
+
+
+def _pieces_traced(case, **kwargs):
+    """Whether the generic path goes piece by piece (a scan) for ``case``."""
+    jaxpr = jax.make_jaxpr(
+        lambda *x: multi_head_attention(
+            case.weights, *x, case.valid_lens, num_heads=case.config.num_heads, **kwargs
+        )
+    )(*inputs(case))
+    return "scan" in str(jaxpr)
+
+
+def test_pieces_only_past_the_budget_and_never_with_dropout(monkeypatch, cases):
+    case = cases["lens_2d"]
+    assert not _pieces_traced(case)
+    monkeypatch.setattr(functional, "CPU_PIECE_BYTES", 1)
+    assert _pieces_traced(case)
+    # One dropout mask for the whole batch, as Flax draws it.
+    dropout = {"dropout_rate": 0.5, "deterministic": False, "dropout_rng": jax.random.key(0)}
+    assert not _pieces_traced(case, **dropout)
+
+
+@pytest.mark.parametrize(
+    ("budget", "pieces"),
+    [(6, 1), (4, 2), (3, 2), (2.5, 3), (2, 3), (1.5, 6), (1, 6), (0, 6)],
+)
+def test_the_batch_splits_into_the_fewest_pieces_within_the_budget(monkeypatch, budget, pieces):
+    example_bytes = 120
+    monkeypatch.setattr(functional, "CPU_PIECE_BYTES", int(budget * example_bytes))
+    assert functional.batch_pieces(6, example_bytes) == pieces
 
 
 # -- GPU --------------------------------------------------------------------------
