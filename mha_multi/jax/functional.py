@@ -377,6 +377,7 @@ def _generic_attention(
     *,
     num_heads: int,
     head_dim: int,
+    num_kv_heads: int,
     causal: bool,
     dropout: Callable[[jax.Array], jax.Array] | None,
     return_attention_weights: bool,
@@ -405,6 +406,7 @@ def _generic_attention(
             lens,
             num_heads=num_heads,
             head_dim=head_dim,
+            num_kv_heads=num_kv_heads,
             causal=causal,
             dropout=dropout,
         )
@@ -602,8 +604,18 @@ def multi_head_attention(
     weights = {name: jnp.asarray(value, dtype) for name, value in params.items()}
     queries, keys, values = (jnp.asarray(x, dtype) for x in (queries, keys, values))
 
+    # The groups _linear reads each kernel's columns in: the heads of the
+    # projection (any divisor of the width is the same product).
+    groups = {
+        "q": heads.num_heads,
+        "k": heads.num_kv_heads,
+        "v": heads.num_kv_heads,
+        "o": heads.num_heads if config.num_hiddens % heads.num_heads == 0 else 1,
+    }
+
     def project(x: jax.Array, name: str) -> jax.Array:
-        return _linear(x, weights[f"W_{name}"], weights.get(f"b_{name}"), precision, num_heads)
+        kernel, bias = weights[f"W_{name}"], weights.get(f"b_{name}")
+        return _linear(x, kernel, bias, precision, groups[name])
 
     q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
     kernel = implementation
