@@ -49,26 +49,14 @@ class Jax(Framework):
     """Flax NNX layers on the first device of each platform, ``"cpu"`` and ``"gpu"``."""
 
     name = "jax"
+    backend = _backend
     implementations = ("ours", "ours (generic)", "native", "ours (fused, xla)")
 
     def __init__(self) -> None:
         self._matmul = jax.jit(jnp.matmul)
 
-    def setup(self) -> None:
-        # IEEE float32 products on GPUs (no TF32), for ours and the native layer alike.
-        _backend.exact_float32()
-
-    def devices(self) -> list[str]:
-        return ["cpu", "gpu"] if _backend.gpu_available() else ["cpu"]
-
-    def describe(self, device: str, execution: str | None) -> str:
-        return _backend.device_description(device) if device == "gpu" else device
-
     def versions(self) -> dict[str, str]:
         return {name: version(name) for name in ("jax", "jaxlib", "flax")}
-
-    def array(self, value: np.ndarray, device: str, dtype: str) -> jax.Array:
-        return _backend.to_native(value, device, dtype)
 
     def matmul(self, a: jax.Array, b: jax.Array) -> jax.Array:
         return self._matmul(a, b)
@@ -116,9 +104,6 @@ class Jax(Framework):
             return nnx.grad(loss, argnums=(0, 1))(module, x)
 
         return lambda: forward_backward(module, *args)
-
-    def sync(self, value: Any) -> None:
-        _backend.sync(value)
 
     def scratch_bytes(
         self, implementation: str, shape: Shape, dtype: str, device: str, *, training: bool
