@@ -1075,8 +1075,8 @@ def reference_gradients(
     replaced by a constant, so they receive no gradient.
 
     Args:
-        weights, queries, keys, values, valid_lens, num_heads, num_kv_heads,
-            causal: as in :func:`reference_forward`.
+        weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal: as in
+            :func:`reference_forward`.
         output_gradient: the cotangent of the output, ``(B, Q, num_hiddens)``.
 
     Returns:

@@ -3,17 +3,17 @@
 The mapping is ``str -> numpy.ndarray`` in the ``y = x @ W + b`` orientation
 (Keras/Flax ``Dense`` kernels; PyTorch and Gluon store the transpose):
 
-==============  ==========================================  ===============
-name            shape                                       present
-==============  ==========================================  ===============
-``W_q``         ``(query_size, num_heads*head_dim)``        always
-``W_k``         ``(key_size, num_kv_heads*head_dim)``       always
-``W_v``         ``(value_size, num_kv_heads*head_dim)``     always
-``W_o``         ``(num_heads*head_dim, num_hiddens)``       always
-``b_q``         ``(num_heads*head_dim,)``                   iff ``bias=True``
-``b_k``, ``b_v````(num_kv_heads*head_dim,)``                iff ``bias=True``
-``b_o``         ``(num_hiddens,)``                          iff ``bias=True``
-==============  ==========================================  ===============
+====================  ==========================================  ===============
+name                  shape                                       present
+====================  ==========================================  ===============
+``W_q``               ``(query_size, num_heads*head_dim)``        always
+``W_k``               ``(key_size, num_kv_heads*head_dim)``       always
+``W_v``               ``(value_size, num_kv_heads*head_dim)``     always
+``W_o``               ``(num_heads*head_dim, num_hiddens)``       always
+``b_q``               ``(num_heads*head_dim,)``                   iff ``bias=True``
+``b_k``, ``b_v``      ``(num_kv_heads*head_dim,)``                iff ``bias=True``
+``b_o``               ``(num_hiddens,)``                          iff ``bias=True``
+====================  ==========================================  ===============
 
 For multi-head attention with the default head size (``num_kv_heads =
 num_heads``, ``head_dim = num_hiddens // num_heads``) every width is

@@ -20,6 +20,7 @@ the function that builds one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import warnings
@@ -342,7 +343,14 @@ class _Torch(_Backend):
             self.plain.sync(leaf)
 
 
-_ACTIVE: _Backend = {"tensorflow": _TensorFlow, "jax": _Jax, "torch": _Torch}[BACKEND]()
+@functools.cache
+def _active() -> _Backend:
+    """The facts of the Keras backend this process runs, made on first use.
+
+    Not at import: the documentation imports this module against mocked
+    frameworks, where there is no backend to look up.
+    """
+    return {"tensorflow": _TensorFlow, "jax": _Jax, "torch": _Torch}[BACKEND]()
 
 
 # -- devices and precision ---------------------------------------------------------
@@ -350,7 +358,7 @@ _ACTIVE: _Backend = {"tensorflow": _TensorFlow, "jax": _Jax, "torch": _Torch}[BA
 
 def gpu_available() -> bool:
     """Whether the framework under Keras sees a GPU."""
-    return _ACTIVE.gpu_available()
+    return _active().gpu_available()
 
 
 def device_description(name: str) -> str:
@@ -359,7 +367,7 @@ def device_description(name: str) -> str:
     Args:
         name: ``"cpu"`` or ``"gpu"``.
     """
-    return _ACTIVE.gpu_name() if name == "gpu" else "cpu"
+    return _active().gpu_name() if name == "gpu" else "cpu"
 
 
 def device_scope(name: str) -> contextlib.AbstractContextManager[Any]:
@@ -373,7 +381,7 @@ def device_scope(name: str) -> contextlib.AbstractContextManager[Any]:
 
 def device_of(x: Tensor) -> str:
     """``"gpu"`` or ``"cpu"``: where the tensor ``x`` lives."""
-    return _ACTIVE.device_of(x)
+    return _active().device_of(x)
 
 
 def exact_float32() -> None:
@@ -381,12 +389,12 @@ def exact_float32() -> None:
 
     Process-wide settings the layer leaves to its caller (docs: "Architecture").
     """
-    _ACTIVE.exact_float32()
+    _active().exact_float32()
 
 
 def enable_float64() -> None:
     """float64 arrays, which JAX gives only with ``jax_enable_x64``."""
-    _ACTIVE.enable_float64()
+    _active().enable_float64()
 
 
 def values_readable(x: Tensor) -> bool:
@@ -396,12 +404,12 @@ def values_readable(x: Tensor) -> bool:
     traces, a tensor has no value yet, and a branch on one would fail (or,
     in PyTorch, break the graph).
     """
-    return _ACTIVE.values_readable(x)
+    return _active().values_readable(x)
 
 
 def sync(value: Any) -> None:
     """Waits until ``value`` (a tensor, or a nest of them) is computed."""
-    _ACTIVE.sync(value)
+    _active().sync(value)
 
 
 # -- conversions -------------------------------------------------------------------
@@ -522,7 +530,7 @@ def forward_function(call: LayerCall, *, compiled: bool) -> ForwardFunction:
     the layer, which only JAX's functions read. PyTorch's run without
     autograd.
     """
-    return _ACTIVE.forward_function(call, compiled)
+    return _active().forward_function(call, compiled)
 
 
 def gradient_function(call: LayerCall, *, wrt: int, compiled: bool) -> GradientFunction:
@@ -533,7 +541,7 @@ def gradient_function(call: LayerCall, *, wrt: int, compiled: bool) -> GradientF
     variables (in their order), eager or compiled as in
     :func:`forward_function`.
     """
-    return _ACTIVE.gradient_function(call, wrt, compiled)
+    return _active().gradient_function(call, wrt, compiled)
 
 
 def _runner_call(
@@ -606,7 +614,7 @@ def forward(
     causal = kwargs.get("causal", False)
     return_attention_weights = kwargs.get("return_attention_weights", False)
     traceable = (
-        _ACTIVE.stateless
+        _active().stateless
         and not training
         and set(kwargs) <= {"causal", "return_attention_weights"}
         and type(causal) is bool
@@ -636,7 +644,7 @@ def vjp(
         Tensors keyed ``queries``, ``keys``, ``values`` and the canonical
         weight names (the variables are canonical as they are).
     """
-    if _ACTIVE.stateless:
+    if _active().stateless:
         function, owner = _shared("gradients", layer, causal, False)
     else:
         owner = layer
