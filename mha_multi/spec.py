@@ -792,7 +792,13 @@ def masked_softmax(ops: ArrayOps, scores: Array, visible: Array | None, dtype: A
 
 
 def fix_fully_hidden_rows(
-    ops: ArrayOps, output: Array, values: Array, visible: Array | None, *, heads_axis: int
+    ops: ArrayOps,
+    output: Array,
+    values: Array,
+    visible: Array | None,
+    *,
+    heads_axis: int,
+    group_size: int = 1,
 ) -> Array:
     """Gives a fused kernel's fully hidden rows the spec's value.
 
@@ -809,6 +815,11 @@ def fix_fully_hidden_rows(
         values: per-head values in the same layout, ``K`` in place of ``Q``.
         visible: what :func:`visibility` returned for these shapes.
         heads_axis: where the heads axis is, 1 or 2.
+        group_size: query heads per key/value head (grouped-query
+            attention): ``values`` then has ``H / group_size`` heads, and a
+            fully hidden row of query head ``h`` is the mean of key/value
+            head ``h // group_size``, broadcast over its group (no value is
+            repeated).
 
     Returns:
         ``output`` with fully hidden rows replaced.
@@ -826,7 +837,16 @@ def fix_fully_hidden_rows(
         keys_axis = 2
     else:
         raise ValueError(f"heads_axis must be 1 or 2; got {heads_axis}")
-    return ops.where(hidden, ops.mean(values, keys_axis), output)
+    means = ops.mean(values, keys_axis)
+    if group_size == 1:
+        return ops.where(hidden, means, output)
+    # Heads axis h -> (h // G, h % G): a group axis of size G for the means
+    # and the hidden rows to broadcast over.
+    grouped = ops.split_axis(output, heads_axis, (-1, group_size))
+    means = ops.expand_dims(means, heads_axis + 1)
+    if ops.ndim(hidden) == 4 or heads_axis == 2:
+        hidden = ops.expand_dims(hidden, heads_axis + 1)
+    return ops.merge_axes(ops.where(hidden, means, grouped), heads_axis)
 
 
 def scaled_scores(ops: ArrayOps, q: Array, k: Array, head_dim: int) -> Array:

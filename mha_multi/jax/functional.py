@@ -497,11 +497,9 @@ def _fused_attention(
     with contextlib.nullcontext() if setting is None else jax.default_matmul_precision(setting):
         output = _dot_product_attention(q, k, v, mask, plan.is_causal, seq_lengths, implementation)
     visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
-    if visible is not None and heads.grouped:
-        # A fully hidden row is the mean of its key/value head's values: the
-        # means, (B, 1, H_kv, dh), are what is repeated, never the values.
-        v = jnp.repeat(jnp.mean(v, axis=1, keepdims=True), heads.group_size, axis=2)
-    output = spec.fix_fully_hidden_rows(ops, output, v, visible, heads_axis=2)
+    output = spec.fix_fully_hidden_rows(
+        ops, output, v, visible, heads_axis=2, group_size=heads.group_size
+    )
     return ops.merge_axes(output, 2).astype(dtype)
 
 

@@ -368,11 +368,9 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v, mask=mask, scale=1.0 / math.sqrt(self.head_dim), is_causal=plan.is_causal
         )
         visible = plan.fix_visibility(OPS, num_queries, num_keys, valid_lens)
-        if visible is not None and grouped:
-            # A fully hidden row is the mean of its key/value head's values:
-            # the means, (B, 1, H_kv, dh), are what is repeated, not the values.
-            v = keras.ops.repeat(OPS.mean(v, 1), group_size, axis=2)
-        output = spec.fix_fully_hidden_rows(OPS, output, v, visible, heads_axis=2)
+        output = spec.fix_fully_hidden_rows(
+            OPS, output, v, visible, heads_axis=2, group_size=group_size if grouped else 1
+        )
         return keras.ops.cast(OPS.merge_axes(output, 2), dtype)
 
     def _check_call(

@@ -326,11 +326,9 @@ class MultiHeadAttention(nn.Module):
                 **({"enable_gqa": True} if grouped else {}),
             )
         visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
-        if visible is not None and grouped:
-            # A fully hidden row is the mean of its key/value head's values:
-            # the means, (B, H_kv, 1, dh), are what is repeated, not the values.
-            v = v.mean(2, keepdim=True).repeat_interleave(group_size, dim=1)
-        output = spec.fix_fully_hidden_rows(ops, output, v, visible, heads_axis=1)
+        output = spec.fix_fully_hidden_rows(
+            ops, output, v, visible, heads_axis=1, group_size=group_size if grouped else 1
+        )
         return output.transpose(1, 2).flatten(2).to(dtype)
 
 

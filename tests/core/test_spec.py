@@ -651,3 +651,34 @@ def test_explicit_head_dim_frees_num_hiddens_from_num_heads():
         spec.check_heads(10, 4)
     heads = spec.check_heads(10, 4, num_kv_heads=2, head_dim=3)
     assert (heads.query_features, heads.kv_features, heads.group_size) == (12, 6, 2)
+
+
+@pytest.mark.parametrize("causal_only", [False, True])
+def test_fix_fully_hidden_rows_of_grouped_heads_is_the_repeated_heads_fix(causal_only):
+    # Query head h reads key/value head h // G: fixing with the grouped values
+    # equals fixing with those values repeated per query head.
+    rng = np.random.default_rng(7)
+    batch, heads, kv_heads, num_queries, num_keys, dh = 2, 6, 2, 5, 3, 4
+    group = heads // kv_heads
+    lens = None if causal_only else np.array([0, 2])
+    visible = spec.visibility(OPS, num_queries, num_keys, lens, causal=True)
+    output = rng.standard_normal((batch, heads, num_queries, dh))
+    values = rng.standard_normal((batch, kv_heads, num_keys, dh))
+    repeated = np.repeat(values, group, axis=1)
+    for heads_axis, layout in ((1, (0, 1, 2, 3)), (2, (0, 2, 1, 3))):
+        got = spec.fix_fully_hidden_rows(
+            OPS,
+            output.transpose(layout),
+            values.transpose(layout),
+            visible,
+            heads_axis=heads_axis,
+            group_size=group,
+        )
+        expected = spec.fix_fully_hidden_rows(
+            OPS,
+            output.transpose(layout),
+            repeated.transpose(layout),
+            visible,
+            heads_axis=heads_axis,
+        )
+        np.testing.assert_array_equal(got, expected)
