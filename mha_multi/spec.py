@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -31,9 +31,14 @@ __all__ = [
     "ArrayOps",
     "FusedKernel",
     "Heads",
+    "KVCache",
     "KernelPlan",
     "NumpyOps",
     "attention",
+    "cache_shape",
+    "check_cache_dtypes",
+    "check_cache_values",
+    "check_cached_inputs",
     "check_config",
     "check_heads",
     "grouped_to_heads",
@@ -47,6 +52,7 @@ __all__ = [
     "is_low_precision",
     "masked_softmax",
     "plan_kernel",
+    "reference_cached_forward",
     "reference_forward",
     "reference_gradients",
     "scaled_scores",
@@ -55,6 +61,7 @@ __all__ = [
     "transpose_grouped_queries",
     "transpose_output",
     "transpose_qkv",
+    "update_cache",
     "visibility",
 ]
 
@@ -155,6 +162,11 @@ class ArrayOps(Protocol):
     def mean(self, x: Array, axis: int) -> Array:
         """Mean over ``axis``, kept as an axis of size 1."""
 
+    # Used only by cached calls (:func:`update_cache`).
+
+    def gather_positions(self, x: Array, positions: Array) -> Array:
+        """``x[b, positions[b, m]]``: ``(B, T, F)`` rows picked by ``(B, M)`` ints -> ``(B, M, F)``."""
+
 
 class NumpyOps:
     """The spec on numpy; with float64 inputs this is the reference."""
@@ -234,6 +246,9 @@ class NumpyOps:
 
     def mean(self, x: np.ndarray, axis: int) -> np.ndarray:
         return np.mean(x, axis=axis, keepdims=True)
+
+    def gather_positions(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(x, positions[..., None], axis=1)
 
 
 # --------------------------------------------------------------------------
@@ -874,6 +889,7 @@ def attention(
     num_kv_heads: int | None = None,
     causal: bool = False,
     dropout: Callable[[Array], Array] | None = None,
+    kv_split: bool = False,
 ) -> tuple[Array, Array]:
     """Multi-head scaled dot-product attention on projected inputs.
 
@@ -890,6 +906,9 @@ def attention(
             head ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``.
         causal: bottom-right aligned causal mask, combined with ``valid_lens``.
         dropout: applied to the attention weights (training), or ``None``.
+        kv_split: ``k`` and ``v`` are already split into heads,
+            ``(B, num_kv_heads, K, head_dim)``, as a :class:`KVCache` holds
+            them.
 
     Returns:
         ``(context, weights)``: the concatenated heads ``(B, Q, num_heads *
@@ -898,9 +917,10 @@ def attention(
     """
     if num_kv_heads is not None and num_kv_heads != num_heads:
         return _grouped_attention(
-            ops, q, k, v, valid_lens, num_heads, num_kv_heads, head_dim, causal, dropout
+            ops, q, k, v, valid_lens, num_heads, num_kv_heads, head_dim, causal, dropout, kv_split
         )
-    q, k, v = (transpose_qkv(ops, x, num_heads) for x in (q, k, v))
+    q = transpose_qkv(ops, q, num_heads)
+    k, v = (_kv_heads(ops, x, num_heads, kv_split) for x in (k, v))
     head_scores = scaled_scores(ops, q, k, head_dim)  # (B*H, Q, K)
     # Rows are b*H + h, so splitting axis 0 as (B, H) lines heads up with a
     # (B, 1, ...) mask: valid_lens repeated interleaved, never tiled.
@@ -925,6 +945,7 @@ def _grouped_attention(
     head_dim: int,
     causal: bool,
     dropout: Callable[[Array], Array] | None,
+    kv_split: bool,
 ) -> tuple[Array, Array]:
     """:func:`attention` with ``num_kv_heads < num_heads``, no key or value repeated.
 
@@ -935,7 +956,7 @@ def _grouped_attention(
     """
     group_size = num_heads // num_kv_heads
     q = transpose_grouped_queries(ops, q, num_kv_heads, group_size)  # (B*H_kv, G*Q, dh)
-    k, v = (transpose_qkv(ops, x, num_kv_heads) for x in (k, v))  # (B*H_kv, K, dh)
+    k, v = (_kv_heads(ops, x, num_kv_heads, kv_split) for x in (k, v))  # (B*H_kv, K, dh)
     scores = grouped_to_heads(
         ops, scaled_scores(ops, q, k, head_dim), num_kv_heads, group_size
     )  # (B, H, Q, K)
@@ -947,6 +968,279 @@ def _grouped_attention(
     context = ops.matmul(flat_weights, v)  # (B*H_kv, G*Q, dh)
     return transpose_grouped_output(ops, context, num_kv_heads, group_size), weights
 
+
+def _kv_heads(ops: ArrayOps, x: Array, num_kv_heads: int, split: bool) -> Array:
+    """Keys or values as ``(B*H_kv, K, dh)``, from ``(B, K, H_kv*dh)`` or, split, ``(B, H_kv, K, dh)``."""
+    return ops.merge_axes(x, 0) if split else transpose_qkv(ops, x, num_kv_heads)
+
+
+# --------------------------------------------------------------------------
+# Incremental decoding with a key/value cache (docs: "Generating with a cache")
+# --------------------------------------------------------------------------
+
+
+class KVCache(NamedTuple):
+    """The projected keys and values a layer has seen, per example.
+
+    A named tuple of the backend's arrays, so it passes through ``jax.jit``
+    (a pytree), ``torch.compile`` and ``tf.function`` as it is.
+
+    Attributes:
+        keys: projected keys ``(B, num_kv_heads, max_length, head_dim)``.
+        values: projected values, the same shape.
+        lengths: ``(B,)`` int32, the positions each example holds; positions
+            from ``lengths[b]`` on are free (and hold nothing meaningful).
+    """
+
+    keys: Any
+    values: Any
+    lengths: Any
+
+
+def cache_shape(batch_size: Any, max_length: Any, heads: Heads) -> tuple[int, int, int, int]:
+    """The shape of a cache's keys and values, ``(B, num_kv_heads, max_length, head_dim)``.
+
+    Raises:
+        TypeError: ``batch_size`` or ``max_length`` is not an int.
+        ValueError: either is negative.
+    """
+    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be a non-negative int; got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} must be a non-negative int; got {value}")
+    return (int(batch_size), heads.num_kv_heads, int(max_length), heads.head_dim)
+
+
+def check_cached_inputs(
+    queries_shape: Sequence[int],
+    keys_shape: Sequence[int] | None,
+    values_shape: Sequence[int] | None,
+    valid_lens_shape: Sequence[int] | None,
+    cache_shapes: KVCache,
+    *,
+    heads: Heads,
+    query_size: int | None = None,
+    key_size: int | None = None,
+    value_size: int | None = None,
+    causal: Any = False,
+) -> None:
+    """Validates the shapes of a cached call (docs: "Generating with a cache").
+
+    Args:
+        queries_shape: ``(B, T, query_size)``: ``T`` new positions.
+        keys_shape: ``(B, T, key_size)``, or ``None`` (then ``values_shape``
+            is ``None`` too) to attend to the cache without appending.
+        values_shape: ``(B, T, value_size)`` or ``None``.
+        valid_lens_shape: ``None`` or ``(B,)``: the real new positions of
+            each example.
+        cache_shapes: the shapes of the cache's ``keys``, ``values`` and
+            ``lengths``.
+        heads: the layer's head layout.
+        query_size, key_size, value_size: the layer's input sizes, or
+            ``None`` where not yet known.
+        causal: the call's ``causal`` flag.
+
+    Raises:
+        ValueError: naming the offending argument and the expected shape.
+        TypeError: ``causal`` is not a bool.
+    """
+    queries_shape = tuple(queries_shape)
+    if (keys_shape is None) != (values_shape is None):
+        raise ValueError(
+            "keys and values must both be given (new positions to append) or both be "
+            "None (attend to the cache as it is)"
+        )
+    if keys_shape is None:
+        check_causal(causal)
+        if len(queries_shape) != 3:
+            raise ValueError(
+                f"queries must be 3-D (batch, length, features); got shape {queries_shape}"
+            )
+        if query_size is not None and queries_shape[2] != query_size:
+            raise ValueError(
+                f"queries last dimension must be query_size={query_size}; got shape {queries_shape}"
+            )
+        if valid_lens_shape is not None:
+            raise ValueError(
+                "valid_lens counts new positions, and a call without keys and values appends "
+                "none: pass valid_lens=None"
+            )
+    else:
+        check_inputs(
+            queries_shape,
+            keys_shape,
+            values_shape,
+            valid_lens_shape,
+            query_size=query_size,
+            key_size=key_size,
+            value_size=value_size,
+            causal=causal,
+        )
+        if tuple(keys_shape)[1] != queries_shape[1]:
+            raise ValueError(
+                f"keys and values of a cached call are the queries' new positions and must "
+                f"have their length {queries_shape[1]}; got {tuple(keys_shape)[1]}"
+            )
+        if valid_lens_shape is not None and len(tuple(valid_lens_shape)) != 1:
+            raise ValueError(
+                f"valid_lens of a cached call must have shape (batch,) = ({queries_shape[0]},): "
+                f"the number of new positions of each example; got {tuple(valid_lens_shape)}"
+            )
+    batch = queries_shape[0]
+    keys, values, lengths = (tuple(shape) for shape in cache_shapes)
+    expected = (batch, heads.num_kv_heads, "max_length", heads.head_dim)
+    for name, shape in (("cache.keys", keys), ("cache.values", values)):
+        if len(shape) != 4 or shape[:2] != expected[:2] or shape[3] != heads.head_dim:
+            raise ValueError(
+                f"{name} must have shape (batch, num_kv_heads, max_length, head_dim) = "
+                f"({batch}, {heads.num_kv_heads}, max_length, {heads.head_dim}); got {shape}"
+            )
+    if values != keys:
+        raise ValueError(f"cache.values must have the shape of cache.keys {keys}; got {values}")
+    if lengths != (batch,):
+        raise ValueError(f"cache.lengths must have shape (batch,) = ({batch},); got {lengths}")
+
+
+def check_cache_dtypes(lengths_kind: str, valid_lens_kind: str | None) -> None:
+    """Raises ``TypeError`` unless the cache's lengths and the new lengths are integers.
+
+    Args:
+        lengths_kind: numpy dtype kind of ``cache.lengths``.
+        valid_lens_kind: numpy dtype kind of the call's ``valid_lens``, or
+            ``None`` without them.
+    """
+    if lengths_kind not in "iu":
+        raise TypeError(f"cache.lengths must be integers; got dtype kind {lengths_kind!r}")
+    if valid_lens_kind is not None and valid_lens_kind not in "iu":
+        raise TypeError(
+            "valid_lens of a cached call counts new positions and must be integers; "
+            f"got dtype kind {valid_lens_kind!r}"
+        )
+
+
+def check_cache_values(
+    lengths: Any, valid_lens: Any, num_new: int, max_length: int
+) -> None:
+    """Validates a cached call's lengths where they can be read (eager mode).
+
+    Args:
+        lengths: ``cache.lengths`` as numpy, ``(B,)``.
+        valid_lens: the call's new positions per example as numpy ``(B,)``,
+            or ``None`` (every example appends ``num_new``; ``0`` for a call
+            without keys and values).
+        num_new: ``T``, the new positions of the call.
+        max_length: the cache's capacity.
+
+    Raises:
+        ValueError: a negative length, a new length outside ``[0, T]``, or an
+            example that would hold more than ``max_length`` positions.
+    """
+    lengths = np.asarray(lengths).astype(np.int64)
+    if lengths.size and lengths.min() < 0:
+        raise ValueError(f"cache.lengths must be >= 0; got {lengths.tolist()}")
+    if valid_lens is None:
+        new = np.full_like(lengths, num_new)
+    else:
+        new = np.asarray(valid_lens).astype(np.int64)
+        if new.size and (new.min() < 0 or new.max() > num_new):
+            raise ValueError(
+                f"valid_lens of a cached call must be in [0, {num_new}] (the new positions of "
+                f"each example); got {new.tolist()}"
+            )
+    held = lengths + new
+    if held.size and held.max() > max_length:
+        b = int(held.argmax())
+        raise ValueError(
+            f"the cache overflows: example {b} would hold {int(held[b])} positions "
+            f"(cache.lengths {int(lengths[b])} + {int(new[b])} new); max_length is {max_length}"
+        )
+
+
+def update_cache(
+    ops: ArrayOps,
+    cache: KVCache,
+    k: Array | None,
+    v: Array | None,
+    valid_lens: Array | None,
+    *,
+    head_dim: int,
+    causal: bool,
+) -> tuple[KVCache, Array]:
+    """Writes a call's new keys and values into the cache, and says what each query sees.
+
+    Example ``b`` holds ``lengths[b]`` positions and appends ``n_b =
+    valid_lens[b]`` (all ``T`` by default) at positions ``lengths[b] ..
+    lengths[b] + n_b - 1``; padding past ``n_b`` is not kept. Query ``i``
+    (absolute position ``lengths[b] + i``) sees key ``j`` iff ``j <
+    lengths[b] + n_b`` and, when causal, ``j <= lengths[b] + i``: the causal
+    rule aligned bottom-right for each example on its own.
+
+    Positions at or past ``max_length`` are never written, and no position
+    below ``lengths[b]`` is overwritten, whatever the lengths: where an
+    eager caller would have raised (:func:`check_cache_values`), compiled
+    code drops the positions that do not fit, and ``lengths`` still counts
+    them, so ``lengths > max_length`` tells that it happened.
+
+    Args:
+        ops: the array-ops adapter.
+        cache: the cache before the call.
+        k: projected new keys ``(B, T, num_kv_heads * head_dim)``, or
+            ``None`` to append nothing.
+        v: projected new values, likewise.
+        valid_lens: ``(B,)`` integer new positions per example, or ``None``.
+            Backends whose sizes are not ints (MXNet symbols) pass them.
+        head_dim: the size of each head.
+        causal: the call's causal flag.
+
+    Returns:
+        ``(cache, lens)``: the cache after the call, and the lengths for
+        :func:`visibility` over its ``max_length`` keys: ``(B, T)`` when
+        causal, else ``(B,)``.
+    """
+    lengths = cache.lengths
+    if k is None:
+        return cache, lengths
+    num_new = ops.size(k, 1)
+    if isinstance(num_new, int) and num_new == 0:
+        return cache, lengths  # no position to write, and no query
+    lengths_dtype = ops.dtype(lengths)
+    if valid_lens is None:
+        new = lengths * 0 + num_new
+    else:
+        new = ops.cast(valid_lens, lengths_dtype)
+        if isinstance(num_new, int):
+            # Unchecked (compiled) lengths stay inside the call's positions.
+            new = ops.where(ops.less(new, num_new), new, num_new)
+            new = ops.where(ops.less(new, 0), new * 0, new)
+    for name, x, held in (("keys", k, cache.keys), ("values", v, cache.values)):
+        if ops.dtype(x) != ops.dtype(held):
+            raise TypeError(
+                f"cache.{name} dtype {ops.dtype(held)} differs from the layer's projected "
+                f"{name} dtype {ops.dtype(x)}; make the cache with layer.init_cache"
+            )
+    positions = ops.arange(ops.size(cache.keys, 2))  # (M,)
+    start = ops.expand_dims(lengths, 1)  # (B, 1)
+    offsets = ops.expand_dims(positions, 0) - start  # (B, M): p - lengths[b]
+    written = ops.logical_and(
+        ops.greater_equal(offsets, offsets * 0), ops.less(offsets, ops.expand_dims(new, 1))
+    )
+    source = ops.where(written, offsets, offsets * 0)  # any position in range where unwritten
+    written = ops.expand_dims(ops.expand_dims(written, 1), -1)  # (B, 1, M, 1)
+
+    def write(x: Array, held: Array) -> Array:
+        rows = ops.gather_positions(x, source)  # (B, M, H_kv*dh)
+        rows = ops.permute(ops.split_axis(rows, 2, (-1, head_dim)), (0, 2, 1, 3))
+        return ops.where(written, rows, held)
+
+    updated = KVCache(write(k, cache.keys), write(v, cache.values), lengths + new)
+    if not causal:
+        return updated, lengths + new
+    # Query i sees lengths[b] + min(n_b, i + 1) keys.
+    seen = ops.expand_dims(ops.arange(num_new), 0) + 1  # (1, T)
+    new_column = ops.expand_dims(new, 1)  # (B, 1)
+    own = ops.where(ops.less(seen, new_column), seen, new_column)  # (B, T)
+    return updated, start + own
 
 # --------------------------------------------------------------------------
 # The float64 reference
@@ -1153,3 +1447,76 @@ def reference_gradients(
             grads[f"b_{name}"] = grad_projected.sum(axis=(0, 1))
         grads[input_name] = grad_projected @ w[f"W_{name}"].T
     return grads
+
+
+def reference_cached_forward(
+    weights: Mapping[str, Any],
+    queries: Any,
+    keys: Any,
+    values: Any,
+    cache: KVCache,
+    valid_lens: Any = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    causal: bool = False,
+) -> tuple[np.ndarray, np.ndarray, KVCache]:
+    """A cached call evaluated in float64 numpy, one example, head and query at a time.
+
+    Written without :func:`update_cache` or :func:`visibility`, from the
+    rule of the docs ("Generating with a cache"), so that it checks them.
+
+    Args:
+        weights: canonical weights.
+        queries: ``(B, T, query_size)``.
+        keys: ``(B, T, key_size)``, or ``None`` to append nothing.
+        values: ``(B, T, value_size)``, or ``None``.
+        cache: numpy ``keys``/``values`` ``(B, num_kv_heads, M, head_dim)``
+            and ``lengths`` ``(B,)``.
+        valid_lens: ``None`` or ``(B,)``: new positions per example.
+        num_heads, num_kv_heads: as in :func:`reference_forward`.
+        causal: query ``i`` of example ``b`` sees key ``j`` only when ``j <=
+            lengths[b] + i``.
+
+    Returns:
+        ``(output, attention_weights, cache)``: ``(B, T, num_hiddens)``,
+        ``(B, H, T, M)`` and the cache after the call (float64, lengths int32).
+    """
+    w = {name: _as_float64(value) for name, value in weights.items()}
+    heads = heads_of_weights(w, num_heads, num_kv_heads=num_kv_heads)
+    queries = _as_float64(queries)
+    cache_keys, cache_values = (_as_float64(x).copy() for x in (cache.keys, cache.values))
+    lengths = np.asarray(cache.lengths).astype(np.int64)
+    batch, num_new = queries.shape[:2]
+    max_length = cache_keys.shape[2]
+    if keys is None:
+        new = np.zeros(batch, np.int64)
+    else:
+        new = np.full(batch, num_new) if valid_lens is None else np.asarray(valid_lens)
+    check_cache_values(lengths, new, num_new, max_length)
+    dh, group = heads.head_dim, heads.group_size
+    with np.errstate(invalid="ignore", over="ignore"):
+        if keys is not None:
+            projected_k = _linear(_as_float64(keys), w, "k").reshape(batch, num_new, -1 if num_new else heads.num_kv_heads, dh)
+            projected_v = _linear(_as_float64(values), w, "v").reshape(batch, num_new, -1 if num_new else heads.num_kv_heads, dh)
+            for b in range(batch):
+                start, stop = lengths[b], lengths[b] + new[b]
+                cache_keys[b, :, start:stop] = projected_k[b, : new[b]].transpose(1, 0, 2)
+                cache_values[b, :, start:stop] = projected_v[b, : new[b]].transpose(1, 0, 2)
+        q = _linear(queries, w, "q").reshape(batch, num_new, heads.num_heads, dh)
+        attention_weights = np.zeros((batch, heads.num_heads, num_new, max_length))
+        context = np.zeros((batch, num_new, heads.num_heads, dh))
+        for b in range(batch):
+            for i in range(num_new):
+                seen = lengths[b] + (min(new[b], i + 1) if causal else new[b])
+                visible = np.arange(max_length) < seen
+                for h in range(heads.num_heads):
+                    scores = cache_keys[b, h // group] @ q[b, i, h] / math.sqrt(dh)
+                    scores = np.where(visible, scores, MASK_VALUE)
+                    row = np.exp(scores - scores.max())
+                    row = row / row.sum()
+                    attention_weights[b, h, i] = row
+                    context[b, i, h] = row @ cache_values[b, h // group]
+        output = _linear(context.reshape(batch, num_new, heads.query_features), w, "o")
+    updated = KVCache(cache_keys, cache_values, (lengths + new).astype(np.int32))
+    return output, attention_weights, updated

@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 
 from mha_multi import spec
+from mha_multi.parity.decode import full_reference
 from mha_multi.weights import init_weights, save_weights
 
 __all__ = [
+    "CACHED_CASES",
     "CASES",
     "WEIGHTS_FILE",
     "Case",
@@ -57,6 +59,17 @@ class CaseConfig:
     lens_dtype: str = "int64"
     seed: int = 0
     description: str = ""
+    #: A decoding schedule, ``[[T, [new lengths]], ...]``, for a cached case
+    #: (docs: "Generating with a cache"): the sequences of ``num_queries``
+    #: positions, of lengths ``valid_lens``, are fed to a cache of
+    #: ``cache_length`` positions call by call, and the outputs must be those
+    #: of one causal forward.
+    chunks: Any = None
+    cache_length: int | None = None
+
+    @property
+    def cached(self) -> bool:
+        return self.chunks is not None
 
     def heads(self) -> dict[str, int]:
         """The head options a layer is built with: only those the case sets."""
@@ -172,6 +185,49 @@ CASES: tuple[CaseConfig, ...] = (
     ),
 )
 
+#: Cached cases: ragged batches decoded in chunks, against one causal forward.
+CACHED_CASES: tuple[CaseConfig, ...] = (
+    CaseConfig(
+        "cached",
+        num_queries=7,
+        num_keys=7,
+        bias=True,
+        causal=True,
+        valid_lens=[7, 3, 0],
+        chunks=[[4, [4, 2, 0]], [1, [1, 1, 0]], [2, [2, 0, 0]]],
+        cache_length=9,
+        description="ragged prefill, a step, a chunk of 2; an empty example",
+    ),
+    CaseConfig(
+        "cached_gqa",
+        num_hiddens=32,
+        num_heads=8,
+        num_kv_heads=2,
+        num_queries=6,
+        num_keys=6,
+        causal=True,
+        valid_lens=[5, 6, 2],
+        chunks=[[3, [3, 1, 2]], [1, [1, 1, 0]], [1, [1, 1, 0]], [3, [0, 3, 0]]],
+        cache_length=6,
+        description="grouped-query, cache filled to max_length, steps with idle examples",
+    ),
+    CaseConfig(
+        "cached_mqa_head_dim",
+        num_hiddens=10,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=3,
+        query_size=6,
+        num_queries=6,
+        num_keys=6,
+        causal=True,
+        valid_lens=[4, 1, 6],
+        chunks=[[6, [0, 0, 6]], [1, [1, 1, 0]], [1, [1, 0, 0]], [2, [2, 0, 0]]],
+        cache_length=8,
+        description="multi-query, head_dim 3; one example prefilled, the others stepped",
+    ),
+)
+
 
 @dataclass
 class Case:
@@ -227,7 +283,20 @@ def build_case(config: CaseConfig) -> Case:
 
 
 def reference_results(case: Case) -> dict[str, np.ndarray]:
-    """Output, attention weights and gradients of the float64 spec."""
+    """Output, attention weights and gradients of the float64 spec.
+
+    A cached case's reference is the output of one causal forward at the
+    real positions (0 past them), which every schedule must give.
+    """
+    if case.config.cached:
+        output = full_reference(
+            case.weights,
+            case.inputs,
+            case.valid_lens,
+            num_heads=case.config.num_heads,
+            num_kv_heads=case.config.num_kv_heads,
+        )
+        return {"output": output}
     args = (case.weights, case.inputs["queries"], case.inputs["keys"], case.inputs["values"])
     kwargs = {
         "num_heads": case.config.num_heads,
@@ -271,7 +340,7 @@ def _unflatten(arrays: Mapping[str, np.ndarray]) -> Case:
 
 
 def write_cases(
-    directory: str | os.PathLike[str], configs: Iterable[CaseConfig] = CASES
+    directory: str | os.PathLike[str], configs: Iterable[CaseConfig] = CASES + CACHED_CASES
 ) -> list[Path]:
     """Builds every case and writes it to ``directory/<name>.npz``.
 
@@ -303,8 +372,8 @@ def load_case(path: str | os.PathLike[str]) -> Case:
 
 
 def load_cases(directory: str | os.PathLike[str]) -> list[Case]:
-    """Reads every case of ``directory``, in the order of :data:`CASES`."""
-    order = {config.name: i for i, config in enumerate(CASES)}
+    """Reads every case of ``directory``, in the order of :data:`CASES` and :data:`CACHED_CASES`."""
+    order = {config.name: i for i, config in enumerate(CASES + CACHED_CASES)}
     paths = sorted(Path(directory).glob("*.npz"), key=lambda p: (order.get(p.stem, 1 << 30), p))
     if not paths:
         raise FileNotFoundError(f"no parity cases in {os.fspath(directory)!r}")

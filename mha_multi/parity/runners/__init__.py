@@ -11,13 +11,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from mha_multi import spec
 from mha_multi.parity.cases import Case
+from mha_multi.parity.decode import Chunk, decode
 
 __all__ = [
     "DEVICES",
@@ -201,11 +202,13 @@ class Runner(abc.ABC):
         *,
         causal: bool,
         output_gradient: Any,
+        cache: spec.KVCache | None = None,
     ) -> Mapping[str, Any]:
         """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
 
         Keyed ``queries``, ``keys``, ``values`` and the canonical weight names,
-        in the canonical orientation, as framework arrays.
+        in the canonical orientation, as framework arrays. With a ``cache``,
+        of the output of that cached call, the cache held fixed.
         """
         return self.facts.vjp(
             layer,
@@ -215,7 +218,12 @@ class Runner(abc.ABC):
             valid_lens,
             causal=causal,
             output_gradient=output_gradient,
+            **({} if cache is None else {"cache": cache}),
         )
+
+    def init_cache(self, layer: Any, batch_size: int, max_length: int) -> spec.KVCache:
+        """The layer's empty cache (``layer.init_cache``), of its dtype and device."""
+        return self.facts.init_cache(layer, batch_size, max_length)
 
     def kernel_spy(self) -> contextlib.AbstractContextManager[list[KernelCall]]:
         """Records every call of the backend's fused kernel while active."""
@@ -278,6 +286,45 @@ class Runner(abc.ABC):
         )
         return {name: self.to_numpy(value) for name, value in grads.items()}
 
+    def decode(
+        self,
+        layer: Any,
+        inputs: Mapping[str, np.ndarray],
+        lengths: np.ndarray,
+        chunks: Sequence[Chunk],
+        *,
+        max_length: int,
+        device: str = "cpu",
+        dtype: str = "float32",
+        **kwargs: Any,
+    ) -> np.ndarray:
+        """Feeds ragged sequences to the layer's cache call by call (causal).
+
+        Args:
+            layer: the backend's layer.
+            inputs: the full ``queries``, ``keys`` and ``values``, ``(B, N, ·)``.
+            lengths: ``(B,)`` real positions of each sequence.
+            chunks: the schedule (:mod:`mha_multi.parity.decode`).
+            max_length: the cache's capacity.
+            device, dtype: where and in what the layer runs.
+            kwargs: the layer's (``return_attention_weights``).
+
+        Returns:
+            The outputs at the real positions, ``(B, N, num_hiddens)``
+            float64, 0 past ``lengths``.
+        """
+        cache = self.init_cache(layer, len(lengths), max_length)
+
+        def step(queries: Any, keys: Any, values: Any, new_lens: np.ndarray) -> np.ndarray:
+            nonlocal cache
+            arrays = [self.to_native(x, device, dtype) for x in (queries, keys, values)]
+            lens = self.native_lens(new_lens, device)
+            result = self.forward(layer, *arrays, lens, causal=True, cache=cache, **kwargs)
+            output, cache = result[0], result[-1]
+            return self.to_numpy(output)
+
+        return decode(step, inputs, lengths, chunks)
+
     def call_as_given(self, layer: Any, *args: Any, **kwargs: Any) -> Any:
         """Calls the layer the way a user of the framework does, converting nothing.
 
@@ -325,9 +372,20 @@ class Runner(abc.ABC):
 
         ``output`` comes from the default call (the fast path, where there is
         one) and ``output[weights]`` from the call that also returns the
-        attention weights, so both code paths meet the reference.
+        attention weights, so both code paths meet the reference. A cached
+        case gives both outputs of its schedule (:meth:`decode`).
         """
         layer = self.layer_for(case, device=device, dtype=dtype)
+        if case.config.cached:
+            # Both code paths of a cached call, against one causal forward.
+            decoding = (layer, case.inputs, case.valid_lens, case.config.chunks)
+            options = {"max_length": case.config.cache_length, "device": device, "dtype": dtype}
+            return {
+                "output": self.decode(*decoding, **options),
+                "output[weights]": self.decode(
+                    *decoding, return_attention_weights=True, **options
+                ),
+            }
         args = (layer, case.inputs["queries"], case.inputs["keys"], case.inputs["values"])
         kwargs = {"causal": case.config.causal, "device": device, "dtype": dtype}
         results = {"output": self.call(*args, case.valid_lens, **kwargs)}

@@ -1,0 +1,312 @@
+"""Incremental decoding with a key/value cache, identically in every backend.
+
+The defining property (docs: "Generating with a cache"): for any split of
+ragged sequences into calls, a prefill of any length and then chunks of any
+length (1 included), the outputs at the real positions are those of one
+causal forward with ``valid_lens=lengths``. Each backend is checked against
+the float64 reference: the full forward, the per-query loop of
+:func:`mha_multi.spec.reference_cached_forward`, and finite differences of it
+for the gradients of a cached call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_multi import spec
+from mha_multi.parity.cases import CACHED_CASES, build_case
+from mha_multi.parity.compare import compare, tolerance
+from mha_multi.parity.decode import chunk_rows, full_reference, random_schedule
+from mha_multi.parity.runners import DTYPES
+from mha_multi.weights import init_weights
+
+CONFIGS = {
+    "mha": {"num_hiddens": 8, "num_heads": 2, "bias": False},
+    "gqa_bias": {"num_hiddens": 16, "num_heads": 4, "num_kv_heads": 2, "bias": True},
+}
+QUERY_SIZE = 5
+
+
+@pytest.fixture(scope="module")
+def cached_cases():
+    return {config.name: build_case(config) for config in CACHED_CASES}
+
+
+def layer_of(runner, weights, config, dtype="float32"):
+    heads = {k: v for k, v in config.items() if k in ("num_kv_heads", "head_dim")}
+    layer = runner.make_layer(
+        config["num_hiddens"],
+        config["num_heads"],
+        bias=config["bias"],
+        query_size=QUERY_SIZE,
+        key_size=config["num_hiddens"],
+        value_size=config["num_hiddens"],
+        dtype=dtype,
+        **heads,
+    )
+    return runner.set_weights(layer, weights)
+
+
+def setup(name, seed, *, batch=3, length=6):
+    config = CONFIGS[name]
+    heads = {k: v for k, v in config.items() if k in ("num_kv_heads", "head_dim")}
+    weights = init_weights(
+        config["num_hiddens"],
+        bias=config["bias"],
+        seed=seed,
+        num_heads=config["num_heads"],
+        query_size=QUERY_SIZE,
+        **heads,
+    )
+    weights = {k: v.astype(np.float32) for k, v in weights.items()}
+    rng = np.random.default_rng(seed)
+    sizes = {"queries": QUERY_SIZE, "keys": config["num_hiddens"], "values": config["num_hiddens"]}
+    inputs = {
+        k: rng.standard_normal((batch, length, size)).astype(np.float32)
+        for k, size in sizes.items()
+    }
+    return config, weights, inputs, rng
+
+
+def reference_heads(config):
+    return {"num_heads": config["num_heads"], "num_kv_heads": config.get("num_kv_heads")}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_name", [c.name for c in CACHED_CASES])
+def test_cached_case_within_tolerance(runner, available_device, dtype, case_name, cached_cases):
+    if not runner.dtype_supported(available_device, dtype):
+        pytest.skip(f"{runner.name} does not run {dtype} on {available_device}")
+    case = cached_cases[case_name]
+    results = runner.run(case, device=available_device, dtype=dtype)
+    checks = compare(results, case.reference, dtype)
+    assert {c.quantity for c in checks} == {"output", "output[weights]"}
+    failures = [c for c in checks if not c.passed]
+    assert not failures, "\n".join(
+        f"{c.quantity}: max abs {c.max_abs:.3g} > {c.tolerance:g}" for c in failures
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_any_schedule_equals_one_full_causal_forward(runner, name, seed, dtype):
+    if not runner.dtype_supported("cpu", dtype):
+        pytest.skip(f"{runner.name} has no {dtype}")
+    config, weights, inputs, rng = setup(name, seed)
+    lengths = rng.integers(0, 7, size=3)
+    chunks = random_schedule(rng, lengths)
+    layer = layer_of(runner, weights, config, dtype)
+    expected = full_reference(weights, inputs, lengths, **reference_heads(config))
+    for options in ({}, {"return_attention_weights": True}):
+        actual = runner.decode(
+            layer, inputs, lengths, chunks, max_length=8, dtype=dtype, **options
+        )
+        error = np.abs(actual - expected).max()
+        assert error <= tolerance(dtype, "output"), (chunks, options, error)
+
+
+def native(runner, rows, new_lens=None):
+    arrays = [None if x is None else runner.to_native(x) for x in rows]
+    return [*arrays, None if new_lens is None else runner.native_lens(new_lens)]
+
+
+def cache_as_numpy(runner, cache):
+    return spec.KVCache(
+        runner.to_numpy(cache.keys),
+        runner.to_numpy(cache.values),
+        np.asarray(runner.to_numpy(cache.lengths)),
+    )
+
+
+def prefilled(runner, layer, inputs, new_lens, max_length):
+    """A cache after one prefill call of ``inputs``' first 3 positions."""
+    cache = runner.init_cache(layer, 3, max_length)
+    rows = [x[:, :3] for x in inputs.values()]
+    result = runner.forward(layer, *native(runner, rows, new_lens), causal=True, cache=cache)
+    return result[-1]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_cached_call_is_the_per_query_loop(runner, causal):
+    """Output, weights ``(B, H, T, max_length)`` and the cache after a second call."""
+    config, weights, inputs, rng = setup("gqa_bias", 3)
+    layer = layer_of(runner, weights, config)
+    cache = prefilled(runner, layer, inputs, np.array([3, 1, 0]), 7)
+    before = cache_as_numpy(runner, cache)
+    assert before.lengths.tolist() == [3, 1, 0]
+    new_lens = np.array([2, 0, 3])
+    rows = [chunk_rows(x, before.lengths.astype(np.int64), 3) for x in inputs.values()]
+    output, attention_weights, after = runner.forward(
+        layer,
+        *native(runner, rows, new_lens),
+        causal=causal,
+        cache=cache,
+        return_attention_weights=True,
+    )
+    expected, expected_weights, expected_cache = spec.reference_cached_forward(
+        weights, *rows, before, new_lens, **reference_heads(config), causal=causal
+    )
+    assert runner.to_numpy(attention_weights).shape == (3, 4, 3, 7)
+    np.testing.assert_allclose(runner.to_numpy(output), expected, atol=5e-6, rtol=0)
+    np.testing.assert_allclose(runner.to_numpy(attention_weights), expected_weights, atol=5e-6, rtol=0)
+    after = cache_as_numpy(runner, after)
+    assert after.lengths.tolist() == [5, 1, 3]
+    for name in ("keys", "values"):
+        # Positions past the lengths hold nothing the spec reads.
+        held = np.arange(7) < after.lengths[:, None]
+        kept, wanted = getattr(after, name), getattr(expected_cache, name)
+        np.testing.assert_allclose(
+            np.where(held[:, None, :, None], kept, 0), np.where(held[:, None, :, None], wanted, 0), atol=5e-6
+        )
+
+
+def test_a_call_without_keys_attends_to_the_cache_as_it_is(runner):
+    config, weights, inputs, _ = setup("gqa_bias", 4)
+    layer = layer_of(runner, weights, config)
+    cache = prefilled(runner, layer, inputs, np.array([3, 2, 1]), 5)
+    before = cache_as_numpy(runner, cache)
+    queries = inputs["queries"][:, 3:5]
+    output, attention_weights, after = runner.forward(
+        layer,
+        runner.to_native(queries),
+        None,
+        None,
+        None,
+        causal=True,
+        cache=cache,
+        return_attention_weights=True,
+    )
+    expected, expected_weights, _ = spec.reference_cached_forward(
+        weights, queries, None, None, before, **reference_heads(config), causal=True
+    )
+    np.testing.assert_allclose(runner.to_numpy(output), expected, atol=5e-6, rtol=0)
+    np.testing.assert_allclose(runner.to_numpy(attention_weights), expected_weights, atol=5e-6, rtol=0)
+    assert np.asarray(runner.to_numpy(after.lengths)).tolist() == [3, 2, 1]
+    # The default call (a fused path where there is one) gives the same output.
+    output, after = runner.forward(
+        layer, runner.to_native(queries), None, None, None, causal=True, cache=cache
+    )
+    np.testing.assert_allclose(runner.to_numpy(output), expected, atol=5e-6, rtol=0)
+
+
+def test_init_cache_is_empty_and_of_the_layers_dtype(runner):
+    config, weights, _, _ = setup("gqa_bias", 0)
+    for dtype in ("float32", "float64"):
+        if not runner.dtype_supported("cpu", dtype):
+            continue
+        cache = runner.init_cache(layer_of(runner, weights, config, dtype), 2, 5)
+        assert isinstance(cache, spec.KVCache)
+        keys, values = runner.to_numpy(cache.keys), runner.to_numpy(cache.values)
+        assert keys.shape == values.shape == (2, 2, 5, 4)
+        assert not keys.any() and not values.any()
+        assert np.asarray(runner.to_numpy(cache.lengths)).tolist() == [0, 0]
+        # The cache's dtype is the layer's.
+        assert dtype in str(cache.keys.dtype) and dtype in str(cache.values.dtype)
+        assert "int32" in str(cache.lengths.dtype)
+
+
+@pytest.mark.parametrize(
+    ("key_length", "with_values", "new_lens", "max_length", "error", "match"),
+    [
+        (3, True, [2, 3, 4], 4, ValueError, "overflows"),
+        (3, True, [4, 0, 0], 8, ValueError, r"in \[0, 3\]"),
+        (3, True, [-1, 0, 0], 8, ValueError, r"in \[0, 3\]"),
+        (2, True, None, 8, ValueError, "length 3"),
+        (3, True, [[1, 1, 1]] * 3, 8, ValueError, r"shape \(batch,\)"),
+        (3, True, [1.0, 1.0, 1.0], 8, TypeError, "integers"),
+        (3, False, None, 8, ValueError, "both"),
+        (None, False, [1, 1, 1], 8, ValueError, "valid_lens=None"),
+    ],
+)
+def test_bad_cached_calls_raise_naming_the_argument(
+    runner, key_length, with_values, new_lens, max_length, error, match
+):
+    config, weights, inputs, _ = setup("gqa_bias", 0)
+    layer = layer_of(runner, weights, config)
+    queries = runner.to_native(inputs["queries"][:, :3])
+    keys = values = None
+    if key_length is not None:
+        keys = runner.to_native(inputs["keys"][:, :key_length])
+        if with_values:
+            values = runner.to_native(inputs["values"][:, :key_length])
+    lens = None if new_lens is None else runner.native_lens(np.asarray(new_lens))
+    cache = runner.init_cache(layer, 3, max_length)
+    with pytest.raises(error, match=match):
+        runner.forward(layer, queries, keys, values, lens, causal=True, cache=cache)
+
+
+def test_a_cache_of_another_layout_is_rejected(runner):
+    config, weights, inputs, _ = setup("gqa_bias", 0)
+    layer = layer_of(runner, weights, config)
+    other = layer_of(runner, setup("mha", 0)[1], CONFIGS["mha"])
+    rows = [runner.to_native(inputs[name][:, :2]) for name in ("queries", "keys", "values")]
+    for cache, match in (
+        (runner.init_cache(other, 3, 4), "cache.keys must have shape"),
+        (runner.init_cache(layer, 2, 4), "cache.keys must have shape"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            runner.forward(layer, *rows, None, causal=True, cache=cache)
+
+
+def finite_difference_gradients(function, arrays, output_gradient, step=1e-6):
+    """Central differences of ``sum(function(arrays) * output_gradient)``, float64."""
+    grads = {}
+    for name, array in arrays.items():
+        grad = np.zeros_like(array)
+        for index in np.ndindex(array.shape):
+            values = []
+            for sign in (1, -1):
+                shifted = {k: v.copy() for k, v in arrays.items()}
+                shifted[name][index] += sign * step
+                values.append(np.sum(function(shifted) * output_gradient))
+            grad[index] = (values[0] - values[1]) / (2 * step)
+        grads[name] = grad
+    return grads
+
+
+def test_gradients_through_a_cached_call(runner):
+    """Inputs and weights of a second call, with the first call's cache held fixed."""
+    dtype = "float64" if runner.dtype_supported("cpu", "float64") else "float32"
+    config, weights, inputs, rng = setup("gqa_bias", 5, batch=2, length=4)
+    layer = layer_of(runner, weights, config, dtype)
+    cache = runner.init_cache(layer, 2, 6)
+    first = [runner.to_native(x[:, :2], dtype=dtype) for x in inputs.values()]
+    _, cache = runner.forward(
+        layer, *first, runner.native_lens(np.array([2, 1])), causal=True, cache=cache
+    )
+    held = cache_as_numpy(runner, cache)
+    rows = {name: x[:, 2:4].astype(np.float64) for name, x in inputs.items()}
+    new_lens = np.array([2, 1])
+    output_gradient = rng.standard_normal((2, 2, config["num_hiddens"]))
+    grads = runner.vjp(
+        layer,
+        *(runner.to_native(x, dtype=dtype) for x in rows.values()),
+        runner.native_lens(new_lens),
+        causal=True,
+        output_gradient=runner.to_native(output_gradient, dtype=dtype),
+        cache=cache,
+    )
+
+    def cached_output(arrays):
+        chosen = {k: arrays.get(k, v) for k, v in weights.items()}
+        return spec.reference_cached_forward(
+            chosen,
+            arrays["queries"],
+            arrays["keys"],
+            arrays["values"],
+            held,
+            new_lens,
+            **reference_heads(config),
+            causal=True,
+        )[0]
+
+    arrays = {**rows, **{k: v.astype(np.float64) for k, v in weights.items()}}
+    expected = finite_difference_gradients(cached_output, arrays, output_gradient)
+    atol = 1e-7 if dtype == "float64" else 5e-5
+    assert set(grads) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(runner.to_numpy(grads[name]), value, atol=atol, rtol=0, err_msg=name)
+    # The padding position of example 1 reaches nothing.
+    assert not np.any(runner.to_numpy(grads["keys"])[1, 1])
