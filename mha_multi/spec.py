@@ -165,7 +165,7 @@ class ArrayOps(Protocol):
     # Used only by cached calls (:func:`update_cache`).
 
     def gather_positions(self, x: Array, positions: Array) -> Array:
-        """``x[b, positions[b, m]]``: ``(B, T, F)`` rows picked by ``(B, M)`` ints -> ``(B, M, F)``."""
+        """``x[b, positions[b, m]]``: rows of ``(B, T, F)`` picked by ``(B, M)`` ints."""
 
 
 class NumpyOps:
@@ -970,7 +970,7 @@ def _grouped_attention(
 
 
 def _kv_heads(ops: ArrayOps, x: Array, num_kv_heads: int, split: bool) -> Array:
-    """Keys or values as ``(B*H_kv, K, dh)``, from ``(B, K, H_kv*dh)`` or, split, ``(B, H_kv, K, dh)``."""
+    """Keys or values as ``(B*H_kv, K, dh)``; ``split``: from ``(B, H_kv, K, dh)``."""
     return ops.merge_axes(x, 0) if split else transpose_qkv(ops, x, num_kv_heads)
 
 
@@ -1119,9 +1119,7 @@ def check_cache_dtypes(lengths_kind: str, valid_lens_kind: str | None) -> None:
         )
 
 
-def check_cache_values(
-    lengths: Any, valid_lens: Any, num_new: int, max_length: int
-) -> None:
+def check_cache_values(lengths: Any, valid_lens: Any, num_new: int, max_length: int) -> None:
     """Validates a cached call's lengths where they can be read (eager mode).
 
     Args:
@@ -1241,6 +1239,7 @@ def update_cache(
     new_column = ops.expand_dims(new, 1)  # (B, 1)
     own = ops.where(ops.less(seen, new_column), seen, new_column)  # (B, T)
     return updated, start + own
+
 
 # --------------------------------------------------------------------------
 # The float64 reference
@@ -1497,8 +1496,12 @@ def reference_cached_forward(
     dh, group = heads.head_dim, heads.group_size
     with np.errstate(invalid="ignore", over="ignore"):
         if keys is not None:
-            projected_k = _linear(_as_float64(keys), w, "k").reshape(batch, num_new, -1 if num_new else heads.num_kv_heads, dh)
-            projected_v = _linear(_as_float64(values), w, "v").reshape(batch, num_new, -1 if num_new else heads.num_kv_heads, dh)
+            projected_k = _linear(_as_float64(keys), w, "k").reshape(
+                batch, num_new, -1 if num_new else heads.num_kv_heads, dh
+            )
+            projected_v = _linear(_as_float64(values), w, "v").reshape(
+                batch, num_new, -1 if num_new else heads.num_kv_heads, dh
+            )
             for b in range(batch):
                 start, stop = lengths[b], lengths[b] + new[b]
                 cache_keys[b, :, start:stop] = projected_k[b, : new[b]].transpose(1, 0, 2)

@@ -3,7 +3,8 @@
 ``write_all(directory)`` writes ``head_layout.png`` (what ``transpose_qkv``
 does to a projection), ``head_grouping.png`` (grouped-query heads) and
 ``masks.png`` (the visibility rule for 1-D lengths, 2-D lengths and the
-causal mask). Every coloured cell is computed by
+causal mask) and ``cache_visibility.png`` (one cached call on a ragged
+batch). Every coloured cell is computed by
 the spec's own functions on the numpy adapter, so the pictures cannot drift
 from the code.
 """
@@ -236,6 +237,85 @@ def masks(path: Path) -> Path:
     return path
 
 
+def cache_visibility(
+    path: Path,
+    held: tuple[int, ...] = (3, 0, 5),
+    new: tuple[int, ...] = (2, 3, 1),
+    num_new: int = 3,
+    max_length: int = 8,
+) -> Path:
+    """One cached call on a ragged batch: what each example's queries see of its cache.
+
+    The lengths come from :func:`mha_multi.spec.update_cache` and the cells
+    from :func:`mha_multi.spec.visibility`, as every backend computes them.
+    """
+    batch, kv_heads = len(held), 1
+    cache = spec.KVCache(
+        np.zeros((batch, kv_heads, max_length, 1)),
+        np.zeros((batch, kv_heads, max_length, 1)),
+        np.array(held, np.int32),
+    )
+    rows = np.ones((batch, num_new, 1))
+    updated, lens = spec.update_cache(
+        OPS, cache, rows, rows, np.array(new), head_dim=1, causal=True
+    )
+    visible = np.broadcast_to(
+        spec.visibility(OPS, num_new, max_length, lens), (batch, 1, num_new, max_length)
+    )[:, 0]
+    # The rule of the docs, by hand: j < L + n and j <= L + i.
+    i, j = np.indices((num_new, max_length))
+    for b in range(batch):
+        expected = (j < held[b] + new[b]) & (j <= held[b] + np.minimum(i, new[b] - 1))
+        real = i < new[b]
+        assert (visible[b][real[:, 0]] == expected[real[:, 0]]).all()
+    assert updated.lengths.tolist() == [h + n for h, n in zip(held, new, strict=True)]
+    figure, axes = plt.subplots(1, batch, figsize=(12.5, 2.6), layout="constrained")
+    for b, axis in enumerate(axes):
+        colors, labels = [], []
+        for query in range(num_new):
+            row_colors, row_labels = [], []
+            for key in range(max_length):
+                old = key < held[b]
+                written = held[b] <= key < held[b] + new[b]
+                if visible[b, query, key]:
+                    row_colors.append(HEAD_COLORS[0] if old else HEAD_COLORS[2])
+                    row_labels.append("held" if old else "new")
+                else:
+                    row_colors.append("#d0d0d0" if (old or written) else "#eeeeee")
+                    row_labels.append("")
+            if query >= new[b]:
+                row_colors = ["#c9a66b"] * max_length
+                row_labels = [""] * max_length
+                row_labels[max_length // 2] = "padding: output unused, key not kept"
+            colors.append(row_colors)
+            labels.append(row_labels)
+        _draw_grid(
+            axis,
+            colors,
+            labels,
+            title=(
+                f"example {b}: lengths {held[b]}, valid_lens {new[b]}\n"
+                f"writes positions {held[b]}..{held[b] + new[b] - 1}"
+                if new[b]
+                else f"example {b}: lengths {held[b]}, nothing new"
+            ),
+            row_labels=[
+                f"query {q} (pos {held[b] + q})" if q < new[b] else f"query {q}"
+                for q in range(num_new)
+            ],
+            column_labels=[str(k) for k in range(max_length)],
+        )
+        axis.set_xlabel("cache position j", fontsize=8)
+    figure.suptitle(
+        f"One cached call (T = {num_new}, causal): held keys (blue), the call's new keys "
+        "(green); grey is hidden",
+        fontsize=10,
+    )
+    figure.savefig(path, dpi=140)
+    plt.close(figure)
+    return path
+
+
 def write_all(directory: str | Path) -> list[Path]:
     """Writes every figure into ``directory`` (created if needed)."""
     directory = Path(directory)
@@ -244,6 +324,7 @@ def write_all(directory: str | Path) -> list[Path]:
         head_layout(directory / "head_layout.png"),
         head_grouping(directory / "head_grouping.png"),
         masks(directory / "masks.png"),
+        cache_visibility(directory / "cache_visibility.png"),
     ]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mha_multi.bench import BENCHMARKS, driver
 from mha_multi.bench.common import Shape, format_markdown, machine_info
+from mha_multi.bench.generate import GenerationShape
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,7 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for backend in args.backends:
             kwargs = (
-                {"lengths": (64, 128), "memory_lengths": (256,), "grouped_lengths": (64,)}
+                {
+                    "lengths": (64, 128),
+                    "memory_lengths": (256,),
+                    "grouped_lengths": (64,),
+                    "generation": GenerationShape(prompt=32, new_tokens=32),
+                }
                 if args.quick
                 else {}
             )

@@ -92,6 +92,8 @@ class Measurement:
     seconds: float | None = None
     gflops: float | None = None
     peak_mib: float | None = None
+    #: Generated tokens per second (mode "generate"), the batch's together.
+    tokens_per_s: float | None = None
     note: str = ""
     shape: dict[str, int] = field(default_factory=dict)
 
@@ -222,8 +224,55 @@ def format_markdown(results: Sequence[dict]) -> str:
                     else:
                         cells.append(f"{m['peak_mib']:.0f}")
                 lines.append(f"| {length} | " + " | ".join(cells) + " |")
+        lines += _generation_lines(measurements)
         notes = sorted({m["note"] for m in timed if m.get("note", "").startswith("K/V")})
         if notes:
             lines += ["", *(f"Grouped heads: {note}." for note in notes)]
         lines.append("")
     return "\n".join(lines)
+
+
+def _generation_lines(measurements: Sequence[dict]) -> list[str]:
+    """The generation table: tokens/s of each way, and the ratios the docs quote."""
+    generated = [m for m in measurements if m["mode"] == "generate"]
+    memory = [m for m in measurements if m["mode"] == "generate memory"]
+    if not generated:
+        return []
+    lines = [
+        "",
+        'Generation after a prompt, one token per step (docs: "Generating with a cache"):',
+        "",
+        "| dtype | prompt + new | heads (q/kv) | way | tokens/s | cached / this | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def key(m: dict) -> tuple:
+        shape = m.get("shape") or {}
+        heads = shape.get("num_heads", 0)
+        return (
+            m["dtype"],
+            shape.get("prompt", 0),
+            m["length"],
+            heads,
+            shape.get("num_kv_heads") or heads,
+        )
+
+    for group in sorted({key(m) for m in generated}):
+        rows = [m for m in generated if key(m) == group]
+        cached = next((m for m in rows if m["implementation"] == "cached"), {})
+        dtype, prompt, length, heads, kv_heads = group
+        for m in rows:
+            rate = m.get("tokens_per_s")
+            ratio = _ratio(cached.get("tokens_per_s"), rate) if m is not cached else "-"
+            lines.append(
+                f"| {dtype} | {prompt} + {length - prompt} | {heads}/{kv_heads} | "
+                f"{m['implementation']} | {'-' if rate is None else f'{rate:.0f}'} | {ratio} | "
+                f"{m.get('note', '')} |"
+            )
+        for m in memory:
+            if key(m) == group:
+                lines.append(
+                    f"| {dtype} | {prompt} + {length - prompt} | {heads}/{kv_heads} | "
+                    f"cached: peak memory | {m['peak_mib']:.0f} MiB | - | {m['note']} |"
+                )
+    return lines

@@ -32,6 +32,8 @@ from mha_multi.bench.common import (
     peak_rss_mib,
     reset_peak_rss,
 )
+from mha_multi.bench.generate import GenerationShape, Generator, run_generation
+from mha_multi.weights import init_weights
 
 __all__ = [
     "LIMIT_BYTES",
@@ -54,6 +56,8 @@ MODES = {"forward": 1, "forward+backward": 3}
 GEMM_SIZE = 2048
 #: Tokens of the small pass that loads kernels before memory is measured.
 WARMUP_LENGTH = 16
+#: What the generation rows generate: 256 tokens after a 256-token prompt.
+GENERATION = GenerationShape()
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -101,6 +105,8 @@ class Framework:
     """
 
     name: str
+    #: The backend package, whose ``set_weights`` loads canonical weights.
+    package: str = ""
     #: The framework's facts module (``mha_multi.<framework>._backend``):
     #: settings, devices, conversions and sync come from it by default.
     backend: Any = None
@@ -196,6 +202,73 @@ class Framework:
     def label(self, execution: str | None) -> str:
         """The result's backend name for ``execution``."""
         return self.name if execution is None else f"{self.name} ({execution})"
+
+    # -- generation (mha_multi.bench.generate) ------------------------------
+
+    def append(self, sequence: Any, token: Any) -> Any:
+        """``sequence`` ``(B, N, D)`` with ``token`` ``(B, 1, D)`` appended on axis 1."""
+        raise NotImplementedError
+
+    def ours(self, shape: Shape, device: str, dtype: str) -> Any:
+        """Our layer of ``shape``'s self-attention, holding seeded canonical weights."""
+        d = shape.num_hiddens
+        layer = self.backend.make_layer(
+            d,
+            shape.num_heads,
+            num_kv_heads=shape.kv_heads,
+            query_size=d,
+            key_size=d,
+            value_size=d,
+            device=device,
+            dtype=dtype,
+        )
+        weights = init_weights(d, num_heads=shape.num_heads, num_kv_heads=shape.kv_heads)
+        return importlib.import_module(self.package).set_weights(layer, weights)
+
+    def cached_call(self, layer: Any) -> Callable[..., Any]:
+        """``call(x, cache) -> (output, cache)``: one causal self-attention call
+        with a cache, compiled where that is the framework's norm."""
+        return lambda x, cache: self.backend.forward(layer, x, x, x, None, causal=True, cache=cache)
+
+    def causal_call(self, layer: Any) -> Callable[[Any], Any]:
+        """``call(x) -> output``: the causal forward over all of ``x``, no cache."""
+        return lambda x: self.backend.forward(layer, x, x, x, None, causal=True)
+
+    def generators(
+        self, shape: GenerationShape, device: str, dtype: str
+    ) -> dict[str, Callable[[], Generator]]:
+        """Name -> a function making a fresh :class:`Generator` (a new cache each time).
+
+        The default drives ours through :meth:`cached_call` and
+        :meth:`causal_call`; a framework with a cached decoder of its own adds
+        it as ``"native"``.
+        """
+        layer = self.ours(shape.attention_shape(), device, dtype)
+        cached, causal = self.cached_call(layer), self.causal_call(layer)
+
+        def with_cache() -> Generator:
+            def prefill(prompt: Any) -> tuple[Any, Any]:
+                cache = self.backend.init_cache(layer, shape.batch, shape.max_length)
+                output, cache = cached(prompt, cache)
+                return cache, output[:, -1:]
+
+            def step(cache: Any, token: Any) -> tuple[Any, Any]:
+                output, cache = cached(token, cache)
+                return cache, output
+
+            return Generator(prefill, step, self.sync, self.backend.to_numpy)
+
+        def recompute() -> Generator:
+            def prefill(prompt: Any) -> tuple[Any, Any]:
+                return prompt, causal(prompt)[:, -1:]
+
+            def step(sequence: Any, token: Any) -> tuple[Any, Any]:
+                sequence = self.append(sequence, token)
+                return sequence, causal(sequence)[:, -1:]
+
+            return Generator(prefill, step, self.sync, self.backend.to_numpy)
+
+        return {"cached": with_cache, "recompute": recompute}
 
 
 def load(name: str) -> Framework:
@@ -327,6 +400,7 @@ def run(
     base: Shape | None = None,
     grouped_lengths: Sequence[int] = (512,),
     num_kv_heads: int = 2,
+    generation: GenerationShape | None = GENERATION,
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -339,6 +413,9 @@ def run(
             key/value heads (grouped-query attention: ours and the
             framework's grouped kernel or layer).
         num_kv_heads: the key/value heads of those rows.
+        generation: what :mod:`mha_multi.bench.generate` generates, with
+            ``num_heads`` key/value heads and again with ``num_kv_heads``;
+            ``None`` for no generation rows.
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -364,6 +441,16 @@ def run(
             _time_layers(framework, device, dtype, lengths, base, measurements)
             grouped = replace(base, num_kv_heads=num_kv_heads)
             _time_layers(framework, device, dtype, grouped_lengths, grouped, measurements)
+            if generation is not None:
+                for heads in (None, num_kv_heads):
+                    rows = run_generation(
+                        framework,
+                        device,
+                        dtype,
+                        replace(generation, num_kv_heads=heads),
+                        ITEMSIZE[dtype],
+                    )
+                    measurements[framework.executions[0]] += rows
         if framework.measures_memory(device):
             memory = _measure_memory(framework, device, memory_lengths, base)
             measurements[framework.executions[0]] += memory

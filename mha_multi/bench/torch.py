@@ -54,6 +54,7 @@ class Torch(Framework):
     key padding as ``key_padding_mask`` (``True`` = hidden)."""
 
     name = "torch"
+    package = "mha_multi.torch"
     backend = backend
 
     def versions(self) -> dict[str, str]:
@@ -61,6 +62,9 @@ class Torch(Framework):
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b)
+
+    def append(self, sequence: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        return torch.cat([sequence, token], dim=1)
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str

@@ -100,9 +100,7 @@ def test_any_schedule_equals_one_full_causal_forward(runner, name, seed, dtype):
     layer = layer_of(runner, weights, config, dtype)
     expected = full_reference(weights, inputs, lengths, **reference_heads(config))
     for options in ({}, {"return_attention_weights": True}):
-        actual = runner.decode(
-            layer, inputs, lengths, chunks, max_length=8, dtype=dtype, **options
-        )
+        actual = runner.decode(layer, inputs, lengths, chunks, max_length=8, dtype=dtype, **options)
         error = np.abs(actual - expected).max()
         assert error <= tolerance(dtype, "output"), (chunks, options, error)
 
@@ -131,7 +129,7 @@ def prefilled(runner, layer, inputs, new_lens, max_length):
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_cached_call_is_the_per_query_loop(runner, causal):
     """Output, weights ``(B, H, T, max_length)`` and the cache after a second call."""
-    config, weights, inputs, rng = setup("gqa_bias", 3)
+    config, weights, inputs, _ = setup("gqa_bias", 3)
     layer = layer_of(runner, weights, config)
     cache = prefilled(runner, layer, inputs, np.array([3, 1, 0]), 7)
     before = cache_as_numpy(runner, cache)
@@ -150,7 +148,9 @@ def test_a_cached_call_is_the_per_query_loop(runner, causal):
     )
     assert runner.to_numpy(attention_weights).shape == (3, 4, 3, 7)
     np.testing.assert_allclose(runner.to_numpy(output), expected, atol=5e-6, rtol=0)
-    np.testing.assert_allclose(runner.to_numpy(attention_weights), expected_weights, atol=5e-6, rtol=0)
+    np.testing.assert_allclose(
+        runner.to_numpy(attention_weights), expected_weights, atol=5e-6, rtol=0
+    )
     after = cache_as_numpy(runner, after)
     assert after.lengths.tolist() == [5, 1, 3]
     for name in ("keys", "values"):
@@ -158,7 +158,9 @@ def test_a_cached_call_is_the_per_query_loop(runner, causal):
         held = np.arange(7) < after.lengths[:, None]
         kept, wanted = getattr(after, name), getattr(expected_cache, name)
         np.testing.assert_allclose(
-            np.where(held[:, None, :, None], kept, 0), np.where(held[:, None, :, None], wanted, 0), atol=5e-6
+            np.where(held[:, None, :, None], kept, 0),
+            np.where(held[:, None, :, None], wanted, 0),
+            atol=5e-6,
         )
 
 
@@ -182,7 +184,9 @@ def test_a_call_without_keys_attends_to_the_cache_as_it_is(runner):
         weights, queries, None, None, before, **reference_heads(config), causal=True
     )
     np.testing.assert_allclose(runner.to_numpy(output), expected, atol=5e-6, rtol=0)
-    np.testing.assert_allclose(runner.to_numpy(attention_weights), expected_weights, atol=5e-6, rtol=0)
+    np.testing.assert_allclose(
+        runner.to_numpy(attention_weights), expected_weights, atol=5e-6, rtol=0
+    )
     assert np.asarray(runner.to_numpy(after.lengths)).tolist() == [3, 2, 1]
     # The default call (a fused path where there is one) gives the same output.
     output, after = runner.forward(
@@ -307,6 +311,8 @@ def test_gradients_through_a_cached_call(runner):
     atol = 1e-7 if dtype == "float64" else 5e-5
     assert set(grads) == set(expected)
     for name, value in expected.items():
-        np.testing.assert_allclose(runner.to_numpy(grads[name]), value, atol=atol, rtol=0, err_msg=name)
+        np.testing.assert_allclose(
+            runner.to_numpy(grads[name]), value, atol=atol, rtol=0, err_msg=name
+        )
     # The padding position of example 1 reaches nothing.
     assert not np.any(runner.to_numpy(grads["keys"])[1, 1])

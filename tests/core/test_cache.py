@@ -79,8 +79,10 @@ def test_any_schedule_equals_one_full_causal_forward(name, seed):
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_update_cache_and_attention_are_the_per_query_loop(name, seed, causal):
-    weights, inputs, lengths, heads, rng = _setup(name, seed)
-    layout = spec.heads_of_weights(weights, heads["num_heads"], num_kv_heads=heads.get("num_kv_heads"))
+    weights, inputs, _, heads, rng = _setup(name, seed)
+    layout = spec.heads_of_weights(
+        weights, heads["num_heads"], num_kv_heads=heads.get("num_kv_heads")
+    )
     shape = spec.cache_shape(3, 10, layout)
     # A cache holding other numbers past its lengths: they must stay hidden.
     cache = spec.KVCache(
@@ -107,10 +109,12 @@ def test_update_cache_and_attention_are_the_per_query_loop(name, seed, causal):
 
 
 def test_a_call_without_keys_attends_to_the_cache_and_appends_nothing():
-    weights, inputs, _, heads, rng = _setup("gqa_bias", 0)
+    weights, inputs, _, _, rng = _setup("gqa_bias", 0)
     layout = spec.heads_of_weights(weights, 4)
     shape = spec.cache_shape(3, 6, layout)
-    cache = spec.KVCache(rng.standard_normal(shape), rng.standard_normal(shape), np.array([1, 6, 3]))
+    cache = spec.KVCache(
+        rng.standard_normal(shape), rng.standard_normal(shape), np.array([1, 6, 3])
+    )
     queries = inputs["queries"][:, :2]
     output, attention_weights, updated = _spec_step(weights, layout, True)(
         queries, None, None, cache, None
@@ -124,7 +128,9 @@ def test_a_call_without_keys_attends_to_the_cache_and_appends_nothing():
     np.testing.assert_array_equal(expected_cache.lengths, [1, 6, 3])
     # Every query sees the whole of what its example holds, and nothing else.
     seen = (attention_weights > 0).sum(axis=-1)
-    np.testing.assert_array_equal(seen, np.broadcast_to(np.array([1, 6, 3])[:, None, None], seen.shape))
+    np.testing.assert_array_equal(
+        seen, np.broadcast_to(np.array([1, 6, 3])[:, None, None], seen.shape)
+    )
 
 
 def test_writes_that_do_not_fit_are_dropped_and_never_overwrite():
@@ -149,7 +155,9 @@ def test_new_lengths_outside_the_call_are_clipped_where_unchecked():
     ops = spec.NumpyOps()
     cache = spec.KVCache(np.zeros((2, 1, 5, 1)), np.zeros((2, 1, 5, 1)), np.array([1, 1]))
     new = np.ones((2, 2, 1))
-    updated, _ = spec.update_cache(ops, cache, new, new, np.array([7, -3]), head_dim=1, causal=False)
+    updated, _ = spec.update_cache(
+        ops, cache, new, new, np.array([7, -3]), head_dim=1, causal=False
+    )
     assert updated.lengths.tolist() == [3, 1]
     np.testing.assert_array_equal(updated.keys[:, 0, :, 0], [[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
 
@@ -174,7 +182,10 @@ def test_cached_call_shape_errors_name_the_argument(shapes, match):
 @pytest.mark.parametrize(
     ("cache", "match"),
     [
-        (((2, 2, 6, 2), (2, 2, 6, 2), (2,)), r"cache.keys must have shape .* \(2, 1, max_length, 2\)"),
+        (
+            ((2, 2, 6, 2), (2, 2, 6, 2), (2,)),
+            r"cache.keys must have shape .* \(2, 1, max_length, 2\)",
+        ),
         (((2, 1, 6, 2), (2, 1, 5, 2), (2,)), "cache.values must have the shape of cache.keys"),
         (((3, 1, 6, 2), (3, 1, 6, 2), (3,)), "cache.keys"),
         (((2, 1, 6, 2), (2, 1, 6, 2), (2, 1)), r"cache.lengths must have shape \(batch,\)"),
@@ -204,7 +215,9 @@ def test_cache_value_and_type_errors():
     with pytest.raises(TypeError, match="cache.keys dtype"):
         spec.update_cache(
             spec.NumpyOps(),
-            spec.KVCache(np.zeros((1, 1, 2, 1), np.float32), np.zeros((1, 1, 2, 1)), np.zeros(1, int)),
+            spec.KVCache(
+                np.zeros((1, 1, 2, 1), np.float32), np.zeros((1, 1, 2, 1)), np.zeros(1, int)
+            ),
             np.zeros((1, 1, 1)),
             np.zeros((1, 1, 1)),
             None,

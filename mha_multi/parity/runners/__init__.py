@@ -382,9 +382,7 @@ class Runner(abc.ABC):
             options = {"max_length": case.config.cache_length, "device": device, "dtype": dtype}
             return {
                 "output": self.decode(*decoding, **options),
-                "output[weights]": self.decode(
-                    *decoding, return_attention_weights=True, **options
-                ),
+                "output[weights]": self.decode(*decoding, return_attention_weights=True, **options),
             }
         args = (layer, case.inputs["queries"], case.inputs["keys"], case.inputs["values"])
         kwargs = {"causal": case.config.causal, "device": device, "dtype": dtype}

@@ -1,0 +1,169 @@
+"""The generation benchmark, written once: tokens per second with a key/value cache.
+
+The layer is used as a one-layer decoder whose next input is its last
+output: a batch of ``B`` prompts of ``prompt`` tokens is prefilled, then
+``new_tokens`` tokens are generated one at a time, three ways:
+
+* ``cached``: ours with a key/value cache (docs: "Generating with a cache"),
+  one token per call after one prefill call;
+* ``recompute``: ours without a cache, the whole causal forward over every
+  token so far at every step, as d2l's decoder does;
+* ``native``: the framework's own cached decoding where it has one (Flax
+  NNX's ``decode=True``), which takes one token per call, prompt included.
+
+The cached and recomputed generations are the same numbers, which the run
+checks (the largest difference is recorded). Peak memory of the cached
+generation is set beside the cache's size, ``2 * B * num_kv_heads *
+max_length * head_dim`` elements.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from mha_multi.bench.common import Measurement, Shape
+
+__all__ = ["GenerationShape", "Generator", "generate", "run_generation"]
+
+
+@dataclass(frozen=True)
+class GenerationShape:
+    """What is generated: ``batch`` sequences of ``prompt`` then ``new_tokens`` tokens."""
+
+    batch: int = 8
+    prompt: int = 256
+    new_tokens: int = 256
+    num_hiddens: int = 512
+    num_heads: int = 8
+    num_kv_heads: int | None = None
+
+    @property
+    def max_length(self) -> int:
+        return self.prompt + self.new_tokens
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    def cache_bytes(self, itemsize: int) -> int:
+        """Bytes of a cache of ``max_length`` positions: keys and values."""
+        head_dim = self.num_hiddens // self.num_heads
+        return 2 * self.batch * self.kv_heads * self.max_length * head_dim * itemsize
+
+    def attention_shape(self) -> Shape:
+        return Shape(
+            self.batch, self.max_length, self.num_hiddens, self.num_heads, self.num_kv_heads
+        )
+
+
+@dataclass
+class Generator:
+    """One way of generating, as a framework supplies it.
+
+    Attributes:
+        prefill: ``prefill(prompt)`` takes the framework's ``(B, prompt, D)``
+            array and returns ``(state, last)``: whatever the steps carry, and
+            the ``(B, 1, D)`` output at the prompt's last position.
+        step: ``step(state, token) -> (state, output)`` for one ``(B, 1, D)``
+            token; ``output`` is ``(B, 1, D)``.
+        sync: blocks until an output is computed.
+        to_numpy: an output as numpy.
+    """
+
+    prefill: Callable[[Any], tuple[Any, Any]]
+    step: Callable[[Any, Any], tuple[Any, Any]]
+    sync: Callable[[Any], None]
+    to_numpy: Callable[[Any], np.ndarray]
+
+
+def generate(generator: Generator, prompt: Any, new_tokens: int) -> tuple[float, float, np.ndarray]:
+    """Prefills, then generates ``new_tokens`` tokens, each the previous output.
+
+    Returns:
+        ``(prefill seconds, generation seconds, outputs (B, new_tokens, D))``.
+    """
+    start = time.perf_counter()
+    state, token = generator.prefill(prompt)
+    generator.sync(token)
+    prefilled = time.perf_counter()
+    outputs = []
+    for _ in range(new_tokens):
+        state, token = generator.step(state, token)
+        outputs.append(token)
+    generator.sync(token)
+    done = time.perf_counter()
+    gathered = np.concatenate([generator.to_numpy(x) for x in outputs], axis=1)
+    return prefilled - start, done - prefilled, gathered
+
+
+def run_generation(
+    framework: Any,
+    device: str,
+    dtype: str,
+    shape: GenerationShape,
+    itemsize: int,
+) -> list[Measurement]:
+    """Times every generator of ``framework`` and measures the cached one's peak memory.
+
+    ``framework.generators(shape, device, dtype)`` returns name -> a
+    function making a fresh :class:`Generator` (a new cache each time).
+    A warm-up generation of a few tokens loads kernels and compiles first.
+    """
+    rng = np.random.default_rng(0)
+    prompt_np = rng.standard_normal((shape.batch, shape.prompt, shape.num_hiddens)).astype(
+        np.float32
+    )
+    prompt = framework.array(prompt_np, device, dtype)
+    label = framework.label(framework.executions[0])
+    rows, outputs = [], {}
+    note_shape = {**vars(shape.attention_shape()), "prompt": shape.prompt}
+    for name, make in framework.generators(shape, device, dtype).items():
+        row = Measurement(
+            label, name, "generate", device, dtype, shape.max_length, shape=note_shape
+        )
+        try:
+            generate(make(), prompt, 2)  # loads kernels, compiles
+            prefill_s, seconds, outputs[name] = generate(make(), prompt, shape.new_tokens)
+        except Exception as error:  # e.g. a native decoder that cannot take these sizes
+            print(f"[bench] {label} generate {name}: {error}", flush=True)
+            rows.append(replace(row, note=f"failed: {type(error).__name__}"))
+            continue
+        rows.append(
+            replace(
+                row,
+                seconds=seconds,
+                tokens_per_s=shape.batch * shape.new_tokens / seconds,
+                note=f"prefill {prefill_s * 1e3:.0f} ms",
+            )
+        )
+    if "cached" in outputs and "recompute" in outputs:
+        difference = float(np.abs(outputs["cached"] - outputs["recompute"]).max())
+        rows = [
+            replace(r, note=f"{r.note}; max |cached - recompute| {difference:.1e}")
+            if r.implementation == "cached"
+            else r
+            for r in rows
+        ]
+    if framework.measures_memory(device) and "cached" in framework.generators(shape, device, dtype):
+        make = framework.generators(shape, device, dtype)["cached"]
+        peak = framework.peak_mib(device, lambda: generate(make(), prompt, shape.new_tokens))
+        size = shape.cache_bytes(itemsize) / 2**20
+        rows.append(
+            Measurement(
+                label,
+                "cached",
+                "generate memory",
+                device,
+                dtype,
+                shape.max_length,
+                peak_mib=peak,
+                note=f"cache {size:.1f} MiB",
+                shape=note_shape,
+            )
+        )
+    return rows
