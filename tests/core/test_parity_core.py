@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_multi.parity.cases import CASES, WEIGHTS_FILE, build_case, load_cases, write_cases
+from mha_multi.parity.cases import (
+    CACHED_CASES,
+    CASES,
+    WEIGHTS_FILE,
+    build_case,
+    load_cases,
+    write_cases,
+)
 from mha_multi.parity.compare import compare
 from mha_multi.parity.report import build_report, format_markdown
 from mha_multi.parity.run import result_path
@@ -21,8 +28,8 @@ def case_dir(tmp_path_factory):
 
 def test_case_files_round_trip_bit_exact(case_dir):
     loaded = {case.name: case for case in load_cases(case_dir)}
-    assert list(loaded) == [config.name for config in CASES]
-    for config in CASES:
+    assert list(loaded) == [config.name for config in CASES + CACHED_CASES]
+    for config in CASES + CACHED_CASES:
         built, read = build_case(config), loaded[config.name]
         assert read.config == built.config
         for group in ("weights", "inputs", "reference"):
