@@ -34,12 +34,14 @@ __all__ = [
     "KVCache",
     "KernelPlan",
     "NumpyOps",
+    "apply_head_mask",
     "attention",
     "cache_shape",
     "check_cache_dtypes",
     "check_cache_values",
     "check_cached_inputs",
     "check_config",
+    "check_head_mask",
     "check_heads",
     "grouped_to_heads",
     "heads_of_weights",
@@ -974,6 +976,46 @@ def _kv_heads(ops: ArrayOps, x: Array, num_kv_heads: int, split: bool) -> Array:
     return ops.merge_axes(x, 0) if split else transpose_qkv(ops, x, num_kv_heads)
 
 
+def check_head_mask(
+    head_mask_shape: Sequence[int], head_mask_kind: str, *, num_heads: int, batch: int
+) -> None:
+    """Validates a ``head_mask``: ``(num_heads,)`` or ``(batch, num_heads)``, floating.
+
+    Raises:
+        TypeError: ``head_mask`` is not floating-point (numpy dtype kind ``head_mask_kind``).
+        ValueError: another shape.
+    """
+    if head_mask_kind != "f":
+        raise TypeError(
+            f"head_mask must be a floating-point array; got dtype kind {head_mask_kind!r}"
+        )
+    shape = tuple(head_mask_shape)
+    if shape not in ((num_heads,), (batch, num_heads)):
+        raise ValueError(
+            f"head_mask must have shape (num_heads,) = ({num_heads},) or (batch, num_heads) = "
+            f"({batch}, {num_heads}); got {shape}"
+        )
+
+
+def apply_head_mask(
+    ops: ArrayOps, context: Array, head_mask: Array | None, num_heads: int
+) -> Array:
+    """Multiplies head ``h``'s context by ``head_mask[..., h]`` (docs: "Heads").
+
+    The gate of Michel, Levy & Neubig (2019): the heads' concatenated context
+    ``(B, Q, num_heads * head_dim)``, before ``W_o``, times ``(num_heads,)``
+    or ``(B, num_heads)`` gates; a gate of 0 removes the head, and the
+    gradient with respect to the gates measures each head's importance.
+    """
+    if head_mask is None:
+        return context
+    heads = ops.split_axis(context, 2, (num_heads, -1))  # (B, Q, H, dh)
+    gates = ops.expand_dims(ops.cast(head_mask, ops.dtype(context)), -1)  # (1|B, H, 1)
+    if ops.ndim(head_mask) == 2:
+        gates = ops.expand_dims(gates, 1)  # (B, 1, H, 1)
+    return ops.merge_axes(heads * gates, 2)
+
+
 # --------------------------------------------------------------------------
 # Incremental decoding with a key/value cache (docs: "Generating with a cache")
 # --------------------------------------------------------------------------
@@ -1330,6 +1372,7 @@ def reference_forward(
     num_heads: int,
     num_kv_heads: int | None = None,
     causal: bool = False,
+    head_mask: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The spec evaluated in float64 numpy.
 
@@ -1344,6 +1387,8 @@ def reference_forward(
         num_kv_heads: number of key/value heads; ``None`` infers it from
             ``W_k``'s width (``num_heads`` for multi-head attention).
         causal: bottom-right aligned causal mask.
+        head_mask: ``None``, ``(H,)`` or ``(B, H)`` gates of the heads'
+            context (:func:`apply_head_mask`).
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and
@@ -1352,6 +1397,7 @@ def reference_forward(
     w, queries, keys, values, lens, heads = _reference_inputs(
         weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal
     )
+    gates = _reference_head_mask(head_mask, heads, len(queries))
     # Non-finite inputs propagate by design (docs: "Edge cases"); numpy's warnings
     # about them would only be noise.
     with np.errstate(invalid="ignore", over="ignore"):
@@ -1366,7 +1412,16 @@ def reference_forward(
             num_kv_heads=heads.num_kv_heads,
             causal=causal,
         )
+        context = apply_head_mask(NumpyOps(), context, gates, heads.num_heads)
         return _linear(context, w, "o"), attention_weights
+
+
+def _reference_head_mask(head_mask: Any, heads: Heads, batch: int) -> np.ndarray | None:
+    if head_mask is None:
+        return None
+    gates = np.asarray(head_mask)
+    check_head_mask(gates.shape, gates.dtype.kind, num_heads=heads.num_heads, batch=batch)
+    return gates.astype(np.float64)
 
 
 def reference_gradients(
@@ -1380,6 +1435,7 @@ def reference_gradients(
     num_kv_heads: int | None = None,
     causal: bool = False,
     output_gradient: Any,
+    head_mask: Any = None,
 ) -> dict[str, np.ndarray]:
     """Float64 vector-Jacobian product of :func:`reference_forward`.
 
@@ -1391,9 +1447,12 @@ def reference_gradients(
         weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal: as in
             :func:`reference_forward`.
         output_gradient: the cotangent of the output, ``(B, Q, num_hiddens)``.
+        head_mask: as in :func:`reference_forward`; its gradient is returned
+            too.
 
     Returns:
-        Gradients keyed ``queries``, ``keys``, ``values`` and every weight name.
+        Gradients keyed ``queries``, ``keys``, ``values``, every weight name
+        and, with a ``head_mask``, ``head_mask``.
     """
     ops = NumpyOps()
     w, queries, keys, values, lens, heads = _reference_inputs(
@@ -1417,12 +1476,25 @@ def reference_gradients(
     visible = visibility(ops, scores.shape[2], scores.shape[3], lens, causal=causal)
     attn = heads_to_grouped(ops, masked_softmax(ops, scores, visible), kv_heads, group)
     context = transpose_grouped_output(ops, attn @ v, kv_heads, group)
+    gates = _reference_head_mask(head_mask, heads, len(queries))
 
     grads: dict[str, np.ndarray] = {}
-    grads["W_o"] = np.einsum("bqi,bqj->ij", context, grad_out)
+    grads["W_o"] = np.einsum(
+        "bqi,bqj->ij", apply_head_mask(ops, context, gates, heads.num_heads), grad_out
+    )
     if "b_o" in w:
         grads["b_o"] = grad_out.sum(axis=(0, 1))
-    grad_heads = transpose_grouped_queries(ops, grad_out @ w["W_o"].T, kv_heads, group)
+    grad_context = grad_out @ w["W_o"].T  # (B, Q, H*dh), of the gated context
+    if gates is not None:
+        # d(context_h * gate_h): the gate's gradient sums its head's products,
+        # over the batch too for one gate per head.
+        per_head = (grad_context * context).reshape(
+            *context.shape[:2], heads.num_heads, heads.head_dim
+        )
+        grad_gates = per_head.sum(axis=(1, 3))  # (B, H)
+        grads["head_mask"] = grad_gates if gates.ndim == 2 else grad_gates.sum(axis=0)
+        grad_context = apply_head_mask(ops, grad_context, gates, heads.num_heads)
+    grad_heads = transpose_grouped_queries(ops, grad_context, kv_heads, group)
     grad_attn = grad_heads @ np.swapaxes(v, -1, -2)  # d(attn @ v) / d attn
     # A key/value head's gradient sums over its whole group (the G*Q rows).
     grad_v = np.swapaxes(attn, -1, -2) @ grad_heads

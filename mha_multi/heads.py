@@ -1,0 +1,156 @@
+"""Pruning heads from canonical weights (numpy only; docs: "Heads").
+
+A pruned layer is a smaller layer: the heads' columns of ``W_q`` (and of
+``W_k``/``W_v`` where a key/value head goes with them) and rows of ``W_o``
+are removed, so it computes exactly what the full layer computes with those
+heads' ``head_mask`` entries at 0, in every framework, with fewer FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from mha_multi import spec
+from mha_multi.weights import check_weights
+
+__all__ = ["LayerConfig", "Pruned", "prune_heads"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """The configuration of a layer holding some canonical weights.
+
+    ``kwargs()`` is what every backend's ``MultiHeadAttention`` constructor
+    takes: ``MultiHeadAttention(**config.kwargs())``.
+    """
+
+    num_hiddens: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bias: bool
+    query_size: int
+    key_size: int
+    value_size: int
+
+    def kwargs(self) -> dict[str, Any]:
+        """The constructor's keyword arguments."""
+        return dataclasses.asdict(self)
+
+
+class Pruned(NamedTuple):
+    """What :func:`prune_heads` returns."""
+
+    weights: dict[str, np.ndarray]
+    config: LayerConfig
+
+
+def _head_columns(head: int, head_dim: int) -> np.ndarray:
+    return np.arange(head * head_dim, (head + 1) * head_dim)
+
+
+def prune_heads(
+    weights: Mapping[str, Any],
+    heads: Iterable[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> Pruned:
+    """The canonical weights and configuration of the layer without query heads ``heads``.
+
+    Query head ``h`` loses its ``W_q``/``b_q`` columns and its ``W_o`` rows.
+    In multi-head attention its key/value head goes with it (``W_k``,
+    ``b_k``, ``W_v``, ``b_v`` columns). With grouped heads a key/value head
+    serves a group of ``num_heads // num_kv_heads`` query heads, so only
+    whole groups may go, and then their key/value head too. ``b_o`` and the
+    input sizes are unchanged, and so is ``head_dim``: the pruned layer has
+    ``num_heads * head_dim != num_hiddens``, which its configuration states.
+
+    Args:
+        weights: canonical weights of the full layer.
+        heads: indices of the query heads to remove, in ``[0, num_heads)``.
+        num_heads: the full layer's query heads.
+        num_kv_heads: its key/value heads (``None``: read from the weights).
+        head_dim: its head size (``None``: ``W_q``'s width over ``num_heads``);
+            checked against the weights when given.
+
+    Returns:
+        ``(weights, config)``: the pruned weights (new arrays) and the
+        configuration to build the pruned layer with.
+
+    Raises:
+        TypeError: a head index that is not an int.
+        ValueError: an index out of range or repeated, every head removed,
+            part of a group of grouped heads, or weights that do not fit the
+            head layout.
+    """
+    arrays, config = check_weights(weights)
+    layout = spec.heads_of_weights(arrays, num_heads, num_kv_heads=num_kv_heads)
+    if head_dim is not None and head_dim != layout.head_dim:
+        raise ValueError(
+            f"head_dim ({head_dim}) does not fit W_q: {arrays['W_q'].shape[1]} columns "
+            f"for {num_heads} heads make head_dim {layout.head_dim}"
+        )
+    removed = _checked_heads(heads, layout.num_heads)
+    if len(removed) == layout.num_heads:
+        raise ValueError(f"cannot prune every head: heads {sorted(removed)} are all {num_heads}")
+    group = layout.group_size
+    kv_removed = set()
+    for kv_head in range(layout.num_kv_heads):
+        members = set(range(kv_head * group, (kv_head + 1) * group))
+        if members <= removed:
+            kv_removed.add(kv_head)
+        elif members & removed:
+            raise ValueError(
+                f"query heads {sorted(members)} share key/value head {kv_head} "
+                f"(num_kv_heads={layout.num_kv_heads}): prune all of them or none; "
+                f"got {sorted(members & removed)}"
+            )
+    dh = layout.head_dim
+    keep_q = np.concatenate(
+        [_head_columns(h, dh) for h in range(layout.num_heads) if h not in removed]
+    )
+    keep_kv = np.concatenate(
+        [_head_columns(j, dh) for j in range(layout.num_kv_heads) if j not in kv_removed]
+    )
+    pruned = {
+        "W_q": arrays["W_q"][:, keep_q],
+        "W_k": arrays["W_k"][:, keep_kv],
+        "W_v": arrays["W_v"][:, keep_kv],
+        "W_o": arrays["W_o"][keep_q, :],
+    }
+    if config.bias:
+        pruned |= {
+            "b_q": arrays["b_q"][keep_q],
+            "b_k": arrays["b_k"][keep_kv],
+            "b_v": arrays["b_v"][keep_kv],
+            "b_o": arrays["b_o"].copy(),
+        }
+    pruned_config = LayerConfig(
+        num_hiddens=config.num_hiddens,
+        num_heads=layout.num_heads - len(removed),
+        num_kv_heads=layout.num_kv_heads - len(kv_removed),
+        head_dim=dh,
+        bias=config.bias,
+        query_size=config.query_size,
+        key_size=config.key_size,
+        value_size=config.value_size,
+    )
+    return Pruned({name: np.ascontiguousarray(a) for name, a in pruned.items()}, pruned_config)
+
+
+def _checked_heads(heads: Iterable[int], num_heads: int) -> set[int]:
+    indices = list(heads)
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"heads must be ints; got {index!r}")
+        if not 0 <= index < num_heads:
+            raise ValueError(f"head {index} is out of range for num_heads={num_heads}")
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"heads must not repeat; got {indices}")
+    return {int(index) for index in indices}
