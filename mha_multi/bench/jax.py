@@ -23,6 +23,7 @@ from flax import nnx
 
 from mha_multi.bench.common import Shape
 from mha_multi.bench.driver import Framework, score_bytes
+from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.jax import MultiHeadAttention, _backend, get_weights
 from mha_multi.jax.functional import batch_pieces
 
@@ -49,6 +50,7 @@ class Jax(Framework):
     """Flax NNX layers on the first device of each platform, ``"cpu"`` and ``"gpu"``."""
 
     name = "jax"
+    package = "mha_multi.jax"
     backend = _backend
     implementations = ("ours", "ours (generic)", "native", "ours (fused, xla)")
 
@@ -60,6 +62,70 @@ class Jax(Framework):
 
     def matmul(self, a: jax.Array, b: jax.Array) -> jax.Array:
         return self._matmul(a, b)
+
+    def append(self, sequence: jax.Array, token: jax.Array) -> jax.Array:
+        return jnp.concatenate([sequence, token], axis=1)
+
+    def cached_call(self, layer: MultiHeadAttention) -> Callable[..., Any]:
+        # One compilation per length of the call: the prefill's, and 1.
+        call = nnx.jit(lambda layer, x, cache: layer(x, x, x, causal=True, cache=cache))
+        return lambda x, cache: call(layer, x, cache)
+
+    def generators(
+        self, shape: GenerationShape, device: str, dtype: str
+    ) -> dict[str, Callable[[], Generator]]:
+        """Ours cached; ours recomputing over a buffer of ``max_length`` tokens, so that
+        one compiled program serves every step (a growing sequence would compile
+        each length); and Flax NNX's own ``decode=True``, one token per call."""
+        generators = super().generators(shape, device, dtype)
+        ours = self.ours(shape.attention_shape(), device, dtype)
+        batch, length = shape.batch, shape.max_length
+
+        @nnx.jit
+        def recompute_step(
+            layer: MultiHeadAttention, buffer: jax.Array, token: jax.Array, position: jax.Array
+        ) -> tuple[jax.Array, jax.Array]:
+            buffer = jax.lax.dynamic_update_slice_in_dim(buffer, token, position, axis=1)
+            # Causal: the zeros past ``position`` are never seen.
+            output = layer(buffer, buffer, buffer, causal=True)
+            return buffer, jax.lax.dynamic_slice_in_dim(output, position, 1, axis=1)
+
+        def recompute() -> Generator:
+            def prefill(prompt: jax.Array) -> tuple[Any, jax.Array]:
+                buffer = jnp.zeros((batch, length, shape.num_hiddens), prompt.dtype)
+                buffer = buffer.at[:, : shape.prompt].set(prompt)
+                output = layer_call(ours, buffer)
+                return (buffer, shape.prompt), output[:, shape.prompt - 1 : shape.prompt]
+
+            def step(state: Any, token: jax.Array) -> tuple[Any, jax.Array]:
+                buffer, position = state
+                buffer, output = recompute_step(ours, buffer, token, jnp.int32(position))
+                return (buffer, position + 1), output
+
+            return Generator(prefill, step, self.sync, _backend.to_numpy)
+
+        layer_call = nnx.jit(lambda layer, x: layer(x, x, x, causal=True))
+        heads = {} if shape.num_kv_heads is None else {"num_kv_heads": shape.num_kv_heads}
+        native = _backend.native_layer(
+            get_weights(ours), shape.num_heads, device=device, dtype=dtype, **heads
+        )
+        decode = nnx.jit(lambda layer, x: layer(x, decode=True, deterministic=True))
+
+        def flax_decode() -> Generator:
+            def prefill(prompt: jax.Array) -> tuple[Any, jax.Array]:
+                native.init_cache((batch, length, shape.num_hiddens), prompt.dtype)
+                for position in range(shape.prompt):  # one token per call
+                    output = decode(native, prompt[:, position : position + 1])
+                return None, output
+
+            def step(state: Any, token: jax.Array) -> tuple[Any, jax.Array]:
+                return None, decode(native, token)
+
+            return Generator(prefill, step, self.sync, _backend.to_numpy)
+
+        generators["recompute"] = recompute
+        generators["native"] = flax_decode
+        return generators
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str

@@ -43,6 +43,7 @@ class Keras(Framework):
     """The active Keras backend on the CPU, eager and compiled."""
 
     name = f"keras-{backend.BACKEND}"
+    package = "mha_multi.keras"
     backend = backend
     executions = ("eager", "compiled")
     gemm_op = "keras.ops.matmul"
@@ -59,6 +60,9 @@ class Keras(Framework):
 
     def matmul(self, a: Any, b: Any) -> Any:
         return keras.ops.matmul(a, b)
+
+    def append(self, sequence: Any, token: Any) -> Any:
+        return keras.ops.concatenate([sequence, token], axis=1)
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str

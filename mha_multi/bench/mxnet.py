@@ -114,6 +114,7 @@ class MXNet(Framework):
     """Both layers hybridized, on the CPU and the first GPU."""
 
     name = "mxnet"
+    package = "mha_multi.mxnet"
     backend = backend
     # MXNet 1.9's numpy interface has no bfloat16; its CPU float16 products
     # are emulated, so float16 is timed on GPUs only.
@@ -124,6 +125,9 @@ class MXNet(Framework):
 
     def matmul(self, a: mx.np.ndarray, b: mx.np.ndarray) -> mx.np.ndarray:
         return mx.np.dot(a, b)
+
+    def append(self, sequence: mx.np.ndarray, token: mx.np.ndarray) -> mx.np.ndarray:
+        return mx.np.concatenate([sequence, token], axis=1)
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
