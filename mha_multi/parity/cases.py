@@ -23,6 +23,7 @@ from mha_multi.weights import init_weights, save_weights
 
 __all__ = [
     "CACHED_CASES",
+    "HEAD_MASK_CASES",
     "CASES",
     "WEIGHTS_FILE",
     "Case",
@@ -66,6 +67,9 @@ class CaseConfig:
     #: of one causal forward.
     chunks: Any = None
     cache_length: int | None = None
+    #: ``None``, or the gates of the heads (docs: "Heads"): a list (``(H,)``)
+    #: or a list of lists (``(B, H)``); the case checks their gradient too.
+    head_mask: Any = None
 
     @property
     def cached(self) -> bool:
@@ -182,6 +186,32 @@ CASES: tuple[CaseConfig, ...] = (
         bias=True,
         valid_lens=[3, 0, 7],
         description="explicit head_dim 3, num_hiddens 10 not divisible by 4 heads; grouped",
+    ),
+)
+
+#: Cases gating the heads (docs: "Heads"), the gates' gradient included.
+HEAD_MASK_CASES: tuple[CaseConfig, ...] = (
+    CaseConfig(
+        "head_mask",
+        bias=True,
+        valid_lens=[4, 7, 1],
+        head_mask=[1.0, 0.0, 0.5, -2.0],
+        description="one gate per head: one head off, one halved, one negated",
+    ),
+    CaseConfig(
+        "head_mask_gqa",
+        num_hiddens=32,
+        num_heads=8,
+        num_kv_heads=2,
+        num_queries=5,
+        num_keys=5,
+        causal=True,
+        head_mask=[
+            [1.0, 1.0, 0.0, 0.0, 1.0, 0.25, 1.0, 1.0],
+            [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5],
+            [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0],
+        ],
+        description="(B, H) gates on grouped heads, causal",
     ),
 )
 
@@ -303,6 +333,8 @@ def reference_results(case: Case) -> dict[str, np.ndarray]:
         "num_kv_heads": case.config.num_kv_heads,
         "causal": case.config.causal,
     }
+    if case.config.head_mask is not None:
+        kwargs["head_mask"] = np.asarray(case.config.head_mask, np.float32)
     output, attention_weights = spec.reference_forward(*args, case.valid_lens, **kwargs)
     grads = spec.reference_gradients(
         *args, case.valid_lens, output_gradient=case.output_gradient, **kwargs

@@ -203,12 +203,14 @@ class Runner(abc.ABC):
         causal: bool,
         output_gradient: Any,
         cache: spec.KVCache | None = None,
+        head_mask: Any = None,
     ) -> Mapping[str, Any]:
         """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
 
         Keyed ``queries``, ``keys``, ``values`` and the canonical weight names,
         in the canonical orientation, as framework arrays. With a ``cache``,
-        of the output of that cached call, the cache held fixed.
+        of the output of that cached call, the cache held fixed; with a
+        ``head_mask``, its gradient too, keyed ``head_mask``.
         """
         return self.facts.vjp(
             layer,
@@ -219,6 +221,7 @@ class Runner(abc.ABC):
             causal=causal,
             output_gradient=output_gradient,
             **({} if cache is None else {"cache": cache}),
+            **({} if head_mask is None else {"head_mask": head_mask}),
         )
 
     def init_cache(self, layer: Any, batch_size: int, max_length: int) -> spec.KVCache:
@@ -270,19 +273,23 @@ class Runner(abc.ABC):
         output_gradient: np.ndarray,
         device: str,
         dtype: str,
+        head_mask: np.ndarray | None = None,
     ) -> dict[str, np.ndarray]:
         """Gradients of ``sum(output * output_gradient)`` (eval mode).
 
         Keyed ``queries``, ``keys``, ``values`` and the canonical weight
-        names, in the canonical orientation, as float64 numpy.
+        names, in the canonical orientation, as float64 numpy; and
+        ``head_mask`` with a ``head_mask``.
         """
         arrays = [self.to_native(x, device, dtype) for x in (queries, keys, values)]
+        gates = {} if head_mask is None else {"head_mask": self.to_native(head_mask, device, dtype)}
         grads = self.vjp(
             layer,
             *arrays,
             self.native_lens(valid_lens, device),
             causal=causal,
             output_gradient=self.to_native(output_gradient, device, dtype),
+            **gates,
         )
         return {name: self.to_numpy(value) for name, value in grads.items()}
 
@@ -386,12 +393,20 @@ class Runner(abc.ABC):
             }
         args = (layer, case.inputs["queries"], case.inputs["keys"], case.inputs["values"])
         kwargs = {"causal": case.config.causal, "device": device, "dtype": dtype}
-        results = {"output": self.call(*args, case.valid_lens, **kwargs)}
-        output, weights = self.call(*args, case.valid_lens, return_attention_weights=True, **kwargs)
+        gates = {}
+        if case.config.head_mask is not None:
+            head_mask = np.asarray(case.config.head_mask, np.float32)
+            gates = {"head_mask": self.to_native(head_mask, device, dtype)}
+        results = {"output": self.call(*args, case.valid_lens, **kwargs, **gates)}
+        output, weights = self.call(
+            *args, case.valid_lens, return_attention_weights=True, **kwargs, **gates
+        )
         results["output[weights]"] = output
         results["attention_weights"] = weights
+        if gates:
+            gates = {"head_mask": head_mask}
         grads = self.gradients(
-            *args, case.valid_lens, output_gradient=case.output_gradient, **kwargs
+            *args, case.valid_lens, output_gradient=case.output_gradient, **kwargs, **gates
         )
         results.update({f"grad.{name}": value for name, value in grads.items()})
         return results
