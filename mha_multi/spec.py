@@ -1531,6 +1531,7 @@ def reference_cached_forward(
     num_heads: int,
     num_kv_heads: int | None = None,
     causal: bool = False,
+    head_mask: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, KVCache]:
     """A cached call evaluated in float64 numpy, one example, head and query at a time.
 
@@ -1548,6 +1549,7 @@ def reference_cached_forward(
         num_heads, num_kv_heads: as in :func:`reference_forward`.
         causal: query ``i`` of example ``b`` sees key ``j`` only when ``j <=
             lengths[b] + i``.
+        head_mask: ``None``, ``(H,)`` or ``(B, H)`` gates of the heads' context.
 
     Returns:
         ``(output, attention_weights, cache)``: ``(B, T, num_hiddens)``,
@@ -1565,6 +1567,9 @@ def reference_cached_forward(
     else:
         new = np.full(batch, num_new) if valid_lens is None else np.asarray(valid_lens)
     check_cache_values(lengths, new, num_new, max_length)
+    gates = _reference_head_mask(head_mask, heads, batch)
+    if gates is not None and gates.ndim == 1:
+        gates = np.broadcast_to(gates, (batch, heads.num_heads))
     dh, group = heads.head_dim, heads.group_size
     with np.errstate(invalid="ignore", over="ignore"):
         if keys is not None:
@@ -1592,6 +1597,8 @@ def reference_cached_forward(
                     row = row / row.sum()
                     attention_weights[b, h, i] = row
                     context[b, i, h] = row @ cache_values[b, h // group]
+                    if gates is not None:
+                        context[b, i, h] *= gates[b, h]
         output = _linear(context.reshape(batch, num_new, heads.query_features), w, "o")
     updated = KVCache(cache_keys, cache_values, (lengths + new).astype(np.int32))
     return output, attention_weights, updated

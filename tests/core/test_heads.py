@@ -204,3 +204,19 @@ def test_bad_pruning_is_named(name, removed, error, match):
 def test_head_dim_is_checked_against_the_weights():
     with pytest.raises(ValueError, match="head_dim"):
         prune_heads(_weights(LAYOUTS["mha"], 0), [0], num_heads=4, head_dim=5)
+
+
+def test_a_cached_call_gates_its_heads_as_the_full_forward_does():
+    weights = _weights(LAYOUTS["gqa"], 9)
+    _, (queries, keys, values) = _inputs(10, num_queries=4, num_keys=4)
+    keys = keys[..., :8]
+    gates = np.array([[1.0, 0.0, 0.5, 2.0], [0.0, 1.0, 1.0, -1.0]])
+    shape = spec.cache_shape(2, 6, spec.heads_of_weights(weights, 4))
+    cache = spec.KVCache(np.zeros(shape), np.zeros(shape), np.zeros(2, np.int32))
+    cached, _, _ = spec.reference_cached_forward(
+        weights, queries, keys, values, cache, num_heads=4, causal=True, head_mask=gates
+    )
+    full, _ = spec.reference_forward(
+        weights, queries, keys, values, num_heads=4, causal=True, head_mask=gates
+    )
+    np.testing.assert_allclose(cached, full, rtol=0, atol=1e-12)
