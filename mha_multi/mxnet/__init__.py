@@ -5,5 +5,6 @@ layer is written for, as d2l does.
 """
 
 from mha_multi.mxnet.layer import MultiHeadAttention, get_weights, set_weights
+from mha_multi.spec import KVCache
 
-__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
+__all__ = ["KVCache", "MultiHeadAttention", "get_weights", "set_weights"]

@@ -30,6 +30,7 @@ from mha_multi.weights import KERNEL_NAMES
 if TYPE_CHECKING:
     from mha_multi.mxnet.layer import MultiHeadAttention
     from mha_multi.parity.runners import KernelCall
+    from mha_multi.spec import KVCache
 
 __all__ = [
     "DTYPES",
@@ -40,6 +41,7 @@ __all__ = [
     "forward",
     "gpu_available",
     "host_array",
+    "init_cache",
     "kernel_spy",
     "lens_to_native",
     "make_layer",
@@ -211,7 +213,9 @@ def forward(
         queries: ``(B, Q, query_size)``; keys, values likewise with ``K``.
         valid_lens: passed to the layer as it is.
         training: record in training mode, so that dropout acts.
-        **kwargs: the layer's ``causal`` and ``return_attention_weights``.
+        **kwargs: the layer's ``causal``, ``return_attention_weights`` and
+            ``cache`` (``keys``/``values`` ``None`` with a cache: attend to it
+            as it is).
     """
     if not training:
         return layer(queries, keys, values, valid_lens, **kwargs)
@@ -222,26 +226,39 @@ def forward(
 def vjp(
     layer: MultiHeadAttention,
     queries: mx.np.ndarray,
-    keys: mx.np.ndarray,
-    values: mx.np.ndarray,
+    keys: mx.np.ndarray | None,
+    values: mx.np.ndarray | None,
     valid_lens: Any,
     *,
     causal: bool,
     output_gradient: mx.np.ndarray,
+    cache: KVCache | None = None,
 ) -> dict[str, mx.np.ndarray]:
     """The gradients of ``sum(output * output_gradient)`` of a call out of training mode.
+
+    With a ``cache``, of that cached call's output, the cache held fixed
+    (its arrays get no gradient). ``keys``/``values`` may then be ``None``,
+    and have no gradient.
 
     Returns:
         Arrays keyed ``queries``, ``keys``, ``values`` and the canonical
         weight names, kernels in the canonical ``(in, out)`` orientation.
     """
-    inputs = [x.copy() for x in (queries, keys, values)]
-    for array in inputs:
+    inputs = {
+        name: x.copy()
+        for name, x in zip(INPUT_NAMES, (queries, keys, values), strict=True)
+        if x is not None
+    }
+    for array in inputs.values():
         array.attach_grad()
+    options = {} if cache is None else {"cache": cache}
     with autograd.record(train_mode=False):
-        output = layer(*inputs, valid_lens, causal=causal)
+        result = layer(
+            *(inputs.get(name) for name in INPUT_NAMES), valid_lens, causal=causal, **options
+        )
+    output = result if cache is None else result[0]
     output.backward(output_gradient)
-    grads = {name: x.grad for name, x in zip(INPUT_NAMES, inputs, strict=True)}
+    grads = {name: x.grad for name, x in inputs.items()}
     ctx = queries.ctx
     for name in KERNEL_NAMES:
         dense = getattr(layer, name)
@@ -249,6 +266,11 @@ def vjp(
         if dense.bias is not None:
             grads[f"b_{name[-1]}"] = dense.bias.grad(ctx)
     return grads
+
+
+def init_cache(layer: MultiHeadAttention, batch_size: int, max_length: int) -> KVCache:
+    """The layer's empty cache (``layer.init_cache``), of its dtype and on its device."""
+    return layer.init_cache(batch_size, max_length)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,11 @@ themselves is worked around here:
   the reference's whole row becomes NaN, and so does the adapter's.
 * ``arange_like`` counts in float32 where the array is 16-bit (float16
   cannot count past 2048 exactly) and returns int32.
+* ``gather_positions``: ``mxnet.numpy`` 1.9's ``take_along_axis`` is a
+  fallback to numpy on the host (no symbol, no gradient);
+  ``npx.gather_nd`` with the batch index stacked on the positions does the
+  same on arrays and symbols, and its backward adds the gradient of each
+  picked row to its source.
 """
 
 from __future__ import annotations
@@ -143,6 +148,11 @@ class MXNetOps:
 
     def mean(self, x: Array, axis: int) -> Array:
         return self._np.mean(x, axis=axis, keepdims=True)
+
+    def gather_positions(self, x: Array, positions: Array) -> Array:
+        positions = _to(positions, self.dtype(positions), np.int32)
+        batch = self._np.expand_dims(self.arange(_Size(x, 0)), 1) + positions * 0  # (B, M)
+        return self._npx.gather_nd(x, self._np.stack([batch, positions], axis=0))
 
     def softmax(self, x: Array) -> Array:
         # MXNet's kernel gives 0 to the other keys of a row holding a NaN or

@@ -24,6 +24,16 @@ Grouped key/value heads take the spec's grouped layout
 key/value head scores its whole group, and no key or value is repeated.
 Asking for the weights runs the generic :func:`mha_multi.spec.attention`.
 
+A call with a key/value cache (docs: "Generating with a cache") is one more
+configuration: the cache's three arrays are graph inputs and, when the call
+appends, the new cache's three arrays graph outputs, so one graph serves a
+prefill and every decoding step (MXNet's cached graph takes each new length
+as it comes). The graph writes the new positions with
+:func:`mha_multi.spec.update_cache` and attends over the cache by the same
+kernel plan as any call, the causal rule inside its ``(B, T)`` lengths. The
+public block reads the lengths first and refuses what would overflow the
+cache; an exported graph, which cannot, drops what does not fit.
+
 Importing the layer sets ``MXNET_CUDA_TENSOR_OP_MATH_ALLOW_CONVERSION`` to
 MXNet's own default, ``0``, where the environment does not set it, before
 MXNet is loaded (:func:`mha_multi.mxnet._backend.exact_float32`): MXNet's
@@ -70,6 +80,8 @@ class _Config:
     causal: bool
     return_attention_weights: bool
     plan: spec.KernelPlan  # the SequenceMask route, or spec.attention where not fused
+    cached: bool = False  # a call with a key/value cache (the cache's arrays are inputs)
+    appends: bool = False  # a cached call given new keys and values
 
 
 class _Graphs:
@@ -134,6 +146,9 @@ class _AttentionGraph(gluon.HybridBlock):
         keys: Any,
         values: Any,
         valid_lens: Any = None,
+        cache_keys: Any = None,
+        cache_values: Any = None,
+        cache_lengths: Any = None,
         **params: Any,
     ) -> Any:
         # Symbols (a graph being traced) get the traced call's input dtypes
@@ -156,28 +171,70 @@ class _AttentionGraph(gluon.HybridBlock):
             weight, bias = params[f"W_{name}_weight"], params.get(f"W_{name}_bias")
             return self._project(F, x, weight, bias, features[name])
 
+        q = project(queries, "q")
+        if self._config.cached:
+            cache = spec.KVCache(cache_keys, cache_values, cache_lengths)
+            k = v = new = None
+            if self._config.appends:
+                k, v = project(keys, "k"), project(values, "v")
+                new = _new_positions(F, ops, k, valid_lens)
+            cache, lens = spec.update_cache(
+                ops, cache, k, v, new, head_dim=heads.head_dim, causal=self._config.causal
+            )
+            # The causal rule is in lens: (B, T) keys seen by each query.
+            context, weights = self._attend(
+                F, ops, q, cache.keys, cache.values, lens, causal=False, kv_split=True
+            )
+            appended = tuple(cache) if self._config.appends else ()
+        else:
+            k, v = project(keys, "k"), project(values, "v")
+            context, weights = self._attend(
+                F, ops, q, k, v, valid_lens, causal=self._config.causal, kv_split=False
+            )
+            appended = ()
+        outputs = (project(context, "o"),)
+        if self._config.return_attention_weights:
+            outputs += (weights,)
+        outputs += appended
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    def _attend(
+        self,
+        F: Any,
+        ops: MXNetOps,
+        q: Any,
+        k: Any,
+        v: Any,
+        valid_lens: Any,
+        *,
+        causal: bool,
+        kv_split: bool,
+    ) -> tuple[Any, Any]:
+        """The concatenated heads before ``W_o``, and the weights (``None`` on the fast route).
+
+        ``kv_split``: keys and values are ``(B, H_kv, K, dh)``, as a cache
+        holds them, rather than ``(B, K, H_kv*dh)``.
+        """
+        if self._config.plan.fused:
+            return self._fused_attention(F, ops, q, k, v, valid_lens, kv_split=kv_split), None
+
         def dropout(weights: Any) -> Any:
             # mode="training": active only while autograd is in training mode.
             return F.npx.dropout(weights, p=self._dropout)
 
-        q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
-        if self._config.plan.fused:
-            context = self._fused_attention(F, ops, q, k, v, valid_lens)
-            return project(context, "o")
-        context, weights = spec.attention(
+        return spec.attention(
             ops,
             q,
             k,
             v,
             valid_lens,
-            num_heads=heads.num_heads,
-            head_dim=heads.head_dim,
-            num_kv_heads=heads.num_kv_heads,
-            causal=self._config.causal,
+            num_heads=self._heads.num_heads,
+            head_dim=self._heads.head_dim,
+            num_kv_heads=self._heads.num_kv_heads,
+            causal=causal,
             dropout=dropout if self._dropout > 0 else None,
+            kv_split=kv_split,
         )
-        output = project(context, "o")
-        return (output, weights) if self._config.return_attention_weights else output
 
     def _batch_dot(self, F: Any, a: Any, b: Any) -> Any:
         """``a @ b`` of the layer's dtype; 16-bit accumulated in float32, as in MXNetOps.matmul."""
@@ -187,7 +244,15 @@ class _AttentionGraph(gluon.HybridBlock):
         return F.npx.batch_dot(a, b)
 
     def _fused_attention(
-        self, F: Any, ops: MXNetOps, q: Any, k: Any, v: Any, valid_lens: Any
+        self,
+        F: Any,
+        ops: MXNetOps,
+        q: Any,
+        k: Any,
+        v: Any,
+        valid_lens: Any,
+        *,
+        kv_split: bool = False,
     ) -> Any:
         """Attention through MXNet's fastest CPU kernels, to the spec's numbers.
 
@@ -200,8 +265,10 @@ class _AttentionGraph(gluon.HybridBlock):
             F: ``mxnet.ndarray`` or ``mxnet.symbol``.
             ops: the adapter for ``F``.
             q: projected queries ``(B, Q, num_heads * head_dim)``.
-            k, v: projected keys and values ``(B, K, num_kv_heads * head_dim)``.
+            k, v: projected keys and values ``(B, K, num_kv_heads * head_dim)``,
+                or with ``kv_split`` ``(B, num_kv_heads, K, head_dim)`` (a cache's).
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
+            kv_split: the layout of ``k`` and ``v``.
 
         Returns:
             The concatenated heads ``(B, Q, num_heads * head_dim)``.
@@ -217,7 +284,10 @@ class _AttentionGraph(gluon.HybridBlock):
         # (head_dim 4, 16, 64, 256), and otherwise differs by rounding only.
         q = q / math.sqrt(self._heads.head_dim)
         q = spec.transpose_grouped_queries(ops, q, kv_heads, group_size)  # (B*H_kv, G*Q, dh)
-        k, v = (spec.transpose_qkv(ops, x, kv_heads) for x in (k, v))  # (B*H_kv, K, dh)
+        if kv_split:
+            k, v = (ops.merge_axes(x, 0) for x in (k, v))  # (B*H_kv, K, dh)
+        else:
+            k, v = (spec.transpose_qkv(ops, x, kv_heads) for x in (k, v))
         scores = F.npx.batch_dot(q, k, transpose_b=True)  # (B*H_kv, G*Q, K)
         # Row ((b*H_kv + j)*G + g)*Q + i is query i of head h = j*G + g: as
         # (B, H, Q, K), a view, the rows line up with the spec's masks.
@@ -249,6 +319,19 @@ class _AttentionGraph(gluon.HybridBlock):
             weights = F.npx.dropout(weights, p=self._dropout)
         context = self._batch_dot(F, weights, v)  # (B*H_kv, G*Q, dh)
         return spec.transpose_grouped_output(ops, context, kv_heads, group_size)
+
+
+def _new_positions(F: Any, ops: MXNetOps, k: Any, valid_lens: Any) -> Any:
+    """``valid_lens`` clipped to ``[0, T]``: the call's positions each example keeps.
+
+    Counted as the positions ``t < valid_lens[b]``, which needs no concrete
+    ``T``: an exported graph, which runs without the layer's checks, still
+    never writes more positions than the call has, nor a negative number
+    (which would let the next call overwrite kept positions).
+    """
+    positions = ops.expand_dims(ops.arange(ops.size(k, 1)), 0)  # (1, T)
+    kept = ops.less(positions, ops.expand_dims(valid_lens, 1))  # (B, T)
+    return F.np.sum(kept.astype(np.int32), axis=1).astype(np.int32)
 
 
 #: The fast route's kernel: SequenceMask *replaces* hidden scores by the
@@ -288,6 +371,11 @@ class MultiHeadAttention(gluon.HybridBlock):
     Inputs with no batch, no queries or no keys are answered without a
     graph: no keys give the output ``b_o`` (zeros without bias) and weights
     of shape ``(B, H, Q, 0)``, and gradients flow as in the spec.
+
+    Incremental decoding (docs: "Generating with a cache"): :meth:`init_cache`
+    makes an empty :class:`mha_multi.spec.KVCache`, and a call given
+    ``cache=`` appends its new keys and values to it and returns the cache
+    after the call with the output; see :meth:`forward`.
 
     Grouped-query attention (docs: "The spec", grouped heads): with
     ``num_kv_heads < num_heads`` query head ``h`` reads key/value head
@@ -400,6 +488,15 @@ class MultiHeadAttention(gluon.HybridBlock):
         computes that call's configuration (``causal``,
         ``return_attention_weights``, lengths' rank and dtype).
 
+        The graph of a cached call takes queries, keys, values, ``valid_lens``
+        (``(B,)`` int32, always present), ``cache.keys``, ``cache.values`` and
+        ``cache.lengths`` (int32), ``data0`` to ``data6``, or queries and the
+        cache's three arrays (``data0`` to ``data3``) for a call without keys;
+        it returns the output, the weights if that call asked for them, and,
+        when it appends, the cache's new keys, values and lengths. It runs
+        without the layer's checks: see :meth:`forward` for what it does with
+        lengths the layer would have refused.
+
         Raises:
             RuntimeError: the block is not hybridized or was not called yet.
         """
@@ -407,6 +504,47 @@ class MultiHeadAttention(gluon.HybridBlock):
         if graph is None or not self._active:
             raise RuntimeError("call hybridize() and then the layer at least once before export()")
         graph.export(path, epoch=epoch, remove_amp_cast=remove_amp_cast)
+
+    def init_cache(
+        self,
+        batch_size: int,
+        max_length: int,
+        dtype: Any = None,
+        *,
+        ctx: mx.Context | None = None,
+    ) -> spec.KVCache:
+        """An empty key/value cache for incremental decoding (docs: "Generating with a cache").
+
+        Args:
+            batch_size: ``B``, the examples decoded together.
+            max_length: the positions each example can hold.
+            dtype: of the keys and values; ``None`` for the layer's (a call
+                refuses any other).
+            ctx: the device; ``None`` for the parameters' (the first, when
+                they are on several), or the current context before they are
+                initialized.
+
+        Returns:
+            :class:`mha_multi.spec.KVCache` of ``mxnet.numpy`` arrays: zero
+            ``keys`` and ``values`` ``(batch_size, num_kv_heads, max_length,
+            head_dim)`` and zero ``lengths`` ``(batch_size,)`` int32.
+
+        Raises:
+            TypeError: ``batch_size`` or ``max_length`` is not an int.
+            ValueError: either is negative.
+        """
+        shape = spec.cache_shape(batch_size, max_length, self._heads)
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        if ctx is None:
+            try:
+                ctx = self.W_o.weight.list_ctx()[0]
+            except RuntimeError:  # not initialized yet
+                ctx = mx.context.current_context()
+        return spec.KVCache(
+            mx.np.zeros(shape, dtype=dtype, ctx=ctx),
+            mx.np.zeros(shape, dtype=dtype, ctx=ctx),
+            mx.np.zeros(shape[:1], dtype=np.int32, ctx=ctx),
+        )
 
     # -- calling -------------------------------------------------------------
 
@@ -419,12 +557,18 @@ class MultiHeadAttention(gluon.HybridBlock):
         *,
         causal: bool = False,
         return_attention_weights: bool = False,
+        cache: spec.KVCache | None = None,
     ) -> Any:
         # Gluon's Block.__call__ takes positional arguments only.
         args = (queries, keys, values, valid_lens)
         for hook in self._forward_pre_hooks.values():
             hook(self, args)
-        out = self.forward(*args, causal=causal, return_attention_weights=return_attention_weights)
+        out = self.forward(
+            *args,
+            causal=causal,
+            return_attention_weights=return_attention_weights,
+            cache=cache,
+        )
         for hook in self._forward_hooks.values():
             hook(self, args, out)
         return out
@@ -438,32 +582,75 @@ class MultiHeadAttention(gluon.HybridBlock):
         *,
         causal: bool = False,
         return_attention_weights: bool = False,
+        cache: spec.KVCache | None = None,
     ) -> Any:
-        """Attends from ``queries`` to ``keys``/``values``.
+        """Attends from ``queries`` to ``keys``/``values``, or to a key/value cache.
+
+        With a ``cache`` (from :meth:`init_cache`), the call is one step of
+        incremental decoding (docs: "Generating with a cache"): ``keys`` and
+        ``values`` are ``T`` new positions, of which example ``b`` keeps the
+        first ``valid_lens[b]`` (all ``T`` by default) and writes them at
+        positions ``cache.lengths[b]`` on; query ``i`` sees the example's
+        kept positions up to its own, ``cache.lengths[b] + i``, when
+        ``causal`` (else all of them). ``keys=values=None`` attends to the
+        cache as it is and appends nothing. The cache is not changed in
+        place: the call returns the cache after it.
+
+        The layer reads the cache's lengths and ``valid_lens`` (one wait for
+        the device) and refuses a call that would overflow the cache, in
+        imperative and hybridized mode alike. An exported graph
+        (:meth:`export`) has no such checks: it clips ``valid_lens`` into
+        ``[0, T]``, never writes at or past ``max_length`` nor below
+        ``cache.lengths``, and counts the positions it dropped in the new
+        lengths, so ``lengths > max_length`` tells that it happened.
 
         Args:
-            queries: ``(B, Q, query_size)`` ``mxnet.numpy.ndarray``.
-            keys: ``(B, K, key_size)``, same dtype and device.
-            values: ``(B, K, value_size)``, same dtype and device.
+            queries: ``(B, Q, query_size)`` ``mxnet.numpy.ndarray``; with a
+                cache ``(B, T, query_size)``.
+            keys: ``(B, K, key_size)``, same dtype and device; with a cache
+                ``(B, T, key_size)`` or ``None``.
+            values: ``(B, K, value_size)``, same dtype and device; with a
+                cache ``(B, T, value_size)`` or ``None``.
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating
                 (MXNet's default float32 included); an ``mxnet.numpy`` array
                 on any device, a numpy array (any integer dtype: lengths
                 beyond int32 are clipped, which keeps their meaning) or a
                 list. Key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
+                With a cache: ``None`` or ``(B,)`` integers in ``[0, T]``,
+                the new positions each example keeps.
             causal: a bool; also hide key ``j`` from query ``i`` when
                 ``j > i + (K - Q)``.
             return_attention_weights: also return the pre-dropout weights.
+            cache: ``None``, or a :class:`mha_multi.spec.KVCache` of
+                ``mxnet.numpy`` arrays on the queries' device: ``keys`` and
+                ``values`` ``(B, num_kv_heads, max_length, head_dim)`` of the
+                layer's dtype, ``lengths`` ``(B,)`` integers.
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
-            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``.
+            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``. With a
+            cache, ``(output, cache)`` or ``(output, weights, cache)``, the
+            weights ``(B, H, T, max_length)`` (zero where hidden) and the
+            cache's lengths int32.
 
         Raises:
             TypeError: an input is not a floating ``mxnet.numpy.ndarray`` of
-                the parameters' dtype, ``valid_lens`` is not numeric, or
-                ``causal`` is not a bool.
-            ValueError: mismatched shapes or devices.
+                the parameters' dtype, ``valid_lens`` is not numeric (not
+                integer, with a cache), ``causal`` is not a bool, or the
+                cache is not a ``KVCache`` of the layer's dtype.
+            ValueError: mismatched shapes or devices; with a cache, lengths
+                out of range or a cache that would overflow.
         """
+        if cache is not None:
+            return self._cached_forward(
+                queries,
+                keys,
+                values,
+                valid_lens,
+                cache,
+                causal=causal,
+                return_attention_weights=bool(return_attention_weights),
+            )
         for name, array in (("queries", queries), ("keys", keys), ("values", values)):
             _check_array(name, array, self.dtype)
         for name, array in (("keys", keys), ("values", values)):
@@ -481,7 +668,9 @@ class MultiHeadAttention(gluon.HybridBlock):
         if 0 in (queries.shape[0], queries.shape[1], keys.shape[1]):
             # MXNet 1.9's kernels fail on these shapes (some crash the process,
             # some leave the engine unusable), so the result is built here.
-            return self._empty_attention(queries, keys, values, bool(return_attention_weights))
+            return self._empty_attention(
+                queries, keys, values, keys.shape[1], bool(return_attention_weights)
+            )
         config = _Config(
             device_type=queries.ctx.device_type,
             dtype=self.dtype.name,
@@ -499,16 +688,116 @@ class MultiHeadAttention(gluon.HybridBlock):
                 grouped=self._heads.grouped,
             ),
         )
-        inputs = (queries, keys, values) if lens is None else (queries, keys, values, lens)
-        graph = self._graph(config)
-        graph.input_dtypes = {f"data{i}": np.dtype(x.dtype).name for i, x in enumerate(inputs)}
-        graph.input_shapes = {f"data{i}": x.shape for i, x in enumerate(inputs)}
-        out = graph(*inputs)
-        self._graphs.last = graph
+        out = self._run(config, (queries, keys, values, lens))
         return tuple(out) if config.return_attention_weights else out
 
+    def _cached_forward(
+        self,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any,
+        cache: Any,
+        *,
+        causal: Any,
+        return_attention_weights: bool,
+    ) -> tuple[Any, ...]:
+        """:meth:`forward` with a cache: checks, then the configuration's graph."""
+        _check_array("queries", queries, self.dtype)
+        for name, array in (("keys", keys), ("values", values)):
+            if array is not None:
+                _check_array(name, array, self.dtype)
+                if array.ctx != queries.ctx:
+                    raise ValueError(f"{name} is on {array.ctx} but queries on {queries.ctx}")
+        cache = _check_cache(cache, queries.ctx, self.dtype)
+        lens = _as_lens(valid_lens, queries.ctx)
+        spec.check_cached_inputs(
+            queries.shape,
+            None if keys is None else keys.shape,
+            None if values is None else values.shape,
+            None if lens is None else lens.shape,
+            spec.KVCache(*(x.shape for x in cache)),
+            heads=self._heads,
+            causal=causal,
+            **self.input_sizes(),
+        )
+        spec.check_cache_dtypes(
+            dtype_kind(cache.lengths.dtype), None if lens is None else dtype_kind(lens.dtype)
+        )
+        appends = keys is not None
+        batch, num_new = queries.shape[:2]
+        max_length = cache.keys.shape[2]
+        spec.check_cache_values(
+            host_array(cache.lengths),
+            None if lens is None else host_array(lens),
+            num_new if appends else 0,
+            max_length,
+        )
+        # Checked: every length fits in int32, the graphs' one integer type.
+        lengths = _as_int32(cache.lengths)
+        if 0 in (batch, num_new, max_length):
+            # Nothing to write: no example, no new position, or (checked) no
+            # position held or added.
+            result = self._empty_attention(
+                queries, keys, values, max_length, return_attention_weights
+            )
+            result = result if return_attention_weights else (result,)
+            return (*result, spec.KVCache(cache.keys, cache.values, lengths))
+        if appends:
+            if lens is None:
+                lens = mx.np.full((batch,), num_new, dtype=np.int32, ctx=queries.ctx)
+            lens = _as_int32(lens)
+        config = _Config(
+            device_type=queries.ctx.device_type,
+            dtype=self.dtype.name,
+            lens_ndim=1 if appends else None,
+            lens_dtype="int32" if appends else None,
+            causal=bool(causal) and appends,  # without new positions, nothing is causal
+            return_attention_weights=return_attention_weights,
+            # The attention over the cache: the causal rule is in its (B, T)
+            # lengths (docs: "Fast paths").
+            plan=spec.plan_kernel(
+                SEQUENCE_MASK,
+                sizes=(batch, num_new, max_length),
+                lens_ndim=2 if appends and causal else 1,
+                causal=False,
+                dropout=self.dropout > 0,
+                return_attention_weights=return_attention_weights,
+                grouped=self._heads.grouped,
+            ),
+            cached=True,
+            appends=appends,
+        )
+        out = self._run(config, (queries, keys, values, lens, *cache[:2], lengths))
+        out = tuple(out) if isinstance(out, (list, tuple)) else (out,)
+        if appends:
+            return (*out[:-3], spec.KVCache(*out[-3:]))
+        if mx.autograd.is_recording():
+            # W_k and W_v had no part in this call: their gradient is zero,
+            # not what an earlier backward pass left there.
+            unused = self._parameter_arrays(queries.ctx, None, None, None, projections=("k", "v"))
+            out = (sum((_zero_link(x) for x in unused), out[0]), *out[1:])
+        return (*out, spec.KVCache(cache.keys, cache.values, lengths))
+
+    def _run(self, config: _Config, inputs: tuple[Any, ...]) -> Any:
+        """The configuration's graph on ``inputs`` (``None`` for an absent one)."""
+        graph = self._graph(config)
+        given = [x for x in inputs if x is not None]
+        graph.input_dtypes = {f"data{i}": np.dtype(x.dtype).name for i, x in enumerate(given)}
+        graph.input_shapes = {f"data{i}": x.shape for i, x in enumerate(given)}
+        while inputs and inputs[-1] is None:
+            inputs = inputs[:-1]
+        out = graph(*inputs)
+        self._graphs.last = graph
+        return out
+
     def _empty_attention(
-        self, queries: Any, keys: Any, values: Any, return_attention_weights: bool
+        self,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        num_keys: int,
+        return_attention_weights: bool,
     ) -> Any:
         """The spec's result when ``B``, ``Q`` or ``K`` is 0, built from shapes.
 
@@ -519,27 +808,42 @@ class MultiHeadAttention(gluon.HybridBlock):
         contribution, so that a backward pass writes them zero gradients of
         their own shapes (and ``b_o`` the sum of the output's gradient), as
         the reference does, instead of leaving earlier gradients in place.
+        ``keys`` and ``values`` may be ``None`` (a cached call without them);
+        ``num_keys`` is ``K``, or a cache's ``max_length``.
         """
         ctx, dtype = queries.ctx, self.dtype
-        batch, num_queries, num_keys = queries.shape[0], queries.shape[1], keys.shape[1]
-        parameters = self._parameter_arrays(queries, keys, values)
+        batch, num_queries = queries.shape[0], queries.shape[1]
+        parameters = self._parameter_arrays(ctx, queries, keys, values)
         output = mx.np.zeros((batch, num_queries, self.num_hiddens), dtype=dtype, ctx=ctx)
         if self.bias and output.size:
             output = output + self.W_o.bias.data(ctx)
         if mx.autograd.is_recording():
             for x in (queries, keys, values, *parameters):
-                output = output + _zero_link(x)
+                if x is not None:
+                    output = output + _zero_link(x)
         if not return_attention_weights:
             return output
         weights_shape = (batch, self.num_heads, num_queries, num_keys)
         return output, mx.np.zeros(weights_shape, dtype=dtype, ctx=ctx)
 
-    def _parameter_arrays(self, queries: Any, keys: Any, values: Any) -> list[Any]:
-        """Every parameter's array on the inputs' device; deferred sizes fixed by the inputs."""
-        ctx = queries.ctx
+    def _parameter_arrays(
+        self,
+        ctx: mx.Context,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        *,
+        projections: tuple[str, ...] = _PROJECTIONS,
+    ) -> list[Any]:
+        """The parameters' arrays on ``ctx``; deferred sizes fixed by the inputs.
+
+        A parameter whose size is deferred and no input fixes (``keys`` or
+        ``values`` ``None``) has no value yet, and is left out.
+        """
+        inputs = {"q": queries, "k": keys, "v": values, "o": None}
         arrays = []
-        for name, x in (("q", queries), ("k", keys), ("v", values), ("o", None)):
-            dense = getattr(self, f"W_{name}")
+        for name in projections:
+            dense, x = getattr(self, f"W_{name}"), inputs[name]
             for parameter in (dense.weight, dense.bias):
                 if parameter is None:
                     continue
@@ -547,6 +851,8 @@ class MultiHeadAttention(gluon.HybridBlock):
                     # Gluon's deferred initialization, which a graph call would do.
                     parameter.shape = (parameter.shape[0], x.shape[2])
                     parameter._finish_deferred_init()
+                if x is None and parameter._deferred_init:
+                    continue  # its size is still unknown, so it has no value
                 arrays.append(parameter.data(ctx))
         return arrays
 
@@ -554,7 +860,10 @@ class MultiHeadAttention(gluon.HybridBlock):
         graph = self._graphs.by_config.get(config)
         if graph is None:
             shared = {}
-            for name in _PROJECTIONS:
+            # A cached call without keys projects none: W_k and W_v stay out
+            # of its graph (Gluon would warn, or wait for their sizes).
+            used = ("q", "o") if config.cached and not config.appends else _PROJECTIONS
+            for name in used:
                 dense = getattr(self, f"W_{name}")
                 shared[f"W_{name}_weight"] = dense.weight
                 if self.bias:
@@ -605,6 +914,40 @@ def _check_array(name: str, array: Any, dtype: np.dtype) -> None:
             f"{name} dtype {np.dtype(array.dtype)} differs from the layer's parameter dtype "
             f"{dtype}; convert one of them (e.g. layer.cast({np.dtype(array.dtype).name!r}))"
         )
+
+
+def _check_cache(cache: Any, ctx: mx.Context, dtype: np.dtype) -> spec.KVCache:
+    """``cache`` as a ``KVCache`` of ``mxnet.numpy`` arrays on ``ctx``; keys, values of ``dtype``.
+
+    Raises:
+        TypeError: not a triple of ``mxnet.numpy`` arrays, or keys or values
+            of another dtype.
+        ValueError: an array on another device.
+    """
+    if not isinstance(cache, tuple) or len(cache) != 3:
+        raise TypeError(
+            "cache must be a KVCache(keys, values, lengths), as layer.init_cache makes it; "
+            f"got {type(cache).__name__}"
+        )
+    cache = spec.KVCache(*cache)
+    for name, array in zip(spec.KVCache._fields, cache, strict=True):
+        if not isinstance(array, mx.np.ndarray):
+            raise TypeError(
+                f"cache.{name} must be an mxnet.numpy.ndarray; got {type(array).__name__}"
+            )
+        if array.ctx != ctx:
+            raise ValueError(f"cache.{name} is on {array.ctx} but queries on {ctx}")
+    for name, array in (("keys", cache.keys), ("values", cache.values)):
+        if np.dtype(array.dtype) != dtype:
+            raise TypeError(
+                f"cache.{name} dtype {np.dtype(array.dtype)} differs from the layer's parameter "
+                f"dtype {dtype}; make the cache with layer.init_cache"
+            )
+    return cache
+
+
+def _as_int32(array: mx.np.ndarray) -> mx.np.ndarray:
+    return array if np.dtype(array.dtype) == np.int32 else array.astype(np.int32)
 
 
 def _as_lens(valid_lens: Any, ctx: mx.Context) -> mx.np.ndarray | None:

@@ -1,0 +1,413 @@
+"""What only the MXNet layer's key/value cache has: hybridized graphs, the
+exported graph's handling of lengths it cannot refuse, the fast route, and
+Gluon's gradients.
+
+The cached behaviour every backend shares (parity cases in every dtype,
+random schedules, errors, gradients) is tests/backends/test_cache.py's, for
+the imperative and the hybridized layer alike.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon
+
+from mha_multi import spec
+from mha_multi.mxnet import KVCache, MultiHeadAttention
+from mha_multi.mxnet import _backend as backend
+from mha_multi.mxnet.layer import _AttentionGraph
+from mha_multi.parity.compare import tolerance
+from mha_multi.parity.decode import full_reference
+from mha_multi.parity.runners import KernelCall, get_runner
+from mha_multi.weights import init_weights
+
+IMPERATIVE = get_runner("mxnet")
+HYBRID = get_runner("mxnet-hybrid")
+
+QUERY_SIZE, NUM_HIDDENS, NUM_HEADS = 5, 16, 4
+#: Key/value heads: multi-head, grouped and multi-query attention.
+KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+#: Ragged sequences and their schedule: a padded prefill of 3, steps of 1
+#: (with idle examples) and a chunk of 2; example 2 fills the cache.
+LENGTHS = np.array([5, 2, 6])
+CHUNKS = [(3, [3, 2, 1]), (1, [1, 0, 1]), (2, [1, 0, 2]), (1, [0, 0, 1]), (1, [0, 0, 1])]
+MAX_LENGTH = 6
+
+
+def weights_and_inputs(kind, seed=0):
+    weights = init_weights(
+        NUM_HIDDENS,
+        num_heads=NUM_HEADS,
+        num_kv_heads=KV_HEADS[kind],
+        bias=True,
+        query_size=QUERY_SIZE,
+        seed=seed,
+    )
+    rng = np.random.default_rng(seed)
+    sizes = {"queries": QUERY_SIZE, "keys": NUM_HIDDENS, "values": NUM_HIDDENS}
+    inputs = {
+        name: rng.standard_normal((3, MAX_LENGTH, size)).astype(np.float32)
+        for name, size in sizes.items()
+    }
+    return weights, inputs
+
+
+def layer_of(runner, kind, weights, dtype="float32", **kwargs):
+    layer = runner.make_layer(
+        NUM_HIDDENS, NUM_HEADS, num_kv_heads=KV_HEADS[kind], bias=True, dtype=dtype, **kwargs
+    )
+    return runner.set_weights(layer, weights)
+
+
+def native(rows, dtype="float32"):
+    return [None if x is None else mx.np.array(x, dtype=dtype) for x in rows]
+
+
+def int32(values):
+    return mx.np.array(values, dtype=np.int32)
+
+
+def projected_heads(weights, x, name, kv_heads):
+    """The float64 projection ``x @ W + b`` split into heads ``(B, H_kv, T, dh)``."""
+    y = x.astype(np.float64) @ weights[f"W_{name}"] + weights.get(f"b_{name}", 0.0)
+    return y.reshape(*y.shape[:2], kv_heads, -1).transpose(0, 2, 1, 3)
+
+
+def reference_heads(kind):
+    return {"num_heads": NUM_HEADS, "num_kv_heads": KV_HEADS[kind]}
+
+
+@pytest.mark.parametrize("return_attention_weights", [False, True])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("kind", list(KV_HEADS))
+def test_hybridized_decoding_is_imperative_decoding_and_the_reference(
+    kind, dtype, return_attention_weights
+):
+    weights, inputs = weights_and_inputs(kind)
+    options = {"max_length": MAX_LENGTH, "dtype": dtype}
+    if return_attention_weights:
+        options["return_attention_weights"] = True
+    decoded = {
+        runner.name: runner.decode(
+            layer_of(runner, kind, weights, dtype), inputs, LENGTHS, CHUNKS, **options
+        )
+        for runner in (IMPERATIVE, HYBRID)
+    }
+    expected = full_reference(weights, inputs, LENGTHS, **reference_heads(kind))
+    error = np.abs(decoded["mxnet-hybrid"] - expected).max()
+    assert error <= tolerance(dtype, "output"), error
+    # The graph runs the imperative code's operations, to the bit.
+    np.testing.assert_array_equal(decoded["mxnet-hybrid"], decoded["mxnet"])
+
+
+def test_a_decode_loop_traces_one_graph(monkeypatch):
+    # One configuration for the whole schedule (prefill and steps of every
+    # length): one graph, traced once; MXNet's cached graph takes each new
+    # length as it comes.
+    traced = []
+    original = _AttentionGraph.hybrid_forward
+
+    def tracing(graph, F, *args, **kwargs):
+        if F is mx.sym:
+            traced.append(graph._config)
+        return original(graph, F, *args, **kwargs)
+
+    monkeypatch.setattr(_AttentionGraph, "hybrid_forward", tracing)
+    weights, inputs = weights_and_inputs("gqa")
+    layer = layer_of(HYBRID, "gqa", weights)
+    HYBRID.decode(layer, inputs, LENGTHS, CHUNKS, max_length=MAX_LENGTH)
+    assert len({num_new for num_new, _ in CHUNKS}) == 3
+    assert len(traced) == 1 and traced[0].cached and traced[0].appends
+    assert list(layer._graphs.by_config) == traced
+
+
+def exported(layer, path):
+    """The graph of ``layer``'s last (appending) call as a ``SymbolBlock``, and its operators."""
+    prefix = str(path / "cached")
+    layer.export(prefix)
+    with open(f"{prefix}-symbol.json") as file:
+        operators = {node["op"] for node in json.load(file)["nodes"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # SymbolBlock guesses the inputs' types
+        block = gluon.SymbolBlock.imports(
+            f"{prefix}-symbol.json",
+            [f"data{i}" for i in range(7)],  # queries ... valid_lens, the cache's three
+            f"{prefix}-0000.params",
+        )
+    return block, operators
+
+
+def as_numpy(cache):
+    """A cache of MXNet arrays as float64 numpy (lengths included)."""
+    return spec.KVCache(*(backend.to_numpy(x) for x in cache))
+
+
+def test_an_exported_graph_drops_what_does_not_fit(tmp_path):
+    # The exported graph runs without the layer's checks, so it cannot
+    # refuse lengths: it clips valid_lens into [0, T], writes nothing at or
+    # past max_length, never overwrites a kept position, and counts what it
+    # dropped in the lengths.
+    weights, inputs = weights_and_inputs("gqa")
+    kv_heads = KV_HEADS["gqa"]
+    layer = layer_of(HYBRID, "gqa", weights)
+    first = [x[:, :3] for x in inputs.values()]
+    cache = layer.init_cache(3, 4)
+    _, cache = layer(*native(first), int32([3, 1, 0]), causal=True, cache=cache)
+    graph, operators = exported(layer, tmp_path)
+    assert "gather_nd" in operators  # the positions written: gather + where
+    before = as_numpy(cache)
+    rows = [x[:, 3:6] for x in inputs.values()]
+
+    with pytest.raises(ValueError, match="overflows: example 0 would hold 6"):
+        layer(*native(rows), int32([3, 1, 0]), causal=True, cache=cache)
+    # Example 0 holds 3 of 4 and appends 3: one fits. Example 1 asks for 9
+    # of the call's 3 positions, example 2 for -2.
+    output, *overflowed = graph(*native(rows), int32([3, 9, -2]), *cache)
+    after = as_numpy(overflowed)
+    assert after.lengths.tolist() == [6, 4, 0]
+    for name, x in (("keys", rows[1]), ("values", rows[2])):
+        new = projected_heads(weights, x, name[0], kv_heads)  # (B, H_kv, T, dh)
+        held, kept = getattr(before, name), getattr(after, name)
+        np.testing.assert_array_equal(kept[0, :, :3], held[0, :, :3])
+        np.testing.assert_allclose(kept[0, :, 3], new[0, :, 0], rtol=0, atol=5e-6)
+        np.testing.assert_array_equal(kept[1, :, :1], held[1, :, :1])
+        np.testing.assert_allclose(kept[1, :, 1:], new[1], rtol=0, atol=5e-6)
+        np.testing.assert_array_equal(kept[2], held[2])
+    # The examples that fit are the in-range call [_, 3, 0].
+    expected, _, _ = spec.reference_cached_forward(
+        weights, *rows, before, np.array([1, 3, 0]), **reference_heads("gqa"), causal=True
+    )
+    np.testing.assert_allclose(backend.to_numpy(output)[1:], expected[1:], rtol=0, atol=5e-6)
+
+    # Past max_length, example 0 writes nothing more; the others go on.
+    _, *again = graph(*native(rows), int32([1, 0, 1]), *overflowed)
+    again = as_numpy(again)
+    assert again.lengths.tolist() == [7, 4, 1]
+    np.testing.assert_array_equal(again.keys[:2], after.keys[:2])
+    np.testing.assert_allclose(
+        again.keys[2, :, 0], projected_heads(weights, rows[1], "k", kv_heads)[2, :, 0], atol=5e-6
+    )
+
+
+@pytest.mark.parametrize(("runner", "traces"), [(IMPERATIVE, 3), (HYBRID, 2)])
+def test_cached_calls_take_the_fast_route(runner, traces):
+    # An imperative layer runs the route on every call, a hybridized one
+    # while it traces a configuration's graph: the appending calls share one.
+    weights, inputs = weights_and_inputs("gqa")
+    layer = layer_of(runner, "gqa", weights)
+    first = [x[:, :3] for x in inputs.values()]
+    second = [x[:, 3:5] for x in inputs.values()]
+    cache = layer.init_cache(3, MAX_LENGTH)
+    with backend.kernel_spy() as calls:
+        _, cache = layer(*native(first), int32([3, 1, 2]), causal=True, cache=cache)
+        held = as_numpy(cache)
+        output, cache = layer(*native(second), int32([2, 2, 0]), causal=True, cache=cache)
+        appended = as_numpy(cache)
+        queries = native(second[:1])[0]
+        attended, _ = layer(queries, None, None, causal=True, cache=cache)
+        generic, _, _ = layer(
+            queries, None, None, causal=True, cache=cache, return_attention_weights=True
+        )
+    # The mask holds the lengths (with the causal rule in them): no flag.
+    assert calls == [KernelCall(mask=True, is_causal=False)] * traces
+    expected, _, _ = spec.reference_cached_forward(
+        weights, *second, held, np.array([2, 2, 0]), **reference_heads("gqa"), causal=True
+    )
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+    expected, _, _ = spec.reference_cached_forward(
+        weights, second[0], None, None, appended, **reference_heads("gqa")
+    )
+    np.testing.assert_allclose(backend.to_numpy(attended), expected, rtol=0, atol=5e-6)
+    np.testing.assert_allclose(backend.to_numpy(generic), expected, rtol=0, atol=5e-6)
+
+
+def test_the_exported_cached_graph_masks_with_sequence_mask(tmp_path):
+    weights, inputs = weights_and_inputs("mha")
+    layer = layer_of(HYBRID, "mha", weights)
+    rows = native([x[:, :2] for x in inputs.values()])
+    operators = {}
+    for return_attention_weights in (False, True):
+        layer(
+            *rows,
+            causal=True,
+            cache=layer.init_cache(3, 4),
+            return_attention_weights=return_attention_weights,
+        )
+        _, operators[return_attention_weights] = exported(layer, tmp_path)
+    assert {"SequenceMask", "batch_dot"} <= operators[False]
+    assert "SequenceMask" not in operators[True]
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mqa"])
+def test_grouped_cached_calls_score_each_key_value_head_once(tmp_path, monkeypatch, kind):
+    # One batch_dot of queries by cached keys per key/value head and
+    # example, its G query heads stacked as rows; no key or value repeated.
+    weights, inputs = weights_and_inputs(kind)
+    kv_heads, group = KV_HEADS[kind], NUM_HEADS // KV_HEADS[kind]
+    seen = []
+    original = mx.ndarray.numpy_extension.batch_dot
+
+    def recording(a, b, *args, **kwargs):
+        seen.append((a.shape, b.shape))
+        return original(a, b, *args, **kwargs)
+
+    layer = layer_of(IMPERATIVE, kind, weights)
+    rows = native([x[:, :2] for x in inputs.values()])
+    monkeypatch.setattr(mx.ndarray.numpy_extension, "batch_dot", recording)
+    layer(*rows, causal=True, cache=layer.init_cache(3, MAX_LENGTH))
+    head_dim = NUM_HIDDENS // NUM_HEADS
+    blocks, rows_per_block = 3 * kv_heads, group * 2
+    cached = (blocks, MAX_LENGTH, head_dim)
+    assert seen == [
+        ((blocks, rows_per_block, head_dim), cached),
+        ((blocks, rows_per_block, MAX_LENGTH), cached),
+    ]
+    layer = layer_of(HYBRID, kind, weights)
+    for return_attention_weights in (False, True):
+        layer(
+            *rows,
+            causal=True,
+            cache=layer.init_cache(3, MAX_LENGTH),
+            return_attention_weights=return_attention_weights,
+        )
+        _, operators = exported(layer, tmp_path)
+        assert not [op for op in operators if "repeat" in op or "tile" in op]
+        assert "broadcast_to" not in operators
+
+
+@pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID])
+def test_a_call_without_keys_needs_no_key_size_and_zeroes_their_gradients(runner):
+    # Attending to a cache filled elsewhere: W_k and W_v are not used, so
+    # their sizes may stay unknown and their gradients are zero, not what an
+    # earlier backward pass left (Gluon's trainer would call that stale).
+    kv_heads, head_dim = KV_HEADS["gqa"], NUM_HIDDENS // NUM_HEADS
+    layer = MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, num_kv_heads=kv_heads, bias=True)
+    layer.initialize(mx.init.Normal(0.5))
+    if runner.hybridize:
+        layer.hybridize()
+    rng = np.random.default_rng(1)
+    held = spec.KVCache(
+        rng.standard_normal((2, kv_heads, 4, head_dim)),
+        rng.standard_normal((2, kv_heads, 4, head_dim)),
+        np.array([3, 1], dtype=np.int32),
+    )
+    cache = KVCache(*native(held[:2]), int32(held.lengths))
+    queries = rng.standard_normal((2, 2, QUERY_SIZE)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Gluon warns of unused parameters
+        output, after = layer(mx.np.array(queries), None, None, causal=True, cache=cache)
+    assert layer.input_sizes() == {"query_size": QUERY_SIZE, "key_size": None, "value_size": None}
+    assert after.lengths.tolist() == [3, 1]
+    weights = {
+        "W_q": layer.W_q.weight.data().asnumpy().T,
+        "b_q": layer.W_q.bias.data().asnumpy(),
+        "W_o": layer.W_o.weight.data().asnumpy().T,
+        "b_o": layer.W_o.bias.data().asnumpy(),
+        # Shapes only: a call without keys projects none.
+        "W_k": np.zeros((1, kv_heads * head_dim)),
+        "W_v": np.zeros((1, kv_heads * head_dim)),
+    }
+    expected, _, _ = spec.reference_cached_forward(
+        weights, queries, None, None, held, **reference_heads("gqa")
+    )
+    np.testing.assert_allclose(output.asnumpy(), expected, rtol=0, atol=5e-6)
+
+    keys = mx.np.array(rng.standard_normal((2, 2, NUM_HIDDENS)), dtype=np.float32)
+    with autograd.record():
+        layer(mx.np.array(queries), keys, keys).sum().backward()
+    assert np.abs(layer.W_k.weight.grad().asnumpy()).max() > 0
+    with autograd.record():
+        output, _ = layer(mx.np.array(queries), None, None, cache=cache)
+        output.sum().backward()
+    for dense in (layer.W_k, layer.W_v):
+        for parameter in (dense.weight, dense.bias):
+            assert not parameter.grad().asnumpy().any(), parameter.name
+    assert np.abs(layer.W_q.weight.grad().asnumpy()).max() > 0
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (list, TypeError, r"cache must be a KVCache\(keys, values, lengths\)"),
+        (lambda c: c[:2], TypeError, "cache must be a KVCache"),
+        (
+            lambda c: c._replace(keys=c.keys.as_nd_ndarray()),
+            TypeError,
+            "cache.keys must be an mxnet.numpy.ndarray; got NDArray",
+        ),
+        (
+            lambda c: c._replace(values=c.values.astype("float64")),
+            TypeError,
+            "cache.values dtype float64 differs from the layer's parameter dtype float32",
+        ),
+        (
+            lambda c: c._replace(lengths=c.lengths.astype("float32")),
+            TypeError,
+            "cache.lengths must be integers",
+        ),
+    ],
+)
+@pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID])
+def test_a_cache_that_is_not_the_layers_is_refused(runner, change, error, match):
+    weights, inputs = weights_and_inputs("gqa")
+    layer = layer_of(runner, "gqa", weights)
+    rows = native([x[:, :2] for x in inputs.values()])
+    with pytest.raises(error, match=match):
+        layer(*rows, causal=True, cache=change(layer.init_cache(3, 4)))
+    assert not layer._graphs.by_config  # refused before any graph
+
+
+@pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID])
+def test_a_plain_tuple_with_other_integer_lengths_is_a_cache(runner):
+    weights, inputs = weights_and_inputs("mha")
+    layer = layer_of(runner, "mha", weights)
+    rows = [x[:, :2] for x in inputs.values()]
+    empty = layer.init_cache(3, 4)
+    output, after = layer(
+        *native(rows), causal=True, cache=(empty.keys, empty.values, empty.lengths.astype("int64"))
+    )
+    assert isinstance(after, KVCache) and after.lengths.dtype == np.int32
+    assert after.lengths.tolist() == [2, 2, 2]
+    held = as_numpy(empty)
+    expected, _, _ = spec.reference_cached_forward(
+        weights, *rows, held, **reference_heads("mha"), causal=True
+    )
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+
+
+def test_init_cache_takes_a_dtype_and_a_device():
+    weights, _ = weights_and_inputs("gqa")
+    layer = layer_of(IMPERATIVE, "gqa", weights, dtype="float64")
+    cache = layer.init_cache(2, 3, "float16", ctx=mx.cpu(0))
+    assert cache.keys.dtype == cache.values.dtype == np.float16
+    assert cache.keys.ctx == cache.lengths.ctx == mx.cpu(0)
+    assert layer.init_cache(2, 3).keys.dtype == np.float64
+    with pytest.raises(TypeError, match="max_length must be a non-negative int"):
+        layer.init_cache(2, 3.0)
+
+
+@pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID])
+def test_dropout_acts_on_the_cached_fast_route_in_training_only(runner):
+    weights, inputs = weights_and_inputs("gqa")
+    layer = layer_of(runner, "gqa", weights, dropout=0.5)
+    rows = [x[:, :3] for x in inputs.values()]
+    lens = int32([3, 2, 1])
+    with backend.kernel_spy() as calls:
+        dropped, _ = runner.forward(
+            layer, *native(rows), lens, training=True, causal=True, cache=layer.init_cache(3, 4)
+        )
+        output, _ = runner.forward(
+            layer, *native(rows), lens, causal=True, cache=layer.init_cache(3, 4)
+        )
+    assert calls[0] == KernelCall(mask=True, is_causal=False, dropout=0.5)
+    held = as_numpy(layer.init_cache(3, 4))
+    expected, _, _ = spec.reference_cached_forward(
+        weights, *rows, held, np.array([3, 2, 1]), **reference_heads("gqa"), causal=True
+    )
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+    assert not np.allclose(backend.to_numpy(dropped), expected, atol=1e-3)
