@@ -1,12 +1,26 @@
 """``python -m mha_multi convert SRC DST``: canonical weight files to and from native checkpoints.
 
 The formats, listed below (``mha_multi.interop.FORMATS``), come from the
-file names or from ``--from``/``--to``. A ``.pt`` file to read is recognised
-as ``torch-mha`` or ``torch-d2l`` from its keys; one to write is
-``torch-d2l`` unless ``--to torch-mha``. Formats that store heads
-separately (``keras-mha``) need ``--num-heads`` to be written; elsewhere it
-is checked against ``num_hiddens`` (and against the file, where it stores
-heads).
+file names or from ``--from``/``--to``. Where several formats share a name's
+ending, a file to read is recognised from its content and a file to write
+gets the default one:
+
+* ``.pt``, ``.pth``: ``llama`` (a ``q_proj.weight`` entry, bare or under a
+  prefix such as ``self_attn.``), ``torch-d2l`` (``W_q.weight``...) or else
+  ``torch-mha``; written as ``torch-d2l`` unless ``--to`` says otherwise;
+* ``.safetensors``: ``llama`` (as above) or else ``canonical``; written as
+  ``canonical``;
+* ``.weights.h5``: ``keras-gqa`` (a ``GroupQueryAttention``'s variables) or
+  else ``keras-mha``; written as ``keras-mha``.
+
+The head layout (``--num-heads``, ``--num-kv-heads``, ``--head-dim``) is
+what weights do not record; any one of the three fixes the others, and those
+given are checked against the weights and against the file where it stores
+heads (``keras-mha``, ``keras-gqa``). Formats whose kernels are per head
+(``keras-mha``, ``keras-gqa``) need one to be written; ``llama``, whose
+state dict does not record its heads, needs one to be read and written.
+Formats with no grouped key/value heads (``torch-mha``, ``keras-mha``)
+refuse grouped weights.
 
 A file that cannot be read or does not match its format, a bad argument, or a
 format whose framework is not installed ends the command with one line on
@@ -23,8 +37,15 @@ from typing import NoReturn
 
 import numpy as np
 
-from mha_multi.interop.formats import FORMATS, detect_format, load, save, suffix_formats
-from mha_multi.weights import check_weights
+from mha_multi.interop.formats import (
+    FORMATS,
+    check_heads_given,
+    detect_format,
+    load,
+    resolve_heads,
+    save,
+    suffix_formats,
+)
 
 
 def _source_format(path: str, explicit: str | None) -> str | None:
@@ -47,6 +68,8 @@ def convert(
     destination: str | os.PathLike[str],
     *,
     num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
     source_format: str | None = None,
     destination_format: str | None = None,
 ) -> dict[str, np.ndarray]:
@@ -55,22 +78,31 @@ def convert(
     Args:
         source: the file to read.
         destination: the file to write.
-        num_heads: checked against ``num_hiddens``; needed to write formats
-            that store heads separately.
+        num_heads: the number of query heads.
+        num_kv_heads: the number of key/value heads.
+        head_dim: the size of each head. Any one of the three fixes the head
+            layout (:func:`mha_multi.interop.formats.resolve_heads`); those
+            given are checked against the weights, and against the source
+            where it stores heads. Formats with per-head kernels need one to
+            be written, ``llama`` to be read and written.
         source_format: a name of :data:`mha_multi.interop.formats.FORMATS`; by
-            default from the file's name (and content, for ``.pt``).
+            default from the file's name (and content, where several formats
+            share the name's ending).
         destination_format: likewise; by default from the file's name.
 
     Raises:
         FileNotFoundError: no ``source``, or no directory for ``destination``.
         ValueError: an unknown format, a file that is damaged or not of its
-            format, weights that do not fit the target, or a ``num_heads``
-            that is missing where needed, not positive, or does not divide
-            ``num_hiddens``.
+            format, weights that do not fit the target (grouped heads for a
+            format without them), or a head option that is missing where
+            needed, not positive, or does not fit the weights or the file.
         ImportError: a format whose framework is not installed.
     """
-    if num_heads is not None and num_heads < 1:
-        raise ValueError(f"--num-heads must be a positive integer; got {num_heads}")
+    options = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    for name, value in options.items():
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be a positive integer; got {value}")
     source, destination = os.fspath(source), os.fspath(destination)
     source_kind = _source_format(source, source_format)
     if destination_format is not None:
@@ -78,21 +110,17 @@ def convert(
         destination_kind = destination_format
     else:
         destination_kind = detect_format(destination, reading=False)
-    if FORMATS[destination_kind].num_heads and num_heads is None:
-        raise ValueError(f"writing {destination_kind} needs --num-heads (the kernels are per head)")
+    # Missing head options are reported before anything is read.
+    check_heads_given(destination_kind, reading=False, **options)
+    if source_kind is not None:
+        check_heads_given(source_kind, reading=True, **options)
     # Checked before reading because the frameworks' writers report a missing
     # directory in their own ways (torch a RuntimeError, MXNet an MXNetError).
     directory = os.path.dirname(os.path.abspath(destination))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no such directory: {directory!r} (for {destination!r})")
-    weights = load(source, source_kind, num_heads=num_heads)
-    _, config = check_weights(weights)
-    if num_heads is not None and config.num_hiddens % num_heads:
-        raise ValueError(
-            f"num_hiddens ({config.num_hiddens}) of {source!r} is not divisible by "
-            f"--num-heads ({num_heads})"
-        )
-    save(destination, weights, destination_kind, num_heads=num_heads)
+    weights = load(source, source_kind, **options)
+    save(destination, weights, destination_kind, **options)
     return weights
 
 
@@ -140,23 +168,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     command.add_argument("source")
     command.add_argument("destination")
+    read = [name for name, record in FORMATS.items() if record.heads == "required"]
+    written = [name for name, record in FORMATS.items() if record.heads is not None]
     command.add_argument(
         "--num-heads",
         type=_positive_int,
-        help="checked against num_hiddens; needed to write "
-        + ", ".join(name for name, record in FORMATS.items() if record.num_heads),
+        help="the number of query heads. Any one of --num-heads, --num-kv-heads and "
+        "--head-dim fixes the head layout, the weights' widths giving the rest; those "
+        "given are checked against the weights (and the file, where it stores heads). "
+        f"One is needed to read {', '.join(read)} and to write {', '.join(written)}",
     )
+    command.add_argument("--num-kv-heads", type=_positive_int, help="the number of key/value heads")
+    command.add_argument("--head-dim", type=_positive_int, help="the size of each head")
     command.add_argument("--from", dest="source_format", choices=FORMATS)
     command.add_argument("--to", dest="destination_format", choices=FORMATS)
     args = parser.parse_args(argv)
+    options = {
+        "num_heads": args.num_heads,
+        "num_kv_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+    }
     try:
         weights = convert(
             args.source,
             args.destination,
-            num_heads=args.num_heads,
             source_format=args.source_format,
             destination_format=args.destination_format,
+            **options,
         )
+        heads = resolve_heads(weights, **options)
     except (ValueError, TypeError, OSError, ImportError) as error:
         # Bad files, arguments and formats, and missing frameworks, are the
         # user's to fix: one line, as argparse reports its own errors. Other
@@ -165,7 +205,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{command.prog}: error: {message}", file=sys.stderr)
         return 2
     shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in weights.items())
-    print(f"{args.source} -> {args.destination}: {shapes}")
+    layout = (
+        ""
+        if heads is None
+        else f"; num_heads {heads.num_heads}, num_kv_heads {heads.num_kv_heads}, "
+        f"head_dim {heads.head_dim}"
+    )
+    print(f"{args.source} -> {args.destination}: {shapes}{layout}")
     return 0
 
 

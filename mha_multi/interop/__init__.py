@@ -1,16 +1,18 @@
 """Canonical weights to and from other layers: each framework's native attention and d2l's.
 
 One module per framework, imported only when used: ``mha_multi.interop.torch``
-(``torch.nn.MultiheadAttention``, d2l's torch layer), ``mha_multi.interop.mxnet``
+(``torch.nn.MultiheadAttention``, d2l's torch layer), ``mha_multi.interop.llama``
+(transformers' Llama-style attention, on PyTorch), ``mha_multi.interop.mxnet``
 (d2l's Gluon layer), ``mha_multi.interop.keras`` (``keras.layers.MultiHeadAttention``,
-d2l's Keras layer) and ``mha_multi.interop.jax`` (Flax attention modules, d2l's
-JAX layer). Every converter is strict: what the canonical layer cannot express
-raises a ``ValueError`` that says so.
+``keras.layers.GroupQueryAttention``, d2l's Keras layer) and
+``mha_multi.interop.jax`` (Flax attention modules, d2l's JAX layer). Every
+converter is strict: what the canonical layer cannot express raises a
+``ValueError`` that says so.
 
 Every module names its functions after the format they convert, ``<format>``
-being ``torch_mha``, ``torch_d2l``, ``mxnet_d2l``, ``keras_mha``,
-``keras_d2l``, ``flax_nnx``, ``flax_linen`` or ``jax_d2l`` (the registry's
-names with ``_`` for ``-``):
+being ``torch_mha``, ``torch_d2l``, ``llama``, ``mxnet_d2l``, ``keras_mha``,
+``keras_gqa``, ``keras_d2l``, ``flax_nnx``, ``flax_linen`` or ``jax_d2l``
+(the registry's names with ``_`` for ``-``):
 
 * ``from_<format>(native)``: canonical weights from the native object (a
   layer, or the variables of a Linen module);

@@ -63,6 +63,16 @@ reshaped, as above. What differs from ``MultiHeadAttention``, and what not:
 * a gate (``use_gate``) or a ``sliding_window`` has no canonical form and
   is refused both ways.
 
+Files: :func:`load_keras_mha`/:func:`save_keras_mha` and
+:func:`load_keras_gqa`/:func:`save_keras_gqa` read and write what
+``model.save_weights`` writes (``.weights.h5``) for a model holding one such
+layer (the ``keras-mha`` and ``keras-gqa`` formats of ``python -m mha_multi
+convert``; :func:`weights_file_format` tells them apart). The kernels store
+the head layout, which the readers check head options against. A weights
+file holds no configuration: a ``sliding_window``, which has no weights,
+cannot be seen in one. Keras builds a ``GroupQueryAttention`` in a model
+only for values of the query's size, so only such weights are written.
+
 d2l's Keras/TensorFlow ``MultiHeadAttention`` holds ``keras.layers.Dense``
 projections ``W_q``, ``W_k``, ``W_v``, ``W_o`` (``use_bias=False`` in the
 book); their kernels are already canonical (:func:`from_keras_d2l`,
@@ -79,6 +89,7 @@ import keras
 import numpy as np
 
 from mha_multi import spec
+from mha_multi.interop.formats import check_heads_given, check_stored_heads, resolve_heads
 from mha_multi.keras import _backend
 from mha_multi.weights import check_weights
 
@@ -91,13 +102,16 @@ __all__ = [
     "from_keras_gqa_state",
     "from_keras_mha",
     "from_keras_mha_state",
+    "load_keras_gqa",
     "load_keras_mha",
+    "save_keras_gqa",
     "save_keras_mha",
     "to_keras_d2l",
     "to_keras_gqa",
     "to_keras_gqa_state",
     "to_keras_mha",
     "to_keras_mha_state",
+    "weights_file_format",
 ]
 
 #: Keras' sublayer name -> canonical projection letter.
@@ -576,24 +590,118 @@ def to_keras_d2l(weights: Mapping[str, Any], layer: Any) -> Any:
     return layer
 
 
-def _find_mha_groups(file: Any) -> list[Any]:
-    """The groups of an h5 weights file that hold a MultiHeadAttention's projections."""
+#: The groups of a ``.weights.h5`` file under a ``MultiHeadAttention``'s own
+#: group -> its sublayer names (:data:`KERAS_MHA_NAMES`).
+_MHA_FILE_GROUPS = {f"{name}_dense": name for name in KERAS_MHA_NAMES}
+#: Likewise for ``GroupQueryAttention``, whose projections Keras saves under
+#: the attributes that hold them (``_query_dense``...), not under their names.
+_GQA_FILE_GROUPS = {
+    "_query_dense": "query",
+    "_key_dense": "key",
+    "_value_dense": "value",
+    "_output_dense": "attention_output",
+}
+#: A gated ``GroupQueryAttention``'s gate projection, refused when read.
+_GQA_GATE_GROUP = {"_gate_dense": "gate"}
+
+
+def _open_weights_file(path: str) -> Any:
+    """``h5py.File(path, "r")``, with the errors of the file readers.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: a file that is not HDF5, or is damaged.
+    """
+    import h5py
+
+    if not os.path.exists(path):  # h5py reports it as a plain OSError
+        raise FileNotFoundError(f"no such file: {path!r}")
+    try:
+        return h5py.File(path, "r")
+    except OSError as error:  # h5py's error for a file that is not HDF5, or is damaged
+        raise ValueError(f"{path!r} is not a readable .weights.h5 file: {error}") from error
+
+
+def _find_groups(file: Any, children: Mapping[str, str]) -> list[Any]:
+    """The groups of an h5 weights file that hold all of ``children`` (a layer's projections)."""
     import h5py
 
     found = []
 
     def visit(_: str, group: Any) -> None:
-        if isinstance(group, h5py.Group) and all(
-            f"{name}_dense" in group for name in KERAS_MHA_NAMES
-        ):
+        if isinstance(group, h5py.Group) and all(child in group for child in children):
             found.append(group)
 
     file.visititems(visit)
     return found
 
 
+def _only_group(path: str, file: Any, children: Mapping[str, str], layer: str) -> Any:
+    """The one group holding a ``keras.layers.<layer>``'s projections.
+
+    Raises:
+        ValueError: none or several, named.
+    """
+    groups = _find_groups(file, children)
+    if len(groups) != 1:
+        names = [group.name for group in groups]
+        raise ValueError(
+            f"{path!r} must hold exactly one keras.layers.{layer}; "
+            f"found {len(groups)} {names if names else ''}".rstrip()
+        )
+    return groups[0]
+
+
+def _group_arrays(group: Any, children: Mapping[str, str]) -> dict[str, np.ndarray]:
+    """``<sublayer>/kernel`` and ``<sublayer>/bias`` of the projections under ``group``.
+
+    Children missing from ``group`` are skipped.
+
+    Raises:
+        ValueError: a projection holding other variables than a kernel and
+            an optional bias.
+    """
+    arrays = {}
+    for child, name in children.items():
+        if child not in group:
+            continue
+        variables = group[child].get("vars", {})
+        keys = sorted(variables, key=int)
+        if keys not in (["0"], ["0", "1"]):
+            raise ValueError(
+                f"{group.name}/{child} holds variables {keys}; expected a kernel "
+                "and an optional bias"
+            )
+        arrays[f"{name}/kernel"] = np.asarray(variables["0"])
+        if len(keys) == 2:
+            arrays[f"{name}/bias"] = np.asarray(variables["1"])
+    return arrays
+
+
+def weights_file_format(path: str | os.PathLike[str]) -> str:
+    """Which layer a Keras ``.weights.h5`` file holds: ``"keras-gqa"`` or ``"keras-mha"``.
+
+    A file with a ``GroupQueryAttention``'s projections (groups
+    ``_query_dense``... under the layer's group) and no
+    ``MultiHeadAttention``'s is ``keras-gqa``; any other is taken for
+    ``keras-mha``, whose reader then checks it.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: a file that is not HDF5, or is damaged.
+    """
+    with _open_weights_file(os.fspath(path)) as file:
+        grouped = _find_groups(file, _GQA_FILE_GROUPS)
+        multi_head = _find_groups(file, _MHA_FILE_GROUPS)
+    return "keras-gqa" if grouped and not multi_head else "keras-mha"
+
+
 def load_keras_mha(
-    path: str | os.PathLike[str], *, num_heads: int | None = None
+    path: str | os.PathLike[str],
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Canonical weights from a Keras ``.weights.h5`` file holding one ``MultiHeadAttention``.
 
@@ -604,55 +712,54 @@ def load_keras_mha(
     Args:
         path: the ``.weights.h5`` file.
         num_heads: if given, checked against the heads stored in the kernels.
+        num_kv_heads: if given, likewise (every head has its own key and value).
+        head_dim: if given, checked against the stored ``key_dim``.
 
     Raises:
         FileNotFoundError: no file at ``path``.
         ValueError: a file that is not HDF5 or is damaged, no or several
             attention layers, an unexpected variable layout, shapes the
-            canonical layer cannot express, or a ``num_heads`` that differs
+            canonical layer cannot express, or a head option that differs
             from the file's.
     """
-    import h5py
-
     path = os.fspath(path)
-    if not os.path.exists(path):  # h5py reports it as a plain OSError
-        raise FileNotFoundError(f"no such file: {path!r}")
-    try:
-        file = h5py.File(path, "r")
-    except OSError as error:  # h5py's error for a file that is not HDF5, or is damaged
-        raise ValueError(f"{path!r} is not a readable .weights.h5 file: {error}") from error
-    with file:
-        groups = _find_mha_groups(file)
-        if len(groups) != 1:
-            names = [group.name for group in groups]
-            raise ValueError(
-                f"{path!r} must hold exactly one keras.layers.MultiHeadAttention; "
-                f"found {len(groups)} {names if names else ''}".rstrip()
-            )
-        arrays = {}
-        for name in KERAS_MHA_NAMES:
-            variables = groups[0][f"{name}_dense"].get("vars", {})
-            keys = sorted(variables, key=int)
-            if keys not in (["0"], ["0", "1"]):
-                raise ValueError(
-                    f"{groups[0].name}/{name}_dense holds variables {keys}; expected a kernel "
-                    "and an optional bias"
-                )
-            arrays[f"{name}/kernel"] = np.asarray(variables["0"])
-            if len(keys) == 2:
-                arrays[f"{name}/bias"] = np.asarray(variables["1"])
+    with _open_weights_file(path) as file:
+        group = _only_group(path, file, _MHA_FILE_GROUPS, "MultiHeadAttention")
+        arrays = _group_arrays(group, _MHA_FILE_GROUPS)
     weights = from_keras_mha_state(arrays)
-    stored_heads = arrays["query/kernel"].shape[1]
-    if num_heads is not None and num_heads != stored_heads:
-        raise ValueError(
-            f"--num-heads {num_heads} does not match the {stored_heads} heads stored in {path!r} "
-            f"(query kernel shape {arrays['query/kernel'].shape})"
-        )
+    shape = arrays["query/kernel"].shape
+    check_stored_heads(
+        spec.Heads(num_heads=shape[1], num_kv_heads=shape[1], head_dim=shape[2]),
+        path,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        detail=f" (query kernel shape {shape})",
+    )
     return weights
 
 
+def _save_model(path: str, layer: keras.layers.Layer, config: Any) -> None:
+    """``save_weights`` of the functional model ``layer(query, value, key)``."""
+    query = keras.Input((None, config.query_size), name="query")
+    value = keras.Input((None, config.value_size), name="value")
+    key = keras.Input((None, config.key_size), name="key")
+    model = keras.Model([query, value, key], layer(query, value, key))
+    model.save_weights(path)
+
+
+def _check_weights_path(path: str) -> None:
+    if not path.lower().endswith(".weights.h5"):
+        raise ValueError(f"Keras weights files must end in .weights.h5; got {path!r}")
+
+
 def save_keras_mha(
-    path: str | os.PathLike[str], weights: Mapping[str, Any], *, num_heads: int
+    path: str | os.PathLike[str],
+    weights: Mapping[str, Any],
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
 ) -> None:
     """Writes canonical weights as a Keras ``.weights.h5`` file of one ``MultiHeadAttention``.
 
@@ -665,18 +772,120 @@ def save_keras_mha(
         path: destination, ending in ``.weights.h5`` (Keras' rule).
         weights: canonical weights.
         num_heads: ``H``.
+        num_kv_heads: if given, checked against the weights (``H``: the layer
+            has no grouped heads).
+        head_dim: if given, checked against the weights (``num_hiddens / H``).
 
     Raises:
-        ValueError: a path not ending in ``.weights.h5``, invalid weights, or
-            ``num_hiddens`` not divisible by ``num_heads``.
+        ValueError: a path not ending in ``.weights.h5``, invalid weights,
+            ``num_hiddens`` not divisible by ``num_heads``, grouped key/value
+            heads or an explicit ``head_dim`` (``keras-gqa`` holds those), or
+            head options that do not fit the weights.
     """
     path = os.fspath(path)
-    if not path.lower().endswith(".weights.h5"):
-        raise ValueError(f"Keras weights files must end in .weights.h5; got {path!r}")
+    _check_weights_path(path)
     arrays, config = check_weights(weights)
-    layer = to_keras_mha(arrays, num_heads, name="multi_head_attention")
-    query = keras.Input((None, config.query_size), name="query")
-    value = keras.Input((None, config.value_size), name="value")
-    key = keras.Input((None, config.key_size), name="key")
-    model = keras.Model([query, value, key], layer(query, value, key))
-    model.save_weights(path)
+    try:
+        _backend.check_native_mha_layout(config)
+    except ValueError as error:
+        raise ValueError(f"{error}; its files are the keras-gqa format") from error
+    resolve_heads(arrays, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    _save_model(path, to_keras_mha(arrays, num_heads, name="multi_head_attention"), config)
+
+
+def load_keras_gqa(
+    path: str | os.PathLike[str],
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Canonical weights from a Keras ``.weights.h5`` file holding one ``GroupQueryAttention``.
+
+    The file is what ``model.save_weights`` writes for a model with exactly
+    one ``keras.layers.GroupQueryAttention``; other layers' variables are
+    ignored. The kernels store the head layout (:func:`from_keras_gqa_state`
+    reads it); a weights file holds no configuration, so a layer's
+    ``sliding_window``, which has no weights, cannot be seen and is not refused.
+
+    Args:
+        path: the ``.weights.h5`` file.
+        num_heads: if given, checked against the query heads stored in the kernels.
+        num_kv_heads: if given, checked against the key/value heads stored.
+        head_dim: if given, checked against the head size stored.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: a file that is not HDF5 or is damaged, no or several
+            such layers, a gate (``use_gate=True``), an unexpected variable
+            layout, shapes no head layout explains, or a head option that
+            differs from the file's.
+    """
+    path = os.fspath(path)
+    with _open_weights_file(path) as file:
+        group = _only_group(path, file, _GQA_FILE_GROUPS, "GroupQueryAttention")
+        arrays = _group_arrays(group, {**_GQA_FILE_GROUPS, **_GQA_GATE_GROUP})
+    weights, layout = from_keras_gqa_state(arrays)
+    check_stored_heads(
+        spec.Heads(**layout),
+        path,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        detail=f" (query kernel shape {arrays['query/kernel'].shape}, key kernel shape "
+        f"{arrays['key/kernel'].shape})",
+    )
+    return weights
+
+
+def save_keras_gqa(
+    path: str | os.PathLike[str],
+    weights: Mapping[str, Any],
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> None:
+    """Writes canonical weights as a Keras ``.weights.h5`` file of one ``GroupQueryAttention``.
+
+    The file is ``save_weights`` of a functional model
+    ``GroupQueryAttention(head_dim, num_heads, num_kv_heads)(query, value,
+    key)`` whose layer is named ``grouped_query_attention`` (Keras' default
+    name); a model of that structure, with that layer name, loads it with
+    ``load_weights``.
+
+    Args:
+        path: destination, ending in ``.weights.h5`` (Keras' rule).
+        weights: canonical weights with ``query_size == value_size ==
+            num_hiddens`` (see Raises).
+        num_heads, num_kv_heads, head_dim: the head layout; one is needed,
+            the widths give the others, and those given too are checked
+            (:func:`mha_multi.interop.formats.resolve_heads`).
+
+    Raises:
+        ValueError: a path not ending in ``.weights.h5``, invalid weights, no
+            head option or ones that do not fit the weights,
+            ``query_size != num_hiddens`` (the layer projects back to the
+            query size), or ``value_size != query_size`` (Keras builds the
+            layer in a model only for values of the query's size).
+    """
+    path = os.fspath(path)
+    _check_weights_path(path)
+    options = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    check_heads_given("keras-gqa", reading=False, **options)
+    arrays, config = check_weights(weights)
+    heads = resolve_heads(arrays, **options)
+    assert heads is not None  # check_heads_given
+    layer = to_keras_gqa(
+        arrays,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
+        name="grouped_query_attention",
+    )
+    if config.value_size != config.query_size:
+        raise ValueError(
+            "keras.layers.GroupQueryAttention takes values of the query's size in a model "
+            f"(Keras checks the shapes when it builds one): value_size ({config.value_size}) "
+            f"must equal query_size ({config.query_size})"
+        )
+    _save_model(path, layer, config)

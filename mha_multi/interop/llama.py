@@ -13,10 +13,23 @@ attends to the projections it computes. The two give the same numbers where
 the rotation is the identity (``cos = 1``, ``sin = 0``); a model that needs
 rotary embeddings applies them around the layer. Models with biases on the
 query, key and value projections only (Qwen2) convert with ``b_o = 0``.
+
+Files (:func:`load_llama`, :func:`save_llama`; the ``llama`` format of
+``python -m mha_multi convert``) hold one attention block's state dict,
+written by ``torch.save`` (``.pt``, ``.pth``, ``.bin``) or as
+``.safetensors``. Its entries may sit under one common prefix ending in
+``.``, as in a decoder layer's (``self_attn.``) or a model's
+(``model.layers.0.self_attn.``) state dict; entries outside the prefix are
+ignored, and a file holding several blocks (a whole model) is refused:
+:func:`from_llama_state` with ``prefix=`` picks one. Files are written
+without a prefix. A state dict does not record its heads, so reading and
+writing take the head layout (any one of ``num_heads``, ``num_kv_heads``,
+``head_dim`` fixes it, the shapes giving the rest).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,10 +37,20 @@ import numpy as np
 import torch
 
 from mha_multi import spec
+from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
+from mha_multi.interop.torch import _load_state_dict, _save_state_dict
 from mha_multi.torch._backend import host_array
 from mha_multi.weights import check_weights
 
-__all__ = ["from_llama", "from_llama_state", "llama_config", "to_llama", "to_llama_state"]
+__all__ = [
+    "from_llama",
+    "from_llama_state",
+    "llama_config",
+    "load_llama",
+    "save_llama",
+    "to_llama",
+    "to_llama_state",
+]
 
 #: Canonical projection -> the Llama module's attribute.
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -58,6 +81,24 @@ def from_llama_state(
         ValueError: a missing, extra or mis-shaped entry, named, or shapes no
             head layout of ``num_heads`` heads explains.
     """
+    weights = _canonical_arrays(state_dict, prefix)
+    heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=num_kv_heads)
+    arrays, _ = check_weights(
+        weights,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
+        head_dim=heads.head_dim,
+    )
+    return arrays
+
+
+def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, np.ndarray]:
+    """The canonical arrays of a Llama-style state dict, their shapes not yet checked.
+
+    Raises:
+        ValueError: a missing or extra entry, or biases the canonical layer
+            cannot hold.
+    """
     entries = {
         name[len(prefix) :]: value for name, value in state_dict.items() if name.startswith(prefix)
     }
@@ -84,14 +125,7 @@ def from_llama_state(
         )
     for name in sorted(biases & set("qkv")) + (["o"] if "o_proj.bias" in entries else []):
         weights[f"b_{name}"] = np.asarray(host_array(entries[f"{PROJECTIONS[name]}.bias"]))
-    heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=num_kv_heads)
-    arrays, _ = check_weights(
-        weights,
-        num_heads=heads.num_heads,
-        num_kv_heads=heads.num_kv_heads,
-        head_dim=heads.head_dim,
-    )
-    return arrays
+    return weights
 
 
 def llama_config(
@@ -187,3 +221,119 @@ def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Mo
     state = {name: tensor.to(reference[name].dtype) for name, tensor in state.items()}
     module.load_state_dict(state, strict=True)
     return module
+
+
+def _is_safetensors(path: str) -> bool:
+    return path.lower().endswith(".safetensors")
+
+
+def _read_state(path: str) -> dict[str, Any]:
+    """The tensors of a ``.safetensors`` file, or the ``state_dict`` of a torch checkpoint."""
+    if not _is_safetensors(path):
+        return _load_state_dict(path)
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    with open(path, "rb") as file:  # so that a missing file stays a FileNotFoundError
+        data = file.read()
+    try:
+        # Read as torch tensors: checkpoints are often bfloat16, which numpy lacks.
+        return load(data)
+    except SafetensorError as error:
+        raise ValueError(
+            f"{path!r} is not a valid .safetensors file (truncated or corrupt): {error}"
+        ) from error
+
+
+def load_llama(
+    path: str | os.PathLike[str],
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Canonical weights from a file of one Llama-style attention block's state dict.
+
+    The file is a ``.safetensors`` file or a ``torch.save`` checkpoint (read
+    with ``torch.load(weights_only=True)``: nothing in it runs); its entries
+    may sit under one prefix (see the module notes). The state dict does not
+    record its heads: one of ``num_heads``, ``num_kv_heads`` and ``head_dim``
+    is needed, the shapes give the others, and those given too are checked
+    (:func:`mha_multi.interop.formats.resolve_heads`).
+
+    Args:
+        path: the file.
+        num_heads: ``num_attention_heads``.
+        num_kv_heads: ``num_key_value_heads``.
+        head_dim: the size of each head.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: no head option; a damaged file, one that is not a state
+            dict, or one holding no or several attention blocks; entries
+            that are not a Llama attention's (see :func:`from_llama_state`);
+            or head options that do not fit the shapes.
+    """
+    path = os.fspath(path)
+    options = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    check_heads_given("llama", reading=True, **options)
+    state = _read_state(path)
+    prefixes = llama_prefixes(state)
+    if len(prefixes) != 1:
+        shown = ", ".join(repr(p) for p in prefixes[:3]) + (", ..." if len(prefixes) > 3 else "")
+        found = f"{len(prefixes)} ({shown})" if prefixes else "none (no 'q_proj.weight' entry)"
+        raise ValueError(
+            f"{path!r} must hold the state dict of one Llama-style attention block; found {found}"
+        )
+    try:
+        weights, _ = check_weights(_canonical_arrays(state, prefixes[0]))
+    except ValueError as error:
+        raise ValueError(f"{path!r}: {error}") from error
+    heads = resolve_heads(weights, source=path, **options)
+    assert heads is not None  # check_heads_given
+    return from_llama_state(
+        state, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, prefix=prefixes[0]
+    )
+
+
+def save_llama(
+    path: str | os.PathLike[str],
+    weights: Mapping[str, Any],
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> None:
+    """Writes canonical weights as a Llama-style attention block's state dict.
+
+    ``.safetensors`` files are written with safetensors, any other name with
+    ``torch.save``; entries have no prefix (:func:`to_llama_state`).
+
+    Args:
+        path: the destination.
+        weights: canonical weights of self-attention (every size ``hidden_size``).
+        num_heads, num_kv_heads, head_dim: the head layout; one is needed,
+            the widths give the others, and those given too are checked.
+
+    Raises:
+        ValueError: no head option, head options that do not fit the
+            weights, or weights Llama's layout cannot hold (see
+            :func:`llama_config`).
+        OSError: the file cannot be written.
+    """
+    path = os.fspath(path)
+    options = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    check_heads_given("llama", reading=False, **options)
+    heads = resolve_heads(weights, **options)
+    assert heads is not None  # check_heads_given
+    state = to_llama_state(weights, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
+    if not _is_safetensors(path):
+        _save_state_dict(path, state)
+        return
+    from safetensors.torch import save
+
+    # Serialised in memory and written by Python so that an unwritable path
+    # raises the usual OSError rather than safetensors' own error.
+    data = save(state)
+    with open(path, "wb") as file:
+        file.write(data)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mha_multi.interop.formats import llama_prefixes
 from mha_multi.torch._backend import host_array
 from mha_multi.weights import WeightsConfig, check_weights
 
@@ -299,11 +300,12 @@ def _save_state_dict(path: str | os.PathLike[str], state: dict[str, torch.Tensor
 
 
 def checkpoint_format(path: str | os.PathLike[str]) -> str:
-    """Which layout a PyTorch checkpoint holds: ``"torch-d2l"`` or ``"torch-mha"``.
+    """Which layout a PyTorch checkpoint holds: ``"llama"``, ``"torch-d2l"`` or ``"torch-mha"``.
 
-    d2l's layer (and ours) names its projections ``W_q``...; any other
-    ``state_dict`` is taken for ``torch.nn.MultiheadAttention``'s, whose
-    reader then checks it.
+    A Llama-style attention block has a ``q_proj.weight``, bare or under a
+    prefix (:func:`mha_multi.interop.formats.llama_prefixes`); d2l's layer
+    (and ours) names its projections ``W_q``...; any other ``state_dict`` is
+    taken for ``torch.nn.MultiheadAttention``'s, whose reader then checks it.
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -311,6 +313,8 @@ def checkpoint_format(path: str | os.PathLike[str]) -> str:
             reads, or not a ``state_dict``.
     """
     state = _load_state_dict(path)
+    if llama_prefixes(state):
+        return "llama"
     return "torch-d2l" if any(str(k).startswith("W_") for k in state) else "torch-mha"
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from mha_multi import spec
 from mha_multi.__main__ import convert, main
 from mha_multi.interop import FORMATS, detect_format, load, save
 from mha_multi.interop.torch import checkpoint_format
@@ -48,7 +49,7 @@ def test_native_checkpoint_loads_into_our_layer(tmp_path):
 
 def test_clear_errors(tmp_path, capsys):
     save_weights(tmp_path / "w.npz", init_weights(8))
-    assert main(["convert", str(tmp_path / "w.npz"), str(tmp_path / "w.bin")]) == 2
+    assert main(["convert", str(tmp_path / "w.npz"), str(tmp_path / "w.ckpt")]) == 2
     assert "cannot tell the format" in capsys.readouterr().err
     assert (
         main(["convert", str(tmp_path / "w.npz"), str(tmp_path / "o.pt"), "--num-heads", "3"]) == 2
@@ -181,3 +182,238 @@ def test_checkpoint_that_is_not_a_state_dict(tmp_path, capsys):
     assert error_of(capsys, tmp_path / "list.pt", tmp_path / "o.npz", "--from", "torch-mha") == (
         f"{str(tmp_path / 'list.pt')!r} does not hold a state_dict"
     )
+
+
+# -- llama: Llama-style attention state dicts ---------------------------------------------
+
+
+def llama_attention(num_heads, num_kv_heads, head_dim, *, bias, hidden_size=16, seed=0):
+    """transformers' ``LlamaAttention`` from a small config, random weights, float64."""
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaConfig
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        attention_bias=bias,
+    )
+    config._attn_implementation = "sdpa"
+    module = LlamaAttention(config, layer_idx=0).double().eval()
+    if bias:  # transformers starts biases at zero: make them count
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(module, name).bias.normal_()
+    return module
+
+
+def llama_output(module, x, *, causal):
+    """The module's output with rotary embeddings off (cos = 1, sin = 0)."""
+    batch, length, _ = x.shape
+    cos = torch.ones(batch, length, module.head_dim, dtype=x.dtype)
+    module.is_causal = causal
+    with torch.no_grad():
+        output, _ = module(x, position_embeddings=(cos, torch.zeros_like(cos)), attention_mask=None)
+    return output.numpy()
+
+
+def save_state(path, state):
+    """``torch.save``, or safetensors for a ``.safetensors`` name (what checkpoints use)."""
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file({name: tensor.contiguous() for name, tensor in state.items()}, path)
+    else:
+        torch.save(state, path)
+
+
+def the_cli(*args) -> str:
+    """The one line on stderr of a command that fails with status 2 (its message)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mha_multi", "convert", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(PREFIX)
+    return lines[0][len(PREFIX) :]
+
+
+# (num_heads, num_kv_heads, head_dim): GQA with a head size of its own, MQA, MHA.
+LLAMA_HEADS = [(4, 2, 6), (4, 1, 8), (4, 4, 4)]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin", ".safetensors"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), LLAMA_HEADS)
+def test_llama_checkpoint_gives_the_module_output(
+    tmp_path, capsys, suffix, num_heads, num_kv_heads, head_dim
+):
+    module = llama_attention(num_heads, num_kv_heads, head_dim, bias=True)
+    checkpoint = tmp_path / f"attention{suffix}"
+    save_state(checkpoint, module.state_dict())
+    assert detect_format(checkpoint, reading=True) == "llama"
+    canonical = tmp_path / "canonical.npz"
+    # num_kv_heads comes from the shapes, and is printed.
+    assert main(["convert", str(checkpoint), str(canonical), "--num-heads", str(num_heads)]) == 0
+    printed = capsys.readouterr().out.rstrip()
+    assert printed.endswith(
+        f"num_heads {num_heads}, num_kv_heads {num_kv_heads}, head_dim {head_dim}"
+    )
+    weights = load_weights(canonical)
+    x = np.random.default_rng(1).standard_normal((2, 5, 16))
+    for causal in (False, True):
+        expected = llama_output(module, torch.from_numpy(x), causal=causal)
+        output, _ = spec.reference_forward(
+            weights, x, x, x, None, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal
+        )
+        np.testing.assert_allclose(output, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_canonical_to_llama_loads_into_the_module_and_back(tmp_path, suffix, bias):
+    heads = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 6}
+    weights = init_weights(16, bias=bias, seed=7, dtype=np.float64, **heads)
+    source = tmp_path / "canonical.safetensors"
+    save_weights(source, weights)
+    checkpoint = tmp_path / f"llama{suffix}"
+    # --head-dim alone fixes the layout; writing a shared suffix as llama takes --to.
+    assert main(["convert", str(source), str(checkpoint), "--to", "llama", "--head-dim", "6"]) == 0
+    if suffix == ".pt":
+        state = torch.load(checkpoint, weights_only=True)
+    else:
+        from safetensors.torch import load_file
+
+        state = load_file(checkpoint)
+    assert sorted(state) == sorted(
+        f"{p}_proj.{kind}" for p in "qkvo" for kind in (("weight", "bias") if bias else ("weight",))
+    )
+    module = llama_attention(4, 2, 6, bias=bias, seed=9)
+    module.load_state_dict(state, strict=True)
+    x = np.random.default_rng(2).standard_normal((3, 4, 16))
+    expected, _ = spec.reference_forward(weights, x, x, x, None, num_heads=4, causal=True)
+    np.testing.assert_allclose(
+        llama_output(module, torch.from_numpy(x), causal=True), expected, rtol=0, atol=1e-12
+    )
+    back = tmp_path / "back.npz"
+    assert main(["convert", str(checkpoint), str(back), "--num-kv-heads", "2"]) == 0
+    restored = load_weights(back)
+    assert all(restored[k].tobytes() == weights[k].tobytes() for k in weights)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+@pytest.mark.parametrize("prefix", ["self_attn.", "model.layers.0.self_attn."])
+def test_llama_entries_under_a_prefix(tmp_path, suffix, prefix):
+    module = llama_attention(4, 2, 6, bias=False)
+    state = {prefix + name: tensor for name, tensor in module.state_dict().items()}
+    # A decoder layer's other entries are not the attention's: ignored.
+    state["mlp.up_proj.weight"] = torch.zeros(3, 16, dtype=torch.float64)
+    state[prefix.replace("self_attn.", "input_layernorm.weight")] = torch.ones(16)
+    checkpoint = tmp_path / f"layer{suffix}"
+    save_state(checkpoint, state)
+    assert detect_format(checkpoint, reading=True) == "llama"
+    weights = load(checkpoint, num_heads=4)
+    for letter in "qkvo":
+        np.testing.assert_array_equal(
+            weights[f"W_{letter}"], getattr(module, f"{letter}_proj").weight.detach().numpy().T
+        )
+    # Written back without the prefix.
+    save(tmp_path / "bare.pt", weights, "llama", num_heads=4)
+    assert sorted(torch.load(tmp_path / "bare.pt", weights_only=True)) == sorted(
+        f"{p}_proj.weight" for p in "qkvo"
+    )
+
+
+def test_bfloat16_llama_safetensors(tmp_path):
+    module = llama_attention(4, 2, 6, bias=True)
+    state = {name: tensor.to(torch.bfloat16) for name, tensor in module.state_dict().items()}
+    save_state(tmp_path / "model.safetensors", state)
+    weights = load(tmp_path / "model.safetensors", num_heads=4)
+    # float32 holds every bfloat16 value: the numbers are the file's exactly.
+    assert weights["W_q"].dtype == np.float32
+    np.testing.assert_array_equal(weights["W_q"], state["q_proj.weight"].float().numpy().T)
+    np.testing.assert_array_equal(weights["b_k"], state["k_proj.bias"].float().numpy())
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".pth"])
+def test_checkpoint_recogniser_tells_llama_apart(tmp_path, suffix):
+    path = tmp_path / f"w{suffix}"
+    torch.save(llama_attention(4, 2, 6, bias=False).state_dict(), path)
+    assert checkpoint_format(path) == "llama"
+    torch.save({"W_q.weight": torch.zeros(2, 2)}, path)
+    assert checkpoint_format(path) == "torch-d2l"
+    torch.save(torch.nn.MultiheadAttention(8, 2).state_dict(), path)
+    assert checkpoint_format(path) == "torch-mha"
+    assert detect_format(path, reading=False) == "torch-d2l"
+
+
+def test_grouped_llama_to_an_mha_only_format(tmp_path):
+    checkpoint = tmp_path / "llama.pt"
+    torch.save(llama_attention(4, 2, 6, bias=True).state_dict(), checkpoint)
+    destination = tmp_path / "mha.pt"
+    message = the_cli(checkpoint, destination, "--num-heads", "4", "--to", "torch-mha")
+    assert message == (
+        "torch.nn.MultiheadAttention has no grouped key/value heads (num_kv_heads < num_heads): "
+        "W_k and W_v have 12 columns, W_q 24; its every projection has embed_dim features"
+    )
+    assert not destination.exists()
+    # The head size of its own (24 query features for 16 hiddens) is refused as well.
+    torch.save(llama_attention(4, 4, 6, bias=True).state_dict(), checkpoint)
+    message = the_cli(checkpoint, destination, "--num-heads", "4", "--to", "torch-mha")
+    assert message.startswith("torch.nn.MultiheadAttention has no head size of its own")
+    # torch-d2l (ours) holds both.
+    assert main(["convert", str(checkpoint), str(destination), "--num-heads", "4"]) == 0
+
+
+def test_llama_errors(tmp_path):
+    checkpoint = tmp_path / "llama.pt"
+    torch.save(llama_attention(4, 2, 6, bias=True).state_dict(), checkpoint)
+    out = tmp_path / "out.npz"
+    needs = "(or --num-kv-heads or --head-dim): a llama file does not record its head layout"
+    assert the_cli(checkpoint, out).startswith(f"reading llama needs --num-heads {needs}")
+    assert the_cli(checkpoint, out, "--num-heads", "4", "--num-kv-heads", "1") == (
+        f"--num-kv-heads 1 does not match the weights of {str(checkpoint)!r}: given --num-heads "
+        "4, their query projection (24 features) holds 4 heads of head_dim 6 and their key and "
+        "value projections (12 features) 2 key/value heads"
+    )
+    assert the_cli(checkpoint, out, "--num-heads", "5") == (
+        f"the query projection of {str(checkpoint)!r} has 24 features (num_heads * head_dim), "
+        "which --num-heads (5) does not divide"
+    )
+    # A whole model's state dict: several blocks.
+    state = llama_attention(4, 2, 6, bias=False).state_dict()
+    model = {f"model.layers.{i}.self_attn.{k}": v for i in range(4) for k, v in state.items()}
+    torch.save(model, tmp_path / "model.bin")
+    assert the_cli(tmp_path / "model.bin", out, "--num-heads", "4") == (
+        f"{str(tmp_path / 'model.bin')!r} must hold the state dict of one Llama-style attention "
+        "block; found 4 ('model.layers.0.self_attn.', 'model.layers.1.self_attn.', "
+        "'model.layers.2.self_attn.', ...)"
+    )
+    # --from llama on another layout.
+    torch.save(torch.nn.MultiheadAttention(8, 2).state_dict(), tmp_path / "mha.pt")
+    assert the_cli(tmp_path / "mha.pt", out, "--from", "llama", "--num-heads", "2") == (
+        f"{str(tmp_path / 'mha.pt')!r} must hold the state dict of one Llama-style attention "
+        "block; found none (no 'q_proj.weight' entry)"
+    )
+    # An entry of another module under the block's prefix, and a damaged file.
+    torch.save({**state, "rotary_emb.inv_freq": torch.ones(3)}, tmp_path / "extra.pt")
+    assert the_cli(tmp_path / "extra.pt", out, "--num-heads", "4") == (
+        f"{str(tmp_path / 'extra.pt')!r}: unexpected Llama attention entries "
+        "['rotary_emb.inv_freq']"
+    )
+    damaged = tmp_path / "damaged.safetensors"
+    save_state(damaged, state)
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    message = the_cli(damaged, out, "--from", "llama", "--num-heads", "4")
+    assert message.startswith(f"{str(damaged)!r} is not a valid .safetensors file")
+    # Writing: cross-attention weights have no Llama form.
+    source = tmp_path / "cross.npz"
+    save_weights(source, init_weights(16, key_size=8, num_heads=4, num_kv_heads=2, head_dim=6))
+    assert the_cli(source, tmp_path / "x.bin", "--num-heads", "4").startswith(
+        "Llama attention projects one hidden_states of hidden_size features"
+    )
+    assert not out.exists() and not (tmp_path / "x.bin").exists()
