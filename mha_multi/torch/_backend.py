@@ -24,6 +24,7 @@ from mha_multi.weights import KERNEL_NAMES
 
 if TYPE_CHECKING:
     from mha_multi.parity.runners import KernelCall
+    from mha_multi.spec import KVCache
     from mha_multi.torch.layer import MultiHeadAttention
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "forward",
     "gpu_available",
     "host_array",
+    "init_cache",
     "kernel_spy",
     "lens_to_native",
     "make_layer",
@@ -177,24 +179,31 @@ def make_layer(
     )
 
 
+def init_cache(layer: MultiHeadAttention, batch_size: int, max_length: int) -> KVCache:
+    """The layer's empty key/value cache, of its dtype and on its device."""
+    return layer.init_cache(batch_size, max_length)
+
+
 def forward(
     layer: MultiHeadAttention,
     queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    keys: torch.Tensor | None,
+    values: torch.Tensor | None,
     valid_lens: Any,
     *,
     training: bool = False,
     **kwargs: Any,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[Any, ...]:
     """One call of the layer in ``train()`` or ``eval()`` mode, without autograd.
 
     Args:
         layer: the layer.
-        queries: ``(B, Q, query_size)``; keys, values likewise with ``K``.
+        queries: ``(B, Q, query_size)``; keys, values likewise with ``K``
+            (``None`` for a cached call that appends nothing).
         valid_lens: passed to the layer as it is.
         training: ``train()`` mode (dropout active) instead of ``eval()``.
-        **kwargs: the layer's ``causal`` and ``return_attention_weights``.
+        **kwargs: the layer's ``causal``, ``return_attention_weights`` and
+            ``cache``.
     """
     layer.train(training)
     with torch.no_grad():
@@ -210,8 +219,12 @@ def vjp(
     *,
     causal: bool,
     output_gradient: torch.Tensor,
+    cache: KVCache | None = None,
 ) -> dict[str, torch.Tensor]:
     """The gradients of ``sum(output * output_gradient)`` of an ``eval()`` call.
+
+    With a ``cache``, of the output of that cached call, the cache held
+    fixed (it is detached).
 
     Returns:
         Tensors keyed ``queries``, ``keys``, ``values`` and the canonical
@@ -220,7 +233,12 @@ def vjp(
     layer.eval()
     layer.zero_grad(set_to_none=True)
     inputs = [x.detach().requires_grad_(True) for x in (queries, keys, values)]
-    layer(*inputs, valid_lens, causal=causal).backward(output_gradient)
+    if cache is None:
+        output = layer(*inputs, valid_lens, causal=causal)
+    else:
+        held = type(cache)(*(x.detach() for x in cache))
+        output = layer(*inputs, valid_lens, causal=causal, cache=held)[0]
+    output.backward(output_gradient)
     grads = {name: x.grad for name, x in zip(INPUT_NAMES, inputs, strict=True)}
     for name in KERNEL_NAMES:
         linear = getattr(layer, name)

@@ -138,6 +138,9 @@ class TorchOps:
     def mean(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         return x.mean(dim=axis, keepdim=True)
 
+    def gather_positions(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.take_along_dim(x, positions.unsqueeze(-1), dim=1)
+
 
 OPS = TorchOps()
 

@@ -165,53 +165,100 @@ class MultiHeadAttention(nn.Module):
             "value_size": _in_features(self.W_v),
         }
 
+    def init_cache(
+        self, batch_size: int, max_length: int, dtype: torch.dtype | None = None
+    ) -> spec.KVCache:
+        """An empty key/value cache for incremental decoding (docs: "Generating with a cache").
+
+        Args:
+            batch_size: ``B``, the examples decoded together.
+            max_length: the positions each example can hold.
+            dtype: the dtype of the cached keys and values; ``None`` for the
+                layer's parameter dtype (pass autocast's dtype when decoding
+                under ``torch.autocast``).
+
+        Returns:
+            A :class:`~mha_multi.spec.KVCache` on the parameters' device:
+            zero ``keys`` and ``values`` ``(B, num_kv_heads, max_length,
+            head_dim)`` and int32 ``lengths`` ``(B,)`` all 0.
+
+        Raises:
+            TypeError: ``batch_size`` or ``max_length`` is not an int, or
+                ``dtype`` is not a floating-point ``torch.dtype``.
+            ValueError: ``batch_size`` or ``max_length`` is negative.
+        """
+        shape = spec.cache_shape(batch_size, max_length, self._heads)
+        parameter = self.W_o.weight
+        dtype = parameter.dtype if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype or None; got {dtype!r}")
+        keys, values = (torch.zeros(shape, dtype=dtype, device=parameter.device) for _ in "kv")
+        lengths = torch.zeros(shape[0], dtype=torch.int32, device=parameter.device)
+        return spec.KVCache(keys, values, lengths)
+
     def forward(
         self,
         queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
         valid_lens: torch.Tensor | None = None,
         *,
         causal: bool = False,
         return_attention_weights: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attends from ``queries`` to ``keys``/``values``.
+        cache: spec.KVCache | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Attends from ``queries`` to ``keys``/``values``, or to a cache.
 
         Args:
             queries: ``(B, Q, query_size)``.
-            keys: ``(B, K, key_size)``.
-            values: ``(B, K, value_size)``.
+            keys: ``(B, K, key_size)``. With a ``cache``: the ``T = Q`` new
+                positions ``(B, T, key_size)``, or ``None`` to append nothing.
+            values: ``(B, K, value_size)``; with a ``cache`` like ``keys``.
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating;
                 key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
-                May live on the CPU or on the inputs' device.
+                May live on the CPU or on the inputs' device. With a
+                ``cache``: ``None`` or ``(B,)`` integers, the real new
+                positions of each example (``T`` by default; the rest is
+                padding and is not kept).
             causal: also hide key ``j`` from query ``i`` when
-                ``j > i + (K - Q)``.
+                ``j > i + (K - Q)``. With a ``cache``, query ``i`` of example
+                ``b`` sits at position ``cache.lengths[b] + i`` and sees the
+                keys up to it.
             return_attention_weights: also return the pre-dropout weights.
+            cache: a :class:`~mha_multi.spec.KVCache` from :meth:`init_cache`
+                (or from the previous cached call). The new keys and values
+                are projected and written at positions ``lengths[b] ..
+                lengths[b] + valid_lens[b] - 1`` of example ``b``, and the
+                queries attend to every position the cache then holds. The
+                update is functional: the cache passed in is not modified,
+                and the returned one is differentiable with respect to the
+                new keys, values and the projections' weights.
 
         Returns:
-            ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
-            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``.
+            ``(B, Q, num_hiddens)``; with ``return_attention_weights`` the
+            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``. With a
+            ``cache``, the updated cache is appended: ``(output, cache)`` or
+            ``(output, weights, cache)`` with weights ``(B, H, T,
+            max_length)``, zero where hidden.
 
         Raises:
             TypeError: an input is not a floating-point tensor of the
-                parameters' dtype, ``valid_lens`` is not numeric, or
-                ``causal`` is not a bool.
-            ValueError: shapes that do not fit together or the layer.
+                parameters' dtype, ``valid_lens`` is not numeric (or, with a
+                cache, not integer), ``causal`` is not a bool, or the cache is
+                not a ``KVCache`` of tensors of the layer's dtype.
+            ValueError: shapes that do not fit together, the layer or the
+                cache; in eager mode, a cache that would overflow
+                ``max_length``. Compiled code (``torch.compile``) reads no
+                values: it drops the positions past ``max_length`` instead,
+                overwrites no position a cache holds, and lets ``lengths``
+                count on, so ``lengths > max_length`` tells it happened.
         """
-        for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__}")
-            if not tensor.is_floating_point():
-                raise TypeError(f"{name} must be a floating-point tensor; got {tensor.dtype}")
-            parameter_dtype = self.W_o.weight.dtype
-            if tensor.dtype != parameter_dtype and not torch.is_autocast_enabled(
-                tensor.device.type
-            ):
-                raise TypeError(
-                    f"{name} dtype {tensor.dtype} differs from the layer's parameter dtype "
-                    f"{parameter_dtype}; convert one of them (e.g. layer.to({tensor.dtype}))"
-                )
+        self._check_tensors(queries=queries, keys=keys, values=values, cached=cache is not None)
         valid_lens = _as_lens(valid_lens, queries.device)
+        if cache is not None:
+            return self._cached_forward(
+                queries, keys, values, valid_lens, causal, return_attention_weights, cache
+            )
         spec.check_inputs(
             queries.shape,
             keys.shape,
@@ -221,14 +268,130 @@ class MultiHeadAttention(nn.Module):
             causal=causal,
         )
         q, k, v = self._project(queries, keys, values)
+        context, weights = self._attend(
+            q, k, v, valid_lens, causal=causal, return_attention_weights=return_attention_weights
+        )
+        output = _project_with(self.W_o, context)
+        return (output, weights) if return_attention_weights else output
+
+    def _check_tensors(self, *, cached: bool, **tensors: torch.Tensor | None) -> None:
+        """Inputs are floating-point tensors of the parameters' dtype (or autocast's).
+
+        A cached call may leave keys and values out (``None``); whether it
+        left out both is :func:`mha_multi.spec.check_cached_inputs`'s to say.
+        """
+        parameter_dtype = self.W_o.weight.dtype
+        for name, tensor in tensors.items():
+            if tensor is None and cached and name != "queries":
+                continue
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__}")
+            if not tensor.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor; got {tensor.dtype}")
+            if tensor.dtype != parameter_dtype and not torch.is_autocast_enabled(
+                tensor.device.type
+            ):
+                raise TypeError(
+                    f"{name} dtype {tensor.dtype} differs from the layer's parameter dtype "
+                    f"{parameter_dtype}; convert one of them (e.g. layer.to({tensor.dtype}))"
+                )
+
+    def _cached_forward(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
+        valid_lens: torch.Tensor | None,
+        causal: bool,
+        return_attention_weights: bool,
+        cache: Any,
+    ) -> tuple[torch.Tensor, ...]:
+        """:meth:`forward` with a cache: checks, projections, the spec's update, one attend."""
+        cache = _as_cache(cache, queries.device)
+        spec.check_cached_inputs(
+            queries.shape,
+            None if keys is None else keys.shape,
+            None if values is None else values.shape,
+            None if valid_lens is None else valid_lens.shape,
+            spec.KVCache(*(x.shape for x in cache)),
+            heads=self._heads,
+            **self.input_sizes(),
+            causal=causal,
+        )
+        spec.check_cache_dtypes(
+            dtype_kind(cache.lengths.dtype),
+            None if valid_lens is None else dtype_kind(valid_lens.dtype),
+        )
+        num_new = 0 if keys is None else queries.shape[1]
+        if not torch.compiler.is_compiling():
+            # One read of the lengths. Compiled graphs cannot branch on values;
+            # update_cache never overwrites a held position for them.
+            lengths = cache.lengths.long()
+            read = torch.stack([lengths, lengths if valid_lens is None else valid_lens]).cpu()
+            new = None if valid_lens is None else read[1].numpy()
+            spec.check_cache_values(read[0].numpy(), new, num_new, cache.keys.shape[2])
+        if keys is None:
+            q, k, v = _project_with(self.W_q, queries), None, None
+        else:
+            q, k, v = self._project(queries, keys, values)
+        for name in ("keys", "values"):  # update_cache checks only what it writes to
+            held = getattr(cache, name)
+            if held.dtype != q.dtype:
+                raise TypeError(
+                    f"cache.{name} dtype {held.dtype} differs from the layer's projected dtype "
+                    f"{q.dtype}; make the cache with layer.init_cache"
+                )
+        cache, lens = spec.update_cache(
+            ops_on(q.device), cache, k, v, valid_lens, head_dim=self.head_dim, causal=causal
+        )
+        context, weights = self._attend(
+            q,
+            cache.keys,
+            cache.values,
+            lens,
+            causal=False,  # the causal rule is in lens
+            return_attention_weights=return_attention_weights,
+            kv_split=True,
+        )
+        output = _project_with(self.W_o, context)
+        return (output, weights, cache) if return_attention_weights else (output, cache)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid_lens: torch.Tensor | None,
+        *,
+        causal: bool,
+        return_attention_weights: bool,
+        kv_split: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention on projected inputs through the one kernel plan.
+
+        Args:
+            q: projected queries ``(B, Q, num_heads * head_dim)``.
+            k: projected keys ``(B, K, num_kv_heads * head_dim)``, or split
+                into heads ``(B, num_kv_heads, K, head_dim)`` with ``kv_split``
+                (a cache's layout).
+            v: projected values, as ``k``.
+            valid_lens: the lengths, as :func:`_as_lens` returned them.
+            causal: the spec's causal flag.
+            return_attention_weights: the weights are wanted (generic path).
+            kv_split: ``k`` and ``v`` are split into heads.
+
+        Returns:
+            ``(context, weights)``: the concatenated heads ``(B, Q, num_heads
+            * head_dim)`` and the weights ``(B, H, Q, K)``, ``None`` where
+            the fused kernel ran.
+        """
         dropout_p = self.dropout.p if self.training else 0.0
         plan = _plan(
             q, k, v, valid_lens, causal, dropout_p, return_attention_weights, self._heads.grouped
         )
         if plan.fused:
-            context = self._fused_attention(q, k, v, valid_lens, plan, dropout_p)
-            return _project_with(self.W_o, context)
-        context, weights = spec.attention(
+            return self._fused_attention(q, k, v, valid_lens, plan, dropout_p, kv_split), None
+        return spec.attention(
             ops_on(q.device),
             q,
             k,
@@ -239,9 +402,8 @@ class MultiHeadAttention(nn.Module):
             num_kv_heads=self.num_kv_heads,
             causal=causal,
             dropout=self.dropout if dropout_p > 0 else None,
+            kv_split=kv_split,
         )
-        output = _project_with(self.W_o, context)
-        return (output, weights) if return_attention_weights else output
 
     def _project(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -281,6 +443,7 @@ class MultiHeadAttention(nn.Module):
         valid_lens: torch.Tensor | None,
         plan: spec.KernelPlan,
         dropout_p: float,
+        kv_split: bool = False,
     ) -> torch.Tensor:
         """``scaled_dot_product_attention`` with the spec's masking semantics.
 
@@ -290,16 +453,20 @@ class MultiHeadAttention(nn.Module):
         once, on the projected heads (the plan's ``repeat_kv``).
 
         Args:
-            q: projected queries ``(B, Q, num_heads * head_dim)``; k, v
-                ``(B, K, num_kv_heads * head_dim)``.
+            q: projected queries ``(B, Q, num_heads * head_dim)``.
+            k: projected keys ``(B, K, num_kv_heads * head_dim)``, or with
+                ``kv_split`` ``(B, num_kv_heads, K, head_dim)``, SDPA's own
+                layout (a cache's).
+            v: projected values, as ``k``.
             valid_lens: the lengths, as :func:`_as_lens` returned them.
             plan: what :func:`_plan` decided the kernel is given.
             dropout_p: dropout rate on the weights (0 in eval mode).
+            kv_split: ``k`` and ``v`` are split into heads.
 
         Returns:
             The concatenated heads ``(B, Q, num_heads * head_dim)``.
         """
-        num_queries, num_keys = q.shape[1], k.shape[1]
+        num_queries, num_keys = q.shape[1], k.shape[-2]
         ops = ops_on(q.device)
         dtype = v.dtype
         if dtype in SIXTEEN_BIT and not accumulates_in_float32(q.device):
@@ -308,7 +475,10 @@ class MultiHeadAttention(nn.Module):
             q, k, v = q.float(), k.float(), v.float()
         # (B, T, H*dh) -> (B, H, T, dh): the spec's head layout, unflattened.
         q = q.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        k, v = (x.unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2) for x in (k, v))
+        if not kv_split:
+            k, v = (
+                x.unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2) for x in (k, v)
+            )
         group_size = self._heads.group_size
         if plan.repeat_kv:
             k, v = (x.repeat_interleave(group_size, dim=1) for x in (k, v))
@@ -366,7 +536,7 @@ def _plan(
     path, which is exact for any values (and whose masking and softmax the
     compiler fuses).
     """
-    sizes = (q.shape[0], q.shape[1], k.shape[1])
+    sizes = (q.shape[0], q.shape[1], k.shape[-2])  # keys (B, K, ·) or split (B, H_kv, K, dh)
     facts = {
         "sizes": sizes,
         "lens_ndim": None if valid_lens is None else valid_lens.dim(),
@@ -382,12 +552,39 @@ def _plan(
     optimistic = spec.plan_kernel(SDPA, **facts, values_exact=True)
     if not optimistic.fused:
         return optimistic
-    finite = torch.stack([torch.isfinite(x).all() for x in (q, k, v)]).all()
+    # A cache's free positions count too: SDPA adds -inf to a hidden key's score.
+    # x * 0 is 0 where x is finite and NaN elsewhere: one pass over a cache at
+    # every decoding step, where isfinite(x).all() takes several.
+    finite = torch.stack([(x.detach() * 0).sum() for x in (q, k, v)]).sum() == 0
     if valid_lens is None:
         return spec.plan_kernel(SDPA, **facts, values_exact=bool(finite.item()))
     # float64 keeps the order of every length (int64 ones round monotonically).
     read = torch.stack([finite.double(), valid_lens.min().double()]).tolist()
     return spec.plan_kernel(SDPA, **facts, values_exact=bool(read[0]), shortest_length=read[1])
+
+
+def _as_cache(cache: Any, device: torch.device) -> spec.KVCache:
+    """``cache`` as a :class:`~mha_multi.spec.KVCache` of tensors on ``device``, checked.
+
+    Raises:
+        TypeError: not three tensors (keys, values, lengths).
+        ValueError: a tensor on another device.
+    """
+    if not isinstance(cache, tuple) or len(cache) != 3:
+        raise TypeError(
+            f"cache must be a KVCache(keys, values, lengths), as layer.init_cache makes; "
+            f"got {type(cache).__name__}"
+        )
+    cache = spec.KVCache(*cache)
+    for name, tensor in zip(cache._fields, cache, strict=True):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"cache.{name} must be a torch.Tensor; got {type(tensor).__name__}")
+        if tensor.device != device:
+            raise ValueError(
+                f"cache.{name} is on {tensor.device}, the queries on {device}; "
+                "make the cache with layer.init_cache"
+            )
+    return cache
 
 
 def _as_lens(valid_lens: Any, device: torch.device) -> torch.Tensor | None:

@@ -1,0 +1,366 @@
+"""What only the PyTorch backend's key/value cache has: torch.compile, SDPA, autograd.
+
+The generic cache tests (every dtype, random schedules, the per-query loop,
+errors) are ``tests/backends/test_cache.py``'s; here every result is checked
+against the float64 reference as well.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from mha_multi import spec
+from mha_multi.parity.decode import INPUT_NAMES, chunk_rows, decode, full_reference
+from mha_multi.torch import KVCache, MultiHeadAttention, set_weights
+from mha_multi.torch import _backend as backend
+from mha_multi.weights import init_weights
+
+#: Grouped heads and biases: two query heads read each key/value head.
+HEADS = {"num_heads": 4, "num_kv_heads": 2}
+NUM_HIDDENS, QUERY_SIZE, HEAD_DIM = 16, 5, 4
+#: A ragged prefill, steps of 1 (with idle examples) and a chunk of 3.
+CHUNKS = [(4, [4, 2, 0]), (1, [1, 1, 1]), (1, [1, 0, 1]), (3, [2, 3, 3]), (1, [1, 1, 0])]
+LENGTHS = np.array([9, 7, 5])
+FLOAT32_ATOL = 5e-6
+
+
+@pytest.fixture
+def compiler():
+    """``torch.compile`` with dynamo's caches emptied (``forward``'s compilations are limited)."""
+    torch._dynamo.reset()
+    yield torch.compile
+    torch._dynamo.reset()
+
+
+def make(seed: int, dtype: torch.dtype = torch.float32, length: int = 9):
+    weights = init_weights(NUM_HIDDENS, bias=True, seed=seed, query_size=QUERY_SIZE, **HEADS)
+    layer = MultiHeadAttention(NUM_HIDDENS, bias=True, dtype=dtype, **HEADS)
+    layer = set_weights(layer, {k: v.astype(np.float32) for k, v in weights.items()}).eval()
+    weights = {k: v.astype(np.float32).astype(np.float64) for k, v in weights.items()}
+    rng = np.random.default_rng(seed)
+    sizes = {"queries": QUERY_SIZE, "keys": NUM_HIDDENS, "values": NUM_HIDDENS}
+    inputs = {
+        name: rng.standard_normal((3, length, size)).astype(np.float32)
+        for name, size in sizes.items()
+    }
+    return weights, layer, inputs
+
+
+def tensors(*arrays, dtype=torch.float32):
+    """Numpy arrays as tensors: floating ones of ``dtype``, integer lengths as they are."""
+    converted = []
+    for x in arrays:
+        x = None if x is None else torch.from_numpy(np.array(x, copy=True))
+        converted.append(x.to(dtype) if x is not None and x.is_floating_point() else x)
+    return converted
+
+
+def stepper(layer, cache):
+    """A :data:`mha_multi.parity.decode.Step` through ``layer``; ``caches`` collects each cache."""
+    caches = [cache]
+
+    def step(queries, keys, values, new_lens):
+        with torch.no_grad():
+            output, cache = layer(
+                *tensors(queries, keys, values, new_lens), causal=True, cache=caches[-1]
+            )
+        caches.append(cache)
+        return output.numpy()
+
+    return step, caches
+
+
+def projected_heads(weights, x, name):
+    """Float64 ``x @ W + b`` split into heads, ``(B, H_kv, T, dh)``: what a cache holds."""
+    y = x.astype(np.float64) @ weights[f"W_{name}"] + weights[f"b_{name}"]
+    return y.reshape(*y.shape[:2], -1, HEAD_DIM).transpose(0, 2, 1, 3)
+
+
+def held(cache, name):
+    """The cache's ``keys`` or ``values`` with the free positions zeroed, as numpy."""
+    x = getattr(cache, name).detach().numpy()
+    positions = np.arange(x.shape[2]) < cache.lengths.numpy()[:, None]
+    return np.where(positions[:, None, :, None], x, 0.0)
+
+
+# -- torch.compile ---------------------------------------------------------------
+
+
+def test_compiled_decoding_equals_eager_and_the_reference(compiler):
+    """One graph per chunk length, however many steps; the numbers of the float64 spec."""
+    weights, layer, inputs = make(0)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = compiler(layer, fullgraph=True, dynamic=False, backend=counter)
+    compiled_step, compiled_caches = stepper(compiled, layer.init_cache(3, 10))
+    eager_step, eager_caches = stepper(layer, layer.init_cache(3, 10))
+
+    compiled_output = decode(compiled_step, inputs, LENGTHS, CHUNKS)
+    eager_output = decode(eager_step, inputs, LENGTHS, CHUNKS)
+
+    assert counter.frame_count == len({size for size, _ in CHUNKS})  # T = 4, 1, 3
+    expected = full_reference(weights, inputs, LENGTHS, **HEADS)
+    for output in (compiled_output, eager_output):
+        np.testing.assert_allclose(output, expected, rtol=0, atol=FLOAT32_ATOL)
+    for compiled_cache, eager_cache in zip(compiled_caches, eager_caches, strict=True):
+        assert torch.equal(compiled_cache.lengths, eager_cache.lengths)
+        assert compiled_cache.lengths.dtype == torch.int32
+        for name in ("keys", "values"):
+            np.testing.assert_allclose(
+                held(compiled_cache, name), held(eager_cache, name), rtol=0, atol=FLOAT32_ATOL
+            )
+    assert compiled_caches[-1].lengths.tolist() == LENGTHS.tolist()
+    for name, projection in (("keys", "k"), ("values", "v")):
+        expected_cache = projected_heads(weights, inputs[name], projection)
+        expected_cache = np.where(  # positions past the lengths are free
+            (np.arange(9) < LENGTHS[:, None])[:, None, :, None], expected_cache, 0.0
+        )
+        np.testing.assert_allclose(
+            held(compiled_caches[-1], name)[:, :, :9], expected_cache, rtol=0, atol=FLOAT32_ATOL
+        )
+
+
+def test_compiled_overflow_drops_positions_and_keeps_counting(compiler):
+    """Eager raises; compiled code writes what fits, overwrites nothing held, counts on."""
+    weights, layer, inputs = make(1, length=7)
+    cache = layer.init_cache(3, 4)
+    rows = [x[:, :3] for x in inputs.values()]
+    with torch.no_grad():
+        _, cache = layer(*tensors(*rows, np.array([3, 1, 0])), causal=True, cache=cache)
+    before = {name: getattr(cache, name).clone() for name in ("keys", "values")}
+    new_rows = [x[:, 3:6] for x in inputs.values()]
+    new = {"keys": projected_heads(weights, new_rows[1], "k")}
+    new["values"] = projected_heads(weights, new_rows[2], "v")
+    with pytest.raises(ValueError, match="overflows: example 0 would hold 6"):
+        layer(*tensors(*new_rows), causal=True, cache=cache)
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = compiler(layer, fullgraph=True, dynamic=False, backend=counter)
+    with torch.no_grad():
+        _, overflowed = compiled(*tensors(*new_rows), causal=True, cache=cache)
+    assert overflowed.lengths.tolist() == [6, 4, 3]  # lengths > max_length tell it happened
+    for name in ("keys", "values"):
+        kept, old, written = getattr(overflowed, name).numpy(), before[name].numpy(), new[name]
+        # Example 0 held 3 and fits 1 more; example 1 held 1 and fits 3; example 2 appends 3.
+        np.testing.assert_array_equal(kept[0, :, :3], old[0, :, :3])
+        np.testing.assert_allclose(kept[0, :, 3], written[0, :, 0], rtol=0, atol=FLOAT32_ATOL)
+        np.testing.assert_array_equal(kept[1, :, :1], old[1, :, :1])
+        np.testing.assert_allclose(kept[1, :, 1:], written[1], rtol=0, atol=FLOAT32_ATOL)
+        np.testing.assert_allclose(kept[2, :, :3], written[2], rtol=0, atol=FLOAT32_ATOL)
+        np.testing.assert_array_equal(kept[2, :, 3], old[2, :, 3])
+
+    # A full cache takes nothing more and overwrites nothing; the same graph serves.
+    with torch.no_grad():
+        _, after = compiled(*tensors(*new_rows, np.array([1, 1, 1])), causal=True, cache=overflowed)
+    assert after.lengths.tolist() == [7, 5, 4]
+    assert counter.frame_count == 2  # valid_lens None, then given: two signatures
+    for name in ("keys", "values"):
+        kept, old = getattr(after, name), getattr(overflowed, name)
+        assert torch.equal(kept[:2], old[:2])
+        assert torch.equal(kept[2, :, :3], old[2, :, :3])
+        assert not torch.equal(kept[2, :, 3], old[2, :, 3])
+
+
+# -- SDPA for eager cached calls ---------------------------------------------------
+
+
+def sdpa_spy():
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", wraps=sdpa)
+
+
+def prefilled(layer, inputs, new_lens, max_length=7):
+    """A cache after one call of ``inputs``' first 3 positions, ``new_lens`` of them kept."""
+    cache = layer.init_cache(3, max_length)
+    rows = tensors(*(x[:, :3] for x in inputs.values()), new_lens, dtype=layer.W_o.weight.dtype)
+    with torch.no_grad():
+        _, cache = layer(*rows, causal=True, cache=cache)
+    return cache
+
+
+def numpy_cache(cache):
+    return spec.KVCache(*(x.detach().numpy() for x in cache))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_eager_cached_calls_run_sdpa_with_the_plans_mask(causal):
+    """Grouped key/value heads go to SDPA unrepeated, in the cache's own layout.
+
+    Example 2 holds nothing and appends nothing: its fully hidden rows get the
+    spec's uniform weights over the whole cache, free positions included.
+    """
+    weights, layer, inputs = make(2)
+    cache = prefilled(layer, inputs, np.array([3, 1, 0]))
+    rows = [chunk_rows(x, np.array([3, 1, 0]), 3) for x in inputs.values()]
+    new_lens = np.array([2, 3, 0])
+    expected, _, expected_cache = spec.reference_cached_forward(
+        weights, *rows, numpy_cache(cache), new_lens, **HEADS, causal=causal
+    )
+    with backend.kernel_spy() as calls, sdpa_spy() as spy, torch.no_grad():
+        output, after = layer(*tensors(*rows, new_lens), causal=causal, cache=cache)
+    assert len(calls) == 1 and calls[0].mask and not calls[0].is_causal
+    query, key, value = spy.call_args.args[:3]
+    assert query.shape == (3, 4, 3, HEAD_DIM)
+    assert key.shape == value.shape == (3, 2, 7, HEAD_DIM)
+    assert spy.call_args.kwargs["enable_gqa"] is True
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+    assert after.lengths.tolist() == expected_cache.lengths.tolist()
+
+    with backend.kernel_spy() as calls, torch.no_grad():
+        output, attention_weights, _ = layer(
+            *tensors(*rows, new_lens), causal=causal, cache=cache, return_attention_weights=True
+        )
+    assert calls == []  # the weights come from the generic path
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+    np.testing.assert_allclose(attention_weights[2].numpy(), 1 / 7, rtol=0, atol=1e-7)
+
+
+def test_a_full_cache_needs_no_mask():
+    """Lengths that hide nothing (every example holds max_length) give SDPA no mask."""
+    weights, layer, inputs = make(3)
+    cache = prefilled(layer, inputs, None, max_length=3)
+    queries = inputs["queries"][:, 3:5]
+    expected, _, _ = spec.reference_cached_forward(
+        weights, queries, None, None, numpy_cache(cache), **HEADS, causal=True
+    )
+    with backend.kernel_spy() as calls, torch.no_grad():
+        output, _ = layer(*tensors(queries), None, None, causal=True, cache=cache)
+    assert len(calls) == 1 and not calls[0].mask and not calls[0].is_causal
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+
+
+def test_a_non_finite_entry_at_a_free_position_takes_the_generic_path():
+    """SDPA adds -inf to a hidden key's score, and NaN + -inf is NaN; the spec replaces it."""
+    weights, layer, inputs = make(4)
+    cache = prefilled(layer, inputs, np.array([3, 2, 1]))
+    keys = cache.keys.clone()
+    keys[0, 1, 6, 0] = np.nan  # example 0 holds 3 positions and appends 1
+    cache = KVCache(keys, cache.values, cache.lengths)
+    rows = [chunk_rows(x, np.array([3, 2, 1]), 1) for x in inputs.values()]
+    expected, _, _ = spec.reference_cached_forward(
+        weights, *rows, numpy_cache(cache), **HEADS, causal=True
+    )
+    assert np.isfinite(expected).all()
+    with backend.kernel_spy() as calls, torch.no_grad():
+        output, _ = layer(*tensors(*rows), causal=True, cache=cache)
+    assert calls == []
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+
+
+# -- autograd through the cache --------------------------------------------------------
+
+
+def test_gradients_through_the_cache_are_the_full_forwards():
+    """Decoding with autograd differentiates like one full causal forward.
+
+    Earlier calls' keys and values reach later outputs through the cache, so
+    every input and weight gradient is that of the full forward; padding rows
+    (other positions' data) get none.
+    """
+    weights, layer, inputs = make(5, dtype=torch.float64)
+    layer.zero_grad(set_to_none=True)
+    full = {
+        name: torch.from_numpy(x.astype(np.float64)).requires_grad_() for name, x in inputs.items()
+    }
+    rng = np.random.default_rng(5)
+    real = np.arange(9) < LENGTHS[:, None]
+    output_gradient = np.where(real[..., None], rng.standard_normal((3, 9, NUM_HIDDENS)), 0.0)
+    gradient = torch.from_numpy(output_gradient)
+    cache = layer.init_cache(3, 10)
+    consumed = np.zeros(3, np.int64)
+    loss = 0.0
+    for num_new, new_lens in CHUNKS:
+        index = torch.from_numpy((consumed[:, None] + np.arange(num_new)) % 9)[..., None]
+        rows = [torch.take_along_dim(full[name], index, dim=1) for name in INPUT_NAMES]
+        output, cache = layer(*rows, torch.tensor(new_lens), causal=True, cache=cache)
+        for b, n in enumerate(new_lens):
+            loss = loss + (output[b, :n] * gradient[b, consumed[b] : consumed[b] + n]).sum()
+        consumed += new_lens
+    loss.backward()
+
+    expected = spec.reference_gradients(
+        weights,
+        *inputs.values(),
+        LENGTHS,
+        **HEADS,
+        causal=True,
+        output_gradient=output_gradient,
+    )
+    for name in INPUT_NAMES:
+        np.testing.assert_allclose(full[name].grad.numpy(), expected[name], rtol=0, atol=1e-10)
+        assert not full[name].grad.numpy()[~real].any()
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        linear = getattr(layer, name)
+        np.testing.assert_allclose(linear.weight.grad.T.numpy(), expected[name], atol=1e-10)
+        np.testing.assert_allclose(linear.bias.grad.numpy(), expected[f"b_{name[-1]}"], atol=1e-10)
+
+
+def test_the_returned_cache_is_differentiable_in_the_new_keys():
+    """``d sum(cache.keys * g) / d keys`` is ``g`` at the written positions, through ``W_k``."""
+    weights, layer, inputs = make(6, dtype=torch.float64)
+    cache = prefilled(layer, inputs, np.array([3, 1, 0]))
+    queries, keys, values = tensors(*(x[:, 3:5] for x in inputs.values()), dtype=torch.float64)
+    keys.requires_grad_()
+    _, after = layer(queries, keys, values, torch.tensor([2, 1, 0]), cache=cache)
+    g = np.random.default_rng(6).standard_normal(after.keys.shape)
+    (after.keys * torch.from_numpy(g)).sum().backward()
+    expected = np.zeros(keys.shape)
+    for b, (start, n) in enumerate([(3, 2), (1, 1), (0, 0)]):
+        written = g[b, :, start : start + n].transpose(1, 0, 2).reshape(n, 2 * HEAD_DIM)
+        expected[b, :n] = written @ weights["W_k"].T
+    np.testing.assert_allclose(keys.grad.numpy(), expected, rtol=0, atol=1e-12)
+
+
+# -- the cache's own arguments -----------------------------------------------------------
+
+
+def test_init_cache_takes_a_floating_dtype():
+    _, layer, _ = make(7)
+    cache = layer.init_cache(2, 5, dtype=torch.bfloat16)
+    assert cache.keys.dtype == cache.values.dtype == torch.bfloat16
+    assert cache.lengths.dtype == torch.int32
+    assert layer.double().init_cache(1, 2).keys.dtype == torch.float64
+    for dtype in (torch.int64, "float32"):
+        with pytest.raises(TypeError, match="floating-point torch.dtype"):
+            layer.init_cache(2, 5, dtype=dtype)
+
+
+def test_a_cache_that_is_not_the_layers_is_a_clear_error():
+    _, layer, inputs = make(8)
+    rows = tensors(*(x[:, :2] for x in inputs.values()))
+    cache = layer.init_cache(3, 4)
+    with pytest.raises(TypeError, match="cache.keys dtype torch.float64 differs"):
+        layer(*rows, cache=KVCache(cache.keys.double(), cache.values, cache.lengths))
+    with pytest.raises(TypeError, match="cache.values dtype torch.float64 differs"):
+        layer(rows[0], None, None, cache=KVCache(cache.keys, cache.values.double(), cache.lengths))
+    with pytest.raises(TypeError, match="cache must be a KVCache"):
+        layer(*rows, cache=list(cache))
+    with pytest.raises(TypeError, match="cache.lengths must be a torch.Tensor"):
+        layer(*rows, cache=KVCache(cache.keys, cache.values, [0, 0, 0]))
+    with pytest.raises(ValueError, match="cache.keys is on meta"):
+        layer(*rows, cache=KVCache(cache.keys.to("meta"), cache.values, cache.lengths))
+    with pytest.raises(TypeError, match="cache.lengths must be integers"):
+        layer(*rows, cache=KVCache(cache.keys, cache.values, cache.lengths.float()))
+
+
+def test_decoding_under_autocast_with_a_16_bit_cache():
+    """Autocast projects in bfloat16, so the cache holds bfloat16 (init_cache's dtype)."""
+    weights, layer, inputs = make(9)
+    step_inputs = [x[:, :4] for x in inputs.values()]
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        with pytest.raises(TypeError, match="cache.keys dtype torch.float32 differs"):
+            layer(*tensors(*step_inputs), causal=True, cache=layer.init_cache(3, 4))
+        output, cache = layer(
+            *tensors(*step_inputs),
+            causal=True,
+            cache=layer.init_cache(3, 4, dtype=torch.bfloat16),
+        )
+    assert output.dtype == cache.keys.dtype == torch.bfloat16
+    expected = full_reference(
+        weights, dict(zip(INPUT_NAMES, step_inputs, strict=True)), np.full(3, 4), **HEADS
+    )
+    np.testing.assert_allclose(output.float().numpy(), expected, rtol=0, atol=2e-2)
