@@ -4,7 +4,7 @@ Importing it turns on MXNet's numpy interface (``npx.set_np()``), which the
 layer is written for, as d2l does.
 """
 
-from mha_multi.mxnet.layer import MultiHeadAttention, get_weights, set_weights
+from mha_multi.mxnet.layer import MultiHeadAttention, get_weights, head_importance, set_weights
 from mha_multi.spec import KVCache
 
-__all__ = ["KVCache", "MultiHeadAttention", "get_weights", "set_weights"]
+__all__ = ["KVCache", "MultiHeadAttention", "get_weights", "head_importance", "set_weights"]

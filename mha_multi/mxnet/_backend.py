@@ -39,6 +39,7 @@ __all__ = [
     "device_description",
     "exact_float32",
     "forward",
+    "gate_gradient",
     "gpu_available",
     "host_array",
     "init_cache",
@@ -213,9 +214,9 @@ def forward(
         queries: ``(B, Q, query_size)``; keys, values likewise with ``K``.
         valid_lens: passed to the layer as it is.
         training: record in training mode, so that dropout acts.
-        **kwargs: the layer's ``causal``, ``return_attention_weights`` and
+        **kwargs: the layer's ``causal``, ``return_attention_weights``,
             ``cache`` (``keys``/``values`` ``None`` with a cache: attend to it
-            as it is).
+            as it is) and ``head_mask``.
     """
     if not training:
         return layer(queries, keys, values, valid_lens, **kwargs)
@@ -233,25 +234,31 @@ def vjp(
     causal: bool,
     output_gradient: mx.np.ndarray,
     cache: KVCache | None = None,
+    head_mask: mx.np.ndarray | None = None,
 ) -> dict[str, mx.np.ndarray]:
     """The gradients of ``sum(output * output_gradient)`` of a call out of training mode.
 
     With a ``cache``, of that cached call's output, the cache held fixed
     (its arrays get no gradient). ``keys``/``values`` may then be ``None``,
-    and have no gradient.
+    and have no gradient. With a ``head_mask``, of the gated call, and the
+    gates' gradient too.
 
     Returns:
         Arrays keyed ``queries``, ``keys``, ``values`` and the canonical
-        weight names, kernels in the canonical ``(in, out)`` orientation.
+        weight names, kernels in the canonical ``(in, out)`` orientation;
+        and ``head_mask`` (of the gates' shape and dtype) with a ``head_mask``.
     """
+    given = (queries, keys, values, head_mask)
     inputs = {
         name: x.copy()
-        for name, x in zip(INPUT_NAMES, (queries, keys, values), strict=True)
+        for name, x in zip((*INPUT_NAMES, "head_mask"), given, strict=True)
         if x is not None
     }
     for array in inputs.values():
         array.attach_grad()
     options = {} if cache is None else {"cache": cache}
+    if head_mask is not None:
+        options["head_mask"] = inputs["head_mask"]
     with autograd.record(train_mode=False):
         result = layer(
             *(inputs.get(name) for name in INPUT_NAMES), valid_lens, causal=causal, **options
@@ -266,6 +273,39 @@ def vjp(
         if dense.bias is not None:
             grads[f"b_{name[-1]}"] = dense.bias.grad(ctx)
     return grads
+
+
+def gate_gradient(
+    layer: MultiHeadAttention,
+    queries: mx.np.ndarray,
+    keys: mx.np.ndarray,
+    values: mx.np.ndarray,
+    valid_lens: Any,
+    loss_fn: Callable[[mx.np.ndarray], mx.np.ndarray],
+) -> np.ndarray:
+    """``dL/dξ`` at gates ``ξ`` of ones ``(num_heads,)``, ``L = loss_fn(output)`` (eval mode).
+
+    One batch of :func:`mha_multi.mxnet.head_importance` (docs: "Heads").
+    Only the gates' gradient is taken (``autograd.grad``): the layer's
+    parameters and the inputs keep the gradients they hold.
+
+    Returns:
+        The gradient as float64 numpy ``(num_heads,)``.
+
+    Raises:
+        TypeError: ``loss_fn`` did not return an ``mxnet.numpy`` array of one element.
+    """
+    gates = mx.np.ones((layer.num_heads,), dtype=layer.dtype, ctx=queries.ctx)
+    gates.attach_grad()
+    with autograd.record(train_mode=False):
+        loss = loss_fn(layer(queries, keys, values, valid_lens, head_mask=gates))
+        if not isinstance(loss, mx.np.ndarray) or loss.size != 1:
+            raise TypeError(
+                "loss_fn must return a scalar mxnet.numpy array; got "
+                f"{type(loss).__name__}{getattr(loss, 'shape', '')}"
+            )
+    (gradient,) = autograd.grad(loss, [gates], train_mode=False)
+    return to_numpy(gradient)
 
 
 def init_cache(layer: MultiHeadAttention, batch_size: int, max_length: int) -> KVCache:

@@ -34,6 +34,13 @@ kernel plan as any call, the causal rule inside its ``(B, T)`` lengths. The
 public block reads the lengths first and refuses what would overflow the
 cache; an exported graph, which cannot, drops what does not fit.
 
+A ``head_mask`` (docs: "Heads") is one more configuration too, by its rank:
+the gates are the graph's last input, cast to the layer's dtype by the
+public block, and multiply the heads' concatenated context before ``W_o``
+(:func:`mha_multi.spec.apply_head_mask`) on every route, so the fast route
+stays the fast route. Its gradient is Gluon's, as for any input:
+:func:`head_importance` reads it at gates of ones.
+
 Importing the layer sets ``MXNET_CUDA_TENSOR_OP_MATH_ALLOW_CONVERSION`` to
 MXNet's own default, ``0``, where the environment does not set it, before
 MXNet is loaded (:func:`mha_multi.mxnet._backend.exact_float32`): MXNet's
@@ -43,24 +50,24 @@ behaviour is unchanged, and the parity runs are sure of it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 # First: the backend module puts MXNet's exact-float32 environment in place
 # before MXNet is loaded (docs: "Architecture").
-from mha_multi.mxnet._backend import host_array  # isort: split
+from mha_multi.mxnet._backend import gate_gradient, host_array  # isort: split
 
 import mxnet as mx
 import numpy as np
 from mxnet import gluon, npx
 from mxnet.gluon import nn
 
-from mha_multi import spec
+from mha_multi import heads, spec
 from mha_multi.mxnet._ops import MXNetOps, dtype_kind
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
-__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
+__all__ = ["MultiHeadAttention", "get_weights", "head_importance", "set_weights"]
 
 # The layer is written for MXNet's numpy interface (as d2l is); it is a no-op
 # when already active.
@@ -82,6 +89,7 @@ class _Config:
     plan: spec.KernelPlan  # the SequenceMask route, or spec.attention where not fused
     cached: bool = False  # a call with a key/value cache (the cache's arrays are inputs)
     appends: bool = False  # a cached call given new keys and values
+    head_mask_ndim: int | None = None  # None: no head_mask; else 1 (H,) or 2 (B, H), an input
 
 
 class _Graphs:
@@ -149,6 +157,7 @@ class _AttentionGraph(gluon.HybridBlock):
         cache_keys: Any = None,
         cache_values: Any = None,
         cache_lengths: Any = None,
+        head_mask: Any = None,
         **params: Any,
     ) -> Any:
         # Symbols (a graph being traced) get the traced call's input dtypes
@@ -192,6 +201,9 @@ class _AttentionGraph(gluon.HybridBlock):
                 F, ops, q, k, v, valid_lens, causal=self._config.causal, kv_split=False
             )
             appended = ()
+        # The gates act on each head's slice of the concatenated context, on
+        # either route (the fast route's result is that context too).
+        context = spec.apply_head_mask(ops, context, head_mask, heads.num_heads)
         outputs = (project(context, "o"),)
         if self._config.return_attention_weights:
             outputs += (weights,)
@@ -377,6 +389,12 @@ class MultiHeadAttention(gluon.HybridBlock):
     ``cache=`` appends its new keys and values to it and returns the cache
     after the call with the output; see :meth:`forward`.
 
+    Heads (docs: "Heads"): ``head_mask=`` gates each head's context, on every
+    route and with a cache; :func:`head_importance` scores the heads by the
+    gates' gradients, and :func:`mha_multi.heads.prune_heads` gives the
+    weights and ``MultiHeadAttention(**config.kwargs())`` of a layer without
+    some of them.
+
     Grouped-query attention (docs: "The spec", grouped heads): with
     ``num_kv_heads < num_heads`` query head ``h`` reads key/value head
     ``h // (num_heads // num_kv_heads)``; ``W_k`` and ``W_v`` project to
@@ -497,6 +515,10 @@ class MultiHeadAttention(gluon.HybridBlock):
         without the layer's checks: see :meth:`forward` for what it does with
         lengths the layer would have refused.
 
+        A call given a ``head_mask`` has it as the graph's last input (the
+        next ``data`` name after the others), of that call's rank and of the
+        layer's dtype.
+
         Raises:
             RuntimeError: the block is not hybridized or was not called yet.
         """
@@ -558,6 +580,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         causal: bool = False,
         return_attention_weights: bool = False,
         cache: spec.KVCache | None = None,
+        head_mask: Any = None,
     ) -> Any:
         # Gluon's Block.__call__ takes positional arguments only.
         args = (queries, keys, values, valid_lens)
@@ -568,6 +591,7 @@ class MultiHeadAttention(gluon.HybridBlock):
             causal=causal,
             return_attention_weights=return_attention_weights,
             cache=cache,
+            head_mask=head_mask,
         )
         for hook in self._forward_hooks.values():
             hook(self, args, out)
@@ -583,6 +607,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         causal: bool = False,
         return_attention_weights: bool = False,
         cache: spec.KVCache | None = None,
+        head_mask: Any = None,
     ) -> Any:
         """Attends from ``queries`` to ``keys``/``values``, or to a key/value cache.
 
@@ -625,6 +650,13 @@ class MultiHeadAttention(gluon.HybridBlock):
                 ``mxnet.numpy`` arrays on the queries' device: ``keys`` and
                 ``values`` ``(B, num_kv_heads, max_length, head_dim)`` of the
                 layer's dtype, ``lengths`` ``(B,)`` integers.
+            head_mask: ``None``, or ``(num_heads,)`` or ``(B, num_heads)``
+                floating ``mxnet.numpy`` gates on the queries' device (docs:
+                "Heads"): head ``h``'s context, its slice of ``weights @ v``
+                before ``W_o``, is multiplied by ``head_mask[..., h]``. Any
+                floating dtype; it is cast to the layer's (the cast is
+                recorded, so ``head_mask.grad`` has the gates' own dtype).
+                Gradients reach it through ``autograd`` as through any input.
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
@@ -636,10 +668,12 @@ class MultiHeadAttention(gluon.HybridBlock):
         Raises:
             TypeError: an input is not a floating ``mxnet.numpy.ndarray`` of
                 the parameters' dtype, ``valid_lens`` is not numeric (not
-                integer, with a cache), ``causal`` is not a bool, or the
-                cache is not a ``KVCache`` of the layer's dtype.
-            ValueError: mismatched shapes or devices; with a cache, lengths
-                out of range or a cache that would overflow.
+                integer, with a cache), ``causal`` is not a bool, the cache
+                is not a ``KVCache`` of the layer's dtype, or ``head_mask`` is
+                not a floating ``mxnet.numpy.ndarray``.
+            ValueError: mismatched shapes or devices (``head_mask``'s
+                included); with a cache, lengths out of range or a cache that
+                would overflow.
         """
         if cache is not None:
             return self._cached_forward(
@@ -650,6 +684,7 @@ class MultiHeadAttention(gluon.HybridBlock):
                 cache,
                 causal=causal,
                 return_attention_weights=bool(return_attention_weights),
+                head_mask=head_mask,
             )
         for name, array in (("queries", queries), ("keys", keys), ("values", values)):
             _check_array(name, array, self.dtype)
@@ -665,11 +700,12 @@ class MultiHeadAttention(gluon.HybridBlock):
             causal=causal,
             **self.input_sizes(),
         )
+        gates = self._gates(head_mask, queries)
         if 0 in (queries.shape[0], queries.shape[1], keys.shape[1]):
             # MXNet 1.9's kernels fail on these shapes (some crash the process,
             # some leave the engine unusable), so the result is built here.
             return self._empty_attention(
-                queries, keys, values, keys.shape[1], bool(return_attention_weights)
+                queries, keys, values, keys.shape[1], bool(return_attention_weights), gates
             )
         config = _Config(
             device_type=queries.ctx.device_type,
@@ -687,8 +723,9 @@ class MultiHeadAttention(gluon.HybridBlock):
                 return_attention_weights=bool(return_attention_weights),
                 grouped=self._heads.grouped,
             ),
+            head_mask_ndim=None if gates is None else gates.ndim,
         )
-        out = self._run(config, (queries, keys, values, lens))
+        out = self._run(config, (queries, keys, values, lens, None, None, None, gates))
         return tuple(out) if config.return_attention_weights else out
 
     def _cached_forward(
@@ -701,6 +738,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         *,
         causal: Any,
         return_attention_weights: bool,
+        head_mask: Any,
     ) -> tuple[Any, ...]:
         """:meth:`forward` with a cache: checks, then the configuration's graph."""
         _check_array("queries", queries, self.dtype)
@@ -724,6 +762,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         spec.check_cache_dtypes(
             dtype_kind(cache.lengths.dtype), None if lens is None else dtype_kind(lens.dtype)
         )
+        gates = self._gates(head_mask, queries)
         appends = keys is not None
         batch, num_new = queries.shape[:2]
         max_length = cache.keys.shape[2]
@@ -739,7 +778,7 @@ class MultiHeadAttention(gluon.HybridBlock):
             # Nothing to write: no example, no new position, or (checked) no
             # position held or added.
             result = self._empty_attention(
-                queries, keys, values, max_length, return_attention_weights
+                queries, keys, values, max_length, return_attention_weights, gates
             )
             result = result if return_attention_weights else (result,)
             return (*result, spec.KVCache(cache.keys, cache.values, lengths))
@@ -767,8 +806,9 @@ class MultiHeadAttention(gluon.HybridBlock):
             ),
             cached=True,
             appends=appends,
+            head_mask_ndim=None if gates is None else gates.ndim,
         )
-        out = self._run(config, (queries, keys, values, lens, *cache[:2], lengths))
+        out = self._run(config, (queries, keys, values, lens, *cache[:2], lengths, gates))
         out = tuple(out) if isinstance(out, (list, tuple)) else (out,)
         if appends:
             return (*out[:-3], spec.KVCache(*out[-3:]))
@@ -778,6 +818,36 @@ class MultiHeadAttention(gluon.HybridBlock):
             unused = self._parameter_arrays(queries.ctx, None, None, None, projections=("k", "v"))
             out = (sum((_zero_link(x) for x in unused), out[0]), *out[1:])
         return (*out, spec.KVCache(cache.keys, cache.values, lengths))
+
+    def _gates(self, head_mask: Any, queries: Any) -> Any:
+        """``head_mask`` checked (docs: "Heads") and cast to the layer's dtype; ``None`` stays.
+
+        The cast is recorded by ``autograd``, so a mask of another dtype gets
+        its gradient in its own dtype; each graph takes the layer's.
+
+        Raises:
+            TypeError: not an ``mxnet.numpy.ndarray``, or not floating.
+            ValueError: not ``(num_heads,)`` or ``(B, num_heads)``, or on
+                another device than the queries.
+        """
+        if head_mask is None:
+            return None
+        if not isinstance(head_mask, mx.np.ndarray):
+            hint = " (use .as_np_ndarray())" if isinstance(head_mask, mx.nd.NDArray) else ""
+            raise TypeError(
+                f"head_mask must be an mxnet.numpy.ndarray{hint}; got {type(head_mask).__name__}"
+            )
+        spec.check_head_mask(
+            head_mask.shape,
+            dtype_kind(head_mask.dtype),
+            num_heads=self.num_heads,
+            batch=queries.shape[0],
+        )
+        if head_mask.ctx != queries.ctx:
+            raise ValueError(f"head_mask is on {head_mask.ctx} but queries on {queries.ctx}")
+        if np.dtype(head_mask.dtype) == self.dtype:
+            return head_mask
+        return head_mask.astype(self.dtype)
 
     def _run(self, config: _Config, inputs: tuple[Any, ...]) -> Any:
         """The configuration's graph on ``inputs`` (``None`` for an absent one)."""
@@ -798,6 +868,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         values: Any,
         num_keys: int,
         return_attention_weights: bool,
+        head_mask: Any = None,
     ) -> Any:
         """The spec's result when ``B``, ``Q`` or ``K`` is 0, built from shapes.
 
@@ -809,7 +880,8 @@ class MultiHeadAttention(gluon.HybridBlock):
         their own shapes (and ``b_o`` the sum of the output's gradient), as
         the reference does, instead of leaving earlier gradients in place.
         ``keys`` and ``values`` may be ``None`` (a cached call without them);
-        ``num_keys`` is ``K``, or a cache's ``max_length``.
+        ``num_keys`` is ``K``, or a cache's ``max_length``. A ``head_mask``
+        gates a zero context: its gradient is zero too.
         """
         ctx, dtype = queries.ctx, self.dtype
         batch, num_queries = queries.shape[0], queries.shape[1]
@@ -818,7 +890,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         if self.bias and output.size:
             output = output + self.W_o.bias.data(ctx)
         if mx.autograd.is_recording():
-            for x in (queries, keys, values, *parameters):
+            for x in (queries, keys, values, head_mask, *parameters):
                 if x is not None:
                     output = output + _zero_link(x)
         if not return_attention_weights:
@@ -1038,3 +1110,44 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
         if layer.bias:
             weights[f"b_{name[-1]}"] = host_array(dense.bias)
     return weights
+
+
+def head_importance(
+    layer: MultiHeadAttention,
+    batches: Iterable[tuple[Any, Any, Any, Any]],
+    loss_fn: Callable[[Any], Any],
+    *,
+    normalize: bool = True,
+) -> np.ndarray:
+    """How much each head matters to ``loss_fn`` (docs: "Heads"; Michel, Levy & Neubig 2019).
+
+    ``I_h`` is the mean over the batches of ``|dL/dξ_h|``, the gradient of
+    the loss with respect to head ``h``'s gate (``head_mask``) at gates of
+    ones, out of training mode (no dropout); with ``normalize`` it is divided
+    by its L2 norm over the heads (gradients all zero give zeros). Only the
+    gates' gradients are taken: the parameters' ``grad`` are left as they are.
+
+    Args:
+        layer: the layer, initialized (or with deferred sizes the first
+            batch fixes), imperative or hybridized.
+        batches: yields ``(queries, keys, values, valid_lens)``, as the
+            layer's call takes them.
+        loss_fn: ``output -> loss``, a scalar ``mxnet.numpy`` array built
+            from the output with MXNet operations.
+        normalize: divide by the L2 norm over the heads.
+
+    Returns:
+        float64 numpy ``(num_heads,)``.
+
+    Raises:
+        ValueError: ``batches`` yields nothing.
+        TypeError: ``loss_fn`` does not return a scalar ``mxnet.numpy`` array;
+            and the layer's errors for the batches.
+    """
+    gradients = [
+        gate_gradient(layer, queries, keys, values, valid_lens, loss_fn)
+        for queries, keys, values, valid_lens in batches
+    ]
+    if not gradients:
+        raise ValueError("batches yielded no batch: head importance needs at least one")
+    return heads.importance(gradients, normalize=normalize)
