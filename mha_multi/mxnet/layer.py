@@ -63,7 +63,8 @@ import numpy as np
 from mxnet import gluon, npx
 from mxnet.gluon import nn
 
-from mha_multi import heads, spec
+from mha_multi import spec
+from mha_multi.heads import importance
 from mha_multi.mxnet._ops import MXNetOps, dtype_kind
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
@@ -1150,4 +1151,4 @@ def head_importance(
     ]
     if not gradients:
         raise ValueError("batches yielded no batch: head importance needs at least one")
-    return heads.importance(gradients, normalize=normalize)
+    return importance(gradients, normalize=normalize)
