@@ -53,7 +53,7 @@ def test_default_call_follows_the_kernel_plan(fused_runner, cases, name):
     inputs = [case.inputs[key] for key in ("queries", "keys", "values")]
     layer = runner.layer_for(case)
     with runner.kernel_spy() as calls:
-        output = runner.call(layer, *inputs, case.valid_lens, causal=case.config.causal)
+        output = runner.call(layer, *inputs, case.valid_lens, **runner.case_options(case))
     assert len(calls) == 1
     (call,) = calls
     assert call.mask == plan.needs_mask
@@ -67,8 +67,8 @@ def test_default_call_follows_the_kernel_plan(fused_runner, cases, name):
             layer,
             *inputs,
             case.valid_lens,
-            causal=case.config.causal,
             return_attention_weights=True,
+            **runner.case_options(case),
         )
     assert calls == []
     np.testing.assert_allclose(output, case.reference["output"], rtol=0, atol=FLOAT32_ATOL)

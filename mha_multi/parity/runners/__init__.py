@@ -374,6 +374,16 @@ class Runner(abc.ABC):
         )
         return self.set_weights(layer, case.weights if weights is None else weights)
 
+    def case_options(
+        self, case: Case, *, device: str = "cpu", dtype: str = "float32"
+    ) -> dict[str, Any]:
+        """The layer's call options of ``case``: ``causal``, and its gates as a native array."""
+        options: dict[str, Any] = {"causal": case.config.causal}
+        if case.config.head_mask is not None:
+            gates = np.asarray(case.config.head_mask, np.float32)
+            options["head_mask"] = self.to_native(gates, device, dtype)
+        return options
+
     def run(self, case: Case, *, device: str, dtype: str) -> dict[str, np.ndarray]:
         """Every checked quantity of ``case`` on ``device`` in ``dtype``.
 
@@ -392,21 +402,24 @@ class Runner(abc.ABC):
                 "output[weights]": self.decode(*decoding, return_attention_weights=True, **options),
             }
         args = (layer, case.inputs["queries"], case.inputs["keys"], case.inputs["values"])
-        kwargs = {"causal": case.config.causal, "device": device, "dtype": dtype}
-        gates = {}
-        if case.config.head_mask is not None:
-            head_mask = np.asarray(case.config.head_mask, np.float32)
-            gates = {"head_mask": self.to_native(head_mask, device, dtype)}
-        results = {"output": self.call(*args, case.valid_lens, **kwargs, **gates)}
+        kwargs = {"device": device, "dtype": dtype}
+        options = self.case_options(case, device=device, dtype=dtype)
+        results = {"output": self.call(*args, case.valid_lens, **kwargs, **options)}
         output, weights = self.call(
-            *args, case.valid_lens, return_attention_weights=True, **kwargs, **gates
+            *args, case.valid_lens, return_attention_weights=True, **kwargs, **options
         )
         results["output[weights]"] = output
         results["attention_weights"] = weights
-        if gates:
-            gates = {"head_mask": head_mask}
+        gates = {}
+        if case.config.head_mask is not None:
+            gates = {"head_mask": np.asarray(case.config.head_mask, np.float32)}
         grads = self.gradients(
-            *args, case.valid_lens, output_gradient=case.output_gradient, **kwargs, **gates
+            *args,
+            case.valid_lens,
+            output_gradient=case.output_gradient,
+            causal=case.config.causal,
+            **kwargs,
+            **gates,
         )
         results.update({f"grad.{name}": value for name, value in grads.items()})
         return results
