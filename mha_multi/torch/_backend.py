@@ -14,7 +14,7 @@ functions that build one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,6 +34,7 @@ __all__ = [
     "exact_float32",
     "forward",
     "gpu_available",
+    "head_mask_gradient",
     "host_array",
     "init_cache",
     "kernel_spy",
@@ -192,6 +193,7 @@ def forward(
     valid_lens: Any,
     *,
     training: bool = False,
+    head_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | tuple[Any, ...]:
     """One call of the layer in ``train()`` or ``eval()`` mode, without autograd.
@@ -202,12 +204,13 @@ def forward(
             (``None`` for a cached call that appends nothing).
         valid_lens: passed to the layer as it is.
         training: ``train()`` mode (dropout active) instead of ``eval()``.
+        head_mask: the layer's ``head_mask``, passed as it is.
         **kwargs: the layer's ``causal``, ``return_attention_weights`` and
             ``cache``.
     """
     layer.train(training)
     with torch.no_grad():
-        return layer(queries, keys, values, valid_lens, **kwargs)
+        return layer(queries, keys, values, valid_lens, head_mask=head_mask, **kwargs)
 
 
 def vjp(
@@ -220,32 +223,77 @@ def vjp(
     causal: bool,
     output_gradient: torch.Tensor,
     cache: KVCache | None = None,
+    head_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The gradients of ``sum(output * output_gradient)`` of an ``eval()`` call.
 
     With a ``cache``, of the output of that cached call, the cache held
-    fixed (it is detached).
+    fixed (it is detached); with a ``head_mask``, of the gated call.
 
     Returns:
         Tensors keyed ``queries``, ``keys``, ``values`` and the canonical
-        weight names, kernels in the canonical ``(in, out)`` orientation.
+        weight names, kernels in the canonical ``(in, out)`` orientation;
+        with a ``head_mask``, its gradient too, keyed ``head_mask``.
     """
     layer.eval()
     layer.zero_grad(set_to_none=True)
     inputs = [x.detach().requires_grad_(True) for x in (queries, keys, values)]
+    gates = None if head_mask is None else head_mask.detach().requires_grad_(True)
     if cache is None:
-        output = layer(*inputs, valid_lens, causal=causal)
+        output = layer(*inputs, valid_lens, causal=causal, head_mask=gates)
     else:
         held = type(cache)(*(x.detach() for x in cache))
-        output = layer(*inputs, valid_lens, causal=causal, cache=held)[0]
+        output = layer(*inputs, valid_lens, causal=causal, cache=held, head_mask=gates)[0]
     output.backward(output_gradient)
     grads = {name: x.grad for name, x in zip(INPUT_NAMES, inputs, strict=True)}
+    if gates is not None:
+        grads["head_mask"] = gates.grad
     for name in KERNEL_NAMES:
         linear = getattr(layer, name)
         grads[name] = linear.weight.grad.T
         if linear.bias is not None:
             grads[f"b_{name[-1]}"] = linear.bias.grad
     return grads
+
+
+def head_mask_gradient(
+    layer: MultiHeadAttention,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid_lens: Any,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``dL/dξ`` at ``ξ = 1`` of one batch: the gradient a head's importance is made of.
+
+    ``L = loss_fn(layer(queries, keys, values, valid_lens, head_mask=ξ))``
+    with one gate per head (docs: "Heads"), in the layer's current mode
+    (:func:`mha_multi.torch.head_importance` puts it in ``eval()``). The
+    gradient is taken with ``torch.autograd.grad``: the parameters'
+    ``.grad`` are left as they are.
+
+    Returns:
+        ``(num_heads,)``, float32 for a 16-bit layer (else the layer's
+        dtype), on the layer's device; zeros where the loss does not depend
+        on the output.
+
+    Raises:
+        TypeError: ``loss_fn`` did not return a tensor.
+        ValueError: it returned more than one number.
+    """
+    parameter = layer.W_o.weight
+    dtype = torch.promote_types(parameter.dtype, torch.float32)
+    gates = torch.ones(layer.num_heads, dtype=dtype, device=parameter.device, requires_grad=True)
+    with torch.enable_grad():
+        loss = loss_fn(layer(queries, keys, values, valid_lens, head_mask=gates))
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss_fn must return a scalar tensor; got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor; got shape {tuple(loss.shape)}")
+        if not loss.requires_grad:
+            return torch.zeros_like(gates, requires_grad=False)
+        (grad,) = torch.autograd.grad(loss.reshape(()), gates, allow_unused=True)
+    return torch.zeros_like(gates, requires_grad=False) if grad is None else grad
 
 
 @contextlib.contextmanager

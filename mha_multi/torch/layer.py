@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from mha_multi import spec
-from mha_multi.torch._backend import host_array
+from mha_multi.heads import importance
+from mha_multi.torch._backend import head_mask_gradient, host_array
 from mha_multi.torch._ops import (
+    OPS,
     SIXTEEN_BIT,
     accumulates_in_float32,
     autocast_off,
@@ -22,7 +24,7 @@ from mha_multi.torch._ops import (
 )
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
-__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
+__all__ = ["MultiHeadAttention", "get_weights", "head_importance", "set_weights"]
 
 
 def _projection(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
@@ -206,6 +208,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         return_attention_weights: bool = False,
         cache: spec.KVCache | None = None,
+        head_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Attends from ``queries`` to ``keys``/``values``, or to a cache.
 
@@ -233,6 +236,16 @@ class MultiHeadAttention(nn.Module):
                 update is functional: the cache passed in is not modified,
                 and the returned one is differentiable with respect to the
                 new keys, values and the projections' weights.
+            head_mask: ``None``, or the heads' gates ``(num_heads,)`` or
+                ``(B, num_heads)``, a floating-point tensor on the CPU or on
+                the inputs' device (docs: "Heads"): head ``h``'s context
+                (its slice of ``weights @ v``, before ``W_o``) is multiplied
+                by ``head_mask[..., h]``, on every path (fused, generic,
+                cached, compiled). It is cast to the context's dtype (a
+                float32 mask gates a bfloat16 layer) and is differentiable:
+                its gradient measures each head's importance
+                (:func:`head_importance`). A gate of 0 removes the head, as
+                pruning it (:func:`mha_multi.heads.prune_heads`) does.
 
         Returns:
             ``(B, Q, num_hiddens)``; with ``return_attention_weights`` the
@@ -244,21 +257,22 @@ class MultiHeadAttention(nn.Module):
         Raises:
             TypeError: an input is not a floating-point tensor of the
                 parameters' dtype, ``valid_lens`` is not numeric (or, with a
-                cache, not integer), ``causal`` is not a bool, or the cache is
-                not a ``KVCache`` of tensors of the layer's dtype.
+                cache, not integer), ``causal`` is not a bool, the cache is
+                not a ``KVCache`` of tensors of the layer's dtype, or
+                ``head_mask`` is not a floating-point tensor.
             ValueError: shapes that do not fit together, the layer or the
-                cache; in eager mode, a cache that would overflow
-                ``max_length``. Compiled code (``torch.compile``) reads no
-                values: it drops the positions past ``max_length`` instead,
-                overwrites no position a cache holds, and lets ``lengths``
-                count on, so ``lengths > max_length`` tells it happened.
+                cache, ``head_mask``'s included; in eager mode, a cache that
+                would overflow ``max_length``. Compiled code
+                (``torch.compile``) reads no values: it drops the positions
+                past ``max_length`` instead, overwrites no position a cache
+                holds, and lets ``lengths`` count on, so ``lengths >
+                max_length`` tells it happened.
         """
         self._check_tensors(queries=queries, keys=keys, values=values, cached=cache is not None)
         valid_lens = _as_lens(valid_lens, queries.device)
         if cache is not None:
-            return self._cached_forward(
-                queries, keys, values, valid_lens, causal, return_attention_weights, cache
-            )
+            cached = (causal, return_attention_weights, cache, head_mask)
+            return self._cached_forward(queries, keys, values, valid_lens, *cached)
         spec.check_inputs(
             queries.shape,
             keys.shape,
@@ -267,12 +281,36 @@ class MultiHeadAttention(nn.Module):
             **self.input_sizes(),
             causal=causal,
         )
+        head_mask = self._as_head_mask(head_mask, queries)
         q, k, v = self._project(queries, keys, values)
         context, weights = self._attend(
             q, k, v, valid_lens, causal=causal, return_attention_weights=return_attention_weights
         )
+        # The gates need no device of their own: the adapter places nothing here.
+        context = spec.apply_head_mask(OPS, context, head_mask, self.num_heads)
         output = _project_with(self.W_o, context)
         return (output, weights) if return_attention_weights else output
+
+    def _as_head_mask(self, head_mask: Any, queries: torch.Tensor) -> torch.Tensor | None:
+        """``head_mask`` checked (the spec's rule) and on the queries' device.
+
+        Its dtype is left as it is: :func:`mha_multi.spec.apply_head_mask`
+        casts it to the context's, so gradients flow back in its own.
+        """
+        if head_mask is None:
+            return None
+        if not isinstance(head_mask, torch.Tensor):
+            raise TypeError(
+                f"head_mask must be a floating-point torch.Tensor of shape (num_heads,) or "
+                f"(batch, num_heads); got {type(head_mask).__name__}"
+            )
+        spec.check_head_mask(
+            tuple(head_mask.shape),
+            dtype_kind(head_mask.dtype),
+            num_heads=self.num_heads,
+            batch=queries.shape[0],
+        )
+        return head_mask.to(queries.device)
 
     def _check_tensors(self, *, cached: bool, **tensors: torch.Tensor | None) -> None:
         """Inputs are floating-point tensors of the parameters' dtype (or autocast's).
@@ -305,6 +343,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool,
         return_attention_weights: bool,
         cache: Any,
+        head_mask: Any,
     ) -> tuple[torch.Tensor, ...]:
         """:meth:`forward` with a cache: checks, projections, the spec's update, one attend."""
         cache = _as_cache(cache, queries.device)
@@ -322,6 +361,7 @@ class MultiHeadAttention(nn.Module):
             dtype_kind(cache.lengths.dtype),
             None if valid_lens is None else dtype_kind(valid_lens.dtype),
         )
+        head_mask = self._as_head_mask(head_mask, queries)
         num_new = 0 if keys is None else queries.shape[1]
         if not torch.compiler.is_compiling():
             # One read of the lengths. Compiled graphs cannot branch on values;
@@ -353,6 +393,7 @@ class MultiHeadAttention(nn.Module):
             return_attention_weights=return_attention_weights,
             kv_split=True,
         )
+        context = spec.apply_head_mask(OPS, context, head_mask, self.num_heads)
         output = _project_with(self.W_o, context)
         return (output, weights, cache) if return_attention_weights else (output, cache)
 
@@ -662,3 +703,49 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
         if layer.bias:
             weights[f"b_{name[-1]}"] = host_array(linear.bias)
     return weights
+
+
+def head_importance(
+    layer: MultiHeadAttention,
+    batches: Iterable[tuple[Any, Any, Any, Any]],
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    normalize: bool = True,
+) -> np.ndarray:
+    """How much the loss depends on each head (docs: "Heads").
+
+    Michel, Levy & Neubig (2019): ``I_h = mean over batches of |dL/dξ_h|``
+    at ``ξ = 1``, where ``ξ`` is the ``head_mask`` (one gate per head), then
+    divided by its L2 norm over the heads when ``normalize`` (gradients all
+    zero stay zero). Computed in ``eval()`` mode (no dropout); the layer's
+    mode is restored afterwards, and its parameters' ``.grad`` are left as
+    they are. Heads of low importance are the ones to prune
+    (:func:`mha_multi.heads.prune_heads`).
+
+    Args:
+        layer: the layer.
+        batches: an iterable of ``(queries, keys, values, valid_lens)``
+            tensors (``valid_lens`` may be ``None``), as the layer takes them.
+        loss_fn: ``loss_fn(output) -> scalar tensor``, differentiable.
+        normalize: divide by the L2 norm over the heads.
+
+    Returns:
+        float64 numpy ``(num_heads,)``.
+
+    Raises:
+        ValueError: ``batches`` yields nothing, or ``loss_fn`` returns more
+            than one number.
+        TypeError: ``loss_fn`` returns no tensor.
+    """
+    training = layer.training
+    layer.eval()
+    try:
+        gradients = [
+            host_array(head_mask_gradient(layer, queries, keys, values, valid_lens, loss_fn))
+            for queries, keys, values, valid_lens in batches
+        ]
+    finally:
+        layer.train(training)
+    if not gradients:
+        raise ValueError("batches yielded no batch: head importance needs at least one")
+    return importance(gradients, normalize=normalize)
