@@ -1025,13 +1025,11 @@ class KVCache(NamedTuple):
     """The projected keys and values a layer has seen, per example.
 
     A named tuple of the backend's arrays, so it passes through ``jax.jit``
-    (a pytree), ``torch.compile`` and ``tf.function`` as it is.
-
-    Attributes:
-        keys: projected keys ``(B, num_kv_heads, max_length, head_dim)``.
-        values: projected values, the same shape.
-        lengths: ``(B,)`` int32, the positions each example holds; positions
-            from ``lengths[b]`` on are free (and hold nothing meaningful).
+    (a pytree), ``torch.compile`` and ``tf.function`` as it is: ``keys`` and
+    ``values`` are the projected keys and values ``(B, num_kv_heads,
+    max_length, head_dim)``, ``lengths`` ``(B,)`` int32 the positions each
+    example holds (positions from ``lengths[b]`` on are free and hold nothing
+    meaningful).
     """
 
     keys: Any
