@@ -187,5 +187,10 @@ class KerasOps:
     def mean(self, x: Tensor, axis: int) -> Tensor:
         return ops.mean(x, axis=axis, keepdims=True)
 
+    def gather_positions(self, x: Tensor, positions: Tensor) -> Tensor:
+        # The (B, M, 1) indices broadcast over the features on every Keras
+        # backend (TensorFlow's take_along_axis broadcasts them itself).
+        return ops.take_along_axis(x, ops.expand_dims(positions, -1), axis=1)
+
 
 OPS = KerasOps()
