@@ -9,6 +9,7 @@ adapter.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -412,7 +413,11 @@ class MultiHeadAttention(keras.layers.Layer):
         """
         shape = spec.cache_shape(batch_size, max_length, self._heads)
         dtype = self.compute_dtype if dtype is None else keras.backend.standardize_dtype(dtype)
-        with device_scope(device_of(self.W_o.value)):
+        variable = self.W_o.value
+        # A traced value (stateless_call under jax.jit) has no device to ask;
+        # the trace places the cache.
+        placed = values_readable(variable)
+        with device_scope(device_of(variable)) if placed else contextlib.nullcontext():
             return spec.KVCache(
                 keras.ops.zeros(shape, dtype),
                 keras.ops.zeros(shape, dtype),

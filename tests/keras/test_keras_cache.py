@@ -181,6 +181,30 @@ def test_unchecked_code_drops_what_overflows_and_keeps_counting(monkeypatch):
         )
 
 
+@pytest.mark.skipif(backend.BACKEND != "jax", reason="jax.jit is JAX's")
+def test_a_cache_made_inside_a_jitted_stateless_call():
+    # The layer's variables are tracers there, with no device to ask.
+    import jax
+
+    class Prefill(keras.layers.Layer):
+        def __init__(self, attention):
+            super().__init__()
+            self.attention = attention
+
+        def call(self, x):
+            return self.attention(x, x, x, causal=True, cache=self.attention.init_cache(3, 4))
+
+    weights = grouped_weights(5)
+    prefill = Prefill(layer_of(weights))
+    x = sequences(5)["queries"][:, :2]
+    prefill.build(x.shape)  # its attention layer is built
+    compiled = jax.jit(lambda values, x: prefill.stateless_call(*values, x)[0])
+    output, cache = compiled(backend.state(prefill), x)
+    expected, _ = spec.reference_forward(weights, x, x, x, num_heads=4, causal=True)
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+    assert backend.to_numpy(cache.lengths).tolist() == [2, 2, 2]
+
+
 # -- the kernel plan ---------------------------------------------------------------
 
 
