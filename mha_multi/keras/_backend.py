@@ -615,7 +615,7 @@ def forward(
     *,
     training: bool = False,
     **kwargs: Any,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Any, ...]:
     """One call of the layer, on the device of ``queries``.
 
     On JAX an evaluation-mode call runs compiled, once per configuration,

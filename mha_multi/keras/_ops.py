@@ -188,9 +188,12 @@ class KerasOps:
         return ops.mean(x, axis=axis, keepdims=True)
 
     def gather_positions(self, x: Tensor, positions: Tensor) -> Tensor:
-        # The (B, M, 1) indices broadcast over the features on every Keras
-        # backend (TensorFlow's take_along_axis broadcasts them itself).
-        return ops.take_along_axis(x, ops.expand_dims(positions, -1), axis=1)
+        # Whole rows of x as (B*T, F), one gather: take_along_axis would take
+        # (B, M, F) indices, which TensorFlow gathers element by element (30
+        # times slower for a decoding step of 8 x 288 positions of 512).
+        starts = self.arange(self.size(x, 0)) * self.size(x, 1)  # (B,): b*T
+        rows = positions + ops.expand_dims(starts, 1)
+        return ops.take(self.merge_axes(x, 0), rows, axis=0)
 
 
 OPS = KerasOps()

@@ -31,11 +31,11 @@ from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
 
 __all__ = [
     "FUSED_BACKENDS",
-    "check_cache_lengths",
     "FUSED_DTYPES",
     "FUSED_SCORE_LIMIT",
     "MultiHeadAttention",
     "values_exact",
+    "check_cache_lengths",
     "get_weights",
     "set_weights",
 ]
