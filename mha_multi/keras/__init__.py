@@ -5,5 +5,6 @@ backend is active (``KERAS_BACKEND``: TensorFlow, JAX or PyTorch).
 """
 
 from mha_multi.keras.layer import MultiHeadAttention, get_weights, set_weights
+from mha_multi.spec import KVCache
 
-__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
+__all__ = ["KVCache", "MultiHeadAttention", "get_weights", "set_weights"]

@@ -57,6 +57,7 @@ __all__ = [
     "gpu_available",
     "gradient_function",
     "host_array",
+    "init_cache",
     "kernel_spy",
     "lens_to_native",
     "make_layer",
@@ -545,22 +546,39 @@ def gradient_function(call: LayerCall, *, wrt: int, compiled: bool) -> GradientF
 
 
 def _runner_call(
-    layer: keras.layers.Layer, causal: bool, return_attention_weights: bool
+    layer: keras.layers.Layer,
+    causal: bool,
+    return_attention_weights: bool,
+    cached: bool = False,
+    first: bool = False,
 ) -> LayerCall:
-    def arguments(*inputs: Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return inputs, {"causal": causal, "return_attention_weights": return_attention_weights}
+    """The runner's call of ``layer``: ``(queries, keys, values, valid_lens[, cache])``.
 
-    return LayerCall(layer, arguments)
+    With ``cached`` the last input is the cache, passed as ``cache=``; with
+    ``first`` the call gives the output alone.
+    """
+
+    def arguments(*inputs: Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        options = {"causal": causal, "return_attention_weights": return_attention_weights}
+        if cached:
+            *inputs, options["cache"] = inputs
+        return tuple(inputs), options
+
+    return LayerCall(layer, arguments, first=first)
 
 
 #: Layer configuration -> a layer of it whose variable order compiled functions follow.
 _TEMPLATES: dict[str, keras.layers.Layer] = {}
-#: (kind, configuration, causal, return_attention_weights) -> compiled function.
+#: (kind, configuration, causal, return_attention_weights, cached) -> compiled function.
 _COMPILED: dict[tuple[Any, ...], Any] = {}
 
 
 def _shared(
-    kind: str, layer: keras.layers.Layer, causal: bool, return_attention_weights: bool
+    kind: str,
+    layer: keras.layers.Layer,
+    causal: bool,
+    return_attention_weights: bool,
+    cached: bool = False,
 ) -> tuple[Any, keras.layers.Layer]:
     """A compiled function shared by every layer of ``layer``'s configuration.
 
@@ -576,9 +594,11 @@ def _shared(
     if configuration not in _TEMPLATES:
         _TEMPLATES[configuration] = type(layer).from_config(config)
     template = _TEMPLATES[configuration]
-    key = (kind, configuration, causal, return_attention_weights)
+    key = (kind, configuration, causal, return_attention_weights, cached)
     if key not in _COMPILED:
-        call = _runner_call(template, causal, return_attention_weights)
+        # Gradients are of the output alone (a cached call returns the cache too).
+        first = kind == "gradients" and cached
+        call = _runner_call(template, causal, return_attention_weights, cached, first)
         if kind == "forward":
             _COMPILED[key] = forward_function(call, compiled=True)
         else:
@@ -595,37 +615,50 @@ def forward(
     *,
     training: bool = False,
     **kwargs: Any,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Any, ...]:
     """One call of the layer, on the device of ``queries``.
 
     On JAX an evaluation-mode call runs compiled, once per configuration,
     flags and shapes (Keras' JAX users run compiled steps; see
-    :func:`_shared`). Calls with values that cannot be traced (a ``causal``
-    that is not a bool, lengths that are no tensor) or in training go
-    through the layer as a user's call does.
+    :func:`_shared`); a cached call too, after which the lengths are read
+    and checked as an eager call checks them (compiled code cannot). Calls
+    with values that cannot be traced (a ``causal`` that is not a bool,
+    lengths that are no tensor) or in training go through the layer as a
+    user's call does.
 
     Args:
         layer: the layer.
         queries: ``(B, Q, query_size)``; keys, values likewise with ``K``.
         valid_lens: passed to the layer as it is.
         training: dropout active.
-        **kwargs: the layer's ``causal`` and ``return_attention_weights``.
+        **kwargs: the layer's ``causal``, ``return_attention_weights`` and
+            ``cache``.
     """
     causal = kwargs.get("causal", False)
     return_attention_weights = kwargs.get("return_attention_weights", False)
+    cache = kwargs.get("cache")
     traceable = (
         _active().stateless
         and not training
-        and set(kwargs) <= {"causal", "return_attention_weights"}
+        and set(kwargs) <= {"causal", "return_attention_weights", "cache"}
         and type(causal) is bool
         and type(return_attention_weights) is bool
         and (valid_lens is None or keras.ops.is_tensor(valid_lens))
+        and (cache is None or isinstance(cache, spec.KVCache))
     )
     with device_scope(device_of(queries)):
         if not traceable:
             return layer(queries, keys, values, valid_lens, training=training, **kwargs)
-        function, template = _shared("forward", layer, causal, return_attention_weights)
-        return function(state(layer, template), queries, keys, values, valid_lens)
+        cached = cache is not None
+        function, template = _shared("forward", layer, causal, return_attention_weights, cached)
+        inputs = (queries, keys, values, valid_lens, *([cache] if cached else []))
+        result = function(state(layer, template), *inputs)
+        if cached:
+            # Tracing checked the shapes and dtypes; the result is dropped on an error.
+            from mha_multi.keras.layer import check_cache_lengths
+
+            check_cache_lengths(queries, keys, valid_lens, cache)
+        return result
 
 
 def vjp(
@@ -637,20 +670,29 @@ def vjp(
     *,
     causal: bool,
     output_gradient: Tensor,
+    cache: spec.KVCache | None = None,
 ) -> dict[str, Tensor]:
     """The gradients of ``sum(output * output_gradient)`` of an evaluation-mode call.
+
+    With a ``cache``, of the output of that cached call, the cache held
+    fixed (an input like ``valid_lens``, not differentiated).
 
     Returns:
         Tensors keyed ``queries``, ``keys``, ``values`` and the canonical
         weight names (the variables are canonical as they are).
     """
+    cached = cache is not None
     if _active().stateless:
-        function, owner = _shared("gradients", layer, causal, False)
+        function, owner = _shared("gradients", layer, causal, False, cached)
     else:
         owner = layer
-        call = _runner_call(layer, causal, False)
+        call = _runner_call(layer, causal, False, cached, first=cached)
         function = gradient_function(call, wrt=len(INPUT_NAMES), compiled=False)
     inputs = [queries, keys, values, valid_lens]
+    if cached:
+        # A cache made by eager PyTorch calls still leads back to the weights
+        # that wrote it.
+        inputs.append(spec.KVCache(*(keras.ops.stop_gradient(x) for x in cache)))
     with device_scope(device_of(queries)):
         input_grads, weight_grads = function(state(layer, owner), inputs, output_gradient)
     grads = dict(zip(INPUT_NAMES, input_grads, strict=True))
@@ -659,6 +701,11 @@ def vjp(
         index = next(i for i, v in enumerate(trainable) if v is variable)
         grads[name] = weight_grads[index]
     return grads
+
+
+def init_cache(layer: MultiHeadAttention, batch_size: int, max_length: int) -> spec.KVCache:
+    """The layer's empty cache (:meth:`MultiHeadAttention.init_cache`), of its dtype and device."""
+    return layer.init_cache(batch_size, max_length)
 
 
 @contextlib.contextmanager

@@ -187,5 +187,13 @@ class KerasOps:
     def mean(self, x: Tensor, axis: int) -> Tensor:
         return ops.mean(x, axis=axis, keepdims=True)
 
+    def gather_positions(self, x: Tensor, positions: Tensor) -> Tensor:
+        # Whole rows of x as (B*T, F), one gather: take_along_axis would take
+        # (B, M, F) indices, which TensorFlow gathers element by element (30
+        # times slower for a decoding step of 8 x 288 positions of 512).
+        starts = self.arange(self.size(x, 0)) * self.size(x, 1)  # (B,): b*T
+        rows = positions + ops.expand_dims(starts, 1)
+        return ops.take(self.merge_axes(x, 0), rows, axis=0)
+
 
 OPS = KerasOps()

@@ -9,6 +9,7 @@ adapter.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -17,7 +18,14 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.keras._backend import BACKEND, as_numpy, host_array, values_readable
+from mha_multi.keras._backend import (
+    BACKEND,
+    as_numpy,
+    device_of,
+    device_scope,
+    host_array,
+    values_readable,
+)
 from mha_multi.keras._ops import OPS, dtype_kind, index_dtype, is_16_bit, matmul_16_bit
 from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
 
@@ -27,6 +35,7 @@ __all__ = [
     "FUSED_SCORE_LIMIT",
     "MultiHeadAttention",
     "values_exact",
+    "check_cache_lengths",
     "get_weights",
     "set_weights",
 ]
@@ -109,6 +118,13 @@ class MultiHeadAttention(keras.layers.Layer):
     cast to the compute dtype; ``valid_lens`` keeps its dtype (the layer is
     created with ``autocast=False``), because float lengths rounded to 16
     bits would move the mask.
+
+    Incremental decoding (docs: "Generating with a cache"): :meth:`init_cache`
+    makes an empty :class:`~mha_multi.spec.KVCache`, and a call with
+    ``cache=`` appends the projected new keys and values at each example's
+    own positions and attends to everything the cache holds, returning the
+    updated cache with the output. The cache is a named tuple of tensors, so
+    it passes through ``tf.function`` and ``jax.jit`` as it is.
 
     Args:
         num_hiddens: size of the output (and, by default, of every projection).
@@ -217,25 +233,48 @@ class MultiHeadAttention(keras.layers.Layer):
     def build(
         self,
         queries_shape: tuple[int | None, ...],
-        keys_shape: tuple[int | None, ...],
-        values_shape: tuple[int | None, ...],
+        keys_shape: tuple[int | None, ...] | None = None,
+        values_shape: tuple[int | None, ...] | None = None,
         valid_lens_shape: tuple[int | None, ...] | None = None,
+        cache_shape: spec.KVCache | None = None,
     ) -> None:
         """Creates the projections still missing from the inputs' last dimensions.
 
         Args:
             queries_shape: ``(B, Q, query_size)``.
-            keys_shape: ``(B, K, key_size)``.
-            values_shape: ``(B, K, value_size)``.
+            keys_shape: ``(B, K, key_size)``; ``None`` only in a cached call
+                that appends nothing.
+            values_shape: ``(B, K, value_size)``, likewise.
             valid_lens_shape: ``None``, ``(B,)`` or ``(B, Q)``.
+            cache_shape: the shapes of a cached call's cache
+                (:class:`~mha_multi.spec.KVCache` of shapes), or ``None``.
 
         Raises:
-            ValueError: shapes that disagree with each other or with known sizes.
+            ValueError: shapes that disagree with each other or with known
+                sizes, or a cached call without keys and values while
+                ``key_size`` or ``value_size`` is still lazy.
         """
         shapes = (queries_shape, keys_shape, values_shape)
-        spec.check_inputs(*shapes, valid_lens_shape, **self.input_sizes())
+        sizes = self.input_sizes()
+        if cache_shape is None:
+            spec.check_inputs(*shapes, valid_lens_shape, **sizes)
+        else:
+            spec.check_cached_inputs(
+                *shapes, valid_lens_shape, cache_shape, heads=self._heads, **sizes
+            )
+            lazy = [
+                size_name
+                for size_name, shape in (("key_size", keys_shape), ("value_size", values_shape))
+                if shape is None and sizes[size_name] is None
+            ]
+            if lazy:
+                raise ValueError(
+                    f"{' and '.join(lazy)} not known yet, and a cached call without keys and "
+                    "values cannot infer them: pass them to the constructor, or make the "
+                    "layer's first call with keys and values"
+                )
         for name, shape in zip(_PROJECTIONS, shapes, strict=False):
-            if getattr(self, f"W_{name}") is None:
+            if getattr(self, f"W_{name}") is None and shape is not None:
                 self._add_projection(name, int(shape[-1]))
 
     def _project(self, x: Any, name: str) -> Any:
@@ -255,8 +294,11 @@ class MultiHeadAttention(keras.layers.Layer):
         # spec's TypeError first, not a backend's conversion error or Keras'
         # ValueError. Lengths that are lists become arrays so that they may
         # be passed positionally like any array.
+        cached = kwargs.get("cache") is not None
         for position, name in enumerate(_INPUT_NAMES):
             value = args[position] if position < len(args) else kwargs.get(name)
+            if value is None and cached and name != "queries":
+                continue  # a cached call that appends nothing
             if not (_is_tensor(value) or isinstance(value, np.ndarray)):
                 raise TypeError(
                     f"{name} must be a tensor or a numpy array; got {type(value).__name__}"
@@ -265,6 +307,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 # Keras would cast it to the layer's dtype without a word.
                 raise TypeError(f"{name} must be a floating-point array; got {value.dtype}")
         spec.check_causal(kwargs.get("causal", False))
+        if cached:
+            kwargs["cache"] = _checked_cache(kwargs["cache"])
         if len(args) > 3:
             args = (*args[:3], _checked_lens(args[3]), *args[4:])
         elif "valid_lens" in kwargs:
@@ -280,33 +324,175 @@ class MultiHeadAttention(keras.layers.Layer):
         *,
         causal: bool = False,
         return_attention_weights: bool = False,
+        cache: spec.KVCache | None = None,
         training: bool | None = None,
     ) -> Any:
-        """Attends from ``queries`` to ``keys``/``values``.
+        """Attends from ``queries`` to ``keys``/``values``, or to a cache.
 
         Args:
             queries: ``(B, Q, query_size)``, floating.
-            keys: ``(B, K, key_size)``, floating.
-            values: ``(B, K, value_size)``, floating.
+            keys: ``(B, K, key_size)``, floating; with a ``cache``, the ``T =
+                Q`` new positions ``(B, T, key_size)``, or ``None`` to attend
+                to the cache as it is, appending nothing.
+            values: ``(B, K, value_size)``, floating (``None`` with ``keys``).
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating;
                 key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
+                With a ``cache``: ``None`` or ``(B,)`` integers, the real new
+                positions ``n_b`` of each example (``0 <= n_b <= T``; the rest
+                is padding, not kept).
             causal: also hide key ``j`` from query ``i`` when
-                ``j > i + (K - Q)``.
+                ``j > i + (K - Q)``; with a ``cache``, when ``j >
+                cache.lengths[b] + i``.
             return_attention_weights: also return the pre-dropout weights.
+            cache: a :class:`~mha_multi.spec.KVCache` from :meth:`init_cache`
+                or an earlier cached call. Example ``b``'s new keys and values
+                are written at positions ``cache.lengths[b] ..
+                cache.lengths[b] + n_b - 1``, and query ``i`` sees the key
+                positions below ``cache.lengths[b] + n_b`` (causal: below
+                ``cache.lengths[b] + min(n_b, i + 1)``). In eager mode an
+                example that would hold more than ``max_length`` positions
+                raises a ``ValueError``; compiled code (``tf.function``,
+                ``jax.jit``) cannot raise on values, and drops the positions
+                past ``max_length`` instead, overwriting none it keeps, while
+                ``lengths`` still counts them (``lengths > max_length`` tells
+                that it happened).
             training: dropout is active only when ``True``.
 
         Returns:
             ``(B, Q, num_hiddens)`` in the compute dtype, and with
             ``return_attention_weights`` the tuple ``(output, weights)`` with
-            weights ``(B, H, Q, K)``.
+            weights ``(B, H, Q, K)``. With a ``cache``, the updated cache
+            comes last: ``(output, cache)`` or ``(output, weights, cache)``
+            with weights ``(B, H, T, max_length)``.
+
+        Raises:
+            TypeError: inputs that are not floating tensors, a ``causal`` that
+                is not a bool, non-integer lengths of a cached call, or a
+                cache of another dtype than the layer's.
+            ValueError: shapes that disagree (the argument named), or, in
+                eager mode, a cached call's lengths out of range.
         """
         valid_lens = _checked_lens(valid_lens)  # stateless_call does not pass __call__
-        self._check_call(queries, keys, values, valid_lens, causal)
         dropout = self._drop if training and self.dropout > 0 else None
+        if cache is not None:
+            return self._cached_call(
+                queries,
+                keys,
+                values,
+                valid_lens,
+                causal,
+                _checked_cache(cache),
+                dropout,
+                return_attention_weights,
+            )
+        self._check_call(queries, keys, values, valid_lens, causal)
         q, k, v = (self._project(x, n) for x, n in ((queries, "q"), (keys, "k"), (values, "v")))
-        plan = _plan(q, k, v, valid_lens, self._heads, causal, dropout, return_attention_weights)
+        output, weights = self._attend(
+            q, k, v, valid_lens, causal, dropout, return_attention_weights
+        )
+        return (output, weights) if return_attention_weights else output
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> spec.KVCache:
+        """An empty key/value cache for incremental decoding with this layer.
+
+        Args:
+            batch_size: ``B``, the examples decoded together.
+            max_length: the positions each example can hold.
+            dtype: the dtype of the keys and values (``None``: the layer's
+                compute dtype, what its projections give).
+
+        Returns:
+            :class:`~mha_multi.spec.KVCache` of zero ``keys`` and ``values``
+            ``(batch_size, num_kv_heads, max_length, head_dim)`` and int32
+            ``lengths`` ``(batch_size,)`` all 0, on the device of the layer's
+            variables.
+
+        Raises:
+            TypeError: ``batch_size`` or ``max_length`` is not an int.
+            ValueError: either is negative.
+        """
+        shape = spec.cache_shape(batch_size, max_length, self._heads)
+        dtype = self.compute_dtype if dtype is None else keras.backend.standardize_dtype(dtype)
+        variable = self.W_o.value
+        # A traced value (stateless_call under jax.jit) has no device to ask;
+        # the trace places the cache.
+        placed = values_readable(variable)
+        with device_scope(device_of(variable)) if placed else contextlib.nullcontext():
+            return spec.KVCache(
+                keras.ops.zeros(shape, dtype),
+                keras.ops.zeros(shape, dtype),
+                keras.ops.zeros(shape[:1], "int32"),
+            )
+
+    def _cached_call(
+        self,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any,
+        causal: bool,
+        cache: spec.KVCache,
+        dropout: Any,
+        return_attention_weights: bool,
+    ) -> tuple[Any, ...]:
+        """A call with a cache (:meth:`call`): written into it, then attended to.
+
+        The attention over the cache's ``max_length`` keys is an ordinary
+        call's, fused kernel included, with the lengths
+        :func:`mha_multi.spec.update_cache` gives (the causal rule is in them).
+        """
+        self._check_cached_call(queries, keys, values, valid_lens, causal, cache)
+        readable = [queries, cache.lengths] + ([] if valid_lens is None else [valid_lens])
+        if all(values_readable(x) for x in readable):
+            check_cache_lengths(queries, keys, valid_lens, cache)
+        q = self._project(queries, "q")
+        k = v = None
+        if keys is not None:
+            k, v = self._project(keys, "k"), self._project(values, "v")
+        cache, lens = spec.update_cache(
+            OPS, cache, k, v, valid_lens, head_dim=self.head_dim, causal=causal
+        )
+        output, weights = self._attend(
+            q,
+            cache.keys,
+            cache.values,
+            lens,
+            False,
+            dropout,
+            return_attention_weights,
+            kv_split=True,
+        )
+        return (output, weights, cache) if return_attention_weights else (output, cache)
+
+    def _attend(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        valid_lens: Any,
+        causal: bool,
+        dropout: Any,
+        return_attention_weights: bool,
+        *,
+        kv_split: bool = False,
+    ) -> tuple[Any, Any]:
+        """Attention on projected inputs and the output projection, fused where planned.
+
+        Args:
+            q: projected queries ``(B, Q, num_heads * head_dim)``.
+            k, v: projected keys and values ``(B, K, num_kv_heads *
+                head_dim)``, or ``(B, num_kv_heads, K, head_dim)`` with
+                ``kv_split`` (a cache's layout).
+
+        Returns:
+            ``(output, weights)``; weights ``None`` when the fused kernel ran.
+        """
+        plan = _plan(
+            q, k, v, valid_lens, self._heads, causal, dropout, return_attention_weights, kv_split
+        )
         if plan.fused:
-            return self._project(self._fused_attention(q, k, v, valid_lens, plan), "o")
+            context = self._fused_attention(q, k, v, valid_lens, plan, kv_split=kv_split)
+            return self._project(context, "o"), None
         context, weights = spec.attention(
             OPS,
             q,
@@ -318,15 +504,15 @@ class MultiHeadAttention(keras.layers.Layer):
             num_kv_heads=self.num_kv_heads,
             causal=causal,
             dropout=dropout,
+            kv_split=kv_split,
         )
-        output = self._project(context, "o")
-        return (output, weights) if return_attention_weights else output
+        return self._project(context, "o"), weights
 
     def _drop(self, weights: Any) -> Any:
         return self.attention_dropout(weights, training=True)
 
     def _fused_attention(
-        self, q: Any, k: Any, v: Any, valid_lens: Any, plan: spec.KernelPlan
+        self, q: Any, k: Any, v: Any, valid_lens: Any, plan: spec.KernelPlan, *, kv_split: bool
     ) -> Any:
         """``keras.ops.dot_product_attention`` with the spec's masking semantics.
 
@@ -337,7 +523,8 @@ class MultiHeadAttention(keras.layers.Layer):
 
         Args:
             q: projected queries ``(B, Q, num_heads * head_dim)``; k, v
-                ``(B, K, num_kv_heads * head_dim)``.
+                ``(B, K, num_kv_heads * head_dim)``, or ``(B, num_kv_heads,
+                K, head_dim)`` with ``kv_split``.
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
             plan: what :func:`_plan` decided the kernel is given.
 
@@ -355,7 +542,10 @@ class MultiHeadAttention(keras.layers.Layer):
         # (B, T, H*dh) -> (B, T, H, dh): the kernel's layout; head h owns
         # columns [h*dh, (h+1)*dh) exactly as in transpose_qkv.
         q = OPS.split_axis(q, 2, (self.num_heads, self.head_dim))
-        k, v = (OPS.split_axis(x, 2, (self.num_kv_heads, self.head_dim)) for x in (k, v))
+        if kv_split:
+            k, v = (OPS.permute(x, (0, 2, 1, 3)) for x in (k, v))
+        else:
+            k, v = (OPS.split_axis(x, 2, (self.num_kv_heads, self.head_dim)) for x in (k, v))
         group_size = self._heads.group_size
         if plan.repeat_kv:
             k, v = (keras.ops.repeat(x, group_size, axis=2) for x in (k, v))
@@ -377,10 +567,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self, queries: Any, keys: Any, values: Any, valid_lens: Any, causal: Any
     ) -> None:
         for name, tensor in zip(_INPUT_NAMES, (queries, keys, values), strict=True):
-            if not _is_tensor(tensor):
-                raise TypeError(f"{name} must be a tensor; got {type(tensor).__name__}")
-            if dtype_kind(tensor.dtype) != "f":
-                raise TypeError(f"{name} must be a floating-point tensor; got {tensor.dtype}")
+            _check_floating(name, tensor)
         if valid_lens is not None:
             spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
         spec.check_inputs(
@@ -392,6 +579,44 @@ class MultiHeadAttention(keras.layers.Layer):
             **self.input_sizes(),
         )
 
+    def _check_cached_call(
+        self,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any,
+        causal: Any,
+        cache: spec.KVCache,
+    ) -> None:
+        """The spec's shape and dtype checks of a cached call (values are not read)."""
+        for name, tensor in zip(_INPUT_NAMES, (queries, keys, values), strict=True):
+            if tensor is not None or name == "queries":
+                _check_floating(name, tensor)
+        spec.check_cached_inputs(
+            queries.shape,
+            None if keys is None else keys.shape,
+            None if values is None else values.shape,
+            None if valid_lens is None else valid_lens.shape,
+            spec.KVCache(*(x.shape for x in cache)),
+            heads=self._heads,
+            causal=causal,
+            **self.input_sizes(),
+        )
+        spec.check_cache_dtypes(
+            dtype_kind(cache.lengths.dtype),
+            None if valid_lens is None else dtype_kind(valid_lens.dtype),
+        )
+        if keys is None:
+            # With new keys spec.update_cache compares the dtypes; without,
+            # nothing else would, and the products would promote silently.
+            for name in ("keys", "values"):
+                held = OPS.dtype(getattr(cache, name))
+                if held != self.compute_dtype:
+                    raise TypeError(
+                        f"cache.{name} dtype {held} differs from the layer's projected {name} "
+                        f"dtype {self.compute_dtype}; make the cache with layer.init_cache"
+                    )
+
     def compute_output_spec(
         self,
         queries: Any,
@@ -401,18 +626,29 @@ class MultiHeadAttention(keras.layers.Layer):
         *,
         causal: bool = False,
         return_attention_weights: bool = False,
+        cache: spec.KVCache | None = None,
         training: bool | None = None,
     ) -> Any:
         """Symbolic outputs for the functional API, from shapes alone."""
-        self._check_call(queries, keys, values, valid_lens, causal)
         batch, num_queries = queries.shape[:2]
-        output = keras.KerasTensor((batch, num_queries, self.num_hiddens), dtype=self.compute_dtype)
-        if not return_attention_weights:
-            return output
-        weights = keras.KerasTensor(
-            (batch, self.num_heads, num_queries, keys.shape[1]), dtype=self.compute_dtype
-        )
-        return output, weights
+        if cache is None:
+            self._check_call(queries, keys, values, valid_lens, causal)
+            num_keys = keys.shape[1]
+        else:
+            cache = _checked_cache(cache)
+            self._check_cached_call(queries, keys, values, valid_lens, causal, cache)
+            num_keys = cache.keys.shape[2]
+        outputs = [
+            keras.KerasTensor((batch, num_queries, self.num_hiddens), dtype=self.compute_dtype)
+        ]
+        if return_attention_weights:
+            shape = (batch, self.num_heads, num_queries, num_keys)
+            outputs.append(keras.KerasTensor(shape, dtype=self.compute_dtype))
+        if cache is not None:
+            outputs.append(
+                spec.KVCache(*(keras.KerasTensor(x.shape, dtype=x.dtype) for x in cache))
+            )
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def save_own_variables(self, store: Any) -> None:
         """Saves the variables under their canonical names (``W_q``...).
@@ -473,16 +709,18 @@ def _plan(
     causal: bool,
     dropout: Any,
     return_attention_weights: bool,
+    kv_split: bool = False,
 ) -> spec.KernelPlan:
     """The kernel plan of a call, by :func:`mha_multi.spec.plan_kernel`.
 
     The backend and dtype decide first (:data:`FUSED_BACKENDS`,
     :data:`FUSED_DTYPES`); the values are read only where they can still
-    change the decision.
+    change the decision. ``kv_split``: keys and values are a cache's
+    ``(B, H_kv, K, dh)``.
     """
     backend = keras.backend.backend()
     facts = {
-        "sizes": (q.shape[0], q.shape[1], k.shape[1]),
+        "sizes": (q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
         "lens_ndim": None if valid_lens is None else len(valid_lens.shape),
         "lens_integer": valid_lens is None or dtype_kind(valid_lens.dtype) in "iu",
         "causal": causal,
@@ -529,6 +767,67 @@ def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:
     largest_q, largest_k = (ops.max(ops.abs(ops.cast(x, "float32")), initial=0.0) for x in (q, k))
     within = ops.less(largest_q * largest_k * math.sqrt(head_dim), FUSED_SCORE_LIMIT)
     return bool(as_numpy(ops.all(ops.stack([*finite, within]))))
+
+
+def _check_floating(name: str, tensor: Any) -> None:
+    if not _is_tensor(tensor):
+        raise TypeError(f"{name} must be a tensor; got {type(tensor).__name__}")
+    if dtype_kind(tensor.dtype) != "f":
+        raise TypeError(f"{name} must be a floating-point tensor; got {tensor.dtype}")
+
+
+def _checked_cache(cache: Any) -> spec.KVCache:
+    """``cache`` as a :class:`~mha_multi.spec.KVCache` of tensors (numpy arrays converted).
+
+    Raises:
+        TypeError: not a ``(keys, values, lengths)`` tuple of tensors or arrays.
+    """
+    if not (isinstance(cache, tuple) and len(cache) == 3):
+        raise TypeError(
+            "cache must be a KVCache (keys, values, lengths), as init_cache makes it; "
+            f"got {type(cache).__name__}"
+        )
+    fields = []
+    for name, x in zip(spec.KVCache._fields, cache, strict=True):
+        if isinstance(x, np.ndarray):
+            x = keras.ops.convert_to_tensor(x)
+        elif not _is_tensor(x):
+            raise TypeError(f"cache.{name} must be a tensor; got {type(x).__name__}")
+        fields.append(x)
+    return spec.KVCache(*fields)
+
+
+def check_cache_lengths(queries: Any, keys: Any, valid_lens: Any, cache: spec.KVCache) -> None:
+    """The value checks of a cached call whose shapes are checked (eager mode only).
+
+    :func:`mha_multi.spec.check_cache_values` on the lengths read from the
+    device, in one read where they fit.
+
+    Raises:
+        ValueError: a negative ``cache.lengths``, new lengths outside ``[0,
+            T]``, or an example that would hold more than ``max_length``
+            positions.
+    """
+    lengths, new = _host_lengths(cache.lengths, valid_lens)
+    if keys is None:
+        new = np.zeros_like(lengths)
+    spec.check_cache_values(lengths, new, queries.shape[1], cache.keys.shape[2])
+
+
+def _host_lengths(lengths: Any, valid_lens: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """``cache.lengths`` and a cached call's ``valid_lens`` as numpy, in one read where they fit.
+
+    Lengths of 32 or 64-bit signed integers hold the int32 cache lengths, so
+    the two come back from the device together; other integer types are read
+    on their own rather than cast (a uint32 beyond int32 would wrap).
+    """
+    if valid_lens is None or isinstance(valid_lens, np.ndarray):
+        return as_numpy(lengths), valid_lens
+    dtype = OPS.dtype(valid_lens)
+    if dtype not in ("int32", "int64"):
+        return as_numpy(lengths), as_numpy(valid_lens)
+    both = as_numpy(keras.ops.concatenate([keras.ops.cast(lengths, dtype), valid_lens]))
+    return both[: len(both) // 2], both[len(both) // 2 :]
 
 
 def _checked_lens(valid_lens: Any) -> Any:

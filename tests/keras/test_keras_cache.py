@@ -1,0 +1,346 @@
+"""The key/value cache on the active Keras backend: what is Keras' own.
+
+``tests/backends/test_cache.py`` checks the cache's semantics on every
+backend. These tests check the compiled step (``tf.function(jit_compile=True)``
+on TensorFlow, ``jax.jit`` of ``stateless_call`` on JAX; on PyTorch what the
+layer does while ``torch.compile`` traces it), what unchecked code does when
+the cache overflows, that cached calls go through the fused kernel where the
+kernel plan says so (grouped key/value heads included), and Keras' call
+handling: lazy building, the functional API, dtypes. Every number is checked
+against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+
+from keras_testing import keras_runner  # noqa: E402, F401
+
+from mha_multi import spec  # noqa: E402
+from mha_multi.keras import KVCache, MultiHeadAttention, set_weights  # noqa: E402
+from mha_multi.keras import _backend as backend  # noqa: E402
+from mha_multi.keras import layer as layer_module  # noqa: E402
+from mha_multi.parity.decode import decode, full_reference  # noqa: E402
+from mha_multi.weights import init_weights  # noqa: E402
+
+#: Grouped-query attention with an explicit head size and biases.
+CONFIG = {"num_hiddens": 8, "num_heads": 4, "num_kv_heads": 2, "head_dim": 3}
+HEADS = {"num_heads": 4, "num_kv_heads": 2}
+#: Ragged lengths 5, 3, 2 fed as a padded prefill of 3, two calls of 1, one of 2.
+LENGTHS = np.array([5, 3, 2])
+SCHEDULE = [(3, [3, 2, 0]), (1, [1, 1, 0]), (1, [1, 0, 0]), (2, [0, 0, 2])]
+MAX_LENGTH = 6
+
+
+def grouped_weights(seed=0, **heads):
+    heads = {**CONFIG, **heads}
+    return init_weights(heads.pop("num_hiddens"), bias=True, seed=seed, **heads)
+
+
+def layer_of(weights, dtype="float32", **heads):
+    layer = MultiHeadAttention(**{**CONFIG, **heads}, bias=True, dtype=dtype)
+    return set_weights(layer, weights)
+
+
+def sequences(seed=0, length=6):
+    rng = np.random.default_rng(seed)
+    return {
+        name: rng.standard_normal((3, length, 8)).astype(np.float32) for name in backend.INPUT_NAMES
+    }
+
+
+def native_cache(cache):
+    return KVCache(*(backend.to_numpy(x) for x in cache))
+
+
+def traced_step(layer, monkeypatch):
+    """The cached call as compiled code runs it, and the list of its traces.
+
+    TensorFlow: ``tf.function(jit_compile=True)``; JAX: ``jax.jit`` of
+    ``stateless_call``; PyTorch: the eager call while ``torch.compile`` is
+    said to be tracing (lengths unreadable), without paying for a compiler.
+    """
+    traces = []
+    if backend.BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function(jit_compile=True)
+        def step(q, k, v, lens, cache):
+            traces.append(q.shape)
+            return layer(q, k, v, lens, causal=True, cache=cache)
+
+        return step, traces
+    if backend.BACKEND == "jax":
+        import jax
+
+        @jax.jit
+        def jitted(values, q, k, v, lens, cache):
+            traces.append(q.shape)
+            result, _ = layer.stateless_call(*values, q, k, v, lens, causal=True, cache=cache)
+            return result
+
+        return (lambda *inputs: jitted(backend.state(layer), *inputs)), traces
+    import torch
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    def traced(q, k, v, lens, cache):
+        traces.append(q.shape)
+        return layer(q, k, v, lens, causal=True, cache=cache)
+
+    return traced, traces
+
+
+def eager_step(layer):
+    def step(q, k, v, lens, cache):
+        return layer(q, k, v, lens, causal=True, cache=cache)
+
+    return step
+
+
+def run_schedule(layer, step):
+    """The outputs of :data:`SCHEDULE` at the real positions, and the last cache."""
+    cache = layer.init_cache(3, MAX_LENGTH)
+
+    def numpy_step(q, k, v, new_lens):
+        nonlocal cache
+        tensors = (backend.to_native(x) for x in (q, k, v))
+        output, cache = step(*tensors, backend.lens_to_native(new_lens), cache)
+        return backend.to_numpy(output)
+
+    return decode(numpy_step, sequences(), LENGTHS, SCHEDULE), native_cache(cache)
+
+
+# -- the compiled step ---------------------------------------------------------------
+
+
+def test_the_compiled_step_is_the_eager_call_and_the_full_forward(monkeypatch):
+    weights = grouped_weights()
+    layer = layer_of(weights)
+    step, traces = traced_step(layer, monkeypatch)
+    with backend.kernel_spy() as calls:
+        compiled, compiled_cache = run_schedule(layer, step)
+    assert calls == []  # the values are unreadable: the generic path, exact for all
+    if backend.BACKEND != "torch":
+        # One trace per call length (3, 1, 2), not one per step.
+        assert [shape[1] for shape in traces] == [3, 1, 2]
+    monkeypatch.undo()
+    eager, eager_cache = run_schedule(layer, eager_step(layer))
+    expected = full_reference(weights, sequences(), LENGTHS, **HEADS)
+    np.testing.assert_allclose(compiled, expected, rtol=0, atol=5e-6)
+    np.testing.assert_allclose(compiled, eager, rtol=0, atol=1e-6)
+    assert compiled_cache.lengths.tolist() == eager_cache.lengths.tolist() == LENGTHS.tolist()
+    held = (np.arange(MAX_LENGTH) < LENGTHS[:, None])[:, None, :, None]
+    for name in ("keys", "values"):
+        compiled_held, eager_held = (
+            np.where(held, getattr(c, name), 0) for c in (compiled_cache, eager_cache)
+        )
+        np.testing.assert_allclose(compiled_held, eager_held, rtol=0, atol=1e-6)
+
+
+def test_unchecked_code_drops_what_overflows_and_keeps_counting(monkeypatch):
+    weights = grouped_weights(1)
+    layer = layer_of(weights)
+    x = sequences(1)
+    cache = layer.init_cache(3, 4)
+    prompt = [backend.to_native(x[name][:, :3]) for name in backend.INPUT_NAMES]
+    _, cache = layer(*prompt, backend.lens_to_native(np.array([3, 1, 0])), causal=True, cache=cache)
+    before = native_cache(cache)
+    new = [backend.to_native(x[name][:, 3:6]) for name in backend.INPUT_NAMES]
+    new_lens = backend.lens_to_native(np.array([3, 2, 1]))
+    with pytest.raises(ValueError, match="overflows: example 0 would hold 6"):
+        layer(*new, new_lens, causal=True, cache=cache)
+    step, _ = traced_step(layer, monkeypatch)
+    output, after = step(*new, new_lens, cache)
+    after = native_cache(after)
+    assert after.lengths.tolist() == [6, 3, 1]  # lengths > max_length tells
+    # Example 0 keeps its 3 positions and the first new one; the rest is dropped.
+    projected_k = (x["keys"][:, 3:6] @ weights["W_k"] + weights["b_k"]).reshape(3, 3, 2, 3)
+    np.testing.assert_array_equal(after.keys[0, :, :3], before.keys[0, :, :3])
+    np.testing.assert_allclose(after.keys[0, :, 3], projected_k[0, 0], rtol=0, atol=5e-6)
+    # Examples that fit are what an eager call gives them.
+    fits = [1, 2]
+    subset = KVCache(*(field[fits] for field in before))
+    rows = [x[name][fits, 3:6] for name in backend.INPUT_NAMES]
+    expected, _, expected_cache = spec.reference_cached_forward(
+        weights, *rows, subset, np.array([2, 1]), **HEADS, causal=True
+    )
+    real = np.array([[True, True, False], [True, False, False]])
+    np.testing.assert_allclose(
+        backend.to_numpy(output)[fits][real], expected[real], rtol=0, atol=5e-6
+    )
+    for b, example in enumerate(fits):
+        kept = expected_cache.lengths[b]
+        np.testing.assert_allclose(
+            after.keys[example, :, :kept], expected_cache.keys[b, :, :kept], rtol=0, atol=5e-6
+        )
+
+
+@pytest.mark.skipif(backend.BACKEND != "jax", reason="jax.jit is JAX's")
+def test_a_cache_made_inside_a_jitted_stateless_call():
+    # The layer's variables are tracers there, with no device to ask.
+    import jax
+
+    class Prefill(keras.layers.Layer):
+        def __init__(self, attention):
+            super().__init__()
+            self.attention = attention
+
+        def call(self, x):
+            return self.attention(x, x, x, causal=True, cache=self.attention.init_cache(3, 4))
+
+    weights = grouped_weights(5)
+    prefill = Prefill(layer_of(weights))
+    x = sequences(5)["queries"][:, :2]
+    prefill.build(x.shape)  # its attention layer is built
+    compiled = jax.jit(lambda values, x: prefill.stateless_call(*values, x)[0])
+    output, cache = compiled(backend.state(prefill), x)
+    expected, _ = spec.reference_forward(weights, x, x, x, num_heads=4, causal=True)
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+    assert backend.to_numpy(cache.lengths).tolist() == [2, 2, 2]
+
+
+# -- the kernel plan ---------------------------------------------------------------
+
+
+@pytest.fixture
+def fused_here(monkeypatch):
+    """The default call takes the kernel on this backend, whatever the benchmark chose."""
+    monkeypatch.setattr(layer_module, "FUSED_BACKENDS", frozenset({backend.BACKEND}))
+
+
+def kernel_key_heads(monkeypatch):
+    """Records the key heads of every ``keras.ops.dot_product_attention`` call."""
+    key_heads = []
+    original = keras.ops.dot_product_attention
+
+    @functools.wraps(original)  # its signature, which the kernel spy reads
+    def recording(query, key, value, *args, **kwargs):
+        key_heads.append(int(key.shape[2]))
+        return original(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(keras.ops, "dot_product_attention", recording)
+    return key_heads
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+def test_cached_calls_take_the_kernel_where_the_plan_says(
+    runner, num_kv_heads, fused_here, monkeypatch
+):
+    # Example 2 holds nothing in the second call: a fully hidden row, the
+    # mean of all max_length positions of its key/value head.
+    weights = grouped_weights(2, num_kv_heads=num_kv_heads)
+    layer = layer_of(weights, num_kv_heads=num_kv_heads)
+    heads = {"num_heads": 4, "num_kv_heads": num_kv_heads}
+    x = sequences(2)
+    cache = layer.init_cache(3, MAX_LENGTH)
+    prompt = [backend.to_native(x[name][:, :3]) for name in backend.INPUT_NAMES]
+    with runner.kernel_spy() as calls:
+        _, cache = layer(
+            *prompt, backend.lens_to_native(np.array([3, 1, 0])), causal=True, cache=cache
+        )
+    before = native_cache(cache)
+    new_lens = np.array([2, 0, 0])
+    rows = [x[name][:, 3:5] for name in backend.INPUT_NAMES]
+    key_heads = kernel_key_heads(monkeypatch)
+    with runner.kernel_spy() as more:
+        output, _ = layer(
+            *map(backend.to_native, rows),
+            backend.lens_to_native(new_lens),
+            causal=True,
+            cache=cache,
+        )
+    calls += more
+    expected, _, _ = spec.reference_cached_forward(
+        weights, *rows, before, new_lens, **heads, causal=True
+    )
+    # The lengths hold the causal rule: a mask, and no causal flag.
+    assert [(call.mask, call.is_causal) for call in calls] == [(True, False)] * 2
+    takes_groups = layer_module.DOT_PRODUCT_ATTENTION.takes_grouped_heads
+    assert key_heads == [num_kv_heads if takes_groups else 4]
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+    with runner.kernel_spy() as calls:
+        generic, weights_out, _ = layer(
+            *map(backend.to_native, rows),
+            backend.lens_to_native(new_lens),
+            causal=True,
+            cache=cache,
+            return_attention_weights=True,
+        )
+    assert calls == []  # the weights are asked for
+    np.testing.assert_allclose(backend.to_numpy(generic), expected, rtol=0, atol=5e-6)
+    assert tuple(weights_out.shape) == (3, 4, 2, MAX_LENGTH)
+
+
+# -- Keras' call handling ----------------------------------------------------------
+
+
+def test_a_lazy_layer_is_built_by_its_first_cached_call():
+    weights = grouped_weights(3)
+    x = sequences(3)
+    rows = [x[name][:, :2] for name in backend.INPUT_NAMES]
+    layer = MultiHeadAttention(**CONFIG, bias=True)
+    assert not layer.built
+    cache = layer.init_cache(3, 4)
+    output, cache = layer(*rows, causal=True, cache=cache)  # numpy, converted by Keras
+    assert layer.input_sizes() == {"query_size": 8, "key_size": 8, "value_size": 8}
+    set_weights(layer, weights)
+    output, _ = layer(*rows, causal=True, cache=layer.init_cache(3, 4))
+    expected, _, _ = spec.reference_cached_forward(
+        weights, *rows, native_cache(layer.init_cache(3, 4)), **HEADS, causal=True
+    )
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+
+
+def test_a_first_call_without_keys_needs_their_sizes():
+    queries = np.zeros((3, 1, 8), np.float32)
+    lazy = MultiHeadAttention(**CONFIG)
+    with pytest.raises(ValueError, match="key_size and value_size not known yet"):
+        lazy(queries, None, None, cache=lazy.init_cache(3, 4))
+    # Known key and value sizes: the queries alone build the rest.
+    sized = MultiHeadAttention(**CONFIG, key_size=5, value_size=6)
+    output, cache = sized(queries, None, None, cache=sized.init_cache(3, 4))
+    assert sized.input_sizes() == {"query_size": 8, "key_size": 5, "value_size": 6}
+    assert tuple(output.shape) == (3, 1, 8)
+    assert backend.to_numpy(cache.lengths).tolist() == [0, 0, 0]
+
+
+def test_the_functional_api_gives_the_cache_symbolically():
+    layer = MultiHeadAttention(**CONFIG, query_size=5, key_size=8, value_size=8)
+    shape = (2, 2, 6, 3)
+    cache = KVCache(
+        keras.KerasTensor(shape), keras.KerasTensor(shape), keras.KerasTensor((2,), "int32")
+    )
+    q = keras.KerasTensor((2, 1, 5))
+    kv = keras.KerasTensor((2, 1, 8))
+    output, weights, after = layer(
+        q, kv, kv, causal=True, cache=cache, return_attention_weights=True
+    )
+    assert isinstance(after, KVCache)
+    assert tuple(output.shape) == (2, 1, 8) and tuple(weights.shape) == (2, 4, 1, 6)
+    assert tuple(after.keys.shape) == shape and after.lengths.dtype == "int32"
+    with pytest.raises(ValueError, match="cache.keys must have shape"):
+        layer(q, kv, kv, cache=KVCache(keras.KerasTensor((2, 4, 6, 3)), *cache[1:]))
+
+
+@pytest.mark.parametrize("dtype", ["mixed_bfloat16", "float16"])
+def test_the_cache_takes_the_compute_dtype(dtype):
+    layer = layer_of(grouped_weights(4), dtype=dtype)
+    compute = keras.backend.standardize_dtype(layer.compute_dtype)
+    cache = layer.init_cache(3, 4)
+    assert keras.backend.standardize_dtype(cache.keys.dtype) == compute
+    assert (
+        keras.backend.standardize_dtype(layer.init_cache(3, 4, "float32").keys.dtype) == "float32"
+    )
+    queries = backend.to_native(sequences(4)["queries"][:, :1])
+    _, after = layer(queries, queries, queries, causal=True, cache=cache)
+    assert keras.backend.standardize_dtype(after.values.dtype) == compute
+    float32_cache = layer.init_cache(3, 4, "float32")
+    for keys in (queries, None):
+        with pytest.raises(TypeError, match="cache.keys dtype float32 differs"):
+            layer(queries, keys, keys, causal=True, cache=float32_cache)
