@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
+from mha_multi import spec
 from mha_multi.weights import KERNEL_NAMES
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ __all__ = [
     "forward",
     "gpu_available",
     "host_array",
+    "init_cache",
     "kernel_spy",
     "lens_to_native",
     "linen_layer",
@@ -239,8 +241,8 @@ def linen_layer(
 def forward(
     layer: MultiHeadAttention | LinenLayer,
     queries: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
+    keys: jax.Array | None,
+    values: jax.Array | None,
     valid_lens: Any = None,
     *,
     training: bool = False,
@@ -249,7 +251,8 @@ def forward(
     """One call of an NNX layer (in ``train()`` or ``eval()`` mode) or a Linen
     layer (whose dropout draws a fresh key in training).
 
-    ``kwargs`` are the layer's (``causal``, ``return_attention_weights``).
+    ``kwargs`` are the layer's (``causal``, ``return_attention_weights``,
+    ``cache``).
     """
     if isinstance(layer, LinenLayer):
         rngs = {"dropout": layer.next_rng()} if training else {}
@@ -279,21 +282,30 @@ def vjp(
     *,
     causal: bool,
     output_gradient: jax.Array,
+    cache: spec.KVCache | None = None,
 ) -> dict[str, jax.Array]:
     """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
 
     Both layers hold their parameters in one tree,
     ``{'W_q': {'kernel': ..., 'bias': ...}, ...}`` (an NNX state, Linen's
-    ``params``), in the canonical orientation.
+    ``params``), in the canonical orientation. With a ``cache``, of the
+    output of that cached call, the cache held fixed.
 
     Returns:
         Keyed ``queries``, ``keys``, ``values`` and the canonical weight names.
     """
+    options: dict[str, Any] = {"causal": causal}
+    if cache is not None:
+        options["cache"] = cache
+
+    def output_of(result: Any) -> jax.Array:
+        return result if cache is None else result[0]
+
     if isinstance(layer, LinenLayer):
         module = layer.module
 
         def call(variables: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return module.apply(variables, q, k, v, valid_lens, causal=causal)
+            return output_of(module.apply(variables, q, k, v, valid_lens, **options))
 
         params = layer.variables
         projections: Callable[[Any], Any] = operator.itemgetter("params")
@@ -302,7 +314,7 @@ def vjp(
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
         def call(params: nnx.State, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return nnx.merge(graphdef, params, rest)(q, k, v, valid_lens, causal=causal)
+            return output_of(nnx.merge(graphdef, params, rest)(q, k, v, valid_lens, **options))
 
         projections = nnx.to_pure_dict
     _, pullback = jax.vjp(call, params, queries, keys, values)
@@ -314,6 +326,16 @@ def vjp(
         if tree[name].get("bias") is not None:
             grads[f"b_{name[-1]}"] = tree[name]["bias"]
     return grads
+
+
+def init_cache(
+    layer: MultiHeadAttention | LinenLayer, batch_size: int, max_length: int
+) -> spec.KVCache:
+    """The layer's empty cache (its ``init_cache``), of its dtype, on its device."""
+    if isinstance(layer, LinenLayer):
+        with jax.default_device(layer.device):
+            return layer.module.init_cache(batch_size, max_length)
+    return layer.init_cache(batch_size, max_length)
 
 
 def native_layer(

@@ -140,3 +140,8 @@ class JaxOps:
     def mean(self, x: jax.Array, axis: int) -> jax.Array:
         # jnp.mean accumulates 16-bit floats in float32 and casts back.
         return jnp.mean(x, axis=axis, keepdims=True)
+
+    def gather_positions(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        # spec.update_cache picks positions inside the call's T rows only;
+        # "clip" spares the bounds handling of JAX's default "fill" mode.
+        return jnp.take_along_axis(x, positions[..., None], axis=1, mode="clip")

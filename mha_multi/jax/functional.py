@@ -34,6 +34,15 @@ piece's scores in its backward pass (see :func:`_generic_attention`); the
 projections read their kernels with a heads axis (see :func:`_linear`). Both
 change which kernels XLA runs, not the function: the numbers agree to
 float32 rounding.
+
+With a ``cache`` (:class:`mha_multi.spec.KVCache`, docs: "Generating with a
+cache") a call is one step of incremental decoding: the new keys and values
+are projected and written into the cache by :func:`mha_multi.spec.update_cache`
+(a gather and a select over the cache's static ``max_length``, so one
+compilation serves every step of the same length), and the queries attend to
+the cache's keys and values through the same kernel plan as an ordinary call.
+Eager calls read the lengths and raise on a cache overflow; traced calls
+cannot, and drop the positions that do not fit (see :func:`multi_head_attention`).
 """
 
 from __future__ import annotations
@@ -55,10 +64,12 @@ from mha_multi.weights import WeightsConfig, check_weights
 __all__ = [
     "as_valid_lens",
     "batch_pieces",
+    "check_cached_call",
     "check_call",
     "check_implementation",
     "check_params",
     "fused_dtype_supported",
+    "init_cache",
     "multi_head_attention",
 ]
 
@@ -210,6 +221,123 @@ def check_call(
         causal=causal,
     )
     return queries, keys, values, lens
+
+
+def check_cached_call(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any,
+    cache: Any,
+    *,
+    heads: spec.Heads,
+    query_size: int | None = None,
+    key_size: int | None = None,
+    value_size: int | None = None,
+    causal: Any = False,
+) -> tuple[Any, Any, Any, jax.Array | None, spec.KVCache]:
+    """Validates the arguments of a cached call (traceable) and converts ``valid_lens``.
+
+    Shapes and dtypes only; the lengths are read by the call itself, where
+    they can be (eager calls).
+
+    Args:
+        queries: ``(B, T, query_size)`` floating array: ``T`` new positions.
+        keys: ``(B, T, key_size)`` floating array, or ``None`` (with
+            ``values``) to attend to the cache without appending.
+        values: ``(B, T, value_size)`` floating array, or ``None``.
+        valid_lens: ``None`` or ``(B,)`` integers: the real new positions of
+            each example.
+        cache: a :class:`mha_multi.spec.KVCache` of the layer's layout.
+        heads: the layer's head layout.
+        query_size, key_size, value_size: the layer's input sizes, or
+            ``None`` where not known yet.
+        causal: the call's ``causal`` flag, which must be a bool.
+
+    Returns:
+        ``(queries, keys, values, valid_lens, cache)``, ``valid_lens`` a JAX
+        array and the cache's entries JAX arrays.
+
+    Raises:
+        TypeError: ``cache`` is not a ``KVCache``, an input is not a floating
+            array, or ``valid_lens`` or ``cache.lengths`` are not integers.
+        ValueError: inconsistent shapes, named (see
+            :func:`mha_multi.spec.check_cached_inputs`).
+    """
+    if not isinstance(cache, spec.KVCache):
+        raise TypeError(
+            f"cache must be a KVCache (from the layer's init_cache); got {type(cache).__name__}"
+        )
+    cache = spec.KVCache(*(jnp.asarray(x) for x in cache))
+    queries = _check_input("queries", queries)
+    keys, values = (
+        None if x is None else _check_input(name, x)
+        for name, x in zip(INPUT_NAMES[1:], (keys, values), strict=True)
+    )
+    lens = as_valid_lens(valid_lens)
+    spec.check_cached_inputs(
+        queries.shape,
+        None if keys is None else keys.shape,
+        None if values is None else values.shape,
+        None if lens is None else lens.shape,
+        spec.KVCache(*(x.shape for x in cache)),
+        heads=heads,
+        query_size=query_size,
+        key_size=key_size,
+        value_size=value_size,
+        causal=causal,
+    )
+    spec.check_cache_dtypes(
+        dtype_kind(cache.lengths.dtype), None if lens is None else dtype_kind(lens.dtype)
+    )
+    return queries, keys, values, lens, cache
+
+
+def _check_cache_values(cache: spec.KVCache, valid_lens: jax.Array | None, num_new: int) -> None:
+    """:func:`mha_multi.spec.check_cache_values` where the lengths are concrete.
+
+    One transfer to the host in an eager call; nothing while traced, where
+    :func:`mha_multi.spec.update_cache` drops what would overflow instead.
+    """
+    if any(isinstance(x, jax.core.Tracer) for x in (cache.lengths, valid_lens)):
+        return
+    lengths, valid_lens = jax.device_get((cache.lengths, valid_lens))
+    spec.check_cache_values(lengths, valid_lens, num_new, cache.keys.shape[2])
+
+
+def init_cache(
+    heads: spec.Heads,
+    batch_size: int,
+    max_length: int,
+    dtype: DTypeLike,
+    *,
+    device: jax.Device | None = None,
+) -> spec.KVCache:
+    """An empty key/value cache for ``heads`` (what the layers' ``init_cache`` return).
+
+    Args:
+        heads: the layer's head layout.
+        batch_size: ``B``, the examples decoded together.
+        max_length: the positions each example can hold.
+        dtype: the dtype of the keys and values, floating.
+        device: where the arrays live; ``None`` for JAX's default device.
+
+    Returns:
+        ``KVCache(keys, values, lengths)``: zero keys and values
+        ``(B, num_kv_heads, max_length, head_dim)`` and zero lengths ``(B,)``
+        int32.
+
+    Raises:
+        TypeError: ``batch_size`` or ``max_length`` not an int, or ``dtype``
+            not floating.
+        ValueError: ``batch_size`` or ``max_length`` negative.
+    """
+    shape = spec.cache_shape(batch_size, max_length, heads)
+    if dtype_kind(dtype) != "f":
+        raise TypeError(f"the cache's dtype must be floating; got {np.dtype(dtype)}")
+    # Two buffers, not one shared: a jit step may donate keys and values.
+    keys, values = (jnp.zeros(shape, dtype, device=device) for _ in range(2))
+    return spec.KVCache(keys, values, jnp.zeros(shape[:1], jnp.int32, device=device))
 
 
 def _linear(
@@ -381,15 +509,19 @@ def _generic_attention(
     causal: bool,
     dropout: Callable[[jax.Array], jax.Array] | None,
     return_attention_weights: bool,
+    kv_split: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """:func:`mha_multi.spec.attention`, on the whole batch or piece by piece.
 
     Examples never mix, so the pieces compute the same function as the whole
-    batch. A piece's backward pass computes its scores and weights again
-    rather than storing them for every piece: it reads them from the cache
-    instead of memory, and training holds one piece's ``(b, H, Q, K)``
-    arrays rather than the batch's. Dropout draws one mask for the whole
-    batch, as Flax's does, so with dropout the batch is one piece.
+    batch; every argument has the batch first, a cache's split keys and
+    values ``(B, H_kv, M, dh)`` (``kv_split``) included, so cached calls
+    are taken in pieces alike. A piece's backward pass computes its scores
+    and weights again rather than storing them for every piece: it reads
+    them from the cache instead of memory, and training holds one piece's
+    ``(b, H, Q, K)`` arrays rather than the batch's. Dropout draws one mask
+    for the whole batch, as Flax's does, so with dropout the batch is one
+    piece.
 
     Returns:
         ``(context, weights)``, the weights ``None`` unless asked for.
@@ -409,13 +541,15 @@ def _generic_attention(
             num_kv_heads=num_kv_heads,
             causal=causal,
             dropout=dropout,
+            kv_split=kv_split,
         )
         return context, weights if return_attention_weights else None
 
     batch = q.shape[0]
     pieces = 1
     if dropout is None and _platform(q) == "cpu":
-        pieces = batch_pieces(batch, num_heads * q.shape[1] * k.shape[1] * 4)
+        num_keys = k.shape[2 if kv_split else 1]
+        pieces = batch_pieces(batch, num_heads * q.shape[1] * num_keys * 4)
     if pieces == 1:
         return attention(q, k, v, valid_lens)
 
@@ -453,17 +587,20 @@ def _fused_attention(
     heads: spec.Heads,
     precision: PrecisionLike,
     implementation: str,
+    kv_split: bool = False,
 ) -> jax.Array:
     """:func:`jax.nn.dot_product_attention` with the spec's masking semantics.
 
     Args:
         q: projected queries ``(B, Q, num_heads*head_dim)``; ``k``, ``v``
-            ``(B, K, num_kv_heads*head_dim)``.
+            ``(B, K, num_kv_heads*head_dim)``, or with ``kv_split`` a
+            cache's ``(B, num_kv_heads, K, head_dim)``.
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
         plan: what :func:`mha_multi.spec.plan_kernel` decided the kernel is given.
         heads: the head layout; the kernel takes grouped key/value heads as
             they are.
         implementation: ``"xla"`` or ``"cudnn"``.
+        kv_split: ``k`` and ``v`` are a cache's, split into heads.
 
     Returns:
         The concatenated heads ``(B, Q, num_heads*head_dim)``.
@@ -475,10 +612,19 @@ def _fused_attention(
         # no float32 accumulator; in float32 it gives the spec's products
         # (the products of 16-bit numbers are exact there), rounded once below.
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    num_queries, num_keys = q.shape[1], k.shape[1]
     # (B, T, H*dh) -> (B, T, H, dh) is the kernel's layout: no transposes.
     q = ops.split_axis(q, 2, (heads.num_heads, heads.head_dim))
-    k, v = (ops.split_axis(x, 2, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
+    if kv_split:
+        # The cache keeps the spec's (B, H_kv, M, dh), which the generic path
+        # reads with no copy; jax.nn takes only (B, M, H_kv, dh). One swap
+        # per call: XLA's kernel folds it into its products' dimension
+        # numbers, and for cuDNN's it is one copy of what the kernel reads
+        # anyway, where a cache kept in the kernel's layout would cost the
+        # generic path (and so every step that returns weights) the copy.
+        k, v = (jnp.swapaxes(x, 1, 2) for x in (k, v))
+    else:
+        k, v = (ops.split_axis(x, 2, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
+    num_queries, num_keys = q.shape[1], k.shape[1]
     seq_lengths = None
     if plan.key_lengths:
         # j < len for integer j and len is what the kernel's key lengths say.
@@ -520,7 +666,8 @@ def multi_head_attention(
     precision: PrecisionLike = None,
     return_attention_weights: bool = True,
     implementation: str | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+    cache: spec.KVCache | None = None,
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, spec.KVCache]:
     """d2l's multi-head attention, exact to :mod:`mha_multi.spec`, as a pure function.
 
     Differentiable in ``params`` and the inputs; works under ``jax.jit``
@@ -533,6 +680,19 @@ def multi_head_attention(
     by default cuDNN's for 16-bit inputs on a GPU, see the module notes); its
     result is the spec's, fully hidden rows included.
 
+    With a ``cache`` the call is one step of incremental decoding (docs:
+    "Generating with a cache"): example ``b`` appends its first
+    ``valid_lens[b]`` new keys and values (all ``T`` by default) at
+    positions ``cache.lengths[b]`` on, and query ``i`` sees the cache's
+    positions below ``cache.lengths[b] + valid_lens[b]`` and, when causal,
+    up to its own position ``cache.lengths[b] + i``. The cache is an
+    argument and a result (a pytree), so a ``jax.jit``-ed step is compiled
+    once for each ``T``. Eager calls raise ``ValueError`` on a cache that
+    would overflow; a traced call cannot read the lengths, and then writes
+    no position at or past ``max_length`` and overwrites no kept position:
+    what does not fit is dropped, and ``lengths`` still counts it, so
+    ``lengths > max_length`` afterwards tells that it happened.
+
     Args:
         params: canonical weights: ``W_q (query_size, num_heads*head_dim)``,
             ``W_k (key_size, num_kv_heads*head_dim)``, ``W_v (value_size,
@@ -541,22 +701,26 @@ def multi_head_attention(
             of the widths of their kernels' outputs (docs: "Canonical weights").
             ``head_dim`` is ``W_q``'s width over ``num_heads``.
         queries: ``(B, Q, query_size)``.
-        keys: ``(B, K, key_size)``.
-        values: ``(B, K, value_size)``.
+        keys: ``(B, K, key_size)``; with a cache ``(B, Q, key_size)``, or
+            ``None`` to attend to the cache as it is.
+        values: ``(B, K, value_size)``, likewise.
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating;
-            key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
+            key ``j`` is visible to query ``i`` iff ``j < valid_lens``. With
+            a cache ``None`` or ``(B,)`` integers: the new positions of each
+            example, in ``[0, Q]``.
         num_heads: number of (query) heads ``H``; must divide ``W_q``'s width.
         num_kv_heads: number of key/value heads; ``None`` reads it from
             ``W_k``'s width. Query head ``h`` reads key/value head
             ``h // (num_heads // num_kv_heads)``.
-        causal: also hide key ``j`` from query ``i`` when ``j > i + (K - Q)``.
+        causal: also hide key ``j`` from query ``i`` when ``j > i + (K - Q)``
+            (with a cache: each example's own positions, see above).
         dropout_rate: dropout rate on the attention weights.
         deterministic: no dropout when ``True``.
         dropout_rng: the PRNG key of the dropout mask; required when
             ``deterministic`` is ``False`` and ``dropout_rate > 0``.
         dtype: the computation dtype; ``None`` promotes the dtypes of the
             inputs and the weights (as Flax layers do). 16-bit softmaxes run
-            in float32.
+            in float32. A cache must hold this dtype.
         precision: precision of every matrix product (``"highest"`` for IEEE
             float32 products on GPU and TPU).
         return_attention_weights: compute and return the weights; ``False``
@@ -564,15 +728,23 @@ def multi_head_attention(
         implementation: ``None`` (choose), ``"generic"``, ``"xla"`` or
             ``"cudnn"`` (see the module notes); a fused kernel runs only
             where :func:`mha_multi.spec.plan_kernel` allows, the generic path elsewhere.
+        cache: ``None``, or a :class:`mha_multi.spec.KVCache` (see
+            :func:`init_cache`): projected keys and values
+            ``(B, num_kv_heads, max_length, head_dim)`` and ``lengths``
+            ``(B,)`` int32.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and the
         pre-dropout weights ``(B, H, Q, K)`` (``None`` when not requested),
-        both of the computation dtype.
+        both of the computation dtype. With a cache
+        ``(output, attention_weights, cache)``: the weights are
+        ``(B, H, Q, max_length)``, and the cache is the one after the call.
 
     Raises:
-        TypeError: a non-floating input or weight, or non-numeric ``valid_lens``.
-        ValueError: a bad configuration, weights or shapes, named.
+        TypeError: a non-floating input or weight, or non-numeric ``valid_lens``;
+            with a cache, non-integer lengths or a cache of another dtype.
+        ValueError: a bad configuration, weights or shapes, named; with a
+            cache, in eager calls, lengths out of range or an overflow.
     """
     check_implementation(implementation)
     config = check_params(params)
@@ -584,23 +756,30 @@ def multi_head_attention(
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
     )
-    queries, keys, values, lens = check_call(
-        queries,
-        keys,
-        values,
-        valid_lens,
-        query_size=config.query_size,
-        key_size=config.key_size,
-        value_size=config.value_size,
-        causal=causal,
-    )
+    sizes = {
+        "query_size": config.query_size,
+        "key_size": config.key_size,
+        "value_size": config.value_size,
+    }
+    if cache is None:
+        queries, keys, values, lens = check_call(
+            queries, keys, values, valid_lens, causal=causal, **sizes
+        )
+    else:
+        queries, keys, values, lens, cache = check_cached_call(
+            queries, keys, values, valid_lens, cache, heads=heads, causal=causal, **sizes
+        )
+        _check_cache_values(cache, lens, 0 if keys is None else queries.shape[1])
     use_dropout = not deterministic and dropout_rate > 0
     if use_dropout and dropout_rng is None:
         raise ValueError("dropout_rng is required when deterministic is False and dropout_rate > 0")
+    inputs = (queries, keys, values)
     if dtype is None:
-        dtype = jnp.result_type(queries, keys, values, *params.values())
+        dtype = jnp.result_type(*(x for x in inputs if x is not None), *params.values())
+    if cache is not None and keys is None:
+        _check_cache_dtype(cache, dtype)
     weights = {name: jnp.asarray(value, dtype) for name, value in params.items()}
-    queries, keys, values = (jnp.asarray(x, dtype) for x in (queries, keys, values))
+    queries, keys, values = (None if x is None else jnp.asarray(x, dtype) for x in inputs)
 
     # The groups _linear reads each kernel's columns in: the heads of the
     # projection (any divisor of the width is the same product).
@@ -611,18 +790,28 @@ def multi_head_attention(
         "o": heads.num_heads if config.num_hiddens % heads.num_heads == 0 else 1,
     }
 
-    def project(x: jax.Array, name: str) -> jax.Array:
+    def project(x: jax.Array | None, name: str) -> jax.Array | None:
+        if x is None:
+            return None
         kernel, bias = weights[f"W_{name}"], weights.get(f"b_{name}")
         return _linear(x, kernel, bias, precision, groups[name])
 
     q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
+    if cache is not None:
+        cache, lens = spec.update_cache(
+            JaxOps(precision), cache, k, v, lens, head_dim=heads.head_dim, causal=causal
+        )
+        # The queries attend to the whole cache; the lengths now hold the
+        # causal rule, each example's own.
+        k, v, causal = cache.keys, cache.values, False
+    kv_split = cache is not None
     kernel = implementation
     if kernel is None:
         half = np.dtype(dtype).name in FUSED_DTYPES and np.dtype(dtype).itemsize == 2
         kernel = "cudnn" if half and _platform(q) == "gpu" else "generic"
     plan = spec.plan_kernel(
         DOT_PRODUCT_ATTENTION,
-        sizes=(q.shape[0], q.shape[1], k.shape[1]),
+        sizes=(q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
         lens_ndim=None if lens is None else lens.ndim,
         lens_integer=lens is None or dtype_kind(lens.dtype) in "iu",
         causal=causal,
@@ -631,6 +820,8 @@ def multi_head_attention(
         dtype_supported=kernel != "generic" and fused_dtype_supported(dtype, precision),
         grouped=heads.grouped,
     )
+    context = None
+    attention_weights = None
     if plan.fused:
         try:
             context = _fused_attention(
@@ -642,8 +833,8 @@ def multi_head_attention(
                 heads=heads,
                 precision=precision,
                 implementation=kernel,
+                kv_split=kv_split,
             )
-            return project(context, "o"), None
         except (NotImplementedError, ValueError, RuntimeError):
             # cuDNN serves some head sizes, sequence lengths and GPUs only,
             # and says so while the call is traced. Asked for by name, that
@@ -651,23 +842,44 @@ def multi_head_attention(
             if implementation is not None:
                 raise
 
-    dropout = None
-    if use_dropout:
+    if context is None:
+        dropout = None
+        if use_dropout:
 
-        def dropout(x: jax.Array) -> jax.Array:
-            return _dropout(dropout_rng, float(dropout_rate), x)
+            def dropout(x: jax.Array) -> jax.Array:
+                return _dropout(dropout_rng, float(dropout_rate), x)
 
-    context, attention_weights = _generic_attention(
-        JaxOps(precision),
-        q,
-        k,
-        v,
-        lens,
-        num_heads=num_heads,
-        head_dim=heads.head_dim,
-        num_kv_heads=heads.num_kv_heads,
-        causal=causal,
-        dropout=dropout,
-        return_attention_weights=return_attention_weights,
-    )
-    return project(context, "o"), attention_weights
+        context, attention_weights = _generic_attention(
+            JaxOps(precision),
+            q,
+            k,
+            v,
+            lens,
+            num_heads=num_heads,
+            head_dim=heads.head_dim,
+            num_kv_heads=heads.num_kv_heads,
+            causal=causal,
+            dropout=dropout,
+            return_attention_weights=return_attention_weights,
+            kv_split=kv_split,
+        )
+    output = project(context, "o")
+    if cache is None:
+        return output, attention_weights
+    return output, attention_weights, cache
+
+
+def _check_cache_dtype(cache: spec.KVCache, dtype: DTypeLike) -> None:
+    """Raises ``TypeError`` unless the cache holds the computation dtype.
+
+    A call that appends is checked by :func:`mha_multi.spec.update_cache`
+    against the projections it writes; one without keys and values reads
+    the cache only, and is checked here.
+    """
+    for name in ("keys", "values"):
+        held = getattr(cache, name).dtype
+        if held != dtype:
+            raise TypeError(
+                f"cache.{name} dtype {held} differs from the layer's computation dtype "
+                f"{np.dtype(dtype)}; make the cache with layer.init_cache"
+            )

@@ -38,6 +38,11 @@ class MultiHeadAttention(nnx.Module):
     ``False`` (the default, and after ``.train()``), off after ``.eval()``
     or with ``deterministic=True`` at call time.
 
+    For incremental decoding, :meth:`init_cache` makes a key/value cache
+    that a call takes and returns (``cache=``; docs: "Generating with a
+    cache"). The cache is an argument, not module state, so a decoding step
+    under ``nnx.jit`` is compiled once for each number of new positions.
+
     Args:
         num_hiddens: size of every projection and of the output.
         num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
@@ -145,6 +150,42 @@ class MultiHeadAttention(nnx.Module):
                 params[f"b_{name[-1]}"] = linear.bias[...]
         return params
 
+    @property
+    def heads(self) -> spec.Heads:
+        """The head layout (docs: "The spec")."""
+        return spec.Heads(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def init_cache(
+        self, batch_size: int, max_length: int, dtype: DTypeLike | None = None
+    ) -> spec.KVCache:
+        """An empty key/value cache for incremental decoding (docs: "Generating with a cache").
+
+        Args:
+            batch_size: ``B``, the examples decoded together.
+            max_length: the positions each example can hold.
+            dtype: the dtype of the keys and values; ``None`` for the
+                layer's: its ``dtype``, else its parameters' (a cached call
+                writes its projections in its computation dtype, which must
+                be the cache's).
+
+        Returns:
+            ``KVCache(keys, values, lengths)``: zero keys and values
+            ``(B, num_kv_heads, max_length, head_dim)`` and zero lengths
+            ``(B,)`` int32, on the device of the layer's parameters.
+
+        Raises:
+            TypeError: ``batch_size`` or ``max_length`` not an int, or
+                ``dtype`` not floating.
+            ValueError: ``batch_size`` or ``max_length`` negative.
+        """
+        kernel = self.W_q.kernel[...]
+        if dtype is None:
+            dtype = kernel.dtype if self.dtype is None else self.dtype
+        device = None
+        if not isinstance(kernel, jax.core.Tracer) and len(kernel.devices()) == 1:
+            (device,) = kernel.devices()
+        return functional.init_cache(self.heads, batch_size, max_length, dtype, device=device)
+
     def set_view(self, deterministic: bool | None = None) -> None:
         """Used by ``nnx.view``.
 
@@ -157,48 +198,79 @@ class MultiHeadAttention(nnx.Module):
     def __call__(
         self,
         queries: jax.Array,
-        keys: jax.Array,
-        values: jax.Array,
+        keys: jax.Array | None,
+        values: jax.Array | None,
         valid_lens: Any = None,
         *,
         causal: bool = False,
         return_attention_weights: bool = False,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
-    ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """Attends from ``queries`` to ``keys``/``values``.
+        cache: spec.KVCache | None = None,
+    ) -> jax.Array | tuple[jax.Array, ...]:
+        """Attends from ``queries`` to ``keys``/``values`` (and, with a ``cache``, to it).
+
+        With a ``cache`` (from :meth:`init_cache`) the call is one step of
+        incremental decoding (docs: "Generating with a cache"): example ``b``
+        appends its first ``valid_lens[b]`` new keys and values (all ``T`` by
+        default) at positions ``cache.lengths[b]`` on, and its query ``i``,
+        at position ``cache.lengths[b] + i``, attends to the cache's
+        positions up to the last one appended (with ``causal``, up to its
+        own). An eager call that would overflow the cache raises
+        ``ValueError``; a traced one (``nnx.jit``) cannot read the lengths,
+        and writes no position at or past ``max_length`` and overwrites no
+        kept one: what does not fit is dropped, and ``lengths`` still counts
+        it (``lengths > max_length`` tells that it happened).
 
         Args:
-            queries: ``(B, Q, query_size)``.
-            keys: ``(B, K, key_size)``.
-            values: ``(B, K, value_size)``.
+            queries: ``(B, Q, query_size)``; with a cache ``(B, T, query_size)``,
+                ``T`` new positions.
+            keys: ``(B, K, key_size)``; with a cache ``(B, T, key_size)``, or
+                ``None`` to attend to the cache as it is and append nothing.
+            values: ``(B, K, value_size)``, likewise.
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating
                 (JAX or numpy array, or a sequence); key ``j`` is visible to
-                query ``i`` iff ``j < valid_lens``.
-            causal: also hide key ``j`` from query ``i`` when ``j > i + (K - Q)``.
+                query ``i`` iff ``j < valid_lens``. With a cache ``None`` or
+                ``(B,)`` integers in ``[0, T]``: the real new positions of
+                each example (the rest is padding, not kept).
+            causal: also hide key ``j`` from query ``i`` when ``j > i + (K - Q)``;
+                with a cache, keys past the query's own position.
             return_attention_weights: also return the pre-dropout weights.
             deterministic: overrides the module's mode for this call.
             rngs: overrides the module's dropout stream for this call: an
                 ``nnx.Rngs`` (its ``dropout`` stream), an ``nnx.RngStream`` or
                 a PRNG key used as it is.
+            cache: ``None``, or a :class:`mha_multi.spec.KVCache` of this
+                layer's layout and dtype.
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
-            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``.
+            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``. With a
+            cache, the cache after the call comes last: ``(output, cache)``
+            or ``(output, weights, cache)``, the weights ``(B, H, T,
+            max_length)``.
 
         Raises:
-            TypeError: a non-floating input or non-numeric ``valid_lens``.
+            TypeError: a non-floating input or non-numeric ``valid_lens``;
+                with a cache, non-integer lengths or another dtype.
             ValueError: inconsistent shapes, named; raised while tracing.
+                With a cache in an eager call, also lengths out of range or
+                an overflow.
         """
         sizes = self.input_sizes()
-        queries, keys, values, valid_lens = functional.check_call(
-            queries, keys, values, valid_lens, causal=causal, **sizes
-        )
+        if cache is None:
+            queries, keys, values, valid_lens = functional.check_call(
+                queries, keys, values, valid_lens, causal=causal, **sizes
+            )
+        else:
+            queries, keys, values, valid_lens, cache = functional.check_cached_call(
+                queries, keys, values, valid_lens, cache, heads=self.heads, causal=causal, **sizes
+            )
         deterministic = self.deterministic if deterministic is None else deterministic
         dropout_rng = None
         if not deterministic and self.dropout > 0:
             dropout_rng = _dropout_key(self.rngs if rngs is None else rngs)
-        output, weights = functional.multi_head_attention(
+        output, weights, *new_cache = functional.multi_head_attention(
             self.params(),
             queries,
             keys,
@@ -214,8 +286,11 @@ class MultiHeadAttention(nnx.Module):
             precision=self.precision,
             return_attention_weights=return_attention_weights,
             implementation=self.implementation,
+            cache=cache,
         )
-        return (output, weights) if return_attention_weights else output
+        if return_attention_weights:
+            return (output, weights, *new_cache)
+        return (output, *new_cache) if new_cache else output
 
 
 def _dropout_key(rngs: nnx.Rngs | nnx.RngStream | jax.Array | None) -> jax.Array:

@@ -56,6 +56,12 @@ class Projection(nn.Module):
 class MultiHeadAttention(nn.Module):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
+    For incremental decoding, :meth:`init_cache` (which needs no variables:
+    it works on an unbound module) makes a key/value cache that a call takes
+    and returns (``cache=``; docs: "Generating with a cache"). The cache is
+    an argument and a result, not a Flax collection, so ``jax.jit`` of
+    ``apply`` compiles a decoding step once for each number of new positions.
+
     Attributes:
         num_hiddens: size of every projection and of the output.
         num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
@@ -118,6 +124,36 @@ class MultiHeadAttention(nn.Module):
             self.num_hiddens, self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim
         )
 
+    def init_cache(
+        self, batch_size: int, max_length: int, dtype: DTypeLike | None = None
+    ) -> spec.KVCache:
+        """An empty key/value cache for incremental decoding (docs: "Generating with a cache").
+
+        Needs only the configuration, so it works on an unbound module.
+
+        Args:
+            batch_size: ``B``, the examples decoded together.
+            max_length: the positions each example can hold.
+            dtype: the dtype of the keys and values; ``None`` for the
+                module's: its ``dtype``, else its ``param_dtype`` (a cached
+                call writes its projections in its computation dtype, which
+                must be the cache's).
+
+        Returns:
+            ``KVCache(keys, values, lengths)``: zero keys and values
+            ``(B, num_kv_heads, max_length, head_dim)`` and zero lengths
+            ``(B,)`` int32, on JAX's default device (the module holds no
+            arrays; ``jax.default_device`` chooses another).
+
+        Raises:
+            TypeError: ``batch_size`` or ``max_length`` not an int, or
+                ``dtype`` not floating.
+            ValueError: ``batch_size`` or ``max_length`` negative.
+        """
+        if dtype is None:
+            dtype = self.param_dtype if self.dtype is None else self.dtype
+        return functional.init_cache(self.heads, batch_size, max_length, dtype)
+
     def _known_sizes(self) -> dict[str, int | None]:
         """Input sizes from the attributes, else from existing kernels, else ``None``."""
         params = nn.meta.unbox(self.variables.get("params", {}))
@@ -134,44 +170,86 @@ class MultiHeadAttention(nn.Module):
     def __call__(
         self,
         queries: jax.Array,
-        keys: jax.Array,
-        values: jax.Array,
+        keys: jax.Array | None,
+        values: jax.Array | None,
         valid_lens: Any = None,
         *,
         causal: bool = False,
         return_attention_weights: bool = False,
         training: bool = False,
-    ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """Attends from ``queries`` to ``keys``/``values``.
+        cache: spec.KVCache | None = None,
+    ) -> jax.Array | tuple[jax.Array, ...]:
+        """Attends from ``queries`` to ``keys``/``values`` (and, with a ``cache``, to it).
+
+        With a ``cache`` (from :meth:`init_cache`) the call is one step of
+        incremental decoding (docs: "Generating with a cache"): example ``b``
+        appends its first ``valid_lens[b]`` new keys and values (all ``T`` by
+        default) at positions ``cache.lengths[b]`` on, and its query ``i``,
+        at position ``cache.lengths[b] + i``, attends to the cache's
+        positions up to the last one appended (with ``causal``, up to its
+        own). An eager call that would overflow the cache raises
+        ``ValueError``; a traced one (``jax.jit``) cannot read the lengths,
+        and writes no position at or past ``max_length`` and overwrites no
+        kept one: what does not fit is dropped, and ``lengths`` still counts
+        it (``lengths > max_length`` tells that it happened).
 
         Args:
-            queries: ``(B, Q, query_size)``.
-            keys: ``(B, K, key_size)``.
-            values: ``(B, K, value_size)``.
+            queries: ``(B, Q, query_size)``; with a cache ``(B, T, query_size)``,
+                ``T`` new positions.
+            keys: ``(B, K, key_size)``; with a cache ``(B, T, key_size)``, or
+                ``None`` to attend to the cache as it is and append nothing
+                (the module's key and value sizes must then be known: given,
+                or from its variables).
+            values: ``(B, K, value_size)``, likewise.
             valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating;
                 key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
-            causal: also hide key ``j`` from query ``i`` when ``j > i + (K - Q)``.
+                With a cache ``None`` or ``(B,)`` integers in ``[0, T]``: the
+                real new positions of each example (the rest is padding, not
+                kept).
+            causal: also hide key ``j`` from query ``i`` when ``j > i + (K - Q)``;
+                with a cache, keys past the query's own position.
             return_attention_weights: also return the pre-dropout weights.
             training: apply dropout (draws from the ``'dropout'`` rng).
+            cache: ``None``, or a :class:`mha_multi.spec.KVCache` of this
+                module's layout and dtype.
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
-            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``.
+            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``. With a
+            cache, the cache after the call comes last: ``(output, cache)``
+            or ``(output, weights, cache)``, the weights ``(B, H, T,
+            max_length)``.
 
         Raises:
-            TypeError: a non-floating input or non-numeric ``valid_lens``.
+            TypeError: a non-floating input or non-numeric ``valid_lens``;
+                with a cache, non-integer lengths or another dtype.
             ValueError: inconsistent shapes, named; raised while tracing.
+                With a cache in an eager call, also lengths out of range or
+                an overflow.
         """
-        queries, keys, values, valid_lens = functional.check_call(
-            queries, keys, values, valid_lens, causal=causal, **self._known_sizes()
-        )
-        params = {}
+        sizes = self._known_sizes()
         heads = self.heads
+        if cache is None:
+            queries, keys, values, valid_lens = functional.check_call(
+                queries, keys, values, valid_lens, causal=causal, **sizes
+            )
+        else:
+            queries, keys, values, valid_lens, cache = functional.check_cached_call(
+                queries, keys, values, valid_lens, cache, heads=heads, causal=causal, **sizes
+            )
+        if keys is not None:
+            sizes["key_size"], sizes["value_size"] = keys.shape[-1], values.shape[-1]
+        elif sizes["key_size"] is None or sizes["value_size"] is None:
+            raise ValueError(
+                "a call without keys and values cannot make W_k and W_v: initialise the "
+                "module with keys and values, or give it key_size and value_size"
+            )
+        params = {}
         # (in_features, out_features) of each projection.
         shapes = {
             "q": (queries.shape[-1], heads.query_features),
-            "k": (keys.shape[-1], heads.kv_features),
-            "v": (values.shape[-1], heads.kv_features),
+            "k": (sizes["key_size"], heads.kv_features),
+            "v": (sizes["value_size"], heads.kv_features),
             "o": (heads.query_features, self.num_hiddens),
         }
         for name, (size, features) in shapes.items():
@@ -187,7 +265,7 @@ class MultiHeadAttention(nn.Module):
             if bias is not None:
                 params[f"b_{name}"] = bias
         use_dropout = training and self.dropout > 0
-        output, weights = functional.multi_head_attention(
+        output, weights, *new_cache = functional.multi_head_attention(
             params,
             queries,
             keys,
@@ -203,8 +281,11 @@ class MultiHeadAttention(nn.Module):
             precision=self.precision,
             return_attention_weights=return_attention_weights,
             implementation=self.implementation,
+            cache=cache,
         )
-        return (output, weights) if return_attention_weights else output
+        if return_attention_weights:
+            return (output, weights, *new_cache)
+        return (output, *new_cache) if new_cache else output
 
 
 def variables_from_weights(
