@@ -19,6 +19,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = commands.add_parser("run", help="benchmark backends, writing OUT/<backend>.json")
     run.add_argument("--out", required=True)
     run.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
+    run.add_argument(
+        "--generation-only", action="store_true", help="only the generation rows (a cache)"
+    )
     run.add_argument("backends", nargs="+", choices=sorted(BENCHMARKS))
     report = commands.add_parser("report", help="print and write report.md from results")
     report.add_argument("--results", required=True)
@@ -51,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.quick
                 else {}
             )
+            if args.generation_only:
+                kwargs |= {"lengths": (), "memory_lengths": (), "grouped_lengths": ()}
             results = driver.run(driver.load(backend), **kwargs)
             for result in results:
                 result["machine"] = machine_info()
