@@ -1584,7 +1584,8 @@ def reference_cached_forward(
         q = _linear(queries, w, "q").reshape(batch, num_new, heads.num_heads, dh)
         attention_weights = np.zeros((batch, heads.num_heads, num_new, max_length))
         context = np.zeros((batch, num_new, heads.num_heads, dh))
-        for b in range(batch):
+        # An empty cache (max_length 0) has no key: the context is 0, as with K = 0.
+        for b in range(batch if max_length else 0):
             for i in range(num_new):
                 seen = lengths[b] + (min(new[b], i + 1) if causal else new[b])
                 visible = np.arange(max_length) < seen

@@ -243,3 +243,16 @@ def test_decode_rejects_a_schedule_that_misses_positions():
     inputs = {k: np.zeros((1, 3, 2)) for k in ("queries", "keys", "values")}
     with pytest.raises(ValueError, match="appends"):
         decode(lambda q, k, v, n: np.zeros((1, q.shape[1], 2)), inputs, np.array([3]), [(2, [2])])
+
+
+def test_a_cache_of_no_positions_gives_the_output_bias():
+    weights, inputs, _, heads, _ = _setup("gqa_bias", 1)
+    layout = spec.heads_of_weights(weights, 4)
+    shape = spec.cache_shape(3, 0, layout)
+    cache = spec.KVCache(np.zeros(shape), np.zeros(shape), np.zeros(3, np.int32))
+    rows = [x[:, :2] for x in inputs.values()]
+    output, attention_weights, _ = spec.reference_cached_forward(
+        weights, rows[0], None, None, cache, **heads, causal=True
+    )
+    assert attention_weights.shape == (3, 4, 2, 0)
+    np.testing.assert_array_equal(output, np.broadcast_to(weights["b_o"], output.shape))
