@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mha_multi.bench import BENCHMARKS, driver
 from mha_multi.bench.common import Shape, format_markdown, machine_info
-from mha_multi.bench.generate import GenerationShape
+from mha_multi.bench.generate import GenerationShape, generation_peak_mib
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,7 +33,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory.add_argument("implementation")
     memory.add_argument("device")
     memory.add_argument("shape", type=lambda text: Shape(**json.loads(text)))
+    generation = commands.add_parser(
+        "generation-memory", help="peak memory of one cached generation, in MiB"
+    )
+    generation.add_argument("backend", choices=sorted(BENCHMARKS))
+    generation.add_argument("device")
+    generation.add_argument("dtype")
+    generation.add_argument("shape", type=lambda text: GenerationShape(**json.loads(text)))
     args = parser.parse_args(argv)
+
+    if args.command == "generation-memory":
+        framework = driver.load(args.backend)
+        print(generation_peak_mib(framework, args.device, args.dtype, args.shape))
+        return 0
 
     if args.command == "memory":
         framework = driver.load(args.backend)
