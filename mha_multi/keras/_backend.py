@@ -4,7 +4,8 @@ The layer, the parity runners, the benchmark, the converters and the tests
 reach Keras through this module (docs: "Architecture"): the dtypes, devices
 and GPU detection, the process-wide settings for exact float32 products,
 conversions to and from numpy (bfloat16 included), how the layer is built,
-called and differentiated, how a call of the fused kernel is observed, and
+called and differentiated (with respect to the heads' gates too), how a call
+of the fused kernel is observed, and
 ``keras.layers.MultiHeadAttention`` and ``keras.layers.GroupQueryAttention``
 holding canonical weights.
 
@@ -54,6 +55,7 @@ __all__ = [
     "exact_float32",
     "forward",
     "forward_function",
+    "gate_gradient",
     "gpu_available",
     "gradient_function",
     "host_array",
@@ -171,6 +173,10 @@ class _Backend:
     def gradient_function(self, call: LayerCall, wrt: int, compiled: bool) -> GradientFunction:
         raise NotImplementedError
 
+    def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        """The gradient of the scalar ``function(x)`` with respect to ``x``, eagerly."""
+        raise NotImplementedError
+
     def sync(self, value: Any) -> None:
         # Reading one element waits for the operation that produced the array.
         for leaf in keras.tree.flatten(value):
@@ -219,6 +225,12 @@ class _TensorFlow(_Backend):
 
         function = tf.function(gradients, jit_compile=True) if compiled else gradients
         return lambda values, inputs, cotangent: function(list(inputs), cotangent)
+
+    def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        with self.tf.GradientTape() as tape:
+            tape.watch(x)
+            y = function(x)
+        return tape.gradient(y, x)
 
 
 class _Jax(_Backend):
@@ -280,6 +292,10 @@ class _Jax(_Backend):
 
         return jax.jit(gradients) if compiled else gradients
 
+    def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        # The layer's variables enter the trace as the constants they are.
+        return self.jax.grad(function)(x)
+
     def sync(self, value: Any) -> None:
         self.jax.block_until_ready(value)
 
@@ -338,6 +354,11 @@ class _Torch(_Backend):
             return list(grads[:wrt]), list(grads[wrt:])
 
         return gradients
+
+    def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        x = x.detach().requires_grad_(True)
+        (grad,) = self.torch.autograd.grad(function(x), [x], allow_unused=True)
+        return self.torch.zeros_like(x) if grad is None else grad
 
     def sync(self, value: Any) -> None:
         for leaf in keras.tree.flatten(value):
@@ -551,17 +572,23 @@ def _runner_call(
     return_attention_weights: bool,
     cached: bool = False,
     first: bool = False,
+    gated: bool = False,
 ) -> LayerCall:
-    """The runner's call of ``layer``: ``(queries, keys, values, valid_lens[, cache])``.
+    """The runner's call: ``(queries, keys, values[, head_mask], valid_lens[, cache])``.
 
-    With ``cached`` the last input is the cache, passed as ``cache=``; with
-    ``first`` the call gives the output alone.
+    With ``gated`` the fourth input is the heads' gates, passed as
+    ``head_mask=`` (differentiated with the first three); with ``cached``
+    the last input is the cache, passed as ``cache=``; with ``first`` the
+    call gives the output alone.
     """
 
     def arguments(*inputs: Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
         options = {"causal": causal, "return_attention_weights": return_attention_weights}
         if cached:
             *inputs, options["cache"] = inputs
+        if gated:
+            *inputs, options["head_mask"], valid_lens = inputs
+            inputs = [*inputs, valid_lens]
         return tuple(inputs), options
 
     return LayerCall(layer, arguments, first=first)
@@ -569,7 +596,7 @@ def _runner_call(
 
 #: Layer configuration -> a layer of it whose variable order compiled functions follow.
 _TEMPLATES: dict[str, keras.layers.Layer] = {}
-#: (kind, configuration, causal, return_attention_weights, cached) -> compiled function.
+#: (kind, configuration, causal, return_attention_weights, cached, gated) -> compiled function.
 _COMPILED: dict[tuple[Any, ...], Any] = {}
 
 
@@ -579,6 +606,7 @@ def _shared(
     causal: bool,
     return_attention_weights: bool,
     cached: bool = False,
+    gated: bool = False,
 ) -> tuple[Any, keras.layers.Layer]:
     """A compiled function shared by every layer of ``layer``'s configuration.
 
@@ -594,15 +622,16 @@ def _shared(
     if configuration not in _TEMPLATES:
         _TEMPLATES[configuration] = type(layer).from_config(config)
     template = _TEMPLATES[configuration]
-    key = (kind, configuration, causal, return_attention_weights, cached)
+    key = (kind, configuration, causal, return_attention_weights, cached, gated)
     if key not in _COMPILED:
         # Gradients are of the output alone (a cached call returns the cache too).
         first = kind == "gradients" and cached
-        call = _runner_call(template, causal, return_attention_weights, cached, first)
+        call = _runner_call(template, causal, return_attention_weights, cached, first, gated)
         if kind == "forward":
             _COMPILED[key] = forward_function(call, compiled=True)
         else:
-            _COMPILED[key] = gradient_function(call, wrt=len(INPUT_NAMES), compiled=True)
+            wrt = len(INPUT_NAMES) + gated
+            _COMPILED[key] = gradient_function(call, wrt=wrt, compiled=True)
     return _COMPILED[key], template
 
 
@@ -631,27 +660,32 @@ def forward(
         queries: ``(B, Q, query_size)``; keys, values likewise with ``K``.
         valid_lens: passed to the layer as it is.
         training: dropout active.
-        **kwargs: the layer's ``causal``, ``return_attention_weights`` and
-            ``cache``.
+        **kwargs: the layer's ``causal``, ``return_attention_weights``,
+            ``cache`` and ``head_mask``.
     """
     causal = kwargs.get("causal", False)
     return_attention_weights = kwargs.get("return_attention_weights", False)
     cache = kwargs.get("cache")
+    head_mask = kwargs.get("head_mask")
     traceable = (
         _active().stateless
         and not training
-        and set(kwargs) <= {"causal", "return_attention_weights", "cache"}
+        and set(kwargs) <= {"causal", "return_attention_weights", "cache", "head_mask"}
         and type(causal) is bool
         and type(return_attention_weights) is bool
         and (valid_lens is None or keras.ops.is_tensor(valid_lens))
         and (cache is None or isinstance(cache, spec.KVCache))
+        and (head_mask is None or keras.ops.is_tensor(head_mask))
     )
     with device_scope(device_of(queries)):
         if not traceable:
             return layer(queries, keys, values, valid_lens, training=training, **kwargs)
-        cached = cache is not None
-        function, template = _shared("forward", layer, causal, return_attention_weights, cached)
-        inputs = (queries, keys, values, valid_lens, *([cache] if cached else []))
+        cached, gated = cache is not None, head_mask is not None
+        function, template = _shared(
+            "forward", layer, causal, return_attention_weights, cached, gated
+        )
+        gates = [head_mask] if gated else []
+        inputs = (queries, keys, values, *gates, valid_lens, *([cache] if cached else []))
         result = function(state(layer, template), *inputs)
         if cached:
             # Tracing checked the shapes and dtypes; the result is dropped on an error.
@@ -671,36 +705,71 @@ def vjp(
     causal: bool,
     output_gradient: Tensor,
     cache: spec.KVCache | None = None,
+    head_mask: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """The gradients of ``sum(output * output_gradient)`` of an evaluation-mode call.
 
     With a ``cache``, of the output of that cached call, the cache held
-    fixed (an input like ``valid_lens``, not differentiated).
+    fixed (an input like ``valid_lens``, not differentiated). With a
+    ``head_mask``, of the call gated by it, and with respect to it too.
 
     Returns:
         Tensors keyed ``queries``, ``keys``, ``values`` and the canonical
-        weight names (the variables are canonical as they are).
+        weight names (the variables are canonical as they are), and
+        ``head_mask`` with a ``head_mask``.
     """
-    cached = cache is not None
+    cached, gated = cache is not None, head_mask is not None
+    names = (*INPUT_NAMES, "head_mask") if gated else INPUT_NAMES
     if _active().stateless:
-        function, owner = _shared("gradients", layer, causal, False, cached)
+        function, owner = _shared("gradients", layer, causal, False, cached, gated)
     else:
         owner = layer
-        call = _runner_call(layer, causal, False, cached, first=cached)
-        function = gradient_function(call, wrt=len(INPUT_NAMES), compiled=False)
-    inputs = [queries, keys, values, valid_lens]
+        call = _runner_call(layer, causal, False, cached, first=cached, gated=gated)
+        function = gradient_function(call, wrt=len(names), compiled=False)
+    inputs = [queries, keys, values, *([head_mask] if gated else []), valid_lens]
     if cached:
         # A cache made by eager PyTorch calls still leads back to the weights
         # that wrote it.
         inputs.append(spec.KVCache(*(keras.ops.stop_gradient(x) for x in cache)))
     with device_scope(device_of(queries)):
         input_grads, weight_grads = function(state(layer, owner), inputs, output_gradient)
-    grads = dict(zip(INPUT_NAMES, input_grads, strict=True))
+    grads = dict(zip(names, input_grads, strict=True))
     trainable = owner.trainable_variables
     for name, variable in owner.canonical_variables().items():
         index = next(i for i, v in enumerate(trainable) if v is variable)
         grads[name] = weight_grads[index]
     return grads
+
+
+def gate_gradient(
+    layer: MultiHeadAttention,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Any,
+    loss_fn: Callable[[Tensor], Tensor],
+) -> np.ndarray:
+    """``dL/dξ`` at gates of ones, ``L = loss_fn(layer(..., head_mask=ξ))`` in evaluation mode.
+
+    The block :func:`mha_multi.keras.head_importance` is made of: one batch,
+    the layer called eagerly as a user calls it (fused path included), its
+    ``(num_heads,)`` gates differentiated the backend's way
+    (``tf.GradientTape``, ``jax.grad``, ``torch.autograd.grad``). The gates
+    are float32 (float64 for a float64 layer), so 16-bit layers sum their
+    gradient in float32.
+
+    Returns:
+        ``(num_heads,)`` numpy, in the gates' dtype.
+    """
+    dtype = "float64" if layer.compute_dtype == "float64" else "float32"
+    with device_scope(device_of(queries)):
+        gates = keras.ops.ones((layer.num_heads,), dtype)
+
+        def loss(gates: Tensor) -> Tensor:
+            output = layer(queries, keys, values, valid_lens, head_mask=gates, training=False)
+            return loss_fn(output)
+
+        return host_array(_active().scalar_gradient(loss, gates))
 
 
 def init_cache(layer: MultiHeadAttention, batch_size: int, max_length: int) -> spec.KVCache:

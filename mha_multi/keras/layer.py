@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import keras
 import numpy as np
 
-from mha_multi import spec
+from mha_multi import heads, spec
 from mha_multi.keras._backend import (
     BACKEND,
     as_numpy,
     device_of,
     device_scope,
+    gate_gradient,
     host_array,
     values_readable,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "values_exact",
     "check_cache_lengths",
     "get_weights",
+    "head_importance",
     "set_weights",
 ]
 
@@ -125,6 +127,11 @@ class MultiHeadAttention(keras.layers.Layer):
     own positions and attends to everything the cache holds, returning the
     updated cache with the output. The cache is a named tuple of tensors, so
     it passes through ``tf.function`` and ``jax.jit`` as it is.
+
+    Heads (docs: "Heads"): ``head_mask=`` gates each head's context before
+    ``W_o`` on every path; :func:`head_importance` measures the heads by the
+    gates' gradients, and :func:`mha_multi.heads.prune_heads` gives the
+    weights and constructor arguments of a layer without some heads.
 
     Args:
         num_hiddens: size of the output (and, by default, of every projection).
@@ -288,6 +295,28 @@ class MultiHeadAttention(keras.layers.Layer):
         y = OPS.matmul(x, kernel)
         return y if bias is None else keras.ops.add(y, keras.ops.cast(bias, dtype))
 
+    def _output(self, context: Any, head_mask: Any) -> Any:
+        """``W_o`` (and ``b_o``) of the heads' context gated by ``head_mask``.
+
+        The gates are :func:`mha_multi.spec.apply_head_mask`'s. In 16 bits
+        they join the float32 product of the output projection, so that
+        ``(context * gates) @ W_o + b_o`` is rounded once, as the projection
+        without gates is, and so is its gradient with respect to the context
+        (a gated context rounded to 16 bits first would add one rounding each
+        way: twice the bfloat16 error in ``W_v``'s gradient).
+        """
+        dtype = self.compute_dtype
+        if head_mask is None or not is_16_bit(dtype):
+            return self._project(spec.apply_head_mask(OPS, context, head_mask, self.num_heads), "o")
+        gated = spec.apply_head_mask(
+            OPS, keras.ops.cast(context, "float32"), head_mask, self.num_heads
+        )
+        kernel = keras.ops.cast(keras.ops.cast(self.W_o, dtype), "float32")
+        output = keras.ops.matmul(gated, kernel)
+        if self.b_o is not None:
+            output = keras.ops.add(output, keras.ops.cast(self.b_o, "float32"))
+        return keras.ops.cast(output, dtype)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Keras turns array arguments into tensors (and rejects other
         # positional values) before ``call``: wrong types must meet the
@@ -307,6 +336,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 # Keras would cast it to the layer's dtype without a word.
                 raise TypeError(f"{name} must be a floating-point array; got {value.dtype}")
         spec.check_causal(kwargs.get("causal", False))
+        _check_gates_type(kwargs.get("head_mask"))  # Keras would pass a list on as it is
         if cached:
             kwargs["cache"] = _checked_cache(kwargs["cache"])
         if len(args) > 3:
@@ -325,6 +355,7 @@ class MultiHeadAttention(keras.layers.Layer):
         causal: bool = False,
         return_attention_weights: bool = False,
         cache: spec.KVCache | None = None,
+        head_mask: Any = None,
         training: bool | None = None,
     ) -> Any:
         """Attends from ``queries`` to ``keys``/``values``, or to a cache.
@@ -356,6 +387,11 @@ class MultiHeadAttention(keras.layers.Layer):
                 past ``max_length`` instead, overwriting none it keeps, while
                 ``lengths`` still counts them (``lengths > max_length`` tells
                 that it happened).
+            head_mask: ``None``, or ``(H,)`` or ``(B, H)`` floating gates:
+                head ``h``'s context (its slice of ``weights @ v``, before
+                ``W_o``) is multiplied by ``head_mask[..., h]`` on every path
+                (:func:`mha_multi.spec.apply_head_mask`), differentiably; cast
+                to the compute dtype.
             training: dropout is active only when ``True``.
 
         Returns:
@@ -367,9 +403,11 @@ class MultiHeadAttention(keras.layers.Layer):
 
         Raises:
             TypeError: inputs that are not floating tensors, a ``causal`` that
-                is not a bool, non-integer lengths of a cached call, or a
-                cache of another dtype than the layer's.
-            ValueError: shapes that disagree (the argument named), or, in
+                is not a bool, non-integer lengths of a cached call, a
+                cache of another dtype than the layer's, or a ``head_mask``
+                that is not a floating tensor or array.
+            ValueError: shapes that disagree (the argument named, ``head_mask``
+                included), or, in
                 eager mode, a cached call's lengths out of range.
         """
         valid_lens = _checked_lens(valid_lens)  # stateless_call does not pass __call__
@@ -384,11 +422,12 @@ class MultiHeadAttention(keras.layers.Layer):
                 _checked_cache(cache),
                 dropout,
                 return_attention_weights,
+                head_mask,
             )
-        self._check_call(queries, keys, values, valid_lens, causal)
+        self._check_call(queries, keys, values, valid_lens, causal, head_mask)
         q, k, v = (self._project(x, n) for x, n in ((queries, "q"), (keys, "k"), (values, "v")))
         output, weights = self._attend(
-            q, k, v, valid_lens, causal, dropout, return_attention_weights
+            q, k, v, valid_lens, causal, dropout, return_attention_weights, head_mask=head_mask
         )
         return (output, weights) if return_attention_weights else output
 
@@ -434,6 +473,7 @@ class MultiHeadAttention(keras.layers.Layer):
         cache: spec.KVCache,
         dropout: Any,
         return_attention_weights: bool,
+        head_mask: Any = None,
     ) -> tuple[Any, ...]:
         """A call with a cache (:meth:`call`): written into it, then attended to.
 
@@ -441,7 +481,7 @@ class MultiHeadAttention(keras.layers.Layer):
         call's, fused kernel included, with the lengths
         :func:`mha_multi.spec.update_cache` gives (the causal rule is in them).
         """
-        self._check_cached_call(queries, keys, values, valid_lens, causal, cache)
+        self._check_cached_call(queries, keys, values, valid_lens, causal, cache, head_mask)
         readable = [queries, cache.lengths] + ([] if valid_lens is None else [valid_lens])
         if all(values_readable(x) for x in readable):
             check_cache_lengths(queries, keys, valid_lens, cache)
@@ -461,6 +501,7 @@ class MultiHeadAttention(keras.layers.Layer):
             dropout,
             return_attention_weights,
             kv_split=True,
+            head_mask=head_mask,
         )
         return (output, weights, cache) if return_attention_weights else (output, cache)
 
@@ -475,8 +516,12 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention_weights: bool,
         *,
         kv_split: bool = False,
+        head_mask: Any = None,
     ) -> tuple[Any, Any]:
         """Attention on projected inputs and the output projection, fused where planned.
+
+        ``head_mask`` gates the heads' concatenated context before ``W_o``,
+        whichever path made it (the fused kernel's output is that context).
 
         Args:
             q: projected queries ``(B, Q, num_heads * head_dim)``.
@@ -492,7 +537,7 @@ class MultiHeadAttention(keras.layers.Layer):
         )
         if plan.fused:
             context = self._fused_attention(q, k, v, valid_lens, plan, kv_split=kv_split)
-            return self._project(context, "o"), None
+            return self._output(context, head_mask), None
         context, weights = spec.attention(
             OPS,
             q,
@@ -506,7 +551,7 @@ class MultiHeadAttention(keras.layers.Layer):
             dropout=dropout,
             kv_split=kv_split,
         )
-        return self._project(context, "o"), weights
+        return self._output(context, head_mask), weights
 
     def _drop(self, weights: Any) -> Any:
         return self.attention_dropout(weights, training=True)
@@ -564,10 +609,17 @@ class MultiHeadAttention(keras.layers.Layer):
         return keras.ops.cast(OPS.merge_axes(output, 2), dtype)
 
     def _check_call(
-        self, queries: Any, keys: Any, values: Any, valid_lens: Any, causal: Any
+        self,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        valid_lens: Any,
+        causal: Any,
+        head_mask: Any = None,
     ) -> None:
         for name, tensor in zip(_INPUT_NAMES, (queries, keys, values), strict=True):
             _check_floating(name, tensor)
+        self._check_head_mask(head_mask, queries.shape[0])
         if valid_lens is not None:
             spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
         spec.check_inputs(
@@ -587,11 +639,13 @@ class MultiHeadAttention(keras.layers.Layer):
         valid_lens: Any,
         causal: Any,
         cache: spec.KVCache,
+        head_mask: Any = None,
     ) -> None:
         """The spec's shape and dtype checks of a cached call (values are not read)."""
         for name, tensor in zip(_INPUT_NAMES, (queries, keys, values), strict=True):
             if tensor is not None or name == "queries":
                 _check_floating(name, tensor)
+        self._check_head_mask(head_mask, queries.shape[0])
         spec.check_cached_inputs(
             queries.shape,
             None if keys is None else keys.shape,
@@ -617,6 +671,18 @@ class MultiHeadAttention(keras.layers.Layer):
                         f"dtype {self.compute_dtype}; make the cache with layer.init_cache"
                     )
 
+    def _check_head_mask(self, head_mask: Any, batch: int | None) -> None:
+        """:func:`mha_multi.spec.check_head_mask` on a tensor (or array) ``head_mask``."""
+        if head_mask is None:
+            return
+        _check_gates_type(head_mask)
+        shape = tuple(head_mask.shape)
+        if batch is None and len(shape) == 2:  # a symbolic batch: any size fits
+            batch = shape[0]
+        spec.check_head_mask(
+            shape, dtype_kind(head_mask.dtype), num_heads=self.num_heads, batch=batch
+        )
+
     def compute_output_spec(
         self,
         queries: Any,
@@ -627,16 +693,17 @@ class MultiHeadAttention(keras.layers.Layer):
         causal: bool = False,
         return_attention_weights: bool = False,
         cache: spec.KVCache | None = None,
+        head_mask: Any = None,
         training: bool | None = None,
     ) -> Any:
         """Symbolic outputs for the functional API, from shapes alone."""
         batch, num_queries = queries.shape[:2]
         if cache is None:
-            self._check_call(queries, keys, values, valid_lens, causal)
+            self._check_call(queries, keys, values, valid_lens, causal, head_mask)
             num_keys = keys.shape[1]
         else:
             cache = _checked_cache(cache)
-            self._check_cached_call(queries, keys, values, valid_lens, causal, cache)
+            self._check_cached_call(queries, keys, values, valid_lens, causal, cache, head_mask)
             num_keys = cache.keys.shape[2]
         outputs = [
             keras.KerasTensor((batch, num_queries, self.num_hiddens), dtype=self.compute_dtype)
@@ -776,6 +843,13 @@ def _check_floating(name: str, tensor: Any) -> None:
         raise TypeError(f"{name} must be a floating-point tensor; got {tensor.dtype}")
 
 
+def _check_gates_type(head_mask: Any) -> None:
+    if head_mask is not None and not (_is_tensor(head_mask) or isinstance(head_mask, np.ndarray)):
+        raise TypeError(
+            f"head_mask must be a tensor or a numpy array; got {type(head_mask).__name__}"
+        )
+
+
 def _checked_cache(cache: Any) -> spec.KVCache:
     """``cache`` as a :class:`~mha_multi.spec.KVCache` of tensors (numpy arrays converted).
 
@@ -902,3 +976,42 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
     return {
         name: host_array(variable.value) for name, variable in layer.canonical_variables().items()
     }
+
+
+def head_importance(
+    layer: MultiHeadAttention,
+    batches: Iterable[tuple[Any, Any, Any, Any]],
+    loss_fn: Callable[[Any], Any],
+    *,
+    normalize: bool = True,
+) -> np.ndarray:
+    """The importance of each head: the mean ``|dL/dξ_h|`` at gates of ones (docs: "Heads").
+
+    Michel, Levy & Neubig (2019): each batch's loss ``loss_fn(layer(queries,
+    keys, values, valid_lens, head_mask=ξ))`` is differentiated with respect
+    to the gates ``ξ`` at ``ξ = 1``, in evaluation mode (no dropout), and
+    :func:`mha_multi.heads.importance` averages the absolute gradients over
+    the batches and normalizes them.
+
+    Args:
+        layer: the layer whose ``num_heads`` heads are measured.
+        batches: yields ``(queries, keys, values, valid_lens)`` of tensors
+            (``valid_lens`` may be ``None``).
+        loss_fn: ``output -> scalar`` tensor of the active Keras backend
+            (``keras.ops`` works on every one).
+        normalize: divide by the L2 norm over the heads (all-zero gradients
+            stay zero).
+
+    Returns:
+        ``(num_heads,)`` float64 numpy.
+
+    Raises:
+        ValueError: no batches.
+    """
+    gradients = [
+        gate_gradient(layer, queries, keys, values, valid_lens, loss_fn)
+        for queries, keys, values, valid_lens in batches
+    ]
+    if not gradients:
+        raise ValueError("head_importance needs at least one batch")
+    return heads.importance(gradients, normalize=normalize)
