@@ -209,8 +209,10 @@ HEAD_MASK_CASES: tuple[CaseConfig, ...] = (
         head_mask=[
             [1.0, 1.0, 0.0, 0.0, 1.0, 0.25, 1.0, 1.0],
             [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5],
-            [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0],
+            [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.5],
         ],
+        # Gates of unit scale keep the gradients of unit scale, which the
+        # absolute tolerances assume (docs: "Architecture").
         description="(B, H) gates on grouped heads, causal",
     ),
 )
