@@ -6,7 +6,15 @@ wrappers over the pure function
 """
 
 from mha_multi.jax.functional import multi_head_attention
+from mha_multi.jax.importance import head_importance
 from mha_multi.jax.layer import MultiHeadAttention, get_weights, set_weights
 from mha_multi.spec import KVCache
 
-__all__ = ["KVCache", "MultiHeadAttention", "get_weights", "multi_head_attention", "set_weights"]
+__all__ = [
+    "KVCache",
+    "MultiHeadAttention",
+    "get_weights",
+    "head_importance",
+    "multi_head_attention",
+    "set_weights",
+]

@@ -40,6 +40,7 @@ __all__ = [
     "exact_float32",
     "forward",
     "gpu_available",
+    "head_mask_gradient",
     "host_array",
     "init_cache",
     "kernel_spy",
@@ -246,14 +247,16 @@ def forward(
     valid_lens: Any = None,
     *,
     training: bool = False,
+    head_mask: jax.Array | None = None,
     **kwargs: Any,
 ) -> Any:
     """One call of an NNX layer (in ``train()`` or ``eval()`` mode) or a Linen
     layer (whose dropout draws a fresh key in training).
 
-    ``kwargs`` are the layer's (``causal``, ``return_attention_weights``,
-    ``cache``).
+    ``head_mask`` is the layer's, passed as it is; ``kwargs`` are the
+    layer's (``causal``, ``return_attention_weights``, ``cache``).
     """
+    kwargs["head_mask"] = head_mask
     if isinstance(layer, LinenLayer):
         rngs = {"dropout": layer.next_rng()} if training else {}
         return layer.module.apply(
@@ -283,16 +286,20 @@ def vjp(
     causal: bool,
     output_gradient: jax.Array,
     cache: spec.KVCache | None = None,
+    head_mask: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
 
     Both layers hold their parameters in one tree,
     ``{'W_q': {'kernel': ..., 'bias': ...}, ...}`` (an NNX state, Linen's
     ``params``), in the canonical orientation. With a ``cache``, of the
-    output of that cached call, the cache held fixed.
+    output of that cached call, the cache held fixed; with a ``head_mask``,
+    of the gated call.
 
     Returns:
-        Keyed ``queries``, ``keys``, ``values`` and the canonical weight names.
+        Keyed ``queries``, ``keys``, ``values`` and the canonical weight
+        names; with a ``head_mask``, its gradient too (in its dtype), keyed
+        ``head_mask``.
     """
     options: dict[str, Any] = {"causal": causal}
     if cache is not None:
@@ -304,8 +311,10 @@ def vjp(
     if isinstance(layer, LinenLayer):
         module = layer.module
 
-        def call(variables: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return output_of(module.apply(variables, q, k, v, valid_lens, **options))
+        def call(variables: Any, gates: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            return output_of(
+                module.apply(variables, q, k, v, valid_lens, head_mask=gates, **options)
+            )
 
         params = layer.variables
         projections: Callable[[Any], Any] = operator.itemgetter("params")
@@ -313,19 +322,86 @@ def vjp(
         layer.eval()
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
-        def call(params: nnx.State, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return output_of(nnx.merge(graphdef, params, rest)(q, k, v, valid_lens, **options))
+        def call(
+            params: nnx.State, gates: Any, q: jax.Array, k: jax.Array, v: jax.Array
+        ) -> jax.Array:
+            layer = nnx.merge(graphdef, params, rest)
+            return output_of(layer(q, k, v, valid_lens, head_mask=gates, **options))
 
         projections = nnx.to_pure_dict
-    _, pullback = jax.vjp(call, params, queries, keys, values)
-    param_grads, *input_grads = pullback(output_gradient)
+    _, pullback = jax.vjp(call, params, head_mask, queries, keys, values)
+    param_grads, gate_grad, *input_grads = pullback(output_gradient)
     grads = dict(zip(INPUT_NAMES, input_grads, strict=True))
+    if head_mask is not None:
+        grads["head_mask"] = gate_grad
     tree = projections(param_grads)
     for name in KERNEL_NAMES:
         grads[name] = tree[name]["kernel"]
         if tree[name].get("bias") is not None:
             grads[f"b_{name[-1]}"] = tree[name]["bias"]
     return grads
+
+
+def head_mask_gradient(
+    layer: MultiHeadAttention | LinenLayer, loss_fn: Callable[[jax.Array], Any]
+) -> Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]:
+    """``dL/dξ`` at ``ξ = 1`` of a batch, the gradient a head's importance is made of.
+
+    ``L = loss_fn(layer(queries, keys, values, valid_lens, head_mask=ξ))``
+    with one gate per head (docs: "Heads"), in evaluation mode (no dropout),
+    whatever the layer's mode, which is left as it is. The function returned
+    is ``jax.jit``-ed once for the layer's parameters as they are now (an
+    argument of it, not a constant): one compilation for each batch shape.
+
+    Args:
+        layer: an NNX layer, or a :class:`LinenLayer`.
+        loss_fn: ``loss_fn(output) -> scalar`` (a JAX scalar, or an array of
+            one element), traced.
+
+    Returns:
+        ``gradient(queries, keys, values, valid_lens) -> (num_heads,)``, in
+        float32 (float64 for a float64 layer); zeros where the loss does not
+        depend on the output.
+
+    Raises (when the returned function is called):
+        ValueError: ``loss_fn`` returned more than one number.
+        TypeError: ``loss_fn`` returned something that is not a number.
+    """
+    if isinstance(layer, LinenLayer):
+        module, state = layer.module, layer.variables
+        num_heads = module.num_heads
+        param_dtype = module.param_dtype if module.dtype is None else module.dtype
+
+        def output(state: Any, gates: jax.Array, *args: Any) -> jax.Array:
+            return module.apply(state, *args, head_mask=gates)
+
+    else:
+        graphdef, state = nnx.split(layer)
+        num_heads = layer.num_heads
+        param_dtype = layer.W_q.kernel.dtype if layer.dtype is None else layer.dtype
+
+        def output(state: Any, gates: jax.Array, *args: Any) -> jax.Array:
+            return nnx.merge(graphdef, state)(*args, head_mask=gates, deterministic=True)
+
+    def loss(gates: jax.Array, state: Any, *args: Any) -> jax.Array:
+        value = loss_fn(output(state, gates, *args))
+        if not (hasattr(value, "shape") or isinstance(value, (int, float))):
+            raise TypeError(f"loss_fn must return a scalar; got {type(value).__name__}")
+        if np.size(value) != 1:
+            raise ValueError(f"loss_fn must return a scalar; got shape {tuple(np.shape(value))}")
+        return jnp.reshape(value, ())
+
+    gradient = jax.jit(jax.grad(loss))
+    ones = jnp.ones(num_heads, jnp.promote_types(param_dtype, jnp.float32))
+
+    def of_batch(
+        queries: jax.Array, keys: jax.Array, values: jax.Array, valid_lens: Any
+    ) -> jax.Array:
+        from mha_multi.jax.functional import as_valid_lens
+
+        return gradient(ones, state, queries, keys, values, as_valid_lens(valid_lens))
+
+    return of_batch
 
 
 def init_cache(

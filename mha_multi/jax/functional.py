@@ -66,6 +66,7 @@ __all__ = [
     "batch_pieces",
     "check_cached_call",
     "check_call",
+    "check_head_mask",
     "check_implementation",
     "check_params",
     "fused_dtype_supported",
@@ -291,6 +292,36 @@ def check_cached_call(
         dtype_kind(cache.lengths.dtype), None if lens is None else dtype_kind(lens.dtype)
     )
     return queries, keys, values, lens, cache
+
+
+def check_head_mask(head_mask: Any, *, num_heads: int, batch: int) -> Any:
+    """Validates a ``head_mask`` by its shape and dtype (traceable; docs: "Heads").
+
+    Args:
+        head_mask: ``None``, or the heads' gates ``(num_heads,)`` or
+            ``(batch, num_heads)``: a floating JAX or numpy array (or tracer).
+        num_heads: the layer's (query) heads.
+        batch: the call's batch size.
+
+    Returns:
+        ``None`` or the gates as they were given (their dtype is cast where
+        they are applied, :func:`mha_multi.spec.apply_head_mask`).
+
+    Raises:
+        TypeError: ``head_mask`` is not an array (a list, say) or not floating.
+        ValueError: another shape.
+    """
+    if head_mask is None:
+        return None
+    if not (hasattr(head_mask, "shape") and hasattr(head_mask, "dtype")):
+        raise TypeError(
+            "head_mask must be a floating-point array of shape (num_heads,) or "
+            f"(batch, num_heads); got {type(head_mask).__name__}"
+        )
+    spec.check_head_mask(
+        tuple(head_mask.shape), dtype_kind(head_mask.dtype), num_heads=num_heads, batch=batch
+    )
+    return head_mask
 
 
 def _check_cache_values(cache: spec.KVCache, valid_lens: jax.Array | None, num_new: int) -> None:
@@ -667,6 +698,7 @@ def multi_head_attention(
     return_attention_weights: bool = True,
     implementation: str | None = None,
     cache: spec.KVCache | None = None,
+    head_mask: Any = None,
 ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, spec.KVCache]:
     """d2l's multi-head attention, exact to :mod:`mha_multi.spec`, as a pure function.
 
@@ -692,6 +724,12 @@ def multi_head_attention(
     no position at or past ``max_length`` and overwrites no kept position:
     what does not fit is dropped, and ``lengths`` still counts it, so
     ``lengths > max_length`` afterwards tells that it happened.
+
+    With a ``head_mask`` (docs: "Heads") head ``h``'s context, its slice of
+    ``weights @ v``, is multiplied by ``head_mask[..., h]`` before ``W_o``
+    (:func:`mha_multi.spec.apply_head_mask`), on every path: the fused
+    kernel's output is that context, so the gates change no kernel plan.
+    The call is differentiable in the gates.
 
     Args:
         params: canonical weights: ``W_q (query_size, num_heads*head_dim)``,
@@ -732,6 +770,9 @@ def multi_head_attention(
             :func:`init_cache`): projected keys and values
             ``(B, num_kv_heads, max_length, head_dim)`` and ``lengths``
             ``(B,)`` int32.
+        head_mask: ``None``, or the heads' gates ``(num_heads,)`` or
+            ``(B, num_heads)``, a floating array of any floating dtype (cast
+            to the computation dtype; its gradient comes back in its own).
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and the
@@ -742,9 +783,11 @@ def multi_head_attention(
 
     Raises:
         TypeError: a non-floating input or weight, or non-numeric ``valid_lens``;
-            with a cache, non-integer lengths or a cache of another dtype.
-        ValueError: a bad configuration, weights or shapes, named; with a
-            cache, in eager calls, lengths out of range or an overflow.
+            with a cache, non-integer lengths or a cache of another dtype; a
+            ``head_mask`` that is no floating array.
+        ValueError: a bad configuration, weights or shapes (``head_mask``'s
+            included), named; with a cache, in eager calls, lengths out of
+            range or an overflow.
     """
     check_implementation(implementation)
     config = check_params(params)
@@ -770,6 +813,7 @@ def multi_head_attention(
             queries, keys, values, valid_lens, cache, heads=heads, causal=causal, **sizes
         )
         _check_cache_values(cache, lens, 0 if keys is None else queries.shape[1])
+    head_mask = check_head_mask(head_mask, num_heads=heads.num_heads, batch=queries.shape[0])
     use_dropout = not deterministic and dropout_rate > 0
     if use_dropout and dropout_rng is None:
         raise ValueError("dropout_rng is required when deterministic is False and dropout_rate > 0")
@@ -863,6 +907,8 @@ def multi_head_attention(
             return_attention_weights=return_attention_weights,
             kv_split=kv_split,
         )
+    # Both paths' context is the heads' (B, Q, H*dh): the gates act on it alike.
+    context = spec.apply_head_mask(JaxOps(precision), context, head_mask, heads.num_heads)
     output = project(context, "o")
     if cache is None:
         return output, attention_weights

@@ -68,6 +68,10 @@ class MultiHeadAttention(nnx.Module):
         bias_init: initializer of the biases (zeros).
         rngs: ``params`` (or default) stream for initialisation; the
             ``dropout`` (or default) stream is forked for dropout masks.
+            ``None`` (the default) stands for ``nnx.Rngs(0)``, a fixed seed:
+            enough for a layer whose weights are then set
+            (``MultiHeadAttention(**config.kwargs())`` of a pruned layer,
+            docs: "Heads"), but give ``rngs`` to initialise layers apart.
     """
 
     def __init__(
@@ -89,11 +93,13 @@ class MultiHeadAttention(nnx.Module):
         implementation: str | None = None,
         kernel_init: Initializer = default_kernel_init,
         bias_init: Initializer = default_bias_init,
-        rngs: nnx.Rngs,
+        rngs: nnx.Rngs | None = None,
     ) -> None:
         spec.check_config(
             num_hiddens, num_heads, dropout, num_kv_heads=num_kv_heads, head_dim=head_dim
         )
+        if rngs is None:
+            rngs = nnx.Rngs(0)
         heads = spec.check_heads(
             num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
         )
@@ -207,6 +213,7 @@ class MultiHeadAttention(nnx.Module):
         deterministic: bool | None = None,
         rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
         cache: spec.KVCache | None = None,
+        head_mask: Any = None,
     ) -> jax.Array | tuple[jax.Array, ...]:
         """Attends from ``queries`` to ``keys``/``values`` (and, with a ``cache``, to it).
 
@@ -242,6 +249,12 @@ class MultiHeadAttention(nnx.Module):
                 a PRNG key used as it is.
             cache: ``None``, or a :class:`mha_multi.spec.KVCache` of this
                 layer's layout and dtype.
+            head_mask: ``None``, or the heads' gates ``(num_heads,)`` or
+                ``(B, num_heads)`` (docs: "Heads"), a floating JAX or numpy
+                array: head ``h``'s context (its slice of ``weights @ v``)
+                is multiplied by ``head_mask[..., h]`` before ``W_o``, on
+                every path (fused, generic, cached, compiled). Cast to the
+                computation dtype; differentiable.
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
@@ -252,8 +265,10 @@ class MultiHeadAttention(nnx.Module):
 
         Raises:
             TypeError: a non-floating input or non-numeric ``valid_lens``;
-                with a cache, non-integer lengths or another dtype.
-            ValueError: inconsistent shapes, named; raised while tracing.
+                with a cache, non-integer lengths or another dtype; a
+                ``head_mask`` that is no floating array.
+            ValueError: inconsistent shapes (``head_mask``'s included),
+                named; raised while tracing.
                 With a cache in an eager call, also lengths out of range or
                 an overflow.
         """
@@ -287,6 +302,7 @@ class MultiHeadAttention(nnx.Module):
             return_attention_weights=return_attention_weights,
             implementation=self.implementation,
             cache=cache,
+            head_mask=head_mask,
         )
         if return_attention_weights:
             return (output, weights, *new_cache)

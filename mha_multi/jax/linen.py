@@ -178,6 +178,7 @@ class MultiHeadAttention(nn.Module):
         return_attention_weights: bool = False,
         training: bool = False,
         cache: spec.KVCache | None = None,
+        head_mask: Any = None,
     ) -> jax.Array | tuple[jax.Array, ...]:
         """Attends from ``queries`` to ``keys``/``values`` (and, with a ``cache``, to it).
 
@@ -212,6 +213,12 @@ class MultiHeadAttention(nn.Module):
             training: apply dropout (draws from the ``'dropout'`` rng).
             cache: ``None``, or a :class:`mha_multi.spec.KVCache` of this
                 module's layout and dtype.
+            head_mask: ``None``, or the heads' gates ``(num_heads,)`` or
+                ``(B, num_heads)`` (docs: "Heads"), a floating JAX or numpy
+                array: head ``h``'s context (its slice of ``weights @ v``)
+                is multiplied by ``head_mask[..., h]`` before ``W_o``, on
+                every path (fused, generic, cached, compiled). Cast to the
+                computation dtype; differentiable.
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
@@ -222,8 +229,10 @@ class MultiHeadAttention(nn.Module):
 
         Raises:
             TypeError: a non-floating input or non-numeric ``valid_lens``;
-                with a cache, non-integer lengths or another dtype.
-            ValueError: inconsistent shapes, named; raised while tracing.
+                with a cache, non-integer lengths or another dtype; a
+                ``head_mask`` that is no floating array.
+            ValueError: inconsistent shapes (``head_mask``'s included),
+                named; raised while tracing.
                 With a cache in an eager call, also lengths out of range or
                 an overflow.
         """
@@ -282,6 +291,7 @@ class MultiHeadAttention(nn.Module):
             return_attention_weights=return_attention_weights,
             implementation=self.implementation,
             cache=cache,
+            head_mask=head_mask,
         )
         if return_attention_weights:
             return (output, weights, *new_cache)

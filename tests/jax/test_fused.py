@@ -80,9 +80,11 @@ def test_every_case_and_its_gradients_match_the_reference_under_jit(kernel_calls
         causal = config.causal
         cotangent = jnp.asarray(case.output_gradient)
 
+        gates = XLA.case_options(case).get("head_mask")
+
         @jax.jit
         def forward_and_grads(
-            params, q, k, v, lens, causal=causal, cotangent=cotangent, num_heads=config.num_heads
+            params, q, k, v, lens, gates, causal=causal, cotangent=cotangent, config=config
         ):
             def loss(params, q, k, v):
                 out = multi_head_attention(
@@ -91,17 +93,21 @@ def test_every_case_and_its_gradients_match_the_reference_under_jit(kernel_calls
                     k,
                     v,
                     lens,
-                    num_heads=num_heads,
+                    num_heads=config.num_heads,
+                    num_kv_heads=config.num_kv_heads,
                     causal=causal,
                     return_attention_weights=False,
                     implementation="xla",
+                    head_mask=gates,
                 )[0]
                 return jnp.sum(out * cotangent), out
 
             return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(params, q, k, v)
 
         params = {name: jnp.asarray(value) for name, value in case.weights.items()}
-        (param_grads, *input_grads), out = forward_and_grads(params, *inputs(case), case.valid_lens)
+        (param_grads, *input_grads), out = forward_and_grads(
+            params, *inputs(case), case.valid_lens, gates
+        )
         np.testing.assert_allclose(out, case.reference["output"], atol=5e-6, err_msg=config.name)
         for name, grad in zip(INPUT_NAMES, input_grads, strict=True):
             np.testing.assert_allclose(grad, case.reference[f"grad.{name}"], atol=5e-5)
