@@ -189,7 +189,8 @@ CASES: tuple[CaseConfig, ...] = (
     ),
 )
 
-#: Cases gating the heads (docs: "Heads"), the gates' gradient included.
+#: Cases gating the heads (docs: "Heads"), the gates' gradient included;
+#: part of :data:`CASES`.
 HEAD_MASK_CASES: tuple[CaseConfig, ...] = (
     CaseConfig(
         "head_mask",
@@ -216,6 +217,8 @@ HEAD_MASK_CASES: tuple[CaseConfig, ...] = (
         description="(B, H) gates on grouped heads, causal",
     ),
 )
+
+CASES += HEAD_MASK_CASES
 
 #: Cached cases: ragged batches decoded in chunks, against one causal forward.
 CACHED_CASES: tuple[CaseConfig, ...] = (

@@ -14,10 +14,13 @@ from mha_multi.weights import init_weights
 OPS = spec.NumpyOps()
 
 
-def naive_forward(weights, queries, keys, values, valid_lens, num_heads, causal, num_kv_heads=None):
+def naive_forward(
+    weights, queries, keys, values, valid_lens, num_heads, causal, num_kv_heads=None, gates=None
+):
     """A stack of single-head attentions, one example and one head at a time.
 
-    Query head ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``.
+    Query head ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``;
+    its context is multiplied by ``gates[h]`` (or ``gates[b][h]``) if given.
     """
     batch, num_queries, _ = queries.shape
     num_keys = keys.shape[1]
@@ -54,6 +57,8 @@ def naive_forward(weights, queries, keys, values, valid_lens, num_heads, causal,
                 weights_row /= weights_row.sum()
                 attention[b, h, i] = weights_row
                 context[b, i, cols] = weights_row @ v[b, :, kv_cols]
+                if gates is not None:
+                    context[b, i, cols] *= gates[h] if np.ndim(gates) == 1 else gates[b][h]
     return project(context, "o"), attention
 
 
@@ -67,6 +72,7 @@ def test_reference_matches_naive_loops(config):
         config.num_heads,
         config.causal,
         config.num_kv_heads,
+        config.head_mask,
     )
     np.testing.assert_allclose(case.reference["output"], expected_out, rtol=0, atol=1e-12)
     np.testing.assert_allclose(
