@@ -88,7 +88,9 @@ def test_cached_case_within_tolerance(runner, available_device, dtype, case_name
     )
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+# float32 only: the cached parity cases above hold every dtype, and each
+# schedule's new call lengths cost eager JAX a compilation each.
+@pytest.mark.parametrize("dtype", ["float32"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_any_schedule_equals_one_full_causal_forward(runner, name, seed, dtype):
