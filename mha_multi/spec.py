@@ -58,6 +58,7 @@ __all__ = [
     "reference_forward",
     "reference_gradients",
     "scaled_scores",
+    "shard_heads",
     "static_split_sizes",
     "transpose_grouped_output",
     "transpose_grouped_queries",
@@ -334,6 +335,31 @@ def check_heads(
         head_dim = num_hiddens // num_heads
     _check_positive_int("head_dim", head_dim)
     return Heads(int(num_heads), int(num_kv_heads), int(head_dim))
+
+
+def shard_heads(heads: Heads, num_shards: Any) -> Heads:
+    """The head layout each of ``num_shards`` devices holds when heads are sharded.
+
+    Tensor parallelism over heads (docs: "Sharding heads"): ``W_q``, ``W_k``
+    and ``W_v`` are split by heads (columns), ``W_o`` by rows, so shard ``s``
+    holds query heads ``[s * H / n, (s + 1) * H / n)`` and the key/value heads
+    they read, ``[s * H_kv / n, (s + 1) * H_kv / n)``. A key/value head is
+    never split, so ``num_shards`` must divide both head counts.
+
+    Raises:
+        TypeError: ``num_shards`` is not an int.
+        ValueError: ``num_shards`` is not positive or does not divide
+            ``num_heads`` and ``num_kv_heads``.
+    """
+    _check_positive_int("num_shards", num_shards)
+    for name, count in (("num_heads", heads.num_heads), ("num_kv_heads", heads.num_kv_heads)):
+        if count % num_shards:
+            raise ValueError(
+                f"the number of shards ({num_shards}) must divide {name} ({count}); "
+                f"the layer has num_heads={heads.num_heads}, num_kv_heads={heads.num_kv_heads}"
+            )
+    n = int(num_shards)
+    return Heads(heads.num_heads // n, heads.num_kv_heads // n, heads.head_dim)
 
 
 def check_config(

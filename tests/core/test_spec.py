@@ -659,6 +659,72 @@ def test_explicit_head_dim_frees_num_hiddens_from_num_heads():
     assert (heads.query_features, heads.kv_features, heads.group_size) == (12, 6, 2)
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "num_shards", "local"),
+    [(8, 8, 2, (4, 4)), (8, 2, 2, (4, 1)), (8, 4, 4, (2, 1)), (4, 1, 1, (4, 1))],
+)
+def test_shard_heads_splits_query_and_key_value_heads_alike(
+    num_heads, num_kv_heads, num_shards, local
+):
+    heads = spec.Heads(num_heads, num_kv_heads, 3)
+    shard = spec.shard_heads(heads, num_shards)
+    assert (shard.num_heads, shard.num_kv_heads, shard.head_dim) == (*local, 3)
+    assert shard.group_size == heads.group_size
+
+
+@pytest.mark.parametrize(
+    ("num_shards", "error", "match"),
+    [
+        (3, ValueError, r"number of shards \(3\) must divide num_heads \(8\)"),
+        (4, ValueError, r"number of shards \(4\) must divide num_kv_heads \(2\)"),
+        (0, ValueError, "num_shards must be a positive int"),
+        (2.0, TypeError, "num_shards must be a positive int"),
+    ],
+)
+def test_shard_heads_errors_name_the_counts(num_shards, error, match):
+    with pytest.raises(error, match=match):
+        spec.shard_heads(spec.Heads(8, 2, 4), num_shards)
+
+
+@pytest.mark.parametrize(("num_kv_heads", "causal"), [(4, False), (2, True)])
+def test_head_shards_sum_to_the_layer_after_w_o(num_kv_heads, causal):
+    # The decomposition tensor parallelism relies on (docs: "Sharding heads"):
+    # each shard's heads, through its rows of W_o, without b_o, summed over
+    # shards, plus b_o once, is the whole layer.
+    rng = np.random.default_rng(3)
+    num_heads, head_dim, num_shards = 4, 3, 2
+    sizes = {"W_q": (5, 12), "W_k": (6, 3 * num_kv_heads), "W_v": (7, 3 * num_kv_heads)}
+    weights = {name: rng.standard_normal(shape) for name, shape in sizes.items()}
+    weights["W_o"] = rng.standard_normal((12, 10))
+    for name in ("q", "k", "v", "o"):
+        weights[f"b_{name}"] = rng.standard_normal(weights[f"W_{name}"].shape[1])
+    queries, keys, values = (rng.standard_normal((2, n, f)) for n, f in ((4, 5), (4, 6), (4, 7)))
+    lens = np.array([2, 4])
+    full, _ = spec.reference_forward(
+        weights, queries, keys, values, lens, num_heads=num_heads, causal=causal
+    )
+    heads = spec.Heads(num_heads, num_kv_heads, head_dim)
+    local = spec.shard_heads(heads, num_shards)
+    total = weights["b_o"]
+    for s in range(num_shards):
+        q_cols = slice(s * local.query_features, (s + 1) * local.query_features)
+        kv_cols = slice(s * local.kv_features, (s + 1) * local.kv_features)
+        part = {
+            "W_q": weights["W_q"][:, q_cols],
+            "b_q": weights["b_q"][q_cols],
+            "W_o": weights["W_o"][q_cols],
+            "b_o": np.zeros(10),
+        }
+        for name in ("k", "v"):
+            part[f"W_{name}"] = weights[f"W_{name}"][:, kv_cols]
+            part[f"b_{name}"] = weights[f"b_{name}"][kv_cols]
+        output, _ = spec.reference_forward(
+            part, queries, keys, values, lens, num_heads=local.num_heads, causal=causal
+        )
+        total = total + output
+    np.testing.assert_allclose(total, full, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("causal_only", [False, True])
 def test_fix_fully_hidden_rows_of_grouped_heads_is_the_repeated_heads_fix(causal_only):
     # Query head h reads key/value head h // G: fixing with the grouped values
