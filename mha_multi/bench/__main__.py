@@ -22,6 +22,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument(
         "--generation-only", action="store_true", help="only the generation rows (a cache)"
     )
+    run.add_argument(
+        "--pruned-only", action="store_true", help="only the pruned-heads rows (docs: Heads)"
+    )
     run.add_argument("backends", nargs="+", choices=sorted(BENCHMARKS))
     report = commands.add_parser("report", help="print and write report.md from results")
     report.add_argument("--results", required=True)
@@ -62,12 +65,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "memory_lengths": (256,),
                     "grouped_lengths": (64,),
                     "generation": GenerationShape(prompt=32, new_tokens=32),
+                    "pruned_lengths": (64,),
                 }
                 if args.quick
                 else {}
             )
             if args.generation_only:
-                kwargs |= {"lengths": (), "memory_lengths": (), "grouped_lengths": ()}
+                kwargs |= {
+                    "lengths": (),
+                    "memory_lengths": (),
+                    "grouped_lengths": (),
+                    "pruned_lengths": (),
+                }
+            if args.pruned_only:
+                kwargs |= {
+                    "lengths": (),
+                    "memory_lengths": (),
+                    "grouped_lengths": (),
+                    "generation": None,
+                }
             results = driver.run(driver.load(backend), **kwargs)
             for result in results:
                 result["machine"] = machine_info()

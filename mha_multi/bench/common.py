@@ -164,13 +164,14 @@ def format_markdown(results: Sequence[dict]) -> str:
         )
         if gemm:
             lines.append(f"Measured GEMM rate ({gemm['note']}): {gemm['gflops']:.0f} GFLOP/s.")
-        lines += [
-            "",
-            "| mode | dtype | N | heads (q/kv) | ours (ms) | native (ms) | ours / native "
-            "| ours GFLOP/s | % of GEMM | generic path (ms) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
         timed = [m for m in measurements if m["mode"] in ("forward", "forward+backward")]
+        if timed:
+            lines += [
+                "",
+                "| mode | dtype | N | heads (q/kv) | ours (ms) | native (ms) | ours / native "
+                "| ours GFLOP/s | % of GEMM | generic path (ms) |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
 
         def key(m: dict) -> tuple:
             shape = m.get("shape") or {}
@@ -224,12 +225,39 @@ def format_markdown(results: Sequence[dict]) -> str:
                     else:
                         cells.append(f"{m['peak_mib']:.0f}")
                 lines.append(f"| {length} | " + " | ".join(cells) + " |")
+        lines += _pruned_lines(measurements)
         lines += _generation_lines(measurements)
         notes = sorted({m["note"] for m in timed if m.get("note", "").startswith("K/V")})
         if notes:
             lines += ["", *(f"Grouped heads: {note}." for note in notes)]
         lines.append("")
     return "\n".join(lines)
+
+
+def _pruned_lines(measurements: Sequence[dict]) -> list[str]:
+    """The pruned-heads table: forward time of each pruned layer and its speed-up."""
+    pruned = [m for m in measurements if m["mode"] == "pruned forward"]
+    if not pruned:
+        return []
+    lines = [
+        "",
+        'Forward pass of the layer pruned to fewer heads (docs: "Heads"):',
+        "",
+        "| dtype | N | heads (q/kv) | forward (ms) | full / this |",
+        "|---|---|---|---|---|",
+    ]
+    for dtype, length in sorted({(m["dtype"], m["length"]) for m in pruned}):
+        rows = [m for m in pruned if (m["dtype"], m["length"]) == (dtype, length)]
+        rows.sort(key=lambda m: -m["shape"]["num_heads"])
+        full = rows[0].get("seconds")
+        for m in rows:
+            shape = m["shape"]
+            lines.append(
+                f"| {dtype} | {length} | {shape['num_heads']}/{shape['num_kv_heads']} | "
+                f"{_ms(m.get('seconds')) if m.get('seconds') else m['note']} | "
+                f"{_ratio(full, m.get('seconds'))} |"
+            )
+    return lines
 
 
 def _generation_lines(measurements: Sequence[dict]) -> list[str]:

@@ -16,7 +16,7 @@ import importlib
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +33,7 @@ from mha_multi.bench.common import (
     reset_peak_rss,
 )
 from mha_multi.bench.generate import GenerationShape, Generator, run_generation
+from mha_multi.heads import prune_heads
 from mha_multi.weights import init_weights
 
 __all__ = [
@@ -212,18 +213,38 @@ class Framework:
     def ours(self, shape: Shape, device: str, dtype: str) -> Any:
         """Our layer of ``shape``'s self-attention, holding seeded canonical weights."""
         d = shape.num_hiddens
+        weights = init_weights(d, num_heads=shape.num_heads, num_kv_heads=shape.kv_heads)
+        return self.layer(weights, device, dtype, num_heads=shape.num_heads)
+
+    def layer(
+        self,
+        weights: Mapping[str, np.ndarray],
+        device: str,
+        dtype: str,
+        *,
+        num_heads: int,
+        head_dim: int | None = None,
+    ) -> Any:
+        """Our layer holding ``weights``, its configuration read from them."""
+        num_kv_heads = weights["W_k"].shape[1] * num_heads // weights["W_q"].shape[1]
         layer = self.backend.make_layer(
-            d,
-            shape.num_heads,
-            num_kv_heads=shape.kv_heads,
-            query_size=d,
-            key_size=d,
-            value_size=d,
+            weights["W_o"].shape[1],
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            query_size=weights["W_q"].shape[0],
+            key_size=weights["W_k"].shape[0],
+            value_size=weights["W_v"].shape[0],
+            bias="b_q" in weights,
             device=device,
             dtype=dtype,
         )
-        weights = init_weights(d, num_heads=shape.num_heads, num_kv_heads=shape.kv_heads)
         return importlib.import_module(self.package).set_weights(layer, weights)
+
+    def forward_call(self, layer: Any) -> Callable[[Any, Any], Any]:
+        """``call(x, valid_lens) -> output``: self-attention in evaluation mode,
+        compiled where that is the framework's norm."""
+        return lambda x, lens: self.backend.forward(layer, x, x, x, lens)
 
     def cached_call(self, layer: Any) -> Callable[..., Any]:
         """``call(x, cache) -> (output, cache)``: one causal self-attention call
@@ -353,6 +374,49 @@ def _timing(
     return replace(row, seconds=seconds, gflops=gflops)
 
 
+def _time_pruned(
+    framework: Framework, device: str, dtype: str, shape: Shape, kept_heads: Sequence[int]
+) -> list[Measurement]:
+    """Forward times of ``shape``'s layer pruned to each of ``kept_heads`` heads.
+
+    Each pruned layer is what :func:`mha_multi.heads.prune_heads` makes of the
+    full layer's weights (the first heads kept, the others removed), so the
+    rows differ only in the heads computed (docs: "Heads").
+    """
+    h = shape.num_heads
+    weights = init_weights(shape.num_hiddens, num_heads=h, num_kv_heads=shape.kv_heads)
+    args = framework.convert(*inputs(shape), device, dtype)
+    x, lens = args[0], args[1]
+    label = framework.label(framework.executions[0])
+    rows = []
+    for kept in kept_heads:
+        pruned = prune_heads(weights, range(kept, h), num_heads=h, num_kv_heads=shape.kv_heads)
+        config = pruned.config
+        layer = framework.layer(
+            pruned.weights, device, dtype, num_heads=config.num_heads, head_dim=config.head_dim
+        )
+        call = framework.forward_call(layer)
+        row = Measurement(
+            label,
+            f"ours, {kept} of {h} heads",
+            "pruned forward",
+            device,
+            dtype,
+            shape.length,
+            note=f"pruned from {h} heads" if kept < h else "the full layer",
+            shape={**vars(shape), "num_heads": kept, "num_kv_heads": config.num_kv_heads},
+        )
+        try:
+            seconds = median_seconds(lambda: framework.sync(call(x, lens)))  # noqa: B023
+        except Exception as error:  # e.g. a compiler that cannot take the layer
+            print(f"[bench] {row.implementation}: {error}", flush=True)
+            rows.append(replace(row, note=f"failed: {type(error).__name__}"))
+            continue
+        rows.append(replace(row, seconds=seconds))
+        gc.collect()
+    return rows
+
+
 def peak_memory_mib(framework: Framework, implementation: str, device: str, shape: Shape) -> float:
     """Peak memory of one float32 forward pass above what its inputs and weights hold.
 
@@ -401,6 +465,8 @@ def run(
     grouped_lengths: Sequence[int] = (512,),
     num_kv_heads: int = 2,
     generation: GenerationShape | None = GENERATION,
+    pruned_lengths: Sequence[int] = (512,),
+    kept_heads: Sequence[int] = (8, 4, 2, 1),
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -416,6 +482,10 @@ def run(
         generation: what :mod:`mha_multi.bench.generate` generates, with
             ``num_heads`` key/value heads and again with ``num_kv_heads``;
             ``None`` for no generation rows.
+        pruned_lengths: sequence lengths at which ``base``'s layer is timed
+            pruned to each of ``kept_heads`` heads (forward only).
+        kept_heads: the heads each pruned layer keeps, ``base.num_heads``
+            being the full layer.
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -441,6 +511,12 @@ def run(
             _time_layers(framework, device, dtype, lengths, base, measurements)
             grouped = replace(base, num_kv_heads=num_kv_heads)
             _time_layers(framework, device, dtype, grouped_lengths, grouped, measurements)
+            for length in pruned_lengths:
+                shape = replace(base, length=length)
+                kept = [k for k in kept_heads if k <= base.num_heads]
+                measurements[framework.executions[0]] += _time_pruned(
+                    framework, device, dtype, shape, kept
+                )
             if generation is not None:
                 for heads in (None, num_kv_heads):
                     rows = run_generation(

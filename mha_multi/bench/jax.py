@@ -71,6 +71,10 @@ class Jax(Framework):
         call = nnx.jit(lambda layer, x, cache: layer(x, x, x, causal=True, cache=cache))
         return lambda x, cache: call(layer, x, cache)
 
+    def forward_call(self, layer: MultiHeadAttention) -> Callable[[Any, Any], Any]:
+        call = nnx.jit(lambda layer, x, lens: layer(x, x, x, lens))
+        return lambda x, lens: call(layer, x, lens)
+
     def generators(
         self, shape: GenerationShape, device: str, dtype: str
     ) -> dict[str, Callable[[], Generator]]:
