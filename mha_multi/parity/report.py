@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import numpy as np
 
 from mha_multi.parity.cases import Case, load_cases
 from mha_multi.parity.compare import Check, compare, errors, tolerance
+from mha_multi.parity.importance import IMPORTANCE_CASES, reference_importance
 
 __all__ = ["Cell", "build_report", "format_markdown"]
 
@@ -122,14 +123,17 @@ def build_report(
                 }
             )
     workflow = _workflow(results_root, backends, cases["book"])
+    importance = _importance(results_root, backends, cases)
     ordered = sorted(cells.values(), key=lambda c: (c.backend, c.device, _dtype_order(c.dtype)))
     return {
         "passed": bool(ordered)
         and all(c.passed for c in ordered)
-        and all(w["passed"] for w in workflow),
+        and all(w["passed"] for w in workflow)
+        and all(row["passed"] for row in importance),
         "cells": [c.as_dict() for c in ordered],
         "pairwise": pairwise,
         "workflow": workflow,
+        "importance": importance,
         "environments": metas,
         "cases": list(cases),
     }
@@ -151,6 +155,43 @@ def _workflow(results_root: Path, backends: Sequence[str], book: Case) -> list[d
         rows.append(
             {
                 "backend": backend,
+                "max_abs": max_abs,
+                "max_pairwise": pairwise,
+                "tolerance": tol,
+                "passed": max_abs <= tol and pairwise <= tol,
+            }
+        )
+    return rows
+
+
+def _importance(
+    results_root: Path, backends: Sequence[str], cases: Mapping[str, Case]
+) -> list[dict]:
+    """Each backend's ``head_importance``: against the reference and pairwise."""
+    scores: dict[str, dict[str, np.ndarray]] = {}
+    for backend in backends:
+        path = results_root / backend / "importance.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+            scores[backend] = {name: np.asarray(saved[name]) for name in saved}
+    reference = {name: reference_importance(cases[name]) for name in IMPORTANCE_CASES}
+    tol = tolerance("float32", "grad.head_mask")
+    rows = []
+    for backend, found in scores.items():
+        max_abs = max(errors(found[n], reference[n])[0] for n in IMPORTANCE_CASES)
+        pairwise = max(
+            (
+                errors(found[n], other[n])[0]
+                for name, other in scores.items()
+                if name != backend
+                for n in IMPORTANCE_CASES
+            ),
+            default=0.0,
+        )
+        rows.append(
+            {
+                "backend": backend,
+                "importance": {n: found[n].tolist() for n in IMPORTANCE_CASES},
                 "max_abs": max_abs,
                 "max_pairwise": pairwise,
                 "tolerance": tol,
@@ -219,6 +260,26 @@ def format_markdown(report: dict[str, object]) -> str:
         for row in report["workflow"]:
             lines.append(
                 f"| {row['backend']} | {row['max_abs']:.2e} | {row['max_pairwise']:.2e} | "
+                f"{'pass' if row['passed'] else '**FAIL**'} |"
+            )
+    if report.get("importance"):
+        first = report["importance"][0]["importance"]
+        lines += [
+            "",
+            "## Head importance, every backend",
+            "",
+            "`head_importance` (normalized) of the weights of "
+            + " and ".join(f"`{name}`" for name in first)
+            + ", two batches, float32 on CPU; the first case's scores shown:",
+            "",
+            "| backend | importance | vs reference | vs other backends (max) | result |",
+            "|---|---|---|---|---|",
+        ]
+        for row in report["importance"]:
+            shown = next(iter(row["importance"].values()))
+            lines.append(
+                f"| {row['backend']} | {' '.join(f'{x:.4f}' for x in shown)} | "
+                f"{row['max_abs']:.2e} | {row['max_pairwise']:.2e} | "
                 f"{'pass' if row['passed'] else '**FAIL**'} |"
             )
     lines += ["", "## Environments", ""]

@@ -14,6 +14,7 @@ import numpy as np
 
 from mha_multi.parity.cases import WEIGHTS_FILE, Case, load_cases
 from mha_multi.parity.compare import compare
+from mha_multi.parity.importance import IMPORTANCE_CASES, runner_importance
 from mha_multi.parity.runners import DEVICES, DTYPES, Runner, get_runner
 from mha_multi.weights import load_weights
 
@@ -102,12 +103,21 @@ def run_backends(
                     f"{passed}/{len(cases)} cases within tolerance",
                     flush=True,
                 )
-        book = next(case for case in cases if case.name == "book")
+        by_name = {case.name: case for case in cases}
+        book = by_name["book"]
         try:
             output = workflow_output(runner, book, Path(cases_dir) / WEIGHTS_FILE)
             np.save(directory / "workflow.npy", output)
         except Exception:
             meta["errors"].append(f"workflow ({WEIGHTS_FILE}): {traceback.format_exc(limit=3)}")
+            ok = False
+        try:
+            scores = {
+                name: runner_importance(runner, by_name[name]).tolist() for name in IMPORTANCE_CASES
+            }
+            (directory / "importance.json").write_text(json.dumps(scores, indent=2))
+        except Exception:
+            meta["errors"].append(f"head_importance: {traceback.format_exc(limit=3)}")
             ok = False
         (directory / "meta.json").write_text(json.dumps(meta, indent=2))
     return ok

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -227,6 +227,17 @@ class Runner(abc.ABC):
     def init_cache(self, layer: Any, batch_size: int, max_length: int) -> spec.KVCache:
         """The layer's empty cache (``layer.init_cache``), of its dtype and device."""
         return self.facts.init_cache(layer, batch_size, max_length)
+
+    def head_importance(
+        self, layer: Any, batches: Any, loss_fn: Callable[[Any], Any], *, normalize: bool = True
+    ) -> np.ndarray:
+        """The backend's public ``head_importance`` (docs: "Heads")."""
+        package = importlib.import_module(self.package)
+        return package.head_importance(layer, batches, loss_fn, normalize=normalize)
+
+    def inner_product(self, a: Any, b: Any) -> Any:
+        """``sum(a * b)`` of two framework arrays, as a differentiable scalar."""
+        return (a * b).sum()
 
     def kernel_spy(self) -> contextlib.AbstractContextManager[list[KernelCall]]:
         """Records every call of the backend's fused kernel while active."""

@@ -42,3 +42,6 @@ class JaxLinenRunner(JaxNNXRunner):
 
     def call_as_given(self, layer: LinenLayer, *args: Any, **kwargs: Any) -> Any:
         return layer.module.apply(layer.variables, *args, **kwargs)
+
+    def head_importance(self, layer: LinenLayer, *args: Any, **kwargs: Any) -> np.ndarray:
+        return super().head_importance((layer.module, layer.variables), *args, **kwargs)

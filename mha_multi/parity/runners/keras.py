@@ -9,7 +9,9 @@ environment.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
+
+import keras
 
 from mha_multi import spec
 from mha_multi.keras import _backend
@@ -40,6 +42,10 @@ class KerasRunner(Runner):
             )
         super().__init__()
         _backend.enable_float64()
+
+    def inner_product(self, a: Any, b: Any) -> Any:
+        # A TensorFlow tensor has no ``.sum()``; keras.ops serves every backend.
+        return keras.ops.sum(a * b)
 
 
 class KerasTensorFlowRunner(KerasRunner):
