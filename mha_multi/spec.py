@@ -39,6 +39,7 @@ __all__ = [
     "cache_shape",
     "check_cache_dtypes",
     "check_cache_values",
+    "check_cached_call",
     "check_cached_inputs",
     "check_config",
     "check_head_mask",
@@ -1183,6 +1184,49 @@ def check_cache_dtypes(lengths_kind: str, valid_lens_kind: str | None) -> None:
             "valid_lens of a cached call counts new positions and must be integers; "
             f"got dtype kind {valid_lens_kind!r}"
         )
+
+
+def check_cached_call(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any,
+    cache: KVCache,
+    *,
+    heads: Heads,
+    dtype_kind: Callable[[Any], str],
+    causal: Any = False,
+    query_size: int | None = None,
+    key_size: int | None = None,
+    value_size: int | None = None,
+) -> None:
+    """Every check of a cached call that reads no values: shapes, then dtypes.
+
+    :func:`check_cached_inputs` on the arrays' shapes and
+    :func:`check_cache_dtypes` on their dtypes, for any framework's arrays
+    (each has ``.shape`` and ``.dtype``); ``dtype_kind`` maps the framework's
+    dtypes to numpy kinds (``"f"``, ``"i"``...).
+    """
+
+    def shape(x: Any) -> tuple[int, ...] | None:
+        return None if x is None else tuple(x.shape)
+
+    check_cached_inputs(
+        shape(queries),  # type: ignore[arg-type]
+        shape(keys),
+        shape(values),
+        shape(valid_lens),
+        KVCache(*(shape(x) for x in cache)),
+        heads=heads,
+        query_size=query_size,
+        key_size=key_size,
+        value_size=value_size,
+        causal=causal,
+    )
+    check_cache_dtypes(
+        dtype_kind(cache.lengths.dtype),
+        None if valid_lens is None else dtype_kind(valid_lens.dtype),
+    )
 
 
 def check_cache_values(lengths: Any, valid_lens: Any, num_new: int, max_length: int) -> None:

@@ -276,20 +276,18 @@ def check_cached_call(
         for name, x in zip(INPUT_NAMES[1:], (keys, values), strict=True)
     )
     lens = as_valid_lens(valid_lens)
-    spec.check_cached_inputs(
-        queries.shape,
-        None if keys is None else keys.shape,
-        None if values is None else values.shape,
-        None if lens is None else lens.shape,
-        spec.KVCache(*(x.shape for x in cache)),
+    spec.check_cached_call(
+        queries,
+        keys,
+        values,
+        lens,
+        cache,
         heads=heads,
+        dtype_kind=dtype_kind,
         query_size=query_size,
         key_size=key_size,
         value_size=value_size,
         causal=causal,
-    )
-    spec.check_cache_dtypes(
-        dtype_kind(cache.lengths.dtype), None if lens is None else dtype_kind(lens.dtype)
     )
     return queries, keys, values, lens, cache
 

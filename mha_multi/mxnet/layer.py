@@ -750,18 +750,16 @@ class MultiHeadAttention(gluon.HybridBlock):
                     raise ValueError(f"{name} is on {array.ctx} but queries on {queries.ctx}")
         cache = _check_cache(cache, queries.ctx, self.dtype)
         lens = _as_lens(valid_lens, queries.ctx)
-        spec.check_cached_inputs(
-            queries.shape,
-            None if keys is None else keys.shape,
-            None if values is None else values.shape,
-            None if lens is None else lens.shape,
-            spec.KVCache(*(x.shape for x in cache)),
+        spec.check_cached_call(
+            queries,
+            keys,
+            values,
+            lens,
+            cache,
             heads=self._heads,
+            dtype_kind=dtype_kind,
             causal=causal,
             **self.input_sizes(),
-        )
-        spec.check_cache_dtypes(
-            dtype_kind(cache.lengths.dtype), None if lens is None else dtype_kind(lens.dtype)
         )
         gates = self._gates(head_mask, queries)
         appends = keys is not None
