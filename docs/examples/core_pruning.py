@@ -51,6 +51,12 @@ useless = [h for h in range(8) if scores[h] < 0.01]
 assert useless == [0, 1, 2]
 for h in useless:
     assert ablation[h].accuracy == 1.0 and ablation[h].loss - full.loss < 1e-3
+# Each of the other heads retrieves one slot: alone, it gets that slot right
+# (mostly) and the other at chance.
+for h in range(8):
+    if h not in useless:
+        alone = hx.slot_accuracies(hx.prune(weights, [g for g in range(8) if g != h]).weights, task)
+        assert alone.max() > 0.85 and alone.min() < 0.2, (h, alone)
 # The gradient ranks the heads as the ablation does, from the third head on
 # (the three useless heads tie in the ablation).
 ablation_order = np.argsort([m.loss for m in ablation], kind="stable").tolist()
@@ -65,6 +71,9 @@ assert (accuracies(reverse)[2:] < random_mean[2:]).all()
 # it does not see that the two heads it keeps serve the same slot. Measured
 # again after each pruning, it stays above them.
 assert accuracies(curve)[6] < random_mean[6] < accuracies(again)[6]
+left = hx.prune(weights, order[:6]).weights  # the two heads the ranking measured once keeps
+slots = hx.slot_accuracies(left, task)  # one slot right, the other at chance (1/8)
+assert slots.max() > 0.99 and slots.min() < 0.25
 assert (accuracies(again) >= accuracies(curve) - 1e-3).all()
 
 # The pruned layer is smaller: its weights (W_q, W_k, W_v columns and W_o
