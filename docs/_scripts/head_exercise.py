@@ -475,6 +475,7 @@ def write_figure(ex: Exercise, path: Path, task: Task) -> Path:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    assert all(len(row) == len(header) for row in rows), header
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
@@ -536,6 +537,7 @@ def tables(
                 "rank (1: least)",
                 "loss, masked alone",
                 "accuracy, masked alone",
+                "accuracy of slots 1, 2: this head alone",
             ],
             heads_rows,
         ),
