@@ -3,8 +3,9 @@
 ``write_all(directory)`` writes ``head_layout.png`` (what ``transpose_qkv``
 does to a projection), ``head_grouping.png`` (grouped-query heads) and
 ``masks.png`` (the visibility rule for 1-D lengths, 2-D lengths and the
-causal mask) and ``cache_visibility.png`` (one cached call on a ragged
-batch). Every coloured cell is computed by
+causal mask), ``cache_visibility.png`` (one cached call on a ragged
+batch) and, from :mod:`head_exercise`, ``head_pruning.png`` with its tables
+``head_pruning_*.inc``. Every coloured cell is computed by
 the spec's own functions on the numpy adapter, so the pictures cannot drift
 from the code.
 """
@@ -17,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import head_exercise
 import numpy as np
 from matplotlib import pyplot as plt
 from matplotlib.colors import ListedColormap
@@ -325,6 +327,8 @@ def write_all(directory: str | Path) -> list[Path]:
         head_grouping(directory / "head_grouping.png"),
         masks(directory / "masks.png"),
         cache_visibility(directory / "cache_visibility.png"),
+        # d2l's exercise on head importance, run at build time (docs: "Heads").
+        *head_exercise.write_all(directory),
     ]
 
 

@@ -1,0 +1,79 @@
+"""Flax: the heads exercise's layer, its importance measured and its heads pruned in JAX."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# The exercise of the docs page "Heads": the task, and its layer trained in numpy float64.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_scripts"))
+import head_exercise as hx
+
+from mha_multi.heads import importance, prune_heads
+from mha_multi.jax import MultiHeadAttention, head_importance, linen, set_weights
+
+weights = hx.train()  # canonical float64 weights of the 8-head layer, about a second
+task = hx.test_task()
+
+
+def as_jax(batch):
+    """(queries, keys, values, valid_lens) of a batch of the task; keys = values = memory."""
+    memory = jnp.asarray(batch.memory, jnp.float32)
+    return jnp.asarray(batch.queries, jnp.float32), memory, memory, None
+
+
+def cross_entropy(labels):
+    """The task's loss: a softmax over the symbols for each slot of each query."""
+    labels = jnp.asarray(labels)
+
+    def loss(logits):
+        log_p = jax.nn.log_softmax(logits.reshape(*labels.shape, hx.NUM_SYMBOLS))
+        return -jnp.take_along_axis(log_p, labels[..., None], axis=-1).mean()
+
+    return loss
+
+
+# [prune]
+layer = MultiHeadAttention(**hx.CONFIG.kwargs(), rngs=nnx.Rngs(0))
+set_weights(layer, weights).eval()
+# Michel et al.: |dL/dξ_h| of each batch, then the mean over batches. One batch
+# per call, so that each loss holds its own batch's labels.
+gradients = [
+    head_importance(layer, [as_jax(batch)], cross_entropy(batch.labels), normalize=False)
+    for batch in task.batches()
+]
+scores = importance(gradients)  # mean over the batches, divided by the norm over the heads
+removed = np.argsort(scores)[:4].tolist()  # the 4 least important of the 8 heads
+
+pruned, config = prune_heads(weights, removed, num_heads=hx.NUM_HEADS)
+small = MultiHeadAttention(**config.kwargs(), rngs=nnx.Rngs(0))  # 4 heads
+set_weights(small, pruned).eval()
+logits = small(*as_jax(task))
+# [/prune]
+print(np.round(scores, 3), removed, config.num_heads)
+
+# The importance JAX measured is the float64 reference's (float32 against float64)...
+expected_scores = hx.importance(weights, task)
+np.testing.assert_allclose(scores, expected_scores, rtol=1e-4, atol=1e-7)
+assert sorted(removed) == sorted(np.argsort(expected_scores)[:4].tolist())
+# ...the 4-head layer computes the numpy pruned layer's logits, in float32...
+expected = hx.forward(pruned, task)  # float64 reference
+np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=1e-5)
+# ...which are the 8-head layer's with those heads' gates at 0...
+gates = np.ones(hx.NUM_HEADS, np.float32)
+gates[removed] = 0.0
+masked = layer(*as_jax(task), head_mask=jnp.asarray(gates))
+np.testing.assert_allclose(np.asarray(masked), np.asarray(logits), rtol=0, atol=1e-5)
+# ...and the task's metrics are the same: all 512 test examples still right.
+ours, reference = hx.metrics(np.asarray(logits), task.labels), hx.metrics(expected, task.labels)
+assert ours.accuracy == reference.accuracy == 1.0
+np.testing.assert_allclose(ours.loss, reference.loss, rtol=1e-5)
+
+# Flax Linen: the same pruned weights as variables of the 4-head module.
+module = linen.MultiHeadAttention(**config.kwargs())
+variables = linen.variables_from_weights(pruned, module)
+linen_logits = module.apply(variables, *as_jax(task))
+np.testing.assert_allclose(np.asarray(linen_logits), expected, rtol=0, atol=1e-5)

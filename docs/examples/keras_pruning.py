@@ -1,0 +1,71 @@
+"""Keras 3: the heads exercise's layer, its importance measured and its heads pruned in Keras."""
+
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+
+# The exercise of the docs page "Heads": the task, and its layer trained in numpy float64.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_scripts"))
+import head_exercise as hx
+
+from mha_multi.heads import importance, prune_heads
+from mha_multi.keras import MultiHeadAttention, head_importance, set_weights
+
+weights = hx.train()  # canonical float64 weights of the 8-head layer, about a second
+task = hx.test_task()
+
+
+def as_keras(batch):
+    """(queries, keys, values, valid_lens) of a batch of the task; keys = values = memory."""
+    memory = keras.ops.convert_to_tensor(batch.memory, "float32")
+    return keras.ops.convert_to_tensor(batch.queries, "float32"), memory, memory, None
+
+
+def cross_entropy(labels):
+    """The task's loss: a softmax over the symbols for each slot of each query."""
+    target = keras.ops.convert_to_tensor(labels.reshape(-1))
+
+    def loss(logits):
+        logits = keras.ops.reshape(logits, (-1, hx.NUM_SYMBOLS))
+        return keras.ops.mean(
+            keras.losses.sparse_categorical_crossentropy(target, logits, from_logits=True)
+        )
+
+    return loss
+
+
+# [prune]
+layer = set_weights(MultiHeadAttention(**hx.CONFIG.kwargs()), weights)
+# Michel et al.: |dL/dξ_h| of each batch, then the mean over batches. One batch
+# per call, so that each loss holds its own batch's labels.
+gradients = [
+    head_importance(layer, [as_keras(batch)], cross_entropy(batch.labels), normalize=False)
+    for batch in task.batches()
+]
+scores = importance(gradients)  # mean over the batches, divided by the norm over the heads
+removed = np.argsort(scores)[:4].tolist()  # the 4 least important of the 8 heads
+
+pruned, config = prune_heads(weights, removed, num_heads=hx.NUM_HEADS)
+small = set_weights(MultiHeadAttention(**config.kwargs()), pruned)  # 4 heads
+logits = keras.ops.convert_to_numpy(small(*as_keras(task)))
+# [/prune]
+print(np.round(scores, 3), removed, config.num_heads)
+
+# The importance Keras measured is the float64 reference's (float32 against float64)...
+expected_scores = hx.importance(weights, task)
+np.testing.assert_allclose(scores, expected_scores, rtol=1e-4, atol=1e-7)
+assert sorted(removed) == sorted(np.argsort(expected_scores)[:4].tolist())
+# ...the 4-head layer computes the numpy pruned layer's logits, in float32...
+expected = hx.forward(pruned, task)  # float64 reference
+np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
+# ...which are the 8-head layer's with those heads' gates at 0...
+gates = np.ones(hx.NUM_HEADS, np.float32)
+gates[removed] = 0.0
+masked = layer(*as_keras(task), head_mask=keras.ops.convert_to_tensor(gates))
+np.testing.assert_allclose(keras.ops.convert_to_numpy(masked), logits, rtol=0, atol=1e-5)
+# ...and the task's metrics are the same: all 512 test examples still right.
+ours, reference = hx.metrics(logits, task.labels), hx.metrics(expected, task.labels)
+assert ours.accuracy == reference.accuracy == 1.0
+np.testing.assert_allclose(ours.loss, reference.loss, rtol=1e-5)
