@@ -161,7 +161,9 @@ class MultiHeadAttention(nn.Module):
             self.to(device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
-        sharded = "" if self._sharding is None else f", heads sharded {self._sharding.num_shards} ways"
+        sharded = (
+            "" if self._sharding is None else f", heads sharded {self._sharding.num_shards} ways"
+        )
         return (
             f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, bias={self.bias}"

@@ -15,6 +15,7 @@ the cache work unchanged.
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -78,7 +79,7 @@ class HeadSharding:
             raise TypeError(
                 f"a head-sharded layer computes 16-bit products only where they accumulate in "
                 f"float32 (CUDA); got {queries.dtype} queries on {queries.device.type} with "
-                f"{layer.W_o.weight.dtype} weights: use float32 there (docs: \"Sharding heads\")"
+                f'{layer.W_o.weight.dtype} weights: use float32 there (docs: "Sharding heads")'
             )
 
     @staticmethod
@@ -201,4 +202,3 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
     layer.num_heads = local.num_heads
     layer.num_kv_heads = local.num_kv_heads
     return layer
-
