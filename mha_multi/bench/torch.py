@@ -187,10 +187,8 @@ def _time_shard(
     shape = Shape(*fields)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // num_shards))
-    d, sizes = (
-        shape.num_hiddens,
-        dict.fromkeys(("query_size", "key_size", "value_size"), shape.num_hiddens),
-    )
+    d = shape.num_hiddens
+    sizes = dict.fromkeys(("query_size", "key_size", "value_size"), d)
     weights = init_weights(d, num_heads=shape.num_heads, num_kv_heads=shape.kv_heads)
     layer = backend.make_layer(d, shape.num_heads, num_kv_heads=shape.kv_heads, **sizes)
     layer = set_weights(layer, weights).eval()
