@@ -7,14 +7,19 @@ are timed against PyTorch's own grouped-query route instead,
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from mha_multi.bench.common import Shape
+from mha_multi import spec
+from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.interop.torch import key_padding_mask, to_torch_d2l
 from mha_multi.torch import _backend as backend
@@ -138,3 +143,74 @@ class Torch(Framework):
 
 
 FRAMEWORK = Torch()
+
+
+def sharded_seconds(shape: Shape, num_shards: int, *, repeats: int = 5) -> float:
+    """Median seconds of one forward with the heads sharded over ``num_shards`` processes.
+
+    Self-attention of ``shape`` (inputs ``(batch, length, num_hiddens)``, no
+    lengths) by a float32 layer on the CPU, its heads split by
+    :func:`mha_multi.torch.shard_heads` over ``num_shards`` fresh gloo
+    processes (docs: "Sharding heads"); ``num_shards == 1`` times the
+    unsharded layer in one fresh process. The processes share the machine's
+    cores, ``cores // num_shards`` threads each, so the figures compare the
+    same hardware split differently. Each process times ``repeats`` calls
+    after two warm-up calls (the all-reduce after ``W_o`` keeps them in
+    step); the slowest process's median is returned.
+
+    Raises:
+        ValueError: ``num_shards`` does not divide the shape's head counts
+            (:func:`mha_multi.spec.shard_heads`).
+        torch.multiprocessing.ProcessRaisedException: a process failed.
+    """
+    heads = spec.check_heads(shape.num_hiddens, shape.num_heads, num_kv_heads=shape.kv_heads)
+    spec.shard_heads(heads, num_shards)
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as directory:
+        store = (Path(directory) / "store").as_uri()
+        fields = dataclasses.astuple(shape)
+        mp.spawn(
+            _time_shard, args=(num_shards, fields, repeats, store, directory), nprocs=num_shards
+        )
+        return max(
+            float((Path(directory) / f"{rank}.txt").read_text()) for rank in range(num_shards)
+        )
+
+
+def _time_shard(
+    rank: int, num_shards: int, fields: tuple, repeats: int, store: str, directory: str
+) -> None:
+    """One process of :func:`sharded_seconds`: its median, written to ``directory/<rank>.txt``."""
+    import torch.distributed as dist
+
+    shape = Shape(*fields)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // num_shards))
+    d = shape.num_hiddens
+    sizes = dict.fromkeys(("query_size", "key_size", "value_size"), d)
+    weights = init_weights(d, num_heads=shape.num_heads, num_kv_heads=shape.kv_heads)
+    layer = backend.make_layer(d, shape.num_heads, num_kv_heads=shape.kv_heads, **sizes)
+    layer = set_weights(layer, weights).eval()
+    x = torch.randn(shape.batch, shape.length, d, generator=torch.Generator().manual_seed(0))
+    if num_shards > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from mha_multi.torch import shard_heads
+
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=num_shards)
+        layer = shard_heads(layer, init_device_mesh("cpu", (num_shards,)))
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            output = layer(x, x, x)
+        # A sharded layer may return the all-reduce still under way (an
+        # AsyncCollectiveTensor, waited for at its first use): the timing waits.
+        return output.wait() if hasattr(output, "wait") else output
+
+    try:
+        seconds = median_seconds(forward, repeats=repeats)
+    finally:
+        if num_shards > 1:
+            dist.destroy_process_group()
+    (Path(directory) / f"{rank}.txt").write_text(repr(seconds))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from mha_multi.torch._ops import (
     ops_on,
 )
 from mha_multi.weights import KERNEL_NAMES, check_weights
+
+if TYPE_CHECKING:
+    from mha_multi.torch.sharding import HeadSharding
 
 __all__ = ["MultiHeadAttention", "get_weights", "head_importance", "set_weights"]
 
@@ -119,6 +122,10 @@ class MultiHeadAttention(nn.Module):
         dtype: dtype of the parameters.
     """
 
+    #: How the heads are split over processes; ``None`` until
+    #: :func:`mha_multi.torch.shard_heads` (docs: "Sharding heads").
+    _sharding: HeadSharding | None = None
+
     def __init__(
         self,
         num_hiddens: int,
@@ -154,10 +161,18 @@ class MultiHeadAttention(nn.Module):
             self.to(device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
+        sharded = (
+            "" if self._sharding is None else f", heads sharded {self._sharding.num_shards} ways"
+        )
         return (
             f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, bias={self.bias}"
+            f"{sharded}"
         )
+
+    def _canonical_heads(self) -> spec.Heads:
+        """The whole layer's heads, which the canonical weights and ``head_mask`` have."""
+        return self._heads if self._sharding is None else self._sharding.heads
 
     def input_sizes(self) -> dict[str, int | None]:
         """``query_size``, ``key_size``, ``value_size``; ``None`` where still lazy."""
@@ -269,6 +284,8 @@ class MultiHeadAttention(nn.Module):
                 max_length`` tells it happened.
         """
         self._check_tensors(queries=queries, keys=keys, values=values, cached=cache is not None)
+        if self._sharding is not None:
+            self._sharding.check_inputs(queries, self)
         valid_lens = _as_lens(valid_lens, queries.device)
         if cache is not None:
             cached = (causal, return_attention_weights, cache, head_mask)
@@ -307,10 +324,12 @@ class MultiHeadAttention(nn.Module):
         spec.check_head_mask(
             tuple(head_mask.shape),
             dtype_kind(head_mask.dtype),
-            num_heads=self.num_heads,
+            num_heads=self._canonical_heads().num_heads,
             batch=queries.shape[0],
         )
-        return head_mask.to(queries.device)
+        head_mask = head_mask.to(queries.device)
+        # A sharded layer gates its own heads (docs: "Sharding heads").
+        return head_mask if self._sharding is None else self._sharding.local_head_mask(head_mask)
 
     def _check_tensors(self, *, cached: bool, **tensors: torch.Tensor | None) -> None:
         """Inputs are floating-point tensors of the parameters' dtype (or autocast's).
@@ -460,7 +479,10 @@ class MultiHeadAttention(nn.Module):
         inputs = [queries, keys, values]
         first = 0 if queries is keys else 1
         shared = [i for i in range(first, 3) if inputs[i] is inputs[first]]
-        if len(shared) < 2 or any(_in_features(projections[i]) is None for i in shared):
+        # Sharded projections run as their modules: their hooks distribute
+        # the inputs and outputs (docs: "Sharding heads").
+        separate = self._sharding is not None or len(shared) < 2
+        if separate or any(_in_features(projections[i]) is None for i in shared):
             return tuple(  # (lazy ones infer)
                 _project_with(linear, x) for linear, x in zip(projections, inputs, strict=True)
             )
@@ -657,6 +679,10 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
     Lazy input sizes are fixed by the weights. Values are copied into the
     existing parameters, keeping their device and dtype.
 
+    A head-sharded layer (:func:`mha_multi.torch.shard_heads`) takes the
+    whole layer's weights too; it is a collective, to be called on every
+    process, and process 0's weights are the ones distributed.
+
     Raises:
         ValueError: a missing, extra or mis-shaped entry, named.
     """
@@ -664,7 +690,8 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
         weights,
         num_hiddens=layer.num_hiddens,
         bias=layer.bias,
-        **dataclasses.asdict(layer._heads),  # num_heads, num_kv_heads, head_dim
+        # num_heads, num_kv_heads, head_dim
+        **dataclasses.asdict(layer._canonical_heads()),
         **layer.input_sizes(),
     )
     state = {}
@@ -674,6 +701,11 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
             state[f"{name}.weight"] = tensor.T.contiguous()
         else:
             state[f"W_{name[-1]}.bias"] = tensor
+    if layer._sharding is not None:
+        state = {
+            key: layer._sharding.distribute_like(layer.get_parameter(key), tensor)
+            for key, tensor in state.items()
+        }
     with torch.no_grad():
         layer.load_state_dict(state, strict=True)
         for name in KERNEL_NAMES:
@@ -685,7 +717,9 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
     """The canonical weights of ``layer`` as numpy arrays.
 
     bfloat16 parameters are returned as float32 (numpy has no bfloat16);
-    every other dtype is kept.
+    every other dtype is kept. A head-sharded layer
+    (:func:`mha_multi.torch.shard_heads`) returns the whole layer's weights,
+    gathered: a collective, to be called on every process.
 
     Raises:
         ValueError: some input size is still lazy (call the layer once, or
@@ -696,12 +730,14 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
         raise ValueError(
             f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
         )
+    # Sharded parameters are gathered whole (docs: "Sharding heads").
+    whole = (lambda t: t) if layer._sharding is None else layer._sharding.full_tensor
     weights = {}
     for name in KERNEL_NAMES:
         linear = getattr(layer, name)
-        weights[name] = host_array(linear.weight.T)
+        weights[name] = host_array(whole(linear.weight).T)
         if layer.bias:
-            weights[f"b_{name[-1]}"] = host_array(linear.bias)
+            weights[f"b_{name[-1]}"] = host_array(whole(linear.bias))
     return weights
 
 
@@ -735,8 +771,14 @@ def head_importance(
     Raises:
         ValueError: ``batches`` yields nothing, or ``loss_fn`` returns more
             than one number.
-        TypeError: ``loss_fn`` returns no tensor.
+        TypeError: ``loss_fn`` returns no tensor, or ``layer``'s heads are
+            sharded (compute the importance on the unsharded layer).
     """
+    if layer._sharding is not None:
+        raise TypeError(
+            "head_importance takes an unsharded layer; compute it before shard_heads "
+            '(docs: "Sharding heads")'
+        )
     training = layer.training
     layer.eval()
     try:
