@@ -366,19 +366,16 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """:meth:`forward` with a cache: checks, projections, the spec's update, one attend."""
         cache = _as_cache(cache, queries.device)
-        spec.check_cached_inputs(
-            queries.shape,
-            None if keys is None else keys.shape,
-            None if values is None else values.shape,
-            None if valid_lens is None else valid_lens.shape,
-            spec.KVCache(*(x.shape for x in cache)),
+        spec.check_cached_call(
+            queries,
+            keys,
+            values,
+            valid_lens,
+            cache,
             heads=self._heads,
-            **self.input_sizes(),
+            dtype_kind=dtype_kind,
             causal=causal,
-        )
-        spec.check_cache_dtypes(
-            dtype_kind(cache.lengths.dtype),
-            None if valid_lens is None else dtype_kind(valid_lens.dtype),
+            **self.input_sizes(),
         )
         head_mask = self._as_head_mask(head_mask, queries)
         num_new = 0 if keys is None else queries.shape[1]
