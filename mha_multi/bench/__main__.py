@@ -12,6 +12,16 @@ from mha_multi.bench import BENCHMARKS, driver
 from mha_multi.bench.common import Shape, format_markdown, machine_info
 from mha_multi.bench.generate import GenerationShape, generation_peak_mib
 
+#: ``--only`` choice -> the ``driver.run`` lengths argument of those rows;
+#: the generation rows are ``generation=None`` when left out.
+ROWS = {
+    "timing": "lengths",
+    "memory": "memory_lengths",
+    "grouped": "grouped_lengths",
+    "pruned": "pruned_lengths",
+    "sharded": "sharded_lengths",
+}
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mha_multi.bench")
@@ -20,10 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--out", required=True)
     run.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
     run.add_argument(
-        "--generation-only", action="store_true", help="only the generation rows (a cache)"
-    )
-    run.add_argument(
-        "--pruned-only", action="store_true", help="only the pruned-heads rows (docs: Heads)"
+        "--only",
+        choices=sorted({*ROWS, "generation"}),
+        help="only one kind of row (the GEMM rate is always measured)",
     )
     run.add_argument("backends", nargs="+", choices=sorted(BENCHMARKS))
     report = commands.add_parser("report", help="print and write report.md from results")
@@ -66,24 +75,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "grouped_lengths": (64,),
                     "generation": GenerationShape(prompt=32, new_tokens=32),
                     "pruned_lengths": (64,),
+                    "sharded_lengths": (64,),
                 }
                 if args.quick
                 else {}
             )
-            if args.generation_only:
-                kwargs |= {
-                    "lengths": (),
-                    "memory_lengths": (),
-                    "grouped_lengths": (),
-                    "pruned_lengths": (),
-                }
-            if args.pruned_only:
-                kwargs |= {
-                    "lengths": (),
-                    "memory_lengths": (),
-                    "grouped_lengths": (),
-                    "generation": None,
-                }
+            if args.only:
+                # Every other kind of row is left out.
+                kwargs |= {name: () for kind, name in ROWS.items() if kind != args.only}
+                kwargs |= {"generation": None} if args.only != "generation" else {}
             results = driver.run(driver.load(backend), **kwargs)
             for result in results:
                 result["machine"] = machine_info()

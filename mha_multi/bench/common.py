@@ -226,6 +226,7 @@ def format_markdown(results: Sequence[dict]) -> str:
                         cells.append(f"{m['peak_mib']:.0f}")
                 lines.append(f"| {length} | " + " | ".join(cells) + " |")
         lines += _pruned_lines(measurements)
+        lines += _sharded_lines(measurements)
         lines += _generation_lines(measurements)
         notes = sorted({m["note"] for m in timed if m.get("note", "").startswith("K/V")})
         if notes:
@@ -256,6 +257,34 @@ def _pruned_lines(measurements: Sequence[dict]) -> list[str]:
                 f"| {dtype} | {length} | {shape['num_heads']}/{shape['num_kv_heads']} | "
                 f"{_ms(m.get('seconds')) if m.get('seconds') else m['note']} | "
                 f"{_ratio(full, m.get('seconds'))} |"
+            )
+    return lines
+
+
+def _sharded_lines(measurements: Sequence[dict]) -> list[str]:
+    """The sharded-heads table: forward time against the number of shards."""
+    sharded = [m for m in measurements if m["mode"] == "sharded forward"]
+    if not sharded:
+        return []
+    lines = [
+        "",
+        "Forward pass with the heads sharded, CPU devices sharing the same cores "
+        '(overhead only; docs: "Sharding heads"):',
+        "",
+        "| dtype | N | heads (q/kv) | shards | forward (ms) | this / unsharded |",
+        "|---|---|---|---|---|---|",
+    ]
+    for length in sorted({m["length"] for m in sharded}):
+        rows = [m for m in sharded if m["length"] == length]
+        unsharded = next((m for m in rows if m["note"] == "unsharded"), {})
+        for m in rows:
+            shape = m["shape"]
+            heads = f"{shape['num_heads']}/{shape.get('num_kv_heads') or shape['num_heads']}"
+            count = m["implementation"].rsplit(" ", 1)[-1]
+            lines.append(
+                f"| {m['dtype']} | {length} | {heads} | {count} | "
+                f"{_ms(m.get('seconds')) if m.get('seconds') else m['note']} | "
+                f"{_ratio(m.get('seconds'), unsharded.get('seconds'))} |"
             )
     return lines
 

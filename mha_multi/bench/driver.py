@@ -241,6 +241,16 @@ class Framework:
         )
         return importlib.import_module(self.package).set_weights(layer, weights)
 
+    #: Shard counts of the sharded-heads rows (docs: "Sharding heads"), 1
+    #: being the unsharded layer; empty where the framework shards nothing.
+    shard_counts: tuple[int, ...] = ()
+
+    def sharded_seconds(self, shape: Shape, num_shards: int) -> float:
+        """Median seconds of one float32 CPU forward of ``shape``'s self-attention,
+        the heads sharded over ``num_shards`` CPU devices or processes, each
+        measured in fresh processes."""
+        raise NotImplementedError
+
     def forward_call(self, layer: Any) -> Callable[[Any, Any], Any]:
         """``call(x, valid_lens) -> output``: self-attention in evaluation mode,
         compiled where that is the framework's norm."""
@@ -417,6 +427,30 @@ def _time_pruned(
     return rows
 
 
+def _time_sharded(framework: Framework, shape: Shape) -> list[Measurement]:
+    """The sharded-heads rows: on a CPU only the overhead of sharding shows,
+    the shards sharing the same cores (docs: "Sharding heads")."""
+    label = framework.label(framework.executions[0])
+    rows = []
+    for count in framework.shard_counts:
+        row = Measurement(
+            label,
+            f"ours, heads over {count}",
+            "sharded forward",
+            "cpu",
+            "float32",
+            shape.length,
+            shape=vars(shape),
+            note="unsharded" if count == 1 else f"{count} shards on the same cores",
+        )
+        try:
+            rows.append(replace(row, seconds=framework.sharded_seconds(shape, count)))
+        except Exception as error:  # e.g. a platform without the distributed engine
+            print(f"[bench] {row.implementation}: {error}", flush=True)
+            rows.append(replace(row, note=f"failed: {type(error).__name__}"))
+    return rows
+
+
 def peak_memory_mib(framework: Framework, implementation: str, device: str, shape: Shape) -> float:
     """Peak memory of one float32 forward pass above what its inputs and weights hold.
 
@@ -467,6 +501,7 @@ def run(
     generation: GenerationShape | None = GENERATION,
     pruned_lengths: Sequence[int] = (512,),
     kept_heads: Sequence[int] = (8, 4, 2, 1),
+    sharded_lengths: Sequence[int] = (256,),
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -486,6 +521,9 @@ def run(
             pruned to each of ``kept_heads`` heads (forward only).
         kept_heads: the heads each pruned layer keeps, ``base.num_heads``
             being the full layer.
+        sharded_lengths: sequence lengths at which ``base``'s layer is timed
+            with its heads sharded over each of the framework's
+            ``shard_counts`` CPU devices or processes (CPU, float32, forward).
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -527,6 +565,10 @@ def run(
                         ITEMSIZE[dtype],
                     )
                     measurements[framework.executions[0]] += rows
+        if device == "cpu":
+            for length in sharded_lengths:
+                shape = replace(base, length=length)
+                measurements[framework.executions[0]] += _time_sharded(framework, shape)
         if framework.measures_memory(device):
             memory = _measure_memory(framework, device, memory_lengths, base)
             measurements[framework.executions[0]] += memory

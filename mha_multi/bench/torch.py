@@ -132,6 +132,11 @@ class Torch(Framework):
         # masked scores and weights.
         return score_bytes(shape, 3, dtype) if implementation == "ours (generic)" else 0
 
+    shard_counts = (1, 2)
+
+    def sharded_seconds(self, shape: Shape, num_shards: int) -> float:
+        return sharded_seconds(shape, num_shards)
+
     def peak_mib(self, device: str, run: Callable[[], None]) -> float:
         if device != "gpu":
             return super().peak_mib(device, run)
