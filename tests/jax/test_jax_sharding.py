@@ -3,10 +3,11 @@
 JAX sees 4 CPU devices only with ``--xla_force_host_platform_device_count=4``
 set before it is imported, so every multi-device check runs in one
 subprocess (this file run as a script), which prints its measurements as
-JSON; the tests below assert on them. Each sharded layer is compared with
-the same layer unsharded on one device (same weights, same inputs), forward
-and gradients, within the float32 tolerances of the parity harness. Checks
-that need no second device run in-process.
+JSON; the tests below assert on them. Each sharded layer's results (forward,
+attention weights, gradients of the inputs, weights and gates, cached
+decoding) are compared with the float64 reference of :mod:`mha_multi.spec`
+within the float32 tolerances of the parity harness, as the unsharded
+layer's are. Checks that need no second device run in-process.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def worker() -> dict[str, Any]:
     from jax.sharding import AxisType, Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from mha_multi import spec
     from mha_multi.jax import (
         MultiHeadAttention,
         get_weights,
@@ -74,9 +76,7 @@ def worker() -> dict[str, Any]:
     def collectives(text: str) -> dict[str, int]:
         ops = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
         lines = text.splitlines()
-        return {
-            op: sum(f" {op}(" in line or f" {op}-start(" in line for line in lines) for op in ops
-        }
+        return {op: sum(f" {op}(" in ln or f" {op}-start(" in ln for ln in lines) for op in ops}
 
     rng = np.random.default_rng(0)
     D, B, T, H = 32, 4, 8, 4
@@ -84,44 +84,62 @@ def worker() -> dict[str, Any]:
     cotangent = rng.standard_normal((B, T, D)).astype(np.float32)
     lens = np.array([3, 8, 5, 1], np.int32)
     gates = rng.uniform(0.5, 1.5, (B, H)).astype(np.float32)
+    prompts = np.array([5, 2, 3, 4], np.int32)
     auto = AxisType.Auto
 
     for name, num_kv_heads, mesh_shape, batch_axis in CONFIGS:
         axes = ("model",) if len(mesh_shape) == 1 else ("data", "model")
         mesh = jax.make_mesh(mesh_shape, axes, axis_types=(auto,) * len(axes))
         weights = init_weights(D, num_heads=H, num_kv_heads=num_kv_heads, bias=True, seed=1)
+        layout = {"num_heads": H, "num_kv_heads": num_kv_heads}
         batch = NamedSharding(mesh, P(batch_axis))
         placed = [jax.device_put(x, batch) for x in (queries, keys, values, lens, gates)]
+        # The float64 reference of every call below.
+        call = (queries, keys, values, lens)
+        expected_output, expected_weights = spec.reference_forward(
+            weights, *call, causal=True, head_mask=gates, **layout
+        )
+        expected_grads = spec.reference_gradients(
+            weights, *call, causal=True, head_mask=gates, output_gradient=cotangent, **layout
+        )
+        heads = spec.Heads(H, num_kv_heads or H, D // H)
+        shape = spec.cache_shape(B, 16, heads)
+        cache = spec.KVCache(np.zeros(shape), np.zeros(shape), np.zeros(B, np.int32))
+        expected_decode = []
+        for i, (start, stop) in enumerate([(0, 5), (5, 6), (6, 7), (7, 8)]):
+            x = queries[:, start:stop]
+            out, _, cache = spec.reference_cached_forward(
+                weights, x, x, x, cache, prompts if i == 0 else None, causal=True, **layout
+            )
+            expected_decode.append(out)
+        expected_cache = cache
+
         for implementation in IMPLEMENTATIONS:
-            tag = f"{name}/{implementation}"
-            layers = []
-            for sharded in (False, True):
-                layer = MultiHeadAttention(
-                    D,
-                    H,
-                    bias=True,
-                    num_kv_heads=num_kv_heads,
-                    implementation=None if implementation == "generic" else implementation,
-                )
-                set_weights(layer, weights).eval()
-                layers.append(shard_heads(layer, mesh) if sharded else layer)
-            plain, shard = layers
+            tag, plan = f"{name}/{implementation}", PLAN[f"{name}/{implementation}"]
+            layer = MultiHeadAttention(
+                D,
+                H,
+                bias=True,
+                num_kv_heads=num_kv_heads,
+                implementation=None if implementation == "generic" else implementation,
+            )
+            set_weights(layer, weights).eval()
+            shard_heads(layer, mesh)
             if implementation == "generic":
                 # The parameters really are split: each device holds its columns/rows.
-                for proj, entry in (("W_q", "kernel"), ("W_k", "kernel"), ("W_o", "kernel")):
-                    value = getattr(getattr(shard, proj), entry)[...]
-                    results[f"{name}/{proj}.{entry}"] = {
+                for proj in ("W_q", "W_k", "W_o"):
+                    value = getattr(layer, proj).kernel[...]
+                    results[f"{name}/{proj}.kernel"] = {
                         "spec": spec_of(value),
                         "shards": sorted({s.data.shape for s in value.addressable_shards}),
                         "count": len(value.addressable_shards),
-                        "global": list(value.shape),
                     }
-                results[f"{name}/b_o"] = spec_of(shard.W_o.bias[...])
-                pspecs = nnx.get_partition_spec(nnx.state(shard))
+                results[f"{name}/b_o"] = spec_of(layer.W_o.bias[...])
+                pspecs = nnx.get_partition_spec(nnx.state(layer))
                 results[f"{name}/partition_spec.W_o"] = list(pspecs["W_o"]["kernel"].get_value())
                 results[f"{name}/partition_spec.b_q"] = list(pspecs["W_q"]["bias"].get_value())
                 errors[f"{name}/get_weights"] = max(
-                    err(a, weights[k]) for k, a in get_weights(shard).items()
+                    err(a, weights[k]) for k, a in get_weights(layer).items()
                 )
 
             def forward(layer, q, k, v, lens, gates):
@@ -136,26 +154,23 @@ def worker() -> dict[str, Any]:
                 )
 
             # One compilation gives the numbers and the partitioned program.
-            graphdef, state = nnx.split(shard)
+            graphdef, state = nnx.split(layer)
             compiled = (
                 jax.jit(lambda state, *args: forward(nnx.merge(graphdef, state), *args))  # noqa: B023
                 .lower(state, *placed)
                 .compile()
             )
             results[f"{tag}/collectives"] = collectives(compiled.as_text())
-            expected = forward(plain, queries, keys, values, lens, gates)
             got = compiled(state, *placed)
             if implementation == "generic":
-                errors[f"{tag}/weights"] = err(got[1], expected[1])
-                expected, got = expected[0], got[0]
-            errors[f"{tag}/output"] = err(got, expected)
+                errors[f"{tag}/weights"] = err(got[1], expected_weights)
+                got = got[0]
+            errors[f"{tag}/output"] = err(got, expected_output)
             results[f"{tag}/output_spec"] = spec_of(got)
-            plan = PLAN[tag]
             if "eager" in plan:
-                # Unjitted calls are partitioned op by op; 1-D gates.
+                # Unjitted calls are partitioned op by op.
                 errors[f"{tag}/eager"] = err(
-                    shard(*placed[:3], lens, head_mask=gates[0]),
-                    plain(queries, keys, values, lens, head_mask=gates[0]),
+                    layer(*placed[:4], causal=True, head_mask=placed[4]), expected_output
                 )
 
             def loss(layer, q, k, v, gates):
@@ -163,15 +178,14 @@ def worker() -> dict[str, Any]:
 
             if "grad" in plan:
                 grad = nnx.jit(nnx.grad(loss, argnums=(0, 1, 2, 3, 4)))
-                expected = grad(plain, queries, keys, values, gates)
-                got = grad(shard, *placed[:3], placed[4])
-                for proj in ("W_q", "W_k", "W_v", "W_o"):
-                    for entry in ("kernel", "bias"):
-                        grad_errors[f"{tag}/grad.{proj}.{entry}"] = err(
-                            got[0][proj][entry].get_value(), expected[0][proj][entry].get_value()
+                got = grad(layer, *placed[:3], placed[4])
+                for proj in ("q", "k", "v", "o"):
+                    for entry, canonical in (("kernel", f"W_{proj}"), ("bias", f"b_{proj}")):
+                        grad_errors[f"{tag}/grad.{canonical}"] = err(
+                            got[0][f"W_{proj}"][entry].get_value(), expected_grads[canonical]
                         )
                 for i, arg in enumerate(("queries", "keys", "values", "head_mask"), start=1):
-                    grad_errors[f"{tag}/grad.{arg}"] = err(got[i], expected[i])
+                    grad_errors[f"{tag}/grad.{arg}"] = err(got[i], expected_grads[arg])
                 results[f"{tag}/grad_spec.W_q"] = spec_of(got[0]["W_q"]["kernel"].get_value())
                 results[f"{tag}/grad_spec.W_o"] = spec_of(got[0]["W_o"]["kernel"].get_value())
 
@@ -180,35 +194,26 @@ def worker() -> dict[str, Any]:
                 step = nnx.jit(
                     lambda layer, x, n, cache: layer(x, x, x, n, causal=True, cache=cache)
                 )
-                prompts = np.array([5, 2, 3, 4], np.int32)
-                caches = [plain.init_cache(B, 16), shard.init_cache(B, 16)]
-                results[f"{tag}/init_cache_spec"] = spec_of(caches[1].keys)
+                cache = layer.init_cache(B, 16)
+                results[f"{tag}/init_cache_spec"] = spec_of(cache.keys)
                 if batch_axis is not None:
-                    caches[1] = shard_cache(caches[1], mesh, batch_axis=batch_axis)
-                decoded = []
-                puts = (jnp.asarray, lambda x: jax.device_put(x, batch))  # noqa: B023
-                for layer, cache, put in zip((plain, shard), caches, puts, strict=True):
-                    outputs = []
-                    out, cache = step(layer, put(queries[:, :5]), put(prompts), cache)
-                    outputs.append(out)
-                    for i in range(3):
-                        out, cache = step(layer, put(queries[:, 5 + i : 6 + i]), None, cache)
-                        outputs.append(out)
-                    decoded.append((outputs, cache))
-                (plain_outputs, plain_cache), (shard_outputs, shard_cache_) = decoded
-                errors[f"{tag}/decode"] = max(
-                    err(a, b) for a, b in zip(shard_outputs, plain_outputs, strict=True)
-                )
+                    cache = shard_cache(cache, mesh, batch_axis=batch_axis)
+                decode_errors = []
+                for i, (start, stop) in enumerate([(0, 5), (5, 6), (6, 7), (7, 8)]):
+                    x = jax.device_put(queries[:, start:stop], batch)
+                    n = jax.device_put(prompts, batch) if i == 0 else None
+                    out, cache = step(layer, x, n, cache)
+                    decode_errors.append(err(out, expected_decode[i]))
+                errors[f"{tag}/decode"] = max(decode_errors)
                 errors[f"{tag}/decode_cache"] = max(
-                    err(shard_cache_.keys, plain_cache.keys),
-                    err(shard_cache_.values, plain_cache.values),
+                    err(cache.keys, expected_cache.keys), err(cache.values, expected_cache.values)
                 )
-                results[f"{tag}/decode_lengths"] = np.asarray(shard_cache_.lengths).tolist()
-                results[f"{tag}/decode_cache_spec"] = spec_of(shard_cache_.keys)
+                results[f"{tag}/decode_lengths"] = np.asarray(cache.lengths).tolist()
+                results[f"{tag}/decode_cache_spec"] = spec_of(cache.keys)
 
         if name == "mha-1d":
             # NNX's optimizer states follow the parameters' sharding metadata.
-            optimizer = nnx.Optimizer(shard, optax.adam(1e-3), wrt=nnx.Param)
+            optimizer = nnx.Optimizer(layer, optax.adam(1e-3), wrt=nnx.Param)
             results[f"{name}/adam_mu_spec"] = spec_of(
                 optimizer.opt_state[0].mu["W_q"]["kernel"].get_value()
             )
@@ -217,35 +222,35 @@ def worker() -> dict[str, Any]:
             continue
         # Linen: the same layout through partition specs, under jax.jit.
         module = linen.MultiHeadAttention(D, H, bias=True, num_kv_heads=num_kv_heads)
-        variables = linen.variables_from_weights(weights, module)
-        sharded = linen.shard_variables(module, variables, mesh)
-        results[f"{name}/linen_spec.W_v.kernel"] = spec_of(sharded["params"]["W_v"]["kernel"])
-        results[f"{name}/linen_spec.W_o.kernel"] = spec_of(sharded["params"]["W_o"]["kernel"])
+        variables = linen.shard_variables(
+            module, linen.variables_from_weights(weights, module), mesh
+        )
+        results[f"{name}/linen_spec.W_v.kernel"] = spec_of(variables["params"]["W_v"]["kernel"])
+        results[f"{name}/linen_spec.W_o.kernel"] = spec_of(variables["params"]["W_o"]["kernel"])
 
         def linen_loss(variables, q):
             out = module.apply(variables, q, keys, values, lens, causal=True, head_mask=gates)  # noqa: B023
             return jnp.sum(out * cotangent), out
 
         linen_grad = jax.jit(jax.grad(linen_loss, argnums=(0, 1), has_aux=True))
-        (g_vars, g_q), out = linen_grad(variables, queries)
-        (s_vars, s_q), s_out = linen_grad(sharded, placed[0])
-        errors[f"{name}/linen/output"] = err(s_out, out)
-        grad_errors[f"{name}/linen/grad.queries"] = err(s_q, g_q)
+        (g_vars, g_q), out = linen_grad(variables, placed[0])
+        errors[f"{name}/linen/output"] = err(out, expected_output)
+        grad_errors[f"{name}/linen/grad.queries"] = err(g_q, expected_grads["queries"])
         for proj in ("W_q", "W_k", "W_v", "W_o"):
             grad_errors[f"{name}/linen/grad.{proj}"] = err(
-                s_vars["params"][proj]["kernel"], g_vars["params"][proj]["kernel"]
+                g_vars["params"][proj]["kernel"], expected_grads[proj]
             )
         apply = jax.jit(
-            lambda v, x, cache: module.apply(v, x, x, x, causal=True, cache=cache)  # noqa: B023
+            lambda v, x, n, cache: module.apply(v, x, x, x, n, causal=True, cache=cache)  # noqa: B023
         )
-        linen_cache = shard_cache(module.init_cache(B, 16), mesh, batch_axis=batch_axis)
-        out, linen_cache = apply(sharded, placed[0][:, :5], linen_cache)
-        step_out, linen_cache = apply(sharded, placed[0][:, 5:6], linen_cache)
-        plain_cache = module.init_cache(B, 16)
-        expected, plain_cache = apply(variables, queries[:, :5], plain_cache)
-        expected_step, plain_cache = apply(variables, queries[:, 5:6], plain_cache)
-        errors[f"{name}/linen/decode"] = max(err(out, expected), err(step_out, expected_step))
-        results[f"{name}/linen/cache_spec"] = spec_of(linen_cache.keys)
+        cache = shard_cache(module.init_cache(B, 16), mesh, batch_axis=batch_axis)
+        x = jax.device_put(queries[:, :5], batch)
+        out, cache = apply(variables, x, jax.device_put(prompts, batch), cache)
+        step_out, cache = apply(variables, jax.device_put(queries[:, 5:6], batch), None, cache)
+        errors[f"{name}/linen/decode"] = max(
+            err(out, expected_decode[0]), err(step_out, expected_decode[1])
+        )
+        results[f"{name}/linen/cache_spec"] = spec_of(cache.keys)
 
     # Shard counts that do not divide the heads.
     three = Mesh(np.array(jax.devices()[:3]), ("model",))
@@ -260,9 +265,9 @@ def worker() -> dict[str, Any]:
         ),
     }
     messages = results["messages"] = {}
-    for key, call in bad.items():
+    for key, bad_call in bad.items():
         try:
-            call()
+            bad_call()
             messages[key] = None
         except ValueError as e:
             messages[key] = str(e)
@@ -292,7 +297,7 @@ def tags(check: str | None = None) -> list[str]:
 @pytest.mark.parametrize("tag", tags())
 def test_forward_equals_unsharded(results: dict[str, Any], tag: str) -> None:
     errors = {k: v for k, v in results["errors"].items() if k.startswith(tag + "/")}
-    expected = {"output"} | PLAN[tag] - {"grad", "decode"}
+    expected = {"output"} | (PLAN[tag] - {"grad", "decode"})
     if tag.endswith("generic"):
         expected.add("weights")
     if "decode" in PLAN[tag]:
