@@ -33,7 +33,7 @@ IMPLEMENTATIONS = ("generic", "xla")
 #: compilation costs a second or more, so the plan covers every feature on
 #: both meshes and both attention paths without running each one 4 times.
 PLAN = {
-    "mha-1d/generic": {"eager", "grad", "decode"},
+    "mha-1d/generic": {"eager", "grad", "decode", "dropout"},
     "mha-1d/xla": set(),
     "gqa-2d/generic": {"grad"},
     "gqa-2d/xla": {"grad", "decode"},
@@ -173,6 +173,20 @@ def worker() -> dict[str, Any]:
                     layer(*placed[:4], causal=True, head_mask=placed[4]), expected_output
                 )
 
+            if "dropout" in plan:
+                # One key draws the same mask on the sharded layer as on one device.
+                pair = [MultiHeadAttention(D, H, dropout=0.5, bias=True) for _ in range(2)]
+                for one in pair:
+                    set_weights(one, weights)
+                shard_heads(pair[1], mesh)
+                dropped = nnx.jit(lambda layer, *args: layer(*args, rngs=jax.random.key(7)))
+                errors[f"{tag}/dropout"] = err(
+                    dropped(pair[1], *placed[:4]), dropped(pair[0], *call)
+                )
+                results[f"{tag}/dropout_changes"] = err(
+                    dropped(pair[0], *call), spec.reference_forward(weights, *call, **layout)[0]
+                )
+
             def loss(layer, q, k, v, gates):
                 return jnp.sum(layer(q, k, v, lens, causal=True, head_mask=gates) * cotangent)
 
@@ -298,6 +312,8 @@ def tags(check: str | None = None) -> list[str]:
 def test_forward_equals_unsharded(results: dict[str, Any], tag: str) -> None:
     errors = {k: v for k, v in results["errors"].items() if k.startswith(tag + "/")}
     expected = {"output"} | (PLAN[tag] - {"grad", "decode"})
+    if "dropout" in PLAN[tag]:
+        assert results[f"{tag}/dropout_changes"] > 0.1  # the mask did drop weights
     if tag.endswith("generic"):
         expected.add("weights")
     if "decode" in PLAN[tag]:
