@@ -197,9 +197,9 @@ class MultiHeadAttention(nnx.Module):
             (device,) = kernel.devices()
         cache = functional.init_cache(self.heads, batch_size, max_length, dtype, device=device)
         placed = self.W_k.kernel[...]
-        sharding = getattr(placed, "sharding", None)
-        if isinstance(placed, jax.core.Tracer) or not isinstance(sharding, NamedSharding):
+        if isinstance(placed, jax.core.Tracer) or not isinstance(placed.sharding, NamedSharding):
             return cache
+        sharding = placed.sharding
         # Each device keeps the key/value heads of its W_k columns (docs: "Sharding heads").
         heads = sharding.spec[1] if len(sharding.spec) > 1 else None
         return spec.KVCache(

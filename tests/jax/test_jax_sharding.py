@@ -141,6 +141,8 @@ def worker() -> dict[str, Any]:
                 errors[f"{name}/get_weights"] = max(
                     err(a, weights[k]) for k, a in get_weights(layer).items()
                 )
+                set_weights(layer, weights)  # keeps each parameter where it is
+                results[f"{name}/set_weights_spec.W_o"] = spec_of(layer.W_o.kernel[...])
 
             def forward(layer, q, k, v, lens, gates):
                 return layer(
@@ -369,6 +371,7 @@ def test_parameters_are_split(
     assert results[f"{name}/partition_spec.W_o"] == ["model", None]
     assert results[f"{name}/partition_spec.b_q"] == ["model"]
     assert results["errors"][f"{name}/get_weights"] == 0.0
+    assert results[f"{name}/set_weights_spec.W_o"] == ["model", None]
     # The output keeps the inputs' batch layout, whole on every device of the model axis.
     for tag in (f"{name}/generic", f"{name}/xla"):
         assert results[f"{tag}/output_spec"][:1] in ([batch_axis], [])
