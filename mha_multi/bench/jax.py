@@ -12,6 +12,10 @@ key lengths (Flax's ``True`` = attend, shape ``(B, 1, 1, N)``).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
@@ -21,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_multi.bench.common import Shape
+from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.jax import MultiHeadAttention, _backend, get_weights
@@ -213,3 +217,78 @@ class Jax(Framework):
 
 
 FRAMEWORK = Jax()
+
+
+def sharded_seconds(
+    shape: Shape, num_shards: int, *, repeats: int = 5, implementation: str | None = None
+) -> float:
+    """Median seconds of one jitted float32 forward of the layer, heads on ``num_shards`` CPUs.
+
+    Self-attention of ``shape`` (``(batch, length, num_hiddens)`` inputs,
+    no key lengths) through ``nnx.jit``, with the layer's heads split by
+    :func:`mha_multi.jax.shard_heads` over ``num_shards`` host CPU devices
+    (``1``: the unsharded layer on one device). JAX fixes its CPU devices
+    when it starts, so each measurement runs in a fresh interpreter started
+    with ``--xla_force_host_platform_device_count`` (docs: "Sharding heads").
+    The devices share the machine's cores: this measures what partitioning
+    costs, not what more hardware gains.
+
+    Args:
+        shape: the self-attention's sizes.
+        num_shards: devices on the heads' mesh axis; must divide ``num_heads``
+            and ``shape.kv_heads``.
+        repeats: timed calls (after two warm-up calls).
+        implementation: the layer's attention kernel (``None``: its default).
+
+    Returns:
+        The median wall-clock seconds of one call.
+    """
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={int(num_shards)}"
+    )
+    config = {
+        "shape": vars(shape),
+        "num_shards": int(num_shards),
+        "repeats": int(repeats),
+        "implementation": implementation,
+    }
+    code = f"from mha_multi.bench.jax import _sharded_run; _sharded_run({json.dumps(config)!r})"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    # The last word: libraries may print to stdout while loading.
+    return float(run.stdout.split()[-1])
+
+
+def _sharded_run(config_json: str) -> None:
+    """The measurement of :func:`sharded_seconds`, in its own interpreter; prints the seconds."""
+    from mha_multi.jax import shard_heads
+
+    config = json.loads(config_json)
+    shape, num_shards = Shape(**config["shape"]), config["num_shards"]
+    if jax.device_count() < num_shards:
+        raise RuntimeError(f"{num_shards} shards need as many devices; JAX sees {jax.devices()}")
+    layer = MultiHeadAttention(
+        shape.num_hiddens,
+        shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        implementation=config["implementation"],
+        rngs=nnx.Rngs(0),
+    )
+    layer.eval()
+    x = np.random.default_rng(0).standard_normal(
+        (shape.batch, shape.length, shape.num_hiddens), dtype=np.float32
+    )
+    sharding = jax.devices()[0]
+    if num_shards > 1:
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((num_shards,), ("model",), axis_types=auto)
+        shard_heads(layer, mesh)
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.device_put(x, sharding)  # every device holds the whole input
+    forward = nnx.jit(lambda layer, x: layer(x, x, x))
+    seconds = median_seconds(
+        lambda: forward(layer, x).block_until_ready(), repeats=config["repeats"]
+    )
+    print(seconds)

@@ -2,12 +2,14 @@
 
 The Flax Linen module is in :mod:`mha_multi.jax.linen`; both are thin
 wrappers over the pure function
-:func:`mha_multi.jax.functional.multi_head_attention`.
+:func:`mha_multi.jax.functional.multi_head_attention`. Heads are split
+across devices with :func:`shard_heads` (:mod:`mha_multi.jax.sharding`).
 """
 
 from mha_multi.jax.functional import multi_head_attention
 from mha_multi.jax.importance import head_importance
 from mha_multi.jax.layer import MultiHeadAttention, get_weights, set_weights
+from mha_multi.jax.sharding import shard_cache, shard_heads
 from mha_multi.spec import KVCache
 
 __all__ = [
@@ -17,4 +19,6 @@ __all__ = [
     "head_importance",
     "multi_head_attention",
     "set_weights",
+    "shard_cache",
+    "shard_heads",
 ]

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from mha_multi import spec
@@ -177,7 +179,10 @@ class MultiHeadAttention(nnx.Module):
         Returns:
             ``KVCache(keys, values, lengths)``: zero keys and values
             ``(B, num_kv_heads, max_length, head_dim)`` and zero lengths
-            ``(B,)`` int32, on the device of the layer's parameters.
+            ``(B,)`` int32, on the device of the layer's parameters; for a
+            layer whose heads are sharded (``shard_heads``), keys and values
+            split by key/value heads as ``W_k``'s columns are, lengths
+            replicated.
 
         Raises:
             TypeError: ``batch_size`` or ``max_length`` not an int, or
@@ -190,7 +195,17 @@ class MultiHeadAttention(nnx.Module):
         device = None
         if not isinstance(kernel, jax.core.Tracer) and len(kernel.devices()) == 1:
             (device,) = kernel.devices()
-        return functional.init_cache(self.heads, batch_size, max_length, dtype, device=device)
+        cache = functional.init_cache(self.heads, batch_size, max_length, dtype, device=device)
+        placed = self.W_k.kernel[...]
+        if isinstance(placed, jax.core.Tracer) or not isinstance(placed.sharding, NamedSharding):
+            return cache
+        sharding = placed.sharding
+        # Each device keeps the key/value heads of its W_k columns (docs: "Sharding heads").
+        heads = sharding.spec[1] if len(sharding.spec) > 1 else None
+        return spec.KVCache(
+            *(jax.device_put(x, NamedSharding(sharding.mesh, P(None, heads))) for x in cache[:2]),
+            jax.device_put(cache.lengths, NamedSharding(sharding.mesh, P())),
+        )
 
     def set_view(self, deterministic: bool | None = None) -> None:
         """Used by ``nnx.view``.

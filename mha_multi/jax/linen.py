@@ -22,9 +22,16 @@ from jax.typing import DTypeLike
 from mha_multi import spec
 from mha_multi.jax import _backend, functional
 from mha_multi.jax._ops import PrecisionLike
+from mha_multi.jax.sharding import partition_specs, shard_variables
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
-__all__ = ["MultiHeadAttention", "variables_from_weights", "weights_from_variables"]
+__all__ = [
+    "MultiHeadAttention",
+    "partition_specs",
+    "shard_variables",
+    "variables_from_weights",
+    "weights_from_variables",
+]
 
 Initializer = Any
 
