@@ -71,15 +71,13 @@ else:
     # A cache made under the distribution keeps each device's own heads (and examples).
     with distribution.scope():
         cache = layer.init_cache(batch_size=4, max_length=8)
-    print(
-        "cache keys", cache.keys.shape, "per device:", cache.keys.sharding.shard_shape((4, 2, 8, 8))
-    )
-    assert cache.keys.sharding.shard_shape(cache.keys.shape) == (2, 1, 8, 8)
+    per_device = cache.keys.sharding.shard_shape(cache.keys.shape)
+    print("cache keys", cache.keys.shape, "per device:", per_device)  # (4, 2, 8, 8) (2, 1, 8, 8)
+    assert per_device == (2, 1, 8, 8)
     outputs = []
     for t in range(6):  # one position at a time
-        step, cache = layer(
-            x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache
-        )
+        token = x[:, t : t + 1]
+        step, cache = layer(token, token, token, causal=True, cache=cache)
         outputs.append(np.asarray(step))
     full, _ = reference_forward(
         weights, x, x, x, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=True
