@@ -506,5 +506,13 @@ def test_a_layer_under_a_distribution_stays_whole() -> None:
     assert tuple(cache.keys.shape) == (2, 2, 4, 4)
 
 
+def test_the_benchmark_refuses_a_count_that_splits_heads() -> None:
+    from mha_multi.bench.common import Shape
+    from mha_multi.bench.keras import sharded_seconds
+
+    with pytest.raises(ValueError, match=r"shards \(4\) must divide num_heads \(6\)"):
+        sharded_seconds(Shape(num_hiddens=48, num_heads=6), 4)
+
+
 if __name__ == "__main__":
     print(json.dumps(sharded_checks()))
