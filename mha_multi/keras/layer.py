@@ -220,11 +220,11 @@ class MultiHeadAttention(keras.layers.Layer):
     def _add_head_weight(self, name: str, shape: tuple[int, ...], initializer: Any) -> Any:
         """``add_weight``, refused where an active distribution would split a head.
 
-        (docs: "Sharding heads") Checked before the variable exists, on the
-        path it will have as far as the layer knows it (its parents are
-        unknown before ``build``), so that a bad shard count is this
-        ``ValueError`` rather than one from the backend's layout; and again
-        on the variable's actual path.
+        Checked before the variable exists, on the path it will have as far
+        as the layer knows it (its parents are unknown before ``build``), so
+        that a bad shard count is this ``ValueError`` rather than one from
+        the backend laying the variable out; and again on the variable's
+        actual path (docs: "Sharding heads").
         """
         check_variable_layout(self, name, f"{self.path or self.name}/{name}")
         variable = self.add_weight(shape=shape, initializer=initializer, name=name)

@@ -201,20 +201,24 @@ def cache_layout(layer: MultiHeadAttention, batch_size: int) -> Any:
     Under a distribution that splits ``W_k`` by heads, the cache's
     ``(B, H_kv, max_length, head_dim)`` keys and values are split the same
     way over their heads, so that each device holds the keys and values of
-    its own heads (and, where the distribution has a batch axis whose size
-    divides ``batch_size``, of its own examples). ``None`` without such a
-    distribution.
+    its own heads; and over the distribution's batch axis too where its size
+    divides ``batch_size``, as the data is. ``None`` without such a
+    distribution (the cache is then made as without one).
     """
     distribution = _distribution()
     if distribution is None:
         return None
-    layout = _layout(distribution, layer.W_k.path)
-    heads = None if layout is None else layout.axes[HEAD_AXES["W_k"]]
-    batch = getattr(distribution, "batch_dim_name", None)
-    mesh = distribution.device_mesh
-    sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
-    if batch not in sizes or batch_size % sizes[batch] or batch == heads:
-        batch = None
-    if heads is None and batch is None:
+    path = f"{layer.path or layer.name}/W_k" if layer.W_k is None else layer.W_k.path
+    layout = _layout(distribution, path)
+    if layout is None:
         return None
-    return keras.distribution.TensorLayout((batch, heads, None, None), mesh)
+    _, heads = _shards(layout, distribution, HEAD_AXES["W_k"])
+    if not heads:
+        return None
+    mesh = layout.device_mesh or distribution.device_mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+    batch = getattr(distribution, "batch_dim_name", None)
+    if batch not in sizes or batch in heads or batch_size % sizes[batch]:
+        batch = None
+    head_axes = heads[0] if len(heads) == 1 else heads
+    return keras.distribution.TensorLayout((batch, head_axes, None, None), mesh)

@@ -168,7 +168,6 @@ def _config_checks(key: str, config: dict[str, Any], results: dict[str, Any]) ->
         # One program per layer and call: the result and every gradient.
         return jax.jit(jax.value_and_grad(run, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
-    names = [variable.name for variable in sharded.trainable_variables]
     for call in config["calls"]:
         lens, options = _call(call, data)
         flags = {"causal": options.get("causal", False), "head_mask": options["head_mask"]}
@@ -181,6 +180,7 @@ def _config_checks(key: str, config: dict[str, Any], results: dict[str, Any]) ->
         outputs, grads = {}, {}
         for label, layer in (("sharded", sharded), ("plain", plain)):
             values = [variable.value for variable in layer.trainable_variables]
+            names = [variable.name for variable in layer.trainable_variables]
             function = loss_and_result(layer, call)
             (_, result), grad = function(values, q, k, v, options["head_mask"])
             if options.get("return_attention_weights"):
@@ -328,6 +328,10 @@ def _nested_checks(results: dict[str, Any]) -> None:
             [keras.Input((3, 8)), keras.layers.Dense(16), Block(name="block")], name="model"
         )
     results["nested"] = {variable.path: _spec(variable.value) for variable in model.variables}
+    with distribution.scope():  # input sizes still unknown: no W_k yet, its layout all the same
+        lazy = MultiHeadAttention(16, 4, num_kv_heads=2, name="self_attention", **ZEROS)
+        results["lazy_cache"] = _spec(lazy.init_cache(4, 3).keys)
+        results["odd_batch_cache"] = _spec(lazy.init_cache(3, 3).keys)
 
 
 def sharded_checks() -> dict[str, Any]:
@@ -472,6 +476,10 @@ def test_nested_layers_are_matched_by_name(results: dict[str, Any]) -> None:
     assert any(p.startswith("model/block/") for p in split)  # built inside its parents
     for path, axes in nested.items():
         assert ("model" in axes) == (path in split), (path, axes)
+    # A cache split by heads before the layer is built; over the batch axis
+    # only where the batch divides into it.
+    assert results["lazy_cache"] == ["batch", "model", None, None]
+    assert results["odd_batch_cache"] == [None, "model", None, None]
 
 
 # -- TensorFlow and PyTorch: Keras ignores the distribution -----------------------------------
