@@ -4,8 +4,8 @@ On Keras' JAX backend, :func:`mha_multi.keras.layout_map` under
 ``keras.distribution.ModelParallel`` must split the variables by heads and
 give the unsharded layer's numbers (and the float64 reference's, within the
 float32 tolerances), forward and gradients, with lengths, the causal rule,
-grouped heads, head gates and a cache; a shard count that would split a head
-is a ``ValueError``. Several devices need
+grouped heads, head gates and a cache, and through a step of ``model.fit``; a
+shard count that would split a head is a ``ValueError``. Several devices need
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before JAX starts, so
 those checks run in one fresh process (this file run as a script) that
 prints their results as JSON, asserted here.
@@ -334,6 +334,48 @@ def _nested_checks(results: dict[str, Any]) -> None:
         results["odd_batch_cache"] = _spec(lazy.init_cache(3, 3).keys)
 
 
+def _fit_checks(results: dict[str, Any]) -> None:
+    """One step of Keras' own trainer (``model.fit``) sharded and not, from the same weights."""
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map(mesh), batch_dim_name="batch"
+    )
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.attention = MultiHeadAttention(16, 4, num_kv_heads=2, bias=True, **ZEROS)
+
+        def call(self, x: Any) -> Any:
+            return self.attention(x, x, x, causal=True)
+
+    def model() -> keras.Model:
+        model = keras.Sequential([keras.Input((5, 8)), keras.layers.Dense(16), Block()])
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        return model
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 5, 8), dtype=np.float32)
+    y = rng.standard_normal((8, 5, 16), dtype=np.float32)
+    plain = model()
+    plain.set_weights([rng.uniform(-0.5, 0.5, v.shape).astype(np.float32) for v in plain.variables])
+    with distribution.scope():
+        sharded = model()
+    sharded.set_weights(plain.get_weights())
+    before = plain.get_weights()
+    plain.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    with distribution.scope():
+        sharded.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    results["fit"] = {
+        variable.name: {
+            "moved": _max_abs(variable.value, start),
+            "sharded-plain": _max_abs(variable.value, other.value),
+            "axes": _spec(variable.value),
+        }
+        for variable, other, start in zip(sharded.variables, plain.variables, before, strict=True)
+    }
+
+
 def sharded_checks() -> dict[str, Any]:
     """Every check of the JAX backend; needs ``DEVICES`` devices."""
     import jax
@@ -352,6 +394,7 @@ def sharded_checks() -> dict[str, Any]:
         _config_checks(key, config, results)
     _error_checks(results)
     _nested_checks(results)
+    _fit_checks(results)
     return results
 
 
@@ -480,6 +523,19 @@ def test_nested_layers_are_matched_by_name(results: dict[str, Any]) -> None:
     # only where the batch divides into it.
     assert results["lazy_cache"] == ["batch", "model", None, None]
     assert results["odd_batch_cache"] == [None, "model", None, None]
+
+
+@JAX_ONLY
+def test_keras_training_step_sharded_equals_unsharded(results: dict[str, Any]) -> None:
+    fit = results["fit"]
+    assert {f"{w}_{p}" for w in "Wb" for p in "qkvo"} <= set(fit)
+    for name, variable in fit.items():
+        # The step changed it; but b_k, which shifts a query's scores all
+        # alike, leaves the softmax unchanged and gets no gradient.
+        assert (variable["moved"] > 1e-3) == (name != "b_k"), (name, variable)
+        assert variable["sharded-plain"] <= ATOL, (name, variable)
+        split = name in {"W_q", "W_k", "W_v", "b_q", "b_k", "b_v", "W_o"}
+        assert ("model" in variable["axes"]) == split, (name, variable)
 
 
 # -- TensorFlow and PyTorch: Keras ignores the distribution -----------------------------------
