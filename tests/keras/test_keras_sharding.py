@@ -31,7 +31,7 @@ import pytest
 keras = pytest.importorskip("keras")
 
 from mha_multi import spec  # noqa: E402
-from mha_multi.keras import MultiHeadAttention, layout_map, set_weights  # noqa: E402
+from mha_multi.keras import MultiHeadAttention, get_weights, layout_map, set_weights  # noqa: E402
 from mha_multi.keras import _backend as backend  # noqa: E402
 from mha_multi.parity.compare import tolerance  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
@@ -143,6 +143,9 @@ def _config_checks(key: str, config: dict[str, Any], results: dict[str, Any]) ->
         }
         for name, variable in sharded.canonical_variables().items()
     }
+    # Reading split variables gathers them.
+    read = get_weights(sharded)
+    results["max_abs"][f"{key}/get_weights"] = max(_max_abs(read[n], w) for n, w in weights.items())
     data = _inputs(config, seed=2)
     q, k, v = data["qkv"]
     if batch_axis is not None:
@@ -457,7 +460,7 @@ def test_sharded_equals_unsharded_and_the_reference(results: dict[str, Any]) -> 
         for call in config["calls"]
         for label in ("sharded", "plain")
     }
-    assert expected <= set(errors)
+    assert expected | {f"{key}/get_weights" for key in CONFIGS} <= set(errors)
     for name, error in errors.items():
         limit = GRAD_ATOL if "/grad." in name else ATOL
         assert error <= limit, (name, error, limit)
