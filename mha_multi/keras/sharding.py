@@ -39,12 +39,20 @@ from mha_multi.keras._backend import BACKEND
 if TYPE_CHECKING:
     from mha_multi.keras.layer import MultiHeadAttention
 
-__all__ = ["SUPPORTED_BACKENDS", "cache_layout", "check_variable_layout", "layout_map"]
+__all__ = [
+    "HEAD_AXES",
+    "SUPPORTED_BACKENDS",
+    "cache_layout",
+    "check_backend",
+    "check_variable_layout",
+    "layout_map",
+]
 
 #: Keras backends whose variables follow ``keras.distribution`` layouts.
 SUPPORTED_BACKENDS: frozenset[str] = frozenset({"jax"})
 
-#: Variable name -> the axis of that variable that runs over heads.
+#: Variable name -> the axis of that variable that runs over heads (``b_o``:
+#: none, it is replicated).
 HEAD_AXES: dict[str, int] = {
     "W_q": 1,
     "W_k": 1,
