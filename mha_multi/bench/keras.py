@@ -19,16 +19,22 @@ waits is in :mod:`mha_multi.keras._backend`.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
 
-from mha_multi.bench.common import Shape
+from mha_multi import spec
+from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
+from mha_multi.keras import MultiHeadAttention, layout_map, set_weights
 from mha_multi.keras import _backend as backend
-from mha_multi.keras import set_weights
 from mha_multi.keras._backend import LayerCall
 from mha_multi.weights import init_weights
 
@@ -119,3 +125,80 @@ class Keras(Framework):
 
 
 FRAMEWORK = Keras()
+
+
+def sharded_seconds(shape: Shape, num_shards: int, *, repeats: int = 5) -> float:
+    """Median seconds of one compiled forward of ``shape`` with heads split ``num_shards`` ways.
+
+    Keras' JAX backend, float32, CPU: self-attention of ``shape.batch``
+    sequences of ``shape.length`` tokens (no padding) through ``jax.jit`` of
+    ``Layer.stateless_call``, the layer made under a
+    ``keras.distribution.ModelParallel`` of :func:`mha_multi.keras.layout_map`
+    over a 1-D ``("model",)`` mesh of ``num_shards`` host devices (``1``: no
+    distribution, the unsharded layer). It runs in a fresh process, whose
+    ``XLA_FLAGS`` make ``num_shards`` CPU devices (docs: "Sharding heads"):
+    they share the machine's cores, so this measures what splitting costs
+    (the reduction after ``W_o``, the partitioned program), not a speed-up.
+    The calling process may run any Keras backend; the measuring one runs
+    JAX (which its environment must have).
+
+    Args:
+        shape: the self-attention measured (``num_shards`` must divide its
+            ``num_heads`` and key/value heads).
+        num_shards: the number of devices the heads are split over.
+        repeats: timed calls after two untimed ones (the first compiles).
+
+    Returns:
+        The median wall time of one call, in seconds.
+
+    Raises:
+        ValueError: ``num_shards`` does not divide the head counts.
+        RuntimeError: the measuring process failed (its error output attached).
+    """
+    spec_heads = spec.Heads(shape.num_heads, shape.kv_heads, shape.num_hiddens // shape.num_heads)
+    spec.shard_heads(spec_heads, num_shards)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={num_shards}"
+    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags.strip()}
+    code = (
+        "import sys; from mha_multi.bench.keras import _sharded_main; _sharded_main(sys.argv[1:])"
+    )
+    command = [sys.executable, "-c", code, json.dumps(vars(shape)), str(num_shards), str(repeats)]
+    process = subprocess.run(command, env=env, capture_output=True, text=True)
+    if process.returncode:
+        raise RuntimeError(f"the sharded benchmark failed:\n{process.stderr[-4000:]}")
+    return float(process.stdout.split()[-1])  # the last word: libraries may print first
+
+
+def _sharded_main(argv: list[str]) -> None:
+    """:func:`sharded_seconds`' measuring process: prints the median seconds."""
+    import jax
+
+    shape, num_shards, repeats = Shape(**json.loads(argv[0])), int(argv[1]), int(argv[2])
+    d, h, kv_heads = shape.num_hiddens, shape.num_heads, shape.kv_heads
+    scope: Any = contextlib.nullcontext()
+    if num_shards > 1:
+        devices = keras.distribution.list_devices("cpu")[:num_shards]
+        mesh = keras.distribution.DeviceMesh((num_shards,), ["model"], devices=devices)
+        scope = keras.distribution.ModelParallel(layout_map=layout_map(mesh)).scope()
+    with scope:
+        layer = MultiHeadAttention(
+            d,
+            h,
+            num_kv_heads=kv_heads,
+            query_size=d,
+            key_size=d,
+            value_size=d,
+            kernel_initializer="zeros",  # set_weights writes them
+        )
+        set_weights(layer, init_weights(d, num_heads=h, num_kv_heads=kv_heads, seed=0))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((shape.batch, shape.length, d), dtype=np.float32)
+    trainable = [variable.value for variable in layer.trainable_variables]
+
+    @jax.jit
+    def forward(trainable: list[Any], x: Any) -> Any:
+        output, _ = layer.stateless_call(trainable, [], x, x, x)
+        return output
+
+    seconds = median_seconds(lambda: forward(trainable, x).block_until_ready(), repeats=repeats)
+    print(seconds)

@@ -5,6 +5,14 @@ backend is active (``KERAS_BACKEND``: TensorFlow, JAX or PyTorch).
 """
 
 from mha_multi.keras.layer import MultiHeadAttention, get_weights, head_importance, set_weights
+from mha_multi.keras.sharding import layout_map
 from mha_multi.spec import KVCache
 
-__all__ = ["KVCache", "MultiHeadAttention", "get_weights", "head_importance", "set_weights"]
+__all__ = [
+    "KVCache",
+    "MultiHeadAttention",
+    "get_weights",
+    "head_importance",
+    "layout_map",
+    "set_weights",
+]

@@ -28,6 +28,7 @@ from mha_multi.keras._backend import (
     values_readable,
 )
 from mha_multi.keras._ops import OPS, dtype_kind, index_dtype, is_16_bit, matmul_16_bit
+from mha_multi.keras.sharding import cache_layout, check_variable_layout
 from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
 
 __all__ = [
@@ -208,17 +209,27 @@ class MultiHeadAttention(keras.layers.Layer):
             "v": self._heads.kv_features,
             "o": self.num_hiddens,
         }[name]
-        kernel = self.add_weight(
-            shape=(in_features, out_features),
-            initializer=self.kernel_initializer,
-            name=f"W_{name}",
+        kernel = self._add_head_weight(
+            f"W_{name}", (in_features, out_features), self.kernel_initializer
         )
         setattr(self, f"W_{name}", kernel)
         if self.bias:
-            bias = self.add_weight(
-                shape=(out_features,), initializer=self.bias_initializer, name=f"b_{name}"
-            )
+            bias = self._add_head_weight(f"b_{name}", (out_features,), self.bias_initializer)
             setattr(self, f"b_{name}", bias)
+
+    def _add_head_weight(self, name: str, shape: tuple[int, ...], initializer: Any) -> Any:
+        """``add_weight``, refused where an active distribution would split a head.
+
+        Checked before the variable exists, on the path it will have as far
+        as the layer knows it (its parents are unknown before ``build``), so
+        that a bad shard count is this ``ValueError`` rather than one from
+        the backend laying the variable out; and again on the variable's
+        actual path (docs: "Sharding heads").
+        """
+        check_variable_layout(self, name, f"{self.path or self.name}/{name}")
+        variable = self.add_weight(shape=shape, initializer=initializer, name=name)
+        check_variable_layout(self, name, variable.path)
+        return variable
 
     def canonical_variables(self) -> dict[str, keras.Variable]:
         """Canonical weight name -> variable, for the projections created so far."""
@@ -444,7 +455,10 @@ class MultiHeadAttention(keras.layers.Layer):
             :class:`~mha_multi.spec.KVCache` of zero ``keys`` and ``values``
             ``(batch_size, num_kv_heads, max_length, head_dim)`` and int32
             ``lengths`` ``(batch_size,)`` all 0, on the device of the layer's
-            variables.
+            variables; under a distribution that splits the heads
+            (:func:`mha_multi.keras.layout_map`), keys and values are split
+            over their heads as ``W_k`` is
+            (:func:`mha_multi.keras.sharding.cache_layout`).
 
         Raises:
             TypeError: ``batch_size`` or ``max_length`` is not an int.
@@ -457,11 +471,20 @@ class MultiHeadAttention(keras.layers.Layer):
         # the trace places the cache.
         placed = values_readable(variable)
         with device_scope(device_of(variable)) if placed else contextlib.nullcontext():
-            return spec.KVCache(
+            cache = spec.KVCache(
                 keras.ops.zeros(shape, dtype),
                 keras.ops.zeros(shape, dtype),
                 keras.ops.zeros(shape[:1], "int32"),
             )
+        layout = cache_layout(self, batch_size)
+        if layout is None:
+            return cache
+        # Under a distribution splitting the heads, each device keeps the
+        # keys and values of its own heads (docs: "Sharding heads").
+        distribute = keras.distribution.distribute_tensor
+        return cache._replace(
+            keys=distribute(cache.keys, layout), values=distribute(cache.values, layout)
+        )
 
     def _cached_call(
         self,
