@@ -669,19 +669,16 @@ class MultiHeadAttention(keras.layers.Layer):
             if tensor is not None or name == "queries":
                 _check_floating(name, tensor)
         self._check_head_mask(head_mask, queries.shape[0])
-        spec.check_cached_inputs(
-            queries.shape,
-            None if keys is None else keys.shape,
-            None if values is None else values.shape,
-            None if valid_lens is None else valid_lens.shape,
-            spec.KVCache(*(x.shape for x in cache)),
+        spec.check_cached_call(
+            queries,
+            keys,
+            values,
+            valid_lens,
+            cache,
             heads=self._heads,
+            dtype_kind=dtype_kind,
             causal=causal,
             **self.input_sizes(),
-        )
-        spec.check_cache_dtypes(
-            dtype_kind(cache.lengths.dtype),
-            None if valid_lens is None else dtype_kind(valid_lens.dtype),
         )
         if keys is None:
             # With new keys spec.update_cache compares the dtypes; without,
