@@ -283,7 +283,9 @@ def head_mask_gradient(
     """
     parameter = layer.W_o.weight
     dtype = torch.promote_types(parameter.dtype, torch.float32)
-    gates = torch.ones(layer.num_heads, dtype=dtype, device=parameter.device, requires_grad=True)
+    # The whole layer's heads, also when they are sharded (docs: "Sharding heads").
+    num_heads = layer._canonical_heads().num_heads
+    gates = torch.ones(num_heads, dtype=dtype, device=parameter.device, requires_grad=True)
     with torch.enable_grad():
         loss = loss_fn(layer(queries, keys, values, valid_lens, head_mask=gates))
         if not isinstance(loss, torch.Tensor):

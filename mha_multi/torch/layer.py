@@ -768,14 +768,8 @@ def head_importance(
     Raises:
         ValueError: ``batches`` yields nothing, or ``loss_fn`` returns more
             than one number.
-        TypeError: ``loss_fn`` returns no tensor, or ``layer``'s heads are
-            sharded (compute the importance on the unsharded layer).
+        TypeError: ``loss_fn`` returns no tensor.
     """
-    if layer._sharding is not None:
-        raise TypeError(
-            "head_importance takes an unsharded layer; compute it before shard_heads "
-            '(docs: "Sharding heads")'
-        )
     training = layer.training
     layer.eval()
     try:

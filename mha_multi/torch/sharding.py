@@ -131,8 +131,8 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
     - Inputs must be float32, or 16-bit on CUDA (a ``TypeError`` otherwise:
       the CPU's 16-bit products are computed on float32 copies of whole
       weights, which the sharded modules do not do).
-    - :func:`~mha_multi.torch.head_importance` is not available on a sharded
-      layer (a ``TypeError``); call it on the unsharded one.
+    - :func:`~mha_multi.torch.head_importance` of a sharded layer is the
+      whole layer's ``(num_heads,)``, on every process (call it on each).
 
     Args:
         layer: a layer whose input sizes are known (given to the constructor,

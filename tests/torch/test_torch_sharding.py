@@ -96,6 +96,21 @@ def _inputs(name: str) -> dict[str, torch.Tensor | None]:
     return tensors | {"valid_lens": lens, "head_mask": head_mask}
 
 
+def _importance_inputs(name: str) -> tuple[list[tuple[Any, ...]], Any]:
+    """``head_importance``'s batches and loss for case ``name``: two batches, the
+    second the first's examples in reverse order, and a loss weighing every
+    output differently."""
+    inputs = _inputs(name)
+    first = (inputs["queries"], inputs["keys"], inputs["values"], inputs["valid_lens"])
+    second = tuple(x.flip(0) for x in first)
+    weights = torch.linspace(-1.0, 1.0, BATCH * LENGTH * CASES[name]["layer"]["num_hiddens"])
+
+    def loss(output: torch.Tensor) -> torch.Tensor:
+        return (output * weights.reshape(output.shape)).sum()
+
+    return [first, second], loss
+
+
 def _forward_backward(
     layer: MultiHeadAttention, name: str, *, return_attention_weights: bool
 ) -> dict[str, np.ndarray]:
@@ -227,11 +242,10 @@ def _worker(rank: int, world_size: int, init_method: str, out_dir: str) -> None:
             "bfloat16_cpu": lambda: layer.to(torch.bfloat16)(
                 *(x.bfloat16() for x in (queries, keys, values))
             ),
-            "head_importance": lambda: head_importance(
-                layer, [(queries, keys, values, None)], lambda out: out.sum()
-            ),
         }
         arrays |= {f"error/{key}": np.array(_error(call)) for key, call in errors.items()}
+        importance_layer = shard_heads(_layer("cross", _weights("cross")), mesh)
+        arrays["head_importance"] = head_importance(importance_layer, *_importance_inputs("cross"))
         np.savez(Path(out_dir) / f"rank{rank}.npz", **arrays)
     finally:
         dist.destroy_process_group()
@@ -348,6 +362,17 @@ def test_cached_decode_equals_unsharded(ranks: list[dict[str, np.ndarray]]) -> N
             np.testing.assert_allclose(got[key], value, **TOLERANCE, err_msg=f"{key}, rank {rank}")
 
 
+def test_head_importance_of_a_sharded_layer_is_the_whole_layers(
+    ranks: list[dict[str, np.ndarray]],
+) -> None:
+    from mha_multi.torch import head_importance
+
+    expected = head_importance(_layer("cross", _weights("cross")), *_importance_inputs("cross"))
+    assert expected.shape == (CASES["cross"]["layer"]["num_heads"],)
+    for got in ranks:
+        np.testing.assert_allclose(got["head_importance"], expected, **TOLERANCE)
+
+
 def test_bad_shard_counts_raise_the_spec_error(ranks: list[dict[str, np.ndarray]]) -> None:
     for heads, key in ((spec.Heads(3, 3, 5), "num_heads"), (spec.Heads(4, 1, 4), "num_kv_heads")):
         with pytest.raises(ValueError) as raised:
@@ -364,7 +389,6 @@ def test_bad_shard_counts_raise_the_spec_error(ranks: list[dict[str, np.ndarray]
         ("twice", "ValueError: the layer's heads are already sharded 2 ways"),
         ("local_head_mask", "ValueError: head_mask must have shape (num_heads,) = (4,)"),
         ("bfloat16_cpu", "TypeError: a head-sharded layer computes 16-bit products only"),
-        ("head_importance", "TypeError: head_importance takes an unsharded layer"),
     ],
 )
 def test_errors(ranks: list[dict[str, np.ndarray]], key: str, message: str) -> None:
