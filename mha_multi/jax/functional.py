@@ -525,6 +525,57 @@ def batch_pieces(batch: int, example_bytes: int) -> int:
     return batch
 
 
+HEAD_PARALLEL = True
+
+
+def _attention_by_heads(
+    ops: JaxOps,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    valid_lens: jax.Array | None,
+    *,
+    num_heads: int,
+    head_dim: int,
+    num_kv_heads: int,
+    causal: bool,
+    kv_split: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`mha_multi.spec.attention` mapped over the examples and the key/value heads."""
+    group_size = num_heads // num_kv_heads
+    batch, num_queries = q.shape[:2]
+    q = q.reshape(batch, num_queries, num_kv_heads, group_size * head_dim)
+    if kv_split:
+        kv_axis = 0
+    else:
+        k, v = (x.reshape(*x.shape[:2], num_kv_heads, head_dim) for x in (k, v))
+        kv_axis = 1
+
+    def one(
+        q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array]:
+        context, weights = spec.attention(
+            ops,
+            q[None],
+            k[None],
+            v[None],
+            None if lens is None else lens[None],
+            num_heads=group_size,
+            head_dim=head_dim,
+            num_kv_heads=1,
+            causal=causal,
+        )
+        return context[0], weights[0]
+
+    per_head = jax.vmap(one, in_axes=(1, kv_axis, kv_axis, None), out_axes=(1, 0))
+    per_example = jax.vmap(per_head, in_axes=(0, 0, 0, None if valid_lens is None else 0))
+    context, weights = per_example(q, k, v, valid_lens)
+    return (
+        context.reshape(batch, num_queries, num_heads * head_dim),
+        weights.reshape(batch, num_heads, *weights.shape[-2:]),
+    )
+
+
 def _generic_attention(
     ops: JaxOps,
     q: jax.Array,
@@ -559,19 +610,33 @@ def _generic_attention(
     def attention(
         q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array | None
     ) -> tuple[jax.Array, jax.Array | None]:
-        context, weights = spec.attention(
-            ops,
-            q,
-            k,
-            v,
-            lens,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            num_kv_heads=num_kv_heads,
-            causal=causal,
-            dropout=dropout,
-            kv_split=kv_split,
-        )
+        if dropout is None and HEAD_PARALLEL:
+            context, weights = _attention_by_heads(
+                ops,
+                q,
+                k,
+                v,
+                lens,
+                num_heads=num_heads,
+                head_dim=head_dim,
+                num_kv_heads=num_kv_heads,
+                causal=causal,
+                kv_split=kv_split,
+            )
+        else:
+            context, weights = spec.attention(
+                ops,
+                q,
+                k,
+                v,
+                lens,
+                num_heads=num_heads,
+                head_dim=head_dim,
+                num_kv_heads=num_kv_heads,
+                causal=causal,
+                dropout=dropout,
+                kv_split=kv_split,
+            )
         return context, weights if return_attention_weights else None
 
     batch = q.shape[0]
