@@ -118,6 +118,8 @@ class MultiHeadAttention(nnx.Module):
         self.param_dtype = param_dtype
         self.precision = precision
         self.implementation = implementation
+        # Static (no Variable): set by shard_heads (docs: "Sharding heads").
+        self.head_parallel = False
         linear = functools.partial(
             nnx.Linear,
             use_bias=self.bias,
@@ -317,6 +319,7 @@ class MultiHeadAttention(nnx.Module):
             return_attention_weights=return_attention_weights,
             implementation=self.implementation,
             cache=cache,
+            head_parallel=self.head_parallel,
             head_mask=head_mask,
         )
         if return_attention_weights:

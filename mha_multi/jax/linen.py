@@ -89,6 +89,11 @@ class MultiHeadAttention(nn.Module):
             requested and dropout is off: ``None`` (cuDNN's for 16-bit inputs
             on a GPU, the generic path otherwise), ``"generic"``, ``"xla"``
             or ``"cudnn"``; see :mod:`mha_multi.jax.functional`.
+        head_parallel: compute each key/value head's group apart on the
+            generic path (the same numbers), so that variables placed by
+            :func:`~mha_multi.jax.sharding.shard_variables` are computed
+            head by head on their devices; a few percent slower on one
+            device (docs: "Sharding heads").
         kernel_init: initializer of the kernels (``nn.Dense``'s ``lecun_normal``).
         bias_init: initializer of the biases (zeros).
     """
@@ -106,6 +111,7 @@ class MultiHeadAttention(nn.Module):
     param_dtype: DTypeLike = jnp.float32
     precision: PrecisionLike = None
     implementation: str | None = None
+    head_parallel: bool = False
     kernel_init: Initializer = nn.initializers.lecun_normal()
     bias_init: Initializer = nn.initializers.zeros_init()
 
@@ -298,6 +304,7 @@ class MultiHeadAttention(nn.Module):
             return_attention_weights=return_attention_weights,
             implementation=self.implementation,
             cache=cache,
+            head_parallel=self.head_parallel,
             head_mask=head_mask,
         )
         if return_attention_weights:

@@ -3,10 +3,13 @@
 The heads are split over one axis of a :class:`jax.sharding.Mesh`: ``W_q``,
 ``W_k`` and ``W_v`` by columns (each device holds the projections of its
 heads), ``W_o`` by rows (each device holds the rows its heads' contexts
-meet), ``b_o`` replicated. Nothing else is needed: the layer's arithmetic is
-unchanged, and XLA's partitioner, given where the parameters live, splits
-every operation that follows them and inserts the one reduction after
-``W_o`` (the sum of the devices' partial outputs) itself. A batch sharded on
+meet), ``b_o`` replicated. XLA's partitioner, given where the parameters
+live, splits every operation that follows them and inserts the one
+reduction after ``W_o`` (the sum of the devices' partial outputs) itself.
+The generic path must keep the heads an axis of their own for that (d2l's
+``(B*H, T, dh)`` would make it gather the projections): a sharded layer
+computes it head by head (``head_parallel``, the same numbers; dropout
+excepted, whose mask is drawn for all heads at once). A batch sharded on
 another axis of the mesh (``("data", "model")``) is split the same way.
 
 Shard ``s`` of ``n`` holds query heads ``[s H / n, (s + 1) H / n)`` and the
@@ -15,9 +18,10 @@ must divide ``num_heads`` and ``num_kv_heads``.
 
 - NNX: :func:`shard_heads` places the layer's parameters in place, with
   their ``out_sharding`` metadata (``nnx.get_partition_spec``,
-  ``nnx.Optimizer`` states follow it).
+  ``nnx.Optimizer`` states follow it), and sets its ``head_parallel``.
 - Linen: :func:`partition_specs` gives the variables' specs,
-  :func:`shard_variables` places them (both also in :mod:`mha_multi.jax.linen`).
+  :func:`shard_variables` places them (both also in :mod:`mha_multi.jax.linen`);
+  the module is built with ``head_parallel=True``.
 - The cache: a sharded NNX layer's ``init_cache`` splits the cache's
   key/value heads the same way; :func:`shard_cache` places any cache (a
   Linen module's, or one with its batch on a data axis).
@@ -105,7 +109,8 @@ def shard_heads(layer: MultiHeadAttention, mesh: Mesh, axis: str = "model") -> M
     XLA; inputs may be replicated or have their batch sharded on another
     mesh axis. ``init_cache`` returns a cache whose key/value heads are split
     the same way, ``set_weights`` keeps the placement and ``get_weights``
-    gathers full numpy arrays.
+    gathers full numpy arrays. The layer's ``head_parallel`` is set, so its
+    generic path attends head by head (see the module notes).
 
     Args:
         layer: the layer, on any device.
@@ -141,6 +146,7 @@ def shard_heads(layer: MultiHeadAttention, mesh: Mesh, axis: str = "model") -> M
             param.set_metadata(out_sharding=tuple(partition), mesh=mesh)
             param.set_value(jax.device_put(param[...], NamedSharding(mesh, partition)))
             placed.add(id(param))
+    layer.head_parallel = True
     # Every other array (dropout rng keys and counts) on the same devices, whole.
     replicated = NamedSharding(mesh, PartitionSpec())
     for _, variable in nnx.iter_graph(layer):
@@ -250,7 +256,9 @@ def shard_variables(
     """A Linen module's variables placed with their heads split over ``axis`` of ``mesh``.
 
     The Linen counterpart of :func:`shard_heads`: ``module.apply`` (under
-    ``jax.jit`` or not) on the result is partitioned by XLA.
+    ``jax.jit`` or not) on the result is partitioned by XLA. A Linen module
+    is immutable: build it with ``head_parallel=True``, or its generic path
+    gathers the projections (see the module notes).
 
     Args:
         module: the Linen module, for its head layout.

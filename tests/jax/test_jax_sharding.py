@@ -124,7 +124,9 @@ def worker() -> dict[str, Any]:
                 implementation=None if implementation == "generic" else implementation,
             )
             set_weights(layer, weights).eval()
+            assert not layer.head_parallel
             shard_heads(layer, mesh)
+            results[f"{tag}/head_parallel"] = layer.head_parallel
             if implementation == "generic":
                 # The parameters really are split: each device holds its columns/rows.
                 for proj in ("W_q", "W_k", "W_o"):
@@ -237,7 +239,9 @@ def worker() -> dict[str, Any]:
         if name != LINEN_CONFIG:
             continue
         # Linen: the same layout through partition specs, under jax.jit.
-        module = linen.MultiHeadAttention(D, H, bias=True, num_kv_heads=num_kv_heads)
+        module = linen.MultiHeadAttention(
+            D, H, bias=True, num_kv_heads=num_kv_heads, head_parallel=True
+        )
         variables = linen.shard_variables(
             module, linen.variables_from_weights(weights, module), mesh
         )
@@ -248,6 +252,12 @@ def worker() -> dict[str, Any]:
             out = module.apply(variables, q, keys, values, lens, causal=True, head_mask=gates)  # noqa: B023
             return jnp.sum(out * cotangent), out
 
+        linen_forward = jax.jit(
+            lambda variables, *args: module.apply(variables, *args, causal=True)  # noqa: B023
+        )
+        results[f"{name}/linen/collectives"] = collectives(
+            linen_forward.lower(variables, *placed[:4]).compile().as_text()
+        )
         linen_grad = jax.jit(jax.grad(linen_loss, argnums=(0, 1), has_aux=True))
         (g_vars, g_q), out = linen_grad(variables, placed[0])
         errors[f"{name}/linen/output"] = err(out, expected_output)
@@ -351,6 +361,8 @@ def test_linen_equals_unsharded(results: dict[str, Any]) -> None:
     assert results[f"{name}/linen_spec.W_v.kernel"] == [None, "model"]
     assert results[f"{name}/linen_spec.W_o.kernel"] == ["model", None]
     assert results[f"{name}/linen/cache_spec"][:2] == ["data", "model"]
+    counts = results[f"{name}/linen/collectives"]
+    assert counts["all-reduce"] == 1 and sum(counts.values()) == 1, counts
 
 
 @pytest.mark.parametrize(("name", "num_kv_heads", "mesh_shape", "batch_axis"), CONFIGS)
@@ -382,16 +394,15 @@ def test_optimizer_states_follow(results: dict[str, Any]) -> None:
     assert results["mha-1d/adam_mu_spec"] == [None, "model"]
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CONFIGS])
-def test_fused_path_reduces_once(results: dict[str, Any], name: str) -> None:
-    # With the fused kernel each device attends with its own heads: the one
-    # communication is the sum of the partial outputs after W_o.
-    counts = results[f"{name}/xla/collectives"]
+@pytest.mark.parametrize("tag", tags())
+def test_forward_reduces_once(results: dict[str, Any], tag: str) -> None:
+    # Each device attends with its own heads, on either path (the generic one
+    # maps the spec's attention over the heads): the one communication is the
+    # sum of the partial outputs after W_o.
+    assert results[f"{tag}/head_parallel"] is True
+    counts = results[f"{tag}/collectives"]
     assert counts["all-reduce"] == 1, counts
     assert sum(counts.values()) == 1, counts
-    # d2l's generic path reads heads as (B*H, T, dh), which XLA cannot split
-    # by heads: it gathers the projections there, and still reduces once.
-    assert results[f"{name}/generic/collectives"]["all-reduce"] == 1
 
 
 def test_shard_counts_must_divide_heads(results: dict[str, Any]) -> None:
@@ -437,6 +448,45 @@ def test_bad_arguments() -> None:
     assert shard_heads(layer, mesh) is layer
     x = np.ones((1, 3, 8), np.float32)
     assert layer(x, x, x).shape == (1, 3, 8)
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 2, 1])
+def test_head_parallel_equals_reference(num_kv_heads: int | None) -> None:
+    # The head-by-head generic path on one device: weights, 2-D float lengths, gradients.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mha_multi import spec
+    from mha_multi.jax import functional
+    from mha_multi.weights import init_weights
+
+    rng = np.random.default_rng(3)
+    D, H = 16, 4
+    weights = init_weights(D, num_heads=H, num_kv_heads=num_kv_heads, bias=True, seed=2)
+    q = rng.standard_normal((2, 3, D)).astype(np.float32)
+    kv = rng.standard_normal((2, 5, D)).astype(np.float32)
+    lens = np.array([[1.5, 4.0, 0.0], [5.0, 2.0, 3.0]], np.float32)
+    cotangent = rng.standard_normal((2, 3, D)).astype(np.float32)
+    layout = {"num_heads": H, "num_kv_heads": num_kv_heads}
+
+    def call(w: dict, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return functional.multi_head_attention(
+            w, q, kv, kv, lens, causal=True, head_parallel=True, **layout
+        )
+
+    output, attention = jax.jit(call)(weights, q)
+    expected_output, expected_weights = spec.reference_forward(
+        weights, q, kv, kv, lens, causal=True, **layout
+    )
+    np.testing.assert_allclose(output, expected_output, atol=FLOAT32_ATOL, rtol=0)
+    np.testing.assert_allclose(attention, expected_weights, atol=FLOAT32_ATOL, rtol=0)
+    grads = jax.grad(lambda w, q: jnp.sum(call(w, q)[0] * cotangent), argnums=(0, 1))(weights, q)
+    expected = spec.reference_gradients(
+        weights, q, kv, kv, lens, causal=True, output_gradient=cotangent, **layout
+    )
+    for name, got in (*grads[0].items(), ("queries", grads[1])):
+        np.testing.assert_allclose(got, expected[name], atol=FLOAT32_GRAD_ATOL, rtol=0)
 
 
 def test_linen_partition_specs() -> None:
