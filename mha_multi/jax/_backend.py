@@ -329,8 +329,17 @@ def vjp(
             return output_of(layer(q, k, v, valid_lens, head_mask=gates, **options))
 
         projections = nnx.to_pure_dict
-    _, pullback = jax.vjp(call, params, head_mask, queries, keys, values)
-    param_grads, gate_grad, *input_grads = pullback(output_gradient)
+    # One compiled program per call: eager JAX would compile each operation
+    # of the forward and backward passes for each new shape instead, several
+    # times slower for the one product wanted here.
+    @jax.jit
+    def gradients(params: Any, gates: Any, q: Any, k: Any, v: Any, cotangent: Any) -> Any:
+        _, pullback = jax.vjp(call, params, gates, q, k, v)
+        return pullback(cotangent)
+
+    param_grads, gate_grad, *input_grads = gradients(
+        params, head_mask, queries, keys, values, output_gradient
+    )
     grads = dict(zip(INPUT_NAMES, input_grads, strict=True))
     if head_mask is not None:
         grads["head_mask"] = gate_grad
