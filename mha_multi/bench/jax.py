@@ -61,6 +61,11 @@ class Jax(Framework):
     def __init__(self) -> None:
         self._matmul = jax.jit(jnp.matmul)
 
+    shard_counts = (1, 2, 4)
+
+    def sharded_seconds(self, shape: Shape, num_shards: int) -> float:
+        return sharded_seconds(shape, num_shards)
+
     def versions(self) -> dict[str, str]:
         return {name: version(name) for name in ("jax", "jaxlib", "flax")}
 

@@ -58,6 +58,14 @@ class Keras(Framework):
         how = "layers called eagerly" if execution == "eager" else COMPILERS[backend.BACKEND]
         return f"{device}; {how}"
 
+    @property
+    def shard_counts(self) -> tuple[int, ...]:  # type: ignore[override]
+        # Keras lays variables out by a distribution on JAX only (docs: "Sharding heads").
+        return (1, 2, 4) if backend.BACKEND == "jax" else ()
+
+    def sharded_seconds(self, shape: Shape, num_shards: int) -> float:
+        return sharded_seconds(shape, num_shards)
+
     def versions(self) -> dict[str, str]:
         return {
             "keras": keras.__version__,
