@@ -36,6 +36,7 @@ __all__ = [
     "NumpyOps",
     "apply_head_mask",
     "attention",
+    "attention_by_kv_heads",
     "cache_shape",
     "check_cache_dtypes",
     "check_cache_values",
@@ -961,6 +962,78 @@ def attention(
         flat_weights = dropout(flat_weights)
     context = transpose_output(ops, ops.matmul(flat_weights, v), num_heads)
     return context, weights
+
+
+def attention_by_kv_heads(
+    ops: ArrayOps,
+    q: Array,
+    k: Array,
+    v: Array,
+    valid_lens: Array | None,
+    *,
+    num_heads: int,
+    head_dim: int,
+    num_kv_heads: int,
+    causal: bool = False,
+    kv_split: bool = False,
+    vmap: Callable[..., Callable[..., Any]],
+) -> tuple[Array, Array]:
+    """:func:`attention` mapped over the examples and the key/value heads.
+
+    d2l's layout merges examples and heads into one axis ``(B*H, T, dh)``,
+    which a partitioner cannot split by heads: with the heads sharded over
+    devices, XLA gathers the projections and every device computes every
+    head. Here each example's key/value head ``j`` meets its group of query
+    heads ``[j G, (j + 1) G)`` (columns ``[j G dh, (j + 1) G dh)`` of ``q``)
+    in one mapped call of :func:`attention`, so the heads stay an axis of
+    their own and each device attends with its own (docs: "Sharding heads").
+    Every score is the same dot product: the numbers are :func:`attention`'s.
+    No dropout: a mapped dropout would draw the same mask for every head.
+
+    Args:
+        ops: the array-ops adapter.
+        q: projected queries ``(B, Q, num_heads * head_dim)``.
+        k: projected keys ``(B, K, num_kv_heads * head_dim)``, or with
+            ``kv_split`` a cache's ``(B, num_kv_heads, M, head_dim)``;
+            ``v`` likewise.
+        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
+        num_heads, head_dim, num_kv_heads, causal: as in :func:`attention`.
+        kv_split: as in :func:`attention`.
+        vmap: ``jax.vmap``, or a function of its signature for the
+            adapter's arrays (``in_axes``, ``out_axes``).
+
+    Returns:
+        ``(context, weights)``: ``(B, Q, num_heads * head_dim)`` and
+        ``(B, H, Q, K)``, as :func:`attention` returns them.
+    """
+    group_size = num_heads // num_kv_heads
+    q = ops.split_axis(q, 2, (num_kv_heads, group_size * head_dim))  # (B, Q, H_kv, G*dh)
+    if kv_split:
+        kv_axis = 0  # an example's (H_kv, M, dh)
+    else:
+        k, v = (ops.split_axis(x, 2, (num_kv_heads, head_dim)) for x in (k, v))
+        kv_axis = 1  # an example's (K, H_kv, dh)
+
+    def one_group(q: Array, k: Array, v: Array, lens: Array | None) -> tuple[Array, Array]:
+        # One example (a batch of 1) and one key/value head: multi-head attention.
+        context, weights = attention(
+            ops,
+            ops.expand_dims(q, 0),
+            ops.expand_dims(k, 0),
+            ops.expand_dims(v, 0),
+            None if lens is None else ops.expand_dims(lens, 0),
+            num_heads=group_size,
+            head_dim=head_dim,
+            num_kv_heads=1,
+            causal=causal,
+        )
+        return ops.merge_axes(context, 0), ops.merge_axes(weights, 0)
+
+    per_group = vmap(one_group, in_axes=(1, kv_axis, kv_axis, None), out_axes=(1, 0))
+    lens_axis = None if valid_lens is None else 0
+    per_example = vmap(per_group, in_axes=(0, 0, 0, lens_axis), out_axes=(0, 0))
+    context, weights = per_example(q, k, v, valid_lens)  # (B, Q, H_kv, G*dh), (B, H_kv, G, Q, K)
+    return ops.merge_axes(context, 2), ops.merge_axes(weights, 1)
 
 
 def _grouped_attention(

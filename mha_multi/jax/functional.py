@@ -525,76 +525,6 @@ def batch_pieces(batch: int, example_bytes: int) -> int:
     return batch
 
 
-def _attention_by_heads(
-    ops: JaxOps,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    valid_lens: jax.Array | None,
-    *,
-    num_heads: int,
-    head_dim: int,
-    num_kv_heads: int,
-    causal: bool,
-    kv_split: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """:func:`mha_multi.spec.attention` mapped over the examples and the key/value heads.
-
-    d2l's layout merges examples and heads into one axis ``(B*H, T, dh)``,
-    which XLA's partitioner cannot split by heads: with the heads sharded it
-    gathers the projections and every device computes every head. Here each
-    example's key/value head ``j`` meets its group of query heads ``[j G,
-    (j + 1) G)`` (columns ``[j G dh, (j + 1) G dh)`` of ``q``) in one
-    :func:`jax.vmap`-ed call of the spec's attention, so the heads stay an
-    axis of their own and each device attends with its own (docs: "Sharding
-    heads"). Every score is the same dot product: the numbers are the
-    spec's. On one CPU the vmapped form measured a few percent slower (XLA
-    copies each piece's scores once more), so it runs only for sharded layers.
-
-    Args:
-        q: projected queries ``(B, Q, H*dh)``.
-        k: projected keys ``(B, K, H_kv*dh)``, or with ``kv_split`` a
-            cache's ``(B, H_kv, M, dh)``; ``v`` likewise.
-        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``.
-
-    Returns:
-        ``(context, weights)``: ``(B, Q, H*dh)`` and ``(B, H, Q, K)``, as
-        :func:`mha_multi.spec.attention` returns them.
-    """
-    group_size = num_heads // num_kv_heads
-    batch, num_queries = q.shape[:2]
-    q = q.reshape(batch, num_queries, num_kv_heads, group_size * head_dim)
-    if kv_split:
-        kv_axis = 0
-    else:
-        k, v = (x.reshape(*x.shape[:2], num_kv_heads, head_dim) for x in (k, v))
-        kv_axis = 1
-
-    def one(
-        q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array | None
-    ) -> tuple[jax.Array, jax.Array]:
-        context, weights = spec.attention(
-            ops,
-            q[None],
-            k[None],
-            v[None],
-            None if lens is None else lens[None],
-            num_heads=group_size,
-            head_dim=head_dim,
-            num_kv_heads=1,
-            causal=causal,
-        )
-        return context[0], weights[0]
-
-    per_head = jax.vmap(one, in_axes=(1, kv_axis, kv_axis, None), out_axes=(1, 0))
-    per_example = jax.vmap(per_head, in_axes=(0, 0, 0, None if valid_lens is None else 0))
-    context, weights = per_example(q, k, v, valid_lens)
-    return (
-        context.reshape(batch, num_queries, num_heads * head_dim),
-        weights.reshape(batch, num_heads, *weights.shape[-2:]),
-    )
-
-
 def _generic_attention(
     ops: JaxOps,
     q: jax.Array,
@@ -625,7 +555,7 @@ def _generic_attention(
 
     With ``head_parallel`` (and no dropout, whose mask must stay the one
     drawn for the whole ``(B*H, Q, K)`` weights) the attention is mapped
-    over the key/value heads (:func:`_attention_by_heads`), so that sharded
+    over the key/value heads (:func:`mha_multi.spec.attention_by_kv_heads`), so that sharded
     heads are computed where they live.
 
     Returns:
@@ -636,7 +566,7 @@ def _generic_attention(
         q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array | None
     ) -> tuple[jax.Array, jax.Array | None]:
         if head_parallel and dropout is None:
-            context, weights = _attention_by_heads(
+            context, weights = spec.attention_by_kv_heads(
                 ops,
                 q,
                 k,
@@ -647,6 +577,7 @@ def _generic_attention(
                 num_kv_heads=num_kv_heads,
                 causal=causal,
                 kv_split=kv_split,
+                vmap=jax.vmap,
             )
         else:
             context, weights = spec.attention(

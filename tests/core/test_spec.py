@@ -725,6 +725,52 @@ def test_head_shards_sum_to_the_layer_after_w_o(num_kv_heads, causal):
     np.testing.assert_allclose(total, full, rtol=1e-12, atol=1e-12)
 
 
+def loop_vmap(function, in_axes, out_axes):
+    """``jax.vmap``'s meaning written as a loop (the test's independent map)."""
+
+    def mapped(*args):
+        size = next(
+            a.shape[axis] for a, axis in zip(args, in_axes, strict=True) if axis is not None
+        )
+        results = [
+            function(
+                *(
+                    a if axis is None else np.take(a, i, axis)
+                    for a, axis in zip(args, in_axes, strict=True)
+                )
+            )
+            for i in range(size)
+        ]
+        return tuple(
+            np.stack([r[j] for r in results], axis=axis) for j, axis in enumerate(out_axes)
+        )
+
+    return mapped
+
+
+@pytest.mark.parametrize("kv_split", [False, True])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "lens", "causal"),
+    [(4, 4, None, False), (4, 2, [3, 0], True), (6, 1, [[1, 2, 3, 4], [4, 4, 0, 2]], False)],
+)
+def test_attention_by_kv_heads_is_attention(num_heads, num_kv_heads, lens, causal, kv_split):
+    rng = np.random.default_rng(11)
+    batch, num_queries, num_keys, dh = 2, 4, 5, 3
+    q = rng.standard_normal((batch, num_queries, num_heads * dh))
+    k, v = (rng.standard_normal((batch, num_keys, num_kv_heads * dh)) for _ in range(2))
+    lens = None if lens is None else np.asarray(lens)
+    options = {"num_heads": num_heads, "head_dim": dh, "num_kv_heads": num_kv_heads}
+    expected = spec.attention(OPS, q, k, v, lens, causal=causal, **options)
+    if kv_split:  # a cache's (B, H_kv, K, dh)
+        k, v = (x.reshape(batch, num_keys, num_kv_heads, dh).transpose(0, 2, 1, 3) for x in (k, v))
+    got = spec.attention_by_kv_heads(
+        OPS, q, k, v, lens, causal=causal, kv_split=kv_split, vmap=loop_vmap, **options
+    )
+    for actual, wanted in zip(got, expected, strict=True):
+        assert actual.shape == wanted.shape
+        np.testing.assert_allclose(actual, wanted, rtol=0, atol=1e-15)
+
+
 @pytest.mark.parametrize("causal_only", [False, True])
 def test_fix_fully_hidden_rows_of_grouped_heads_is_the_repeated_heads_fix(causal_only):
     # Query head h reads key/value head h // G: fixing with the grouped values
