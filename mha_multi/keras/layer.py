@@ -28,7 +28,7 @@ from mha_multi.keras._backend import (
     values_readable,
 )
 from mha_multi.keras._ops import OPS, dtype_kind, index_dtype, is_16_bit, matmul_16_bit
-from mha_multi.keras.sharding import cache_layout, check_variable_layout
+from mha_multi.keras.sharding import cache_layout, check_variable_layout, head_vmap
 from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
 
 __all__ = [
@@ -183,6 +183,8 @@ class MultiHeadAttention(keras.layers.Layer):
         self.num_kv_heads = self._heads.num_kv_heads
         self.head_dim = self._heads.head_dim
         self.dropout = float(dropout)
+        # Set where a distribution splits the heads over devices (docs: "Sharding heads").
+        self._head_parallel = False
         self.bias = bool(bias)
         self.seed = seed
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -228,7 +230,10 @@ class MultiHeadAttention(keras.layers.Layer):
         """
         check_variable_layout(self, name, f"{self.path or self.name}/{name}")
         variable = self.add_weight(shape=shape, initializer=initializer, name=name)
-        check_variable_layout(self, name, variable.path)
+        if check_variable_layout(self, name, variable.path) > 1 and name == "W_q":
+            # Heads split over devices: attend head by head, so that XLA keeps
+            # each device's heads on it (docs: "Sharding heads").
+            self._head_parallel = True
         return variable
 
     def canonical_variables(self) -> dict[str, keras.Variable]:
@@ -561,19 +566,19 @@ class MultiHeadAttention(keras.layers.Layer):
         if plan.fused:
             context = self._fused_attention(q, k, v, valid_lens, plan, kv_split=kv_split)
             return self._output(context, head_mask), None
-        context, weights = spec.attention(
-            OPS,
-            q,
-            k,
-            v,
-            valid_lens,
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            num_kv_heads=self.num_kv_heads,
-            causal=causal,
-            dropout=dropout,
-            kv_split=kv_split,
-        )
+        options = {
+            "num_heads": self.num_heads,
+            "head_dim": self.head_dim,
+            "num_kv_heads": self.num_kv_heads,
+            "causal": causal,
+            "kv_split": kv_split,
+        }
+        if self._head_parallel and dropout is None:
+            context, weights = spec.attention_by_kv_heads(
+                OPS, q, k, v, valid_lens, vmap=head_vmap(), **options
+            )
+        else:
+            context, weights = spec.attention(OPS, q, k, v, valid_lens, dropout=dropout, **options)
         return self._output(context, head_mask), weights
 
     def _drop(self, weights: Any) -> Any:

@@ -172,7 +172,7 @@ def _shards(layout: Any, distribution: Any, dim: int) -> tuple[int, tuple[str, .
     return math.prod(sizes[n] for n in names), names
 
 
-def check_variable_layout(layer: MultiHeadAttention, name: str, path: str) -> None:
+def check_variable_layout(layer: MultiHeadAttention, name: str, path: str) -> int:
     """Checks that the active distribution keeps each of ``layer``'s heads on one device.
 
     Called by the layer before and after it creates its variable ``name``
@@ -180,19 +180,23 @@ def check_variable_layout(layer: MultiHeadAttention, name: str, path: str) -> No
     far as the layer knows it). Layers made without a distribution, or on a
     backend that ignores it, pass.
 
+    Returns:
+        The number of blocks the distribution splits the variable's heads
+        into (1 where it splits nothing).
+
     Raises:
         ValueError: the layout of ``path`` splits the variable's head axis
             into a number of blocks that does not divide ``num_heads`` and
             ``num_kv_heads`` (:func:`mha_multi.spec.shard_heads`).
     """
     if name not in HEAD_AXES:
-        return
+        return 1
     distribution = _distribution()
     if distribution is None:
-        return
+        return 1
     layout = _layout(distribution, path)
     if layout is None:
-        return
+        return 1
     num_shards, axes = _shards(layout, distribution, HEAD_AXES[name])
     try:
         spec.shard_heads(layer._heads, num_shards)
@@ -201,6 +205,18 @@ def check_variable_layout(layer: MultiHeadAttention, name: str, path: str) -> No
             f"layer {layer.name!r}: the distribution splits {name} ({path}) over mesh axes "
             f"{list(axes)} into {num_shards} blocks, which would split heads: {error}"
         ) from None
+    return num_shards
+
+
+def head_vmap() -> Any:
+    """The map :func:`mha_multi.spec.attention_by_kv_heads` takes: ``jax.vmap``.
+
+    Only Keras' JAX backend lays variables out by a distribution, so only
+    its layers are ever head-parallel (docs: "Sharding heads").
+    """
+    import jax
+
+    return jax.vmap
 
 
 def cache_layout(layer: MultiHeadAttention, batch_size: int) -> Any:

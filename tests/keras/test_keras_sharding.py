@@ -111,6 +111,23 @@ def _spec(x: Any) -> list[Any]:
     return [None if axes is None else str(axes) for axes in x.sharding.spec]
 
 
+def _forward_collectives(
+    layer: MultiHeadAttention, call: str, data: dict[str, Any], *inputs: Any
+) -> dict[str, int]:
+    """The collectives of the compiled forward of ``call``, by operation."""
+    import jax
+
+    lens, options = _call(call, data)
+
+    def forward(trainable: list[Any], q: Any, k: Any, v: Any) -> Any:
+        return layer.stateless_call(trainable, [], q, k, v, lens, **options)[0]
+
+    values = [variable.value for variable in layer.trainable_variables]
+    lines = jax.jit(forward).lower(values, *inputs).compile().as_text().splitlines()
+    operations = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+    return {op: sum(f" {op}(" in ln or f" {op}-start(" in ln for ln in lines) for op in operations}
+
+
 def _config_checks(key: str, config: dict[str, Any], results: dict[str, Any]) -> None:
     """Sharded vs unsharded vs the float64 reference for one mesh and layer."""
     import jax
@@ -201,6 +218,7 @@ def _config_checks(key: str, config: dict[str, Any], results: dict[str, Any]) ->
             outputs["sharded"], outputs["plain"]
         )
         results["output_sharding"][f"{key}/{call}"] = _spec(outputs["sharded"])
+        results["collectives"][f"{key}/{call}"] = _forward_collectives(sharded, call, data, q, k, v)
         results["grad_sharding"][f"{key}/{call}"] = _spec(grads["sharded"]["W_q"])
         for name, expected_grad in reference.items():
             errors[f"{key}/{call}/grad.{name}/sharded-reference"] = _max_abs(
@@ -388,6 +406,7 @@ def sharded_checks() -> dict[str, Any]:
         "max_abs": {},
         "shards": {},
         "output_sharding": {},
+        "collectives": {},
         "grad_sharding": {},
         "cache_sharding": {},
         "lengths": {},
@@ -481,6 +500,15 @@ def test_data_and_heads_stay_split_in_the_computation(results: dict[str, Any]) -
         assert axes[:1] == (["batch"] if call.startswith("mesh_2x2") else []), (call, axes)
     for call, axes in results["grad_sharding"].items():
         assert axes == [None, "model"], (call, axes)
+
+
+@JAX_ONLY
+def test_each_device_attends_with_its_own_heads(results: dict[str, Any]) -> None:
+    # One all-reduce after W_o and nothing else: no device gathers another's
+    # projected heads (docs: "Sharding heads").
+    assert results["collectives"]
+    for call, counts in results["collectives"].items():
+        assert counts["all-reduce"] == 1 and sum(counts.values()) == 1, (call, counts)
 
 
 @JAX_ONLY
