@@ -329,6 +329,7 @@ def vjp(
             return output_of(layer(q, k, v, valid_lens, head_mask=gates, **options))
 
         projections = nnx.to_pure_dict
+
     # One compiled program per call: eager JAX would compile each operation
     # of the forward and backward passes for each new shape instead, several
     # times slower for the one product wanted here.

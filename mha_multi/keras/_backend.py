@@ -55,7 +55,7 @@ __all__ = [
     "exact_float32",
     "forward",
     "forward_function",
-    "gate_gradient",
+    "head_mask_gradient",
     "gpu_available",
     "gradient_function",
     "host_array",
@@ -741,7 +741,7 @@ def vjp(
     return grads
 
 
-def gate_gradient(
+def head_mask_gradient(
     layer: MultiHeadAttention,
     queries: Tensor,
     keys: Tensor,

@@ -23,7 +23,7 @@ from mha_multi.keras._backend import (
     as_numpy,
     device_of,
     device_scope,
-    gate_gradient,
+    head_mask_gradient,
     host_array,
     values_readable,
 )
@@ -1034,7 +1034,7 @@ def head_importance(
         ValueError: no batches.
     """
     gradients = [
-        gate_gradient(layer, queries, keys, values, valid_lens, loss_fn)
+        head_mask_gradient(layer, queries, keys, values, valid_lens, loss_fn)
         for queries, keys, values, valid_lens in batches
     ]
     if not gradients:

@@ -39,7 +39,7 @@ __all__ = [
     "device_description",
     "exact_float32",
     "forward",
-    "gate_gradient",
+    "head_mask_gradient",
     "gpu_available",
     "host_array",
     "init_cache",
@@ -275,7 +275,7 @@ def vjp(
     return grads
 
 
-def gate_gradient(
+def head_mask_gradient(
     layer: MultiHeadAttention,
     queries: mx.np.ndarray,
     keys: mx.np.ndarray,

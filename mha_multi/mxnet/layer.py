@@ -56,7 +56,7 @@ from typing import Any
 
 # First: the backend module puts MXNet's exact-float32 environment in place
 # before MXNet is loaded (docs: "Architecture").
-from mha_multi.mxnet._backend import gate_gradient, host_array  # isort: split
+from mha_multi.mxnet._backend import head_mask_gradient, host_array  # isort: split
 
 import mxnet as mx
 import numpy as np
@@ -1144,7 +1144,7 @@ def head_importance(
             and the layer's errors for the batches.
     """
     gradients = [
-        gate_gradient(layer, queries, keys, values, valid_lens, loss_fn)
+        head_mask_gradient(layer, queries, keys, values, valid_lens, loss_fn)
         for queries, keys, values, valid_lens in batches
     ]
     if not gradients:
