@@ -244,6 +244,8 @@ class Framework:
     #: Shard counts of the sharded-heads rows (docs: "Sharding heads"), 1
     #: being the unsharded layer; empty where the framework shards nothing.
     shard_counts: tuple[int, ...] = ()
+    #: The execution mode :meth:`sharded_seconds` measures (its table).
+    sharded_execution: str | None = None
 
     def sharded_seconds(self, shape: Shape, num_shards: int) -> float:
         """Median seconds of one float32 CPU forward of ``shape``'s self-attention,
@@ -430,7 +432,7 @@ def _time_pruned(
 def _time_sharded(framework: Framework, shape: Shape) -> list[Measurement]:
     """The sharded-heads rows: on a CPU only the overhead of sharding shows,
     the shards sharing the same cores (docs: "Sharding heads")."""
-    label = framework.label(framework.executions[0])
+    label = framework.label(framework.sharded_execution)
     rows = []
     for count in framework.shard_counts:
         row = Measurement(
@@ -568,7 +570,7 @@ def run(
         if device == "cpu":
             for length in sharded_lengths:
                 shape = replace(base, length=length)
-                measurements[framework.executions[0]] += _time_sharded(framework, shape)
+                measurements[framework.sharded_execution] += _time_sharded(framework, shape)
         if framework.measures_memory(device):
             memory = _measure_memory(framework, device, memory_lengths, base)
             measurements[framework.executions[0]] += memory

@@ -58,6 +58,8 @@ class Keras(Framework):
         how = "layers called eagerly" if execution == "eager" else COMPILERS[backend.BACKEND]
         return f"{device}; {how}"
 
+    sharded_execution = "compiled"  # one jax.jit of stateless_call
+
     @property
     def shard_counts(self) -> tuple[int, ...]:  # type: ignore[override]
         # Keras lays variables out by a distribution on JAX only (docs: "Sharding heads").
