@@ -565,34 +565,19 @@ def _generic_attention(
     def attention(
         q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array | None
     ) -> tuple[jax.Array, jax.Array | None]:
+        options = {
+            "num_heads": num_heads,
+            "head_dim": head_dim,
+            "num_kv_heads": num_kv_heads,
+            "causal": causal,
+            "kv_split": kv_split,
+        }
         if head_parallel and dropout is None:
             context, weights = spec.attention_by_kv_heads(
-                ops,
-                q,
-                k,
-                v,
-                lens,
-                num_heads=num_heads,
-                head_dim=head_dim,
-                num_kv_heads=num_kv_heads,
-                causal=causal,
-                kv_split=kv_split,
-                vmap=jax.vmap,
+                ops, q, k, v, lens, vmap=jax.vmap, **options
             )
         else:
-            context, weights = spec.attention(
-                ops,
-                q,
-                k,
-                v,
-                lens,
-                num_heads=num_heads,
-                head_dim=head_dim,
-                num_kv_heads=num_kv_heads,
-                causal=causal,
-                dropout=dropout,
-                kv_split=kv_split,
-            )
+            context, weights = spec.attention(ops, q, k, v, lens, dropout=dropout, **options)
         return context, weights if return_attention_weights else None
 
     batch = q.shape[0]
