@@ -144,6 +144,11 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
+def _ms_or_note(m: dict) -> str:
+    """A row's time in ms, or its note (why it has none)."""
+    return _ms(m.get("seconds")) if m.get("seconds") else m["note"]
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
@@ -255,7 +260,7 @@ def _pruned_lines(measurements: Sequence[dict]) -> list[str]:
             shape = m["shape"]
             lines.append(
                 f"| {dtype} | {length} | {shape['num_heads']}/{shape['num_kv_heads']} | "
-                f"{_ms(m.get('seconds')) if m.get('seconds') else m['note']} | "
+                f"{_ms_or_note(m)} | "
                 f"{_ratio(full, m.get('seconds'))} |"
             )
     return lines
@@ -283,7 +288,7 @@ def _sharded_lines(measurements: Sequence[dict]) -> list[str]:
             count = m["implementation"].rsplit(" ", 1)[-1]
             lines.append(
                 f"| {m['dtype']} | {length} | {heads} | {count} | "
-                f"{_ms(m.get('seconds')) if m.get('seconds') else m['note']} | "
+                f"{_ms_or_note(m)} | "
                 f"{_ratio(m.get('seconds'), unsharded.get('seconds'))} |"
             )
     return lines
