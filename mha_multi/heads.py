@@ -9,7 +9,7 @@ heads' ``head_mask`` entries at 0, in every framework, with fewer FLOPs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -17,7 +17,7 @@ import numpy as np
 from mha_multi import spec
 from mha_multi.weights import check_weights
 
-__all__ = ["LayerConfig", "Pruned", "importance", "prune_heads"]
+__all__ = ["LayerConfig", "Pruned", "importance", "importance_over", "prune_heads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,3 +166,24 @@ def importance(gradients: Sequence[np.ndarray], *, normalize: bool = True) -> np
     scores = grads.mean(axis=0)
     norm = float(np.linalg.norm(scores))
     return scores / norm if normalize and norm > 0 else scores
+
+
+def importance_over(
+    batch_gradient: Callable[[Any], Any], batches: Iterable[Any], *, normalize: bool = True
+) -> np.ndarray:
+    """:func:`importance` of the gates' gradients of every batch: what each backend's
+    ``head_importance`` computes, given how its framework takes one batch's gradient.
+
+    Args:
+        batch_gradient: one batch ``(queries, keys, values, valid_lens)`` ->
+            ``dL/dξ`` at ``ξ = 1`` as numpy ``(num_heads,)``.
+        batches: the batches.
+        normalize: divide by the L2 norm over the heads.
+
+    Raises:
+        ValueError: ``batches`` yields nothing.
+    """
+    gradients = [batch_gradient(batch) for batch in batches]
+    if not gradients:
+        raise ValueError("batches yielded no batch: head importance needs at least one")
+    return importance(gradients, normalize=normalize)

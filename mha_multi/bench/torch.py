@@ -22,7 +22,7 @@ from mha_multi import spec
 from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.interop.torch import key_padding_mask, to_torch_d2l
-from mha_multi.torch import _backend as backend
+from mha_multi.torch import harness as backend
 from mha_multi.torch import set_weights
 from mha_multi.weights import init_weights
 

@@ -3,7 +3,8 @@
 from typing import Any
 
 from mha_multi.spec import KVCache
-from mha_multi.torch.layer import MultiHeadAttention, get_weights, head_importance, set_weights
+from mha_multi.torch.importance import head_importance
+from mha_multi.torch.layer import MultiHeadAttention, get_weights, set_weights
 
 __all__ = [
     "KVCache",

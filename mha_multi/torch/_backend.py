@@ -1,50 +1,46 @@
-"""PyTorch's facts, once: dtypes, devices, precision settings, conversions and calls.
+"""PyTorch's facts, once: dtypes, devices, precision settings, conversions, checks, the kernel.
 
-The parity runner, the benchmark and the tests reach PyTorch through this
-module (docs: "Architecture"): how a device name maps to a ``torch.device``,
-which process-wide settings give exact float32 products, how tensors leave
-for numpy, how the layer is built, called and differentiated, and how a call
-of its fused kernel is observed. The native layer is
-``torch.nn.MultiheadAttention`` (:func:`native_layer`).
-
-The layer imports this module, so the layer is imported here only inside the
-functions that build one.
+What the layer needs of PyTorch sits here, below it (docs: "Architecture"):
+how a device name maps to a ``torch.device``, which process-wide settings
+give exact float32 products, how tensors leave for numpy, and
+:class:`TorchFacts`, what the call flow of :mod:`mha_multi.call` asks of
+PyTorch: how inputs, lengths, caches and gates are checked, what can be read
+on the host, and the fused kernel (``scaled_dot_product_attention``). This
+module imports no layer; what builds and drives layers is in
+:mod:`mha_multi.torch.harness`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+import re
+from typing import Any
 
 import numpy as np
 import torch
 
-from mha_multi.weights import KERNEL_NAMES
-
-if TYPE_CHECKING:
-    from mha_multi.parity.runners import KernelCall
-    from mha_multi.spec import KVCache
-    from mha_multi.torch.layer import MultiHeadAttention
+from mha_multi import call, spec
+from mha_multi.torch._ops import (
+    SIXTEEN_BIT,
+    accumulates_in_float32,
+    autocast_off,
+    dtype_kind,
+    ops_on,
+)
 
 __all__ = [
     "DTYPES",
+    "FACTS",
+    "SDPA",
+    "TorchFacts",
     "device",
     "device_description",
     "exact_float32",
-    "forward",
     "gpu_available",
-    "head_mask_gradient",
     "host_array",
-    "init_cache",
-    "kernel_spy",
     "lens_to_native",
-    "make_layer",
-    "native_layer",
     "sync",
     "to_native",
     "to_numpy",
-    "vjp",
 ]
 
 #: dtype name -> torch dtype.
@@ -54,10 +50,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-INPUT_NAMES = ("queries", "keys", "values")
-#: ``scaled_dot_product_attention``'s leading positional parameters.
-_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
 
 # -- devices and precision -----------------------------------------------------
@@ -143,212 +135,203 @@ def lens_to_native(valid_lens: Any, device: str = "cpu") -> Any:
     return valid_lens
 
 
-# -- the layer ---------------------------------------------------------------------
+# -- the call's facts ----------------------------------------------------------------
+
+#: PyTorch's fused kernel: it applies dropout itself and adds ``-inf`` where
+#: keys are hidden, so it runs only on values read as finite. Its
+#: ``enable_gqa`` (PyTorch 2.5 and later) takes grouped key/value heads.
+SDPA = spec.FusedKernel(
+    "scaled_dot_product_attention",
+    takes_dropout=True,
+    takes_grouped_heads=tuple(int(n) for n in re.findall(r"\d+", str(torch.__version__))[:2])
+    >= (2, 5),
+)
 
 
-def make_layer(
-    num_hiddens: int,
-    num_heads: int,
-    *,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    device: str = "cpu",
-    dtype: str = "float32",
-    **kwargs: Any,
-) -> MultiHeadAttention:
-    """The layer with its parameters on ``device`` in ``dtype``.
+class TorchFacts(call.Facts):
+    """What a call of the PyTorch layer asks of PyTorch (:class:`mha_multi.call.Facts`)."""
 
-    Args:
-        num_hiddens: the layer's ``num_hiddens``.
-        num_heads: the layer's ``num_heads``.
-        num_kv_heads: the layer's ``num_kv_heads`` (``None``: ``num_heads``).
-        head_dim: the layer's ``head_dim`` (``None``: ``num_hiddens // num_heads``).
-        device: ``"cpu"`` or ``"gpu"``.
-        dtype: a key of :data:`DTYPES`.
-        **kwargs: the layer's other arguments (``dropout``, ``bias``, sizes).
-    """
-    from mha_multi.torch.layer import MultiHeadAttention
+    kernel = SDPA
 
-    return MultiHeadAttention(
-        num_hiddens,
-        num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        device=_device(device),
-        dtype=DTYPES[dtype],
-        **kwargs,
-    )
+    def ops(self, like: torch.Tensor) -> Any:
+        return ops_on(like.device)
 
+    def dtype_kind(self, dtype: torch.dtype) -> str:
+        return dtype_kind(dtype)
 
-def init_cache(layer: MultiHeadAttention, batch_size: int, max_length: int) -> KVCache:
-    """The layer's empty key/value cache, of its dtype and on its device."""
-    return layer.init_cache(batch_size, max_length)
-
-
-def forward(
-    layer: MultiHeadAttention,
-    queries: torch.Tensor,
-    keys: torch.Tensor | None,
-    values: torch.Tensor | None,
-    valid_lens: Any,
-    *,
-    training: bool = False,
-    head_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor | tuple[Any, ...]:
-    """One call of the layer in ``train()`` or ``eval()`` mode, without autograd.
-
-    Args:
-        layer: the layer.
-        queries: ``(B, Q, query_size)``; keys, values likewise with ``K``
-            (``None`` for a cached call that appends nothing).
-        valid_lens: passed to the layer as it is.
-        training: ``train()`` mode (dropout active) instead of ``eval()``.
-        head_mask: the layer's ``head_mask``, passed as it is.
-        **kwargs: the layer's ``causal``, ``return_attention_weights`` and
-            ``cache``.
-    """
-    layer.train(training)
-    with torch.no_grad():
-        return layer(queries, keys, values, valid_lens, head_mask=head_mask, **kwargs)
-
-
-def vjp(
-    layer: MultiHeadAttention,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid_lens: Any,
-    *,
-    causal: bool,
-    output_gradient: torch.Tensor,
-    cache: KVCache | None = None,
-    head_mask: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """The gradients of ``sum(output * output_gradient)`` of an ``eval()`` call.
-
-    With a ``cache``, of the output of that cached call, the cache held
-    fixed (it is detached); with a ``head_mask``, of the gated call.
-
-    Returns:
-        Tensors keyed ``queries``, ``keys``, ``values`` and the canonical
-        weight names, kernels in the canonical ``(in, out)`` orientation;
-        with a ``head_mask``, its gradient too, keyed ``head_mask``.
-    """
-    layer.eval()
-    layer.zero_grad(set_to_none=True)
-    inputs = [x.detach().requires_grad_(True) for x in (queries, keys, values)]
-    gates = None if head_mask is None else head_mask.detach().requires_grad_(True)
-    if cache is None:
-        output = layer(*inputs, valid_lens, causal=causal, head_mask=gates)
-    else:
-        held = type(cache)(*(x.detach() for x in cache))
-        output = layer(*inputs, valid_lens, causal=causal, cache=held, head_mask=gates)[0]
-    output.backward(output_gradient)
-    grads = {name: x.grad for name, x in zip(INPUT_NAMES, inputs, strict=True)}
-    if gates is not None:
-        grads["head_mask"] = gates.grad
-    for name in KERNEL_NAMES:
-        linear = getattr(layer, name)
-        grads[name] = linear.weight.grad.T
-        if linear.bias is not None:
-            grads[f"b_{name[-1]}"] = linear.bias.grad
-    return grads
-
-
-def head_mask_gradient(
-    layer: MultiHeadAttention,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid_lens: Any,
-    loss_fn: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """``dL/dξ`` at ``ξ = 1`` of one batch: the gradient a head's importance is made of.
-
-    ``L = loss_fn(layer(queries, keys, values, valid_lens, head_mask=ξ))``
-    with one gate per head (docs: "Heads"), in the layer's current mode
-    (:func:`mha_multi.torch.head_importance` puts it in ``eval()``). The
-    gradient is taken with ``torch.autograd.grad``: the parameters'
-    ``.grad`` are left as they are.
-
-    Returns:
-        ``(num_heads,)``, float32 for a 16-bit layer (else the layer's
-        dtype), on the layer's device; zeros where the loss does not depend
-        on the output.
-
-    Raises:
-        TypeError: ``loss_fn`` did not return a tensor.
-        ValueError: it returned more than one number.
-    """
-    parameter = layer.W_o.weight
-    dtype = torch.promote_types(parameter.dtype, torch.float32)
-    # The whole layer's heads, also when they are sharded (docs: "Sharding heads").
-    num_heads = layer._canonical_heads().num_heads
-    gates = torch.ones(num_heads, dtype=dtype, device=parameter.device, requires_grad=True)
-    with torch.enable_grad():
-        loss = loss_fn(layer(queries, keys, values, valid_lens, head_mask=gates))
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss_fn must return a scalar tensor; got {type(loss).__name__}")
-        if loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar tensor; got shape {tuple(loss.shape)}")
-        if not loss.requires_grad:
-            return torch.zeros_like(gates, requires_grad=False)
-        (grad,) = torch.autograd.grad(loss.reshape(()), gates, allow_unused=True)
-    return torch.zeros_like(gates, requires_grad=False) if grad is None else grad
-
-
-@contextlib.contextmanager
-def kernel_spy() -> Iterator[list[KernelCall]]:
-    """Records every call of ``scaled_dot_product_attention`` while active.
-
-    Yields:
-        A list that gets one :class:`~mha_multi.parity.runners.KernelCall`
-        per call: whether a mask was passed, the kernel's causal flag and
-        its dropout rate.
-    """
-    from mha_multi.parity.runners import KernelCall
-
-    calls: list[KernelCall] = []
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
-        given = {**dict(zip(_SDPA_PARAMETERS, args, strict=False)), **kwargs}
-        calls.append(
-            KernelCall(
-                mask=given.get("attn_mask") is not None,
-                is_causal=bool(given.get("is_causal", False)),
-                dropout=float(given.get("dropout_p", 0.0)),
+    def check_input(
+        self, name: str, x: Any, *, like: torch.Tensor | None, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """A floating tensor of the parameters' ``dtype`` (autocast's inputs: any floating)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor; got {x.dtype}")
+        if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{name} dtype {x.dtype} differs from the layer's parameter dtype "
+                f"{dtype}; convert one of them (e.g. layer.to({x.dtype}))"
             )
+        return x
+
+    def as_lens(self, valid_lens: Any, like: torch.Tensor) -> torch.Tensor | None:
+        """``valid_lens`` as a tensor on ``like``'s device; integer lengths as int64.
+
+        int64 holds every key count, so clipping wider (uint64) lengths into
+        it keeps their meaning (``>= K`` hides nothing), and narrower ones
+        widened never wrap the key positions they are compared with.
+        """
+        if valid_lens is None:
+            return None
+        if isinstance(valid_lens, torch.Tensor):
+            spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
+            if valid_lens.is_floating_point():
+                return valid_lens.to(like.device)
+            lens = valid_lens.to(like.device, torch.int64)
+            if valid_lens.dtype == torch.uint64:
+                # The conversion wraps lengths >= 2**63 to negative numbers,
+                # which no unsigned length is: they are the ones to clip.
+                lens = torch.where(lens < 0, torch.iinfo(torch.int64).max, lens)
+            return lens
+        array = spec.lens_as_numpy(valid_lens, np.int64)
+        return torch.from_numpy(np.array(array, copy=True)).to(like.device)
+
+    def as_cache(self, cache: Any, like: torch.Tensor) -> spec.KVCache:
+        if not isinstance(cache, tuple) or len(cache) != 3:
+            raise TypeError(
+                f"cache must be a KVCache(keys, values, lengths), as layer.init_cache makes; "
+                f"got {type(cache).__name__}"
+            )
+        cache = spec.KVCache(*cache)
+        for name, tensor in zip(cache._fields, cache, strict=True):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"cache.{name} must be a torch.Tensor; got {type(tensor).__name__}"
+                )
+            if tensor.device != like.device:
+                raise ValueError(
+                    f"cache.{name} is on {tensor.device}, the queries on {like.device}; "
+                    "make the cache with layer.init_cache"
+                )
+        return cache
+
+    def as_gates(self, head_mask: Any, like: torch.Tensor) -> torch.Tensor:
+        """On the queries' device; its dtype kept (the gating casts, so gradients keep it)."""
+        if not isinstance(head_mask, torch.Tensor):
+            raise TypeError(
+                f"head_mask must be a floating-point torch.Tensor of shape (num_heads,) or "
+                f"(batch, num_heads); got {type(head_mask).__name__}"
+            )
+        return head_mask.to(like.device)
+
+    def read(self, *arrays: torch.Tensor | None) -> list[np.ndarray | None] | None:
+        """One transfer for integer tensors; nothing under ``torch.compile``."""
+        if torch.compiler.is_compiling():
+            return None
+        given = [x for x in arrays if x is not None]
+        if given and all(not x.is_floating_point() for x in given):
+            flat = torch.cat([x.reshape(-1).long() for x in given]).cpu().numpy()
+            parts = iter(np.split(flat, np.cumsum([x.numel() for x in given])[:-1]))
+            return [
+                None if x is None else next(parts).reshape(tuple(x.shape)) for x in arrays
+            ]
+        return call.read_all(arrays, host_array)
+
+    def plan_values(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid_lens: torch.Tensor | None,
+        heads: spec.Heads,
+    ) -> tuple[bool | None, float | None]:
+        """Whether every projection is finite, and the shortest length: one synchronisation.
+
+        SDPA's CPU kernel turns a NaN query row into zeros, and its added
+        ``-inf`` mask lets a hidden key's non-finite score reach the weights
+        (the check is O(N * d), next to O(N^2 * d) attention); lengths that
+        hide nothing need no mask, which lets flash kernels run, and lengths
+        > 0 leave no row fully hidden. Under ``torch.compile`` values cannot
+        be branched on, so the compiled graph runs the generic path, which is
+        exact for any values (and whose masking and softmax the compiler fuses).
+        """
+        if torch.compiler.is_compiling():
+            return None, None
+        # A cache's free positions count too: SDPA adds -inf to a hidden key's
+        # score. x * 0 is 0 where x is finite and NaN elsewhere: one pass over
+        # a cache at every decoding step, where isfinite(x).all() takes several.
+        finite = torch.stack([(x.detach() * 0).sum() for x in (q, k, v)]).sum() == 0
+        if valid_lens is None:
+            return bool(finite.item()), None
+        # float64 keeps the order of every length (int64 ones round monotonically).
+        read = torch.stack([finite.double(), valid_lens.min().double()]).tolist()
+        return bool(read[0]), read[1]
+
+    def fused_attention(
+        self,
+        ops: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid_lens: torch.Tensor | None,
+        plan: spec.KernelPlan,
+        *,
+        heads: spec.Heads,
+        kv_split: bool,
+        dropout_rate: float,
+    ) -> torch.Tensor:
+        """``scaled_dot_product_attention`` with the spec's masking semantics.
+
+        Grouped key/value heads reach SDPA as they are, with ``enable_gqa``
+        (query head ``h`` reads key/value head ``h // G``, the spec's rule);
+        only a PyTorch whose SDPA has no ``enable_gqa`` gets them repeated,
+        once, on the projected heads (the plan's ``repeat_kv``).
+
+        Args:
+            q: projected queries ``(B, Q, num_heads * head_dim)``.
+            k: projected keys ``(B, K, num_kv_heads * head_dim)``, or with
+                ``kv_split`` ``(B, num_kv_heads, K, head_dim)``, SDPA's own
+                layout (a cache's).
+            v: projected values, as ``k``.
+            plan: what :func:`mha_multi.call.plan` decided the kernel is given.
+
+        Returns:
+            The concatenated heads ``(B, Q, num_heads * head_dim)``.
+        """
+        num_queries, num_keys = q.shape[1], k.shape[-2]
+        dtype = v.dtype
+        if dtype in SIXTEEN_BIT and not accumulates_in_float32(q.device):
+            # CPU kernels may sum 16-bit products in 16 bits: float32 copies,
+            # one rounding at the end.
+            q, k, v = q.float(), k.float(), v.float()
+        # (B, T, H*dh) -> (B, H, T, dh): the spec's head layout, unflattened.
+        q = q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2)
+        if not kv_split:
+            k, v = (
+                x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)).transpose(1, 2)
+                for x in (k, v)
+            )
+        if plan.repeat_kv:
+            k, v = (x.repeat_interleave(heads.group_size, dim=1) for x in (k, v))
+        grouped = heads.grouped and not plan.repeat_kv
+        mask = plan.mask(ops, num_queries, num_keys, valid_lens)
+        with autocast_off(q.device):
+            output = torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_rate,
+                is_causal=plan.is_causal,
+                # Passed only where needed: PyTorch before 2.5 has no such argument.
+                **({"enable_gqa": True} if grouped else {}),
+            )
+        visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
+        output = spec.fix_fully_hidden_rows(
+            ops, output, v, visible, heads_axis=1, group_size=heads.group_size if grouped else 1
         )
-        return original(*args, **kwargs)
-
-    torch.nn.functional.scaled_dot_product_attention = recording
-    try:
-        yield calls
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+        return output.transpose(1, 2).flatten(2).to(dtype)
 
 
-def native_layer(
-    weights: Mapping[str, np.ndarray],
-    num_heads: int,
-    *,
-    device: str = "cpu",
-    dtype: str = "float32",
-) -> torch.nn.MultiheadAttention:
-    """``torch.nn.MultiheadAttention`` (``batch_first``, ``eval()``) holding canonical weights.
-
-    It takes key padding as ``key_padding_mask``
-    (:func:`mha_multi.interop.torch.key_padding_mask`).
-
-    Args:
-        weights: canonical weights; ``query_size`` must equal ``num_hiddens``.
-        num_heads: number of heads.
-        device: ``"cpu"`` or ``"gpu"``.
-        dtype: a key of :data:`DTYPES`.
-    """
-    from mha_multi.interop.torch import to_torch_mha
-
-    module = to_torch_mha(weights, num_heads, batch_first=True)
-    return module.to(device=_device(device), dtype=DTYPES[dtype]).eval()
+#: The facts every PyTorch layer's call is driven with.
+FACTS = TorchFacts()

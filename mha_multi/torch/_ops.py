@@ -38,6 +38,31 @@ def autocast_off(device: torch.device) -> contextlib.AbstractContextManager[None
     return contextlib.nullcontext()
 
 
+def product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``x @ weight.T`` is computed in: autocast's for float32 operands."""
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    if dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return dtype
+
+
+def needs_float32_copies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` is taken on float32 copies (a 16-bit product off CUDA)."""
+    return product_dtype(x, weight) in SIXTEEN_BIT and not accumulates_in_float32(x.device)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` whose 16-bit products accumulate in float32 and round once."""
+    if not needs_float32_copies(x, weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    dtype = product_dtype(x, weight)
+    # Rounding to ``dtype`` first is what autocast does to float32 operands.
+    x, weight = (t.to(dtype).float() for t in (x, weight))
+    bias = None if bias is None else bias.to(dtype).float()
+    with autocast_off(x.device):
+        return torch.nn.functional.linear(x, weight, bias).to(dtype)
+
+
 def dtype_kind(dtype: torch.dtype) -> str:
     """numpy's ``dtype.kind`` letter for a torch dtype."""
     if dtype.is_floating_point:

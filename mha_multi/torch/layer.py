@@ -1,33 +1,26 @@
-"""``MultiHeadAttention`` as a ``torch.nn.Module``."""
+"""``MultiHeadAttention`` as a ``torch.nn.Module``: parameters, and one call of the driver.
+
+The call flow (checks, kernel plan, cache, attention, gates, output) is
+:func:`mha_multi.call.forward`'s; PyTorch's facts are
+:data:`mha_multi.torch._backend.FACTS` (docs: "Architecture").
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from mha_multi import spec
-from mha_multi.heads import importance
-from mha_multi.torch._backend import head_mask_gradient, host_array
-from mha_multi.torch._ops import (
-    OPS,
-    SIXTEEN_BIT,
-    accumulates_in_float32,
-    autocast_off,
-    dtype_kind,
-    ops_on,
-)
+from mha_multi import call, spec
+from mha_multi.torch._backend import FACTS, host_array
+from mha_multi.torch._ops import OPS, linear, needs_float32_copies
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
-if TYPE_CHECKING:
-    from mha_multi.torch.sharding import HeadSharding
-
-__all__ = ["MultiHeadAttention", "get_weights", "head_importance", "set_weights"]
+__all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
 
 def _projection(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
@@ -55,42 +48,18 @@ def _finish_lazy(linear: nn.Module) -> None:
         linear(torch.zeros(0, linear.in_features, device=weight.device, dtype=weight.dtype))
 
 
-def _product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype ``x @ weight.T`` is computed in: autocast's for float32 operands."""
-    dtype = torch.promote_types(x.dtype, weight.dtype)
-    if dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return dtype
-
-
-def _project_with(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)``, with a 16-bit product accumulated in float32 and rounded once.
+def _project_with(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, with a 16-bit product accumulated in float32 and rounded once.
 
     Products that are not 16-bit, or whose device kernels accumulate in
     float32 by construction, call the module itself (its hooks run); the
     others run on float32 copies.
     """
-    if not _needs_float32_copies(x, linear.weight):
-        return linear(x)
-    if _in_features(linear) is None:
-        linear(x[:0])  # a lazy projection learns its size; nothing is computed
-    return _linear(x, linear.weight, linear.bias)
-
-
-def _needs_float32_copies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _product_dtype(x, weight) in SIXTEEN_BIT and not accumulates_in_float32(x.device)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` whose 16-bit products accumulate in float32 and round once."""
-    if not _needs_float32_copies(x, weight):
-        return nn.functional.linear(x, weight, bias)
-    dtype = _product_dtype(x, weight)
-    # Rounding to ``dtype`` first is what autocast does to float32 operands.
-    x, weight = (t.to(dtype).float() for t in (x, weight))
-    bias = None if bias is None else bias.to(dtype).float()
-    with autocast_off(x.device):
-        return nn.functional.linear(x, weight, bias).to(dtype)
+    if not needs_float32_copies(x, module.weight):
+        return module(x)
+    if _in_features(module) is None:
+        module(x[:0])  # a lazy projection learns its size; nothing is computed
+    return linear(x, module.weight, module.bias)
 
 
 class MultiHeadAttention(nn.Module):
@@ -122,9 +91,9 @@ class MultiHeadAttention(nn.Module):
         dtype: dtype of the parameters.
     """
 
-    #: How the heads are split over processes; ``None`` until
-    #: :func:`mha_multi.torch.shard_heads` (docs: "Sharding heads").
-    _sharding: HeadSharding | None = None
+    #: How the heads are split over processes (a ``HeadSharding``); ``None``
+    #: until :func:`mha_multi.torch.shard_heads` (docs: "Sharding heads").
+    _sharding: Any = None
 
     def __init__(
         self,
@@ -283,188 +252,39 @@ class MultiHeadAttention(nn.Module):
                 holds, and lets ``lengths`` count on, so ``lengths >
                 max_length`` tells it happened.
         """
-        self._check_tensors(queries=queries, keys=keys, values=values, cached=cache is not None)
-        if self._sharding is not None:
+        if self._sharding is not None and isinstance(queries, torch.Tensor):
             self._sharding.check_inputs(queries, self)
-        valid_lens = _as_lens(valid_lens, queries.device)
-        if cache is not None:
-            cached = (causal, return_attention_weights, cache, head_mask)
-            return self._cached_forward(queries, keys, values, valid_lens, *cached)
-        spec.check_inputs(
-            queries.shape,
-            keys.shape,
-            values.shape,
-            None if valid_lens is None else valid_lens.shape,
-            **self.input_sizes(),
-            causal=causal,
-        )
-        head_mask = self._as_head_mask(head_mask, queries)
-        q, k, v = self._project(queries, keys, values)
-        context, weights = self._attend(
-            q, k, v, valid_lens, causal=causal, return_attention_weights=return_attention_weights
-        )
-        # The gates need no device of their own: the adapter places nothing here.
-        context = spec.apply_head_mask(OPS, context, head_mask, self.num_heads)
-        output = _project_with(self.W_o, context)
-        return (output, weights) if return_attention_weights else output
-
-    def _as_head_mask(self, head_mask: Any, queries: torch.Tensor) -> torch.Tensor | None:
-        """``head_mask`` checked (the spec's rule) and on the queries' device.
-
-        Its dtype is left as it is: :func:`mha_multi.spec.apply_head_mask`
-        casts it to the context's, so gradients flow back in its own.
-        """
-        if head_mask is None:
-            return None
-        if not isinstance(head_mask, torch.Tensor):
-            raise TypeError(
-                f"head_mask must be a floating-point torch.Tensor of shape (num_heads,) or "
-                f"(batch, num_heads); got {type(head_mask).__name__}"
-            )
-        spec.check_head_mask(
-            tuple(head_mask.shape),
-            dtype_kind(head_mask.dtype),
-            num_heads=self._canonical_heads().num_heads,
-            batch=queries.shape[0],
-        )
-        head_mask = head_mask.to(queries.device)
-        # A sharded layer gates its own heads (docs: "Sharding heads").
-        return head_mask if self._sharding is None else self._sharding.local_head_mask(head_mask)
-
-    def _check_tensors(self, *, cached: bool, **tensors: torch.Tensor | None) -> None:
-        """Inputs are floating-point tensors of the parameters' dtype (or autocast's).
-
-        A cached call may leave keys and values out (``None``); whether it
-        left out both is :func:`mha_multi.spec.check_cached_inputs`'s to say.
-        """
-        parameter_dtype = self.W_o.weight.dtype
-        for name, tensor in tensors.items():
-            if tensor is None and cached and name != "queries":
-                continue
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__}")
-            if not tensor.is_floating_point():
-                raise TypeError(f"{name} must be a floating-point tensor; got {tensor.dtype}")
-            if tensor.dtype != parameter_dtype and not torch.is_autocast_enabled(
-                tensor.device.type
-            ):
-                raise TypeError(
-                    f"{name} dtype {tensor.dtype} differs from the layer's parameter dtype "
-                    f"{parameter_dtype}; convert one of them (e.g. layer.to({tensor.dtype}))"
-                )
-
-    def _cached_forward(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor | None,
-        values: torch.Tensor | None,
-        valid_lens: torch.Tensor | None,
-        causal: bool,
-        return_attention_weights: bool,
-        cache: Any,
-        head_mask: Any,
-    ) -> tuple[torch.Tensor, ...]:
-        """:meth:`forward` with a cache: checks, projections, the spec's update, one attend."""
-        cache = _as_cache(cache, queries.device)
-        spec.check_cached_call(
+        dropout_p = self.dropout.p if self.training else 0.0
+        result = call.forward(
+            FACTS,
+            self,
             queries,
             keys,
             values,
             valid_lens,
-            cache,
-            heads=self._heads,
-            dtype_kind=dtype_kind,
             causal=causal,
-            **self.input_sizes(),
-        )
-        head_mask = self._as_head_mask(head_mask, queries)
-        num_new = 0 if keys is None else queries.shape[1]
-        if not torch.compiler.is_compiling():
-            # One read of the lengths. Compiled graphs cannot branch on values;
-            # update_cache never overwrites a held position for them.
-            lengths = cache.lengths.long()
-            read = torch.stack([lengths, lengths if valid_lens is None else valid_lens]).cpu()
-            new = None if valid_lens is None else read[1].numpy()
-            spec.check_cache_values(read[0].numpy(), new, num_new, cache.keys.shape[2])
-        if keys is None:
-            q, k, v = _project_with(self.W_q, queries), None, None
-        else:
-            q, k, v = self._project(queries, keys, values)
-        for name in ("keys", "values"):  # update_cache checks only what it writes to
-            held = getattr(cache, name)
-            if held.dtype != q.dtype:
-                raise TypeError(
-                    f"cache.{name} dtype {held.dtype} differs from the layer's projected dtype "
-                    f"{q.dtype}; make the cache with layer.init_cache"
-                )
-        cache, lens = spec.update_cache(
-            ops_on(q.device), cache, k, v, valid_lens, head_dim=self.head_dim, causal=causal
-        )
-        context, weights = self._attend(
-            q,
-            cache.keys,
-            cache.values,
-            lens,
-            causal=False,  # the causal rule is in lens
             return_attention_weights=return_attention_weights,
-            kv_split=True,
-        )
-        context = spec.apply_head_mask(OPS, context, head_mask, self.num_heads)
-        output = _project_with(self.W_o, context)
-        return (output, weights, cache) if return_attention_weights else (output, cache)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        valid_lens: torch.Tensor | None,
-        *,
-        causal: bool,
-        return_attention_weights: bool,
-        kv_split: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention on projected inputs through the one kernel plan.
-
-        Args:
-            q: projected queries ``(B, Q, num_heads * head_dim)``.
-            k: projected keys ``(B, K, num_kv_heads * head_dim)``, or split
-                into heads ``(B, num_kv_heads, K, head_dim)`` with ``kv_split``
-                (a cache's layout).
-            v: projected values, as ``k``.
-            valid_lens: the lengths, as :func:`_as_lens` returned them.
-            causal: the spec's causal flag.
-            return_attention_weights: the weights are wanted (generic path).
-            kv_split: ``k`` and ``v`` are split into heads.
-
-        Returns:
-            ``(context, weights)``: the concatenated heads ``(B, Q, num_heads
-            * head_dim)`` and the weights ``(B, H, Q, K)``, ``None`` where
-            the fused kernel ran.
-        """
-        dropout_p = self.dropout.p if self.training else 0.0
-        plan = _plan(
-            q, k, v, valid_lens, causal, dropout_p, return_attention_weights, self._heads.grouped
-        )
-        if plan.fused:
-            return self._fused_attention(q, k, v, valid_lens, plan, dropout_p, kv_split), None
-        return spec.attention(
-            ops_on(q.device),
-            q,
-            k,
-            v,
-            valid_lens,
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            num_kv_heads=self.num_kv_heads,
-            causal=causal,
+            cache=cache,
+            head_mask=head_mask,
+            gate_heads=self._canonical_heads().num_heads,
+            dtype=self.W_o.weight.dtype,
             dropout=self.dropout if dropout_p > 0 else None,
-            kv_split=kv_split,
+            dropout_rate=dropout_p,
+            # A sharded layer gates its own heads (docs: "Sharding heads").
+            local_gates=None if self._sharding is None else self._sharding.local_head_mask,
         )
+        return result.returned(return_attention_weights)
 
-    def _project(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # -- the driver's view of the layer (mha_multi.call.Projections) ----------
+
+    @property
+    def heads(self) -> spec.Heads:
+        """The heads this process computes (all of them unless sharded)."""
+        return self._heads
+
+    def project_inputs(
+        self, queries: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         """The three input projections; one GEMM for inputs that are one tensor.
 
         Self-attention (``queries is keys is values``) and shared keys/values
@@ -472,6 +292,8 @@ class MultiHeadAttention(nn.Module):
         every output element is the same dot product, and the backward pass
         gets one input gradient instead of a sum of three.
         """
+        if keys is None:
+            return _project_with(self.W_q, queries), None, None
         projections = [self.W_q, self.W_k, self.W_v]
         inputs = [queries, keys, values]
         first = 0 if queries is keys else 1
@@ -481,193 +303,22 @@ class MultiHeadAttention(nn.Module):
         separate = self._sharding is not None or len(shared) < 2
         if separate or any(_in_features(projections[i]) is None for i in shared):
             return tuple(  # (lazy ones infer)
-                _project_with(linear, x) for linear, x in zip(projections, inputs, strict=True)
+                _project_with(module, x) for module, x in zip(projections, inputs, strict=True)
             )
         weight = torch.cat([projections[i].weight for i in shared])
         bias = torch.cat([projections[i].bias for i in shared]) if self.bias else None
         # Grouped heads project queries wider than keys and values.
         widths = [projections[i].out_features for i in shared]
-        packed = _linear(inputs[first], weight, bias).split(widths, dim=-1)
+        packed = linear(inputs[first], weight, bias).split(widths, dim=-1)
         outputs = dict(zip(shared, packed, strict=True))
-        q, k, v = (
+        return tuple(
             outputs[i] if i in outputs else _project_with(projections[i], inputs[i])
             for i in range(3)
         )
-        return q, k, v
 
-    def _fused_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        valid_lens: torch.Tensor | None,
-        plan: spec.KernelPlan,
-        dropout_p: float,
-        kv_split: bool = False,
-    ) -> torch.Tensor:
-        """``scaled_dot_product_attention`` with the spec's masking semantics.
-
-        Grouped key/value heads reach SDPA as they are, with ``enable_gqa``
-        (query head ``h`` reads key/value head ``h // G``, the spec's rule);
-        only a PyTorch whose SDPA has no ``enable_gqa`` gets them repeated,
-        once, on the projected heads (the plan's ``repeat_kv``).
-
-        Args:
-            q: projected queries ``(B, Q, num_heads * head_dim)``.
-            k: projected keys ``(B, K, num_kv_heads * head_dim)``, or with
-                ``kv_split`` ``(B, num_kv_heads, K, head_dim)``, SDPA's own
-                layout (a cache's).
-            v: projected values, as ``k``.
-            valid_lens: the lengths, as :func:`_as_lens` returned them.
-            plan: what :func:`_plan` decided the kernel is given.
-            dropout_p: dropout rate on the weights (0 in eval mode).
-            kv_split: ``k`` and ``v`` are split into heads.
-
-        Returns:
-            The concatenated heads ``(B, Q, num_heads * head_dim)``.
-        """
-        num_queries, num_keys = q.shape[1], k.shape[-2]
-        ops = ops_on(q.device)
-        dtype = v.dtype
-        if dtype in SIXTEEN_BIT and not accumulates_in_float32(q.device):
-            # CPU kernels may sum 16-bit products in 16 bits: float32 copies,
-            # one rounding at the end.
-            q, k, v = q.float(), k.float(), v.float()
-        # (B, T, H*dh) -> (B, H, T, dh): the spec's head layout, unflattened.
-        q = q.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        if not kv_split:
-            k, v = (
-                x.unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2) for x in (k, v)
-            )
-        group_size = self._heads.group_size
-        if plan.repeat_kv:
-            k, v = (x.repeat_interleave(group_size, dim=1) for x in (k, v))
-        grouped = self._heads.grouped and not plan.repeat_kv
-        mask = plan.mask(ops, num_queries, num_keys, valid_lens)
-        with autocast_off(q.device):
-            output = nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=dropout_p,
-                is_causal=plan.is_causal,
-                # Passed only where needed: PyTorch before 2.5 has no such argument.
-                **({"enable_gqa": True} if grouped else {}),
-            )
-        visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
-        output = spec.fix_fully_hidden_rows(
-            ops, output, v, visible, heads_axis=1, group_size=group_size if grouped else 1
-        )
-        return output.transpose(1, 2).flatten(2).to(dtype)
-
-
-#: PyTorch's fused kernel: it applies dropout itself and adds ``-inf`` where
-#: keys are hidden, so it runs only on values read as finite. Its
-#: ``enable_gqa`` (PyTorch 2.5 and later) takes grouped key/value heads.
-SDPA = spec.FusedKernel(
-    "scaled_dot_product_attention",
-    takes_dropout=True,
-    takes_grouped_heads=tuple(int(n) for n in re.findall(r"\d+", str(torch.__version__))[:2])
-    >= (2, 5),
-)
-
-
-def _plan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    valid_lens: torch.Tensor | None,
-    causal: bool,
-    dropout_p: float,
-    return_attention_weights: bool,
-    grouped: bool,
-) -> spec.KernelPlan:
-    """The kernel plan of a call: SDPA only where it gives the spec's numbers.
-
-    What :func:`mha_multi.spec.plan_kernel` needs from the values is read
-    here, with one synchronisation: whether every projection is finite
-    (SDPA's CPU kernel turns a NaN query row into zeros, and its added
-    ``-inf`` mask lets a hidden key's non-finite score reach the weights;
-    the check is O(N * d), next to O(N^2 * d) attention) and the shortest
-    length (lengths that hide nothing need no mask, which lets flash kernels
-    run; lengths > 0 leave no row fully hidden). Under ``torch.compile``
-    values cannot be branched on, so the compiled graph runs the generic
-    path, which is exact for any values (and whose masking and softmax the
-    compiler fuses).
-    """
-    sizes = (q.shape[0], q.shape[1], k.shape[-2])  # keys (B, K, ·) or split (B, H_kv, K, dh)
-    facts = {
-        "sizes": sizes,
-        "lens_ndim": None if valid_lens is None else valid_lens.dim(),
-        "lens_integer": valid_lens is None or not valid_lens.is_floating_point(),
-        "causal": causal,
-        "dropout": dropout_p > 0,
-        "return_attention_weights": return_attention_weights,
-        "grouped": grouped,
-    }
-    if torch.compiler.is_compiling():
-        return spec.plan_kernel(SDPA, **facts, values_exact=None)
-    # Values are read only where they can still change the decision.
-    optimistic = spec.plan_kernel(SDPA, **facts, values_exact=True)
-    if not optimistic.fused:
-        return optimistic
-    # A cache's free positions count too: SDPA adds -inf to a hidden key's score.
-    # x * 0 is 0 where x is finite and NaN elsewhere: one pass over a cache at
-    # every decoding step, where isfinite(x).all() takes several.
-    finite = torch.stack([(x.detach() * 0).sum() for x in (q, k, v)]).sum() == 0
-    if valid_lens is None:
-        return spec.plan_kernel(SDPA, **facts, values_exact=bool(finite.item()))
-    # float64 keeps the order of every length (int64 ones round monotonically).
-    read = torch.stack([finite.double(), valid_lens.min().double()]).tolist()
-    return spec.plan_kernel(SDPA, **facts, values_exact=bool(read[0]), shortest_length=read[1])
-
-
-def _as_cache(cache: Any, device: torch.device) -> spec.KVCache:
-    """``cache`` as a :class:`~mha_multi.spec.KVCache` of tensors on ``device``, checked.
-
-    Raises:
-        TypeError: not three tensors (keys, values, lengths).
-        ValueError: a tensor on another device.
-    """
-    if not isinstance(cache, tuple) or len(cache) != 3:
-        raise TypeError(
-            f"cache must be a KVCache(keys, values, lengths), as layer.init_cache makes; "
-            f"got {type(cache).__name__}"
-        )
-    cache = spec.KVCache(*cache)
-    for name, tensor in zip(cache._fields, cache, strict=True):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"cache.{name} must be a torch.Tensor; got {type(tensor).__name__}")
-        if tensor.device != device:
-            raise ValueError(
-                f"cache.{name} is on {tensor.device}, the queries on {device}; "
-                "make the cache with layer.init_cache"
-            )
-    return cache
-
-
-def _as_lens(valid_lens: Any, device: torch.device) -> torch.Tensor | None:
-    """``valid_lens`` as a tensor on ``device``; integer lengths as int64.
-
-    int64 holds every key count, so clipping wider (uint64) lengths into it
-    keeps their meaning (``>= K`` hides nothing), and narrower ones widened
-    never wrap the key positions they are compared with.
-    """
-    if valid_lens is None:
-        return None
-    if isinstance(valid_lens, torch.Tensor):
-        spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
-        if valid_lens.is_floating_point():
-            return valid_lens.to(device)
-        lens = valid_lens.to(device, torch.int64)
-        if valid_lens.dtype == torch.uint64:
-            # The conversion wraps lengths >= 2**63 to negative numbers, which
-            # no unsigned length is: they are the ones to clip.
-            lens = torch.where(lens < 0, torch.iinfo(torch.int64).max, lens)
-        return lens
-    array = spec.lens_as_numpy(valid_lens, np.int64)
-    return torch.from_numpy(np.array(array, copy=True)).to(device)
+    def project_output(self, context: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
+        """``W_o`` of the gated context (the gates need no device: OPS places nothing)."""
+        return _project_with(self.W_o, spec.apply_head_mask(OPS, context, gates, self.num_heads))
 
 
 def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiHeadAttention:
@@ -736,49 +387,3 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
         if layer.bias:
             weights[f"b_{name[-1]}"] = host_array(whole(linear.bias))
     return weights
-
-
-def head_importance(
-    layer: MultiHeadAttention,
-    batches: Iterable[tuple[Any, Any, Any, Any]],
-    loss_fn: Callable[[torch.Tensor], torch.Tensor],
-    *,
-    normalize: bool = True,
-) -> np.ndarray:
-    """How much the loss depends on each head (docs: "Heads").
-
-    Michel, Levy & Neubig (2019): ``I_h = mean over batches of |dL/dξ_h|``
-    at ``ξ = 1``, where ``ξ`` is the ``head_mask`` (one gate per head), then
-    divided by its L2 norm over the heads when ``normalize`` (gradients all
-    zero stay zero). Computed in ``eval()`` mode (no dropout); the layer's
-    mode is restored afterwards, and its parameters' ``.grad`` are left as
-    they are. Heads of low importance are the ones to prune
-    (:func:`mha_multi.heads.prune_heads`).
-
-    Args:
-        layer: the layer.
-        batches: an iterable of ``(queries, keys, values, valid_lens)``
-            tensors (``valid_lens`` may be ``None``), as the layer takes them.
-        loss_fn: ``loss_fn(output) -> scalar tensor``, differentiable.
-        normalize: divide by the L2 norm over the heads.
-
-    Returns:
-        float64 numpy ``(num_heads,)``.
-
-    Raises:
-        ValueError: ``batches`` yields nothing, or ``loss_fn`` returns more
-            than one number.
-        TypeError: ``loss_fn`` returns no tensor.
-    """
-    training = layer.training
-    layer.eval()
-    try:
-        gradients = [
-            host_array(head_mask_gradient(layer, queries, keys, values, valid_lens, loss_fn))
-            for queries, keys, values, valid_lens in batches
-        ]
-    finally:
-        layer.train(training)
-    if not gradients:
-        raise ValueError("batches yielded no batch: head importance needs at least one")
-    return importance(gradients, normalize=normalize)

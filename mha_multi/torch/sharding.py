@@ -26,7 +26,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mha_multi import spec
-from mha_multi.torch.layer import MultiHeadAttention, _needs_float32_copies
+from mha_multi.torch._ops import needs_float32_copies
+from mha_multi.torch.layer import MultiHeadAttention
 
 __all__ = ["shard_heads"]
 
@@ -75,7 +76,7 @@ class HeadSharding:
                 the sharded projections (modules whose weights are
                 distributed tensors) do not.
         """
-        if _needs_float32_copies(queries, layer.W_o.weight):
+        if needs_float32_copies(queries, layer.W_o.weight):
             raise TypeError(
                 f"a head-sharded layer computes 16-bit products only where they accumulate in "
                 f"float32 (CUDA); got {queries.dtype} queries on {queries.device.type} with "

@@ -14,10 +14,10 @@ from mha_multi import spec
 from mha_multi.parity.cases import INPUT_NAMES
 from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
-from mha_multi.torch import _backend as backend
-from mha_multi.torch import layer as layer_module
+from mha_multi.torch import harness as backend
+from mha_multi.torch._backend import FACTS, SDPA
 from mha_multi.torch._ops import OPS
-from mha_multi.torch.layer import _linear
+from mha_multi.torch._ops import linear as _linear
 from mha_multi.weights import init_weights
 
 
@@ -257,8 +257,8 @@ def test_sdpa_gets_no_grouping_argument_for_multi_head_attention(runner, cases):
 def test_sdpa_without_grouped_heads_gets_them_repeated_once(runner, cases, name):
     """The route of a PyTorch whose SDPA has no ``enable_gqa``: the plan's ``repeat_kv``."""
     case, config = cases[name], cases[name].config
-    without_groups = dataclasses.replace(layer_module.SDPA, takes_grouped_heads=False)
-    with mock.patch.object(layer_module, "SDPA", without_groups), sdpa_spy() as spy:
+    without_groups = dataclasses.replace(SDPA, takes_grouped_heads=False)
+    with mock.patch.object(FACTS, "kernel", without_groups), sdpa_spy() as spy:
         out = runner.call(
             runner.layer_for(case),
             *(case.inputs[n] for n in INPUT_NAMES),

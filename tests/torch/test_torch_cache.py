@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from mha_multi import spec
 from mha_multi.parity.decode import INPUT_NAMES, chunk_rows, decode, full_reference
 from mha_multi.torch import KVCache, MultiHeadAttention, set_weights
-from mha_multi.torch import _backend as backend
+from mha_multi.torch import harness as backend
 from mha_multi.weights import init_weights
 
 #: Grouped heads and biases: two query heads read each key/value head.

@@ -1,16 +1,17 @@
-"""Parity runner for :mod:`mha_multi.torch`; PyTorch's facts are in its ``_backend``."""
+"""Parity runner for :mod:`mha_multi.torch`; it drives the layer through
+:mod:`mha_multi.torch.harness`."""
 
 from __future__ import annotations
 
 from mha_multi.parity.runners import Runner
-from mha_multi.torch.layer import SDPA
+from mha_multi.torch._backend import SDPA
 
 
 class TorchRunner(Runner):
     name = "torch"
     distributions = ("torch",)
     package = "mha_multi.torch"
-    backend = "mha_multi.torch._backend"
+    backend = "mha_multi.torch.harness"
     fused_kernel = SDPA
     # The layer reads the shortest length before it plans, so lengths that
     # hide nothing need no mask.

@@ -1,0 +1,621 @@
+"""The layer's call, written once: checks, plan, cache, attend, gates, output.
+
+Every backend's layer is a shell around :func:`forward` (docs:
+"Architecture"): it owns its parameters and its framework's module protocol,
+and hands each call here together with two objects.
+
+* The framework's :class:`Facts` (a subclass in
+  ``mha_multi/<framework>/_backend.py``): how its arrays are checked and
+  converted, which values can be read on the host and when, its array-ops
+  adapter, and its fused kernel. Eager and compiled execution differ only in
+  what :meth:`Facts.read` can read.
+* The layer's :class:`Projections`: its head layout and input sizes, the
+  input projections and the output projection of the gated context.
+
+The math is :mod:`mha_multi.spec`'s; the flow of a call is here and nowhere
+else, so a new option of the attention is added to the spec, to this module,
+and to those fused kernels that can take it.
+
+Nothing here imports a framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from mha_multi import spec
+
+__all__ = [
+    "Facts",
+    "Projections",
+    "Result",
+    "attend",
+    "check_cache_values",
+    "check_cached_call",
+    "check_call",
+    "check_gates",
+    "forward",
+    "plan",
+]
+
+Array = Any
+INPUT_NAMES = ("queries", "keys", "values")
+
+
+class Projections(Protocol):
+    """What the driver asks of a layer: its heads, sizes and projections."""
+
+    @property
+    def heads(self) -> spec.Heads:
+        """The heads this call computes (a sharded layer's own share)."""
+
+    def input_sizes(self) -> dict[str, int | None]:
+        """``query_size``, ``key_size``, ``value_size``; ``None`` where not known yet."""
+
+    def project_inputs(
+        self, queries: Array, keys: Array | None, values: Array | None
+    ) -> tuple[Any, ...]:
+        """``(q, k, v)``: the projected inputs; ``k`` and ``v`` ``None`` without keys."""
+
+    def project_output(self, context: Array, gates: Array | None) -> Array:
+        """``W_o`` (and ``b_o``) of the heads' context gated by ``gates``.
+
+        The gating is :func:`mha_multi.spec.apply_head_mask`; where a 16-bit
+        product is taken and rounded is the layer's fact.
+        """
+
+
+class Facts:
+    """A framework's facts, as a call asks for them (docs: "Architecture").
+
+    Subclasses override what their framework does differently; the defaults
+    are those of a framework whose arrays have ``.shape`` and ``.dtype``.
+
+    Attributes:
+        kernel: the fused kernel a call may plan for, or ``None`` where every
+            call takes the generic path.
+        vmap: ``jax.vmap`` or a function of its signature, for layers whose
+            heads are split over devices (``head_parallel``); ``None`` where
+            the framework has none.
+    """
+
+    kernel: spec.FusedKernel | None = None
+    vmap: Callable[..., Callable[..., Any]] | None = None
+
+    # -- arrays -----------------------------------------------------------
+
+    def ops(self, like: Array) -> spec.ArrayOps:
+        """The array-ops adapter for arrays such as ``like`` (its device, precision)."""
+        raise NotImplementedError
+
+    def dtype_kind(self, dtype: Any) -> str:
+        """numpy's ``dtype.kind`` of a framework dtype (``"f"``, ``"i"``...)."""
+        raise NotImplementedError
+
+    def check_input(self, name: str, x: Any, *, like: Array | None, dtype: Any) -> Array:
+        """``x`` as an input of the call: a floating array of the framework.
+
+        Args:
+            name: ``"queries"``, ``"keys"`` or ``"values"``.
+            x: what the caller passed.
+            like: the queries (already checked) for keys and values, where
+                they must share its device; ``None`` for the queries.
+            dtype: the dtype the layer requires, or ``None`` for any floating one.
+
+        Raises:
+            TypeError: not an array of the framework, not floating, or not of
+                ``dtype``.
+            ValueError: on another device than ``like``.
+        """
+        raise NotImplementedError
+
+    def as_lens(self, valid_lens: Any, like: Array) -> Array | None:
+        """``valid_lens`` as the framework's array beside ``like``, its dtype checked.
+
+        Integer lengths beyond the framework's index type are clipped, never
+        wrapped (:func:`mha_multi.spec.lens_as_numpy`).
+
+        Raises:
+            TypeError: not numeric.
+        """
+        raise NotImplementedError
+
+    def as_cache(self, cache: Any, like: Array) -> spec.KVCache:
+        """``cache`` as a :class:`~mha_multi.spec.KVCache` of the framework's arrays.
+
+        Raises:
+            TypeError: not a ``(keys, values, lengths)`` tuple of arrays.
+            ValueError: an array on another device than ``like``.
+        """
+        raise NotImplementedError
+
+    def as_gates(self, head_mask: Any, like: Array) -> Array:
+        """``head_mask`` (not ``None``) as the framework's array beside ``like``.
+
+        Its shape and dtype are checked by :func:`check_gates`.
+
+        Raises:
+            TypeError: not an array.
+            ValueError: on another device than ``like``.
+        """
+        raise NotImplementedError
+
+    def read(self, *arrays: Array | None) -> list[np.ndarray | None] | None:
+        """A few small arrays as numpy, or ``None`` where values cannot be read.
+
+        Eager calls read; traced ones (``torch.compile``, ``jax.jit``,
+        ``tf.function``) cannot, and then the call does what the docs say
+        compiled code does instead. ``None`` entries stay ``None``.
+        """
+        raise NotImplementedError
+
+    # -- the fused kernel ---------------------------------------------------
+
+    def kernel_serves(self, q: Array) -> bool:
+        """Whether :attr:`kernel` serves the dtype and precision of ``q``."""
+        return True
+
+    def plan_values(
+        self, q: Array, k: Array, v: Array, valid_lens: Array | None, heads: spec.Heads
+    ) -> tuple[bool | None, float | None]:
+        """What the plan reads of the values: ``(values_exact, shortest_length)``.
+
+        See :func:`mha_multi.spec.plan_kernel`; ``(None, None)`` reads nothing.
+        """
+        return None, None
+
+    def fused_attention(
+        self,
+        ops: spec.ArrayOps,
+        q: Array,
+        k: Array,
+        v: Array,
+        valid_lens: Array | None,
+        plan: spec.KernelPlan,
+        *,
+        heads: spec.Heads,
+        kv_split: bool,
+        dropout_rate: float,
+    ) -> Array | None:
+        """The heads' context ``(B, Q, H*dh)`` from the fused kernel, to the spec's numbers.
+
+        ``None`` where the kernel declined the call after all (cuDNN's
+        shapes): the generic path then serves.
+        """
+        raise NotImplementedError
+
+    # -- the generic path ---------------------------------------------------
+
+    def generic_attention(
+        self,
+        ops: spec.ArrayOps,
+        q: Array,
+        k: Array,
+        v: Array,
+        valid_lens: Array | None,
+        *,
+        heads: spec.Heads,
+        causal: bool,
+        dropout: Callable[[Array], Array] | None,
+        kv_split: bool,
+        head_parallel: bool,
+        return_attention_weights: bool,
+    ) -> tuple[Array, Array | None]:
+        """:func:`mha_multi.spec.attention`, or head by head where the heads are split.
+
+        With ``head_parallel`` (and no dropout, whose mask is drawn for the
+        whole ``(B*H, Q, K)`` weights) the attention is mapped over the
+        key/value heads (:func:`mha_multi.spec.attention_by_kv_heads`), so
+        that sharded heads are computed where they live.
+        """
+        options = {
+            "num_heads": heads.num_heads,
+            "head_dim": heads.head_dim,
+            "num_kv_heads": heads.num_kv_heads,
+            "causal": causal,
+            "kv_split": kv_split,
+        }
+        if head_parallel and dropout is None and self.vmap is not None:
+            return spec.attention_by_kv_heads(
+                ops, q, k, v, valid_lens, vmap=self.vmap, **options
+            )
+        return spec.attention(ops, q, k, v, valid_lens, dropout=dropout, **options)
+
+
+class Result(NamedTuple):
+    """What :func:`attend` computes: the output, the weights and the cache."""
+
+    output: Array
+    #: ``(B, H, Q, K)`` pre-dropout weights, ``None`` unless asked for (or fused).
+    weights: Array | None
+    #: The cache after the call; ``None`` for a call without one.
+    cache: spec.KVCache | None
+
+    def returned(self, return_attention_weights: bool) -> Any:
+        """The layer's return value: the output, then the weights and the cache where given."""
+        outputs: tuple[Any, ...] = (self.output,)
+        if return_attention_weights:
+            outputs += (self.weights,)
+        if self.cache is not None:
+            outputs += (self.cache,)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+
+# -- checks ---------------------------------------------------------------------
+
+
+def _shape(x: Array | None) -> tuple[int, ...] | None:
+    return None if x is None else tuple(x.shape)
+
+
+def check_call(
+    facts: Facts,
+    layer: Projections,
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any,
+    *,
+    causal: Any,
+    dtype: Any = None,
+) -> tuple[Array, Array, Array, Array | None]:
+    """Every check of a call without a cache that reads no values.
+
+    Args:
+        facts: the framework's facts.
+        layer: the layer's projections (for its input sizes).
+        queries: ``(B, Q, query_size)``; keys, values ``(B, K, ·)``.
+        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
+        causal: the call's flag, which must be a bool.
+        dtype: the dtype the inputs must have, or ``None`` for any floating.
+
+    Returns:
+        ``(queries, keys, values, valid_lens)`` as the framework's arrays.
+
+    Raises:
+        TypeError: an input that is no floating array (of ``dtype``),
+            non-numeric lengths, a ``causal`` that is not a bool.
+        ValueError: shapes that do not fit together or the layer, named
+            (:func:`mha_multi.spec.check_inputs`); arrays on other devices.
+    """
+    queries = facts.check_input("queries", queries, like=None, dtype=dtype)
+    keys, values = (
+        facts.check_input(name, x, like=queries, dtype=dtype)
+        for name, x in zip(INPUT_NAMES[1:], (keys, values), strict=True)
+    )
+    lens = facts.as_lens(valid_lens, queries)
+    spec.check_inputs(
+        queries.shape,
+        keys.shape,
+        values.shape,
+        _shape(lens),
+        **layer.input_sizes(),
+        causal=causal,
+    )
+    return queries, keys, values, lens
+
+
+def check_cached_call(
+    facts: Facts,
+    layer: Projections,
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any,
+    cache: Any,
+    *,
+    causal: Any,
+    dtype: Any = None,
+) -> tuple[Array, Array | None, Array | None, Array | None, spec.KVCache]:
+    """Every check of a cached call that reads no values (docs: "Generating with a cache").
+
+    As :func:`check_call`; ``keys`` and ``values`` may both be ``None`` (the
+    call appends nothing), ``valid_lens`` counts each example's new
+    positions, and the cache is checked against the layer's heads.
+
+    Returns:
+        ``(queries, keys, values, valid_lens, cache)`` as the framework's arrays.
+
+    Raises:
+        TypeError, ValueError: as :func:`mha_multi.spec.check_cached_call`,
+            and those of :meth:`Facts.as_cache`.
+    """
+    queries = facts.check_input("queries", queries, like=None, dtype=dtype)
+    keys, values = (
+        None if x is None else facts.check_input(name, x, like=queries, dtype=dtype)
+        for name, x in zip(INPUT_NAMES[1:], (keys, values), strict=True)
+    )
+    cache = facts.as_cache(cache, queries)
+    lens = facts.as_lens(valid_lens, queries)
+    spec.check_cached_call(
+        queries,
+        keys,
+        values,
+        lens,
+        cache,
+        heads=layer.heads,
+        dtype_kind=facts.dtype_kind,
+        causal=causal,
+        **layer.input_sizes(),
+    )
+    return queries, keys, values, lens, cache
+
+
+def check_gates(facts: Facts, head_mask: Any, *, num_heads: int, like: Array) -> Array | None:
+    """``head_mask`` checked (docs: "Heads"): ``(num_heads,)`` or ``(B, num_heads)``, floating.
+
+    Args:
+        num_heads: the heads the gates are for (a sharded layer's whole count).
+        like: the queries, whose batch a ``(B, num_heads)`` mask must have.
+
+    Raises:
+        TypeError: not an array, or not floating.
+        ValueError: another shape, or another device.
+    """
+    if head_mask is None:
+        return None
+    gates = facts.as_gates(head_mask, like)
+    spec.check_head_mask(
+        tuple(gates.shape),
+        facts.dtype_kind(gates.dtype),
+        num_heads=num_heads,
+        batch=like.shape[0],
+    )
+    return gates
+
+
+def check_cache_values(
+    facts: Facts, cache: spec.KVCache, valid_lens: Array | None, num_new: int
+) -> bool:
+    """:func:`mha_multi.spec.check_cache_values` where the lengths can be read.
+
+    One read of ``cache.lengths`` and ``valid_lens`` in an eager call;
+    nothing in a traced one, where :func:`mha_multi.spec.update_cache` drops
+    what would overflow instead.
+
+    Returns:
+        Whether the lengths were read (and so checked).
+    """
+    read = facts.read(cache.lengths, valid_lens)
+    if read is None:
+        return False
+    spec.check_cache_values(read[0], read[1], num_new, cache.keys.shape[2])
+    return True
+
+
+def _check_cache_dtype(ops: spec.ArrayOps, cache: spec.KVCache, dtype: Any) -> None:
+    for name in ("keys", "values"):
+        held = ops.dtype(getattr(cache, name))
+        if held != dtype:
+            raise TypeError(
+                f"cache.{name} dtype {held} differs from the layer's projected {name} "
+                f"dtype {dtype}; make the cache with layer.init_cache"
+            )
+
+
+# -- the kernel plan -----------------------------------------------------------------
+
+
+def plan(
+    facts: Facts,
+    q: Array,
+    k: Array,
+    v: Array,
+    valid_lens: Array | None,
+    *,
+    heads: spec.Heads,
+    causal: bool,
+    dropout: bool,
+    return_attention_weights: bool,
+    kv_split: bool,
+) -> spec.KernelPlan:
+    """The kernel plan of a call: the framework's kernel only where it gives the spec's numbers.
+
+    :func:`mha_multi.spec.plan_kernel` decides for every backend; the values
+    are read (:meth:`Facts.plan_values`) only where they can still change
+    the decision.
+
+    Args:
+        q: projected queries ``(B, Q, H*dh)``; ``k``, ``v`` ``(B, K,
+            H_kv*dh)``, or a cache's ``(B, H_kv, K, dh)`` with ``kv_split``.
+    """
+    if facts.kernel is None:
+        return spec.KernelPlan(fused=False, reason="the backend has no fused kernel")
+    lens_kind = None if valid_lens is None else facts.dtype_kind(valid_lens.dtype)
+    options = {
+        "sizes": (q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
+        "lens_ndim": None if valid_lens is None else len(valid_lens.shape),
+        "lens_integer": lens_kind is None or lens_kind in "iu",
+        "causal": causal,
+        "dropout": dropout,
+        "return_attention_weights": return_attention_weights,
+        "grouped": heads.grouped,
+        "dtype_supported": facts.kernel_serves(q),
+    }
+    optimistic = spec.plan_kernel(facts.kernel, **options, values_exact=True)
+    if not optimistic.fused:
+        return optimistic
+    exact, shortest = facts.plan_values(q, k, v, valid_lens, heads)
+    return spec.plan_kernel(facts.kernel, **options, values_exact=exact, shortest_length=shortest)
+
+
+# -- the call ---------------------------------------------------------------------
+
+
+def attend(
+    facts: Facts,
+    layer: Projections,
+    ops: spec.ArrayOps,
+    queries: Array,
+    keys: Array | None,
+    values: Array | None,
+    valid_lens: Array | None,
+    *,
+    cache: spec.KVCache | None = None,
+    gates: Array | None = None,
+    causal: bool = False,
+    return_attention_weights: bool = False,
+    dropout: Callable[[Array], Array] | None = None,
+    dropout_rate: float = 0.0,
+    head_parallel: bool = False,
+    kernel_plan: spec.KernelPlan | None = None,
+) -> Result:
+    """Projections, the cache update, attention, gates and the output of checked arguments.
+
+    Args:
+        facts: the framework's facts.
+        layer: the layer's projections.
+        ops: the array-ops adapter of these arrays.
+        queries, keys, values, valid_lens: as the checks returned them
+            (:func:`check_call`, :func:`check_cached_call`).
+        cache: ``None``, or the checked cache: the new keys and values are
+            written into it (:func:`mha_multi.spec.update_cache`) and the
+            queries attend to all it then holds, the causal rule inside the
+            lengths.
+        gates: the checked ``head_mask`` (:func:`check_gates`), or ``None``.
+        causal: the spec's causal flag.
+        return_attention_weights: compute the weights (the generic path).
+        dropout: applied to the weights by the generic path, or ``None``.
+        dropout_rate: its rate, for a fused kernel that applies dropout.
+        head_parallel: the heads are split over devices (see
+            :meth:`Facts.generic_attention`).
+        kernel_plan: a plan decided before the call (MXNet plans outside its
+            graphs, where shapes are known); ``None`` plans here.
+
+    Returns:
+        The :class:`Result`.
+    """
+    heads = layer.heads
+    q, k, v = layer.project_inputs(queries, keys, values)
+    kv_split = cache is not None
+    if cache is not None:
+        _check_cache_dtype(ops, cache, ops.dtype(q))
+        cache, valid_lens = spec.update_cache(
+            ops, cache, k, v, valid_lens, head_dim=heads.head_dim, causal=causal
+        )
+        # The causal rule, each example's own, is in the lengths now.
+        k, v, causal = cache.keys, cache.values, False
+    if kernel_plan is None:
+        kernel_plan = plan(
+            facts,
+            q,
+            k,
+            v,
+            valid_lens,
+            heads=heads,
+            causal=causal,
+            dropout=dropout is not None,
+            return_attention_weights=return_attention_weights,
+            kv_split=kv_split,
+        )
+    context = weights = None
+    if kernel_plan.fused:
+        context = facts.fused_attention(
+            ops,
+            q,
+            k,
+            v,
+            valid_lens,
+            kernel_plan,
+            heads=heads,
+            kv_split=kv_split,
+            dropout_rate=dropout_rate if dropout is not None else 0.0,
+        )
+    if context is None:
+        context, weights = facts.generic_attention(
+            ops,
+            q,
+            k,
+            v,
+            valid_lens,
+            heads=heads,
+            causal=causal,
+            dropout=dropout,
+            kv_split=kv_split,
+            head_parallel=head_parallel,
+            return_attention_weights=return_attention_weights,
+        )
+    # Both paths' context is the heads' (B, Q, H*dh): the gates act on it alike.
+    output = layer.project_output(context, gates)
+    return Result(output, weights if return_attention_weights else None, cache)
+
+
+def forward(
+    facts: Facts,
+    layer: Projections,
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any = None,
+    *,
+    causal: Any = False,
+    return_attention_weights: bool = False,
+    cache: Any = None,
+    head_mask: Any = None,
+    gate_heads: int | None = None,
+    dtype: Any = None,
+    dropout: Callable[[Array], Array] | None = None,
+    dropout_rate: float = 0.0,
+    head_parallel: bool = False,
+    local_gates: Callable[[Array], Array] | None = None,
+) -> Result:
+    """One call of the layer: the checks, then :func:`attend`.
+
+    Args:
+        facts: the framework's facts.
+        layer: the layer's projections.
+        queries, keys, values, valid_lens, causal, return_attention_weights,
+            cache, head_mask: the layer call's arguments (docs: "The spec").
+        gate_heads: the heads ``head_mask`` is for; ``None`` for the
+            layer's (a sharded layer's gates span all its heads).
+        dtype: the dtype the inputs must have, or ``None`` for any floating.
+        dropout, dropout_rate, head_parallel: as in :func:`attend`.
+        local_gates: maps the whole layer's checked gates to the heads this
+            process computes (a sharded layer), or ``None``.
+
+    Returns:
+        The :class:`Result`; :meth:`Result.returned` is the layer's return value.
+    """
+    heads = layer.heads
+    if cache is None:
+        queries, keys, values, lens = check_call(
+            facts, layer, queries, keys, values, valid_lens, causal=causal, dtype=dtype
+        )
+    else:
+        queries, keys, values, lens, cache = check_cached_call(
+            facts, layer, queries, keys, values, valid_lens, cache, causal=causal, dtype=dtype
+        )
+    gates = check_gates(
+        facts,
+        head_mask,
+        num_heads=heads.num_heads if gate_heads is None else gate_heads,
+        like=queries,
+    )
+    if gates is not None and local_gates is not None:
+        gates = local_gates(gates)
+    if cache is not None:
+        check_cache_values(facts, cache, lens, 0 if keys is None else queries.shape[1])
+    return attend(
+        facts,
+        layer,
+        facts.ops(queries),
+        queries,
+        keys,
+        values,
+        lens,
+        cache=cache,
+        gates=gates,
+        causal=bool(causal),
+        return_attention_weights=return_attention_weights,
+        dropout=dropout,
+        dropout_rate=dropout_rate,
+        head_parallel=head_parallel,
+    )
+
+
+def read_all(arrays: Sequence[Any], read_one: Callable[[Any], np.ndarray]) -> list[Any]:
+    """``read_one`` of each array, ``None`` entries kept: a helper of :meth:`Facts.read`."""
+    return [None if x is None else read_one(x) for x in arrays]

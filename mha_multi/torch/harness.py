@@ -1,0 +1,224 @@
+"""What drives the PyTorch layer: building it, one call, gradients, the kernel spy, the native layer.
+
+The parity runner, the benchmark and the tests reach PyTorch through this
+module (docs: "Architecture"). It sits above the layer: it imports the layer
+and :mod:`mha_multi.torch._backend` (PyTorch's facts, re-exported here for
+the runner), and nothing below imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from mha_multi.interop.torch import to_torch_mha
+from mha_multi.parity.runners import KernelCall
+from mha_multi.spec import KVCache
+from mha_multi.torch._backend import (
+    DTYPES,
+    device,
+    device_description,
+    exact_float32,
+    gpu_available,
+    host_array,
+    lens_to_native,
+    sync,
+    to_native,
+    to_numpy,
+)
+from mha_multi.torch.importance import head_mask_gradient
+from mha_multi.torch.layer import MultiHeadAttention
+from mha_multi.weights import KERNEL_NAMES
+
+__all__ = [
+    "DTYPES",
+    "device",
+    "device_description",
+    "exact_float32",
+    "forward",
+    "gpu_available",
+    "head_mask_gradient",
+    "host_array",
+    "init_cache",
+    "kernel_spy",
+    "lens_to_native",
+    "make_layer",
+    "native_layer",
+    "sync",
+    "to_native",
+    "to_numpy",
+    "vjp",
+]
+
+INPUT_NAMES = ("queries", "keys", "values")
+#: ``scaled_dot_product_attention``'s leading positional parameters.
+_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+# Parameters named ``device`` shadow the function inside the functions below.
+_device = device
+
+
+# -- the layer ---------------------------------------------------------------------
+
+
+def make_layer(
+    num_hiddens: int,
+    num_heads: int,
+    *,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    **kwargs: Any,
+) -> MultiHeadAttention:
+    """The layer with its parameters on ``device`` in ``dtype``.
+
+    Args:
+        num_hiddens: the layer's ``num_hiddens``.
+        num_heads: the layer's ``num_heads``.
+        num_kv_heads: the layer's ``num_kv_heads`` (``None``: ``num_heads``).
+        head_dim: the layer's ``head_dim`` (``None``: ``num_hiddens // num_heads``).
+        device: ``"cpu"`` or ``"gpu"``.
+        dtype: a key of :data:`DTYPES`.
+        **kwargs: the layer's other arguments (``dropout``, ``bias``, sizes).
+    """
+    return MultiHeadAttention(
+        num_hiddens,
+        num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        device=_device(device),
+        dtype=DTYPES[dtype],
+        **kwargs,
+    )
+
+
+def init_cache(layer: MultiHeadAttention, batch_size: int, max_length: int) -> KVCache:
+    """The layer's empty key/value cache, of its dtype and on its device."""
+    return layer.init_cache(batch_size, max_length)
+
+
+def forward(
+    layer: MultiHeadAttention,
+    queries: torch.Tensor,
+    keys: torch.Tensor | None,
+    values: torch.Tensor | None,
+    valid_lens: Any,
+    *,
+    training: bool = False,
+    head_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | tuple[Any, ...]:
+    """One call of the layer in ``train()`` or ``eval()`` mode, without autograd.
+
+    Args:
+        layer: the layer.
+        queries: ``(B, Q, query_size)``; keys, values likewise with ``K``
+            (``None`` for a cached call that appends nothing).
+        valid_lens: passed to the layer as it is.
+        training: ``train()`` mode (dropout active) instead of ``eval()``.
+        head_mask: the layer's ``head_mask``, passed as it is.
+        **kwargs: the layer's ``causal``, ``return_attention_weights`` and
+            ``cache``.
+    """
+    layer.train(training)
+    with torch.no_grad():
+        return layer(queries, keys, values, valid_lens, head_mask=head_mask, **kwargs)
+
+
+def vjp(
+    layer: MultiHeadAttention,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid_lens: Any,
+    *,
+    causal: bool,
+    output_gradient: torch.Tensor,
+    cache: KVCache | None = None,
+    head_mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The gradients of ``sum(output * output_gradient)`` of an ``eval()`` call.
+
+    With a ``cache``, of the output of that cached call, the cache held
+    fixed (it is detached); with a ``head_mask``, of the gated call.
+
+    Returns:
+        Tensors keyed ``queries``, ``keys``, ``values`` and the canonical
+        weight names, kernels in the canonical ``(in, out)`` orientation;
+        with a ``head_mask``, its gradient too, keyed ``head_mask``.
+    """
+    layer.eval()
+    layer.zero_grad(set_to_none=True)
+    inputs = [x.detach().requires_grad_(True) for x in (queries, keys, values)]
+    gates = None if head_mask is None else head_mask.detach().requires_grad_(True)
+    if cache is None:
+        output = layer(*inputs, valid_lens, causal=causal, head_mask=gates)
+    else:
+        held = type(cache)(*(x.detach() for x in cache))
+        output = layer(*inputs, valid_lens, causal=causal, cache=held, head_mask=gates)[0]
+    output.backward(output_gradient)
+    grads = {name: x.grad for name, x in zip(INPUT_NAMES, inputs, strict=True)}
+    if gates is not None:
+        grads["head_mask"] = gates.grad
+    for name in KERNEL_NAMES:
+        linear = getattr(layer, name)
+        grads[name] = linear.weight.grad.T
+        if linear.bias is not None:
+            grads[f"b_{name[-1]}"] = linear.bias.grad
+    return grads
+
+
+@contextlib.contextmanager
+def kernel_spy() -> Iterator[list[KernelCall]]:
+    """Records every call of ``scaled_dot_product_attention`` while active.
+
+    Yields:
+        A list that gets one :class:`~mha_multi.parity.runners.KernelCall`
+        per call: whether a mask was passed, the kernel's causal flag and
+        its dropout rate.
+    """
+    calls: list[KernelCall] = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        given = {**dict(zip(_SDPA_PARAMETERS, args, strict=False)), **kwargs}
+        calls.append(
+            KernelCall(
+                mask=given.get("attn_mask") is not None,
+                is_causal=bool(given.get("is_causal", False)),
+                dropout=float(given.get("dropout_p", 0.0)),
+            )
+        )
+        return original(*args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = recording
+    try:
+        yield calls
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def native_layer(
+    weights: Mapping[str, np.ndarray],
+    num_heads: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> torch.nn.MultiheadAttention:
+    """``torch.nn.MultiheadAttention`` (``batch_first``, ``eval()``) holding canonical weights.
+
+    It takes key padding as ``key_padding_mask``
+    (:func:`mha_multi.interop.torch.key_padding_mask`).
+
+    Args:
+        weights: canonical weights; ``query_size`` must equal ``num_hiddens``.
+        num_heads: number of heads.
+        device: ``"cpu"`` or ``"gpu"``.
+        dtype: a key of :data:`DTYPES`.
+    """
+    module = to_torch_mha(weights, num_heads, batch_first=True)
+    return module.to(device=_device(device), dtype=DTYPES[dtype]).eval()
