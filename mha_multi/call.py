@@ -219,9 +219,7 @@ class Facts:
             "kv_split": kv_split,
         }
         if head_parallel and dropout is None and self.vmap is not None:
-            return spec.attention_by_kv_heads(
-                ops, q, k, v, valid_lens, vmap=self.vmap, **options
-            )
+            return spec.attention_by_kv_heads(ops, q, k, v, valid_lens, vmap=self.vmap, **options)
         return spec.attention(ops, q, k, v, valid_lens, dropout=dropout, **options)
 
 

@@ -205,9 +205,7 @@ class TorchFacts(call.Facts):
         cache = spec.KVCache(*cache)
         for name, tensor in zip(cache._fields, cache, strict=True):
             if not isinstance(tensor, torch.Tensor):
-                raise TypeError(
-                    f"cache.{name} must be a torch.Tensor; got {type(tensor).__name__}"
-                )
+                raise TypeError(f"cache.{name} must be a torch.Tensor; got {type(tensor).__name__}")
             if tensor.device != like.device:
                 raise ValueError(
                     f"cache.{name} is on {tensor.device}, the queries on {like.device}; "
@@ -232,9 +230,7 @@ class TorchFacts(call.Facts):
         if given and all(not x.is_floating_point() for x in given):
             flat = torch.cat([x.reshape(-1).long() for x in given]).cpu().numpy()
             parts = iter(np.split(flat, np.cumsum([x.numel() for x in given])[:-1]))
-            return [
-                None if x is None else next(parts).reshape(tuple(x.shape)) for x in arrays
-            ]
+            return [None if x is None else next(parts).reshape(tuple(x.shape)) for x in arrays]
         return call.read_all(arrays, host_array)
 
     def plan_values(

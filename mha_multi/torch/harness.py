@@ -1,4 +1,4 @@
-"""What drives the PyTorch layer: building it, one call, gradients, the kernel spy, the native layer.
+"""What drives the PyTorch layer: building it, calls, gradients, the kernel spy, the native one.
 
 The parity runner, the benchmark and the tests reach PyTorch through this
 module (docs: "Architecture"). It sits above the layer: it imports the layer
