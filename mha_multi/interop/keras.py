@@ -90,7 +90,7 @@ import numpy as np
 
 from mha_multi import spec
 from mha_multi.interop.formats import check_heads_given, check_stored_heads, resolve_heads
-from mha_multi.keras import _backend
+from mha_multi.keras import _backend, _native
 from mha_multi.weights import check_weights
 
 __all__ = [
@@ -115,9 +115,9 @@ __all__ = [
 ]
 
 #: Keras' sublayer name -> canonical projection letter.
-KERAS_MHA_NAMES = _backend.NATIVE_PROJECTIONS
+KERAS_MHA_NAMES = _native.NATIVE_PROJECTIONS
 #: ``keras.layers.GroupQueryAttention``'s sublayer name -> canonical projection letter.
-KERAS_GQA_NAMES = _backend.NATIVE_GQA_PROJECTIONS
+KERAS_GQA_NAMES = _native.NATIVE_GQA_PROJECTIONS
 
 
 def _kernels_of_state(
@@ -234,7 +234,7 @@ def to_keras_mha_state(weights: Mapping[str, Any], num_heads: int) -> dict[str, 
             ``num_heads``, grouped key/value heads or an explicit ``head_dim``.
     """
     arrays, config = check_weights(weights)
-    _backend.check_native_mha_layout(config)
+    _native.check_native_mha_layout(config)
     head_dim = spec.check_config(config.num_hiddens, num_heads, 0.0)
     result = {}
     for name, letter in KERAS_MHA_NAMES.items():
@@ -327,7 +327,7 @@ def to_keras_mha(
     fixed = sorted({"key_dim", "value_dim", "use_bias", "output_shape"} & set(kwargs))
     if fixed:
         raise ValueError(f"{', '.join(fixed)} follow from the weights; do not pass them")
-    return _backend.native_layer(weights, num_heads, **kwargs)
+    return _native.native_layer(weights, num_heads, **kwargs)
 
 
 def from_keras_gqa_state(
@@ -424,7 +424,7 @@ def to_keras_gqa_state(
         ValueError: invalid weights, widths no head layout of ``num_heads``
             heads explains, or ``query_size != num_hiddens``.
     """
-    return _backend.gqa_state(weights, num_heads, num_kv_heads=num_kv_heads)
+    return _native.gqa_state(weights, num_heads, num_kv_heads=num_kv_heads)
 
 
 def _check_keras_gqa(layer: keras.layers.GroupQueryAttention) -> None:
@@ -451,7 +451,7 @@ def from_keras_gqa(
     """
     _check_keras_gqa(layer)
     arrays = {}
-    for name, dense in _backend.gqa_projections(layer).items():
+    for name, dense in _native.gqa_projections(layer).items():
         arrays[f"{name}/kernel"] = _backend.host_array(dense.kernel)
         if dense.bias is not None:
             arrays[f"{name}/bias"] = _backend.host_array(dense.bias)
@@ -495,7 +495,7 @@ def to_keras_gqa(
             f"unsupported: {', '.join(unsupported)}; the canonical layer has no gate "
             "and no sliding window"
         )
-    return _backend.native_gqa_layer(weights, num_heads, num_kv_heads=num_kv_heads, **kwargs)
+    return _native.native_gqa_layer(weights, num_heads, num_kv_heads=num_kv_heads, **kwargs)
 
 
 def attention_mask(
@@ -786,7 +786,7 @@ def save_keras_mha(
     _check_weights_path(path)
     arrays, config = check_weights(weights)
     try:
-        _backend.check_native_mha_layout(config)
+        _native.check_native_mha_layout(config)
     except ValueError as error:
         raise ValueError(f"{error}; its files are the keras-gqa format") from error
     resolve_heads(arrays, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)

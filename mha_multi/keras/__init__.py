@@ -4,7 +4,8 @@ The layer is written against ``keras.ops`` and runs on whichever Keras
 backend is active (``KERAS_BACKEND``: TensorFlow, JAX or PyTorch).
 """
 
-from mha_multi.keras.layer import MultiHeadAttention, get_weights, head_importance, set_weights
+from mha_multi.keras.importance import head_importance
+from mha_multi.keras.layer import MultiHeadAttention, get_weights, set_weights
 from mha_multi.keras.sharding import layout_map
 from mha_multi.spec import KVCache
 

@@ -23,21 +23,20 @@ variable stays whole on one device) and on PyTorch Keras has no distribution
 backend at all (``keras.distribution.list_devices`` fails). So
 :func:`layout_map` raises a ``NotImplementedError`` naming the backend there,
 rather than give a map that would silently shard nothing.
+
+The layer calls the helpers here, so this module imports no layer: the
+layers it takes are typed ``Any``.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import keras
 
 from mha_multi import spec
-from mha_multi.keras._backend import BACKEND
-
-if TYPE_CHECKING:
-    from mha_multi.keras.layer import MultiHeadAttention
 
 __all__ = [
     "HEAD_AXES",
@@ -66,10 +65,11 @@ HEAD_AXES: dict[str, int] = {
 
 def check_backend() -> None:
     """Raises ``NotImplementedError`` on a Keras backend that ignores variable layouts."""
-    if BACKEND not in SUPPORTED_BACKENDS:
+    backend = keras.backend.backend()
+    if backend not in SUPPORTED_BACKENDS:
         raise NotImplementedError(
             f"Keras {keras.__version__} shards variables with keras.distribution on its JAX "
-            f"backend only; this process runs the {BACKEND!r} backend, where a ModelParallel "
+            f"backend only; this process runs the {backend!r} backend, where a ModelParallel "
             "distribution would leave every variable whole (set KERAS_BACKEND=jax)"
         )
 
@@ -78,7 +78,7 @@ def layout_map(
     device_mesh: keras.distribution.DeviceMesh,
     *,
     axis: str = "model",
-    layer: MultiHeadAttention | None = None,
+    layer: Any = None,
     name: str | None = None,
 ) -> keras.distribution.LayoutMap:
     """The layout that splits :class:`~mha_multi.keras.MultiHeadAttention` by heads.
@@ -149,7 +149,7 @@ def layout_map(
 
 def _distribution() -> Any:
     """The active Keras distribution where it lays variables out, else ``None``."""
-    if BACKEND not in SUPPORTED_BACKENDS:
+    if keras.backend.backend() not in SUPPORTED_BACKENDS:
         return None  # Keras would ignore it: nothing is split
     return keras.distribution.distribution()
 
@@ -172,7 +172,7 @@ def _shards(layout: Any, distribution: Any, dim: int) -> tuple[int, tuple[str, .
     return math.prod(sizes[n] for n in names), names
 
 
-def check_variable_layout(layer: MultiHeadAttention, name: str, path: str) -> int:
+def check_variable_layout(layer: Any, name: str, path: str) -> int:
     """Checks that the active distribution keeps each of ``layer``'s heads on one device.
 
     Called by the layer before and after it creates its variable ``name``
@@ -219,7 +219,7 @@ def head_vmap() -> Any:
     return jax.vmap
 
 
-def cache_layout(layer: MultiHeadAttention, batch_size: int) -> Any:
+def cache_layout(layer: Any, batch_size: int) -> Any:
     """The ``keras.distribution.TensorLayout`` of ``layer``'s cache keys and values, or ``None``.
 
     Under a distribution that splits ``W_k`` by heads, the cache's

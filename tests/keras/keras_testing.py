@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mha_multi.keras import _backend as backend
+from mha_multi.keras import harness as backend
 from mha_multi.parity.cases import Case
 from mha_multi.parity.runners import Runner, get_runner
 

@@ -19,9 +19,11 @@ keras = pytest.importorskip("keras")
 
 from keras_testing import inputs, keras_runner  # noqa: E402, F401
 
+import mha_multi.keras._kernel as kernel_module  # noqa: E402
 from mha_multi import spec  # noqa: E402
-from mha_multi.keras import _backend as backend  # noqa: E402
-from mha_multi.keras import layer as layer_module  # noqa: E402
+from mha_multi.keras import harness as backend  # noqa: E402
+from mha_multi.keras._backend import FACTS, values_exact  # noqa: E402
+from mha_multi.keras._kernel import DOT_PRODUCT_ATTENTION  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
 #: Where the default call takes the kernel, per Keras backend and compute
@@ -276,7 +278,7 @@ def test_scores_below_the_mask_value_take_the_generic_path(runner):
 )
 def test_values_exact_reads_the_values(scale, exact):
     q, k, v = (keras.ops.full((2, 3, 8), value) for value in (scale, 1.0, 1.0))
-    assert layer_module.values_exact(q, k, v, 4) is exact
+    assert values_exact(q, k, v, 4) is exact
 
 
 def test_fused_and_generic_paths_agree_on_a_longer_sequence(runner):
@@ -325,19 +327,17 @@ def test_keras_kernel_takes_grouped_heads_where_the_layer_says(num_kv_heads):
     try:
         out = backend.to_numpy(keras.ops.dot_product_attention(q, k, v, scale=0.5))
     except Exception:  # the backend's own error type
-        assert not layer_module.DOT_PRODUCT_ATTENTION.takes_grouped_heads
+        assert not DOT_PRODUCT_ATTENTION.takes_grouped_heads
         assert backend.BACKEND == "tensorflow" and num_kv_heads == 1
         return
     np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
-    assert layer_module.DOT_PRODUCT_ATTENTION.takes_grouped_heads == (
-        backend.BACKEND != "tensorflow"
-    )
+    assert DOT_PRODUCT_ATTENTION.takes_grouped_heads == (backend.BACKEND != "tensorflow")
 
 
 @pytest.fixture
 def fused_here(monkeypatch):
     """The default call takes the kernel on this backend, whatever the benchmark chose."""
-    monkeypatch.setattr(layer_module, "FUSED_BACKENDS", frozenset({backend.BACKEND}))
+    monkeypatch.setattr(kernel_module, "FUSED_BACKENDS", frozenset({backend.BACKEND}))
 
 
 @pytest.mark.parametrize("name", ["gqa", "mqa", "head_dim"])
@@ -347,7 +347,7 @@ def test_grouped_heads_reach_the_kernel_as_the_plan_says(
     case = cases[name]
     key_heads = kernel_shapes(monkeypatch)
     out = attend(runner, case)
-    takes = layer_module.DOT_PRODUCT_ATTENTION.takes_grouped_heads
+    takes = DOT_PRODUCT_ATTENTION.takes_grouped_heads
     assert key_heads == [case.config.num_kv_heads if takes else case.config.num_heads]
     np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)
 
@@ -360,7 +360,7 @@ def test_a_kernel_without_groups_gets_the_heads_repeated_once(
     # h // G, never the inputs; fully hidden rows (gqa: length 0) take the
     # mean of their key/value head's values.
     kernel = spec.FusedKernel("keras.ops.dot_product_attention", takes_grouped_heads=False)
-    monkeypatch.setattr(layer_module, "DOT_PRODUCT_ATTENTION", kernel)
+    monkeypatch.setattr(FACTS, "kernel", kernel)
     case = cases[name]
     key_heads = kernel_shapes(monkeypatch)
     out = attend(runner, case)

@@ -21,10 +21,10 @@ keras = pytest.importorskip("keras")
 
 from keras_testing import keras_runner  # noqa: E402, F401
 
+import mha_multi.keras._kernel as kernel_module  # noqa: E402
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import KVCache, MultiHeadAttention, set_weights  # noqa: E402
-from mha_multi.keras import _backend as backend  # noqa: E402
-from mha_multi.keras import layer as layer_module  # noqa: E402
+from mha_multi.keras import harness as backend  # noqa: E402
 from mha_multi.parity.decode import decode, full_reference  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
@@ -211,7 +211,7 @@ def test_a_cache_made_inside_a_jitted_stateless_call():
 @pytest.fixture
 def fused_here(monkeypatch):
     """The default call takes the kernel on this backend, whatever the benchmark chose."""
-    monkeypatch.setattr(layer_module, "FUSED_BACKENDS", frozenset({backend.BACKEND}))
+    monkeypatch.setattr(kernel_module, "FUSED_BACKENDS", frozenset({backend.BACKEND}))
 
 
 def kernel_key_heads(monkeypatch):
@@ -261,7 +261,7 @@ def test_cached_calls_take_the_kernel_where_the_plan_says(
     )
     # The lengths hold the causal rule: a mask, and no causal flag.
     assert [(call.mask, call.is_causal) for call in calls] == [(True, False)] * 2
-    takes_groups = layer_module.DOT_PRODUCT_ATTENTION.takes_grouped_heads
+    takes_groups = kernel_module.DOT_PRODUCT_ATTENTION.takes_grouped_heads
     assert key_heads == [num_kv_heads if takes_groups else 4]
     np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
     with runner.kernel_spy() as calls:

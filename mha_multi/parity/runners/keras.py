@@ -1,6 +1,7 @@
 """Parity runners for :mod:`mha_multi.keras`, one per Keras backend.
 
-Keras' facts, those of each backend included, are in its ``_backend``.
+They drive the layer through :mod:`mha_multi.keras.harness`; Keras' facts,
+those of each backend included, are in its ``_backend``.
 Keras picks its backend once per process from ``KERAS_BACKEND``; each nox
 environment sets it. A runner whose backend is not the active one raises
 ``ImportError`` when created, so it counts as unavailable in the wrong
@@ -15,7 +16,7 @@ import keras
 
 from mha_multi import spec
 from mha_multi.keras import _backend
-from mha_multi.keras.layer import DOT_PRODUCT_ATTENTION, FUSED_BACKENDS
+from mha_multi.keras._kernel import DOT_PRODUCT_ATTENTION, FUSED_BACKENDS
 from mha_multi.parity.runners import Runner
 
 __all__ = ["KerasJaxRunner", "KerasRunner", "KerasTensorFlowRunner", "KerasTorchRunner"]
@@ -30,7 +31,7 @@ class KerasRunner(Runner):
     """The layer on the active Keras backend."""
 
     package = "mha_multi.keras"
-    backend = "mha_multi.keras._backend"
+    backend = "mha_multi.keras.harness"
     #: ``keras.backend.backend()`` this runner needs.
     keras_backend: ClassVar[str]
 

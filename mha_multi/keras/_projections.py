@@ -1,0 +1,261 @@
+"""The four projections of the Keras layer: its variables, their build, the products.
+
+:class:`ProjectionLayer` is the base of :class:`mha_multi.keras.MultiHeadAttention`
+holding what is the layer's state rather than its call: the canonical
+weights as variables (created lazily, checked against a distribution that
+splits heads), their build from the inputs' shapes, the input and output
+projections (16-bit products accumulated in float32), saving under
+canonical names, and :func:`set_weights`/:func:`get_weights`. The call
+flow that uses the projections is :func:`mha_multi.call.forward`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+import numpy as np
+
+from mha_multi import spec
+from mha_multi.keras._backend import as_numpy, host_array
+from mha_multi.keras._ops import OPS, is_16_bit, matmul_16_bit
+from mha_multi.keras.sharding import check_variable_layout
+from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
+
+__all__ = ["ProjectionLayer", "get_weights", "set_weights"]
+
+PROJECTIONS = ("q", "k", "v", "o")
+_SIZE_NAMES = ("query_size", "key_size", "value_size")
+
+
+class ProjectionLayer(keras.layers.Layer):
+    """A Keras layer holding the projections ``W_q``, ``W_k``, ``W_v``, ``W_o`` (and biases).
+
+    Its subclass sets, before it adds a projection: ``_heads``
+    (:class:`~mha_multi.spec.Heads`), ``num_hiddens``, ``num_heads``,
+    ``bias``, ``kernel_initializer``, ``bias_initializer``, every ``W_*`` and
+    ``b_*`` attribute (``None`` until created) and ``_head_parallel``.
+    """
+
+    def _add_projection(self, name: str, in_features: int) -> None:
+        out_features = {
+            "q": self._heads.query_features,
+            "k": self._heads.kv_features,
+            "v": self._heads.kv_features,
+            "o": self.num_hiddens,
+        }[name]
+        kernel = self._add_head_weight(
+            f"W_{name}", (in_features, out_features), self.kernel_initializer
+        )
+        setattr(self, f"W_{name}", kernel)
+        if self.bias:
+            bias = self._add_head_weight(f"b_{name}", (out_features,), self.bias_initializer)
+            setattr(self, f"b_{name}", bias)
+
+    def _add_head_weight(self, name: str, shape: tuple[int, ...], initializer: Any) -> Any:
+        """``add_weight``, refused where an active distribution would split a head.
+
+        Checked before the variable exists, on the path it will have as far
+        as the layer knows it (its parents are unknown before ``build``), so
+        that a bad shard count is this ``ValueError`` rather than one from
+        the backend laying the variable out; and again on the variable's
+        actual path (docs: "Sharding heads").
+        """
+        check_variable_layout(self, name, f"{self.path or self.name}/{name}")
+        variable = self.add_weight(shape=shape, initializer=initializer, name=name)
+        if check_variable_layout(self, name, variable.path) > 1 and name == "W_q":
+            # Heads split over devices: attend head by head, so that XLA keeps
+            # each device's heads on it (docs: "Sharding heads").
+            self._head_parallel = True
+        return variable
+
+    def canonical_variables(self) -> dict[str, keras.Variable]:
+        """Canonical weight name -> variable, for the projections created so far."""
+        variables = {}
+        for name in (*KERNEL_NAMES, *BIAS_NAMES):
+            variable = getattr(self, name)
+            if variable is not None:
+                variables[name] = variable
+        return variables
+
+    def input_sizes(self) -> dict[str, int | None]:
+        """``query_size``, ``key_size``, ``value_size``; ``None`` where still lazy."""
+        sizes = {}
+        for size_name, name in zip(_SIZE_NAMES, PROJECTIONS, strict=False):
+            kernel = getattr(self, f"W_{name}")
+            sizes[size_name] = None if kernel is None else int(kernel.shape[0])
+        return sizes
+
+    def build(
+        self,
+        queries_shape: tuple[int | None, ...],
+        keys_shape: tuple[int | None, ...] | None = None,
+        values_shape: tuple[int | None, ...] | None = None,
+        valid_lens_shape: tuple[int | None, ...] | None = None,
+        cache_shape: spec.KVCache | None = None,
+    ) -> None:
+        """Creates the projections still missing from the inputs' last dimensions.
+
+        Args:
+            queries_shape: ``(B, Q, query_size)``.
+            keys_shape: ``(B, K, key_size)``; ``None`` only in a cached call
+                that appends nothing.
+            values_shape: ``(B, K, value_size)``, likewise.
+            valid_lens_shape: ``None``, ``(B,)`` or ``(B, Q)``.
+            cache_shape: the shapes of a cached call's cache
+                (:class:`~mha_multi.spec.KVCache` of shapes), or ``None``.
+
+        Raises:
+            ValueError: shapes that disagree with each other or with known
+                sizes, or a cached call without keys and values while
+                ``key_size`` or ``value_size`` is still lazy.
+        """
+        shapes = (queries_shape, keys_shape, values_shape)
+        sizes = self.input_sizes()
+        if cache_shape is None:
+            spec.check_inputs(*shapes, valid_lens_shape, **sizes)
+        else:
+            spec.check_cached_inputs(
+                *shapes, valid_lens_shape, cache_shape, heads=self._heads, **sizes
+            )
+            lazy = [
+                size_name
+                for size_name, shape in (("key_size", keys_shape), ("value_size", values_shape))
+                if shape is None and sizes[size_name] is None
+            ]
+            if lazy:
+                raise ValueError(
+                    f"{' and '.join(lazy)} not known yet, and a cached call without keys and "
+                    "values cannot infer them: pass them to the constructor, or make the "
+                    "layer's first call with keys and values"
+                )
+        for name, shape in zip(PROJECTIONS, shapes, strict=False):
+            if getattr(self, f"W_{name}") is None and shape is not None:
+                self._add_projection(name, int(shape[-1]))
+
+    def _project(self, x: Any, name: str) -> Any:
+        dtype = self.compute_dtype
+        x = keras.ops.cast(x, dtype)
+        kernel = keras.ops.cast(getattr(self, f"W_{name}"), dtype)
+        bias = getattr(self, f"b_{name}")
+        if is_16_bit(dtype):
+            # The bias joins the float32 accumulator: x @ W + b is rounded once.
+            return matmul_16_bit(x, kernel, bias)
+        y = OPS.matmul(x, kernel)
+        return y if bias is None else keras.ops.add(y, keras.ops.cast(bias, dtype))
+
+    # -- the driver's view of the layer (mha_multi.call.Projections) ----------
+
+    @property
+    def heads(self) -> spec.Heads:
+        """The layer's heads."""
+        return self._heads
+
+    def project_inputs(self, queries: Any, keys: Any, values: Any) -> tuple[Any, ...]:
+        """The input projections in the compute dtype; ``k``, ``v`` ``None`` without keys."""
+        if keys is None:
+            return self._project(queries, "q"), None, None
+        return tuple(self._project(x, n) for x, n in ((queries, "q"), (keys, "k"), (values, "v")))
+
+    def project_output(self, context: Any, gates: Any) -> Any:
+        """``W_o`` (and ``b_o``) of the heads' context ``(B, Q, H*dh)`` gated by ``gates``.
+
+        The gates are :func:`mha_multi.spec.apply_head_mask`'s. In 16 bits
+        they join the float32 product of the output projection, so that
+        ``(context * gates) @ W_o + b_o`` is rounded once, as the projection
+        without gates is, and so is its gradient with respect to the context
+        (a gated context rounded to 16 bits first would add one rounding each
+        way: twice the bfloat16 error in ``W_v``'s gradient).
+        """
+        dtype = self.compute_dtype
+        if gates is None or not is_16_bit(dtype):
+            return self._project(spec.apply_head_mask(OPS, context, gates, self.num_heads), "o")
+        gated = spec.apply_head_mask(OPS, keras.ops.cast(context, "float32"), gates, self.num_heads)
+        kernel = keras.ops.cast(keras.ops.cast(self.W_o, dtype), "float32")
+        output = keras.ops.matmul(gated, kernel)
+        if self.b_o is not None:
+            output = keras.ops.add(output, keras.ops.cast(self.b_o, "float32"))
+        return keras.ops.cast(output, dtype)
+
+    def save_own_variables(self, store: Any) -> None:
+        """Saves the variables under their canonical names (``W_q``...).
+
+        Keras keys a layer's variables by creation order, which here depends
+        on which input sizes were known at construction; names do not.
+        """
+        for name, variable in self.canonical_variables().items():
+            store[name] = as_numpy(variable.value)
+
+    def load_own_variables(self, store: Any) -> None:
+        """Loads variables saved by :meth:`save_own_variables`."""
+        variables = self.canonical_variables()
+        if set(store.keys()) != set(variables):
+            raise ValueError(
+                f"layer {self.name!r} expects saved variables {sorted(variables)}; "
+                f"got {sorted(store.keys())}"
+            )
+        for name, variable in variables.items():
+            variable.assign(store[name])
+
+
+def set_weights(layer: ProjectionLayer, weights: Mapping[str, Any]) -> ProjectionLayer:
+    """Loads canonical weights into ``layer`` (strict) and returns it.
+
+    Lazy input sizes are fixed by the weights (the missing projections are
+    built). Values are cast to each variable's dtype; float32 variables of a
+    mixed-precision layer stay float32.
+
+    Args:
+        layer: the layer to load into (a :class:`~mha_multi.keras.MultiHeadAttention`).
+        weights: canonical mapping ``W_q``, ``W_k``, ``W_v``, ``W_o`` (and
+            ``b_*`` iff the layer has biases), ``x @ W + b`` orientation.
+
+    Returns:
+        ``layer``.
+
+    Raises:
+        ValueError: a missing, extra or mis-shaped entry, named.
+    """
+    arrays, config = check_weights(
+        weights,
+        num_hiddens=layer.num_hiddens,
+        bias=layer.bias,
+        num_heads=layer.num_heads,
+        num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim,
+        **layer.input_sizes(),
+    )
+    if not layer.built:
+        sizes = (config.query_size, config.key_size, config.value_size)
+        layer.build(*((None, None, size) for size in sizes))
+    variables = layer.canonical_variables()
+    for name, array in arrays.items():
+        variables[name].assign(array)
+    return layer
+
+
+def get_weights(layer: ProjectionLayer) -> dict[str, np.ndarray]:
+    """The canonical weights of ``layer`` as numpy arrays.
+
+    bfloat16 variables are returned as float32 (numpy has no bfloat16);
+    every other dtype is kept.
+
+    Args:
+        layer: a :class:`~mha_multi.keras.MultiHeadAttention` whose input sizes are known.
+
+    Returns:
+        ``W_q``, ``W_k``, ``W_v``, ``W_o`` (and ``b_*`` with biases).
+
+    Raises:
+        ValueError: some input size is still lazy (call the layer once, or
+            pass ``query_size``/``key_size``/``value_size``).
+    """
+    lazy = [name for name, size in layer.input_sizes().items() if size is None]
+    if lazy:
+        raise ValueError(
+            f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
+        )
+    return {
+        name: host_array(variable.value) for name, variable in layer.canonical_variables().items()
+    }
