@@ -15,6 +15,8 @@ from mha_multi.interop import FORMATS, detect_format, load, save
 from mha_multi.interop.torch import checkpoint_format
 from mha_multi.weights import init_weights, load_weights, save_weights
 
+from llama_support import llama_attention, llama_output
+
 
 @pytest.mark.parametrize("kind", ["torch-mha", "torch-d2l"])
 @pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
@@ -185,37 +187,6 @@ def test_checkpoint_that_is_not_a_state_dict(tmp_path, capsys):
 
 
 # -- llama: Llama-style attention state dicts ---------------------------------------------
-
-
-def llama_attention(num_heads, num_kv_heads, head_dim, *, bias, hidden_size=16, seed=0):
-    """transformers' ``LlamaAttention`` from a small config, random weights, float64."""
-    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaConfig
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=hidden_size,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        attention_bias=bias,
-    )
-    config._attn_implementation = "sdpa"
-    module = LlamaAttention(config, layer_idx=0).double().eval()
-    if bias:  # transformers starts biases at zero: make them count
-        with torch.no_grad():
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(module, name).bias.normal_()
-    return module
-
-
-def llama_output(module, x, *, causal):
-    """The module's output with rotary embeddings off (cos = 1, sin = 0)."""
-    batch, length, _ = x.shape
-    cos = torch.ones(batch, length, module.head_dim, dtype=x.dtype)
-    module.is_causal = causal
-    with torch.no_grad():
-        output, _ = module(x, position_embeddings=(cos, torch.zeros_like(cos)), attention_mask=None)
-    return output.numpy()
 
 
 def save_state(path, state):

@@ -19,44 +19,11 @@ from mha_multi.torch import set_weights
 from mha_multi.weights import init_weights
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaConfig  # noqa: E402
+from llama_support import llama_attention, llama_output  # noqa: E402
 
 # (num_heads, num_kv_heads, head_dim): GQA with a head size of its own, MQA, MHA. (transformers
 # wants an even head_dim and a hidden_size that num_heads divides.)
 HEADS = [(4, 2, 6), (4, 1, 8), (4, 4, 4)]
-
-
-def llama_attention(num_heads, num_kv_heads, head_dim, *, bias, hidden_size=16, seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=hidden_size,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        attention_bias=bias,
-    )
-    # SDPA: the eager implementation takes its softmax in float32 whatever the dtype.
-    config._attn_implementation = "sdpa"
-    module = LlamaAttention(config, layer_idx=0).double().eval()
-    if bias:  # transformers starts biases at zero: make them count
-        with torch.no_grad():
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(module, name).bias.normal_()
-    return module
-
-
-def llama_output(module, x, *, causal):
-    """The module's output with rotary embeddings turned off (cos = 1, sin = 0).
-
-    Without a mask the module is causal unless told otherwise (``is_causal``).
-    """
-    batch, length, _ = x.shape
-    cos = torch.ones(batch, length, module.head_dim, dtype=x.dtype)
-    sin = torch.zeros_like(cos)
-    module.is_causal = causal
-    with torch.no_grad():
-        output, _ = module(x, position_embeddings=(cos, sin), attention_mask=None)
-    return output.numpy()
 
 
 @pytest.mark.parametrize("causal", [False, True])
