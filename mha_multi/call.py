@@ -559,6 +559,7 @@ def forward(
     dropout_rate: float = 0.0,
     head_parallel: bool = False,
     local_gates: Callable[[Array], Array] | None = None,
+    run: Callable[..., Result] = attend,
 ) -> Result:
     """One call of the layer: the checks, then :func:`attend`.
 
@@ -573,6 +574,9 @@ def forward(
         dropout, dropout_rate, head_parallel: as in :func:`attend`.
         local_gates: maps the whole layer's checked gates to the heads this
             process computes (a sharded layer), or ``None``.
+        run: what computes the checked call: :func:`attend`, or a function
+            of its arguments that runs it elsewhere (MXNet's hybridized
+            graphs, planned here where shapes are known and attending inside).
 
     Returns:
         The :class:`Result`; :meth:`Result.returned` is the layer's return value.
@@ -596,7 +600,7 @@ def forward(
         gates = local_gates(gates)
     if cache is not None:
         check_cache_values(facts, cache, lens, 0 if keys is None else queries.shape[1])
-    return attend(
+    return run(
         facts,
         layer,
         facts.ops(queries),
