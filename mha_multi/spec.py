@@ -68,6 +68,25 @@ __all__ = [
     "transpose_qkv",
     "update_cache",
     "visibility",
+    "LayerOptions",
+    "Llama3Scaling",
+    "NO_OPTIONS",
+    "Rotary",
+    "ScoreOptions",
+    "adjust_scores",
+    "alibi_slopes",
+    "cache_positions",
+    "call_positions",
+    "check_alibi",
+    "check_bias",
+    "check_positions",
+    "check_rotary",
+    "check_softcap",
+    "check_window",
+    "distance_back",
+    "rotary_tables",
+    "rotate",
+    "score_bias",
 ]
 
 #: Hidden scores are *replaced* by this value before the softmax (d2l's rule).
@@ -172,6 +191,30 @@ class ArrayOps(Protocol):
     def gather_positions(self, x: Array, positions: Array) -> Array:
         """``x[b, positions[b, m]]``: rows of ``(B, T, F)`` picked by ``(B, M)`` ints."""
 
+    # Used only by the options of docs "Positions and biases" (:func:`rotate`,
+    # :func:`adjust_scores`); a layer without them never calls these.
+
+    def slice_last(self, x: Array, start: int, stop: int) -> Array:
+        """``x[..., start:stop]`` for static ints ``0 <= start <= stop <= size``."""
+
+    def concat_last(self, xs: Sequence[Array]) -> Array:
+        """The arrays joined along the last axis (same dtype, same leading shape)."""
+
+    def cos(self, x: Array) -> Array: ...
+
+    def sin(self, x: Array) -> Array: ...
+
+    def tanh(self, x: Array) -> Array: ...
+
+    def constant(self, value: np.ndarray, like: Array) -> Array:
+        """A host numpy array as an array of this framework, beside ``like``.
+
+        The dtype is ``value``'s (float32 or float64, chosen by the spec);
+        the device is ``like``'s. Inverse frequencies and ALiBi slopes are
+        computed once on the host in float64 (:meth:`Rotary.inverse_frequencies`,
+        :func:`alibi_slopes`) and enter the arrays' computation through here.
+        """
+
 
 class NumpyOps:
     """The spec on numpy; with float64 inputs this is the reference."""
@@ -254,6 +297,24 @@ class NumpyOps:
 
     def gather_positions(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return np.take_along_axis(x, positions[..., None], axis=1)
+
+    def slice_last(self, x: np.ndarray, start: int, stop: int) -> np.ndarray:
+        return x[..., start:stop]
+
+    def concat_last(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        return np.concatenate(list(xs), axis=-1)
+
+    def cos(self, x: np.ndarray) -> np.ndarray:
+        return np.cos(x)
+
+    def sin(self, x: np.ndarray) -> np.ndarray:
+        return np.sin(x)
+
+    def tanh(self, x: np.ndarray) -> np.ndarray:
+        return np.tanh(x)
+
+    def constant(self, value: np.ndarray, like: Any) -> np.ndarray:
+        return np.asarray(value)
 
 
 # --------------------------------------------------------------------------
@@ -517,6 +578,427 @@ def clip_integer_lens(valid_lens: np.ndarray, dtype: Any) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------
+# Positions and biases (docs: "Positions and biases"): the options' values
+# --------------------------------------------------------------------------
+
+
+def _check_real(name: str, value: Any) -> float:
+    """``value`` as a positive finite float; ``name`` is the argument's name in messages."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"{name} must be a positive finite number; got {value!r}")
+    if not (math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(f"{name} must be a positive finite number; got {value!r}")
+    return float(value)
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3's scaling of the rotary frequencies (transformers' ``rope_type="llama3"``).
+
+    A frequency ``f`` of wavelength ``2 pi / f`` shorter than
+    ``original_max_position_embeddings / high_freq_factor`` is kept, one
+    longer than ``original_max_position_embeddings / low_freq_factor`` is
+    divided by ``factor``, and the others are interpolated between the two
+    (transformers' ``_compute_llama3_parameters``).
+
+    Raises:
+        TypeError: a field is not a number (``original_max_position_embeddings``
+            not an int).
+        ValueError: a field is not positive and finite, or
+            ``high_freq_factor <= low_freq_factor``.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(
+                self, name, _check_real(f"rotary.scaling.{name}", getattr(self, name))
+            )
+        if self.high_freq_factor <= self.low_freq_factor:
+            # The interpolation divides by their difference.
+            raise ValueError(
+                f"rotary.scaling.high_freq_factor ({self.high_freq_factor}) must be greater "
+                f"than rotary.scaling.low_freq_factor ({self.low_freq_factor})"
+            )
+        _check_positive_int(
+            "rotary.scaling.original_max_position_embeddings",
+            self.original_max_position_embeddings,
+        )
+        object.__setattr__(
+            self, "original_max_position_embeddings", int(self.original_max_position_embeddings)
+        )
+
+    def apply(self, inverse_frequencies: np.ndarray) -> np.ndarray:
+        """The scaled frequencies, float64, in the order of transformers' computation."""
+        inv = np.asarray(inverse_frequencies, dtype=np.float64)
+        old = float(self.original_max_position_embeddings)
+        low_wavelength = old / self.low_freq_factor
+        high_wavelength = old / self.high_freq_factor
+        wavelength = 2 * math.pi / inv
+        scaled = np.where(wavelength > low_wavelength, inv / self.factor, inv)
+        smooth = (old / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelength < high_wavelength) & ~(wavelength > low_wavelength)
+        return np.where(medium, smoothed, scaled)
+
+
+def _check_scaling(scaling: Any) -> Llama3Scaling | None:
+    if scaling is None or isinstance(scaling, Llama3Scaling):
+        return scaling
+    if not isinstance(scaling, Mapping):
+        raise TypeError(
+            "rotary.scaling must be None, a mha_multi.spec.Llama3Scaling or a dict with keys "
+            f"{', '.join(_LLAMA3_KEYS)}; got {scaling!r}"
+        )
+    fields = dict(scaling)
+    # transformers' rope_scaling names its type; only Llama 3's is defined here.
+    for type_key in ("rope_type", "type"):
+        if type_key in fields and fields.pop(type_key) != "llama3":
+            raise ValueError(
+                f"rotary.scaling {type_key} must be 'llama3' (the only scaling defined); "
+                f"got {scaling[type_key]!r}"
+            )
+    unknown = sorted(set(fields) - set(_LLAMA3_KEYS))
+    missing = [key for key in _LLAMA3_KEYS if key not in fields]
+    if unknown or missing:
+        raise ValueError(
+            f"rotary.scaling must have the keys {', '.join(_LLAMA3_KEYS)}; "
+            f"unknown {unknown}, missing {missing}"
+        )
+    return Llama3Scaling(**fields)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """Rotary position embeddings of the projected queries and keys (RoFormer; Llama).
+
+    Attributes:
+        theta: the base of the frequencies ``theta ** (-2 i / dim)``.
+        fraction: the rotated share of ``head_dim`` (partial rotary, as
+            transformers' ``partial_rotary_factor``): the first
+            :meth:`dim` entries of each head rotate, the rest pass unchanged.
+        interleaved: ``False`` pairs entry ``i`` with ``i + dim / 2``
+            (transformers' ``rotate_half``); ``True`` pairs ``2 i`` with
+            ``2 i + 1`` (the RoFormer paper, GPT-J).
+        scaling: ``None``, or Llama 3's frequency scaling (a
+            :class:`Llama3Scaling` or a dict of its fields).
+
+    Raises:
+        TypeError, ValueError: a field of the wrong type or out of range,
+            naming it.
+    """
+
+    theta: float = 10000.0
+    fraction: float = 1.0
+    interleaved: bool = False
+    scaling: Llama3Scaling | Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "theta", _check_real("rotary.theta", self.theta))
+        fraction = _check_real("rotary.fraction", self.fraction)
+        if fraction > 1.0:
+            raise ValueError(f"rotary.fraction must be in (0, 1]; got {self.fraction!r}")
+        object.__setattr__(self, "fraction", fraction)
+        if not isinstance(self.interleaved, (bool, np.bool_)):
+            raise TypeError(f"rotary.interleaved must be a bool; got {self.interleaved!r}")
+        object.__setattr__(self, "interleaved", bool(self.interleaved))
+        object.__setattr__(self, "scaling", _check_scaling(self.scaling))
+
+    def dim(self, head_dim: int) -> int:
+        """The rotated size of a head: ``int(head_dim * fraction)``, as transformers rounds it.
+
+        Raises:
+            ValueError: that size is odd or 0 (entries rotate in pairs).
+        """
+        _check_positive_int("head_dim", head_dim)
+        rotated = int(head_dim * self.fraction)
+        if rotated < 2 or rotated % 2:
+            raise ValueError(
+                f"rotary.fraction ({self.fraction}) of head_dim ({head_dim}) rotates "
+                f"{rotated} entries; rotation needs an even number, at least 2"
+            )
+        return rotated
+
+    def inverse_frequencies(self, head_dim: int) -> np.ndarray:
+        """``(dim / 2,)`` float64 frequencies ``theta ** (-2 i / dim)``, scaled if asked.
+
+        Computed on the host, once, in float64; backends take them as
+        constants (:meth:`ArrayOps.constant`), rounded to float32 for inputs
+        of 32 bits or fewer.
+        """
+        rotated = self.dim(head_dim)
+        inv = 1.0 / self.theta ** (np.arange(0, rotated, 2, dtype=np.float64) / rotated)
+        return inv if self.scaling is None else self.scaling.apply(inv)
+
+
+_ROTARY_KEYS = ("theta", "fraction", "interleaved", "scaling")
+
+
+def check_rotary(rotary: Any) -> Rotary | None:
+    """The layer's ``rotary=`` argument as a :class:`Rotary` (or ``None``).
+
+    Raises:
+        TypeError: not ``None``, a :class:`Rotary` or a dict; or a field of
+            the wrong type.
+        ValueError: a dict with other keys, or a field out of range.
+    """
+    if rotary is None or isinstance(rotary, Rotary):
+        return rotary
+    if not isinstance(rotary, Mapping):
+        raise TypeError(
+            "rotary must be None, a mha_multi.spec.Rotary or a dict with keys "
+            f"{', '.join(_ROTARY_KEYS)}; got {rotary!r}"
+        )
+    unknown = sorted(set(rotary) - set(_ROTARY_KEYS))
+    if unknown:
+        raise ValueError(
+            f"rotary has unknown keys {unknown}; the keys are {', '.join(_ROTARY_KEYS)}"
+        )
+    return Rotary(**rotary)
+
+
+def check_alibi(alibi: Any) -> bool:
+    """Raises ``TypeError`` unless ``alibi`` is a bool (as :func:`check_causal`)."""
+    if not isinstance(alibi, (bool, np.bool_)):
+        raise TypeError(f"alibi must be a bool; got {alibi!r} of type {type(alibi).__name__}")
+    return bool(alibi)
+
+
+def check_window(window: Any) -> int | None:
+    """``window`` as ``None`` or a positive int: the positions a query may see back.
+
+    Raises:
+        TypeError: not ``None`` or an int.
+        ValueError: not positive (a window of 0 would hide every key).
+    """
+    if window is None:
+        return None
+    _check_positive_int("window", window)
+    return int(window)
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap`` as ``None`` or a positive finite float.
+
+    Raises:
+        TypeError: not ``None`` or a number.
+        ValueError: not positive and finite.
+    """
+    return None if softcap is None else _check_real("softcap", softcap)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi slopes of ``num_heads`` heads, float64 ``(num_heads,)``.
+
+    For ``H`` a power of two, head ``h`` (from 0) has ``2 ** (-8 (h + 1) / H)``
+    (Press et al., 2022). Otherwise, as BLOOM's ``build_alibi_tensor``: the
+    slopes of the largest power of two ``P < H``, then every other slope of
+    ``2 P`` heads (``2 ** (-4 k / P)`` for odd ``k``) for the remaining
+    ``H - P`` heads. Each slope is one float64 power of two, not a product of
+    rounded powers.
+    """
+    _check_positive_int("num_heads", num_heads)
+    closest = 1 << (int(num_heads).bit_length() - 1)
+    slopes = np.exp2(-8.0 * np.arange(1, closest + 1) / closest)
+    if closest == num_heads:
+        return slopes
+    odd = np.arange(1, 2 * (num_heads - closest), 2)
+    return np.concatenate([slopes, np.exp2(-4.0 * odd / closest)])
+
+
+def check_positions(
+    positions_shape: Sequence[int],
+    positions_kind: str,
+    *,
+    batch: int,
+    num_queries: int,
+    num_keys: int | None = None,
+) -> None:
+    """Validates a call's ``positions``: integer ``(B, Q)`` (or ``(1, Q)``, for every example).
+
+    Args:
+        positions_shape: the shape of ``positions``.
+        positions_kind: its numpy dtype kind.
+        batch: ``B``.
+        num_queries: ``Q`` (``T`` of a cached call).
+        num_keys: ``K`` of a call without a cache, where ``positions`` serve
+            the keys too; ``None`` for a cached call (its new keys are its
+            queries' positions).
+
+    Raises:
+        TypeError: ``positions`` is not integer.
+        ValueError: another shape, or keys that are not the queries'
+            sequence (``K != Q`` without a cache).
+    """
+    if positions_kind not in "iu":
+        raise TypeError(f"positions must be integers; got dtype kind {positions_kind!r}")
+    shape = tuple(positions_shape)
+    if shape not in ((batch, num_queries), (1, num_queries)):
+        raise ValueError(
+            f"positions must have shape (batch, num_queries) = ({batch}, {num_queries}) "
+            f"or (1, {num_queries}); got {shape}"
+        )
+    if num_keys is not None and num_keys != num_queries:
+        raise ValueError(
+            "positions serve the queries and the keys of self-attention, so without a cache "
+            f"the keys must be as many as the queries; got {num_queries} queries and "
+            f"{num_keys} keys (leave positions=None for cross-attention)"
+        )
+
+
+def check_bias(
+    bias_shape: Sequence[int],
+    bias_kind: str,
+    *,
+    batch: int,
+    num_heads: int,
+    num_queries: int,
+    num_keys: int,
+) -> None:
+    """Validates a call's ``bias``: floating, broadcastable to ``(B, H, Q, K)``.
+
+    With a cache, ``Q`` is the call's new positions ``T`` and ``K`` the
+    cache's ``max_length``.
+
+    Raises:
+        TypeError: ``bias`` is not floating-point.
+        ValueError: a shape numpy would not broadcast to ``(B, H, Q, K)``.
+    """
+    if bias_kind != "f":
+        raise TypeError(f"bias must be a floating-point array; got dtype kind {bias_kind!r}")
+    shape = tuple(bias_shape)
+    target = (batch, num_heads, num_queries, num_keys)
+    if len(shape) > 4 or any(
+        size not in (1, full) for size, full in zip(shape[::-1], target[::-1], strict=False)
+    ):
+        raise ValueError(
+            "bias must be broadcastable to (batch, num_heads, num_queries, num_keys) = "
+            f"{target}; got shape {shape}"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreOptions:
+    """What one call does to the scaled scores of every head (docs: "Positions and biases").
+
+    Attributes:
+        softcap: ``None``, or ``c`` for ``c * tanh(s / c)`` (Gemma 2).
+        bias: ``None``, or an additive bias broadcastable to ``(B, H, Q, K)``.
+        alibi_slopes: ``None``, or the ``(H,)`` host slopes of the heads
+            this call computes (:func:`alibi_slopes`, sliced where heads are
+            sharded): ``slope[h] * (j - i_abs)`` is added.
+        window: ``None``, or ``w``: key ``j`` is hidden from query ``i``
+            unless ``i_abs - j < w``.
+        query_positions: where the queries sit among the keys (key ``j`` sits
+            at ``j``): ``None`` for ``i_abs = i + K - Q`` (the causal rule's
+            bottom-right frame), or integer ``(B, Q)`` (``lengths[b] + i`` of
+            a cached call). ALiBi, the window and the causal rule read it;
+            the call's ``positions`` only rotate.
+    """
+
+    softcap: float | None = None
+    bias: Array | None = None
+    alibi_slopes: np.ndarray | None = None
+    window: int | None = None
+    query_positions: Array | None = None
+
+    @property
+    def adjusts_scores(self) -> bool:
+        """Whether :func:`adjust_scores` changes the scores."""
+        return self.softcap is not None or self.bias is not None or self.alibi_slopes is not None
+
+
+#: No option: d2l's scores.
+NO_OPTIONS = ScoreOptions()
+
+_LAYER_OPTIONS = ("rotary", "alibi", "window", "softcap")
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """The constructor options of docs "Positions and biases"; the defaults are d2l's layer.
+
+    Attributes:
+        rotary: ``None`` or a :class:`Rotary` (a dict of its fields before
+            :meth:`check`).
+        alibi: add ALiBi's per-head linear bias (:func:`alibi_slopes`).
+        window: ``None`` or the sliding window (:func:`check_window`).
+        softcap: ``None`` or the soft cap of the scores (:func:`check_softcap`).
+    """
+
+    rotary: Rotary | Mapping[str, Any] | None = None
+    alibi: bool = False
+    window: int | None = None
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> LayerOptions:
+        """Checked options from keywords (``rotary=``, ...), naming an unknown one.
+
+        Raises:
+            TypeError: an unknown keyword, or a value of the wrong type.
+            ValueError: a value out of range.
+        """
+        unknown = sorted(set(options) - set(_LAYER_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"unknown option(s) {unknown}; the options are {', '.join(_LAYER_OPTIONS)}"
+            )
+        return cls(**options).check()
+
+    def check(self) -> LayerOptions:
+        """These options validated, ``rotary`` as a :class:`Rotary`.
+
+        Raises:
+            TypeError, ValueError: from :func:`check_rotary`,
+                :func:`check_alibi`, :func:`check_window`, :func:`check_softcap`.
+        """
+        return LayerOptions(
+            rotary=check_rotary(self.rotary),
+            alibi=check_alibi(self.alibi),
+            window=check_window(self.window),
+            softcap=check_softcap(self.softcap),
+        )
+
+    @property
+    def is_default(self) -> bool:
+        """Whether these are d2l's layer (no option set)."""
+        return (
+            self.rotary is None and not self.alibi and self.window is None and self.softcap is None
+        )
+
+    def score_options(
+        self, *, num_heads: int, bias: Array | None = None, query_positions: Array | None = None
+    ) -> ScoreOptions:
+        """The :class:`ScoreOptions` of one call of a layer with these (checked) options.
+
+        Args:
+            num_heads: the heads whose ALiBi slopes the call needs.
+            bias: the call's checked ``bias``, or ``None``.
+            query_positions: ``None``, or a cached call's
+                :func:`cache_positions`.
+        """
+        return ScoreOptions(
+            softcap=self.softcap,
+            bias=bias,
+            alibi_slopes=alibi_slopes(num_heads) if self.alibi else None,
+            window=self.window,
+            query_positions=query_positions,
+        )
+
+
+# --------------------------------------------------------------------------
 # The math
 # --------------------------------------------------------------------------
 
@@ -580,6 +1062,8 @@ def visibility(
     valid_lens: Array | None,
     *,
     causal: bool = False,
+    window: int | None = None,
+    query_positions: Array | None = None,
 ) -> Array | None:
     """Which keys each query may see.
 
@@ -591,12 +1075,20 @@ def visibility(
             Key ``j`` is visible to query ``i`` of example ``b`` iff
             ``j < valid_lens[b]`` (or ``valid_lens[b, i]``).
         causal: additionally hide key ``j`` from query ``i`` when
-            ``j > i + (K - Q)`` (bottom-right aligned).
+            ``j > i_abs``, where ``i_abs = i + (K - Q)`` (bottom-right
+            aligned) or ``query_positions[b, i]``.
+        window: ``None``, or additionally hide key ``j`` from query ``i``
+            unless ``i_abs - j < window`` (a sliding window; with
+            ``causal`` each query sees at most ``window`` keys, itself
+            included).
+        query_positions: ``None``, or integer ``(B, Q)`` positions
+            ``i_abs`` of the queries among the keys (a cached call's
+            :func:`cache_positions`).
 
     Returns:
         ``None`` if every key is visible, else a boolean array broadcastable
-        to ``(B, 1, Q, K)``: ``(B, 1, 1|Q, K)`` with lengths, ``(Q, K)`` with
-        only ``causal``.
+        to ``(B, 1, Q, K)``: ``(B, 1, 1|Q, K)`` with lengths or query
+        positions, ``(Q, K)`` with only ``causal`` and ``window``.
     """
     visible = None
     if valid_lens is not None:
@@ -618,14 +1110,242 @@ def visibility(
         if ops.ndim(valid_lens) == 1:
             lens = ops.expand_dims(lens, -1)  # (B, 1, 1)
         visible = ops.expand_dims(ops.less(key_positions, lens), 1)  # (B, 1, 1|Q, K)
-    if causal:
+    rules = []
+    if causal and query_positions is None:
         # j <= i + (K - Q)  <=>  K - 1 - j >= Q - 1 - i: distances from the end
         # need no concrete sizes.
         keys_from_end = ops.flip(ops.arange(num_keys))  # (K,)
         queries_from_end = ops.expand_dims(ops.flip(ops.arange(num_queries)), -1)
-        causal_visible = ops.greater_equal(keys_from_end, queries_from_end)  # (Q, K)
-        visible = causal_visible if visible is None else ops.logical_and(visible, causal_visible)
+        rules.append(ops.greater_equal(keys_from_end, queries_from_end))  # (Q, K)
+    elif causal:
+        back = distance_back(ops, num_queries, num_keys, query_positions)
+        rules.append(ops.greater_equal(back, back * 0))
+    if window is not None:
+        rules.append(ops.less(distance_back(ops, num_queries, num_keys, query_positions), window))
+    for rule in rules:
+        visible = rule if visible is None else ops.logical_and(visible, rule)
     return visible
+
+
+def distance_back(
+    ops: ArrayOps, num_queries: Any, num_keys: Any, query_positions: Array | None = None
+) -> Array:
+    """``i_abs - j``: how far key ``j`` lies behind query ``i`` (negative: ahead).
+
+    Key ``j`` sits at position ``j``; query ``i`` at ``i_abs = i + K - Q``
+    (the causal rule's frame) or, given them, at ``query_positions[b, i]``.
+
+    Returns:
+        Integers ``(Q, K)``, or ``(B, 1, Q, K)`` with 2-D ``query_positions``.
+    """
+    if query_positions is None:
+        # (K - 1 - j) - (Q - 1 - i), from the end as the causal rule: no concrete sizes.
+        keys_from_end = ops.flip(ops.arange(num_keys))  # (K,)
+        return keys_from_end - ops.expand_dims(ops.flip(ops.arange(num_queries)), -1)
+    key_positions = ops.arange(num_keys)
+    # One integer dtype: some frameworks do not mix int32 and int64.
+    positions = ops.cast(query_positions, ops.dtype(key_positions))
+    back = ops.expand_dims(positions, -1) - key_positions  # (B, Q, K) or (Q, K)
+    return ops.expand_dims(back, 1) if ops.ndim(query_positions) == 2 else back
+
+
+def cache_positions(ops: ArrayOps, lengths: Array, num_new: Any) -> Array:
+    """``lengths[b] + i``: the absolute positions of a cached call's ``T`` new rows.
+
+    Args:
+        ops: the array-ops adapter.
+        lengths: the cache's ``(B,)`` lengths *before* the call.
+        num_new: ``T``, as ``ops.size`` gives it.
+
+    Returns:
+        ``(B, T)`` integers of ``lengths``' dtype.
+    """
+    steps = ops.cast(ops.arange(num_new), ops.dtype(lengths))
+    return ops.expand_dims(lengths, 1) + ops.expand_dims(steps, 0)
+
+
+def call_positions(
+    ops: ArrayOps,
+    positions: Array | None,
+    *,
+    num_queries: Any,
+    num_keys: Any,
+    lengths: Array | None = None,
+) -> tuple[Array, Array]:
+    """The rotary positions of a call's queries and keys.
+
+    Given ``positions`` (checked by :func:`check_positions`) serve both:
+    the keys of self-attention, or a cached call's new keys, are the
+    queries' sequence. Otherwise a cached call's rows sit at
+    :func:`cache_positions` (each example its own, so ragged and
+    left-padded batches rotate correctly) and an uncached call's at
+    ``arange(Q)`` and ``arange(K)``.
+
+    Args:
+        ops: the array-ops adapter.
+        positions: the call's ``positions`` ``(B, Q)`` or ``(1, Q)``, or ``None``.
+        num_queries: ``Q`` (``T`` with a cache), as ``ops.size`` gives it.
+        num_keys: ``K`` of an uncached call (unused with a cache).
+        lengths: the cache's lengths before the call, or ``None`` without a cache.
+
+    Returns:
+        ``(query_positions, key_positions)``, integer, ``(B|1, Q)`` or ``(Q,)``.
+    """
+    if positions is not None:
+        return positions, positions
+    if lengths is not None:
+        cached = cache_positions(ops, lengths, num_queries)
+        return cached, cached
+    return ops.arange(num_queries), ops.arange(num_keys)
+
+
+def rotary_tables(
+    ops: ArrayOps, x: Array, positions: Array, rotary: Rotary, head_dim: int
+) -> tuple[Array, Array]:
+    """The cosines and sines of the angles ``positions * inverse_frequencies``.
+
+    The angles are float32 for inputs of 32 bits or fewer (float64 for
+    float64), so 16-bit inputs rotate by float32 angles (docs: "Positions
+    and biases"), and a float32 angle is the one rounding of the product of
+    two float32 numbers, as transformers computes it.
+
+    Args:
+        ops: the array-ops adapter.
+        x: what will be rotated; gives the angles' precision and device.
+        positions: integer ``(B|1, T)`` or ``(T,)``.
+        rotary: the rotation.
+        head_dim: the size of each head.
+
+    Returns:
+        ``(cos, sin)``, each ``(B|1, T, 1, dim / 2)`` or ``(T, 1, dim / 2)``:
+        one angle per rotated pair, the same for every head.
+    """
+    inv = rotary.inverse_frequencies(head_dim)
+    wide = ops.itemsize(ops.dtype(x)) >= 8
+    inv = ops.constant(inv if wide else inv.astype(np.float32), x)  # (dim/2,)
+    angles = ops.expand_dims(ops.cast(positions, ops.dtype(inv)), -1) * inv  # (..., T, dim/2)
+    angles = ops.expand_dims(angles, -2)  # (..., T, 1, dim/2): heads broadcast
+    return ops.cos(angles), ops.sin(angles)
+
+
+def rotate(
+    ops: ArrayOps,
+    x: Array,
+    positions: Array,
+    rotary: Rotary,
+    num_heads: int,
+    head_dim: int,
+    inverse: bool = False,
+    *,
+    tables: tuple[Array, Array] | None = None,
+) -> Array:
+    """Rotary position embeddings of projected queries or keys.
+
+    Each head's first ``dim = rotary.dim(head_dim)`` entries rotate in
+    pairs by the angles of :func:`rotary_tables`: ``(x1, x2) -> (x1 cos -
+    x2 sin, x2 cos + x1 sin)``, pairing entry ``i`` with ``i + dim / 2``
+    (transformers' ``q * cos + rotate_half(q) * sin``, bit for bit) or, with
+    ``rotary.interleaved``, ``2 i`` with ``2 i + 1``; the other ``head_dim -
+    dim`` entries pass unchanged. The product is computed in the angles'
+    precision and rounded once to ``x``'s dtype.
+
+    Args:
+        ops: the array-ops adapter.
+        x: projected ``(B, T, num_heads * head_dim)``.
+        positions: integer ``(B|1, T)`` or ``(T,)`` (:func:`call_positions`).
+        rotary: the rotation.
+        num_heads: the heads of ``x`` (key/value heads for keys).
+        head_dim: the size of each head.
+        inverse: rotate by the opposite angles (the transpose: what a
+            gradient goes through).
+        tables: :func:`rotary_tables` for these positions, where already
+            computed (queries and keys at the same positions).
+
+    Returns:
+        ``x`` rotated, same shape and dtype.
+    """
+    dtype = ops.dtype(x)
+    cos, sin = rotary_tables(ops, x, positions, rotary, head_dim) if tables is None else tables
+    if inverse:
+        sin = -sin
+    heads = ops.split_axis(x, 2, (num_heads, head_dim))  # (B, T, H, dh)
+    if ops.dtype(cos) != dtype:
+        heads = ops.cast(heads, ops.dtype(cos))
+    rotated = rotary.dim(head_dim)
+    half = rotated // 2
+    part = heads if rotated == head_dim else ops.slice_last(heads, 0, rotated)
+    if rotary.interleaved:
+        pairs = ops.split_axis(part, 3, (half, 2))  # (B, T, H, dim/2, 2)
+        first, second = ops.slice_last(pairs, 0, 1), ops.slice_last(pairs, 1, 2)
+        cos, sin = ops.expand_dims(cos, -1), ops.expand_dims(sin, -1)
+        turned = ops.concat_last([first * cos - second * sin, second * cos + first * sin])
+        turned = ops.merge_axes(turned, 3)  # back to (B, T, H, dim), pairs adjacent
+    else:
+        first, second = ops.slice_last(part, 0, half), ops.slice_last(part, half, rotated)
+        turned = ops.concat_last([first * cos - second * sin, second * cos + first * sin])
+    if rotated < head_dim:
+        turned = ops.concat_last([turned, ops.slice_last(heads, rotated, head_dim)])
+    out = ops.merge_axes(turned, 2)
+    return out if ops.dtype(out) == dtype else ops.cast(out, dtype)
+
+
+def score_bias(
+    ops: ArrayOps, options: ScoreOptions, num_queries: Any, num_keys: Any, like: Array
+) -> Array | None:
+    """The additive bias of the scores: the call's ``bias`` plus the ALiBi term.
+
+    ALiBi adds ``slope[h] * (j - i_abs)`` (:func:`distance_back` gives
+    ``i_abs - j``), computed in float32 (float64 for float64 ``like``)
+    from the host slopes. What :func:`adjust_scores` adds, and what a fused
+    kernel that takes a bias is given.
+
+    Args:
+        ops: the array-ops adapter.
+        options: the call's options.
+        num_queries, num_keys: ``Q`` and ``K``, as ``ops.size`` gives them.
+        like: an array of the dtype (and device) of the bias, such as the scores.
+
+    Returns:
+        ``None`` without bias or ALiBi, else an array of ``like``'s dtype
+        broadcastable to ``(B, H, Q, K)``.
+    """
+    dtype = ops.dtype(like)
+    bias = options.bias
+    if options.alibi_slopes is not None:
+        slopes = -np.asarray(options.alibi_slopes, dtype=np.float64)  # (j - i) = -(i - j)
+        slopes = ops.constant(
+            slopes if ops.itemsize(dtype) >= 8 else slopes.astype(np.float32), like
+        )
+        slopes = ops.expand_dims(ops.expand_dims(slopes, -1), -1)  # (H, 1, 1)
+        back = distance_back(ops, num_queries, num_keys, options.query_positions)
+        alibi = ops.cast(back, ops.dtype(slopes)) * slopes  # (H, Q, K) or (B, H, Q, K)
+        bias = alibi if bias is None else alibi + ops.cast(bias, ops.dtype(alibi))
+    if bias is None:
+        return None
+    return bias if ops.dtype(bias) == dtype else ops.cast(bias, dtype)
+
+
+def adjust_scores(ops: ArrayOps, scores: Array, options: ScoreOptions) -> Array:
+    """The scaled scores of every head after soft-capping and the additive bias.
+
+    Order of docs "Positions and biases": ``softcap * tanh(s / softcap)``,
+    then ``+ (bias + slope[h] * (j - i_abs))`` (:func:`score_bias`, summed
+    first as a kernel given one bias sums them). The masks come after, and
+    *replace* hidden scores (:func:`masked_softmax`), so a hidden key stays
+    hidden whatever its bias.
+
+    Args:
+        ops: the array-ops adapter.
+        scores: ``(B, H, Q, K)`` scaled scores (float32 for 16-bit inputs).
+        options: the call's options.
+
+    Returns:
+        The adjusted scores, same shape and dtype.
+    """
+    if options.softcap is not None:
+        scores = ops.tanh(scores / options.softcap) * options.softcap
+    bias = score_bias(ops, options, ops.size(scores, 2), ops.size(scores, 3), scores)
+    return scores if bias is None else scores + bias
 
 
 @dataclass(frozen=True)
@@ -651,6 +1371,14 @@ class FusedKernel:
             needs :func:`fix_fully_hidden_rows`.
         takes_grouped_heads: takes fewer key/value heads than query heads
             (grouped-query attention) without their being repeated.
+        takes_bias: takes a floating bias added to the scaled scores before
+            its masks (:func:`score_bias`: the call's ``bias`` and ALiBi).
+        takes_softcap: soft-caps the scaled scores itself, ``c * tanh(s /
+            c)``, before the bias and the masks.
+        takes_window: has its own sliding window beside its mask and causal
+            flag, top-left aligned: key ``j`` is hidden from query ``i``
+            unless ``i - j < window`` (used only where that is the spec's
+            frame; the boolean mask holds the window otherwise).
     """
 
     name: str
@@ -661,6 +1389,9 @@ class FusedKernel:
     replaces_hidden_scores: bool = False
     hidden_rows_uniform: bool = False
     takes_grouped_heads: bool = False
+    takes_bias: bool = False
+    takes_softcap: bool = False
+    takes_window: bool = False
 
 
 @dataclass(frozen=True)
@@ -680,6 +1411,14 @@ class KernelPlan:
         fix_causal: the causal rule can hide whole rows (``Q > K``).
         repeat_kv: grouped key/value heads must be repeated (once, on the
             projected heads) for a kernel that takes no groups.
+        bias: give the kernel the additive bias, :func:`score_bias` (the
+            call's ``bias`` and ALiBi).
+        softcap: give the kernel the soft cap.
+        window_flag: give the kernel the window, as its own sliding window
+            (the frames agree: ``Q == K`` and no query positions).
+        mask_window: the boolean mask holds the window rule.
+        fix_window: the window can hide whole rows (with lengths, or query
+            positions): :meth:`fix_visibility` includes it.
     """
 
     fused: bool
@@ -691,31 +1430,69 @@ class KernelPlan:
     fix_rows: bool = False
     fix_causal: bool = False
     repeat_kv: bool = False
+    bias: bool = False
+    softcap: bool = False
+    window_flag: bool = False
+    mask_window: bool = False
+    fix_window: bool = False
 
     @property
     def needs_mask(self) -> bool:
-        return self.mask_lens or self.mask_causal
+        return self.mask_lens or self.mask_causal or self.mask_window
 
     def mask(
-        self, ops: ArrayOps, num_queries: Any, num_keys: Any, valid_lens: Array | None
+        self,
+        ops: ArrayOps,
+        num_queries: Any,
+        num_keys: Any,
+        valid_lens: Array | None,
+        options: ScoreOptions = NO_OPTIONS,
     ) -> Array | None:
-        """The boolean mask the kernel is given (``None`` where it needs none)."""
+        """The boolean mask the kernel is given (``None`` where it needs none).
+
+        ``options`` gives the window and the query positions (those of the
+        call the plan was made for).
+        """
         if not self.needs_mask:
             return None
         lens = valid_lens if self.mask_lens else None
-        return visibility(ops, num_queries, num_keys, lens, causal=self.mask_causal)
+        return visibility(
+            ops,
+            num_queries,
+            num_keys,
+            lens,
+            causal=self.mask_causal,
+            window=options.window if self.mask_window else None,
+            query_positions=options.query_positions,
+        )
 
     def fix_visibility(
-        self, ops: ArrayOps, num_queries: Any, num_keys: Any, valid_lens: Array | None
+        self,
+        ops: ArrayOps,
+        num_queries: Any,
+        num_keys: Any,
+        valid_lens: Array | None,
+        options: ScoreOptions = NO_OPTIONS,
     ) -> Array | None:
         """What :func:`fix_fully_hidden_rows` reads (``None``: no row to fix).
 
-        The causal rule hides whole rows only when ``Q > K``, so below that
-        the lengths alone tell which rows are fully hidden.
+        The causal rule hides whole rows only when ``Q > K`` (in the
+        bottom-right frame), so below that the lengths, and the window,
+        tell which rows are fully hidden: a query at ``i_abs >= 0`` sees
+        key ``i_abs`` through the window and the causal rule alike, so the
+        causal rule never empties a row the others leave seen.
         """
         if not self.fix_rows:
             return None
-        return visibility(ops, num_queries, num_keys, valid_lens, causal=self.fix_causal)
+        return visibility(
+            ops,
+            num_queries,
+            num_keys,
+            valid_lens,
+            causal=self.fix_causal,
+            window=options.window if self.fix_window else None,
+            query_positions=options.query_positions,
+        )
 
 
 def _generic(reason: str) -> KernelPlan:
@@ -735,6 +1512,10 @@ def plan_kernel(
     values_exact: bool | None = None,
     shortest_length: float | None = None,
     grouped: bool = False,
+    bias: bool = False,
+    softcap: bool = False,
+    window: bool = False,
+    query_positions: bool = False,
 ) -> KernelPlan:
     """Whether a call runs ``kernel``, and what the kernel is given.
 
@@ -752,12 +1533,18 @@ def plan_kernel(
         return_attention_weights: whether the call returns the weights.
         dtype_supported: whether the kernel serves this dtype and precision.
         values_exact: what the caller read from the values: ``True`` when
-            every projection is finite (and, where the backend's kernel needs
-            it, bounded), ``False`` when not, ``None`` when they cannot be
-            read (a traced graph).
+            every projection (and the bias, where there is one) is finite
+            (and, where the backend's kernel needs it, bounded), ``False``
+            when not, ``None`` when they cannot be read (a traced graph).
         shortest_length: the shortest length, where it was read; ``None``
             where it was not (every row may then be fully hidden).
         grouped: fewer key/value heads than query heads.
+        bias: the scores get an additive bias (a ``bias`` argument or ALiBi).
+        softcap: the scores are soft-capped.
+        window: the layer has a sliding window.
+        query_positions: the queries sit at their own positions among the
+            keys (:attr:`ScoreOptions.query_positions`, a cached call), not
+            in the bottom-right frame.
 
     Returns:
         The plan.
@@ -766,6 +1553,10 @@ def plan_kernel(
         return _generic("the attention weights are requested")
     if not dtype_supported:
         return _generic("the kernel does not serve this dtype or precision")
+    if bias and not kernel.takes_bias:
+        return _generic("the kernel takes no additive bias (bias or ALiBi)")
+    if softcap and not kernel.takes_softcap:
+        return _generic("the kernel has no soft-capping")
     if not all(isinstance(size, int) for size in sizes):
         return _generic("sizes unknown while tracing")
     batch, num_queries, num_keys = sizes
@@ -780,8 +1571,15 @@ def plan_kernel(
     lens_may_hide_rows = lens_ndim is not None and not (
         shortest_length is not None and shortest_length > 0  # NaN hides every key
     )
-    causal_hides_rows = causal and num_queries > num_keys
-    fix_rows = (lens_may_hide_rows or causal_hides_rows) and not kernel.hidden_rows_uniform
+    # Own query positions may lie anywhere: the causal rule may then hide
+    # whole rows whatever the sizes.
+    causal_hides_rows = causal and (num_queries > num_keys or query_positions)
+    # Without lengths a window leaves each query key i_abs (causal) or the
+    # keys after it; with lengths, or own positions, it may leave none.
+    window_hides_rows = window and (lens_ndim is not None or query_positions)
+    fix_rows = (
+        lens_may_hide_rows or causal_hides_rows or window_hides_rows
+    ) and not kernel.hidden_rows_uniform
     if dropout and not kernel.takes_dropout:
         return _generic("the kernel has no dropout")
     if dropout and fix_rows:
@@ -789,11 +1587,15 @@ def plan_kernel(
         return _generic("dropout with rows that may be fully hidden")
     key_lengths = lens_ndim == 1 and lens_integer and kernel.takes_key_lengths
     mask_lens = lens_ndim is not None and not key_lengths
+    # The kernel's own flags are top-left aligned: the spec's frame only when Q == K.
+    same_frame = num_queries == num_keys and not query_positions
+    window_flag = window and kernel.takes_window and same_frame
+    mask_window = window and not window_flag
     is_causal = (
         causal
         and kernel.causal_flag
-        and num_queries == num_keys
-        and (not mask_lens or kernel.mask_and_causal)
+        and same_frame
+        and (not (mask_lens or mask_window) or kernel.mask_and_causal)
     )
     return KernelPlan(
         fused=True,
@@ -804,6 +1606,11 @@ def plan_kernel(
         fix_rows=fix_rows,
         fix_causal=causal_hides_rows,
         repeat_kv=grouped and not kernel.takes_grouped_heads,
+        bias=bias,
+        softcap=softcap,
+        window_flag=window_flag,
+        mask_window=mask_window,
+        fix_window=window and fix_rows,
     )
 
 
@@ -920,6 +1727,7 @@ def attention(
     causal: bool = False,
     dropout: Callable[[Array], Array] | None = None,
     kv_split: bool = False,
+    options: ScoreOptions = NO_OPTIONS,
 ) -> tuple[Array, Array]:
     """Multi-head scaled dot-product attention on projected inputs.
 
@@ -939,6 +1747,9 @@ def attention(
         kv_split: ``k`` and ``v`` are already split into heads,
             ``(B, num_kv_heads, K, head_dim)``, as a :class:`KVCache` holds
             them.
+        options: soft-capping, bias, ALiBi and the sliding window
+            (:func:`adjust_scores`, :func:`visibility`); rotary embeddings
+            are applied to ``q`` and ``k`` before (:func:`rotate`).
 
     Returns:
         ``(context, weights)``: the concatenated heads ``(B, Q, num_heads *
@@ -947,7 +1758,18 @@ def attention(
     """
     if num_kv_heads is not None and num_kv_heads != num_heads:
         return _grouped_attention(
-            ops, q, k, v, valid_lens, num_heads, num_kv_heads, head_dim, causal, dropout, kv_split
+            ops,
+            q,
+            k,
+            v,
+            valid_lens,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            causal,
+            dropout,
+            kv_split,
+            options,
         )
     q = transpose_qkv(ops, q, num_heads)
     k, v = (_kv_heads(ops, x, num_heads, kv_split) for x in (k, v))
@@ -955,8 +1777,7 @@ def attention(
     # Rows are b*H + h, so splitting axis 0 as (B, H) lines heads up with a
     # (B, 1, ...) mask: valid_lens repeated interleaved, never tiled.
     scores = ops.split_axis(head_scores, 0, (-1, num_heads))  # (B, H, Q, K)
-    visible = visibility(ops, ops.size(scores, 2), ops.size(scores, 3), valid_lens, causal=causal)
-    weights = masked_softmax(ops, scores, visible, ops.dtype(v))
+    weights = _option_weights(ops, scores, valid_lens, causal, options, ops.dtype(v))
     flat_weights = ops.merge_axes(weights, 0)
     if dropout is not None:
         flat_weights = dropout(flat_weights)
@@ -1048,6 +1869,7 @@ def _grouped_attention(
     causal: bool,
     dropout: Callable[[Array], Array] | None,
     kv_split: bool,
+    options: ScoreOptions,
 ) -> tuple[Array, Array]:
     """:func:`attention` with ``num_kv_heads < num_heads``, no key or value repeated.
 
@@ -1062,13 +1884,39 @@ def _grouped_attention(
     scores = grouped_to_heads(
         ops, scaled_scores(ops, q, k, head_dim), num_kv_heads, group_size
     )  # (B, H, Q, K)
-    visible = visibility(ops, ops.size(scores, 2), ops.size(scores, 3), valid_lens, causal=causal)
-    weights = masked_softmax(ops, scores, visible, ops.dtype(v))
+    weights = _option_weights(ops, scores, valid_lens, causal, options, ops.dtype(v))
     flat_weights = heads_to_grouped(ops, weights, num_kv_heads, group_size)
     if dropout is not None:
         flat_weights = dropout(flat_weights)
     context = ops.matmul(flat_weights, v)  # (B*H_kv, G*Q, dh)
     return transpose_grouped_output(ops, context, num_kv_heads, group_size), weights
+
+
+def _option_weights(
+    ops: ArrayOps,
+    scores: Array,
+    valid_lens: Array | None,
+    causal: bool,
+    options: ScoreOptions,
+    dtype: Any,
+) -> Array:
+    """The weights of ``(B, H, Q, K)`` scaled scores: options, masks, softmax.
+
+    Both layouts of :func:`attention` reach the heads' scores as ``(B, H,
+    Q, K)``, so each option is applied here once.
+    """
+    if options.adjusts_scores:
+        scores = adjust_scores(ops, scores, options)
+    visible = visibility(
+        ops,
+        ops.size(scores, 2),
+        ops.size(scores, 3),
+        valid_lens,
+        causal=causal,
+        window=options.window,
+        query_positions=options.query_positions,
+    )
+    return masked_softmax(ops, scores, visible, dtype)
 
 
 def _kv_heads(ops: ArrayOps, x: Array, num_kv_heads: int, split: bool) -> Array:
@@ -1503,6 +2351,63 @@ def heads_of_weights(
     return heads
 
 
+def _reference_positions(
+    positions: Any, batch: int, num_queries: int, num_keys: int | None
+) -> np.ndarray | None:
+    """A call's ``positions`` as int64 numpy, checked (:func:`check_positions`)."""
+    if positions is None:
+        return None
+    array = np.asarray(positions)
+    check_positions(
+        array.shape, array.dtype.kind, batch=batch, num_queries=num_queries, num_keys=num_keys
+    )
+    return array.astype(np.int64)
+
+
+def _reference_bias(
+    bias: Any, heads: Heads, batch: int, num_queries: int, num_keys: int
+) -> np.ndarray | None:
+    """A call's ``bias`` as float64 numpy, checked (:func:`check_bias`)."""
+    if bias is None:
+        return None
+    array = np.asarray(bias)
+    check_bias(
+        array.shape,
+        array.dtype.kind,
+        batch=batch,
+        num_heads=heads.num_heads,
+        num_queries=num_queries,
+        num_keys=num_keys,
+    )
+    return array.astype(np.float64)
+
+
+def _reference_projections(
+    w: Mapping[str, np.ndarray],
+    queries: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    heads: Heads,
+    rotary: Rotary | None,
+    positions: np.ndarray | None,
+) -> dict[str, np.ndarray]:
+    """The projected ``q``, ``k``, ``v`` of an uncached call, ``q`` and ``k`` rotated."""
+    projected = {"q": _linear(queries, w, "q"), "k": _linear(keys, w, "k")}
+    projected["v"] = _linear(values, w, "v")
+    if rotary is not None:
+        ops = NumpyOps()
+        query_positions, key_positions = call_positions(
+            ops, positions, num_queries=queries.shape[1], num_keys=keys.shape[1]
+        )
+        projected["q"] = rotate(
+            ops, projected["q"], query_positions, rotary, heads.num_heads, heads.head_dim
+        )
+        projected["k"] = rotate(
+            ops, projected["k"], key_positions, rotary, heads.num_kv_heads, heads.head_dim
+        )
+    return projected
+
+
 def reference_forward(
     weights: Mapping[str, Any],
     queries: Any,
@@ -1514,6 +2419,9 @@ def reference_forward(
     num_kv_heads: int | None = None,
     causal: bool = False,
     head_mask: Any = None,
+    positions: Any = None,
+    bias: Any = None,
+    **options: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The spec evaluated in float64 numpy.
 
@@ -1530,28 +2438,43 @@ def reference_forward(
         causal: bottom-right aligned causal mask.
         head_mask: ``None``, ``(H,)`` or ``(B, H)`` gates of the heads'
             context (:func:`apply_head_mask`).
+        positions: ``None`` or integer ``(B, Q)``: the rotary positions of
+            the queries and (``K == Q``) the keys; ``None`` for ``arange``.
+        bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``.
+        **options: the layer's options, ``rotary``, ``alibi``, ``window``
+            and ``softcap`` (:class:`LayerOptions`).
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and
         ``(B, H, Q, K)``, float64.
+
+    Raises:
+        TypeError, ValueError: a bad argument, named.
     """
+    layer = LayerOptions.of(options)
     w, queries, keys, values, lens, heads = _reference_inputs(
         weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal
     )
-    gates = _reference_head_mask(head_mask, heads, len(queries))
+    batch, num_queries = queries.shape[:2]
+    num_keys = keys.shape[1]
+    gates = _reference_head_mask(head_mask, heads, batch)
+    positions = _reference_positions(positions, batch, num_queries, num_keys)
+    bias = _reference_bias(bias, heads, batch, num_queries, num_keys)
     # Non-finite inputs propagate by design (docs: "Edge cases"); numpy's warnings
     # about them would only be noise.
     with np.errstate(invalid="ignore", over="ignore"):
+        projected = _reference_projections(w, queries, keys, values, heads, layer.rotary, positions)
         context, attention_weights = attention(
             NumpyOps(),
-            _linear(queries, w, "q"),
-            _linear(keys, w, "k"),
-            _linear(values, w, "v"),
+            projected["q"],
+            projected["k"],
+            projected["v"],
             lens,
             num_heads=heads.num_heads,
             head_dim=heads.head_dim,
             num_kv_heads=heads.num_kv_heads,
             causal=causal,
+            options=layer.score_options(num_heads=heads.num_heads, bias=bias),
         )
         context = apply_head_mask(NumpyOps(), context, gates, heads.num_heads)
         return _linear(context, w, "o"), attention_weights
@@ -1563,6 +2486,13 @@ def _reference_head_mask(head_mask: Any, heads: Heads, batch: int) -> np.ndarray
     gates = np.asarray(head_mask)
     check_head_mask(gates.shape, gates.dtype.kind, num_heads=heads.num_heads, batch=batch)
     return gates.astype(np.float64)
+
+
+def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The gradient of a broadcast: ``x`` summed over the axes ``shape`` was broadcast along."""
+    x = x.sum(axis=tuple(range(x.ndim - len(shape))))
+    axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
 
 
 def reference_gradients(
@@ -1577,12 +2507,17 @@ def reference_gradients(
     causal: bool = False,
     output_gradient: Any,
     head_mask: Any = None,
+    positions: Any = None,
+    bias: Any = None,
+    **options: Any,
 ) -> dict[str, np.ndarray]:
     """Float64 vector-Jacobian product of :func:`reference_forward`.
 
     The backward pass is derived by hand (no autodiff framework), so it is an
     independent check of every backend's gradients. Hidden scores are
-    replaced by a constant, so they receive no gradient.
+    replaced by a constant, so they receive no gradient (nor does the bias
+    there). A rotation's transpose is the rotation by the opposite angles;
+    soft-capping's derivative is ``1 - tanh(s / c) ** 2``.
 
     Args:
         weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal: as in
@@ -1590,34 +2525,42 @@ def reference_gradients(
         output_gradient: the cotangent of the output, ``(B, Q, num_hiddens)``.
         head_mask: as in :func:`reference_forward`; its gradient is returned
             too.
+        positions, bias: as in :func:`reference_forward`; the gradient of
+            ``bias`` is returned too, in its shape.
+        **options: as in :func:`reference_forward`.
 
     Returns:
         Gradients keyed ``queries``, ``keys``, ``values``, every weight name
-        and, with a ``head_mask``, ``head_mask``.
+        and, with a ``head_mask``, ``head_mask``, with a ``bias``, ``bias``.
     """
     ops = NumpyOps()
+    layer = LayerOptions.of(options)
     w, queries, keys, values, lens, heads = _reference_inputs(
         weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal
     )
+    batch, num_queries = queries.shape[:2]
+    num_keys = keys.shape[1]
+    positions = _reference_positions(positions, batch, num_queries, num_keys)
+    bias = _reference_bias(bias, heads, batch, num_queries, num_keys)
     head_dim = heads.head_dim
     grad_out = _as_float64(output_gradient)
     scale = 1.0 / math.sqrt(head_dim)
 
-    projected = {
-        "q": _linear(queries, w, "q"),
-        "k": _linear(keys, w, "k"),
-        "v": _linear(values, w, "v"),
-    }
+    projected = _reference_projections(w, queries, keys, values, heads, layer.rotary, positions)
     # The grouped layout (docs: "The spec"): (B*H_kv, G*Q, dh) queries against
     # (B*H_kv, K, dh) keys and values; with G = 1 it is d2l's (B*H, Q, dh).
     kv_heads, group = heads.num_kv_heads, heads.group_size
     q = transpose_grouped_queries(ops, projected["q"], kv_heads, group)
     k, v = (transpose_qkv(ops, projected[n], kv_heads) for n in "kv")
-    scores = grouped_to_heads(ops, scaled_scores(ops, q, k, head_dim), kv_heads, group)
-    visible = visibility(ops, scores.shape[2], scores.shape[3], lens, causal=causal)
+    raw_scores = grouped_to_heads(ops, scaled_scores(ops, q, k, head_dim), kv_heads, group)
+    score_options = layer.score_options(num_heads=heads.num_heads, bias=bias)
+    scores = adjust_scores(ops, raw_scores, score_options)  # (B, H, Q, K)
+    visible = visibility(
+        ops, num_queries, num_keys, lens, causal=causal, window=score_options.window
+    )
     attn = heads_to_grouped(ops, masked_softmax(ops, scores, visible), kv_heads, group)
     context = transpose_grouped_output(ops, attn @ v, kv_heads, group)
-    gates = _reference_head_mask(head_mask, heads, len(queries))
+    gates = _reference_head_mask(head_mask, heads, batch)
 
     grads: dict[str, np.ndarray] = {}
     grads["W_o"] = np.einsum(
@@ -1640,9 +2583,14 @@ def reference_gradients(
     # A key/value head's gradient sums over its whole group (the G*Q rows).
     grad_v = np.swapaxes(attn, -1, -2) @ grad_heads
     grad_scores = attn * (grad_attn - (grad_attn * attn).sum(axis=-1, keepdims=True))
+    grad_scores = grouped_to_heads(ops, grad_scores, kv_heads, group)  # (B, H, Q, K)
     if visible is not None:
-        hidden_zeroed = np.where(visible, grouped_to_heads(ops, grad_scores, kv_heads, group), 0.0)
-        grad_scores = heads_to_grouped(ops, hidden_zeroed, kv_heads, group)
+        grad_scores = np.where(visible, grad_scores, 0.0)
+    if bias is not None:
+        grads["bias"] = _sum_to_shape(grad_scores, bias.shape)  # the bias is added
+    if layer.softcap is not None:
+        grad_scores = grad_scores * (1.0 - np.tanh(raw_scores / layer.softcap) ** 2)
+    grad_scores = heads_to_grouped(ops, grad_scores, kv_heads, group)
     grad_q = grad_scores @ k * scale
     grad_k = np.swapaxes(grad_scores, -1, -2) @ q * scale
 
@@ -1652,6 +2600,17 @@ def reference_gradients(
         "k": transpose_output(ops, grad_k, kv_heads),
         "v": transpose_output(ops, grad_v, kv_heads),
     }
+    if layer.rotary is not None:
+        query_positions, key_positions = call_positions(
+            ops, positions, num_queries=num_queries, num_keys=num_keys
+        )
+        for name, at, count in (
+            ("q", query_positions, heads.num_heads),
+            ("k", key_positions, kv_heads),
+        ):
+            projected_grads[name] = rotate(
+                ops, projected_grads[name], at, layer.rotary, count, head_dim, inverse=True
+            )
     for name, grad_projected in projected_grads.items():
         input_name, x = inputs[name]
         grads[f"W_{name}"] = np.einsum("bti,btj->ij", x, grad_projected)
@@ -1673,11 +2632,15 @@ def reference_cached_forward(
     num_kv_heads: int | None = None,
     causal: bool = False,
     head_mask: Any = None,
+    positions: Any = None,
+    bias: Any = None,
+    **options: Any,
 ) -> tuple[np.ndarray, np.ndarray, KVCache]:
     """A cached call evaluated in float64 numpy, one example, head and query at a time.
 
-    Written without :func:`update_cache` or :func:`visibility`, from the
-    rule of the docs ("Generating with a cache"), so that it checks them.
+    Written without :func:`update_cache`, :func:`visibility` or
+    :func:`adjust_scores`, from the rules of the docs ("Generating with a
+    cache", "Positions and biases"), so that it checks them.
 
     Args:
         weights: canonical weights.
@@ -1691,11 +2654,19 @@ def reference_cached_forward(
         causal: query ``i`` of example ``b`` sees key ``j`` only when ``j <=
             lengths[b] + i``.
         head_mask: ``None``, ``(H,)`` or ``(B, H)`` gates of the heads' context.
+        positions: ``None`` or integer ``(B, T)``: the rotary positions of
+            the queries and the new keys; ``None`` for ``lengths[b] + i``.
+        bias: ``None``, or floating, broadcastable to ``(B, H, T, M)``.
+        **options: ``rotary``, ``alibi``, ``window``, ``softcap``
+            (:class:`LayerOptions`). ALiBi and the window place query ``i``
+            of example ``b`` at ``lengths[b] + i`` and key ``j`` at ``j``;
+            keys older than the window stay in the cache, hidden.
 
     Returns:
         ``(output, attention_weights, cache)``: ``(B, T, num_hiddens)``,
         ``(B, H, T, M)`` and the cache after the call (float64, lengths int32).
     """
+    layer = LayerOptions.of(options)
     w = {name: _as_float64(value) for name, value in weights.items()}
     heads = heads_of_weights(w, num_heads, num_kv_heads=num_kv_heads)
     queries = _as_float64(queries)
@@ -1711,10 +2682,26 @@ def reference_cached_forward(
     gates = _reference_head_mask(head_mask, heads, batch)
     if gates is not None and gates.ndim == 1:
         gates = np.broadcast_to(gates, (batch, heads.num_heads))
+    positions = _reference_positions(positions, batch, num_new, None)
+    bias = _reference_bias(bias, heads, batch, num_new, max_length)
+    if bias is not None:
+        bias = np.broadcast_to(bias, (batch, heads.num_heads, num_new, max_length))
+    slopes = alibi_slopes(heads.num_heads) if layer.alibi else None
+    if positions is None:
+        positions = lengths[:, None] + np.arange(num_new)  # each example's own positions
+    ops = NumpyOps()
     dh, group = heads.head_dim, heads.group_size
     with np.errstate(invalid="ignore", over="ignore"):
+        q = _linear(queries, w, "q")
+        if layer.rotary is not None:
+            q = rotate(ops, q, positions, layer.rotary, heads.num_heads, dh)
         if keys is not None:
-            projected_k = _linear(_as_float64(keys), w, "k").reshape(
+            projected_k = _linear(_as_float64(keys), w, "k")
+            if layer.rotary is not None:  # keys enter the cache rotated
+                projected_k = rotate(
+                    ops, projected_k, positions, layer.rotary, heads.num_kv_heads, dh
+                )
+            projected_k = projected_k.reshape(
                 batch, num_new, -1 if num_new else heads.num_kv_heads, dh
             )
             projected_v = _linear(_as_float64(values), w, "v").reshape(
@@ -1724,16 +2711,26 @@ def reference_cached_forward(
                 start, stop = lengths[b], lengths[b] + new[b]
                 cache_keys[b, :, start:stop] = projected_k[b, : new[b]].transpose(1, 0, 2)
                 cache_values[b, :, start:stop] = projected_v[b, : new[b]].transpose(1, 0, 2)
-        q = _linear(queries, w, "q").reshape(batch, num_new, heads.num_heads, dh)
+        q = q.reshape(batch, num_new, heads.num_heads, dh)
         attention_weights = np.zeros((batch, heads.num_heads, num_new, max_length))
         context = np.zeros((batch, num_new, heads.num_heads, dh))
+        key_positions = np.arange(max_length)
         # An empty cache (max_length 0) has no key: the context is 0, as with K = 0.
         for b in range(batch if max_length else 0):
             for i in range(num_new):
+                at = lengths[b] + i  # the query's position among the keys
                 seen = lengths[b] + (min(new[b], i + 1) if causal else new[b])
-                visible = np.arange(max_length) < seen
+                visible = key_positions < seen
+                if layer.window is not None:
+                    visible &= at - key_positions < layer.window
                 for h in range(heads.num_heads):
                     scores = cache_keys[b, h // group] @ q[b, i, h] / math.sqrt(dh)
+                    if layer.softcap is not None:
+                        scores = layer.softcap * np.tanh(scores / layer.softcap)
+                    if bias is not None:
+                        scores = scores + bias[b, h, i]
+                    if slopes is not None:
+                        scores = scores + slopes[h] * (key_positions - at)
                     scores = np.where(visible, scores, MASK_VALUE)
                     row = np.exp(scores - scores.max())
                     row = row / row.sum()
