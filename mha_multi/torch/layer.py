@@ -305,8 +305,7 @@ class MultiHeadAttention(nn.Module):
             return tuple(  # (lazy ones infer)
                 _project_with(module, x) for module, x in zip(projections, inputs, strict=True)
             )
-        weight = torch.cat([projections[i].weight for i in shared])
-        bias = torch.cat([projections[i].bias for i in shared]) if self.bias else None
+        weight, bias = self._packed([projections[i] for i in shared])
         # Grouped heads project queries wider than keys and values.
         widths = [projections[i].out_features for i in shared]
         packed = linear(inputs[first], weight, bias).split(widths, dim=-1)
@@ -316,9 +315,41 @@ class MultiHeadAttention(nn.Module):
             for i in range(3)
         )
 
+    def _packed(self, modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stacked weights (and biases) of ``modules``, kept while the parameters stay.
+
+        Stacking copies every weight (a 512-wide layer: 3 MB, longer than the
+        projection of one token), so a call that needs no gradient reuses the
+        stack of the last such call while no parameter has been replaced or
+        changed in place (their version counters tell). A call that records
+        gradients stacks anew: the stack is part of its graph. (A stack made
+        under ``torch.inference_mode`` is an inference tensor, which a graph
+        may not save: the mode is part of the key.)
+        """
+        parameters = [p for m in modules for p in (m.weight, m.bias) if p is not None]
+        # Compiled graphs hold their own stack; inference tensors have no versions.
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return _stack(modules)
+        if any(p.is_inference() for p in parameters):
+            return _stack(modules)
+        key = (torch.is_inference_mode_enabled(),) + tuple(
+            (id(p), p.data_ptr(), p._version) for p in parameters
+        )
+        cached = self.__dict__.get("_stacked")
+        if cached is None or cached[0] != key:
+            cached = (key, *_stack(modules))
+            self.__dict__["_stacked"] = cached
+        return cached[1], cached[2]
+
     def project_output(self, context: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """``W_o`` of the gated context (the gates need no device: OPS places nothing)."""
         return _project_with(self.W_o, spec.apply_head_mask(OPS, context, gates, self.num_heads))
+
+
+def _stack(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([m.weight for m in modules])
+    biases = [m.bias for m in modules]
+    return weight, None if biases[0] is None else torch.cat(biases)
 
 
 def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiHeadAttention:

@@ -216,6 +216,36 @@ def test_shared_inputs_project_in_one_product(runner, cases, shared, name):
     np.testing.assert_allclose(grads[0].T.numpy(), reference["W_k"], atol=5e-5)
 
 
+@pytest.mark.parametrize("change", ["set_weights", "optimizer", "data"])
+def test_stacked_weights_follow_every_change_of_the_parameters(runner, cases, change):
+    # Calls without gradients reuse the stacked W_q/W_k/W_v: after any change of
+    # the parameters (loaded, stepped in place, replaced) the next call uses the new ones.
+    case = cases["bias"]
+    num_heads = case.config.num_heads
+    layer = runner.layer_for(case).eval()
+    x = runner.to_native(case.inputs["queries"])
+    with torch.inference_mode():
+        layer(x, x, x)  # stacks the weights
+    with torch.no_grad():
+        layer(x, x, x)  # stacks them outside inference mode
+    if change == "set_weights":
+        weights = init_weights(x.shape[-1], bias=True, seed=11)
+        set_weights(layer, weights)
+    else:
+        if change == "optimizer":
+            optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+            layer(x, x, x).square().sum().backward()
+            optimizer.step()
+        else:
+            layer.W_v.weight.data = torch.randn_like(layer.W_v.weight)
+        weights = get_weights(layer)
+    assert not np.array_equal(weights["W_v"], case.weights["W_v"])
+    expected, _ = spec.reference_forward(weights, x, x, x, None, num_heads=num_heads)
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            np.testing.assert_allclose(layer(x, x, x).numpy(), expected, atol=5e-6)
+
+
 # -- grouped key/value heads ----------------------------------------------------
 
 
