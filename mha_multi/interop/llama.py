@@ -40,7 +40,7 @@ from mha_multi import spec
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
 from mha_multi.torch._backend import host_array
-from mha_multi.weights import check_weights
+from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [
     "from_llama",
@@ -81,15 +81,27 @@ def from_llama_state(
         ValueError: a missing, extra or mis-shaped entry, named, or shapes no
             head layout of ``num_heads`` heads explains.
     """
-    weights = _canonical_arrays(state_dict, prefix)
+    _, arrays, _ = _checked(_canonical_arrays(state_dict, prefix), num_heads, num_kv_heads)
+    return arrays
+
+
+def _checked(
+    weights: Mapping[str, Any], num_heads: int, num_kv_heads: int | None
+) -> tuple[spec.Heads, dict[str, np.ndarray], WeightsConfig]:
+    """The head layout the shapes give ``num_heads`` heads, and the weights checked against it.
+
+    Raises:
+        ValueError: shapes no head layout of ``num_heads`` heads explains, or
+            weights that are not canonical.
+    """
     heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=num_kv_heads)
-    arrays, _ = check_weights(
+    arrays, config = check_weights(
         weights,
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
     )
-    return arrays
+    return heads, arrays, config
 
 
 def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, np.ndarray]:
@@ -141,13 +153,7 @@ def llama_config(
         ValueError: the weights are not self-attention (Llama projects one
             ``hidden_states`` of ``hidden_size`` features), or do not fit the heads.
     """
-    heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=num_kv_heads)
-    _, config = check_weights(
-        weights,
-        num_heads=heads.num_heads,
-        num_kv_heads=heads.num_kv_heads,
-        head_dim=heads.head_dim,
-    )
+    heads, _, config = _checked(weights, num_heads, num_kv_heads)
     sizes = {config.query_size, config.key_size, config.value_size, config.num_hiddens}
     if len(sizes) != 1:
         raise ValueError(
