@@ -153,6 +153,15 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
 
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
+def _table_head(title: str, columns: Sequence[str]) -> list[str]:
+    """The lines above a table's rows: its title, its column names, the separator."""
+    return ["", title, "", _row(*columns), "|" + "---|" * len(columns)]
+
+
 def format_markdown(results: Sequence[dict]) -> str:
     """One table per backend: ours vs native per length and mode, then memory."""
     lines = ["# mha_multi benchmark", ""]
@@ -205,13 +214,9 @@ def format_markdown(results: Sequence[dict]) -> str:
         memory = [m for m in measurements if m["mode"] == "peak memory"]
         if memory:
             implementations = sorted({m["implementation"] for m in memory})
-            lines += [
-                "",
-                "Peak memory of one forward pass above the inputs (MiB):",
-                "",
-                "| N | " + " | ".join(implementations) + " |",
-                "|---|" + "---|" * len(implementations),
-            ]
+            lines += _table_head(
+                "Peak memory of one forward pass above the inputs (MiB):", ["N", *implementations]
+            )
             for length in sorted({m["length"] for m in memory}):
                 cells = []
                 for implementation in implementations:
@@ -245,24 +250,17 @@ def _pruned_lines(measurements: Sequence[dict]) -> list[str]:
     pruned = [m for m in measurements if m["mode"] == "pruned forward"]
     if not pruned:
         return []
-    lines = [
-        "",
+    lines = _table_head(
         'Forward pass of the layer pruned to fewer heads (docs: "Heads"):',
-        "",
-        "| dtype | N | heads (q/kv) | forward (ms) | full / this |",
-        "|---|---|---|---|---|",
-    ]
+        ["dtype", "N", "heads (q/kv)", "forward (ms)", "full / this"],
+    )
     for dtype, length in sorted({(m["dtype"], m["length"]) for m in pruned}):
         rows = [m for m in pruned if (m["dtype"], m["length"]) == (dtype, length)]
         rows.sort(key=lambda m: -m["shape"]["num_heads"])
         full = rows[0].get("seconds")
         for m in rows:
-            shape = m["shape"]
-            lines.append(
-                f"| {dtype} | {length} | {shape['num_heads']}/{shape['num_kv_heads']} | "
-                f"{_ms_or_note(m)} | "
-                f"{_ratio(full, m.get('seconds'))} |"
-            )
+            heads = f"{m['shape']['num_heads']}/{m['shape']['num_kv_heads']}"
+            lines.append(_row(dtype, length, heads, _ms_or_note(m), _ratio(full, m.get("seconds"))))
     return lines
 
 
@@ -271,14 +269,11 @@ def _sharded_lines(measurements: Sequence[dict]) -> list[str]:
     sharded = [m for m in measurements if m["mode"] == "sharded forward"]
     if not sharded:
         return []
-    lines = [
-        "",
+    lines = _table_head(
         "Forward pass with the heads sharded, CPU devices sharing the same cores "
         '(overhead only; docs: "Sharding heads"):',
-        "",
-        "| dtype | N | heads (q/kv) | shards | forward (ms) | this / unsharded |",
-        "|---|---|---|---|---|---|",
-    ]
+        ["dtype", "N", "heads (q/kv)", "shards", "forward (ms)", "this / unsharded"],
+    )
     for length in sorted({m["length"] for m in sharded}):
         rows = [m for m in sharded if m["length"] == length]
         unsharded = next((m for m in rows if m["note"] == "unsharded"), {})
@@ -286,11 +281,8 @@ def _sharded_lines(measurements: Sequence[dict]) -> list[str]:
             shape = m["shape"]
             heads = f"{shape['num_heads']}/{shape.get('num_kv_heads') or shape['num_heads']}"
             count = m["implementation"].rsplit(" ", 1)[-1]
-            lines.append(
-                f"| {m['dtype']} | {length} | {heads} | {count} | "
-                f"{_ms_or_note(m)} | "
-                f"{_ratio(m.get('seconds'), unsharded.get('seconds'))} |"
-            )
+            ratio = _ratio(m.get("seconds"), unsharded.get("seconds"))
+            lines.append(_row(m["dtype"], length, heads, count, _ms_or_note(m), ratio))
     return lines
 
 
@@ -300,13 +292,10 @@ def _generation_lines(measurements: Sequence[dict]) -> list[str]:
     memory = [m for m in measurements if m["mode"] == "generate memory"]
     if not generated:
         return []
-    lines = [
-        "",
+    lines = _table_head(
         'Generation after a prompt, one token per step (docs: "Generating with a cache"):',
-        "",
-        "| dtype | prompt + new | heads (q/kv) | way | tokens/s | cached / this | notes |",
-        "|---|---|---|---|---|---|---|",
-    ]
+        ["dtype", "prompt + new", "heads (q/kv)", "way", "tokens/s", "cached / this", "notes"],
+    )
 
     def key(m: dict) -> tuple:
         shape = m.get("shape") or {}
@@ -323,18 +312,14 @@ def _generation_lines(measurements: Sequence[dict]) -> list[str]:
         rows = [m for m in generated if key(m) == group]
         cached = next((m for m in rows if m["implementation"] == "cached"), {})
         dtype, prompt, length, heads, kv_heads = group
+        sizes = (dtype, f"{prompt} + {length - prompt}", f"{heads}/{kv_heads}")
         for m in rows:
             rate = m.get("tokens_per_s")
             ratio = _ratio(cached.get("tokens_per_s"), rate) if m is not cached else "-"
-            lines.append(
-                f"| {dtype} | {prompt} + {length - prompt} | {heads}/{kv_heads} | "
-                f"{m['implementation']} | {'-' if rate is None else f'{rate:.0f}'} | {ratio} | "
-                f"{m.get('note', '')} |"
-            )
+            shown = "-" if rate is None else f"{rate:.0f}"
+            lines.append(_row(*sizes, m["implementation"], shown, ratio, m.get("note", "")))
         for m in memory:
             if key(m) == group:
-                lines.append(
-                    f"| {dtype} | {prompt} + {length - prompt} | {heads}/{kv_heads} | "
-                    f"cached: peak memory | {m['peak_mib']:.0f} MiB | - | {m['note']} |"
-                )
+                memory_cells = ("cached: peak memory", f"{m['peak_mib']:.0f} MiB", "-", m["note"])
+                lines.append(_row(*sizes, *memory_cells))
     return lines
