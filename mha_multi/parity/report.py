@@ -212,6 +212,23 @@ def _fmt(check: dict | None) -> str:
     return f"{check['max_abs']:.2e} / {check['max_rel']:.1e}"
 
 
+def _section(title: str, text: Sequence[str], columns: Sequence[str]) -> list[str]:
+    """The lines above a section's table rows: heading, text, column names, separator."""
+    return [
+        "",
+        f"## {title}",
+        "",
+        *text,
+        *([""] if text else []),
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+
+
+def _verdict(passed: bool) -> str:
+    return "pass" if passed else "**FAIL**"
+
+
 def format_markdown(report: dict[str, object]) -> str:
     """The report as Markdown (also what is printed)."""
     lines = [
@@ -232,55 +249,45 @@ def format_markdown(report: dict[str, object]) -> str:
         lines.append(
             f"| {cell['backend']} | {cell['device']} | {cell['dtype']} | {cell['cases']} | "
             f"{_fmt(cell['forward'])} | {_fmt(cell['gradient'])} | {tol} | "
-            f"{'pass' if cell['passed'] else '**FAIL**'} |"
+            f"{_verdict(cell['passed'])} |"
         )
     if report["pairwise"]:
-        lines += [
-            "",
-            "## Backend vs backend (output, max abs)",
-            "",
-            "| a | b | device | dtype | max abs |",
-            "|---|---|---|---|---|",
-        ]
+        lines += _section(
+            "Backend vs backend (output, max abs)", [], ["a", "b", "device", "dtype", "max abs"]
+        )
         for pair in report["pairwise"]:
             lines.append(
                 f"| {pair['a']} | {pair['b']} | {pair['device']} | {pair['dtype']} | "
                 f"{pair['max_abs']:.2e} |"
             )
     if report.get("workflow"):
-        lines += [
-            "",
-            "## One weights file, every backend",
-            "",
-            "`book.safetensors` loaded with `load_weights` + `set_weights`, float32 on CPU:",
-            "",
-            "| backend | vs reference | vs other backends (max) | result |",
-            "|---|---|---|---|",
-        ]
+        lines += _section(
+            "One weights file, every backend",
+            ["`book.safetensors` loaded with `load_weights` + `set_weights`, float32 on CPU:"],
+            ["backend", "vs reference", "vs other backends (max)", "result"],
+        )
         for row in report["workflow"]:
             lines.append(
                 f"| {row['backend']} | {row['max_abs']:.2e} | {row['max_pairwise']:.2e} | "
-                f"{'pass' if row['passed'] else '**FAIL**'} |"
+                f"{_verdict(row['passed'])} |"
             )
     if report.get("importance"):
         first = report["importance"][0]["importance"]
-        lines += [
-            "",
-            "## Head importance, every backend",
-            "",
-            "`head_importance` (normalized) of the weights of "
-            + " and ".join(f"`{name}`" for name in first)
-            + ", two batches, float32 on CPU; the first case's scores shown:",
-            "",
-            "| backend | importance | vs reference | vs other backends (max) | result |",
-            "|---|---|---|---|---|",
-        ]
+        lines += _section(
+            "Head importance, every backend",
+            [
+                "`head_importance` (normalized) of the weights of "
+                + " and ".join(f"`{name}`" for name in first)
+                + ", two batches, float32 on CPU; the first case's scores shown:"
+            ],
+            ["backend", "importance", "vs reference", "vs other backends (max)", "result"],
+        )
         for row in report["importance"]:
             shown = next(iter(row["importance"].values()))
             lines.append(
                 f"| {row['backend']} | {' '.join(f'{x:.4f}' for x in shown)} | "
                 f"{row['max_abs']:.2e} | {row['max_pairwise']:.2e} | "
-                f"{'pass' if row['passed'] else '**FAIL**'} |"
+                f"{_verdict(row['passed'])} |"
             )
     lines += ["", "## Environments", ""]
     for backend, meta in report["environments"].items():
