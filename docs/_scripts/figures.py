@@ -58,6 +58,13 @@ def _draw_grid(
     axis.set_aspect(aspect)
 
 
+def _saved(figure, path: Path) -> Path:
+    """Writes ``figure`` to ``path`` and frees it (the docs build draws several in one process)."""
+    figure.savefig(path, dpi=140)
+    plt.close(figure)
+    return path
+
+
 def head_layout(path: Path, batch: int = 2, length: int = 3, num_heads: int = 3) -> Path:
     """``(B, T, H*dh) -> (B*H, T, dh)``: each cell keeps its (example, position, head)."""
     head_dim = 2
@@ -114,9 +121,7 @@ def head_layout(path: Path, batch: int = 2, length: int = 3, num_heads: int = 3)
     )
     for r in range(1, rows):
         right.axhline(r * length, color="black", lw=1.2)
-    figure.savefig(path, dpi=140)
-    plt.close(figure)
-    return path
+    return _saved(figure, path)
 
 
 def head_grouping(
@@ -175,9 +180,7 @@ def head_grouping(
     )
     for r in range(1, rows):
         right.axhline(r * grouped_length, color="black", lw=1.2)
-    figure.savefig(path, dpi=140)
-    plt.close(figure)
-    return path
+    return _saved(figure, path)
 
 
 def _visible(num_queries: int, num_keys: int, valid_lens, causal: bool = False) -> np.ndarray:
@@ -234,9 +237,7 @@ def masks(path: Path) -> Path:
     figure.suptitle(
         "Visible keys (blue) per query; hidden scores are replaced by -1e6", fontsize=10
     )
-    figure.savefig(path, dpi=140)
-    plt.close(figure)
-    return path
+    return _saved(figure, path)
 
 
 def cache_visibility(
@@ -313,9 +314,7 @@ def cache_visibility(
         "(green); grey is hidden",
         fontsize=10,
     )
-    figure.savefig(path, dpi=140)
-    plt.close(figure)
-    return path
+    return _saved(figure, path)
 
 
 def write_all(directory: str | Path) -> list[Path]:
