@@ -158,6 +158,19 @@ def _loss_gradient(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return (p / labels.size).reshape(logits.shape)
 
 
+def _gradients(weights: Mapping[str, np.ndarray], batch: Task, **options: Any) -> dict:
+    """The reference gradients of the task's loss on ``batch`` (``options``: ``head_mask``)."""
+    return spec.reference_gradients(
+        weights,
+        batch.queries,
+        batch.memory,
+        batch.memory,
+        num_heads=num_heads_of(weights),
+        output_gradient=_loss_gradient(forward(weights, batch), batch.labels),
+        **options,
+    )
+
+
 def slot_accuracies(weights: Mapping[str, np.ndarray], task: Task) -> np.ndarray:
     """The fraction right of each slot, ``(NUM_SLOTS,)``: which sub-task a layer solves."""
     right = _log_softmax(forward(weights, task)).argmax(axis=-1) == task.labels
@@ -191,16 +204,7 @@ def train(
     second = {name: np.zeros_like(w) for name, w in weights.items()}
     beta1, beta2 = 0.9, 0.999
     for step in range(1, steps + 1):
-        batch = make_task(batch_size, seed=int(data.integers(2**31)))
-        logits = forward(weights, batch)
-        grads = spec.reference_gradients(
-            weights,
-            batch.queries,
-            batch.memory,
-            batch.memory,
-            num_heads=NUM_HEADS,
-            output_gradient=_loss_gradient(logits, batch.labels),
-        )
+        grads = _gradients(weights, make_task(batch_size, seed=int(data.integers(2**31))))
         for name, w in weights.items():
             first[name] = beta1 * first[name] + (1 - beta1) * grads[name]
             second[name] = beta2 * second[name] + (1 - beta2) * grads[name] ** 2
@@ -213,20 +217,8 @@ def train(
 
 def gate_gradients(weights: Mapping[str, np.ndarray], task: Task) -> list[np.ndarray]:
     """``dL/dξ`` at ``ξ = 1`` of each batch of ``task`` (``(H,)`` each, float64)."""
-    num_heads = num_heads_of(weights)
-    gradients = []
-    for batch in task.batches():
-        grads = spec.reference_gradients(
-            weights,
-            batch.queries,
-            batch.memory,
-            batch.memory,
-            num_heads=num_heads,
-            output_gradient=_loss_gradient(forward(weights, batch), batch.labels),
-            head_mask=np.ones(num_heads),
-        )
-        gradients.append(grads["head_mask"])
-    return gradients
+    gates = np.ones(num_heads_of(weights))
+    return [_gradients(weights, batch, head_mask=gates)["head_mask"] for batch in task.batches()]
 
 
 def importance(weights: Mapping[str, np.ndarray], task: Task) -> np.ndarray:
