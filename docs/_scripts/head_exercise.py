@@ -5,7 +5,7 @@ measure the importance of a head, in order to prune the less important
 ones. This module is the experiment of the docs page "Heads" (section "A
 worked answer to d2l's exercise"), run by the docs build in numpy alone and
 imported by the examples ``docs/examples/*_pruning.py``, which load the same
-pruned weights into each framework.
+pruned weights into each framework and check them (:func:`check_pruning`).
 
 The task: a memory of ``NUM_POSITIONS`` tokens, each a symbol (one of
 ``NUM_SYMBOLS``) and its position, both one-hot; each query asks for the
@@ -260,6 +260,43 @@ def prune_in_order(
         np.testing.assert_allclose(logits, masked, rtol=0, atol=1e-12)
         results.append(metrics(logits, task.labels))
     return results
+
+
+def check_pruning(
+    weights: Mapping[str, np.ndarray],
+    task: Task,
+    scores: np.ndarray,
+    removed: Sequence[int],
+    pruned: Mapping[str, np.ndarray],
+    logits: np.ndarray,
+    masked: np.ndarray,
+) -> None:
+    """What every framework's pruning example (``docs/examples/*_pruning.py``) asserts.
+
+    Args:
+        weights: the trained 8-head layer (:func:`train`).
+        task: the examples the framework ran (:func:`test_task`).
+        scores: the importance of each head the framework measured.
+        removed: the 4 heads it pruned, the least important by ``scores``.
+        pruned: the weights of the 4-head layer (:func:`mha_multi.heads.prune_heads`).
+        logits: the framework's 4-head layer on ``task``, as float32 numpy.
+        masked: its 8-head layer on ``task`` with the removed heads' gates at 0,
+            as float32 numpy.
+    """
+    # The importance the framework measured is the float64 reference's (float32 against float64)...
+    expected_scores = importance(weights, task)
+    np.testing.assert_allclose(scores, expected_scores, rtol=1e-4, atol=1e-7)
+    assert sorted(removed) == sorted(np.argsort(expected_scores)[:4].tolist())
+    # ...the 4-head layer computes the numpy pruned layer's logits, in float32...
+    assert logits.dtype == masked.dtype == np.float32, (logits.dtype, masked.dtype)
+    expected = forward(pruned, task)  # float64 reference
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
+    # ...which are the 8-head layer's with those heads' gates at 0...
+    np.testing.assert_allclose(masked, logits, rtol=0, atol=1e-5)
+    # ...and the task's metrics are the same: all 512 test examples still right.
+    ours, reference = metrics(logits, task.labels), metrics(expected, task.labels)
+    assert ours.accuracy == reference.accuracy == 1.0
+    np.testing.assert_allclose(ours.loss, reference.loss, rtol=1e-5)
 
 
 def iterative_order(weights: Mapping[str, np.ndarray], task: Task) -> list[int]:
