@@ -1,5 +1,6 @@
 """What the Keras tests share: the runner of the process's Keras backend, a
-case's inputs, and the warning Keras' own numpy conversions raise.
+case's inputs, the warning Keras' own numpy conversions raise, and the
+fused kernel taken and watched.
 
 Imported by the test modules after ``pytest.importorskip("keras")``; not a
 ``conftest.py``, whose module name would shadow the root one that other
@@ -8,9 +9,13 @@ test folders import from.
 
 from __future__ import annotations
 
+import functools
+
+import keras
 import numpy as np
 import pytest
 
+import mha_multi.keras._kernel as kernel_module
 from mha_multi.keras import harness as backend
 from mha_multi.parity.cases import Case
 from mha_multi.parity.runners import Runner, get_runner
@@ -36,3 +41,23 @@ def keras_runner() -> Runner:
 def inputs(case: Case) -> list[np.ndarray]:
     """The case's queries, keys and values."""
     return [case.inputs[name] for name in backend.INPUT_NAMES]
+
+
+@pytest.fixture(name="fused_here")
+def fused_kernel_here(monkeypatch):
+    """The default call takes the kernel on this backend, whatever the benchmark chose."""
+    monkeypatch.setattr(kernel_module, "FUSED_BACKENDS", frozenset({backend.BACKEND}))
+
+
+def kernel_key_heads(monkeypatch) -> list[int]:
+    """Records the key heads of every ``keras.ops.dot_product_attention`` call."""
+    key_heads = []
+    original = keras.ops.dot_product_attention
+
+    @functools.wraps(original)  # its signature, which the kernel spy reads
+    def recording(query, key, value, *args, **kwargs):
+        key_heads.append(int(key.shape[2]))
+        return original(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(keras.ops, "dot_product_attention", recording)
+    return key_heads

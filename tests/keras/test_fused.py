@@ -17,9 +17,13 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
-from keras_testing import inputs, keras_runner  # noqa: E402, F401
+from keras_testing import (  # noqa: E402, F401
+    fused_kernel_here,
+    inputs,
+    keras_runner,
+    kernel_key_heads,
+)
 
-import mha_multi.keras._kernel as kernel_module  # noqa: E402
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import harness as backend  # noqa: E402
 from mha_multi.keras._backend import FACTS, values_exact  # noqa: E402
@@ -298,19 +302,6 @@ def test_fused_and_generic_paths_agree_on_a_longer_sequence(runner):
 # -- grouped key/value heads -------------------------------------------------------------
 
 
-def kernel_shapes(monkeypatch):
-    """Records the key heads of every ``keras.ops.dot_product_attention`` call."""
-    key_heads = []
-    original = keras.ops.dot_product_attention
-
-    def recording(query, key, value, *args, **kwargs):
-        key_heads.append(int(key.shape[2]))
-        return original(query, key, value, *args, **kwargs)
-
-    monkeypatch.setattr(keras.ops, "dot_product_attention", recording)
-    return key_heads
-
-
 @pytest.mark.parametrize("num_kv_heads", [1, 2])
 def test_keras_kernel_takes_grouped_heads_where_the_layer_says(num_kv_heads):
     # What Keras 3.15 does with (B, K, H_kv, dh) keys, checked against numpy:
@@ -334,18 +325,12 @@ def test_keras_kernel_takes_grouped_heads_where_the_layer_says(num_kv_heads):
     assert DOT_PRODUCT_ATTENTION.takes_grouped_heads == (backend.BACKEND != "tensorflow")
 
 
-@pytest.fixture
-def fused_here(monkeypatch):
-    """The default call takes the kernel on this backend, whatever the benchmark chose."""
-    monkeypatch.setattr(kernel_module, "FUSED_BACKENDS", frozenset({backend.BACKEND}))
-
-
 @pytest.mark.parametrize("name", ["gqa", "mqa", "head_dim"])
 def test_grouped_heads_reach_the_kernel_as_the_plan_says(
     runner, cases, name, fused_here, monkeypatch
 ):
     case = cases[name]
-    key_heads = kernel_shapes(monkeypatch)
+    key_heads = kernel_key_heads(monkeypatch)
     out = attend(runner, case)
     takes = DOT_PRODUCT_ATTENTION.takes_grouped_heads
     assert key_heads == [case.config.num_kv_heads if takes else case.config.num_heads]
@@ -362,7 +347,7 @@ def test_a_kernel_without_groups_gets_the_heads_repeated_once(
     kernel = spec.FusedKernel("keras.ops.dot_product_attention", takes_grouped_heads=False)
     monkeypatch.setattr(FACTS, "kernel", kernel)
     case = cases[name]
-    key_heads = kernel_shapes(monkeypatch)
+    key_heads = kernel_key_heads(monkeypatch)
     out = attend(runner, case)
     assert key_heads == [case.config.num_heads]
     np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)

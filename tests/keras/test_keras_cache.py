@@ -12,14 +12,12 @@ against the float64 reference.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
 keras = pytest.importorskip("keras")
 
-from keras_testing import keras_runner  # noqa: E402, F401
+from keras_testing import fused_kernel_here, keras_runner, kernel_key_heads  # noqa: E402, F401
 
 import mha_multi.keras._kernel as kernel_module  # noqa: E402
 from mha_multi import spec  # noqa: E402
@@ -206,26 +204,6 @@ def test_a_cache_made_inside_a_jitted_stateless_call():
 
 
 # -- the kernel plan ---------------------------------------------------------------
-
-
-@pytest.fixture
-def fused_here(monkeypatch):
-    """The default call takes the kernel on this backend, whatever the benchmark chose."""
-    monkeypatch.setattr(kernel_module, "FUSED_BACKENDS", frozenset({backend.BACKEND}))
-
-
-def kernel_key_heads(monkeypatch):
-    """Records the key heads of every ``keras.ops.dot_product_attention`` call."""
-    key_heads = []
-    original = keras.ops.dot_product_attention
-
-    @functools.wraps(original)  # its signature, which the kernel spy reads
-    def recording(query, key, value, *args, **kwargs):
-        key_heads.append(int(key.shape[2]))
-        return original(query, key, value, *args, **kwargs)
-
-    monkeypatch.setattr(keras.ops, "dot_product_attention", recording)
-    return key_heads
 
 
 @pytest.mark.parametrize("num_kv_heads", [2, 1])
