@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from parity_support import checks_within_tolerance
 
 from mha_multi import spec
 from mha_multi.parity.cases import CACHED_CASES, build_case
-from mha_multi.parity.compare import compare, tolerance
+from mha_multi.parity.compare import tolerance
 from mha_multi.parity.decode import chunk_rows, full_reference, random_schedule
 from mha_multi.parity.runners import DTYPES
 from mha_multi.weights import init_weights
@@ -76,16 +77,8 @@ def reference_heads(config):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case_name", [c.name for c in CACHED_CASES])
 def test_cached_case_within_tolerance(runner, available_device, dtype, case_name, cached_cases):
-    if not runner.dtype_supported(available_device, dtype):
-        pytest.skip(f"{runner.name} does not run {dtype} on {available_device}")
-    case = cached_cases[case_name]
-    results = runner.run(case, device=available_device, dtype=dtype)
-    checks = compare(results, case.reference, dtype)
+    checks = checks_within_tolerance(runner, available_device, dtype, cached_cases[case_name])
     assert {c.quantity for c in checks} == {"output", "output[weights]"}
-    failures = [c for c in checks if not c.passed]
-    assert not failures, "\n".join(
-        f"{c.quantity}: max abs {c.max_abs:.3g} > {c.tolerance:g}" for c in failures
-    )
 
 
 # float32 only: the cached parity cases above hold every dtype, and each
