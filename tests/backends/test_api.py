@@ -36,57 +36,24 @@ def built_layer(runner, num_hiddens=8, num_heads=2, sizes=(8, 8, 8), bias=False,
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
+    ("num_hiddens", "num_heads", "options", "error", "match"),
     [
-        ({"num_hiddens": 10, "num_heads": 3}, ValueError, r"num_hiddens \(10\).*num_heads \(3\)"),
-        ({"num_hiddens": 8, "num_heads": 0}, ValueError, "num_heads must be a positive int"),
-        ({"num_hiddens": -8, "num_heads": 2}, ValueError, "num_hiddens must be a positive int"),
-        (
-            {"num_hiddens": 8, "num_heads": 2, "dropout": 1.0},
-            ValueError,
-            r"dropout must be in \[0, 1\)",
-        ),
-        (
-            {"num_hiddens": 8, "num_heads": 2, "dropout": -0.5},
-            ValueError,
-            r"dropout must be in \[0, 1\)",
-        ),
-        (
-            {"num_hiddens": 8, "num_heads": 2, "query_size": 0},
-            ValueError,
-            "query_size must be a positive int",
-        ),
-        (
-            {"num_hiddens": 8, "num_heads": 4, "num_kv_heads": 3},
-            ValueError,
-            r"num_kv_heads \(3\) must divide num_heads \(4\)",
-        ),
-        (
-            {"num_hiddens": 8, "num_heads": 4, "num_kv_heads": 0},
-            ValueError,
-            "num_kv_heads must be a positive int",
-        ),
-        (
-            {"num_hiddens": 8, "num_heads": 4, "num_kv_heads": 2.0},
-            TypeError,
-            "num_kv_heads must be a positive int",
-        ),
-        (
-            {"num_hiddens": 8, "num_heads": 4, "head_dim": 0},
-            ValueError,
-            "head_dim must be a positive int",
-        ),
-        (
-            {"num_hiddens": 10, "num_heads": 4, "head_dim": "3"},
-            TypeError,
-            "head_dim must be a positive int",
-        ),
+        (10, 3, {}, ValueError, r"num_hiddens \(10\).*num_heads \(3\)"),
+        (8, 0, {}, ValueError, "num_heads must be a positive int"),
+        (-8, 2, {}, ValueError, "num_hiddens must be a positive int"),
+        (8, 2, {"dropout": 1.0}, ValueError, r"dropout must be in \[0, 1\)"),
+        (8, 2, {"dropout": -0.5}, ValueError, r"dropout must be in \[0, 1\)"),
+        (8, 2, {"query_size": 0}, ValueError, "query_size must be a positive int"),
+        (8, 4, {"num_kv_heads": 3}, ValueError, r"num_kv_heads \(3\) must divide num_heads \(4\)"),
+        (8, 4, {"num_kv_heads": 0}, ValueError, "num_kv_heads must be a positive int"),
+        (8, 4, {"num_kv_heads": 2.0}, TypeError, "num_kv_heads must be a positive int"),
+        (8, 4, {"head_dim": 0}, ValueError, "head_dim must be a positive int"),
+        (10, 4, {"head_dim": "3"}, TypeError, "head_dim must be a positive int"),
     ],
 )
-def test_bad_configuration(runner, kwargs, error, match):
-    kwargs = dict(kwargs)
+def test_bad_configuration(runner, num_hiddens, num_heads, options, error, match):
     with pytest.raises(error, match=match):
-        runner.make_layer(kwargs.pop("num_hiddens"), kwargs.pop("num_heads"), **kwargs)
+        runner.make_layer(num_hiddens, num_heads, **options)
 
 
 def _bad_inputs():
