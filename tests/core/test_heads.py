@@ -59,14 +59,22 @@ def _per_head_loop(weights, inputs, lens, num_heads, num_kv_heads, gates):
     return output
 
 
+def _gated(name: str, seed: int, per_example: bool, low: float, high: float):
+    """A layout's weights (seed ``seed``) and inputs (``seed + 1``), and gates
+    from ``U(low, high)``: one per head, or one per example and head."""
+    layout = LAYOUTS[name]
+    weights = _weights(layout, seed)
+    rng, inputs = _inputs(seed + 1)
+    num_heads = layout["num_heads"]
+    gates = rng.uniform(low, high, (2, num_heads) if per_example else (num_heads,))
+    return layout, weights, rng, inputs, gates
+
+
 @pytest.mark.parametrize("per_example", [False, True])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_head_mask_gates_each_heads_context(name, per_example):
-    layout = LAYOUTS[name]
-    weights = _weights(layout, 1)
-    rng, inputs = _inputs(2)
+    layout, weights, _, inputs, gates = _gated(name, 1, per_example, -1, 2)
     num_heads = layout["num_heads"]
-    gates = rng.uniform(-1, 2, (2, num_heads) if per_example else (num_heads,))
     lens = np.array([3, 1])
     output, _ = spec.reference_forward(weights, *inputs, lens, **_heads(layout), head_mask=gates)
     kv_heads = layout.get("num_kv_heads", num_heads)
@@ -91,11 +99,7 @@ def _finite_differences(function, value: np.ndarray, step: float = 1e-6) -> np.n
 @pytest.mark.parametrize("per_example", [False, True])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_head_mask_gradients_are_the_finite_differences(name, per_example):
-    layout = LAYOUTS[name]
-    weights = _weights(layout, 3)
-    rng, inputs = _inputs(4)
-    num_heads = layout["num_heads"]
-    gates = rng.uniform(0, 1, (2, num_heads) if per_example else (num_heads,))
+    layout, weights, rng, inputs, gates = _gated(name, 3, per_example, 0, 1)
     lens = np.array([[1, 4, 2], [0, 3, 4]])
     output_gradient = rng.standard_normal((2, 3, 12))
     kwargs = {**_heads(layout), "causal": True}

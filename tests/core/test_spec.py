@@ -783,20 +783,11 @@ def test_fix_fully_hidden_rows_of_grouped_heads_is_the_repeated_heads_fix(causal
     output = rng.standard_normal((batch, heads, num_queries, dh))
     values = rng.standard_normal((batch, kv_heads, num_keys, dh))
     repeated = np.repeat(values, group, axis=1)
+
+    def fixed(values, layout, heads_axis, **grouping):
+        moved = [array.transpose(layout) for array in (output, values)]
+        return spec.fix_fully_hidden_rows(OPS, *moved, visible, heads_axis=heads_axis, **grouping)
+
     for heads_axis, layout in ((1, (0, 1, 2, 3)), (2, (0, 2, 1, 3))):
-        got = spec.fix_fully_hidden_rows(
-            OPS,
-            output.transpose(layout),
-            values.transpose(layout),
-            visible,
-            heads_axis=heads_axis,
-            group_size=group,
-        )
-        expected = spec.fix_fully_hidden_rows(
-            OPS,
-            output.transpose(layout),
-            repeated.transpose(layout),
-            visible,
-            heads_axis=heads_axis,
-        )
-        np.testing.assert_array_equal(got, expected)
+        got = fixed(values, layout, heads_axis, group_size=group)
+        np.testing.assert_array_equal(got, fixed(repeated, layout, heads_axis))

@@ -15,16 +15,10 @@ from mha_multi.weights import check_weights, init_weights, load_weights, save_we
 
 
 def test_shapes():
-    assert weight_shapes(8, query_size=3, key_size=4, value_size=5, bias=True) == {
-        "W_q": (3, 8),
-        "W_k": (4, 8),
-        "W_v": (5, 8),
-        "W_o": (8, 8),
-        "b_q": (8,),
-        "b_k": (8,),
-        "b_v": (8,),
-        "b_o": (8,),
-    }
+    kernels = {"W_q": (3, 8), "W_k": (4, 8), "W_v": (5, 8), "W_o": (8, 8)}
+    biases = {"b_q": (8,), "b_k": (8,), "b_v": (8,), "b_o": (8,)}
+    shapes = weight_shapes(8, query_size=3, key_size=4, value_size=5, bias=True)
+    assert shapes == {**kernels, **biases}
     assert set(weight_shapes(8)) == {"W_q", "W_k", "W_v", "W_o"}
 
 
@@ -128,25 +122,32 @@ def saved(tmp_path, suffix):
     return path, path.read_bytes()
 
 
-# Cut inside the signature, mid-file and one byte short. An empty .npz file is
-# the case where numpy 1.23 (a pickle error) and numpy 2 (EOFError) differ.
-@pytest.mark.parametrize("keep", [0, 3, 0.5, -1])
-def test_truncated_npz_is_a_value_error_naming_the_file(tmp_path, keep):
-    path, data = saved(tmp_path, ".npz")
+def truncated_load_error(tmp_path, suffix, keep):
+    """``(path, size, error)`` of loading a saved file cut to ``keep`` bytes
+    (negative: from the end; a float: that fraction of them)."""
+    path, data = saved(tmp_path, suffix)
     size = int(len(data) * keep) if isinstance(keep, float) else keep % len(data)
     path.write_bytes(data[:size])
     with pytest.raises(ValueError) as info:
         load_weights(path)
+    return path, size, info.value
+
+
+# Cut inside the signature, mid-file and one byte short. An empty .npz file is
+# the case where numpy 1.23 (a pickle error) and numpy 2 (EOFError) differ.
+@pytest.mark.parametrize("keep", [0, 3, 0.5, -1])
+def test_truncated_npz_is_a_value_error_naming_the_file(tmp_path, keep):
+    path, size, error = truncated_load_error(tmp_path, ".npz", keep)
     if size < 4:
-        assert str(info.value) == (
+        assert str(error) == (
             f"{str(path)!r} is not a valid .npz file: it is not a zip archive "
             "(truncated, or another format)"
         )
     else:
-        assert str(info.value) == (
+        assert str(error) == (
             f"{str(path)!r} is not a valid .npz file (truncated or corrupt): File is not a zip file"
         )
-        assert isinstance(info.value.__cause__, zipfile.BadZipFile)
+        assert isinstance(error.__cause__, zipfile.BadZipFile)
 
 
 def test_corrupt_npz_is_a_value_error_naming_the_file(tmp_path):
@@ -166,15 +167,11 @@ def test_corrupt_npz_is_a_value_error_naming_the_file(tmp_path):
 
 @pytest.mark.parametrize("keep", [0, 5, 12, 0.5, -1])
 def test_truncated_safetensors_is_a_value_error_naming_the_file(tmp_path, keep):
-    path, data = saved(tmp_path, ".safetensors")
-    size = int(len(data) * keep) if isinstance(keep, float) else keep % len(data)
-    path.write_bytes(data[:size])
-    with pytest.raises(ValueError) as info:
-        load_weights(path)
+    path, _, error = truncated_load_error(tmp_path, ".safetensors", keep)
     prefix = f"{str(path)!r} is not a valid .safetensors file (truncated or corrupt): "
-    assert str(info.value).startswith(prefix)
-    assert isinstance(info.value.__cause__, SafetensorError)
-    assert str(info.value) == prefix + str(info.value.__cause__)
+    assert str(error).startswith(prefix)
+    assert isinstance(error.__cause__, SafetensorError)
+    assert str(error) == prefix + str(error.__cause__)
 
 
 def test_corrupt_safetensors_header_is_a_value_error(tmp_path):
@@ -237,17 +234,10 @@ def test_missing_files_and_directories_are_os_errors(tmp_path, suffix):
 
 
 def test_grouped_heads_and_head_dim_shapes():
+    kernels = {"W_q": (5, 12), "W_k": (10, 6), "W_v": (10, 6), "W_o": (12, 10)}
+    biases = {"b_q": (12,), "b_k": (6,), "b_v": (6,), "b_o": (10,)}
     shapes = weight_shapes(10, num_heads=4, num_kv_heads=2, head_dim=3, query_size=5, bias=True)
-    assert shapes == {
-        "W_q": (5, 12),
-        "W_k": (10, 6),
-        "W_v": (10, 6),
-        "W_o": (12, 10),
-        "b_q": (12,),
-        "b_k": (6,),
-        "b_v": (6,),
-        "b_o": (10,),
-    }
+    assert shapes == {**kernels, **biases}
     # Multi-head attention with the default head size needs no head layout.
     assert weight_shapes(8, num_heads=2) == weight_shapes(8)
 
