@@ -56,16 +56,9 @@ def test_lazy_build_checks_shapes_before_creating_variables():
 def test_sizes_given_up_front_build_at_construction():
     layer = MultiHeadAttention(12, 3, bias=True, query_size=7, key_size=5, value_size=3)
     assert layer.built
-    assert {v.path.split("/")[-1]: tuple(v.shape) for v in layer.weights} == {
-        "W_q": (7, 12),
-        "W_k": (5, 12),
-        "W_v": (3, 12),
-        "W_o": (12, 12),
-        "b_q": (12,),
-        "b_k": (12,),
-        "b_v": (12,),
-        "b_o": (12,),
-    }
+    kernels = {"W_q": (7, 12), "W_k": (5, 12), "W_v": (3, 12), "W_o": (12, 12)}
+    biases = {"b_q": (12,), "b_k": (12,), "b_v": (12,), "b_o": (12,)}
+    assert {v.path.split("/")[-1]: tuple(v.shape) for v in layer.weights} == {**kernels, **biases}
 
 
 def test_set_weights_fixes_lazy_sizes_and_matches_reference(runner, cases):
