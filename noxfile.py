@@ -69,6 +69,22 @@ TEST_TOOLS = (PINS["pytest"], PINS["pytest-xdist"], PINS["hypothesis"])
 FAST_XLA_COMPILES = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 COMMON = (PINS["numpy"], PINS["safetensors"], *TEST_TOOLS)
 
+
+def keras_environment(
+    backend: str, pins: tuple[str, ...], extras: str = "test", **settings: dict[str, str]
+) -> Environment:
+    """Keras 3 on ``backend`` (``KERAS_BACKEND``) with its framework's ``pins``."""
+    return Environment(
+        (*COMMON, PINS["keras"], *pins),
+        extras,
+        backends=(f"keras-{backend}",),
+        tests=("tests/backends", "tests/keras", "tests/examples"),
+        env={"KERAS_BACKEND": backend},
+        benchmarks=(f"keras-{backend}",),
+        **settings,
+    )
+
+
 ENVIRONMENTS: dict[str, Environment] = {
     "numpy": Environment(COMMON, "test", tests=("tests/core", "tests/examples")),
     "torch": Environment(
@@ -101,31 +117,11 @@ ENVIRONMENTS: dict[str, Environment] = {
     ),
     # Keras fixes its backend per process from KERAS_BACKEND, so each Keras
     # backend is an environment of its own running the same layer.
-    "keras-tensorflow": Environment(
-        (*COMMON, PINS["keras"], PINS["tensorflow"]),
-        "keras,test",
-        backends=("keras-tensorflow",),
-        tests=("tests/backends", "tests/keras", "tests/examples"),
-        env={"KERAS_BACKEND": "tensorflow"},
-        benchmarks=("keras-tensorflow",),
+    "keras-tensorflow": keras_environment("tensorflow", (PINS["tensorflow"],), "keras,test"),
+    "keras-jax": keras_environment(
+        "jax", (PINS["jax"], PINS["jaxlib"]), test_env=FAST_XLA_COMPILES
     ),
-    "keras-jax": Environment(
-        (*COMMON, PINS["keras"], PINS["jax"], PINS["jaxlib"]),
-        "test",
-        backends=("keras-jax",),
-        tests=("tests/backends", "tests/keras", "tests/examples"),
-        env={"KERAS_BACKEND": "jax"},
-        benchmarks=("keras-jax",),
-        test_env=FAST_XLA_COMPILES,
-    ),
-    "keras-torch": Environment(
-        (*COMMON, PINS["keras"], PINS["torch"]),
-        "test",
-        backends=("keras-torch",),
-        tests=("tests/backends", "tests/keras", "tests/examples"),
-        env={"KERAS_BACKEND": "torch"},
-        benchmarks=("keras-torch",),
-    ),
+    "keras-torch": keras_environment("torch", (PINS["torch"],)),
 }
 
 # GPU runs must compare IEEE float32 and not grab all device memory (docs: "Architecture").
