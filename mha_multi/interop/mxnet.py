@@ -27,7 +27,7 @@ import numpy as np
 from mxnet import gluon, npx
 
 from mha_multi.mxnet._backend import host_array
-from mha_multi.mxnet.layer import _load
+from mha_multi.mxnet._projections import load_parameter
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
 __all__ = [
@@ -152,7 +152,7 @@ def to_mxnet_d2l(
             raise ValueError(
                 f"{name} of shape {array.shape} does not fit {parameter.name} of shape {known}"
             )
-        _load(parameter, value, ctx)
+        load_parameter(parameter, value, ctx)
     return block
 
 

@@ -73,8 +73,9 @@ class MXNetOps:
         input_dtypes: Mapping[str, Any] | None = None,
         input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
-        self._np = F.np
-        self._npx = F.npx
+        #: ``F.np`` and ``F.npx``: MXNet's numpy operations for arrays or symbols.
+        self.np = F.np
+        self.npx = F.npx
         self._input_dtypes = {k: np.dtype(v).name for k, v in (input_dtypes or {}).items()}
         self._input_shapes = dict(input_shapes or {})
 
@@ -82,33 +83,33 @@ class MXNetOps:
 
     def split_axis(self, x: Array, axis: int, sizes: tuple[int, int]) -> Array:
         _check_axis(axis)
-        return self._npx.reshape(x, (-2,) * axis + (-6, *sizes, -4))
+        return self.npx.reshape(x, (-2,) * axis + (-6, *sizes, -4))
 
     def merge_axes(self, x: Array, axis: int) -> Array:
         _check_axis(axis)
-        return self._npx.reshape(x, (-2,) * axis + (-5, -4))
+        return self.npx.reshape(x, (-2,) * axis + (-5, -4))
 
     def permute(self, x: Array, axes: Sequence[int]) -> Array:
-        return self._np.transpose(x, tuple(axes))
+        return self.np.transpose(x, tuple(axes))
 
     def expand_dims(self, x: Array, axis: int) -> Array:
-        return self._np.expand_dims(x, axis)
+        return self.np.expand_dims(x, axis)
 
     def swap_last(self, x: Array) -> Array:
-        return self._np.swapaxes(x, -1, -2)
+        return self.np.swapaxes(x, -1, -2)
 
     def flip(self, x: Array) -> Array:
-        return self._np.flip(x, axis=0)
+        return self.np.flip(x, axis=0)
 
     # -- arithmetic -----------------------------------------------------------
 
     def matmul(self, a: Array, b: Array) -> Array:
         a_dtype, b_dtype = self.dtype(a), self.dtype(b)
         if a_dtype.itemsize >= 4 and b_dtype.itemsize >= 4:
-            return self._np.matmul(a, b)
+            return self.np.matmul(a, b)
         # 16-bit operands: accumulate in float32, round once (numpy's result dtype).
         result = np.result_type(a_dtype, b_dtype)
-        product = self._np.matmul(_to(a, a_dtype, np.float32), _to(b, b_dtype, np.float32))
+        product = self.np.matmul(_to(a, a_dtype, np.float32), _to(b, b_dtype, np.float32))
         return _to(product, np.dtype(np.float32), result)
 
     def size(self, x: Array, axis: int) -> _Size:
@@ -120,47 +121,47 @@ class MXNetOps:
         x = size.array
         if self.itemsize(self.dtype(x)) < 4:
             x = x.astype(np.float32)  # float16 cannot count past 2048
-        return self._npx.arange_like(x, axis=size.axis).astype(np.int32)
+        return self.npx.arange_like(x, axis=size.axis).astype(np.int32)
 
     def less(self, a: Array, b: Array) -> Array:
-        return self._np.less(a, b)
+        return self.np.less(a, b)
 
     def greater_equal(self, a: Array, b: Array) -> Array:
-        return self._np.greater_equal(a, b)
+        return self.np.greater_equal(a, b)
 
     def logical_and(self, a: Array, b: Array) -> Array:
-        return self._np.multiply(a, b).astype(np.bool_)
+        return self.np.multiply(a, b).astype(np.bool_)
 
     def where(self, condition: Array, x: Array, fill: float | Array) -> Array:
         if _is_array(fill) or isinstance(fill, mx.sym.Symbol):
-            return self._np.where(condition, x, _to(fill, self.dtype(fill), self.dtype(x)))
+            return self.np.where(condition, x, _to(fill, self.dtype(fill), self.dtype(x)))
         # Not np.where(condition, x, fill): MXNet 1.9's backward of the scalar
         # form routes the gradient to the wrong elements. A 0-d array is right.
         placement = {"ctx": x.ctx} if _is_array(x) else {}
-        fill_array = self._np.full((), fill, dtype=self.dtype(x), **placement)
-        return self._np.where(condition, x, fill_array)
+        fill_array = self.np.full((), fill, dtype=self.dtype(x), **placement)
+        return self.np.where(condition, x, fill_array)
 
     def any_last(self, x: Array) -> Array:
-        return self._np.any(x, axis=-1, keepdims=True)
+        return self.np.any(x, axis=-1, keepdims=True)
 
     def logical_not(self, x: Array) -> Array:
-        return self._np.logical_not(x)
+        return self.np.logical_not(x)
 
     def mean(self, x: Array, axis: int) -> Array:
-        return self._np.mean(x, axis=axis, keepdims=True)
+        return self.np.mean(x, axis=axis, keepdims=True)
 
     def gather_positions(self, x: Array, positions: Array) -> Array:
         positions = _to(positions, self.dtype(positions), np.int32)
-        batch = self._np.expand_dims(self.arange(_Size(x, 0)), 1) + positions * 0  # (B, M)
-        return self._npx.gather_nd(x, self._np.stack([batch, positions], axis=0))
+        batch = self.np.expand_dims(self.arange(_Size(x, 0)), 1) + positions * 0  # (B, M)
+        return self.npx.gather_nd(x, self.np.stack([batch, positions], axis=0))
 
     def softmax(self, x: Array) -> Array:
         # MXNet's kernel gives 0 to the other keys of a row holding a NaN or
         # inf score; the reference (exp(x - max) / sum) makes the whole row
         # NaN. 0 * max is NaN exactly for those rows (MXNet's max keeps NaN)
         # and adds an exact 0 elsewhere.
-        weights = self._npx.softmax(x, axis=-1)
-        return weights + 0 * self._np.max(x, axis=-1, keepdims=True)
+        weights = self.npx.softmax(x, axis=-1)
+        return weights + 0 * self.np.max(x, axis=-1, keepdims=True)
 
     def cast(self, x: Array, dtype: Any) -> Array:
         return _to(x, self.dtype(x), np.dtype(dtype))

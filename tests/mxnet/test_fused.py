@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mha_multi import spec
-from mha_multi.mxnet import _backend as backend
+from mha_multi.mxnet import harness as backend
 from mha_multi.mxnet._ops import MXNetOps
 from mha_multi.parity.cases import INPUT_NAMES
 from mha_multi.parity.runners import get_runner

@@ -10,7 +10,7 @@ from mxnet import autograd, gluon
 from conftest import gpu_required
 from mha_multi import spec
 from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
-from mha_multi.mxnet import _backend as backend
+from mha_multi.mxnet import harness as backend
 from mha_multi.parity.cases import INPUT_NAMES
 from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights

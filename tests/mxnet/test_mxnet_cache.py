@@ -19,8 +19,8 @@ from mxnet import autograd, gluon
 
 from mha_multi import spec
 from mha_multi.mxnet import KVCache, MultiHeadAttention
-from mha_multi.mxnet import _backend as backend
-from mha_multi.mxnet.layer import _AttentionGraph
+from mha_multi.mxnet import harness as backend
+from mha_multi.mxnet._graph import AttentionGraph
 from mha_multi.parity.compare import tolerance
 from mha_multi.parity.decode import full_reference
 from mha_multi.parity.runners import KernelCall, get_runner
@@ -110,14 +110,14 @@ def test_a_decode_loop_traces_one_graph(monkeypatch):
     # length): one graph, traced once; MXNet's cached graph takes each new
     # length as it comes.
     traced = []
-    original = _AttentionGraph.hybrid_forward
+    original = AttentionGraph.hybrid_forward
 
     def tracing(graph, F, *args, **kwargs):
         if F is mx.sym:
             traced.append(graph._config)
         return original(graph, F, *args, **kwargs)
 
-    monkeypatch.setattr(_AttentionGraph, "hybrid_forward", tracing)
+    monkeypatch.setattr(AttentionGraph, "hybrid_forward", tracing)
     weights, inputs = weights_and_inputs("gqa")
     layer = layer_of(HYBRID, "gqa", weights)
     HYBRID.decode(layer, inputs, LENGTHS, CHUNKS, max_length=MAX_LENGTH)

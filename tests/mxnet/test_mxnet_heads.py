@@ -17,8 +17,9 @@ from mxnet import autograd, gluon
 
 from mha_multi import heads, spec
 from mha_multi.mxnet import MultiHeadAttention, head_importance, set_weights
-from mha_multi.mxnet import _backend as backend
-from mha_multi.mxnet.layer import SEQUENCE_MASK, _AttentionGraph
+from mha_multi.mxnet import harness as backend
+from mha_multi.mxnet._graph import AttentionGraph
+from mha_multi.mxnet._kernel import SEQUENCE_MASK
 from mha_multi.parity.compare import tolerance
 from mha_multi.parity.runners import KernelCall, get_runner
 from mha_multi.weights import KERNEL_NAMES, init_weights
@@ -307,14 +308,14 @@ def test_gradients_through_a_cached_call(runner):
 
 def test_hybridized_graphs_take_the_gates_as_an_input(tmp_path, monkeypatch):
     traced = []
-    original = _AttentionGraph.hybrid_forward
+    original = AttentionGraph.hybrid_forward
 
     def tracing(graph, F, *args, **kwargs):
         if F is mx.sym:
             traced.append(graph._config.head_mask_ndim)
         return original(graph, F, *args, **kwargs)
 
-    monkeypatch.setattr(_AttentionGraph, "hybrid_forward", tracing)
+    monkeypatch.setattr(AttentionGraph, "hybrid_forward", tracing)
     weights, inputs = weights_and_inputs("gqa")
     layer = layer_of(HYBRID, "gqa", weights)
     rng = np.random.default_rng(5)

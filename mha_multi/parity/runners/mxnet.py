@@ -1,5 +1,5 @@
 """Parity runners for :mod:`mha_multi.mxnet`: imperative (``mxnet``) and hybridized
-(``mxnet-hybrid``); MXNet's facts are in its ``_backend``.
+(``mxnet-hybrid``); what drives the layer is in :mod:`mha_multi.mxnet.harness`.
 
 MXNet 1.9's numpy interface has no bfloat16, so :meth:`MXNetRunner.dtype_supported`
 declines it and those parity tests show as skips. float16 runs on the CPU too: the
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from mha_multi.mxnet import MultiHeadAttention
-from mha_multi.mxnet.layer import SEQUENCE_MASK
+from mha_multi.mxnet._kernel import SEQUENCE_MASK
 from mha_multi.parity.runners import Runner
 
 
@@ -22,7 +22,7 @@ class MXNetRunner(Runner):
     name = "mxnet"
     distributions = ("mxnet", "mxnet-cu112", "mxnet-cu110")
     package = "mha_multi.mxnet"
-    backend = "mha_multi.mxnet._backend"
+    backend = "mha_multi.mxnet.harness"
     fused_kernel = SEQUENCE_MASK
     # The plan is made from shapes and flags only: a hybridized graph is
     # built per configuration, not per length.

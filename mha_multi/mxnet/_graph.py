@@ -1,0 +1,366 @@
+"""The MXNet layer's hybridized graphs: one ``HybridBlock`` per call configuration.
+
+MXNet 1.9 builds one static graph per ``HybridBlock``, from positional
+arrays only, and its symbols have neither shape nor dtype. The layer
+therefore checks a call on the concrete arrays it is given
+(:func:`mha_multi.call.forward`), makes the call's kernel plan there, where
+shapes are known (:func:`configure`), and hands the arrays to a private
+graph block built for that call's *configuration*: device type, dtype,
+whether ``valid_lens`` is given and its rank and dtype, ``causal``,
+``return_attention_weights``, the plan, the cache and the gates' rank. The
+graph runs :func:`mha_multi.call.attend` with that plan. The graph blocks
+share the layer's parameters (Gluon's ``params=`` sharing), are hybridized
+with it, and each keeps its own cached graph, so alternating configurations
+never rebuild a graph.
+
+A call with a key/value cache (docs: "Generating with a cache") is one more
+configuration: the cache's three arrays are graph inputs and, when the call
+appends, the new cache's three arrays graph outputs, so one graph serves a
+prefill and every decoding step (MXNet's cached graph takes each new length
+as it comes). A ``head_mask`` (docs: "Heads") is the graph's last input.
+
+An imperative call runs the same computation (:func:`compute`) on the
+parameters' arrays: the graph runs the imperative code's operations, to the
+bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import mxnet as mx
+import numpy as np
+from mxnet import gluon
+
+from mha_multi import call, spec
+from mha_multi.mxnet._backend import FACTS, as_int32
+from mha_multi.mxnet._kernel import weights_dropout
+from mha_multi.mxnet._ops import MXNetOps
+from mha_multi.mxnet._projections import (
+    PROJECTIONS,
+    Projections,
+    empty_attention,
+    parameter_arrays,
+    zero_link,
+)
+
+__all__ = ["AttentionGraph", "Config", "Graphs", "compute", "configure", "new_positions", "run"]
+
+Array = Any
+#: A call's arrays, as a graph takes them: queries, keys, values,
+#: valid_lens, the cache's keys, values and lengths, and the gates (``None``
+#: where absent).
+Inputs = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a graph is built for; everything else is a runtime input."""
+
+    device_type: str
+    dtype: str
+    lens_ndim: int | None  # None: no valid_lens
+    lens_dtype: str | None
+    causal: bool
+    return_attention_weights: bool
+    plan: spec.KernelPlan  # the SequenceMask route, or spec.attention where not fused
+    cached: bool = False  # a call with a key/value cache (the cache's arrays are inputs)
+    appends: bool = False  # a cached call given new keys and values
+    head_mask_ndim: int | None = None  # None: no head_mask; else 1 (H,) or 2 (B, H), an input
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The projections the call uses: a cached call without keys projects none."""
+        return ("q", "o") if self.cached and not self.appends else PROJECTIONS
+
+
+class _Lengths(NamedTuple):
+    """What :func:`mha_multi.call.plan` reads of lengths: their shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+def configure(
+    layer: gluon.HybridBlock, inputs: Inputs, *, causal: bool, return_attention_weights: bool
+) -> Config:
+    """The configuration of a checked call, with its kernel plan (:func:`mha_multi.call.plan`).
+
+    Args:
+        layer: the layer (its heads, dtype and dropout).
+        inputs: the checked call's arrays; with a cache, ``valid_lens``
+            ``(B,)`` int32 where it appends, and the cache's lengths int32.
+        causal, return_attention_weights: the call's flags.
+    """
+    queries, keys, values, valid_lens, cache_keys, cache_values, _, gates = inputs
+    options = {
+        "heads": layer.heads,
+        "dropout": layer.dropout > 0,
+        "return_attention_weights": return_attention_weights,
+    }
+    common = {
+        "device_type": queries.ctx.device_type,
+        "dtype": layer.dtype.name,
+        "return_attention_weights": return_attention_weights,
+        "head_mask_ndim": None if gates is None else gates.ndim,
+    }
+    if cache_keys is None:
+        plan = call.plan(
+            FACTS, queries, keys, values, valid_lens, causal=causal, kv_split=False, **options
+        )
+        return Config(
+            lens_ndim=None if valid_lens is None else valid_lens.ndim,
+            lens_dtype=None if valid_lens is None else np.dtype(valid_lens.dtype).name,
+            causal=causal,
+            plan=plan,
+            **common,
+        )
+    appends = keys is not None
+    causal = causal and appends  # without new positions, nothing is causal
+    # The attention over the cache: the causal rule is in the lengths
+    # spec.update_cache gives, (B, T) when causal, else (B,).
+    attended = _Lengths(queries.shape[:2] if causal else queries.shape[:1], np.int32)
+    plan = call.plan(
+        FACTS, queries, cache_keys, cache_values, attended, causal=False, kv_split=True, **options
+    )
+    return Config(
+        lens_ndim=1 if appends else None,
+        lens_dtype="int32" if appends else None,
+        causal=causal,
+        plan=plan,
+        cached=True,
+        appends=appends,
+        **common,
+    )
+
+
+def new_positions(ops: MXNetOps, keys: Array, valid_lens: Array) -> Array:
+    """``valid_lens`` clipped to ``[0, T]``: the call's positions each example keeps.
+
+    Counted as the positions ``t < valid_lens[b]``, which needs no concrete
+    ``T``: an exported graph, which runs without the layer's checks, still
+    never writes more positions than the call has, nor a negative number
+    (which would let the next call overwrite kept positions).
+    """
+    positions = ops.expand_dims(ops.arange(ops.size(keys, 1)), 0)  # (1, T)
+    kept = ops.less(positions, ops.expand_dims(valid_lens, 1))  # (B, T)
+    return ops.np.sum(kept.astype(np.int32), axis=1).astype(np.int32)
+
+
+def compute(
+    ops: MXNetOps,
+    params: Mapping[str, Array],
+    config: Config,
+    inputs: Inputs,
+    *,
+    heads: spec.Heads,
+    num_hiddens: int,
+    dropout: float,
+) -> tuple[Array, ...]:
+    """A configuration's computation: :func:`mha_multi.call.attend` with its plan.
+
+    On arrays (an imperative call) or on symbols (a graph being traced).
+
+    Args:
+        ops: the adapter of the arrays or symbols.
+        params: ``W_q_weight``... (:class:`~mha_multi.mxnet._projections.Projections`).
+        config: the call's configuration.
+        inputs: the call's arrays or the graph's symbols, ``None`` where absent.
+        heads, num_hiddens, dropout: the layer's.
+
+    Returns:
+        The output; the weights if the configuration returns them; the
+        cache's keys, values and lengths if it appends.
+    """
+    queries, keys, values, valid_lens, *held, head_mask = inputs
+    cache = None
+    if config.cached:
+        cache = spec.KVCache(*held)
+        if config.appends:
+            valid_lens = new_positions(ops, keys, valid_lens)
+    projections = Projections(ops, params, heads=heads, num_hiddens=num_hiddens, dtype=config.dtype)
+    result = call.attend(
+        FACTS,
+        projections,
+        ops,
+        queries,
+        keys,
+        values,
+        valid_lens,
+        cache=cache,
+        gates=head_mask,
+        causal=config.causal,
+        return_attention_weights=config.return_attention_weights,
+        dropout=weights_dropout(ops, dropout),
+        dropout_rate=dropout,
+        kernel_plan=config.plan,
+    )
+    outputs = (result.output,)
+    if config.return_attention_weights:
+        outputs += (result.weights,)
+    if config.appends:
+        outputs += tuple(result.cache)
+    return outputs
+
+
+class AttentionGraph(gluon.HybridBlock):
+    """The layer's computation for one configuration, on shared parameters."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        num_hiddens: int,
+        heads: spec.Heads,
+        dropout: float,
+        prefix: str,
+        params: gluon.ParameterDict,
+        shared: Mapping[str, gluon.Parameter],
+    ) -> None:
+        super().__init__(prefix=prefix, params=params)
+        self._config = config
+        self._layout = {"heads": heads, "num_hiddens": num_hiddens, "dropout": dropout}
+        #: dtypes and shapes of the call's inputs, by Gluon's graph input names.
+        self.input_dtypes: dict[str, str] = {}
+        self.input_shapes: dict[str, tuple[int, ...]] = {}
+        with self.name_scope():
+            for name, parameter in shared.items():
+                found = self.params.get(name)
+                if found is not parameter:
+                    raise RuntimeError(f"parameter {parameter.name!r} could not be shared")
+                setattr(self, name, found)
+
+    def hybrid_forward(self, F: Any, *inputs: Any, **params: Any) -> Any:
+        """:func:`compute` on the graph's inputs (:data:`Inputs`, trailing ``None`` left out)."""
+        # Symbols (a graph being traced) get the traced call's input dtypes
+        # and shapes: MXNet 1.9 symbols carry neither.
+        ops = MXNetOps(F, input_dtypes=self.input_dtypes, input_shapes=self.input_shapes)
+        inputs = (*inputs, *(None,) * (8 - len(inputs)))
+        outputs = compute(ops, params, self._config, inputs, **self._layout)
+        return outputs if len(outputs) > 1 else outputs[0]
+
+
+class Graphs:
+    """A layer's graph blocks, by configuration, and how they are hybridized.
+
+    A plain dict attribute holding blocks would make Gluon warn about an
+    unregistered container; these blocks are deliberately not children, so
+    that the layer's parameter names stay d2l's.
+    """
+
+    def __init__(self, hybridize_args: tuple[tuple[Any, ...], dict[str, Any]] | None) -> None:
+        self.by_config: dict[Config, AttentionGraph] = {}
+        #: The graph of the most recent call (what ``export`` writes).
+        self.last: AttentionGraph | None = None
+        #: ``hybridize``'s arguments, for graphs built later; ``None`` before.
+        self.hybridize_args = hybridize_args
+
+    def hybridize(self, *args: Any, **kwargs: Any) -> None:
+        """Gluon's ``hybridize`` of every graph, built or to be built."""
+        self.hybridize_args = (args, kwargs)
+        for graph in self.by_config.values():
+            graph.hybridize(*args, **kwargs)
+
+    def run(self, layer: gluon.HybridBlock, config: Config, inputs: Inputs) -> Any:
+        """The configuration's graph on ``inputs``."""
+        graph = self._graph(layer, config)
+        given = [x for x in inputs if x is not None]
+        graph.input_dtypes = {f"data{i}": np.dtype(x.dtype).name for i, x in enumerate(given)}
+        graph.input_shapes = {f"data{i}": x.shape for i, x in enumerate(given)}
+        while inputs and inputs[-1] is None:
+            inputs = inputs[:-1]
+        out = graph(*inputs)
+        self.last = graph
+        return out
+
+    def _graph(self, layer: gluon.HybridBlock, config: Config) -> AttentionGraph:
+        graph = self.by_config.get(config)
+        if graph is None:
+            shared = {}
+            # W_k and W_v stay out of a graph that does not use them (Gluon
+            # would warn, or wait for their sizes).
+            for name in config.projections:
+                dense = getattr(layer, f"W_{name}")
+                shared[f"W_{name}_weight"] = dense.weight
+                if layer.bias:
+                    shared[f"W_{name}_bias"] = dense.bias
+            graph = AttentionGraph(
+                config,
+                num_hiddens=layer.num_hiddens,
+                heads=layer.heads,
+                dropout=layer.dropout,
+                prefix=layer.prefix,
+                params=layer.collect_params(),
+                shared=shared,
+            )
+            if self.hybridize_args is not None:
+                args, kwargs = self.hybridize_args
+                graph.hybridize(*args, **kwargs)
+            self.by_config[config] = graph
+        return graph
+
+
+def run(
+    facts: call.Facts,
+    layer: gluon.HybridBlock,
+    ops: MXNetOps,
+    queries: Array,
+    keys: Array | None,
+    values: Array | None,
+    valid_lens: Array | None,
+    *,
+    cache: spec.KVCache | None,
+    gates: Array | None,
+    causal: bool,
+    return_attention_weights: bool,
+    **_: Any,
+) -> call.Result:
+    """A checked call of ``layer``, given as :func:`mha_multi.call.attend` takes it.
+
+    Planned here (:func:`configure`), then computed in the configuration's
+    graph where the layer is hybridized (Gluon's ``_active``), else on the
+    parameters' arrays (:func:`compute`); dropout is the layer's own. What
+    MXNet adds: a cache's lengths and a cached call's ``valid_lens`` (``T``
+    by default) in int32, the graphs' one integer type (every length fits
+    in it, checked); the gates in the layer's dtype (the cast is recorded,
+    so their gradient keeps their own); empty axes answered from shapes
+    (:func:`mha_multi.mxnet._projections.empty_attention`); and zero
+    gradients for ``W_k`` and ``W_v`` from a cached call that used neither.
+    """
+    batch, num_queries = queries.shape[:2]
+    appends = keys is not None
+    if cache is not None:
+        cache = cache._replace(lengths=as_int32(cache.lengths))
+        if appends:
+            if valid_lens is None:
+                valid_lens = mx.np.full((batch,), num_queries, dtype=np.int32, ctx=queries.ctx)
+            valid_lens = as_int32(valid_lens)
+    if gates is not None and np.dtype(gates.dtype) != layer.dtype:
+        gates = gates.astype(layer.dtype)
+    num_keys = keys.shape[1] if cache is None else cache.keys.shape[2]
+    if 0 in (batch, num_queries, num_keys):
+        output, weights = empty_attention(layer, queries, keys, values, num_keys, gates)
+        return call.Result(output, weights if return_attention_weights else None, cache)
+    held = (None,) * 3 if cache is None else tuple(cache)
+    inputs = (queries, keys, values, valid_lens, *held, gates)
+    flags = {"causal": causal, "return_attention_weights": return_attention_weights}
+    config = configure(layer, inputs, **flags)
+    if layer._active:
+        out = layer._graphs.run(layer, config, inputs)
+        out = tuple(out) if isinstance(out, (list, tuple)) else (out,)
+    else:
+        params = parameter_arrays(
+            layer, queries.ctx, queries, keys, values, projections=config.projections
+        )
+        layout = {"heads": layer.heads, "num_hiddens": layer.num_hiddens, "dropout": layer.dropout}
+        out = compute(ops, params, config, inputs, **layout)
+    if config.appends:
+        cache = spec.KVCache(*out[-3:])
+    elif cache is not None and mx.autograd.is_recording():
+        # W_k and W_v had no part in this call: their gradient is zero,
+        # not what an earlier backward pass left there.
+        unused = parameter_arrays(layer, queries.ctx, None, None, None, projections=("k", "v"))
+        out = (sum((zero_link(x) for x in unused.values()), out[0]), *out[1:])
+    return call.Result(out[0], out[1] if return_attention_weights else None, cache)
