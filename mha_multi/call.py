@@ -37,6 +37,7 @@ __all__ = [
     "check_cached_call",
     "check_call",
     "check_gates",
+    "check_options",
     "forward",
     "plan",
 ]
@@ -80,10 +81,16 @@ class Facts:
         vmap: ``jax.vmap`` or a function of its signature, for layers whose
             heads are split over devices (``head_parallel``); ``None`` where
             the framework has none.
+        passes_options: :meth:`fused_attention` takes the call's
+            :class:`~mha_multi.spec.ScoreOptions` (``options=``) and
+            :meth:`plan_values` its ``bias`` (``bias=``); where not, a call
+            with a bias, ALiBi, a window, soft-capping or its own query
+            positions takes the generic path.
     """
 
     kernel: spec.FusedKernel | None = None
     vmap: Callable[..., Callable[..., Any]] | None = None
+    passes_options: bool = False
 
     # -- arrays -----------------------------------------------------------
 
@@ -129,6 +136,29 @@ class Facts:
         Raises:
             TypeError: not a ``(keys, values, lengths)`` tuple of arrays.
             ValueError: an array on another device than ``like``.
+        """
+        raise NotImplementedError
+
+    def as_positions(self, positions: Any, like: Array) -> Array:
+        """``positions`` (not ``None``) as the framework's array beside ``like``.
+
+        Arrays of the framework keep their dtype (checked by
+        :func:`mha_multi.spec.check_positions`); sequences and numpy arrays
+        are converted.
+
+        Raises:
+            TypeError: not array-like.
+        """
+        raise NotImplementedError
+
+    def as_bias(self, bias: Any, like: Array) -> Array:
+        """``bias`` (not ``None``) as the framework's array beside ``like``.
+
+        Its shape and dtype are checked by :func:`mha_multi.spec.check_bias`.
+
+        Raises:
+            TypeError: not an array of the framework.
+            ValueError: on another device than ``like``.
         """
         raise NotImplementedError
 
@@ -203,24 +233,29 @@ class Facts:
         kv_split: bool,
         head_parallel: bool,
         return_attention_weights: bool,
+        options: spec.ScoreOptions = spec.NO_OPTIONS,
     ) -> tuple[Array, Array | None]:
         """:func:`mha_multi.spec.attention`, or head by head where the heads are split.
 
         With ``head_parallel`` (and no dropout, whose mask is drawn for the
-        whole ``(B*H, Q, K)`` weights) the attention is mapped over the
-        key/value heads (:func:`mha_multi.spec.attention_by_kv_heads`), so
-        that sharded heads are computed where they live.
+        whole ``(B*H, Q, K)`` weights, nor score options) the attention is
+        mapped over the key/value heads
+        (:func:`mha_multi.spec.attention_by_kv_heads`), so that sharded heads
+        are computed where they live.
         """
-        options = {
+        settings: dict[str, Any] = {
             "num_heads": heads.num_heads,
             "head_dim": heads.head_dim,
             "num_kv_heads": heads.num_kv_heads,
             "causal": causal,
             "kv_split": kv_split,
         }
-        if head_parallel and dropout is None and self.vmap is not None:
-            return spec.attention_by_kv_heads(ops, q, k, v, valid_lens, vmap=self.vmap, **options)
-        return spec.attention(ops, q, k, v, valid_lens, dropout=dropout, **options)
+        plain = options is spec.NO_OPTIONS
+        if head_parallel and dropout is None and plain and self.vmap is not None:
+            return spec.attention_by_kv_heads(ops, q, k, v, valid_lens, vmap=self.vmap, **settings)
+        if not plain:
+            settings["options"] = options
+        return spec.attention(ops, q, k, v, valid_lens, dropout=dropout, **settings)
 
 
 class Result(NamedTuple):
@@ -394,6 +429,55 @@ def _check_cache_dtype(ops: spec.ArrayOps, cache: spec.KVCache, dtype: Any) -> N
             )
 
 
+def check_options(
+    facts: Facts,
+    positions: Any,
+    bias: Any,
+    *,
+    num_heads: int,
+    like: Array,
+    num_keys: int,
+    cached: bool,
+) -> tuple[Array | None, Array | None]:
+    """A call's ``positions`` and ``bias`` checked (docs: "Positions and biases").
+
+    Args:
+        num_heads: the heads ``bias`` is for (a sharded layer's whole count).
+        like: the checked queries ``(B, Q, ·)``.
+        num_keys: ``K`` of an uncached call, ``max_length`` of a cached one.
+        cached: whether the call has a cache (its new keys are its queries'
+            sequence, so ``positions`` need no ``K == Q``).
+
+    Returns:
+        ``(positions, bias)`` as the framework's arrays (``None`` stays ``None``).
+
+    Raises:
+        TypeError, ValueError: as :func:`mha_multi.spec.check_positions` and
+            :func:`mha_multi.spec.check_bias`.
+    """
+    batch, num_queries = like.shape[0], like.shape[1]
+    if positions is not None:
+        positions = facts.as_positions(positions, like)
+        spec.check_positions(
+            tuple(positions.shape),
+            facts.dtype_kind(positions.dtype),
+            batch=batch,
+            num_queries=num_queries,
+            num_keys=None if cached else num_keys,
+        )
+    if bias is not None:
+        bias = facts.as_bias(bias, like)
+        spec.check_bias(
+            tuple(bias.shape),
+            facts.dtype_kind(bias.dtype),
+            batch=batch,
+            num_heads=num_heads,
+            num_queries=num_queries,
+            num_keys=num_keys,
+        )
+    return positions, bias
+
+
 # -- the kernel plan -----------------------------------------------------------------
 
 
@@ -409,6 +493,7 @@ def plan(
     dropout: bool,
     return_attention_weights: bool,
     kv_split: bool,
+    options: spec.ScoreOptions = spec.NO_OPTIONS,
 ) -> spec.KernelPlan:
     """The kernel plan of a call: the framework's kernel only where it gives the spec's numbers.
 
@@ -419,11 +504,16 @@ def plan(
     Args:
         q: projected queries ``(B, Q, H*dh)``; ``k``, ``v`` ``(B, K,
             H_kv*dh)``, or a cache's ``(B, H_kv, K, dh)`` with ``kv_split``.
+        options: the call's score options.
     """
     if facts.kernel is None:
         return spec.KernelPlan(fused=False, reason="the backend has no fused kernel")
+    if options is not spec.NO_OPTIONS and not facts.passes_options:
+        return spec.KernelPlan(
+            fused=False, reason="the backend's kernel call passes no positions or biases"
+        )
     lens_kind = None if valid_lens is None else facts.dtype_kind(valid_lens.dtype)
-    options = {
+    settings = {
         "sizes": (q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
         "lens_ndim": None if valid_lens is None else len(valid_lens.shape),
         "lens_integer": lens_kind is None or lens_kind in "iu",
@@ -432,15 +522,49 @@ def plan(
         "return_attention_weights": return_attention_weights,
         "grouped": heads.grouped,
         "dtype_supported": facts.kernel_serves(q),
+        "bias": options.bias is not None or options.alibi_slopes is not None,
+        "softcap": options.softcap is not None,
+        "window": options.window is not None,
+        "query_positions": options.query_positions is not None,
     }
-    optimistic = spec.plan_kernel(facts.kernel, **options, values_exact=True)
+    optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
     if not optimistic.fused:
         return optimistic
-    exact, shortest = facts.plan_values(q, k, v, valid_lens, heads)
-    return spec.plan_kernel(facts.kernel, **options, values_exact=exact, shortest_length=shortest)
+    if options.bias is None:
+        exact, shortest = facts.plan_values(q, k, v, valid_lens, heads)
+    else:
+        exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, bias=options.bias)
+    return spec.plan_kernel(facts.kernel, **settings, values_exact=exact, shortest_length=shortest)
 
 
 # -- the call ---------------------------------------------------------------------
+
+
+def _rotated(
+    ops: spec.ArrayOps,
+    q: Array,
+    k: Array | None,
+    positions: Array | None,
+    rotary: spec.Rotary,
+    heads: spec.Heads,
+    lengths: Array | None,
+) -> tuple[Array, Array | None]:
+    """``q`` and ``k`` rotated at the call's positions (:func:`mha_multi.spec.call_positions`)."""
+    query_positions, key_positions = spec.call_positions(
+        ops,
+        positions,
+        num_queries=ops.size(q, 1),
+        num_keys=None if k is None else ops.size(k, 1),
+        lengths=lengths,
+    )
+    tables = spec.rotary_tables(ops, q, query_positions, rotary, heads.head_dim)
+    q = spec.rotate(ops, q, query_positions, rotary, heads.num_heads, heads.head_dim, tables=tables)
+    if k is not None:
+        shared = tables if key_positions is query_positions else None
+        k = spec.rotate(
+            ops, k, key_positions, rotary, heads.num_kv_heads, heads.head_dim, tables=shared
+        )
+    return q, k
 
 
 def attend(
@@ -460,6 +584,9 @@ def attend(
     dropout_rate: float = 0.0,
     head_parallel: bool = False,
     kernel_plan: spec.KernelPlan | None = None,
+    layer_options: spec.LayerOptions | None = None,
+    positions: Array | None = None,
+    bias: Array | None = None,
 ) -> Result:
     """Projections, the cache update, attention, gates and the output of checked arguments.
 
@@ -482,6 +609,9 @@ def attend(
             :meth:`Facts.generic_attention`).
         kernel_plan: a plan decided before the call (MXNet plans outside its
             graphs, where shapes are known); ``None`` plans here.
+        layer_options: the layer's checked constructor options (rotary,
+            ALiBi, window, soft-capping); ``None`` for none.
+        positions, bias: the call's, checked (:func:`check_options`).
 
     Returns:
         The :class:`Result`.
@@ -489,6 +619,11 @@ def attend(
     heads = layer.heads
     q, k, v = layer.project_inputs(queries, keys, values)
     kv_split = cache is not None
+    lengths = None if cache is None else cache.lengths  # before the new rows
+    options = spec.NO_OPTIONS
+    if layer_options is not None and layer_options.rotary is not None:
+        # Keys rotate before they enter the cache (docs: "Positions and biases").
+        q, k = _rotated(ops, q, k, positions, layer_options.rotary, heads, lengths)
     if cache is not None:
         _check_cache_dtype(ops, cache, ops.dtype(q))
         cache, valid_lens = spec.update_cache(
@@ -496,6 +631,17 @@ def attend(
         )
         # The causal rule, each example's own, is in the lengths now.
         k, v, causal = cache.keys, cache.values, False
+    if bias is not None or (layer_options is not None and not layer_options.is_default):
+        layer_options = layer_options or spec.LayerOptions()
+        # ALiBi and the window see each cached query at its own position.
+        frame = lengths is not None and (layer_options.alibi or layer_options.window is not None)
+        options = layer_options.score_options(
+            num_heads=heads.num_heads,
+            bias=bias,
+            query_positions=spec.cache_positions(ops, lengths, ops.size(q, 1)) if frame else None,
+        )
+        if not options.adjusts_scores and options.window is None:
+            options = spec.NO_OPTIONS  # rotary only: the scores are d2l's
     if kernel_plan is None:
         kernel_plan = plan(
             facts,
@@ -508,20 +654,18 @@ def attend(
             dropout=dropout is not None,
             return_attention_weights=return_attention_weights,
             kv_split=kv_split,
+            options=options,
         )
     context = weights = None
     if kernel_plan.fused:
-        context = facts.fused_attention(
-            ops,
-            q,
-            k,
-            v,
-            valid_lens,
-            kernel_plan,
-            heads=heads,
-            kv_split=kv_split,
-            dropout_rate=dropout_rate if dropout is not None else 0.0,
-        )
+        settings: dict[str, Any] = {
+            "heads": heads,
+            "kv_split": kv_split,
+            "dropout_rate": dropout_rate if dropout is not None else 0.0,
+        }
+        if facts.passes_options:
+            settings["options"] = options
+        context = facts.fused_attention(ops, q, k, v, valid_lens, kernel_plan, **settings)
     if context is None:
         context, weights = facts.generic_attention(
             ops,
@@ -535,6 +679,7 @@ def attend(
             kv_split=kv_split,
             head_parallel=head_parallel,
             return_attention_weights=return_attention_weights,
+            options=options,
         )
     # Both paths' context is the heads' (B, Q, H*dh): the gates act on it alike.
     output = layer.project_output(context, gates)
@@ -553,6 +698,9 @@ def forward(
     return_attention_weights: bool = False,
     cache: Any = None,
     head_mask: Any = None,
+    positions: Any = None,
+    bias: Any = None,
+    layer_options: spec.LayerOptions | None = None,
     gate_heads: int | None = None,
     dtype: Any = None,
     dropout: Callable[[Array], Array] | None = None,
@@ -567,7 +715,10 @@ def forward(
         facts: the framework's facts.
         layer: the layer's projections.
         queries, keys, values, valid_lens, causal, return_attention_weights,
-            cache, head_mask: the layer call's arguments (docs: "The spec").
+            cache, head_mask, positions, bias: the layer call's arguments
+            (docs: "The spec", "Positions and biases").
+        layer_options: the layer's checked constructor options
+            (:class:`mha_multi.spec.LayerOptions`); ``None`` for none.
         gate_heads: the heads ``head_mask`` is for; ``None`` for the
             layer's (a sharded layer's gates span all its heads).
         dtype: the dtype the inputs must have, or ``None`` for any floating.
@@ -580,6 +731,10 @@ def forward(
 
     Returns:
         The :class:`Result`; :meth:`Result.returned` is the layer's return value.
+
+    Raises:
+        ValueError: a ``bias`` or ALiBi on a layer whose heads are sharded
+            (not supported: each process would need its heads' share).
     """
     heads = layer.heads
     if cache is None:
@@ -590,14 +745,29 @@ def forward(
         queries, keys, values, lens, cache = check_cached_call(
             facts, layer, queries, keys, values, valid_lens, cache, causal=causal, dtype=dtype
         )
-    gates = check_gates(
-        facts,
-        head_mask,
-        num_heads=heads.num_heads if gate_heads is None else gate_heads,
-        like=queries,
-    )
+    all_heads = heads.num_heads if gate_heads is None else gate_heads
+    gates = check_gates(facts, head_mask, num_heads=all_heads, like=queries)
     if gates is not None and local_gates is not None:
         gates = local_gates(gates)
+    extra: dict[str, Any] = {}
+    if (
+        positions is not None
+        or bias is not None
+        or (layer_options is not None and not layer_options.is_default)
+    ):
+        positions, bias = check_options(
+            facts,
+            positions,
+            bias,
+            num_heads=all_heads,
+            like=queries,
+            num_keys=keys.shape[1] if cache is None else cache.keys.shape[2],
+            cached=cache is not None,
+        )
+        sharded = all_heads != heads.num_heads or local_gates is not None
+        if sharded and (bias is not None or (layer_options and layer_options.alibi)):
+            raise ValueError("bias and alibi are not supported on a layer whose heads are sharded")
+        extra = {"layer_options": layer_options, "positions": positions, "bias": bias}
     if cache is not None:
         check_cache_values(facts, cache, lens, 0 if keys is None else queries.shape[1])
     return run(
@@ -615,6 +785,7 @@ def forward(
         dropout=dropout,
         dropout_rate=dropout_rate,
         head_parallel=head_parallel,
+        **extra,
     )
 
 

@@ -139,19 +139,26 @@ def lens_to_native(valid_lens: Any, device: str = "cpu") -> Any:
 
 #: PyTorch's fused kernel: it applies dropout itself and adds ``-inf`` where
 #: keys are hidden, so it runs only on values read as finite. Its
-#: ``enable_gqa`` (PyTorch 2.5 and later) takes grouped key/value heads.
+#: ``enable_gqa`` (PyTorch 2.5 and later) takes grouped key/value heads; a
+#: float ``attn_mask`` is an additive bias.
 SDPA = spec.FusedKernel(
     "scaled_dot_product_attention",
     takes_dropout=True,
+    takes_bias=True,
     takes_grouped_heads=tuple(int(n) for n in re.findall(r"\d+", str(torch.__version__))[:2])
     >= (2, 5),
 )
+
+
+#: The largest ``|bias|`` the fused path takes (see :meth:`TorchFacts.plan_values`).
+BIAS_LIMIT = 1e5
 
 
 class TorchFacts(call.Facts):
     """What a call of the PyTorch layer asks of PyTorch (:class:`mha_multi.call.Facts`)."""
 
     kernel = SDPA
+    passes_options = True
 
     def ops(self, like: torch.Tensor) -> Any:
         return ops_on(like.device)
@@ -213,6 +220,28 @@ class TorchFacts(call.Facts):
                 )
         return cache
 
+    def as_positions(self, positions: Any, like: torch.Tensor) -> torch.Tensor:
+        """On the queries' device; integer tensors as int64 (what the angles are computed from)."""
+        if not isinstance(positions, torch.Tensor):
+            array = np.asarray(positions)
+            if array.dtype.kind not in "iuf":
+                raise TypeError(
+                    f"positions must be an integer tensor or array; got {type(positions).__name__}"
+                )
+            positions = torch.from_numpy(np.array(array, copy=True))
+        if positions.is_floating_point() or positions.dtype == torch.bool:
+            return positions.to(like.device)  # refused by the spec's check, named
+        return positions.to(like.device, torch.int64)
+
+    def as_bias(self, bias: Any, like: torch.Tensor) -> torch.Tensor:
+        """On the queries' device; its dtype kept (the scores cast it), so gradients reach it."""
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(
+                f"bias must be a floating-point torch.Tensor broadcastable to "
+                f"(batch, num_heads, num_queries, num_keys); got {type(bias).__name__}"
+            )
+        return bias.to(like.device)
+
     def as_gates(self, head_mask: Any, like: torch.Tensor) -> torch.Tensor:
         """On the queries' device; its dtype kept (the gating casts, so gradients keep it)."""
         if not isinstance(head_mask, torch.Tensor):
@@ -240,8 +269,13 @@ class TorchFacts(call.Facts):
         v: torch.Tensor,
         valid_lens: torch.Tensor | None,
         heads: spec.Heads,
+        bias: torch.Tensor | None = None,
     ) -> tuple[bool | None, float | None]:
         """Whether every projection is finite, and the shortest length: one synchronisation.
+
+        A ``bias`` must be finite and within ``BIAS_LIMIT``: the spec
+        *replaces* a hidden score by -1e6, which a visible score biased
+        below it would fall under, where SDPA's ``-inf`` would not.
 
         SDPA's CPU kernel turns a NaN query row into zeros, and its added
         ``-inf`` mask lets a hidden key's non-finite score reach the weights
@@ -257,6 +291,8 @@ class TorchFacts(call.Facts):
         # score. x * 0 is 0 where x is finite and NaN elsewhere: one pass over
         # a cache at every decoding step, where isfinite(x).all() takes several.
         finite = torch.stack([(x.detach() * 0).sum() for x in (q, k, v)]).sum() == 0
+        if bias is not None:
+            finite = finite & (bias.detach().abs().max() <= BIAS_LIMIT)
         if valid_lens is None:
             return bool(finite.item()), None
         # float64 keeps the order of every length (int64 ones round monotonically).
@@ -275,8 +311,13 @@ class TorchFacts(call.Facts):
         heads: spec.Heads,
         kv_split: bool,
         dropout_rate: float,
+        options: spec.ScoreOptions = spec.NO_OPTIONS,
     ) -> torch.Tensor:
         """``scaled_dot_product_attention`` with the spec's masking semantics.
+
+        The call's bias and ALiBi reach SDPA as a float ``attn_mask``
+        (:func:`mha_multi.spec.score_bias`), ``-inf`` where the plan's mask
+        hides a key; the window is in the boolean mask.
 
         Grouped key/value heads reach SDPA as they are, with ``enable_gqa``
         (query head ``h`` reads key/value head ``h // G``, the spec's rule);
@@ -310,7 +351,14 @@ class TorchFacts(call.Facts):
         if plan.repeat_kv:
             k, v = (x.repeat_interleave(heads.group_size, dim=1) for x in (k, v))
         grouped = heads.grouped and not plan.repeat_kv
-        mask = plan.mask(ops, num_queries, num_keys, valid_lens)
+        mask = plan.mask(ops, num_queries, num_keys, valid_lens, options)
+        is_causal = plan.is_causal
+        if plan.bias:
+            bias = spec.score_bias(ops, options, num_queries, num_keys, q)
+            if is_causal:  # SDPA takes no mask beside its causal flag
+                mask = spec.visibility(ops, num_queries, num_keys, None, causal=True)
+                is_causal = False
+            mask = bias if mask is None else torch.where(mask, bias, float("-inf"))
         with autocast_off(q.device):
             output = torch.nn.functional.scaled_dot_product_attention(
                 q,
@@ -318,11 +366,11 @@ class TorchFacts(call.Facts):
                 v,
                 attn_mask=mask,
                 dropout_p=dropout_rate,
-                is_causal=plan.is_causal,
+                is_causal=is_causal,
                 # Passed only where needed: PyTorch before 2.5 has no such argument.
                 **({"enable_gqa": True} if grouped else {}),
             )
-        visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
+        visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens, options)
         output = spec.fix_fully_hidden_rows(
             ops, output, v, visible, heads_axis=1, group_size=heads.group_size if grouped else 1
         )

@@ -6,6 +6,7 @@ import contextlib
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from mha_multi import spec
@@ -165,6 +166,24 @@ class TorchOps:
 
     def gather_positions(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.take_along_dim(x, positions.unsqueeze(-1), dim=1)
+
+    def slice_last(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return x[..., start:stop]
+
+    def concat_last(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(xs), dim=-1)
+
+    def cos(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cos(x)
+
+    def sin(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x)
+
+    def tanh(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+    def constant(self, value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(value, device=like.device)
 
 
 OPS = TorchOps()

@@ -17,49 +17,17 @@ from torch import nn
 
 from mha_multi import call, spec
 from mha_multi.torch._backend import FACTS, host_array
-from mha_multi.torch._ops import OPS, linear, needs_float32_copies
+from mha_multi.torch._ops import OPS, linear
+from mha_multi.torch._projections import (
+    StackedWeights,
+    finish_lazy,
+    in_features,
+    project_with,
+    projection,
+)
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
-
-
-def _projection(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
-    if in_features is None:
-        return nn.LazyLinear(out_features, bias=bias)
-    return nn.Linear(in_features, out_features, bias=bias)
-
-
-def _in_features(linear: nn.Module) -> int | None:
-    if isinstance(linear.weight, nn.parameter.UninitializedParameter):
-        return None
-    return int(linear.weight.shape[1])
-
-
-def _finish_lazy(linear: nn.Module) -> None:
-    """Turns a lazy projection whose weight was loaded into a plain ``nn.Linear``.
-
-    Loading materialises the parameters but leaves the lazy class and its
-    hooks until the first call; a call on an empty batch finishes the job
-    now, so later calls (and ``torch.compile``) see an ordinary module.
-    """
-    if isinstance(linear, nn.modules.lazy.LazyModuleMixin):
-        linear.in_features = int(linear.weight.shape[1])
-        weight = linear.weight
-        linear(torch.zeros(0, linear.in_features, device=weight.device, dtype=weight.dtype))
-
-
-def _project_with(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``, with a 16-bit product accumulated in float32 and rounded once.
-
-    Products that are not 16-bit, or whose device kernels accumulate in
-    float32 by construction, call the module itself (its hooks run); the
-    others run on float32 copies.
-    """
-    if not needs_float32_copies(x, module.weight):
-        return module(x)
-    if _in_features(module) is None:
-        module(x[:0])  # a lazy projection learns its size; nothing is computed
-    return linear(x, module.weight, module.bias)
 
 
 class MultiHeadAttention(nn.Module):
@@ -87,6 +55,13 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: number of key/value heads; must divide ``num_heads``
             (``None``: ``num_heads``).
         head_dim: size of each head (``None``: ``num_hiddens // num_heads``).
+        rotary: ``None``, or rotary position embeddings of the projected
+            queries and keys: a :class:`~mha_multi.spec.Rotary` or a dict of
+            its fields (docs: "Positions and biases").
+        alibi: add ALiBi's per-head linear bias of the key distance.
+        window: ``None``, or the sliding window: a query sees the keys at
+            most ``window - 1`` positions behind it.
+        softcap: ``None``, or Gemma 2's soft cap of the scaled scores.
         device: where to create the parameters.
         dtype: dtype of the parameters.
     """
@@ -107,12 +82,17 @@ class MultiHeadAttention(nn.Module):
         value_size: int | None = None,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
+        rotary: spec.Rotary | Mapping[str, Any] | None = None,
+        alibi: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         heads = {"num_kv_heads": num_kv_heads, "head_dim": head_dim}
         spec.check_config(num_hiddens, num_heads, dropout, **heads)
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
+        options = spec.LayerOptions(rotary, alibi, window, softcap).check()
         super().__init__()
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
         self.num_hiddens = int(num_hiddens)
@@ -120,10 +100,13 @@ class MultiHeadAttention(nn.Module):
         self.num_kv_heads = self._heads.num_kv_heads
         self.head_dim = self._heads.head_dim
         self.bias = bool(bias)
+        #: The positions and biases options (docs: "Positions and biases").
+        self.options = options
+        self._stacks = StackedWeights()
         query_features, kv_features = self._heads.query_features, self._heads.kv_features
-        self.W_q = _projection(query_size, query_features, bias)
-        self.W_k = _projection(key_size, kv_features, bias)
-        self.W_v = _projection(value_size, kv_features, bias)
+        self.W_q = projection(query_size, query_features, bias)
+        self.W_k = projection(key_size, kv_features, bias)
+        self.W_v = projection(value_size, kv_features, bias)
         self.W_o = nn.Linear(query_features, num_hiddens, bias=bias)
         self.dropout = nn.Dropout(dropout)
         if device is not None or dtype is not None:
@@ -136,7 +119,7 @@ class MultiHeadAttention(nn.Module):
         return (
             f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, bias={self.bias}"
-            f"{sharded}"
+            f"{_options_repr(self.options)}{sharded}"
         )
 
     def _canonical_heads(self) -> spec.Heads:
@@ -146,9 +129,9 @@ class MultiHeadAttention(nn.Module):
     def input_sizes(self) -> dict[str, int | None]:
         """``query_size``, ``key_size``, ``value_size``; ``None`` where still lazy."""
         return {
-            "query_size": _in_features(self.W_q),
-            "key_size": _in_features(self.W_k),
-            "value_size": _in_features(self.W_v),
+            "query_size": in_features(self.W_q),
+            "key_size": in_features(self.W_k),
+            "value_size": in_features(self.W_v),
         }
 
     def init_cache(
@@ -193,6 +176,8 @@ class MultiHeadAttention(nn.Module):
         return_attention_weights: bool = False,
         cache: spec.KVCache | None = None,
         head_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Attends from ``queries`` to ``keys``/``values``, or to a cache.
 
@@ -230,6 +215,14 @@ class MultiHeadAttention(nn.Module):
                 its gradient measures each head's importance
                 (:func:`head_importance`). A gate of 0 removes the head, as
                 pruning it (:func:`mha_multi.heads.prune_heads`) does.
+            positions: ``None``, or integer ``(B, Q)`` (or ``(1, Q)``)
+                positions of the queries, which a layer with ``rotary``
+                rotates by; they serve the keys too (self-attention, or a
+                cached call's new keys). Default: ``arange(Q)``, or with a
+                cache each example's ``lengths[b] + i``.
+            bias: ``None``, or a floating tensor broadcastable to ``(B, H,
+                Q, K)`` (``(B, H, T, max_length)`` with a cache) added to the
+                scaled scores before the masks; differentiable.
 
         Returns:
             ``(B, Q, num_hiddens)``; with ``return_attention_weights`` the
@@ -266,6 +259,9 @@ class MultiHeadAttention(nn.Module):
             return_attention_weights=return_attention_weights,
             cache=cache,
             head_mask=head_mask,
+            positions=positions,
+            bias=bias,
+            layer_options=self.options,
             gate_heads=self._canonical_heads().num_heads,
             dtype=self.W_o.weight.dtype,
             dropout=self.dropout if dropout_p > 0 else None,
@@ -293,7 +289,7 @@ class MultiHeadAttention(nn.Module):
         gets one input gradient instead of a sum of three.
         """
         if keys is None:
-            return _project_with(self.W_q, queries), None, None
+            return project_with(self.W_q, queries), None, None
         projections = [self.W_q, self.W_k, self.W_v]
         inputs = [queries, keys, values]
         first = 0 if queries is keys else 1
@@ -301,55 +297,31 @@ class MultiHeadAttention(nn.Module):
         # Sharded projections run as their modules: their hooks distribute
         # the inputs and outputs (docs: "Sharding heads").
         separate = self._sharding is not None or len(shared) < 2
-        if separate or any(_in_features(projections[i]) is None for i in shared):
+        if separate or any(in_features(projections[i]) is None for i in shared):
             return tuple(  # (lazy ones infer)
-                _project_with(module, x) for module, x in zip(projections, inputs, strict=True)
+                project_with(module, x) for module, x in zip(projections, inputs, strict=True)
             )
-        weight, bias = self._packed([projections[i] for i in shared])
+        weight, bias = self._stacks([projections[i] for i in shared])
         # Grouped heads project queries wider than keys and values.
         widths = [projections[i].out_features for i in shared]
         packed = linear(inputs[first], weight, bias).split(widths, dim=-1)
         outputs = dict(zip(shared, packed, strict=True))
         return tuple(
-            outputs[i] if i in outputs else _project_with(projections[i], inputs[i])
+            outputs[i] if i in outputs else project_with(projections[i], inputs[i])
             for i in range(3)
         )
 
-    def _packed(self, modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The stacked weights (and biases) of ``modules``, kept while the parameters stay.
-
-        Stacking copies every weight (a 512-wide layer: 3 MB, longer than the
-        projection of one token), so a call that needs no gradient reuses the
-        stack of the last such call while no parameter has been replaced or
-        changed in place (their version counters tell). A call that records
-        gradients stacks anew: the stack is part of its graph. (A stack made
-        under ``torch.inference_mode`` is an inference tensor, which a graph
-        may not save: the mode is part of the key.)
-        """
-        parameters = [p for m in modules for p in (m.weight, m.bias) if p is not None]
-        # Compiled graphs hold their own stack; inference tensors have no versions.
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return _stack(modules)
-        if any(p.is_inference() for p in parameters):
-            return _stack(modules)
-        key = (torch.is_inference_mode_enabled(),) + tuple(
-            (id(p), p.data_ptr(), p._version) for p in parameters
-        )
-        cached = self.__dict__.get("_stacked")
-        if cached is None or cached[0] != key:
-            cached = (key, *_stack(modules))
-            self.__dict__["_stacked"] = cached
-        return cached[1], cached[2]
-
     def project_output(self, context: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """``W_o`` of the gated context (the gates need no device: OPS places nothing)."""
-        return _project_with(self.W_o, spec.apply_head_mask(OPS, context, gates, self.num_heads))
+        return project_with(self.W_o, spec.apply_head_mask(OPS, context, gates, self.num_heads))
 
 
-def _stack(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = torch.cat([m.weight for m in modules])
-    biases = [m.bias for m in modules]
-    return weight, None if biases[0] is None else torch.cat(biases)
+def _options_repr(options: spec.LayerOptions) -> str:
+    set_ = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    default = spec.LayerOptions()
+    return "".join(
+        f", {name}={value}" for name, value in set_.items() if value != getattr(default, name)
+    )
 
 
 def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiHeadAttention:
@@ -388,7 +360,7 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
     with torch.no_grad():
         layer.load_state_dict(state, strict=True)
         for name in KERNEL_NAMES:
-            _finish_lazy(getattr(layer, name))
+            finish_lazy(getattr(layer, name))
     return layer
 
 

@@ -1,0 +1,86 @@
+"""The PyTorch layer's projections: lazy sizes, 16-bit products, stacked weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mha_multi.torch._ops import linear, needs_float32_copies
+
+__all__ = ["StackedWeights", "finish_lazy", "in_features", "project_with", "projection"]
+
+
+def projection(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
+    if in_features is None:
+        return nn.LazyLinear(out_features, bias=bias)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def in_features(linear: nn.Module) -> int | None:
+    if isinstance(linear.weight, nn.parameter.UninitializedParameter):
+        return None
+    return int(linear.weight.shape[1])
+
+
+def finish_lazy(linear: nn.Module) -> None:
+    """Turns a lazy projection whose weight was loaded into a plain ``nn.Linear``.
+
+    Loading materialises the parameters but leaves the lazy class and its
+    hooks until the first call; a call on an empty batch finishes the job
+    now, so later calls (and ``torch.compile``) see an ordinary module.
+    """
+    if isinstance(linear, nn.modules.lazy.LazyModuleMixin):
+        linear.in_features = int(linear.weight.shape[1])
+        weight = linear.weight
+        linear(torch.zeros(0, linear.in_features, device=weight.device, dtype=weight.dtype))
+
+
+def project_with(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, with a 16-bit product accumulated in float32 and rounded once.
+
+    Products that are not 16-bit, or whose device kernels accumulate in
+    float32 by construction, call the module itself (its hooks run); the
+    others run on float32 copies.
+    """
+    if not needs_float32_copies(x, module.weight):
+        return module(x)
+    if in_features(module) is None:
+        module(x[:0])  # a lazy projection learns its size; nothing is computed
+    return linear(x, module.weight, module.bias)
+
+
+class StackedWeights:
+    """The stacked weights (and biases) of projections that share their input.
+
+    Stacking copies every weight (a 512-wide layer: 3 MB, longer than the
+    projection of one token), so a call that needs no gradient reuses the
+    stack of the last such call while no parameter has been replaced or
+    changed in place (their version counters tell). A call that records
+    gradients stacks anew: the stack is part of its graph. (A stack made
+    under ``torch.inference_mode`` is an inference tensor, which a graph
+    may not save: the mode is part of the key.)
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._stack: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def __call__(self, modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight, bias)`` of ``modules`` stacked along the output features."""
+        parameters = [p for m in modules for p in (m.weight, m.bias) if p is not None]
+        # Compiled graphs hold their own stack; inference tensors have no versions.
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return _stack(modules)
+        if any(p.is_inference() for p in parameters):
+            return _stack(modules)
+        versions = [(id(p), p.data_ptr(), p._version) for p in parameters]
+        key = (torch.is_inference_mode_enabled(), *versions)
+        if self._stack is None or self._key != key:
+            self._key, self._stack = key, _stack(modules)
+        return self._stack
+
+
+def _stack(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([m.weight for m in modules])
+    biases = [m.bias for m in modules]
+    return weight, None if biases[0] is None else torch.cat(biases)
