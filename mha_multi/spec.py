@@ -1360,7 +1360,7 @@ class FusedKernel:
         takes_key_lengths: takes per-example key lengths ``(B,)`` (integer
             lengths need no mask then).
         causal_flag: has its own (top-left aligned) causal flag.
-        mask_and_causal: takes a boolean mask together with that flag.
+        mask_and_causal: takes a boolean mask (or a bias) together with that flag.
         replaces_hidden_scores: hides keys by *replacing* their scores, as the
             spec does. A kernel that *adds* ``-inf`` lets a hidden key's
             non-finite score through, and may turn a NaN row into zeros, so it
@@ -1595,7 +1595,8 @@ def plan_kernel(
         causal
         and kernel.causal_flag
         and same_frame
-        and (not (mask_lens or mask_window) or kernel.mask_and_causal)
+        # A bias reaches a kernel beside its mask, where the causal flag may not go.
+        and (not (mask_lens or mask_window or bias) or kernel.mask_and_causal)
     )
     return KernelPlan(
         fused=True,

@@ -24,6 +24,7 @@ from mha_multi.weights import init_weights, save_weights
 __all__ = [
     "CACHED_CASES",
     "HEAD_MASK_CASES",
+    "OPTION_CASES",
     "CASES",
     "WEIGHTS_FILE",
     "Case",
@@ -70,10 +71,23 @@ class CaseConfig:
     #: ``None``, or the gates of the heads (docs: "Heads"): a list (``(H,)``)
     #: or a list of lists (``(B, H)``); the case checks their gradient too.
     head_mask: Any = None
+    #: The layer's positions and biases options (docs: "Positions and
+    #: biases"): ``rotary`` (a dict of :class:`~mha_multi.spec.Rotary`'s
+    #: fields), ``alibi``, ``window``, ``softcap``; ``None`` for none.
+    options: Any = None
+    #: ``None``, or the call's ``positions``: a list of lists ``(B, Q)``.
+    positions: Any = None
+    #: ``None``, or the shape of a drawn ``bias`` (broadcastable to
+    #: ``(B, H, Q, K)``); the case checks its gradient too.
+    bias_shape: Any = None
 
     @property
     def cached(self) -> bool:
         return self.chunks is not None
+
+    def layer_options(self) -> dict[str, Any]:
+        """The positions and biases options a layer is built with (none by default)."""
+        return dict(self.options or {})
 
     def heads(self) -> dict[str, int]:
         """The head options a layer is built with: only those the case sets."""
@@ -220,6 +234,62 @@ HEAD_MASK_CASES: tuple[CaseConfig, ...] = (
 
 CASES += HEAD_MASK_CASES
 
+#: Positions and biases inside attention (docs: "Positions and biases").
+OPTION_CASES: tuple[CaseConfig, ...] = (
+    CaseConfig(
+        "rotary",
+        num_heads=2,
+        num_kv_heads=1,
+        num_keys=5,
+        causal=True,
+        valid_lens=[5, 3, 4],
+        positions=[[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [0, 0, 0, 1, 2]],
+        options={
+            "rotary": {
+                "theta": 500.0,
+                "fraction": 0.5,
+                "scaling": {
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8,
+                },
+            }
+        },
+        description="partial rotary with Llama 3 scaling, ragged and left-padded positions",
+    ),
+    CaseConfig(
+        "alibi",
+        num_hiddens=12,
+        num_heads=6,
+        num_keys=5,
+        causal=True,
+        valid_lens=[5, 2, 4],
+        options={"alibi": True},
+        description="ALiBi slopes of 6 heads (BLOOM's rule), self-attention, causal, ragged",
+    ),
+    CaseConfig(
+        "score_bias",
+        valid_lens=[6, 3, 0],
+        bias_shape=[1, 4, 5, 7],
+        description="an additive bias per head and position, its gradient; an empty example",
+    ),
+    CaseConfig(
+        "window",
+        causal=True,
+        valid_lens=[[7, 7, 2, 7, 7], [4, 4, 4, 4, 4], [7, 7, 7, 7, 7]],
+        options={"window": 2},
+        description="a sliding window of 2 with causal and per-query lengths",
+    ),
+    CaseConfig(
+        "softcap",
+        valid_lens=[4, 7, 1],
+        options={"softcap": 0.5},
+        description="soft-capped scores (cap 0.5: most scores are capped)",
+    ),
+)
+CASES += OPTION_CASES
+
 #: Cached cases: ragged batches decoded in chunks, against one causal forward.
 CACHED_CASES: tuple[CaseConfig, ...] = (
     CaseConfig(
@@ -261,6 +331,19 @@ CACHED_CASES: tuple[CaseConfig, ...] = (
         cache_length=8,
         description="multi-query, head_dim 3; one example prefilled, the others stepped",
     ),
+    CaseConfig(
+        "cached_rotary_window",
+        num_heads=4,
+        num_kv_heads=2,
+        num_queries=7,
+        num_keys=7,
+        causal=True,
+        valid_lens=[7, 5, 3],
+        chunks=[[3, [3, 3, 2]], [1, [1, 1, 1]], [3, [3, 1, 0]]],
+        cache_length=8,
+        options={"rotary": {"theta": 100.0}, "window": 3},
+        description="rotary at each example's cache positions and a window of 3, in chunks",
+    ),
 )
 
 
@@ -274,6 +357,14 @@ class Case:
     valid_lens: np.ndarray | None
     output_gradient: np.ndarray
     reference: dict[str, np.ndarray] = field(default_factory=dict)
+    #: The call's ``bias`` (``config.bias_shape``), float32, or ``None``.
+    bias: np.ndarray | None = None
+
+    @property
+    def positions(self) -> np.ndarray | None:
+        """The call's ``positions`` as int64, or ``None``."""
+        positions = self.config.positions
+        return None if positions is None else np.asarray(positions, np.int64)
 
     @property
     def name(self) -> str:
@@ -312,7 +403,10 @@ def build_case(config: CaseConfig) -> Case:
     valid_lens = (
         None if config.valid_lens is None else np.asarray(config.valid_lens, config.lens_dtype)
     )
-    case = Case(config, weights, inputs, valid_lens, output_gradient)
+    bias = None
+    if config.bias_shape is not None:
+        bias = rng.standard_normal(config.bias_shape).astype(np.float32)
+    case = Case(config, weights, inputs, valid_lens, output_gradient, bias=bias)
     case.reference = reference_results(case)
     return case
 
@@ -330,6 +424,7 @@ def reference_results(case: Case) -> dict[str, np.ndarray]:
             case.valid_lens,
             num_heads=case.config.num_heads,
             num_kv_heads=case.config.num_kv_heads,
+            **case.config.layer_options(),
         )
         return {"output": output}
     args = (case.weights, case.inputs["queries"], case.inputs["keys"], case.inputs["values"])
@@ -337,6 +432,9 @@ def reference_results(case: Case) -> dict[str, np.ndarray]:
         "num_heads": case.config.num_heads,
         "num_kv_heads": case.config.num_kv_heads,
         "causal": case.config.causal,
+        "positions": case.positions,
+        "bias": case.bias,
+        **case.config.layer_options(),
     }
     if case.config.head_mask is not None:
         kwargs["head_mask"] = np.asarray(case.config.head_mask, np.float32)
@@ -356,6 +454,8 @@ def _flatten(case: Case) -> dict[str, np.ndarray]:
     if case.valid_lens is not None:
         arrays["valid_lens"] = case.valid_lens
     arrays["output_gradient"] = case.output_gradient
+    if case.bias is not None:
+        arrays["bias"] = case.bias
     arrays.update({f"reference.{k}": v for k, v in case.reference.items()})
     return arrays
 
@@ -373,6 +473,7 @@ def _unflatten(arrays: Mapping[str, np.ndarray]) -> Case:
         valid_lens=arrays.get("valid_lens"),
         output_gradient=np.asarray(arrays["output_gradient"]),
         reference=group("reference."),
+        bias=None if "bias" not in arrays else np.asarray(arrays["bias"]),
     )
 
 

@@ -92,10 +92,14 @@ def full_reference(
     *,
     num_heads: int,
     num_kv_heads: int | None = None,
+    **options: Any,
 ) -> np.ndarray:
     """What every schedule gives: one causal float64 forward with ``valid_lens=lengths``.
 
     Positions past ``lengths`` are 0, as :func:`decode` leaves them.
+    ``options`` are the layer's positions and biases options: a cached
+    query ``i`` sits at ``lengths[b] + i``, which the schedule makes the
+    position of the same row in the one forward.
     """
     output, _ = spec.reference_forward(
         weights,
@@ -104,6 +108,7 @@ def full_reference(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         causal=True,
+        **options,
     )
     real = np.arange(output.shape[1]) < np.asarray(lengths)[:, None]
     return np.where(real[..., None], output, 0.0)

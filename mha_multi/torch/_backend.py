@@ -352,12 +352,8 @@ class TorchFacts(call.Facts):
             k, v = (x.repeat_interleave(heads.group_size, dim=1) for x in (k, v))
         grouped = heads.grouped and not plan.repeat_kv
         mask = plan.mask(ops, num_queries, num_keys, valid_lens, options)
-        is_causal = plan.is_causal
         if plan.bias:
             bias = spec.score_bias(ops, options, num_queries, num_keys, q)
-            if is_causal:  # SDPA takes no mask beside its causal flag
-                mask = spec.visibility(ops, num_queries, num_keys, None, causal=True)
-                is_causal = False
             mask = bias if mask is None else torch.where(mask, bias, float("-inf"))
         with autocast_off(q.device):
             output = torch.nn.functional.scaled_dot_product_attention(
@@ -366,7 +362,7 @@ class TorchFacts(call.Facts):
                 v,
                 attn_mask=mask,
                 dropout_p=dropout_rate,
-                is_causal=is_causal,
+                is_causal=plan.is_causal,
                 # Passed only where needed: PyTorch before 2.5 has no such argument.
                 **({"enable_gqa": True} if grouped else {}),
             )

@@ -140,30 +140,33 @@ def vjp(
     output_gradient: torch.Tensor,
     cache: KVCache | None = None,
     head_mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The gradients of ``sum(output * output_gradient)`` of an ``eval()`` call.
 
     With a ``cache``, of the output of that cached call, the cache held
-    fixed (it is detached); with a ``head_mask``, of the gated call.
+    fixed (it is detached); with a ``head_mask`` or a ``bias``, of that call.
 
     Returns:
         Tensors keyed ``queries``, ``keys``, ``values`` and the canonical
         weight names, kernels in the canonical ``(in, out)`` orientation;
-        with a ``head_mask``, its gradient too, keyed ``head_mask``.
+        with a ``head_mask`` or a ``bias``, its gradient too, keyed by its name.
     """
     layer.eval()
     layer.zero_grad(set_to_none=True)
     inputs = [x.detach().requires_grad_(True) for x in (queries, keys, values)]
-    gates = None if head_mask is None else head_mask.detach().requires_grad_(True)
+    given = {"head_mask": head_mask, "bias": bias}
+    leaves = {n: x.detach().requires_grad_(True) for n, x in given.items() if x is not None}
+    options = {**leaves, "positions": positions, "causal": causal}
     if cache is None:
-        output = layer(*inputs, valid_lens, causal=causal, head_mask=gates)
+        output = layer(*inputs, valid_lens, **options)
     else:
         held = type(cache)(*(x.detach() for x in cache))
-        output = layer(*inputs, valid_lens, causal=causal, cache=held, head_mask=gates)[0]
+        output = layer(*inputs, valid_lens, cache=held, **options)[0]
     output.backward(output_gradient)
     grads = {name: x.grad for name, x in zip(INPUT_NAMES, inputs, strict=True)}
-    if gates is not None:
-        grads["head_mask"] = gates.grad
+    grads.update({name: x.grad for name, x in leaves.items()})
     for name in KERNEL_NAMES:
         linear = getattr(layer, name)
         grads[name] = linear.weight.grad.T

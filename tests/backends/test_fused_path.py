@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from mha_multi import spec
-from mha_multi.parity.cases import CASES
+from mha_multi.parity.cases import CASES, OPTION_CASES
+
+OPTION_NAMES = {config.name for config in OPTION_CASES}
 
 FLOAT32_ATOL = 5e-6
 
@@ -26,6 +28,9 @@ def planned(runner, case) -> spec.KernelPlan:
     shortest = None
     if runner.reads_shortest_length and lens is not None:
         shortest = float(np.min(lens))
+    options = spec.LayerOptions.of(config.layer_options())
+    if not (options.is_default and case.bias is None) and not runner.passes_options:
+        return spec.KernelPlan(fused=False, reason="the kernel's call passes no options")
     return spec.plan_kernel(
         runner.fused_kernel,
         sizes=(config.batch, config.num_queries, config.num_keys),
@@ -35,6 +40,9 @@ def planned(runner, case) -> spec.KernelPlan:
         values_exact=True,  # the cases' values are finite and small
         shortest_length=shortest,
         grouped=config.num_kv_heads not in (None, config.num_heads),
+        bias=case.bias is not None or options.alibi,
+        softcap=options.softcap is not None,
+        window=options.window is not None,
     )
 
 
@@ -49,17 +57,21 @@ def fused_runner(runner):
 def test_default_call_follows_the_kernel_plan(fused_runner, cases, name):
     runner, case = fused_runner, cases[name]
     plan = planned(runner, case)
-    assert plan.fused, plan.reason
+    # Every case but those with an option a kernel does not take (docs:
+    # "Positions and biases", kernels) plans the fused kernel.
+    assert plan.fused or name in OPTION_NAMES, plan.reason
     inputs = [case.inputs[key] for key in ("queries", "keys", "values")]
     layer = runner.layer_for(case)
     with runner.kernel_spy() as calls:
         output = runner.call(layer, *inputs, case.valid_lens, **runner.case_options(case))
-    assert len(calls) == 1
-    (call,) = calls
-    assert call.mask == plan.needs_mask
-    assert call.is_causal == plan.is_causal
-    assert (call.key_lengths is not None) == plan.key_lengths
-    assert call.dropout == 0.0
+    assert len(calls) == plan.fused
+    if plan.fused:
+        (call,) = calls
+        # A bias reaches the kernel in its mask argument.
+        assert call.mask == (plan.needs_mask or plan.bias)
+        assert call.is_causal == plan.is_causal
+        assert (call.key_lengths is not None) == plan.key_lengths
+        assert call.dropout == 0.0
     np.testing.assert_allclose(output, case.reference["output"], rtol=0, atol=FLOAT32_ATOL)
 
     with runner.kernel_spy() as calls:

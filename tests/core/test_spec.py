@@ -6,9 +6,10 @@ import math
 
 import numpy as np
 import pytest
+from test_spec_positions import naive_forward as options_loop
 
 from mha_multi import spec
-from mha_multi.parity.cases import CASES, build_case
+from mha_multi.parity.cases import CASES, OPTION_CASES, build_case
 from mha_multi.weights import init_weights
 
 OPS = spec.NumpyOps()
@@ -65,15 +66,31 @@ def naive_forward(
 @pytest.mark.parametrize("config", CASES, ids=lambda c: c.name)
 def test_reference_matches_naive_loops(config):
     case = build_case(config)
-    expected_out, expected_attention = naive_forward(
-        {k: v.astype(np.float64) for k, v in case.weights.items()},
-        *(case.inputs[n].astype(np.float64) for n in ("queries", "keys", "values")),
-        None if case.valid_lens is None else case.valid_lens.tolist(),
-        config.num_heads,
-        config.causal,
-        config.num_kv_heads,
-        config.head_mask,
-    )
+    weights = {k: v.astype(np.float64) for k, v in case.weights.items()}
+    inputs = [case.inputs[n].astype(np.float64) for n in ("queries", "keys", "values")]
+    lens = None if case.valid_lens is None else case.valid_lens.tolist()
+    if config in OPTION_CASES:  # every option written out, one key at a time
+        expected_out, expected_attention = options_loop(
+            weights,
+            *inputs,
+            lens,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            causal=config.causal,
+            positions=case.positions,
+            bias=None if case.bias is None else case.bias.astype(np.float64),
+            **config.layer_options(),
+        )
+    else:
+        expected_out, expected_attention = naive_forward(
+            weights,
+            *inputs,
+            lens,
+            config.num_heads,
+            config.causal,
+            config.num_kv_heads,
+            config.head_mask,
+        )
     np.testing.assert_allclose(case.reference["output"], expected_out, rtol=0, atol=1e-12)
     np.testing.assert_allclose(
         case.reference["attention_weights"], expected_attention, rtol=0, atol=1e-12

@@ -8,14 +8,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from llama_support import llama_attention, llama_output
 
 from mha_multi import spec
 from mha_multi.__main__ import convert, main
 from mha_multi.interop import FORMATS, detect_format, load, save
 from mha_multi.interop.torch import checkpoint_format
 from mha_multi.weights import init_weights, load_weights, save_weights
-
-from llama_support import llama_attention, llama_output
 
 
 @pytest.mark.parametrize("kind", ["torch-mha", "torch-d2l"])

@@ -89,8 +89,8 @@ class Runner(abc.ABC):
     distributions: ClassVar[tuple[str, ...]]
     #: The backend package with module-level ``set_weights``/``get_weights``.
     package: ClassVar[str]
-    #: The framework's facts module (``mha_multi.<framework>._backend``), by
-    #: import path; the framework glue below hands its calls to it.
+    #: What drives the framework's layer (``mha_multi.<framework>.harness``),
+    #: by import path; the framework glue below hands its calls to it.
     backend: ClassVar[str]
     #: The fused kernel a default call may plan for (docs: "Fast paths");
     #: ``None`` where the default call always takes the generic path.
@@ -98,6 +98,9 @@ class Runner(abc.ABC):
     #: Whether the backend reads the shortest length before it plans (so
     #: lengths that hide nothing need no mask).
     reads_shortest_length: ClassVar[bool] = False
+    #: Whether the fused kernel's call takes the positions and biases options
+    #: (:attr:`mha_multi.call.Facts.passes_options`).
+    passes_options: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.facts = importlib.import_module(self.backend)
@@ -204,14 +207,18 @@ class Runner(abc.ABC):
         output_gradient: Any,
         cache: spec.KVCache | None = None,
         head_mask: Any = None,
+        positions: Any = None,
+        bias: Any = None,
     ) -> Mapping[str, Any]:
         """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
 
         Keyed ``queries``, ``keys``, ``values`` and the canonical weight names,
         in the canonical orientation, as framework arrays. With a ``cache``,
         of the output of that cached call, the cache held fixed; with a
-        ``head_mask``, its gradient too, keyed ``head_mask``.
+        ``head_mask`` or a ``bias``, its gradient too, keyed by its name;
+        ``positions`` are passed on.
         """
+        given = {"cache": cache, "head_mask": head_mask, "positions": positions, "bias": bias}
         return self.facts.vjp(
             layer,
             queries,
@@ -220,8 +227,7 @@ class Runner(abc.ABC):
             valid_lens,
             causal=causal,
             output_gradient=output_gradient,
-            **({} if cache is None else {"cache": cache}),
-            **({} if head_mask is None else {"head_mask": head_mask}),
+            **{name: value for name, value in given.items() if value is not None},
         )
 
     def init_cache(self, layer: Any, batch_size: int, max_length: int) -> spec.KVCache:
@@ -285,15 +291,23 @@ class Runner(abc.ABC):
         device: str,
         dtype: str,
         head_mask: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
+        bias: np.ndarray | None = None,
     ) -> dict[str, np.ndarray]:
         """Gradients of ``sum(output * output_gradient)`` (eval mode).
 
         Keyed ``queries``, ``keys``, ``values`` and the canonical weight
         names, in the canonical orientation, as float64 numpy; and
-        ``head_mask`` with a ``head_mask``.
+        ``head_mask`` and ``bias`` where given.
         """
         arrays = [self.to_native(x, device, dtype) for x in (queries, keys, values)]
-        gates = {} if head_mask is None else {"head_mask": self.to_native(head_mask, device, dtype)}
+        gates = {
+            name: self.to_native(value, device, dtype)
+            for name, value in (("head_mask", head_mask), ("bias", bias))
+            if value is not None
+        }
+        if positions is not None:
+            gates["positions"] = self.native_lens(positions, device)
         grads = self.vjp(
             layer,
             *arrays,
@@ -382,18 +396,34 @@ class Runner(abc.ABC):
             dtype=dtype,
             **config.sizes(),
             **config.heads(),
+            **config.layer_options(),
         )
         return self.set_weights(layer, case.weights if weights is None else weights)
 
     def case_options(
         self, case: Case, *, device: str = "cpu", dtype: str = "float32"
     ) -> dict[str, Any]:
-        """The layer's call options of ``case``: ``causal``, and its gates as a native array."""
+        """The layer's call options of ``case``: ``causal``, and its gates, positions and
+        bias as native arrays."""
         options: dict[str, Any] = {"causal": case.config.causal}
-        if case.config.head_mask is not None:
-            gates = np.asarray(case.config.head_mask, np.float32)
-            options["head_mask"] = self.to_native(gates, device, dtype)
+        for name, value in self._case_arrays(case).items():
+            if name == "positions":
+                options[name] = self.native_lens(value, device)
+            else:
+                options[name] = self.to_native(value, device, dtype)
         return options
+
+    @staticmethod
+    def _case_arrays(case: Case) -> dict[str, np.ndarray]:
+        """The case's ``head_mask``, ``positions`` and ``bias``, where it has them."""
+        arrays = {
+            "head_mask": None
+            if case.config.head_mask is None
+            else np.asarray(case.config.head_mask, np.float32),
+            "positions": case.positions,
+            "bias": case.bias,
+        }
+        return {name: value for name, value in arrays.items() if value is not None}
 
     def run(self, case: Case, *, device: str, dtype: str) -> dict[str, np.ndarray]:
         """Every checked quantity of ``case`` on ``device`` in ``dtype``.
@@ -421,16 +451,13 @@ class Runner(abc.ABC):
         )
         results["output[weights]"] = output
         results["attention_weights"] = weights
-        gates = {}
-        if case.config.head_mask is not None:
-            gates = {"head_mask": np.asarray(case.config.head_mask, np.float32)}
         grads = self.gradients(
             *args,
             case.valid_lens,
             output_gradient=case.output_gradient,
             causal=case.config.causal,
             **kwargs,
-            **gates,
+            **self._case_arrays(case),
         )
         results.update({f"grad.{name}": value for name, value in grads.items()})
         return results

@@ -16,3 +16,4 @@ class TorchRunner(Runner):
     # The layer reads the shortest length before it plans, so lengths that
     # hide nothing need no mask.
     reads_shortest_length = True
+    passes_options = True
