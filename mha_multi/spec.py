@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -970,6 +971,13 @@ class LayerOptions:
             window=check_window(self.window),
             softcap=check_softcap(self.softcap),
         )
+
+    def config(self) -> dict[str, Any]:
+        """The options as plain Python values (``rotary`` a dict), as constructors take them."""
+        rotary = self.rotary
+        if isinstance(rotary, Rotary):
+            rotary = dataclasses.asdict(rotary)
+        return {"rotary": rotary, "alibi": self.alibi, "window": self.window, "softcap": self.softcap}
 
     @property
     def is_default(self) -> bool:

@@ -455,6 +455,24 @@ class KerasFacts(call.Facts):
             fields.append(x)
         return spec.KVCache(*fields)
 
+    def as_positions(self, positions: Any, like: Tensor | None) -> Any:
+        """A tensor as it is; numpy arrays and sequences as integer tensors."""
+        if is_tensor(positions):
+            return positions
+        array = np.asarray(positions)
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"positions must be integers; got dtype kind {array.dtype.kind!r}")
+        return keras.ops.convert_to_tensor(array)
+
+    def as_bias(self, bias: Any, like: Tensor | None) -> Any:
+        """A tensor or a numpy array, as it is (the scores cast it to their dtype)."""
+        if not (is_tensor(bias) or isinstance(bias, np.ndarray)):
+            raise TypeError(
+                "bias must be a floating-point tensor or numpy array broadcastable to "
+                f"(batch, num_heads, num_queries, num_keys); got {type(bias).__name__}"
+            )
+        return bias
+
     def as_gates(self, head_mask: Any, like: Tensor | None) -> Any:
         """A tensor or a numpy array, as it is (the gating casts it to the context's dtype)."""
         if not (is_tensor(head_mask) or isinstance(head_mask, np.ndarray)):

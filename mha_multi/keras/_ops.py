@@ -195,5 +195,37 @@ class KerasOps:
         rows = positions + ops.expand_dims(starts, 1)
         return ops.take(self.merge_axes(x, 0), rows, axis=0)
 
+    def slice_last(self, x: Tensor, start: int, stop: int) -> Tensor:
+        return x[..., start:stop]
+
+    def concat_last(self, xs: Sequence[Tensor]) -> Tensor:
+        return ops.concatenate(list(xs), axis=-1)
+
+    def cos(self, x: Tensor) -> Tensor:
+        return _unary("cos", x)
+
+    def sin(self, x: Tensor) -> Tensor:
+        return _unary("sin", x)
+
+    def tanh(self, x: Tensor) -> Tensor:
+        return _unary("tanh", x)
+
+    def constant(self, value: np.ndarray, like: Tensor) -> Tensor:
+        return ops.convert_to_tensor(value, dtype=str(value.dtype))
+
+
+def _unary(name: str, x: Tensor) -> Tensor:
+    """``keras.ops.<name>(x)`` in ``x``'s dtype.
+
+    Keras' JAX backend computes these in ``result_type(x, float)``, which is
+    float32 for float64 inputs; JAX's own function keeps float64 (the
+    reference's angles and caps are float64 there).
+    """
+    if keras.backend.backend() == "jax" and keras.backend.standardize_dtype(x.dtype) == "float64":
+        import jax.numpy as jnp  # the backend in use: imported already
+
+        return getattr(jnp, name)(x)
+    return getattr(ops, name)(x)
+
 
 OPS = KerasOps()

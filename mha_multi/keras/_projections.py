@@ -11,6 +11,7 @@ flow that uses the projections is :func:`mha_multi.call.forward`'s.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,9 +19,15 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.keras._backend import as_numpy, host_array
+from mha_multi.keras._backend import (
+    as_numpy,
+    device_of,
+    device_scope,
+    host_array,
+    values_readable,
+)
 from mha_multi.keras._ops import OPS, is_16_bit, matmul_16_bit
-from mha_multi.keras.sharding import check_variable_layout
+from mha_multi.keras.sharding import cache_layout, check_variable_layout
 from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
 
 __all__ = ["ProjectionLayer", "get_weights", "set_weights"]
@@ -197,6 +204,50 @@ class ProjectionLayer(keras.layers.Layer):
             )
         for name, variable in variables.items():
             variable.assign(store[name])
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> spec.KVCache:
+        """An empty key/value cache for incremental decoding with this layer.
+
+        Args:
+            batch_size: ``B``, the examples decoded together.
+            max_length: the positions each example can hold.
+            dtype: the dtype of the keys and values (``None``: the layer's
+                compute dtype, what its projections give).
+
+        Returns:
+            :class:`~mha_multi.spec.KVCache` of zero ``keys`` and ``values``
+            ``(batch_size, num_kv_heads, max_length, head_dim)`` and int32
+            ``lengths`` ``(batch_size,)`` all 0, on the device of the layer's
+            variables; under a distribution that splits the heads
+            (:func:`mha_multi.keras.layout_map`), keys and values are split
+            over their heads as ``W_k`` is
+            (:func:`mha_multi.keras.sharding.cache_layout`).
+
+        Raises:
+            TypeError: ``batch_size`` or ``max_length`` is not an int.
+            ValueError: either is negative.
+        """
+        shape = spec.cache_shape(batch_size, max_length, self._heads)
+        dtype = self.compute_dtype if dtype is None else keras.backend.standardize_dtype(dtype)
+        variable = self.W_o.value
+        # A traced value (stateless_call under jax.jit) has no device to ask;
+        # the trace places the cache.
+        placed = values_readable(variable)
+        with device_scope(device_of(variable)) if placed else contextlib.nullcontext():
+            cache = spec.KVCache(
+                keras.ops.zeros(shape, dtype),
+                keras.ops.zeros(shape, dtype),
+                keras.ops.zeros(shape[:1], "int32"),
+            )
+        layout = cache_layout(self, batch_size)
+        if layout is None:
+            return cache
+        # Under a distribution splitting the heads, each device keeps the
+        # keys and values of its own heads (docs: "Sharding heads").
+        distribute = keras.distribution.distribute_tensor
+        return cache._replace(
+            keys=distribute(cache.keys, layout), values=distribute(cache.values, layout)
+        )
 
 
 def set_weights(layer: ProjectionLayer, weights: Mapping[str, Any]) -> ProjectionLayer:

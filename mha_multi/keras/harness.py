@@ -16,7 +16,7 @@ import contextlib
 import functools
 import inspect
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,26 +320,65 @@ def _runner_call(
     return_attention_weights: bool,
     cached: bool = False,
     first: bool = False,
-    gated: bool = False,
+    extras: tuple[str, ...] = (),
 ) -> LayerCall:
-    """The runner's call: ``(queries, keys, values[, head_mask], valid_lens[, cache])``.
+    """The runner's call: ``(queries, keys, values, *differentiated, valid_lens, *given[, cache])``.
 
-    With ``gated`` the fourth input is the heads' gates, passed as
-    ``head_mask=`` (differentiated with the first three); with ``cached``
-    the last input is the cache, passed as ``cache=``; with ``first`` the
-    call gives the output alone.
+    ``extras`` names the call's other arguments given: those of
+    :data:`DIFFERENTIATED` (``head_mask``, ``bias``) follow the values, in
+    that order, and are differentiated with them; the others
+    (``positions``) follow ``valid_lens``. With ``cached`` the last input
+    is the cache, passed as ``cache=``; with ``first`` the call gives the
+    output alone.
     """
+    differentiated, given = _split_extras(extras)
 
     def arguments(*inputs: Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
         options = {"causal": causal, "return_attention_weights": return_attention_weights}
         if cached:
             *inputs, options["cache"] = inputs
-        if gated:
-            *inputs, options["head_mask"], valid_lens = inputs
-            inputs = [*inputs, valid_lens]
-        return tuple(inputs), options
+        first_given = len(inputs) - len(given)
+        options.update(zip(given, inputs[first_given:], strict=True))
+        inputs = inputs[:first_given]
+        *inputs, valid_lens = inputs
+        options.update(zip(differentiated, inputs[3:], strict=True))
+        return (*inputs[:3], valid_lens), options
 
     return LayerCall(layer, arguments, first=first)
+
+
+#: The call's arguments besides the inputs that gradients are taken of, in input order.
+DIFFERENTIATED = ("head_mask", "bias")
+#: Every array argument of the call besides the inputs, the lengths and the cache.
+_EXTRAS = (*DIFFERENTIATED, "positions")
+
+
+def _split_extras(extras: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(differentiated, given)``: the names of ``extras`` in input order."""
+    return (
+        tuple(name for name in DIFFERENTIATED if name in extras),
+        tuple(sorted(name for name in extras if name not in DIFFERENTIATED)),
+    )
+
+
+def _ordered(
+    kwargs: Mapping[str, Any],
+    extras: Sequence[str],
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Any,
+) -> list[Any]:
+    """The inputs of a :func:`_runner_call` with ``extras``, from the call's ``kwargs``."""
+    differentiated, given = _split_extras(extras)
+    return [
+        queries,
+        keys,
+        values,
+        *(kwargs[name] for name in differentiated),
+        valid_lens,
+        *(kwargs[name] for name in given),
+    ]
 
 
 #: Layer configuration -> a layer of it whose variable order compiled functions follow.
@@ -354,7 +393,7 @@ def _shared(
     causal: bool,
     return_attention_weights: bool,
     cached: bool = False,
-    gated: bool = False,
+    extras: tuple[str, ...] = (),
 ) -> tuple[Any, keras.layers.Layer]:
     """A compiled function shared by every layer of ``layer``'s configuration.
 
@@ -370,15 +409,15 @@ def _shared(
     if configuration not in _TEMPLATES:
         _TEMPLATES[configuration] = type(layer).from_config(config)
     template = _TEMPLATES[configuration]
-    key = (kind, configuration, causal, return_attention_weights, cached, gated)
+    key = (kind, configuration, causal, return_attention_weights, cached, extras)
     if key not in _COMPILED:
         # Gradients are of the output alone (a cached call returns the cache too).
         first = kind == "gradients" and cached
-        call = _runner_call(template, causal, return_attention_weights, cached, first, gated)
+        call = _runner_call(template, causal, return_attention_weights, cached, first, extras)
         if kind == "forward":
             _COMPILED[key] = forward_function(call, compiled=True)
         else:
-            wrt = len(INPUT_NAMES) + gated
+            wrt = len(INPUT_NAMES) + len(_split_extras(extras)[0])
             _COMPILED[key] = gradient_function(call, wrt=wrt, compiled=True)
     return _COMPILED[key], template
 
@@ -409,32 +448,31 @@ def forward(
         valid_lens: passed to the layer as it is.
         training: dropout active.
         **kwargs: the layer's ``causal``, ``return_attention_weights``,
-            ``cache`` and ``head_mask``.
+            ``cache``, ``head_mask``, ``positions`` and ``bias``.
     """
     causal = kwargs.get("causal", False)
     return_attention_weights = kwargs.get("return_attention_weights", False)
     cache = kwargs.get("cache")
-    head_mask = kwargs.get("head_mask")
+    extras = tuple(name for name in _EXTRAS if kwargs.get(name) is not None)
     traceable = (
         _active().stateless
         and not training
-        and set(kwargs) <= {"causal", "return_attention_weights", "cache", "head_mask"}
+        and set(kwargs) <= {"causal", "return_attention_weights", "cache", *_EXTRAS}
         and type(causal) is bool
         and type(return_attention_weights) is bool
         and (valid_lens is None or keras.ops.is_tensor(valid_lens))
         and (cache is None or isinstance(cache, spec.KVCache))
-        and (head_mask is None or keras.ops.is_tensor(head_mask))
+        and all(keras.ops.is_tensor(kwargs[name]) for name in extras)
     )
     with device_scope(device_of(queries)):
         if not traceable:
             return layer(queries, keys, values, valid_lens, training=training, **kwargs)
-        cached, gated = cache is not None, head_mask is not None
+        cached = cache is not None
         function, template = _shared(
-            "forward", layer, causal, return_attention_weights, cached, gated
+            "forward", layer, causal, return_attention_weights, cached, extras
         )
-        gates = [head_mask] if gated else []
-        inputs = (queries, keys, values, *gates, valid_lens, *([cache] if cached else []))
-        result = function(state(layer, template), *inputs)
+        inputs = _ordered(kwargs, extras, queries, keys, values, valid_lens)
+        result = function(state(layer, template), *inputs, *([cache] if cached else []))
         if cached:
             # Tracing checked the shapes and dtypes; the result is dropped on an error.
             check_cache_values(FACTS, cache, valid_lens, 0 if keys is None else queries.shape[1])
@@ -451,28 +489,30 @@ def vjp(
     causal: bool,
     output_gradient: Tensor,
     cache: spec.KVCache | None = None,
-    head_mask: Tensor | None = None,
+    **kwargs: Any,
 ) -> dict[str, Tensor]:
     """The gradients of ``sum(output * output_gradient)`` of an evaluation-mode call.
 
     With a ``cache``, of the output of that cached call, the cache held
     fixed (an input like ``valid_lens``, not differentiated). With a
-    ``head_mask``, of the call gated by it, and with respect to it too.
+    ``head_mask`` or a ``bias`` (``kwargs``), of the call given it, and with
+    respect to it too; ``positions`` are passed on.
 
     Returns:
         Tensors keyed ``queries``, ``keys``, ``values`` and the canonical
         weight names (the variables are canonical as they are), and
-        ``head_mask`` with a ``head_mask``.
+        ``head_mask`` and ``bias`` where given.
     """
-    cached, gated = cache is not None, head_mask is not None
-    names = (*INPUT_NAMES, "head_mask") if gated else INPUT_NAMES
+    cached = cache is not None
+    extras = tuple(name for name in _EXTRAS if kwargs.get(name) is not None)
+    names = (*INPUT_NAMES, *_split_extras(extras)[0])
     if _active().stateless:
-        function, owner = _shared("gradients", layer, causal, False, cached, gated)
+        function, owner = _shared("gradients", layer, causal, False, cached, extras)
     else:
         owner = layer
-        call = _runner_call(layer, causal, False, cached, first=cached, gated=gated)
+        call = _runner_call(layer, causal, False, cached, first=cached, extras=extras)
         function = gradient_function(call, wrt=len(names), compiled=False)
-    inputs = [queries, keys, values, *([head_mask] if gated else []), valid_lens]
+    inputs = _ordered(kwargs, extras, queries, keys, values, valid_lens)
     if cached:
         # A cache made by eager PyTorch calls still leads back to the weights
         # that wrote it.

@@ -13,7 +13,6 @@ configuration and the cache, placed as a distribution splits the heads.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import keras
@@ -23,14 +22,10 @@ from mha_multi import call, spec
 from mha_multi.keras._backend import (
     FACTS,
     checked_lens,
-    device_of,
-    device_scope,
     is_tensor,
-    values_readable,
 )
 from mha_multi.keras._ops import OPS
 from mha_multi.keras._projections import PROJECTIONS, ProjectionLayer, get_weights, set_weights
-from mha_multi.keras.sharding import cache_layout
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -101,6 +96,8 @@ class MultiHeadAttention(ProjectionLayer):
         num_kv_heads: number of key/value heads; must divide ``num_heads``
             (``None``: ``num_heads``).
         head_dim: size of each head (``None``: ``num_hiddens // num_heads``).
+        rotary, alibi, window, softcap: positions and biases inside attention
+            (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).
         kernel_initializer: initializer of the ``W_*`` kernels (Keras
             ``Dense``'s default, as in d2l's TensorFlow layer).
         bias_initializer: initializer of the ``b_*`` biases.
@@ -121,6 +118,10 @@ class MultiHeadAttention(ProjectionLayer):
         value_size: int | None = None,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
+        rotary: spec.Rotary | dict[str, Any] | None = None,
+        alibi: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
         kernel_initializer: Any = "glorot_uniform",
         bias_initializer: Any = "zeros",
         seed: int | None = None,
@@ -129,6 +130,7 @@ class MultiHeadAttention(ProjectionLayer):
         heads = {"num_kv_heads": num_kv_heads, "head_dim": head_dim}
         spec.check_config(num_hiddens, num_heads, dropout, **heads)
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
+        self.options = spec.LayerOptions(rotary, alibi, window, softcap).check()
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
@@ -198,6 +200,8 @@ class MultiHeadAttention(ProjectionLayer):
         return_attention_weights: bool = False,
         cache: spec.KVCache | None = None,
         head_mask: Any = None,
+        positions: Any = None,
+        bias: Any = None,
         training: bool | None = None,
     ) -> Any:
         """Attends from ``queries`` to ``keys``/``values``, or to a cache.
@@ -234,6 +238,12 @@ class MultiHeadAttention(ProjectionLayer):
                 ``W_o``) is multiplied by ``head_mask[..., h]`` on every path
                 (:func:`mha_multi.spec.apply_head_mask`), differentiably; cast
                 to the compute dtype.
+            positions: ``None``, or integer ``(B, Q)`` positions a ``rotary``
+                layer rotates the queries (and the keys of self-attention or a
+                cached call) by; default ``arange``, with a cache
+                ``lengths[b] + i`` (docs: "Positions and biases").
+            bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``,
+                added to the scaled scores before the masks; differentiable.
             training: dropout is active only when ``True``.
 
         Returns:
@@ -266,6 +276,9 @@ class MultiHeadAttention(ProjectionLayer):
             return_attention_weights=return_attention_weights,
             cache=cache,
             head_mask=head_mask,
+            positions=positions,
+            bias=bias,
+            layer_options=self.options,
             dropout=self._drop if dropout else None,
             dropout_rate=self.dropout if dropout else 0.0,
             # Heads split over devices: attend head by head, so that XLA keeps
@@ -273,50 +286,6 @@ class MultiHeadAttention(ProjectionLayer):
             head_parallel=self._head_parallel,
         )
         return result.returned(return_attention_weights)
-
-    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> spec.KVCache:
-        """An empty key/value cache for incremental decoding with this layer.
-
-        Args:
-            batch_size: ``B``, the examples decoded together.
-            max_length: the positions each example can hold.
-            dtype: the dtype of the keys and values (``None``: the layer's
-                compute dtype, what its projections give).
-
-        Returns:
-            :class:`~mha_multi.spec.KVCache` of zero ``keys`` and ``values``
-            ``(batch_size, num_kv_heads, max_length, head_dim)`` and int32
-            ``lengths`` ``(batch_size,)`` all 0, on the device of the layer's
-            variables; under a distribution that splits the heads
-            (:func:`mha_multi.keras.layout_map`), keys and values are split
-            over their heads as ``W_k`` is
-            (:func:`mha_multi.keras.sharding.cache_layout`).
-
-        Raises:
-            TypeError: ``batch_size`` or ``max_length`` is not an int.
-            ValueError: either is negative.
-        """
-        shape = spec.cache_shape(batch_size, max_length, self._heads)
-        dtype = self.compute_dtype if dtype is None else keras.backend.standardize_dtype(dtype)
-        variable = self.W_o.value
-        # A traced value (stateless_call under jax.jit) has no device to ask;
-        # the trace places the cache.
-        placed = values_readable(variable)
-        with device_scope(device_of(variable)) if placed else contextlib.nullcontext():
-            cache = spec.KVCache(
-                keras.ops.zeros(shape, dtype),
-                keras.ops.zeros(shape, dtype),
-                keras.ops.zeros(shape[:1], "int32"),
-            )
-        layout = cache_layout(self, batch_size)
-        if layout is None:
-            return cache
-        # Under a distribution splitting the heads, each device keeps the
-        # keys and values of its own heads (docs: "Sharding heads").
-        distribute = keras.distribution.distribute_tensor
-        return cache._replace(
-            keys=distribute(cache.keys, layout), values=distribute(cache.values, layout)
-        )
 
     def _drop(self, weights: Any) -> Any:
         return self.attention_dropout(weights, training=True)
@@ -332,6 +301,8 @@ class MultiHeadAttention(ProjectionLayer):
         return_attention_weights: bool = False,
         cache: spec.KVCache | None = None,
         head_mask: Any = None,
+        positions: Any = None,
+        bias: Any = None,
         training: bool | None = None,
     ) -> Any:
         """Symbolic outputs for the functional API, from shapes alone.
@@ -356,6 +327,9 @@ class MultiHeadAttention(ProjectionLayer):
         batched_mask = len(getattr(head_mask, "shape", ())) == 2
         like = head_mask if batch is None and batched_mask else queries
         call.check_gates(FACTS, head_mask, num_heads=self.num_heads, like=like)
+        if batch is not None:  # a symbolic batch: checked when called
+            settings = {"num_heads": self.num_heads, "like": queries, "num_keys": num_keys}
+            call.check_options(FACTS, positions, bias, **settings, cached=cache is not None)
         outputs = [
             keras.KerasTensor((batch, num_queries, self.num_hiddens), dtype=self.compute_dtype)
         ]
@@ -382,6 +356,7 @@ class MultiHeadAttention(ProjectionLayer):
             bias_initializer=keras.initializers.serialize(self.bias_initializer),
             seed=self.seed,
             autocast=self.autocast,
+            **self.options.config(),
             **self.input_sizes(),
         )
         return config

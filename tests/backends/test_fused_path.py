@@ -29,7 +29,9 @@ def planned(runner, case) -> spec.KernelPlan:
     if runner.reads_shortest_length and lens is not None:
         shortest = float(np.min(lens))
     options = spec.LayerOptions.of(config.layer_options())
-    if not (options.is_default and case.bias is None) and not runner.passes_options:
+    # Rotary embeddings change q and k, not what the kernel is given.
+    scored = case.bias is not None or options.alibi or options.window or options.softcap
+    if scored and not runner.passes_options:
         return spec.KernelPlan(fused=False, reason="the kernel's call passes no options")
     return spec.plan_kernel(
         runner.fused_kernel,
