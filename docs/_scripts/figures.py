@@ -317,6 +317,50 @@ def cache_visibility(
     return _saved(figure, path)
 
 
+def positions_and_biases(path: Path, length: int = 6, window: int = 3) -> Path:
+    """What each option does to one head's scores (docs: "Positions and biases")."""
+    causal = _visible(length, length, None, causal=True)[0]
+    windowed = spec.visibility(OPS, length, length, None, causal=True, window=window)
+    windowed = np.broadcast_to(windowed, (length, length))
+    q, k = np.indices((length, length))
+    assert (windowed == ((k <= q) & (q - k < window))).all()  # the rule written out
+    slopes = spec.alibi_slopes(8)
+    options = spec.ScoreOptions(alibi_slopes=slopes)
+    alibi = spec.score_bias(OPS, options, length, length, np.zeros((1,)))  # (H, Q, K)
+    assert np.allclose(alibi[0], slopes[0] * (k - q))
+    figure, axes = plt.subplots(1, 4, figsize=(13.5, 3.2), layout="constrained")
+    cmap = ListedColormap(["#e8e8e8", "#4c72b0"])
+    panels = [("causal", causal), (f"causal, window={window}", windowed)]
+    for axis, (title, visible) in zip(axes[:2], panels, strict=True):
+        axis.imshow(visible, cmap=cmap, vmin=0, vmax=1)
+        axis.set_title(title, fontsize=8.5)
+    for axis, head in zip(axes[2:3], (0,), strict=True):
+        shown = np.where(causal, alibi[head], np.nan)
+        image = axis.imshow(shown, cmap="magma")
+        figure.colorbar(image, ax=axis, shrink=0.8)
+        axis.set_title(
+            f"alibi: bias of head {head} (slope {slopes[head]:g})\nadded where visible",
+            fontsize=8.5,
+        )
+    for axis in axes[:3]:
+        axis.set_xlabel("key j", fontsize=8)
+        axis.tick_params(labelsize=7)
+    axes[0].set_ylabel("query i", fontsize=8)
+    scores = np.linspace(-6, 6, 200)
+    for cap in (1.0, 3.0):
+        capped = spec.adjust_scores(OPS, scores[None, None, None], spec.ScoreOptions(softcap=cap))
+        axes[3].plot(scores, capped[0, 0, 0], label=f"softcap={cap:g}")
+    axes[3].plot(scores, scores, color="#999999", lw=0.8, ls="--", label="none")
+    axes[3].set_xlabel("scaled score", fontsize=8)
+    axes[3].set_title("softcap * tanh(score / softcap)", fontsize=8.5)
+    axes[3].legend(fontsize=7)
+    figure.suptitle(
+        "Visible keys (blue), the ALiBi bias and the soft cap: options of one head's scores",
+        fontsize=10,
+    )
+    return _saved(figure, path)
+
+
 def write_all(directory: str | Path) -> list[Path]:
     """Writes every figure into ``directory`` (created if needed)."""
     directory = Path(directory)
@@ -326,6 +370,7 @@ def write_all(directory: str | Path) -> list[Path]:
         head_grouping(directory / "head_grouping.png"),
         masks(directory / "masks.png"),
         cache_visibility(directory / "cache_visibility.png"),
+        positions_and_biases(directory / "positions_and_biases.png"),
         # d2l's exercise on head importance, run at build time (docs: "Heads").
         *head_exercise.write_all(directory),
     ]

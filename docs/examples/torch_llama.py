@@ -2,40 +2,53 @@
 
 import numpy as np
 import torch
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaConfig,
+    LlamaRotaryEmbedding,
+)
 
 from mha_multi.interop.llama import from_llama
 from mha_multi.torch import MultiHeadAttention, set_weights
 from mha_multi.weights import load_weights, save_weights
 
 # [llama]
-# A small Llama attention block with random weights: 8 query heads reading
-# 2 key/value heads of size 8 (hidden_size 32), biases on.
+# A small Llama 3 attention block with random weights: 8 query heads reading
+# 2 key/value heads of size 8 (hidden_size 32), biases on, Llama 3's
+# frequency scaling of its rotary embedding.
 config = LlamaConfig(
     hidden_size=32,
     num_attention_heads=8,
     num_key_value_heads=2,
     head_dim=8,
     attention_bias=True,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
 )
 config._attn_implementation = "sdpa"
 torch.manual_seed(0)
 llama = LlamaAttention(config, layer_idx=0).eval()
+rotary_embedding = LlamaRotaryEmbedding(config)
 
-weights, heads = from_llama(llama)  # canonical weights and the head layout
-print(heads)  # {'num_heads': 8, 'num_kv_heads': 2, 'head_dim': 8}
-layer = set_weights(MultiHeadAttention(32, bias=True, **heads), weights).eval()
-# [/llama]
+weights, kwargs = from_llama(llama)  # canonical weights and the block's settings
+print(sorted(kwargs))  # ['bias', 'head_dim', 'num_heads', 'num_kv_heads', 'rotary']
+layer = set_weights(MultiHeadAttention(32, **kwargs), weights).eval()
 
-# Llama rotates queries and keys by position (rotary embeddings) inside its
-# attention; with the rotation switched off (cos = 1, sin = 0) the two blocks
-# compute the same function. Without a mask the Llama block is causal.
+# The block and the layer on the same inputs and positions: the layer
+# rotates its projected queries and keys by `positions` itself.
 x = torch.randn(2, 5, 32)
-cos, sin = torch.ones(2, 5, 8), torch.zeros(2, 5, 8)
+position_ids = torch.tensor([[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]])
 with torch.no_grad():
-    expected, _ = llama(x, position_embeddings=(cos, sin), attention_mask=None)
-    output = layer(x, x, x, causal=True)
+    expected, _ = llama(x, rotary_embedding(x, position_ids), attention_mask=None)
+    output = layer(x, x, x, causal=True, positions=position_ids)
 np.testing.assert_allclose(output.numpy(), expected.numpy(), rtol=0, atol=1e-5)
+# [/llama]
 
 # [save]
 save_weights("llama_attention.safetensors", weights)  # any backend loads this file

@@ -7,12 +7,18 @@ query heads (``num_key_value_heads``) and an explicit ``head_dim``. Query head
 (transformers' ``repeat_kv``), the rule of the canonical layer, so the
 weights port as they are: ``W_q = q_proj.weight.T`` and so on.
 
-What is not ported: a Llama model rotates the projected queries and keys by
-their positions (rotary embeddings) before attending; the canonical layer
-attends to the projections it computes. The two give the same numbers where
-the rotation is the identity (``cos = 1``, ``sin = 0``); a model that needs
-rotary embeddings applies them around the layer. Models with biases on the
-query, key and value projections only (Qwen2) convert with ``b_o = 0``.
+:func:`from_llama` reads the module's configuration too and returns the
+constructor arguments under which every backend's layer *is* that
+attention block (docs: "Positions and biases"): the rotary embedding
+(``rope_theta``, Llama 3's frequency scaling, ``partial_rotary_factor``),
+the sliding window (Mistral's ``sliding_window``, Gemma 2's on its sliding
+layers), the soft cap of the scores (Gemma 2's
+``attn_logit_softcapping``). A scale of the scores other than
+``1/sqrt(head_dim)`` (Gemma 2's ``query_pre_attn_scalar``) is folded into
+``W_q`` and ``b_q``. Models with biases on the query, key and value
+projections only (Qwen2) convert with ``b_o = 0``. State dicts and files
+hold weights only: their layers get the positions options from
+:func:`rotary_of` and the model's config.
 
 Files (:func:`load_llama`, :func:`save_llama`; the ``llama`` format of
 ``python -m mha_multi convert``) hold one attention block's state dict,
@@ -189,12 +195,66 @@ def to_llama_state(
     return state
 
 
-def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """Canonical weights and the head configuration of a ``LlamaAttention``-style module.
+def rotary_of(config: Any) -> dict[str, Any]:
+    """The ``rotary=`` argument of transformers' rotary settings in ``config``.
+
+    Raises:
+        ValueError: a rotary type other than transformers' ``default`` and
+            ``llama3`` (not supported).
+    """
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    if not parameters:  # transformers before rope_parameters
+        parameters = dict(getattr(config, "rope_scaling", None) or {})
+        parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    rotary: dict[str, Any] = {
+        "theta": float(parameters["rope_theta"]),
+        "fraction": float(getattr(config, "partial_rotary_factor", 1.0) or 1.0),
+    }
+    if kind == "llama3":
+        rotary["scaling"] = {name: parameters[name] for name in _LLAMA3_SCALING}
+    elif kind != "default":
+        raise ValueError(
+            f"rope_type {kind!r} is not supported; the rotary types are 'default' and 'llama3'"
+        )
+    return rotary
+
+
+_LLAMA3_SCALING = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
+
+
+def _window_of(module: torch.nn.Module) -> int | None:
+    """The block's sliding window: its own (Gemma 2's layers), else its model's (Mistral's)."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    config = module.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[module.layer_idx] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Canonical weights and the constructor arguments of a ``LlamaAttention``-style module.
+
+    Llama's, Mistral's, Qwen2's and Gemma 2's attention blocks (and those
+    that copy them): ``MultiHeadAttention(hidden_size, **kwargs)`` in any
+    backend, loaded with the weights, computes what the block computes for
+    the same inputs and ``positions`` (its ``position_ids``), rotary
+    embeddings, window and soft cap included.
 
     Returns:
-        ``(weights, heads)`` with ``heads`` the keyword arguments of every
-        backend's constructor: ``num_heads``, ``num_kv_heads``, ``head_dim``.
+        ``(weights, kwargs)``: ``kwargs`` holds plain Python values:
+        ``num_heads``, ``num_kv_heads``, ``head_dim`` and, where the block
+        has them, ``rotary``, ``window``, ``softcap``, ``bias``.
+
+    Raises:
+        ValueError: a rotary type that is not supported (:func:`rotary_of`).
     """
     config = module.config
     num_heads = config.num_attention_heads
@@ -202,11 +262,27 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
         module.state_dict(), num_heads=num_heads, num_kv_heads=config.num_key_value_heads
     )
     heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=config.num_key_value_heads)
-    return weights, {
+    # Our scores are scaled by 1/sqrt(head_dim): another scale goes into W_q.
+    factor = float(module.scaling) * float(np.sqrt(heads.head_dim))
+    if factor != 1.0:
+        for name in ("W_q", "b_q"):
+            if name in weights:
+                weights[name] = weights[name].astype(np.float64) * factor
+    kwargs: dict[str, Any] = {
         "num_heads": heads.num_heads,
         "num_kv_heads": heads.num_kv_heads,
         "head_dim": heads.head_dim,
+        "rotary": rotary_of(config),
     }
+    window = _window_of(module)
+    if window is not None:
+        kwargs["window"] = int(window)
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        kwargs["softcap"] = float(softcap)
+    if "b_q" in weights:
+        kwargs["bias"] = True
+    return weights, kwargs
 
 
 def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Module:

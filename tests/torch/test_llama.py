@@ -31,8 +31,11 @@ HEADS = [(4, 2, 6), (4, 1, 8), (4, 4, 4)]
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEADS)
 def test_llama_weights_give_the_module_output(num_heads, num_kv_heads, head_dim, bias, causal):
     module = llama_attention(num_heads, num_kv_heads, head_dim, bias=bias)
-    weights, heads = from_llama(module)
-    assert heads == {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    weights, kwargs = from_llama(module)
+    heads = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    assert {name: kwargs[name] for name in heads} == heads
+    assert kwargs["rotary"] == {"theta": 10000.0, "fraction": 1.0}
+    # The rotation is off in llama_output: the layer is built without it.
     x = np.random.default_rng(1).standard_normal((2, 5, 16))
     expected = llama_output(module, torch.from_numpy(x), causal=causal)
     output, _ = spec.reference_forward(
