@@ -60,9 +60,9 @@ class Config:
     """What a graph is built for; everything else is a runtime input."""
 
     device_type: str
-    dtype: str
+    dtype: np.dtype
     lens_ndim: int | None  # None: no valid_lens
-    lens_dtype: str | None
+    lens_dtype: np.dtype | None
     causal: bool
     return_attention_weights: bool
     plan: spec.KernelPlan  # the SequenceMask route, or spec.attention where not fused
@@ -102,7 +102,7 @@ def configure(
     }
     common = {
         "device_type": queries.ctx.device_type,
-        "dtype": layer.dtype.name,
+        "dtype": layer.dtype,
         "return_attention_weights": return_attention_weights,
         "head_mask_ndim": None if gates is None else gates.ndim,
     }
@@ -112,7 +112,7 @@ def configure(
         )
         return Config(
             lens_ndim=None if valid_lens is None else valid_lens.ndim,
-            lens_dtype=None if valid_lens is None else np.dtype(valid_lens.dtype).name,
+            lens_dtype=None if valid_lens is None else np.dtype(valid_lens.dtype),
             causal=causal,
             plan=plan,
             **common,
@@ -127,7 +127,7 @@ def configure(
     )
     return Config(
         lens_ndim=1 if appends else None,
-        lens_dtype="int32" if appends else None,
+        lens_dtype=np.dtype(np.int32) if appends else None,
         causal=causal,
         plan=plan,
         cached=True,
@@ -222,9 +222,9 @@ class AttentionGraph(gluon.HybridBlock):
         super().__init__(prefix=prefix, params=params)
         self._config = config
         self._layout = {"heads": heads, "num_hiddens": num_hiddens, "dropout": dropout}
-        #: dtypes and shapes of the call's inputs, by Gluon's graph input names.
-        self.input_dtypes: dict[str, str] = {}
-        self.input_shapes: dict[str, tuple[int, ...]] = {}
+        #: The arrays of the call being run, in the graph's input order: a
+        #: trace reads their dtypes and shapes.
+        self.arrays: list[Array] = []
         with self.name_scope():
             for name, parameter in shared.items():
                 found = self.params.get(name)
@@ -235,8 +235,13 @@ class AttentionGraph(gluon.HybridBlock):
     def hybrid_forward(self, F: Any, *inputs: Any, **params: Any) -> Any:
         """:func:`compute` on the graph's inputs (:data:`Inputs`, trailing ``None`` left out)."""
         # Symbols (a graph being traced) get the traced call's input dtypes
-        # and shapes: MXNet 1.9 symbols carry neither.
-        ops = MXNetOps(F, input_dtypes=self.input_dtypes, input_shapes=self.input_shapes)
+        # and shapes, by Gluon's input names: MXNet 1.9 symbols carry neither.
+        names = [f"data{i}" for i in range(len(self.arrays))]
+        ops = MXNetOps(
+            F,
+            input_dtypes={name: x.dtype for name, x in zip(names, self.arrays, strict=True)},
+            input_shapes={name: x.shape for name, x in zip(names, self.arrays, strict=True)},
+        )
         inputs = (*inputs, *(None,) * (8 - len(inputs)))
         outputs = compute(ops, params, self._config, inputs, **self._layout)
         return outputs if len(outputs) > 1 else outputs[0]
@@ -266,12 +271,13 @@ class Graphs:
     def run(self, layer: gluon.HybridBlock, config: Config, inputs: Inputs) -> Any:
         """The configuration's graph on ``inputs``."""
         graph = self._graph(layer, config)
-        given = [x for x in inputs if x is not None]
-        graph.input_dtypes = {f"data{i}": np.dtype(x.dtype).name for i, x in enumerate(given)}
-        graph.input_shapes = {f"data{i}": x.shape for i, x in enumerate(given)}
+        graph.arrays = [x for x in inputs if x is not None]
         while inputs and inputs[-1] is None:
             inputs = inputs[:-1]
-        out = graph(*inputs)
+        try:
+            out = graph(*inputs)
+        finally:
+            graph.arrays = []  # not kept alive by the graph
         self.last = graph
         return out
 
@@ -315,13 +321,16 @@ def run(
     gates: Array | None,
     causal: bool,
     return_attention_weights: bool,
-    **_: Any,
+    dropout: Any = None,
+    dropout_rate: float = 0.0,
+    head_parallel: bool = False,
 ) -> call.Result:
     """A checked call of ``layer``, given as :func:`mha_multi.call.attend` takes it.
 
     Planned here (:func:`configure`), then computed in the configuration's
     graph where the layer is hybridized (Gluon's ``_active``), else on the
-    parameters' arrays (:func:`compute`); dropout is the layer's own. What
+    parameters' arrays (:func:`compute`); dropout is the layer's own
+    (``dropout``, ``dropout_rate`` and ``head_parallel`` are not read). What
     MXNet adds: a cache's lengths and a cached call's ``valid_lens`` (``T``
     by default) in int32, the graphs' one integer type (every length fits
     in it, checked); the gates in the layer's dtype (the cast is recorded,
