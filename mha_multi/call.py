@@ -714,9 +714,9 @@ def forward(
     Args:
         facts: the framework's facts.
         layer: the layer's projections.
-        queries, keys, values, valid_lens, causal, return_attention_weights,
-            cache, head_mask, positions, bias: the layer call's arguments
-            (docs: "The spec", "Positions and biases").
+        queries, keys, values, valid_lens: the layer call's arguments (docs: "The spec").
+        causal, return_attention_weights, cache, head_mask: the call's options.
+        positions, bias: the call's (docs: "Positions and biases").
         layer_options: the layer's checked constructor options
             (:class:`mha_multi.spec.LayerOptions`); ``None`` for none.
         gate_heads: the heads ``head_mask`` is for; ``None`` for the
