@@ -19,9 +19,9 @@ Shapes, following d2l: queries ``(B, Q, query_size)``, keys
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -958,26 +958,39 @@ class LayerOptions:
             )
         return cls(**options).check()
 
-    def check(self) -> LayerOptions:
+    def check(self, head_dim: int | None = None) -> LayerOptions:
         """These options validated, ``rotary`` as a :class:`Rotary`.
+
+        Args:
+            head_dim: the layer's head size, which the rotated share of
+                ``rotary`` must fit (:meth:`Rotary.dim`); ``None`` to skip.
 
         Raises:
             TypeError, ValueError: from :func:`check_rotary`,
-                :func:`check_alibi`, :func:`check_window`, :func:`check_softcap`.
+                :func:`check_alibi`, :func:`check_window`, :func:`check_softcap`,
+                :meth:`Rotary.dim`.
         """
-        return LayerOptions(
+        options = LayerOptions(
             rotary=check_rotary(self.rotary),
             alibi=check_alibi(self.alibi),
             window=check_window(self.window),
             softcap=check_softcap(self.softcap),
         )
+        if head_dim is not None and options.rotary is not None:
+            options.rotary.dim(head_dim)
+        return options
 
     def config(self) -> dict[str, Any]:
         """The options as plain Python values (``rotary`` a dict), as constructors take them."""
         rotary = self.rotary
         if isinstance(rotary, Rotary):
             rotary = dataclasses.asdict(rotary)
-        return {"rotary": rotary, "alibi": self.alibi, "window": self.window, "softcap": self.softcap}
+        return {
+            "rotary": rotary,
+            "alibi": self.alibi,
+            "window": self.window,
+            "softcap": self.softcap,
+        }
 
     @property
     def is_default(self) -> bool:

@@ -92,9 +92,9 @@ class MultiHeadAttention(nn.Module):
         heads = {"num_kv_heads": num_kv_heads, "head_dim": head_dim}
         spec.check_config(num_hiddens, num_heads, dropout, **heads)
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
-        options = spec.LayerOptions(rotary, alibi, window, softcap).check()
         super().__init__()
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
+        options = spec.LayerOptions(rotary, alibi, window, softcap).check(self._heads.head_dim)
         self.num_hiddens = int(num_hiddens)
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads

@@ -49,6 +49,12 @@ def built_layer(runner, num_hiddens=8, num_heads=2, sizes=(8, 8, 8), bias=False,
         (8, 4, {"num_kv_heads": 2.0}, TypeError, "num_kv_heads must be a positive int"),
         (8, 4, {"head_dim": 0}, ValueError, "head_dim must be a positive int"),
         (10, 4, {"head_dim": "3"}, TypeError, "head_dim must be a positive int"),
+        (8, 2, {"rotary": {"theta": -1.0}}, ValueError, "rotary.theta must be a positive"),
+        (8, 2, {"rotary": {"fraction": 0.3}}, ValueError, r"rotary.fraction \(0.3\)"),
+        (8, 2, {"rotary": {"thetas": 1.0}}, ValueError, "rotary has unknown keys"),
+        (8, 2, {"window": 0}, ValueError, "window must be a positive int"),
+        (8, 2, {"softcap": -2.0}, ValueError, "softcap must be a positive finite"),
+        (8, 2, {"alibi": "yes"}, TypeError, "alibi must be a bool"),
     ],
 )
 def test_bad_configuration(runner, num_hiddens, num_heads, options, error, match):
@@ -102,6 +108,27 @@ def test_bad_inputs(runner, case):
     layer, _ = built_layer(runner)
     with pytest.raises(error, match=match):
         runner.call(layer, *args)
+
+
+def _bad_options():
+    positions = np.arange(3)[None].repeat(2, axis=0)
+    return [
+        ({"positions": positions.astype(np.float32)}, TypeError, "positions must be integers"),
+        ({"positions": positions[:, :2]}, ValueError, r"positions must have shape \(batch"),
+        ({"positions": positions}, ValueError, "keys must be as many as the queries"),
+        ({"bias": np.zeros((2, 2, 3, 5), np.float32)}, ValueError, "bias must be broadcastable"),
+        ({"bias": np.zeros((3, 4), np.int32)}, TypeError, "bias must be a floating-point"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_options())))
+def test_bad_positions_and_bias(runner, case):
+    options, error, match = _bad_options()[case]
+    layer, _ = built_layer(runner, rotary={"theta": 100.0})
+    # Native arrays of their own dtype (the lengths' conversion keeps it).
+    native = {name: runner.native_lens(value) for name, value in options.items()}
+    with pytest.raises(error, match=match):
+        runner.call(layer, *inputs(), **native)
 
 
 @pytest.mark.parametrize(
