@@ -261,6 +261,25 @@ class MXNetFacts(call.Facts):
                 )
         return cache
 
+    def as_positions(self, positions: Any, like: mx.np.ndarray) -> mx.np.ndarray:
+        """An ``mxnet.numpy`` array on the queries' device; numpy arrays and lists converted."""
+        if not isinstance(positions, mx.np.ndarray):
+            positions = np.asarray(positions)
+            if positions.dtype.kind not in "iuf":
+                raise TypeError(
+                    f"positions must be integers; got dtype kind {positions.dtype.kind!r}"
+                )
+            positions = mx.np.array(positions, dtype=positions.dtype, ctx=like.ctx)
+        return positions.as_in_ctx(like.ctx)
+
+    def as_bias(self, bias: Any, like: mx.np.ndarray) -> mx.np.ndarray:
+        """``bias`` as it is: an ``mxnet.numpy`` array on the queries' device."""
+        if not isinstance(bias, mx.np.ndarray):
+            raise _not_mxnet_numpy("bias", bias)
+        if bias.ctx != like.ctx:
+            raise ValueError(f"bias is on {bias.ctx} but queries on {like.ctx}")
+        return bias
+
     def as_gates(self, head_mask: Any, like: mx.np.ndarray) -> mx.np.ndarray:
         """``head_mask`` as it is: an ``mxnet.numpy`` array on the queries' device."""
         if not isinstance(head_mask, mx.np.ndarray):

@@ -324,6 +324,9 @@ def run(
     dropout: Any = None,
     dropout_rate: float = 0.0,
     head_parallel: bool = False,
+    layer_options: spec.LayerOptions | None = None,
+    positions: Array | None = None,
+    bias: Array | None = None,
 ) -> call.Result:
     """A checked call of ``layer``, given as :func:`mha_multi.call.attend` takes it.
 
@@ -352,6 +355,31 @@ def run(
     if 0 in (batch, num_queries, num_keys):
         output, weights = empty_attention(layer, queries, keys, values, num_keys, gates)
         return call.Result(output, weights if return_attention_weights else None, cache)
+    if positions is not None or bias is not None or layer_options is not None:
+        # Positions and biases run on the parameters' arrays, hybridized or
+        # not: MXNet graphs take no host constants (the angles' frequencies,
+        # the ALiBi slopes).
+        used = PROJECTIONS if keys is not None else ("q", "o")
+        params = parameter_arrays(layer, queries.ctx, queries, keys, values, projections=used)
+        layout = {"heads": layer.heads, "num_hiddens": layer.num_hiddens, "dtype": layer.dtype}
+        return call.attend(
+            facts,
+            Projections(ops, params, **layout),
+            ops,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            cache=cache,
+            gates=gates,
+            causal=causal,
+            return_attention_weights=return_attention_weights,
+            dropout=weights_dropout(ops, layer.dropout),
+            dropout_rate=layer.dropout,
+            layer_options=layer_options,
+            positions=positions,
+            bias=bias,
+        )
     held = (None,) * 3 if cache is None else tuple(cache)
     inputs = (queries, keys, values, valid_lens, *held, gates)
     flags = {"causal": causal, "return_attention_weights": return_attention_weights}

@@ -155,6 +155,26 @@ class MXNetOps:
         batch = self.np.expand_dims(self.arange(_Size(x, 0)), 1) + positions * 0  # (B, M)
         return self.npx.gather_nd(x, self.np.stack([batch, positions], axis=0))
 
+    def slice_last(self, x: Array, start: int, stop: int) -> Array:
+        return x[..., start:stop]
+
+    def concat_last(self, xs: Sequence[Array]) -> Array:
+        return self.np.concatenate(list(xs), axis=-1)
+
+    def cos(self, x: Array) -> Array:
+        return self.np.cos(x)
+
+    def sin(self, x: Array) -> Array:
+        return self.np.sin(x)
+
+    def tanh(self, x: Array) -> Array:
+        return self.np.tanh(x)
+
+    def constant(self, value: np.ndarray, like: Array) -> Array:
+        # Arrays only: graphs take no host constants (a call with positions
+        # or biases runs on the parameters' arrays, docs: "Positions and biases").
+        return mx.np.array(value, dtype=value.dtype, ctx=like.ctx)
+
     def softmax(self, x: Array) -> Array:
         # MXNet's kernel gives 0 to the other keys of a row holding a NaN or
         # inf score; the reference (exp(x - max) / sum) makes the whole row

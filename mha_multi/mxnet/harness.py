@@ -140,30 +140,33 @@ def vjp(
     output_gradient: mx.np.ndarray,
     cache: KVCache | None = None,
     head_mask: mx.np.ndarray | None = None,
+    positions: Any = None,
+    bias: mx.np.ndarray | None = None,
 ) -> dict[str, mx.np.ndarray]:
     """The gradients of ``sum(output * output_gradient)`` of a call out of training mode.
 
     With a ``cache``, of that cached call's output, the cache held fixed
     (its arrays get no gradient). ``keys``/``values`` may then be ``None``,
-    and have no gradient. With a ``head_mask``, of the gated call, and the
-    gates' gradient too.
+    and have no gradient. With a ``head_mask`` or a ``bias``, of the call
+    given it, and its gradient too; ``positions`` are passed on.
 
     Returns:
         Arrays keyed ``queries``, ``keys``, ``values`` and the canonical
         weight names, kernels in the canonical ``(in, out)`` orientation;
-        and ``head_mask`` (of the gates' shape and dtype) with a ``head_mask``.
+        and ``head_mask``, ``bias`` (of their shape and dtype) where given.
     """
-    given = (queries, keys, values, head_mask)
+    given = (queries, keys, values, head_mask, bias)
     inputs = {
         name: x.copy()
-        for name, x in zip((*INPUT_NAMES, "head_mask"), given, strict=True)
+        for name, x in zip((*INPUT_NAMES, "head_mask", "bias"), given, strict=True)
         if x is not None
     }
     for array in inputs.values():
         array.attach_grad()
     options = {} if cache is None else {"cache": cache}
-    if head_mask is not None:
-        options["head_mask"] = inputs["head_mask"]
+    options.update({name: inputs[name] for name in ("head_mask", "bias") if name in inputs})
+    if positions is not None:
+        options["positions"] = positions
     with autograd.record(train_mode=False):
         result = layer(
             *(inputs.get(name) for name in INPUT_NAMES), valid_lens, causal=causal, **options

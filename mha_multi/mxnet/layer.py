@@ -94,6 +94,10 @@ class MultiHeadAttention(gluon.HybridBlock):
         num_kv_heads: number of key/value heads; must divide ``num_heads``
             (``None``: ``num_heads``).
         head_dim: size of each head (``None``: ``num_hiddens // num_heads``).
+        rotary, alibi, window, softcap: positions and biases inside attention
+            (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).
+            A call of a layer with any of them, or given ``positions`` or
+            ``bias``, runs on the parameters' arrays, hybridized or not.
         dtype: dtype of the parameters ("float32", "float64" or "float16").
         **kwargs: Gluon's ``prefix`` and ``params``.
     """
@@ -110,6 +114,10 @@ class MultiHeadAttention(gluon.HybridBlock):
         value_size: int | None = None,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
+        rotary: spec.Rotary | dict[str, Any] | None = None,
+        alibi: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
         dtype: Any = "float32",
         **kwargs: Any,
     ) -> None:
@@ -118,6 +126,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         super().__init__(**kwargs)
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
+        self.options = spec.LayerOptions(rotary, alibi, window, softcap).check(self._heads.head_dim)
         self.num_hiddens = int(num_hiddens)
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads
@@ -278,6 +287,8 @@ class MultiHeadAttention(gluon.HybridBlock):
         return_attention_weights: bool = False,
         cache: spec.KVCache | None = None,
         head_mask: Any = None,
+        positions: Any = None,
+        bias: Any = None,
     ) -> Any:
         """Attends from ``queries`` to ``keys``/``values``, or to a key/value cache.
 
@@ -327,6 +338,13 @@ class MultiHeadAttention(gluon.HybridBlock):
                 floating dtype; it is cast to the layer's (the cast is
                 recorded, so ``head_mask.grad`` has the gates' own dtype).
                 Gradients reach it through ``autograd`` as through any input.
+            positions: ``None``, or integer ``(B, Q)`` positions a ``rotary``
+                layer rotates the queries (and the keys of self-attention or a
+                cached call) by; default ``arange``, with a cache
+                ``lengths[b] + i`` (docs: "Positions and biases").
+            bias: ``None``, or a floating ``mxnet.numpy`` array broadcastable
+                to ``(B, H, Q, K)``, added to the scaled scores before the
+                masks; differentiable.
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
@@ -356,6 +374,9 @@ class MultiHeadAttention(gluon.HybridBlock):
             return_attention_weights=bool(return_attention_weights),
             cache=cache,
             head_mask=head_mask,
+            positions=positions,
+            bias=bias,
+            layer_options=None if self.options.is_default else self.options,
             dtype=self.dtype,
             # Dropout is the layer's own, in its computation (npx.dropout acts
             # only while autograd records in training mode).
