@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from finite_differences import assert_central_differences
 from test_spec_positions import naive_forward as options_loop
 
 from mha_multi import spec
@@ -212,40 +213,35 @@ def test_reference_gradients_match_finite_differences(config):
     case = build_case(config)
     weights = {k: v.astype(np.float64) for k, v in case.weights.items()}
     inputs = {k: v.astype(np.float64) for k, v in case.inputs.items()}
+    if case.bias is not None:
+        inputs["bias"] = case.bias.astype(np.float64)
     cotangent = case.output_gradient.astype(np.float64)
-    kwargs = {"num_heads": config.num_heads, "causal": config.causal}
+    kwargs = {
+        "num_heads": config.num_heads,
+        "causal": config.causal,
+        "positions": case.positions,
+        **config.layer_options(),
+    }
+    args = [inputs[name] for name in ("queries", "keys", "values")]
 
     def loss():
         out, _ = spec.reference_forward(
-            weights, inputs["queries"], inputs["keys"], inputs["values"], case.valid_lens, **kwargs
+            weights, *args, case.valid_lens, bias=inputs.get("bias"), **kwargs
         )
         return float(np.sum(out * cotangent))
 
     grads = spec.reference_gradients(
         weights,
-        inputs["queries"],
-        inputs["keys"],
-        inputs["values"],
+        *args,
         case.valid_lens,
         output_gradient=cotangent,
+        bias=inputs.get("bias"),
         **kwargs,
     )
-    assert set(grads) == {"queries", "keys", "values", *weights}
-    rng = np.random.default_rng(0)
-    step = 1e-6
-    for name, grad in grads.items():
-        array = inputs[name] if name in inputs else weights[name]
-        # Central differences on a few random entries of every array.
-        for flat in rng.choice(array.size, size=min(6, array.size), replace=False):
-            index = np.unravel_index(flat, array.shape)
-            original = array[index]
-            array[index] = original + step
-            plus = loss()
-            array[index] = original - step
-            minus = loss()
-            array[index] = original
-            numeric = (plus - minus) / (2 * step)
-            assert abs(numeric - grad[index]) < 1e-7, (name, index, numeric, grad[index])
+    assert set(grads) == {*inputs, *weights}
+    # Central differences on a few random entries of every array.
+    arrays = {**inputs, **weights}
+    assert_central_differences(grads, arrays, loss, rng=np.random.default_rng(0), entries=6)
 
 
 def test_fix_fully_hidden_rows_gives_the_spec_result():

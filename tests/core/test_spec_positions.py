@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from finite_differences import assert_central_differences
 
 from mha_multi import spec
 from mha_multi.parity.decode import decode, random_schedule
@@ -546,28 +547,7 @@ def test_reference_gradients_match_finite_differences(name):
         **kwargs,
     )
     assert set(grads) == set(arrays)
-    step = 1e-6
-    for name_, grad in grads.items():
-        array = arrays[name_]
-        assert grad.shape == np.shape(array), name_
-        if array.ndim == 0:  # a 0-d bias: step it as a whole
-            arrays[name_] = array + step
-            plus = loss()
-            arrays[name_] = array - step
-            minus = loss()
-            arrays[name_] = array
-            assert abs((plus - minus) / (2 * step) - grad) < 1e-7, name_
-            continue
-        for flat in rng.choice(array.size, size=min(8, array.size), replace=False):
-            index = np.unravel_index(flat, array.shape)
-            original = array[index]
-            array[index] = original + step
-            plus = loss()
-            array[index] = original - step
-            minus = loss()
-            array[index] = original
-            numeric = (plus - minus) / (2 * step)
-            assert abs(numeric - grad[index]) < 1e-7, (name_, index, numeric, grad[index])
+    assert_central_differences(grads, arrays, loss, rng=rng, entries=8)
 
 
 def test_bias_gradient_is_zero_where_keys_are_hidden():
