@@ -28,8 +28,9 @@ from flax import nnx
 from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.bench.generate import GenerationShape, Generator
-from mha_multi.jax import MultiHeadAttention, _backend, get_weights
-from mha_multi.jax.functional import batch_pieces
+from mha_multi.jax import MultiHeadAttention, get_weights
+from mha_multi.jax import harness as backend
+from mha_multi.jax._backend import batch_pieces
 
 Call = Callable[[nnx.Module, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -55,7 +56,7 @@ class Jax(Framework):
 
     name = "jax"
     package = "mha_multi.jax"
-    backend = _backend
+    backend = backend
     implementations = ("ours", "ours (generic)", "native", "ours (fused, xla)")
 
     def __init__(self) -> None:
@@ -115,11 +116,11 @@ class Jax(Framework):
                 buffer, output = recompute_step(ours, buffer, token, jnp.int32(position))
                 return (buffer, position + 1), output
 
-            return Generator(prefill, step, self.sync, _backend.to_numpy)
+            return Generator(prefill, step, self.sync, backend.to_numpy)
 
         layer_call = nnx.jit(lambda layer, x: layer(x, x, x, causal=True))
         heads = {} if shape.num_kv_heads is None else {"num_kv_heads": shape.num_kv_heads}
-        native = _backend.native_layer(
+        native = backend.native_layer(
             get_weights(ours), shape.num_heads, device=device, dtype=dtype, **heads
         )
         decode = nnx.jit(lambda layer, x: layer(x, decode=True, deterministic=True))
@@ -134,7 +135,7 @@ class Jax(Framework):
             def step(state: Any, token: jax.Array) -> tuple[Any, jax.Array]:
                 return None, decode(native, token)
 
-            return Generator(prefill, step, self.sync, _backend.to_numpy)
+            return Generator(prefill, step, self.sync, backend.to_numpy)
 
         generators["recompute"] = recompute
         generators["native"] = flax_decode
@@ -145,19 +146,19 @@ class Jax(Framework):
     ) -> tuple[jax.Array, ...]:
         # Flax's mask broadcasts over heads and queries.
         lens, mask = lens.astype(np.int32), visible[:, None, None, :]
-        put = (_backend.lens_to_native(lens, device), jax.device_put(mask, _backend.device(device)))
+        put = (backend.lens_to_native(lens, device), jax.device_put(mask, backend.device(device)))
         return self.array(x, device, dtype), *put
 
     def build(self, shape: Shape, device: str, dtype: str) -> dict[str, tuple[nnx.Module, Call]]:
         d, h = shape.num_hiddens, shape.num_heads
         place = {"device": device, "dtype": dtype}
         ours, fused = (
-            _backend.make_layer(
+            backend.make_layer(
                 d, h, num_kv_heads=shape.num_kv_heads, implementation=implementation, **place
             )
             for implementation in (None, "xla")
         )
-        native = _backend.native_layer(get_weights(ours), h, **place)
+        native = backend.native_layer(get_weights(ours), h, **place)
         for module in (ours, fused):
             module.eval()
         return {
@@ -215,7 +216,7 @@ class Jax(Framework):
     def peak_mib(self, device: str, run: Callable[[], None]) -> float:
         if device != "gpu":
             return super().peak_mib(device, run)
-        stats = _backend.device(device).memory_stats
+        stats = backend.device(device).memory_stats
         before = (stats() or {}).get("bytes_in_use", 0)
         run()
         return ((stats() or {}).get("peak_bytes_in_use", 0) - before) / 2**20

@@ -1,8 +1,9 @@
 """JAX/Flax backend: ``MultiHeadAttention`` as a Flax NNX module.
 
 The Flax Linen module is in :mod:`mha_multi.jax.linen`; both are thin
-wrappers over the pure function
-:func:`mha_multi.jax.functional.multi_head_attention`. Heads are split
+shells over the call flow of :mod:`mha_multi.call` with JAX's facts and
+their parameters, as the pure function
+:func:`mha_multi.jax.functional.multi_head_attention` is. Heads are split
 across devices with :func:`shard_heads` (:mod:`mha_multi.jax.sharding`).
 """
 

@@ -1,57 +1,52 @@
-"""JAX's facts, in one place: dtypes, devices, conversions, layers, gradients.
+"""JAX's facts, once: dtypes, devices, conversions, host reads, the generic path's pieces.
 
-The parity runners, the benchmark and the tests drive the NNX and Linen
-layers through these functions rather than each knowing JAX's conventions
-(docs: "Architecture"). :func:`make_layer` builds the NNX layer and
-:func:`linen_layer` the Linen one; :func:`forward` and :func:`vjp` take
-either. Only :func:`host_array` is needed by the layers themselves; everything that
-builds a layer imports it when called, so that the layers can import this
-module.
+What the NNX and Linen layers need of JAX sits here, below them (docs:
+"Architecture"): the dtypes, devices and GPU detection, the process-wide
+settings for exact float32 products, conversions to and from numpy
+(bfloat16 included), and :class:`JaxFacts`, what the call flow of
+:mod:`mha_multi.call` asks of JAX: how inputs, lengths, caches and gates are
+checked, what can be read on the host (nothing while traced), the fused
+kernel (:mod:`mha_multi.jax._kernel`) and the generic path piece by piece on
+a CPU. This module imports no layer; what builds and drives layers is in
+:mod:`mha_multi.jax.harness`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import operator
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 from jax.typing import DTypeLike
 
-from mha_multi import spec
-from mha_multi.weights import KERNEL_NAMES
-
-if TYPE_CHECKING:
-    from mha_multi.jax import linen
-    from mha_multi.jax.layer import MultiHeadAttention
-    from mha_multi.parity.runners import KernelCall
+from mha_multi import call, spec
+from mha_multi.jax._kernel import (
+    DOT_PRODUCT_ATTENTION,
+    chosen_kernel,
+    fused_attention,
+    fused_dtype_supported,
+    platform,
+)
+from mha_multi.jax._ops import JaxOps, PrecisionLike, dtype_kind
 
 __all__ = [
+    "CPU_PIECE_BYTES",
     "DTYPES",
-    "INPUT_NAMES",
-    "LinenLayer",
+    "JaxFacts",
+    "as_valid_lens",
+    "batch_pieces",
     "device",
     "device_description",
     "exact_float32",
-    "forward",
     "gpu_available",
-    "head_mask_gradient",
     "host_array",
-    "init_cache",
-    "kernel_spy",
     "lens_to_native",
-    "linen_layer",
-    "make_layer",
-    "native_layer",
     "sync",
     "to_native",
     "to_numpy",
-    "vjp",
 ]
 
 #: Dtype name -> JAX dtype. float64 needs :func:`exact_float32`'s x64.
@@ -61,9 +56,6 @@ DTYPES: dict[str, DTypeLike] = {
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,
 }
-
-#: The differentiable inputs of a call, in order.
-INPUT_NAMES = ("queries", "keys", "values")
 
 # -- devices and settings -------------------------------------------------------
 
@@ -154,330 +146,203 @@ def lens_to_native(valid_lens: Any, device: str = "cpu") -> Any:
     return valid_lens
 
 
-# -- layers: construction, one call, one vector-Jacobian product ----------------
+def as_valid_lens(valid_lens: Any) -> jax.Array | None:
+    """``valid_lens`` as a JAX array (or tracer), its dtype checked.
 
-
-def make_layer(
-    num_hiddens: int,
-    num_heads: int,
-    *,
-    device: str = "cpu",
-    dtype: str = "float32",
-    **kwargs: Any,
-) -> MultiHeadAttention:
-    """Our NNX layer with ``dtype`` parameters on ``device`` (``nnx.Rngs(0)``).
-
-    ``kwargs`` are the layer's (``dropout``, ``bias``, sizes,
-    ``implementation``...). It starts in NNX's default mode, training;
-    :func:`forward` sets the mode of each call.
-    """
-    from mha_multi.jax.layer import MultiHeadAttention
-
-    with jax.default_device(_device(device)):
-        return MultiHeadAttention(
-            num_hiddens, num_heads, param_dtype=DTYPES[dtype], rngs=nnx.Rngs(0), **kwargs
-        )
-
-
-@dataclass
-class LinenLayer:
-    """A Linen module with its variables, device and the rng its dropout draws from."""
-
-    module: linen.MultiHeadAttention
-    variables: dict[str, Any] | None
-    device: jax.Device
-    rng: jax.Array
-
-    def next_rng(self) -> jax.Array:
-        """A fresh key; the stream advances."""
-        self.rng, key = jax.random.split(self.rng)
-        return key
-
-    def set_weights(self, weights: Mapping[str, Any]) -> LinenLayer:
-        """Loads canonical weights (strict) onto the layer's device; returns the layer."""
-        from mha_multi.jax import linen
-
-        variables = linen.variables_from_weights(weights, self.module)
-        self.variables = jax.device_put(variables, self.device)
-        return self
-
-    def get_weights(self) -> dict[str, np.ndarray]:
-        """The canonical weights, as numpy arrays.
-
-        Raises:
-            ValueError: the layer has no variables yet.
-        """
-        from mha_multi.jax import linen
-
-        if self.variables is None:
-            raise ValueError("the layer has no variables yet: call init or set its weights")
-        return linen.weights_from_variables(self.variables)
-
-
-def linen_layer(
-    num_hiddens: int,
-    num_heads: int,
-    *,
-    device: str = "cpu",
-    dtype: str = "float32",
-    **kwargs: Any,
-) -> LinenLayer:
-    """Our Linen module with ``dtype`` parameters on ``device``.
-
-    Its variables are initialised where the module fixes every input size;
-    otherwise they stay ``None`` until weights are set.
-    """
-    from mha_multi.jax import linen
-
-    module = linen.MultiHeadAttention(num_hiddens, num_heads, param_dtype=DTYPES[dtype], **kwargs)
-    layer = LinenLayer(module, None, _device(device), jax.random.key(0))
-    sizes = (module.query_size, module.key_size, module.value_size)
-    if all(size is not None for size in sizes):
-        shapes = [jnp.zeros((1, 1, size), DTYPES[dtype]) for size in sizes]
-        with jax.default_device(layer.device):
-            layer.variables = module.init(layer.next_rng(), *shapes)
-    return layer
-
-
-def forward(
-    layer: MultiHeadAttention | LinenLayer,
-    queries: jax.Array,
-    keys: jax.Array | None,
-    values: jax.Array | None,
-    valid_lens: Any = None,
-    *,
-    training: bool = False,
-    head_mask: jax.Array | None = None,
-    **kwargs: Any,
-) -> Any:
-    """One call of an NNX layer (in ``train()`` or ``eval()`` mode) or a Linen
-    layer (whose dropout draws a fresh key in training).
-
-    ``head_mask`` is the layer's, passed as it is; ``kwargs`` are the
-    layer's (``causal``, ``return_attention_weights``, ``cache``).
-    """
-    kwargs["head_mask"] = head_mask
-    if isinstance(layer, LinenLayer):
-        rngs = {"dropout": layer.next_rng()} if training else {}
-        return layer.module.apply(
-            layer.variables,
-            queries,
-            keys,
-            values,
-            valid_lens,
-            training=training,
-            rngs=rngs,
-            **kwargs,
-        )
-    if training:
-        layer.train()
-    else:
-        layer.eval()
-    return layer(queries, keys, values, valid_lens, **kwargs)
-
-
-def vjp(
-    layer: MultiHeadAttention | LinenLayer,
-    queries: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
-    valid_lens: Any,
-    *,
-    causal: bool,
-    output_gradient: jax.Array,
-    cache: spec.KVCache | None = None,
-    head_mask: jax.Array | None = None,
-) -> dict[str, jax.Array]:
-    """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
-
-    Both layers hold their parameters in one tree,
-    ``{'W_q': {'kernel': ..., 'bias': ...}, ...}`` (an NNX state, Linen's
-    ``params``), in the canonical orientation. With a ``cache``, of the
-    output of that cached call, the cache held fixed; with a ``head_mask``,
-    of the gated call.
-
-    Returns:
-        Keyed ``queries``, ``keys``, ``values`` and the canonical weight
-        names; with a ``head_mask``, its gradient too (in its dtype), keyed
-        ``head_mask``.
-    """
-    options: dict[str, Any] = {"causal": causal}
-    if cache is not None:
-        options["cache"] = cache
-
-    def output_of(result: Any) -> jax.Array:
-        return result if cache is None else result[0]
-
-    if isinstance(layer, LinenLayer):
-        module = layer.module
-
-        def call(variables: Any, gates: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return output_of(
-                module.apply(variables, q, k, v, valid_lens, head_mask=gates, **options)
-            )
-
-        params = layer.variables
-        projections: Callable[[Any], Any] = operator.itemgetter("params")
-    else:
-        layer.eval()
-        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-
-        def call(
-            params: nnx.State, gates: Any, q: jax.Array, k: jax.Array, v: jax.Array
-        ) -> jax.Array:
-            layer = nnx.merge(graphdef, params, rest)
-            return output_of(layer(q, k, v, valid_lens, head_mask=gates, **options))
-
-        projections = nnx.to_pure_dict
-
-    # One compiled program per call: eager JAX would compile each operation
-    # of the forward and backward passes for each new shape instead, several
-    # times slower for the one product wanted here.
-    @jax.jit
-    def gradients(params: Any, gates: Any, q: Any, k: Any, v: Any, cotangent: Any) -> Any:
-        _, pullback = jax.vjp(call, params, gates, q, k, v)
-        return pullback(cotangent)
-
-    param_grads, gate_grad, *input_grads = gradients(
-        params, head_mask, queries, keys, values, output_gradient
-    )
-    grads = dict(zip(INPUT_NAMES, input_grads, strict=True))
-    if head_mask is not None:
-        grads["head_mask"] = gate_grad
-    tree = projections(param_grads)
-    for name in KERNEL_NAMES:
-        grads[name] = tree[name]["kernel"]
-        if tree[name].get("bias") is not None:
-            grads[f"b_{name[-1]}"] = tree[name]["bias"]
-    return grads
-
-
-def head_mask_gradient(
-    layer: MultiHeadAttention | LinenLayer, loss_fn: Callable[[jax.Array], Any]
-) -> Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]:
-    """``dL/dξ`` at ``ξ = 1`` of a batch, the gradient a head's importance is made of.
-
-    ``L = loss_fn(layer(queries, keys, values, valid_lens, head_mask=ξ))``
-    with one gate per head (docs: "Heads"), in evaluation mode (no dropout),
-    whatever the layer's mode, which is left as it is. The function returned
-    is ``jax.jit``-ed once for the layer's parameters as they are now (an
-    argument of it, not a constant): one compilation for each batch shape.
+    Accepts ``None``, JAX arrays, numpy arrays and nested sequences. Integer
+    and floating dtypes are accepted (the rule is ``j < valid_lens``).
+    Integer lengths that JAX cannot hold (beyond 32 bits without
+    ``jax_enable_x64``, ``uint64`` beyond ``int64`` with it) are clipped,
+    not wrapped: ``2**62`` still hides nothing instead of everything. JAX
+    arrays are already within JAX's range and are taken as they are.
 
     Args:
-        layer: an NNX layer, or a :class:`LinenLayer`.
-        loss_fn: ``loss_fn(output) -> scalar`` (a JAX scalar, or an array of
-            one element), traced.
+        valid_lens: ``None`` or the lengths.
 
     Returns:
-        ``gradient(queries, keys, values, valid_lens) -> (num_heads,)``, in
-        float32 (float64 for a float64 layer); zeros where the loss does not
-        depend on the output.
+        ``None`` or the lengths as a JAX array.
 
-    Raises (when the returned function is called):
-        ValueError: ``loss_fn`` returned more than one number.
-        TypeError: ``loss_fn`` returned something that is not a number.
+    Raises:
+        TypeError: a boolean, string or otherwise non-numeric ``valid_lens``.
     """
-    if isinstance(layer, LinenLayer):
-        module, state = layer.module, layer.variables
-        num_heads = module.num_heads
-        param_dtype = module.param_dtype if module.dtype is None else module.dtype
-
-        def output(state: Any, gates: jax.Array, *args: Any) -> jax.Array:
-            return module.apply(state, *args, head_mask=gates)
-
-    else:
-        graphdef, state = nnx.split(layer)
-        num_heads = layer.num_heads
-        param_dtype = layer.W_q.kernel.dtype if layer.dtype is None else layer.dtype
-
-        def output(state: Any, gates: jax.Array, *args: Any) -> jax.Array:
-            return nnx.merge(graphdef, state)(*args, head_mask=gates, deterministic=True)
-
-    def loss(gates: jax.Array, state: Any, *args: Any) -> jax.Array:
-        value = loss_fn(output(state, gates, *args))
-        if not (hasattr(value, "shape") or isinstance(value, (int, float))):
-            raise TypeError(f"loss_fn must return a scalar; got {type(value).__name__}")
-        if np.size(value) != 1:
-            raise ValueError(f"loss_fn must return a scalar; got shape {tuple(np.shape(value))}")
-        return jnp.reshape(value, ())
-
-    gradient = jax.jit(jax.grad(loss))
-    ones = jnp.ones(num_heads, jnp.promote_types(param_dtype, jnp.float32))
-
-    def of_batch(
-        queries: jax.Array, keys: jax.Array, values: jax.Array, valid_lens: Any
-    ) -> jax.Array:
-        from mha_multi.jax.functional import as_valid_lens
-
-        return gradient(ones, state, queries, keys, values, as_valid_lens(valid_lens))
-
-    return of_batch
+    if valid_lens is None:
+        return None
+    if isinstance(valid_lens, jax.Array):
+        spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
+        return valid_lens
+    return jnp.asarray(spec.lens_as_numpy(valid_lens, jax.dtypes.canonicalize_dtype(np.int64)))
 
 
-def init_cache(
-    layer: MultiHeadAttention | LinenLayer, batch_size: int, max_length: int
-) -> spec.KVCache:
-    """The layer's empty cache (its ``init_cache``), of its dtype, on its device."""
-    if isinstance(layer, LinenLayer):
-        with jax.default_device(layer.device):
-            return layer.module.init_cache(batch_size, max_length)
-    return layer.init_cache(batch_size, max_length)
+# -- the generic path on a CPU ----------------------------------------------------
+
+#: The most bytes of float32 scores ``(b, H, Q, K)`` that one piece of the
+#: batch holds on a CPU (see :func:`batch_pieces`).
+CPU_PIECE_BYTES = 8 << 20
 
 
-def native_layer(
-    weights: Mapping[str, Any],
-    num_heads: int,
-    *,
-    device: str = "cpu",
-    dtype: str = "float32",
-    **kwargs: Any,
-) -> nnx.MultiHeadAttention:
-    """``flax.nnx.MultiHeadAttention`` holding canonical ``weights``, in eval mode.
+def batch_pieces(batch: int, example_bytes: int) -> int:
+    """How many pieces of the batch the generic path takes one after another on a CPU.
 
-    Its parameters have ``dtype`` and live on ``device``; ``kwargs`` are
-    further constructor arguments (see
-    :func:`mha_multi.interop.jax.to_flax_nnx`).
+    There the generic path is bound by memory once its ``(B, H, Q, K)``
+    arrays (scores, masked scores, weights) outgrow the caches: each kernel
+    writes them out and the next reads them back. Pieces whose scores stay
+    within :data:`CPU_PIECE_BYTES` are read back from the cache. (A GPU runs
+    one large batched kernel best: there the batch is one piece.)
+
+    Args:
+        batch: ``B``.
+        example_bytes: the bytes of one example's float32 scores, ``H*Q*K*4``.
+
+    Returns:
+        1 where the whole batch fits, else the smallest divisor of ``B``
+        whose pieces fit (``B`` where none does).
     """
-    from mha_multi.interop.jax import to_flax_nnx
-
-    with jax.default_device(_device(device)):
-        layer = to_flax_nnx(weights, num_heads, param_dtype=DTYPES[dtype], **kwargs)
-    layer.eval()
-    return layer
-
-
-# -- the fused kernel -----------------------------------------------------------
+    if batch * example_bytes <= CPU_PIECE_BYTES:
+        return 1
+    for pieces in range(2, batch):
+        if batch % pieces == 0 and batch // pieces * example_bytes <= CPU_PIECE_BYTES:
+            return pieces
+    return batch
 
 
-@contextlib.contextmanager
-def kernel_spy() -> Iterator[list[KernelCall]]:
-    """Records every :func:`jax.nn.dot_product_attention` call of our layers while active.
+# -- the call's facts ----------------------------------------------------------------
 
-    The layers look the kernel up at call time through
-    ``mha_multi.jax.functional._dot_product_attention``, which this replaces
-    for the duration. Under ``jax.jit`` a call is recorded once, while it is
-    traced, and its key lengths are the traced array rather than numpy.
 
-    Yields:
-        The list that gets one ``KernelCall`` per call.
+class JaxFacts(call.Facts):
+    """What a call of the NNX or Linen layer asks of JAX (:class:`mha_multi.call.Facts`).
+
+    Every check reads static shapes and dtypes only, so it runs (and raises)
+    while a ``jax.jit``-ed call is being traced, before any array operation.
+
+    Args:
+        precision: of every matrix product (``jax.lax.Precision`` or a
+            string such as ``"highest"``); ``None`` for JAX's default.
+        implementation: the layer's choice of kernel, ``None``,
+            ``"generic"``, ``"xla"`` or ``"cudnn"``
+            (:func:`mha_multi.jax._kernel.chosen_kernel`).
     """
-    from mha_multi.jax import functional
-    from mha_multi.parity.runners import KernelCall
 
-    calls: list[KernelCall] = []
-    original = functional._dot_product_attention
+    kernel = DOT_PRODUCT_ATTENTION
 
-    def recording(*args: Any) -> jax.Array:
-        _, _, _, mask, is_causal, lengths, _ = args
-        if lengths is not None and not isinstance(lengths, jax.core.Tracer):
-            lengths = np.asarray(lengths)
-        calls.append(
-            KernelCall(mask=mask is not None, is_causal=bool(is_causal), key_lengths=lengths)
-        )
-        return original(*args)
+    def __init__(self, precision: PrecisionLike = None, implementation: str | None = None) -> None:
+        self.precision = precision
+        self.implementation = implementation
+        self.vmap = jax.vmap
+        self._ops = JaxOps(precision)
 
-    functional._dot_product_attention = recording
-    try:
-        yield calls
-    finally:
-        functional._dot_product_attention = original
+    def ops(self, like: jax.Array) -> JaxOps:
+        return self._ops
+
+    def dtype_kind(self, dtype: DTypeLike) -> str:
+        return dtype_kind(dtype)
+
+    def check_input(self, name: str, x: Any, *, like: Any, dtype: Any) -> Any:
+        """Any floating array (or tracer): the call casts it to its computation dtype."""
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name} must be an array; got {type(x).__name__}")
+        if dtype_kind(x.dtype) != "f":
+            raise TypeError(f"{name} must be a floating-point array; got {x.dtype}")
+        return x
+
+    def as_lens(self, valid_lens: Any, like: Any) -> jax.Array | None:
+        return as_valid_lens(valid_lens)
+
+    def as_cache(self, cache: Any, like: Any) -> spec.KVCache:
+        if not isinstance(cache, spec.KVCache):
+            raise TypeError(
+                f"cache must be a KVCache (from the layer's init_cache); got {type(cache).__name__}"
+            )
+        return spec.KVCache(*(jnp.asarray(x) for x in cache))
+
+    def as_gates(self, head_mask: Any, like: Any) -> Any:
+        """A JAX or numpy array (or tracer), as it is: the gating casts it."""
+        if not (hasattr(head_mask, "shape") and hasattr(head_mask, "dtype")):
+            raise TypeError(
+                "head_mask must be a floating-point array of shape (num_heads,) or "
+                f"(batch, num_heads); got {type(head_mask).__name__}"
+            )
+        return head_mask
+
+    def read(self, *arrays: jax.Array | None) -> list[np.ndarray | None] | None:
+        """One transfer to the host; nothing while traced."""
+        if any(isinstance(x, jax.core.Tracer) for x in arrays):
+            return None
+        return list(jax.device_get(arrays))
+
+    def kernel_serves(self, q: jax.Array) -> bool:
+        kernel = chosen_kernel(self.implementation, q)
+        return kernel != "generic" and fused_dtype_supported(q.dtype, self.precision)
+
+    def fused_attention(self, ops: JaxOps, *args: Any, **kwargs: Any) -> jax.Array | None:
+        """:func:`mha_multi.jax._kernel.fused_attention` of the layer's kernel and precision.
+
+        ``None`` where cuDNN declined: it serves some head sizes, sequence
+        lengths and GPUs only, and says so while the call is traced. Asked
+        for by name, that is the caller's error; chosen by default, the
+        generic path serves.
+        """
+        kernel = chosen_kernel(self.implementation, args[0])
+        try:
+            return fused_attention(
+                ops, *args, precision=self.precision, implementation=kernel, **kwargs
+            )
+        except (NotImplementedError, ValueError, RuntimeError):
+            if self.implementation is not None:
+                raise
+            return None
+
+    def generic_attention(
+        self,
+        ops: JaxOps,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        valid_lens: jax.Array | None,
+        **settings: Any,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """:meth:`mha_multi.call.Facts.generic_attention` (its ``settings``), on the whole
+        batch or piece by piece.
+
+        Examples never mix, so the pieces (:func:`batch_pieces`) compute the
+        same function as the whole batch; every argument has the batch
+        first, a cache's split keys and values ``(B, H_kv, M, dh)``
+        (``kv_split``) included, so cached calls are taken in pieces alike.
+        A piece's backward pass computes its scores and weights again rather
+        than storing them for every piece: it reads them from the cache
+        instead of memory, and training holds one piece's ``(b, H, Q, K)``
+        arrays rather than the batch's. Dropout draws one mask for the whole
+        batch, as Flax's does, so with dropout the batch is one piece.
+
+        Returns:
+            ``(context, weights)``, the weights ``None`` unless asked for.
+        """
+        whole = super().generic_attention
+        weighted = settings["return_attention_weights"]
+
+        def attention(
+            q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array | None
+        ) -> tuple[jax.Array, jax.Array | None]:
+            context, weights = whole(ops, q, k, v, lens, **settings)
+            return context, weights if weighted else None
+
+        batch = q.shape[0]
+        pieces = 1
+        # Score options may hold arrays with a batch axis of their own: one piece.
+        plain = settings.get("options", spec.NO_OPTIONS) is spec.NO_OPTIONS
+        if settings["dropout"] is None and plain and platform(q) == "cpu":
+            num_keys = k.shape[2 if settings["kv_split"] else 1]
+            scores = settings["heads"].num_heads * q.shape[1] * num_keys * 4
+            pieces = batch_pieces(batch, scores)
+        if pieces == 1:
+            return attention(q, k, v, valid_lens)
+
+        def split(x: jax.Array | None) -> jax.Array | None:
+            return None if x is None else x.reshape(pieces, batch // pieces, *x.shape[1:])
+
+        def merge(x: jax.Array | None) -> jax.Array | None:
+            return None if x is None else x.reshape(batch, *x.shape[2:])
+
+        # lax.map already keeps XLA from merging the pieces: no CSE barrier needed.
+        piece = jax.checkpoint(lambda args: attention(*args), prevent_cse=False)
+        context, weights = lax.map(piece, tuple(map(split, (q, k, v, valid_lens))))
+        return merge(context), merge(weights)

@@ -6,18 +6,84 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from flax import nnx
 
-from mha_multi.heads import importance
-from mha_multi.jax import _backend, linen
+from mha_multi.heads import importance_over
+from mha_multi.jax import linen
+from mha_multi.jax._backend import as_valid_lens, host_array
 from mha_multi.jax.layer import MultiHeadAttention
 
-__all__ = ["head_importance"]
+__all__ = ["head_importance", "head_mask_gradient"]
+
+#: A Linen module with its variables, as ``module.apply(variables, ...)`` takes them.
+LinenPair = tuple[linen.MultiHeadAttention, Any]
+
+
+def head_mask_gradient(
+    layer: MultiHeadAttention | LinenPair, loss_fn: Callable[[jax.Array], Any]
+) -> Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]:
+    """``dL/dξ`` at ``ξ = 1`` of a batch, the gradient a head's importance is made of.
+
+    ``L = loss_fn(layer(queries, keys, values, valid_lens, head_mask=ξ))``
+    with one gate per head (docs: "Heads"), in evaluation mode (no dropout),
+    whatever the layer's mode, which is left as it is. The function returned
+    is ``jax.jit``-ed once for the layer's parameters as they are now (an
+    argument of it, not a constant): one compilation for each batch shape.
+
+    Args:
+        layer: an NNX layer, or a Linen module and its variables.
+        loss_fn: ``loss_fn(output) -> scalar`` (a JAX scalar, or an array of
+            one element), traced.
+
+    Returns:
+        ``gradient(queries, keys, values, valid_lens) -> (num_heads,)``, in
+        float32 (float64 for a float64 layer); zeros where the loss does not
+        depend on the output.
+
+    Raises (when the returned function is called):
+        ValueError: ``loss_fn`` returned more than one number.
+        TypeError: ``loss_fn`` returned something that is not a number.
+    """
+    if isinstance(layer, MultiHeadAttention):
+        graphdef, state = nnx.split(layer)
+        num_heads = layer.num_heads
+        param_dtype = layer.W_q.kernel.dtype if layer.dtype is None else layer.dtype
+
+        def output(state: Any, gates: jax.Array, *args: Any) -> jax.Array:
+            return nnx.merge(graphdef, state)(*args, head_mask=gates, deterministic=True)
+
+    else:
+        module, state = layer
+        num_heads = module.num_heads
+        param_dtype = module.param_dtype if module.dtype is None else module.dtype
+
+        def output(state: Any, gates: jax.Array, *args: Any) -> jax.Array:
+            return module.apply(state, *args, head_mask=gates)
+
+    def loss(gates: jax.Array, state: Any, *args: Any) -> jax.Array:
+        value = loss_fn(output(state, gates, *args))
+        if not (hasattr(value, "shape") or isinstance(value, (int, float))):
+            raise TypeError(f"loss_fn must return a scalar; got {type(value).__name__}")
+        if np.size(value) != 1:
+            raise ValueError(f"loss_fn must return a scalar; got shape {tuple(np.shape(value))}")
+        return jnp.reshape(value, ())
+
+    gradient = jax.jit(jax.grad(loss))
+    ones = jnp.ones(num_heads, jnp.promote_types(param_dtype, jnp.float32))
+
+    def of_batch(
+        queries: jax.Array, keys: jax.Array, values: jax.Array, valid_lens: Any
+    ) -> jax.Array:
+        return gradient(ones, state, queries, keys, values, as_valid_lens(valid_lens))
+
+    return of_batch
 
 
 def head_importance(
-    layer: MultiHeadAttention | linen.MultiHeadAttention | tuple[linen.MultiHeadAttention, Any],
+    layer: MultiHeadAttention | linen.MultiHeadAttention | LinenPair,
     batches: Iterable[tuple[Any, Any, Any, Any]],
     loss_fn: Callable[[jax.Array], Any],
     *,
@@ -55,16 +121,13 @@ def head_importance(
         ValueError: ``batches`` yields nothing, or ``loss_fn`` returns more
             than one number.
     """
-    gradient = _backend.head_mask_gradient(_as_layer(layer), loss_fn)
-    gradients = [_backend.host_array(gradient(*batch)) for batch in batches]
-    if not gradients:
-        raise ValueError("batches yielded no batch: head importance needs at least one")
-    return importance(gradients, normalize=normalize)
+    gradient = head_mask_gradient(_as_layer(layer), loss_fn)
+    return importance_over(lambda batch: host_array(gradient(*batch)), batches, normalize=normalize)
 
 
-def _as_layer(layer: Any) -> MultiHeadAttention | _backend.LinenLayer:
-    """The NNX layer as it is; a Linen module and its variables as a ``LinenLayer``."""
-    if isinstance(layer, (MultiHeadAttention, _backend.LinenLayer)):
+def _as_layer(layer: Any) -> MultiHeadAttention | LinenPair:
+    """The NNX layer as it is; a Linen module with its variables as the pair."""
+    if isinstance(layer, MultiHeadAttention):
         return layer
     if isinstance(layer, tuple) and len(layer) == 2 and isinstance(layer[0], nn.Module):
         module, variables = layer
@@ -78,4 +141,4 @@ def _as_layer(layer: Any) -> MultiHeadAttention | _backend.LinenLayer:
             "mha_multi.jax.linen.MultiHeadAttention as (module, variables) or bound to its "
             f"variables; got {type(layer).__name__}"
         )
-    return _backend.LinenLayer(module, dict(variables), jax.devices()[0], jax.random.key(0))
+    return module, dict(variables)

@@ -14,9 +14,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
-from mha_multi import spec
-from mha_multi.jax import _backend, functional
+from mha_multi import call, spec
+from mha_multi.jax import functional
+from mha_multi.jax._backend import JaxFacts, host_array
+from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
+from mha_multi.jax._projections import WeightsProjections
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
@@ -32,9 +35,11 @@ class MultiHeadAttention(nnx.Module):
 
     The projections are ``nnx.Linear`` modules named ``W_q``, ``W_k``, ``W_v``
     and ``W_o`` as in d2l (state ``W_q.kernel``, ``W_q.bias``...), with
-    kernels in the canonical ``x @ W + b`` orientation. The forward pass is
-    :func:`mha_multi.jax.functional.multi_head_attention` on those parameters,
-    shared with the Linen module, so both give bit-identical outputs.
+    kernels in the canonical ``x @ W + b`` orientation. A call is
+    :func:`mha_multi.call.forward` with JAX's facts and those parameters'
+    projections, as for the Linen module and
+    :func:`~mha_multi.jax.functional.multi_head_attention`, so all give
+    bit-identical outputs.
 
     Dropout follows ``nnx.Dropout``: active while ``deterministic`` is
     ``False`` (the default, and after ``.train()``), off after ``.eval()``
@@ -108,7 +113,7 @@ class MultiHeadAttention(nnx.Module):
         self.head_dim = heads.head_dim
         self.num_kv_heads = heads.num_kv_heads
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
-        functional.check_implementation(implementation)
+        check_implementation(implementation)
         self.num_hiddens = int(num_hiddens)
         self.num_heads = int(num_heads)
         self.dropout = float(dropout)
@@ -289,42 +294,35 @@ class MultiHeadAttention(nnx.Module):
                 With a cache in an eager call, also lengths out of range or
                 an overflow.
         """
-        sizes = self.input_sizes()
-        if cache is None:
-            queries, keys, values, valid_lens = functional.check_call(
-                queries, keys, values, valid_lens, causal=causal, **sizes
-            )
-        else:
-            queries, keys, values, valid_lens, cache = functional.check_cached_call(
-                queries, keys, values, valid_lens, cache, heads=self.heads, causal=causal, **sizes
-            )
         deterministic = self.deterministic if deterministic is None else deterministic
-        dropout_rng = None
+        dropout_key = None
         if not deterministic and self.dropout > 0:
-            dropout_rng = _dropout_key(self.rngs if rngs is None else rngs)
-        output, weights, *new_cache = functional.multi_head_attention(
-            self.params(),
+
+            def dropout_key() -> jax.Array:
+                return _dropout_key(self.rngs if rngs is None else rngs)
+
+        result = call.forward(
+            JaxFacts(self.precision, self.implementation),
+            WeightsProjections(
+                self.params(),
+                self.heads,
+                self.input_sizes(),
+                dtype=self.dtype,
+                precision=self.precision,
+            ),
             queries,
             keys,
             values,
             valid_lens,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
             causal=causal,
-            dropout_rate=self.dropout,
-            deterministic=deterministic,
-            dropout_rng=dropout_rng,
-            dtype=self.dtype,
-            precision=self.precision,
             return_attention_weights=return_attention_weights,
-            implementation=self.implementation,
             cache=cache,
-            head_parallel=self.head_parallel,
             head_mask=head_mask,
+            dropout=functional.flax_dropout(dropout_key, self.dropout),
+            dropout_rate=self.dropout,
+            head_parallel=self.head_parallel,
         )
-        if return_attention_weights:
-            return (output, weights, *new_cache)
-        return (output, *new_cache) if new_cache else output
+        return result.returned(return_attention_weights)
 
 
 def _dropout_key(rngs: nnx.Rngs | nnx.RngStream | jax.Array | None) -> jax.Array:
@@ -374,4 +372,4 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
     bfloat16 parameters are returned as float32 (the canonical format holds
     numpy floating dtypes only); every other dtype is kept.
     """
-    return {name: _backend.host_array(value) for name, value in layer.params().items()}
+    return {name: host_array(value) for name, value in layer.params().items()}

@@ -3,9 +3,10 @@
 Parameters live under ``params/W_q/kernel``, ``params/W_q/bias``... as in
 d2l (whose projections are ``nn.Dense`` modules of those names), in the
 canonical ``x @ W + b`` orientation. Input sizes are inferred from the inputs
-at ``init``. The forward pass is
-:func:`mha_multi.jax.functional.multi_head_attention`, shared with the NNX
-module, so both give bit-identical outputs for the same weights.
+at ``init``. A call is :func:`mha_multi.call.forward` with JAX's facts and
+the parameters' projections, as for the NNX module and
+:func:`~mha_multi.jax.functional.multi_head_attention`, so all give
+bit-identical outputs for the same weights.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import numpy as np
 from flax import linen as nn
 from jax.typing import DTypeLike
 
-from mha_multi import spec
-from mha_multi.jax import _backend, functional
+from mha_multi import call, spec
+from mha_multi.jax import functional
+from mha_multi.jax._backend import JaxFacts, host_array
+from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
+from mha_multi.jax._projections import WeightsProjections
 from mha_multi.jax.sharding import partition_specs, shard_variables
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
@@ -127,7 +131,7 @@ class MultiHeadAttention(nn.Module):
         spec.check_input_sizes(
             query_size=self.query_size, key_size=self.key_size, value_size=self.value_size
         )
-        functional.check_implementation(self.implementation)
+        check_implementation(self.implementation)
         super().__post_init__()
 
     @property
@@ -249,31 +253,37 @@ class MultiHeadAttention(nn.Module):
                 With a cache in an eager call, also lengths out of range or
                 an overflow.
         """
-        sizes = self._known_sizes()
+        use_dropout = training and self.dropout > 0
+        result = call.forward(
+            JaxFacts(self.precision, self.implementation),
+            _ModuleProjections(self),
+            queries,
+            keys,
+            values,
+            valid_lens,
+            causal=causal,
+            return_attention_weights=return_attention_weights,
+            cache=cache,
+            head_mask=head_mask,
+            dropout=functional.flax_dropout(
+                (lambda: self.make_rng("dropout")) if use_dropout else None, self.dropout
+            ),
+            dropout_rate=self.dropout,
+            head_parallel=self.head_parallel,
+        )
+        return result.returned(return_attention_weights)
+
+    def _make_params(self, sizes: Mapping[str, int]) -> dict[str, jax.Array]:
+        """The canonical weights, made on ``init`` for inputs of ``sizes``."""
         heads = self.heads
-        if cache is None:
-            queries, keys, values, valid_lens = functional.check_call(
-                queries, keys, values, valid_lens, causal=causal, **sizes
-            )
-        else:
-            queries, keys, values, valid_lens, cache = functional.check_cached_call(
-                queries, keys, values, valid_lens, cache, heads=heads, causal=causal, **sizes
-            )
-        if keys is not None:
-            sizes["key_size"], sizes["value_size"] = keys.shape[-1], values.shape[-1]
-        elif sizes["key_size"] is None or sizes["value_size"] is None:
-            raise ValueError(
-                "a call without keys and values cannot make W_k and W_v: initialise the "
-                "module with keys and values, or give it key_size and value_size"
-            )
-        params = {}
         # (in_features, out_features) of each projection.
         shapes = {
-            "q": (queries.shape[-1], heads.query_features),
+            "q": (sizes["query_size"], heads.query_features),
             "k": (sizes["key_size"], heads.kv_features),
             "v": (sizes["value_size"], heads.kv_features),
             "o": (heads.query_features, self.num_hiddens),
         }
+        params = {}
         for name, (size, features) in shapes.items():
             kernel, bias = Projection(
                 features,
@@ -286,30 +296,37 @@ class MultiHeadAttention(nn.Module):
             params[f"W_{name}"] = kernel
             if bias is not None:
                 params[f"b_{name}"] = bias
-        use_dropout = training and self.dropout > 0
-        output, weights, *new_cache = functional.multi_head_attention(
-            params,
-            queries,
-            keys,
-            values,
-            valid_lens,
-            num_heads=self.num_heads,
-            num_kv_heads=heads.num_kv_heads,
-            causal=causal,
-            dropout_rate=self.dropout,
-            deterministic=not use_dropout,
-            dropout_rng=self.make_rng("dropout") if use_dropout else None,
-            dtype=self.dtype,
-            precision=self.precision,
-            return_attention_weights=return_attention_weights,
-            implementation=self.implementation,
-            cache=cache,
-            head_parallel=self.head_parallel,
-            head_mask=head_mask,
+        return params
+
+
+class _ModuleProjections(WeightsProjections):
+    """A Linen module's projections: its parameters, made where the checked inputs size them."""
+
+    def __init__(self, module: MultiHeadAttention) -> None:
+        super().__init__(
+            None,
+            module.heads,
+            module._known_sizes(),
+            dtype=module.dtype,
+            precision=module.precision,
         )
-        if return_attention_weights:
-            return (output, weights, *new_cache)
-        return (output, *new_cache) if new_cache else output
+        self.module = module
+
+    def weights_for(
+        self, queries: jax.Array, keys: jax.Array | None, values: jax.Array | None
+    ) -> dict[str, jax.Array]:
+        sizes = {**self.sizes, "query_size": queries.shape[-1]}
+        if keys is not None:
+            sizes["key_size"], sizes["value_size"] = keys.shape[-1], values.shape[-1]
+        elif sizes["key_size"] is None or sizes["value_size"] is None:
+            raise ValueError(
+                "a call without keys and values cannot make W_k and W_v: initialise the "
+                "module with keys and values, or give it key_size and value_size"
+            )
+        params = self.module._make_params(sizes)
+        # The variables are the caller's (apply's argument): their dtypes are checked.
+        functional.check_params(params)
+        return params
 
 
 def variables_from_weights(
@@ -379,5 +396,5 @@ def weights_from_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray
         projection = params.get(name, {})
         for entry, canonical in (("kernel", name), ("bias", f"b_{name[-1]}")):
             if entry in projection:
-                weights[canonical] = _backend.host_array(projection[entry])
+                weights[canonical] = host_array(projection[entry])
     return check_weights(weights)[0]

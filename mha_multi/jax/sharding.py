@@ -34,19 +34,16 @@ operation of the layer for its output's sharding.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-from flax import nnx
+from flax import linen, nnx
 from flax.core import unfreeze
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mha_multi import spec
 from mha_multi.jax.layer import MultiHeadAttention
 from mha_multi.weights import KERNEL_NAMES
-
-if TYPE_CHECKING:
-    from mha_multi.jax import linen
 
 __all__ = ["param_specs", "partition_specs", "shard_cache", "shard_heads", "shard_variables"]
 
@@ -248,7 +245,7 @@ def partition_specs(variables: Mapping[str, Any], axis: str = "model") -> dict[s
 
 
 def shard_variables(
-    module: linen.MultiHeadAttention,
+    module: linen.Module,
     variables: Mapping[str, Any],
     mesh: Mesh,
     axis: str = "model",
@@ -261,7 +258,8 @@ def shard_variables(
     gathers the projections (see the module notes).
 
     Args:
-        module: the Linen module, for its head layout.
+        module: the Linen :class:`mha_multi.jax.linen.MultiHeadAttention`,
+            for its head layout.
         variables: its variables (see :func:`partition_specs`).
         mesh: the devices; ``axis`` must be an ``Auto`` axis.
         axis: the mesh axis of the heads; its size must divide

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from conftest import gpu_required
-from mha_multi.jax import _backend
+from mha_multi.jax import harness as backend
 from mha_multi.parity.cases import Case
 from mha_multi.parity.runners.jax import JaxLinenRunner, JaxNNXRunner
 
@@ -37,12 +37,12 @@ class LinenRunner(_WithOptions, JaxLinenRunner):
 
 def inputs(case: Case, dtype: str = "float32", device: str = "cpu") -> list[jax.Array]:
     """The case's queries, keys and values as JAX arrays."""
-    return [_backend.to_native(case.inputs[name], device, dtype) for name in _backend.INPUT_NAMES]
+    return [backend.to_native(case.inputs[name], device, dtype) for name in backend.INPUT_NAMES]
 
 
 def gpu() -> str:
     """``"gpu"`` where JAX sees one; skips the test otherwise (fails it where one is required)."""
-    if not _backend.gpu_available():
+    if not backend.gpu_available():
         if gpu_required():
             pytest.fail("no GPU visible to JAX, and MHA_MULTI_REQUIRE_GPU is set")
         pytest.skip("no GPU visible to JAX")

@@ -16,15 +16,16 @@ from jax import lax
 from jax_support import LinenRunner, NNXRunner, gpu, inputs
 
 from mha_multi import spec
-from mha_multi.jax import MultiHeadAttention, _backend, linen, multi_head_attention, set_weights
-from mha_multi.jax.functional import DOT_PRODUCT_ATTENTION, fused_dtype_supported
+from mha_multi.jax import MultiHeadAttention, linen, multi_head_attention, set_weights
+from mha_multi.jax import harness as backend
+from mha_multi.jax._kernel import DOT_PRODUCT_ATTENTION, fused_dtype_supported
 from mha_multi.parity.cases import CASES
 from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 from tests.backends import test_edges as edges
 from tests.backends import test_fused_path as fused_path
 
-INPUT_NAMES = _backend.INPUT_NAMES
+INPUT_NAMES = backend.INPUT_NAMES
 
 
 class XlaRunner(NNXRunner):
@@ -44,7 +45,7 @@ SIXTEEN_BIT = ("bfloat16", "float16")
 @pytest.fixture
 def kernel_calls():
     """Every jax.nn.dot_product_attention call of the layers during the test."""
-    with _backend.kernel_spy() as calls:
+    with backend.kernel_spy() as calls:
         yield calls
 
 
@@ -195,7 +196,7 @@ def test_16_bit_fused_path_within_tolerance(kernel_calls, cases, dtype, name):
     case = cases[name]
     layer = XLA.layer_for(case, dtype=dtype)
     out = layer(*inputs(case, dtype), case.valid_lens, causal=case.config.causal)
-    assert len(kernel_calls) == 1 and out.dtype == _backend.DTYPES[dtype]
+    assert len(kernel_calls) == 1 and out.dtype == backend.DTYPES[dtype]
     np.testing.assert_allclose(np.asarray(out, np.float64), case.reference["output"], atol=2e-2)
 
 
@@ -253,7 +254,7 @@ def test_nnx_and_linen_fused_paths_are_bit_identical(cases, dtype, name):
     linen_layer = LinenRunner(implementation="xla").layer_for(case, dtype=dtype)
     module, variables = linen_layer.module, linen_layer.variables
     arrays = inputs(case, dtype)
-    with _backend.kernel_spy() as calls:
+    with backend.kernel_spy() as calls:
         eager = (
             layer(*arrays, case.valid_lens, causal=causal),
             module.apply(variables, *arrays, case.valid_lens, causal=causal),
@@ -306,10 +307,10 @@ def test_gpu_16_bit_default_is_cudnn_and_matches_the_reference(
     kv = rng.standard_normal((2, 6, 32)).astype(np.float32)
     lens = None if lens is None else np.asarray(lens)
     expected, _ = spec.reference_forward(weights, q, kv, kv, lens, num_heads=2, causal=causal)
-    layer = _backend.make_layer(32, 2, bias=True, device=device, dtype="bfloat16")
+    layer = backend.make_layer(32, 2, bias=True, device=device, dtype="bfloat16")
     set_weights(layer, weights).eval()
-    q16, kv16 = (_backend.to_native(x, device, "bfloat16") for x in (q, kv))
-    with jax.default_device(_backend.device(device)):
+    q16, kv16 = (backend.to_native(x, device, "bfloat16") for x in (q, kv))
+    with jax.default_device(backend.device(device)):
         out = layer(q16, kv16, kv16, lens, causal=causal)
         grads = jax.grad(
             lambda q: layer(q, kv16, kv16, lens, causal=causal).astype(jnp.float32).sum()
@@ -324,7 +325,7 @@ def test_gpu_16_bit_head_sizes_cudnn_declines_take_the_generic_path(kernel_calls
     device = gpu()
     case = cases["book"]  # head size 20: not a multiple of 8
     layer = get_runner("jax-nnx").layer_for(case, device=device, dtype="bfloat16")
-    with jax.default_device(_backend.device(device)):
+    with jax.default_device(backend.device(device)):
         out = layer(*inputs(case, "bfloat16", device), case.valid_lens)
     assert len(kernel_calls) == 1  # cuDNN's, which declined while traced
     np.testing.assert_allclose(np.asarray(out, np.float64), case.reference["output"], atol=2e-2)

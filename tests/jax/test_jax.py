@@ -23,13 +23,14 @@ from mha_multi.jax import (
     multi_head_attention,
     set_weights,
 )
+from mha_multi.jax import harness as backend
 from mha_multi.parity.cases import CASES
 from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 from tests.backends import test_parity as parity
 
 NNX, LINEN = get_runner("jax-nnx"), get_runner("jax-linen")  # they turn on x64 for float64
-INPUT_NAMES = _backend.INPUT_NAMES
+INPUT_NAMES = backend.INPUT_NAMES
 
 
 def linen_layer(case, dtype="float32", device="cpu", **options):
@@ -216,7 +217,7 @@ BIT_IDENTICAL_CASES = ("book", "lens_1d_float", "causal_lens_2d", "cross_sizes")
 
 
 @pytest.mark.parametrize("name", BIT_IDENTICAL_CASES)
-@pytest.mark.parametrize("dtype", list(_backend.DTYPES))
+@pytest.mark.parametrize("dtype", list(backend.DTYPES))
 def test_nnx_and_linen_are_bit_identical(cases, dtype, name):
     case = cases[name]
     causal = case.config.causal
@@ -229,10 +230,10 @@ def test_nnx_and_linen_are_bit_identical(cases, dtype, name):
         for runner, layer in zip((NNX, LINEN), layers, strict=True)
     )
     for a, b in zip(got_nnx, got_linen, strict=True):
-        assert a.dtype == b.dtype == _backend.DTYPES[dtype]
+        assert a.dtype == b.dtype == backend.DTYPES[dtype]
         np.testing.assert_array_equal(a, b)
 
-    cotangent = _backend.to_native(case.output_gradient, dtype=dtype)
+    cotangent = backend.to_native(case.output_gradient, dtype=dtype)
     nnx_grads, linen_grads = (
         runner.vjp(layer, *arrays, case.valid_lens, causal=causal, output_gradient=cotangent)
         for runner, layer in zip((NNX, LINEN), layers, strict=True)
@@ -477,7 +478,7 @@ def test_integer_lengths_beyond_32_bits_are_clipped_not_wrapped(lens, implementa
 @pytest.mark.parametrize("case_name", [c.name for c in CASES])
 def test_pieces_of_the_batch_match_the_reference(monkeypatch, cases, dtype, case_name):
     # The cases' scores are far below the budget: one byte makes every example a piece.
-    monkeypatch.setattr(functional, "CPU_PIECE_BYTES", 1)
+    monkeypatch.setattr(_backend, "CPU_PIECE_BYTES", 1)
     parity.test_case_within_tolerance(NNX, "cpu", dtype, case_name, cases)
 
 
@@ -494,7 +495,7 @@ def _pieces_traced(case, **kwargs):
 def test_pieces_only_past_the_budget_and_never_with_dropout(monkeypatch, cases):
     case = cases["lens_2d"]
     assert not _pieces_traced(case)
-    monkeypatch.setattr(functional, "CPU_PIECE_BYTES", 1)
+    monkeypatch.setattr(_backend, "CPU_PIECE_BYTES", 1)
     assert _pieces_traced(case)
     # One dropout mask for the whole batch, as Flax draws it.
     dropout = {"dropout_rate": 0.5, "deterministic": False, "dropout_rng": jax.random.key(0)}
@@ -507,8 +508,8 @@ def test_pieces_only_past_the_budget_and_never_with_dropout(monkeypatch, cases):
 )
 def test_the_batch_splits_into_the_fewest_pieces_within_the_budget(monkeypatch, budget, pieces):
     example_bytes = 120
-    monkeypatch.setattr(functional, "CPU_PIECE_BYTES", int(budget * example_bytes))
-    assert functional.batch_pieces(6, example_bytes) == pieces
+    monkeypatch.setattr(_backend, "CPU_PIECE_BYTES", int(budget * example_bytes))
+    assert _backend.batch_pieces(6, example_bytes) == pieces
 
 
 # -- GPU --------------------------------------------------------------------------
@@ -520,11 +521,11 @@ def test_gpu_highest_precision_float32_parity(cases):
     layer = NNXRunner(precision="highest").layer_for(case, device=device)
     module, variables = linen_layer(case, device=device, precision="highest")
     arrays = inputs(case, device=device)
-    with jax.default_device(_backend.device(device)):
+    with jax.default_device(backend.device(device)):
         out = layer(*arrays, case.valid_lens, causal=True)
         linen_out = module.apply(variables, *arrays, case.valid_lens, causal=True)
-    assert layer.W_q.kernel[...].devices() == {_backend.device(device)}
-    assert out.devices() == {_backend.device(device)}
+    assert layer.W_q.kernel[...].devices() == {backend.device(device)}
+    assert out.devices() == {backend.device(device)}
     np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
     np.testing.assert_array_equal(out, linen_out)
     got = get_weights(layer)

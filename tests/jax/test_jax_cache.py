@@ -20,8 +20,9 @@ from flax import nnx
 from jax_support import LinenRunner, NNXRunner
 
 from mha_multi import spec
-from mha_multi.jax import MultiHeadAttention, _backend, functional, linen
-from mha_multi.jax.functional import DOT_PRODUCT_ATTENTION
+from mha_multi.jax import MultiHeadAttention, _backend, linen
+from mha_multi.jax import harness as backend
+from mha_multi.jax._kernel import DOT_PRODUCT_ATTENTION
 from mha_multi.parity.decode import decode, full_reference
 from mha_multi.weights import init_weights
 
@@ -85,7 +86,7 @@ def reference_heads(name):
 def compiled(layer, **options):
     """``step(q, k, v, lens, cache)``, one ``jax.jit``/``nnx.jit`` cached call, and its traces."""
     traces = []
-    if isinstance(layer, _backend.LinenLayer):
+    if isinstance(layer, backend.LinenLayer):
         module = layer.module
 
         @jax.jit
@@ -107,13 +108,13 @@ def compiled(layer, **options):
 def compiled_decode(layer, inputs, dtype):
     """:func:`mha_multi.parity.decode.decode` of :data:`CHUNKS` through one compiled step."""
     step, traces = compiled(layer)
-    cache = _backend.init_cache(layer, len(LENGTHS), MAX_LENGTH)
+    cache = backend.init_cache(layer, len(LENGTHS), MAX_LENGTH)
 
     def call(queries, keys, values, new_lens):
         nonlocal cache
-        arrays = (_backend.to_native(x, "cpu", dtype) for x in (queries, keys, values))
+        arrays = (backend.to_native(x, "cpu", dtype) for x in (queries, keys, values))
         output, cache = step(*arrays, jnp.asarray(new_lens), cache)
-        return _backend.to_numpy(output)
+        return backend.to_numpy(output)
 
     return decode(call, inputs, LENGTHS, CHUNKS), traces
 
@@ -132,7 +133,7 @@ def test_a_compiled_step_is_traced_once_per_chunk_length_and_decodes_exactly(run
     weights, inputs = weights_of(name), inputs_of(1)
     layer = layer_of(runner, name, weights, dtype)
     expected = full_reference(weights, inputs, LENGTHS, **reference_heads(name))
-    with _backend.kernel_spy() as kernel_calls:
+    with backend.kernel_spy() as kernel_calls:
         actual, traces = compiled_decode(layer, inputs, dtype)
     assert traces == [4, 1, 3]  # the later chunks of 1 reuse the first one's program
     fused = runner.options.get("implementation") == "xla"
@@ -240,7 +241,7 @@ def test_cached_calls_take_the_fused_kernel_as_planned(monkeypatch, causal):
                     q, k, v, lens, causal=causal, cache=cache, return_attention_weights=weights_too
                 )
 
-            with _backend.kernel_spy() as kernel_calls:
+            with backend.kernel_spy() as kernel_calls:
                 output, *attention_weights, _ = call(layer, *args, cache)
             np.testing.assert_allclose(np.asarray(output), expected, rtol=0, atol=5e-6)
             if weights_too:
@@ -273,7 +274,7 @@ def test_fused_gradients_of_a_prefill_are_those_of_a_full_forward(causal):
 
         return jax.vjp(output, params, q, k, v)[1](jnp.asarray(cotangent, jnp.float32))
 
-    with _backend.kernel_spy() as kernel_calls:
+    with backend.kernel_spy() as kernel_calls:
         param_grads, *input_grads = pullback(params, *(jnp.asarray(x) for x in inputs.values()))
     assert len(kernel_calls) == 1
     expected = spec.reference_gradients(
@@ -308,7 +309,7 @@ def test_cached_calls_take_the_generic_path_in_pieces_on_a_cpu(monkeypatch):
     cache = garbage_cache(5, name, [3, 1, 0], max_length=6)
     # The scores of one example (4 heads, 2 queries, 6 cached keys) fit, of two
     # do not: 3 pieces of one example.
-    monkeypatch.setattr(functional, "CPU_PIECE_BYTES", 2 * 4 * 2 * 6 * 4 - 1)
+    monkeypatch.setattr(_backend, "CPU_PIECE_BYTES", 2 * 4 * 2 * 6 * 4 - 1)
     rows = [x[:, :2] for x in inputs.values()]
     new_lens = np.array([2, 1, 0])
 

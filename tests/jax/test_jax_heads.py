@@ -15,8 +15,9 @@ from flax import nnx
 from jax_support import LinenRunner, NNXRunner, inputs
 
 from mha_multi import heads, spec
-from mha_multi.jax import MultiHeadAttention, _backend, head_importance, linen, set_weights
-from mha_multi.jax.functional import DOT_PRODUCT_ATTENTION
+from mha_multi.jax import MultiHeadAttention, head_importance, linen, set_weights
+from mha_multi.jax import harness as backend
+from mha_multi.jax._kernel import DOT_PRODUCT_ATTENTION
 from mha_multi.parity.cases import HEAD_MASK_CASES, build_case
 from mha_multi.weights import init_weights
 
@@ -83,13 +84,13 @@ def test_head_mask_on_the_fused_and_generic_paths_is_the_references(cases, name,
     layer = runner.layer_for(case)
     arrays = (*inputs(case), runner.native_lens(lens))
     options = runner.case_options(case)
-    with _backend.kernel_spy() as calls:
-        output = _backend.forward(layer, *arrays, **options)
+    with backend.kernel_spy() as calls:
+        output = backend.forward(layer, *arrays, **options)
     expected = [(plan.needs_mask, plan.is_causal)] if fused else []
     assert [(call.mask, call.is_causal) for call in calls] == expected
     np.testing.assert_allclose(output, case.reference["output"], rtol=0, atol=FLOAT32_ATOL)
-    with _backend.kernel_spy() as calls:
-        output, weights = _backend.forward(layer, *arrays, return_attention_weights=True, **options)
+    with backend.kernel_spy() as calls:
+        output, weights = backend.forward(layer, *arrays, return_attention_weights=True, **options)
     assert calls == []
     np.testing.assert_allclose(output, case.reference["output"], rtol=0, atol=FLOAT32_ATOL)
     np.testing.assert_allclose(
@@ -102,7 +103,7 @@ def test_gradients_with_a_head_mask_are_the_references_nnx_fused_and_linen(cases
     """Every gradient, the gates' included, through the facts module's vjp."""
     case = cases[name]
     for runner in (NNXRunner(implementation="xla"), LinenRunner()):
-        grads = _backend.vjp(
+        grads = backend.vjp(
             runner.layer_for(case),
             *inputs(case),
             case.valid_lens,
@@ -176,7 +177,7 @@ def test_gradients_of_a_cached_call_with_a_head_mask_are_the_full_forwards():
     lens = np.array([5, 2, 3])
     gates = rng.uniform(-1, 2, (3, 4)).astype(np.float32)
     output_gradient = rng.standard_normal((3, 5, 16))
-    grads = _backend.vjp(
+    grads = backend.vjp(
         layer,
         *(jnp.asarray(x) for x in arrays),
         jnp.asarray(lens),

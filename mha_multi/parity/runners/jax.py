@@ -1,5 +1,5 @@
 """Parity runners for :mod:`mha_multi.jax` (Flax NNX) and :mod:`mha_multi.jax.linen`;
-JAX's facts are in its ``_backend``.
+they drive the layers through :mod:`mha_multi.jax.harness`.
 
 The default call takes the generic path on a CPU (docs: "Fast paths"), so
 ``fused_kernel`` is ``None``; the fused path runs where a layer asks for
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_multi.jax._backend import LinenLayer
+from mha_multi.jax.harness import LinenLayer
 from mha_multi.parity.runners import Runner
 
 
@@ -21,13 +21,13 @@ class JaxNNXRunner(Runner):
     name = "jax-nnx"
     distributions = ("jax", "jaxlib", "flax")
     package = "mha_multi.jax"
-    backend = "mha_multi.jax._backend"
+    backend = "mha_multi.jax.harness"
     fused_kernel = None
     reads_shortest_length = False
 
 
 class JaxLinenRunner(JaxNNXRunner):
-    """The Linen module with its variables beside it (``_backend.LinenLayer``)."""
+    """The Linen module with its variables beside it (``harness.LinenLayer``)."""
 
     name = "jax-linen"
 

@@ -1,0 +1,321 @@
+"""What drives the NNX and Linen layers: building them, calls, gradients, the kernel spy.
+
+The parity runners, the benchmark and the tests reach JAX through this
+module (docs: "Architecture"). :func:`make_layer` builds the NNX layer and
+:func:`linen_layer` the Linen one; :func:`forward` and :func:`vjp` take
+either. It sits above the layers: it imports them and
+:mod:`mha_multi.jax._backend` (JAX's facts, re-exported here for the
+runners), and nothing below imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mha_multi import spec
+from mha_multi.call import INPUT_NAMES
+from mha_multi.interop.jax import to_flax_nnx
+from mha_multi.jax import _kernel, linen
+from mha_multi.jax._backend import (
+    DTYPES,
+    device,
+    device_description,
+    exact_float32,
+    gpu_available,
+    host_array,
+    lens_to_native,
+    sync,
+    to_native,
+    to_numpy,
+)
+from mha_multi.jax.layer import MultiHeadAttention
+from mha_multi.parity.runners import KernelCall
+from mha_multi.weights import KERNEL_NAMES
+
+__all__ = [
+    "DTYPES",
+    "INPUT_NAMES",
+    "LinenLayer",
+    "device",
+    "device_description",
+    "exact_float32",
+    "forward",
+    "gpu_available",
+    "host_array",
+    "init_cache",
+    "kernel_spy",
+    "lens_to_native",
+    "linen_layer",
+    "make_layer",
+    "native_layer",
+    "sync",
+    "to_native",
+    "to_numpy",
+    "vjp",
+]
+
+# Parameters named ``device`` shadow the function inside the functions below.
+_device = device
+
+
+# -- layers: construction, one call, one vector-Jacobian product ----------------
+
+
+def make_layer(
+    num_hiddens: int,
+    num_heads: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    **kwargs: Any,
+) -> MultiHeadAttention:
+    """Our NNX layer with ``dtype`` parameters on ``device`` (``nnx.Rngs(0)``).
+
+    ``kwargs`` are the layer's (``dropout``, ``bias``, sizes,
+    ``implementation``...). It starts in NNX's default mode, training;
+    :func:`forward` sets the mode of each call.
+    """
+    with jax.default_device(_device(device)):
+        return MultiHeadAttention(
+            num_hiddens, num_heads, param_dtype=DTYPES[dtype], rngs=nnx.Rngs(0), **kwargs
+        )
+
+
+@dataclass
+class LinenLayer:
+    """A Linen module with its variables, device and the rng its dropout draws from."""
+
+    module: linen.MultiHeadAttention
+    variables: dict[str, Any] | None
+    device: jax.Device
+    rng: jax.Array
+
+    def next_rng(self) -> jax.Array:
+        """A fresh key; the stream advances."""
+        self.rng, key = jax.random.split(self.rng)
+        return key
+
+    def set_weights(self, weights: Mapping[str, Any]) -> LinenLayer:
+        """Loads canonical weights (strict) onto the layer's device; returns the layer."""
+        variables = linen.variables_from_weights(weights, self.module)
+        self.variables = jax.device_put(variables, self.device)
+        return self
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """The canonical weights, as numpy arrays.
+
+        Raises:
+            ValueError: the layer has no variables yet.
+        """
+        if self.variables is None:
+            raise ValueError("the layer has no variables yet: call init or set its weights")
+        return linen.weights_from_variables(self.variables)
+
+
+def linen_layer(
+    num_hiddens: int,
+    num_heads: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    **kwargs: Any,
+) -> LinenLayer:
+    """Our Linen module with ``dtype`` parameters on ``device``.
+
+    Its variables are initialised where the module fixes every input size;
+    otherwise they stay ``None`` until weights are set.
+    """
+    module = linen.MultiHeadAttention(num_hiddens, num_heads, param_dtype=DTYPES[dtype], **kwargs)
+    layer = LinenLayer(module, None, _device(device), jax.random.key(0))
+    sizes = (module.query_size, module.key_size, module.value_size)
+    if all(size is not None for size in sizes):
+        shapes = [jnp.zeros((1, 1, size), DTYPES[dtype]) for size in sizes]
+        with jax.default_device(layer.device):
+            layer.variables = module.init(layer.next_rng(), *shapes)
+    return layer
+
+
+def forward(
+    layer: MultiHeadAttention | LinenLayer,
+    queries: jax.Array,
+    keys: jax.Array | None,
+    values: jax.Array | None,
+    valid_lens: Any = None,
+    *,
+    training: bool = False,
+    head_mask: jax.Array | None = None,
+    **kwargs: Any,
+) -> Any:
+    """One call of an NNX layer (in ``train()`` or ``eval()`` mode) or a Linen
+    layer (whose dropout draws a fresh key in training).
+
+    ``head_mask`` is the layer's, passed as it is; ``kwargs`` are the
+    layer's (``causal``, ``return_attention_weights``, ``cache``).
+    """
+    kwargs["head_mask"] = head_mask
+    if isinstance(layer, LinenLayer):
+        rngs = {"dropout": layer.next_rng()} if training else {}
+        return layer.module.apply(
+            layer.variables,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            training=training,
+            rngs=rngs,
+            **kwargs,
+        )
+    if training:
+        layer.train()
+    else:
+        layer.eval()
+    return layer(queries, keys, values, valid_lens, **kwargs)
+
+
+def vjp(
+    layer: MultiHeadAttention | LinenLayer,
+    queries: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    valid_lens: Any,
+    *,
+    causal: bool,
+    output_gradient: jax.Array,
+    cache: spec.KVCache | None = None,
+    head_mask: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
+
+    Both layers hold their parameters in one tree,
+    ``{'W_q': {'kernel': ..., 'bias': ...}, ...}`` (an NNX state, Linen's
+    ``params``), in the canonical orientation. With a ``cache``, of the
+    output of that cached call, the cache held fixed; with a ``head_mask``,
+    of the gated call.
+
+    Returns:
+        Keyed ``queries``, ``keys``, ``values`` and the canonical weight
+        names; with a ``head_mask``, its gradient too (in its dtype), keyed
+        ``head_mask``.
+    """
+    options: dict[str, Any] = {"causal": causal}
+    if cache is not None:
+        options["cache"] = cache
+
+    def output_of(result: Any) -> jax.Array:
+        return result if cache is None else result[0]
+
+    if isinstance(layer, LinenLayer):
+        module = layer.module
+
+        def call(variables: Any, gates: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            return output_of(
+                module.apply(variables, q, k, v, valid_lens, head_mask=gates, **options)
+            )
+
+        params = layer.variables
+        projections: Callable[[Any], Any] = operator.itemgetter("params")
+    else:
+        layer.eval()
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+        def call(
+            params: nnx.State, gates: Any, q: jax.Array, k: jax.Array, v: jax.Array
+        ) -> jax.Array:
+            layer = nnx.merge(graphdef, params, rest)
+            return output_of(layer(q, k, v, valid_lens, head_mask=gates, **options))
+
+        projections = nnx.to_pure_dict
+
+    # One compiled program per call: eager JAX would compile each operation
+    # of the forward and backward passes for each new shape instead, several
+    # times slower for the one product wanted here.
+    @jax.jit
+    def gradients(params: Any, gates: Any, q: Any, k: Any, v: Any, cotangent: Any) -> Any:
+        _, pullback = jax.vjp(call, params, gates, q, k, v)
+        return pullback(cotangent)
+
+    param_grads, gate_grad, *input_grads = gradients(
+        params, head_mask, queries, keys, values, output_gradient
+    )
+    grads = dict(zip(INPUT_NAMES, input_grads, strict=True))
+    if head_mask is not None:
+        grads["head_mask"] = gate_grad
+    tree = projections(param_grads)
+    for name in KERNEL_NAMES:
+        grads[name] = tree[name]["kernel"]
+        if tree[name].get("bias") is not None:
+            grads[f"b_{name[-1]}"] = tree[name]["bias"]
+    return grads
+
+
+def init_cache(
+    layer: MultiHeadAttention | LinenLayer, batch_size: int, max_length: int
+) -> spec.KVCache:
+    """The layer's empty cache (its ``init_cache``), of its dtype, on its device."""
+    if isinstance(layer, LinenLayer):
+        with jax.default_device(layer.device):
+            return layer.module.init_cache(batch_size, max_length)
+    return layer.init_cache(batch_size, max_length)
+
+
+def native_layer(
+    weights: Mapping[str, Any],
+    num_heads: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    **kwargs: Any,
+) -> nnx.MultiHeadAttention:
+    """``flax.nnx.MultiHeadAttention`` holding canonical ``weights``, in eval mode.
+
+    Its parameters have ``dtype`` and live on ``device``; ``kwargs`` are
+    further constructor arguments (see
+    :func:`mha_multi.interop.jax.to_flax_nnx`).
+    """
+    with jax.default_device(_device(device)):
+        layer = to_flax_nnx(weights, num_heads, param_dtype=DTYPES[dtype], **kwargs)
+    layer.eval()
+    return layer
+
+
+# -- the fused kernel -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def kernel_spy() -> Iterator[list[KernelCall]]:
+    """Records every :func:`jax.nn.dot_product_attention` call of our layers while active.
+
+    The layers look the kernel up at call time through
+    ``mha_multi.jax._kernel._dot_product_attention``, which this replaces
+    for the duration. Under ``jax.jit`` a call is recorded once, while it is
+    traced, and its key lengths are the traced array rather than numpy.
+
+    Yields:
+        The list that gets one ``KernelCall`` per call.
+    """
+    calls: list[KernelCall] = []
+    original = _kernel._dot_product_attention
+
+    def recording(*args: Any) -> jax.Array:
+        _, _, _, mask, is_causal, lengths, _ = args
+        if lengths is not None and not isinstance(lengths, jax.core.Tracer):
+            lengths = np.asarray(lengths)
+        calls.append(
+            KernelCall(mask=mask is not None, is_causal=bool(is_causal), key_lengths=lengths)
+        )
+        return original(*args)
+
+    _kernel._dot_product_attention = recording
+    try:
+        yield calls
+    finally:
+        _kernel._dot_product_attention = original
