@@ -254,6 +254,24 @@ class JaxFacts(call.Facts):
             )
         return spec.KVCache(*(jnp.asarray(x) for x in cache))
 
+    def as_positions(self, positions: Any, like: Any) -> Any:
+        """A JAX array (or tracer) as it is; numpy arrays and sequences as JAX arrays."""
+        if hasattr(positions, "shape") and hasattr(positions, "dtype"):
+            return positions
+        array = np.asarray(positions)
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"positions must be integers; got dtype kind {array.dtype.kind!r}")
+        return jnp.asarray(array)
+
+    def as_bias(self, bias: Any, like: Any) -> Any:
+        """A JAX or numpy array (or tracer), as it is: the scores cast it."""
+        if not (hasattr(bias, "shape") and hasattr(bias, "dtype")):
+            raise TypeError(
+                "bias must be a floating-point array broadcastable to "
+                f"(batch, num_heads, num_queries, num_keys); got {type(bias).__name__}"
+            )
+        return bias
+
     def as_gates(self, head_mask: Any, like: Any) -> Any:
         """A JAX or numpy array (or tracer), as it is: the gating casts it."""
         if not (hasattr(head_mask, "shape") and hasattr(head_mask, "dtype")):

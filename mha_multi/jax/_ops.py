@@ -145,3 +145,21 @@ class JaxOps:
         # spec.update_cache picks positions inside the call's T rows only;
         # "clip" spares the bounds handling of JAX's default "fill" mode.
         return jnp.take_along_axis(x, positions[..., None], axis=1, mode="clip")
+
+    def slice_last(self, x: jax.Array, start: int, stop: int) -> jax.Array:
+        return x[..., start:stop]
+
+    def concat_last(self, xs: Sequence[jax.Array]) -> jax.Array:
+        return jnp.concatenate(list(xs), axis=-1)
+
+    def cos(self, x: jax.Array) -> jax.Array:
+        return jnp.cos(x)
+
+    def sin(self, x: jax.Array) -> jax.Array:
+        return jnp.sin(x)
+
+    def tanh(self, x: jax.Array) -> jax.Array:
+        return jnp.tanh(x)
+
+    def constant(self, value: np.ndarray, like: jax.Array) -> jax.Array:
+        return jnp.asarray(value)

@@ -13,12 +13,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from jax.typing import DTypeLike
 
 from mha_multi import spec
 from mha_multi.jax._ops import JaxOps, PrecisionLike, is_16_bit
 
-__all__ = ["WeightsProjections", "linear"]
+__all__ = ["Projection", "WeightsProjections", "linear"]
+
+Initializer = Any
 
 
 def linear(
@@ -126,3 +129,27 @@ class WeightsProjections:
         if name == "o" and kernel.shape[1] % groups:
             groups = 1
         return linear(x, kernel, bias, self.precision, groups)
+
+
+class Projection(nn.Module):
+    """Holds one projection's ``kernel`` and ``bias``; the math is elsewhere.
+
+    Calling it returns the parameters (created on ``init`` for
+    ``in_features`` inputs) rather than applying them, so that the shared
+    functional core does the arithmetic.
+    """
+
+    features: int
+    use_bias: bool
+    param_dtype: DTypeLike = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array | None]:
+        kernel = self.param(
+            "kernel", self.kernel_init, (in_features, self.features), self.param_dtype
+        )
+        if not self.use_bias:
+            return kernel, None
+        return kernel, self.param("bias", self.bias_init, (self.features,), self.param_dtype)

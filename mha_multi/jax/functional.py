@@ -193,6 +193,18 @@ def flax_dropout(
     return dropout
 
 
+def _layer_options(
+    options: spec.LayerOptions | Mapping[str, Any] | None, head_dim: int
+) -> spec.LayerOptions | None:
+    """Checked positions and biases options; ``None`` for none (d2l's layer)."""
+    if options is None:
+        return None
+    if not isinstance(options, spec.LayerOptions):
+        options = spec.LayerOptions.of(options)
+    options = options.check(head_dim)
+    return None if options.is_default else options
+
+
 def multi_head_attention(
     params: Mapping[str, Any],
     queries: Any,
@@ -213,6 +225,9 @@ def multi_head_attention(
     cache: spec.KVCache | None = None,
     head_mask: Any = None,
     head_parallel: bool = False,
+    positions: Any = None,
+    bias: Any = None,
+    options: spec.LayerOptions | Mapping[str, Any] | None = None,
 ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, spec.KVCache]:
     """d2l's multi-head attention, exact to :mod:`mha_multi.spec`, as a pure function.
 
@@ -291,6 +306,13 @@ def multi_head_attention(
             group apart (the same numbers), so that XLA can split the heads
             over devices; set for layers whose parameters are sharded by
             heads (docs: "Sharding heads"). Without dropout only.
+        positions: ``None``, or integer ``(B, Q)`` positions the rotary
+            embedding rotates the queries (and the keys of self-attention or
+            a cached call) by (docs: "Positions and biases").
+        bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``,
+            added to the scaled scores before the masks; differentiable.
+        options: ``rotary``, ``alibi``, ``window``, ``softcap``
+            (:class:`mha_multi.spec.LayerOptions`, or a dict of them); static.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and the
@@ -346,6 +368,9 @@ def multi_head_attention(
         dropout=flax_dropout(dropout_key, dropout_rate),
         dropout_rate=dropout_rate,
         head_parallel=head_parallel,
+        positions=positions,
+        bias=bias,
+        layer_options=_layer_options(options, heads.head_dim),
     )
     if result.cache is None:
         return result.output, result.weights

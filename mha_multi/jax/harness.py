@@ -192,23 +192,26 @@ def vjp(
     output_gradient: jax.Array,
     cache: spec.KVCache | None = None,
     head_mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
 
     Both layers hold their parameters in one tree,
     ``{'W_q': {'kernel': ..., 'bias': ...}, ...}`` (an NNX state, Linen's
     ``params``), in the canonical orientation. With a ``cache``, of the
-    output of that cached call, the cache held fixed; with a ``head_mask``,
-    of the gated call.
+    output of that cached call, the cache held fixed; with a ``head_mask``
+    or a ``bias``, of the call given it; ``positions`` are passed on.
 
     Returns:
         Keyed ``queries``, ``keys``, ``values`` and the canonical weight
-        names; with a ``head_mask``, its gradient too (in its dtype), keyed
-        ``head_mask``.
+        names; with a ``head_mask`` or a ``bias``, its gradient too (in its
+        dtype), keyed by its name.
     """
-    options: dict[str, Any] = {"causal": causal}
+    options: dict[str, Any] = {"causal": causal, "positions": positions}
     if cache is not None:
         options["cache"] = cache
+    differentiated = {"head_mask": head_mask, "bias": bias}
 
     def output_of(result: Any) -> jax.Array:
         return result if cache is None else result[0]
@@ -216,10 +219,10 @@ def vjp(
     if isinstance(layer, LinenLayer):
         module = layer.module
 
-        def call(variables: Any, gates: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return output_of(
-                module.apply(variables, q, k, v, valid_lens, head_mask=gates, **options)
-            )
+        def call(
+            variables: Any, extras: Any, q: jax.Array, k: jax.Array, v: jax.Array
+        ) -> jax.Array:
+            return output_of(module.apply(variables, q, k, v, valid_lens, **extras, **options))
 
         params = layer.variables
         projections: Callable[[Any], Any] = operator.itemgetter("params")
@@ -228,10 +231,10 @@ def vjp(
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
         def call(
-            params: nnx.State, gates: Any, q: jax.Array, k: jax.Array, v: jax.Array
+            params: nnx.State, extras: Any, q: jax.Array, k: jax.Array, v: jax.Array
         ) -> jax.Array:
             layer = nnx.merge(graphdef, params, rest)
-            return output_of(layer(q, k, v, valid_lens, head_mask=gates, **options))
+            return output_of(layer(q, k, v, valid_lens, **extras, **options))
 
         projections = nnx.to_pure_dict
 
@@ -239,16 +242,15 @@ def vjp(
     # of the forward and backward passes for each new shape instead, several
     # times slower for the one product wanted here.
     @jax.jit
-    def gradients(params: Any, gates: Any, q: Any, k: Any, v: Any, cotangent: Any) -> Any:
-        _, pullback = jax.vjp(call, params, gates, q, k, v)
+    def gradients(params: Any, extras: Any, q: Any, k: Any, v: Any, cotangent: Any) -> Any:
+        _, pullback = jax.vjp(call, params, extras, q, k, v)
         return pullback(cotangent)
 
-    param_grads, gate_grad, *input_grads = gradients(
-        params, head_mask, queries, keys, values, output_gradient
+    param_grads, extra_grads, *input_grads = gradients(
+        params, differentiated, queries, keys, values, output_gradient
     )
     grads = dict(zip(INPUT_NAMES, input_grads, strict=True))
-    if head_mask is not None:
-        grads["head_mask"] = gate_grad
+    grads.update({name: extra_grads[name] for name, x in differentiated.items() if x is not None})
     tree = projections(param_grads)
     for name in KERNEL_NAMES:
         grads[name] = tree[name]["kernel"]

@@ -63,6 +63,8 @@ class MultiHeadAttention(nnx.Module):
             (grouped-query attention; default ``num_heads``); must divide
             ``num_heads``.
         head_dim: the size of each head (default ``num_hiddens // num_heads``).
+        rotary, alibi, window, softcap: positions and biases inside attention
+            (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).
         deterministic: initial mode; ``True`` disables dropout.
         dtype: computation dtype; ``None`` promotes inputs and parameters.
         param_dtype: dtype of the parameters.
@@ -93,6 +95,10 @@ class MultiHeadAttention(nnx.Module):
         value_size: int | None = None,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
+        rotary: spec.Rotary | Mapping[str, Any] | None = None,
+        alibi: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
         deterministic: bool = False,
         dtype: DTypeLike | None = None,
         param_dtype: DTypeLike = jnp.float32,
@@ -112,6 +118,8 @@ class MultiHeadAttention(nnx.Module):
         )
         self.head_dim = heads.head_dim
         self.num_kv_heads = heads.num_kv_heads
+        #: The positions and biases options (docs: "Positions and biases"); static.
+        self.options = spec.LayerOptions(rotary, alibi, window, softcap).check(heads.head_dim)
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         check_implementation(implementation)
         self.num_hiddens = int(num_hiddens)
@@ -236,6 +244,8 @@ class MultiHeadAttention(nnx.Module):
         rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
         cache: spec.KVCache | None = None,
         head_mask: Any = None,
+        positions: Any = None,
+        bias: Any = None,
     ) -> jax.Array | tuple[jax.Array, ...]:
         """Attends from ``queries`` to ``keys``/``values`` (and, with a ``cache``, to it).
 
@@ -277,6 +287,10 @@ class MultiHeadAttention(nnx.Module):
                 is multiplied by ``head_mask[..., h]`` before ``W_o``, on
                 every path (fused, generic, cached, compiled). Cast to the
                 computation dtype; differentiable.
+            positions, bias: the call's positions (integer ``(B, Q)``, what
+                ``rotary`` rotates by) and additive bias of the scores
+                (broadcastable to ``(B, H, Q, K)``; differentiable); docs:
+                "Positions and biases".
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
@@ -318,6 +332,9 @@ class MultiHeadAttention(nnx.Module):
             return_attention_weights=return_attention_weights,
             cache=cache,
             head_mask=head_mask,
+            positions=positions,
+            bias=bias,
+            layer_options=self.options,
             dropout=functional.flax_dropout(dropout_key, self.dropout),
             dropout_rate=self.dropout,
             head_parallel=self.head_parallel,

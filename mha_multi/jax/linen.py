@@ -25,7 +25,7 @@ from mha_multi.jax import functional
 from mha_multi.jax._backend import JaxFacts, host_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
-from mha_multi.jax._projections import WeightsProjections
+from mha_multi.jax._projections import Projection, WeightsProjections
 from mha_multi.jax.sharding import partition_specs, shard_variables
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
@@ -38,30 +38,6 @@ __all__ = [
 ]
 
 Initializer = Any
-
-
-class Projection(nn.Module):
-    """Holds one projection's ``kernel`` and ``bias``; the math is elsewhere.
-
-    Calling it returns the parameters (created on ``init`` for
-    ``in_features`` inputs) rather than applying them, so that the shared
-    functional core does the arithmetic.
-    """
-
-    features: int
-    use_bias: bool
-    param_dtype: DTypeLike = jnp.float32
-    kernel_init: Initializer = nn.initializers.lecun_normal()
-    bias_init: Initializer = nn.initializers.zeros_init()
-
-    @nn.compact
-    def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array | None]:
-        kernel = self.param(
-            "kernel", self.kernel_init, (in_features, self.features), self.param_dtype
-        )
-        if not self.use_bias:
-            return kernel, None
-        return kernel, self.param("bias", self.bias_init, (self.features,), self.param_dtype)
 
 
 class MultiHeadAttention(nn.Module):
@@ -86,6 +62,8 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: key/value heads, shared by groups of query heads
             (grouped-query attention; ``None``: ``num_heads``).
         head_dim: the size of each head (``None``: ``num_hiddens // num_heads``).
+        rotary, alibi, window, softcap: positions and biases inside attention
+            (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).
         dtype: computation dtype; ``None`` promotes inputs and parameters.
         param_dtype: dtype of the parameters.
         precision: precision of every matrix product.
@@ -111,6 +89,10 @@ class MultiHeadAttention(nn.Module):
     value_size: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    rotary: spec.Rotary | Mapping[str, Any] | None = None
+    alibi: bool = False
+    window: int | None = None
+    softcap: float | None = None
     dtype: DTypeLike | None = None
     param_dtype: DTypeLike = jnp.float32
     precision: PrecisionLike = None
@@ -132,6 +114,7 @@ class MultiHeadAttention(nn.Module):
             query_size=self.query_size, key_size=self.key_size, value_size=self.value_size
         )
         check_implementation(self.implementation)
+        self.layer_options()
         super().__post_init__()
 
     @property
@@ -171,6 +154,11 @@ class MultiHeadAttention(nn.Module):
             dtype = self.param_dtype if self.dtype is None else self.dtype
         return functional.init_cache(self.heads, batch_size, max_length, dtype)
 
+    def layer_options(self) -> spec.LayerOptions:
+        """The checked positions and biases options (docs: "Positions and biases")."""
+        options = spec.LayerOptions(self.rotary, self.alibi, self.window, self.softcap)
+        return options.check(self.heads.head_dim)
+
     def _known_sizes(self) -> dict[str, int | None]:
         """Input sizes from the attributes, else from existing kernels, else ``None``."""
         params = nn.meta.unbox(self.variables.get("params", {}))
@@ -196,6 +184,8 @@ class MultiHeadAttention(nn.Module):
         training: bool = False,
         cache: spec.KVCache | None = None,
         head_mask: Any = None,
+        positions: Any = None,
+        bias: Any = None,
     ) -> jax.Array | tuple[jax.Array, ...]:
         """Attends from ``queries`` to ``keys``/``values`` (and, with a ``cache``, to it).
 
@@ -236,6 +226,10 @@ class MultiHeadAttention(nn.Module):
                 is multiplied by ``head_mask[..., h]`` before ``W_o``, on
                 every path (fused, generic, cached, compiled). Cast to the
                 computation dtype; differentiable.
+            positions, bias: the call's positions (integer ``(B, Q)``, what
+                ``rotary`` rotates by) and additive bias of the scores
+                (broadcastable to ``(B, H, Q, K)``; differentiable); docs:
+                "Positions and biases".
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
@@ -265,6 +259,9 @@ class MultiHeadAttention(nn.Module):
             return_attention_weights=return_attention_weights,
             cache=cache,
             head_mask=head_mask,
+            positions=positions,
+            bias=bias,
+            layer_options=self.layer_options(),
             dropout=functional.flax_dropout(
                 (lambda: self.make_rng("dropout")) if use_dropout else None, self.dropout
             ),

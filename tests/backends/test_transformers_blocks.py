@@ -1,14 +1,15 @@
-"""transformers' Llama, Mistral and Gemma 2 attention blocks, reproduced by every backend.
+"""transformers' Llama, Mistral, Gemma 2 and BLOOM attention blocks, reproduced by every backend.
 
 Each block was built small from its model's config (random weights) and
 run in float64 by transformers on a ragged, left-padded batch with its
 ``position_ids`` (``tests/fixtures/transformers_blocks.py``; the PyTorch
 tests check that the file still holds what transformers computes). Every
 backend's layer, built from :func:`mha_multi.interop.llama.from_llama`'s
-arguments and weights, must give the block's output and input gradient in
-float32 within the parity tolerances: rotary embeddings with Llama 3's
+arguments and weights (BLOOM's fused projection split in the fixture),
+must give the block's output and input gradient in float32 within the
+parity tolerances: rotary embeddings with Llama 3's
 scaling (Llama), a sliding window (Mistral), soft-capped scores, a window
-and a scale of its own (Gemma 2).
+and a scale of its own (Gemma 2), ALiBi (BLOOM).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from mha_multi.interop.llama import from_llama
 from mha_multi.torch import MultiHeadAttention, set_weights
 
 transformers = pytest.importorskip("transformers")
-from transformers_blocks import MODELS, block, block_results, load  # noqa: E402
+from transformers_blocks import MODELS, block_results, converted, load  # noqa: E402
 
 NEW_TOKENS = 64
 
@@ -26,7 +26,7 @@ NEW_TOKENS = 64
 @pytest.mark.parametrize("model", list(MODELS))
 def test_fixture_holds_what_transformers_computes(model):
     stored = load()[model]
-    weights, kwargs = from_llama(block(model)[0])
+    weights, kwargs = converted(model)
     assert kwargs == stored["kwargs"]
     for name, value in weights.items():
         np.testing.assert_array_equal(np.asarray(value, np.float64), stored["weights"][name])
