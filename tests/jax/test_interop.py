@@ -25,14 +25,19 @@ from mha_multi.interop.jax import (
     to_jax_d2l,
 )
 from mha_multi.jax import MultiHeadAttention, get_weights, linen, set_weights
-from mha_multi.parity.cases import CASES
+from mha_multi.parity.cases import CASES, OPTION_CASES
 from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 
 # Every feature: lengths of each kind, causal of each alignment, fully hidden
 # rows (lens_zero, lens_2d, causal_more_queries, one_key), biases. Flax's
-# layers have no gates of the heads: the head-mask cases are not theirs.
-NATIVE_CASES = [c.name for c in CASES if c.name != "cross_sizes" and c.head_mask is None]
+# layers have no gates of the heads, no positions and no score options: the
+# head-mask and option cases are not theirs.
+NATIVE_CASES = [
+    c.name
+    for c in CASES
+    if c.name != "cross_sizes" and c.head_mask is None and c not in OPTION_CASES
+]
 
 
 def mask_of(c):
