@@ -33,6 +33,7 @@ __all__ = [
     "Projections",
     "Result",
     "attend",
+    "check_cache_dtype",
     "check_cache_values",
     "check_cached_call",
     "check_call",
@@ -419,7 +420,8 @@ def check_cache_values(
     return True
 
 
-def _check_cache_dtype(ops: spec.ArrayOps, cache: spec.KVCache, dtype: Any) -> None:
+def check_cache_dtype(ops: spec.ArrayOps, cache: spec.KVCache, dtype: Any) -> None:
+    """``cache``'s keys and values hold ``dtype``, the projections' (a ``TypeError`` if not)."""
     for name in ("keys", "values"):
         held = ops.dtype(getattr(cache, name))
         if held != dtype:
@@ -625,7 +627,7 @@ def attend(
         # Keys rotate before they enter the cache (docs: "Positions and biases").
         q, k = _rotated(ops, q, k, positions, layer_options.rotary, heads, lengths)
     if cache is not None:
-        _check_cache_dtype(ops, cache, ops.dtype(q))
+        check_cache_dtype(ops, cache, ops.dtype(q))
         cache, valid_lens = spec.update_cache(
             ops, cache, k, v, valid_lens, head_dim=heads.head_dim, causal=causal
         )
