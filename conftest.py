@@ -9,6 +9,11 @@ Backend tests are written once and parametrized over runners:
   a skip.
 * ``HYPOTHESIS_PROFILE=exhaustive`` runs the randomised tests with many more
   examples.
+* ``MHA_MULTI_FLOAT32_ONLY=jax-linen`` runs those backends' dtype-parametrized
+  backend tests in float32 only: a session sets it for a layer proven
+  bit-identical to another one of the session (Linen computes NNX's
+  functional core, ``tests/jax/test_jax.py``); ``nox -s parity`` still runs
+  every backend in every dtype.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ DEVICES = ("cpu", "gpu")
 # frameworks compile every new shape, so examples are the suite's main cost);
 # ``HYPOTHESIS_PROFILE=exhaustive`` (the ``exhaustive-*`` nox sessions) for many.
 settings.register_profile("mha_multi", max_examples=40)
+# Eager JAX compiles every operation for every new shape: its sessions take fewer.
+settings.register_profile("compiles-each-shape", max_examples=15)
 settings.register_profile("exhaustive", max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "mha_multi"))
 
@@ -53,6 +60,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("backend", selected_backends(), scope="session")
     if "device" in metafunc.fixturenames:
         metafunc.parametrize("device", DEVICES, scope="session")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    float32_only = {
+        name.strip() for name in os.environ.get("MHA_MULTI_FLOAT32_ONLY", "").split(",") if name
+    }
+    if not float32_only:
+        return
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        other_dtype = params.get("dtype", "float32") != "float32"
+        (dropped if params.get("backend") in float32_only and other_dtype else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")

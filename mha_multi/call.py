@@ -33,7 +33,6 @@ __all__ = [
     "Projections",
     "Result",
     "attend",
-    "check_cache_dtype",
     "check_cache_values",
     "check_cached_call",
     "check_call",
@@ -87,11 +86,19 @@ class Facts:
             :meth:`plan_values` its ``bias`` (``bias=``); where not, a call
             with a bias, ALiBi, a window, soft-capping or its own query
             positions takes the generic path.
+        attends_filled: an eager cached call attends over the cache's filled
+            positions (:meth:`mha_multi.spec.CacheFill.span`, through
+            :meth:`cache_prefix`) rather than all ``max_length``: for
+            frameworks whose kernels take any length at no compile cost.
+        span_bucket: the attended span is a multiple of it (shapes a
+            compiled kernel is reused for); 1 for kernels of any length.
     """
 
     kernel: spec.FusedKernel | None = None
     vmap: Callable[..., Callable[..., Any]] | None = None
     passes_options: bool = False
+    attends_filled: bool = False
+    span_bucket: int = spec.SPAN_BUCKET
 
     # -- arrays -----------------------------------------------------------
 
@@ -215,6 +222,37 @@ class Facts:
 
         ``None`` where the kernel declined the call after all (cuDNN's
         shapes): the generic path then serves.
+        """
+        raise NotImplementedError
+
+    # -- the cache ------------------------------------------------------------
+
+    def write_cache(
+        self,
+        ops: spec.ArrayOps,
+        cache: spec.KVCache,
+        k: Array,
+        v: Array,
+        valid_lens: Array | None,
+        *,
+        head_dim: int,
+        causal: bool,
+        fill: spec.CacheFill | None,
+    ) -> tuple[spec.KVCache, Array]:
+        """:func:`mha_multi.spec.update_cache`: the cache after the call, and what queries see.
+
+        The default is the spec's functional update (static shapes, any
+        execution). A framework that can write arrays in place overrides
+        it for the calls where that is safe (eager, no gradient through the
+        cache), using ``fill``, the lengths read on the host (``None`` in a
+        traced call).
+        """
+        return spec.update_cache(ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal)
+
+    def cache_prefix(self, keys: Array, values: Array, span: int) -> tuple[Array, Array]:
+        """The first ``span`` positions of a cache's ``(B, H_kv, max_length, dh)`` arrays.
+
+        Only frameworks that set :attr:`attends_filled` are asked.
         """
         raise NotImplementedError
 
@@ -403,7 +441,7 @@ def check_gates(facts: Facts, head_mask: Any, *, num_heads: int, like: Array) ->
 
 def check_cache_values(
     facts: Facts, cache: spec.KVCache, valid_lens: Array | None, num_new: int
-) -> bool:
+) -> spec.CacheFill | None:
     """:func:`mha_multi.spec.check_cache_values` where the lengths can be read.
 
     One read of ``cache.lengths`` and ``valid_lens`` in an eager call;
@@ -411,24 +449,12 @@ def check_cache_values(
     what would overflow instead.
 
     Returns:
-        Whether the lengths were read (and so checked).
+        The lengths read (and so checked), or ``None`` where they cannot be.
     """
     read = facts.read(cache.lengths, valid_lens)
     if read is None:
-        return False
-    spec.check_cache_values(read[0], read[1], num_new, cache.keys.shape[2])
-    return True
-
-
-def check_cache_dtype(ops: spec.ArrayOps, cache: spec.KVCache, dtype: Any) -> None:
-    """``cache``'s keys and values hold ``dtype``, the projections' (a ``TypeError`` if not)."""
-    for name in ("keys", "values"):
-        held = ops.dtype(getattr(cache, name))
-        if held != dtype:
-            raise TypeError(
-                f"cache.{name} dtype {held} differs from the layer's projected {name} "
-                f"dtype {dtype}; make the cache with layer.init_cache"
-            )
+        return None
+    return spec.check_cache_values(read[0], read[1], num_new, cache.keys.shape[2])
 
 
 def check_options(
@@ -589,6 +615,7 @@ def attend(
     layer_options: spec.LayerOptions | None = None,
     positions: Array | None = None,
     bias: Array | None = None,
+    fill: spec.CacheFill | None = None,
 ) -> Result:
     """Projections, the cache update, attention, gates and the output of checked arguments.
 
@@ -614,6 +641,10 @@ def attend(
         layer_options: the layer's checked constructor options (rotary,
             ALiBi, window, soft-capping); ``None`` for none.
         positions, bias: the call's, checked (:func:`check_options`).
+        fill: a cached call's lengths as read on the host
+            (:func:`check_cache_values`), for frameworks that write the
+            cache in place or attend over its filled positions; ``None``
+            keeps the spec's functional update over all ``max_length``.
 
     Returns:
         The :class:`Result`.
@@ -627,12 +658,21 @@ def attend(
         # Keys rotate before they enter the cache (docs: "Positions and biases").
         q, k = _rotated(ops, q, k, positions, layer_options.rotary, heads, lengths)
     if cache is not None:
-        check_cache_dtype(ops, cache, ops.dtype(q))
-        cache, valid_lens = spec.update_cache(
-            ops, cache, k, v, valid_lens, head_dim=heads.head_dim, causal=causal
+        spec.check_cache_dtype(ops, cache, ops.dtype(q), ops.dtype(q))
+        cache, valid_lens = facts.write_cache(
+            ops, cache, k, v, valid_lens, head_dim=heads.head_dim, causal=causal, fill=fill
         )
         # The causal rule, each example's own, is in the lengths now.
         k, v, causal = cache.keys, cache.values, False
+        if fill is not None and bias is None and not return_attention_weights:
+            # Keys past the filled positions add nothing to any row (a user's
+            # bias could make them: it keeps all of them).
+            window = None if layer_options is None else layer_options.window
+            span = fill.span(
+                ops.size(q, 1), ops.size(k, 2), window=window, bucket=facts.span_bucket
+            )
+            if span < ops.size(k, 2):
+                k, v = facts.cache_prefix(k, v, span)
     if bias is not None or (layer_options is not None and not layer_options.is_default):
         layer_options = layer_options or spec.LayerOptions()
         # ALiBi and the window see each cached query at its own position.
@@ -771,7 +811,9 @@ def forward(
             raise ValueError("bias and alibi are not supported on a layer whose heads are sharded")
         extra = {"layer_options": layer_options, "positions": positions, "bias": bias}
     if cache is not None:
-        check_cache_values(facts, cache, lens, 0 if keys is None else queries.shape[1])
+        fill = check_cache_values(facts, cache, lens, 0 if keys is None else queries.shape[1])
+        if fill is not None and facts.attends_filled:
+            extra["fill"] = fill
     return run(
         facts,
         layer,

@@ -33,6 +33,8 @@ __all__ = [
     "FusedKernel",
     "Heads",
     "KVCache",
+    "CacheFill",
+    "SPAN_BUCKET",
     "KernelPlan",
     "NumpyOps",
     "apply_head_mask",
@@ -2172,7 +2174,56 @@ def check_cached_call(
     )
 
 
-def check_cache_values(lengths: Any, valid_lens: Any, num_new: int, max_length: int) -> None:
+#: An eager cached call attends over a multiple of this many cache positions
+#: (docs: "Generating with a cache"): few distinct shapes, little wasted work.
+SPAN_BUCKET = 64
+
+
+class CacheFill(NamedTuple):
+    """A cached call's lengths as an eager call reads them (:func:`check_cache_values`).
+
+    Attributes:
+        lengths: ``cache.lengths`` before the call, numpy ``(B,)`` int64.
+        new: the positions each example appends, numpy ``(B,)`` int64.
+    """
+
+    lengths: np.ndarray
+    new: np.ndarray
+
+    def span(
+        self,
+        num_queries: int,
+        max_length: int,
+        *,
+        window: int | None = None,
+        bucket: int = SPAN_BUCKET,
+    ) -> int:
+        """How many leading cache positions the call must attend over for the spec's numbers.
+
+        Keys from ``lengths[b] + new[b]`` on are hidden from every query of
+        example ``b``, and a hidden score (-1e6) adds exactly nothing to a
+        softmax whose row has a visible score: attending over the filled
+        positions, rounded up to ``bucket``, gives the numbers of all
+        ``max_length``. A fully hidden row is the exception (uniform over all
+        ``max_length`` keys): an example that holds nothing, or, with a
+        ``window``, a padding query further than the window past its
+        example's last key. Then the whole cache is attended over.
+
+        Args:
+            num_queries: ``T``, the call's new positions.
+            max_length: the cache's capacity.
+            window: the layer's window, or ``None``.
+            bucket: the span is a multiple of it (or ``max_length``).
+        """
+        held = self.lengths + self.new
+        if held.size == 0 or held.min() <= 0:
+            return max_length
+        if window is not None and num_queries - int(self.new.min()) >= window:
+            return max_length
+        return min(max_length, -(-int(held.max()) // bucket) * bucket)
+
+
+def check_cache_values(lengths: Any, valid_lens: Any, num_new: int, max_length: int) -> CacheFill:
     """Validates a cached call's lengths where they can be read (eager mode).
 
     Args:
@@ -2182,6 +2233,9 @@ def check_cache_values(lengths: Any, valid_lens: Any, num_new: int, max_length: 
             without keys and values).
         num_new: ``T``, the new positions of the call.
         max_length: the cache's capacity.
+
+    Returns:
+        The lengths read, for :meth:`CacheFill.span` and in-place writes.
 
     Raises:
         ValueError: a negative length, a new length outside ``[0, T]``, or an
@@ -2206,6 +2260,7 @@ def check_cache_values(lengths: Any, valid_lens: Any, num_new: int, max_length: 
             f"the cache overflows: example {b} would hold {int(held[b])} positions "
             f"(cache.lengths {int(lengths[b])} + {int(new[b])} new); max_length is {max_length}"
         )
+    return CacheFill(lengths, new)
 
 
 def update_cache(
@@ -2255,21 +2310,8 @@ def update_cache(
     num_new = ops.size(k, 1)
     if isinstance(num_new, int) and num_new == 0:
         return cache, lengths  # no position to write, and no query
-    lengths_dtype = ops.dtype(lengths)
-    if valid_lens is None:
-        new = lengths * 0 + num_new
-    else:
-        new = ops.cast(valid_lens, lengths_dtype)
-        if isinstance(num_new, int):
-            # Unchecked (compiled) lengths stay inside the call's positions.
-            new = ops.where(ops.less(new, num_new), new, num_new)
-            new = ops.where(ops.less(new, 0), new * 0, new)
-    for name, x, held in (("keys", k, cache.keys), ("values", v, cache.values)):
-        if ops.dtype(x) != ops.dtype(held):
-            raise TypeError(
-                f"cache.{name} dtype {ops.dtype(held)} differs from the layer's projected "
-                f"{name} dtype {ops.dtype(x)}; make the cache with layer.init_cache"
-            )
+    check_cache_dtype(ops, cache, ops.dtype(k), ops.dtype(v))
+    new = appended(ops, lengths, valid_lens, num_new)
     positions = ops.arange(ops.size(cache.keys, 2))  # (M,)
     start = ops.expand_dims(lengths, 1)  # (B, 1)
     offsets = ops.expand_dims(positions, 0) - start  # (B, M): p - lengths[b]
@@ -2285,13 +2327,55 @@ def update_cache(
         return ops.where(written, rows, held)
 
     updated = KVCache(write(k, cache.keys), write(v, cache.values), lengths + new)
+    return updated, cached_visibility(ops, lengths, new, num_new, causal=causal)
+
+
+def check_cache_dtype(ops: ArrayOps, cache: KVCache, keys_dtype: Any, values_dtype: Any) -> None:
+    """The cache holds the projections' dtypes (a ``TypeError`` naming the cache's array if not)."""
+    for name, dtype in (("keys", keys_dtype), ("values", values_dtype)):
+        held = ops.dtype(getattr(cache, name))
+        if held != dtype:
+            raise TypeError(
+                f"cache.{name} dtype {held} differs from the layer's projected {name} "
+                f"dtype {dtype}; make the cache with layer.init_cache"
+            )
+
+
+def appended(ops: ArrayOps, lengths: Array, valid_lens: Array | None, num_new: Any) -> Array:
+    """``(B,)`` the positions each example appends: ``valid_lens`` (all ``T`` when ``None``).
+
+    Unchecked (compiled) lengths are clipped into ``[0, T]``, the call's positions.
+    """
+    if valid_lens is None:
+        return lengths * 0 + num_new
+    new = ops.cast(valid_lens, ops.dtype(lengths))
+    if isinstance(num_new, int):
+        new = ops.where(ops.less(new, num_new), new, num_new)
+        new = ops.where(ops.less(new, 0), new * 0, new)
+    return new
+
+
+def cached_visibility(
+    ops: ArrayOps, lengths: Array, new: Array, num_new: Any, *, causal: bool
+) -> Array:
+    """What each query of a cached call sees: lengths for :func:`visibility`.
+
+    Args:
+        lengths: ``(B,)`` the cache's lengths before the call.
+        new: ``(B,)`` the positions each example appends (:func:`appended`).
+        num_new: ``T``.
+        causal: the call's causal flag.
+
+    Returns:
+        ``lengths + new`` ``(B,)``, or when causal ``(B, T)``: query ``i``
+        sees ``lengths[b] + min(new[b], i + 1)`` keys.
+    """
     if not causal:
-        return updated, lengths + new
-    # Query i sees lengths[b] + min(n_b, i + 1) keys.
+        return lengths + new
     seen = ops.expand_dims(ops.arange(num_new), 0) + 1  # (1, T)
     new_column = ops.expand_dims(new, 1)  # (B, 1)
     own = ops.where(ops.less(seen, new_column), seen, new_column)  # (B, T)
-    return updated, start + own
+    return ops.expand_dims(lengths, 1) + own
 
 
 # --------------------------------------------------------------------------

@@ -321,7 +321,7 @@ class MultiHeadAttention(ProjectionLayer):
             if keys is None:
                 # A call compares the cache with its projected queries
                 # (mha_multi.call.attend); a symbolic one projects nothing.
-                call.check_cache_dtype(OPS, cache, self.compute_dtype)
+                spec.check_cache_dtype(OPS, cache, self.compute_dtype, self.compute_dtype)
             num_keys = cache.keys.shape[2]
         # A symbolic batch fits any: a (B, H) mask is then checked against its own.
         batched_mask = len(getattr(head_mask, "shape", ())) == 2

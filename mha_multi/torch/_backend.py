@@ -159,6 +159,9 @@ class TorchFacts(call.Facts):
 
     kernel = SDPA
     passes_options = True
+    attends_filled = True
+    # Eager kernels take any length at no cost: the filled positions exactly.
+    span_bucket = 1
 
     def ops(self, like: torch.Tensor) -> Any:
         return ops_on(like.device)
@@ -262,6 +265,69 @@ class TorchFacts(call.Facts):
             return [None if x is None else next(parts).reshape(tuple(x.shape)) for x in arrays]
         return call.read_all(arrays, host_array)
 
+    def write_cache(
+        self,
+        ops: Any,
+        cache: spec.KVCache,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        valid_lens: torch.Tensor | None,
+        *,
+        head_dim: int,
+        causal: bool,
+        fill: spec.CacheFill | None,
+    ) -> tuple[spec.KVCache, torch.Tensor]:
+        """The new rows written into the cache's own tensors where no gradient needs the old ones.
+
+        An eager call whose lengths were read (``fill``) and that records no
+        gradient through the cache writes each example's rows at its own
+        positions in place: the returned cache shares ``keys`` and
+        ``values`` with the given one (docs: "Generating with a cache").
+        Anything else (``torch.compile``, a cache or projections that
+        require gradients, an inference tensor outside inference mode) gets
+        the spec's functional update.
+        """
+        in_place = (
+            fill is not None
+            and k is not None
+            and not torch.compiler.is_compiling()
+            and not (
+                torch.is_grad_enabled()
+                and any(x.requires_grad for x in (k, v, cache.keys, cache.values))
+            )
+            and (torch.is_inference_mode_enabled() or not cache.keys.is_inference())
+        )
+        if not in_place or k.shape[1] == 0:
+            return super().write_cache(
+                ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal, fill=fill
+            )
+        spec.check_cache_dtype(ops, cache, k.dtype, v.dtype)
+        num_new = k.shape[1]
+        new = spec.appended(ops, cache.lengths, valid_lens, num_new)
+        first = int(fill.lengths[0]) if fill.lengths.size else 0
+        aligned = (fill.new == num_new).all() and (fill.lengths == first).all()
+        if not aligned:
+            # Each example's rows at its own positions, one index for both arrays.
+            examples, steps = np.nonzero(np.arange(num_new)[None, :] < fill.new[:, None])
+            index = [
+                torch.from_numpy(i).to(k.device)
+                for i in (examples, steps, fill.lengths[examples] + steps)
+            ]
+        for held, x in ((cache.keys, k), (cache.values, v)):
+            rows = x.unflatten(-1, (held.shape[1], head_dim))  # (B, T, H_kv, dh)
+            if aligned:
+                held[:, :, first : first + num_new] = rows.transpose(1, 2)
+            elif index[0].numel():
+                # Advanced indices around a slice put the rows' axis first: (N, H_kv, dh).
+                held[index[0], :, index[2]] = rows[index[0], index[1]]
+        updated = spec.KVCache(cache.keys, cache.values, cache.lengths + new)
+        return updated, spec.cached_visibility(ops, cache.lengths, new, num_new, causal=causal)
+
+    def cache_prefix(
+        self, keys: torch.Tensor, values: torch.Tensor, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return keys[:, :, :span], values[:, :, :span]
+
     def plan_values(
         self,
         q: torch.Tensor,
@@ -287,10 +353,12 @@ class TorchFacts(call.Facts):
         """
         if torch.compiler.is_compiling():
             return None, None
-        # A cache's free positions count too: SDPA adds -inf to a hidden key's
-        # score. x * 0 is 0 where x is finite and NaN elsewhere: one pass over
-        # a cache at every decoding step, where isfinite(x).all() takes several.
-        finite = torch.stack([(x.detach() * 0).sum() for x in (q, k, v)]).sum() == 0
+        # The keys and values a call attends over count, hidden ones too: SDPA
+        # adds -inf to a hidden key's score. A sum is finite only if every
+        # element is (one pass, nothing allocated; a finite sum that
+        # overflows only sends the call to the generic path, which is exact).
+        finite = torch.stack([x.detach().sum(dtype=torch.float32) for x in (q, k, v)])
+        finite = torch.isfinite(finite).all()
         if bias is not None:
             finite = finite & (bias.detach().abs().max() <= BIAS_LIMIT)
         if valid_lens is None:

@@ -7,7 +7,14 @@ from torch import nn
 
 from mha_multi.torch._ops import linear, needs_float32_copies
 
-__all__ = ["StackedWeights", "finish_lazy", "in_features", "project_with", "projection"]
+__all__ = [
+    "StackedWeights",
+    "finish_lazy",
+    "in_features",
+    "infer_size",
+    "project_with",
+    "projection",
+]
 
 
 def projection(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
@@ -35,6 +42,19 @@ def finish_lazy(linear: nn.Module) -> None:
         linear(torch.zeros(0, linear.in_features, device=weight.device, dtype=weight.dtype))
 
 
+def infer_size(module: nn.Module, x: torch.Tensor) -> None:
+    """A lazy projection learns its input size from ``x`` (nothing is computed).
+
+    Its parameters are made ordinary tensors even under
+    ``torch.inference_mode``, where they would otherwise be inference
+    tensors: those cannot be trained later, and have no version counter for
+    :class:`StackedWeights` to key on.
+    """
+    if in_features(module) is None:
+        with torch.inference_mode(False), torch.no_grad():
+            module(x[:0])
+
+
 def project_with(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``, with a 16-bit product accumulated in float32 and rounded once.
 
@@ -44,8 +64,7 @@ def project_with(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """
     if not needs_float32_copies(x, module.weight):
         return module(x)
-    if in_features(module) is None:
-        module(x[:0])  # a lazy projection learns its size; nothing is computed
+    infer_size(module, x)
     return linear(x, module.weight, module.bias)
 
 

@@ -22,6 +22,7 @@ from mha_multi.torch._projections import (
     StackedWeights,
     finish_lazy,
     in_features,
+    infer_size,
     project_with,
     projection,
 )
@@ -292,13 +293,15 @@ class MultiHeadAttention(nn.Module):
             return project_with(self.W_q, queries), None, None
         projections = [self.W_q, self.W_k, self.W_v]
         inputs = [queries, keys, values]
+        for module, x in zip(projections, inputs, strict=True):
+            infer_size(module, x)
         first = 0 if queries is keys else 1
         shared = [i for i in range(first, 3) if inputs[i] is inputs[first]]
         # Sharded projections run as their modules: their hooks distribute
         # the inputs and outputs (docs: "Sharding heads").
         separate = self._sharding is not None or len(shared) < 2
-        if separate or any(in_features(projections[i]) is None for i in shared):
-            return tuple(  # (lazy ones infer)
+        if separate:
+            return tuple(
                 project_with(module, x) for module, x in zip(projections, inputs, strict=True)
             )
         weight, bias = self._stacks([projections[i] for i in shared])

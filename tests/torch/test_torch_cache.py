@@ -165,6 +165,46 @@ def test_compiled_overflow_drops_positions_and_keeps_counting(compiler):
         assert not torch.equal(kept[2, :, 3], old[2, :, 3])
 
 
+# -- eager writes in place ---------------------------------------------------------
+
+
+def test_eager_calls_without_gradients_write_the_cache_in_place():
+    """A ragged schedule whose examples sit at different positions, filling the cache
+    exactly: every step writes into the same tensors, with the spec's numbers; an
+    overflow is refused with nothing written."""
+    weights, layer, inputs = make(3)
+    step, caches = stepper(layer, layer.init_cache(3, int(LENGTHS.max())))
+    output = decode(step, inputs, LENGTHS, CHUNKS)
+
+    np.testing.assert_allclose(
+        output, full_reference(weights, inputs, LENGTHS, **HEADS), rtol=0, atol=FLOAT32_ATOL
+    )
+    for cache in caches[1:]:
+        assert cache.keys is caches[0].keys and cache.values is caches[0].values
+    assert caches[-1].lengths.tolist() == LENGTHS.tolist()  # example 0 holds max_length
+    for name, projection in (("keys", "k"), ("values", "v")):
+        expected = projected_heads(weights, inputs[name], projection)
+        expected = np.where((np.arange(9) < LENGTHS[:, None])[:, None, :, None], expected, 0.0)
+        np.testing.assert_allclose(held(caches[-1], name), expected, rtol=0, atol=FLOAT32_ATOL)
+
+    before = [x.clone() for x in caches[-1]]
+    rows = tensors(*(x[:, :1] for x in inputs.values()), np.array([1, 0, 0]))
+    with pytest.raises(ValueError, match="overflows: example 0 would hold 10"), torch.no_grad():
+        layer(*rows, causal=True, cache=caches[-1])
+    for kept, old in zip(caches[-1], before, strict=True):
+        assert torch.equal(kept, old)
+
+
+def test_calls_recording_gradients_leave_the_given_cache_as_it_was():
+    _, layer, inputs = make(4)
+    cache = layer.init_cache(3, 5)
+    rows = tensors(*(x[:, :2] for x in inputs.values()))
+    output, updated = layer(*rows, causal=True, cache=cache)
+    assert output.requires_grad and updated.keys is not cache.keys
+    assert not cache.keys.any() and not cache.values.any()
+    assert cache.lengths.tolist() == [0, 0, 0] and updated.lengths.tolist() == [2, 2, 2]
+
+
 # -- SDPA for eager cached calls ---------------------------------------------------
 
 
@@ -233,12 +273,22 @@ def test_a_full_cache_needs_no_mask():
     np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
 
 
-def test_a_non_finite_entry_at_a_free_position_takes_the_generic_path():
+@pytest.mark.parametrize(
+    ("position", "fused"),
+    [
+        # Example 2 holds 1 position and appends 1: position 3 is free, inside
+        # the 4 filled positions the batch attends over (example 0: 3 + 1).
+        ((2, 1, 3, 0), False),
+        # Past every example's filled positions: not attended over at all.
+        ((0, 1, 6, 0), True),
+    ],
+)
+def test_a_non_finite_entry_at_a_free_position_keeps_the_spec_numbers(position, fused):
     """SDPA adds -inf to a hidden key's score, and NaN + -inf is NaN; the spec replaces it."""
     weights, layer, inputs = make(4)
     cache = prefilled(layer, inputs, np.array([3, 2, 1]))
     keys = cache.keys.clone()
-    keys[0, 1, 6, 0] = np.nan  # example 0 holds 3 positions and appends 1
+    keys[position] = np.nan
     cache = KVCache(keys, cache.values, cache.lengths)
     rows = [chunk_rows(x, np.array([3, 2, 1]), 1) for x in inputs.values()]
     expected, _, _ = spec.reference_cached_forward(
@@ -247,7 +297,7 @@ def test_a_non_finite_entry_at_a_free_position_takes_the_generic_path():
     assert np.isfinite(expected).all()
     with backend.kernel_spy() as calls, torch.no_grad():
         output, _ = layer(*tensors(*rows), causal=True, cache=cache)
-    assert calls == []
+    assert bool(calls) == fused
     np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
 
 
