@@ -20,6 +20,7 @@ ROWS = {
     "grouped": "grouped_lengths",
     "pruned": "pruned_lengths",
     "sharded": "sharded_lengths",
+    "small-calls": "small_lengths",
 }
 
 

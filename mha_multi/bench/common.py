@@ -141,7 +141,10 @@ def machine_info() -> dict[str, object]:
 
 
 def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+    if seconds is None:
+        return "-"
+    # Small calls take fractions of a millisecond: three significant digits.
+    return f"{seconds * 1e3:.1f}" if seconds >= 0.01 else f"{seconds * 1e3:.3g}"
 
 
 def _ms_or_note(m: dict) -> str:
@@ -182,29 +185,29 @@ def format_markdown(results: Sequence[dict]) -> str:
         if timed:
             lines += [
                 "",
-                "| mode | dtype | N | heads (q/kv) | ours (ms) | native (ms) | ours / native "
+                "| mode | dtype | B | N | heads (q/kv) | ours (ms) | native (ms) | ours / native "
                 "| ours GFLOP/s | % of GEMM | generic path (ms) |",
-                "|---|---|---|---|---|---|---|---|---|---|",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
             ]
 
         def key(m: dict) -> tuple:
             shape = m.get("shape") or {}
             heads = shape.get("num_heads", 0)
             kv_heads = shape.get("num_kv_heads") or heads
-            return (m["mode"], m["dtype"], m["length"], -kv_heads, heads)
+            return (m["mode"], m["dtype"], shape.get("batch", 0), m["length"], -kv_heads, heads)
 
-        for mode, dtype, length, minus_kv, heads in sorted({key(m) for m in timed}):
+        for mode, dtype, batch, length, minus_kv, heads in sorted({key(m) for m in timed}):
             row = {
                 m["implementation"]: m
                 for m in timed
-                if key(m) == (mode, dtype, length, minus_kv, heads)
+                if key(m) == (mode, dtype, batch, length, minus_kv, heads)
             }
             ours, native = row.get("ours", {}), row.get("native", {})
             generic = row.get("ours (generic)", {})
             gflops = ours.get("gflops")
             share = f"{100 * gflops / gemm['gflops']:.0f}%" if gflops and gemm else "-"
             lines.append(
-                f"| {mode} | {dtype} | {length} | {heads}/{-minus_kv} | "
+                f"| {mode} | {dtype} | {batch} | {length} | {heads}/{-minus_kv} | "
                 f"{_ms(ours.get('seconds'))} | "
                 f"{_ms(native.get('seconds'))} | "
                 f"{_ratio(ours.get('seconds'), native.get('seconds'))} | "

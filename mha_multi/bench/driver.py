@@ -504,6 +504,7 @@ def run(
     pruned_lengths: Sequence[int] = (512,),
     kept_heads: Sequence[int] = (8, 4, 2, 1),
     sharded_lengths: Sequence[int] = (256,),
+    small_lengths: Sequence[int] = (1, 16),
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -526,6 +527,9 @@ def run(
         sharded_lengths: sequence lengths at which ``base``'s layer is timed
             with its heads sharded over each of the framework's
             ``shard_counts`` CPU devices or processes (CPU, float32, forward).
+        small_lengths: sequence lengths of one example (``base`` with batch
+            1), where a call's fixed cost shows: the one-token call of a
+            decoder, a short sequence.
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -549,6 +553,8 @@ def run(
                     )
                 )
             _time_layers(framework, device, dtype, lengths, base, measurements)
+            one = replace(base, batch=1)
+            _time_layers(framework, device, dtype, small_lengths, one, measurements)
             grouped = replace(base, num_kv_heads=num_kv_heads)
             _time_layers(framework, device, dtype, grouped_lengths, grouped, measurements)
             for length in pruned_lengths:

@@ -21,9 +21,10 @@ from torch import nn
 from mha_multi import spec
 from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
+from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.interop.torch import key_padding_mask, to_torch_d2l
 from mha_multi.torch import harness as backend
-from mha_multi.torch import set_weights
+from mha_multi.torch import get_weights, set_weights
 from mha_multi.weights import init_weights
 
 
@@ -54,6 +55,53 @@ class GroupedSDPA(nn.Module):
         return self.W_o(context.transpose(1, 2).flatten(2))
 
 
+def hand_written_decoder(
+    weights: dict[str, np.ndarray],
+    shape: GenerationShape,
+    device: str,
+    dtype: str,
+) -> Generator:
+    """What a careful user writes by hand: a static cache written in place and
+    ``scaled_dot_product_attention`` over its filled positions (docs: "Generating
+    with a cache")."""
+    batch, heads, kv_heads = shape.batch, shape.num_heads, shape.kv_heads
+    head_dim = shape.num_hiddens // heads
+    w = {
+        name: backend.to_native(np.ascontiguousarray(weights[name].T), device, dtype)
+        for name in ("W_q", "W_k", "W_v", "W_o")
+    }
+    cache = {}
+
+    @torch.inference_mode()
+    def attend(x: torch.Tensor, position: int) -> torch.Tensor:
+        length = x.shape[1]
+        q = nn.functional.linear(x, w["W_q"]).view(batch, length, heads, head_dim).transpose(1, 2)
+        for name in ("k", "v"):
+            new = nn.functional.linear(x, w[f"W_{name}"]).view(batch, length, kv_heads, head_dim)
+            cache[name][:, :, position : position + length] = new.transpose(1, 2)
+        end = position + length
+        context = nn.functional.scaled_dot_product_attention(
+            q,
+            cache["k"][:, :, :end],
+            cache["v"][:, :, :end],
+            is_causal=length > 1,
+            enable_gqa=kv_heads != heads,
+        )
+        return nn.functional.linear(context.transpose(1, 2).flatten(2), w["W_o"])
+
+    def prefill(prompt: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        for name in ("k", "v"):
+            cache[name] = torch.zeros(
+                batch, kv_heads, shape.max_length, head_dim, device=prompt.device, dtype=prompt.dtype
+            )
+        return shape.prompt, attend(prompt, 0)[:, -1:]
+
+    def step(position: int, token: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        return position + 1, attend(token, position)
+
+    return Generator(prefill, step, backend.sync, backend.to_numpy)
+
+
 class Torch(Framework):
     """Forward passes under ``torch.inference_mode``; the native layer gets the
     key padding as ``key_padding_mask`` (``True`` = hidden)."""
@@ -70,6 +118,15 @@ class Torch(Framework):
 
     def append(self, sequence: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         return torch.cat([sequence, token], dim=1)
+
+    def generators(
+        self, shape: GenerationShape, device: str, dtype: str
+    ) -> dict[str, Callable[[], Generator]]:
+        """Ours cached and recomputing, and the hand-written static-cache decoder."""
+        generators = super().generators(shape, device, dtype)
+        weights = get_weights(self.ours(shape.attention_shape(), device, dtype))
+        generators["hand-written"] = lambda: hand_written_decoder(weights, shape, device, dtype)
+        return generators
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
