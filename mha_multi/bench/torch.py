@@ -23,8 +23,8 @@ from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.interop.torch import key_padding_mask, to_torch_d2l
-from mha_multi.torch import harness as backend
 from mha_multi.torch import get_weights, set_weights
+from mha_multi.torch import harness as backend
 from mha_multi.weights import init_weights
 
 
@@ -90,10 +90,9 @@ def hand_written_decoder(
         return nn.functional.linear(context.transpose(1, 2).flatten(2), w["W_o"])
 
     def prefill(prompt: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        size = (batch, kv_heads, shape.max_length, head_dim)
         for name in ("k", "v"):
-            cache[name] = torch.zeros(
-                batch, kv_heads, shape.max_length, head_dim, device=prompt.device, dtype=prompt.dtype
-            )
+            cache[name] = torch.zeros(size, device=prompt.device, dtype=prompt.dtype)
         return shape.prompt, attend(prompt, 0)[:, -1:]
 
     def step(position: int, token: torch.Tensor) -> tuple[Any, torch.Tensor]:
