@@ -2190,6 +2190,13 @@ class CacheFill(NamedTuple):
     lengths: np.ndarray
     new: np.ndarray
 
+    def visibility(self, num_new: int, *, causal: bool) -> np.ndarray:
+        """:func:`cached_visibility` computed on the host: ``(B,)``, or ``(B, T)`` when causal."""
+        if not causal:
+            return self.lengths + self.new
+        seen = np.minimum(np.arange(1, num_new + 1)[None, :], self.new[:, None])
+        return self.lengths[:, None] + seen
+
     def span(
         self,
         num_queries: int,

@@ -303,7 +303,6 @@ class TorchFacts(call.Facts):
             )
         spec.check_cache_dtype(ops, cache, k.dtype, v.dtype)
         num_new = k.shape[1]
-        new = spec.appended(ops, cache.lengths, valid_lens, num_new)
         first = int(fill.lengths[0]) if fill.lengths.size else 0
         aligned = (fill.new == num_new).all() and (fill.lengths == first).all()
         if not aligned:
@@ -320,8 +319,11 @@ class TorchFacts(call.Facts):
             elif index[0].numel():
                 # Advanced indices around a slice put the rows' axis first: (N, H_kv, dh).
                 held[index[0], :, index[2]] = rows[index[0], index[1]]
-        updated = spec.KVCache(cache.keys, cache.values, cache.lengths + new)
-        return updated, spec.cached_visibility(ops, cache.lengths, new, num_new, causal=causal)
+        # The lengths are on the host already: the new ones are computed there.
+        lengths = torch.from_numpy(fill.lengths + fill.new)
+        lengths = lengths.to(cache.lengths.device, cache.lengths.dtype)
+        visible = torch.from_numpy(fill.visibility(num_new, causal=causal)).to(k.device)
+        return spec.KVCache(cache.keys, cache.values, lengths), visible
 
     def cache_prefix(
         self, keys: torch.Tensor, values: torch.Tensor, span: int

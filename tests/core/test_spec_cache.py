@@ -226,6 +226,40 @@ def test_cache_value_and_type_errors():
         )
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_host_visibility_of_a_fill_is_the_cached_visibility(causal):
+    fill = spec.check_cache_values(np.array([3, 1, 0]), np.array([2, 0, 3]), 3, 8)
+    _, lens = spec.update_cache(
+        spec.NumpyOps(),
+        spec.KVCache(np.zeros((3, 1, 8, 1)), np.zeros((3, 1, 8, 1)), np.array([3, 1, 0])),
+        np.ones((3, 3, 1)),
+        np.ones((3, 3, 1)),
+        np.array([2, 0, 3]),
+        head_dim=1,
+        causal=causal,
+    )
+    np.testing.assert_array_equal(fill.visibility(3, causal=causal), lens)
+    if causal:  # query i sees lengths + min(new, i + 1)
+        np.testing.assert_array_equal(lens, [[4, 5, 5], [1, 1, 1], [1, 2, 3]])
+
+
+@pytest.mark.parametrize(
+    ("lengths", "new", "window", "span"),
+    [
+        ([3, 1, 0], [1, 1, 1], None, 4),  # held 4, 2, 1: one bucket of 4
+        ([5, 1], [1, 1], None, 8),  # held 6: rounded up to 8
+        ([15, 1], [1, 1], None, 16),  # held 16 = max_length
+        ([3, 0], [1, 0], None, 16),  # example 1 holds nothing: uniform over all 16
+        ([3, 2], [3, 1], 3, 8),  # padding query 2 of example 1: 3 - 1 < 3, sees its key
+        ([3, 2], [3, 0], 3, 16),  # padding queries of example 1 see nothing in the window
+    ],
+)
+def test_the_span_attended_over_covers_every_visible_key(lengths, new, window, span):
+    num_new = max(new) if window is None else 3
+    fill = spec.check_cache_values(np.array(lengths), np.array(new), num_new, 16)
+    assert fill.span(num_new, 16, window=window, bucket=4) == span
+
+
 def test_random_schedules_cover_ragged_prefills_and_single_steps():
     rng = np.random.default_rng(0)
     lengths = np.array([5, 0, 7])
