@@ -9,11 +9,10 @@ Backend tests are written once and parametrized over runners:
   a skip.
 * ``HYPOTHESIS_PROFILE=exhaustive`` runs the randomised tests with many more
   examples.
-* ``MHA_MULTI_FLOAT32_ONLY=jax-linen`` runs those backends' dtype-parametrized
-  backend tests in float32 only: a session sets it for a layer proven
-  bit-identical to another one of the session (Linen computes NNX's
-  functional core, ``tests/jax/test_jax.py``); ``nox -s parity`` still runs
-  every backend in every dtype.
+* ``MHA_MULTI_TEST_DTYPES=jax-nnx=float32+float64+bfloat16,jax-linen=float32``
+  runs those backends' dtype-parametrized tests in the dtypes named only (a
+  nox session sets it where each case is compiled anew: eager JAX);
+  ``nox -s parity`` still runs every backend on every case in every dtype.
 """
 
 from __future__ import annotations
@@ -62,17 +61,26 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("device", DEVICES, scope="session")
 
 
+def chosen_test_dtypes() -> dict[str, set[str]]:
+    """``MHA_MULTI_TEST_DTYPES`` as backend -> the dtypes its tests run in."""
+    chosen = {}
+    for entry in os.environ.get("MHA_MULTI_TEST_DTYPES", "").split(","):
+        if entry.strip():
+            backend, _, dtypes = entry.strip().partition("=")
+            chosen[backend] = set(dtypes.split("+"))
+    return chosen
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    float32_only = {
-        name.strip() for name in os.environ.get("MHA_MULTI_FLOAT32_ONLY", "").split(",") if name
-    }
-    if not float32_only:
+    chosen = chosen_test_dtypes()
+    if not chosen:
         return
     kept, dropped = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        other_dtype = params.get("dtype", "float32") != "float32"
-        (dropped if params.get("backend") in float32_only and other_dtype else kept).append(item)
+        dtypes = chosen.get(params.get("backend"))
+        left_out = dtypes is not None and params.get("dtype", "float32") not in dtypes
+        (dropped if left_out else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -104,9 +104,13 @@ ENVIRONMENTS: dict[str, Environment] = {
         backends=("jax-nnx", "jax-linen"),
         tests=("tests/backends", "tests/jax", "tests/examples"),
         benchmarks=("jax",),
-        # Linen computes NNX's functional core, bit-identically (tests/jax):
-        # its dtype sweeps run in `nox -s parity`, float32 here.
-        test_env={**FAST_XLA_COMPILES, "MHA_MULTI_FLOAT32_ONLY": "jax-linen"},
+        # Each case in each dtype is compiled anew: the full sweeps run in
+        # `nox -s parity`. float16 takes bfloat16's path; Linen computes NNX's
+        # functional core, bit-identically in every dtype (tests/jax).
+        test_env={
+            **FAST_XLA_COMPILES,
+            "MHA_MULTI_TEST_DTYPES": "jax-nnx=float32+float64+bfloat16,jax-linen=float32",
+        },
     ),
     "mxnet": Environment(
         # COMMON with numpy 1.23: MXNet 1.9 imports only with numpy < 1.24.
@@ -125,7 +129,12 @@ ENVIRONMENTS: dict[str, Environment] = {
     # backend is an environment of its own running the same layer.
     "keras-tensorflow": keras_environment("tensorflow", (PINS["tensorflow"],), "keras,test"),
     "keras-jax": keras_environment(
-        "jax", (PINS["jax"], PINS["jaxlib"]), test_env=FAST_XLA_COMPILES
+        "jax",
+        (PINS["jax"], PINS["jaxlib"]),
+        test_env={
+            **FAST_XLA_COMPILES,
+            "MHA_MULTI_TEST_DTYPES": "keras-jax=float32+float64+bfloat16",
+        },
     ),
     "keras-torch": keras_environment("torch", (PINS["torch"],)),
 }
