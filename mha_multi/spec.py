@@ -2182,9 +2182,8 @@ SPAN_BUCKET = 64
 class CacheFill(NamedTuple):
     """A cached call's lengths as an eager call reads them (:func:`check_cache_values`).
 
-    Attributes:
-        lengths: ``cache.lengths`` before the call, numpy ``(B,)`` int64.
-        new: the positions each example appends, numpy ``(B,)`` int64.
+    ``lengths`` is ``cache.lengths`` before the call and ``new`` the
+    positions each example appends, both numpy ``(B,)`` int64.
     """
 
     lengths: np.ndarray
