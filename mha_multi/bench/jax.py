@@ -51,6 +51,44 @@ def _native(
     return layer(x, mask=mask, deterministic=True)
 
 
+def hand_written_decoder(
+    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
+) -> Generator:
+    """What a careful user writes by hand: a static cache of ``(B, max_length, H_kv,
+    head_dim)`` updated with ``dynamic_update_slice`` and
+    ``jax.nn.dot_product_attention`` over it with a mask, one jitted step."""
+    heads, kv_heads, length = shape.num_heads, shape.kv_heads, shape.max_length
+    head_dim = shape.num_hiddens // heads
+    w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
+
+    @jax.jit
+    def attend(cache: Any, x: jax.Array, position: jax.Array) -> tuple[Any, jax.Array]:
+        batch, steps, _ = x.shape
+        q = (x @ w["W_q"]).reshape(batch, steps, heads, head_dim)
+        cache = tuple(
+            jax.lax.dynamic_update_slice_in_dim(
+                held, (x @ w[name]).reshape(batch, steps, kv_heads, head_dim), position, axis=1
+            )
+            for held, name in zip(cache, ("W_k", "W_v"), strict=True)
+        )
+        # Query i (at position + i) sees the keys up to itself: causal, and filled.
+        visible = jnp.arange(length)[None, :] <= position + jnp.arange(steps)[:, None]
+        context = jax.nn.dot_product_attention(q, *cache, mask=visible[None, None])
+        return cache, context.reshape(batch, steps, -1) @ w["W_o"]
+
+    def prefill(prompt: jax.Array) -> tuple[Any, jax.Array]:
+        empty = jnp.zeros((shape.batch, length, kv_heads, head_dim), prompt.dtype)
+        cache, output = attend((empty, empty), prompt, jnp.int32(0))
+        return (cache, shape.prompt), output[:, -1:]
+
+    def step(state: Any, token: jax.Array) -> tuple[Any, jax.Array]:
+        cache, position = state
+        cache, output = attend(cache, token, jnp.int32(position))
+        return (cache, position + 1), output
+
+    return Generator(prefill, step, backend.sync, backend.to_numpy)
+
+
 class Jax(Framework):
     """Flax NNX layers on the first device of each platform, ``"cpu"`` and ``"gpu"``."""
 
@@ -139,6 +177,8 @@ class Jax(Framework):
 
         generators["recompute"] = recompute
         generators["native"] = flax_decode
+        weights = get_weights(ours)
+        generators["hand-written"] = lambda: hand_written_decoder(weights, shape, device, dtype)
         return generators
 
     def convert(
