@@ -33,7 +33,8 @@ import numpy as np
 from mha_multi import spec
 from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
-from mha_multi.keras import MultiHeadAttention, layout_map, set_weights
+from mha_multi.bench.generate import GenerationShape, Generator
+from mha_multi.keras import MultiHeadAttention, get_weights, layout_map, set_weights
 from mha_multi.keras import harness as backend
 from mha_multi.keras.harness import LayerCall
 from mha_multi.weights import init_weights
@@ -43,6 +44,42 @@ COMPILERS = {
     "jax": "jax.jit of stateless_call",
     "torch": "torch.compile",
 }
+
+
+def hand_written_decoder(
+    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
+) -> Generator:
+    """What a careful user writes by hand in ``keras.ops``, eagerly: a static cache
+    of ``(B, max_length, H_kv, head_dim)`` updated with ``slice_update`` and
+    ``dot_product_attention`` over its filled positions."""
+    ops = keras.ops
+    heads, kv_heads = shape.num_heads, shape.kv_heads
+    head_dim = shape.num_hiddens // heads
+    w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
+    cache: dict[str, Any] = {}
+
+    def attend(x: Any, position: int) -> Any:
+        batch, steps = x.shape[0], x.shape[1]
+        q = ops.reshape(ops.matmul(x, w["W_q"]), (batch, steps, heads, head_dim))
+        for name in ("k", "v"):
+            new = ops.reshape(ops.matmul(x, w[f"W_{name}"]), (batch, steps, kv_heads, head_dim))
+            cache[name] = ops.slice_update(cache[name], (0, position, 0, 0), new)
+        end = position + steps
+        context = ops.dot_product_attention(
+            q, cache["k"][:, :end], cache["v"][:, :end], is_causal=steps > 1
+        )
+        return ops.matmul(ops.reshape(context, (batch, steps, -1)), w["W_o"])
+
+    def prefill(prompt: Any) -> tuple[Any, Any]:
+        for name in ("k", "v"):
+            size = (shape.batch, shape.max_length, kv_heads, head_dim)
+            cache[name] = ops.zeros(size, dtype=prompt.dtype)
+        return shape.prompt, attend(prompt, 0)[:, -1:]
+
+    def step(position: int, token: Any) -> tuple[Any, Any]:
+        return position + 1, attend(token, position)
+
+    return Generator(prefill, step, backend.sync, backend.to_numpy)
 
 
 class Keras(Framework):
@@ -76,6 +113,15 @@ class Keras(Framework):
 
     def matmul(self, a: Any, b: Any) -> Any:
         return keras.ops.matmul(a, b)
+
+    def generators(
+        self, shape: GenerationShape, device: str, dtype: str
+    ) -> dict[str, Callable[[], Generator]]:
+        """Ours cached and recomputing, and the hand-written static-cache decoder."""
+        generators = super().generators(shape, device, dtype)
+        weights = get_weights(self.ours(shape.attention_shape(), device, dtype))
+        generators["hand-written"] = lambda: hand_written_decoder(weights, shape, device, dtype)
+        return generators
 
     def append(self, sequence: Any, token: Any) -> Any:
         return keras.ops.concatenate([sequence, token], axis=1)
