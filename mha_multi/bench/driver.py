@@ -206,6 +206,11 @@ class Framework:
 
     # -- generation (mha_multi.bench.generate) ------------------------------
 
+    #: The framework's twenty-line static-cache decoder,
+    #: ``hand_written(weights, shape, device, dtype) -> Generator`` (a
+    #: ``staticmethod``), timed as the ``hand-written`` generation row.
+    hand_written: Callable[..., Generator] | None = None
+
     def append(self, sequence: Any, token: Any) -> Any:
         """``sequence`` ``(B, N, D)`` with ``token`` ``(B, 1, D)`` appended on axis 1."""
         raise NotImplementedError
@@ -273,8 +278,8 @@ class Framework:
         """Name -> a function making a fresh :class:`Generator` (a new cache each time).
 
         The default drives ours through :meth:`cached_call` and
-        :meth:`causal_call`; a framework with a cached decoder of its own adds
-        it as ``"native"``.
+        :meth:`causal_call`, and adds :attr:`hand_written` where there is one;
+        a framework with a cached decoder of its own adds it as ``"native"``.
         """
         layer = self.ours(shape.attention_shape(), device, dtype)
         cached, causal = self.cached_call(layer), self.causal_call(layer)
@@ -301,7 +306,12 @@ class Framework:
 
             return Generator(prefill, step, self.sync, self.backend.to_numpy)
 
-        return {"cached": with_cache, "recompute": recompute}
+        generators = {"cached": with_cache, "recompute": recompute}
+        if self.hand_written is not None:
+            weights = importlib.import_module(self.package).get_weights(layer)
+            hand_written = self.hand_written
+            generators["hand-written"] = lambda: hand_written(weights, shape, device, dtype)
+        return generators
 
 
 def load(name: str) -> Framework:

@@ -92,6 +92,8 @@ def hand_written_decoder(
 class Jax(Framework):
     """Flax NNX layers on the first device of each platform, ``"cpu"`` and ``"gpu"``."""
 
+    hand_written = staticmethod(hand_written_decoder)
+
     name = "jax"
     package = "mha_multi.jax"
     backend = backend
@@ -177,8 +179,6 @@ class Jax(Framework):
 
         generators["recompute"] = recompute
         generators["native"] = flax_decode
-        weights = get_weights(ours)
-        generators["hand-written"] = lambda: hand_written_decoder(weights, shape, device, dtype)
         return generators
 
     def convert(

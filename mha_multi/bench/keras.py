@@ -34,7 +34,7 @@ from mha_multi import spec
 from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.bench.generate import GenerationShape, Generator
-from mha_multi.keras import MultiHeadAttention, get_weights, layout_map, set_weights
+from mha_multi.keras import MultiHeadAttention, layout_map, set_weights
 from mha_multi.keras import harness as backend
 from mha_multi.keras.harness import LayerCall
 from mha_multi.weights import init_weights
@@ -114,14 +114,7 @@ class Keras(Framework):
     def matmul(self, a: Any, b: Any) -> Any:
         return keras.ops.matmul(a, b)
 
-    def generators(
-        self, shape: GenerationShape, device: str, dtype: str
-    ) -> dict[str, Callable[[], Generator]]:
-        """Ours cached and recomputing, and the hand-written static-cache decoder."""
-        generators = super().generators(shape, device, dtype)
-        weights = get_weights(self.ours(shape.attention_shape(), device, dtype))
-        generators["hand-written"] = lambda: hand_written_decoder(weights, shape, device, dtype)
-        return generators
+    hand_written = staticmethod(hand_written_decoder)
 
     def append(self, sequence: Any, token: Any) -> Any:
         return keras.ops.concatenate([sequence, token], axis=1)

@@ -24,7 +24,7 @@ from mxnet.gluon import nn
 from mha_multi.bench.common import Shape
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.bench.generate import GenerationShape, Generator
-from mha_multi.mxnet import get_weights, set_weights
+from mha_multi.mxnet import set_weights
 from mha_multi.weights import init_weights
 
 npx.set_np()
@@ -111,6 +111,53 @@ class D2LMultiHeadAttention(gluon.HybridBlock):
         return F.npx.reshape(X, (-2, -2, -5))
 
 
+def hand_written_decoder(
+    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
+) -> Generator:
+    """What a careful user writes by hand in MXNet's ``np``/``npx``: a static cache
+    of ``(B, H_kv, max_length, head_dim)`` written in place by slice assignment,
+    and d2l's scaled dot product over its filled positions."""
+    heads, kv_heads = shape.num_heads, shape.kv_heads
+    head_dim = shape.num_hiddens // heads
+    w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
+    cache: dict[str, mx.np.ndarray] = {}
+
+    def split(x: mx.np.ndarray, count: int) -> mx.np.ndarray:
+        batch, steps = x.shape[:2]
+        return x.reshape(batch, steps, count, head_dim).transpose(0, 2, 1, 3)
+
+    def attend(x: mx.np.ndarray, position: int) -> mx.np.ndarray:
+        batch, steps = x.shape[:2]
+        end = position + steps
+        q = split(mx.np.dot(x, w["W_q"]), heads).reshape(batch * heads, steps, head_dim)
+        for name in ("k", "v"):
+            cache[name][:, :, position:end] = split(mx.np.dot(x, w[f"W_{name}"]), kv_heads)
+        k, v = (
+            mx.np.repeat(cache[name][:, :, :end], heads // kv_heads, axis=1).reshape(
+                batch * heads, end, head_dim
+            )
+            for name in ("k", "v")
+        )
+        scores = npx.batch_dot(q, k, transpose_b=True) / math.sqrt(head_dim)
+        if steps > 1:  # query i sees the keys up to position + i
+            seen = mx.np.arange(end)[None, :] <= position + mx.np.arange(steps)[:, None]
+            scores = mx.np.where(seen[None], scores, -1e6)
+        context = npx.batch_dot(npx.softmax(scores, axis=-1), v)
+        context = context.reshape(batch, heads, steps, head_dim).transpose(0, 2, 1, 3)
+        return mx.np.dot(context.reshape(batch, steps, -1), w["W_o"])
+
+    def prefill(prompt: mx.np.ndarray) -> tuple[Any, mx.np.ndarray]:
+        size = (shape.batch, kv_heads, shape.max_length, head_dim)
+        for name in ("k", "v"):
+            cache[name] = mx.np.zeros(size, dtype=prompt.dtype, ctx=prompt.ctx)
+        return shape.prompt, attend(prompt, 0)[:, -1:]
+
+    def step(position: int, token: mx.np.ndarray) -> tuple[Any, mx.np.ndarray]:
+        return position + 1, attend(token, position)
+
+    return Generator(prefill, step, backend.sync, backend.to_numpy)
+
+
 class MXNet(Framework):
     """Both layers hybridized, on the CPU and the first GPU."""
 
@@ -130,14 +177,7 @@ class MXNet(Framework):
     def append(self, sequence: mx.np.ndarray, token: mx.np.ndarray) -> mx.np.ndarray:
         return mx.np.concatenate([sequence, token], axis=1)
 
-    def generators(
-        self, shape: GenerationShape, device: str, dtype: str
-    ) -> dict[str, Callable[[], Generator]]:
-        """Ours cached and recomputing, and the hand-written static-cache decoder."""
-        generators = super().generators(shape, device, dtype)
-        weights = get_weights(self.ours(shape.attention_shape(), device, dtype))
-        generators["hand-written"] = lambda: hand_written_decoder(weights, shape, device, dtype)
-        return generators
+    hand_written = staticmethod(hand_written_decoder)
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
@@ -197,50 +237,3 @@ class MXNet(Framework):
 
 
 FRAMEWORK = MXNet()
-
-
-def hand_written_decoder(
-    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
-) -> Generator:
-    """What a careful user writes by hand in MXNet's ``np``/``npx``: a static cache
-    of ``(B, H_kv, max_length, head_dim)`` written in place by slice assignment,
-    and d2l's scaled dot product over its filled positions."""
-    heads, kv_heads = shape.num_heads, shape.kv_heads
-    head_dim = shape.num_hiddens // heads
-    w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
-    cache: dict[str, mx.np.ndarray] = {}
-
-    def split(x: mx.np.ndarray, count: int) -> mx.np.ndarray:
-        batch, steps = x.shape[:2]
-        return x.reshape(batch, steps, count, head_dim).transpose(0, 2, 1, 3)
-
-    def attend(x: mx.np.ndarray, position: int) -> mx.np.ndarray:
-        batch, steps = x.shape[:2]
-        end = position + steps
-        q = split(mx.np.dot(x, w["W_q"]), heads).reshape(batch * heads, steps, head_dim)
-        for name in ("k", "v"):
-            cache[name][:, :, position:end] = split(mx.np.dot(x, w[f"W_{name}"]), kv_heads)
-        k, v = (
-            mx.np.repeat(cache[name][:, :, :end], heads // kv_heads, axis=1).reshape(
-                batch * heads, end, head_dim
-            )
-            for name in ("k", "v")
-        )
-        scores = npx.batch_dot(q, k, transpose_b=True) / math.sqrt(head_dim)
-        if steps > 1:  # query i sees the keys up to position + i
-            seen = mx.np.arange(end)[None, :] <= position + mx.np.arange(steps)[:, None]
-            scores = mx.np.where(seen[None], scores, -1e6)
-        context = npx.batch_dot(npx.softmax(scores, axis=-1), v)
-        context = context.reshape(batch, heads, steps, head_dim).transpose(0, 2, 1, 3)
-        return mx.np.dot(context.reshape(batch, steps, -1), w["W_o"])
-
-    def prefill(prompt: mx.np.ndarray) -> tuple[Any, mx.np.ndarray]:
-        size = (shape.batch, kv_heads, shape.max_length, head_dim)
-        for name in ("k", "v"):
-            cache[name] = mx.np.zeros(size, dtype=prompt.dtype, ctx=prompt.ctx)
-        return shape.prompt, attend(prompt, 0)[:, -1:]
-
-    def step(position: int, token: mx.np.ndarray) -> tuple[Any, mx.np.ndarray]:
-        return position + 1, attend(token, position)
-
-    return Generator(prefill, step, backend.sync, backend.to_numpy)

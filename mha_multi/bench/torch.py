@@ -23,8 +23,8 @@ from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.interop.torch import key_padding_mask, to_torch_d2l
-from mha_multi.torch import get_weights, set_weights
 from mha_multi.torch import harness as backend
+from mha_multi.torch import set_weights
 from mha_multi.weights import init_weights
 
 
@@ -118,14 +118,7 @@ class Torch(Framework):
     def append(self, sequence: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         return torch.cat([sequence, token], dim=1)
 
-    def generators(
-        self, shape: GenerationShape, device: str, dtype: str
-    ) -> dict[str, Callable[[], Generator]]:
-        """Ours cached and recomputing, and the hand-written static-cache decoder."""
-        generators = super().generators(shape, device, dtype)
-        weights = get_weights(self.ours(shape.attention_shape(), device, dtype))
-        generators["hand-written"] = lambda: hand_written_decoder(weights, shape, device, dtype)
-        return generators
+    hand_written = staticmethod(hand_written_decoder)
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
