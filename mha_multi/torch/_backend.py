@@ -295,7 +295,10 @@ class TorchFacts(call.Facts):
                 torch.is_grad_enabled()
                 and any(x.requires_grad for x in (k, v, cache.keys, cache.values))
             )
-            and (torch.is_inference_mode_enabled() or not cache.keys.is_inference())
+            and (
+                torch.is_inference_mode_enabled()
+                or not (cache.keys.is_inference() or cache.values.is_inference())
+            )
         )
         if not in_place or k.shape[1] == 0:
             return super().write_cache(
