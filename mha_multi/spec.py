@@ -2191,10 +2191,7 @@ class CacheFill(NamedTuple):
 
     def visibility(self, num_new: int, *, causal: bool) -> np.ndarray:
         """:func:`cached_visibility` computed on the host: ``(B,)``, or ``(B, T)`` when causal."""
-        if not causal:
-            return self.lengths + self.new
-        seen = np.minimum(np.arange(1, num_new + 1)[None, :], self.new[:, None])
-        return self.lengths[:, None] + seen
+        return cached_visibility(NumpyOps(), self.lengths, self.new, num_new, causal=causal)
 
     def span(
         self,
