@@ -220,13 +220,22 @@ class JaxFacts(call.Facts):
         implementation: the layer's choice of kernel, ``None``,
             ``"generic"``, ``"xla"`` or ``"cudnn"``
             (:func:`mha_multi.jax._kernel.chosen_kernel`).
+        platform: the platform the call runs on; ``None`` reads it from the
+            arrays (a tracer's is JAX's default backend).
     """
 
     kernel = DOT_PRODUCT_ATTENTION
 
-    def __init__(self, precision: PrecisionLike = None, implementation: str | None = None) -> None:
+    def __init__(
+        self,
+        precision: PrecisionLike = None,
+        implementation: str | None = None,
+        *,
+        platform: str | None = None,
+    ) -> None:
         self.precision = precision
         self.implementation = implementation
+        self.platform = platform
         self.vmap = jax.vmap
         self._ops = JaxOps(precision)
 
@@ -288,7 +297,7 @@ class JaxFacts(call.Facts):
         return list(jax.device_get(arrays))
 
     def kernel_serves(self, q: jax.Array) -> bool:
-        kernel = chosen_kernel(self.implementation, q)
+        kernel = chosen_kernel(self.implementation, q, self.platform)
         return kernel != "generic" and fused_dtype_supported(q.dtype, self.precision)
 
     def fused_attention(self, ops: JaxOps, *args: Any, **kwargs: Any) -> jax.Array | None:
@@ -299,7 +308,7 @@ class JaxFacts(call.Facts):
         for by name, that is the caller's error; chosen by default, the
         generic path serves.
         """
-        kernel = chosen_kernel(self.implementation, args[0])
+        kernel = chosen_kernel(self.implementation, args[0], self.platform)
         try:
             return fused_attention(
                 ops, *args, precision=self.precision, implementation=kernel, **kwargs
@@ -347,7 +356,7 @@ class JaxFacts(call.Facts):
         pieces = 1
         # Score options may hold arrays with a batch axis of their own: one piece.
         plain = settings.get("options", spec.NO_OPTIONS) is spec.NO_OPTIONS
-        if settings["dropout"] is None and plain and platform(q) == "cpu":
+        if settings["dropout"] is None and plain and (self.platform or platform(q)) == "cpu":
             num_keys = k.shape[2 if settings["kv_split"] else 1]
             scores = settings["heads"].num_heads * q.shape[1] * num_keys * 4
             pieces = batch_pieces(batch, scores)

@@ -62,14 +62,18 @@ def check_implementation(implementation: Any) -> None:
 
 
 def platform(x: jax.Array) -> str:
-    """The platform ``x`` lives on; the default backend for tracers under ``jit``."""
-    if isinstance(x, jax.core.Tracer):
+    """The platform ``x`` lives on; the default backend for tracers under ``jit``
+    and for arrays of other libraries (numpy), which JAX puts there."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
         return jax.default_backend()
     return next(iter(x.devices())).platform
 
 
-def chosen_kernel(implementation: str | None, q: jax.Array) -> str:
+def chosen_kernel(implementation: str | None, q: jax.Array, on: str | None = None) -> str:
     """The kernel a call of ``implementation`` runs for projected queries ``q``.
+
+    ``on`` is the platform the call runs on, where known better than
+    :func:`platform` knows it of a tracer.
 
     ``None`` chooses cuDNN's flash attention for 16-bit inputs on a GPU and
     the generic path everywhere else: XLA's kernel is the generic path's own
@@ -82,7 +86,7 @@ def chosen_kernel(implementation: str | None, q: jax.Array) -> str:
         return implementation
     dtype = np.dtype(q.dtype)
     half = dtype.name in FUSED_DTYPES and dtype.itemsize == 2
-    return "cudnn" if half and platform(q) == "gpu" else "generic"
+    return "cudnn" if half and (on or platform(q)) == "gpu" else "generic"
 
 
 def _precision_setting(precision: PrecisionLike) -> str | None:

@@ -53,7 +53,7 @@ cannot, and drop the positions that do not fit (see :func:`multi_head_attention`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,13 +63,14 @@ from jax.typing import DTypeLike
 
 from mha_multi import call, spec
 from mha_multi.jax._backend import JaxFacts, as_valid_lens
-from mha_multi.jax._kernel import check_implementation
+from mha_multi.jax._kernel import check_implementation, platform
 from mha_multi.jax._ops import PrecisionLike, dtype_kind
 from mha_multi.jax._projections import WeightsProjections
 from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [
     "as_valid_lens",
+    "attend_compiled",
     "check_implementation",
     "check_params",
     "flax_dropout",
@@ -191,6 +192,108 @@ def flax_dropout(
         return lax.select(mask, x / keep, jnp.zeros_like(x))
 
     return dropout
+
+
+class _Static(NamedTuple):
+    """What a compiled call is specialised on besides the arrays' shapes and dtypes."""
+
+    precision: Any
+    implementation: str | None
+    platform: str
+    heads: spec.Heads
+    sizes: tuple[tuple[str, int | None], ...]
+    dtype: Any
+    settings: tuple[tuple[str, Any], ...]  # attend's keyword arguments that are no arrays
+
+
+#: :func:`mha_multi.call.attend`'s keyword arguments that are arrays (or a cache of them).
+_ARRAY_ARGUMENTS = ("cache", "gates", "positions", "bias")
+
+
+def _attend(
+    params: Mapping[str, Any],
+    queries: jax.Array,
+    keys: jax.Array | None,
+    values: jax.Array | None,
+    valid_lens: jax.Array | None,
+    arrays: Mapping[str, Any],
+    static: _Static,
+) -> call.Result:
+    """:func:`mha_multi.call.attend` of canonical ``params`` and the call's arrays."""
+    facts = JaxFacts(static.precision, static.implementation, platform=static.platform)
+    layer = WeightsProjections(
+        params, static.heads, dict(static.sizes), dtype=static.dtype, precision=static.precision
+    )
+    return call.attend(
+        facts,
+        layer,
+        facts.ops(queries),
+        queries,
+        keys,
+        values,
+        valid_lens,
+        **arrays,
+        **dict(static.settings),
+    )
+
+
+_attend_program = jax.jit(_attend, static_argnames="static")
+
+
+def attend_compiled(
+    facts: JaxFacts,
+    layer: WeightsProjections,
+    ops: Any,
+    queries: jax.Array,
+    keys: jax.Array | None,
+    values: jax.Array | None,
+    valid_lens: jax.Array | None,
+    **arguments: Any,
+) -> call.Result:
+    """:func:`mha_multi.call.attend` of a checked call, an eager one as one compiled program.
+
+    Eager JAX dispatches (and, for each new shape, compiles) every operation
+    on its own; the attention of one call is a few hundred of them. An eager
+    call without dropout runs them as one ``jax.jit`` program instead, cached
+    per shapes, dtypes and settings, after :func:`mha_multi.call.forward` has
+    checked it and read what it reads on the host. The plan and the
+    operations are the same as under the caller's own ``jit``: JAX's plan
+    reads no values (:class:`~mha_multi.jax._backend.JaxFacts`). A call
+    being traced (``jit``, ``grad``, ``vmap``) runs in the caller's trace,
+    and so does an eager call with dropout, whose mask key is drawn in it.
+
+    Args:
+        facts: the call's JAX facts.
+        layer: the layer's projections; their weights are fetched (or, on
+            a Linen ``init``, made) once, here.
+        ops: the array-ops adapter (``facts.ops``).
+        queries, keys, values, valid_lens: as the checks returned them.
+        arguments: :func:`mha_multi.call.attend`'s keyword arguments.
+
+    Returns:
+        The :class:`mha_multi.call.Result`.
+    """
+    params = layer.weights_for(queries, keys, values)
+    arrays = {name: arguments.pop(name) for name in _ARRAY_ARGUMENTS if name in arguments}
+    static = _Static(
+        facts.precision,
+        facts.implementation,
+        platform(queries),
+        layer.heads,
+        tuple(layer.input_sizes().items()),
+        layer.dtype,
+        tuple(sorted(arguments.items())),
+    )
+    leaves = jax.tree_util.tree_leaves((params, queries, keys, values, valid_lens, arrays))
+    eager = not any(isinstance(x, jax.core.Tracer) for x in leaves)
+    if eager and arguments.get("dropout") is None and arguments.get("fill") is None:
+        try:
+            hash(static)
+        except TypeError:  # a precision given as an unhashable object
+            pass
+        else:
+            return _attend_program(params, queries, keys, values, valid_lens, arrays, static)
+    return _attend(params, queries, keys, values, valid_lens, arrays, static)
 
 
 def _layer_options(
@@ -371,6 +474,7 @@ def multi_head_attention(
         positions=positions,
         bias=bias,
         layer_options=_layer_options(options, heads.head_dim),
+        run=attend_compiled,
     )
     if result.cache is None:
         return result.output, result.weights

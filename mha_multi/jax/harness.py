@@ -298,8 +298,13 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
 
     The layers look the kernel up at call time through
     ``mha_multi.jax._kernel._dot_product_attention``, which this replaces
-    for the duration. Under ``jax.jit`` a call is recorded once, while it is
-    traced, and its key lengths are the traced array rather than numpy.
+    for the duration. A call is recorded while it is traced; an eager call
+    is traced too (:func:`mha_multi.jax.functional.attend_compiled`), and
+    the compiled programs are dropped on entry and exit, so that each eager
+    call inside the spy is traced and recorded and none outside it records.
+    Under the caller's ``jax.jit`` a call is recorded once, when traced.
+    Key lengths are read when the program runs: a recorded call's
+    ``key_lengths`` are numpy once it has run (the traced array until then).
 
     Yields:
         The list that gets one ``KernelCall`` per call.
@@ -309,15 +314,22 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
 
     def recording(*args: Any) -> jax.Array:
         _, _, _, mask, is_causal, lengths, _ = args
-        if lengths is not None and not isinstance(lengths, jax.core.Tracer):
-            lengths = np.asarray(lengths)
+        index = len(calls)
         calls.append(
             KernelCall(mask=mask is not None, is_causal=bool(is_causal), key_lengths=lengths)
         )
+        if lengths is not None:
+
+            def read(value: np.ndarray) -> None:
+                calls[index] = calls[index]._replace(key_lengths=np.asarray(value))
+
+            jax.debug.callback(read, lengths)
         return original(*args)
 
+    jax.clear_caches()
     _kernel._dot_product_attention = recording
     try:
         yield calls
     finally:
         _kernel._dot_product_attention = original
+        jax.clear_caches()

@@ -338,6 +338,7 @@ class MultiHeadAttention(nnx.Module):
             dropout=functional.flax_dropout(dropout_key, self.dropout),
             dropout_rate=self.dropout,
             head_parallel=self.head_parallel,
+            run=functional.attend_compiled,
         )
         return result.returned(return_attention_weights)
 

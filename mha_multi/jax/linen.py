@@ -267,6 +267,7 @@ class MultiHeadAttention(nn.Module):
             ),
             dropout_rate=self.dropout,
             head_parallel=self.head_parallel,
+            run=functional.attend_compiled,
         )
         return result.returned(return_attention_weights)
 
