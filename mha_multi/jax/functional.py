@@ -62,6 +62,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from mha_multi import call, spec
+from mha_multi.jax import _backend
 from mha_multi.jax._backend import JaxFacts, as_valid_lens
 from mha_multi.jax._kernel import check_implementation, platform
 from mha_multi.jax._ops import PrecisionLike, dtype_kind
@@ -204,6 +205,9 @@ class _Static(NamedTuple):
     sizes: tuple[tuple[str, int | None], ...]
     dtype: Any
     settings: tuple[tuple[str, Any], ...]  # attend's keyword arguments that are no arrays
+    # The trace reads the CPU budget of the generic path's pieces: a program
+    # traced under another budget is another program.
+    piece_bytes: int
 
 
 #: :func:`mha_multi.call.attend`'s keyword arguments that are arrays (or a cache of them).
@@ -283,6 +287,7 @@ def attend_compiled(
         tuple(layer.input_sizes().items()),
         layer.dtype,
         tuple(sorted(arguments.items())),
+        _backend.CPU_PIECE_BYTES,
     )
     leaves = jax.tree_util.tree_leaves((params, queries, keys, values, valid_lens, arrays))
     eager = not any(isinstance(x, jax.core.Tracer) for x in leaves)
