@@ -300,8 +300,8 @@ def worker() -> dict[str, Any]:
     return results
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, Any]:
+def run_worker() -> dict[str, Any]:
+    """:func:`worker`'s results, from a process where JAX sees several CPU devices."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
@@ -314,6 +314,14 @@ def results() -> dict[str, Any]:
     assert run.returncode == 0, run.stderr[-4000:]
     (line,) = [line for line in run.stdout.splitlines() if line.startswith(MARK)]
     return json.loads(line[len(MARK) :])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # Imported here: this file also runs as the worker's script, without tests/fixtures.
+    from computed_once import computed_once
+
+    return computed_once(tmp_path_factory, "jax-sharding", run_worker)
 
 
 def tags(check: str | None = None) -> list[str]:

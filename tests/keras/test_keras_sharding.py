@@ -423,8 +423,8 @@ def sharded_checks() -> dict[str, Any]:
 # -- the JAX backend: the checks' results -----------------------------------------------------
 
 
-@pytest.fixture(scope="module", name="results")
-def sharded_results() -> dict[str, Any]:
+def run_worker() -> dict[str, Any]:
+    """The sharded checks' results, from a process where JAX sees several CPU devices."""
     env = {
         **os.environ,
         "KERAS_BACKEND": "jax",
@@ -441,6 +441,14 @@ def sharded_results() -> dict[str, Any]:
     )
     assert process.returncode == 0, process.stderr[-4000:]
     return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", name="results")
+def sharded_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # Imported here: this file also runs as the worker's script, without tests/fixtures.
+    from computed_once import computed_once
+
+    return computed_once(tmp_path_factory, "keras-sharding", run_worker)
 
 
 @JAX_ONLY
