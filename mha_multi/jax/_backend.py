@@ -245,6 +245,10 @@ class JaxFacts(call.Facts):
     def dtype_kind(self, dtype: DTypeLike) -> str:
         return dtype_kind(dtype)
 
+    def platform_of(self, x: jax.Array) -> str:
+        """The call's platform: as given, else the one ``x`` lives on."""
+        return self.platform or platform(x)
+
     def check_input(self, name: str, x: Any, *, like: Any, dtype: Any) -> Any:
         """Any floating array (or tracer): the call casts it to its computation dtype."""
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
@@ -297,7 +301,7 @@ class JaxFacts(call.Facts):
         return list(jax.device_get(arrays))
 
     def kernel_serves(self, q: jax.Array) -> bool:
-        kernel = chosen_kernel(self.implementation, q, self.platform)
+        kernel = chosen_kernel(self.implementation, q, self.platform_of(q))
         return kernel != "generic" and fused_dtype_supported(q.dtype, self.precision)
 
     def fused_attention(self, ops: JaxOps, *args: Any, **kwargs: Any) -> jax.Array | None:
@@ -308,7 +312,7 @@ class JaxFacts(call.Facts):
         for by name, that is the caller's error; chosen by default, the
         generic path serves.
         """
-        kernel = chosen_kernel(self.implementation, args[0], self.platform)
+        kernel = chosen_kernel(self.implementation, args[0], self.platform_of(args[0]))
         try:
             return fused_attention(
                 ops, *args, precision=self.precision, implementation=kernel, **kwargs
@@ -356,7 +360,7 @@ class JaxFacts(call.Facts):
         pieces = 1
         # Score options may hold arrays with a batch axis of their own: one piece.
         plain = settings.get("options", spec.NO_OPTIONS) is spec.NO_OPTIONS
-        if settings["dropout"] is None and plain and (self.platform or platform(q)) == "cpu":
+        if settings["dropout"] is None and plain and self.platform_of(q) == "cpu":
             num_keys = k.shape[2 if settings["kv_split"] else 1]
             scores = settings["heads"].num_heads * q.shape[1] * num_keys * 4
             pieces = batch_pieces(batch, scores)

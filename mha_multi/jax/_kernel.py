@@ -69,11 +69,9 @@ def platform(x: jax.Array) -> str:
     return next(iter(x.devices())).platform
 
 
-def chosen_kernel(implementation: str | None, q: jax.Array, on: str | None = None) -> str:
-    """The kernel a call of ``implementation`` runs for projected queries ``q``.
-
-    ``on`` is the platform the call runs on, where known better than
-    :func:`platform` knows it of a tracer.
+def chosen_kernel(implementation: str | None, q: jax.Array, on: str) -> str:
+    """The kernel a call of ``implementation`` runs for projected queries ``q``
+    on platform ``on`` (``"cpu"``, ``"gpu"``...).
 
     ``None`` chooses cuDNN's flash attention for 16-bit inputs on a GPU and
     the generic path everywhere else: XLA's kernel is the generic path's own
@@ -86,7 +84,7 @@ def chosen_kernel(implementation: str | None, q: jax.Array, on: str | None = Non
         return implementation
     dtype = np.dtype(q.dtype)
     half = dtype.name in FUSED_DTYPES and dtype.itemsize == 2
-    return "cudnn" if half and (on or platform(q)) == "gpu" else "generic"
+    return "cudnn" if half and on == "gpu" else "generic"
 
 
 def _precision_setting(precision: PrecisionLike) -> str | None:
