@@ -7,61 +7,13 @@ import math
 import numpy as np
 import pytest
 from finite_differences import assert_central_differences
-from test_spec_positions import naive_forward as options_loop
+from test_spec_positions import naive_forward
 
 from mha_multi import spec
-from mha_multi.parity.cases import CASES, OPTION_CASES, build_case
+from mha_multi.parity.cases import CASES, build_case
 from mha_multi.weights import init_weights
 
 OPS = spec.NumpyOps()
-
-
-def naive_forward(
-    weights, queries, keys, values, valid_lens, num_heads, causal, num_kv_heads=None, gates=None
-):
-    """A stack of single-head attentions, one example and one head at a time.
-
-    Query head ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``;
-    its context is multiplied by ``gates[h]`` (or ``gates[b][h]``) if given.
-    """
-    batch, num_queries, _ = queries.shape
-    num_keys = keys.shape[1]
-    num_hiddens = weights["W_o"].shape[0]  # num_heads * head_dim
-    head_dim = num_hiddens // num_heads
-    group_size = num_heads // (num_kv_heads or num_heads)
-
-    def project(x, name):
-        y = x @ weights[f"W_{name}"]
-        return y + weights[f"b_{name}"] if f"b_{name}" in weights else y
-
-    q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
-    context = np.zeros((batch, num_queries, num_hiddens))
-    attention = np.zeros((batch, num_heads, num_queries, num_keys))
-    for b in range(batch):
-        for h in range(num_heads):
-            cols = slice(h * head_dim, (h + 1) * head_dim)
-            kv = h // group_size
-            kv_cols = slice(kv * head_dim, (kv + 1) * head_dim)
-            for i in range(num_queries):
-                scores = np.empty(num_keys)
-                for j in range(num_keys):
-                    visible = True
-                    if valid_lens is not None:
-                        length = valid_lens[b] if np.ndim(valid_lens) == 1 else valid_lens[b][i]
-                        visible = j < length
-                    if causal and j > i + (num_keys - num_queries):
-                        visible = False
-                    dot = sum(q[b, i, cols][d] * k[b, j, kv_cols][d] for d in range(head_dim))
-                    scores[j] = dot / math.sqrt(head_dim) if visible else -1e6
-                if num_keys == 0:  # nothing to attend to: a zero context
-                    continue
-                weights_row = np.exp(scores - scores.max())
-                weights_row /= weights_row.sum()
-                attention[b, h, i] = weights_row
-                context[b, i, cols] = weights_row @ v[b, :, kv_cols]
-                if gates is not None:
-                    context[b, i, cols] *= gates[h] if np.ndim(gates) == 1 else gates[b][h]
-    return project(context, "o"), attention
 
 
 @pytest.mark.parametrize("config", CASES, ids=lambda c: c.name)
@@ -70,28 +22,19 @@ def test_reference_matches_naive_loops(config):
     weights = {k: v.astype(np.float64) for k, v in case.weights.items()}
     inputs = [case.inputs[n].astype(np.float64) for n in ("queries", "keys", "values")]
     lens = None if case.valid_lens is None else case.valid_lens.tolist()
-    if config in OPTION_CASES:  # every option written out, one key at a time
-        expected_out, expected_attention = options_loop(
-            weights,
-            *inputs,
-            lens,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            causal=config.causal,
-            positions=case.positions,
-            bias=None if case.bias is None else case.bias.astype(np.float64),
-            **config.layer_options(),
-        )
-    else:
-        expected_out, expected_attention = naive_forward(
-            weights,
-            *inputs,
-            lens,
-            config.num_heads,
-            config.causal,
-            config.num_kv_heads,
-            config.head_mask,
-        )
+    # Every option and the gates written out, one key at a time.
+    expected_out, expected_attention = naive_forward(
+        weights,
+        *inputs,
+        lens,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        causal=config.causal,
+        positions=case.positions,
+        bias=None if case.bias is None else case.bias.astype(np.float64),
+        gates=config.head_mask,
+        **config.layer_options(),
+    )
     np.testing.assert_allclose(case.reference["output"], expected_out, rtol=0, atol=1e-12)
     np.testing.assert_allclose(
         case.reference["attention_weights"], expected_attention, rtol=0, atol=1e-12
@@ -306,7 +249,7 @@ def test_reference_edges_match_naive_loops(name, causal):
         weights, queries, keys, values, lens, num_heads=3, causal=causal
     )
     expected_out, expected_attention = naive_forward(
-        weights, queries, keys, values, lens, 3, causal
+        weights, queries, keys, values, lens, num_heads=3, causal=causal
     )
     for got, expected in ((out, expected_out), (attention, expected_attention)):
         assert got.shape == expected.shape

@@ -82,8 +82,13 @@ def naive_forward(
     alibi=False,
     window=None,
     softcap=None,
+    gates=None,
 ):
-    """Every option written out: one example, head, query and key at a time."""
+    """Every option written out: one example, head, query and key at a time.
+
+    Query head ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``;
+    its context is multiplied by ``gates[h]`` (or ``gates[b][h]``) if given.
+    """
     batch, num_queries, _ = queries.shape
     num_keys = keys.shape[1]
     head_dim = weights["W_q"].shape[1] // num_heads
@@ -150,6 +155,8 @@ def naive_forward(
                 row /= row.sum()
                 attention[b, h, i] = row
                 context[b, i, cols] = row @ v[b, :, kv_cols]
+                if gates is not None:
+                    context[b, i, cols] *= gates[h] if np.ndim(gates) == 1 else gates[b][h]
     return project(context, "o"), attention
 
 
