@@ -35,9 +35,33 @@ def _setup(name: str, seed: int, batch: int = 3, length: int = 7):
     return weights, inputs, lengths, heads, rng
 
 
+def cached_attention(
+    heads: spec.Heads, cache, q, k, v, new_lens, *, causal: bool, options=spec.NO_OPTIONS
+):
+    """The core of a cached call, on projected inputs: ``k`` and ``v`` written
+    into ``cache`` (nothing where ``None``), then ``q`` attending over what it
+    holds. Returns ``(context, attention_weights, cache)``."""
+    ops = spec.NumpyOps()
+    cache, lens = spec.update_cache(
+        ops, cache, k, v, new_lens, head_dim=heads.head_dim, causal=causal
+    )
+    context, attention_weights = spec.attention(
+        ops,
+        q,
+        cache.keys,
+        cache.values,
+        lens,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
+        head_dim=heads.head_dim,
+        kv_split=True,
+        options=options,
+    )
+    return context, attention_weights, cache
+
+
 def _spec_step(weights, heads: spec.Heads, causal: bool):
     """A cached call written with the spec's functions, as every backend writes it."""
-    ops = spec.NumpyOps()
 
     def linear(x, name):
         y = x @ weights[f"W_{name}"]
@@ -46,19 +70,8 @@ def _spec_step(weights, heads: spec.Heads, causal: bool):
     def step(queries, keys, values, cache, new_lens):
         k = None if keys is None else linear(keys, "k")
         v = None if values is None else linear(values, "v")
-        cache, lens = spec.update_cache(
-            ops, cache, k, v, new_lens, head_dim=heads.head_dim, causal=causal
-        )
-        context, attention_weights = spec.attention(
-            ops,
-            linear(queries, "q"),
-            cache.keys,
-            cache.values,
-            lens,
-            num_heads=heads.num_heads,
-            num_kv_heads=heads.num_kv_heads,
-            head_dim=heads.head_dim,
-            kv_split=True,
+        context, attention_weights, cache = cached_attention(
+            heads, cache, linear(queries, "q"), k, v, new_lens, causal=causal
         )
         return linear(context, "o"), attention_weights, cache
 

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 from finite_differences import assert_central_differences
+from test_spec_cache import cached_attention
 
 from mha_multi import spec
 from mha_multi.parity.decode import decode, random_schedule
@@ -643,21 +644,9 @@ def spec_cached_call(weights, heads, layer, cache, queries, keys, values, new_le
     )
     q = spec.rotate(OPS, q, positions, layer.rotary, heads.num_heads, heads.head_dim)
     k = spec.rotate(OPS, k, positions, layer.rotary, heads.num_kv_heads, heads.head_dim)
-    cache, lens = spec.update_cache(
-        OPS, cache, k, v, new_lens, head_dim=heads.head_dim, causal=True
-    )
     options = layer.score_options(num_heads=heads.num_heads, bias=bias, query_positions=positions)
-    context, attention_weights = spec.attention(
-        OPS,
-        q,
-        cache.keys,
-        cache.values,
-        lens,
-        num_heads=heads.num_heads,
-        num_kv_heads=heads.num_kv_heads,
-        head_dim=heads.head_dim,
-        kv_split=True,
-        options=options,
+    context, attention_weights, cache = cached_attention(
+        heads, cache, q, k, v, new_lens, causal=True, options=options
     )
     return linear(context, "o"), attention_weights, cache
 
