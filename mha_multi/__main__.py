@@ -39,6 +39,7 @@ import numpy as np
 
 from mha_multi.interop.formats import (
     FORMATS,
+    _record,
     check_heads_given,
     detect_format,
     load,
@@ -51,16 +52,10 @@ from mha_multi.interop.formats import (
 def _source_format(path: str, explicit: str | None) -> str | None:
     """The source's format, or ``None`` when its content will decide (several share its suffix)."""
     if explicit is not None:
-        _check_format(explicit)
-        return explicit
+        return _record(explicit).name
     names = suffix_formats(path)
     # An unclaimed suffix is reported now, before anything is read.
     return detect_format(path, reading=True) if len(names) < 2 else None
-
-
-def _check_format(name: str) -> None:
-    if name not in FORMATS:
-        raise ValueError(f"unknown format {name!r}; expected one of {', '.join(FORMATS)}")
 
 
 def convert(
@@ -106,8 +101,7 @@ def convert(
     source, destination = os.fspath(source), os.fspath(destination)
     source_kind = _source_format(source, source_format)
     if destination_format is not None:
-        _check_format(destination_format)
-        destination_kind = destination_format
+        destination_kind = _record(destination_format).name
     else:
         destination_kind = detect_format(destination, reading=False)
     # Missing head options are reported before anything is read.
