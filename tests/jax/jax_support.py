@@ -1,11 +1,13 @@
 """What several JAX test files build: runners whose layers take JAX-only
-options, a case's inputs as JAX arrays, the GPU."""
+options, a case's inputs as JAX arrays, the GPU, a fused kernel that leaves
+NaN where nothing is seen."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from conftest import gpu_required
@@ -47,3 +49,18 @@ def gpu() -> str:
             pytest.fail("no GPU visible to JAX, and MHA_MULTI_REQUIRE_GPU is set")
         pytest.skip("no GPU visible to JAX")
     return "gpu"
+
+
+def nan_where_nothing_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes the kernel leave NaN in every row its mask hides, as cuDNN's flash kernel may."""
+    original = jax.nn.dot_product_attention
+
+    def kernel(q, k, v, *, mask=None, **kwargs):
+        out = original(q, k, v, mask=mask, **kwargs)
+        if mask is None:
+            return out
+        mask = mask if mask.ndim == 4 else mask[None, None]
+        seen = jnp.transpose(jnp.any(mask, axis=-1), (0, 2, 1))[..., None]  # (B|1, Q|1, 1, 1)
+        return jnp.where(seen, out, jnp.nan)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)

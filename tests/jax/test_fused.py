@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import lax
-from jax_support import LinenRunner, NNXRunner, gpu, inputs
+from jax_support import LinenRunner, NNXRunner, gpu, inputs, nan_where_nothing_is_seen
 
 from mha_multi import spec
 from mha_multi.jax import MultiHeadAttention, linen, multi_head_attention, set_weights
@@ -131,17 +131,7 @@ def test_every_case_and_its_gradients_match_the_reference_under_jit(kernel_calls
 def test_fully_hidden_rows_are_corrected_whatever_the_kernel_leaves_there(monkeypatch, cases, name):
     # cuDNN's kernel leaves a query that sees no key NaN; the correction must
     # replace those rows and keep their NaN out of every gradient.
-    original = jax.nn.dot_product_attention
-
-    def nan_rows(q, k, v, *, mask=None, **kwargs):
-        out = original(q, k, v, mask=mask, **kwargs)
-        if mask is None:
-            return out
-        mask = mask if mask.ndim == 4 else mask[None, None]
-        seen = jnp.transpose(jnp.any(mask, axis=-1), (0, 2, 1))[..., None]  # (B|1, Q|1, 1, 1)
-        return jnp.where(seen, out, jnp.nan)
-
-    monkeypatch.setattr(jax.nn, "dot_product_attention", nan_rows)
+    nan_where_nothing_is_seen(monkeypatch)
     case = cases[name]
     params = {n: jnp.asarray(w) for n, w in case.weights.items()}
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax_support import LinenRunner, NNXRunner
+from jax_support import LinenRunner, NNXRunner, nan_where_nothing_is_seen
 
 from mha_multi import spec
 from mha_multi.jax import MultiHeadAttention, _backend, linen
@@ -191,21 +191,6 @@ def test_compiled_code_drops_what_overflows_and_overwrites_nothing():
 
 
 XLA = NNXRunner(implementation="xla")
-
-
-def nan_where_nothing_is_seen(monkeypatch):
-    """Makes the kernel leave NaN in every row its mask hides, as cuDNN's flash kernel may."""
-    original = jax.nn.dot_product_attention
-
-    def kernel(q, k, v, *, mask=None, **kwargs):
-        out = original(q, k, v, mask=mask, **kwargs)
-        if mask is None:
-            return out
-        mask = mask if mask.ndim == 4 else mask[None, None]
-        seen = jnp.transpose(jnp.any(mask, axis=-1), (0, 2, 1))[..., None]  # (B, Q, 1, 1)
-        return jnp.where(seen, out, jnp.nan)
-
-    monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
 
 
 @pytest.mark.parametrize("causal", [True, False])
