@@ -44,6 +44,9 @@ __all__ = [
 
 Array = Any
 INPUT_NAMES = ("queries", "keys", "values")
+#: The shapes a call's ``bias`` and ``head_mask`` may have, as the facts' errors word them.
+BIAS_SHAPE = "broadcastable to (batch, num_heads, num_queries, num_keys)"
+GATES_SHAPE = "of shape (num_heads,) or (batch, num_heads)"
 
 
 class Projections(Protocol):

@@ -46,6 +46,7 @@ __all__ = [
     "check_cached_call",
     "check_cached_inputs",
     "check_config",
+    "check_sizes_known",
     "check_head_mask",
     "check_heads",
     "grouped_to_heads",
@@ -458,6 +459,18 @@ def check_input_sizes(**sizes: Any) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise ValueError(f"{name} must be a positive int or None; got {value!r}")
+
+
+def check_sizes_known(sizes: Mapping[str, int | None]) -> None:
+    """Raises ``ValueError`` unless every input size of a layer (its ``input_sizes()``) is known.
+
+    A layer's weights are whole only once its lazy input sizes are fixed.
+    """
+    lazy = [name for name, size in sizes.items() if size is None]
+    if lazy:
+        raise ValueError(
+            f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
+        )
 
 
 def check_causal(causal: Any) -> None:

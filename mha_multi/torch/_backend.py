@@ -154,6 +154,15 @@ SDPA = spec.FusedKernel(
 BIAS_LIMIT = 1e5
 
 
+def _tensor_beside(name: str, x: Any, like: torch.Tensor, shape: str) -> torch.Tensor:
+    """``x``, a tensor of any dtype, on ``like``'s device; ``shape`` words the TypeError."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a floating-point torch.Tensor {shape}; got {type(x).__name__}"
+        )
+    return x.to(like.device)
+
+
 class TorchFacts(call.Facts):
     """What a call of the PyTorch layer asks of PyTorch (:class:`mha_multi.call.Facts`)."""
 
@@ -238,21 +247,11 @@ class TorchFacts(call.Facts):
 
     def as_bias(self, bias: Any, like: torch.Tensor) -> torch.Tensor:
         """On the queries' device; its dtype kept (the scores cast it), so gradients reach it."""
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(
-                f"bias must be a floating-point torch.Tensor broadcastable to "
-                f"(batch, num_heads, num_queries, num_keys); got {type(bias).__name__}"
-            )
-        return bias.to(like.device)
+        return _tensor_beside("bias", bias, like, call.BIAS_SHAPE)
 
     def as_gates(self, head_mask: Any, like: torch.Tensor) -> torch.Tensor:
         """On the queries' device; its dtype kept (the gating casts, so gradients keep it)."""
-        if not isinstance(head_mask, torch.Tensor):
-            raise TypeError(
-                f"head_mask must be a floating-point torch.Tensor of shape (num_heads,) or "
-                f"(batch, num_heads); got {type(head_mask).__name__}"
-            )
-        return head_mask.to(like.device)
+        return _tensor_beside("head_mask", head_mask, like, call.GATES_SHAPE)
 
     def read(self, *arrays: torch.Tensor | None) -> list[np.ndarray | None] | None:
         """One transfer for integer tensors; nothing under ``torch.compile``."""

@@ -379,11 +379,7 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
         ValueError: some input size is still lazy (call the layer once, or
             pass ``query_size``/``key_size``/``value_size``).
     """
-    lazy = [name for name, size in layer.input_sizes().items() if size is None]
-    if lazy:
-        raise ValueError(
-            f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
-        )
+    spec.check_sizes_known(layer.input_sizes())
     # Sharded parameters are gathered whole (docs: "Sharding heads").
     whole = (lambda t: t) if layer._sharding is None else layer._sharding.full_tensor
     weights = {}
