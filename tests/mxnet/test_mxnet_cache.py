@@ -16,6 +16,16 @@ import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import autograd, gluon
+from mxnet_support import (
+    HYBRID,
+    IMPERATIVE,
+    KV_HEADS,
+    NUM_HEADS,
+    NUM_HIDDENS,
+    QUERY_SIZE,
+    layer_of,
+    layout_weights,
+)
 
 from mha_multi import spec
 from mha_multi.mxnet import KVCache, MultiHeadAttention
@@ -23,15 +33,8 @@ from mha_multi.mxnet import harness as backend
 from mha_multi.mxnet._graph import AttentionGraph
 from mha_multi.parity.compare import tolerance
 from mha_multi.parity.decode import full_reference
-from mha_multi.parity.runners import KernelCall, get_runner
-from mha_multi.weights import init_weights
+from mha_multi.parity.runners import KernelCall
 
-IMPERATIVE = get_runner("mxnet")
-HYBRID = get_runner("mxnet-hybrid")
-
-QUERY_SIZE, NUM_HIDDENS, NUM_HEADS = 5, 16, 4
-#: Key/value heads: multi-head, grouped and multi-query attention.
-KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
 #: Ragged sequences and their schedule: a padded prefill of 3, steps of 1
 #: (with idle examples) and a chunk of 2; example 2 fills the cache.
 LENGTHS = np.array([5, 2, 6])
@@ -40,14 +43,7 @@ MAX_LENGTH = 6
 
 
 def weights_and_inputs(kind, seed=0):
-    weights = init_weights(
-        NUM_HIDDENS,
-        num_heads=NUM_HEADS,
-        num_kv_heads=KV_HEADS[kind],
-        bias=True,
-        query_size=QUERY_SIZE,
-        seed=seed,
-    )
+    weights = layout_weights(kind, seed)
     rng = np.random.default_rng(seed)
     sizes = {"queries": QUERY_SIZE, "keys": NUM_HIDDENS, "values": NUM_HIDDENS}
     inputs = {
@@ -55,13 +51,6 @@ def weights_and_inputs(kind, seed=0):
         for name, size in sizes.items()
     }
     return weights, inputs
-
-
-def layer_of(runner, kind, weights, dtype="float32", **kwargs):
-    layer = runner.make_layer(
-        NUM_HIDDENS, NUM_HEADS, num_kv_heads=KV_HEADS[kind], bias=True, dtype=dtype, **kwargs
-    )
-    return runner.set_weights(layer, weights)
 
 
 def native(rows, dtype="float32"):

@@ -14,6 +14,16 @@ import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import autograd, gluon
+from mxnet_support import (
+    HYBRID,
+    IMPERATIVE,
+    KV_HEADS,
+    NUM_HEADS,
+    NUM_HIDDENS,
+    QUERY_SIZE,
+    layer_of,
+    layout_weights,
+)
 
 from mha_multi import heads, spec
 from mha_multi.mxnet import MultiHeadAttention, head_importance, set_weights
@@ -21,16 +31,12 @@ from mha_multi.mxnet import harness as backend
 from mha_multi.mxnet._graph import AttentionGraph
 from mha_multi.mxnet._kernel import SEQUENCE_MASK
 from mha_multi.parity.compare import tolerance
-from mha_multi.parity.runners import KernelCall, get_runner
-from mha_multi.weights import KERNEL_NAMES, init_weights
+from mha_multi.parity.runners import KernelCall
+from mha_multi.weights import KERNEL_NAMES
 
-IMPERATIVE = get_runner("mxnet")
-HYBRID = get_runner("mxnet-hybrid")
 RUNNERS = pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID], ids=lambda r: r.name)
-
-QUERY_SIZE, NUM_HIDDENS, NUM_HEADS = 5, 16, 4
-#: Key/value heads: multi-head and grouped attention.
-KV_HEADS = {"mha": 4, "gqa": 2}
+#: The layouts here: multi-head and grouped attention.
+KINDS = ["mha", "gqa"]
 #: Per-example key lengths: one example sees a prefix, one everything, one nothing.
 LENS = np.array([2, 6, 0])
 #: Gates: one head off, one halved, one negated; and per-example gates.
@@ -43,14 +49,7 @@ GRAD_ATOL = tolerance("float32", "grad.head_mask")
 
 
 def weights_and_inputs(kind, seed=0, batch=3, num_queries=4, num_keys=6):
-    weights = init_weights(
-        NUM_HIDDENS,
-        num_heads=NUM_HEADS,
-        num_kv_heads=KV_HEADS[kind],
-        bias=True,
-        query_size=QUERY_SIZE,
-        seed=seed,
-    )
+    weights = layout_weights(kind, seed)
     rng = np.random.default_rng(seed)
     inputs = {
         "queries": rng.standard_normal((batch, num_queries, QUERY_SIZE)),
@@ -58,13 +57,6 @@ def weights_and_inputs(kind, seed=0, batch=3, num_queries=4, num_keys=6):
         "values": rng.standard_normal((batch, num_keys, NUM_HIDDENS)),
     }
     return weights, inputs
-
-
-def layer_of(runner, kind, weights, dtype="float32", **kwargs):
-    layer = runner.make_layer(
-        NUM_HIDDENS, NUM_HEADS, num_kv_heads=KV_HEADS[kind], bias=True, dtype=dtype, **kwargs
-    )
-    return runner.set_weights(layer, weights)
 
 
 def native(x, dtype="float32"):
@@ -87,7 +79,7 @@ def assert_close(actual, expected, atol=ATOL):
 
 @RUNNERS
 @pytest.mark.parametrize("ndim", [1, 2])
-@pytest.mark.parametrize("kind", list(KV_HEADS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_head_mask_on_the_fast_route_and_the_generic_one(runner, kind, ndim):
     weights, inputs = weights_and_inputs(kind)
     layer = layer_of(runner, kind, weights)
@@ -232,7 +224,7 @@ def test_gradients_are_the_references(runner, kind, ndim, return_attention_weigh
 
 
 @RUNNERS
-@pytest.mark.parametrize("kind", list(KV_HEADS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_head_mask_with_a_cache(runner, kind):
     weights, inputs = weights_and_inputs(kind, num_queries=6)
     lengths = np.array([5, 2, 6])
@@ -398,7 +390,7 @@ def test_no_keys_gate_a_zero_context():
 
 
 @RUNNERS
-@pytest.mark.parametrize("kind", list(KV_HEADS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_head_importance_is_the_references(runner, kind):
     # Dropout is in the layer, and out of the importance (eval mode).
     rng = np.random.default_rng(6)

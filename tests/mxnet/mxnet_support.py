@@ -1,0 +1,40 @@
+"""What several MXNet test files build: the imperative and hybridized
+runners, and grouped layers of one layout with their canonical weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mha_multi.parity.runners import Runner, get_runner
+from mha_multi.weights import init_weights
+
+IMPERATIVE = get_runner("mxnet")
+HYBRID = get_runner("mxnet-hybrid")
+
+QUERY_SIZE, NUM_HIDDENS, NUM_HEADS = 5, 16, 4
+#: Key/value heads: multi-head, grouped and multi-query attention.
+KV_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+
+
+def layout_weights(kind: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Canonical weights, with biases, of the layout with ``KV_HEADS[kind]`` key/value heads."""
+    return init_weights(
+        NUM_HIDDENS,
+        num_heads=NUM_HEADS,
+        num_kv_heads=KV_HEADS[kind],
+        bias=True,
+        query_size=QUERY_SIZE,
+        seed=seed,
+    )
+
+
+def layer_of(
+    runner: Runner, kind: str, weights: dict[str, np.ndarray], dtype: str = "float32", **kwargs: Any
+) -> Any:
+    """The runner's layer of the layout, holding ``weights``."""
+    layer = runner.make_layer(
+        NUM_HIDDENS, NUM_HEADS, num_kv_heads=KV_HEADS[kind], bias=True, dtype=dtype, **kwargs
+    )
+    return runner.set_weights(layer, weights)
