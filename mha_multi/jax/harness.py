@@ -4,8 +4,8 @@ The parity runners, the benchmark and the tests reach JAX through this
 module (docs: "Architecture"). :func:`make_layer` builds the NNX layer and
 :func:`linen_layer` the Linen one; :func:`forward` and :func:`vjp` take
 either. It sits above the layers: it imports them and
-:mod:`mha_multi.jax._backend` (JAX's facts, re-exported here for the
-runners), and nothing below imports it.
+:mod:`mha_multi.jax._backend` (JAX's facts, whose public names are read
+through this module too: ``harness.to_numpy``), and nothing below imports it.
 """
 
 from __future__ import annotations
@@ -24,47 +24,25 @@ from flax import nnx
 from mha_multi import spec
 from mha_multi.call import INPUT_NAMES
 from mha_multi.interop.jax import to_flax_nnx
-from mha_multi.jax import _kernel, linen
-from mha_multi.jax._backend import (
-    DTYPES,
-    device,
-    device_description,
-    exact_float32,
-    gpu_available,
-    host_array,
-    lens_to_native,
-    sync,
-    to_native,
-    to_numpy,
-)
+from mha_multi.jax import _backend, _kernel, linen
+from mha_multi.jax._backend import DTYPES
 from mha_multi.jax.layer import MultiHeadAttention
-from mha_multi.parity.runners import KernelCall
+from mha_multi.parity.runners import KernelCall, facts_passthrough
 from mha_multi.weights import KERNEL_NAMES
 
 __all__ = [
-    "DTYPES",
     "INPUT_NAMES",
     "LinenLayer",
-    "device",
-    "device_description",
-    "exact_float32",
     "forward",
-    "gpu_available",
-    "host_array",
     "init_cache",
     "kernel_spy",
-    "lens_to_native",
     "linen_layer",
     "make_layer",
     "native_layer",
-    "sync",
-    "to_native",
-    "to_numpy",
     "vjp",
 ]
 
-# Parameters named ``device`` shadow the function inside the functions below.
-_device = device
+__getattr__ = facts_passthrough(__name__, _backend)
 
 
 # -- layers: construction, one call, one vector-Jacobian product ----------------
@@ -84,7 +62,7 @@ def make_layer(
     ``implementation``...). It starts in NNX's default mode, training;
     :func:`forward` sets the mode of each call.
     """
-    with jax.default_device(_device(device)):
+    with jax.default_device(_backend.device(device)):
         return MultiHeadAttention(
             num_hiddens, num_heads, param_dtype=DTYPES[dtype], rngs=nnx.Rngs(0), **kwargs
         )
@@ -135,7 +113,7 @@ def linen_layer(
     otherwise they stay ``None`` until weights are set.
     """
     module = linen.MultiHeadAttention(num_hiddens, num_heads, param_dtype=DTYPES[dtype], **kwargs)
-    layer = LinenLayer(module, None, _device(device), jax.random.key(0))
+    layer = LinenLayer(module, None, _backend.device(device), jax.random.key(0))
     sizes = (module.query_size, module.key_size, module.value_size)
     if all(size is not None for size in sizes):
         shapes = [jnp.zeros((1, 1, size), DTYPES[dtype]) for size in sizes]
@@ -283,7 +261,7 @@ def native_layer(
     further constructor arguments (see
     :func:`mha_multi.interop.jax.to_flax_nnx`).
     """
-    with jax.default_device(_device(device)):
+    with jax.default_device(_backend.device(device)):
         layer = to_flax_nnx(weights, num_heads, param_dtype=DTYPES[dtype], **kwargs)
     layer.eval()
     return layer

@@ -2,8 +2,9 @@
 
 The parity runners, the benchmark and the tests reach Keras through this
 module (docs: "Architecture"). It sits above the layer: it imports the layer
-and :mod:`mha_multi.keras._backend` (Keras' facts, re-exported here for the
-runners), and nothing below imports it.
+and :mod:`mha_multi.keras._backend` (Keras' facts, whose public names are
+read through this module too: ``harness.to_numpy``), and nothing below
+imports it.
 
 How a call is compiled and differentiated differs per Keras backend
 (``tf.function``, ``jax.jit`` of ``stateless_call``, ``torch.compile``); one
@@ -24,57 +25,30 @@ import keras
 
 from mha_multi import spec
 from mha_multi.call import INPUT_NAMES, check_cache_values
-from mha_multi.keras._backend import (
-    BACKEND,
-    DTYPES,
-    FACTS,
-    as_numpy,
-    device_description,
-    device_of,
-    device_scope,
-    enable_float64,
-    exact_float32,
-    gpu_available,
-    host_array,
-    lens_to_native,
-    sync,
-    to_native,
-    to_numpy,
-)
+from mha_multi.keras import _backend
+from mha_multi.keras._backend import BACKEND, FACTS, device_of, device_scope
 from mha_multi.keras._native import native_gqa_layer, native_layer
 from mha_multi.keras.importance import head_mask_gradient
 from mha_multi.keras.layer import MultiHeadAttention
-from mha_multi.parity.runners import KernelCall
+from mha_multi.parity.runners import KernelCall, facts_passthrough
 
 __all__ = [
-    "BACKEND",
-    "DTYPES",
     "INPUT_NAMES",
     "LayerCall",
-    "as_numpy",
-    "device_description",
-    "device_of",
-    "device_scope",
-    "enable_float64",
-    "exact_float32",
     "forward",
     "forward_function",
-    "gpu_available",
     "gradient_function",
     "head_mask_gradient",
-    "host_array",
     "init_cache",
     "kernel_spy",
-    "lens_to_native",
     "make_layer",
     "native_gqa_layer",
     "native_layer",
     "state",
-    "sync",
-    "to_native",
-    "to_numpy",
     "vjp",
 ]
+
+__getattr__ = facts_passthrough(__name__, _backend)
 
 Tensor = Any
 #: A layer's variable values: ``(trainable, non_trainable)``.

@@ -2,8 +2,9 @@
 
 The parity runners, the benchmark and the tests reach MXNet through this
 module (docs: "Architecture"). It sits above the layer: it imports the layer
-and :mod:`mha_multi.mxnet._backend` (MXNet's facts, re-exported here for the
-runners), and nothing below imports it.
+and :mod:`mha_multi.mxnet._backend` (MXNet's facts, whose public names are
+read through this module too: ``harness.to_numpy``), and nothing below
+imports it.
 
 MXNet has no attention layer of its own (Gluon's core has none), so there is
 no ``native_layer`` here; the benchmark's baseline is d2l's MXNet layer
@@ -20,48 +21,24 @@ import mxnet as mx
 from mxnet import autograd
 
 from mha_multi.call import INPUT_NAMES
-from mha_multi.mxnet._backend import (
-    DTYPES,
-    LENS_DTYPES,
-    MXNetFacts,
-    device,
-    device_description,
-    exact_float32,
-    gpu_available,
-    host_array,
-    lens_to_native,
-    sync,
-    to_native,
-    to_numpy,
-)
+from mha_multi.mxnet import _backend
+from mha_multi.mxnet._backend import MXNetFacts
 from mha_multi.mxnet.importance import head_mask_gradient
 from mha_multi.mxnet.layer import MultiHeadAttention
-from mha_multi.parity.runners import KernelCall
+from mha_multi.parity.runners import KernelCall, facts_passthrough
 from mha_multi.spec import KVCache
 from mha_multi.weights import KERNEL_NAMES
 
 __all__ = [
-    "DTYPES",
-    "LENS_DTYPES",
-    "device",
-    "device_description",
-    "exact_float32",
     "forward",
-    "gpu_available",
     "head_mask_gradient",
-    "host_array",
     "init_cache",
     "kernel_spy",
-    "lens_to_native",
     "make_layer",
-    "sync",
-    "to_native",
-    "to_numpy",
     "vjp",
 ]
 
-# Parameters named ``device`` shadow the function inside the functions below.
-_device = device
+__getattr__ = facts_passthrough(__name__, _backend)
 
 
 # -- the layer ---------------------------------------------------------------------
@@ -96,7 +73,7 @@ def make_layer(
     layer = MultiHeadAttention(
         num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, **kwargs
     )
-    layer.initialize(mx.init.Zero(), ctx=_device(device))
+    layer.initialize(mx.init.Zero(), ctx=_backend.device(device))
     if hybridize:
         layer.hybridize()
     return layer

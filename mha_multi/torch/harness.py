@@ -2,8 +2,9 @@
 
 The parity runner, the benchmark and the tests reach PyTorch through this
 module (docs: "Architecture"). It sits above the layer: it imports the layer
-and :mod:`mha_multi.torch._backend` (PyTorch's facts, re-exported here for
-the runner), and nothing below imports it.
+and :mod:`mha_multi.torch._backend` (PyTorch's facts, whose public names are
+read through this module too: ``harness.to_numpy``), and nothing below
+imports it.
 """
 
 from __future__ import annotations
@@ -16,49 +17,29 @@ import numpy as np
 import torch
 
 from mha_multi.interop.torch import to_torch_mha
-from mha_multi.parity.runners import KernelCall
+from mha_multi.parity.runners import KernelCall, facts_passthrough
 from mha_multi.spec import KVCache
-from mha_multi.torch._backend import (
-    DTYPES,
-    device,
-    device_description,
-    exact_float32,
-    gpu_available,
-    host_array,
-    lens_to_native,
-    sync,
-    to_native,
-    to_numpy,
-)
+from mha_multi.torch import _backend
+from mha_multi.torch._backend import DTYPES
 from mha_multi.torch.importance import head_mask_gradient
 from mha_multi.torch.layer import MultiHeadAttention
 from mha_multi.weights import KERNEL_NAMES
 
 __all__ = [
-    "DTYPES",
-    "device",
-    "device_description",
-    "exact_float32",
     "forward",
-    "gpu_available",
     "head_mask_gradient",
-    "host_array",
     "init_cache",
     "kernel_spy",
-    "lens_to_native",
     "make_layer",
     "native_layer",
-    "sync",
-    "to_native",
-    "to_numpy",
     "vjp",
 ]
+
+__getattr__ = facts_passthrough(__name__, _backend)
 
 INPUT_NAMES = ("queries", "keys", "values")
 #: ``scaled_dot_product_attention``'s leading positional parameters.
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-# Parameters named ``device`` shadow the function inside the functions below.
-_device = device
 
 
 # -- the layer ---------------------------------------------------------------------
@@ -90,7 +71,7 @@ def make_layer(
         num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        device=_device(device),
+        device=_backend.device(device),
         dtype=DTYPES[dtype],
         **kwargs,
     )
@@ -224,4 +205,4 @@ def native_layer(
         dtype: a key of :data:`DTYPES`.
     """
     module = to_torch_mha(weights, num_heads, batch_first=True)
-    return module.to(device=_device(device), dtype=DTYPES[dtype]).eval()
+    return module.to(device=_backend.device(device), dtype=DTYPES[dtype]).eval()

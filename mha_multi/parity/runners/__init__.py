@@ -12,6 +12,7 @@ import abc
 import contextlib
 import importlib
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -26,6 +27,7 @@ __all__ = [
     "RUNNERS",
     "KernelCall",
     "Runner",
+    "facts_passthrough",
     "get_runner",
     "runner_names",
 ]
@@ -59,6 +61,31 @@ class KernelCall(NamedTuple):
     """The kernel's dropout rate."""
 
 
+def facts_passthrough(harness: str, facts: ModuleType) -> Callable[[str], Any]:
+    """A harness module's ``__getattr__`` (PEP 562) that answers with its framework's facts.
+
+    A harness (``mha_multi.<framework>.harness``) drives layers; its callers
+    (runners, benchmarks, tests) also convert arrays, pick devices and sync,
+    which the framework's facts module does. With this as its
+    ``__getattr__``, ``harness.to_numpy`` and the other public names of the
+    facts module are read through the harness, which lists only its own.
+
+    Args:
+        harness: the harness module's ``__name__``, for the error message.
+        facts: the framework's facts module (``mha_multi.<framework>._backend``).
+
+    Returns:
+        The ``__getattr__`` to bind in the harness module.
+    """
+
+    def facts_name(name: str) -> Any:
+        if name in facts.__all__:
+            return getattr(facts, name)
+        raise AttributeError(f"module {harness!r} has no attribute {name!r}")
+
+    return facts_name
+
+
 def runner_names() -> list[str]:
     return list(RUNNERS)
 
@@ -75,12 +102,12 @@ def get_runner(name: str) -> Runner:
 class Runner(abc.ABC):
     """Drives one backend's layer from numpy.
 
-    A runner names the framework's facts module (:attr:`backend`: its
-    conversions, devices, layer construction, one forward call and one
-    vector-Jacobian product) and hands it every framework call; a runner
-    overrides only what differs (JAX's Linen runner, MXNet's hybridized
-    one). :meth:`call`, :meth:`gradients` and :meth:`run` are written here
-    once.
+    A runner names the framework's harness (:attr:`backend`: layer
+    construction, one forward call and one vector-Jacobian product, and
+    through it the facts module's conversions and devices) and hands it
+    every framework call; a runner overrides only what differs (JAX's Linen
+    runner, MXNet's hybridized one). :meth:`call`, :meth:`gradients` and
+    :meth:`run` are written here once.
     """
 
     #: Name in :data:`RUNNERS` and in reports.
@@ -89,9 +116,6 @@ class Runner(abc.ABC):
     distributions: ClassVar[tuple[str, ...]]
     #: The backend package with module-level ``set_weights``/``get_weights``.
     package: ClassVar[str]
-    #: What drives the framework's layer (``mha_multi.<framework>.harness``),
-    #: by import path; the framework glue below hands its calls to it.
-    backend: ClassVar[str]
     #: The fused kernel a default call may plan for (docs: "Fast paths");
     #: ``None`` where the default call always takes the generic path.
     fused_kernel: ClassVar[spec.FusedKernel | None] = None
@@ -105,6 +129,12 @@ class Runner(abc.ABC):
     def __init__(self) -> None:
         self.facts = importlib.import_module(self.backend)
         self.facts.exact_float32()
+
+    @property
+    def backend(self) -> str:
+        """What drives the framework's layer, by import path: the package's
+        ``harness``; the framework glue below hands its calls to it."""
+        return f"{self.package}.harness"
 
     # -- what the backend can do ------------------------------------------
 
@@ -120,39 +150,17 @@ class Runner(abc.ABC):
         """Human-readable device name for reports."""
         return self.facts.device_description(device)
 
-    # -- framework glue: the facts module's ---------------------------------
+    # -- framework glue: the harness's -------------------------------------
 
-    def make_layer(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        *,
-        dropout: float = 0.0,
-        bias: bool = False,
-        query_size: int | None = None,
-        key_size: int | None = None,
-        value_size: int | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
-        **heads: Any,
-    ) -> Any:
+    def make_layer(self, num_hiddens: int, num_heads: int, **kwargs: Any) -> Any:
         """Builds the backend's ``MultiHeadAttention`` (configuration errors propagate).
 
-        ``heads`` are the head options (``num_kv_heads``, ``head_dim``),
-        passed to the layer as given.
+        ``kwargs`` are the layer's keyword arguments (``dropout``, ``bias``,
+        ``query_size``, ``key_size``, ``value_size``, the head options
+        ``num_kv_heads`` and ``head_dim``...), passed to it as given, and
+        ``device`` and ``dtype`` (``"cpu"`` and ``"float32"`` by default).
         """
-        return self.facts.make_layer(
-            num_hiddens,
-            num_heads,
-            dropout=dropout,
-            bias=bias,
-            query_size=query_size,
-            key_size=key_size,
-            value_size=value_size,
-            device=device,
-            dtype=dtype,
-            **heads,
-        )
+        return self.facts.make_layer(num_hiddens, num_heads, **kwargs)
 
     def to_native(self, x: np.ndarray, device: str = "cpu", dtype: str = "float32") -> Any:
         """``x`` as the framework's array of ``dtype`` on ``device``."""

@@ -21,7 +21,6 @@ class JaxNNXRunner(Runner):
     name = "jax-nnx"
     distributions = ("jax", "jaxlib", "flax")
     package = "mha_multi.jax"
-    backend = "mha_multi.jax.harness"
     fused_kernel = None
     reads_shortest_length = False
 

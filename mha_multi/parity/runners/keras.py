@@ -31,7 +31,6 @@ class KerasRunner(Runner):
     """The layer on the active Keras backend."""
 
     package = "mha_multi.keras"
-    backend = "mha_multi.keras.harness"
     #: ``keras.backend.backend()`` this runner needs.
     keras_backend: ClassVar[str]
 

@@ -22,7 +22,6 @@ class MXNetRunner(Runner):
     name = "mxnet"
     distributions = ("mxnet", "mxnet-cu112", "mxnet-cu110")
     package = "mha_multi.mxnet"
-    backend = "mha_multi.mxnet.harness"
     fused_kernel = SEQUENCE_MASK
     # The plan is made from shapes and flags only: a hybridized graph is
     # built per configuration, not per length.

@@ -11,7 +11,6 @@ class TorchRunner(Runner):
     name = "torch"
     distributions = ("torch",)
     package = "mha_multi.torch"
-    backend = "mha_multi.torch.harness"
     fused_kernel = SDPA
     # The layer reads the shortest length before it plans, so lengths that
     # hide nothing need no mask.
