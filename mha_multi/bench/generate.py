@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_multi.bench.common import Measurement, Shape
+from mha_multi.bench.common import Measurement, Shape, kv_bytes
 
 __all__ = ["GenerationShape", "Generator", "generate", "generation_peak_mib", "run_generation"]
 
@@ -54,14 +54,14 @@ class GenerationShape:
 
     @property
     def kv_heads(self) -> int:
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        return self.attention_shape().kv_heads
 
     def cache_bytes(self, itemsize: int) -> int:
         """Bytes of a cache of ``max_length`` positions: keys and values."""
-        head_dim = self.num_hiddens // self.num_heads
-        return 2 * self.batch * self.kv_heads * self.max_length * head_dim * itemsize
+        return kv_bytes(self.attention_shape(), itemsize)
 
     def attention_shape(self) -> Shape:
+        """Self-attention over all ``max_length`` positions, the full cache's."""
         return Shape(
             self.batch, self.max_length, self.num_hiddens, self.num_heads, self.num_kv_heads
         )
