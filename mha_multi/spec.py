@@ -36,6 +36,7 @@ __all__ = [
     "CacheFill",
     "SPAN_BUCKET",
     "KernelPlan",
+    "NumpyDtypes",
     "NumpyOps",
     "apply_head_mask",
     "attention",
@@ -220,7 +221,25 @@ class ArrayOps(Protocol):
         """
 
 
-class NumpyOps:
+class NumpyDtypes:
+    """The dtype methods of :class:`ArrayOps` for frameworks whose dtypes numpy reads.
+
+    numpy's answers, for numpy, JAX and MXNet; a framework with a dtype
+    numpy reads as another kind (JAX's bfloat16, kind ``'V'``) overrides
+    ``dtype_kind``.
+    """
+
+    def dtype_kind(self, dtype: Any) -> str:
+        return np.dtype(dtype).kind
+
+    def itemsize(self, dtype: Any) -> int:
+        return np.dtype(dtype).itemsize
+
+    def float32(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+
+class NumpyOps(NumpyDtypes):
     """The spec on numpy; with float64 inputs this is the reference."""
 
     def split_axis(self, x: np.ndarray, axis: int, sizes: tuple[int, int]) -> np.ndarray:
@@ -277,15 +296,6 @@ class NumpyOps:
 
     def dtype(self, x: np.ndarray) -> np.dtype:
         return np.asarray(x).dtype
-
-    def dtype_kind(self, dtype: Any) -> str:
-        return np.dtype(dtype).kind
-
-    def itemsize(self, dtype: Any) -> int:
-        return np.dtype(dtype).itemsize
-
-    def float32(self) -> np.dtype:
-        return np.dtype(np.float32)
 
     def ndim(self, x: np.ndarray) -> int:
         return np.ndim(x)

@@ -163,6 +163,15 @@ def _not_mxnet_numpy(name: str, x: Any) -> TypeError:
     return TypeError(f"{name} must be an mxnet.numpy.ndarray{hint}; got {type(x).__name__}")
 
 
+def _beside(name: str, x: Any, like: mx.np.ndarray) -> mx.np.ndarray:
+    """``x`` as it is, if it is an ``mxnet.numpy`` array on ``like``'s device."""
+    if not isinstance(x, mx.np.ndarray):
+        raise _not_mxnet_numpy(name, x)
+    if x.ctx != like.ctx:
+        raise ValueError(f"{name} is on {x.ctx} but queries on {like.ctx}")
+    return x
+
+
 class MXNetFacts(call.Facts):
     """What a call of the MXNet layer asks of MXNet (:class:`mha_multi.call.Facts`).
 
@@ -274,19 +283,11 @@ class MXNetFacts(call.Facts):
 
     def as_bias(self, bias: Any, like: mx.np.ndarray) -> mx.np.ndarray:
         """``bias`` as it is: an ``mxnet.numpy`` array on the queries' device."""
-        if not isinstance(bias, mx.np.ndarray):
-            raise _not_mxnet_numpy("bias", bias)
-        if bias.ctx != like.ctx:
-            raise ValueError(f"bias is on {bias.ctx} but queries on {like.ctx}")
-        return bias
+        return _beside("bias", bias, like)
 
     def as_gates(self, head_mask: Any, like: mx.np.ndarray) -> mx.np.ndarray:
         """``head_mask`` as it is: an ``mxnet.numpy`` array on the queries' device."""
-        if not isinstance(head_mask, mx.np.ndarray):
-            raise _not_mxnet_numpy("head_mask", head_mask)
-        if head_mask.ctx != like.ctx:
-            raise ValueError(f"head_mask is on {head_mask.ctx} but queries on {like.ctx}")
-        return head_mask
+        return _beside("head_mask", head_mask, like)
 
     def read(self, *arrays: mx.np.ndarray | None) -> list[np.ndarray | None]:
         """Always: hybridized calls are checked on concrete arrays before their graph."""

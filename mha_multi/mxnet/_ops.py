@@ -43,6 +43,8 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
+from mha_multi import spec
+
 __all__ = ["MXNetOps", "dtype_kind"]
 
 Array = Any
@@ -57,7 +59,7 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, mx.nd.NDArray)
 
 
-class MXNetOps:
+class MXNetOps(spec.NumpyDtypes):
     """:class:`mha_multi.spec.ArrayOps` on ``mxnet.numpy`` arrays and symbols.
 
     Args:
@@ -195,15 +197,6 @@ class MXNetOps:
         if dtype is None:
             raise ValueError(f"cannot infer the dtype of {x.name!r} from {self._input_dtypes}")
         return np.dtype(dtype)
-
-    def dtype_kind(self, dtype: Any) -> str:
-        return dtype_kind(dtype)
-
-    def itemsize(self, dtype: Any) -> int:
-        return np.dtype(dtype).itemsize
-
-    def float32(self) -> np.dtype:
-        return np.dtype(np.float32)
 
     def ndim(self, x: Array) -> int:
         if _is_array(x):

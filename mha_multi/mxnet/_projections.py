@@ -261,11 +261,7 @@ def get_weights(layer: gluon.HybridBlock) -> dict[str, np.ndarray]:
             or pass ``query_size``/``key_size``/``value_size``).
         RuntimeError: the parameters are not initialized.
     """
-    lazy = [name for name, size in layer.input_sizes().items() if size is None]
-    if lazy:
-        raise ValueError(
-            f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
-        )
+    spec.check_sizes_known(layer.input_sizes())
     weights = {}
     for name in KERNEL_NAMES:
         dense = getattr(layer, name)

@@ -81,9 +81,6 @@ def head_importance(
         TypeError: ``loss_fn`` does not return a scalar ``mxnet.numpy`` array;
             and the layer's errors for the batches.
     """
-
-    def batch_gradient(batch: tuple[Any, Any, Any, Any]) -> np.ndarray:
-        queries, keys, values, valid_lens = batch
-        return head_mask_gradient(layer, queries, keys, values, valid_lens, loss_fn)
-
-    return importance_over(batch_gradient, batches, normalize=normalize)
+    return importance_over(
+        lambda batch: head_mask_gradient(layer, *batch, loss_fn), batches, normalize=normalize
+    )
