@@ -208,6 +208,13 @@ def batch_pieces(batch: int, example_bytes: int) -> int:
 # -- the call's facts ----------------------------------------------------------------
 
 
+def _array_as_it_is(name: str, x: Any, shape: str) -> Any:
+    """``x`` if it is an array (or tracer) of any kind; ``shape`` words the TypeError."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be a floating-point array {shape}; got {type(x).__name__}")
+    return x
+
+
 class JaxFacts(call.Facts):
     """What a call of the NNX or Linen layer asks of JAX (:class:`mha_multi.call.Facts`).
 
@@ -278,21 +285,11 @@ class JaxFacts(call.Facts):
 
     def as_bias(self, bias: Any, like: Any) -> Any:
         """A JAX or numpy array (or tracer), as it is: the scores cast it."""
-        if not (hasattr(bias, "shape") and hasattr(bias, "dtype")):
-            raise TypeError(
-                "bias must be a floating-point array broadcastable to "
-                f"(batch, num_heads, num_queries, num_keys); got {type(bias).__name__}"
-            )
-        return bias
+        return _array_as_it_is("bias", bias, call.BIAS_SHAPE)
 
     def as_gates(self, head_mask: Any, like: Any) -> Any:
         """A JAX or numpy array (or tracer), as it is: the gating casts it."""
-        if not (hasattr(head_mask, "shape") and hasattr(head_mask, "dtype")):
-            raise TypeError(
-                "head_mask must be a floating-point array of shape (num_heads,) or "
-                f"(batch, num_heads); got {type(head_mask).__name__}"
-            )
-        return head_mask
+        return _array_as_it_is("head_mask", head_mask, call.GATES_SHAPE)
 
     def read(self, *arrays: jax.Array | None) -> list[np.ndarray | None] | None:
         """One transfer to the host; nothing while traced."""

@@ -53,7 +53,7 @@ def matmul(a: jax.Array, b: jax.Array, precision: PrecisionLike = None) -> jax.A
     return product.astype(dtype)
 
 
-class JaxOps:
+class JaxOps(spec.NumpyDtypes):
     """:class:`mha_multi.spec.ArrayOps` on ``jax.Array`` (and tracers).
 
     Args:
@@ -120,13 +120,8 @@ class JaxOps:
         return x.dtype
 
     def dtype_kind(self, dtype: DTypeLike) -> str:
+        # bfloat16 is of numpy kind "V".
         return dtype_kind(dtype)
-
-    def itemsize(self, dtype: DTypeLike) -> int:
-        return np.dtype(dtype).itemsize
-
-    def float32(self) -> np.dtype:
-        return np.dtype(jnp.float32)
 
     def ndim(self, x: jax.Array) -> int:
         return x.ndim

@@ -189,63 +189,15 @@ class MultiHeadAttention(nn.Module):
     ) -> jax.Array | tuple[jax.Array, ...]:
         """Attends from ``queries`` to ``keys``/``values`` (and, with a ``cache``, to it).
 
-        With a ``cache`` (from :meth:`init_cache`) the call is one step of
-        incremental decoding (docs: "Generating with a cache"): example ``b``
-        appends its first ``valid_lens[b]`` new keys and values (all ``T`` by
-        default) at positions ``cache.lengths[b]`` on, and its query ``i``,
-        at position ``cache.lengths[b] + i``, attends to the cache's
-        positions up to the last one appended (with ``causal``, up to its
-        own). An eager call that would overflow the cache raises
-        ``ValueError``; a traced one (``jax.jit``) cannot read the lengths,
-        and writes no position at or past ``max_length`` and overwrites no
-        kept one: what does not fit is dropped, and ``lengths`` still counts
-        it (``lengths > max_length`` tells that it happened).
+        The NNX module's call (:meth:`mha_multi.jax.MultiHeadAttention.__call__`):
+        the same arguments, results and errors, with ``training`` in place of
+        its ``deterministic`` and ``rngs``, and ``jax.jit`` of ``apply`` for
+        its ``nnx.jit``.
 
         Args:
-            queries: ``(B, Q, query_size)``; with a cache ``(B, T, query_size)``,
-                ``T`` new positions.
-            keys: ``(B, K, key_size)``; with a cache ``(B, T, key_size)``, or
-                ``None`` to attend to the cache as it is and append nothing
-                (the module's key and value sizes must then be known: given,
-                or from its variables).
-            values: ``(B, K, value_size)``, likewise.
-            valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating;
-                key ``j`` is visible to query ``i`` iff ``j < valid_lens``.
-                With a cache ``None`` or ``(B,)`` integers in ``[0, T]``: the
-                real new positions of each example (the rest is padding, not
-                kept).
-            causal: also hide key ``j`` from query ``i`` when ``j > i + (K - Q)``;
-                with a cache, keys past the query's own position.
-            return_attention_weights: also return the pre-dropout weights.
+            keys: as the NNX call's; ``None`` (with a cache) needs the module's
+                key and value sizes known: given, or from its variables.
             training: apply dropout (draws from the ``'dropout'`` rng).
-            cache: ``None``, or a :class:`mha_multi.spec.KVCache` of this
-                module's layout and dtype.
-            head_mask: ``None``, or the heads' gates ``(num_heads,)`` or
-                ``(B, num_heads)`` (docs: "Heads"), a floating JAX or numpy
-                array: head ``h``'s context (its slice of ``weights @ v``)
-                is multiplied by ``head_mask[..., h]`` before ``W_o``, on
-                every path (fused, generic, cached, compiled). Cast to the
-                computation dtype; differentiable.
-            positions, bias: the call's positions (integer ``(B, Q)``, what
-                ``rotary`` rotates by) and additive bias of the scores
-                (broadcastable to ``(B, H, Q, K)``; differentiable); docs:
-                "Positions and biases".
-
-        Returns:
-            ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
-            tuple ``(output, weights)`` with weights ``(B, H, Q, K)``. With a
-            cache, the cache after the call comes last: ``(output, cache)``
-            or ``(output, weights, cache)``, the weights ``(B, H, T,
-            max_length)``.
-
-        Raises:
-            TypeError: a non-floating input or non-numeric ``valid_lens``;
-                with a cache, non-integer lengths or another dtype; a
-                ``head_mask`` that is no floating array.
-            ValueError: inconsistent shapes (``head_mask``'s included),
-                named; raised while tracing.
-                With a cache in an eager call, also lengths out of range or
-                an overflow.
         """
         use_dropout = training and self.dropout > 0
         result = call.forward(

@@ -468,8 +468,8 @@ class KerasFacts(call.Facts):
         """A tensor or a numpy array, as it is (the scores cast it to their dtype)."""
         if not (is_tensor(bias) or isinstance(bias, np.ndarray)):
             raise TypeError(
-                "bias must be a floating-point tensor or numpy array broadcastable to "
-                f"(batch, num_heads, num_queries, num_keys); got {type(bias).__name__}"
+                f"bias must be a floating-point tensor or numpy array {call.BIAS_SHAPE}; "
+                f"got {type(bias).__name__}"
             )
         return bias
 

@@ -302,11 +302,7 @@ def get_weights(layer: ProjectionLayer) -> dict[str, np.ndarray]:
         ValueError: some input size is still lazy (call the layer once, or
             pass ``query_size``/``key_size``/``value_size``).
     """
-    lazy = [name for name, size in layer.input_sizes().items() if size is None]
-    if lazy:
-        raise ValueError(
-            f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
-        )
+    spec.check_sizes_known(layer.input_sizes())
     return {
         name: host_array(variable.value) for name, variable in layer.canonical_variables().items()
     }

@@ -78,9 +78,6 @@ def head_importance(
     Raises:
         ValueError: no batches.
     """
-
-    def batch_gradient(batch: tuple[Any, Any, Any, Any]) -> np.ndarray:
-        queries, keys, values, valid_lens = batch
-        return head_mask_gradient(layer, queries, keys, values, valid_lens, loss_fn)
-
-    return importance_over(batch_gradient, batches, normalize=normalize)
+    return importance_over(
+        lambda batch: head_mask_gradient(layer, *batch, loss_fn), batches, normalize=normalize
+    )
