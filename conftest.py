@@ -9,7 +9,7 @@ Backend tests are written once and parametrized over runners:
   a skip.
 * ``HYPOTHESIS_PROFILE=exhaustive`` runs the randomised tests with many more
   examples.
-* ``MHA_MULTI_TEST_DTYPES=jax-nnx=float32+float64+bfloat16,jax-linen=float32``
+* ``MHA_MULTI_TEST_DTYPES=jax-nnx=float32+bfloat16,jax-linen=float32``
   runs those backends' dtype-parametrized tests in the dtypes named only (a
   nox session sets it where each case is compiled anew: eager JAX);
   ``nox -s parity`` still runs every backend on every case in every dtype.
