@@ -176,6 +176,11 @@ def pip_find_links() -> list[str]:
 # uv's list is comma-separated; pip's is whitespace-separated.
 if "UV_FIND_LINKS" not in os.environ and (_find_links := pip_find_links()):
     os.environ["UV_FIND_LINKS"] = ",".join(_find_links)
+# Bytecode compiled once, at install, as pip does by default (uv only when
+# asked): where Python writes none at import (PYTHONDONTWRITEBYTECODE), every
+# test process would compile the frameworks' sources anew (keras-jax's API
+# tests: 21 s without, 14 s with).
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
 
 
 def install(session: nox.Session, environment: Environment) -> None:

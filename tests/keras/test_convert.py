@@ -16,6 +16,7 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
+from cli import PREFIX, convert_error  # noqa: E402
 from keras_testing import COPY_KEYWORD_WARNING  # noqa: E402
 
 from mha_multi import spec  # noqa: E402
@@ -26,8 +27,6 @@ from mha_multi.keras import harness as backend  # noqa: E402
 from mha_multi.weights import init_weights, load_weights, save_weights  # noqa: E402
 
 pytestmark = COPY_KEYWORD_WARNING
-
-PREFIX = "python -m mha_multi convert: error: "
 
 
 def gqa_model(head_dim, num_heads, num_kv_heads, *, query_size, key_size, bias=True, seed=0):
@@ -67,7 +66,9 @@ def native_output(layer, q, k, v, lens):
 def error_of(*args) -> str:
     """The one line on stderr of a command that fails with status 2 (its message).
 
-    A process of its own: Keras' backend may log to stderr when it is imported.
+    A process of its own, the command's as a user runs it: Keras' backend may
+    log to stderr when it is imported, the error stays one line. The other
+    messages are read in this process (``convert_error``).
     """
     result = subprocess.run(
         [sys.executable, "-m", "mha_multi", "convert", *map(str, args)],
@@ -166,13 +167,13 @@ def test_keras_gqa_head_options_are_checked_against_the_file(tmp_path):
     model.save_weights(path)
     shapes = "(query kernel shape (10, 4, 3), key kernel shape (6, 2, 3))"
     out = tmp_path / "out.npz"
-    assert error_of(path, out, "--num-kv-heads", "1") == (
+    assert convert_error(path, out, "--num-kv-heads", "1") == (
         f"--num-kv-heads 1 does not match the 2 key/value heads stored in {str(path)!r} {shapes}"
     )
-    assert error_of(path, out, "--head-dim", "6") == (
+    assert convert_error(path, out, "--head-dim", "6") == (
         f"--head-dim 6 does not match the head_dim 3 stored in {str(path)!r} {shapes}"
     )
-    assert error_of(path, out, "--num-heads", "2") == (
+    assert convert_error(path, out, "--num-heads", "2") == (
         f"--num-heads 2 does not match the 4 heads stored in {str(path)!r} {shapes}"
     )
     assert not out.exists()
@@ -183,7 +184,7 @@ def test_grouped_weights_to_keras_mha_name_keras_gqa(tmp_path):
     path = tmp_path / "model.weights.h5"
     model.save_weights(path)
     target = tmp_path / "mha.weights.h5"
-    assert error_of(path, target, "--num-heads", "4") == (
+    assert convert_error(path, target, "--num-heads", "4") == (
         "keras.layers.MultiHeadAttention has no grouped key/value heads (num_kv_heads < "
         "num_heads): W_k and W_v have 6 columns, W_q 12; keras.layers.GroupQueryAttention holds "
         "them (mha_multi.interop.keras.to_keras_gqa); its files are the keras-gqa format"
@@ -198,7 +199,7 @@ def test_keras_gqa_files_that_cannot_be_converted(tmp_path):
     query = keras.Input((None, 10))
     gated = tmp_path / "gated.weights.h5"
     keras.Model(query, layer(query, query)).save_weights(gated)
-    assert error_of(gated, out) == (
+    assert convert_error(gated, out) == (
         "unsupported keras.layers.GroupQueryAttention option: use_gate=True "
         "(the canonical layer has no gate)"
     )
@@ -208,14 +209,16 @@ def test_keras_gqa_files_that_cannot_be_converted(tmp_path):
     hidden = first(query, query)
     two = tmp_path / "two.weights.h5"
     keras.Model(query, second(hidden, hidden)).save_weights(two)
-    message = error_of(two, out)
+    message = convert_error(two, out)
     assert message.startswith(
         f"{str(two)!r} must hold exactly one keras.layers.GroupQueryAttention; found 2 ["
     )
     # A damaged file.
     damaged = tmp_path / "damaged.weights.h5"
     damaged.write_bytes(gated.read_bytes()[:100])
-    assert error_of(damaged, out).startswith(f"{str(damaged)!r} is not a readable .weights.h5 file")
+    assert convert_error(damaged, out).startswith(
+        f"{str(damaged)!r} is not a readable .weights.h5 file"
+    )
     assert not out.exists()
 
 
@@ -224,16 +227,16 @@ def test_weights_keras_gqa_files_cannot_hold(tmp_path):
     target = tmp_path / "gqa.weights.h5"
     source = tmp_path / "values.npz"
     save_weights(source, init_weights(10, value_size=7, seed=0, **heads))
-    assert error_of(source, target, "--to", "keras-gqa", "--num-heads", "4") == (
+    assert convert_error(source, target, "--to", "keras-gqa", "--num-heads", "4") == (
         "keras.layers.GroupQueryAttention takes values of the query's size in a model (Keras "
         "checks the shapes when it builds one): value_size (7) must equal query_size (10)"
     )
     save_weights(source, init_weights(10, query_size=5, seed=0, **heads))
-    assert error_of(source, target, "--to", "keras-gqa", "--num-heads", "4") == (
+    assert convert_error(source, target, "--to", "keras-gqa", "--num-heads", "4") == (
         "keras.layers.GroupQueryAttention projects back to the query size: query_size (5) must "
         "equal num_hiddens (10)"
     )
-    assert error_of(source, target, "--to", "keras-gqa") == (
+    assert convert_error(source, target, "--to", "keras-gqa") == (
         "writing keras-gqa needs --num-heads (or --num-kv-heads or --head-dim): the kernels are "
         "per head"
     )

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from cli import PREFIX, convert_error
 from llama_support import llama_attention, llama_output
 
 from mha_multi import spec
@@ -81,7 +82,6 @@ def test_command_line_entry_point(tmp_path):
     assert "W_q (4, 4)" in result.stdout
 
 
-PREFIX = "python -m mha_multi convert: error: "
 NOT_A_CHECKPOINT = "is not a PyTorch checkpoint that torch.load(weights_only=True) reads: "
 
 
@@ -110,47 +110,39 @@ def test_format_that_does_not_match_the_file(tmp_path):
     ]
 
 
-def error_of(capsys, *args) -> str:
-    assert main(["convert", *map(str, args)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.endswith("\n"), err
-    assert err.startswith(PREFIX)
-    return err[len(PREFIX) : -1]
-
-
-def test_damaged_and_foreign_checkpoints(tmp_path, capsys):
+def test_damaged_and_foreign_checkpoints(tmp_path):
     module = torch.nn.MultiheadAttention(8, 2, batch_first=True)
     native = tmp_path / "native.pt"
     torch.save(module.state_dict(), native)
     data = native.read_bytes()
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(data[: len(data) // 2])
-    assert error_of(capsys, truncated, tmp_path / "o.npz") == (
+    assert convert_error(truncated, tmp_path / "o.npz") == (
         f"{str(truncated)!r} {NOT_A_CHECKPOINT}"
         "PytorchStreamReader failed reading zip archive: failed finding central directory"
     )
     empty = tmp_path / "empty.pt"
     empty.write_bytes(b"")
-    assert error_of(capsys, empty, tmp_path / "o.npz") == (
+    assert convert_error(empty, tmp_path / "o.npz") == (
         f"{str(empty)!r} {NOT_A_CHECKPOINT}EOFError"
     )
     # The layout named by --from is checked against the keys.
-    assert error_of(capsys, native, tmp_path / "o.npz", "--from", "torch-d2l") == (
+    assert convert_error(native, tmp_path / "o.npz", "--from", "torch-d2l") == (
         "unexpected entry 'in_proj_weight' in a d2l MultiHeadAttention state_dict"
     )
     # Objects that weights_only=True refuses to build are reported, not loaded.
     pickled = tmp_path / "numpy.pt"
     torch.save({"W_q.weight": np.zeros((8, 8), np.float32)}, pickled)
-    message = error_of(capsys, pickled, tmp_path / "o.npz")
+    message = convert_error(pickled, tmp_path / "o.npz")
     assert message.startswith(f"{str(pickled)!r} {NOT_A_CHECKPOINT}Unsupported global: ")
     assert not (tmp_path / "o.npz").exists()
 
 
-def test_destination_in_a_missing_directory(tmp_path, capsys):
+def test_destination_in_a_missing_directory(tmp_path):
     source = tmp_path / "w.npz"
     save_weights(source, init_weights(8))
     destination = tmp_path / "none" / "o.pt"
-    assert error_of(capsys, source, destination) == (
+    assert convert_error(source, destination) == (
         f"no such directory: {str(tmp_path / 'none')!r} (for {str(destination)!r})"
     )
 
@@ -175,12 +167,12 @@ def test_native_module_checkpoint_is_torch_mha(tmp_path):
     assert load(tmp_path / "native.pth")["W_v"].shape == (3, 8)
 
 
-def test_checkpoint_that_is_not_a_state_dict(tmp_path, capsys):
+def test_checkpoint_that_is_not_a_state_dict(tmp_path):
     torch.save([torch.zeros(2)], tmp_path / "list.pt")
-    assert error_of(capsys, tmp_path / "list.pt", tmp_path / "o.npz") == (
+    assert convert_error(tmp_path / "list.pt", tmp_path / "o.npz") == (
         f"{str(tmp_path / 'list.pt')!r} does not hold a state_dict"
     )
-    assert error_of(capsys, tmp_path / "list.pt", tmp_path / "o.npz", "--from", "torch-mha") == (
+    assert convert_error(tmp_path / "list.pt", tmp_path / "o.npz", "--from", "torch-mha") == (
         f"{str(tmp_path / 'list.pt')!r} does not hold a state_dict"
     )
 
@@ -196,21 +188,6 @@ def save_state(path, state):
         save_file({name: tensor.contiguous() for name, tensor in state.items()}, path)
     else:
         torch.save(state, path)
-
-
-def the_cli(*args) -> str:
-    """The one line on stderr of a command that fails with status 2 (its message)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "mha_multi", "convert", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert lines[0].startswith(PREFIX)
-    return lines[0][len(PREFIX) :]
 
 
 # (num_heads, num_kv_heads, head_dim): GQA with a head size of its own, MQA, MHA.
@@ -325,7 +302,7 @@ def test_grouped_llama_to_an_mha_only_format(tmp_path):
     checkpoint = tmp_path / "llama.pt"
     torch.save(llama_attention(4, 2, 6, bias=True).state_dict(), checkpoint)
     destination = tmp_path / "mha.pt"
-    message = the_cli(checkpoint, destination, "--num-heads", "4", "--to", "torch-mha")
+    message = convert_error(checkpoint, destination, "--num-heads", "4", "--to", "torch-mha")
     assert message == (
         "torch.nn.MultiheadAttention has no grouped key/value heads (num_kv_heads < num_heads): "
         "W_k and W_v have 12 columns, W_q 24; its every projection has embed_dim features"
@@ -333,7 +310,7 @@ def test_grouped_llama_to_an_mha_only_format(tmp_path):
     assert not destination.exists()
     # The head size of its own (24 query features for 16 hiddens) is refused as well.
     torch.save(llama_attention(4, 4, 6, bias=True).state_dict(), checkpoint)
-    message = the_cli(checkpoint, destination, "--num-heads", "4", "--to", "torch-mha")
+    message = convert_error(checkpoint, destination, "--num-heads", "4", "--to", "torch-mha")
     assert message.startswith("torch.nn.MultiheadAttention has no head size of its own")
     # torch-d2l (ours) holds both.
     assert main(["convert", str(checkpoint), str(destination), "--num-heads", "4"]) == 0
@@ -344,13 +321,13 @@ def test_llama_errors(tmp_path):
     torch.save(llama_attention(4, 2, 6, bias=True).state_dict(), checkpoint)
     out = tmp_path / "out.npz"
     needs = "(or --num-kv-heads or --head-dim): a llama file does not record its head layout"
-    assert the_cli(checkpoint, out).startswith(f"reading llama needs --num-heads {needs}")
-    assert the_cli(checkpoint, out, "--num-heads", "4", "--num-kv-heads", "1") == (
+    assert convert_error(checkpoint, out).startswith(f"reading llama needs --num-heads {needs}")
+    assert convert_error(checkpoint, out, "--num-heads", "4", "--num-kv-heads", "1") == (
         f"--num-kv-heads 1 does not match the weights of {str(checkpoint)!r}: given --num-heads "
         "4, their query projection (24 features) holds 4 heads of head_dim 6 and their key and "
         "value projections (12 features) 2 key/value heads"
     )
-    assert the_cli(checkpoint, out, "--num-heads", "5") == (
+    assert convert_error(checkpoint, out, "--num-heads", "5") == (
         f"the query projection of {str(checkpoint)!r} has 24 features (num_heads * head_dim), "
         "which --num-heads (5) does not divide"
     )
@@ -358,32 +335,32 @@ def test_llama_errors(tmp_path):
     state = llama_attention(4, 2, 6, bias=False).state_dict()
     model = {f"model.layers.{i}.self_attn.{k}": v for i in range(4) for k, v in state.items()}
     torch.save(model, tmp_path / "model.bin")
-    assert the_cli(tmp_path / "model.bin", out, "--num-heads", "4") == (
+    assert convert_error(tmp_path / "model.bin", out, "--num-heads", "4") == (
         f"{str(tmp_path / 'model.bin')!r} must hold the state dict of one Llama-style attention "
         "block; found 4 ('model.layers.0.self_attn.', 'model.layers.1.self_attn.', "
         "'model.layers.2.self_attn.', ...)"
     )
     # --from llama on another layout.
     torch.save(torch.nn.MultiheadAttention(8, 2).state_dict(), tmp_path / "mha.pt")
-    assert the_cli(tmp_path / "mha.pt", out, "--from", "llama", "--num-heads", "2") == (
+    assert convert_error(tmp_path / "mha.pt", out, "--from", "llama", "--num-heads", "2") == (
         f"{str(tmp_path / 'mha.pt')!r} must hold the state dict of one Llama-style attention "
         "block; found none (no 'q_proj.weight' entry)"
     )
     # An entry of another module under the block's prefix, and a damaged file.
     torch.save({**state, "rotary_emb.inv_freq": torch.ones(3)}, tmp_path / "extra.pt")
-    assert the_cli(tmp_path / "extra.pt", out, "--num-heads", "4") == (
+    assert convert_error(tmp_path / "extra.pt", out, "--num-heads", "4") == (
         f"{str(tmp_path / 'extra.pt')!r}: unexpected Llama attention entries "
         "['rotary_emb.inv_freq']"
     )
     damaged = tmp_path / "damaged.safetensors"
     save_state(damaged, state)
     damaged.write_bytes(damaged.read_bytes()[:-10])
-    message = the_cli(damaged, out, "--from", "llama", "--num-heads", "4")
+    message = convert_error(damaged, out, "--from", "llama", "--num-heads", "4")
     assert message.startswith(f"{str(damaged)!r} is not a valid .safetensors file")
     # Writing: cross-attention weights have no Llama form.
     source = tmp_path / "cross.npz"
     save_weights(source, init_weights(16, key_size=8, num_heads=4, num_kv_heads=2, head_dim=6))
-    assert the_cli(source, tmp_path / "x.bin", "--num-heads", "4").startswith(
+    assert convert_error(source, tmp_path / "x.bin", "--num-heads", "4").startswith(
         "Llama attention projects one hidden_states of hidden_size features"
     )
     assert not out.exists() and not (tmp_path / "x.bin").exists()
