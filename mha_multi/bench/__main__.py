@@ -35,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=sorted({*ROWS, "generation"}),
         help="only one kind of row (the GEMM rate is always measured)",
     )
+    run.add_argument(
+        "--devices",
+        help="comma-separated devices to run on, of cpu and gpu (default: every one present)",
+    )
     run.add_argument("backends", nargs="+", choices=sorted(BENCHMARKS))
     report = commands.add_parser("report", help="print and write report.md from results")
     report.add_argument("--results", required=True)
@@ -85,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # Every other kind of row is left out.
                 kwargs |= {name: () for kind, name in ROWS.items() if kind != args.only}
                 kwargs |= {"generation": None} if args.only != "generation" else {}
+            if args.devices:
+                kwargs["devices"] = args.devices.split(",")
             results = driver.run(driver.load(backend), **kwargs)
             for result in results:
                 result["machine"] = machine_info()

@@ -515,6 +515,7 @@ def run(
     kept_heads: Sequence[int] = (8, 4, 2, 1),
     sharded_lengths: Sequence[int] = (256,),
     small_lengths: Sequence[int] = (1, 16),
+    devices: Sequence[str] | None = None,
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -540,6 +541,8 @@ def run(
         small_lengths: sequence lengths of one example (``base`` with batch
             1), where a call's fixed cost shows: the one-token call of a
             decoder, a short sequence.
+        devices: the devices to benchmark on, of those the framework has
+            (``"cpu"``, ``"gpu"``); ``None`` for all of them.
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -550,6 +553,8 @@ def run(
     framework.setup()
     results = []
     for device in framework.devices():
+        if devices is not None and device not in devices:
+            continue
         measurements: dict[str | None, list[Measurement]] = {e: [] for e in framework.executions}
         for dtype in framework.dtypes(device):
             rate = _gemm_rate(framework, device, dtype)

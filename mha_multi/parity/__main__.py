@@ -30,6 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = commands.add_parser("run", help="run backends on the case files")
     run.add_argument("--cases", required=True)
     run.add_argument("--out", required=True)
+    run.add_argument(
+        "--devices", default="cpu,gpu", help="comma-separated devices, of cpu and gpu"
+    )
     run.add_argument("backends", nargs="+")
     report = commands.add_parser("report", help="compare results and write report.md/json")
     report.add_argument("--results", required=True)
@@ -51,7 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mha_multi.parity.run import run_backends
 
         require_gpu = os.environ.get("MHA_MULTI_REQUIRE_GPU", "") not in ("", "0")
-        ok = run_backends(args.backends, args.cases, args.out, require_gpu=require_gpu)
+        devices = [d for d in args.devices.split(",") if d]
+        unknown = sorted(set(devices) - {"cpu", "gpu"})
+        if unknown:
+            parser.error(f"--devices: unknown device(s) {', '.join(unknown)}; expected cpu, gpu")
+        ok = run_backends(
+            args.backends, args.cases, args.out, require_gpu=require_gpu, devices=devices
+        )
         return 0 if ok else 1
     from mha_multi.parity.report import build_report, format_markdown
 

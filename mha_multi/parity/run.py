@@ -48,12 +48,16 @@ def run_backends(
     out_dir: str | os.PathLike[str],
     *,
     require_gpu: bool = False,
+    devices: Sequence[str] = DEVICES,
 ) -> bool:
     """Runs every case on every device and dtype of each backend.
 
     Writes ``out_dir/<backend>/<device>__<dtype>__<case>.npz`` per result and
     ``out_dir/<backend>/meta.json`` (versions, devices, errors). Prints a
     progress line per backend x device x dtype.
+
+    Args:
+        devices: the devices to run on, of ``"cpu"`` and ``"gpu"``.
 
     Returns:
         Whether everything ran (tolerances are judged by the report).
@@ -74,7 +78,7 @@ def run_backends(
             "devices": {},
             "errors": [],
         }
-        for device in DEVICES:
+        for device in devices:
             if not runner.device_available(device):
                 if device != "cpu" and require_gpu:
                     meta["errors"].append(f"no {device} device, and MHA_MULTI_REQUIRE_GPU is set")

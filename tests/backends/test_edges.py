@@ -36,7 +36,7 @@ def skip_unsupported(runner, dtype: str) -> None:
         pytest.skip(f"{runner.name} has no {dtype}")
 
 
-def layer_with(runner, weights, num_heads, *, dtype="float32"):
+def layer_with(runner, weights, num_heads, *, dtype="float32", device="cpu"):
     num_hiddens = weights["W_o"].shape[1]
     layer = runner.make_layer(
         num_hiddens,
@@ -46,19 +46,21 @@ def layer_with(runner, weights, num_heads, *, dtype="float32"):
         key_size=weights["W_k"].shape[0],
         value_size=weights["W_v"].shape[0],
         dtype=dtype,
+        device=device,
     )
     return runner.set_weights(layer, weights)
 
 
-def float32_layer(runner, weights, num_heads=2):
-    return layer_with(runner, {n: w.astype(np.float32) for n, w in weights.items()}, num_heads)
+def float32_layer(runner, weights, num_heads=2, device="cpu"):
+    weights = {n: w.astype(np.float32) for n, w in weights.items()}
+    return layer_with(runner, weights, num_heads, device=device)
 
 
-def against_reference(runner, layer, weights, inputs, lens, *, causal=False):
+def against_reference(runner, layer, weights, inputs, lens, *, causal=False, device="cpu"):
     """The float64 reference ``(output, weights)`` and the backend's float32 results."""
     expected = spec.reference_forward(weights, *inputs, lens, num_heads=2, causal=causal)
     f32 = [x.astype(np.float32) for x in inputs]
-    return expected, *both_paths(runner, layer, *f32, lens, causal=causal)
+    return expected, *both_paths(runner, layer, *f32, lens, causal=causal, device=device)
 
 
 def both_paths(runner, layer, *args, **kwargs):
@@ -220,12 +222,12 @@ NONFINITE = _nonfinite_cases()
 
 
 @pytest.mark.parametrize("name", sorted(NONFINITE))
-def test_nonfinite_inputs_propagate_as_in_reference(runner, name):
+def test_nonfinite_inputs_propagate_as_in_reference(runner, available_device, name):
     weights, *inputs, lens = NONFINITE[name]
-    layer = float32_layer(runner, weights)
+    layer = float32_layer(runner, weights, device=available_device)
     for causal in (False, True):
         (expected, expected_weights), outputs, attention_weights = against_reference(
-            runner, layer, weights, inputs, lens, causal=causal
+            runner, layer, weights, inputs, lens, causal=causal, device=available_device
         )
         for path, output in outputs.items():
             assert_matches_reference(output, expected, 5e-6, f"{path} causal={causal}")
@@ -249,14 +251,14 @@ def test_nonfinite_inputs_propagate_as_in_reference(runner, name):
     ],
     ids=["nan_zero", "nan_f32", "nan_inf_2d", "2^62", "maxsize", "2^31", "uint64", "2d_large"],
 )
-def test_extreme_lengths_mean_what_they_say(runner, lens):
+def test_extreme_lengths_mean_what_they_say(runner, available_device, lens):
     rng = np.random.default_rng(5)
     weights = init_weights(8, seed=5)
     inputs = [rng.standard_normal((2, n, 8)) for n in (3, 4, 4)]
-    layer = float32_layer(runner, weights)
+    layer = float32_layer(runner, weights, device=available_device)
     for causal in (False, True):
         (expected, _), outputs, _ = against_reference(
-            runner, layer, weights, inputs, lens, causal=causal
+            runner, layer, weights, inputs, lens, causal=causal, device=available_device
         )
         for path, output in outputs.items():
             np.testing.assert_allclose(output, expected, atol=5e-6, err_msg=path)

@@ -11,7 +11,7 @@ import torch
 
 from conftest import gpu_required
 from mha_multi import spec
-from mha_multi.parity.cases import INPUT_NAMES
+from mha_multi.parity.cases import CASES, INPUT_NAMES
 from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
 from mha_multi.torch import harness as backend
@@ -153,6 +153,29 @@ def test_gpu_with_valid_lens_on_either_device(runner, cases, gpu):
         out = runner.forward(layer, *tensors, runner.native_lens(case.valid_lens, lens_device))
         assert out.device.type == backend.device(gpu).type
         np.testing.assert_allclose(runner.to_numpy(out), case.reference["output"], atol=5e-6)
+
+
+@pytest.mark.parametrize("name", [config.name for config in CASES])
+def test_a_forward_on_gpu_does_not_synchronize(runner, cases, gpu, name):
+    """No host synchronisation in a call without a cache (docs: "Speed").
+
+    Every argument is already on the GPU; the fused kernel's exactness comes
+    from fix-ups computed on the device, so nothing is read back.
+    """
+    case = cases[name]
+    layer = runner.layer_for(case, device=gpu)
+    tensors = [runner.to_native(case.inputs[n], gpu) for n in INPUT_NAMES]
+    lens = runner.native_lens(case.valid_lens, gpu)
+    options = runner.case_options(case, device=gpu)
+    layer.eval()
+    layer(*tensors, lens, **options)  # lazy state (the stacked projections) made once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(*tensors, lens, **options)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    np.testing.assert_allclose(runner.to_numpy(out), case.reference["output"], atol=5e-6)
 
 
 def test_weights_round_trip_on_gpu(gpu):

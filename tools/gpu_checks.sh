@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The GPU checks (docs: "Results", "GPU") on a machine whose Python already
+# has torch, jax and flax built for CUDA and that reaches no registry, so nox
+# cannot build environments there. Keras, pure Python, may come as wheels in
+# WHEELS (a folder), installed into a scratch directory first.
+#
+#   tools/gpu_checks.sh OUT [STAGE ...]
+#
+# Stages (default: all but bench, in this order):
+#   info    the device and the packages' versions
+#   tests   each backend's tests that take the GPU (-k gpu), in parallel
+#   parity  every parity case on the GPU in every dtype, then the report
+#   bench   the benchmark rows on the GPU (BENCH_ROWS: --only choices)
+#
+# Every stage's log and result lands in OUT; OUT.tar.gz holds them all.
+set -u
+out=${1:?usage: tools/gpu_checks.sh OUT [STAGE ...]}
+shift
+stages=${*:-info tests parity}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 1
+py=${PYTHON:-python3}
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export MHA_MULTI_REQUIRE_GPU=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_FORCE_GPU_ALLOW_GROWTH=true
+workers=${WORKERS:-4}
+
+if [ -n "${WHEELS:-}" ]; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu-checks-site "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/gpu-checks-site"
+fi
+keras_backends=()
+if "$py" -c "import keras" 2>/dev/null; then keras_backends=(jax torch); fi
+
+# step NAME SECONDS COMMAND...: runs COMMAND with its log in OUT/NAME.log.
+step() {
+    local name=$1 limit=$2 start=$SECONDS rc
+    shift 2
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    # Steps run in the background too: their exit status goes through a file.
+    echo "$rc" >"$out/$name.exit"
+    echo "== $name: exit $rc after $((SECONDS - start)) s"
+    tail -n 6 "$out/$name.log"
+}
+
+pytest_gpu() {  # pytest_gpu BACKENDS PATHS...
+    MHA_MULTI_BACKENDS=$1 "$py" -m pytest -q -p no:cacheprovider -n "$workers" -k gpu "${@:2}"
+}
+
+for stage in $stages; do
+    case $stage in
+    info)
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        "$py" - <<'EOF'
+import importlib, platform
+print("python", platform.python_version())
+for name in ("numpy", "torch", "jax", "flax", "keras", "transformers"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except ImportError:
+        print(name, "absent")
+EOF
+        ;;
+    tests)
+        # One GPU, several processes: correctness only, timings come from bench.
+        step tests-torch 420 pytest_gpu torch tests/backends tests/torch &
+        step tests-jax 420 pytest_gpu jax-nnx,jax-linen tests/backends tests/jax &
+        for backend in "${keras_backends[@]}"; do
+            KERAS_BACKEND=$backend step "tests-keras-$backend" 420 \
+                pytest_gpu "keras-$backend" tests/backends tests/keras &
+        done
+        wait
+        ;;
+    parity)
+        "$py" -m mha_multi.parity cases "$out/cases" >/dev/null
+        step parity-torch 420 "$py" -m mha_multi.parity run --devices gpu \
+            --cases "$out/cases" --out "$out/results" torch &
+        step parity-jax 420 "$py" -m mha_multi.parity run --devices gpu \
+            --cases "$out/cases" --out "$out/results" jax-nnx jax-linen &
+        for backend in "${keras_backends[@]}"; do
+            KERAS_BACKEND=$backend step "parity-keras-$backend" 420 "$py" -m mha_multi.parity \
+                run --devices gpu --cases "$out/cases" --out "$out/results" "keras-$backend" &
+        done
+        wait
+        step parity-report 120 "$py" -m mha_multi.parity report --results "$out/results" \
+            --cases "$out/cases" --out "$out/parity"
+        rm -rf "$out/cases" "$out/results"
+        ;;
+    bench)
+        # One process at a time: the GPU is timed alone.
+        for backend in torch jax; do
+            for rows in ${BENCH_ROWS:-timing small-calls generation}; do
+                step "bench-$backend-$rows" "${BENCH_SECONDS:-300}" "$py" -m mha_multi.bench run --devices gpu \
+                    --only "$rows" --out "$out/bench-$rows" "$backend"
+            done
+        done
+        ;;
+    *)
+        echo "unknown stage $stage" >&2
+        exit 2
+        ;;
+    esac
+done
+
+tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
+failed=()
+for file in "$out"/*.exit; do
+    [ -e "$file" ] && [ "$(cat "$file")" != 0 ] && failed+=("$(basename "$file" .exit)")
+done
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "failed: ${failed[*]}"
+    exit 1
+fi
+echo "all stages passed"
