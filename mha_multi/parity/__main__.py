@@ -30,9 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = commands.add_parser("run", help="run backends on the case files")
     run.add_argument("--cases", required=True)
     run.add_argument("--out", required=True)
-    run.add_argument(
-        "--devices", default="cpu,gpu", help="comma-separated devices, of cpu and gpu"
-    )
+    run.add_argument("--devices", default="cpu,gpu", help="comma-separated devices, of cpu and gpu")
     run.add_argument("backends", nargs="+")
     report = commands.add_parser("report", help="compare results and write report.md/json")
     report.add_argument("--results", required=True)
