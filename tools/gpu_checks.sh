@@ -46,9 +46,7 @@ step() {
     tail -n 6 "$out/$name.log"
 }
 
-pytest_gpu() {  # pytest_gpu BACKENDS PATHS...
-    MHA_MULTI_BACKENDS=$1 "$py" -m pytest -q -p no:cacheprovider -n "$workers" -k gpu "${@:2}"
-}
+pytest_gpu=("$py" -m pytest -q -p no:cacheprovider -n "$workers" -k gpu)
 
 for stage in $stages; do
     case $stage in
@@ -66,11 +64,12 @@ EOF
         ;;
     tests)
         # One GPU, several processes: correctness only, timings come from bench.
-        step tests-torch 420 pytest_gpu torch tests/backends tests/torch &
-        step tests-jax 420 pytest_gpu jax-nnx,jax-linen tests/backends tests/jax &
+        step tests-torch 420 env MHA_MULTI_BACKENDS=torch "${pytest_gpu[@]}" tests/backends tests/torch &
+        step tests-jax 420 env MHA_MULTI_BACKENDS=jax-nnx,jax-linen "${pytest_gpu[@]}" \
+            tests/backends tests/jax &
         for backend in "${keras_backends[@]}"; do
             KERAS_BACKEND=$backend step "tests-keras-$backend" 420 \
-                pytest_gpu "keras-$backend" tests/backends tests/keras &
+                env MHA_MULTI_BACKENDS="keras-$backend" "${pytest_gpu[@]}" tests/backends tests/keras &
         done
         wait
         ;;
