@@ -20,7 +20,9 @@ Shapes, following d2l: queries ``(B, Q, query_size)``, keys
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -99,6 +101,40 @@ __all__ = [
 MASK_VALUE = -1e6
 
 Array = Any
+
+
+def _torch_compiling() -> bool:
+    """Whether ``torch.compile`` is tracing (torch is only looked for, never imported).
+
+    Its tracer warns about every ``functools.lru_cache`` it passes through.
+    """
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
+def _decided_once(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (pure), computed once per arguments where they can be hashed.
+
+    A call's checks and plan depend on shapes and flags alone, so every call
+    of a layer after the first with the same shapes is a lookup: a small
+    call's fixed cost is mostly such Python work. A call that raises is not
+    remembered (it raises again); ``typed`` keeps ``True`` and ``1`` apart.
+    Arguments that cannot be hashed (arrays, some traced sizes) are worked
+    out each time.
+    """
+    once = functools.lru_cache(maxsize=4096, typed=True)(function)
+
+    @functools.wraps(function)
+    def decided(*args: Any, **kwargs: Any) -> Any:
+        try:
+            hash((args, *kwargs.values()))
+        except TypeError:
+            return function(*args, **kwargs)
+        if _torch_compiling():
+            return function(*args, **kwargs)  # a graph is traced once anyway
+        return once(*args, **kwargs)
+
+    return decided
 
 
 def static_split_sizes(size: Any, sizes: tuple[int, int]) -> tuple[Any, Any]:
@@ -494,6 +530,7 @@ def check_causal(causal: Any) -> None:
         raise TypeError(f"causal must be a bool; got {causal!r} of type {type(causal).__name__}")
 
 
+@_decided_once
 def check_inputs(
     queries_shape: Sequence[int],
     keys_shape: Sequence[int],
@@ -1545,6 +1582,7 @@ def _generic(reason: str) -> KernelPlan:
     return KernelPlan(fused=False, reason=reason)
 
 
+@_decided_once
 def plan_kernel(
     kernel: FusedKernel,
     *,

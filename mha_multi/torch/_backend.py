@@ -12,6 +12,7 @@ module imports no layer; what builds and drives layers is in
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 from mha_multi import call, spec
 from mha_multi.torch._ops import (
     SIXTEEN_BIT,
+    TorchOps,
     accumulates_in_float32,
     autocast_off,
     dtype_kind,
@@ -154,6 +156,19 @@ SDPA = spec.FusedKernel(
 BIAS_LIMIT = 1e5
 
 
+def _covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Tensors holding exactly the elements of ``tensors``, as few as can be.
+
+    The projections of self-attention are views of one stacked product: one
+    pass over it reads them all.
+    """
+    base = tensors[0]._base
+    shared = base is not None and all(x._base is base for x in tensors)
+    if shared and base.numel() == sum(x.numel() for x in tensors):
+        return (base,)
+    return tensors
+
+
 def _tensor_beside(name: str, x: Any, like: torch.Tensor, shape: str) -> torch.Tensor:
     """``x``, a tensor of any dtype, on ``like``'s device; ``shape`` words the TypeError."""
     if not isinstance(x, torch.Tensor):
@@ -173,6 +188,8 @@ class TorchFacts(call.Facts):
     span_bucket = 1
 
     def ops(self, like: torch.Tensor) -> Any:
+        if torch.compiler.is_compiling():
+            return TorchOps(like.device)  # the tracer warns about lru_cache
         return ops_on(like.device)
 
     def dtype_kind(self, dtype: torch.dtype) -> str:
@@ -361,15 +378,16 @@ class TorchFacts(call.Facts):
         # adds -inf to a hidden key's score. A sum is finite only if every
         # element is (one pass, nothing allocated; a finite sum that
         # overflows only sends the call to the generic path, which is exact).
-        finite = torch.stack([x.detach().sum(dtype=torch.float32) for x in (q, k, v)])
-        finite = torch.isfinite(finite).all()
+        total = sum(x.detach().sum(dtype=torch.float32) for x in _covering(q, k, v))
         if bias is not None:
-            finite = finite & (bias.detach().abs().max() <= BIAS_LIMIT)
+            # A NaN max fails the comparison too.
+            total = torch.where(bias.detach().abs().max() <= BIAS_LIMIT, total, float("nan"))
         if valid_lens is None:
-            return bool(finite.item()), None
-        # float64 keeps the order of every length (int64 ones round monotonically).
-        read = torch.stack([finite.double(), valid_lens.min().double()]).tolist()
-        return bool(read[0]), read[1]
+            return math.isfinite(total.item()), None
+        # One transfer. float64 keeps the order of every length (int64 ones
+        # round monotonically).
+        read = torch.stack([total.double(), valid_lens.min().double()]).tolist()
+        return math.isfinite(read[0]), read[1]
 
     def fused_attention(
         self,

@@ -183,10 +183,24 @@ class TorchOps:
         return torch.tanh(x)
 
     def constant(self, value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(value, device=like.device)
+        if like.device.type == "cpu" or torch.compiler.is_compiling():
+            return torch.as_tensor(value, device=like.device)
+        # A copy from pageable host memory synchronizes with the device: each
+        # constant (rotary frequencies, ALiBi slopes) is copied once per device.
+        value = np.ascontiguousarray(value)
+        return _device_constant(value.tobytes(), value.dtype.str, value.shape, like.device)
 
 
 OPS = TorchOps()
+
+
+@functools.lru_cache(maxsize=256)
+def _device_constant(
+    data: bytes, dtype: str, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """A numpy constant (as bytes) as a tensor on ``device``, made once."""
+    array = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+    return torch.from_numpy(array.copy()).to(device)
 
 
 @functools.cache

@@ -24,9 +24,15 @@ def projection(in_features: int | None, out_features: int, bias: bool) -> nn.Mod
 
 
 def in_features(linear: nn.Module) -> int | None:
-    if isinstance(linear.weight, nn.parameter.UninitializedParameter):
+    """The projection's input size, ``None`` while lazy.
+
+    Read from the parameter table rather than through ``nn.Module``'s
+    attribute lookup: every call asks, and a small call's cost is such work.
+    """
+    weight = linear._parameters["weight"]
+    if type(weight) is nn.parameter.UninitializedParameter:
         return None
-    return int(linear.weight.shape[1])
+    return int(weight.shape[1])
 
 
 def finish_lazy(linear: nn.Module) -> None:

@@ -129,10 +129,11 @@ class MultiHeadAttention(nn.Module):
 
     def input_sizes(self) -> dict[str, int | None]:
         """``query_size``, ``key_size``, ``value_size``; ``None`` where still lazy."""
+        modules = self._modules
         return {
-            "query_size": in_features(self.W_q),
-            "key_size": in_features(self.W_k),
-            "value_size": in_features(self.W_v),
+            "query_size": in_features(modules["W_q"]),
+            "key_size": in_features(modules["W_k"]),
+            "value_size": in_features(modules["W_v"]),
         }
 
     def init_cache(
