@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import re
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -156,6 +158,44 @@ SDPA = spec.FusedKernel(
 BIAS_LIMIT = 1e5
 
 
+class _CacheCheck:
+    """What the lengths of a cache written in place carry: how much of it was read finite.
+
+    ``flag`` is a 0-d boolean on the cache's device, never read by the call
+    that makes it: whether the positions below ``upto``, and every row the
+    calls wrote, are finite. The next call trusts it only for the same
+    ``keys`` and ``values`` tensors, unchanged since (their version
+    counters), so that a decoding step checks its new rows and the positions
+    its span adds instead of the whole cache.
+    """
+
+    def __init__(self, cache: spec.KVCache, flag: torch.Tensor, upto: int) -> None:
+        self.keys, self.values = weakref.ref(cache.keys), weakref.ref(cache.values)
+        self.versions = (cache.keys._version, cache.values._version)
+        self.flag, self.upto = flag, upto
+
+    @staticmethod
+    def of(cache: spec.KVCache) -> _CacheCheck | None:
+        """The check ``cache``'s lengths carry, where it still describes its arrays."""
+        check = getattr(cache.lengths, _CHECKED, None)
+        keys, values = cache.keys, cache.values
+        if check is None or check.keys() is not keys or check.values() is not values:
+            return None
+        # Inference tensors keep no version counter: nothing would tell an edit.
+        if keys.is_inference() or values.is_inference():
+            return None
+        return check if (keys._version, values._version) == check.versions else None
+
+
+#: The attribute of a cache's lengths tensor that holds its :class:`_CacheCheck`.
+_CHECKED = "_mha_multi_checked"
+
+
+def _all_finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """A 0-d boolean on the tensors' device: whether every element is finite."""
+    return torch.stack([torch.isfinite(x).all() for x in tensors]).all()
+
+
 def _covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Tensors holding exactly the elements of ``tensors``, as few as can be.
 
@@ -186,6 +226,11 @@ class TorchFacts(call.Facts):
     attends_filled = True
     # Eager kernels take any length at no cost: the filled positions exactly.
     span_bucket = 1
+
+    def __init__(self) -> None:
+        # The check of the cache a call wrote in place, from write_cache to
+        # plan_values of the same call (one per thread).
+        self._written = threading.local()
 
     def ops(self, like: torch.Tensor) -> Any:
         if torch.compiler.is_compiling():
@@ -331,6 +376,11 @@ class TorchFacts(call.Facts):
                 torch.from_numpy(i).to(k.device)
                 for i in (examples, steps, fill.lengths[examples] + steps)
             ]
+        # Before writing: the versions the lengths' check was made for.
+        tracked = not (cache.keys.is_inference() or cache.values.is_inference())
+        prior = _CacheCheck.of(cache)
+        written = _all_finite(k, v)  # padding rows too: at worst the generic path
+        finite, upto = (written, 0) if prior is None else (prior.flag & written, prior.upto)
         for held, x in ((cache.keys, k), (cache.values, v)):
             rows = x.unflatten(-1, (held.shape[1], head_dim))  # (B, T, H_kv, dh)
             if aligned:
@@ -342,6 +392,10 @@ class TorchFacts(call.Facts):
         lengths = torch.from_numpy(fill.lengths + fill.new)
         lengths = lengths.to(cache.lengths.device, cache.lengths.dtype)
         visible = torch.from_numpy(fill.visibility(num_new, causal=causal)).to(k.device)
+        if tracked:
+            check = _CacheCheck(cache, finite, upto)
+            setattr(lengths, _CHECKED, check)
+            self._written.check = check
         return spec.KVCache(cache.keys, cache.values, lengths), visible
 
     def cache_prefix(
@@ -378,7 +432,18 @@ class TorchFacts(call.Facts):
         # adds -inf to a hidden key's score. A sum is finite only if every
         # element is (one pass, nothing allocated; a finite sum that
         # overflows only sends the call to the generic path, which is exact).
-        total = sum(x.detach().sum(dtype=torch.float32) for x in _covering(q, k, v))
+        check = self._take_written(k, v)
+        if check is None:
+            total = sum(x.detach().sum(dtype=torch.float32) for x in _covering(q, k, v))
+        else:
+            # A cache written in place this call: its check stands for the
+            # positions below ``upto`` and the rows written; the rest of the
+            # span is read now, and the check extended for the next call.
+            span = k.shape[2]
+            if check.upto < span:
+                rest = (x.detach()[:, :, check.upto :] for x in (k, v))
+                check.flag, check.upto = check.flag & _all_finite(*rest), span
+            total = torch.where(check.flag, q.detach().sum(dtype=torch.float32), float("nan"))
         if bias is not None:
             # A NaN max fails the comparison too.
             total = torch.where(bias.detach().abs().max() <= BIAS_LIMIT, total, float("nan"))
@@ -388,6 +453,29 @@ class TorchFacts(call.Facts):
         # round monotonically).
         read = torch.stack([total.double(), valid_lens.min().double()]).tolist()
         return math.isfinite(read[0]), read[1]
+
+    def _take_written(self, k: torch.Tensor, v: torch.Tensor) -> _CacheCheck | None:
+        """The check of the cache this call wrote, where ``k`` and ``v`` are that cache.
+
+        ``k`` and ``v`` may be the cache's arrays or their leading positions
+        (:meth:`cache_prefix`): the same memory, from the same first element.
+        """
+        check = getattr(self._written, "check", None)
+        self._written.check = None
+        if check is None:
+            return None
+        keys, values = check.keys(), check.values()
+        if keys is None or values is None:
+            return None
+        same = all(
+            x.data_ptr() == held.data_ptr()
+            and x.dtype == held.dtype
+            and x.shape[:2] == held.shape[:2]
+            and x.shape[2] <= held.shape[2]
+            and x.stride() == held.stride()
+            for x, held in ((k, keys), (v, values))
+        )
+        return check if same else None
 
     def fused_attention(
         self,

@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from mha_multi import spec
 from mha_multi.parity.decode import INPUT_NAMES, chunk_rows, decode, full_reference
-from mha_multi.torch import KVCache, MultiHeadAttention, set_weights
+from mha_multi.torch import KVCache, MultiHeadAttention, _backend, set_weights
 from mha_multi.torch import harness as backend
 from mha_multi.weights import init_weights
 
@@ -299,6 +299,48 @@ def test_a_non_finite_entry_at_a_free_position_keeps_the_spec_numbers(position, 
         output, _ = layer(*tensors(*rows), causal=True, cache=cache)
     assert bool(calls) == fused
     np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+
+
+def test_a_cache_edited_in_place_is_read_again():
+    """A decoding step trusts what its own writes found finite only while nobody else wrote.
+
+    The NaN goes into a free position of example 2, which SDPA's added -inf
+    would turn into a NaN row and the spec hides: the edit (a new version of
+    the same tensor) must send the call back to reading the cache.
+    """
+    weights, layer, inputs = make(4)
+    cache = prefilled(layer, inputs, np.array([3, 2, 1]))
+    rows = [chunk_rows(x, np.array([3, 2, 1]), 1) for x in inputs.values()]
+    with torch.no_grad():
+        cache.keys[2, 1, 3, 0] = np.nan  # in place: the same tensors, the same lengths
+    expected, _, _ = spec.reference_cached_forward(
+        weights, *rows, numpy_cache(cache), **HEADS, causal=True
+    )
+    assert np.isfinite(expected).all()
+    with backend.kernel_spy() as calls, torch.no_grad():
+        output, _ = layer(*tensors(*rows), causal=True, cache=cache)
+    assert calls == []
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_decoding_steps_read_only_their_new_rows(inference):
+    """Under ``no_grad`` a step's finiteness comes from the rows it writes and the
+    previous step's flag; inference tensors keep no versions, so each step reads
+    the attended cache positions again."""
+    weights, layer, inputs = make(5)
+    mode = torch.inference_mode if inference else torch.no_grad
+    with mode():
+        cache = layer.init_cache(3, 9)
+        rows = tensors(*(x[:, :4] for x in inputs.values()))
+        _, cache = layer(*rows, causal=True, cache=cache)
+        token = tensors(*(x[:, 4:5] for x in inputs.values()))
+        with mock.patch.object(_backend, "_covering", wraps=_backend._covering) as covering:
+            output, cache = layer(*token, causal=True, cache=cache)
+    assert covering.called == inference
+    expected = full_reference(weights, inputs, np.array([5, 5, 5]), **HEADS)
+    # The reference's last position is the step's.
+    np.testing.assert_allclose(output.numpy()[:, 0], expected[:, 4], rtol=0, atol=FLOAT32_ATOL)
 
 
 # -- autograd through the cache --------------------------------------------------------
