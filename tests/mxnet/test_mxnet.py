@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, gluon
 
-from conftest import gpu_required
+from conftest import device_or_skip
 from mha_multi import spec
 from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
 from mha_multi.mxnet import harness as backend
@@ -322,11 +322,7 @@ def test_bfloat16_is_not_in_mxnets_numpy_interface():
 
 @pytest.fixture
 def gpu():
-    if not backend.gpu_available():
-        if gpu_required():
-            pytest.fail("no GPU, and MHA_MULTI_REQUIRE_GPU is set")
-        pytest.skip("no GPU")
-    return "gpu"
+    return device_or_skip("gpu", backend.gpu_available(), "no GPU")
 
 
 def test_gpu_with_valid_lens_on_either_device(mxnet_runner, cases, gpu):

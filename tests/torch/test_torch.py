@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import gpu_required
+from conftest import device_or_skip
 from mha_multi import spec
 from mha_multi.parity.cases import CASES, INPUT_NAMES
 from mha_multi.parity.runners import get_runner
@@ -40,11 +40,7 @@ def compiler():
 
 @pytest.fixture
 def gpu():
-    if not backend.gpu_available():
-        if gpu_required():
-            pytest.fail("no CUDA device, and MHA_MULTI_REQUIRE_GPU is set")
-        pytest.skip("no CUDA device")
-    return "gpu"
+    return device_or_skip("gpu", backend.gpu_available(), "no CUDA device")
 
 
 # head_dim: grouped heads, and rows that lengths of 0 hide entirely.
