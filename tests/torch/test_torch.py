@@ -100,19 +100,6 @@ def test_dtype_mismatch_is_a_clear_error(runner):
         layer(x.float(), x.long(), x.float())
 
 
-def test_valid_lens_accepts_lists_and_numpy(runner, cases):
-    case = cases["lens_1d"]
-    layer = runner.layer_for(case)
-    tensors = [runner.to_native(case.inputs[n]) for n in INPUT_NAMES]
-    for valid_lens in (
-        case.valid_lens.tolist(),
-        case.valid_lens,
-        runner.native_lens(case.valid_lens),
-    ):
-        out = runner.forward(layer, *tensors, valid_lens)
-        np.testing.assert_allclose(runner.to_numpy(out), case.reference["output"], atol=5e-6)
-
-
 @pytest.mark.parametrize("name", ["book", "causal_lens_2d", "lens_1d_float"])
 def test_torch_compile_matches_reference(runner, cases, name, compiler):
     case = cases[name]
