@@ -54,6 +54,24 @@ def gpu_required() -> bool:
     return os.environ.get("MHA_MULTI_REQUIRE_GPU", "") not in ("", "0")
 
 
+def device_or_skip(device: str, available: bool, missing: str) -> str:
+    """``device`` where it is ``available``; skips the test otherwise.
+
+    A missing GPU fails the test instead where ``MHA_MULTI_REQUIRE_GPU`` is
+    set: a GPU run must not pass by skipping its GPU tests.
+
+    Args:
+        device: ``"cpu"`` or ``"gpu"``.
+        available: whether the framework can use ``device``, as it says.
+        missing: the skip's reason (``"no CUDA device"``...).
+    """
+    if not available:
+        if device != "cpu" and gpu_required():
+            pytest.fail(f"{missing}, and MHA_MULTI_REQUIRE_GPU is set")
+        pytest.skip(missing)
+    return device
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" in metafunc.fixturenames:
         metafunc.parametrize("backend", selected_backends(), scope="session")
@@ -97,12 +115,9 @@ def runner(backend: str):
 @pytest.fixture(scope="session")
 def available_device(runner, device: str) -> str:
     """``device`` if the runner can use it; skips (or fails) otherwise."""
-    if not runner.device_available(device):
-        message = f"{runner.name}: no {device} device"
-        if device != "cpu" and gpu_required():
-            pytest.fail(f"{message}, and MHA_MULTI_REQUIRE_GPU is set")
-        pytest.skip(message)
-    return device
+    return device_or_skip(
+        device, runner.device_available(device), f"{runner.name}: no {device} device"
+    )
 
 
 @pytest.fixture(scope="session")

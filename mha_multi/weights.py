@@ -29,8 +29,8 @@ import os
 import zipfile
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,6 +40,7 @@ __all__ = [
     "BIAS_NAMES",
     "KERNEL_NAMES",
     "WeightsConfig",
+    "check_layer_weights",
     "check_weights",
     "init_weights",
     "load_weights",
@@ -269,6 +270,48 @@ def check_weights(
         kv_features=kv_features,
     )
     return {name: arrays[name] for name in expected}, config
+
+
+class SizedLayer(Protocol):
+    """What :func:`check_layer_weights` reads of a layer of any framework."""
+
+    num_hiddens: int
+    bias: bool
+
+    @property
+    def heads(self) -> spec.Heads:
+        """The layer's head layout."""
+
+    def input_sizes(self) -> dict[str, int | None]:
+        """``query_size``, ``key_size``, ``value_size``; ``None`` where not known yet."""
+
+
+def check_layer_weights(
+    weights: Mapping[str, Any], layer: SizedLayer, heads: spec.Heads | None = None
+) -> tuple[dict[str, np.ndarray], WeightsConfig]:
+    """:func:`check_weights` against a layer: its width, biases, heads and known input sizes.
+
+    Args:
+        weights: the canonical mapping to load into ``layer``.
+        layer: the layer; input sizes it does not know yet are read from ``weights``.
+        heads: the head layout the weights must have; ``None`` for ``layer.heads``
+            (a layer whose heads are sharded loads the whole layer's weights).
+
+    Returns:
+        ``(weights, config)`` as :func:`check_weights` returns them.
+
+    Raises:
+        TypeError: ``weights`` is not a mapping, or an entry is not a
+            floating-point array.
+        ValueError: a missing, extra or mis-shaped entry, named.
+    """
+    return check_weights(
+        weights,
+        num_hiddens=layer.num_hiddens,
+        bias=layer.bias,
+        **asdict(layer.heads if heads is None else heads),  # num_heads, num_kv_heads, head_dim
+        **layer.input_sizes(),
+    )
 
 
 def _format(path: str | os.PathLike[str]) -> str:

@@ -20,7 +20,7 @@ from mha_multi.jax._backend import JaxFacts, host_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.jax._projections import WeightsProjections
-from mha_multi.weights import KERNEL_NAMES, check_weights
+from mha_multi.weights import KERNEL_NAMES, check_layer_weights
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -366,15 +366,7 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
         ValueError: a missing, extra or mis-shaped entry, named.
         TypeError: a non-floating entry.
     """
-    arrays, _ = check_weights(
-        weights,
-        num_hiddens=layer.num_hiddens,
-        bias=layer.bias,
-        num_heads=layer.num_heads,
-        num_kv_heads=layer.num_kv_heads,
-        head_dim=layer.head_dim,
-        **layer.input_sizes(),
-    )
+    arrays, _ = check_layer_weights(weights, layer)
     for name, array in arrays.items():
         linear = getattr(layer, f"W_{name[-1]}")
         param = linear.kernel if name in KERNEL_NAMES else linear.bias

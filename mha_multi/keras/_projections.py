@@ -28,7 +28,7 @@ from mha_multi.keras._backend import (
 )
 from mha_multi.keras._ops import OPS, is_16_bit, matmul_16_bit
 from mha_multi.keras.sharding import cache_layout, check_variable_layout
-from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_weights
+from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_layer_weights
 
 __all__ = ["ProjectionLayer", "get_weights", "set_weights"]
 
@@ -268,15 +268,7 @@ def set_weights(layer: ProjectionLayer, weights: Mapping[str, Any]) -> Projectio
     Raises:
         ValueError: a missing, extra or mis-shaped entry, named.
     """
-    arrays, config = check_weights(
-        weights,
-        num_hiddens=layer.num_hiddens,
-        bias=layer.bias,
-        num_heads=layer.num_heads,
-        num_kv_heads=layer.num_kv_heads,
-        head_dim=layer.head_dim,
-        **layer.input_sizes(),
-    )
+    arrays, config = check_layer_weights(weights, layer)
     if not layer.built:
         sizes = (config.query_size, config.key_size, config.value_size)
         layer.build(*((None, None, size) for size in sizes))

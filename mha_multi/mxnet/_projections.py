@@ -15,7 +15,6 @@ The functions take the layer as a Gluon block with the attributes of
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any
 
 import mxnet as mx
@@ -26,7 +25,7 @@ from mxnet.gluon import nn
 from mha_multi import spec
 from mha_multi.mxnet._backend import host_array
 from mha_multi.mxnet._ops import MXNetOps
-from mha_multi.weights import KERNEL_NAMES, check_weights
+from mha_multi.weights import KERNEL_NAMES, check_layer_weights
 
 __all__ = [
     "PROJECTIONS",
@@ -235,13 +234,7 @@ def set_weights(
     if isinstance(weights, Mapping):
         # numpy would wrap an MXNet array as a 0-d object array, not read it.
         weights = {name: host_array(value) for name, value in weights.items()}
-    arrays, _ = check_weights(
-        weights,
-        num_hiddens=layer.num_hiddens,
-        bias=layer.bias,
-        **asdict(layer.heads),  # num_heads, num_kv_heads, head_dim
-        **layer.input_sizes(),
-    )
+    arrays, _ = check_layer_weights(weights, layer)
     for name, array in arrays.items():
         dense = getattr(layer, f"W_{name[-1]}")
         if name in KERNEL_NAMES:

@@ -26,7 +26,7 @@ from mha_multi.torch._projections import (
     project_with,
     projection,
 )
-from mha_multi.weights import KERNEL_NAMES, check_weights
+from mha_multi.weights import KERNEL_NAMES, check_layer_weights
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -341,14 +341,7 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
     Raises:
         ValueError: a missing, extra or mis-shaped entry, named.
     """
-    arrays, _ = check_weights(
-        weights,
-        num_hiddens=layer.num_hiddens,
-        bias=layer.bias,
-        # num_heads, num_kv_heads, head_dim
-        **dataclasses.asdict(layer._canonical_heads()),
-        **layer.input_sizes(),
-    )
+    arrays, _ = check_layer_weights(weights, layer, layer._canonical_heads())
     state = {}
     for name, array in arrays.items():
         tensor = torch.from_numpy(np.array(array, copy=True))

@@ -110,6 +110,19 @@ def test_bad_inputs(runner, case):
         runner.call(layer, *args)
 
 
+def test_valid_lens_may_be_a_list_numpy_or_the_frameworks_array(runner, cases):
+    case = cases["lens_1d"]
+    layer = runner.layer_for(case)
+    arrays = [runner.to_native(case.inputs[name]) for name in ("queries", "keys", "values")]
+    for valid_lens in (
+        case.valid_lens.tolist(),
+        case.valid_lens,
+        runner.native_lens(case.valid_lens),
+    ):
+        output = runner.forward(layer, *arrays, valid_lens)
+        np.testing.assert_allclose(runner.to_numpy(output), case.reference["output"], atol=5e-6)
+
+
 def _bad_options():
     positions = np.arange(3)[None].repeat(2, axis=0)
     return [

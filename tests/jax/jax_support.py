@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import gpu_required
+from conftest import device_or_skip
 from mha_multi.jax import harness as backend
 from mha_multi.parity.cases import Case
 from mha_multi.parity.runners.jax import JaxLinenRunner, JaxNNXRunner
@@ -44,11 +44,7 @@ def inputs(case: Case, dtype: str = "float32", device: str = "cpu") -> list[jax.
 
 def gpu() -> str:
     """``"gpu"`` where JAX sees one; skips the test otherwise (fails it where one is required)."""
-    if not backend.gpu_available():
-        if gpu_required():
-            pytest.fail("no GPU visible to JAX, and MHA_MULTI_REQUIRE_GPU is set")
-        pytest.skip("no GPU visible to JAX")
-    return "gpu"
+    return device_or_skip("gpu", backend.gpu_available(), "no GPU visible to JAX")
 
 
 def nan_where_nothing_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:

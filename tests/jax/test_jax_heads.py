@@ -7,6 +7,7 @@ generic parity checks of the head-mask cases run through the runners.
 
 from __future__ import annotations
 
+import heads_cases as hc
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from flax import nnx
 from jax_support import LinenRunner, NNXRunner, inputs
 
-from mha_multi import heads, spec
+from mha_multi import spec
 from mha_multi.jax import MultiHeadAttention, head_importance, linen, set_weights
 from mha_multi.jax import harness as backend
 from mha_multi.jax._kernel import DOT_PRODUCT_ATTENTION
@@ -22,7 +23,6 @@ from mha_multi.parity.cases import HEAD_MASK_CASES, build_case
 from mha_multi.weights import init_weights
 
 FLOAT32_ATOL, FLOAT32_GRAD_ATOL, SIXTEEN_BIT_ATOL = 5e-6, 5e-5, 2e-2
-SIZES = {"query_size": 5, "key_size": 6, "value_size": 7}
 NAMES = [config.name for config in HEAD_MASK_CASES]
 
 
@@ -38,14 +38,11 @@ def gates_of(case):
 def make(seed, *, num_heads=4, num_kv_heads=2, head_dim=None, dtype=jnp.float32, **options):
     """An NNX layer of random weights, the float64 weights, inputs and a generator."""
     layout = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    weights = init_weights(num_hiddens=16, **layout, bias=True, seed=seed, **SIZES)
-    layer = MultiHeadAttention(16, **layout, bias=True, param_dtype=dtype, **SIZES, **options)
+    weights = init_weights(num_hiddens=16, **layout, bias=True, seed=seed, **hc.SIZES)
+    layer = MultiHeadAttention(16, **layout, bias=True, param_dtype=dtype, **hc.SIZES, **options)
     set_weights(layer, weights).eval()
     rng = np.random.default_rng(seed)
-    arrays = [
-        rng.standard_normal((3, length, SIZES[f"{name}_size"])).astype(np.float32)
-        for name, length in (("query", 5), ("key", 6), ("value", 6))
-    ]
+    arrays = hc.random_inputs(rng)
     return {k: v.astype(np.float64) for k, v in weights.items()}, layer, arrays, rng
 
 
@@ -253,35 +250,14 @@ def test_bad_head_masks_are_the_specs_errors(mask, error, match):
 # -- head_importance -----------------------------------------------------------------------
 
 
-def importance_batches(rng, sizes=((3, 5), (2, 4), (1, 6))):
-    """Batches of several shapes, with their loss weights ``G``: ``dL/doutput = G``."""
-    batches = []
-    for batch, num_keys in sizes:
-        arrays = [
-            rng.standard_normal((batch, length, SIZES[f"{name}_size"])).astype(np.float32)
-            for name, length in (("query", 4), ("key", num_keys), ("value", num_keys))
-        ]
-        lens = rng.integers(1, num_keys + 1, batch)
-        batches.append((arrays, lens, rng.standard_normal((batch, 4, 16)).astype(np.float32)))
-    return batches
-
-
 @pytest.mark.parametrize("normalize", [True, False])
 def test_head_importance_is_the_references_for_nnx_and_linen(normalize):
     """In evaluation mode whatever the NNX layer's, which is left as it is; Linen as the pair
     ``(module, variables)`` and bound to its variables."""
     weights, layer, _, rng = make(7, num_heads=6, num_kv_heads=3, head_dim=3, dropout=0.5)
     layer.train()
-    batches = importance_batches(rng)
-    expected = heads.importance(
-        [
-            spec.reference_gradients(
-                weights, *arrays, lens, num_heads=6, output_gradient=g, head_mask=np.ones(6)
-            )["head_mask"]
-            for arrays, lens, g in batches
-        ],
-        normalize=normalize,
-    )
+    batches = hc.importance_batches(rng)
+    expected = hc.reference_importance(weights, batches, num_heads=6, normalize=normalize)
     # loss_fn is traced (once for each batch shape): it finds G by the output's shape.
     loss_weights = {g.shape: jnp.asarray(g) for _, _, g in batches}
 
@@ -319,16 +295,7 @@ def test_head_importance_of_a_loss_without_gradient_is_zero_and_bad_losses_are_n
 # -- pruned layers -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "removed"),
-    [
-        (4, 4, [1]),
-        (4, 4, [0, 2, 3]),  # to one head
-        (4, 2, [0, 1]),  # a whole group
-        (6, 3, [2, 3, 4, 5]),  # to one group, with head_dim 3
-        (6, 6, [0, 1, 2, 3, 5]),  # to one head, with head_dim 3
-    ],
-)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "removed"), hc.PRUNING_CASES)
 def test_a_pruned_layer_is_the_full_one_with_those_heads_masked(num_heads, num_kv_heads, removed):
     """NNX and Linen layers built from ``config.kwargs()``, against the full layer and the
     float64 reference with those heads' gates at 0."""
@@ -336,9 +303,7 @@ def test_a_pruned_layer_is_the_full_one_with_those_heads_masked(num_heads, num_k
     weights, layer, arrays, _ = make(
         9, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
     )
-    gates = np.ones(num_heads, np.float32)
-    gates[removed] = 0.0
-    pruned, config = heads.prune_heads(
+    gates, pruned, config = hc.prune_with_gates(
         weights, removed, num_heads=num_heads, num_kv_heads=num_kv_heads
     )
     small = set_weights(MultiHeadAttention(**config.kwargs()), pruned)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mxnet import autograd, gluon
 
-from conftest import gpu_required
+from conftest import device_or_skip
 from mha_multi import spec
 from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
 from mha_multi.mxnet import harness as backend
@@ -236,13 +236,12 @@ def test_dropout_only_under_autograd_record(mxnet_runner):
     assert not np.allclose(dropped, expected, atol=1e-3)
 
 
-def test_valid_lens_accepts_lists_numpy_and_mxnet_arrays(cases):
+def test_valid_lens_of_any_mxnet_dtype_or_interface(cases):
+    """Lists, numpy and the runner's own arrays: tests/backends/test_api.py."""
     case = cases["lens_1d"]
     layer = HYBRID.layer_for(case)
     inputs = [HYBRID.to_native(case.inputs[n]) for n in INPUT_NAMES]
     for valid_lens in (
-        case.valid_lens.tolist(),
-        case.valid_lens,
         case.valid_lens.astype(np.int32),
         mx.np.array(case.valid_lens),  # MXNet's default dtype: float32
         mx.np.array(case.valid_lens, dtype="float16"),
@@ -322,11 +321,7 @@ def test_bfloat16_is_not_in_mxnets_numpy_interface():
 
 @pytest.fixture
 def gpu():
-    if not backend.gpu_available():
-        if gpu_required():
-            pytest.fail("no GPU, and MHA_MULTI_REQUIRE_GPU is set")
-        pytest.skip("no GPU")
-    return "gpu"
+    return device_or_skip("gpu", backend.gpu_available(), "no GPU")
 
 
 def test_gpu_with_valid_lens_on_either_device(mxnet_runner, cases, gpu):

@@ -7,12 +7,13 @@ generic parity checks of the head-mask cases run through the runners.
 
 from __future__ import annotations
 
+import heads_cases as hc
 import numpy as np
 import pytest
 import torch
 
 from conftest import gpu_required
-from mha_multi import heads, spec
+from mha_multi import spec
 from mha_multi.parity.cases import HEAD_MASK_CASES, INPUT_NAMES, build_case
 from mha_multi.torch import MultiHeadAttention, head_importance, set_weights
 from mha_multi.torch import harness as backend
@@ -22,7 +23,6 @@ from mha_multi.weights import init_weights
 FLOAT32_ATOL, FLOAT32_GRAD_ATOL, SIXTEEN_BIT_ATOL = 5e-6, 5e-5, 2e-2
 #: Grouped heads, biases and input sizes of their own.
 LAYOUT = {"num_hiddens": 16, "num_heads": 4, "num_kv_heads": 2}
-SIZES = {"query_size": 5, "key_size": 6, "value_size": 7}
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +63,12 @@ def case_gates(case):
 def make(seed, *, num_heads=4, num_kv_heads=2, head_dim=None, dtype=torch.float32):
     """A layer of random weights and the float64 copy of them, and random inputs."""
     layout = {**LAYOUT, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    weights = init_weights(**layout, bias=True, seed=seed, **SIZES)
-    layer = MultiHeadAttention(**layout, bias=True, dtype=dtype, **SIZES)
+    weights = init_weights(**layout, bias=True, seed=seed, **hc.SIZES)
+    layer = MultiHeadAttention(**layout, bias=True, dtype=dtype, **hc.SIZES)
     layer = set_weights(layer, weights).eval()
     weights = {name: value.astype(np.float64) for name, value in weights.items()}
     rng = np.random.default_rng(seed)
-    inputs = [
-        rng.standard_normal((3, length, SIZES[f"{name}_size"])).astype(np.float32)
-        for name, length in (("query", 5), ("key", 6), ("value", 6))
-    ]
-    return weights, layer, inputs, rng
+    return weights, layer, hc.random_inputs(rng), rng
 
 
 # -- head_mask on every path ---------------------------------------------------------
@@ -305,26 +301,13 @@ def test_gates_on_the_cpu_gate_a_gpu_layer():
 # -- head_importance -------------------------------------------------------------------
 
 
-def importance_batches(rng, sizes=((3, 5), (2, 4), (1, 6))):
-    """Batches of several shapes, with their loss weights ``G``: ``dL/doutput = G``."""
-    batches = []
-    for batch, num_keys in sizes:
-        arrays = [
-            rng.standard_normal((batch, length, SIZES[f"{name}_size"])).astype(np.float32)
-            for name, length in (("query", 4), ("key", num_keys), ("value", num_keys))
-        ]
-        lens = rng.integers(1, num_keys + 1, batch)
-        batches.append((arrays, lens, rng.standard_normal((batch, 4, 16)).astype(np.float32)))
-    return batches
-
-
 @pytest.mark.parametrize("normalize", [True, False])
 def test_head_importance_is_the_references(normalize):
     """In eval mode whatever the layer's, which is restored; no parameter gets a ``.grad``."""
     weights, layer, _, rng = make(7, num_heads=6, num_kv_heads=3, head_dim=3)
     layer.dropout.p = 0.5
     layer.train()
-    batches = importance_batches(rng)
+    batches = hc.importance_batches(rng)
     losses = iter([tensor(g) for _, _, g in batches])
 
     def loss_fn(output):
@@ -336,15 +319,7 @@ def test_head_importance_is_the_references(normalize):
         loss_fn,
         normalize=normalize,
     )
-    expected = heads.importance(
-        [
-            spec.reference_gradients(
-                weights, *arrays, lens, num_heads=6, output_gradient=g, head_mask=np.ones(6)
-            )["head_mask"]
-            for arrays, lens, g in batches
-        ],
-        normalize=normalize,
-    )
+    expected = hc.reference_importance(weights, batches, num_heads=6, normalize=normalize)
     assert importance.shape == (6,) and importance.dtype == np.float64
     np.testing.assert_allclose(importance, expected, rtol=0, atol=FLOAT32_GRAD_ATOL)
     if normalize:
@@ -368,25 +343,13 @@ def test_head_importance_of_a_loss_without_gradient_is_zero():
 # -- pruned layers ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "removed"),
-    [
-        (4, 4, [1]),
-        (4, 4, [0, 2, 3]),  # to one head
-        (4, 2, [0, 1]),  # a whole group
-        (6, 3, [2, 3, 4, 5]),  # to one group, with head_dim 3
-        (6, 6, [0, 1, 2, 3, 5]),  # to one head, with head_dim 3
-        (4, 1, []),
-    ],
-)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "removed"), [*hc.PRUNING_CASES, (4, 1, [])])
 def test_a_pruned_layer_is_the_full_one_with_those_heads_masked(num_heads, num_kv_heads, removed):
     head_dim = 3 if num_heads == 6 else None
     weights, layer, inputs, _ = make(
         9, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
     )
-    gates = np.ones(num_heads, np.float32)
-    gates[removed] = 0.0
-    pruned, config = heads.prune_heads(
+    gates, pruned, config = hc.prune_with_gates(
         weights, removed, num_heads=num_heads, num_kv_heads=num_kv_heads
     )
     small = set_weights(MultiHeadAttention(**config.kwargs()), pruned).eval()

@@ -18,7 +18,7 @@ from mha_multi.interop.llama import from_llama
 from mha_multi.torch import MultiHeadAttention, set_weights
 
 transformers = pytest.importorskip("transformers")
-from transformers_blocks import MODELS, block_results, converted, load  # noqa: E402
+from transformers_blocks import MODELS, block_results, converted, llama3_rope, load  # noqa: E402
 
 NEW_TOKENS = 64
 
@@ -64,14 +64,7 @@ def llama_model(dtype):
         num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=128,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
+        rope_parameters=llama3_rope(16),
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
