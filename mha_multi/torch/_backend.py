@@ -159,20 +159,25 @@ BIAS_LIMIT = 1e5
 
 
 class _CacheCheck:
-    """What the lengths of a cache written in place carry: how much of it was read finite.
+    """What the lengths of a cache written in place carry: what the call knew of it.
 
-    ``flag`` is a 0-d boolean on the cache's device, never read by the call
-    that makes it: whether the positions below ``upto``, and every row the
-    calls wrote, are finite. The next call trusts it only for the same
-    ``keys`` and ``values`` tensors, unchanged since (their version
-    counters), so that a decoding step checks its new rows and the positions
-    its span adds instead of the whole cache.
+    ``poison`` is a 0-d float32 on the cache's device, never read by the
+    call that makes it: 0 where the positions below ``upto``, and every row
+    the calls wrote, are finite, NaN otherwise (:func:`_poison`). ``lengths``
+    are the new lengths on the host. The next call trusts them only for the
+    same tensors unchanged since (their version counters), so that a
+    decoding step checks its new rows and the positions its span adds
+    instead of the whole cache, and reads no lengths back.
     """
 
-    def __init__(self, cache: spec.KVCache, flag: torch.Tensor, upto: int) -> None:
+    def __init__(
+        self, cache: spec.KVCache, poison: torch.Tensor, upto: int, lengths: np.ndarray
+    ) -> None:
         self.keys, self.values = weakref.ref(cache.keys), weakref.ref(cache.values)
         self.versions = (cache.keys._version, cache.values._version)
-        self.flag, self.upto = flag, upto
+        self.poison, self.upto = poison, upto
+        #: ``cache.lengths`` on the host, while the tensor keeps ``lengths_version``.
+        self.lengths, self.lengths_version = lengths, cache.lengths._version
 
     @staticmethod
     def of(cache: spec.KVCache) -> _CacheCheck | None:
@@ -186,14 +191,27 @@ class _CacheCheck:
             return None
         return check if (keys._version, values._version) == check.versions else None
 
+    @staticmethod
+    def host_lengths(lengths: torch.Tensor) -> np.ndarray | None:
+        """``lengths`` as the call that made it left them, where it is unchanged since."""
+        check = getattr(lengths, _CHECKED, None)
+        if check is None or lengths.is_inference() or lengths._version != check.lengths_version:
+            return None
+        return check.lengths.copy()
+
 
 #: The attribute of a cache's lengths tensor that holds its :class:`_CacheCheck`.
 _CHECKED = "_mha_multi_checked"
 
 
-def _all_finite(*tensors: torch.Tensor) -> torch.Tensor:
-    """A 0-d boolean on the tensors' device: whether every element is finite."""
-    return torch.stack([torch.isfinite(x).all() for x in tensors]).all()
+def _poison(*tensors: torch.Tensor) -> torch.Tensor:
+    """A 0-d float32 on the tensors' device: 0 where every element is finite, else NaN.
+
+    A sum is finite only if every element is: one pass, nothing allocated,
+    and poisons add up. A finite sum that overflows poisons too, which only
+    sends calls to the generic path (exact for any values).
+    """
+    return sum(x.detach().sum(dtype=torch.float32) for x in tensors) * 0.0
 
 
 def _covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -316,9 +334,17 @@ class TorchFacts(call.Facts):
         return _tensor_beside("head_mask", head_mask, like, call.GATES_SHAPE)
 
     def read(self, *arrays: torch.Tensor | None) -> list[np.ndarray | None] | None:
-        """One transfer for integer tensors; nothing under ``torch.compile``."""
+        """One transfer for integer tensors; nothing under ``torch.compile``.
+
+        A cache's lengths as an eager call wrote them are known on the host
+        already (:class:`_CacheCheck`): a decoding step reads nothing for them.
+        """
         if torch.compiler.is_compiling():
             return None
+        if len(arrays) == 2 and arrays[1] is None and arrays[0] is not None:
+            known = _CacheCheck.host_lengths(arrays[0])
+            if known is not None:
+                return [known, None]
         given = [x for x in arrays if x is not None]
         if given and all(not x.is_floating_point() for x in given):
             flat = torch.cat([x.reshape(-1).long() for x in given]).cpu().numpy()
@@ -379,8 +405,8 @@ class TorchFacts(call.Facts):
         # Before writing: the versions the lengths' check was made for.
         tracked = not (cache.keys.is_inference() or cache.values.is_inference())
         prior = _CacheCheck.of(cache)
-        written = _all_finite(k, v)  # padding rows too: at worst the generic path
-        finite, upto = (written, 0) if prior is None else (prior.flag & written, prior.upto)
+        written = _poison(k, v)  # padding rows too: at worst the generic path
+        poison, upto = (written, 0) if prior is None else (prior.poison + written, prior.upto)
         for held, x in ((cache.keys, k), (cache.values, v)):
             rows = x.unflatten(-1, (held.shape[1], head_dim))  # (B, T, H_kv, dh)
             if aligned:
@@ -389,11 +415,12 @@ class TorchFacts(call.Facts):
                 # Advanced indices around a slice put the rows' axis first: (N, H_kv, dh).
                 held[index[0], :, index[2]] = rows[index[0], index[1]]
         # The lengths are on the host already: the new ones are computed there.
-        lengths = torch.from_numpy(fill.lengths + fill.new)
-        lengths = lengths.to(cache.lengths.device, cache.lengths.dtype)
+        held = fill.lengths + fill.new
+        lengths = torch.from_numpy(held).to(cache.lengths.device, cache.lengths.dtype)
         visible = torch.from_numpy(fill.visibility(num_new, causal=causal)).to(k.device)
         if tracked:
-            check = _CacheCheck(cache, finite, upto)
+            updated = spec.KVCache(cache.keys, cache.values, lengths)
+            check = _CacheCheck(updated, poison, upto, held)
             setattr(lengths, _CHECKED, check)
             self._written.check = check
         return spec.KVCache(cache.keys, cache.values, lengths), visible
@@ -441,9 +468,9 @@ class TorchFacts(call.Facts):
             # span is read now, and the check extended for the next call.
             span = k.shape[2]
             if check.upto < span:
-                rest = (x.detach()[:, :, check.upto :] for x in (k, v))
-                check.flag, check.upto = check.flag & _all_finite(*rest), span
-            total = torch.where(check.flag, q.detach().sum(dtype=torch.float32), float("nan"))
+                rest = (x[:, :, check.upto :] for x in (k, v))
+                check.poison, check.upto = check.poison + _poison(*rest), span
+            total = q.detach().sum(dtype=torch.float32) + check.poison
         if bias is not None:
             # A NaN max fails the comparison too.
             total = torch.where(bias.detach().abs().max() <= BIAS_LIMIT, total, float("nan"))

@@ -304,15 +304,16 @@ def test_a_non_finite_entry_at_a_free_position_keeps_the_spec_numbers(position, 
 def test_a_cache_edited_in_place_is_read_again():
     """A decoding step trusts what its own writes found finite only while nobody else wrote.
 
-    The NaN goes into a free position of example 2, which SDPA's added -inf
-    would turn into a NaN row and the spec hides: the edit (a new version of
-    the same tensor) must send the call back to reading the cache.
+    The NaN goes into a free position of example 2 that the prefill already
+    attended over (example 0 filled 3), which SDPA's added -inf would turn
+    into a NaN row and the spec hides: the edit (a new version of the same
+    tensor) must send the call back to reading the cache.
     """
     weights, layer, inputs = make(4)
     cache = prefilled(layer, inputs, np.array([3, 2, 1]))
     rows = [chunk_rows(x, np.array([3, 2, 1]), 1) for x in inputs.values()]
     with torch.no_grad():
-        cache.keys[2, 1, 3, 0] = np.nan  # in place: the same tensors, the same lengths
+        cache.keys[2, 1, 2, 0] = np.nan  # in place: the same tensors, the same lengths
     expected, _, _ = spec.reference_cached_forward(
         weights, *rows, numpy_cache(cache), **HEADS, causal=True
     )
@@ -321,6 +322,28 @@ def test_a_cache_edited_in_place_is_read_again():
         output, _ = layer(*tensors(*rows), causal=True, cache=cache)
     assert calls == []
     np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+
+
+def test_lengths_edited_in_place_are_read_again():
+    """A step knows the lengths its previous step wrote without reading them back,
+    only while the lengths tensor is unchanged: an edit (one example rewound by
+    a position, another set to the cache's end) is read, checked and used."""
+    weights, layer, inputs = make(6)
+    cache = prefilled(layer, inputs, np.array([3, 2, 1]))
+    rows = [chunk_rows(x, np.array([3, 2, 1]), 1) for x in inputs.values()]
+    with torch.no_grad():
+        cache.lengths[1] -= 1
+    expected, _, _ = spec.reference_cached_forward(
+        weights, *rows, numpy_cache(cache), **HEADS, causal=True
+    )
+    with torch.no_grad():
+        output, after = layer(*tensors(*rows), causal=True, cache=cache)
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+    assert after.lengths.tolist() == [4, 2, 2]
+    with torch.no_grad():
+        after.lengths[2] = 7
+    with pytest.raises(ValueError, match="overflows: example 2 would hold 8"), torch.no_grad():
+        layer(*tensors(*rows), causal=True, cache=after)
 
 
 @pytest.mark.parametrize("inference", [False, True])
