@@ -161,21 +161,30 @@ BIAS_LIMIT = 1e5
 class _CacheCheck:
     """What the lengths of a cache written in place carry: what the call knew of it.
 
-    ``poison`` is a 0-d float32 on the cache's device, never read by the
-    call that makes it: 0 where the positions below ``upto``, and every row
-    the calls wrote, are finite, NaN otherwise (:func:`_poison`). ``lengths``
-    are the new lengths on the host. The next call trusts them only for the
-    same tensors unchanged since (their version counters), so that a
-    decoding step checks its new rows and the positions its span adds
-    instead of the whole cache, and reads no lengths back.
+    ``poison`` is ``None`` (nothing known yet) or a 0-d float32 on the
+    cache's device, never read by the call that makes it: 0 where the
+    positions below ``upto``, and every row the calls wrote, are finite, NaN
+    otherwise (:func:`_poison`). ``pending`` are the rows this call wrote,
+    until the plan checks them together with the queries (one pass over
+    self-attention's stacked projection). ``lengths`` are the new lengths on
+    the host. The next call trusts all this only for the same tensors
+    unchanged since (their version counters), so that a decoding step checks
+    its new rows and the positions its span adds instead of the whole cache,
+    and reads no lengths back.
     """
 
     def __init__(
-        self, cache: spec.KVCache, poison: torch.Tensor, upto: int, lengths: np.ndarray
+        self,
+        cache: spec.KVCache,
+        poison: torch.Tensor | None,
+        upto: int,
+        lengths: np.ndarray,
+        pending: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         self.keys, self.values = weakref.ref(cache.keys), weakref.ref(cache.values)
         self.versions = (cache.keys._version, cache.values._version)
         self.poison, self.upto = poison, upto
+        self.pending: tuple[torch.Tensor, ...] | None = pending
         #: ``cache.lengths`` on the host, while the tensor keeps ``lengths_version``.
         self.lengths, self.lengths_version = lengths, cache.lengths._version
 
@@ -190,6 +199,16 @@ class _CacheCheck:
         if keys.is_inference() or values.is_inference():
             return None
         return check if (keys._version, values._version) == check.versions else None
+
+    def add(self, poison: torch.Tensor) -> None:
+        self.poison = poison if self.poison is None else self.poison + poison
+
+    def settled(self) -> torch.Tensor | None:
+        """The poison with the pending rows checked (where no plan checked them)."""
+        if self.pending is not None:
+            self.add(_poison(*self.pending))
+            self.pending = None
+        return self.poison
 
     @staticmethod
     def host_lengths(lengths: torch.Tensor) -> np.ndarray | None:
@@ -405,8 +424,9 @@ class TorchFacts(call.Facts):
         # Before writing: the versions the lengths' check was made for.
         tracked = not (cache.keys.is_inference() or cache.values.is_inference())
         prior = _CacheCheck.of(cache)
-        written = _poison(k, v)  # padding rows too: at worst the generic path
-        poison, upto = (written, 0) if prior is None else (prior.poison + written, prior.upto)
+        poison, upto = (None, 0) if prior is None else (prior.settled(), prior.upto)
+        if aligned and first == upto:
+            upto = first + num_new  # every example's next rows, checked as written
         for held, x in ((cache.keys, k), (cache.values, v)):
             rows = x.unflatten(-1, (held.shape[1], head_dim))  # (B, T, H_kv, dh)
             if aligned:
@@ -420,7 +440,8 @@ class TorchFacts(call.Facts):
         visible = torch.from_numpy(fill.visibility(num_new, causal=causal)).to(k.device)
         if tracked:
             updated = spec.KVCache(cache.keys, cache.values, lengths)
-            check = _CacheCheck(updated, poison, upto, held)
+            # Padding rows are checked too: at worst the generic path.
+            check = _CacheCheck(updated, poison, upto, held, pending=(k, v))
             setattr(lengths, _CHECKED, check)
             self._written.check = check
         return spec.KVCache(cache.keys, cache.values, lengths), visible
@@ -464,13 +485,17 @@ class TorchFacts(call.Facts):
             total = sum(x.detach().sum(dtype=torch.float32) for x in _covering(q, k, v))
         else:
             # A cache written in place this call: its check stands for the
-            # positions below ``upto`` and the rows written; the rest of the
-            # span is read now, and the check extended for the next call.
+            # positions below ``upto``; the rows written are read with the
+            # queries, the rest of the span on its own, and the check
+            # extended for the next call.
+            pending, check.pending = check.pending or (), None
+            total = sum(x.detach().sum(dtype=torch.float32) for x in _covering(q, *pending))
+            check.add(total * 0.0)  # a non-finite query too: at worst the generic path
             span = k.shape[2]
             if check.upto < span:
-                rest = (x[:, :, check.upto :] for x in (k, v))
-                check.poison, check.upto = check.poison + _poison(*rest), span
-            total = q.detach().sum(dtype=torch.float32) + check.poison
+                check.add(_poison(*(x[:, :, check.upto :] for x in (k, v))))
+                check.upto = span
+            total = total + check.poison
         if bias is not None:
             # A NaN max fails the comparison too.
             total = torch.where(bias.detach().abs().max() <= BIAS_LIMIT, total, float("nan"))

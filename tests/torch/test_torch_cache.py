@@ -358,9 +358,14 @@ def test_decoding_steps_read_only_their_new_rows(inference):
         rows = tensors(*(x[:, :4] for x in inputs.values()))
         _, cache = layer(*rows, causal=True, cache=cache)
         token = tensors(*(x[:, 4:5] for x in inputs.values()))
-        with mock.patch.object(_backend, "_covering", wraps=_backend._covering) as covering:
+        with (
+            mock.patch.object(_backend, "_covering", wraps=_backend._covering) as covering,
+            mock.patch.object(_backend, "_poison", wraps=_backend._poison) as poison,
+        ):
             output, cache = layer(*token, causal=True, cache=cache)
-    assert covering.called == inference
+    # What the step summed: (B, T, features) projections, or (B, H_kv, K, dh) cache positions.
+    summed = [x.dim() for spy in (covering, poison) for c in spy.call_args_list for x in c.args]
+    assert (4 in summed) == inference
     expected = full_reference(weights, inputs, np.array([5, 5, 5]), **HEADS)
     # The reference's last position is the step's.
     np.testing.assert_allclose(output.numpy()[:, 0], expected[:, 4], rtol=0, atol=FLOAT32_ATOL)
