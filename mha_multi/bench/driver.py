@@ -207,9 +207,12 @@ class Framework:
     # -- generation (mha_multi.bench.generate) ------------------------------
 
     #: The framework's twenty-line static-cache decoder,
-    #: ``hand_written(weights, shape, device, dtype) -> Generator`` (a
-    #: ``staticmethod``), timed as the ``hand-written`` generation row.
+    #: ``hand_written(weights, shape, device, dtype, execution) -> Generator``
+    #: (a ``staticmethod``), timed as the ``hand-written`` generation row.
     hand_written: Callable[..., Generator] | None = None
+    #: The execution modes generation is timed in, each in its own table:
+    #: the first of :attr:`executions` unless a framework compiles its decoding.
+    generation_executions: tuple[str | None, ...] | None = None
 
     def append(self, sequence: Any, token: Any) -> Any:
         """``sequence`` ``(B, N, D)`` with ``token`` ``(B, 1, D)`` appended on axis 1."""
@@ -263,9 +266,9 @@ class Framework:
         compiled where that is the framework's norm."""
         return lambda x, lens: self.backend.forward(layer, x, x, x, lens)
 
-    def cached_call(self, layer: Any) -> Callable[..., Any]:
+    def cached_call(self, layer: Any, execution: str | None = None) -> Callable[..., Any]:
         """``call(x, cache) -> (output, cache)``: one causal self-attention call
-        with a cache, compiled where that is the framework's norm."""
+        with a cache, in ``execution`` (compiled where that is its norm)."""
         return lambda x, cache: self.backend.forward(layer, x, x, x, None, causal=True, cache=cache)
 
     def causal_call(self, layer: Any) -> Callable[[Any], Any]:
@@ -273,16 +276,19 @@ class Framework:
         return lambda x: self.backend.forward(layer, x, x, x, None, causal=True)
 
     def generators(
-        self, shape: GenerationShape, device: str, dtype: str
+        self, shape: GenerationShape, device: str, dtype: str, execution: str | None = None
     ) -> dict[str, Callable[[], Generator]]:
         """Name -> a function making a fresh :class:`Generator` (a new cache each time).
 
         The default drives ours through :meth:`cached_call` and
         :meth:`causal_call`, and adds :attr:`hand_written` where there is one;
         a framework with a cached decoder of its own adds it as ``"native"``.
+        In a compiled ``execution`` other than the first, the recomputing
+        decoder is left out: its input grows at every step, so every step
+        would compile anew.
         """
         layer = self.ours(shape.attention_shape(), device, dtype)
-        cached, causal = self.cached_call(layer), self.causal_call(layer)
+        cached, causal = self.cached_call(layer, execution), self.causal_call(layer)
 
         def with_cache() -> Generator:
             def prefill(prompt: Any) -> tuple[Any, Any]:
@@ -306,11 +312,15 @@ class Framework:
 
             return Generator(prefill, step, self.sync, self.backend.to_numpy)
 
-        generators = {"cached": with_cache, "recompute": recompute}
+        generators = {"cached": with_cache}
+        if execution == self.executions[0]:
+            generators["recompute"] = recompute
         if self.hand_written is not None:
             weights = importlib.import_module(self.package).get_weights(layer)
             hand_written = self.hand_written
-            generators["hand-written"] = lambda: hand_written(weights, shape, device, dtype)
+            generators["hand-written"] = lambda: hand_written(
+                weights, shape, device, dtype, execution
+            )
         return generators
 
 
@@ -579,15 +589,17 @@ def run(
                     framework, device, dtype, shape, kept
                 )
             if generation is not None:
+                executions = framework.generation_executions or framework.executions[:1]
                 for heads in (None, num_kv_heads):
-                    rows = run_generation(
-                        framework,
-                        device,
-                        dtype,
-                        replace(generation, num_kv_heads=heads),
-                        ITEMSIZE[dtype],
-                    )
-                    measurements[framework.executions[0]] += rows
+                    for execution in executions:
+                        measurements[execution] += run_generation(
+                            framework,
+                            device,
+                            dtype,
+                            replace(generation, num_kv_heads=heads),
+                            ITEMSIZE[dtype],
+                            execution=execution,
+                        )
         if device == "cpu":
             for length in sharded_lengths:
                 shape = replace(base, length=length)

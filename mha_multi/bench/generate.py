@@ -113,22 +113,25 @@ def run_generation(
     dtype: str,
     shape: GenerationShape,
     itemsize: int,
+    *,
+    execution: str | None = None,
 ) -> list[Measurement]:
     """Times every generator of ``framework`` and measures the cached one's peak memory.
 
-    ``framework.generators(shape, device, dtype)`` returns name -> a
-    function making a fresh :class:`Generator` (a new cache each time).
+    ``framework.generators(shape, device, dtype, execution)`` returns name ->
+    a function making a fresh :class:`Generator` (a new cache each time).
     A warm-up generation of a few tokens loads kernels and compiles first.
+    Peak memory is measured for the first execution mode only.
     """
     rng = np.random.default_rng(0)
     prompt_np = rng.standard_normal((shape.batch, shape.prompt, shape.num_hiddens)).astype(
         np.float32
     )
     prompt = framework.array(prompt_np, device, dtype)
-    label = framework.label(framework.executions[0])
+    label = framework.label(execution)
     rows, outputs = [], {}
     note_shape = {**vars(shape.attention_shape()), "prompt": shape.prompt}
-    for name, make in framework.generators(shape, device, dtype).items():
+    for name, make in framework.generators(shape, device, dtype, execution).items():
         row = Measurement(
             label, name, "generate", device, dtype, shape.max_length, shape=note_shape
         )
@@ -160,7 +163,8 @@ def run_generation(
             else r
             for r in rows
         ]
-    if framework.measures_memory(device) and "cached" in outputs:
+    first = execution == framework.executions[0]
+    if framework.measures_memory(device) and "cached" in outputs and first:
         # In a process of its own: a process's peak never falls.
         command = [sys.executable, "-m", "mha_multi.bench", "generation-memory", framework.name]
         command += [device, dtype, json.dumps(vars(shape))]

@@ -52,7 +52,11 @@ def _native(
 
 
 def hand_written_decoder(
-    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
+    weights: dict[str, np.ndarray],
+    shape: GenerationShape,
+    device: str,
+    dtype: str,
+    execution: str | None = None,
 ) -> Generator:
     """What a careful user writes by hand: a static cache of ``(B, max_length, H_kv,
     head_dim)`` updated with ``dynamic_update_slice`` and
@@ -116,7 +120,9 @@ class Jax(Framework):
     def append(self, sequence: jax.Array, token: jax.Array) -> jax.Array:
         return jnp.concatenate([sequence, token], axis=1)
 
-    def cached_call(self, layer: MultiHeadAttention) -> Callable[..., Any]:
+    def cached_call(
+        self, layer: MultiHeadAttention, execution: str | None = None
+    ) -> Callable[..., Any]:
         # One compilation per length of the call: the prefill's, and 1.
         call = nnx.jit(lambda layer, x, cache: layer(x, x, x, causal=True, cache=cache))
         return lambda x, cache: call(layer, x, cache)
@@ -126,12 +132,12 @@ class Jax(Framework):
         return lambda x, lens: call(layer, x, lens)
 
     def generators(
-        self, shape: GenerationShape, device: str, dtype: str
+        self, shape: GenerationShape, device: str, dtype: str, execution: str | None = None
     ) -> dict[str, Callable[[], Generator]]:
         """Ours cached; ours recomputing over a buffer of ``max_length`` tokens, so that
         one compiled program serves every step (a growing sequence would compile
         each length); and Flax NNX's own ``decode=True``, one token per call."""
-        generators = super().generators(shape, device, dtype)
+        generators = super().generators(shape, device, dtype, execution)
         ours = self.ours(shape.attention_shape(), device, dtype)
         batch, length = shape.batch, shape.max_length
 

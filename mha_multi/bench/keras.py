@@ -20,6 +20,7 @@ waits is in :mod:`mha_multi.keras.harness`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -47,39 +48,97 @@ COMPILERS = {
 
 
 def hand_written_decoder(
-    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
+    weights: dict[str, np.ndarray],
+    shape: GenerationShape,
+    device: str,
+    dtype: str,
+    execution: str | None = None,
 ) -> Generator:
-    """What a careful user writes by hand in ``keras.ops``, eagerly: a static cache
-    of ``(B, max_length, H_kv, head_dim)`` updated with ``slice_update`` and
-    ``dot_product_attention`` over its filled positions."""
+    """What a careful user writes by hand in ``keras.ops``: a static cache of ``(B,
+    max_length, H_kv, head_dim)`` updated with ``slice_update`` and
+    ``dot_product_attention``.
+
+    Eagerly it attends over the filled positions. Compiled (``execution ==
+    "compiled"``, the backend's compiler as for the layers) it keeps static
+    shapes: the position is an argument, and attention covers all
+    ``max_length`` positions with a mask, so the prompt and the steps are
+    two programs.
+    """
     ops = keras.ops
-    heads, kv_heads = shape.num_heads, shape.kv_heads
+    heads, kv_heads, length = shape.num_heads, shape.kv_heads, shape.max_length
     head_dim = shape.num_hiddens // heads
     w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
-    cache: dict[str, Any] = {}
+    compiled = execution == "compiled"
+    run = _compiled_attend(heads, kv_heads, length) if compiled else _attend_filled
 
-    def attend(x: Any, position: int) -> Any:
-        batch, steps = x.shape[0], x.shape[1]
-        q = ops.reshape(ops.matmul(x, w["W_q"]), (batch, steps, heads, head_dim))
-        for name in ("k", "v"):
-            new = ops.reshape(ops.matmul(x, w[f"W_{name}"]), (batch, steps, kv_heads, head_dim))
-            cache[name] = ops.slice_update(cache[name], (0, position, 0, 0), new)
-        end = position + steps
-        context = ops.dot_product_attention(
-            q, cache["k"][:, :end], cache["v"][:, :end], is_causal=steps > 1
-        )
-        return ops.matmul(ops.reshape(context, (batch, steps, -1)), w["W_o"])
+    def call(state: Any, x: Any, position: int) -> tuple[Any, Any]:
+        keys, values = state
+        at = ops.convert_to_tensor(position, "int32") if compiled else position
+        output, keys, values = run(w, x, keys, values, at, heads, kv_heads)
+        return (keys, values), output
 
     def prefill(prompt: Any) -> tuple[Any, Any]:
-        for name in ("k", "v"):
-            size = (shape.batch, shape.max_length, kv_heads, head_dim)
-            cache[name] = ops.zeros(size, dtype=prompt.dtype)
-        return shape.prompt, attend(prompt, 0)[:, -1:]
+        size = (shape.batch, length, kv_heads, head_dim)
+        state = (ops.zeros(size, dtype=prompt.dtype), ops.zeros(size, dtype=prompt.dtype))
+        state, output = call(state, prompt, 0)
+        return (state, shape.prompt), output[:, -1:]
 
-    def step(position: int, token: Any) -> tuple[Any, Any]:
-        return position + 1, attend(token, position)
+    def step(carried: Any, token: Any) -> tuple[Any, Any]:
+        state, position = carried
+        state, output = call(state, token, position)
+        return (state, position + 1), output
 
     return Generator(prefill, step, backend.sync, backend.to_numpy)
+
+
+def _updated(
+    w: dict[str, Any], x: Any, keys: Any, values: Any, position: Any, heads: int, kv_heads: int
+) -> tuple[Any, Any, Any]:
+    """The queries' heads, and the static cache with ``x``'s keys and values at ``position``."""
+    ops = keras.ops
+    batch, steps, width = x.shape
+    head_dim = width // heads
+
+    def project(name: str, num: int) -> Any:
+        return ops.reshape(ops.matmul(x, w[f"W_{name}"]), (batch, steps, num, head_dim))
+
+    keys = ops.slice_update(keys, (0, position, 0, 0), project("k", kv_heads))
+    values = ops.slice_update(values, (0, position, 0, 0), project("v", kv_heads))
+    return project("q", heads), keys, values
+
+
+def _attend_filled(
+    w: dict[str, Any], x: Any, keys: Any, values: Any, position: int, heads: int, kv_heads: int
+) -> tuple[Any, Any, Any]:
+    """Eager: attention over the filled positions only."""
+    ops = keras.ops
+    q, keys, values = _updated(w, x, keys, values, position, heads, kv_heads)
+    batch, steps = x.shape[0], x.shape[1]
+    end = position + steps
+    context = ops.dot_product_attention(q, keys[:, :end], values[:, :end], is_causal=steps > 1)
+    return ops.matmul(ops.reshape(context, (batch, steps, -1)), w["W_o"]), keys, values
+
+
+@functools.cache
+def _compiled_attend(heads: int, kv_heads: int, length: int) -> Callable[..., Any]:
+    """Compiled, static shapes: all ``length`` positions, the unfilled ones masked.
+
+    One compiled function per configuration, so that every generator of it
+    (the warm-up's, the timed one's) shares its programs.
+    """
+    ops = keras.ops
+
+    def attend(
+        w: dict[str, Any], x: Any, keys: Any, values: Any, position: Any, *_: Any
+    ) -> tuple[Any, Any, Any]:
+        q, keys, values = _updated(w, x, keys, values, position, heads, kv_heads)
+        batch, steps = x.shape[0], x.shape[1]
+        # Query i (at position + i) sees the keys up to itself.
+        seen = ops.arange(length)[None, :] <= position + ops.arange(steps)[:, None]
+        context = ops.dot_product_attention(q, keys, values, mask=seen[None, None])
+        return ops.matmul(ops.reshape(context, (batch, steps, -1)), w["W_o"]), keys, values
+
+    return backend.compile_function(attend)
 
 
 class Keras(Framework):
@@ -115,6 +174,30 @@ class Keras(Framework):
         return keras.ops.matmul(a, b)
 
     hand_written = staticmethod(hand_written_decoder)
+    # torch.compile specializes a cached call on the step (it compiles again at
+    # every token), so generation on Keras' PyTorch backend is timed eagerly.
+    generation_executions = ("eager",) if backend.BACKEND == "torch" else ("eager", "compiled")
+
+    def cached_call(self, layer: Any, execution: str | None = None) -> Callable[..., Any]:
+        """Eager, or the backend's compiler over the layer's variables and the cache
+        (one program for the prompt's length and one for a token)."""
+        if execution != "compiled":
+            return super().cached_call(layer)
+        call = LayerCall(
+            layer,
+            lambda x, keys, values, lengths: (
+                (x, x, x),
+                {"causal": True, "cache": spec.KVCache(keys, values, lengths)},
+            ),
+        )
+        forward = backend.forward_function(call, compiled=True)
+        values = backend.state(layer)
+
+        def cached(x: Any, cache: Any) -> tuple[Any, Any]:
+            output, updated = forward(values, x, *cache)
+            return output, spec.KVCache(*updated)
+
+        return cached
 
     def append(self, sequence: Any, token: Any) -> Any:
         return keras.ops.concatenate([sequence, token], axis=1)

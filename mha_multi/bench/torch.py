@@ -60,6 +60,7 @@ def hand_written_decoder(
     shape: GenerationShape,
     device: str,
     dtype: str,
+    execution: str | None = None,
 ) -> Generator:
     """What a careful user writes by hand: a static cache written in place and
     ``scaled_dot_product_attention`` over its filled positions (docs: "Generating

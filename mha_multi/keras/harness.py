@@ -35,6 +35,7 @@ from mha_multi.parity.runners import KernelCall, facts_passthrough
 __all__ = [
     "INPUT_NAMES",
     "LayerCall",
+    "compile_function",
     "forward",
     "forward_function",
     "gradient_function",
@@ -101,6 +102,10 @@ class _Driver:
     #: of a configuration.
     stateless: bool = False
 
+    def compile(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function`` of tensors, compiled the backend's way."""
+        raise NotImplementedError
+
     def forward_function(self, call: LayerCall, compiled: bool) -> ForwardFunction:
         raise NotImplementedError
 
@@ -115,6 +120,9 @@ class _TensorFlow(_Driver):
         import tensorflow as tf
 
         self.tf = tf
+
+    def compile(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return self.tf.function(function, jit_compile=True)
 
     def forward_function(self, call: LayerCall, compiled: bool) -> ForwardFunction:
         function = self.tf.function(call, jit_compile=True) if compiled else call
@@ -144,6 +152,9 @@ class _Jax(_Driver):
         import jax
 
         self.jax = jax
+
+    def compile(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return self.jax.jit(function)
 
     def forward_function(self, call: LayerCall, compiled: bool) -> ForwardFunction:
         if compiled:
@@ -175,6 +186,15 @@ class _Torch(_Driver):
         import torch
 
         self.torch = torch
+
+    def compile(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        compiled = self.torch.compile(function)
+
+        def run(*args: Any) -> Any:
+            with self.torch.no_grad():
+                return compiled(*args)
+
+        return run
 
     def forward_function(self, call: LayerCall, compiled: bool) -> ForwardFunction:
         function = self.torch.compile(call) if compiled else call
@@ -264,6 +284,12 @@ def state(layer: keras.layers.Layer, order: keras.layers.Layer | None = None) ->
         return [by_path[v.path.split("/", 1)[-1]] for v in variables]
 
     return values(order.trainable_variables), values(order.non_trainable_variables)
+
+
+def compile_function(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` of tensors compiled as :func:`forward_function` compiles a call
+    (PyTorch's runs without autograd)."""
+    return _active().compile(function)
 
 
 def forward_function(call: LayerCall, *, compiled: bool) -> ForwardFunction:

@@ -236,14 +236,31 @@ def _poison(*tensors: torch.Tensor) -> torch.Tensor:
 def _covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Tensors holding exactly the elements of ``tensors``, as few as can be.
 
-    The projections of self-attention are views of one stacked product: one
-    pass over it reads them all.
+    The projections of self-attention are column blocks of one stacked
+    product ``(B, T, width)``, side by side in memory: one pass over that
+    product reads them all. (Views made under ``torch.inference_mode`` do
+    not know their base, so the blocks are matched by their addresses.)
     """
-    base = tensors[0]._base
-    shared = base is not None and all(x._base is base for x in tensors)
-    if shared and base.numel() == sum(x.numel() for x in tensors):
-        return (base,)
-    return tensors
+    first = tensors[0]
+    if len(tensors) < 2 or first.dim() != 3:
+        return tensors
+    width = sum(x.shape[-1] for x in tensors)
+    stride = first.stride()
+    if stride[-1] != 1 or stride[-2] != width or stride[0] != width * first.shape[1]:
+        return tensors
+    storage = first.untyped_storage().data_ptr()
+    address = first.data_ptr()
+    for x in tensors:
+        if (
+            x.data_ptr() != address
+            or x.shape[:-1] != first.shape[:-1]
+            or x.stride() != stride
+            or x.dtype != first.dtype
+            or x.untyped_storage().data_ptr() != storage
+        ):
+            return tensors
+        address += x.shape[-1] * x.element_size()
+    return (first.as_strided((*first.shape[:-1], width), stride),)
 
 
 def _tensor_beside(name: str, x: Any, like: torch.Tensor, shape: str) -> torch.Tensor:
