@@ -11,6 +11,7 @@ Configurations whose attention scores would not fit under
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import json
@@ -207,8 +208,10 @@ class Framework:
     # -- generation (mha_multi.bench.generate) ------------------------------
 
     #: The framework's twenty-line static-cache decoder,
-    #: ``hand_written(weights, shape, device, dtype, execution) -> Generator``
-    #: (a ``staticmethod``), timed as the ``hand-written`` generation row.
+    #: ``hand_written(weights, shape, device, dtype) -> Generator`` (a
+    #: ``staticmethod``), timed as the ``hand-written`` generation row; in
+    #: an execution mode other than the first it is also given
+    #: ``execution=`` (the mode its decoder is to be written for).
     hand_written: Callable[..., Generator] | None = None
     #: The execution modes generation is timed in, each in its own table:
     #: the first of :attr:`executions` unless a framework compiles its decoding.
@@ -318,9 +321,9 @@ class Framework:
         if self.hand_written is not None:
             weights = importlib.import_module(self.package).get_weights(layer)
             hand_written = self.hand_written
-            generators["hand-written"] = lambda: hand_written(
-                weights, shape, device, dtype, execution
-            )
+            if execution != self.executions[0]:
+                hand_written = functools.partial(hand_written, execution=execution)
+            generators["hand-written"] = lambda: hand_written(weights, shape, device, dtype)
         return generators
 
 

@@ -52,11 +52,7 @@ def _native(
 
 
 def hand_written_decoder(
-    weights: dict[str, np.ndarray],
-    shape: GenerationShape,
-    device: str,
-    dtype: str,
-    execution: str | None = None,
+    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
 ) -> Generator:
     """What a careful user writes by hand: a static cache of ``(B, max_length, H_kv,
     head_dim)`` updated with ``dynamic_update_slice`` and

@@ -112,11 +112,7 @@ class D2LMultiHeadAttention(gluon.HybridBlock):
 
 
 def hand_written_decoder(
-    weights: dict[str, np.ndarray],
-    shape: GenerationShape,
-    device: str,
-    dtype: str,
-    execution: str | None = None,
+    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
 ) -> Generator:
     """What a careful user writes by hand in MXNet's ``np``/``npx``: a static cache
     of ``(B, H_kv, max_length, head_dim)`` written in place by slice assignment,

@@ -56,11 +56,7 @@ class GroupedSDPA(nn.Module):
 
 
 def hand_written_decoder(
-    weights: dict[str, np.ndarray],
-    shape: GenerationShape,
-    device: str,
-    dtype: str,
-    execution: str | None = None,
+    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
 ) -> Generator:
     """What a careful user writes by hand: a static cache written in place and
     ``scaled_dot_product_attention`` over its filled positions (docs: "Generating
