@@ -128,7 +128,7 @@ def _decided_once(function: Callable[..., Any]) -> Callable[..., Any]:
     def decided(*args: Any, **kwargs: Any) -> Any:
         try:
             hash((args, *kwargs.values()))
-        except TypeError:
+        except Exception:  # unhashable: TypeError, or MXNet arrays' NotImplementedError
             return function(*args, **kwargs)
         if _torch_compiling():
             return function(*args, **kwargs)  # a graph is traced once anyway

@@ -355,13 +355,13 @@ EXTREME_LENS, EXTREME_LENS_IDS = _parameters(edges.test_extreme_lengths_mean_wha
 
 @pytest.mark.parametrize("name", sorted(edges.NONFINITE))
 def test_xla_kernel_nonfinite_inputs_propagate_as_in_reference(kernel_calls, xla_runner, name):
-    edges.test_nonfinite_inputs_propagate_as_in_reference(xla_runner, name)
+    edges.test_nonfinite_inputs_propagate_as_in_reference(xla_runner, "cpu", name)
     assert len(kernel_calls) == 2  # causal False and True: the default calls are fused
 
 
 @pytest.mark.parametrize("lens", EXTREME_LENS, ids=EXTREME_LENS_IDS)
 def test_xla_kernel_extreme_lengths_mean_what_they_say(kernel_calls, xla_runner, lens):
-    edges.test_extreme_lengths_mean_what_they_say(xla_runner, lens)
+    edges.test_extreme_lengths_mean_what_they_say(xla_runner, "cpu", lens)
     assert len(kernel_calls) == 2
 
 
