@@ -69,12 +69,15 @@ def hand_written_decoder(
     head_dim = shape.num_hiddens // heads
     w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
     compiled = execution == "compiled"
-    run = _compiled_attend(heads, kv_heads, length) if compiled else _attend_filled
+    if compiled:
+        run = _compiled_attend(heads, kv_heads, length)
+    else:
+        run = functools.partial(_attend_filled, heads=heads, kv_heads=kv_heads)
 
     def call(state: Any, x: Any, position: int) -> tuple[Any, Any]:
         keys, values = state
         at = ops.convert_to_tensor(position, "int32") if compiled else position
-        output, keys, values = run(w, x, keys, values, at, heads, kv_heads)
+        output, keys, values = run(w, x, keys, values, at)
         return (keys, values), output
 
     def prefill(prompt: Any) -> tuple[Any, Any]:
@@ -108,7 +111,7 @@ def _updated(
 
 
 def _attend_filled(
-    w: dict[str, Any], x: Any, keys: Any, values: Any, position: int, heads: int, kv_heads: int
+    w: dict[str, Any], x: Any, keys: Any, values: Any, position: int, *, heads: int, kv_heads: int
 ) -> tuple[Any, Any, Any]:
     """Eager: attention over the filled positions only."""
     ops = keras.ops
@@ -129,7 +132,7 @@ def _compiled_attend(heads: int, kv_heads: int, length: int) -> Callable[..., An
     ops = keras.ops
 
     def attend(
-        w: dict[str, Any], x: Any, keys: Any, values: Any, position: Any, *_: Any
+        w: dict[str, Any], x: Any, keys: Any, values: Any, position: Any
     ) -> tuple[Any, Any, Any]:
         q, keys, values = _updated(w, x, keys, values, position, heads, kv_heads)
         batch, steps = x.shape[0], x.shape[1]

@@ -223,16 +223,6 @@ class _CacheCheck:
 _CHECKED = "_mha_multi_checked"
 
 
-def _poison(*tensors: torch.Tensor) -> torch.Tensor:
-    """A 0-d float32 on the tensors' device: 0 where every element is finite, else NaN.
-
-    A sum is finite only if every element is: one pass, nothing allocated,
-    and poisons add up. A finite sum that overflows poisons too, which only
-    sends calls to the generic path (exact for any values).
-    """
-    return sum(x.detach().sum(dtype=torch.float32) for x in tensors) * 0.0
-
-
 def _covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Tensors holding exactly the elements of ``tensors``, as few as can be.
 
@@ -261,6 +251,21 @@ def _covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return tensors
         address += x.shape[-1] * x.element_size()
     return (first.as_strided((*first.shape[:-1], width), stride),)
+
+
+def _finite_sum(*tensors: torch.Tensor) -> torch.Tensor:
+    """A 0-d float32 on the tensors' device, finite only if every element is.
+
+    One pass, nothing allocated (over self-attention's stacked projection
+    once, :func:`_covering`). A finite sum that overflows only sends a call
+    to the generic path, which is exact for any values.
+    """
+    return sum(x.detach().sum(dtype=torch.float32) for x in _covering(*tensors))
+
+
+def _poison(*tensors: torch.Tensor) -> torch.Tensor:
+    """0 where every element of ``tensors`` is finite, else NaN: poisons add up."""
+    return _finite_sum(*tensors) * 0.0
 
 
 def _tensor_beside(name: str, x: Any, like: torch.Tensor, shape: str) -> torch.Tensor:
@@ -377,16 +382,16 @@ class TorchFacts(call.Facts):
         """
         if torch.compiler.is_compiling():
             return None
-        if len(arrays) == 2 and arrays[1] is None and arrays[0] is not None:
-            known = _CacheCheck.host_lengths(arrays[0])
-            if known is not None:
-                return [known, None]
-        given = [x for x in arrays if x is not None]
+        known = [None if x is None else _CacheCheck.host_lengths(x) for x in arrays]
+        rest = [x if held is None else None for x, held in zip(arrays, known, strict=True)]
+        given = [x for x in rest if x is not None]
         if given and all(not x.is_floating_point() for x in given):
             flat = torch.cat([x.reshape(-1).long() for x in given]).cpu().numpy()
             parts = iter(np.split(flat, np.cumsum([x.numel() for x in given])[:-1]))
-            return [None if x is None else next(parts).reshape(tuple(x.shape)) for x in arrays]
-        return call.read_all(arrays, host_array)
+            read = [None if x is None else next(parts).reshape(tuple(x.shape)) for x in rest]
+        else:
+            read = call.read_all(rest, host_array)
+        return [read_ if held is None else held for read_, held in zip(read, known, strict=True)]
 
     def write_cache(
         self,
@@ -494,19 +499,17 @@ class TorchFacts(call.Facts):
         if torch.compiler.is_compiling():
             return None, None
         # The keys and values a call attends over count, hidden ones too: SDPA
-        # adds -inf to a hidden key's score. A sum is finite only if every
-        # element is (one pass, nothing allocated; a finite sum that
-        # overflows only sends the call to the generic path, which is exact).
+        # adds -inf to a hidden key's score.
         check = self._take_written(k, v)
         if check is None:
-            total = sum(x.detach().sum(dtype=torch.float32) for x in _covering(q, k, v))
+            total = _finite_sum(q, k, v)
         else:
             # A cache written in place this call: its check stands for the
             # positions below ``upto``; the rows written are read with the
             # queries, the rest of the span on its own, and the check
             # extended for the next call.
             pending, check.pending = check.pending or (), None
-            total = sum(x.detach().sum(dtype=torch.float32) for x in _covering(q, *pending))
+            total = _finite_sum(q, *pending)
             check.add(total * 0.0)  # a non-finite query too: at worst the generic path
             span = k.shape[2]
             if check.upto < span:
