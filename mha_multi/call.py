@@ -358,7 +358,8 @@ def check_call(
     """
     queries = facts.check_input("queries", queries, like=None, dtype=dtype)
     keys, values = (
-        facts.check_input(name, x, like=queries, dtype=dtype)
+        # Self-attention's keys and values are the queries, checked already.
+        x if x is queries else facts.check_input(name, x, like=queries, dtype=dtype)
         for name, x in zip(INPUT_NAMES[1:], (keys, values), strict=True)
     )
     lens = facts.as_lens(valid_lens, queries)
@@ -400,7 +401,8 @@ def check_cached_call(
     """
     queries = facts.check_input("queries", queries, like=None, dtype=dtype)
     keys, values = (
-        None if x is None else facts.check_input(name, x, like=queries, dtype=dtype)
+        # Self-attention's keys and values are the queries, checked already.
+        x if x is None or x is queries else facts.check_input(name, x, like=queries, dtype=dtype)
         for name, x in zip(INPUT_NAMES[1:], (keys, values), strict=True)
     )
     cache = facts.as_cache(cache, queries)

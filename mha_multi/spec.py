@@ -126,13 +126,17 @@ def _decided_once(function: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(function)
     def decided(*args: Any, **kwargs: Any) -> Any:
-        try:
-            hash((args, *kwargs.values()))
-        except Exception:  # unhashable: TypeError, or MXNet arrays' NotImplementedError
-            return function(*args, **kwargs)
         if _torch_compiling():
             return function(*args, **kwargs)  # a graph is traced once anyway
-        return once(*args, **kwargs)
+        try:
+            return once(*args, **kwargs)
+        except Exception:
+            # Unhashable arguments (TypeError, or MXNet arrays'
+            # NotImplementedError), or the function's own error: computed
+            # again outside this handler, it raises that error on its own
+            # (nothing failing is remembered).
+            pass
+        return function(*args, **kwargs)
 
     return decided
 
@@ -292,7 +296,9 @@ class NumpyOps(NumpyDtypes):
         return np.transpose(x, axes)
 
     def expand_dims(self, x: np.ndarray, axis: int) -> np.ndarray:
-        return np.expand_dims(x, axis)
+        x = np.asarray(x)
+        # Indexing with None is np.expand_dims without its argument handling.
+        return x[(slice(None),) * (axis % (x.ndim + 1)) + (None,)]
 
     def matmul(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.matmul(a, b)
@@ -2085,6 +2091,7 @@ def cache_shape(batch_size: Any, max_length: Any, heads: Heads) -> tuple[int, in
     return (int(batch_size), heads.num_kv_heads, int(max_length), heads.head_dim)
 
 
+@_decided_once
 def check_cached_inputs(
     queries_shape: Sequence[int],
     keys_shape: Sequence[int] | None,
@@ -2251,8 +2258,25 @@ class CacheFill(NamedTuple):
     new: np.ndarray
 
     def visibility(self, num_new: int, *, causal: bool) -> np.ndarray:
-        """:func:`cached_visibility` computed on the host: ``(B,)``, or ``(B, T)`` when causal."""
+        """:func:`cached_visibility` computed on the host: ``(B,)``, or ``(B, T)`` when causal.
+
+        A causal call of one new position is ``(B,)`` too: its one query
+        sees its own key and all before it, as without the causal rule.
+        """
+        if num_new == 1:
+            causal = False
         return cached_visibility(NumpyOps(), self.lengths, self.new, num_new, causal=causal)
+
+    def uniform_start(self, num_new: int) -> int | None:
+        """The position every example writes its ``num_new`` rows from, where they share one.
+
+        ``None`` where the examples hold different lengths or append
+        different counts (a ragged batch).
+        """
+        starts, counts = set(self.lengths.tolist()), set(self.new.tolist())
+        if len(starts) != 1 or counts != {num_new}:
+            return None
+        return starts.pop()
 
     def span(
         self,
@@ -2305,13 +2329,13 @@ def check_cache_values(lengths: Any, valid_lens: Any, num_new: int, max_length: 
         ValueError: a negative length, a new length outside ``[0, T]``, or an
             example that would hold more than ``max_length`` positions.
     """
-    lengths = np.asarray(lengths).astype(np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size and lengths.min() < 0:
         raise ValueError(f"cache.lengths must be >= 0; got {lengths.tolist()}")
     if valid_lens is None:
         new = np.full_like(lengths, num_new)
     else:
-        new = np.asarray(valid_lens).astype(np.int64)
+        new = np.asarray(valid_lens, dtype=np.int64)
         if new.size and (new.min() < 0 or new.max() > num_new):
             raise ValueError(
                 f"valid_lens of a cached call must be in [0, {num_new}] (the new positions of "

@@ -16,7 +16,7 @@ import math
 import re
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -219,6 +219,30 @@ class _CacheCheck:
         return check.lengths.copy()
 
 
+class _Written(NamedTuple):
+    """What a call's in-place cache write tells the same call's plan."""
+
+    #: The check the new lengths carry; ``None`` for inference tensors.
+    check: _CacheCheck | None
+    #: The visibility the write returned, and its smallest entry as read on the host.
+    visible: torch.Tensor
+    shortest: int | None
+
+
+#: numpy's dtype of the integer torch dtypes lengths may have.
+_NUMPY_INTEGERS = {torch.int32: np.int32, torch.int64: np.int64}
+
+
+def _from_host(array: np.ndarray, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    """A numpy array as a tensor on ``device`` (of ``dtype``), converted on the host."""
+    if dtype in _NUMPY_INTEGERS:
+        array = array.astype(_NUMPY_INTEGERS[dtype], copy=False)
+    tensor = torch.from_numpy(array)
+    if device.type != "cpu" or (dtype is not None and tensor.dtype != dtype):
+        tensor = tensor.to(device, dtype or tensor.dtype)
+    return tensor
+
+
 #: The attribute of a cache's lengths tensor that holds its :class:`_CacheCheck`.
 _CHECKED = "_mha_multi_checked"
 
@@ -260,7 +284,11 @@ def _finite_sum(*tensors: torch.Tensor) -> torch.Tensor:
     once, :func:`_covering`). A finite sum that overflows only sends a call
     to the generic path, which is exact for any values.
     """
-    return sum(x.detach().sum(dtype=torch.float32) for x in _covering(*tensors))
+    covering = _covering(*tensors)
+    total = covering[0].detach().sum(dtype=torch.float32)
+    for x in covering[1:]:
+        total = total + x.detach().sum(dtype=torch.float32)
+    return total
 
 
 def _poison(*tensors: torch.Tensor) -> torch.Tensor:
@@ -384,6 +412,8 @@ class TorchFacts(call.Facts):
             return None
         known = [None if x is None else _CacheCheck.host_lengths(x) for x in arrays]
         rest = [x if held is None else None for x, held in zip(arrays, known, strict=True)]
+        if not any(x is not None for x in rest):
+            return known
         given = [x for x in rest if x is not None]
         if given and all(not x.is_floating_point() for x in given):
             flat = torch.cat([x.reshape(-1).long() for x in given]).cpu().numpy()
@@ -432,11 +462,10 @@ class TorchFacts(call.Facts):
             return super().write_cache(
                 ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal, fill=fill
             )
-        spec.check_cache_dtype(ops, cache, k.dtype, v.dtype)
+        # (The driver has checked the cache's dtypes against the projections'.)
         num_new = k.shape[1]
-        first = int(fill.lengths[0]) if fill.lengths.size else 0
-        aligned = (fill.new == num_new).all() and (fill.lengths == first).all()
-        if not aligned:
+        first = fill.uniform_start(num_new)
+        if first is None:
             # Each example's rows at its own positions, one index for both arrays.
             examples, steps = np.nonzero(np.arange(num_new)[None, :] < fill.new[:, None])
             index = [
@@ -447,31 +476,33 @@ class TorchFacts(call.Facts):
         tracked = not (cache.keys.is_inference() or cache.values.is_inference())
         prior = _CacheCheck.of(cache)
         poison, upto = (None, 0) if prior is None else (prior.settled(), prior.upto)
-        if aligned and first == upto:
+        if first == upto:
             upto = first + num_new  # every example's next rows, checked as written
         for held, x in ((cache.keys, k), (cache.values, v)):
             rows = x.unflatten(-1, (held.shape[1], head_dim))  # (B, T, H_kv, dh)
-            if aligned:
-                held[:, :, first : first + num_new] = rows.transpose(1, 2)
+            if first is not None:
+                held.narrow(2, first, num_new).copy_(rows.transpose(1, 2))
             elif index[0].numel():
                 # Advanced indices around a slice put the rows' axis first: (N, H_kv, dh).
                 held[index[0], :, index[2]] = rows[index[0], index[1]]
         # The lengths are on the host already: the new ones are computed there.
         held = fill.lengths + fill.new
-        lengths = torch.from_numpy(held).to(cache.lengths.device, cache.lengths.dtype)
-        visible = torch.from_numpy(fill.visibility(num_new, causal=causal)).to(k.device)
+        lengths = _from_host(held, cache.lengths.device, cache.lengths.dtype)
+        seen = fill.visibility(num_new, causal=causal)
+        visible = _from_host(seen, k.device, None)
+        updated = spec.KVCache(cache.keys, cache.values, lengths)
+        check = None
         if tracked:
-            updated = spec.KVCache(cache.keys, cache.values, lengths)
             # Padding rows are checked too: at worst the generic path.
             check = _CacheCheck(updated, poison, upto, held, pending=(k, v))
             setattr(lengths, _CHECKED, check)
-            self._written.check = check
-        return spec.KVCache(cache.keys, cache.values, lengths), visible
+        self._written.call = _Written(check, visible, int(seen.min()) if seen.size else None)
+        return updated, visible
 
     def cache_prefix(
         self, keys: torch.Tensor, values: torch.Tensor, span: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return keys[:, :, :span], values[:, :, :span]
+        return keys.narrow(2, 0, span), values.narrow(2, 0, span)
 
     def plan_values(
         self,
@@ -500,54 +531,74 @@ class TorchFacts(call.Facts):
             return None, None
         # The keys and values a call attends over count, hidden ones too: SDPA
         # adds -inf to a hidden key's score.
-        check = self._take_written(k, v)
+        written = self._take_written(k, v, valid_lens)
+        check = None if written is None else written.check
         if check is None:
             total = _finite_sum(q, k, v)
         else:
             # A cache written in place this call: its check stands for the
             # positions below ``upto``; the rows written are read with the
-            # queries, the rest of the span on its own, and the check
-            # extended for the next call.
+            # queries, and the rest of the span on its own.
             pending, check.pending = check.pending or (), None
             total = _finite_sum(q, *pending)
-            check.add(total * 0.0)  # a non-finite query too: at worst the generic path
             span = k.shape[2]
             if check.upto < span:
-                check.add(_poison(*(x[:, :, check.upto :] for x in (k, v))))
+                total = total + _finite_sum(*(x[:, :, check.upto :] for x in (k, v)))
                 check.upto = span
-            total = total + check.poison
+            if check.poison is not None:
+                total = total + check.poison
+        reads = [total]
         if bias is not None:
-            # A NaN max fails the comparison too.
-            total = torch.where(bias.detach().abs().max() <= BIAS_LIMIT, total, float("nan"))
-        if valid_lens is None:
-            return math.isfinite(total.item()), None
+            reads.append(bias.detach().abs().max())  # a NaN max fails the limit too
+        shortest = None if written is None else written.shortest
+        if valid_lens is not None and shortest is None:
+            reads.append(valid_lens.min())
         # One transfer. float64 keeps the order of every length (int64 ones
         # round monotonically).
-        read = torch.stack([total.double(), valid_lens.min().double()]).tolist()
-        return math.isfinite(read[0]), read[1]
+        read = (
+            [total.item()] if len(reads) == 1 else torch.stack([x.double() for x in reads]).tolist()
+        )
+        finite = math.isfinite(read[0])
+        if check is not None:
+            # What the next call of this cache trusts: everything below
+            # ``upto`` finite, or (a non-finite query too) not known to be.
+            check.poison = None if finite else total * 0.0
+        if bias is not None:
+            finite = finite and read[1] <= BIAS_LIMIT
+        if valid_lens is None:
+            return finite, None
+        return finite, read[-1] if shortest is None else shortest
 
-    def _take_written(self, k: torch.Tensor, v: torch.Tensor) -> _CacheCheck | None:
-        """The check of the cache this call wrote, where ``k`` and ``v`` are that cache.
+    def _take_written(
+        self, k: torch.Tensor, v: torch.Tensor, valid_lens: torch.Tensor | None
+    ) -> _Written | None:
+        """What :meth:`write_cache` of this call knew, where ``k``, ``v`` are that cache.
 
         ``k`` and ``v`` may be the cache's arrays or their leading positions
-        (:meth:`cache_prefix`): the same memory, from the same first element.
+        (:meth:`cache_prefix`): the same memory, from the same first element;
+        ``valid_lens`` must be the visibility the write returned.
         """
-        check = getattr(self._written, "check", None)
-        self._written.check = None
+        written = getattr(self._written, "call", None)
+        self._written.call = None
+        if written is None or valid_lens is not written.visible:
+            return None
+        check = written.check
         if check is None:
-            return None
+            return written
         keys, values = check.keys(), check.values()
-        if keys is None or values is None:
-            return None
-        same = all(
-            x.data_ptr() == held.data_ptr()
-            and x.dtype == held.dtype
-            and x.shape[:2] == held.shape[:2]
-            and x.shape[2] <= held.shape[2]
-            and x.stride() == held.stride()
-            for x, held in ((k, keys), (v, values))
+        same = (
+            keys is not None
+            and values is not None
+            and all(
+                x.data_ptr() == held.data_ptr()
+                and x.dtype == held.dtype
+                and x.shape[:2] == held.shape[:2]
+                and x.shape[2] <= held.shape[2]
+                and x.stride() == held.stride()
+                for x, held in ((k, keys), (v, values))
+            )
         )
-        return check if same else None
+        return written if same else None
 
     def fused_attention(
         self,
@@ -620,7 +671,8 @@ class TorchFacts(call.Facts):
         output = spec.fix_fully_hidden_rows(
             ops, output, v, visible, heads_axis=1, group_size=heads.group_size if grouped else 1
         )
-        return output.transpose(1, 2).flatten(2).to(dtype)
+        output = output.transpose(1, 2).flatten(2)
+        return output if output.dtype == dtype else output.to(dtype)
 
 
 #: The facts every PyTorch layer's call is driven with.

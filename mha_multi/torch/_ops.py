@@ -29,6 +29,10 @@ def accumulates_in_float32(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+#: A context manager that does nothing (reusable: it holds no state).
+_NOTHING = contextlib.nullcontext()
+
+
 def autocast_off(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """Autocast disabled on ``device`` (a no-op where it is not enabled).
 
@@ -36,7 +40,7 @@ def autocast_off(device: torch.device) -> contextlib.AbstractContextManager[None
     """
     if torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+    return _NOTHING
 
 
 def product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

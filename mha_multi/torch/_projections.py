@@ -92,7 +92,9 @@ class StackedWeights:
 
     def __call__(self, modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight, bias)`` of ``modules`` stacked along the output features."""
-        parameters = [p for m in modules for p in (m.weight, m.bias) if p is not None]
+        # The parameter tables, not nn.Module's attribute lookup: every call asks.
+        tables = [m._parameters for m in modules]
+        parameters = [p for t in tables for p in (t["weight"], t.get("bias")) if p is not None]
         # Compiled graphs hold their own stack; inference tensors have no versions.
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return _stack(modules)
