@@ -203,10 +203,13 @@ class MultiHeadAttention(nn.Module):
                 (or from the previous cached call). The new keys and values
                 are projected and written at positions ``lengths[b] ..
                 lengths[b] + valid_lens[b] - 1`` of example ``b``, and the
-                queries attend to every position the cache then holds. The
-                update is functional: the cache passed in is not modified,
-                and the returned one is differentiable with respect to the
-                new keys, values and the projections' weights.
+                queries attend to every position the cache then holds. An
+                eager call that records no gradient through the cache writes
+                the rows into its own ``keys`` and ``values`` (the returned
+                cache shares them; docs: "Generating with a cache"); a call
+                that records gradients, or ``torch.compile``, updates
+                functionally, and the returned cache is differentiable with
+                respect to the new keys, values and the projections' weights.
             head_mask: ``None``, or the heads' gates ``(num_heads,)`` or
                 ``(B, num_heads)``, a floating-point tensor on the CPU or on
                 the inputs' device (docs: "Heads"): head ``h``'s context
