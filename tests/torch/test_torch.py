@@ -179,6 +179,44 @@ def test_a_forward_on_gpu_synchronizes_once_at_most(runner, cases, gpu, name):
         np.testing.assert_allclose(runner.to_numpy(out), case.reference["output"], atol=5e-6)
 
 
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_a_decoding_step_on_gpu_synchronizes_once_at_most(gpu, num_kv_heads):
+    """A step under ``no_grad`` reads one sum and no lengths (docs: "Generating with a cache").
+
+    Its cache was written in place by the previous step, whose check it
+    carries; the outputs are the float64 cached reference's.
+    """
+    weights = init_weights(16, num_heads=4, num_kv_heads=num_kv_heads, seed=3)
+    layer = set_weights(
+        MultiHeadAttention(16, 4, num_kv_heads=num_kv_heads, device=backend.device(gpu)), weights
+    ).eval()
+    rng = np.random.default_rng(4)
+    tokens = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    held = spec.KVCache(
+        np.zeros((2, num_kv_heads, 8, 4)), np.zeros((2, num_kv_heads, 8, 4)), np.zeros(2, np.int64)
+    )
+    with torch.no_grad():
+        cache = layer.init_cache(2, 8)
+        for step in range(6):
+            x = torch.from_numpy(tokens[:, step : step + 1]).to(backend.device(gpu))
+            (out, cache), syncs = _synchronisations(
+                lambda x=x, cache=cache: layer(x, x, x, causal=True, cache=cache)
+            )
+            expected, _, held = spec.reference_cached_forward(
+                weights,
+                tokens[:, step : step + 1],
+                tokens[:, step : step + 1],
+                tokens[:, step : step + 1],
+                held,
+                num_heads=4,
+                num_kv_heads=num_kv_heads,
+                causal=True,
+            )
+            np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
+            # The first step reads the lengths init_cache made; later ones know them.
+            assert syncs <= (2 if step == 0 else 1), step
+
+
 def test_weights_round_trip_on_gpu(gpu):
     weights = init_weights(8, bias=True, seed=2)
     layer = set_weights(backend.make_layer(8, 2, bias=True, device=gpu), weights)
