@@ -179,7 +179,7 @@ class _CacheCheck:
         poison: torch.Tensor | None,
         upto: int,
         lengths: np.ndarray,
-        pending: tuple[torch.Tensor, torch.Tensor],
+        pending: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
         self.keys, self.values = weakref.ref(cache.keys), weakref.ref(cache.values)
         self.versions = (cache.keys._version, cache.values._version)
@@ -487,9 +487,20 @@ class TorchFacts(call.Facts):
                 held[index[0], :, index[2]] = rows[index[0], index[1]]
         # The lengths are on the host already: the new ones are computed there.
         held = fill.lengths + fill.new
-        lengths = _from_host(held, cache.lengths.device, cache.lengths.dtype)
         seen = fill.visibility(num_new, causal=causal)
-        visible = _from_host(seen, k.device, None)
+        if first is None or cache.lengths.device.type == "cpu":
+            lengths = _from_host(held, cache.lengths.device, cache.lengths.dtype)
+            visible = _from_host(seen, k.device, None)
+        else:
+            # Every example appends its rows at one position: the device
+            # computes the same numbers from its own lengths, and no copy
+            # from the host (which waits for the device) is made.
+            lengths = cache.lengths + num_new
+            visible = lengths
+            if seen.ndim == 2:  # causal, T > 1: query i sees first + i + 1 keys
+                visible = cache.lengths[:, None] + torch.arange(
+                    1, num_new + 1, device=k.device, dtype=cache.lengths.dtype
+                )
         updated = spec.KVCache(cache.keys, cache.values, lengths)
         check = None
         if tracked:
@@ -498,6 +509,18 @@ class TorchFacts(call.Facts):
             setattr(lengths, _CHECKED, check)
         self._written.call = _Written(check, visible, int(seen.min()) if seen.size else None)
         return updated, visible
+
+    def empty_cache(self, cache: spec.KVCache) -> spec.KVCache:
+        """``cache``, all of whose ``lengths`` are 0, carrying that on the host.
+
+        Its first call then reads no lengths back from the device. (Inference
+        tensors keep no version counter to trust it by: they carry nothing.)
+        """
+        if not any(x.is_inference() for x in cache):
+            held = np.zeros(cache.lengths.shape, np.int64)
+            check = _CacheCheck(cache, None, 0, held, pending=None)
+            setattr(cache.lengths, _CHECKED, check)
+        return cache
 
     def cache_prefix(
         self, keys: torch.Tensor, values: torch.Tensor, span: int

@@ -165,7 +165,7 @@ class MultiHeadAttention(nn.Module):
             raise TypeError(f"dtype must be a floating-point torch.dtype or None; got {dtype!r}")
         keys, values = (torch.zeros(shape, dtype=dtype, device=parameter.device) for _ in "kv")
         lengths = torch.zeros(shape[0], dtype=torch.int32, device=parameter.device)
-        return spec.KVCache(keys, values, lengths)
+        return FACTS.empty_cache(spec.KVCache(keys, values, lengths))
 
     def forward(
         self,
