@@ -95,6 +95,7 @@ class Facts:
             frameworks whose kernels take any length at no compile cost.
         span_bucket: the attended span is a multiple of it (shapes a
             compiled kernel is reused for); 1 for kernels of any length.
+            :meth:`span_bucket_of` may say otherwise per device.
     """
 
     kernel: spec.FusedKernel | None = None
@@ -258,6 +259,10 @@ class Facts:
         Only frameworks that set :attr:`attends_filled` are asked.
         """
         raise NotImplementedError
+
+    def span_bucket_of(self, keys: Array) -> int:
+        """:attr:`span_bucket` for a cache's keys (their device may need another)."""
+        return self.span_bucket
 
     # -- the generic path ---------------------------------------------------
 
@@ -674,7 +679,7 @@ def attend(
             # bias could make them: it keeps all of them).
             window = None if layer_options is None else layer_options.window
             span = fill.span(
-                ops.size(q, 1), ops.size(k, 2), window=window, bucket=facts.span_bucket
+                ops.size(q, 1), ops.size(k, 2), window=window, bucket=facts.span_bucket_of(k)
             )
             if span < ops.size(k, 2):
                 k, v = facts.cache_prefix(k, v, span)
