@@ -572,6 +572,8 @@ def plan(
         exact, shortest = facts.plan_values(q, k, v, valid_lens, heads)
     else:
         exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, bias=options.bias)
+    if exact is True and shortest is None:
+        return optimistic  # what the values were assumed to be
     return spec.plan_kernel(facts.kernel, **settings, values_exact=exact, shortest_length=shortest)
 
 

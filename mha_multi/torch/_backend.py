@@ -256,7 +256,18 @@ def _covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     not know their base, so the blocks are matched by their addresses.)
     """
     first = tensors[0]
-    if len(tensors) < 2 or first.dim() != 3:
+    if len(tensors) < 2:
+        return tensors
+    base = first._base
+    if (
+        base is not None
+        and all(x._base is base for x in tensors[1:])
+        and base.numel() <= sum(x.numel() for x in tensors)
+    ):
+        # Views of one tensor that holds no more elements than they do: a
+        # pass over it reads them all (at worst an element twice).
+        return (base,)
+    if first.dim() != 3:
         return tensors
     width = sum(x.shape[-1] for x in tensors)
     stride = first.stride()
