@@ -2251,11 +2251,16 @@ class CacheFill(NamedTuple):
     """A cached call's lengths as an eager call reads them (:func:`check_cache_values`).
 
     ``lengths`` is ``cache.lengths`` before the call and ``new`` the
-    positions each example appends, both numpy ``(B,)`` int64.
+    positions each example appends, both numpy ``(B,)`` int64; ``held`` is
+    their sum, what each example holds after the call, and ``least`` and
+    ``most`` its smallest and largest entries (0 for an empty batch).
     """
 
     lengths: np.ndarray
     new: np.ndarray
+    held: np.ndarray
+    least: int
+    most: int
 
     def visibility(self, num_new: int, *, causal: bool) -> np.ndarray:
         """:func:`cached_visibility` computed on the host: ``(B,)``, or ``(B, T)`` when causal.
@@ -2303,12 +2308,11 @@ class CacheFill(NamedTuple):
             window: the layer's window, or ``None``.
             bucket: the span is a multiple of it (or ``max_length``).
         """
-        held = self.lengths + self.new
-        if held.size == 0 or held.min() <= 0:
+        if self.held.size == 0 or self.least <= 0:
             return max_length
         if window is not None and num_queries - int(self.new.min()) >= window:
             return max_length
-        return min(max_length, -(-int(held.max()) // bucket) * bucket)
+        return min(max_length, -(-self.most // bucket) * bucket)
 
 
 def check_cache_values(lengths: Any, valid_lens: Any, num_new: int, max_length: int) -> CacheFill:
@@ -2342,13 +2346,14 @@ def check_cache_values(lengths: Any, valid_lens: Any, num_new: int, max_length: 
                 f"each example); got {new.tolist()}"
             )
     held = lengths + new
-    if held.size and held.max() > max_length:
+    least, most = (int(held.min()), int(held.max())) if held.size else (0, 0)
+    if most > max_length:
         b = int(held.argmax())
         raise ValueError(
             f"the cache overflows: example {b} would hold {int(held[b])} positions "
             f"(cache.lengths {int(lengths[b])} + {int(new[b])} new); max_length is {max_length}"
         )
-    return CacheFill(lengths, new)
+    return CacheFill(lengths, new, held, least, most)
 
 
 def update_cache(

@@ -507,7 +507,7 @@ class TorchFacts(call.Facts):
                 # Advanced indices around a slice put the rows' axis first: (N, H_kv, dh).
                 held[index[0], :, index[2]] = rows[index[0], index[1]]
         # The lengths are on the host already: the new ones are computed there.
-        held = fill.lengths + fill.new
+        held = fill.held
         seen = fill.visibility(num_new, causal=causal)
         if first is None or cache.lengths.device.type == "cpu":
             lengths = _from_host(held, cache.lengths.device, cache.lengths.dtype)
@@ -528,7 +528,9 @@ class TorchFacts(call.Facts):
             # Padding rows are checked too: at worst the generic path.
             check = _CacheCheck(updated, poison, upto, held, pending=(k, v))
             setattr(lengths, _CHECKED, check)
-        self._written.call = _Written(check, visible, int(seen.min()) if seen.size else None)
+        # What the queries see: the lengths held, or causal (B, T) at least as many.
+        shortest = fill.least if seen.ndim == 1 else int(seen.min()) if seen.size else None
+        self._written.call = _Written(check, visible, shortest)
         return updated, visible
 
     def empty_cache(self, cache: spec.KVCache) -> spec.KVCache:
