@@ -680,10 +680,10 @@ def attend(
             # Keys past the filled positions add nothing to any row (a user's
             # bias could make them: it keeps all of them).
             window = None if layer_options is None else layer_options.window
-            span = fill.span(
-                ops.size(q, 1), ops.size(k, 2), window=window, bucket=facts.span_bucket_of(k)
-            )
-            if span < ops.size(k, 2):
+            # A fill is read from values: the arrays are concrete, their shapes ints.
+            max_length = k.shape[2]
+            span = fill.span(q.shape[1], max_length, window=window, bucket=facts.span_bucket_of(k))
+            if span < max_length:
                 k, v = facts.cache_prefix(k, v, span)
     if bias is not None or (layer_options is not None and not layer_options.is_default):
         layer_options = layer_options or spec.LayerOptions()

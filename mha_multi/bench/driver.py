@@ -568,7 +568,8 @@ def run(
     for device in framework.devices():
         if devices is not None and device not in devices:
             continue
-        measurements: dict[str | None, list[Measurement]] = {e: [] for e in framework.executions}
+        executions = (*framework.executions, *(framework.generation_executions or ()))
+        measurements: dict[str | None, list[Measurement]] = {e: [] for e in executions}
         for dtype in framework.dtypes(device):
             rate = _gemm_rate(framework, device, dtype)
             note = f"{GEMM_SIZE}x{GEMM_SIZE} {dtype}"
@@ -618,5 +619,6 @@ def run(
                 "measurements": [m.as_dict() for m in rows],
             }
             for execution, rows in measurements.items()
+            if rows or execution in framework.executions
         ]
     return results

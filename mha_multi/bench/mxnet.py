@@ -112,11 +112,19 @@ class D2LMultiHeadAttention(gluon.HybridBlock):
 
 
 def hand_written_decoder(
-    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
+    weights: dict[str, np.ndarray],
+    shape: GenerationShape,
+    device: str,
+    dtype: str,
+    execution: str | None = None,
 ) -> Generator:
     """What a careful user writes by hand in MXNet's ``np``/``npx``: a static cache
     of ``(B, H_kv, max_length, head_dim)`` written in place by slice assignment,
-    and d2l's scaled dot product over its filled positions."""
+    and d2l's scaled dot product over its filled positions.
+
+    Imperative in every ``execution``: slice assignment has no place in a
+    hybridized graph, whose static shapes would attend over all ``max_length``.
+    """
     heads, kv_heads = shape.num_heads, shape.kv_heads
     head_dim = shape.num_hiddens // heads
     w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
@@ -178,6 +186,15 @@ class MXNet(Framework):
         return mx.np.concatenate([sequence, token], axis=1)
 
     hand_written = staticmethod(hand_written_decoder)
+    # The layer hybridized (the timing rows' mode), and imperative: an
+    # imperative call that records nothing writes its cache in place and
+    # attends over the filled positions (docs: "Generating with a cache").
+    generation_executions = (None, "imperative")
+
+    def cached_call(self, layer: Any, execution: str | None = None) -> Callable[..., Any]:
+        if execution == "imperative":
+            layer.hybridize(active=False)
+        return super().cached_call(layer, execution)
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str

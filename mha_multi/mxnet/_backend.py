@@ -181,6 +181,10 @@ class MXNetFacts(call.Facts):
     """
 
     kernel = SEQUENCE_MASK
+    # An imperative call takes any length at no compile cost: the filled
+    # positions exactly (the graphs' calls ignore the fill: see write_cache).
+    attends_filled = True
+    span_bucket = 1
 
     def ops(self, like: mx.np.ndarray) -> MXNetOps:
         return OPS
@@ -292,6 +296,48 @@ class MXNetFacts(call.Facts):
     def read(self, *arrays: mx.np.ndarray | None) -> list[np.ndarray | None]:
         """Always: hybridized calls are checked on concrete arrays before their graph."""
         return call.read_all(arrays, host_array)
+
+    def write_cache(
+        self,
+        ops: MXNetOps,
+        cache: spec.KVCache,
+        k: Any,
+        v: Any,
+        valid_lens: Any,
+        *,
+        head_dim: int,
+        causal: bool,
+        fill: spec.CacheFill | None,
+    ) -> tuple[spec.KVCache, Any]:
+        """Each example's rows written into the cache's own arrays, by slice assignment.
+
+        Only for a call given ``fill``: the layer passes it to imperative
+        calls that record no gradient (:func:`mha_multi.mxnet._graph.run`).
+        The returned cache shares ``keys`` and ``values`` with the given
+        one, with new int32 ``lengths``. Every other call gets the spec's
+        functional update.
+        """
+        if fill is None or k is None or k.shape[1] == 0:
+            return super().write_cache(
+                ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal, fill=fill
+            )
+        batch, num_new = k.shape[:2]
+        first = fill.uniform_start(num_new)
+        for held, x in ((cache.keys, k), (cache.values, v)):
+            rows = x.reshape(batch, num_new, held.shape[1], head_dim).transpose(0, 2, 1, 3)
+            if first is not None:
+                held[:, :, first : first + num_new] = rows
+                continue
+            for b in np.flatnonzero(fill.new).tolist():
+                start, count = int(fill.lengths[b]), int(fill.new[b])
+                held[b, :, start : start + count] = rows[b, :, :count]
+        ctx = k.ctx
+        lengths = mx.np.array(fill.held, dtype=np.int32, ctx=ctx)
+        visible = mx.np.array(fill.visibility(num_new, causal=causal), dtype=np.int32, ctx=ctx)
+        return spec.KVCache(cache.keys, cache.values, lengths), visible
+
+    def cache_prefix(self, keys: Any, values: Any, span: int) -> tuple[Any, Any]:
+        return keys[:, :, :span], values[:, :, :span]
 
     def fused_attention(self, ops: MXNetOps, *args: Any, **kwargs: Any) -> Any:
         """:func:`mha_multi.mxnet._kernel.sequence_mask_attention`, on arrays or in a graph."""

@@ -21,7 +21,9 @@ as it comes). A ``head_mask`` (docs: "Heads") is the graph's last input.
 
 An imperative call runs the same computation (:func:`compute`) on the
 parameters' arrays: the graph runs the imperative code's operations, to the
-bit.
+bit. The exception is an imperative cached call that records nothing: it
+writes the cache in place and attends over the filled positions, through
+:func:`mha_multi.call.attend` (see :func:`run`).
 """
 
 from __future__ import annotations
@@ -327,6 +329,7 @@ def run(
     layer_options: spec.LayerOptions | None = None,
     positions: Array | None = None,
     bias: Array | None = None,
+    fill: spec.CacheFill | None = None,
 ) -> call.Result:
     """A checked call of ``layer``, given as :func:`mha_multi.call.attend` takes it.
 
@@ -340,6 +343,12 @@ def run(
     so their gradient keeps their own); empty axes answered from shapes
     (:func:`mha_multi.mxnet._projections.empty_attention`); and zero
     gradients for ``W_k`` and ``W_v`` from a cached call that used neither.
+
+    An imperative cached call that records no gradient writes its rows into
+    the given cache's arrays and attends over the filled positions (``fill``,
+    the lengths read on the host; docs: "Generating with a cache"), through
+    :func:`mha_multi.call.attend` on the parameters' arrays; a hybridized
+    layer's graph, and a recorded call, update the cache functionally.
     """
     batch, num_queries = queries.shape[:2]
     appends = keys is not None
@@ -355,7 +364,9 @@ def run(
     if 0 in (batch, num_queries, num_keys):
         output, weights = empty_attention(layer, queries, keys, values, num_keys, gates)
         return call.Result(output, weights if return_attention_weights else None, cache)
-    if positions is not None or bias is not None or layer_options is not None:
+    in_place = fill is not None and appends and not layer._active
+    in_place = in_place and not mx.autograd.is_recording()
+    if in_place or positions is not None or bias is not None or layer_options is not None:
         # Positions and biases run on the parameters' arrays, hybridized or
         # not: MXNet graphs take no host constants (the angles' frequencies,
         # the ALiBi slopes).
@@ -379,6 +390,7 @@ def run(
             layer_options=layer_options,
             positions=positions,
             bias=bias,
+            fill=fill if in_place else None,
         )
     held = (None,) * 3 if cache is None else tuple(cache)
     inputs = (queries, keys, values, valid_lens, *held, gates)

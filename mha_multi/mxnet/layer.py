@@ -299,8 +299,12 @@ class MultiHeadAttention(gluon.HybridBlock):
         positions ``cache.lengths[b]`` on; query ``i`` sees the example's
         kept positions up to its own, ``cache.lengths[b] + i``, when
         ``causal`` (else all of them). ``keys=values=None`` attends to the
-        cache as it is and appends nothing. The cache is not changed in
-        place: the call returns the cache after it.
+        cache as it is and appends nothing. An imperative call that
+        records nothing (outside ``autograd.record()``) writes the rows into
+        the given cache's ``keys`` and ``values`` and attends over the
+        filled positions only; the returned cache shares them. A hybridized
+        layer's call, and a recorded one, leave the given cache as it was
+        and return a new one (docs: "Generating with a cache").
 
         The layer reads the cache's lengths and ``valid_lens`` (one wait for
         the device) and refuses a call that would overflow the cache, in
