@@ -112,7 +112,11 @@ def _torch_compiling() -> bool:
     return torch is not None and torch.compiler.is_compiling()
 
 
-def _decided_once(function: Callable[..., Any]) -> Callable[..., Any]:
+def _decided_once(
+    function: Callable[..., Any] | None = None,
+    *,
+    canonical: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> Any:
     """``function`` (pure), computed once per arguments where they can be hashed.
 
     A call's checks and plan depend on shapes and flags alone, so every call
@@ -120,14 +124,20 @@ def _decided_once(function: Callable[..., Any]) -> Callable[..., Any]:
     call's fixed cost is mostly such Python work. A call that raises is not
     remembered (it raises again); ``typed`` keeps ``True`` and ``1`` apart.
     Arguments that cannot be hashed (arrays, some traced sizes) are worked
-    out each time.
+    out each time. ``canonical`` maps the keyword arguments to ones with the
+    same result, fewer in kind (a decoding step's growing sizes to how they
+    compare), so that more calls are lookups.
     """
+    if function is None:
+        return functools.partial(_decided_once, canonical=canonical)
     once = functools.lru_cache(maxsize=4096, typed=True)(function)
 
     @functools.wraps(function)
     def decided(*args: Any, **kwargs: Any) -> Any:
         if _torch_compiling():
             return function(*args, **kwargs)  # a graph is traced once anyway
+        if canonical is not None:
+            kwargs = canonical(kwargs)
         try:
             return once(*args, **kwargs)
         except Exception:
@@ -1588,7 +1598,28 @@ def _generic(reason: str) -> KernelPlan:
     return KernelPlan(fused=False, reason=reason)
 
 
-@_decided_once
+def _plan_relations(settings: dict[str, Any]) -> dict[str, Any]:
+    """:func:`plan_kernel`'s settings with the sizes and the shortest length as it compares them.
+
+    A plan reads of ``(B, Q, K)`` and ``shortest_length`` only which are 0,
+    how ``Q`` compares with ``K``, and whether the shortest length is
+    positive and at least ``K``: sizes with the same answers give the same
+    plan. (A NaN length, or sizes not known, are kept as they are.)
+    """
+    sizes = settings["sizes"]
+    if not all(type(size) is int for size in sizes):
+        return settings
+    batch, num_queries, num_keys = sizes
+    if 0 in sizes:
+        return {**settings, "sizes": tuple(min(size, 1) for size in sizes)}
+    relation = 1 if num_queries < num_keys else 2 if num_queries == num_keys else 3
+    shortest = settings.get("shortest_length")
+    if shortest is not None and shortest == shortest:  # not NaN
+        shortest = 2 if shortest >= num_keys else 1 if shortest > 0 else 0
+    return {**settings, "sizes": (1, relation, 2), "shortest_length": shortest}
+
+
+@_decided_once(canonical=_plan_relations)
 def plan_kernel(
     kernel: FusedKernel,
     *,

@@ -16,7 +16,7 @@ import math
 import re
 import threading
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -219,14 +219,23 @@ class _CacheCheck:
         return check.lengths.copy()
 
 
-class _Written(NamedTuple):
-    """What a call's in-place cache write tells the same call's plan."""
+class _Written:
+    """What a call's in-place cache write tells the same call's plan.
 
-    #: The check the new lengths carry; ``None`` for inference tensors.
-    check: _CacheCheck | None
-    #: The visibility the write returned, and its smallest entry as read on the host.
-    visible: torch.Tensor
-    shortest: int | None
+    ``check`` is the check the new lengths carry (``None`` for inference
+    tensors); ``visible`` the visibility the write returned, and
+    ``shortest`` its smallest entry as known on the host; ``attended`` the
+    cache's leading positions the call attends over (:meth:`TorchFacts.cache_prefix`),
+    ``None`` while it attends over the whole cache.
+    """
+
+    __slots__ = ("attended", "check", "shortest", "visible")
+
+    def __init__(
+        self, check: _CacheCheck | None, visible: torch.Tensor, shortest: int | None
+    ) -> None:
+        self.check, self.visible, self.shortest = check, visible, shortest
+        self.attended: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 #: numpy's dtype of the integer torch dtypes lengths may have.
@@ -548,7 +557,13 @@ class TorchFacts(call.Facts):
     def cache_prefix(
         self, keys: torch.Tensor, values: torch.Tensor, span: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return keys.narrow(2, 0, span), values.narrow(2, 0, span)
+        prefix = keys.narrow(2, 0, span), values.narrow(2, 0, span)
+        written = getattr(self._written, "call", None)
+        if written is not None and written.check is not None:
+            keys_written, values_written = written.check.keys(), written.check.values()
+            if keys is keys_written and values is values_written:
+                written.attended = prefix  # what the plan may take the check for
+        return prefix
 
     def plan_values(
         self,
@@ -620,9 +635,9 @@ class TorchFacts(call.Facts):
     ) -> _Written | None:
         """What :meth:`write_cache` of this call knew, where ``k``, ``v`` are that cache.
 
-        ``k`` and ``v`` may be the cache's arrays or their leading positions
-        (:meth:`cache_prefix`): the same memory, from the same first element;
-        ``valid_lens`` must be the visibility the write returned.
+        ``k`` and ``v`` must be the cache's arrays, or the leading positions
+        :meth:`cache_prefix` gave this call; ``valid_lens`` the visibility
+        the write returned.
         """
         written = getattr(self._written, "call", None)
         self._written.call = None
@@ -631,20 +646,8 @@ class TorchFacts(call.Facts):
         check = written.check
         if check is None:
             return written
-        keys, values = check.keys(), check.values()
-        same = (
-            keys is not None
-            and values is not None
-            and all(
-                x.data_ptr() == held.data_ptr()
-                and x.dtype == held.dtype
-                and x.shape[:2] == held.shape[:2]
-                and x.shape[2] <= held.shape[2]
-                and x.stride() == held.stride()
-                for x, held in ((k, keys), (v, values))
-            )
-        )
-        return written if same else None
+        attended = written.attended or (check.keys(), check.values())
+        return written if k is attended[0] and v is attended[1] else None
 
     def fused_attention(
         self,
