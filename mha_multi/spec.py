@@ -1609,7 +1609,7 @@ def _plan_relations(settings: dict[str, Any]) -> dict[str, Any]:
     sizes = settings["sizes"]
     if not all(type(size) is int for size in sizes):
         return settings
-    batch, num_queries, num_keys = sizes
+    _, num_queries, num_keys = sizes
     if 0 in sizes:
         return {**settings, "sizes": tuple(min(size, 1) for size in sizes)}
     relation = 1 if num_queries < num_keys else 2 if num_queries == num_keys else 3
