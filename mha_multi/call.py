@@ -93,16 +93,12 @@ class Facts:
             positions (:meth:`mha_multi.spec.CacheFill.span`, through
             :meth:`cache_prefix`) rather than all ``max_length``: for
             frameworks whose kernels take any length at no compile cost.
-        span_bucket: the attended span is a multiple of it (shapes a
-            compiled kernel is reused for); 1 for kernels of any length.
-            :meth:`span_bucket_of` may say otherwise per device.
     """
 
     kernel: spec.FusedKernel | None = None
     vmap: Callable[..., Callable[..., Any]] | None = None
     passes_options: bool = False
     attends_filled: bool = False
-    span_bucket: int = spec.SPAN_BUCKET
 
     # -- arrays -----------------------------------------------------------
 
@@ -261,8 +257,12 @@ class Facts:
         raise NotImplementedError
 
     def span_bucket_of(self, keys: Array) -> int:
-        """:attr:`span_bucket` for a cache's keys (their device may need another)."""
-        return self.span_bucket
+        """The attended span of a cache whose keys are ``keys`` is a multiple of it.
+
+        The shapes a compiled kernel is reused for: the spec's bucket by
+        default, 1 where kernels take any length at no cost.
+        """
+        return spec.SPAN_BUCKET
 
     # -- the generic path ---------------------------------------------------
 

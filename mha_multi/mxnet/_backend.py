@@ -181,10 +181,11 @@ class MXNetFacts(call.Facts):
     """
 
     kernel = SEQUENCE_MASK
-    # An imperative call takes any length at no compile cost: the filled
-    # positions exactly (the graphs' calls ignore the fill: see write_cache).
     attends_filled = True
-    span_bucket = 1
+
+    def span_bucket_of(self, keys: Any) -> int:
+        """1: an imperative call takes any length at no compile cost (graphs take no fill)."""
+        return 1
 
     def ops(self, like: mx.np.ndarray) -> MXNetOps:
         return OPS

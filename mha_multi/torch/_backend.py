@@ -331,11 +331,9 @@ class TorchFacts(call.Facts):
     kernel = SDPA
     passes_options = True
     attends_filled = True
-    # Eager CPU kernels take any length at no cost: the filled positions exactly.
-    span_bucket = 1
 
     def span_bucket_of(self, keys: torch.Tensor) -> int:
-        """1 on the CPU; on a GPU the spec's bucket.
+        """1 on the CPU, whose eager kernels take any length at no cost; on a GPU the spec's bucket.
 
         CUDA's cuDNN attention (PyTorch's choice for 16-bit SDPA on Hopper)
         builds a plan for each new key length: 33-47 ms a length, measured on
@@ -525,12 +523,12 @@ class TorchFacts(call.Facts):
             # Every example appends its rows at one position: the device
             # computes the same numbers from its own lengths, and no copy
             # from the host (which waits for the device) is made.
-            lengths = cache.lengths + num_new
-            visible = lengths
-            if seen.ndim == 2:  # causal, T > 1: query i sees first + i + 1 keys
-                visible = cache.lengths[:, None] + torch.arange(
-                    1, num_new + 1, device=k.device, dtype=cache.lengths.dtype
-                )
+            new = spec.appended(ops, cache.lengths, None, num_new)
+            lengths = cache.lengths + new
+            # The host's shape: (B, T) only where causal and T > 1.
+            visible = spec.cached_visibility(
+                ops, cache.lengths, new, num_new, causal=seen.ndim == 2
+            )
         updated = spec.KVCache(cache.keys, cache.values, lengths)
         check = None
         if tracked:

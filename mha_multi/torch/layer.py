@@ -300,11 +300,8 @@ class MultiHeadAttention(nn.Module):
         inputs = [queries, keys, values]
         for module, x in zip(projections, inputs, strict=True):
             infer_size(module, x)
-        if queries is keys and keys is values:
-            shared = [0, 1, 2]
-        else:
-            first = 0 if queries is keys else 1
-            shared = [i for i in range(first, 3) if inputs[i] is inputs[first]]
+        first = 0 if queries is keys else 1
+        shared = [i for i in range(first, 3) if inputs[i] is inputs[first]]
         # Sharded projections run as their modules: their hooks distribute
         # the inputs and outputs (docs: "Sharding heads").
         separate = self._sharding is not None or len(shared) < 2
@@ -315,9 +312,7 @@ class MultiHeadAttention(nn.Module):
         weight, bias = self._stacks([projections[i] for i in shared])
         # Grouped heads project queries wider than keys and values.
         widths = [projections[i].out_features for i in shared]
-        packed = linear(inputs[shared[0]], weight, bias).split(widths, dim=-1)
-        if len(packed) == 3:
-            return tuple(packed)
+        packed = linear(inputs[first], weight, bias).split(widths, dim=-1)
         outputs = dict(zip(shared, packed, strict=True))
         return tuple(
             outputs[i] if i in outputs else project_with(projections[i], inputs[i])
