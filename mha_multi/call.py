@@ -39,6 +39,7 @@ __all__ = [
     "check_gates",
     "check_options",
     "forward",
+    "plain_step",
     "plan",
 ]
 
@@ -263,6 +264,27 @@ class Facts:
         default, 1 where kernels take any length at no cost.
         """
         return spec.SPAN_BUCKET
+
+    def decoding_step(
+        self, layer: Projections, queries: Any, cache: Any, *, causal: bool, dtype: Any
+    ) -> Result | None:
+        """A plain decoding step (:func:`plain_step`) run in few operations, or ``None``.
+
+        A framework may answer the steps of a decode whose every fact it
+        already holds (the cache its own writes made, the lengths on the
+        host, the plan) with the generic flow's operations on the same
+        arrays, so with its numbers to the bit, and ``None`` for anything
+        else: the generic flow then checks and runs the call. The default
+        answers none.
+
+        Args:
+            layer: the layer's projections.
+            queries: the call's queries, which are its keys and values.
+            cache: the call's cache, unchecked.
+            causal: the call's flag (a bool).
+            dtype: the dtype the inputs must have, or ``None`` for any floating.
+        """
+        return None
 
     # -- the generic path ---------------------------------------------------
 
@@ -740,6 +762,46 @@ def attend(
     return Result(output, weights if return_attention_weights else None, cache)
 
 
+def plain_step(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any,
+    cache: Any,
+    *,
+    causal: Any,
+    return_attention_weights: bool,
+    head_mask: Any,
+    positions: Any,
+    bias: Any,
+    layer_options: spec.LayerOptions | None,
+    dropout: Callable[[Array], Array] | None,
+    head_parallel: bool,
+    local_gates: Callable[[Array], Array] | None,
+) -> bool:
+    """Whether a call is a plain decoding step, which :meth:`Facts.decoding_step` may answer.
+
+    Self-attention that appends its queries to a cache, with nothing else:
+    no lengths, gates, positions, bias, layer options, dropout or weights
+    asked for, and heads neither sharded nor mapped over devices.
+    """
+    return (
+        cache is not None
+        and keys is queries
+        and values is queries
+        and valid_lens is None
+        and (causal is True or causal is False)
+        and not return_attention_weights
+        and head_mask is None
+        and positions is None
+        and bias is None
+        and (layer_options is None or layer_options.is_default)
+        and dropout is None
+        and not head_parallel
+        and local_gates is None
+    )
+
+
 def forward(
     facts: Facts,
     layer: Projections,
@@ -790,6 +852,25 @@ def forward(
         ValueError: a ``bias`` or ALiBi on a layer whose heads are sharded
             (not supported: each process would need its heads' share).
     """
+    if plain_step(
+        queries,
+        keys,
+        values,
+        valid_lens,
+        cache,
+        causal=causal,
+        return_attention_weights=return_attention_weights,
+        head_mask=head_mask,
+        positions=positions,
+        bias=bias,
+        layer_options=layer_options,
+        dropout=dropout,
+        head_parallel=head_parallel,
+        local_gates=local_gates,
+    ):
+        step = facts.decoding_step(layer, queries, cache, causal=causal, dtype=dtype)
+        if step is not None:
+            return step
     heads = layer.heads
     if cache is None:
         queries, keys, values, lens = check_call(

@@ -187,6 +187,16 @@ class _CacheCheck:
         self.pending: tuple[torch.Tensor, ...] | None = pending
         #: ``cache.lengths`` on the host, while the tensor keeps ``lengths_version``.
         self.lengths, self.lengths_version = lengths, cache.lengths._version
+        self._uniform: int | None = -1  # not known yet
+
+    @property
+    def uniform(self) -> int | None:
+        """The length every example has, or ``None`` where they differ (or there are none)."""
+        if self._uniform == -1:
+            held = self.lengths
+            first = int(held[0]) if held.ndim == 1 and held.size else None
+            self._uniform = first if first is not None and (held == first).all() else None
+        return self._uniform
 
     @staticmethod
     def of(cache: spec.KVCache) -> _CacheCheck | None:
@@ -251,6 +261,9 @@ def _from_host(array: np.ndarray, device: torch.device, dtype: torch.dtype | Non
         tensor = tensor.to(device, dtype or tensor.dtype)
     return tensor
 
+
+#: How many shapes of a layer's steps :meth:`TorchFacts.decoding_step` keeps plans for.
+_STEP_PLANS = 64
 
 #: The attribute of a cache's lengths tensor that holds its :class:`_CacheCheck`.
 _CHECKED = "_mha_multi_checked"
@@ -346,6 +359,10 @@ class TorchFacts(call.Facts):
         # The check of the cache a call wrote in place, from write_cache to
         # plan_values of the same call (one per thread).
         self._written = threading.local()
+        # A plain decoding step's SDPA arguments, by layer and shapes (decoding_step).
+        self._step_plans: weakref.WeakKeyDictionary[Any, dict[tuple, dict[str, Any] | None]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def ops(self, like: torch.Tensor) -> Any:
         if torch.compiler.is_compiling():
@@ -562,6 +579,147 @@ class TorchFacts(call.Facts):
             if keys is keys_written and values is values_written:
                 written.attended = prefix  # what the plan may take the check for
         return prefix
+
+    def decoding_step(
+        self,
+        layer: call.Projections,
+        queries: Any,
+        cache: Any,
+        *,
+        causal: bool,
+        dtype: torch.dtype | None,
+    ) -> call.Result | None:
+        """A plain decoding step (:func:`mha_multi.call.plain_step`) in a dozen operations.
+
+        Taken where the generic flow would, at this call, check its arguments
+        as it did for the same shapes before, write one row per example in
+        place at one position, read one finiteness sum of the new rows and the
+        queries, and run SDPA without a mask over the filled positions: an
+        eager call recording no gradient, one query per example, a cache whose
+        check (:class:`_CacheCheck`) still holds with every position below the
+        lengths known finite, every example at the same length ``>= 1`` with
+        room for one more, kernels that take any span (the CPU), and no
+        16-bit products. The operations are the generic flow's, on the same
+        tensors: the numbers are its numbers to the bit, and the cache and its
+        check are left as it leaves them. Anything else, non-finite values
+        included, returns ``None`` before writing anything, and the generic
+        flow runs the call (docs: "Fast paths").
+        """
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        if type(queries) is not torch.Tensor or type(cache) is not spec.KVCache:
+            return None
+        check = _CacheCheck.of(cache)
+        if check is None or check.pending is not None or check.poison is not None:
+            return None
+        keys, values, lengths = cache
+        length = check.uniform
+        if length is None or length < 1 or check.upto != length or length >= keys.shape[2]:
+            return None  # (an overflow among them: the generic flow raises it)
+        if lengths._version != check.lengths_version or queries.shape[:2] != (
+            check.lengths.size,
+            1,
+        ):
+            return None
+        plan = self._step_plan(layer, queries, cache, causal=causal, dtype=dtype)
+        if plan is None:
+            return None
+        heads = layer.heads
+        q, k, v = layer.project_inputs(queries, queries, queries)
+        if not math.isfinite(_finite_sum(q, k, v).item()):
+            return None
+        # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
+        for kept, x in ((keys, k), (values, v)):
+            kept.select(2, length).copy_(x.view(-1, heads.num_kv_heads, heads.head_dim))
+        now = check.lengths + 1
+        lengths = _from_host(now, lengths.device, lengths.dtype)
+        updated = spec.KVCache(keys, values, lengths)
+        written = _CacheCheck(updated, None, length + 1, now, pending=None)
+        written._uniform = length + 1
+        setattr(lengths, _CHECKED, written)
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2),
+            keys.narrow(2, 0, length + 1),
+            values.narrow(2, 0, length + 1),
+            **plan,
+        )
+        output = layer.project_output(context.transpose(1, 2).flatten(2), None)
+        return call.Result(output, None, updated)
+
+    def _step_plan(
+        self,
+        layer: call.Projections,
+        queries: torch.Tensor,
+        cache: spec.KVCache,
+        *,
+        causal: bool,
+        dtype: torch.dtype | None,
+    ) -> dict[str, Any] | None:
+        """SDPA's arguments for a plain step of these shapes, or ``None`` where it takes none.
+
+        Decided once for each layer configuration, queries and cache of
+        these shapes, dtypes and devices: by the generic flow's own checks
+        (which raise its errors) and :func:`mha_multi.spec.plan_kernel`, for
+        a step over ``length + 1 > 1`` filled positions, all visible (the
+        plan depends on no more of the lengths than that).
+        """
+        device = queries.device
+        if torch.is_autocast_enabled(device.type):
+            return None
+        plans = self._step_plans.get(layer)
+        if plans is None:
+            plans = self._step_plans[layer] = {}
+        keys, values, lengths = cache
+        # (The layer's heads and input sizes are fixed once it has been called.)
+        key = (
+            dtype,
+            causal,
+            queries.shape,
+            queries.dtype,
+            device,
+            keys.shape,
+            keys.dtype,
+            keys.device,
+            values.shape,
+            values.dtype,
+            values.device,
+            lengths.shape,
+            lengths.dtype,
+            lengths.device,
+        )
+        if key in plans:
+            return plans[key]
+        call.check_cached_call(
+            self, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
+        )
+        heads = layer.heads
+        plan = spec.plan_kernel(
+            self.kernel,
+            sizes=(queries.shape[0], 1, 2),
+            lens_ndim=1,
+            lens_integer=True,
+            causal=False,
+            dropout=False,
+            return_attention_weights=False,
+            grouped=heads.grouped,
+            dtype_supported=self.kernel_serves(queries),
+            bias=False,
+            softcap=False,
+            window=False,
+            query_positions=False,
+            values_exact=True,
+            shortest_length=2,
+        )
+        plain = (
+            plan == spec.KernelPlan(fused=True)
+            and queries.dtype not in SIXTEEN_BIT
+            and self.span_bucket_of(cache.keys) == 1
+        )
+        arguments = ({"enable_gqa": True} if heads.grouped else {}) if plain else None
+        if len(plans) >= _STEP_PLANS:
+            plans.clear()
+        plans[key] = arguments
+        return arguments
 
     def plan_values(
         self,

@@ -297,6 +297,13 @@ class MultiHeadAttention(nn.Module):
             return project_with(self.W_q, queries), None, None
         modules = self._modules
         projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
+        if queries is keys and keys is values and self._sharding is None:
+            # Self-attention, every step of a decode: the one product, directly.
+            for module in projections:
+                infer_size(module, queries)
+            weight, bias = self._stacks(projections)
+            widths = [module.out_features for module in projections]
+            return tuple(linear(queries, weight, bias).split_with_sizes(widths, dim=-1))
         inputs = [queries, keys, values]
         for module, x in zip(projections, inputs, strict=True):
             infer_size(module, x)
@@ -312,7 +319,7 @@ class MultiHeadAttention(nn.Module):
         weight, bias = self._stacks([projections[i] for i in shared])
         # Grouped heads project queries wider than keys and values.
         widths = [projections[i].out_features for i in shared]
-        packed = linear(inputs[first], weight, bias).split(widths, dim=-1)
+        packed = linear(inputs[first], weight, bias).split_with_sizes(widths, dim=-1)
         outputs = dict(zip(shared, packed, strict=True))
         return tuple(
             outputs[i] if i in outputs else project_with(projections[i], inputs[i])

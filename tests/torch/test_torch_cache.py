@@ -371,6 +371,159 @@ def test_decoding_steps_read_only_their_new_rows(inference):
     np.testing.assert_allclose(output.numpy()[:, 0], expected[:, 4], rtol=0, atol=FLOAT32_ATOL)
 
 
+# -- a plain decoding step's fast route -------------------------------------------------
+
+
+def self_attention(heads, seed, dtype=torch.float32):
+    """A self-attention layer (every input of ``NUM_HIDDENS``) and its float64 weights."""
+    weights = init_weights(NUM_HIDDENS, bias=True, seed=seed, **heads)
+    layer = MultiHeadAttention(NUM_HIDDENS, bias=True, dtype=dtype, **heads)
+    layer = set_weights(layer, {k: v.astype(np.float32) for k, v in weights.items()}).eval()
+    return {k: v.astype(np.float32).astype(np.float64) for k, v in weights.items()}, layer
+
+
+def answered_steps():
+    """A spy on the facts' fast route; ``answers`` lists whether each call was answered."""
+    answers = []
+    route = _backend.FACTS.decoding_step
+
+    def spy(*args, **kwargs):
+        result = route(*args, **kwargs)
+        answers.append(result is not None)
+        return result
+
+    return mock.patch.object(_backend.FACTS, "decoding_step", spy), answers
+
+
+def generic_only():
+    """The facts answering no step: every call takes the generic flow."""
+    return mock.patch.object(_backend.FACTS, "decoding_step", return_value=None)
+
+
+def feed_back(layer, prompt, steps, max_length, new_lens=None, *, check=None):
+    """Decodes ``steps`` tokens, each step's input the last output; returns outputs and caches.
+
+    ``check(step_input, cache_before, output)`` is called at every step,
+    with the cache before the step as numpy (the step writes in place).
+    """
+    dtype = layer.W_o.weight.dtype
+    with torch.no_grad():
+        x = torch.from_numpy(prompt).to(dtype)
+        lens = None if new_lens is None else torch.from_numpy(new_lens)
+        output, cache = layer(x, x, x, lens, causal=True, cache=layer.init_cache(3, max_length))
+        outputs, caches = [output], [cache]
+        y = output[:, -1:]
+        for _ in range(steps):
+            before = spec.KVCache(*(t.numpy().copy() for t in cache))
+            y, cache = layer(y, y, y, causal=True, cache=cache)
+            if check is not None:
+                check(outputs[-1][:, -1:], before, y)
+            outputs.append(y)
+            caches.append(cache)
+    return outputs, caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads", [{"num_heads": 4}, HEADS], ids=["mha", "gqa"])
+def test_plain_decoding_steps_take_the_fast_route_to_the_generic_numbers(heads, dtype):
+    """Self-attention steps under ``no_grad``, all examples at one length: the facts answer
+    every step after the prefill, with the generic flow's outputs and cache to the bit, and
+    the float64 reference's numbers."""
+    weights, layer = self_attention(heads, seed=11, dtype=dtype)
+    prompt = np.random.default_rng(11).standard_normal((3, 4, NUM_HIDDENS))
+    atol = FLOAT32_ATOL if dtype == torch.float32 else 1e-12
+
+    def against_reference(x, before, output):
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x.double().numpy(),) * 3, before, **heads, causal=True
+        )
+        np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=atol)
+
+    route, answers = answered_steps()
+    with route:
+        fast, fast_caches = feed_back(layer, prompt, 6, 12, check=against_reference)
+    assert answers == [False] + [True] * 6  # the prefill of 4 positions is no step
+    with generic_only():
+        generic, generic_caches = feed_back(layer, prompt, 6, 12)
+    for ours, theirs in zip(fast, generic, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(fast_caches[-1], generic_caches[-1], strict=True):
+        assert torch.equal(ours, theirs)
+    assert all(cache.keys is fast_caches[0].keys for cache in fast_caches)
+    assert fast_caches[-1].lengths.tolist() == [10, 10, 10]
+
+
+def test_steps_the_fast_route_declines_take_the_generic_flow():
+    """Ragged lengths, a NaN in a step's input and grouped heads all give the reference's
+    numbers, NaN rows where it has them; a full cache refuses the next step with the
+    generic flow's error and nothing written."""
+    weights, layer = self_attention(HEADS, seed=12)
+    prompt = np.random.default_rng(12).standard_normal((3, 4, NUM_HIDDENS))
+
+    def against_reference(x, before, output):
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True
+        )
+        np.testing.assert_allclose(
+            output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL, equal_nan=True
+        )
+
+    route, answers = answered_steps()
+    with route:
+        _, caches = feed_back(layer, prompt, 3, 8, np.array([4, 2, 3]), check=against_reference)
+    assert answers == [False] * 3  # the examples hold 4, 2 and 3 positions
+    assert caches[-1].lengths.tolist() == [7, 5, 6]
+
+    route, answers = answered_steps()
+    with route, torch.no_grad():
+        _, caches = feed_back(layer, prompt, 1, 7)
+        cache = caches[-1]
+        x = torch.full((3, 1, NUM_HIDDENS), 0.5)
+        x[1, 0, 3] = np.nan
+        before = spec.KVCache(*(t.numpy().copy() for t in cache))
+        output, cache = layer(x, x, x, causal=True, cache=cache)
+        against_reference(x, before, output)
+        assert torch.isnan(output[1]).all() and torch.isfinite(output[[0, 2]]).all()
+        # The NaN row is held now: a later step's keys include it.
+        z = x[[0]].expand(3, 1, -1)
+        output, cache = layer(z, z, z, causal=True, cache=cache)
+    assert answers == [False, True, False, False]  # prefill, step, NaN, NaN held
+    assert torch.isnan(output[1]).all() and torch.isfinite(output[[0, 2]]).all()
+
+    with generic_only(), pytest.raises(ValueError) as generic_error, torch.no_grad():
+        layer(z, z, z, causal=True, cache=cache)
+    full = cache
+    before = [t.clone() for t in full]
+    y = torch.zeros(3, 1, NUM_HIDDENS)
+    overflow = pytest.raises(ValueError, match="overflows: example 0 would hold 8")
+    with overflow as error, torch.no_grad():
+        layer(y, y, y, causal=True, cache=full)
+    assert str(error.value) == str(generic_error.value)
+    for kept, old in zip(full, before, strict=True):
+        torch.testing.assert_close(kept, old, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_fast_step_raises_the_generic_flows_errors():
+    """Queries that do not fit the layer or the cache are refused as the generic flow
+    refuses them, whether or not an earlier step of the same cache took the fast route."""
+    _, layer = self_attention(HEADS, seed=13)
+    prompt = np.random.default_rng(13).standard_normal((3, 4, NUM_HIDDENS))
+    _, caches = feed_back(layer, prompt, 2, 9)
+    wrong = [
+        (TypeError, torch.zeros(3, 1, NUM_HIDDENS, dtype=torch.float64)),
+        (ValueError, torch.zeros(3, 1, NUM_HIDDENS + 1)),
+        (ValueError, torch.zeros(2, 1, NUM_HIDDENS)),
+    ]
+    for kind, x in wrong:
+        messages = []
+        for route in (generic_only(), answered_steps()[0]):
+            with route, pytest.raises(kind) as error, torch.no_grad():
+                layer(x, x, x, causal=True, cache=caches[-1])
+            messages.append(str(error.value))
+        assert messages[0] == messages[1]
+        assert torch.equal(caches[-1].lengths, torch.tensor([6, 6, 6], dtype=torch.int32))
+
+
 # -- autograd through the cache --------------------------------------------------------
 
 
