@@ -39,7 +39,7 @@ __all__ = [
     "check_gates",
     "check_options",
     "forward",
-    "plain_step",
+    "plain_self_attention",
     "plan",
 ]
 
@@ -265,22 +265,22 @@ class Facts:
         """
         return spec.SPAN_BUCKET
 
-    def decoding_step(
+    def plain_attention(
         self, layer: Projections, queries: Any, cache: Any, *, causal: bool, dtype: Any
     ) -> Result | None:
-        """A plain decoding step (:func:`plain_step`) run in few operations, or ``None``.
+        """Plain self-attention (:func:`plain_self_attention`) run in few operations, or ``None``.
 
-        A framework may answer the steps of a decode whose every fact it
-        already holds (the cache its own writes made, the lengths on the
-        host, the plan) with the generic flow's operations on the same
-        arrays, so with its numbers to the bit, and ``None`` for anything
-        else: the generic flow then checks and runs the call. The default
-        answers none.
+        A framework may answer the calls whose every fact it already holds
+        (the checks of these shapes, the plan, and for a decoding step the
+        cache its own writes made and its lengths on the host) with the
+        generic flow's operations on the same arrays, so with its numbers to
+        the bit, and ``None`` for anything else: the generic flow then checks
+        and runs the call. The default answers none.
 
         Args:
             layer: the layer's projections.
             queries: the call's queries, which are its keys and values.
-            cache: the call's cache, unchecked.
+            cache: the call's cache, unchecked, or ``None``.
             causal: the call's flag (a bool).
             dtype: the dtype the inputs must have, or ``None`` for any floating.
         """
@@ -762,12 +762,11 @@ def attend(
     return Result(output, weights if return_attention_weights else None, cache)
 
 
-def plain_step(
+def plain_self_attention(
     queries: Any,
     keys: Any,
     values: Any,
     valid_lens: Any,
-    cache: Any,
     *,
     causal: Any,
     return_attention_weights: bool,
@@ -779,15 +778,15 @@ def plain_step(
     head_parallel: bool,
     local_gates: Callable[[Array], Array] | None,
 ) -> bool:
-    """Whether a call is a plain decoding step, which :meth:`Facts.decoding_step` may answer.
+    """Whether a call is plain self-attention, which :meth:`Facts.plain_attention` may answer.
 
-    Self-attention that appends its queries to a cache, with nothing else:
-    no lengths, gates, positions, bias, layer options, dropout or weights
-    asked for, and heads neither sharded nor mapped over devices.
+    The queries are the keys and values (with a cache: the new positions),
+    and nothing else is asked: no lengths, gates, positions, bias, layer
+    options, dropout or weights, and the heads are neither sharded nor
+    mapped over devices.
     """
     return (
-        cache is not None
-        and keys is queries
+        keys is queries
         and values is queries
         and valid_lens is None
         and (causal is True or causal is False)
@@ -852,12 +851,11 @@ def forward(
         ValueError: a ``bias`` or ALiBi on a layer whose heads are sharded
             (not supported: each process would need its heads' share).
     """
-    if plain_step(
+    if plain_self_attention(
         queries,
         keys,
         values,
         valid_lens,
-        cache,
         causal=causal,
         return_attention_weights=return_attention_weights,
         head_mask=head_mask,
@@ -868,9 +866,9 @@ def forward(
         head_parallel=head_parallel,
         local_gates=local_gates,
     ):
-        step = facts.decoding_step(layer, queries, cache, causal=causal, dtype=dtype)
-        if step is not None:
-            return step
+        result = facts.plain_attention(layer, queries, cache, causal=causal, dtype=dtype)
+        if result is not None:
+            return result
     heads = layer.heads
     if cache is None:
         queries, keys, values, lens = check_call(

@@ -14,7 +14,9 @@ output: a batch of ``B`` prompts of ``prompt`` tokens is prefilled, then
   weights: a static cache of ``(B, H_kv, max_length, head_dim)`` written in
   place and the framework's attention over the filled positions.
 
-Every way generates the same numbers, which the run checks (each row
+The ways but ``recompute`` generate in turns of a few steps
+(:func:`generate_in_turns`), so that a shared machine's drift falls on all
+of them alike. Every way generates the same numbers, which the run checks (each row
 records its largest difference from ``cached``). Peak memory of the cached
 generation is set beside the cache's size, ``2 * B * num_kv_heads *
 max_length * head_dim`` elements.
@@ -34,7 +36,14 @@ import numpy as np
 
 from mha_multi.bench.common import Measurement, Shape, kv_bytes
 
-__all__ = ["GenerationShape", "Generator", "generate", "generation_peak_mib", "run_generation"]
+__all__ = [
+    "GenerationShape",
+    "Generator",
+    "generate",
+    "generate_in_turns",
+    "generation_peak_mib",
+    "run_generation",
+]
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,10 @@ class Generator:
     to_numpy: Callable[[Any], np.ndarray]
 
 
+#: The steps one way takes before the next way's turn (:func:`generate_in_turns`).
+TURN = 16
+
+
 def generate(generator: Generator, prompt: Any, new_tokens: int) -> tuple[float, float, np.ndarray]:
     """Prefills, then generates ``new_tokens`` tokens, each the previous output.
 
@@ -107,6 +120,48 @@ def generate(generator: Generator, prompt: Any, new_tokens: int) -> tuple[float,
     return prefilled - start, done - prefilled, gathered
 
 
+def generate_in_turns(
+    generators: dict[str, Generator], prompt: Any, new_tokens: int
+) -> dict[str, tuple[float, float, np.ndarray]]:
+    """:func:`generate` of every generator, taking turns of :data:`TURN` steps.
+
+    A shared machine's speed drifts over seconds: ways timed one after the
+    other can differ by that drift alone, while ways that alternate every
+    few steps meet the same minutes. Each turn ends with a sync; the order
+    of the ways reverses at every turn.
+
+    Returns:
+        Name -> ``(prefill seconds, generation seconds, outputs (B, new_tokens, D))``.
+    """
+    states, prefill_s, seconds, outputs = {}, {}, {}, {}
+    for name, generator in generators.items():
+        start = time.perf_counter()
+        states[name] = generator.prefill(prompt)
+        generator.sync(states[name][1])
+        prefill_s[name], seconds[name], outputs[name] = time.perf_counter() - start, 0.0, []
+    order = list(generators)
+    for first in range(0, new_tokens, TURN):
+        for name in order:
+            generator = generators[name]
+            start = time.perf_counter()
+            state, token = states[name]
+            for _ in range(min(TURN, new_tokens - first)):
+                state, token = generator.step(state, token)
+                outputs[name].append(token)
+            generator.sync(token)
+            seconds[name] += time.perf_counter() - start
+            states[name] = (state, token)
+        order.reverse()
+    return {
+        name: (
+            prefill_s[name],
+            seconds[name],
+            np.concatenate([generator.to_numpy(x) for x in outputs[name]], axis=1),
+        )
+        for name, generator in generators.items()
+    }
+
+
 def run_generation(
     framework: Any,
     device: str,
@@ -120,8 +175,10 @@ def run_generation(
 
     ``framework.generators(shape, device, dtype, execution)`` returns name ->
     a function making a fresh :class:`Generator` (a new cache each time).
-    A warm-up generation of a few tokens loads kernels and compiles first.
-    Peak memory is measured for the first execution mode only.
+    A warm-up generation of a few tokens loads kernels and compiles first;
+    then ``recompute`` generates alone, and the other ways in turns
+    (:func:`generate_in_turns`). Peak memory is measured for the first
+    execution mode only.
     """
     rng = np.random.default_rng(0)
     prompt_np = rng.standard_normal((shape.batch, shape.prompt, shape.num_hiddens)).astype(
@@ -129,19 +186,31 @@ def run_generation(
     )
     prompt = framework.array(prompt_np, device, dtype)
     label = framework.label(execution)
-    rows, outputs = [], {}
     note_shape = {**vars(shape.attention_shape()), "prompt": shape.prompt}
-    for name, make in framework.generators(shape, device, dtype, execution).items():
+    makers = framework.generators(shape, device, dtype, execution)
+    failed: dict[str, Exception] = {}
+    for name, make in makers.items():
+        try:
+            generate(make(), prompt, 2)  # loads kernels, compiles
+        except Exception as error:  # e.g. a native decoder that cannot take these sizes
+            failed[name] = error
+    timed: dict[str, tuple[float, float, np.ndarray]] = {}
+    if "recompute" in makers and "recompute" not in failed:
+        # Alone: a step of it takes as long as many of the others.
+        timed["recompute"] = generate(makers["recompute"](), prompt, shape.new_tokens)
+    in_turns = {name: make() for name, make in makers.items() if name not in (*failed, *timed)}
+    timed.update(generate_in_turns(in_turns, prompt, shape.new_tokens))
+    outputs = {name: result[2] for name, result in timed.items()}
+    rows = []
+    for name in makers:
         row = Measurement(
             label, name, "generate", device, dtype, shape.max_length, shape=note_shape
         )
-        try:
-            generate(make(), prompt, 2)  # loads kernels, compiles
-            prefill_s, seconds, outputs[name] = generate(make(), prompt, shape.new_tokens)
-        except Exception as error:  # e.g. a native decoder that cannot take these sizes
-            print(f"[bench] {label} generate {name}: {error}", flush=True)
-            rows.append(replace(row, note=f"failed: {type(error).__name__}"))
+        if name in failed:
+            print(f"[bench] {label} generate {name}: {failed[name]}", flush=True)
+            rows.append(replace(row, note=f"failed: {type(failed[name]).__name__}"))
             continue
+        prefill_s, seconds, _ = timed[name]
         rows.append(
             replace(
                 row,

@@ -117,6 +117,21 @@ class Torch(Framework):
 
     hand_written = staticmethod(hand_written_decoder)
 
+    def cached_call(self, layer: Any, execution: str | None = None) -> Callable[..., Any]:
+        """The layer in evaluation mode called under ``torch.no_grad``, as a user decodes.
+
+        (``no_grad`` rather than ``inference_mode``: inference tensors keep
+        no versions, so a step could not trust what the last one checked;
+        docs: "Generating with a cache".)
+        """
+        layer.eval()
+
+        def call(x: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+            with torch.no_grad():
+                return layer(x, x, x, causal=True, cache=cache)
+
+        return call
+
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
     ) -> tuple[torch.Tensor, ...]:

@@ -12,6 +12,7 @@ module imports no layer; what builds and drives layers is in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import threading
@@ -262,11 +263,29 @@ def _from_host(array: np.ndarray, device: torch.device, dtype: torch.dtype | Non
     return tensor
 
 
-#: How many shapes of a layer's steps :meth:`TorchFacts.decoding_step` keeps plans for.
-_STEP_PLANS = 64
+#: How many shapes of a layer's calls :meth:`TorchFacts.plain_attention` keeps plans for.
+_PLAIN_PLANS = 64
 
 #: The attribute of a cache's lengths tensor that holds its :class:`_CacheCheck`.
 _CHECKED = "_mha_multi_checked"
+
+
+def _written_step(
+    cache: spec.KVCache, k: torch.Tensor, v: torch.Tensor, length: int, heads: spec.Heads
+) -> tuple[torch.Tensor, torch.Tensor, spec.KVCache]:
+    """A plain step's rows written in place at ``length``: the keys and values to attend
+    over, and the cache after the step, carrying its check as the generic flow leaves it."""
+    keys, values, lengths = cache
+    # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
+    for kept, x in ((keys, k), (values, v)):
+        kept.select(2, length).copy_(x.view(-1, heads.num_kv_heads, heads.head_dim))
+    now = getattr(lengths, _CHECKED).lengths + 1
+    lengths = _from_host(now, lengths.device, lengths.dtype)
+    updated = spec.KVCache(keys, values, lengths)
+    written = _CacheCheck(updated, None, length + 1, now, pending=None)
+    written._uniform = length + 1
+    setattr(lengths, _CHECKED, written)
+    return keys.narrow(2, 0, length + 1), values.narrow(2, 0, length + 1), updated
 
 
 def _covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -359,8 +378,8 @@ class TorchFacts(call.Facts):
         # The check of the cache a call wrote in place, from write_cache to
         # plan_values of the same call (one per thread).
         self._written = threading.local()
-        # A plain decoding step's SDPA arguments, by layer and shapes (decoding_step).
-        self._step_plans: weakref.WeakKeyDictionary[Any, dict[tuple, dict[str, Any] | None]] = (
+        # Plain self-attention's SDPA arguments, by layer and shapes (plain_attention).
+        self._plain_plans: weakref.WeakKeyDictionary[Any, dict[tuple, dict[str, Any] | None]] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -580,7 +599,7 @@ class TorchFacts(call.Facts):
                 written.attended = prefix  # what the plan may take the check for
         return prefix
 
-    def decoding_step(
+    def plain_attention(
         self,
         layer: call.Projections,
         queries: Any,
@@ -589,116 +608,123 @@ class TorchFacts(call.Facts):
         causal: bool,
         dtype: torch.dtype | None,
     ) -> call.Result | None:
-        """A plain decoding step (:func:`mha_multi.call.plain_step`) in a dozen operations.
+        """Plain self-attention (:func:`mha_multi.call.plain_self_attention`) in a dozen operations.
 
         Taken where the generic flow would, at this call, check its arguments
-        as it did for the same shapes before, write one row per example in
-        place at one position, read one finiteness sum of the new rows and the
-        queries, and run SDPA without a mask over the filled positions: an
-        eager call recording no gradient, one query per example, a cache whose
-        check (:class:`_CacheCheck`) still holds with every position below the
-        lengths known finite, every example at the same length ``>= 1`` with
-        room for one more, kernels that take any span (the CPU), and no
-        16-bit products. The operations are the generic flow's, on the same
-        tensors: the numbers are its numbers to the bit, and the cache and its
+        as it did for the same shapes before, read one finiteness sum of the
+        projections and run SDPA with no mask: an eager call recording no
+        gradient, no 16-bit products or autocast. Without a cache, the
+        queries attend to themselves (causal: SDPA's own flag, ``Q == K``).
+        With one, a decoding step: one query per example, a cache whose
+        check (:class:`_CacheCheck`) still holds with every position below
+        the lengths known finite, every example at the same length ``>= 1``
+        with room for one more, and kernels that take any span (the CPU); the
+        new rows are written in place at that position and SDPA attends over
+        the filled ones. The operations are the generic flow's, on the same
+        tensors: the numbers are its numbers to the bit, and a cache and its
         check are left as it leaves them. Anything else, non-finite values
         included, returns ``None`` before writing anything, and the generic
         flow runs the call (docs: "Fast paths").
         """
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
-        if type(queries) is not torch.Tensor or type(cache) is not spec.KVCache:
+        if type(queries) is not torch.Tensor:
             return None
-        check = _CacheCheck.of(cache)
-        if check is None or check.pending is not None or check.poison is not None:
+        length = None if cache is None else self._plain_step_length(queries, cache)
+        if cache is not None and length is None:
             return None
-        keys, values, lengths = cache
-        length = check.uniform
-        if length is None or length < 1 or check.upto != length or length >= keys.shape[2]:
-            return None  # (an overflow among them: the generic flow raises it)
-        if lengths._version != check.lengths_version or queries.shape[:2] != (
-            check.lengths.size,
-            1,
-        ):
-            return None
-        plan = self._step_plan(layer, queries, cache, causal=causal, dtype=dtype)
-        if plan is None:
+        sdpa = self._plain_arguments(layer, queries, cache, causal=causal, dtype=dtype)
+        if sdpa is None:
             return None
         heads = layer.heads
         q, k, v = layer.project_inputs(queries, queries, queries)
         if not math.isfinite(_finite_sum(q, k, v).item()):
             return None
-        # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
-        for kept, x in ((keys, k), (values, v)):
-            kept.select(2, length).copy_(x.view(-1, heads.num_kv_heads, heads.head_dim))
-        now = check.lengths + 1
-        lengths = _from_host(now, lengths.device, lengths.dtype)
-        updated = spec.KVCache(keys, values, lengths)
-        written = _CacheCheck(updated, None, length + 1, now, pending=None)
-        written._uniform = length + 1
-        setattr(lengths, _CHECKED, written)
+        if cache is None:
+            k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
+            k, v, updated = k.transpose(1, 2), v.transpose(1, 2), None
+        else:
+            k, v, updated = _written_step(cache, k, v, length, heads)
         context = torch.nn.functional.scaled_dot_product_attention(
-            q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2),
-            keys.narrow(2, 0, length + 1),
-            values.narrow(2, 0, length + 1),
-            **plan,
+            q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2), k, v, **sdpa
         )
         output = layer.project_output(context.transpose(1, 2).flatten(2), None)
         return call.Result(output, None, updated)
 
-    def _step_plan(
+    @staticmethod
+    def _plain_step_length(queries: torch.Tensor, cache: Any) -> int | None:
+        """The length every example of a plain step's cache holds, or ``None`` where the
+        step is not plain (:meth:`plain_attention`)."""
+        if type(cache) is not spec.KVCache:
+            return None
+        check = _CacheCheck.of(cache)
+        if check is None or check.pending is not None or check.poison is not None:
+            return None
+        length = check.uniform
+        if length is None or length < 1 or check.upto != length or length >= cache.keys.shape[2]:
+            return None  # (an overflow among them: the generic flow raises it)
+        if cache.lengths._version != check.lengths_version:
+            return None
+        return length if queries.shape[:2] == (check.lengths.size, 1) else None
+
+    def _plain_arguments(
         self,
         layer: call.Projections,
         queries: torch.Tensor,
-        cache: spec.KVCache,
+        cache: spec.KVCache | None,
         *,
         causal: bool,
         dtype: torch.dtype | None,
     ) -> dict[str, Any] | None:
-        """SDPA's arguments for a plain step of these shapes, or ``None`` where it takes none.
+        """SDPA's arguments for :meth:`plain_attention` of these shapes, or ``None`` where it
+        takes none.
 
-        Decided once for each layer configuration, queries and cache of
-        these shapes, dtypes and devices: by the generic flow's own checks
-        (which raise its errors) and :func:`mha_multi.spec.plan_kernel`, for
-        a step over ``length + 1 > 1`` filled positions, all visible (the
-        plan depends on no more of the lengths than that).
+        Decided once for each layer and queries, cache and flags of these
+        shapes, dtypes and devices: by the generic flow's own checks (which
+        raise its errors) and :func:`mha_multi.spec.plan_kernel`; a step's
+        plan is that of ``length + 1 > 1`` filled positions, all visible
+        (the plan depends on no more of the lengths than that).
         """
         device = queries.device
         if torch.is_autocast_enabled(device.type):
             return None
-        plans = self._step_plans.get(layer)
+        plans = self._plain_plans.get(layer)
         if plans is None:
-            plans = self._step_plans[layer] = {}
-        keys, values, lengths = cache
+            plans = self._plain_plans[layer] = {}
         # (The layer's heads and input sizes are fixed once it has been called.)
-        key = (
-            dtype,
-            causal,
-            queries.shape,
-            queries.dtype,
-            device,
-            keys.shape,
-            keys.dtype,
-            keys.device,
-            values.shape,
-            values.dtype,
-            values.device,
-            lengths.shape,
-            lengths.dtype,
-            lengths.device,
-        )
+        key = (dtype, causal, queries.shape, queries.dtype, device)
+        if cache is not None:
+            keys, values, lengths = cache
+            key += (
+                keys.shape,
+                keys.dtype,
+                keys.device,
+                values.shape,
+                values.dtype,
+                values.device,
+                lengths.shape,
+                lengths.dtype,
+                lengths.device,
+            )
         if key in plans:
             return plans[key]
-        call.check_cached_call(
-            self, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
-        )
         heads = layer.heads
+        if cache is None:
+            call.check_call(
+                self, layer, queries, queries, queries, None, causal=causal, dtype=dtype
+            )
+            settings = {"sizes": (queries.shape[0], queries.shape[1], queries.shape[1])}
+            settings.update(lens_ndim=None, causal=causal, shortest_length=None)
+        else:
+            call.check_cached_call(
+                self, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
+            )
+            settings = {"sizes": (queries.shape[0], 1, 2)}
+            settings.update(lens_ndim=1, causal=False, shortest_length=2)
         plan = spec.plan_kernel(
             self.kernel,
-            sizes=(queries.shape[0], 1, 2),
-            lens_ndim=1,
+            **settings,
             lens_integer=True,
-            causal=False,
             dropout=False,
             return_attention_weights=False,
             grouped=heads.grouped,
@@ -708,15 +734,18 @@ class TorchFacts(call.Facts):
             window=False,
             query_positions=False,
             values_exact=True,
-            shortest_length=2,
         )
         plain = (
-            plan == spec.KernelPlan(fused=True)
+            dataclasses.replace(plan, is_causal=False) == spec.KernelPlan(fused=True)
             and queries.dtype not in SIXTEEN_BIT
-            and self.span_bucket_of(cache.keys) == 1
+            and (cache is None or self.span_bucket_of(cache.keys) == 1)
         )
-        arguments = ({"enable_gqa": True} if heads.grouped else {}) if plain else None
-        if len(plans) >= _STEP_PLANS:
+        arguments = None
+        if plain:
+            arguments = {"is_causal": True} if plan.is_causal else {}
+            if heads.grouped:
+                arguments["enable_gqa"] = True
+        if len(plans) >= _PLAIN_PLANS:
             plans.clear()
         plans[key] = arguments
         return arguments

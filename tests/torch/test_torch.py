@@ -9,6 +9,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from route_support import answered_calls, generic_only
 
 from conftest import device_or_skip
 from mha_multi import spec
@@ -428,6 +429,64 @@ def assert_same_nonfinite_pattern(got, expected):
         np.testing.assert_array_equal(test(got), test(expected))
     finite = np.isfinite(expected)
     np.testing.assert_allclose(got[finite], expected[finite], rtol=0, atol=5e-6)
+
+
+# -- plain self-attention's fast route (docs: "Fast paths") -------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(
+    num_kv_heads, causal, dtype
+):
+    """``layer(x, x, x)`` under ``no_grad``: one answer of the facts' route, SDPA with the
+    causal flag and no mask, the generic flow's output to the bit and the reference's."""
+    heads = {"num_heads": 4, "num_kv_heads": num_kv_heads}
+    weights = init_weights(16, bias=True, seed=21, **heads)
+    layer = set_weights(MultiHeadAttention(16, bias=True, dtype=dtype, **heads), weights).eval()
+    x = torch.from_numpy(np.random.default_rng(21).standard_normal((3, 5, 16))).to(dtype)
+    expected, _ = spec.reference_forward(
+        weights, *(x.double().numpy(),) * 3, causal=causal, **heads
+    )
+    with answered_calls() as answers, backend.kernel_spy() as calls, torch.no_grad():
+        out = layer(x, x, x, causal=causal)
+    assert answers == [True]
+    assert len(calls) == 1 and not calls[0].mask and calls[0].is_causal == causal
+    atol = 5e-6 if dtype == torch.float32 else 1e-12
+    np.testing.assert_allclose(out.double().numpy(), expected, rtol=0, atol=atol)
+    with generic_only(), torch.no_grad():
+        assert torch.equal(out, layer(x, x, x, causal=causal))
+
+
+def test_plain_self_attention_leaves_the_rest_to_the_generic_flow():
+    """A NaN input, gradients and autocast are not the route's: the reference's numbers,
+    NaN rows where it has them; its errors are the generic flow's."""
+    weights = init_weights(16, bias=True, seed=22, num_heads=4)
+    layer = set_weights(MultiHeadAttention(16, 4, bias=True), weights).eval()
+    x = torch.from_numpy(np.random.default_rng(22).standard_normal((3, 5, 16)).astype(np.float32))
+    x[1, 2, 7] = np.nan
+    expected, _ = spec.reference_forward(weights, *(x.double().numpy(),) * 3, num_heads=4)
+    with answered_calls() as answers, torch.no_grad():
+        out = layer(x, x, x)
+    assert answers == [False]
+    assert_same_nonfinite_pattern(out.numpy(), expected)
+    with answered_calls() as answers:
+        layer(x, x, x)  # records gradients
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            layer(x, x, x)
+    assert answers == [False, False]
+    for kind, wrong in (
+        (TypeError, x.double()),
+        (ValueError, torch.zeros(3, 5, 17)),
+        (TypeError, x.numpy()),
+    ):
+        messages = []
+        for route in (generic_only(), answered_calls()):
+            with route, pytest.raises(kind) as error, torch.no_grad():
+                layer(wrong, wrong, wrong)
+            messages.append(str(error.value))
+        assert messages[0] == messages[1]
 
 
 # A non-finite key that lengths hide is tests/backends/test_fused_path.py's.

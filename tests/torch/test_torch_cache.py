@@ -12,6 +12,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from route_support import answered_calls, generic_only
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from mha_multi import spec
@@ -382,24 +383,6 @@ def self_attention(heads, seed, dtype=torch.float32):
     return {k: v.astype(np.float32).astype(np.float64) for k, v in weights.items()}, layer
 
 
-def answered_steps():
-    """A spy on the facts' fast route; ``answers`` lists whether each call was answered."""
-    answers = []
-    route = _backend.FACTS.decoding_step
-
-    def spy(*args, **kwargs):
-        result = route(*args, **kwargs)
-        answers.append(result is not None)
-        return result
-
-    return mock.patch.object(_backend.FACTS, "decoding_step", spy), answers
-
-
-def generic_only():
-    """The facts answering no step: every call takes the generic flow."""
-    return mock.patch.object(_backend.FACTS, "decoding_step", return_value=None)
-
-
 def feed_back(layer, prompt, steps, max_length, new_lens=None, *, check=None):
     """Decodes ``steps`` tokens, each step's input the last output; returns outputs and caches.
 
@@ -439,8 +422,7 @@ def test_plain_decoding_steps_take_the_fast_route_to_the_generic_numbers(heads, 
         )
         np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=atol)
 
-    route, answers = answered_steps()
-    with route:
+    with answered_calls() as answers:
         fast, fast_caches = feed_back(layer, prompt, 6, 12, check=against_reference)
     assert answers == [False] + [True] * 6  # the prefill of 4 positions is no step
     with generic_only():
@@ -468,14 +450,12 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
             output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL, equal_nan=True
         )
 
-    route, answers = answered_steps()
-    with route:
+    with answered_calls() as answers:
         _, caches = feed_back(layer, prompt, 3, 8, np.array([4, 2, 3]), check=against_reference)
     assert answers == [False] * 3  # the examples hold 4, 2 and 3 positions
     assert caches[-1].lengths.tolist() == [7, 5, 6]
 
-    route, answers = answered_steps()
-    with route, torch.no_grad():
+    with answered_calls() as answers, torch.no_grad():
         _, caches = feed_back(layer, prompt, 1, 7)
         cache = caches[-1]
         x = torch.full((3, 1, NUM_HIDDENS), 0.5)
@@ -516,7 +496,7 @@ def test_a_fast_step_raises_the_generic_flows_errors():
     ]
     for kind, x in wrong:
         messages = []
-        for route in (generic_only(), answered_steps()[0]):
+        for route in (generic_only(), answered_calls()):
             with route, pytest.raises(kind) as error, torch.no_grad():
                 layer(x, x, x, causal=True, cache=caches[-1])
             messages.append(str(error.value))
