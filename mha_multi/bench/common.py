@@ -17,6 +17,7 @@ __all__ = [
     "kv_bytes",
     "machine_info",
     "median_seconds",
+    "medians_in_turns",
 ]
 
 
@@ -77,6 +78,51 @@ def median_seconds(
         if len(times) >= 3 and time.perf_counter() - start > budget_s:
             break
     return statistics.median(times)
+
+
+#: The shortest sample :func:`medians_in_turns` times: short calls are timed in runs.
+SAMPLE_S = 0.005
+
+
+def medians_in_turns(
+    steps: dict[str, Callable[[], object]],
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    budget_s: float = 20.0,
+) -> dict[str, float]:
+    """The median wall time of each step, the steps taking turns.
+
+    A shared machine's speed drifts over seconds: steps timed one after the
+    other differ by that drift too, while steps timed in turns meet the same
+    moments, so their ratios hold. A step shorter than :data:`SAMPLE_S` is
+    timed in runs of as many calls as fill it (the median is per call); the
+    order of the steps reverses at every turn. Each ``step`` must block
+    until its result is ready (synchronise devices). Stops early, after at
+    least three samples of each, once ``budget_s`` per step is spent.
+    """
+    runs = {}
+    for name, step in steps.items():
+        for _ in range(warmup):
+            step()
+        start = time.perf_counter()
+        step()
+        runs[name] = max(1, min(1000, int(SAMPLE_S / max(time.perf_counter() - start, 1e-7))))
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    start = time.perf_counter()
+    while min(map(len, times.values()), default=repeats) < repeats:
+        for name in order:
+            step, calls = steps[name], runs[name]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                step()
+            times[name].append((time.perf_counter() - t0) / calls)
+        order.reverse()
+        spent = time.perf_counter() - start
+        if len(times[order[0]]) >= 3 and spent > budget_s * len(steps):
+            break
+    return {name: statistics.median(samples) for name, samples in times.items()}
 
 
 @dataclass

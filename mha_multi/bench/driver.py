@@ -30,6 +30,7 @@ from mha_multi.bench.common import (
     attention_flops,
     kv_bytes,
     median_seconds,
+    medians_in_turns,
     peak_rss_mib,
     reset_peak_rss,
 )
@@ -371,42 +372,53 @@ def _time_layers(
                 f"{saved / 2**20:.1f} MiB"
             )
         args = framework.convert(*inputs(shape), device, dtype)
-        for name, impl in framework.build(shape, device, dtype).items():
-            for execution in framework.executions:
-                for mode in MODES:
-                    label = framework.label(execution)
-                    row = Measurement(
+        implementations = framework.build(shape, device, dtype)
+        for execution in framework.executions:
+            for mode in MODES:
+                label = framework.label(execution)
+                rows = {
+                    name: Measurement(
                         label, name, mode, device, dtype, length, shape=vars(shape), note=note
                     )
-                    measurements[execution].append(
-                        _timing(framework, impl, args, execution, shape, row)
-                    )
-            gc.collect()
+                    for name in implementations
+                }
+                measurements[execution] += _timings(
+                    framework, implementations, args, execution, shape, rows
+                )
+        gc.collect()
 
 
-def _timing(
+def _timings(
     framework: Framework,
-    impl: Any,
+    implementations: dict[str, Any],
     args: Any,
     execution: str | None,
     shape: Shape,
-    row: Measurement,
-) -> Measurement:
-    """``row`` with the median time of its pass, or a note on why there is none."""
-    factor = MODES[row.mode]
-    needed = framework.scratch_bytes(
-        row.implementation, shape, row.dtype, row.device, training=factor > 1
-    )
-    if needed > LIMIT_BYTES:
-        return replace(row, note=f"too large (~{needed / 2**30:.0f} GiB)")
-    try:
-        step = framework.step(impl, args, row.mode, execution)
-        seconds = median_seconds(lambda: framework.sync(step()))
-    except Exception as error:  # e.g. a compiler that cannot take the layer
-        print(f"[bench] {row.backend} {row.implementation} {row.mode}: {error}", flush=True)
-        return replace(row, note=f"failed: {type(error).__name__}")
-    gflops = factor * attention_flops(shape) / seconds / 1e9
-    return replace(row, seconds=seconds, gflops=gflops)
+    rows: dict[str, Measurement],
+) -> list[Measurement]:
+    """``rows`` with the median time of their pass, timed in turns, or a note on why
+    there is none (:func:`~mha_multi.bench.common.medians_in_turns`)."""
+    done: dict[str, Measurement] = {}
+    steps: dict[str, Callable[[], object]] = {}
+    for name, row in rows.items():
+        needed = framework.scratch_bytes(
+            name, shape, row.dtype, row.device, training=MODES[row.mode] > 1
+        )
+        if needed > LIMIT_BYTES:
+            done[name] = replace(row, note=f"too large (~{needed / 2**30:.0f} GiB)")
+            continue
+        try:
+            step = framework.step(implementations[name], args, row.mode, execution)
+            framework.sync(step())  # loads kernels, compiles
+        except Exception as error:  # e.g. a compiler that cannot take the layer
+            print(f"[bench] {row.backend} {name} {row.mode}: {error}", flush=True)
+            done[name] = replace(row, note=f"failed: {type(error).__name__}")
+            continue
+        steps[name] = lambda step=step: framework.sync(step())
+    for name, seconds in medians_in_turns(steps, warmup=1).items():
+        gflops = MODES[rows[name].mode] * attention_flops(shape) / seconds / 1e9
+        done[name] = replace(rows[name], seconds=seconds, gflops=gflops)
+    return [done[name] for name in rows]
 
 
 def _time_pruned(
