@@ -106,6 +106,10 @@ class _Driver:
         """``function`` of tensors, compiled the backend's way."""
         raise NotImplementedError
 
+    def no_gradients(self) -> contextlib.AbstractContextManager[Any]:
+        """A scope whose eager calls record no gradient (a no-op where none is recorded)."""
+        return contextlib.nullcontext()
+
     def forward_function(self, call: LayerCall, compiled: bool) -> ForwardFunction:
         raise NotImplementedError
 
@@ -186,6 +190,11 @@ class _Torch(_Driver):
         import torch
 
         self.torch = torch
+
+    def no_gradients(self) -> contextlib.AbstractContextManager[Any]:
+        # Torch variables require gradients: an eager call records its graph,
+        # and a decode feeding each cache back would keep every step's.
+        return self.torch.no_grad()
 
     def compile(self, function: Callable[..., Any]) -> Callable[..., Any]:
         compiled = self.torch.compile(function)
@@ -432,7 +441,7 @@ def forward(
     training: bool = False,
     **kwargs: Any,
 ) -> Tensor | tuple[Any, ...]:
-    """One call of the layer, on the device of ``queries``.
+    """One call of the layer, on the device of ``queries``, recording no gradient.
 
     On JAX an evaluation-mode call runs compiled, once per configuration,
     flags and shapes (Keras' JAX users run compiled steps; see
@@ -466,7 +475,8 @@ def forward(
     )
     with device_scope(device_of(queries)):
         if not traceable:
-            return layer(queries, keys, values, valid_lens, training=training, **kwargs)
+            with _active().no_gradients():
+                return layer(queries, keys, values, valid_lens, training=training, **kwargs)
         cached = cache is not None
         function, template = _shared(
             "forward", layer, causal, return_attention_weights, cached, extras
