@@ -769,35 +769,24 @@ def plain_self_attention(
     valid_lens: Any,
     *,
     causal: Any,
-    return_attention_weights: bool,
-    head_mask: Any,
-    positions: Any,
-    bias: Any,
     layer_options: spec.LayerOptions | None,
-    dropout: Callable[[Array], Array] | None,
-    head_parallel: bool,
-    local_gates: Callable[[Array], Array] | None,
+    others: Sequence[Any],
 ) -> bool:
     """Whether a call is plain self-attention, which :meth:`Facts.plain_attention` may answer.
 
     The queries are the keys and values (with a cache: the new positions),
-    and nothing else is asked: no lengths, gates, positions, bias, layer
-    options, dropout or weights, and the heads are neither sharded nor
-    mapped over devices.
+    ``causal`` is a bool, and nothing else is asked: no lengths or layer
+    options, and each of ``others``, the call's every other argument
+    (returned weights, gates, positions, bias, dropout, heads mapped over
+    devices or sharded), ``None`` or ``False``.
     """
     return (
         keys is queries
         and values is queries
         and valid_lens is None
         and (causal is True or causal is False)
-        and not return_attention_weights
-        and head_mask is None
-        and positions is None
-        and bias is None
         and (layer_options is None or layer_options.is_default)
-        and dropout is None
-        and not head_parallel
-        and local_gates is None
+        and all(x is None or x is False for x in others)
     )
 
 
@@ -851,20 +840,15 @@ def forward(
         ValueError: a ``bias`` or ALiBi on a layer whose heads are sharded
             (not supported: each process would need its heads' share).
     """
+    others = (return_attention_weights, head_mask, positions, bias, dropout, head_parallel)
     if plain_self_attention(
         queries,
         keys,
         values,
         valid_lens,
         causal=causal,
-        return_attention_weights=return_attention_weights,
-        head_mask=head_mask,
-        positions=positions,
-        bias=bias,
         layer_options=layer_options,
-        dropout=dropout,
-        head_parallel=head_parallel,
-        local_gates=local_gates,
+        others=(*others, local_gates),
     ):
         result = facts.plain_attention(layer, queries, cache, causal=causal, dtype=dtype)
         if result is not None:
