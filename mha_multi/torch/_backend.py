@@ -5,9 +5,10 @@ how a device name maps to a ``torch.device``, which process-wide settings
 give exact float32 products, how tensors leave for numpy, and
 :class:`TorchFacts`, what the call flow of :mod:`mha_multi.call` asks of
 PyTorch: how inputs, lengths, caches and gates are checked, what can be read
-on the host, and the fused kernel (``scaled_dot_product_attention``). This
-module imports no layer; what builds and drives layers is in
-:mod:`mha_multi.torch.harness`.
+on the host, and the fused kernel (``scaled_dot_product_attention``). What
+a cache written in place carries from call to call is in
+:mod:`mha_multi.torch._cache`. This module imports no layer; what builds
+and drives layers is in :mod:`mha_multi.torch.harness`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ import numpy as np
 import torch
 
 from mha_multi import call, spec
+from mha_multi.torch._cache import (
+    CHECKED,
+    CacheCheck,
+    Written,
+    finite_sum,
+    from_host,
+    written_step,
+)
 from mha_multi.torch._ops import (
     SIXTEEN_BIT,
     TorchOps,
@@ -159,193 +168,8 @@ SDPA = spec.FusedKernel(
 BIAS_LIMIT = 1e5
 
 
-class _CacheCheck:
-    """What the lengths of a cache written in place carry: what the call knew of it.
-
-    ``poison`` is ``None`` (nothing known yet) or a 0-d float32 on the
-    cache's device, never read by the call that makes it: 0 where the
-    positions below ``upto``, and every row the calls wrote, are finite, NaN
-    otherwise (:func:`_poison`). ``pending`` are the rows this call wrote,
-    until the plan checks them together with the queries (one pass over
-    self-attention's stacked projection). ``lengths`` are the new lengths on
-    the host. The next call trusts all this only for the same tensors
-    unchanged since (their version counters), so that a decoding step checks
-    its new rows and the positions its span adds instead of the whole cache,
-    and reads no lengths back.
-    """
-
-    def __init__(
-        self,
-        cache: spec.KVCache,
-        poison: torch.Tensor | None,
-        upto: int,
-        lengths: np.ndarray,
-        pending: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> None:
-        self.keys, self.values = weakref.ref(cache.keys), weakref.ref(cache.values)
-        self.versions = (cache.keys._version, cache.values._version)
-        self.poison, self.upto = poison, upto
-        self.pending: tuple[torch.Tensor, ...] | None = pending
-        #: ``cache.lengths`` on the host, while the tensor keeps ``lengths_version``.
-        self.lengths, self.lengths_version = lengths, cache.lengths._version
-        self._uniform: int | None = -1  # not known yet
-
-    @property
-    def uniform(self) -> int | None:
-        """The length every example has, or ``None`` where they differ (or there are none)."""
-        if self._uniform == -1:
-            held = self.lengths
-            first = int(held[0]) if held.ndim == 1 and held.size else None
-            self._uniform = first if first is not None and (held == first).all() else None
-        return self._uniform
-
-    @staticmethod
-    def of(cache: spec.KVCache) -> _CacheCheck | None:
-        """The check ``cache``'s lengths carry, where it still describes its arrays."""
-        check = getattr(cache.lengths, _CHECKED, None)
-        keys, values = cache.keys, cache.values
-        if check is None or check.keys() is not keys or check.values() is not values:
-            return None
-        # Inference tensors keep no version counter: nothing would tell an edit.
-        if keys.is_inference() or values.is_inference():
-            return None
-        return check if (keys._version, values._version) == check.versions else None
-
-    def add(self, poison: torch.Tensor) -> None:
-        self.poison = poison if self.poison is None else self.poison + poison
-
-    def settled(self) -> torch.Tensor | None:
-        """The poison with the pending rows checked (where no plan checked them)."""
-        if self.pending is not None:
-            self.add(_poison(*self.pending))
-            self.pending = None
-        return self.poison
-
-    @staticmethod
-    def host_lengths(lengths: torch.Tensor) -> np.ndarray | None:
-        """``lengths`` as the call that made it left them, where it is unchanged since."""
-        check = getattr(lengths, _CHECKED, None)
-        if check is None or lengths.is_inference() or lengths._version != check.lengths_version:
-            return None
-        return check.lengths.copy()
-
-
-class _Written:
-    """What a call's in-place cache write tells the same call's plan.
-
-    ``check`` is the check the new lengths carry (``None`` for inference
-    tensors); ``visible`` the visibility the write returned, and
-    ``shortest`` its smallest entry as known on the host; ``attended`` the
-    cache's leading positions the call attends over (:meth:`TorchFacts.cache_prefix`),
-    ``None`` while it attends over the whole cache.
-    """
-
-    __slots__ = ("attended", "check", "shortest", "visible")
-
-    def __init__(
-        self, check: _CacheCheck | None, visible: torch.Tensor, shortest: int | None
-    ) -> None:
-        self.check, self.visible, self.shortest = check, visible, shortest
-        self.attended: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-#: numpy's dtype of the integer torch dtypes lengths may have.
-_NUMPY_INTEGERS = {torch.int32: np.int32, torch.int64: np.int64}
-
-
-def _from_host(array: np.ndarray, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
-    """A numpy array as a tensor on ``device`` (of ``dtype``), converted on the host."""
-    if dtype in _NUMPY_INTEGERS:
-        array = array.astype(_NUMPY_INTEGERS[dtype], copy=False)
-    tensor = torch.from_numpy(array)
-    if device.type != "cpu" or (dtype is not None and tensor.dtype != dtype):
-        tensor = tensor.to(device, dtype or tensor.dtype)
-    return tensor
-
-
 #: How many shapes of a layer's calls :meth:`TorchFacts.plain_attention` keeps plans for.
 _PLAIN_PLANS = 64
-
-#: The attribute of a cache's lengths tensor that holds its :class:`_CacheCheck`.
-_CHECKED = "_mha_multi_checked"
-
-
-def _written_step(
-    cache: spec.KVCache, k: torch.Tensor, v: torch.Tensor, length: int, heads: spec.Heads
-) -> tuple[torch.Tensor, torch.Tensor, spec.KVCache]:
-    """A plain step's rows written in place at ``length``: the keys and values to attend
-    over, and the cache after the step, carrying its check as the generic flow leaves it."""
-    keys, values, lengths = cache
-    # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
-    for kept, x in ((keys, k), (values, v)):
-        kept.select(2, length).copy_(x.view(-1, heads.num_kv_heads, heads.head_dim))
-    now = getattr(lengths, _CHECKED).lengths + 1
-    lengths = _from_host(now, lengths.device, lengths.dtype)
-    updated = spec.KVCache(keys, values, lengths)
-    written = _CacheCheck(updated, None, length + 1, now, pending=None)
-    written._uniform = length + 1
-    setattr(lengths, _CHECKED, written)
-    return keys.narrow(2, 0, length + 1), values.narrow(2, 0, length + 1), updated
-
-
-def _covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Tensors holding exactly the elements of ``tensors``, as few as can be.
-
-    The projections of self-attention are column blocks of one stacked
-    product ``(B, T, width)``, side by side in memory: one pass over that
-    product reads them all. (Views made under ``torch.inference_mode`` do
-    not know their base, so the blocks are matched by their addresses.)
-    """
-    first = tensors[0]
-    if len(tensors) < 2:
-        return tensors
-    base = first._base
-    if (
-        base is not None
-        and all(x._base is base for x in tensors[1:])
-        and base.numel() <= sum(x.numel() for x in tensors)
-    ):
-        # Views of one tensor that holds no more elements than they do: a
-        # pass over it reads them all (at worst an element twice).
-        return (base,)
-    if first.dim() != 3:
-        return tensors
-    width = sum(x.shape[-1] for x in tensors)
-    stride = first.stride()
-    if stride[-1] != 1 or stride[-2] != width or stride[0] != width * first.shape[1]:
-        return tensors
-    storage = first.untyped_storage().data_ptr()
-    address = first.data_ptr()
-    for x in tensors:
-        if (
-            x.data_ptr() != address
-            or x.shape[:-1] != first.shape[:-1]
-            or x.stride() != stride
-            or x.dtype != first.dtype
-            or x.untyped_storage().data_ptr() != storage
-        ):
-            return tensors
-        address += x.shape[-1] * x.element_size()
-    return (first.as_strided((*first.shape[:-1], width), stride),)
-
-
-def _finite_sum(*tensors: torch.Tensor) -> torch.Tensor:
-    """A 0-d float32 on the tensors' device, finite only if every element is.
-
-    One pass, nothing allocated (over self-attention's stacked projection
-    once, :func:`_covering`). A finite sum that overflows only sends a call
-    to the generic path, which is exact for any values.
-    """
-    covering = _covering(*tensors)
-    total = covering[0].detach().sum(dtype=torch.float32)
-    for x in covering[1:]:
-        total = total + x.detach().sum(dtype=torch.float32)
-    return total
-
-
-def _poison(*tensors: torch.Tensor) -> torch.Tensor:
-    """0 where every element of ``tensors`` is finite, else NaN: poisons add up."""
-    return _finite_sum(*tensors) * 0.0
 
 
 def _tensor_beside(name: str, x: Any, like: torch.Tensor, shape: str) -> torch.Tensor:
@@ -470,11 +294,11 @@ class TorchFacts(call.Facts):
         """One transfer for integer tensors; nothing under ``torch.compile``.
 
         A cache's lengths as an eager call wrote them are known on the host
-        already (:class:`_CacheCheck`): a decoding step reads nothing for them.
+        already (:class:`CacheCheck`): a decoding step reads nothing for them.
         """
         if torch.compiler.is_compiling():
             return None
-        known = [None if x is None else _CacheCheck.host_lengths(x) for x in arrays]
+        known = [None if x is None else CacheCheck.host_lengths(x) for x in arrays]
         rest = [x if held is None else None for x, held in zip(arrays, known, strict=True)]
         if not any(x is not None for x in rest):
             return known
@@ -538,7 +362,7 @@ class TorchFacts(call.Facts):
             ]
         # Before writing: the versions the lengths' check was made for.
         tracked = not (cache.keys.is_inference() or cache.values.is_inference())
-        prior = _CacheCheck.of(cache)
+        prior = CacheCheck.of(cache)
         poison, upto = (None, 0) if prior is None else (prior.settled(), prior.upto)
         if first == upto:
             upto = first + num_new  # every example's next rows, checked as written
@@ -553,8 +377,8 @@ class TorchFacts(call.Facts):
         held = fill.held
         seen = fill.visibility(num_new, causal=causal)
         if first is None or cache.lengths.device.type == "cpu":
-            lengths = _from_host(held, cache.lengths.device, cache.lengths.dtype)
-            visible = _from_host(seen, k.device, None)
+            lengths = from_host(held, cache.lengths.device, cache.lengths.dtype)
+            visible = from_host(seen, k.device, None)
         else:
             # Every example appends its rows at one position: the device
             # computes the same numbers from its own lengths, and no copy
@@ -569,11 +393,11 @@ class TorchFacts(call.Facts):
         check = None
         if tracked:
             # Padding rows are checked too: at worst the generic path.
-            check = _CacheCheck(updated, poison, upto, held, pending=(k, v))
-            setattr(lengths, _CHECKED, check)
+            check = CacheCheck(updated, poison, upto, held, pending=(k, v))
+            setattr(lengths, CHECKED, check)
         # What the queries see: the lengths held, or causal (B, T) at least as many.
         shortest = fill.least if seen.ndim == 1 else int(seen.min()) if seen.size else None
-        self._written.call = _Written(check, visible, shortest)
+        self._written.call = Written(check, visible, shortest)
         return updated, visible
 
     def empty_cache(self, cache: spec.KVCache) -> spec.KVCache:
@@ -584,8 +408,8 @@ class TorchFacts(call.Facts):
         """
         if not any(x.is_inference() for x in cache):
             held = np.zeros(cache.lengths.shape, np.int64)
-            check = _CacheCheck(cache, None, 0, held, pending=None)
-            setattr(cache.lengths, _CHECKED, check)
+            check = CacheCheck(cache, None, 0, held, pending=None)
+            setattr(cache.lengths, CHECKED, check)
         return cache
 
     def cache_prefix(
@@ -616,7 +440,7 @@ class TorchFacts(call.Facts):
         gradient, no 16-bit products or autocast. Without a cache, the
         queries attend to themselves (causal: SDPA's own flag, ``Q == K``).
         With one, a decoding step: one query per example, a cache whose
-        check (:class:`_CacheCheck`) still holds with every position below
+        check (:class:`CacheCheck`) still holds with every position below
         the lengths known finite, every example at the same length ``>= 1``
         with room for one more, and kernels that take any span (the CPU); the
         new rows are written in place at that position and SDPA attends over
@@ -638,13 +462,13 @@ class TorchFacts(call.Facts):
             return None
         heads = layer.heads
         q, k, v = layer.project_inputs(queries, queries, queries)
-        if not math.isfinite(_finite_sum(q, k, v).item()):
+        if not math.isfinite(finite_sum(q, k, v).item()):
             return None
         if cache is None:
             k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
             k, v, updated = k.transpose(1, 2), v.transpose(1, 2), None
         else:
-            k, v, updated = _written_step(cache, k, v, length, heads)
+            k, v, updated = written_step(cache, k, v, length, heads)
         context = torch.nn.functional.scaled_dot_product_attention(
             q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2), k, v, **sdpa
         )
@@ -657,7 +481,7 @@ class TorchFacts(call.Facts):
         step is not plain (:meth:`plain_attention`)."""
         if type(cache) is not spec.KVCache:
             return None
-        check = _CacheCheck.of(cache)
+        check = CacheCheck.of(cache)
         if check is None or check.pending is not None or check.poison is not None:
             return None
         length = check.uniform
@@ -780,16 +604,16 @@ class TorchFacts(call.Facts):
         written = self._take_written(k, v, valid_lens)
         check = None if written is None else written.check
         if check is None:
-            total = _finite_sum(q, k, v)
+            total = finite_sum(q, k, v)
         else:
             # A cache written in place this call: its check stands for the
             # positions below ``upto``; the rows written are read with the
             # queries, and the rest of the span on its own.
             pending, check.pending = check.pending or (), None
-            total = _finite_sum(q, *pending)
+            total = finite_sum(q, *pending)
             span = k.shape[2]
             if check.upto < span:
-                total = total + _finite_sum(*(x[:, :, check.upto :] for x in (k, v)))
+                total = total + finite_sum(*(x[:, :, check.upto :] for x in (k, v)))
                 check.upto = span
             if check.poison is not None:
                 total = total + check.poison
@@ -817,7 +641,7 @@ class TorchFacts(call.Facts):
 
     def _take_written(
         self, k: torch.Tensor, v: torch.Tensor, valid_lens: torch.Tensor | None
-    ) -> _Written | None:
+    ) -> Written | None:
         """What :meth:`write_cache` of this call knew, where ``k``, ``v`` are that cache.
 
         ``k`` and ``v`` must be the cache's arrays, or the leading positions

@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from mha_multi import spec
 from mha_multi.parity.decode import INPUT_NAMES, chunk_rows, decode, full_reference
-from mha_multi.torch import KVCache, MultiHeadAttention, _backend, set_weights
+from mha_multi.torch import KVCache, MultiHeadAttention, _cache, set_weights
 from mha_multi.torch import harness as backend
 from mha_multi.weights import init_weights
 
@@ -360,8 +360,8 @@ def test_decoding_steps_read_only_their_new_rows(inference):
         _, cache = layer(*rows, causal=True, cache=cache)
         token = tensors(*(x[:, 4:5] for x in inputs.values()))
         with (
-            mock.patch.object(_backend, "_covering", wraps=_backend._covering) as covering,
-            mock.patch.object(_backend, "_poison", wraps=_backend._poison) as poison,
+            mock.patch.object(_cache, "covering", wraps=_cache.covering) as covering,
+            mock.patch.object(_cache, "poison_of", wraps=_cache.poison_of) as poison,
         ):
             output, cache = layer(*token, causal=True, cache=cache)
     # What the step summed: (B, T, features) projections, or (B, H_kv, K, dh) cache positions.

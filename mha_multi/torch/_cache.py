@@ -1,0 +1,216 @@
+"""What an eager PyTorch call knows of a cache it wrote in place, and the finiteness reads.
+
+A cache written in place under ``torch.no_grad()`` carries, on its lengths
+tensor, what the call that wrote it knew (:class:`CacheCheck`): the lengths
+on the host, and whether every position it attended over and every row it
+wrote was finite; the next call trusts this only for the same tensors
+unchanged since (docs: "Generating with a cache"). The finiteness of a
+call's projections is one sum (:func:`finite_sum`). This module sits below
+the facts (:mod:`mha_multi.torch._backend`) and imports nothing of them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from mha_multi import spec
+
+__all__ = [
+    "CHECKED",
+    "CacheCheck",
+    "Written",
+    "covering",
+    "finite_sum",
+    "from_host",
+    "poison_of",
+    "written_step",
+]
+
+
+class CacheCheck:
+    """What the lengths of a cache written in place carry: what the call knew of it.
+
+    ``poison`` is ``None`` (nothing known yet) or a 0-d float32 on the
+    cache's device, never read by the call that makes it: 0 where the
+    positions below ``upto``, and every row the calls wrote, are finite, NaN
+    otherwise (:func:`poison_of`). ``pending`` are the rows this call wrote,
+    until the plan checks them together with the queries (one pass over
+    self-attention's stacked projection). ``lengths`` are the new lengths on
+    the host. The next call trusts all this only for the same tensors
+    unchanged since (their version counters), so that a decoding step checks
+    its new rows and the positions its span adds instead of the whole cache,
+    and reads no lengths back.
+    """
+
+    def __init__(
+        self,
+        cache: spec.KVCache,
+        poison: torch.Tensor | None,
+        upto: int,
+        lengths: np.ndarray,
+        pending: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        self.keys, self.values = weakref.ref(cache.keys), weakref.ref(cache.values)
+        self.versions = (cache.keys._version, cache.values._version)
+        self.poison, self.upto = poison, upto
+        self.pending: tuple[torch.Tensor, ...] | None = pending
+        #: ``cache.lengths`` on the host, while the tensor keeps ``lengths_version``.
+        self.lengths, self.lengths_version = lengths, cache.lengths._version
+        self._uniform: int | None = -1  # not known yet
+
+    @property
+    def uniform(self) -> int | None:
+        """The length every example has, or ``None`` where they differ (or there are none)."""
+        if self._uniform == -1:
+            held = self.lengths
+            first = int(held[0]) if held.ndim == 1 and held.size else None
+            self._uniform = first if first is not None and (held == first).all() else None
+        return self._uniform
+
+    @staticmethod
+    def of(cache: spec.KVCache) -> CacheCheck | None:
+        """The check ``cache``'s lengths carry, where it still describes its arrays."""
+        check = getattr(cache.lengths, CHECKED, None)
+        keys, values = cache.keys, cache.values
+        if check is None or check.keys() is not keys or check.values() is not values:
+            return None
+        # Inference tensors keep no version counter: nothing would tell an edit.
+        if keys.is_inference() or values.is_inference():
+            return None
+        return check if (keys._version, values._version) == check.versions else None
+
+    def add(self, poison: torch.Tensor) -> None:
+        self.poison = poison if self.poison is None else self.poison + poison
+
+    def settled(self) -> torch.Tensor | None:
+        """The poison with the pending rows checked (where no plan checked them)."""
+        if self.pending is not None:
+            self.add(poison_of(*self.pending))
+            self.pending = None
+        return self.poison
+
+    @staticmethod
+    def host_lengths(lengths: torch.Tensor) -> np.ndarray | None:
+        """``lengths`` as the call that made it left them, where it is unchanged since."""
+        check = getattr(lengths, CHECKED, None)
+        if check is None or lengths.is_inference() or lengths._version != check.lengths_version:
+            return None
+        return check.lengths.copy()
+
+
+class Written:
+    """What a call's in-place cache write tells the same call's plan.
+
+    ``check`` is the check the new lengths carry (``None`` for inference
+    tensors); ``visible`` the visibility the write returned, and
+    ``shortest`` its smallest entry as known on the host; ``attended`` the
+    cache's leading positions the call attends over (:meth:`TorchFacts.cache_prefix`),
+    ``None`` while it attends over the whole cache.
+    """
+
+    __slots__ = ("attended", "check", "shortest", "visible")
+
+    def __init__(
+        self, check: CacheCheck | None, visible: torch.Tensor, shortest: int | None
+    ) -> None:
+        self.check, self.visible, self.shortest = check, visible, shortest
+        self.attended: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+#: numpy's dtype of the integer torch dtypes lengths may have.
+_NUMPY_INTEGERS = {torch.int32: np.int32, torch.int64: np.int64}
+
+
+def from_host(array: np.ndarray, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    """A numpy array as a tensor on ``device`` (of ``dtype``), converted on the host."""
+    if dtype in _NUMPY_INTEGERS:
+        array = array.astype(_NUMPY_INTEGERS[dtype], copy=False)
+    tensor = torch.from_numpy(array)
+    if device.type != "cpu" or (dtype is not None and tensor.dtype != dtype):
+        tensor = tensor.to(device, dtype or tensor.dtype)
+    return tensor
+
+
+#: The attribute of a cache's lengths tensor that holds its :class:`CacheCheck`.
+CHECKED = "_mha_multi_checked"
+
+
+def written_step(
+    cache: spec.KVCache, k: torch.Tensor, v: torch.Tensor, length: int, heads: spec.Heads
+) -> tuple[torch.Tensor, torch.Tensor, spec.KVCache]:
+    """A plain step's rows written in place at ``length``: the keys and values to attend
+    over, and the cache after the step, carrying its check as the generic flow leaves it."""
+    keys, values, lengths = cache
+    # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
+    for kept, x in ((keys, k), (values, v)):
+        kept.select(2, length).copy_(x.view(-1, heads.num_kv_heads, heads.head_dim))
+    now = getattr(lengths, CHECKED).lengths + 1
+    lengths = from_host(now, lengths.device, lengths.dtype)
+    updated = spec.KVCache(keys, values, lengths)
+    written = CacheCheck(updated, None, length + 1, now, pending=None)
+    written._uniform = length + 1
+    setattr(lengths, CHECKED, written)
+    return keys.narrow(2, 0, length + 1), values.narrow(2, 0, length + 1), updated
+
+
+def covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Tensors holding exactly the elements of ``tensors``, as few as can be.
+
+    The projections of self-attention are column blocks of one stacked
+    product ``(B, T, width)``, side by side in memory: one pass over that
+    product reads them all. (Views made under ``torch.inference_mode`` do
+    not know their base, so the blocks are matched by their addresses.)
+    """
+    first = tensors[0]
+    if len(tensors) < 2:
+        return tensors
+    base = first._base
+    if (
+        base is not None
+        and all(x._base is base for x in tensors[1:])
+        and base.numel() <= sum(x.numel() for x in tensors)
+    ):
+        # Views of one tensor that holds no more elements than they do: a
+        # pass over it reads them all (at worst an element twice).
+        return (base,)
+    if first.dim() != 3:
+        return tensors
+    width = sum(x.shape[-1] for x in tensors)
+    stride = first.stride()
+    if stride[-1] != 1 or stride[-2] != width or stride[0] != width * first.shape[1]:
+        return tensors
+    storage = first.untyped_storage().data_ptr()
+    address = first.data_ptr()
+    for x in tensors:
+        if (
+            x.data_ptr() != address
+            or x.shape[:-1] != first.shape[:-1]
+            or x.stride() != stride
+            or x.dtype != first.dtype
+            or x.untyped_storage().data_ptr() != storage
+        ):
+            return tensors
+        address += x.shape[-1] * x.element_size()
+    return (first.as_strided((*first.shape[:-1], width), stride),)
+
+
+def finite_sum(*tensors: torch.Tensor) -> torch.Tensor:
+    """A 0-d float32 on the tensors' device, finite only if every element is.
+
+    One pass, nothing allocated (over self-attention's stacked projection
+    once, :func:`covering`). A finite sum that overflows only sends a call
+    to the generic path, which is exact for any values.
+    """
+    blocks = covering(*tensors)
+    total = blocks[0].detach().sum(dtype=torch.float32)
+    for x in blocks[1:]:
+        total = total + x.detach().sum(dtype=torch.float32)
+    return total
+
+
+def poison_of(*tensors: torch.Tensor) -> torch.Tensor:
+    """0 where every element of ``tensors`` is finite, else NaN: poisons add up."""
+    return finite_sum(*tensors) * 0.0
