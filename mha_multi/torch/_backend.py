@@ -391,7 +391,8 @@ class TorchFacts(call.Facts):
             )
         updated = spec.KVCache(cache.keys, cache.values, lengths)
         check = None
-        if tracked:
+        # (Lengths made under inference mode keep no version counter either.)
+        if tracked and not lengths.is_inference():
             # Padding rows are checked too: at worst the generic path.
             check = CacheCheck(updated, poison, upto, held, pending=(k, v))
             setattr(lengths, CHECKED, check)

@@ -150,9 +150,10 @@ def written_step(
     now = getattr(lengths, CHECKED).lengths + 1
     lengths = from_host(now, lengths.device, lengths.dtype)
     updated = spec.KVCache(keys, values, lengths)
-    written = CacheCheck(updated, None, length + 1, now, pending=None)
-    written._uniform = length + 1
-    setattr(lengths, CHECKED, written)
+    if not lengths.is_inference():  # (made under inference mode: no version counter)
+        written = CacheCheck(updated, None, length + 1, now, pending=None)
+        written._uniform = length + 1
+        setattr(lengths, CHECKED, written)
     return keys.narrow(2, 0, length + 1), values.narrow(2, 0, length + 1), updated
 
 

@@ -483,6 +483,31 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
         torch.testing.assert_close(kept, old, rtol=0, atol=0, equal_nan=True)
 
 
+def test_a_cache_made_outside_inference_mode_decodes_inside_it():
+    """Lengths made under ``torch.inference_mode()`` keep no version counter: a step there
+    carries no check forward (the fast route answers the first such step, from the check
+    a ``no_grad`` prefill left), and the steps after it, in either mode, read the lengths."""
+    weights, layer = self_attention(HEADS, seed=14)
+    x = torch.from_numpy(np.random.default_rng(14).standard_normal((3, 4, NUM_HIDDENS)))
+    x = x.float()
+    with torch.no_grad():
+        output, cache = layer(x, x, x, causal=True, cache=layer.init_cache(3, 9))
+    y = output[:, -1:]
+    modes = [torch.inference_mode, torch.inference_mode, torch.no_grad]
+    with answered_calls() as answers:
+        for mode in modes:
+            before = spec.KVCache(*(t.numpy().copy() for t in cache))
+            with mode():
+                output, cache = layer(y, y, y, causal=True, cache=cache)
+            expected, _, _ = spec.reference_cached_forward(
+                weights, *(y.double().numpy(),) * 3, before, **HEADS, causal=True
+            )
+            np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+            y = output
+    assert answers == [True, False, False]
+    assert cache.lengths.tolist() == [7, 7, 7]
+
+
 def test_a_fast_step_raises_the_generic_flows_errors():
     """Queries that do not fit the layer or the cache are refused as the generic flow
     refuses them, whether or not an earlier step of the same cache took the fast route."""
