@@ -415,7 +415,17 @@ def _timings(
             done[name] = replace(row, note=f"failed: {type(error).__name__}")
             continue
         steps[name] = lambda step=step: framework.sync(step())
-    for name, seconds in medians_in_turns(steps, warmup=1).items():
+    try:
+        medians = medians_in_turns(steps, warmup=1)
+    except Exception:  # one of them failed after its first call: each alone, then
+        medians = {}
+        for name, step in steps.items():
+            try:
+                medians[name] = median_seconds(step, warmup=1)
+            except Exception as error:
+                print(f"[bench] {rows[name].backend} {name} {rows[name].mode}: {error}", flush=True)
+                done[name] = replace(rows[name], note=f"failed: {type(error).__name__}")
+    for name, seconds in medians.items():
         gflops = MODES[rows[name].mode] * attention_flops(shape) / seconds / 1e9
         done[name] = replace(rows[name], seconds=seconds, gflops=gflops)
     return [done[name] for name in rows]
