@@ -39,6 +39,7 @@ __all__ = [
     "check_gates",
     "check_options",
     "forward",
+    "kernel_settings",
     "plain_self_attention",
     "plan",
 ]
@@ -541,6 +542,43 @@ def check_options(
 # -- the kernel plan -----------------------------------------------------------------
 
 
+def kernel_settings(
+    facts: Facts,
+    q: Array,
+    *,
+    sizes: tuple[Any, Any, Any],
+    lens_ndim: int | None,
+    lens_integer: bool,
+    heads: spec.Heads,
+    causal: bool,
+    dropout: bool,
+    return_attention_weights: bool,
+    options: spec.ScoreOptions = spec.NO_OPTIONS,
+) -> dict[str, Any]:
+    """What :func:`mha_multi.spec.plan_kernel` reads of a call, but its values.
+
+    Args:
+        q: projected queries (for the dtype the kernel serves).
+        sizes: ``(B, Q, K)``.
+        lens_ndim, lens_integer: the lengths' rank (``None``: no lengths)
+            and whether they are integers.
+    """
+    return {
+        "sizes": sizes,
+        "lens_ndim": lens_ndim,
+        "lens_integer": lens_integer,
+        "causal": causal,
+        "dropout": dropout,
+        "return_attention_weights": return_attention_weights,
+        "grouped": heads.grouped,
+        "dtype_supported": facts.kernel_serves(q),
+        "bias": options.bias is not None or options.alibi_slopes is not None,
+        "softcap": options.softcap is not None,
+        "window": options.window is not None,
+        "query_positions": options.query_positions is not None,
+    }
+
+
 def plan(
     facts: Facts,
     q: Array,
@@ -573,20 +611,18 @@ def plan(
             fused=False, reason="the backend's kernel call passes no positions or biases"
         )
     lens_kind = None if valid_lens is None else facts.dtype_kind(valid_lens.dtype)
-    settings = {
-        "sizes": (q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
-        "lens_ndim": None if valid_lens is None else len(valid_lens.shape),
-        "lens_integer": lens_kind is None or lens_kind in "iu",
-        "causal": causal,
-        "dropout": dropout,
-        "return_attention_weights": return_attention_weights,
-        "grouped": heads.grouped,
-        "dtype_supported": facts.kernel_serves(q),
-        "bias": options.bias is not None or options.alibi_slopes is not None,
-        "softcap": options.softcap is not None,
-        "window": options.window is not None,
-        "query_positions": options.query_positions is not None,
-    }
+    settings = kernel_settings(
+        facts,
+        q,
+        sizes=(q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
+        lens_ndim=None if valid_lens is None else len(valid_lens.shape),
+        lens_integer=lens_kind is None or lens_kind in "iu",
+        heads=heads,
+        causal=causal,
+        dropout=dropout,
+        return_attention_weights=return_attention_weights,
+        options=options,
+    )
     optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
     if not optimistic.fused:
         return optimistic
@@ -840,15 +876,11 @@ def forward(
         ValueError: a ``bias`` or ALiBi on a layer whose heads are sharded
             (not supported: each process would need its heads' share).
     """
-    others = (return_attention_weights, head_mask, positions, bias, dropout, head_parallel)
+    # Every other argument of the call: a plain call leaves them unset.
+    others = (return_attention_weights, head_mask, positions, bias)
+    others += (dropout, head_parallel, local_gates)
     if plain_self_attention(
-        queries,
-        keys,
-        values,
-        valid_lens,
-        causal=causal,
-        layer_options=layer_options,
-        others=(*others, local_gates),
+        queries, keys, values, valid_lens, causal=causal, layer_options=layer_options, others=others
     ):
         result = facts.plain_attention(layer, queries, cache, causal=causal, dtype=dtype)
         if result is not None:

@@ -25,7 +25,6 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import (
-    CHECKED,
     CacheCheck,
     Written,
     finite_sum,
@@ -361,7 +360,6 @@ class TorchFacts(call.Facts):
                 for i in (examples, steps, fill.lengths[examples] + steps)
             ]
         # Before writing: the versions the lengths' check was made for.
-        tracked = not (cache.keys.is_inference() or cache.values.is_inference())
         prior = CacheCheck.of(cache)
         poison, upto = (None, 0) if prior is None else (prior.settled(), prior.upto)
         if first == upto:
@@ -390,12 +388,8 @@ class TorchFacts(call.Facts):
                 ops, cache.lengths, new, num_new, causal=seen.ndim == 2
             )
         updated = spec.KVCache(cache.keys, cache.values, lengths)
-        check = None
-        # (Lengths made under inference mode keep no version counter either.)
-        if tracked and not lengths.is_inference():
-            # Padding rows are checked too: at worst the generic path.
-            check = CacheCheck(updated, poison, upto, held, pending=(k, v))
-            setattr(lengths, CHECKED, check)
+        # Padding rows are checked too: at worst the generic path.
+        check = CacheCheck.attach(updated, poison, upto, held, pending=(k, v))
         # What the queries see: the lengths held, or causal (B, T) at least as many.
         shortest = fill.least if seen.ndim == 1 else int(seen.min()) if seen.size else None
         self._written.call = Written(check, visible, shortest)
@@ -407,10 +401,7 @@ class TorchFacts(call.Facts):
         Its first call then reads no lengths back from the device. (Inference
         tensors keep no version counter to trust it by: they carry nothing.)
         """
-        if not any(x.is_inference() for x in cache):
-            held = np.zeros(cache.lengths.shape, np.int64)
-            check = CacheCheck(cache, None, 0, held, pending=None)
-            setattr(cache.lengths, CHECKED, check)
+        CacheCheck.attach(cache, None, 0, np.zeros(cache.lengths.shape, np.int64), pending=None)
         return cache
 
     def cache_prefix(
@@ -538,27 +529,27 @@ class TorchFacts(call.Facts):
             call.check_call(
                 self, layer, queries, queries, queries, None, causal=causal, dtype=dtype
             )
-            settings = {"sizes": (queries.shape[0], queries.shape[1], queries.shape[1])}
-            settings.update(lens_ndim=None, causal=causal, shortest_length=None)
+            batch, num_queries = queries.shape[:2]
+            sizes, lens_ndim, shortest = (batch, num_queries, num_queries), None, None
         else:
             call.check_cached_call(
                 self, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
             )
-            settings = {"sizes": (queries.shape[0], 1, 2)}
-            settings.update(lens_ndim=1, causal=False, shortest_length=2)
-        plan = spec.plan_kernel(
-            self.kernel,
-            **settings,
+            # The causal rule is in the lengths: one query sees every filled position.
+            sizes, lens_ndim, shortest, causal = (queries.shape[0], 1, 2), 1, 2, False
+        settings = call.kernel_settings(
+            self,
+            queries,
+            sizes=sizes,
+            lens_ndim=lens_ndim,
             lens_integer=True,
+            heads=heads,
+            causal=causal,
             dropout=False,
             return_attention_weights=False,
-            grouped=heads.grouped,
-            dtype_supported=self.kernel_serves(queries),
-            bias=False,
-            softcap=False,
-            window=False,
-            query_positions=False,
-            values_exact=True,
+        )
+        plan = spec.plan_kernel(
+            self.kernel, **settings, values_exact=True, shortest_length=shortest
         )
         plain = (
             dataclasses.replace(plan, is_causal=False) == spec.KernelPlan(fused=True)

@@ -12,6 +12,7 @@ the facts (:mod:`mha_multi.torch._backend`) and imports nothing of them.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,6 +70,21 @@ class CacheCheck:
             first = int(held[0]) if held.ndim == 1 and held.size else None
             self._uniform = first if first is not None and (held == first).all() else None
         return self._uniform
+
+    @classmethod
+    def attach(
+        cls, cache: spec.KVCache, *state: Any, uniform: int | None = -1, **named: Any
+    ) -> CacheCheck | None:
+        """A new check carried by ``cache.lengths`` (``state``, ``named``: the
+        constructor's other arguments; ``uniform`` where known), or ``None`` where one
+        of the cache's tensors is an inference tensor: those keep no version counter
+        to trust a check by."""
+        if any(x.is_inference() for x in cache):
+            return None
+        check = cls(cache, *state, **named)
+        check._uniform = uniform
+        setattr(cache.lengths, CHECKED, check)
+        return check
 
     @staticmethod
     def of(cache: spec.KVCache) -> CacheCheck | None:
@@ -150,10 +166,7 @@ def written_step(
     now = getattr(lengths, CHECKED).lengths + 1
     lengths = from_host(now, lengths.device, lengths.dtype)
     updated = spec.KVCache(keys, values, lengths)
-    if not lengths.is_inference():  # (made under inference mode: no version counter)
-        written = CacheCheck(updated, None, length + 1, now, pending=None)
-        written._uniform = length + 1
-        setattr(lengths, CHECKED, written)
+    CacheCheck.attach(updated, None, length + 1, now, pending=None, uniform=length + 1)
     return keys.narrow(2, 0, length + 1), values.narrow(2, 0, length + 1), updated
 
 
