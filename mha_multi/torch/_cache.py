@@ -79,7 +79,7 @@ class CacheCheck:
         constructor's other arguments; ``uniform`` where known), or ``None`` where one
         of the cache's tensors is an inference tensor: those keep no version counter
         to trust a check by."""
-        if any(x.is_inference() for x in cache):
+        if cache.keys.is_inference() or cache.values.is_inference() or cache.lengths.is_inference():
             return None
         check = cls(cache, *state, **named)
         check._uniform = uniform
@@ -164,7 +164,8 @@ def written_step(
     for kept, x in ((keys, k), (values, v)):
         kept.select(2, length).copy_(x.view(-1, heads.num_kv_heads, heads.head_dim))
     now = getattr(lengths, CHECKED).lengths + 1
-    lengths = from_host(now, lengths.device, lengths.dtype)
+    # Every example holds ``length + 1``: filled where the lengths live, no copy from the host.
+    lengths = torch.full(lengths.shape, length + 1, dtype=lengths.dtype, device=lengths.device)
     updated = spec.KVCache(keys, values, lengths)
     CacheCheck.attach(updated, None, length + 1, now, pending=None, uniform=length + 1)
     return keys.narrow(2, 0, length + 1), values.narrow(2, 0, length + 1), updated

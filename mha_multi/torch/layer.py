@@ -328,7 +328,13 @@ class MultiHeadAttention(nn.Module):
 
     def project_output(self, context: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """``W_o`` of the gated context (the gates need no device: OPS places nothing)."""
-        return project_with(self.W_o, spec.apply_head_mask(OPS, context, gates, self.num_heads))
+        module = self._modules["W_o"]
+        if gates is None and self._sharding is None:
+            # The product itself, as for the stacked input projections: only a
+            # sharded layer's hooks need the module called.
+            parameters = module._parameters
+            return linear(context, parameters["weight"], parameters["bias"])
+        return project_with(module, spec.apply_head_mask(OPS, context, gates, self.num_heads))
 
 
 def _options_repr(options: spec.LayerOptions) -> str:
