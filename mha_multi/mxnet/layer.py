@@ -215,8 +215,8 @@ class MultiHeadAttention(gluon.HybridBlock):
         Raises:
             RuntimeError: the block is not hybridized or was not called yet.
         """
-        graph = self._graphs.last
-        if graph is None or not self._active:
+        graph = self._graphs.exportable(self) if self._active else None
+        if graph is None:
             raise RuntimeError("call hybridize() and then the layer at least once before export()")
         graph.export(path, epoch=epoch, remove_amp_cast=remove_amp_cast)
 
