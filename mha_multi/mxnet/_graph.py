@@ -15,9 +15,14 @@ never rebuild a graph.
 
 A call with a key/value cache (docs: "Generating with a cache") is one more
 configuration: the cache's three arrays are graph inputs and, when the call
-appends, the new cache's three arrays graph outputs, so one graph serves a
-prefill and every decoding step (MXNet's cached graph takes each new length
-as it comes). A ``head_mask`` (docs: "Heads") is the graph's last input.
+appends, the new cache's three arrays graph outputs (the spec's functional
+update), so one graph serves a prefill and every decoding step (MXNet's
+cached graph takes each new length as it comes). That graph serves recorded
+calls and :meth:`~mha_multi.mxnet.MultiHeadAttention.export`. A cached call
+that records nothing writes its rows into the cache's own arrays outside
+the graphs and attends in the graph of a call without keys, over the filled
+positions (:func:`write_in_place`). A ``head_mask`` (docs: "Heads") is the
+graph's last input.
 
 An imperative call runs the same computation (:func:`compute`) on the
 parameters' arrays: the graph runs the imperative code's operations, to the
@@ -381,11 +386,12 @@ def run(
     (:func:`mha_multi.mxnet._projections.empty_attention`); and zero
     gradients for ``W_k`` and ``W_v`` from a cached call that used neither.
 
-    An imperative cached call that records no gradient writes its rows into
-    the given cache's arrays and attends over the filled positions (``fill``,
-    the lengths read on the host; docs: "Generating with a cache"), through
-    :func:`mha_multi.call.attend` on the parameters' arrays; a hybridized
-    layer's graph, and a recorded call, update the cache functionally.
+    A cached call that records no gradient writes its rows into the given
+    cache's arrays and attends over the filled positions (``fill``, the
+    lengths read on the host; docs: "Generating with a cache"): imperative,
+    through :func:`mha_multi.call.attend` on the parameters' arrays;
+    hybridized, in a graph (:func:`write_in_place`). A recorded call updates
+    the cache functionally.
     """
     batch, num_queries = queries.shape[:2]
     appends = keys is not None
