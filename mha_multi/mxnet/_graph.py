@@ -502,6 +502,7 @@ def write_in_place(
     written, visible = FACTS.write_cache(
         ops, cache, k, v, valid_lens, head_dim=heads.head_dim, causal=causal, fill=fill
     )
+    del k, v  # in the cache now: not kept alive while the graph runs
     held_keys, held_values = written.keys, written.values
     max_length = held_keys.shape[2]
     if not return_attention_weights:
