@@ -417,7 +417,7 @@ def run(
     if in_place or scored:
         # Positions and biases run on the parameters' arrays, hybridized or
         # not: MXNet graphs take no host constants (the angles' frequencies,
-        # the ALiBi slopes).
+        # the ALiBi slopes). So does an imperative call that writes in place.
         used = PROJECTIONS if keys is not None else ("q", "o")
         params = parameter_arrays(layer, queries.ctx, queries, keys, values, projections=used)
         layout = {"heads": layer.heads, "num_hiddens": layer.num_hiddens, "dtype": layer.dtype}
