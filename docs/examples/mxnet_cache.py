@@ -9,7 +9,7 @@ from mha_multi.weights import init_weights
 num_hiddens, num_heads, num_kv_heads = 32, 8, 2
 layer = MultiHeadAttention(num_hiddens, num_heads, num_kv_heads=num_kv_heads)
 set_weights(layer, init_weights(num_hiddens, num_heads=num_heads, num_kv_heads=num_kv_heads))
-layer.hybridize()  # the cache's arrays are inputs and outputs of the compiled graph
+layer.hybridize()  # attention in compiled graphs; the cache is written in place
 
 rng = np.random.default_rng(0)
 prompt_lengths = np.array([4, 2, 3])

@@ -186,10 +186,10 @@ class MXNet(Framework):
         return mx.np.concatenate([sequence, token], axis=1)
 
     hand_written = staticmethod(hand_written_decoder)
-    # The layer hybridized (the timing rows' mode: one graph for the prompt
-    # and every step), and imperative: an imperative call that records
-    # nothing writes its cache in place and attends over the filled
-    # positions (docs: "Generating with a cache").
+    # The layer hybridized (the timing rows' mode) and imperative: a call
+    # that records nothing writes its cache in place and attends over the
+    # filled positions, hybridized in a graph that serves the prompt's
+    # lengths and one that serves every step (docs: "Generating with a cache").
     generation_executions = (None, "imperative")
 
     def cached_call(self, layer: Any, execution: str | None = None) -> Callable[..., Any]:

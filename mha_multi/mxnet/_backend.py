@@ -184,7 +184,11 @@ class MXNetFacts(call.Facts):
     attends_filled = True
 
     def span_bucket_of(self, keys: Any) -> int:
-        """1: an imperative call takes any length at no compile cost (graphs take no fill)."""
+        """1: an imperative call takes any length at no compile cost.
+
+        A hybridized call's graph rounds its span to
+        :data:`mha_multi.spec.SPAN_BUCKET` (:func:`mha_multi.mxnet._graph.write_in_place`).
+        """
         return 1
 
     def ops(self, like: mx.np.ndarray) -> MXNetOps:
@@ -312,8 +316,8 @@ class MXNetFacts(call.Facts):
     ) -> tuple[spec.KVCache, Any]:
         """Each example's rows written into the cache's own arrays, by slice assignment.
 
-        Only for a call given ``fill``: the layer passes it to imperative
-        calls that record no gradient (:func:`mha_multi.mxnet._graph.run`).
+        Only for a call given ``fill``: the layer passes it to calls that
+        record no gradient (:func:`mha_multi.mxnet._graph.run`).
         The returned cache shares ``keys`` and ``values`` with the given
         one, with new int32 ``lengths``. Every other call gets the spec's
         functional update.

@@ -15,9 +15,14 @@ never rebuild a graph.
 
 A call with a key/value cache (docs: "Generating with a cache") is one more
 configuration: the cache's three arrays are graph inputs and, when the call
-appends, the new cache's three arrays graph outputs, so one graph serves a
-prefill and every decoding step (MXNet's cached graph takes each new length
-as it comes). A ``head_mask`` (docs: "Heads") is the graph's last input.
+appends, the new cache's three arrays graph outputs (the spec's functional
+update), so one graph serves a prefill and every decoding step (MXNet's
+cached graph takes each new length as it comes). That graph serves recorded
+calls and :meth:`~mha_multi.mxnet.MultiHeadAttention.export`. A cached call
+that records nothing writes its rows into the cache's own arrays outside
+the graphs and attends in the graph of a call without keys, over the filled
+positions (:func:`write_in_place`). A ``head_mask`` (docs: "Heads") is the
+graph's last input.
 
 An imperative call runs the same computation (:func:`compute`) on the
 parameters' arrays: the graph runs the imperative code's operations, to the
@@ -71,6 +76,9 @@ class Config:
     cached: bool = False  # a call with a key/value cache (the cache's arrays are inputs)
     appends: bool = False  # a cached call given new keys and values
     head_mask_ndim: int | None = None  # None: no head_mask; else 1 (H,) or 2 (B, H), an input
+    #: A cached call's attended lengths: 1 ``(B,)``, or 2 ``(B, T)`` where a
+    #: causal chunk was written in place and its rule is in the lengths.
+    held_ndim: int = 1
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -96,7 +104,7 @@ def configure(
             ``(B,)`` int32 where it appends, and the cache's lengths int32.
         causal, return_attention_weights: the call's flags.
     """
-    queries, keys, values, valid_lens, cache_keys, cache_values, _, gates = inputs
+    queries, keys, values, valid_lens, cache_keys, cache_values, cache_lengths, gates = inputs
     options = {
         "heads": layer.heads,
         "dropout": layer.dropout > 0,
@@ -122,8 +130,11 @@ def configure(
     appends = keys is not None
     causal = causal and appends  # without new positions, nothing is causal
     # The attention over the cache: the causal rule is in the lengths
-    # spec.update_cache gives, (B, T) when causal, else (B,).
-    attended = _Lengths(queries.shape[:2] if causal else queries.shape[:1], np.int32)
+    # spec.update_cache gives, (B, T) when causal, else (B,). A call without
+    # keys attends with the cache's lengths as given: (B,), or the (B, T)
+    # visibility of rows written in place before the graph (write_in_place).
+    held_ndim = cache_lengths.ndim
+    attended = _Lengths(queries.shape[:2] if causal else cache_lengths.shape, np.int32)
     plan = call.plan(
         FACTS, queries, cache_keys, cache_values, attended, causal=False, kv_split=True, **options
     )
@@ -134,6 +145,7 @@ def configure(
         plan=plan,
         cached=True,
         appends=appends,
+        held_ndim=held_ndim,
         **common,
     )
 
@@ -263,6 +275,9 @@ class Graphs:
         self.last: AttentionGraph | None = None
         #: ``hybridize``'s arguments, for graphs built later; ``None`` before.
         self.hybridize_args = hybridize_args
+        #: The most recent call, where it wrote a cache in place outside the
+        #: graphs: its inputs' shapes and dtypes, device and flags (:meth:`stand_in`).
+        self.standing: tuple[list[Any], mx.Context, dict[str, bool]] | None = None
 
     def hybridize(self, *args: Any, **kwargs: Any) -> None:
         """Gluon's ``hybridize`` of every graph, built or to be built."""
@@ -281,7 +296,34 @@ class Graphs:
         finally:
             graph.arrays = []  # not kept alive by the graph
         self.last = graph
+        self.standing = None
         return out
+
+    def stand_in(self, inputs: Inputs, **flags: bool) -> None:
+        """Notes a cached call made outside one graph (:func:`write_in_place`), for export.
+
+        Args:
+            inputs: the call's arrays as the functional graph takes them
+                (:data:`Inputs`), the cache as it was given.
+            flags: the call's ``causal`` and ``return_attention_weights``.
+        """
+        shapes = [None if x is None else (x.shape, x.dtype) for x in inputs]
+        self.standing = (shapes, inputs[0].ctx, flags)
+
+    def exportable(self, layer: gluon.HybridBlock) -> AttentionGraph | None:
+        """The graph of the most recent call: a call that wrote in place gets its functional one.
+
+        That graph is traced, and run once on zeros of the call's shapes,
+        here (Gluon exports only a graph that ran).
+        """
+        if self.standing is not None:
+            shapes, ctx, flags = self.standing
+            inputs = tuple(
+                None if found is None else mx.np.zeros(found[0], dtype=found[1], ctx=ctx)
+                for found in shapes
+            )
+            self.run(layer, configure(layer, inputs, **flags), inputs)
+        return self.last
 
     def _graph(self, layer: gluon.HybridBlock, config: Config) -> AttentionGraph:
         graph = self.by_config.get(config)
@@ -344,11 +386,12 @@ def run(
     (:func:`mha_multi.mxnet._projections.empty_attention`); and zero
     gradients for ``W_k`` and ``W_v`` from a cached call that used neither.
 
-    An imperative cached call that records no gradient writes its rows into
-    the given cache's arrays and attends over the filled positions (``fill``,
-    the lengths read on the host; docs: "Generating with a cache"), through
-    :func:`mha_multi.call.attend` on the parameters' arrays; a hybridized
-    layer's graph, and a recorded call, update the cache functionally.
+    A cached call that records no gradient writes its rows into the given
+    cache's arrays and attends over the filled positions (``fill``, the
+    lengths read on the host; docs: "Generating with a cache"): imperative,
+    through :func:`mha_multi.call.attend` on the parameters' arrays;
+    hybridized, in a graph (:func:`write_in_place`). A recorded call updates
+    the cache functionally.
     """
     batch, num_queries = queries.shape[:2]
     appends = keys is not None
@@ -364,12 +407,17 @@ def run(
     if 0 in (batch, num_queries, num_keys):
         output, weights = empty_attention(layer, queries, keys, values, num_keys, gates)
         return call.Result(output, weights if return_attention_weights else None, cache)
-    in_place = fill is not None and appends and not layer._active
-    in_place = in_place and not mx.autograd.is_recording()
-    if in_place or positions is not None or bias is not None or layer_options is not None:
+    in_place = fill is not None and appends and not mx.autograd.is_recording()
+    scored = positions is not None or bias is not None or layer_options is not None
+    if in_place and layer._active and not scored:
+        flags = {"causal": causal, "return_attention_weights": return_attention_weights}
+        return write_in_place(
+            layer, ops, queries, keys, values, valid_lens, cache, gates, fill, **flags
+        )
+    if in_place or scored:
         # Positions and biases run on the parameters' arrays, hybridized or
         # not: MXNet graphs take no host constants (the angles' frequencies,
-        # the ALiBi slopes). So do in-place writes, which graphs cannot make.
+        # the ALiBi slopes). So does an imperative call that writes in place.
         used = PROJECTIONS if keys is not None else ("q", "o")
         params = parameter_arrays(layer, queries.ctx, queries, keys, values, projections=used)
         layout = {"heads": layer.heads, "num_hiddens": layer.num_hiddens, "dtype": layer.dtype}
@@ -413,3 +461,60 @@ def run(
         unused = parameter_arrays(layer, queries.ctx, None, None, None, projections=("k", "v"))
         out = (sum((zero_link(x) for x in unused.values()), out[0]), *out[1:])
     return call.Result(out[0], out[1] if return_attention_weights else None, cache)
+
+
+def write_in_place(
+    layer: gluon.HybridBlock,
+    ops: MXNetOps,
+    queries: Array,
+    keys: Array,
+    values: Array,
+    valid_lens: Array,
+    cache: spec.KVCache,
+    gates: Array | None,
+    fill: spec.CacheFill,
+    *,
+    causal: bool,
+    return_attention_weights: bool,
+) -> call.Result:
+    """A hybridized layer's appending cached call that records nothing.
+
+    The new keys and values are projected and written into the given
+    cache's own arrays by slice assignment (``FACTS.write_cache``, as an
+    imperative call writes them), outside any graph; then the graph of a
+    call without keys attends over the filled positions, rounded up to
+    :data:`mha_multi.spec.SPAN_BUCKET` (:meth:`mha_multi.spec.CacheFill.span`;
+    all ``max_length`` when the weights are returned), with the lengths each
+    query sees, the causal rule in them. MXNet's cached graph takes each
+    span as it comes: a decoding loop traces at most two graphs, one for
+    ``(B,)`` and one for ``(B, T)`` lengths. The returned cache shares
+    ``keys`` and ``values`` with the given one.
+
+    :meth:`Graphs.export` still writes the functional graph of such a call
+    (:meth:`Graphs.stand_in`): an exported graph cannot write in place.
+    """
+    heads = layer.heads
+    params = parameter_arrays(layer, queries.ctx, None, keys, values, projections=("k", "v"))
+    projections = Projections(
+        ops, params, heads=heads, num_hiddens=layer.num_hiddens, dtype=layer.dtype
+    )
+    k, v = projections.project_new(keys, values)
+    written, visible = FACTS.write_cache(
+        ops, cache, k, v, valid_lens, head_dim=heads.head_dim, causal=causal, fill=fill
+    )
+    del k, v  # in the cache now: not kept alive while the graph runs
+    held_keys, held_values = written.keys, written.values
+    max_length = held_keys.shape[2]
+    if not return_attention_weights:
+        span = fill.span(queries.shape[1], max_length)
+        if span < max_length:
+            held_keys, held_values = FACTS.cache_prefix(held_keys, held_values, span)
+    inputs = (queries, None, None, None, held_keys, held_values, visible, gates)
+    flags = {"causal": False, "return_attention_weights": return_attention_weights}
+    out = layer._graphs.run(layer, configure(layer, inputs, **flags), inputs)
+    out = tuple(out) if isinstance(out, (list, tuple)) else (out,)
+    standing = (queries, keys, values, valid_lens, *cache, gates)
+    layer._graphs.stand_in(
+        standing, causal=causal, return_attention_weights=return_attention_weights
+    )
+    return call.Result(out[0], out[1] if return_attention_weights else None, written)

@@ -101,7 +101,11 @@ class Projections:
         q = self._project(queries, "q")
         if keys is None:
             return q, None, None
-        return q, self._project(keys, "k"), self._project(values, "v")
+        return (q, *self.project_new(keys, values))
+
+    def project_new(self, keys: Array, values: Array) -> tuple[Array, Array]:
+        """``(k, v)``: a cached call's new positions, projected to be written into the cache."""
+        return self._project(keys, "k"), self._project(values, "v")
 
     def project_output(self, context: Array, gates: Array | None) -> Array:
         """``W_o`` of the context, each head's slice times its gate."""

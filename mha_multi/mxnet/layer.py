@@ -204,7 +204,8 @@ class MultiHeadAttention(gluon.HybridBlock):
         ``cache.lengths`` (int32), ``data0`` to ``data6``, or queries and the
         cache's three arrays (``data0`` to ``data3``) for a call without keys;
         it returns the output, the weights if that call asked for them, and,
-        when it appends, the cache's new keys, values and lengths. It runs
+        when it appends, the cache's new keys, values and lengths: the
+        functional update, also where the call itself wrote in place. It runs
         without the layer's checks: see :meth:`forward` for what it does with
         lengths the layer would have refused.
 
@@ -215,8 +216,8 @@ class MultiHeadAttention(gluon.HybridBlock):
         Raises:
             RuntimeError: the block is not hybridized or was not called yet.
         """
-        graph = self._graphs.last
-        if graph is None or not self._active:
+        graph = self._graphs.exportable(self) if self._active else None
+        if graph is None:
             raise RuntimeError("call hybridize() and then the layer at least once before export()")
         graph.export(path, epoch=epoch, remove_amp_cast=remove_amp_cast)
 
@@ -299,12 +300,13 @@ class MultiHeadAttention(gluon.HybridBlock):
         positions ``cache.lengths[b]`` on; query ``i`` sees the example's
         kept positions up to its own, ``cache.lengths[b] + i``, when
         ``causal`` (else all of them). ``keys=values=None`` attends to the
-        cache as it is and appends nothing. An imperative call that
-        records nothing (outside ``autograd.record()``) writes the rows into
-        the given cache's ``keys`` and ``values`` and attends over the
-        filled positions only; the returned cache shares them. A hybridized
-        layer's call, and a recorded one, leave the given cache as it was
-        and return a new one (docs: "Generating with a cache").
+        cache as it is and appends nothing. A call that records nothing
+        (outside ``autograd.record()``), imperative or hybridized, writes
+        the rows into the given cache's ``keys`` and ``values`` and attends
+        over the filled positions only (hybridized: rounded up to
+        :data:`mha_multi.spec.SPAN_BUCKET`, in a graph); the returned cache
+        shares them. A recorded call leaves the given cache as it was and
+        returns a new one (docs: "Generating with a cache").
 
         The layer reads the cache's lengths and ``valid_lens`` (one wait for
         the device) and refuses a call that would overflow the cache, in

@@ -9,6 +9,7 @@ the imperative and the hybridized layer alike.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 
@@ -30,6 +31,7 @@ from mxnet_support import (
 from mha_multi import spec
 from mha_multi.mxnet import KVCache, MultiHeadAttention
 from mha_multi.mxnet import harness as backend
+from mha_multi.mxnet._backend import MXNetFacts
 from mha_multi.mxnet._graph import AttentionGraph
 from mha_multi.parity.compare import tolerance
 from mha_multi.parity.decode import chunk_rows, full_reference
@@ -98,12 +100,13 @@ def test_hybridized_and_imperative_decoding_give_the_reference(
     assert error <= tolerance(dtype, "output"), error
 
 
-def test_imperative_calls_recording_nothing_write_the_cache_in_place():
+@pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID], ids=lambda runner: runner.name)
+def test_calls_recording_nothing_write_the_cache_in_place(runner):
     """The ragged schedule, example 2 filling the cache exactly: every call writes
     into the same arrays, with the reference's numbers; an overflow is refused
     with nothing written; a recorded call leaves the given cache as it was."""
     weights, inputs = weights_and_inputs("gqa")
-    layer = layer_of(IMPERATIVE, "gqa", weights)
+    layer = layer_of(runner, "gqa", weights)
     cache = first = layer.init_cache(3, MAX_LENGTH)
     consumed = np.zeros(3, np.int64)
     outputs = np.zeros((3, MAX_LENGTH, NUM_HIDDENS))
@@ -129,10 +132,76 @@ def test_imperative_calls_recording_nothing_write_the_cache_in_place():
         np.testing.assert_array_equal(kept, old)
 
 
-def test_a_decode_loop_traces_one_graph(monkeypatch):
-    # One configuration for the whole schedule (prefill and steps of every
-    # length): one graph, traced once; MXNet's cached graph takes each new
-    # length as it comes.
+@pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID], ids=lambda runner: runner.name)
+def test_uniform_steps_attend_over_the_filled_positions_in_buckets(runner, monkeypatch):
+    # A prompt, then steps of one across the buckets' edges: each call
+    # attends over the filled positions rounded up to spec.SPAN_BUCKET (the
+    # whole cache past the last bucket), with the reference's numbers.
+    spans = []
+    prefix = MXNetFacts.cache_prefix
+
+    def spying(facts, keys, values, span):
+        spans.append(span)
+        return prefix(facts, keys, values, span)
+
+    monkeypatch.setattr(MXNetFacts, "cache_prefix", spying)
+    bucket, max_length, prompt = spec.SPAN_BUCKET, 2 * spec.SPAN_BUCKET + 20, 60
+    length = max_length - 8  # the last steps attend over the whole cache
+    weights = layout_weights("gqa", 1)
+    rng = np.random.default_rng(1)
+    sizes = {"queries": QUERY_SIZE, "keys": NUM_HIDDENS, "values": NUM_HIDDENS}
+    inputs = {
+        name: rng.standard_normal((2, length, size)).astype(np.float32)
+        for name, size in sizes.items()
+    }
+    chunks = [(prompt, [prompt, prompt])] + [(1, [1, 1])] * (length - prompt)
+    layer = layer_of(runner, "gqa", weights)
+    output = runner.decode(layer, inputs, np.array([length, length]), chunks, max_length=max_length)
+    expected = full_reference(weights, inputs, np.array([length, length]), **reference_heads("gqa"))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=tolerance("float32", "output"))
+    # An imperative call takes any length at no cost: its bucket is one.
+    if runner is IMPERATIVE:
+        bucket = 1
+    rounded = [min(-(-n // bucket) * bucket, max_length) for n in prompt + np.arange(len(chunks))]
+    assert spans == [span for span in rounded if span < max_length]
+    if runner is HYBRID:
+        assert set(spans) == {bucket, 2 * bucket}
+        assert len(layer._graphs.by_config) == 2  # the prompt's (B, T) lengths, the steps' (B,)
+
+
+@pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID], ids=lambda runner: runner.name)
+def test_non_finite_inputs_give_the_references_numbers_in_place(runner):
+    # A NaN key and an inf value at kept positions, an inf value at a
+    # padding position (not kept: it reaches nothing), then an inf query.
+    weights, inputs = weights_and_inputs("gqa", seed=3)
+    inputs["keys"][0, 1, 2] = np.nan
+    inputs["values"][1, 0, 0] = np.inf
+    inputs["values"][2, 2, 1] = np.inf  # example 2 keeps 2 of 3
+    inputs["queries"][1, 3, 0] = np.inf
+    layer = layer_of(runner, "gqa", weights)
+    cache = layer.init_cache(3, MAX_LENGTH)
+    for start, stop, new_lens in ((0, 3, [3, 3, 2]), (3, 4, [1, 1, 1])):
+        rows = [x[:, start:stop] for x in inputs.values()]
+        held = as_numpy(cache)
+        output, cache = layer(*native(rows), int32(new_lens), causal=True, cache=cache)
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *rows, held, np.array(new_lens), **reference_heads("gqa"), causal=True
+        )
+        got = backend.to_numpy(output)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
+        assert np.isnan(expected).any()
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(got[finite], expected[finite], rtol=0, atol=5e-6)
+
+
+@pytest.mark.parametrize("recording", [False, True])
+def test_a_decode_loop_traces_one_graph_per_kind_of_lengths(monkeypatch, recording):
+    # Recording nothing, a call writes its rows in place and attends in the
+    # graph of a call without keys: one for the (B,) lengths of steps of
+    # one, one for a causal chunk's (B, T), each traced once whatever the
+    # call's length and span. Recorded, every call is one functional graph.
+    # MXNet's cached graph takes each new shape as it comes.
     traced = []
     original = AttentionGraph.hybrid_forward
 
@@ -144,10 +213,17 @@ def test_a_decode_loop_traces_one_graph(monkeypatch):
     monkeypatch.setattr(AttentionGraph, "hybrid_forward", tracing)
     weights, inputs = weights_and_inputs("gqa")
     layer = layer_of(HYBRID, "gqa", weights)
-    HYBRID.decode(layer, inputs, LENGTHS, CHUNKS, max_length=MAX_LENGTH)
+    with autograd.record() if recording else contextlib.nullcontext():
+        HYBRID.decode(layer, inputs, LENGTHS, CHUNKS, max_length=MAX_LENGTH)
     assert len({num_new for num_new, _ in CHUNKS}) == 3
-    assert len(traced) == 1 and traced[0].cached and traced[0].appends
     assert list(layer._graphs.by_config) == traced
+    if recording:
+        assert len(traced) == 1 and traced[0].cached and traced[0].appends
+    else:
+        assert [(c.cached, c.appends, c.held_ndim) for c in traced] == [
+            (True, False, 2),
+            (True, False, 1),
+        ]
 
 
 def exported(layer, path):
