@@ -104,6 +104,23 @@ class _Backend:
             if leaf is not None:
                 keras.ops.convert_to_numpy(keras.ops.reshape(leaf, (-1,))[:1])
 
+    def span_bucket(self, keys: Tensor) -> int:
+        """What an eager cached call's attended span is a multiple of: 1 where eager
+        kernels take any length at no cost (see :meth:`KerasFacts.span_bucket_of`)."""
+        return 1
+
+    def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
+        """``held`` ``(B, H_kv, M, dh)`` with ``rows`` ``(B, H_kv, T, dh)`` at ``first``.
+
+        A new array (``keras.ops.slice_update``), or with ``in_place`` (where
+        :meth:`writes_in_place`) ``held`` itself, written.
+        """
+        return keras.ops.slice_update(held, (0, 0, first, 0), rows)
+
+    def writes_in_place(self, *arrays: Tensor) -> bool:
+        """Whether an eager call may write a cache of these arrays in place."""
+        return False
+
 
 class _TensorFlow(_Backend):
     """Keras on TensorFlow: ``tf.GradientTape``."""
@@ -178,6 +195,10 @@ class _Jax(_Backend):
     def sync(self, value: Any) -> None:
         self.jax.block_until_ready(value)
 
+    def span_bucket(self, keys: Tensor) -> int:
+        # Eager JAX compiles each operation for each new shape.
+        return spec.SPAN_BUCKET
+
 
 class _Torch(_Backend):
     """Keras on PyTorch: ``torch.autograd.grad``.
@@ -216,6 +237,26 @@ class _Torch(_Backend):
     def sync(self, value: Any) -> None:
         for leaf in keras.tree.flatten(value):
             self.plain.sync(leaf)
+
+    def span_bucket(self, keys: Tensor) -> int:
+        return self.plain.FACTS.span_bucket_of(keys)
+
+    def writes_in_place(self, *arrays: Tensor) -> bool:
+        """No gradient recorded through them, and no inference tensor outside inference mode.
+
+        PyTorch's own layer writes its cache in place in the same calls
+        (:meth:`mha_multi.torch._backend.TorchFacts.write_cache`).
+        """
+        torch = self.torch
+        if torch.is_grad_enabled() and any(x.requires_grad for x in arrays):
+            return False
+        return torch.is_inference_mode_enabled() or not any(x.is_inference() for x in arrays)
+
+    def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
+        if not in_place:
+            return super().write_rows(held, rows, first, in_place=False)
+        held.narrow(2, first, rows.shape[2]).copy_(rows)
+        return held
 
 
 @functools.cache
@@ -413,6 +454,7 @@ class KerasFacts(call.Facts):
     """
 
     kernel = DOT_PRODUCT_ATTENTION
+    attends_filled = True
 
     @property
     def vmap(self) -> Callable[..., Any]:  # type: ignore[override]
@@ -505,6 +547,69 @@ class KerasFacts(call.Facts):
 
     kernel_serves = staticmethod(serves)
     fused_attention = staticmethod(fused_attention)
+
+    # -- the cache ------------------------------------------------------------
+
+    def write_cache(
+        self,
+        ops: Any,
+        cache: spec.KVCache,
+        k: Tensor | None,
+        v: Tensor | None,
+        valid_lens: Any,
+        *,
+        head_dim: int,
+        causal: bool,
+        fill: spec.CacheFill | None,
+    ) -> tuple[spec.KVCache, Tensor]:
+        """The new rows written as one slice where every example appends them at one position.
+
+        An eager call whose lengths were read (``fill``) and whose examples
+        all hold the same length and append all ``T`` positions writes the
+        rows with ``keras.ops.slice_update``, the spec's numbers without its
+        gather and ``where`` over all ``max_length`` positions. On Keras'
+        PyTorch backend, where no gradient is recorded through the cache
+        (``torch.no_grad()``, as PyTorch's own layer), the rows are copied
+        into the cache's own tensors: the returned cache shares ``keys`` and
+        ``values`` with the given one (docs: "Generating with a cache").
+        Anything else (a ragged batch, a traced call) gets the spec's
+        functional update.
+        """
+        num_new = 0 if k is None else k.shape[1]
+        first = None if fill is None or not num_new else fill.uniform_start(num_new)
+        if first is None or not values_readable(k):
+            return super().write_cache(
+                ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal, fill=fill
+            )
+        backend = _active()
+        in_place = backend.writes_in_place(k, v, cache.keys, cache.values)
+        keys, values = (
+            backend.write_rows(
+                held,
+                ops.permute(ops.split_axis(x, 2, (-1, head_dim)), (0, 2, 1, 3)),
+                first,
+                in_place=in_place,
+            )
+            for held, x in ((cache.keys, k), (cache.values, v))
+        )
+        new = spec.appended(ops, cache.lengths, None, num_new)
+        lengths = cache.lengths + new
+        # One new position sees what the lengths say, causal or not (CacheFill.visibility).
+        visible = (
+            spec.cached_visibility(ops, cache.lengths, new, num_new, causal=True)
+            if causal and num_new > 1
+            else lengths
+        )
+        return spec.KVCache(keys, values, lengths), visible
+
+    def cache_prefix(self, keys: Tensor, values: Tensor, span: int) -> tuple[Tensor, Tensor]:
+        return keys[:, :, :span], values[:, :, :span]
+
+    def span_bucket_of(self, keys: Tensor) -> int:
+        """1 where the backend's eager kernels take any length at no cost (TensorFlow,
+        PyTorch's CPU); the spec's bucket on JAX, whose eager operations compile for
+        each new shape, and on PyTorch's GPU (as :class:`mha_multi.torch._backend.TorchFacts`)."""
+        return _active().span_bucket(keys)
 
     def plan_values(
         self, q: Tensor, k: Tensor, v: Tensor, valid_lens: Any, heads: spec.Heads

@@ -22,6 +22,7 @@ __all__ = [
     "FUSED_BACKENDS",
     "FUSED_DTYPES",
     "FUSED_SCORE_LIMIT",
+    "dot_product_attention",
     "fused_attention",
     "serves",
 ]
@@ -66,6 +67,47 @@ DOT_PRODUCT_ATTENTION = spec.FusedKernel(
     "keras.ops.dot_product_attention",
     takes_grouped_heads=keras.backend.backend() != "tensorflow",
 )
+
+
+def dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+) -> Any:
+    """``keras.ops.dot_product_attention`` of ``(B, T, H, dh)`` arrays, as the layer calls it.
+
+    On Keras' PyTorch backend, PyTorch's ``scaled_dot_product_attention``
+    called as Keras calls it (the same additive mask), but on the arrays as
+    they are: Keras repeats grouped key/value heads and copies every
+    argument into a contiguous array first, which for a cache's filled
+    positions (a view) is a cache-sized copy at every decoding step; PyTorch
+    takes grouped heads (``enable_gqa``) and strided arrays itself.
+    """
+    if keras.backend.backend() != "torch" or (mask is not None and is_causal):
+        return keras.ops.dot_product_attention(
+            query, key, value, mask=mask, scale=scale, is_causal=is_causal
+        )
+    import torch
+
+    if mask is not None:
+        # Keras' mask: 0 where visible, -0.7 times the dtype's largest value where hidden.
+        largest = 65500.0 if query.dtype == torch.float16 else 3.38953e38
+        hidden = torch.tensor(largest * -0.7, dtype=query.dtype, device=query.device)
+        mask = torch.where(torch.as_tensor(mask, dtype=torch.bool), 0.0, hidden)
+    grouped = {"enable_gqa": True} if key.shape[2] != query.shape[2] else {}
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        **grouped,
+    )
+    return output.transpose(1, 2)
 
 
 def serves(q: Any) -> bool:
@@ -134,7 +176,7 @@ def fused_attention(
     mask = plan.mask(ops, num_queries, num_keys, valid_lens)
     if mask is not None and ops.ndim(mask) == 2:  # (Q, K) -> (1, 1, Q, K) for every kernel
         mask = ops.expand_dims(ops.expand_dims(mask, 0), 0)
-    output = keras.ops.dot_product_attention(
+    output = dot_product_attention(
         q, k, v, mask=mask, scale=1.0 / math.sqrt(heads.head_dim), is_causal=plan.is_causal
     )
     visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)

@@ -11,6 +11,7 @@ functional API alike.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -77,6 +78,23 @@ def matmul_16_bit(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     return ops.cast(product, dtype)
 
 
+def _shape(x: Tensor) -> list[Any]:
+    """``keras.ops.shape(x)`` as a list, read from ``x.shape`` where every size is static.
+
+    The same sizes: ``keras.ops.shape`` asks the backend for the dynamic shape
+    (an operation on TensorFlow) only to fill in the sizes ``x.shape`` lacks.
+    """
+    shape = list(x.shape)
+    return shape if all(isinstance(size, int) for size in shape) else list(ops.shape(x))
+
+
+#: Keras' TensorFlow backend computes a ``(..., n, k) @ (k, m)`` product with
+#: ``tf.tensordot``, which reshapes to one 2-D ``tf.matmul`` through a dozen
+#: Python-level operations per call; :meth:`KerasOps.matmul` makes the same
+#: 2-D product itself there (the same numbers).
+_FLATTENS_TENSORDOT = keras.backend.backend() == "tensorflow"
+
+
 def index_dtype() -> str:
     """The integer dtype an int64 numpy array becomes on the active backend.
 
@@ -90,13 +108,13 @@ class KerasOps:
     """:class:`mha_multi.spec.ArrayOps` on ``keras.ops`` (any Keras backend)."""
 
     def split_axis(self, x: Tensor, axis: int, sizes: tuple[int, int]) -> Tensor:
-        shape = list(ops.shape(x))
+        shape = _shape(x)
         axis %= len(shape)
         sizes = spec.static_split_sizes(shape[axis], sizes)
         return ops.reshape(x, [*shape[:axis], *sizes, *shape[axis + 1 :]])
 
     def merge_axes(self, x: Tensor, axis: int) -> Tensor:
-        shape = list(ops.shape(x))
+        shape = _shape(x)
         axis %= len(shape)
         # No -1: a reshape cannot infer it when another axis is empty (B = 0,
         # Q = 0). Unknown sizes are scalar tensors, whose product is one too.
@@ -117,6 +135,12 @@ class KerasOps:
             return ops.einsum("...ij,...jk->...ik", a, b)
         if is_16_bit(a.dtype) and is_16_bit(b.dtype):
             return matmul_16_bit(a, b)
+        if _FLATTENS_TENSORDOT and len(b.shape) == 2 and len(a.shape) > 2:
+            shape = _shape(a)
+            if all(isinstance(size, int) for size in shape) and a.dtype == b.dtype:
+                # tf.tensordot's own reshapes, around the same tf.matmul.
+                flat = ops.reshape(a, (math.prod(shape[:-1]), shape[-1]))
+                return ops.reshape(ops.matmul(flat, b), (*shape[:-1], b.shape[1]))
         return ops.matmul(a, b)
 
     def swap_last(self, x: Tensor) -> Tensor:

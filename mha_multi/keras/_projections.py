@@ -143,8 +143,12 @@ class ProjectionLayer(keras.layers.Layer):
 
     def _project(self, x: Any, name: str) -> Any:
         dtype = self.compute_dtype
-        x = keras.ops.cast(x, dtype)
-        kernel = keras.ops.cast(getattr(self, f"W_{name}"), dtype)
+        # (No cast where the dtype is the compute dtype already: an eager
+        # operation each, on TensorFlow a dozen Python calls, for nothing.)
+        if OPS.dtype(x) != dtype:
+            x = keras.ops.cast(x, dtype)
+        weight = getattr(self, f"W_{name}")
+        kernel = weight.value if OPS.dtype(weight) == dtype else keras.ops.cast(weight, dtype)
         bias = getattr(self, f"b_{name}")
         if is_16_bit(dtype):
             # The bias joins the float32 accumulator: x @ W + b is rounded once.

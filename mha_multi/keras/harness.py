@@ -25,7 +25,7 @@ import keras
 
 from mha_multi import spec
 from mha_multi.call import INPUT_NAMES, check_cache_values
-from mha_multi.keras import _backend
+from mha_multi.keras import _backend, _kernel
 from mha_multi.keras._backend import BACKEND, FACTS, device_of, device_scope
 from mha_multi.keras._native import native_gqa_layer, native_layer
 from mha_multi.keras.importance import head_mask_gradient
@@ -544,7 +544,8 @@ def init_cache(layer: MultiHeadAttention, batch_size: int, max_length: int) -> s
 
 @contextlib.contextmanager
 def kernel_spy() -> Iterator[list[KernelCall]]:
-    """Records every call of ``keras.ops.dot_product_attention`` while active.
+    """Records every call of the fused kernel while active
+    (:func:`mha_multi.keras._kernel.dot_product_attention`).
 
     Yields:
         A list that gets one :class:`~mha_multi.parity.runners.KernelCall`
@@ -552,7 +553,7 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
         (the kernel takes no key lengths and no dropout).
     """
     calls: list[KernelCall] = []
-    original = keras.ops.dot_product_attention
+    original = _kernel.dot_product_attention
     signature = inspect.signature(original)
 
     def recording(*args: Any, **kwargs: Any) -> Tensor:
@@ -564,8 +565,8 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
         )
         return original(*args, **kwargs)
 
-    keras.ops.dot_product_attention = recording
+    _kernel.dot_product_attention = recording  # type: ignore[assignment]
     try:
         yield calls
     finally:
-        keras.ops.dot_product_attention = original
+        _kernel.dot_product_attention = original  # type: ignore[assignment]

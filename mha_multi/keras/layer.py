@@ -76,7 +76,10 @@ class MultiHeadAttention(ProjectionLayer):
     ``cache=`` appends the projected new keys and values at each example's
     own positions and attends to everything the cache holds, returning the
     updated cache with the output. The cache is a named tuple of tensors, so
-    it passes through ``tf.function`` and ``jax.jit`` as it is.
+    it passes through ``tf.function`` and ``jax.jit`` as it is. On Keras'
+    PyTorch backend an eager call recording no gradient (``torch.no_grad()``)
+    whose examples all write at one position writes the given cache's
+    ``keys`` and ``values`` in place, as PyTorch's own layer does.
 
     Heads (docs: "Heads"): ``head_mask=`` gates each head's context before
     ``W_o`` on every path; :func:`head_importance` measures the heads by the

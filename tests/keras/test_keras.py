@@ -462,3 +462,45 @@ def test_weights_round_trip_and_reference_on_each_device(runner, cases, availabl
     np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)
     got = get_weights(layer)
     assert all(got[k].tobytes() == case.weights[k].tobytes() for k in case.weights)
+
+
+# -- the small call's own work ------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 16), (2, 5, 16), (3, 2, 4, 16)])
+def test_the_flattened_product_is_keras_matmul_to_the_bit(shape):
+    from mha_multi.keras._ops import OPS
+
+    rng = np.random.default_rng(11)
+    a = backend.to_native(rng.standard_normal(shape))
+    b = backend.to_native(rng.standard_normal((shape[-1], 24)))
+    ours, theirs = OPS.matmul(a, b), keras.ops.matmul(a, b)
+    assert tuple(ours.shape) == tuple(theirs.shape)
+    np.testing.assert_array_equal(backend.to_numpy(ours), backend.to_numpy(theirs))
+
+
+@pytest.mark.parametrize("num_queries", [1, 16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_small_call_gives_the_numbers_of_keras_own_product(monkeypatch, num_queries, causal):
+    # Against the float64 reference, and to the bit against keras.ops.matmul's
+    # own route for (..., n, k) @ (k, m).
+    import mha_multi.keras._ops as ops_module
+
+    weights = init_weights(16, num_heads=4, seed=12)
+    layer = set_weights(
+        MultiHeadAttention(16, 4, query_size=16, key_size=16, value_size=16), weights
+    )
+    x = np.random.default_rng(12).standard_normal((1, num_queries, 16)).astype(np.float32)
+    native = backend.to_native(x)
+    output = backend.to_numpy(layer(native, native, native, causal=causal))
+    expected, _ = spec.reference_forward(weights, x, x, x, num_heads=4, causal=causal)
+    np.testing.assert_allclose(output, expected, rtol=0, atol=5e-6)
+    with pytest.raises(ValueError) as raised:
+        layer(native, native, backend.to_native(x[:, :, :8]))
+    monkeypatch.setattr(ops_module, "_FLATTENS_TENSORDOT", False)
+    np.testing.assert_array_equal(
+        backend.to_numpy(layer(native, native, native, causal=causal)), output
+    )
+    with pytest.raises(ValueError) as again:
+        layer(native, native, backend.to_native(x[:, :, :8]))
+    assert str(again.value) == str(raised.value)

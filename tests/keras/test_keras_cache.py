@@ -12,6 +12,8 @@ against the float64 reference.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -201,6 +203,154 @@ def test_a_cache_made_inside_a_jitted_stateless_call():
     expected, _ = spec.reference_forward(weights, x, x, x, num_heads=4, causal=True)
     np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
     assert backend.to_numpy(cache.lengths).tolist() == [2, 2, 2]
+
+
+# -- eager writes ------------------------------------------------------------------
+
+
+def functional_updates(monkeypatch):
+    """Records each call of the spec's functional update of a cache."""
+    calls = []
+    original = spec.update_cache
+
+    def recording(*args, **kwargs):
+        calls.append(args[3].shape[1])  # the new positions
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(spec, "update_cache", recording)
+    return calls
+
+
+def without_gradients(recorded):
+    """Where gradients are not recorded: ``torch.no_grad()`` on Keras' PyTorch backend."""
+    if recorded or backend.BACKEND != "torch":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.no_grad()
+
+
+def prefilled(layer, x, lengths, max_length):
+    """A cache of ``max_length`` holding ``lengths`` of ``x``'s first three positions."""
+    cache = layer.init_cache(3, max_length)
+    prompt = [backend.to_native(x[name][:, :3]) for name in backend.INPUT_NAMES]
+    _, cache = layer(*prompt, backend.lens_to_native(np.array(lengths)), causal=True, cache=cache)
+    return cache
+
+
+def assert_cache_is(cache, expected):
+    """The lengths, and every position they hold, those of the reference's cache."""
+    cache = native_cache(cache)
+    assert cache.lengths.tolist() == expected.lengths.tolist()
+    for b, held in enumerate(expected.lengths):
+        for name in ("keys", "values"):
+            np.testing.assert_allclose(
+                getattr(cache, name)[b, :, :held],
+                getattr(expected, name)[b, :, :held],
+                rtol=0,
+                atol=5e-6,
+            )
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["gradients", "no gradients"])
+@pytest.mark.parametrize("room", [0, 1], ids=["fills the cache", "leaves room"])
+@pytest.mark.parametrize("chunk", [1, 2])
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_eager_call_at_one_position_writes_its_rows_as_a_slice(
+    monkeypatch, causal, chunk, room, recorded
+):
+    weights = grouped_weights(6)
+    layer = layer_of(weights)
+    x = sequences(6)
+    with without_gradients(recorded):
+        cache = prefilled(layer, x, [3, 3, 3], 3 + chunk + room)
+        before = native_cache(cache)
+        rows = [x[name][:, 3 : 3 + chunk] for name in backend.INPUT_NAMES]
+        functional = functional_updates(monkeypatch)
+        output, after = layer(*map(backend.to_native, rows), causal=causal, cache=cache)
+    assert functional == []
+    expected, _, expected_cache = spec.reference_cached_forward(
+        weights, *rows, before, **HEADS, causal=causal
+    )
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+    assert_cache_is(after, expected_cache)
+    if backend.BACKEND == "torch" and not recorded:
+        # No gradient through it: written in place, as PyTorch's own layer does.
+        assert after.keys is cache.keys and after.values is cache.values
+    else:
+        np.testing.assert_array_equal(native_cache(cache).keys, before.keys)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["gradients", "no gradients"])
+@pytest.mark.parametrize(
+    ("lengths", "new_lens"),
+    [([3, 1, 2], None), ([3, 3, 3], [1, 0, 1])],
+    ids=["ragged lengths", "ragged new positions"],
+)
+def test_a_ragged_eager_call_takes_the_functional_update(monkeypatch, lengths, new_lens, recorded):
+    weights = grouped_weights(7)
+    layer = layer_of(weights)
+    x = sequences(7)
+    with without_gradients(recorded):
+        cache = prefilled(layer, x, lengths, MAX_LENGTH)
+        before = native_cache(cache)
+        rows = [x[name][:, 3:4] for name in backend.INPUT_NAMES]
+        functional = functional_updates(monkeypatch)
+        lens = None if new_lens is None else backend.lens_to_native(np.array(new_lens))
+        output, after = layer(*map(backend.to_native, rows), lens, causal=True, cache=cache)
+    assert functional == [1]
+    expected, _, expected_cache = spec.reference_cached_forward(
+        weights, *rows, before, new_lens, **HEADS, causal=True
+    )
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+    assert_cache_is(after, expected_cache)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["gradients", "no gradients"])
+def test_an_overflow_at_one_position_is_refused_and_writes_nothing(recorded):
+    layer = layer_of(grouped_weights(8))
+    x = sequences(8)
+    with without_gradients(recorded):
+        cache = prefilled(layer, x, [3, 3, 3], 4)
+        before = native_cache(cache)
+        rows = [backend.to_native(x[name][:, 3:5]) for name in backend.INPUT_NAMES]
+        with pytest.raises(ValueError, match="overflows: example 0 would hold 5"):
+            layer(*rows, causal=True, cache=cache)
+    for held, kept in zip(native_cache(cache), before, strict=True):
+        np.testing.assert_array_equal(held, kept)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["gradients", "no gradients"])
+def test_non_finite_rows_at_one_position_give_the_references_numbers(monkeypatch, recorded):
+    # Example 0's new query is NaN, example 1's new key +inf; the next call
+    # attends to the cache holding them.
+    weights = grouped_weights(9)
+    layer = layer_of(weights)
+    x = sequences(9)
+    x["queries"][0, 3, 1] = np.nan
+    x["keys"][1, 3, 2] = np.inf
+    x["values"][2, 4, 0] = -np.inf
+    with without_gradients(recorded):
+        cache = prefilled(layer, x, [3, 3, 3], MAX_LENGTH)
+        functional = functional_updates(monkeypatch)
+        for start in (3, 4):
+            before = native_cache(cache)
+            rows = [x[name][:, start : start + 1] for name in backend.INPUT_NAMES]
+            output, cache = layer(*map(backend.to_native, rows), causal=True, cache=cache)
+            expected, _, expected_cache = spec.reference_cached_forward(
+                weights, *rows, before, **HEADS, causal=True
+            )
+            np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+            assert_cache_is(cache, expected_cache)
+    assert functional == []
+
+
+def test_compiled_calls_keep_the_functional_update(monkeypatch):
+    layer = layer_of(grouped_weights(10))
+    step, traces = traced_step(layer, monkeypatch)
+    functional = functional_updates(monkeypatch)
+    run_schedule(layer, step)
+    assert functional == [shape[1] for shape in traces]
 
 
 # -- the kernel plan ---------------------------------------------------------------
