@@ -39,6 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--devices",
         help="comma-separated devices to run on, of cpu and gpu (default: every one present)",
     )
+    run.add_argument(
+        "--ways",
+        help="comma-separated ways of generating to time, of cached, recompute, hand-written"
+        " and native (default: every one the backend has)",
+    )
     run.add_argument("backends", nargs="+", choices=sorted(BENCHMARKS))
     report = commands.add_parser("report", help="print and write report.md from results")
     report.add_argument("--results", required=True)
@@ -91,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kwargs |= {"generation": None} if args.only != "generation" else {}
             if args.devices:
                 kwargs["devices"] = args.devices.split(",")
+            if args.ways:
+                kwargs["generation_ways"] = args.ways.split(",")
             results = driver.run(driver.load(backend), **kwargs)
             for result in results:
                 result["machine"] = machine_info()

@@ -551,6 +551,7 @@ def run(
     sharded_lengths: Sequence[int] = (256,),
     small_lengths: Sequence[int] = (1, 16),
     devices: Sequence[str] | None = None,
+    generation_ways: Sequence[str] | None = None,
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -578,6 +579,9 @@ def run(
             decoder, a short sequence.
         devices: the devices to benchmark on, of those the framework has
             (``"cpu"``, ``"gpu"``); ``None`` for all of them.
+        generation_ways: the ways of generating to time (``"cached"``,
+            ``"recompute"``, ``"hand-written"``, ``"native"``); ``None`` for
+            every one the framework has.
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -625,6 +629,7 @@ def run(
                             replace(generation, num_kv_heads=heads),
                             ITEMSIZE[dtype],
                             execution=execution,
+                            ways=generation_ways,
                         )
         if device == "cpu":
             for length in sharded_lengths:

@@ -28,7 +28,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -170,6 +170,7 @@ def run_generation(
     itemsize: int,
     *,
     execution: str | None = None,
+    ways: Sequence[str] | None = None,
 ) -> list[Measurement]:
     """Times every generator of ``framework`` and measures the cached one's peak memory.
 
@@ -178,7 +179,8 @@ def run_generation(
     A warm-up generation of a few tokens loads kernels and compiles first;
     then ``recompute`` generates alone, and the other ways in turns
     (:func:`generate_in_turns`). Peak memory is measured for the first
-    execution mode only.
+    execution mode only. ``ways`` keeps only the generators of those names
+    (``None``: all).
     """
     rng = np.random.default_rng(0)
     prompt_np = rng.standard_normal((shape.batch, shape.prompt, shape.num_hiddens)).astype(
@@ -188,6 +190,8 @@ def run_generation(
     label = framework.label(execution)
     note_shape = {**vars(shape.attention_shape()), "prompt": shape.prompt}
     makers = framework.generators(shape, device, dtype, execution)
+    if ways is not None:
+        makers = {name: make for name, make in makers.items() if name in ways}
     failed: dict[str, Exception] = {}
     for name, make in makers.items():
         try:
