@@ -1,0 +1,288 @@
+"""What differs between Keras' backends: one class each, and the process's devices.
+
+The layer's facts (:mod:`mha_multi.keras._backend`) ask the active
+backend's class here for devices, GPU detection, the settings for exact
+float32 products, whether values can be read now, and how a cache's rows
+are written (a new array, or in place on PyTorch without gradients). Only
+the active backend's class is created, so only that framework is ever
+imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from mha_multi import spec
+
+#: The Keras backend of this process: ``"tensorflow"``, ``"jax"`` or ``"torch"``.
+BACKEND: str = keras.backend.backend()
+
+Tensor = Any
+
+
+# -- what differs per Keras backend --------------------------------------------------
+
+
+class _Backend:
+    """What one Keras backend does its own way."""
+
+    def gpu_available(self) -> bool:
+        raise NotImplementedError
+
+    def gpu_name(self) -> str:
+        raise NotImplementedError
+
+    def device_of(self, x: Tensor) -> str:
+        raise NotImplementedError
+
+    def exact_float32(self) -> None:
+        raise NotImplementedError
+
+    def enable_float64(self) -> None:
+        """Nothing to enable where float64 arrays are always available."""
+
+    def values_readable(self, x: Tensor) -> bool:
+        raise NotImplementedError
+
+    def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        """The gradient of the scalar ``function(x)`` with respect to ``x``, eagerly."""
+        raise NotImplementedError
+
+    def sync(self, value: Any) -> None:
+        # Reading one element waits for the operation that produced the array.
+        for leaf in keras.tree.flatten(value):
+            if leaf is not None:
+                keras.ops.convert_to_numpy(keras.ops.reshape(leaf, (-1,))[:1])
+
+    def span_bucket(self, keys: Tensor) -> int:
+        """What an eager cached call's attended span is a multiple of: 1 where eager
+        kernels take any length at no cost (see :meth:`KerasFacts.span_bucket_of`)."""
+        return 1
+
+    def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
+        """``held`` ``(B, H_kv, M, dh)`` with ``rows`` ``(B, H_kv, T, dh)`` at ``first``.
+
+        A new array (``keras.ops.slice_update``), or with ``in_place`` (where
+        :meth:`writes_in_place`) ``held`` itself, written.
+        """
+        return keras.ops.slice_update(held, (0, 0, first, 0), rows)
+
+    def writes_in_place(self, *arrays: Tensor) -> bool:
+        """Whether an eager call may write a cache of these arrays in place."""
+        return False
+
+
+class _TensorFlow(_Backend):
+    """Keras on TensorFlow: ``tf.GradientTape``."""
+
+    def __init__(self) -> None:
+        import tensorflow as tf
+
+        self.tf = tf
+
+    def gpu_available(self) -> bool:
+        return bool(self.tf.config.list_physical_devices("GPU"))
+
+    def gpu_name(self) -> str:
+        gpu = self.tf.config.list_physical_devices("GPU")[0]
+        return str(self.tf.config.experimental.get_device_details(gpu).get("device_name", "gpu"))
+
+    def device_of(self, x: Tensor) -> str:
+        return "gpu" if "GPU" in x.device.upper() else "cpu"
+
+    def exact_float32(self) -> None:
+        self.tf.config.experimental.enable_tensor_float_32_execution(False)
+
+    def values_readable(self, x: Tensor) -> bool:
+        return self.tf.executing_eagerly() and not isinstance(x, keras.KerasTensor)
+
+    def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        with self.tf.GradientTape() as tape:
+            tape.watch(x)
+            y = function(x)
+        return tape.gradient(y, x)
+
+
+class _Jax(_Backend):
+    """Keras on JAX: ``jax.grad``.
+
+    The facts of plain JAX are written again here rather than taken from
+    :mod:`mha_multi.jax`: that package imports Flax, which Keras' JAX
+    environment does not install.
+    """
+
+    def __init__(self) -> None:
+        import jax
+
+        self.jax = jax
+
+    def gpu_available(self) -> bool:
+        try:
+            return bool(self.jax.devices("gpu"))
+        except RuntimeError:
+            return False
+
+    def gpu_name(self) -> str:
+        return str(self.jax.devices("gpu")[0].device_kind)
+
+    def device_of(self, x: Tensor) -> str:
+        platform = next(iter(x.devices())).platform
+        return "cpu" if platform == "cpu" else "gpu"
+
+    def exact_float32(self) -> None:
+        self.jax.config.update("jax_default_matmul_precision", "highest")
+
+    def enable_float64(self) -> None:
+        self.jax.config.update("jax_enable_x64", True)
+
+    def values_readable(self, x: Tensor) -> bool:
+        return not isinstance(x, (self.jax.core.Tracer, keras.KerasTensor))
+
+    def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        # The layer's variables enter the trace as the constants they are.
+        return self.jax.grad(function)(x)
+
+    def sync(self, value: Any) -> None:
+        self.jax.block_until_ready(value)
+
+    def span_bucket(self, keys: Tensor) -> int:
+        # Eager JAX compiles each operation for each new shape.
+        return spec.SPAN_BUCKET
+
+
+class _Torch(_Backend):
+    """Keras on PyTorch: ``torch.autograd.grad``.
+
+    Devices and precision are plain PyTorch's (:mod:`mha_multi.torch._backend`).
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        from mha_multi.torch import _backend as torch_backend
+
+        self.torch = torch
+        self.plain = torch_backend
+
+    def gpu_available(self) -> bool:
+        return self.plain.gpu_available()
+
+    def gpu_name(self) -> str:
+        return self.plain.device_description("gpu")
+
+    def device_of(self, x: Tensor) -> str:
+        return "gpu" if x.device.type == "cuda" else "cpu"
+
+    def exact_float32(self) -> None:
+        self.plain.exact_float32()
+
+    def values_readable(self, x: Tensor) -> bool:
+        return not self.torch.compiler.is_compiling()
+
+    def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        x = x.detach().requires_grad_(True)
+        (grad,) = self.torch.autograd.grad(function(x), [x], allow_unused=True)
+        return self.torch.zeros_like(x) if grad is None else grad
+
+    def sync(self, value: Any) -> None:
+        for leaf in keras.tree.flatten(value):
+            self.plain.sync(leaf)
+
+    def span_bucket(self, keys: Tensor) -> int:
+        return self.plain.FACTS.span_bucket_of(keys)
+
+    def writes_in_place(self, *arrays: Tensor) -> bool:
+        """No gradient recorded through them, and no inference tensor outside inference mode.
+
+        PyTorch's own layer writes its cache in place in the same calls
+        (:meth:`mha_multi.torch._backend.TorchFacts.write_cache`).
+        """
+        torch = self.torch
+        if torch.is_grad_enabled() and any(x.requires_grad for x in arrays):
+            return False
+        return torch.is_inference_mode_enabled() or not any(x.is_inference() for x in arrays)
+
+    def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
+        if not in_place:
+            return super().write_rows(held, rows, first, in_place=False)
+        held.narrow(2, first, rows.shape[2]).copy_(rows)
+        return held
+
+
+@functools.cache
+def active() -> _Backend:
+    """The facts of the Keras backend this process runs, made on first use.
+
+    Not at import: the documentation imports this module against mocked
+    frameworks, where there is no backend to look up.
+    """
+    return {"tensorflow": _TensorFlow, "jax": _Jax, "torch": _Torch}[BACKEND]()
+
+
+# -- devices and precision ---------------------------------------------------------
+
+
+def gpu_available() -> bool:
+    """Whether the framework under Keras sees a GPU."""
+    return active().gpu_available()
+
+
+def device_description(name: str) -> str:
+    """The device as reports name it: the GPU's model, or ``"cpu"``.
+
+    Args:
+        name: ``"cpu"`` or ``"gpu"``.
+    """
+    return active().gpu_name() if name == "gpu" else "cpu"
+
+
+def device_scope(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Creates tensors and variables on ``name`` (``"cpu"`` or ``"gpu"``) while active.
+
+    No device index: Keras on PyTorch turns variables created under
+    ``"cpu:0"`` into plain tensors (its Parameter is moved with ``.to()``).
+    """
+    return keras.device(name)
+
+
+def device_of(x: Tensor) -> str:
+    """``"gpu"`` or ``"cpu"``: where the tensor ``x`` lives."""
+    return active().device_of(x)
+
+
+def exact_float32() -> None:
+    """IEEE float32 products on GPU: TF32 off, or the highest matmul precision.
+
+    Process-wide settings the layer leaves to its caller (docs: "Architecture").
+    """
+    active().exact_float32()
+
+
+def enable_float64() -> None:
+    """float64 arrays, which JAX gives only with ``jax_enable_x64``."""
+    active().enable_float64()
+
+
+def values_readable(x: Tensor) -> bool:
+    """Whether the values of ``x`` can be read now (eager execution).
+
+    Inside ``tf.function``, under ``jax.jit`` or while ``torch.compile``
+    traces, a tensor has no value yet, and a branch on one would fail (or,
+    in PyTorch, break the graph).
+    """
+    return active().values_readable(x)
+
+
+def scalar_gradient(function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """The gradient of the scalar ``function(x)`` with respect to ``x``, eagerly."""
+    return active().scalar_gradient(function, x)
+
+
+def sync(value: Any) -> None:
+    """Waits until ``value`` (a tensor, or a nest of them) is computed."""
+    active().sync(value)
