@@ -197,15 +197,11 @@ class _Torch(_Backend):
         return self.plain.FACTS.span_bucket_of(keys)
 
     def writes_in_place(self, *arrays: Tensor) -> bool:
-        """No gradient recorded through them, and no inference tensor outside inference mode.
+        """In the calls PyTorch's own layer writes its cache in place
+        (:func:`mha_multi.torch._cache.writes_in_place`)."""
+        from mha_multi.torch._cache import writes_in_place
 
-        PyTorch's own layer writes its cache in place in the same calls
-        (:meth:`mha_multi.torch._backend.TorchFacts.write_cache`).
-        """
-        torch = self.torch
-        if torch.is_grad_enabled() and any(x.requires_grad for x in arrays):
-            return False
-        return torch.is_inference_mode_enabled() or not any(x.is_inference() for x in arrays)
+        return writes_in_place(*arrays)
 
     def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
         if not in_place:

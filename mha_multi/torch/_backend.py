@@ -29,6 +29,7 @@ from mha_multi.torch._cache import (
     Written,
     finite_sum,
     from_host,
+    writes_in_place,
     written_step,
 )
 from mha_multi.torch._ops import (
@@ -336,14 +337,7 @@ class TorchFacts(call.Facts):
             fill is not None
             and k is not None
             and not torch.compiler.is_compiling()
-            and not (
-                torch.is_grad_enabled()
-                and any(x.requires_grad for x in (k, v, cache.keys, cache.values))
-            )
-            and (
-                torch.is_inference_mode_enabled()
-                or not (cache.keys.is_inference() or cache.values.is_inference())
-            )
+            and writes_in_place(k, v, cache.keys, cache.values)
         )
         if not in_place or k.shape[1] == 0:
             return super().write_cache(

@@ -20,6 +20,7 @@ import torch
 from mha_multi import spec
 
 __all__ = [
+    "writes_in_place",
     "CHECKED",
     "CacheCheck",
     "Written",
@@ -152,6 +153,17 @@ def from_host(array: np.ndarray, device: torch.device, dtype: torch.dtype | None
 
 #: The attribute of a cache's lengths tensor that holds its :class:`CacheCheck`.
 CHECKED = "_mha_multi_checked"
+
+
+def writes_in_place(
+    k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> bool:
+    """Whether an eager call may copy its new rows ``k``, ``v`` into a cache's ``keys``,
+    ``values``: no gradient recorded through any of them, and no inference tensor
+    written outside inference mode (docs: "Generating with a cache")."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, keys, values)):
+        return False
+    return torch.is_inference_mode_enabled() or not (keys.is_inference() or values.is_inference())
 
 
 def written_step(
