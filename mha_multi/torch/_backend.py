@@ -434,7 +434,9 @@ class TorchFacts(call.Facts):
         tensors: the numbers are its numbers to the bit, and a cache and its
         check are left as it leaves them. Anything else, non-finite values
         included, returns ``None`` before writing anything, and the generic
-        flow runs the call (docs: "Fast paths").
+        flow runs the call (docs: "Fast paths"). ``layer`` is a PyTorch
+        layer: its self-attention projections are one product
+        (``project_stacked``), whose one sum is the finiteness read.
         """
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
@@ -447,9 +449,12 @@ class TorchFacts(call.Facts):
         if sdpa is None:
             return None
         heads = layer.heads
-        q, k, v = layer.project_inputs(queries, queries, queries)
-        if not math.isfinite(finite_sum(q, k, v).item()):
+        # Self-attention's three projections are one product: one pass reads them all.
+        projected = layer.project_stacked(queries)
+        if not math.isfinite(projected.detach().sum(dtype=torch.float32).item()):
             return None
+        widths = [heads.query_features, heads.kv_features, heads.kv_features]
+        q, k, v = projected.split_with_sizes(widths, dim=-1)
         if cache is None:
             k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
             k, v, updated = k.transpose(1, 2), v.transpose(1, 2), None

@@ -173,14 +173,16 @@ def written_step(
     over, and the cache after the step, carrying its check as the generic flow leaves it."""
     keys, values, lengths = cache
     # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
-    for kept, x in ((keys, k), (values, v)):
-        kept.select(2, length).copy_(x.view(-1, heads.num_kv_heads, heads.head_dim))
+    rows = (-1, heads.num_kv_heads, heads.head_dim)
+    keys.select(2, length).copy_(k.view(rows))
+    values.select(2, length).copy_(v.view(rows))
+    filled = length + 1
     now = getattr(lengths, CHECKED).lengths + 1
-    # Every example holds ``length + 1``: filled where the lengths live, no copy from the host.
-    lengths = torch.full(lengths.shape, length + 1, dtype=lengths.dtype, device=lengths.device)
+    # Every example holds ``filled``: filled where the lengths live, no copy from the host.
+    lengths = torch.full(lengths.shape, filled, dtype=lengths.dtype, device=lengths.device)
     updated = spec.KVCache(keys, values, lengths)
-    CacheCheck.attach(updated, None, length + 1, now, pending=None, uniform=length + 1)
-    return keys.narrow(2, 0, length + 1), values.narrow(2, 0, length + 1), updated
+    CacheCheck.attach(updated, None, filled, now, pending=None, uniform=filled)
+    return keys.narrow(2, 0, filled), values.narrow(2, 0, filled), updated
 
 
 def covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -87,21 +89,23 @@ class StackedWeights:
     """
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
+        self._key: list[Any] | None = None
         self._stack: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def __call__(self, modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight, bias)`` of ``modules`` stacked along the output features."""
-        # The parameter tables, not nn.Module's attribute lookup: every call asks.
-        tables = [m._parameters for m in modules]
-        parameters = [p for t in tables for p in (t["weight"], t.get("bias")) if p is not None]
-        # Compiled graphs hold their own stack; inference tensors have no versions.
+        # Compiled graphs hold their own stack.
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return _stack(modules)
-        if any(p.is_inference() for p in parameters):
+        # The parameter tables, not nn.Module's attribute lookup: every call asks.
+        key: list[Any] = [torch.is_inference_mode_enabled()]
+        try:
+            for module in modules:
+                for p in module._parameters.values():
+                    if p is not None:
+                        key += (id(p), p.data_ptr(), p._version)
+        except RuntimeError:  # an inference tensor: no version to key on
             return _stack(modules)
-        versions = [(id(p), p.data_ptr(), p._version) for p in parameters]
-        key = (torch.is_inference_mode_enabled(), *versions)
         if self._stack is None or self._key != key:
             self._key, self._stack = key, _stack(modules)
         return self._stack

@@ -295,15 +295,13 @@ class MultiHeadAttention(nn.Module):
         """
         if keys is None:
             return project_with(self.W_q, queries), None, None
-        modules = self._modules
-        projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
         if queries is keys and keys is values and self._sharding is None:
             # Self-attention, every step of a decode: the one product, directly.
-            for module in projections:
-                infer_size(module, queries)
-            weight, bias = self._stacks(projections)
-            widths = [module.out_features for module in projections]
-            return tuple(linear(queries, weight, bias).split_with_sizes(widths, dim=-1))
+            heads = self._heads
+            widths = [heads.query_features, heads.kv_features, heads.kv_features]
+            return tuple(self.project_stacked(queries).split_with_sizes(widths, dim=-1))
+        modules = self._modules
+        projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
         inputs = [queries, keys, values]
         for module, x in zip(projections, inputs, strict=True):
             infer_size(module, x)
@@ -325,6 +323,16 @@ class MultiHeadAttention(nn.Module):
             outputs[i] if i in outputs else project_with(projections[i], inputs[i])
             for i in range(3)
         )
+
+    def project_stacked(self, queries: torch.Tensor) -> torch.Tensor:
+        """Self-attention's three projections of ``queries`` side by side, one product
+        ``(..., query_features + 2 * kv_features)`` (an unsharded layer's)."""
+        modules = self._modules
+        projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
+        for module in projections:
+            infer_size(module, queries)
+        weight, bias = self._stacks(projections)
+        return linear(queries, weight, bias)
 
     def project_output(self, context: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """``W_o`` of the gated context (the gates need no device: OPS places nothing)."""
