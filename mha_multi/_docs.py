@@ -44,6 +44,13 @@ implementation: which attention kernel runs when the weights are not
     requested and dropout is off: ``None`` (cuDNN's for 16-bit inputs
     on a GPU, the generic path otherwise), ``"generic"``, ``"xla"``
     or ``"cudnn"``; see :mod:`mha_multi.jax.functional`.""",
+    # ``make_layer`` of the harnesses (``mha_multi.<framework>.harness``).
+    "harness_layer_args": """\
+num_hiddens: the layer's ``num_hiddens``.
+num_heads: the layer's ``num_heads``.
+num_kv_heads: the layer's ``num_kv_heads`` (``None``: ``num_heads``).
+head_dim: the layer's ``head_dim`` (``None``: ``num_hiddens // num_heads``).
+device: ``"cpu"`` or ``"gpu"``.""",
     # Call arguments.
     "positions_arg": """\
 positions: ``None``, or integer ``(B, Q)`` positions a ``rotary``
