@@ -38,7 +38,7 @@ The experiment:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -260,6 +260,42 @@ def prune_in_order(
         np.testing.assert_allclose(logits, masked, rtol=0, atol=1e-12)
         results.append(metrics(logits, task.labels))
     return results
+
+
+def prune_least_important(
+    head_importance: Callable[..., np.ndarray],
+    layer: Any,
+    as_arrays: Callable[[Task], tuple[Any, Any, Any, Any]],
+    loss_of: Callable[[np.ndarray], Callable[[Any], Any]],
+    weights: Mapping[str, np.ndarray],
+    task: Task,
+) -> tuple[np.ndarray, list[int], heads.Pruned]:
+    """The ``[prune]`` steps of ``docs/examples/torch_pruning.py`` with a framework's layer.
+
+    Michel et al.: ``|dL/dξ_h|`` of each batch, then the mean over batches,
+    one batch per call so that each loss holds its own batch's labels; the 4
+    least important heads are then pruned from ``weights``.
+
+    Args:
+        head_importance: the framework's ``head_importance``.
+        layer: the framework's 8-head layer holding ``weights``.
+        as_arrays: ``(queries, keys, values, valid_lens)`` of a batch, as the
+            framework's arrays.
+        loss_of: the framework's loss of a batch's labels.
+        weights: the trained 8-head layer (:func:`train`).
+        task: the examples (:func:`test_task`).
+
+    Returns:
+        The scores, the removed heads and the 4-head layer
+        (:func:`mha_multi.heads.prune_heads`).
+    """
+    gradients = [
+        head_importance(layer, [as_arrays(batch)], loss_of(batch.labels), normalize=False)
+        for batch in task.batches()
+    ]
+    scores = heads.importance(gradients)  # mean over the batches, divided by the norm over heads
+    removed = np.argsort(scores)[:4].tolist()  # the 4 least important of the 8 heads
+    return scores, removed, heads.prune_heads(weights, removed, num_heads=NUM_HEADS)
 
 
 def check_pruning(

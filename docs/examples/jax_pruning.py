@@ -12,7 +12,6 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_scripts"))
 import head_exercise as hx
 
-from mha_multi.heads import importance, prune_heads
 from mha_multi.jax import MultiHeadAttention, head_importance, linen, set_weights
 
 weights = hx.train()  # canonical float64 weights of the 8-head layer, about a second
@@ -39,16 +38,10 @@ def cross_entropy(labels):
 # [prune]
 layer = MultiHeadAttention(**hx.CONFIG.kwargs(), rngs=nnx.Rngs(0))
 set_weights(layer, weights).eval()
-# Michel et al.: |dL/dξ_h| of each batch, then the mean over batches. One batch
-# per call, so that each loss holds its own batch's labels.
-gradients = [
-    head_importance(layer, [as_jax(batch)], cross_entropy(batch.labels), normalize=False)
-    for batch in task.batches()
-]
-scores = importance(gradients)  # mean over the batches, divided by the norm over the heads
-removed = np.argsort(scores)[:4].tolist()  # the 4 least important of the 8 heads
-
-pruned, config = prune_heads(weights, removed, num_heads=hx.NUM_HEADS)
+# The steps of torch_pruning.py: each head's importance, the 4 least important pruned.
+scores, removed, (pruned, config) = hx.prune_least_important(
+    head_importance, layer, as_jax, cross_entropy, weights, task
+)
 small = MultiHeadAttention(**config.kwargs(), rngs=nnx.Rngs(0))  # 4 heads
 set_weights(small, pruned).eval()
 logits = small(*as_jax(task))

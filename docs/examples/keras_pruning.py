@@ -10,7 +10,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_scripts"))
 import head_exercise as hx
 
-from mha_multi.heads import importance, prune_heads
 from mha_multi.keras import MultiHeadAttention, head_importance, set_weights
 
 weights = hx.train()  # canonical float64 weights of the 8-head layer, about a second
@@ -38,16 +37,10 @@ def cross_entropy(labels):
 
 # [prune]
 layer = set_weights(MultiHeadAttention(**hx.CONFIG.kwargs()), weights)
-# Michel et al.: |dL/dξ_h| of each batch, then the mean over batches. One batch
-# per call, so that each loss holds its own batch's labels.
-gradients = [
-    head_importance(layer, [as_keras(batch)], cross_entropy(batch.labels), normalize=False)
-    for batch in task.batches()
-]
-scores = importance(gradients)  # mean over the batches, divided by the norm over the heads
-removed = np.argsort(scores)[:4].tolist()  # the 4 least important of the 8 heads
-
-pruned, config = prune_heads(weights, removed, num_heads=hx.NUM_HEADS)
+# The steps of torch_pruning.py: each head's importance, the 4 least important pruned.
+scores, removed, (pruned, config) = hx.prune_least_important(
+    head_importance, layer, as_keras, cross_entropy, weights, task
+)
 small = set_weights(MultiHeadAttention(**config.kwargs()), pruned)  # 4 heads
 logits = keras.ops.convert_to_numpy(small(*as_keras(task)))
 # [/prune]

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
-from mha_multi import call, spec
+from mha_multi import _docs, call, spec
 from mha_multi.jax import functional
 from mha_multi.jax._backend import JaxFacts, host_array
 from mha_multi.jax._kernel import check_implementation
@@ -30,6 +30,7 @@ default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
 
 
+@_docs.fill
 class MultiHeadAttention(nnx.Module):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
@@ -52,8 +53,7 @@ class MultiHeadAttention(nnx.Module):
 
     Args:
         num_hiddens: size of every projection and of the output.
-        num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
-            unless ``head_dim`` is given.
+        {num_heads_arg}
         dropout: dropout rate on the attention weights.
         bias: whether the four projections have biases.
         query_size: last dimension of the queries (default ``num_hiddens``).
@@ -63,16 +63,9 @@ class MultiHeadAttention(nnx.Module):
             (grouped-query attention; default ``num_heads``); must divide
             ``num_heads``.
         head_dim: the size of each head (default ``num_hiddens // num_heads``).
-        rotary, alibi, window, softcap: positions and biases inside attention
-            (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).
+        {options_args}
         deterministic: initial mode; ``True`` disables dropout.
-        dtype: computation dtype; ``None`` promotes inputs and parameters.
-        param_dtype: dtype of the parameters.
-        precision: precision of every matrix product.
-        implementation: which attention kernel runs when the weights are not
-            requested and dropout is off: ``None`` (cuDNN's for 16-bit inputs
-            on a GPU, the generic path otherwise), ``"generic"``, ``"xla"``
-            or ``"cudnn"``; see :mod:`mha_multi.jax.functional`.
+        {flax_compute_args}
         kernel_init: initializer of the kernels (Flax's ``lecun_normal``).
         bias_init: initializer of the biases (zeros).
         rngs: ``params`` (or default) stream for initialisation; the

@@ -20,7 +20,7 @@ import numpy as np
 from flax import linen as nn
 from jax.typing import DTypeLike
 
-from mha_multi import call, spec
+from mha_multi import _docs, call, spec
 from mha_multi.jax import functional
 from mha_multi.jax._backend import JaxFacts, host_array
 from mha_multi.jax._kernel import check_implementation
@@ -40,6 +40,7 @@ __all__ = [
 Initializer = Any
 
 
+@_docs.fill
 class MultiHeadAttention(nn.Module):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
@@ -51,8 +52,7 @@ class MultiHeadAttention(nn.Module):
 
     Attributes:
         num_hiddens: size of every projection and of the output.
-        num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
-            unless ``head_dim`` is given.
+        {num_heads_arg}
         dropout: dropout rate on the attention weights (``training=True``
             only; needs a ``'dropout'`` rng).
         bias: whether the four projections have biases.
@@ -62,15 +62,8 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: key/value heads, shared by groups of query heads
             (grouped-query attention; ``None``: ``num_heads``).
         head_dim: the size of each head (``None``: ``num_hiddens // num_heads``).
-        rotary, alibi, window, softcap: positions and biases inside attention
-            (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).
-        dtype: computation dtype; ``None`` promotes inputs and parameters.
-        param_dtype: dtype of the parameters.
-        precision: precision of every matrix product.
-        implementation: which attention kernel runs when the weights are not
-            requested and dropout is off: ``None`` (cuDNN's for 16-bit inputs
-            on a GPU, the generic path otherwise), ``"generic"``, ``"xla"``
-            or ``"cudnn"``; see :mod:`mha_multi.jax.functional`.
+        {options_args}
+        {flax_compute_args}
         head_parallel: compute each key/value head's group apart on the
             generic path (the same numbers), so that variables placed by
             :func:`~mha_multi.jax.sharding.shard_variables` are computed

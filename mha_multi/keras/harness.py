@@ -23,7 +23,7 @@ from typing import Any
 
 import keras
 
-from mha_multi import spec
+from mha_multi import _docs, spec
 from mha_multi.call import INPUT_NAMES, check_cache_values
 from mha_multi.keras import _backend, _kernel
 from mha_multi.keras._backend import BACKEND, FACTS, device_of, device_scope
@@ -241,6 +241,7 @@ def _active() -> _Driver:
 # -- the layer ---------------------------------------------------------------------
 
 
+@_docs.fill
 def make_layer(
     num_hiddens: int,
     num_heads: int,
@@ -258,11 +259,7 @@ def make_layer(
     anew for every shape on the JAX backend (about half a second a layer).
 
     Args:
-        num_hiddens: the layer's ``num_hiddens``.
-        num_heads: the layer's ``num_heads``.
-        num_kv_heads: the layer's ``num_kv_heads`` (``None``: ``num_heads``).
-        head_dim: the layer's ``head_dim`` (``None``: ``num_hiddens // num_heads``).
-        device: ``"cpu"`` or ``"gpu"``.
+        {harness_layer_args}
         dtype: one of :data:`DTYPES`, or a Keras dtype policy.
         **kwargs: the layer's other arguments (``dropout``, ``bias``, sizes, ``seed``).
     """

@@ -18,7 +18,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from mha_multi import call, spec
+from mha_multi import _docs, call, spec
 from mha_multi.keras._backend import (
     FACTS,
     checked_lens,
@@ -31,6 +31,7 @@ __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
 
 @keras.saving.register_keras_serializable(package="mha_multi")
+@_docs.fill
 class MultiHeadAttention(ProjectionLayer):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
@@ -42,10 +43,7 @@ class MultiHeadAttention(ProjectionLayer):
     from the first call (Keras' lazy ``build``); given up front, the layer is
     built at construction.
 
-    Grouped-query attention (docs: "The spec", grouped heads): with
-    ``num_kv_heads < num_heads`` query head ``h`` reads key/value head
-    ``h // (num_heads // num_kv_heads)``; ``W_k`` and ``W_v`` project to
-    ``num_kv_heads * head_dim`` features, ``W_q`` to ``num_heads * head_dim``.
+    {grouped_heads}
 
     The projections are the layer's own ``add_weight`` kernels rather than
     ``keras.layers.Dense`` sublayers because Keras' type promotion maps
@@ -88,19 +86,15 @@ class MultiHeadAttention(ProjectionLayer):
 
     Args:
         num_hiddens: size of the output (and, by default, of every projection).
-        num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
-            unless ``head_dim`` is given.
+        {num_heads_arg}
         dropout: dropout rate on the attention weights, active only in
             training (``training=True``).
         bias: whether the four projections have biases.
         query_size: last dimension of the queries (lazy when ``None``).
         key_size: last dimension of the keys (lazy when ``None``).
         value_size: last dimension of the values (lazy when ``None``).
-        num_kv_heads: number of key/value heads; must divide ``num_heads``
-            (``None``: ``num_heads``).
-        head_dim: size of each head (``None``: ``num_hiddens // num_heads``).
-        rotary, alibi, window, softcap: positions and biases inside attention
-            (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).
+        {kv_heads_args}
+        {options_args}
         kernel_initializer: initializer of the ``W_*`` kernels (Keras
             ``Dense``'s default, as in d2l's TensorFlow layer).
         bias_initializer: initializer of the ``b_*`` biases.
@@ -192,6 +186,7 @@ class MultiHeadAttention(ProjectionLayer):
             kwargs["valid_lens"] = checked_lens(kwargs["valid_lens"])
         return super().__call__(*args, **kwargs)
 
+    @_docs.fill
     def call(
         self,
         queries: Any,
@@ -241,10 +236,7 @@ class MultiHeadAttention(ProjectionLayer):
                 ``W_o``) is multiplied by ``head_mask[..., h]`` on every path
                 (:func:`mha_multi.spec.apply_head_mask`), differentiably; cast
                 to the compute dtype.
-            positions: ``None``, or integer ``(B, Q)`` positions a ``rotary``
-                layer rotates the queries (and the keys of self-attention or a
-                cached call) by; default ``arange``, with a cache
-                ``lengths[b] + i`` (docs: "Positions and biases").
+            {positions_arg}
             bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``,
                 added to the scaled scores before the masks; differentiable.
             training: dropout is active only when ``True``.

@@ -20,6 +20,7 @@ from typing import Any
 import mxnet as mx
 from mxnet import autograd
 
+from mha_multi import _docs
 from mha_multi.call import INPUT_NAMES
 from mha_multi.mxnet import _backend
 from mha_multi.mxnet._backend import MXNetFacts
@@ -44,6 +45,7 @@ __getattr__ = facts_passthrough(__name__, _backend)
 # -- the layer ---------------------------------------------------------------------
 
 
+@_docs.fill
 def make_layer(
     num_hiddens: int,
     num_heads: int,
@@ -61,11 +63,7 @@ def make_layer(
     initialization) are placed on the device now.
 
     Args:
-        num_hiddens: the layer's ``num_hiddens``.
-        num_heads: the layer's ``num_heads``.
-        num_kv_heads: the layer's ``num_kv_heads`` (``None``: ``num_heads``).
-        head_dim: the layer's ``head_dim`` (``None``: ``num_hiddens // num_heads``).
-        device: ``"cpu"`` or ``"gpu"``.
+        {harness_layer_args}
         dtype: a key of :data:`DTYPES`.
         hybridize: hybridize it (one cached graph per call configuration).
         **kwargs: the layer's other arguments (``dropout``, ``bias``, sizes).

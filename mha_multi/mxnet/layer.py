@@ -30,7 +30,7 @@ import numpy as np
 from mxnet import gluon, npx
 from mxnet.gluon import nn
 
-from mha_multi import call, spec
+from mha_multi import _docs, call, spec
 from mha_multi.mxnet._backend import FACTS
 from mha_multi.mxnet._graph import Graphs, run
 from mha_multi.mxnet._projections import PROJECTIONS, get_weights, in_units, set_weights
@@ -42,6 +42,7 @@ __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 npx.set_np()
 
 
+@_docs.fill
 class MultiHeadAttention(gluon.HybridBlock):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
@@ -77,25 +78,18 @@ class MultiHeadAttention(gluon.HybridBlock):
     weights and ``MultiHeadAttention(**config.kwargs())`` of a layer without
     some of them.
 
-    Grouped-query attention (docs: "The spec", grouped heads): with
-    ``num_kv_heads < num_heads`` query head ``h`` reads key/value head
-    ``h // (num_heads // num_kv_heads)``; ``W_k`` and ``W_v`` project to
-    ``num_kv_heads * head_dim`` features, ``W_q`` to ``num_heads * head_dim``.
+    {grouped_heads}
 
     Args:
         num_hiddens: size of the output (and, by default, of every projection).
-        num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
-            unless ``head_dim`` is given.
+        {num_heads_arg}
         dropout: dropout rate on the attention weights, in training mode only.
         bias: whether the four projections have biases.
         query_size: last dimension of the queries (deferred when ``None``).
         key_size: last dimension of the keys (deferred when ``None``).
         value_size: last dimension of the values (deferred when ``None``).
-        num_kv_heads: number of key/value heads; must divide ``num_heads``
-            (``None``: ``num_heads``).
-        head_dim: size of each head (``None``: ``num_hiddens // num_heads``).
-        rotary, alibi, window, softcap: positions and biases inside attention
-            (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).
+        {kv_heads_args}
+        {options_args}
             A call of a layer with any of them, or given ``positions`` or
             ``bias``, runs on the parameters' arrays, hybridized or not.
         dtype: dtype of the parameters ("float32", "float64" or "float16").
@@ -277,6 +271,7 @@ class MultiHeadAttention(gluon.HybridBlock):
             hook(self, args, out)
         return out
 
+    @_docs.fill
     def forward(  # type: ignore[override]
         self,
         queries: Any,
@@ -344,10 +339,7 @@ class MultiHeadAttention(gluon.HybridBlock):
                 floating dtype; it is cast to the layer's (the cast is
                 recorded, so ``head_mask.grad`` has the gates' own dtype).
                 Gradients reach it through ``autograd`` as through any input.
-            positions: ``None``, or integer ``(B, Q)`` positions a ``rotary``
-                layer rotates the queries (and the keys of self-attention or a
-                cached call) by; default ``arange``, with a cache
-                ``lengths[b] + i`` (docs: "Positions and biases").
+            {positions_arg}
             bias: ``None``, or a floating ``mxnet.numpy`` array broadcastable
                 to ``(B, H, Q, K)``, added to the scaled scores before the
                 masks; differentiable.

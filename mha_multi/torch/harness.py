@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mha_multi import _docs
 from mha_multi.interop.torch import to_torch_mha
 from mha_multi.parity.runners import KernelCall, facts_passthrough
 from mha_multi.spec import KVCache
@@ -45,6 +46,7 @@ _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causa
 # -- the layer ---------------------------------------------------------------------
 
 
+@_docs.fill
 def make_layer(
     num_hiddens: int,
     num_heads: int,
@@ -58,11 +60,7 @@ def make_layer(
     """The layer with its parameters on ``device`` in ``dtype``.
 
     Args:
-        num_hiddens: the layer's ``num_hiddens``.
-        num_heads: the layer's ``num_heads``.
-        num_kv_heads: the layer's ``num_kv_heads`` (``None``: ``num_heads``).
-        head_dim: the layer's ``head_dim`` (``None``: ``num_hiddens // num_heads``).
-        device: ``"cpu"`` or ``"gpu"``.
+        {harness_layer_args}
         dtype: a key of :data:`DTYPES`.
         **kwargs: the layer's other arguments (``dropout``, ``bias``, sizes).
     """

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mha_multi import call, spec
+from mha_multi import _docs, call, spec
 from mha_multi.torch._backend import FACTS, host_array
 from mha_multi.torch._ops import OPS, linear
 from mha_multi.torch._projections import (
@@ -31,6 +31,7 @@ from mha_multi.weights import KERNEL_NAMES, check_layer_weights
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
 
+@_docs.fill
 class MultiHeadAttention(nn.Module):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
@@ -38,24 +39,18 @@ class MultiHeadAttention(nn.Module):
     and ``W_o`` as in d2l, so a d2l ``state_dict`` loads as it is. Input sizes
     left as ``None`` are inferred on the first call (``nn.LazyLinear``).
 
-    Grouped-query attention (docs: "The spec", grouped heads): with
-    ``num_kv_heads < num_heads`` query head ``h`` reads key/value head
-    ``h // (num_heads // num_kv_heads)``; ``W_k`` and ``W_v`` project to
-    ``num_kv_heads * head_dim`` features, ``W_q`` to ``num_heads * head_dim``.
+    {grouped_heads}
 
     Args:
         num_hiddens: size of the output (and, by default, of every projection).
-        num_heads: number of (query) heads ``H``; must divide ``num_hiddens``
-            unless ``head_dim`` is given.
+        {num_heads_arg}
         dropout: dropout rate on the attention weights, active in ``train()``
             mode only.
         bias: whether the four projections have biases.
         query_size: last dimension of the queries (lazy when ``None``).
         key_size: last dimension of the keys (lazy when ``None``).
         value_size: last dimension of the values (lazy when ``None``).
-        num_kv_heads: number of key/value heads; must divide ``num_heads``
-            (``None``: ``num_heads``).
-        head_dim: size of each head (``None``: ``num_hiddens // num_heads``).
+        {kv_heads_args}
         rotary: ``None``, or rotary position embeddings of the projected
             queries and keys: a :class:`~mha_multi.spec.Rotary` or a dict of
             its fields (docs: "Positions and biases").
