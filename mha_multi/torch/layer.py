@@ -247,7 +247,9 @@ class MultiHeadAttention(nn.Module):
         """
         if self._sharding is not None and isinstance(queries, torch.Tensor):
             self._sharding.check_inputs(queries, self)
-        dropout_p = self.dropout.p if self.training else 0.0
+        # The module tables, not nn.Module's attribute lookup: a small call's cost is such work.
+        modules = self._modules
+        dropout_p = modules["dropout"].p if self.training else 0.0
         result = call.forward(
             FACTS,
             self,
@@ -263,8 +265,8 @@ class MultiHeadAttention(nn.Module):
             bias=bias,
             layer_options=self.options,
             gate_heads=self._canonical_heads().num_heads,
-            dtype=self.W_o.weight.dtype,
-            dropout=self.dropout if dropout_p > 0 else None,
+            dtype=modules["W_o"]._parameters["weight"].dtype,
+            dropout=modules["dropout"] if dropout_p > 0 else None,
             dropout_rate=dropout_p,
             # A sharded layer gates its own heads (docs: "Sharding heads").
             local_gates=None if self._sharding is None else self._sharding.local_head_mask,
