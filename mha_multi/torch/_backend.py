@@ -442,10 +442,22 @@ class TorchFacts(call.Facts):
             return None
         if type(queries) is not torch.Tensor:
             return None
-        length = None if cache is None else self._plain_step_length(queries, cache)
-        if cache is not None and length is None:
-            return None
-        sdpa = self._plain_arguments(layer, queries, cache, causal=causal, dtype=dtype)
+        step = None
+        if cache is None:
+            sdpa = self._plain_arguments(layer, queries, None, causal=causal, dtype=dtype)
+        else:
+            check = self._plain_step_check(queries, cache)
+            if check is None:
+                return None
+            length = check.uniform
+            # The step before, where it was this layer's with these arguments, planned this one.
+            key = (dtype, causal, queries.shape, queries.dtype, queries.device)
+            step = check.step
+            if step is not None and step[0]() is layer and step[1] == key:
+                sdpa = None if torch.is_autocast_enabled(key[-1].type) else step[2]
+            else:
+                sdpa = self._plain_arguments(layer, queries, cache, causal=causal, dtype=dtype)
+                step = None if sdpa is None else (weakref.ref(layer), key, sdpa)
         if sdpa is None:
             return None
         heads = layer.heads
@@ -459,7 +471,7 @@ class TorchFacts(call.Facts):
             k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
             k, v, updated = k.transpose(1, 2), v.transpose(1, 2), None
         else:
-            k, v, updated = written_step(cache, k, v, length, heads)
+            k, v, updated = written_step(cache, k, v, length, heads, step)
         context = torch.nn.functional.scaled_dot_product_attention(
             q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2), k, v, **sdpa
         )
@@ -467,9 +479,9 @@ class TorchFacts(call.Facts):
         return call.Result(output, None, updated)
 
     @staticmethod
-    def _plain_step_length(queries: torch.Tensor, cache: Any) -> int | None:
-        """The length every example of a plain step's cache holds, or ``None`` where the
-        step is not plain (:meth:`plain_attention`)."""
+    def _plain_step_check(queries: torch.Tensor, cache: Any) -> CacheCheck | None:
+        """The check of a plain step's cache, whose ``uniform`` length every example
+        holds, or ``None`` where the step is not plain (:meth:`plain_attention`)."""
         if type(cache) is not spec.KVCache:
             return None
         check = CacheCheck.of(cache)
@@ -480,7 +492,7 @@ class TorchFacts(call.Facts):
             return None  # (an overflow among them: the generic flow raises it)
         if cache.lengths._version != check.lengths_version:
             return None
-        return length if queries.shape[:2] == (check.lengths.size, 1) else None
+        return check if queries.shape[:2] == (check.lengths.size, 1) else None
 
     def _plain_arguments(
         self,

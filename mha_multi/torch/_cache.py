@@ -62,6 +62,9 @@ class CacheCheck:
         #: ``cache.lengths`` on the host, while the tensor keeps ``lengths_version``.
         self.lengths, self.lengths_version = lengths, cache.lengths._version
         self._uniform: int | None = -1  # not known yet
+        #: What the plain step that wrote the cache decided (``TorchFacts.plain_attention``):
+        #: ``(layer, key, arguments)``, for the next step of that layer and key.
+        self.step: tuple[Any, tuple, dict[str, Any]] | None = None
 
     @property
     def uniform(self) -> int | None:
@@ -167,10 +170,16 @@ def writes_in_place(
 
 
 def written_step(
-    cache: spec.KVCache, k: torch.Tensor, v: torch.Tensor, length: int, heads: spec.Heads
+    cache: spec.KVCache,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    length: int,
+    heads: spec.Heads,
+    step: tuple[Any, tuple, dict[str, Any]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, spec.KVCache]:
     """A plain step's rows written in place at ``length``: the keys and values to attend
-    over, and the cache after the step, carrying its check as the generic flow leaves it."""
+    over, and the cache after the step, carrying its check as the generic flow leaves it
+    (with the step's plan, ``step``: :attr:`CacheCheck.step`)."""
     keys, values, lengths = cache
     # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
     rows = (-1, heads.num_kv_heads, heads.head_dim)
@@ -181,7 +190,9 @@ def written_step(
     # Every example holds ``filled``: filled where the lengths live, no copy from the host.
     lengths = torch.full(lengths.shape, filled, dtype=lengths.dtype, device=lengths.device)
     updated = spec.KVCache(keys, values, lengths)
-    CacheCheck.attach(updated, None, filled, now, pending=None, uniform=filled)
+    check = CacheCheck.attach(updated, None, filled, now, pending=None, uniform=filled)
+    if check is not None:
+        check.step = step
     return keys.narrow(2, 0, filled), values.narrow(2, 0, filled), updated
 
 

@@ -483,6 +483,39 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
         torch.testing.assert_close(kept, old, rtol=0, atol=0, equal_nan=True)
 
 
+def test_the_plan_a_step_carries_serves_only_its_layer_weights_and_mode():
+    """The plan a fast step leaves on the cache it wrote is the next step's only for the
+    same layer, arguments and mode: another layer stepping the cache and weights changed
+    in place give the reference's numbers of what they are, and a step under autocast
+    the generic flow's error."""
+    weights, layer = self_attention(HEADS, seed=15)
+    other_weights, other = self_attention(HEADS, seed=16)
+    prompt = np.random.default_rng(15).standard_normal((3, 4, NUM_HIDDENS))
+    _, caches = feed_back(layer, prompt, 2, 12)
+    cache, y = caches[-1], torch.full((3, 1, NUM_HIDDENS), 0.25)
+
+    def step(of, named):
+        nonlocal cache
+        before = spec.KVCache(*(t.numpy().copy() for t in cache))
+        output, cache = of(y, y, y, causal=True, cache=cache)
+        expected, _, _ = spec.reference_cached_forward(
+            named, *(y.double().numpy(),) * 3, before, **HEADS, causal=True
+        )
+        np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+
+    with answered_calls() as answers, torch.no_grad():
+        step(other, other_weights)
+        step(layer, weights)
+        layer.W_q.weight.mul_(0.5)
+        step(layer, {**weights, "W_q": weights["W_q"] * 0.5})
+        # Autocast projects bfloat16 keys, which a float32 cache does not hold: the
+        # generic flow's error, nothing written, and the next step fast again.
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="cache"):
+            step(layer, weights)
+        step(layer, {**weights, "W_q": weights["W_q"] * 0.5})
+    assert answers == [True, True, True, False, True]
+
+
 def test_a_cache_made_outside_inference_mode_decodes_inside_it():
     """Lengths made under ``torch.inference_mode()`` keep no version counter: a step there
     carries no check forward (the fast route answers the first such step, from the check
