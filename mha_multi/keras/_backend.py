@@ -351,9 +351,10 @@ class KerasFacts(call.Facts):
         return keys[:, :, :span], values[:, :, :span]
 
     def span_bucket_of(self, keys: Tensor) -> int:
-        """1 where the backend's eager kernels take any length at no cost (TensorFlow,
-        PyTorch's CPU); the spec's bucket on JAX, whose eager operations compile for
-        each new shape, and on PyTorch's GPU (as :class:`mha_multi.torch._backend.TorchFacts`)."""
+        """1 where the backend's eager kernels take any length at no cost (PyTorch's
+        CPU); the spec's bucket on TensorFlow, which keeps memory for each new shape,
+        on JAX, whose eager operations compile for each new shape, and on PyTorch's
+        GPU (as :class:`mha_multi.torch._backend.TorchFacts`)."""
         return active().span_bucket(keys)
 
     def plan_values(

@@ -281,6 +281,43 @@ def test_an_eager_call_at_one_position_writes_its_rows_as_a_slice(
         np.testing.assert_array_equal(native_cache(cache).keys, before.keys)
 
 
+def test_eager_steps_attend_over_the_filled_positions_rounded_to_the_bucket(monkeypatch):
+    """Steps at one position attend over the positions filled, rounded up to the
+    backend's bucket (the spec's on TensorFlow and JAX, 1 on PyTorch's CPU) and never
+    past ``max_length``, to the reference's numbers."""
+    from mha_multi.keras._backend import FACTS
+
+    weights = grouped_weights(8)
+    layer = layer_of(weights)
+    max_length = spec.SPAN_BUCKET + 6
+    x = sequences(8, length=max_length)
+    spans = []
+    original = FACTS.cache_prefix
+
+    def recording(keys, values, span):
+        spans.append(span)
+        return original(keys, values, span)
+
+    monkeypatch.setattr(FACTS, "cache_prefix", recording)
+    first = spec.SPAN_BUCKET - 2
+    with without_gradients(False):
+        cache = layer.init_cache(3, max_length)
+        prompt = [backend.to_native(x[name][:, :first]) for name in backend.INPUT_NAMES]
+        _, cache = layer(*prompt, causal=True, cache=cache)
+        for position in range(first, first + 4):
+            before = native_cache(cache)
+            rows = [x[name][:, position : position + 1] for name in backend.INPUT_NAMES]
+            output, cache = layer(*map(backend.to_native, rows), causal=True, cache=cache)
+            expected, _, _ = spec.reference_cached_forward(
+                weights, *rows, before, **HEADS, causal=True
+            )
+            np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+    bucket = 1 if backend.BACKEND == "torch" else spec.SPAN_BUCKET
+    filled = [first, *range(first + 1, first + 5)]  # the prefill's, then each step's
+    expected_spans = [min(-(-n // bucket) * bucket, max_length) for n in filled]
+    assert spans == [span for span in expected_spans if span < max_length]
+
+
 @pytest.mark.parametrize("recorded", [True, False], ids=["gradients", "no gradients"])
 @pytest.mark.parametrize(
     ("lengths", "new_lens"),
