@@ -118,16 +118,13 @@ class Torch(Framework):
     hand_written = staticmethod(hand_written_decoder)
 
     def cached_call(self, layer: Any, execution: str | None = None) -> Callable[..., Any]:
-        """The layer in evaluation mode called under ``torch.no_grad``, as a user decodes.
-
-        (``no_grad`` rather than ``inference_mode``: inference tensors keep
-        no versions, so a step could not trust what the last one checked;
-        docs: "Generating with a cache".)
-        """
+        """The layer in evaluation mode called under ``torch.inference_mode``, as a user
+        decodes and as the hand-written decoder runs (the cache ``init_cache`` makes
+        keeps its versions there; docs: "Generating with a cache")."""
         layer.eval()
 
         def call(x: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-            with torch.no_grad():
+            with torch.inference_mode():
                 return layer(x, x, x, causal=True, cache=cache)
 
         return call

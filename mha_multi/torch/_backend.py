@@ -29,6 +29,7 @@ from mha_multi.torch._cache import (
     Written,
     finite_sum,
     from_host,
+    versioned,
     writes_in_place,
     written_step,
 )
@@ -369,14 +370,16 @@ class TorchFacts(call.Facts):
         held = fill.held
         seen = fill.visibility(num_new, causal=causal)
         if first is None or cache.lengths.device.type == "cpu":
-            lengths = from_host(held, cache.lengths.device, cache.lengths.dtype)
+            with versioned():
+                lengths = from_host(held, cache.lengths.device, cache.lengths.dtype)
             visible = from_host(seen, k.device, None)
         else:
             # Every example appends its rows at one position: the device
             # computes the same numbers from its own lengths, and no copy
             # from the host (which waits for the device) is made.
             new = spec.appended(ops, cache.lengths, None, num_new)
-            lengths = cache.lengths + new
+            with versioned():
+                lengths = cache.lengths + new
             # The host's shape: (B, T) only where causal and T > 1.
             visible = spec.cached_visibility(
                 ops, cache.lengths, new, num_new, causal=seen.ndim == 2

@@ -11,6 +11,7 @@ the facts (:mod:`mha_multi.torch._backend`) and imports nothing of them.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -22,6 +23,7 @@ from mha_multi import spec
 __all__ = [
     "writes_in_place",
     "CHECKED",
+    "versioned",
     "CacheCheck",
     "Written",
     "covering",
@@ -157,6 +159,21 @@ def from_host(array: np.ndarray, device: torch.device, dtype: torch.dtype | None
 #: The attribute of a cache's lengths tensor that holds its :class:`CacheCheck`.
 CHECKED = "_mha_multi_checked"
 
+#: A context manager that does nothing (reusable: it holds no state).
+_NOTHING = contextlib.nullcontext()
+
+
+def versioned() -> contextlib.AbstractContextManager[Any]:
+    """Where the arrays of a cache are made: outside ``torch.inference_mode``.
+
+    Tensors made in inference mode keep no version counter, which a
+    :class:`CacheCheck` is trusted by; ordinary tensors written in place in
+    inference mode still count their versions. So a cache, and the lengths
+    of each call's cache, are ordinary tensors, and a decode run entirely
+    under ``torch.inference_mode()`` keeps its checks.
+    """
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING
+
 
 def writes_in_place(
     k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -188,7 +205,8 @@ def written_step(
     filled = length + 1
     now = getattr(lengths, CHECKED).lengths + 1
     # Every example holds ``filled``: filled where the lengths live, no copy from the host.
-    lengths = torch.full(lengths.shape, filled, dtype=lengths.dtype, device=lengths.device)
+    with versioned():
+        lengths = torch.full(lengths.shape, filled, dtype=lengths.dtype, device=lengths.device)
     updated = spec.KVCache(keys, values, lengths)
     check = CacheCheck.attach(updated, None, filled, now, pending=None, uniform=filled)
     if check is not None:

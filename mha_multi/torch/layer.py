@@ -17,6 +17,7 @@ from torch import nn
 
 from mha_multi import _docs, call, spec
 from mha_multi.torch._backend import FACTS, host_array
+from mha_multi.torch._cache import versioned
 from mha_multi.torch._ops import OPS, linear
 from mha_multi.torch._projections import (
     StackedWeights,
@@ -146,7 +147,10 @@ class MultiHeadAttention(nn.Module):
         Returns:
             A :class:`~mha_multi.spec.KVCache` on the parameters' device:
             zero ``keys`` and ``values`` ``(B, num_kv_heads, max_length,
-            head_dim)`` and int32 ``lengths`` ``(B,)`` all 0.
+            head_dim)`` and int32 ``lengths`` ``(B,)`` all 0. Ordinary
+            tensors, also under ``torch.inference_mode()``: a decoding step
+            trusts what the step before checked only for tensors that count
+            their versions.
 
         Raises:
             TypeError: ``batch_size`` or ``max_length`` is not an int, or
@@ -158,8 +162,11 @@ class MultiHeadAttention(nn.Module):
         dtype = parameter.dtype if dtype is None else dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype or None; got {dtype!r}")
-        keys, values = (torch.zeros(shape, dtype=dtype, device=parameter.device) for _ in "kv")
-        lengths = torch.zeros(shape[0], dtype=torch.int32, device=parameter.device)
+        # Ordinary tensors even under torch.inference_mode(): their versions
+        # are what lets a decoding step trust the last step's check.
+        with versioned():
+            keys, values = (torch.zeros(shape, dtype=dtype, device=parameter.device) for _ in "kv")
+            lengths = torch.zeros(shape[0], dtype=torch.int32, device=parameter.device)
         return FACTS.empty_cache(spec.KVCache(keys, values, lengths))
 
     def forward(

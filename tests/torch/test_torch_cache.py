@@ -347,15 +347,27 @@ def test_lengths_edited_in_place_are_read_again():
         layer(*tensors(*rows), causal=True, cache=after)
 
 
-@pytest.mark.parametrize("inference", [False, True])
-def test_decoding_steps_read_only_their_new_rows(inference):
-    """Under ``no_grad`` a step's finiteness comes from the rows it writes and the
-    previous step's flag; inference tensors keep no versions, so each step reads
-    the attended cache positions again."""
+@pytest.mark.parametrize(
+    ("inference", "made_by"),
+    [(False, "init_cache"), (True, "init_cache"), (True, "user")],
+    ids=["no_grad", "inference_mode", "inference tensors"],
+)
+def test_decoding_steps_read_only_their_new_rows(inference, made_by):
+    """Under ``no_grad`` or ``inference_mode`` a step's finiteness comes from the rows
+    it writes and the previous step's flag (``init_cache`` makes ordinary tensors, with
+    versions, in either mode); a cache of inference tensors keeps no versions, so each
+    step reads the attended cache positions again."""
     weights, layer, inputs = make(5)
     mode = torch.inference_mode if inference else torch.no_grad
     with mode():
-        cache = layer.init_cache(3, 9)
+        if made_by == "init_cache":
+            cache = layer.init_cache(3, 9)
+            assert not any(x.is_inference() for x in cache)
+        else:
+            shape = layer.init_cache(3, 9).keys.shape
+            cache = KVCache(
+                torch.zeros(shape), torch.zeros(shape), torch.zeros(3, dtype=torch.int32)
+            )
         rows = tensors(*(x[:, :4] for x in inputs.values()))
         _, cache = layer(*rows, causal=True, cache=cache)
         token = tensors(*(x[:, 4:5] for x in inputs.values()))
@@ -366,7 +378,7 @@ def test_decoding_steps_read_only_their_new_rows(inference):
             output, cache = layer(*token, causal=True, cache=cache)
     # What the step summed: (B, T, features) projections, or (B, H_kv, K, dh) cache positions.
     summed = [x.dim() for spy in (covering, poison) for c in spy.call_args_list for x in c.args]
-    assert (4 in summed) == inference
+    assert (4 in summed) == (made_by == "user")
     expected = full_reference(weights, inputs, np.array([5, 5, 5]), **HEADS)
     # The reference's last position is the step's.
     np.testing.assert_allclose(output.numpy()[:, 0], expected[:, 4], rtol=0, atol=FLOAT32_ATOL)
@@ -517,9 +529,9 @@ def test_the_plan_a_step_carries_serves_only_its_layer_weights_and_mode():
 
 
 def test_a_cache_made_outside_inference_mode_decodes_inside_it():
-    """Lengths made under ``torch.inference_mode()`` keep no version counter: a step there
-    carries no check forward (the fast route answers the first such step, from the check
-    a ``no_grad`` prefill left), and the steps after it, in either mode, read the lengths."""
+    """A step under ``torch.inference_mode()`` makes its cache's lengths ordinary tensors,
+    whose versions carry its check forward: the fast route answers every step, in either
+    mode, each with the reference's numbers."""
     weights, layer = self_attention(HEADS, seed=14)
     x = torch.from_numpy(np.random.default_rng(14).standard_normal((3, 4, NUM_HIDDENS)))
     x = x.float()
@@ -537,7 +549,8 @@ def test_a_cache_made_outside_inference_mode_decodes_inside_it():
             )
             np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
             y = output
-    assert answers == [True, False, False]
+    assert answers == [True, True, True]
+    assert not cache.lengths.is_inference()
     assert cache.lengths.tolist() == [7, 7, 7]
 
 
