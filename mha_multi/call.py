@@ -33,6 +33,7 @@ __all__ = [
     "Projections",
     "Result",
     "attend",
+    "attended_positions",
     "check_cache_values",
     "check_cached_call",
     "check_call",
@@ -738,11 +739,7 @@ def attend(
             # Keys past the filled positions add nothing to any row (a user's
             # bias could make them: it keeps all of them).
             window = None if layer_options is None else layer_options.window
-            # A fill is read from values: the arrays are concrete, their shapes ints.
-            max_length = k.shape[2]
-            span = fill.span(q.shape[1], max_length, window=window, bucket=facts.span_bucket_of(k))
-            if span < max_length:
-                k, v = facts.cache_prefix(k, v, span)
+            k, v = attended_positions(facts, k, v, fill, q.shape[1], window=window)
     if bias is not None or (layer_options is not None and not layer_options.is_default):
         layer_options = layer_options or spec.LayerOptions()
         # ALiBi and the window see each cached query at its own position.
@@ -796,6 +793,31 @@ def attend(
     # Both paths' context is the heads' (B, Q, H*dh): the gates act on it alike.
     output = layer.project_output(context, gates)
     return Result(output, weights if return_attention_weights else None, cache)
+
+
+def attended_positions(
+    facts: Facts,
+    keys: Array,
+    values: Array,
+    fill: spec.CacheFill,
+    num_queries: int,
+    *,
+    window: int | None = None,
+    bucket: int | None = None,
+) -> tuple[Array, Array]:
+    """What a cached call attends over of a cache's ``(B, H_kv, max_length, dh)`` arrays.
+
+    The leading positions :meth:`mha_multi.spec.CacheFill.span` names for a
+    call of ``num_queries`` new positions (``window``: the layer's), rounded
+    up to ``bucket`` (``None``: :meth:`Facts.span_bucket_of`), through
+    :meth:`Facts.cache_prefix`; all of them where the span reaches
+    ``max_length``. A fill is read from values: the arrays are concrete and
+    their shapes ints.
+    """
+    max_length = keys.shape[2]
+    bucket = facts.span_bucket_of(keys) if bucket is None else bucket
+    span = fill.span(num_queries, max_length, window=window, bucket=bucket)
+    return (keys, values) if span >= max_length else facts.cache_prefix(keys, values, span)
 
 
 def plain_self_attention(

@@ -504,11 +504,11 @@ def write_in_place(
     )
     del k, v  # in the cache now: not kept alive while the graph runs
     held_keys, held_values = written.keys, written.values
-    max_length = held_keys.shape[2]
     if not return_attention_weights:
-        span = fill.span(queries.shape[1], max_length)
-        if span < max_length:
-            held_keys, held_values = FACTS.cache_prefix(held_keys, held_values, span)
+        # The graph's bucket, not an imperative call's (FACTS.span_bucket_of).
+        held_keys, held_values = call.attended_positions(
+            FACTS, held_keys, held_values, fill, queries.shape[1], bucket=spec.SPAN_BUCKET
+        )
     inputs = (queries, None, None, None, held_keys, held_values, visible, gates)
     flags = {"causal": False, "return_attention_weights": return_attention_weights}
     out = layer._graphs.run(layer, configure(layer, inputs, **flags), inputs)
