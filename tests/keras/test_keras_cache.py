@@ -238,6 +238,19 @@ def prefilled(layer, x, lengths, max_length):
     return cache
 
 
+def checked_step(layer, weights, x, cache, position):
+    """A causal call of ``x``'s ``position`` on ``cache``, its output checked against the
+    reference's; returns the call's cache and the reference's."""
+    before = native_cache(cache)
+    rows = [x[name][:, position : position + 1] for name in backend.INPUT_NAMES]
+    output, cache = layer(*map(backend.to_native, rows), causal=True, cache=cache)
+    expected, _, expected_cache = spec.reference_cached_forward(
+        weights, *rows, before, **HEADS, causal=True
+    )
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+    return cache, expected_cache
+
+
 def assert_cache_is(cache, expected):
     """The lengths, and every position they hold, those of the reference's cache."""
     cache = native_cache(cache)
@@ -305,13 +318,7 @@ def test_eager_steps_attend_over_the_filled_positions_rounded_to_the_bucket(monk
         prompt = [backend.to_native(x[name][:, :first]) for name in backend.INPUT_NAMES]
         _, cache = layer(*prompt, causal=True, cache=cache)
         for position in range(first, first + 4):
-            before = native_cache(cache)
-            rows = [x[name][:, position : position + 1] for name in backend.INPUT_NAMES]
-            output, cache = layer(*map(backend.to_native, rows), causal=True, cache=cache)
-            expected, _, _ = spec.reference_cached_forward(
-                weights, *rows, before, **HEADS, causal=True
-            )
-            np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+            cache, _ = checked_step(layer, weights, x, cache, position)
     bucket = 1 if backend.BACKEND == "torch" else spec.SPAN_BUCKET
     filled = [first, *range(first + 1, first + 5)]  # the prefill's, then each step's
     expected_spans = [min(-(-n // bucket) * bucket, max_length) for n in filled]
@@ -371,13 +378,7 @@ def test_non_finite_rows_at_one_position_give_the_references_numbers(monkeypatch
         cache = prefilled(layer, x, [3, 3, 3], MAX_LENGTH)
         functional = functional_updates(monkeypatch)
         for start in (3, 4):
-            before = native_cache(cache)
-            rows = [x[name][:, start : start + 1] for name in backend.INPUT_NAMES]
-            output, cache = layer(*map(backend.to_native, rows), causal=True, cache=cache)
-            expected, _, expected_cache = spec.reference_cached_forward(
-                weights, *rows, before, **HEADS, causal=True
-            )
-            np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+            cache, expected_cache = checked_step(layer, weights, x, cache, start)
             assert_cache_is(cache, expected_cache)
     assert functional == []
 
