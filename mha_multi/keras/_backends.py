@@ -67,7 +67,7 @@ class _Backend:
         TensorFlow on the CPU keeps memory for every new shape its eager
         kernels meet: a generation of 256 steps, each attending one more
         position, grew the process by 181 MiB with spans of every length and
-        by 25 MiB (a 16 MiB cache) with spans rounded up to 64, at the same
+        by 22 MiB (a 16 MiB cache) with spans rounded up to 64, at the same
         speed (docs: "Results"). Eager JAX compiles each operation for each
         new shape.
         """

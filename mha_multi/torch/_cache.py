@@ -21,15 +21,15 @@ import torch
 from mha_multi import spec
 
 __all__ = [
-    "writes_in_place",
     "CHECKED",
-    "versioned",
     "CacheCheck",
     "Written",
     "covering",
     "finite_sum",
     "from_host",
     "poison_of",
+    "versioned",
+    "writes_in_place",
     "written_step",
 ]
 
@@ -64,7 +64,7 @@ class CacheCheck:
         #: ``cache.lengths`` on the host, while the tensor keeps ``lengths_version``.
         self.lengths, self.lengths_version = lengths, cache.lengths._version
         self._uniform: int | None = -1  # not known yet
-        #: What the plain step that wrote the cache decided (``TorchFacts.plain_attention``):
+        #: What the plain step that wrote the cache decided (``PlainRoute.plain_attention``):
         #: ``(layer, key, arguments)``, for the next step of that layer and key.
         self.step: tuple[Any, tuple, dict[str, Any]] | None = None
 

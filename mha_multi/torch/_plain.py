@@ -22,6 +22,7 @@ import torch
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, written_step
 from mha_multi.torch._ops import SIXTEEN_BIT
+from mha_multi.torch._projections import split_stacked
 
 __all__ = ["PlainRoute"]
 
@@ -97,8 +98,7 @@ class PlainRoute:
         projected = layer.project_stacked(queries)
         if not math.isfinite(projected.detach().sum(dtype=torch.float32).item()):
             return None
-        widths = [heads.query_features, heads.kv_features, heads.kv_features]
-        q, k, v = projected.split_with_sizes(widths, dim=-1)
+        q, k, v = split_stacked(projected, heads)
         if cache is None:
             k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
             k, v, updated = k.transpose(1, 2), v.transpose(1, 2), None

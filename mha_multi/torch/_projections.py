@@ -16,6 +16,7 @@ __all__ = [
     "infer_size",
     "project_with",
     "projection",
+    "split_stacked",
 ]
 
 
@@ -109,6 +110,16 @@ class StackedWeights:
         if self._stack is None or self._key != key:
             self._key, self._stack = key, _stack(modules)
         return self._stack
+
+
+def split_stacked(
+    product: torch.Tensor, heads: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v)``: the column blocks of self-attention's stacked projection
+    ``(..., query_features + 2 * kv_features)`` of ``heads`` (a :class:`mha_multi.spec.Heads`)."""
+    widths = [heads.query_features, heads.kv_features, heads.kv_features]
+    q, k, v = product.split_with_sizes(widths, dim=-1)
+    return q, k, v
 
 
 def _stack(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:

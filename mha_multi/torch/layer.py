@@ -26,6 +26,7 @@ from mha_multi.torch._projections import (
     infer_size,
     project_with,
     projection,
+    split_stacked,
 )
 from mha_multi.weights import KERNEL_NAMES, check_layer_weights
 
@@ -301,9 +302,7 @@ class MultiHeadAttention(nn.Module):
             return project_with(self.W_q, queries), None, None
         if queries is keys and keys is values and self._sharding is None:
             # Self-attention, every step of a decode: the one product, directly.
-            heads = self._heads
-            widths = [heads.query_features, heads.kv_features, heads.kv_features]
-            return tuple(self.project_stacked(queries).split_with_sizes(widths, dim=-1))
+            return split_stacked(self.project_stacked(queries), self._heads)
         modules = self._modules
         projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
         inputs = [queries, keys, values]
