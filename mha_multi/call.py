@@ -21,6 +21,7 @@ Nothing here imports a framework.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -207,6 +208,33 @@ class Facts:
         See :func:`mha_multi.spec.plan_kernel`; ``(None, None)`` reads nothing.
         """
         return None, None
+
+    def values_guard(self, q: Array, sizes: tuple[Any, Any, Any]) -> bool:
+        """Whether a call whose values cannot be read (:meth:`plan_values`)
+        runs the kernel under :meth:`guarded`; ``sizes`` are ``(B, Q, K)``.
+
+        A framework whose compiled graphs branch on the device says where
+        that pays (docs: "Fast paths"); the default is the generic path.
+        """
+        return False
+
+    def guarded(
+        self,
+        fused: Callable[..., Array],
+        generic: Callable[..., Array],
+        arrays: Sequence[Array],
+        bias: Array | None,
+    ) -> Array:
+        """``fused(*arrays)`` where the values are exact, else ``generic(*arrays)``,
+        decided on the device.
+
+        The values are exact where ``arrays`` (the projections ``q, k, v``
+        the kernel attends over) are finite and ``bias``, where given,
+        bounded: what :meth:`plan_values` reads in an eager call, here a
+        graph's conditional. Only frameworks whose :meth:`values_guard` is
+        true are asked.
+        """
+        raise NotImplementedError
 
     def fused_attention(
         self,
@@ -633,7 +661,13 @@ def plan(
         exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, bias=options.bias)
     if exact is True and shortest is None:
         return optimistic  # what the values were assumed to be
-    return spec.plan_kernel(facts.kernel, **settings, values_exact=exact, shortest_length=shortest)
+    return spec.plan_kernel(
+        facts.kernel,
+        **settings,
+        values_exact=exact,
+        shortest_length=shortest,
+        values_guard=exact is None and facts.values_guard(q, settings["sizes"]),
+    )
 
 
 # -- the call ---------------------------------------------------------------------
@@ -766,33 +800,50 @@ def attend(
             options=options,
         )
     context = weights = None
+    settings: dict[str, Any] = {"heads": heads, "kv_split": kv_split}
     if kernel_plan.fused:
-        settings: dict[str, Any] = {
-            "heads": heads,
-            "kv_split": kv_split,
+        fused_settings = {
+            **settings,
             "dropout_rate": dropout_rate if dropout is not None else 0.0,
+            **({"options": options} if facts.passes_options else {}),
         }
-        if facts.passes_options:
-            settings["options"] = options
-        context = facts.fused_attention(ops, q, k, v, valid_lens, kernel_plan, **settings)
-    if context is None:
-        context, weights = facts.generic_attention(
-            ops,
-            q,
-            k,
-            v,
-            valid_lens,
-            heads=heads,
-            causal=causal,
-            dropout=dropout,
-            kv_split=kv_split,
-            head_parallel=head_parallel,
-            return_attention_weights=return_attention_weights,
-            options=options,
+        fused = functools.partial(
+            _fused_context, facts, ops, valid_lens, kernel_plan, **fused_settings
         )
+    generic = functools.partial(
+        facts.generic_attention,
+        ops,
+        valid_lens=valid_lens,
+        **settings,
+        causal=causal,
+        dropout=dropout,
+        head_parallel=head_parallel,
+        return_attention_weights=return_attention_weights,
+        options=options,
+    )
+    if kernel_plan.guarded:
+        context = facts.guarded(fused, lambda *qkv: generic(*qkv)[0], (q, k, v), options.bias)
+    elif kernel_plan.fused:
+        context = fused(q, k, v)
+    if context is None:
+        context, weights = generic(q, k, v)
     # Both paths' context is the heads' (B, Q, H*dh): the gates act on it alike.
     output = layer.project_output(context, gates)
     return Result(output, weights if return_attention_weights else None, cache)
+
+
+def _fused_context(
+    facts: Facts,
+    ops: spec.ArrayOps,
+    valid_lens: Array | None,
+    kernel_plan: spec.KernelPlan,
+    q: Array,
+    k: Array,
+    v: Array,
+    **settings: Any,
+) -> Array | None:
+    """:meth:`Facts.fused_attention`, the projections last, as :meth:`Facts.guarded` gives them."""
+    return facts.fused_attention(ops, q, k, v, valid_lens, kernel_plan, **settings)
 
 
 def attended_positions(

@@ -1518,6 +1518,10 @@ class KernelPlan:
         mask_window: the boolean mask holds the window rule.
         fix_window: the window can hide whole rows (with lengths, or query
             positions): :meth:`fix_visibility` includes it.
+        guarded: the values were not read (a compiled graph): the kernel's
+            context is taken where the values are exact, as the device finds
+            them, and the generic path's elsewhere, one conditional in the
+            graph (docs: "Fast paths").
     """
 
     fused: bool
@@ -1534,6 +1538,7 @@ class KernelPlan:
     window_flag: bool = False
     mask_window: bool = False
     fix_window: bool = False
+    guarded: bool = False
 
     @property
     def needs_mask(self) -> bool:
@@ -1637,6 +1642,7 @@ def plan_kernel(
     softcap: bool = False,
     window: bool = False,
     query_positions: bool = False,
+    values_guard: bool = False,
 ) -> KernelPlan:
     """Whether a call runs ``kernel``, and what the kernel is given.
 
@@ -1666,6 +1672,11 @@ def plan_kernel(
         query_positions: the queries sit at their own positions among the
             keys (:attr:`ScoreOptions.query_positions`, a cached call), not
             in the bottom-right frame.
+        values_guard: where the values are unreadable (``values_exact is
+            None``), the caller can choose between the kernel and the
+            generic path on the device, from the values
+            (:attr:`KernelPlan.guarded`). Never with dropout: the two paths
+            would draw different random numbers.
 
     Returns:
         The plan.
@@ -1683,10 +1694,13 @@ def plan_kernel(
     batch, num_queries, num_keys = sizes
     if batch == 0 or num_queries == 0 or num_keys == 0:
         return _generic("an empty axis")
+    guarded = False
     if not kernel.replaces_hidden_scores and values_exact is not True:
-        return _generic(
-            "non-finite or unbounded values" if values_exact is False else "values unreadable"
-        )
+        guarded = values_exact is None and values_guard and not dropout
+        if not guarded:
+            return _generic(
+                "non-finite or unbounded values" if values_exact is False else "values unreadable"
+            )
     if shortest_length is not None and lens_ndim is not None and shortest_length >= num_keys:
         lens_ndim = None  # lengths that hide nothing need no mask
     lens_may_hide_rows = lens_ndim is not None and not (
@@ -1733,6 +1747,7 @@ def plan_kernel(
         window_flag=window_flag,
         mask_window=mask_window,
         fix_window=window and fix_rows,
+        guarded=guarded,
     )
 
 

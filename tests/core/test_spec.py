@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -427,6 +428,14 @@ GENERIC = {
     "sizes unknown": (XLA_LIKE, {"sizes": (2, None, 4)}),
     "values unreadable, added mask": (SDPA_LIKE, {"values_exact": None}),
     "values not finite, added mask": (SDPA_LIKE, {"values_exact": False}),
+    "values not finite, a guard offered": (
+        SDPA_LIKE,
+        {"values_exact": False, "values_guard": True},
+    ),
+    "values unreadable, a guard with dropout": (
+        SDPA_LIKE,
+        {"values_exact": None, "values_guard": True, "dropout": True},
+    ),
     "dropout, no dropout in the kernel": (XLA_LIKE, {"dropout": True}),
     "dropout, rows may be hidden": (SDPA_LIKE, {"dropout": True, "lens_ndim": 1}),
     "dropout, causal Q > K": (SDPA_LIKE, {"dropout": True, "causal": True, "sizes": (2, 5, 3)}),
@@ -447,6 +456,18 @@ def test_kernel_plan_fused_where_values_do_not_matter():
     assert spec.plan_kernel(XLA_LIKE, sizes=(1, 2, 2), lens_ndim=None, values_exact=None).fused
     plan = spec.plan_kernel(MASK_ONLY, sizes=(1, 2, 2), lens_ndim=1, dropout=True)
     assert plan.fused and not plan.fix_rows
+
+
+def test_kernel_plan_guards_unread_values_where_the_caller_can():
+    # Values that cannot be read run the kernel under a guard on the device,
+    # with the same plan otherwise; read values never need one.
+    facts = {"sizes": (2, 4, 4), "lens_ndim": 1, "causal": True}
+    guarded = spec.plan_kernel(SDPA_LIKE, **facts, values_exact=None, values_guard=True)
+    read = spec.plan_kernel(SDPA_LIKE, **facts, values_exact=True, values_guard=True)
+    assert guarded.fused and guarded.guarded and not read.guarded
+    assert dataclasses.replace(guarded, guarded=False) == read
+    replacing = spec.plan_kernel(XLA_LIKE, **facts, values_exact=None, values_guard=True)
+    assert replacing.fused and not replacing.guarded
 
 
 def test_kernel_plan_repeats_grouped_heads_only_for_kernels_without_groups():

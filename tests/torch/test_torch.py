@@ -17,7 +17,7 @@ from mha_multi.parity.cases import CASES, INPUT_NAMES
 from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
 from mha_multi.torch import harness as backend
-from mha_multi.torch._backend import FACTS, SDPA
+from mha_multi.torch._backend import FACTS, GUARDED_KERNEL_SCORES, SDPA
 from mha_multi.torch._ops import OPS
 from mha_multi.torch._ops import linear as _linear
 from mha_multi.weights import init_weights
@@ -115,6 +115,64 @@ def test_torch_compile_matches_reference(runner, cases, name, compiler):
     )
     np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
     np.testing.assert_allclose(weights, case.reference["attention_weights"], atol=5e-6)
+
+
+def _kernel_ran(run):
+    """``run()``, and whether SDPA ran in it, as PyTorch's profiler records its ops."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        result = run()
+    return result, any("scaled_dot_product" in event.key for event in profile.key_averages())
+
+
+def test_a_compiled_long_call_takes_the_kernel_only_where_the_values_are_exact(compiler):
+    """``torch.compile(fullgraph=True)``: one graph, SDPA behind a guard on the device.
+
+    Finite projections take the kernel, with the spec's fully hidden rows
+    (example 0's lengths hide every key); any NaN or inf takes the generic
+    branch, with the float64 reference's non-finite pattern. ``Q * K`` is
+    ``GUARDED_KERNEL_SCORES``, where a compiled call starts to guard.
+    """
+    weights = init_weights(8, seed=21)
+    layer = set_weights(MultiHeadAttention(8, 2), weights).eval()
+    compiled = compiler(layer, fullgraph=True)
+    assert GUARDED_KERNEL_SCORES == 256 * 256
+    lens = np.array([0, 200])
+    for edit in (None, "nan_query", "inf_key", "nan_value", "inf_value"):
+        rng = np.random.default_rng(21)
+        q, k, v = (rng.standard_normal((2, 256, 8)).astype(np.float32) for _ in range(3))
+        if edit is not None:
+            special = np.nan if edit.startswith("nan") else np.inf
+            {"query": q, "key": k, "value": v}[edit.split("_")[1]][1, 7, 3] = special
+        args = [torch.from_numpy(x) for x in (q, k, v, lens)]
+        with torch.no_grad():
+            out, ran = _kernel_ran(lambda args=args: compiled(*args, causal=True))
+        assert ran == (edit is None), edit
+        expected, _ = spec.reference_forward(weights, q, k, v, lens, num_heads=2, causal=True)
+        assert (edit is None) == bool(np.isfinite(expected).all())
+        np.testing.assert_allclose(out.numpy(), expected, atol=5e-6, err_msg=str(edit))
+
+
+def test_a_compiled_long_call_differentiates_through_the_guarded_kernel(compiler):
+    """The backward pass of the guarded graph compiles and gives the reference's gradients."""
+    weights = init_weights(8, seed=22)
+    layer = set_weights(MultiHeadAttention(8, 2), weights)
+    rng = np.random.default_rng(22)
+    inputs = [rng.standard_normal((2, 256, 8)) for _ in range(3)]
+    lens = np.array([0, 200])
+    output_gradient = rng.standard_normal((2, 256, 8))
+    tensors = [torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in inputs]
+    compiled = compiler(layer, fullgraph=True)
+    out, ran = _kernel_ran(lambda: compiled(*tensors, torch.from_numpy(lens), causal=True))
+    out.backward(torch.tensor(output_gradient, dtype=torch.float32))
+    assert ran
+    expected = spec.reference_gradients(
+        weights, *inputs, lens, num_heads=2, causal=True, output_gradient=output_gradient
+    )
+    for name, tensor in zip(INPUT_NAMES, tensors, strict=True):
+        np.testing.assert_allclose(tensor.grad.numpy(), expected[name], atol=2e-5, err_msg=name)
+    np.testing.assert_allclose(
+        layer.W_k.weight.grad.numpy().T, expected["W_k"], atol=2e-4, err_msg="W_k"
+    )
 
 
 def test_autocast_bfloat16_softmax_is_float32_safe(runner):
