@@ -232,7 +232,8 @@ class Facts:
         the kernel attends over) are finite and ``bias``, where given,
         bounded: what :meth:`plan_values` reads in an eager call, here a
         graph's conditional. Only frameworks whose :meth:`values_guard` is
-        true are asked.
+        true are asked, and their :meth:`fused_attention` never declines
+        (both branches give the context).
         """
         raise NotImplementedError
 
