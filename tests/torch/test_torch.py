@@ -152,6 +152,32 @@ def test_a_compiled_long_call_takes_the_kernel_only_where_the_values_are_exact(c
         np.testing.assert_allclose(out.numpy(), expected, atol=5e-6, err_msg=str(edit))
 
 
+def test_a_compiled_cached_prefill_takes_the_kernel_only_where_the_values_are_exact(compiler):
+    """A prompt written into a cache in one compiled call: grouped heads over the
+    cache's ``max_length`` keys (``Q * K`` past the threshold), the float64
+    cached reference's numbers and cache, SDPA only for finite values."""
+    weights = init_weights(16, num_heads=4, num_kv_heads=2, seed=23)
+    layer = set_weights(MultiHeadAttention(16, 4, num_kv_heads=2), weights).eval()
+    compiled = compiler(layer, fullgraph=True)
+    empty = spec.KVCache(np.zeros((2, 2, 320, 4)), np.zeros((2, 2, 320, 4)), np.zeros(2, np.int64))
+    for special in (None, np.inf):
+        prompt = np.random.default_rng(23).standard_normal((2, 256, 16)).astype(np.float32)
+        if special is not None:
+            prompt[1, 9, 5] = special
+        x = torch.from_numpy(prompt)
+        with torch.no_grad():
+            (out, cache), ran = _kernel_ran(
+                lambda x=x: compiled(x, x, x, causal=True, cache=layer.init_cache(2, 320))
+            )
+        assert ran == (special is None)
+        expected, _, expected_cache = spec.reference_cached_forward(
+            weights, prompt, prompt, prompt, empty, num_heads=4, num_kv_heads=2, causal=True
+        )
+        np.testing.assert_allclose(out.numpy(), expected, atol=5e-6)
+        for got, want in zip(cache, expected_cache, strict=True):
+            np.testing.assert_allclose(got.numpy(), want, atol=5e-6)
+
+
 def test_a_compiled_long_call_differentiates_through_the_guarded_kernel(compiler):
     """The backward pass of the guarded graph compiles and gives the reference's gradients."""
     weights = init_weights(8, seed=22)
