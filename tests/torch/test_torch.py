@@ -17,7 +17,8 @@ from mha_multi.parity.cases import CASES, INPUT_NAMES
 from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
 from mha_multi.torch import harness as backend
-from mha_multi.torch._backend import FACTS, GUARDED_KERNEL_SCORES, SDPA
+from mha_multi.torch._backend import FACTS, SDPA
+from mha_multi.torch._guard import GUARDED_KERNEL_SCORES
 from mha_multi.torch._ops import OPS
 from mha_multi.torch._ops import linear as _linear
 from mha_multi.weights import init_weights
