@@ -38,6 +38,7 @@ from mha_multi.keras._backends import (
     scalar_gradient,
     sync,
     values_readable,
+    values_within,
 )
 from mha_multi.keras._kernel import (
     DOT_PRODUCT_ATTENTION,
@@ -174,11 +175,7 @@ def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:
     """
     if not values_readable(q):
         return None
-    ops = keras.ops
-    finite = [ops.all(ops.isfinite(x)) for x in (q, k, v)]
-    largest_q, largest_k = (ops.max(ops.abs(ops.cast(x, "float32")), initial=0.0) for x in (q, k))
-    within = ops.less(largest_q * largest_k * math.sqrt(head_dim), FUSED_SCORE_LIMIT)
-    return bool(as_numpy(ops.all(ops.stack([*finite, within]))))
+    return bool(as_numpy(values_within(q, k, v, FUSED_SCORE_LIMIT / math.sqrt(head_dim))))
 
 
 def _host(x: Any) -> np.ndarray | None:

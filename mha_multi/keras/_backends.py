@@ -53,6 +53,17 @@ class _Backend:
         """The gradient of the scalar ``function(x)`` with respect to ``x``, eagerly."""
         raise NotImplementedError
 
+    def values_within(self, q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
+        """A boolean scalar: every element of ``q``, ``k``, ``v`` finite, and
+        ``max|q| * max|k| < bound`` (what the fused kernel needs; see
+        :func:`mha_multi.keras._backend.values_exact`)."""
+        ops = keras.ops
+        finite = [ops.all(ops.isfinite(x)) for x in (q, k, v)]
+        largest_q, largest_k = (
+            ops.max(ops.abs(ops.cast(x, "float32")), initial=0.0) for x in (q, k)
+        )
+        return ops.all(ops.stack([*finite, ops.less(largest_q * largest_k, bound)]))
+
     def sync(self, value: Any) -> None:
         # Reading one element waits for the operation that produced the array.
         for leaf in keras.tree.flatten(value):
@@ -198,6 +209,21 @@ class _Torch(_Backend):
         for leaf in keras.tree.flatten(value):
             self.plain.sync(leaf)
 
+    def values_within(self, q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
+        # One pass over each tensor and nothing allocated: a decoding step's
+        # keys and values are the cache's filled positions. aminmax and
+        # maximum return NaN for a NaN anywhere; a float32 sum is finite only
+        # where every element is (one that overflows only costs the generic
+        # path). isfinite().all() took 1.5 ms over an 8/8 cache's 384
+        # positions, aminmax 85 us, a sum 42 us.
+        torch = self.torch
+        largest_q, largest_k = (
+            torch.maximum(-low, high).float()
+            for low, high in (torch.aminmax(x.detach()) for x in (q, k))
+        )
+        total = v.detach().sum(dtype=torch.float32)
+        return (largest_q * largest_k < bound) & torch.isfinite(total)
+
     def span_bucket(self, keys: Tensor) -> int:
         return self.plain.FACTS.span_bucket_of(keys)
 
@@ -282,6 +308,11 @@ def values_readable(x: Tensor) -> bool:
 def scalar_gradient(function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """The gradient of the scalar ``function(x)`` with respect to ``x``, eagerly."""
     return active().scalar_gradient(function, x)
+
+
+def values_within(q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
+    """Whether ``q``, ``k``, ``v`` are finite and ``max|q| * max|k| < bound``, a boolean scalar."""
+    return active().values_within(q, k, v, bound)
 
 
 def sync(value: Any) -> None:

@@ -285,6 +285,15 @@ def test_values_exact_reads_the_values(scale, exact):
     assert values_exact(q, k, v, 4) is exact
 
 
+@pytest.mark.parametrize("held", ["q", "k", "v"])
+@pytest.mark.parametrize("special", [np.nan, np.inf, -np.inf])
+def test_values_exact_finds_one_non_finite_element_anywhere(held, special):
+    arrays = {name: np.full((2, 3, 8), -2.0, np.float32) for name in "qkv"}
+    assert values_exact(*(keras.ops.convert_to_tensor(arrays[n]) for n in "qkv"), 4) is True
+    arrays[held][1, 2, 5] = special
+    assert values_exact(*(keras.ops.convert_to_tensor(arrays[n]) for n in "qkv"), 4) is False
+
+
 def test_fused_and_generic_paths_agree_on_a_longer_sequence(runner):
     weights = init_weights(32, seed=4)
     layer = runner.set_weights(runner.make_layer(32, 4), weights)
