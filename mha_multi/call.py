@@ -808,9 +808,10 @@ def attend(
             "dropout_rate": dropout_rate if dropout is not None else 0.0,
             **({"options": options} if facts.passes_options else {}),
         }
-        fused = functools.partial(
-            _fused_context, facts, ops, valid_lens, kernel_plan, **fused_settings
-        )
+
+        def fused(q: Array, k: Array, v: Array) -> Array | None:
+            return facts.fused_attention(ops, q, k, v, valid_lens, kernel_plan, **fused_settings)
+
     generic = functools.partial(
         facts.generic_attention,
         ops,
@@ -831,20 +832,6 @@ def attend(
     # Both paths' context is the heads' (B, Q, H*dh): the gates act on it alike.
     output = layer.project_output(context, gates)
     return Result(output, weights if return_attention_weights else None, cache)
-
-
-def _fused_context(
-    facts: Facts,
-    ops: spec.ArrayOps,
-    valid_lens: Array | None,
-    kernel_plan: spec.KernelPlan,
-    q: Array,
-    k: Array,
-    v: Array,
-    **settings: Any,
-) -> Array | None:
-    """:meth:`Facts.fused_attention`, the projections last, as :meth:`Facts.guarded` gives them."""
-    return facts.fused_attention(ops, q, k, v, valid_lens, kernel_plan, **settings)
 
 
 def attended_positions(

@@ -181,9 +181,11 @@ class _Torch(_Backend):
         import torch
 
         from mha_multi.torch import _backend as torch_backend
+        from mha_multi.torch._cache import finite_sum
 
         self.torch = torch
         self.plain = torch_backend
+        self.finite_sum = finite_sum
 
     def gpu_available(self) -> bool:
         return self.plain.gpu_available()
@@ -212,10 +214,9 @@ class _Torch(_Backend):
     def values_within(self, q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
         # One pass over each tensor and nothing allocated: a decoding step's
         # keys and values are the cache's filled positions. aminmax and
-        # maximum return NaN for a NaN anywhere; a float32 sum is finite only
-        # where every element is (one that overflows only costs the generic
-        # path). isfinite().all() took 1.5 ms over an 8/8 cache's 384
-        # positions, aminmax 85 us, a sum 42 us.
+        # maximum return NaN for a NaN anywhere; PyTorch's layer's finite_sum
+        # is finite only where every element is. isfinite().all() took 1.5 ms
+        # over an 8/8 cache's 384 positions, aminmax 85 us, a sum 42 us.
         torch = self.torch
         if not all(x.numel() for x in (q, k)):
             return super().values_within(q, k, v, bound)  # aminmax takes no empty tensor
@@ -223,8 +224,7 @@ class _Torch(_Backend):
             torch.maximum(-low, high).float()
             for low, high in (torch.aminmax(x.detach()) for x in (q, k))
         )
-        total = v.detach().sum(dtype=torch.float32)
-        return (largest_q * largest_k < bound) & torch.isfinite(total)
+        return (largest_q * largest_k < bound) & torch.isfinite(self.finite_sum(v))
 
     def span_bucket(self, keys: Tensor) -> int:
         return self.plain.FACTS.span_bucket_of(keys)

@@ -223,8 +223,8 @@ def covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     not know their base, so the blocks are matched by their addresses.)
     """
     first = tensors[0]
-    if len(tensors) < 2:
-        return tensors
+    if len(tensors) < 2 or torch.compiler.is_compiling():
+        return tensors  # (a traced tensor has no address; the compiler fuses the passes)
     base = first._base
     if (
         base is not None

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from mha_multi.torch._cache import finite_sum
+
 #: The largest ``|bias|`` the fused path takes
 #: (:meth:`mha_multi.torch._backend.TorchFacts.plan_values`, :meth:`GuardedKernel.guarded`).
 BIAS_LIMIT = 1e5
@@ -57,11 +59,9 @@ class GuardedKernel:
         rows differ from the spec's (``tools/sdpa_nonfinite.py``), so the
         same test the eager call reads picks the branch on the device.
         """
-        # The eager read's test: a float32 sum is finite only where every
-        # element is (one that overflows only sends the call to the generic
-        # path). Inductor compiles sums far better than isfinite().all().
-        total = sum(x.detach().sum(dtype=torch.float32) for x in arrays)
-        exact = torch.isfinite(total)
+        # The eager read's own test (a sum: Inductor compiles it far better
+        # than isfinite().all()).
+        exact = torch.isfinite(finite_sum(*arrays))
         if bias is not None:
             exact = exact & (bias.detach().abs() <= BIAS_LIMIT).all()  # a NaN fails the limit too
         # The branches' operands may not alias one another (the projections
