@@ -21,6 +21,7 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, written_step
+from mha_multi.torch._guard import reads_values
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 
@@ -75,6 +76,12 @@ class PlainRoute:
             return None
         if type(queries) is not torch.Tensor:
             return None
+        if queries.device.type != "cpu" and (
+            cache is not None
+            or queries.dim() != 3
+            or not reads_values(queries.device, queries.shape[1], queries.shape[1])
+        ):
+            return None  # the route's one read would wait for the GPU (a step: the CPU's only)
         step = None
         if cache is None:
             sdpa = self._plain_arguments(layer, queries, None, causal=causal, dtype=dtype)
