@@ -37,6 +37,7 @@ __all__ = [
     "KVCache",
     "CacheFill",
     "SPAN_BUCKET",
+    "DEVICE_READ_SCORES",
     "KernelPlan",
     "NumpyDtypes",
     "NumpyOps",
@@ -63,6 +64,7 @@ __all__ = [
     "is_low_precision",
     "masked_softmax",
     "plan_kernel",
+    "reads_values",
     "reference_cached_forward",
     "reference_forward",
     "reference_gradients",
@@ -1622,6 +1624,26 @@ def _plan_relations(settings: dict[str, Any]) -> dict[str, Any]:
     if shortest is not None and shortest == shortest:  # not NaN
         shortest = 2 if shortest >= num_keys else 1 if shortest > 0 else 0
     return {**settings, "sizes": (1, relation, 2), "shortest_length": shortest}
+
+
+#: Scores per head (``Q * K``) from which an eager call on an accelerator reads
+#: its projections to the host to choose the fused kernel (:func:`reads_values`).
+DEVICE_READ_SCORES = 1 << 16
+
+
+def reads_values(on_host: bool, num_queries: int, num_keys: int) -> bool:
+    """Whether an eager call reads its projections to plan (``values_exact``,
+    one transfer), its arrays on the host (``on_host``) or an accelerator.
+
+    On the host always: nothing waits. On an accelerator the transfer waits
+    for every kernel queued before it, so only where a head's scores are
+    many (:data:`DEVICE_READ_SCORES`): there the fused kernel saves more than
+    that wait costs and never holds the ``(B, H, Q, K)`` scores. Below it (a
+    decoding step, a short call) nothing is read, the generic path runs,
+    and the forward never synchronises (docs: "Fast paths", measured on an
+    H100 on the results page).
+    """
+    return on_host or num_queries * num_keys >= DEVICE_READ_SCORES
 
 
 @_decided_once(canonical=_plan_relations)

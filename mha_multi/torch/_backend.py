@@ -30,7 +30,7 @@ from mha_multi.torch._cache import (
     versioned,
     writes_in_place,
 )
-from mha_multi.torch._guard import BIAS_LIMIT, GuardedKernel, reads_values
+from mha_multi.torch._guard import BIAS_LIMIT, GuardedKernel
 from mha_multi.torch._ops import (
     SIXTEEN_BIT,
     TorchOps,
@@ -423,7 +423,7 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         > 0 leave no row fully hidden. Under ``torch.compile`` nothing is
         read: the graph chooses on the device (:meth:`guarded`); on a GPU
         nothing is read where a head's scores are few
-        (:func:`~mha_multi.torch._guard.reads_values`), and the generic path runs.
+        (:func:`mha_multi.spec.reads_values`), and the generic path runs.
         """
         if torch.compiler.is_compiling():
             return None, None
@@ -431,9 +431,10 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         # adds -inf to a hidden key's score.
         written = self._take_written(k, v, valid_lens)
         check = None if written is None else written.check
-        if not reads_values(q.device, q.shape[1], k.shape[2 if k.dim() == 4 else 1]):
-            if check is not None:
-                check.settled()  # the rows written, checked on the device for a later read
+        num_keys = k.shape[2 if k.dim() == 4 else 1]
+        if not spec.reads_values(q.device.type == "cpu", q.shape[1], num_keys):
+            # The rows this call wrote stay pending: the next write sums them
+            # on the device (CacheCheck.settled), for a later call that reads.
             return None, None
         if check is None:
             total = finite_sum(q, k, v)

@@ -1,12 +1,10 @@
-"""Where the PyTorch facts do not read values: SDPA behind a guard on the device.
+"""Where the PyTorch facts cannot read values: SDPA behind a guard on the device.
 
 Under ``torch.compile`` a call's values cannot be read, so a plan that
 needs them read is *guarded* (:attr:`mha_multi.spec.KernelPlan.guarded`):
 :meth:`GuardedKernel.guarded` puts one ``torch.cond`` in the graph whose
 predicate is the eager read's test, taking SDPA where it holds and the
-generic path elsewhere. On a GPU an eager call reads only where that pays
-(:func:`reads_values`): elsewhere it never waits for the
-device (docs: "Fast paths").
+generic path elsewhere (docs: "Fast paths").
 :class:`mha_multi.torch._backend.TorchFacts` takes it from here; this module
 imports nothing of it.
 """
@@ -29,20 +27,6 @@ BIAS_LIMIT = 1e5
 #: softmax, which is as fast below it; above, SDPA is faster and never holds
 #: the ``(B, H, Q, K)`` scores (docs: "Fast paths", measured there).
 GUARDED_KERNEL_SCORES = 1 << 16
-
-
-def reads_values(device: torch.device, num_queries: int, num_keys: int) -> bool:
-    """Whether an eager call on ``device`` reads its projections to plan
-    (:meth:`mha_multi.torch._backend.TorchFacts.plan_values`, one transfer).
-
-    On the CPU always: nothing waits. On a GPU the transfer waits for
-    every kernel queued before it, so only where a head's scores are
-    many (``GUARDED_KERNEL_SCORES``), where SDPA saves more than that
-    wait costs and never holds the ``(B, H, Q, K)`` scores. Below it (a
-    decoding step, a short call) nothing is read, the generic path runs,
-    and the forward never synchronises (docs: "Fast paths").
-    """
-    return device.type == "cpu" or num_queries * num_keys >= GUARDED_KERNEL_SCORES
 
 
 class GuardedKernel:

@@ -21,7 +21,6 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, written_step
-from mha_multi.torch._guard import reads_values
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 
@@ -79,7 +78,7 @@ class PlainRoute:
         if queries.device.type != "cpu" and (
             cache is not None
             or queries.dim() != 3
-            or not reads_values(queries.device, queries.shape[1], queries.shape[1])
+            or not spec.reads_values(False, queries.shape[1], queries.shape[1])
         ):
             return None  # the route's one read would wait for the GPU (a step: the CPU's only)
         step = None

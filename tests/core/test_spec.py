@@ -470,6 +470,17 @@ def test_kernel_plan_guards_unread_values_where_the_caller_can():
     assert replacing.fused and not replacing.guarded
 
 
+def test_a_call_on_an_accelerator_reads_its_values_only_where_its_scores_are_many():
+    # On the host every eager call reads; on an accelerator only from 256 x 256
+    # scores per head, whatever the shape that gives them.
+    assert spec.DEVICE_READ_SCORES == 65536
+    for num_queries, num_keys in ((1, 1), (1, 65535), (255, 256), (128, 511)):
+        assert spec.reads_values(True, num_queries, num_keys)
+        assert not spec.reads_values(False, num_queries, num_keys)
+    for num_queries, num_keys in ((256, 256), (1, 65536), (128, 512), (4096, 4096)):
+        assert spec.reads_values(False, num_queries, num_keys)
+
+
 def test_kernel_plan_repeats_grouped_heads_only_for_kernels_without_groups():
     facts = {"sizes": (1, 2, 2), "lens_ndim": None, "values_exact": True, "grouped": True}
     assert spec.plan_kernel(SDPA_LIKE, **facts).repeat_kv

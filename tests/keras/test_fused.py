@@ -276,6 +276,29 @@ def test_scores_below_the_mask_value_take_the_generic_path(runner):
     np.testing.assert_allclose(out, expected, atol=5e-6)
 
 
+@pytest.mark.parametrize("length", [16, 256])
+def test_on_a_gpu_only_a_call_with_many_scores_reads_its_values(runner, monkeypatch, length):
+    """A read waits for a GPU (here the facts are told the tensors are on one):
+    only a call whose heads hold ``DEVICE_READ_SCORES`` scores reads the values
+    for the kernel; a shorter one takes the generic path without reading."""
+    from mha_multi.keras import _backend as facts
+
+    reads = []
+    within = facts.values_within
+    monkeypatch.setattr(facts, "device_of", lambda x: "gpu")
+    monkeypatch.setattr(facts, "values_within", lambda *args: reads.append(1) or within(*args))
+    weights = init_weights(8, seed=25)
+    layer = runner.set_weights(runner.make_layer(8, 2), weights)
+    x = np.random.default_rng(25).standard_normal((2, length, 8)).astype(np.float32)
+    lens = np.array([length, length // 2])
+    with runner.kernel_spy() as calls:
+        out = eager(layer, x, x, x, lens)
+    read = FUSED and length * length >= spec.DEVICE_READ_SCORES
+    assert len(reads) == len(calls) == int(read)
+    expected, _ = spec.reference_forward(weights, x, x, x, lens, num_heads=2)
+    np.testing.assert_allclose(out, expected, atol=5e-6)
+
+
 @pytest.mark.parametrize(
     ("scale", "exact"),
     [(1.0, True), (1e30, False), (np.nan, False), (np.inf, False)],

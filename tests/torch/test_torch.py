@@ -250,14 +250,14 @@ def _without_synchronisation(run):
 
 @pytest.mark.parametrize("name", [config.name for config in CASES])
 def test_a_short_forward_on_gpu_never_synchronizes(runner, cases, gpu, name):
-    """A call whose heads hold fewer than ``GUARDED_KERNEL_SCORES`` scores reads
+    """A call whose heads hold fewer than ``spec.DEVICE_READ_SCORES`` scores reads
     nothing on a GPU and takes the generic path (docs: "Fast paths").
 
     Every argument is on the GPU already; constants such as rotary
     frequencies are copied to the device once. Any synchronisation raises.
     """
     case = cases[name]
-    assert case.inputs["queries"].shape[1] * case.inputs["keys"].shape[1] < GUARDED_KERNEL_SCORES
+    assert case.inputs["queries"].shape[1] * case.inputs["keys"].shape[1] < spec.DEVICE_READ_SCORES
     layer = runner.layer_for(case, device=gpu).eval()
     tensors = [runner.to_native(case.inputs[n], gpu) for n in INPUT_NAMES]
     lens = runner.native_lens(case.valid_lens, gpu)
@@ -275,7 +275,7 @@ def test_a_short_forward_on_gpu_never_synchronizes(runner, cases, gpu, name):
 
 @pytest.mark.parametrize("edit", [None, "nan_query", "inf_key", "nan_value"])
 def test_a_long_forward_on_gpu_reads_once_for_the_kernel(gpu, edit):
-    """Where a head's scores reach ``GUARDED_KERNEL_SCORES`` an eager call on a GPU
+    """Where a head's scores reach ``spec.DEVICE_READ_SCORES`` an eager call on a GPU
     reads once (whether the projections are finite, with the shortest length):
     SDPA for finite values, with the spec's fully hidden rows (example 0's
     lengths hide every key); the generic path and the float64 reference's
@@ -338,6 +338,37 @@ def test_a_decoding_step_on_gpu_never_synchronizes(gpu, num_kv_heads):
                 causal=True,
             )
             np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
+
+
+def test_rows_written_by_a_call_that_reads_nothing_reach_a_later_read(monkeypatch):
+    """A cached call that reads nothing (a GPU's decoding step: ``spec.reads_values``
+    false, here on the CPU) leaves its new rows to be summed on the device at the
+    next write: a later call that reads sees the NaN one of them holds, and takes
+    the generic path, to the float64 cached reference's numbers."""
+    weights = init_weights(16, num_heads=4, num_kv_heads=2, seed=26)
+    layer = set_weights(MultiHeadAttention(16, 4, num_kv_heads=2), weights).eval()
+    tokens = np.random.default_rng(26).standard_normal((2, 5, 16)).astype(np.float32)
+    tokens[1, 1, 3] = np.nan  # a key and a value row of example 1
+    held = spec.KVCache(np.zeros((2, 2, 8, 4)), np.zeros((2, 2, 8, 4)), np.zeros(2, np.int64))
+    steps = [(0, 1), (1, 2), (2, 3), (3, 5)]  # the last reads: two queries
+    with torch.no_grad():
+        cache = layer.init_cache(2, 8)
+        for first, end in steps:
+            chunk = tokens[:, first:end]
+            # Distinct arrays: the generic flow, whose plan is the one that reads.
+            x, y = torch.from_numpy(chunk), torch.from_numpy(chunk.copy())
+            with monkeypatch.context() as patch:
+                if end < 5:
+                    patch.setattr(spec, "reads_values", lambda *sizes: False)
+                (out, cache), ran = _kernel_ran(
+                    lambda x=x, y=y, cache=cache: layer(x, y, y, causal=True, cache=cache)
+                )
+            expected, _, held = spec.reference_cached_forward(
+                weights, chunk, chunk, chunk, held, num_heads=4, num_kv_heads=2, causal=True
+            )
+            assert not ran, (first, end)
+            np.testing.assert_array_equal(np.isnan(out.numpy()), np.isnan(expected))
+            np.testing.assert_allclose(out.numpy(), expected, atol=5e-6)
 
 
 def test_weights_round_trip_on_gpu(gpu):
