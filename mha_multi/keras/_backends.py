@@ -64,6 +64,14 @@ class _Backend:
         )
         return ops.all(ops.stack([*finite, ops.less(largest_q * largest_k, bound)]))
 
+    def row_max(self, x: Tensor) -> Tensor:
+        """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1.
+
+        An explicit initial value: without one TensorFlow's ``max`` checks
+        eagerly for an empty reduction, a device read per call.
+        """
+        return keras.ops.max(x, axis=-1, keepdims=True, initial=-float("inf"))
+
     def sync(self, value: Any) -> None:
         # Reading one element waits for the operation that produced the array.
         for leaf in keras.tree.flatten(value):
@@ -226,6 +234,11 @@ class _Torch(_Backend):
         )
         return (largest_q * largest_k < bound) & torch.isfinite(self.finite_sum(v))
 
+    def row_max(self, x: Tensor) -> Tensor:
+        # Keras' max with an initial value makes it a CPU tensor, which a
+        # CUDA one cannot meet; amax checks only the shape.
+        return self.torch.amax(x, dim=-1, keepdim=True)
+
     def span_bucket(self, keys: Tensor) -> int:
         return self.plain.FACTS.span_bucket_of(keys)
 
@@ -315,6 +328,11 @@ def scalar_gradient(function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 def values_within(q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
     """Whether ``q``, ``k``, ``v`` are finite and ``max|q| * max|k| < bound``, a boolean scalar."""
     return active().values_within(q, k, v, bound)
+
+
+def row_max(x: Tensor) -> Tensor:
+    """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1."""
+    return active().row_max(x)
 
 
 def sync(value: Any) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from keras import ops
 
 from mha_multi import spec
+from mha_multi.keras._backends import row_max
 
 Tensor = Any
 
@@ -177,10 +178,8 @@ class KerasOps:
         # a NaN or +inf, where the spec (IEEE arithmetic) makes the whole row
         # NaN. The shift only guards exp() against overflow: it cancels in
         # the quotient, so it carries no gradient.
-        # (An explicit initial value: Keras checks eagerly for an empty
-        # reduction otherwise, which costs a device read per call.)
-        row_max = ops.max(x, axis=-1, keepdims=True, initial=-float("inf"))
-        shifted = x - ops.stop_gradient(row_max)
+        # (The maximum is the backend's: Keras' own reads or fails on some.)
+        shifted = x - ops.stop_gradient(row_max(x))
         exponentials = ops.exp(shifted)
         return exponentials / ops.sum(exponentials, axis=-1, keepdims=True)
 
