@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 
 from mha_multi import spec
 
@@ -63,6 +64,14 @@ class _Backend:
             ops.max(ops.abs(ops.cast(x, "float32")), initial=0.0) for x in (q, k)
         )
         return ops.all(ops.stack([*finite, ops.less(largest_q * largest_k, bound)]))
+
+    def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
+        """``x`` reshaped to ``shape`` (sizes may be unknown: scalar tensors)."""
+        return keras.ops.reshape(x, shape)
+
+    def transpose(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
+        """``x`` with its axes in the order ``axes``."""
+        return keras.ops.transpose(x, axes)
 
     def row_max(self, x: Tensor) -> Tensor:
         """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1.
@@ -122,6 +131,23 @@ class _TensorFlow(_Backend):
 
     def device_of(self, x: Tensor) -> str:
         return "gpu" if "GPU" in x.device.upper() else "cpu"
+
+    # An eager keras.ops.reshape or transpose costs 150-200 us on the
+    # project's CPU: Keras' dispatch, then TensorFlow's slow path, which
+    # makes a constant of a Python shape at every call. tf.reshape and
+    # tf.transpose given numpy arrays take 20-30 us, and a one-token call
+    # makes about 25 of them (docs: "Results"). The same kernels: the
+    # numbers do not change. Symbolic tensors and unknown sizes take Keras'.
+
+    def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
+        if isinstance(x, self.tf.Tensor) and all(type(size) is int for size in shape):
+            return self.tf.reshape(x, np.asarray(shape, np.int64))
+        return keras.ops.reshape(x, shape)
+
+    def transpose(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
+        if isinstance(x, self.tf.Tensor):
+            return self.tf.transpose(x, np.asarray(axes, np.int32))
+        return keras.ops.transpose(x, axes)
 
     def exact_float32(self) -> None:
         self.tf.config.experimental.enable_tensor_float_32_execution(False)
@@ -328,6 +354,16 @@ def scalar_gradient(function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 def values_within(q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
     """Whether ``q``, ``k``, ``v`` are finite and ``max|q| * max|k| < bound``, a boolean scalar."""
     return active().values_within(q, k, v, bound)
+
+
+def reshape(x: Tensor, shape: tuple[Any, ...]) -> Tensor:
+    """``x`` reshaped to ``shape``, the backend's fastest way."""
+    return active().reshape(x, shape)
+
+
+def transpose(x: Tensor, axes: tuple[int, ...]) -> Tensor:
+    """``x`` with its axes in the order ``axes``, the backend's fastest way."""
+    return active().transpose(x, axes)
 
 
 def row_max(x: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ import numpy as np
 from keras import ops
 
 from mha_multi import spec
-from mha_multi.keras._backends import row_max
+from mha_multi.keras._backends import reshape, row_max, transpose
 
 Tensor = Any
 
@@ -112,7 +112,7 @@ class KerasOps:
         shape = _shape(x)
         axis %= len(shape)
         sizes = spec.static_split_sizes(shape[axis], sizes)
-        return ops.reshape(x, [*shape[:axis], *sizes, *shape[axis + 1 :]])
+        return reshape(x, (*shape[:axis], *sizes, *shape[axis + 1 :]))
 
     def merge_axes(self, x: Tensor, axis: int) -> Tensor:
         shape = _shape(x)
@@ -120,10 +120,10 @@ class KerasOps:
         # No -1: a reshape cannot infer it when another axis is empty (B = 0,
         # Q = 0). Unknown sizes are scalar tensors, whose product is one too.
         merged = shape[axis] * shape[axis + 1]
-        return ops.reshape(x, [*shape[:axis], merged, *shape[axis + 2 :]])
+        return reshape(x, (*shape[:axis], merged, *shape[axis + 2 :]))
 
     def permute(self, x: Tensor, axes: Sequence[int]) -> Tensor:
-        return ops.transpose(x, tuple(axes))
+        return transpose(x, tuple(axes))
 
     def expand_dims(self, x: Tensor, axis: int) -> Tensor:
         return ops.expand_dims(x, axis)
@@ -140,12 +140,13 @@ class KerasOps:
             shape = _shape(a)
             if all(isinstance(size, int) for size in shape) and a.dtype == b.dtype:
                 # tf.tensordot's own reshapes, around the same tf.matmul.
-                flat = ops.reshape(a, (math.prod(shape[:-1]), shape[-1]))
-                return ops.reshape(ops.matmul(flat, b), (*shape[:-1], b.shape[1]))
+                flat = reshape(a, (math.prod(shape[:-1]), shape[-1]))
+                return reshape(ops.matmul(flat, b), (*shape[:-1], b.shape[1]))
         return ops.matmul(a, b)
 
     def swap_last(self, x: Tensor) -> Tensor:
-        return ops.swapaxes(x, -1, -2)
+        rank = len(x.shape)
+        return transpose(x, (*range(rank - 2), rank - 1, rank - 2))
 
     def size(self, x: Tensor, axis: int) -> Any:
         # An int, or a scalar tensor where a traced graph does not know it.
