@@ -73,6 +73,10 @@ class _Backend:
         """``x`` with its axes in the order ``axes``."""
         return keras.ops.transpose(x, axes)
 
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
+        """``a @ b``, batch axes broadcast."""
+        return keras.ops.matmul(a, b)
+
     def row_max(self, x: Tensor) -> Tensor:
         """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1.
 
@@ -136,7 +140,8 @@ class _TensorFlow(_Backend):
     # project's CPU: Keras' dispatch, then TensorFlow's slow path, which
     # makes a constant of a Python shape at every call. tf.reshape and
     # tf.transpose given numpy arrays take 20-30 us, and a one-token call
-    # makes about 25 of them (docs: "Results"). The same kernels: the
+    # makes about 25 of them; keras.ops.matmul costs about 300 us more than
+    # the tf.matmul it calls (docs: "Results"). The same kernels: the
     # numbers do not change. Symbolic tensors and unknown sizes take Keras'.
 
     def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
@@ -148,6 +153,23 @@ class _TensorFlow(_Backend):
         if isinstance(x, self.tf.Tensor):
             return self.tf.transpose(x, np.asarray(axes, np.int32))
         return keras.ops.transpose(x, axes)
+
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
+        # keras.ops.matmul calls tf.matmul itself for two tensors of one
+        # dtype, except a matrix ``b`` after a batch of ``a``, which it
+        # takes through tf.tensordot: those keep Keras' path.
+        tf = self.tf
+        if (
+            isinstance(a, tf.Tensor)
+            and isinstance(b, tf.Tensor)
+            and a.dtype == b.dtype
+            and a.dtype.is_floating
+            and len(a.shape) >= 2
+            and len(b.shape) >= 2
+            and (len(b.shape) > 2 or len(a.shape) == 2)
+        ):
+            return tf.matmul(a, b)
+        return keras.ops.matmul(a, b)
 
     def exact_float32(self) -> None:
         self.tf.config.experimental.enable_tensor_float_32_execution(False)
@@ -364,6 +386,11 @@ def reshape(x: Tensor, shape: tuple[Any, ...]) -> Tensor:
 def transpose(x: Tensor, axes: tuple[int, ...]) -> Tensor:
     """``x`` with its axes in the order ``axes``, the backend's fastest way."""
     return active().transpose(x, axes)
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b``, the backend's fastest way to Keras' own numbers."""
+    return active().matmul(a, b)
 
 
 def row_max(x: Tensor) -> Tensor:

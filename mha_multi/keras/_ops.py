@@ -21,7 +21,7 @@ import numpy as np
 from keras import ops
 
 from mha_multi import spec
-from mha_multi.keras._backends import reshape, row_max, transpose
+from mha_multi.keras._backends import matmul, reshape, row_max, transpose
 
 Tensor = Any
 
@@ -141,8 +141,8 @@ class KerasOps:
             if all(isinstance(size, int) for size in shape) and a.dtype == b.dtype:
                 # tf.tensordot's own reshapes, around the same tf.matmul.
                 flat = reshape(a, (math.prod(shape[:-1]), shape[-1]))
-                return reshape(ops.matmul(flat, b), (*shape[:-1], b.shape[1]))
-        return ops.matmul(a, b)
+                return reshape(matmul(flat, b), (*shape[:-1], b.shape[1]))
+        return matmul(a, b)
 
     def swap_last(self, x: Tensor) -> Tensor:
         rank = len(x.shape)
