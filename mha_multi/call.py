@@ -200,6 +200,11 @@ class Facts:
         """Whether :attr:`kernel` serves the dtype and precision of ``q``."""
         return True
 
+    def on_host(self, q: Array) -> bool:
+        """Whether ``q`` lives on the host, where :meth:`plan_values` waits for nothing
+        (elsewhere the plan reads only where :func:`mha_multi.spec.reads_values` says)."""
+        return True
+
     def plan_values(
         self, q: Array, k: Array, v: Array, valid_lens: Array | None, heads: spec.Heads
     ) -> tuple[bool | None, float | None]:
@@ -656,7 +661,10 @@ def plan(
     optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
     if not optimistic.fused:
         return optimistic
-    if options.bias is None:
+    _, num_queries, num_keys = settings["sizes"]
+    if not spec.reads_values(facts.on_host(q), num_queries, num_keys):
+        exact, shortest = None, None  # a read would wait for the device
+    elif options.bias is None:
         exact, shortest = facts.plan_values(q, k, v, valid_lens, heads)
     else:
         exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, bias=options.bias)

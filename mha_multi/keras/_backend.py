@@ -357,18 +357,12 @@ class KerasFacts(call.Facts):
     def plan_values(
         self, q: Tensor, k: Tensor, v: Tensor, valid_lens: Any, heads: spec.Heads
     ) -> tuple[bool | None, float | None]:
-        """:func:`values_exact`; the lengths are not read (the kernel takes none).
-
-        On a GPU nothing is read where a head's scores are few
-        (:func:`mha_multi.spec.reads_values`): the read would wait for the
-        device, and the generic path runs instead.
-        """
-        num_keys = k.shape[2 if len(k.shape) == 4 else 1]
-        if values_readable(q) and not spec.reads_values(
-            device_of(q) == "cpu", q.shape[1], num_keys
-        ):
-            return None, None
+        """:func:`values_exact`; the lengths are not read (the kernel takes none)."""
         return values_exact(q, k, v, heads.head_dim), None
+
+    def on_host(self, q: Tensor) -> bool:
+        # A traced tensor is read nowhere (values_exact answers None).
+        return not values_readable(q) or device_of(q) == "cpu"
 
 
 #: The facts every Keras layer's call is driven with.

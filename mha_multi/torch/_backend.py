@@ -401,6 +401,9 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
                 written.attended = prefix  # what the plan may take the check for
         return prefix
 
+    def on_host(self, q: torch.Tensor) -> bool:
+        return q.device.type == "cpu"
+
     def plan_values(
         self,
         q: torch.Tensor,
@@ -421,9 +424,11 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         (the check is O(N * d), next to O(N^2 * d) attention); lengths that
         hide nothing need no mask, which lets flash kernels run, and lengths
         > 0 leave no row fully hidden. Under ``torch.compile`` nothing is
-        read: the graph chooses on the device (:meth:`guarded`); on a GPU
-        nothing is read where a head's scores are few
-        (:func:`mha_multi.spec.reads_values`), and the generic path runs.
+        read: the graph chooses on the device (:meth:`guarded`). On a GPU
+        the plan asks only where a head's scores are many
+        (:func:`mha_multi.spec.reads_values`); a call it does not ask leaves
+        the rows it wrote pending, and the next write sums them on the
+        device (:meth:`CacheCheck.settled`) for a later call that reads.
         """
         if torch.compiler.is_compiling():
             return None, None
@@ -431,11 +436,6 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         # adds -inf to a hidden key's score.
         written = self._take_written(k, v, valid_lens)
         check = None if written is None else written.check
-        num_keys = k.shape[2 if k.dim() == 4 else 1]
-        if not spec.reads_values(q.device.type == "cpu", q.shape[1], num_keys):
-            # The rows this call wrote stay pending: the next write sums them
-            # on the device (CacheCheck.settled), for a later call that reads.
-            return None, None
         if check is None:
             total = finite_sum(q, k, v)
         else:
