@@ -91,9 +91,45 @@ class Format:
     default: bool = True
 
 
-_TORCH = "mha_multi.interop.torch"
-_KERAS = "mha_multi.interop.keras"
-_LLAMA = "mha_multi.interop.llama"
+#: Module of :mod:`mha_multi.interop` -> the framework it imports, as users
+#: know it, and the ``mha_multi[...]`` extra that installs that framework.
+_FRAMEWORKS = {
+    "torch": ("PyTorch", "torch"),
+    "llama": ("PyTorch", "torch"),
+    "mxnet": ("MXNet", "mxnet"),
+    "keras": ("Keras", "keras"),
+}
+
+
+def _interop_format(
+    name: str,
+    module: str,
+    description: str,
+    suffixes: tuple[str, ...],
+    *,
+    heads: Literal["stored", "required"] | None = None,
+    default: bool = True,
+) -> Format:
+    """The record of a format that ``mha_multi.interop.<module>`` reads and writes.
+
+    The reader and writer are that module's ``load_<format>`` and
+    ``save_<format>`` (``-`` in ``name`` written ``_``), the names every
+    interop module gives them.
+    """
+    framework, extra = _FRAMEWORKS[module]
+    function = name.replace("-", "_")
+    return Format(
+        name=name,
+        description=description,
+        suffixes=suffixes,
+        reader=f"mha_multi.interop.{module}:load_{function}",
+        writer=f"mha_multi.interop.{module}:save_{function}",
+        framework=framework,
+        extra=extra,
+        heads=heads,
+        default=default,
+    )
+
 
 #: Format name -> record, in the order help and error messages list them.
 FORMATS: Mapping[str, Format] = MappingProxyType(
@@ -107,67 +143,47 @@ FORMATS: Mapping[str, Format] = MappingProxyType(
                 reader="mha_multi.weights:load_weights",
                 writer="mha_multi.weights:save_weights",
             ),
-            Format(
-                name="torch-mha",
-                description="state_dict of torch.nn.MultiheadAttention",
-                suffixes=(".pt", ".pth"),
-                reader=f"{_TORCH}:load_torch_mha",
-                writer=f"{_TORCH}:save_torch_mha",
-                framework="PyTorch",
-                extra="torch",
+            _interop_format(
+                "torch-mha",
+                "torch",
+                "state_dict of torch.nn.MultiheadAttention",
+                (".pt", ".pth"),
                 default=False,
             ),
-            Format(
-                name="torch-d2l",
-                description="state_dict of d2l's torch MultiHeadAttention (also mha_multi.torch's)",
-                suffixes=(".pt", ".pth"),
-                reader=f"{_TORCH}:load_torch_d2l",
-                writer=f"{_TORCH}:save_torch_d2l",
-                framework="PyTorch",
-                extra="torch",
+            _interop_format(
+                "torch-d2l",
+                "torch",
+                "state_dict of d2l's torch MultiHeadAttention (also mha_multi.torch's)",
+                (".pt", ".pth"),
             ),
-            Format(
-                name="llama",
-                description="state_dict of a Llama-style attention (q_proj, k_proj, v_proj, "
-                "o_proj; transformers' LlamaAttention), by torch.save or safetensors",
-                suffixes=(".pt", ".pth", ".bin", ".safetensors"),
-                reader=f"{_LLAMA}:load_llama",
-                writer=f"{_LLAMA}:save_llama",
-                framework="PyTorch",
-                extra="torch",
+            _interop_format(
+                "llama",
+                "llama",
+                "state_dict of a Llama-style attention (q_proj, k_proj, v_proj, o_proj; "
+                "transformers' LlamaAttention), by torch.save or safetensors",
+                (".pt", ".pth", ".bin", ".safetensors"),
                 heads="required",
                 default=False,
             ),
-            Format(
-                name="mxnet-d2l",
-                description="Gluon parameters of d2l's MXNet MultiHeadAttention "
+            _interop_format(
+                "mxnet-d2l",
+                "mxnet",
+                "Gluon parameters of d2l's MXNet MultiHeadAttention "
                 "(also mha_multi.mxnet's), as save_parameters writes them",
-                suffixes=(".params",),
-                reader="mha_multi.interop.mxnet:load_mxnet_d2l",
-                writer="mha_multi.interop.mxnet:save_mxnet_d2l",
-                framework="MXNet",
-                extra="mxnet",
+                (".params",),
             ),
-            Format(
-                name="keras-mha",
-                description="Keras save_weights of a model holding one "
-                "keras.layers.MultiHeadAttention",
-                suffixes=(".weights.h5",),
-                reader=f"{_KERAS}:load_keras_mha",
-                writer=f"{_KERAS}:save_keras_mha",
-                framework="Keras",
-                extra="keras",
+            _interop_format(
+                "keras-mha",
+                "keras",
+                "Keras save_weights of a model holding one keras.layers.MultiHeadAttention",
+                (".weights.h5",),
                 heads="stored",
             ),
-            Format(
-                name="keras-gqa",
-                description="Keras save_weights of a model holding one "
-                "keras.layers.GroupQueryAttention",
-                suffixes=(".weights.h5",),
-                reader=f"{_KERAS}:load_keras_gqa",
-                writer=f"{_KERAS}:save_keras_gqa",
-                framework="Keras",
-                extra="keras",
+            _interop_format(
+                "keras-gqa",
+                "keras",
+                "Keras save_weights of a model holding one keras.layers.GroupQueryAttention",
+                (".weights.h5",),
                 heads="stored",
                 default=False,
             ),
@@ -182,9 +198,9 @@ FORMATS: Mapping[str, Format] = MappingProxyType(
 RECOGNISERS: Mapping[str, str] = MappingProxyType(
     {
         ".safetensors": "mha_multi.interop.formats:safetensors_format",
-        ".pt": f"{_TORCH}:checkpoint_format",
-        ".pth": f"{_TORCH}:checkpoint_format",
-        ".weights.h5": f"{_KERAS}:weights_file_format",
+        ".pt": "mha_multi.interop.torch:checkpoint_format",
+        ".pth": "mha_multi.interop.torch:checkpoint_format",
+        ".weights.h5": "mha_multi.interop.keras:weights_file_format",
     }
 )
 

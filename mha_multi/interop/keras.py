@@ -150,6 +150,16 @@ def _kernels_of_state(
     return {name: np.asarray(state[f"{name}/kernel"]) for name in names}, bool(with_bias)
 
 
+def _projection_state(projections: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """``<name>/kernel`` and, where there is one, ``<name>/bias`` of each projection, as numpy."""
+    state = {}
+    for name, dense in projections.items():
+        state[f"{name}/kernel"] = _backend.host_array(dense.kernel)
+        if dense.bias is not None:
+            state[f"{name}/bias"] = _backend.host_array(dense.bias)
+    return state
+
+
 def from_keras_mha_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Canonical weights from the arrays of a ``keras.layers.MultiHeadAttention``.
 
@@ -291,13 +301,8 @@ def from_keras_mha(layer: keras.layers.MultiHeadAttention) -> dict[str, np.ndarr
             module notes), or an unbuilt layer.
     """
     _check_keras_mha(layer)
-    arrays = {}
-    for name in KERAS_MHA_NAMES:
-        dense = getattr(layer, f"{name}_dense")
-        arrays[f"{name}/kernel"] = _backend.host_array(dense.kernel)
-        if dense.bias is not None:
-            arrays[f"{name}/bias"] = _backend.host_array(dense.bias)
-    return from_keras_mha_state(arrays)
+    projections = {name: getattr(layer, f"{name}_dense") for name in KERAS_MHA_NAMES}
+    return from_keras_mha_state(_projection_state(projections))
 
 
 def to_keras_mha(
@@ -450,12 +455,7 @@ def from_keras_gqa(
         ValueError: a gate or a sliding window, or an unbuilt layer.
     """
     _check_keras_gqa(layer)
-    arrays = {}
-    for name, dense in _native.gqa_projections(layer).items():
-        arrays[f"{name}/kernel"] = _backend.host_array(dense.kernel)
-        if dense.bias is not None:
-            arrays[f"{name}/bias"] = _backend.host_array(dense.bias)
-    return from_keras_gqa_state(arrays)
+    return from_keras_gqa_state(_projection_state(_native.gqa_projections(layer)))
 
 
 def to_keras_gqa(

@@ -102,6 +102,21 @@ class CaseConfig:
         }
 
 
+def _causal(length: int) -> dict[str, Any]:
+    """Causal self-attention's sizes: ``length`` queries over as many keys.
+
+    With ``Q == K`` the spec's bottom-right causal rule is a kernel's own
+    top-left one, and a cached case's sequences are its queries and keys.
+    """
+    return {"num_queries": length, "num_keys": length, "causal": True}
+
+
+#: Grouped-query heads: 8 query heads read 2 key/value heads of size 4.
+_GROUPED: dict[str, Any] = {"num_hiddens": 32, "num_heads": 8, "num_kv_heads": 2}
+#: An explicit head size, 3, that 10 hiddens over 4 heads would not give
+#: (``num_heads * head_dim != num_hiddens``), beside queries of their own size.
+_HEAD_DIM_3: dict[str, Any] = {"num_hiddens": 10, "num_heads": 4, "head_dim": 3, "query_size": 6}
+
 CASES: tuple[CaseConfig, ...] = (
     CaseConfig(
         "book",
@@ -132,7 +147,7 @@ CASES: tuple[CaseConfig, ...] = (
         description="lengths <= 0 hide every key: uniform weights",
     ),
     CaseConfig("lens_overlong", valid_lens=[7, 12, 1000], description="lengths >= K hide nothing"),
-    CaseConfig("causal", num_queries=6, num_keys=6, causal=True, description="causal, Q == K"),
+    CaseConfig("causal", **_causal(6), description="causal, Q == K"),
     CaseConfig(
         "causal_cross",
         num_queries=3,
@@ -150,9 +165,7 @@ CASES: tuple[CaseConfig, ...] = (
     ),
     CaseConfig(
         "causal_lens_2d",
-        num_queries=5,
-        num_keys=5,
-        causal=True,
+        **_causal(5),
         valid_lens=[[5, 5, 5, 5, 5], [0, 1, 2, 3, 4], [3, 0, 5, 1, 2]],
         description="causal AND 2-D lengths",
     ),
@@ -173,9 +186,7 @@ CASES: tuple[CaseConfig, ...] = (
     CaseConfig("one_key", num_keys=1, valid_lens=[1, 0, 1], description="a single key"),
     CaseConfig(
         "gqa",
-        num_hiddens=32,
-        num_heads=8,
-        num_kv_heads=2,
+        **_GROUPED,
         bias=True,
         causal=True,
         valid_lens=[4, 7, 0],
@@ -184,19 +195,14 @@ CASES: tuple[CaseConfig, ...] = (
     CaseConfig(
         "mqa",
         num_kv_heads=1,
-        num_queries=6,
-        num_keys=6,
-        causal=True,
+        **_causal(6),
         valid_lens=[[1, 6, 0, 3, 6, 2], [6, 6, 6, 6, 6, 6], [2, 2, 2, 5, 5, 5]],
         description="multi-query: one key/value head; per-query lengths, causal Q == K",
     ),
     CaseConfig(
         "head_dim",
-        num_hiddens=10,
-        num_heads=4,
+        **_HEAD_DIM_3,
         num_kv_heads=2,
-        head_dim=3,
-        query_size=6,
         bias=True,
         valid_lens=[3, 0, 7],
         description="explicit head_dim 3, num_hiddens 10 not divisible by 4 heads; grouped",
@@ -215,12 +221,8 @@ HEAD_MASK_CASES: tuple[CaseConfig, ...] = (
     ),
     CaseConfig(
         "head_mask_gqa",
-        num_hiddens=32,
-        num_heads=8,
-        num_kv_heads=2,
-        num_queries=5,
-        num_keys=5,
-        causal=True,
+        **_GROUPED,
+        **_causal(5),
         head_mask=[
             [1.0, 1.0, 0.0, 0.0, 1.0, 0.25, 1.0, 1.0],
             [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5],
@@ -240,8 +242,7 @@ OPTION_CASES: tuple[CaseConfig, ...] = (
         "rotary",
         num_heads=2,
         num_kv_heads=1,
-        num_keys=5,
-        causal=True,
+        **_causal(5),
         valid_lens=[5, 3, 4],
         positions=[[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [0, 0, 0, 1, 2]],
         options={
@@ -262,8 +263,7 @@ OPTION_CASES: tuple[CaseConfig, ...] = (
         "alibi",
         num_hiddens=12,
         num_heads=6,
-        num_keys=5,
-        causal=True,
+        **_causal(5),
         valid_lens=[5, 2, 4],
         options={"alibi": True},
         description="ALiBi slopes of 6 heads (BLOOM's rule), self-attention, causal, ragged",
@@ -294,10 +294,8 @@ CASES += OPTION_CASES
 CACHED_CASES: tuple[CaseConfig, ...] = (
     CaseConfig(
         "cached",
-        num_queries=7,
-        num_keys=7,
+        **_causal(7),
         bias=True,
-        causal=True,
         valid_lens=[7, 3, 0],
         chunks=[[4, [4, 2, 0]], [1, [1, 1, 0]], [2, [2, 0, 0]]],
         cache_length=9,
@@ -305,12 +303,8 @@ CACHED_CASES: tuple[CaseConfig, ...] = (
     ),
     CaseConfig(
         "cached_gqa",
-        num_hiddens=32,
-        num_heads=8,
-        num_kv_heads=2,
-        num_queries=6,
-        num_keys=6,
-        causal=True,
+        **_GROUPED,
+        **_causal(6),
         valid_lens=[5, 6, 2],
         chunks=[[3, [3, 1, 2]], [1, [1, 1, 0]], [1, [1, 1, 0]], [3, [0, 3, 0]]],
         cache_length=6,
@@ -318,14 +312,9 @@ CACHED_CASES: tuple[CaseConfig, ...] = (
     ),
     CaseConfig(
         "cached_mqa_head_dim",
-        num_hiddens=10,
-        num_heads=4,
+        **_HEAD_DIM_3,
         num_kv_heads=1,
-        head_dim=3,
-        query_size=6,
-        num_queries=6,
-        num_keys=6,
-        causal=True,
+        **_causal(6),
         valid_lens=[4, 1, 6],
         chunks=[[6, [0, 0, 6]], [1, [1, 1, 0]], [1, [1, 0, 0]], [2, [2, 0, 0]]],
         cache_length=8,
@@ -335,9 +324,7 @@ CACHED_CASES: tuple[CaseConfig, ...] = (
         "cached_rotary_window",
         num_heads=4,
         num_kv_heads=2,
-        num_queries=7,
-        num_keys=7,
-        causal=True,
+        **_causal(7),
         valid_lens=[7, 5, 3],
         chunks=[[3, [3, 3, 2]], [1, [1, 1, 1]], [3, [3, 1, 0]]],
         cache_length=8,

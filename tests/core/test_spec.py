@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 from finite_differences import assert_central_differences
+from kernel_plans import MASK_ONLY, SDPA_LIKE, XLA_LIKE, assert_fused, assert_generic
 from test_spec_positions import naive_forward
 
 from mha_multi import spec
@@ -320,104 +321,72 @@ def test_narrow_integer_lengths_compare_without_wrapping(dtype):
 
 # -- the kernel plan ---------------------------------------------------------
 
-SDPA_LIKE = spec.FusedKernel("adds -inf, takes dropout", takes_dropout=True)
-XLA_LIKE = spec.FusedKernel(
-    "replaces, key lengths, mask with causal",
-    takes_key_lengths=True,
-    mask_and_causal=True,
-    replaces_hidden_scores=True,
-)
-MASK_ONLY = spec.FusedKernel(
-    "replaces by MASK_VALUE, no causal flag",
-    takes_dropout=True,
-    causal_flag=False,
-    replaces_hidden_scores=True,
-    hidden_rows_uniform=True,
-)
-
-
-# (kernel, facts, expected (is_causal, key_lengths, mask_lens, mask_causal, fix_rows, fix_causal)),
-# each worked out from the rules on the "Fast paths" page.
+# (kernel, facts, the fields that are true), each worked out from the rules on
+# the "Fast paths" page.
 PLANS = {
-    "no lengths": (SDPA_LIKE, {}, (False, False, False, False, False, False)),
-    "causal, Q == K: the kernel's flag": (
-        SDPA_LIKE,
-        {"causal": True},
-        (True, False, False, False, False, False),
-    ),
+    "no lengths": (SDPA_LIKE, {}, set()),
+    "causal, Q == K: the kernel's flag": (SDPA_LIKE, {"causal": True}, {"is_causal"}),
     "causal, Q < K: bottom-right needs the mask": (
         SDPA_LIKE,
         {"causal": True, "sizes": (2, 3, 5)},
-        (False, False, False, True, False, False),
+        {"mask_causal"},
     ),
     "causal, Q > K: whole rows hidden": (
         SDPA_LIKE,
         {"causal": True, "sizes": (2, 5, 3)},
-        (False, False, False, True, True, True),
+        {"mask_causal", "fix_rows", "fix_causal"},
     ),
     "lengths into the mask, rows may be hidden": (
         SDPA_LIKE,
         {"lens_ndim": 1},
-        (False, False, True, False, True, False),
+        {"mask_lens", "fix_rows"},
     ),
     "lengths read as > 0 hide no row": (
         SDPA_LIKE,
         {"lens_ndim": 1, "shortest_length": 1.0},
-        (False, False, True, False, False, False),
+        {"mask_lens"},
     ),
     "lengths read as >= K hide nothing": (
         SDPA_LIKE,
         {"lens_ndim": 2, "shortest_length": 4.0, "causal": True},
-        (True, False, False, False, False, False),
+        {"is_causal"},
     ),
     "NaN lengths hide every key": (
         SDPA_LIKE,
         {"lens_ndim": 1, "shortest_length": float("nan")},
-        (False, False, True, False, True, False),
+        {"mask_lens", "fix_rows"},
     ),
     "lengths with causal: no flag beside a mask": (
         SDPA_LIKE,
         {"lens_ndim": 1, "causal": True},
-        (False, False, True, True, True, False),
+        {"mask_lens", "mask_causal", "fix_rows"},
     ),
     "integer lengths as key lengths, causal flag beside them": (
         XLA_LIKE,
         {"lens_ndim": 1, "causal": True},
-        (True, True, False, False, True, False),
+        {"is_causal", "key_lengths", "fix_rows"},
     ),
     "float lengths into the mask": (
         XLA_LIKE,
         {"lens_ndim": 1, "lens_integer": False},
-        (False, False, True, False, True, False),
+        {"mask_lens", "fix_rows"},
     ),
     "2-D lengths into the mask, with the flag": (
         XLA_LIKE,
         {"lens_ndim": 2, "causal": True},
-        (True, False, True, False, True, False),
+        {"is_causal", "mask_lens", "fix_rows"},
     ),
     "no causal flag: the rule goes into the mask": (
         MASK_ONLY,
         {"lens_ndim": 1, "causal": True},
-        (False, False, True, True, False, False),
+        {"mask_lens", "mask_causal"},
     ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_kernel_plan(name):
-    kernel, facts, expected = PLANS[name]
-    facts = {"sizes": (2, 4, 4), "lens_ndim": None, **facts}
-    plan = spec.plan_kernel(kernel, **facts, values_exact=True)
-    assert plan.fused, plan.reason
-    got = (
-        plan.is_causal,
-        plan.key_lengths,
-        plan.mask_lens,
-        plan.mask_causal,
-        plan.fix_rows,
-        plan.fix_causal,
-    )
-    assert got == expected
+    assert_fused(*PLANS[name])
 
 
 GENERIC = {
@@ -444,10 +413,7 @@ GENERIC = {
 
 @pytest.mark.parametrize("name", sorted(GENERIC))
 def test_kernel_plan_generic(name):
-    kernel, facts = GENERIC[name]
-    facts = {"sizes": (2, 4, 4), "lens_ndim": None, "values_exact": True, **facts}
-    plan = spec.plan_kernel(kernel, **facts)
-    assert not plan.fused and plan.reason
+    assert_generic(*GENERIC[name])
 
 
 def test_kernel_plan_fused_where_values_do_not_matter():

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 from finite_differences import assert_central_differences
+from kernel_plans import SDPA_WITH_BIAS, SOFTCAPPED, UNIFORM, WINDOWED, assert_fused, assert_generic
 from test_spec_cache import cached_attention
 
 from mha_multi import spec
@@ -798,41 +799,10 @@ def test_layer_options():
 
 # -- the kernel plan ----------------------------------------------------------
 
-SDPA_LIKE = spec.FusedKernel("adds -inf, float bias", takes_dropout=True, takes_bias=True)
-WINDOWED = spec.FusedKernel(
-    "replaces, key lengths, mask with causal, bias, window",
-    takes_key_lengths=True,
-    mask_and_causal=True,
-    replaces_hidden_scores=True,
-    takes_bias=True,
-    takes_window=True,
-)
-SOFTCAPPED = spec.FusedKernel("softcap", takes_softcap=True)
-UNIFORM = spec.FusedKernel(
-    "replaces by MASK_VALUE, no causal flag",
-    causal_flag=False,
-    replaces_hidden_scores=True,
-    hidden_rows_uniform=True,
-)
-
-FIELDS = (
-    "is_causal",
-    "key_lengths",
-    "mask_lens",
-    "mask_causal",
-    "fix_rows",
-    "fix_causal",
-    "window_flag",
-    "mask_window",
-    "fix_window",
-    "bias",
-    "softcap",
-)
-
 # (kernel, facts, the fields that are true), each worked out from the rules.
 PLANS = {
     "window into the mask of a kernel without one": (
-        SDPA_LIKE,
+        SDPA_WITH_BIAS,
         {"window": True, "causal": True},
         {"mask_causal", "mask_window"},
     ),
@@ -852,7 +822,7 @@ PLANS = {
         {"key_lengths", "window_flag", "fix_rows", "fix_window"},
     ),
     "window beside lengths that hide nothing: no row hidden": (
-        SDPA_LIKE,
+        SDPA_WITH_BIAS,
         {"window": True, "lens_ndim": 1, "shortest_length": 9.0, "causal": True},
         {"mask_causal", "mask_window"},
     ),
@@ -866,7 +836,7 @@ PLANS = {
         {"window": True, "query_positions": True, "lens_ndim": 2, "sizes": (2, 4, 4)},
         {"mask_lens", "mask_window", "fix_rows", "fix_window"},
     ),
-    "bias to a kernel that takes it": (SDPA_LIKE, {"bias": True}, {"bias"}),
+    "bias to a kernel that takes it": (SDPA_WITH_BIAS, {"bias": True}, {"bias"}),
     "softcap to a kernel that takes it": (SOFTCAPPED, {"softcap": True}, {"softcap"}),
     "uniform hidden rows need no fix for a window": (
         UNIFORM,
@@ -878,18 +848,14 @@ PLANS = {
 
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_kernel_plan_with_options(name):
-    kernel, facts, expected = PLANS[name]
-    facts = {"sizes": (2, 4, 4), "lens_ndim": None, **facts}
-    plan = spec.plan_kernel(kernel, **facts, values_exact=True)
-    assert plan.fused, plan.reason
-    assert {field for field in FIELDS if getattr(plan, field)} == expected
+    assert_fused(*PLANS[name])
 
 
 GENERIC = {
     "bias, the kernel takes none": (SOFTCAPPED, {"bias": True}, "bias"),
     "softcap, the kernel has none": (WINDOWED, {"softcap": True}, "soft-capping"),
     "dropout beside a window that may hide rows": (
-        SDPA_LIKE,
+        SDPA_WITH_BIAS,
         {"dropout": True, "window": True, "lens_ndim": 1, "shortest_length": 3.0},
         "dropout",
     ),
@@ -898,10 +864,7 @@ GENERIC = {
 
 @pytest.mark.parametrize("name", sorted(GENERIC))
 def test_kernel_plan_generic_for_options(name):
-    kernel, facts, reason = GENERIC[name]
-    facts = {"sizes": (2, 4, 4), "lens_ndim": None, "values_exact": True, **facts}
-    plan = spec.plan_kernel(kernel, **facts)
-    assert not plan.fused and reason in plan.reason
+    assert_generic(*GENERIC[name])
 
 
 def _kernel_visibility(plan, num_queries, num_keys, lens, options):
@@ -920,7 +883,7 @@ def _kernel_visibility(plan, num_queries, num_keys, lens, options):
     return visible
 
 
-@pytest.mark.parametrize("kernel", [SDPA_LIKE, WINDOWED], ids=lambda k: k.name)
+@pytest.mark.parametrize("kernel", [SDPA_WITH_BIAS, WINDOWED], ids=lambda k: k.name)
 def test_kernel_plan_sees_the_spec_visibility_and_fixes_exactly_the_hidden_rows(kernel):
     rng = np.random.default_rng(12)
     for _ in range(300):

@@ -38,3 +38,21 @@ def layer_of(
         NUM_HIDDENS, NUM_HEADS, num_kv_heads=KV_HEADS[kind], bias=True, dtype=dtype, **kwargs
     )
     return runner.set_weights(layer, weights)
+
+
+def layout_inputs(
+    seed: int, batch: int, num_queries: int, num_keys: int, dtype: Any = np.float64
+) -> dict[str, np.ndarray]:
+    """Standard normal queries, keys and values of the layout's sizes, drawn from ``seed``."""
+    rng = np.random.default_rng(seed)
+    inputs = {
+        "queries": rng.standard_normal((batch, num_queries, QUERY_SIZE)),
+        "keys": rng.standard_normal((batch, num_keys, NUM_HIDDENS)),
+        "values": rng.standard_normal((batch, num_keys, NUM_HIDDENS)),
+    }
+    return {name: x.astype(dtype) for name, x in inputs.items()}
+
+
+def reference_heads(kind: str) -> dict[str, int]:
+    """The layout's heads, as the float64 reference's keyword arguments."""
+    return {"num_heads": NUM_HEADS, "num_kv_heads": KV_HEADS[kind]}

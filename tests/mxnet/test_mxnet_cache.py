@@ -25,7 +25,9 @@ from mxnet_support import (
     NUM_HIDDENS,
     QUERY_SIZE,
     layer_of,
+    layout_inputs,
     layout_weights,
+    reference_heads,
 )
 
 from mha_multi import spec
@@ -45,14 +47,7 @@ MAX_LENGTH = 6
 
 
 def weights_and_inputs(kind, seed=0):
-    weights = layout_weights(kind, seed)
-    rng = np.random.default_rng(seed)
-    sizes = {"queries": QUERY_SIZE, "keys": NUM_HIDDENS, "values": NUM_HIDDENS}
-    inputs = {
-        name: rng.standard_normal((3, MAX_LENGTH, size)).astype(np.float32)
-        for name, size in sizes.items()
-    }
-    return weights, inputs
+    return layout_weights(kind, seed), layout_inputs(seed, 3, MAX_LENGTH, MAX_LENGTH, np.float32)
 
 
 def native(rows, dtype="float32"):
@@ -67,10 +62,6 @@ def projected_heads(weights, x, name, kv_heads):
     """The float64 projection ``x @ W + b`` split into heads ``(B, H_kv, T, dh)``."""
     y = x.astype(np.float64) @ weights[f"W_{name}"] + weights.get(f"b_{name}", 0.0)
     return y.reshape(*y.shape[:2], kv_heads, -1).transpose(0, 2, 1, 3)
-
-
-def reference_heads(kind):
-    return {"num_heads": NUM_HEADS, "num_kv_heads": KV_HEADS[kind]}
 
 
 @pytest.mark.parametrize("return_attention_weights", [False, True])
@@ -148,12 +139,7 @@ def test_uniform_steps_attend_over_the_filled_positions_in_buckets(runner, monke
     bucket, max_length, prompt = spec.SPAN_BUCKET, 2 * spec.SPAN_BUCKET + 20, 60
     length = max_length - 8  # the last steps attend over the whole cache
     weights = layout_weights("gqa", 1)
-    rng = np.random.default_rng(1)
-    sizes = {"queries": QUERY_SIZE, "keys": NUM_HIDDENS, "values": NUM_HIDDENS}
-    inputs = {
-        name: rng.standard_normal((2, length, size)).astype(np.float32)
-        for name, size in sizes.items()
-    }
+    inputs = layout_inputs(1, 2, length, length, np.float32)
     chunks = [(prompt, [prompt, prompt])] + [(1, [1, 1])] * (length - prompt)
     layer = layer_of(runner, "gqa", weights)
     output = runner.decode(layer, inputs, np.array([length, length]), chunks, max_length=max_length)

@@ -22,7 +22,9 @@ from mxnet_support import (
     NUM_HIDDENS,
     QUERY_SIZE,
     layer_of,
+    layout_inputs,
     layout_weights,
+    reference_heads,
 )
 
 from mha_multi import heads, spec
@@ -49,14 +51,7 @@ GRAD_ATOL = tolerance("float32", "grad.head_mask")
 
 
 def weights_and_inputs(kind, seed=0, batch=3, num_queries=4, num_keys=6):
-    weights = layout_weights(kind, seed)
-    rng = np.random.default_rng(seed)
-    inputs = {
-        "queries": rng.standard_normal((batch, num_queries, QUERY_SIZE)),
-        "keys": rng.standard_normal((batch, num_keys, NUM_HIDDENS)),
-        "values": rng.standard_normal((batch, num_keys, NUM_HIDDENS)),
-    }
-    return weights, inputs
+    return layout_weights(kind, seed), layout_inputs(seed, batch, num_queries, num_keys)
 
 
 def native(x, dtype="float32"):
@@ -69,7 +64,7 @@ def natives(inputs, dtype="float32"):
 
 def reference(weights, inputs, kind, lens=LENS, **kwargs):
     return spec.reference_forward(
-        weights, *inputs.values(), lens, num_heads=NUM_HEADS, num_kv_heads=KV_HEADS[kind], **kwargs
+        weights, *inputs.values(), lens, **reference_heads(kind), **kwargs
     )
 
 
@@ -150,8 +145,7 @@ def test_gates_of_another_dtype_are_cast_to_the_layers(runner, dtype, gates_dtyp
         weights,
         *inputs.values(),
         LENS,
-        num_heads=NUM_HEADS,
-        num_kv_heads=2,
+        **reference_heads("gqa"),
         head_mask=exact_gates,
         output_gradient=output_gradient,
     )
@@ -212,8 +206,7 @@ def test_gradients_are_the_references(runner, kind, ndim, return_attention_weigh
         weights,
         *inputs.values(),
         LENS,
-        num_heads=NUM_HEADS,
-        num_kv_heads=KV_HEADS[kind],
+        **reference_heads(kind),
         causal=True,
         head_mask=GATES[ndim],
         output_gradient=output_gradient,
@@ -257,8 +250,7 @@ def test_head_mask_with_a_cache(runner, kind):
         None,
         None,
         spec.KVCache(*(backend.to_numpy(x) for x in cache)),
-        num_heads=NUM_HEADS,
-        num_kv_heads=KV_HEADS[kind],
+        **reference_heads(kind),
         head_mask=GATES[1],
     )
     assert_close(output, expected)
@@ -288,8 +280,7 @@ def test_gradients_through_a_cached_call(runner):
         weights,
         *inputs.values(),
         new_lens,
-        num_heads=NUM_HEADS,
-        num_kv_heads=2,
+        **reference_heads("gqa"),
         causal=True,
         head_mask=GATES[2],
         output_gradient=output_gradient,
@@ -407,8 +398,7 @@ def test_head_importance_is_the_references(runner, kind):
             weights,
             *inputs.values(),
             lens,
-            num_heads=NUM_HEADS,
-            num_kv_heads=KV_HEADS[kind],
+            **reference_heads(kind),
             head_mask=ones,
             output_gradient=output_gradient,
         )["head_mask"]
