@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,8 @@ __all__ = [
     "DTYPES",
     "FACTS",
     "KerasFacts",
+    "WRITTEN_LENGTHS",
+    "WrittenLengths",
     "as_numpy",
     "checked_lens",
     "device_description",
@@ -182,6 +185,44 @@ def _host(x: Any) -> np.ndarray | None:
     return x if x is None or isinstance(x, np.ndarray) else as_numpy(x)
 
 
+class WrittenLengths:
+    """The lengths eager cached calls returned, with their values known on the host.
+
+    A decoding step reads its cache's lengths to check and plan the call
+    (docs: "Generating with a cache"); a read from a GPU waits for it. The
+    lengths the step before wrote are known without one. An entry holds
+    while its tensor lives, unchanged: TensorFlow's and JAX's arrays cannot
+    be written, PyTorch's tell by their version counters.
+    """
+
+    def __init__(self) -> None:
+        # id -> (the tensor, weakly; its version; its values).
+        self._held: dict[int, tuple[Any, int, np.ndarray]] = {}
+
+    def remember(self, lengths: Any, values: np.ndarray) -> None:
+        """That ``lengths``, a tensor an eager call made, holds ``values``."""
+        version = active().version(lengths)
+        if version is None:
+            return
+        key = id(lengths)
+        # The entry goes with its tensor, before the id can name another.
+        forget = weakref.ref(lengths, lambda _: self._held.pop(key, None))
+        values = np.array(values, dtype=OPS.dtype(lengths))
+        values.flags.writeable = False
+        self._held[key] = (forget, version, values)
+
+    def known(self, x: Any) -> np.ndarray | None:
+        """The values of ``x`` where :meth:`remember` holds them still, else ``None``."""
+        entry = self._held.get(id(x)) if x is not None else None
+        if entry is None or entry[0]() is not x or active().version(x) != entry[1]:
+            return None
+        return entry[2]
+
+
+#: Lengths of the caches eager calls returned (:meth:`KerasFacts.read` looks here first).
+WRITTEN_LENGTHS = WrittenLengths()
+
+
 # -- the call's facts ----------------------------------------------------------------------
 
 
@@ -268,6 +309,8 @@ class KerasFacts(call.Facts):
     def read(self, *arrays: Any) -> list[np.ndarray | None] | None:
         """The arrays as numpy, nothing where a graph is traced.
 
+        Lengths an eager cached call returned are known on the host already
+        (:class:`WrittenLengths`): a decoding step reads nothing for them.
         32 and 64-bit signed integer tensors (``cache.lengths`` and a cached
         call's lengths) come back from the device in one read; other integer
         types are read on their own rather than cast (a uint32 beyond int32
@@ -275,6 +318,11 @@ class KerasFacts(call.Facts):
         """
         if not all(values_readable(x) for x in arrays if x is not None):
             return None
+        known = [WRITTEN_LENGTHS.known(x) for x in arrays]
+        if any(held is not None for held in known):
+            rest = [x if held is None else None for x, held in zip(arrays, known, strict=True)]
+            read = self.read(*rest) if any(x is not None for x in rest) else rest
+            return [x if held is None else held for x, held in zip(read, known, strict=True)]
         together = [x for x in arrays if is_tensor(x) and OPS.dtype(x) in ("int32", "int64")]
         if len(together) < 2:
             return call.read_all(arrays, _host)
@@ -336,6 +384,7 @@ class KerasFacts(call.Facts):
         )
         new = spec.appended(ops, cache.lengths, None, num_new)
         lengths = cache.lengths + new
+        WRITTEN_LENGTHS.remember(lengths, fill.lengths + num_new)
         # One new position sees what the lengths say, causal or not (CacheFill.visibility).
         visible = (
             spec.cached_visibility(ops, cache.lengths, new, num_new, causal=True)

@@ -77,6 +77,12 @@ class _Backend:
         """``a @ b``, batch axes broadcast."""
         return keras.ops.matmul(a, b)
 
+    def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
+        """``x`` where ``condition``, else ``fill`` rounded to ``x``'s dtype."""
+        # An explicit fill of x's dtype: no backend's promotion rules apply.
+        dtype = keras.backend.standardize_dtype(x.dtype)
+        return keras.ops.where(condition, x, keras.ops.cast(fill, dtype))
+
     def row_max(self, x: Tensor) -> Tensor:
         """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1.
 
@@ -116,6 +122,11 @@ class _Backend:
     def writes_in_place(self, *arrays: Tensor) -> bool:
         """Whether an eager call may write a cache of these arrays in place."""
         return False
+
+    def version(self, x: Tensor) -> int | None:
+        """What changes when ``x`` is written in place, or ``None`` where nothing would
+        tell. TensorFlow's and JAX's arrays cannot be written: always 0."""
+        return 0
 
 
 class _TensorFlow(_Backend):
@@ -282,6 +293,15 @@ class _Torch(_Backend):
         )
         return (largest_q * largest_k < bound) & torch.isfinite(self.finite_sum(v))
 
+    def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
+        torch = self.torch
+        if not (isinstance(fill, (int, float)) and isinstance(condition, torch.Tensor)):
+            return super().where(condition, x, fill)
+        # A number, as PyTorch takes one: Keras would make it a tensor on the
+        # device, a copy from the host that waits for a GPU. A number does
+        # not promote a floating tensor: the fill is rounded to x's dtype.
+        return torch.where(condition, x, fill)
+
     def row_max(self, x: Tensor) -> Tensor:
         # Keras' max with an initial value makes it a CPU tensor, which a
         # CUDA one cannot meet; amax checks only the shape.
@@ -296,6 +316,10 @@ class _Torch(_Backend):
         from mha_multi.torch._cache import writes_in_place
 
         return writes_in_place(*arrays)
+
+    def version(self, x: Tensor) -> int | None:
+        # Inference tensors keep no version counter.
+        return None if x.is_inference() else x._version
 
     def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
         if not in_place:
@@ -396,6 +420,11 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 def row_max(x: Tensor) -> Tensor:
     """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1."""
     return active().row_max(x)
+
+
+def where(condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
+    """``x`` where ``condition``, else ``fill`` rounded to ``x``'s dtype."""
+    return active().where(condition, x, fill)
 
 
 def sync(value: Any) -> None:

@@ -95,8 +95,11 @@ def dot_product_attention(
     if mask is not None:
         # Keras' mask: 0 where visible, -0.7 times the dtype's largest value where hidden.
         largest = 65500.0 if query.dtype == torch.float16 else 3.38953e38
-        hidden = torch.tensor(largest * -0.7, dtype=query.dtype, device=query.device)
-        mask = torch.where(torch.as_tensor(mask, dtype=torch.bool), 0.0, hidden)
+        # The hidden value as a Python number: a tensor made of one would be
+        # copied to the device, which waits for the GPU.
+        visible = torch.as_tensor(mask, dtype=torch.bool)
+        mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+        mask.masked_fill_(~visible, largest * -0.7)
     grouped = {"enable_gqa": True} if key.shape[2] != query.shape[2] else {}
     output = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(1, 2),

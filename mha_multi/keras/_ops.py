@@ -21,7 +21,7 @@ import numpy as np
 from keras import ops
 
 from mha_multi import spec
-from mha_multi.keras._backends import matmul, reshape, row_max, transpose
+from mha_multi.keras._backends import matmul, reshape, row_max, transpose, where
 
 Tensor = Any
 
@@ -168,8 +168,7 @@ class KerasOps:
         return ops.logical_and(a, b)
 
     def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
-        # An explicit fill of x's dtype: no backend's promotion rules apply.
-        return ops.where(condition, x, ops.cast(fill, self.dtype(x)))
+        return where(condition, x, fill)
 
     def softmax(self, x: Tensor) -> Tensor:
         if x.shape[-1] == 0:  # no keys: nothing to normalise (and max() has no identity)

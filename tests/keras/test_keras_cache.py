@@ -383,6 +383,106 @@ def test_non_finite_rows_at_one_position_give_the_references_numbers(monkeypatch
     assert functional == []
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["gradients", "no gradients"])
+def test_a_step_reads_none_of_the_lengths_the_call_before_returned(monkeypatch, recorded):
+    """The lengths an eager call returns are known on the host to the next call,
+    which then reads nothing from the device (a read waits for a GPU; the facts are
+    told the tensors are on one, so that no values are read for the kernel either).
+    Lengths that did not come from a call, or were changed since, are read."""
+    from mha_multi.keras import _backend as facts
+
+    reads = []
+    as_numpy = facts.as_numpy
+    monkeypatch.setattr(facts, "as_numpy", lambda x: reads.append(1) or as_numpy(x))
+    monkeypatch.setattr(facts, "device_of", lambda x: "gpu")
+    weights = grouped_weights(11)
+    layer = layer_of(weights)
+    x = sequences(11)
+
+    def step(cache, position):
+        before = native_cache(cache)
+        rows = [x[name][:, position : position + 1] for name in backend.INPUT_NAMES]
+        reads.clear()
+        output, cache = layer(*map(backend.to_native, rows), causal=True, cache=cache)
+        read = len(reads)
+        expected, _, expected_cache = spec.reference_cached_forward(
+            weights, *rows, before, **HEADS, causal=True
+        )
+        np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+        assert_cache_is(cache, expected_cache)
+        return read, cache
+
+    with without_gradients(recorded):
+        cache = layer.init_cache(3, MAX_LENGTH)
+        read, cache = step(cache, 0)
+        assert read == 1  # init_cache's lengths
+        for position in (1, 2):
+            read, cache = step(cache, position)
+            assert read == 0
+        # The same arrays with lengths of another tensor: read.
+        lengths = keras.ops.convert_to_tensor(native_cache(cache).lengths.astype(np.int32))
+        read, cache = step(KVCache(cache.keys, cache.values, lengths), 3)
+        assert read == 1
+        if backend.BACKEND == "torch":
+            # Lengths written in place since: read.
+            import torch
+
+            with torch.no_grad():
+                cache.lengths.sub_(1)
+            read, cache = step(cache, 3)
+            assert read == 1
+        read, cache = step(cache, 4)
+        assert read == 0
+
+
+@pytest.mark.skipif(backend.BACKEND != "torch", reason="PyTorch's function modes")
+@pytest.mark.parametrize("cached", [True, False], ids=["a step", "a short call"])
+def test_a_call_on_pytorch_moves_nothing_between_host_and_device(monkeypatch, cached):
+    """What would wait for a GPU in a short call on Keras' PyTorch backend, a
+    decoding step or a call without a cache: no read to the host, and no tensor
+    made of host data (a copy to a GPU from pageable memory waits too). The
+    facts are told the tensors are on a GPU."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from mha_multi.keras import _backend as facts
+
+    moving = {"item", "cpu", "numpy", "tolist", "__array__", "__bool__", "__int__", "__float__"}
+    moved = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            made = name in ("tensor", "as_tensor", "from_numpy")
+            if name in moving or (made and not isinstance(args[0], torch.Tensor)):
+                moved.append(name)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(facts, "device_of", lambda x: "gpu")
+    weights = grouped_weights(12)
+    layer = layer_of(weights)
+    x = sequences(12)
+    with torch.no_grad():
+        cache = prefilled(layer, x, [3, 3, 3], MAX_LENGTH)
+        rows = [x[name][:, 3:4] for name in backend.INPUT_NAMES]
+        native = [backend.to_native(row) for row in rows]
+        before = native_cache(cache)
+        with Recording():
+            if cached:
+                output, cache = layer(*native, causal=True, cache=cache)
+            else:
+                output = layer(*native, causal=True)
+    assert moved == []
+    if cached:
+        expected, _, expected_cache = spec.reference_cached_forward(
+            weights, *rows, before, **HEADS, causal=True
+        )
+        assert_cache_is(cache, expected_cache)
+    else:
+        expected, _ = spec.reference_forward(weights, *rows, **HEADS, causal=True)
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+
+
 def test_compiled_calls_keep_the_functional_update(monkeypatch):
     layer = layer_of(grouped_weights(10))
     step, traces = traced_step(layer, monkeypatch)
