@@ -188,26 +188,28 @@ def writes_in_place(
 
 def written_step(
     cache: spec.KVCache,
+    check: CacheCheck,
     k: torch.Tensor,
     v: torch.Tensor,
-    length: int,
     heads: spec.Heads,
     step: tuple[Any, tuple, dict[str, Any]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, spec.KVCache]:
-    """A plain step's rows written in place at ``length``: the keys and values to attend
+    """A plain step's rows written in place at the length every example holds
+    (``check``, the cache's, :attr:`CacheCheck.uniform`): the keys and values to attend
     over, and the cache after the step, carrying its check as the generic flow leaves it
     (with the step's plan, ``step``: :attr:`CacheCheck.step`)."""
     keys, values, lengths = cache
+    length = check.uniform
     # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
     rows = (-1, heads.num_kv_heads, heads.head_dim)
     keys.select(2, length).copy_(k.view(rows))
     values.select(2, length).copy_(v.view(rows))
     filled = length + 1
-    now = getattr(lengths, CHECKED).lengths + 1
     # Every example holds ``filled``: filled where the lengths live, no copy from the host.
     with versioned():
-        lengths = torch.full(lengths.shape, filled, dtype=lengths.dtype, device=lengths.device)
+        lengths = torch.full_like(lengths, filled)
     updated = spec.KVCache(keys, values, lengths)
+    now = check.lengths + 1
     check = CacheCheck.attach(updated, None, filled, now, pending=None, uniform=filled)
     if check is not None:
         check.step = step

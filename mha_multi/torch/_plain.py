@@ -75,7 +75,7 @@ class PlainRoute:
             return None
         if type(queries) is not torch.Tensor:
             return None
-        if queries.device.type != "cpu" and (
+        if not queries.is_cpu and (
             cache is not None
             or queries.dim() != 3
             or not spec.reads_values(False, queries.shape[1], queries.shape[1])
@@ -88,12 +88,12 @@ class PlainRoute:
             check = self._plain_step_check(queries, cache)
             if check is None:
                 return None
-            length = check.uniform
-            # The step before, where it was this layer's with these arguments, planned this one.
-            key = (dtype, causal, queries.shape, queries.dtype, queries.device)
+            # The step before, where it was this layer's with these arguments, planned this
+            # one (on the CPU: a step elsewhere has left above).
+            key = (dtype, causal, queries.shape, queries.dtype)
             step = check.step
             if step is not None and step[0]() is layer and step[1] == key:
-                sdpa = None if torch.is_autocast_enabled(key[-1].type) else step[2]
+                sdpa = None if torch.is_autocast_enabled("cpu") else step[2]
             else:
                 sdpa = self._plain_arguments(layer, queries, cache, causal=causal, dtype=dtype)
                 step = None if sdpa is None else (weakref.ref(layer), key, sdpa)
@@ -109,7 +109,7 @@ class PlainRoute:
             k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
             k, v, updated = k.transpose(1, 2), v.transpose(1, 2), None
         else:
-            k, v, updated = written_step(cache, k, v, length, heads, step)
+            k, v, updated = written_step(cache, check, k, v, heads, step)
         context = torch.nn.functional.scaled_dot_product_attention(
             q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2), k, v, **sdpa
         )
