@@ -885,14 +885,19 @@ def plain_self_attention(
     (returned weights, gates, positions, bias, dropout, heads mapped over
     devices or sharded), ``None`` or ``False``.
     """
-    return (
+    if not (
         keys is queries
         and values is queries
         and valid_lens is None
         and (causal is True or causal is False)
         and (layer_options is None or layer_options.is_default)
-        and all(x is None or x is False for x in others)
-    )
+    ):
+        return False
+    # A loop, not all() of a generator: every call of every layer asks.
+    for x in others:  # noqa: SIM110
+        if x is not None and x is not False:
+            return False
+    return True
 
 
 def forward(

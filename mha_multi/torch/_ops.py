@@ -45,15 +45,23 @@ def autocast_off(device: torch.device) -> contextlib.AbstractContextManager[None
 
 def product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype ``x @ weight.T`` is computed in: autocast's for float32 operands."""
-    dtype = torch.promote_types(x.dtype, weight.dtype)
-    if dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
+    dtype = x.dtype
+    if dtype is not weight.dtype:
+        dtype = torch.promote_types(dtype, weight.dtype)
+    if dtype is torch.float32:
+        # (Naming the CPU spares making a device object: every product asks.)
+        device = "cpu" if x.is_cpu else x.device.type
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
     return dtype
 
 
 def needs_float32_copies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` is taken on float32 copies (a 16-bit product off CUDA)."""
-    return product_dtype(x, weight) in SIXTEEN_BIT and not accumulates_in_float32(x.device)
+    dtype = product_dtype(x, weight)
+    return (dtype is torch.float16 or dtype is torch.bfloat16) and not accumulates_in_float32(
+        x.device
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

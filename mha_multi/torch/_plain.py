@@ -102,7 +102,7 @@ class PlainRoute:
         heads = layer.heads
         # Self-attention's three projections are one product: one pass reads them all.
         projected = layer.project_stacked(queries)
-        if not math.isfinite(projected.detach().sum(dtype=torch.float32).item()):
+        if not math.isfinite(projected.sum(dtype=torch.float32).item()):  # (no gradient here)
             return None
         q, k, v = split_stacked(projected, heads)
         if cache is None:

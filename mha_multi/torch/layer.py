@@ -272,7 +272,7 @@ class MultiHeadAttention(nn.Module):
             positions=positions,
             bias=bias,
             layer_options=self.options,
-            gate_heads=self._canonical_heads().num_heads,
+            gate_heads=None if self._sharding is None else self._sharding.heads.num_heads,
             dtype=modules["W_o"]._parameters["weight"].dtype,
             dropout=modules["dropout"] if dropout_p > 0 else None,
             dropout_rate=dropout_p,
