@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -10,12 +11,13 @@ from torch import nn
 from mha_multi.torch._ops import linear, needs_float32_copies
 
 __all__ = [
-    "StackedWeights",
     "finish_lazy",
     "in_features",
     "infer_size",
+    "pack",
     "project_with",
     "projection",
+    "StackedWeights",
     "split_stacked",
 ]
 
@@ -51,17 +53,19 @@ def finish_lazy(linear: nn.Module) -> None:
         linear(torch.zeros(0, linear.in_features, device=weight.device, dtype=weight.dtype))
 
 
-def infer_size(module: nn.Module, x: torch.Tensor) -> None:
-    """A lazy projection learns its input size from ``x`` (nothing is computed).
+def infer_size(module: nn.Module, x: torch.Tensor) -> bool:
+    """A lazy projection learns its input size from ``x`` (nothing is computed);
+    whether it did now.
 
     Its parameters are made ordinary tensors even under
     ``torch.inference_mode``, where they would otherwise be inference
-    tensors: those cannot be trained later, and have no version counter for
-    :class:`StackedWeights` to key on.
+    tensors, which cannot be trained later.
     """
     if in_features(module) is None:
         with torch.inference_mode(False), torch.no_grad():
             module(x[:0])
+        return True
+    return False
 
 
 def project_with(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -77,39 +81,115 @@ def project_with(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
 
 
+def pack(modules: Sequence[nn.Module]) -> None:
+    """Lays the weights of ``modules`` back to back in one storage, and their biases in
+    another, keeping every parameter object, so that :func:`stacked` is a view of them.
+
+    As ``nn.RNNBase.flatten_parameters`` does for a recurrent layer's weights:
+    the layer packs its input projections when it makes them, when it learns
+    lazy sizes, when weights are set, and after every conversion (``.to()``,
+    ``.double()``...), which gives each parameter storage of its own. A view
+    needs no copy, and follows every change of the parameters, in place
+    through ``.data`` included. Projections that cannot be packed (lazy,
+    of other input sizes, dtypes or devices, or not plain tensors) are left
+    as they are; :class:`StackedWeights` then stacks them at every call.
+    """
+    for name in ("weight", "bias"):
+        params = [m._parameters.get(name) for m in modules]
+        first = params[0]
+        if first is None or not all(
+            type(p) is nn.Parameter and type(p.data) is torch.Tensor for p in params
+        ):
+            continue
+        if _adjacent(params) is not None:
+            continue  # packed already
+        if not all(
+            p.dtype == first.dtype and p.device == first.device and p.shape[1:] == first.shape[1:]
+            for p in params
+        ):
+            continue
+        with torch.no_grad():
+            buffer = torch.cat([p.detach().reshape(-1) for p in params])
+        offset = 0
+        for p in params:
+            p.data = buffer[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+
+
 class StackedWeights:
     """The stacked weights (and biases) of projections that share their input.
 
-    Stacking copies every weight (a 512-wide layer: 3 MB, longer than the
-    projection of one token), so a call that needs no gradient reuses the
-    stack of the last such call while no parameter has been replaced or
-    changed in place (their version counters tell). A call that records
-    gradients stacks anew: the stack is part of its graph. (A stack made
-    under ``torch.inference_mode`` is an inference tensor, which a graph
-    may not save: the mode is part of the key.)
+    A call that records gradients, or a compiled graph, stacks them anew
+    (the stack is part of its graph). Others take a view of packed
+    parameters (:func:`pack`), which follows every change of them, or stack
+    them where they are not packed. The view is kept for the next call while
+    the parameters lie where it does (their addresses tell: the view holds
+    that memory, so no other tensor can be there).
     """
 
     def __init__(self) -> None:
-        self._key: list[Any] | None = None
-        self._stack: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._key: tuple[Any, ...] | None = None
+        self._views: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def __call__(self, modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight, bias)`` of ``modules`` stacked along the output features."""
-        # Compiled graphs hold their own stack.
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return _stack(modules)
         # The parameter tables, not nn.Module's attribute lookup: every call asks.
-        key: list[Any] = [torch.is_inference_mode_enabled()]
-        try:
-            for module in modules:
-                for p in module._parameters.values():
-                    if p is not None:
-                        key += (id(p), p.data_ptr(), p._version)
-        except RuntimeError:  # an inference tensor: no version to key on
-            return _stack(modules)
-        if self._stack is None or self._key != key:
-            self._key, self._stack = key, _stack(modules)
-        return self._stack
+        tables = [m._parameters for m in modules]
+        weights = [table["weight"] for table in tables]
+        biases = [table["bias"] for table in tables]
+        key = (
+            weights[0].dtype,
+            *(w.data_ptr() for w in weights),
+            *(b if b is None else b.data_ptr() for b in biases),
+        )
+        if key != self._key:
+            self._key, self._views = key, _views(weights, biases)
+        return _stack(modules) if self._views is None else self._views
+
+    def clear(self) -> None:
+        """Forgets the view (the parameters were packed anew: the old memory may go)."""
+        self._key = self._views = None
+
+
+def _views(
+    weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The stack of packed ``weights`` and ``biases`` as views, or ``None`` where they are not."""
+    weight = _adjacent(weights)
+    if weight is None:
+        return None
+    if all(b is None for b in biases):
+        return weight, None
+    bias = None if any(b is None for b in biases) else _adjacent(biases)  # type: ignore[arg-type]
+    return None if bias is None else (weight, bias)
+
+
+def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view of ``tensors`` where they lie back to back in one storage (rows of one
+    matrix), from an address aligned as a new tensor's is; else ``None``.
+
+    (The alignment keeps a product of the view to the numbers of a product
+    of a stacked copy, which a call recording gradients takes.)
+    """
+    first = tensors[0]
+    address = first.data_ptr()
+    if address % 64:
+        return None
+    rows = 0
+    for x in tensors:
+        if x.data_ptr() != address or not x.is_contiguous() or x.shape[1:] != first.shape[1:]:
+            return None
+        address += x.numel() * x.element_size()
+        rows += x.shape[0]
+    if any(x.dtype != first.dtype for x in tensors):
+        return None
+    # Back to back within the first one's storage: then all in it.
+    storage = first.untyped_storage()
+    if address > storage.data_ptr() + storage.nbytes():
+        return None
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def split_stacked(

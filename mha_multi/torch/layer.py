@@ -24,6 +24,7 @@ from mha_multi.torch._projections import (
     finish_lazy,
     in_features,
     infer_size,
+    pack,
     project_with,
     projection,
     split_stacked,
@@ -100,15 +101,40 @@ class MultiHeadAttention(nn.Module):
         self.bias = bool(bias)
         #: The positions and biases options (docs: "Positions and biases").
         self.options = options
-        self._stacks = StackedWeights()
         query_features, kv_features = self._heads.query_features, self._heads.kv_features
         self.W_q = projection(query_size, query_features, bias)
         self.W_k = projection(key_size, kv_features, bias)
         self.W_v = projection(value_size, kv_features, bias)
         self.W_o = nn.Linear(query_features, num_hiddens, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        self._stacks = StackedWeights()
+        self._pack()
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
+
+    def _pack(self) -> None:
+        """The input projections' parameters back to back (:func:`pack`), unless sharded."""
+        if self._sharding is None:
+            pack([self.W_q, self.W_k, self.W_v])
+            self._stacks.clear()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MultiHeadAttention:
+        # A conversion (.to(), .double()...) gives each parameter storage of its
+        # own: packed again, as nn.RNNBase flattens its weights again. What
+        # works in place (share_memory()) keeps the parameters where they are.
+        before = self._input_addresses()
+        module = super()._apply(fn, recurse)
+        if self._input_addresses() != before:
+            self._pack()
+        return module
+
+    def _input_addresses(self) -> list[int | None]:
+        parameters = [m._parameters for m in (self.W_q, self.W_k, self.W_v)]
+        return [
+            p.data_ptr() if type(p) is nn.Parameter else None
+            for table in parameters
+            for p in table.values()
+        ]
 
     def extra_repr(self) -> str:
         sharded = (
@@ -306,8 +332,8 @@ class MultiHeadAttention(nn.Module):
         modules = self._modules
         projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
         inputs = [queries, keys, values]
-        for module, x in zip(projections, inputs, strict=True):
-            infer_size(module, x)
+        if any([infer_size(module, x) for module, x in zip(projections, inputs, strict=True)]):
+            self._pack()
         first = 0 if queries is keys else 1
         shared = [i for i in range(first, 3) if inputs[i] is inputs[first]]
         # Sharded projections run as their modules: their hooks distribute
@@ -332,8 +358,8 @@ class MultiHeadAttention(nn.Module):
         ``(..., query_features + 2 * kv_features)`` (an unsharded layer's)."""
         modules = self._modules
         projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
-        for module in projections:
-            infer_size(module, queries)
+        if any([infer_size(module, queries) for module in projections]):
+            self._pack()
         weight, bias = self._stacks(projections)
         return linear(queries, weight, bias)
 
@@ -386,6 +412,7 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
         layer.load_state_dict(state, strict=True)
         for name in KERNEL_NAMES:
             finish_lazy(getattr(layer, name))
+    layer._pack()  # (loaded lazy projections have storage of their own)
     return layer
 
 

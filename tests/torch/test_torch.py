@@ -432,10 +432,13 @@ def test_shared_inputs_project_in_one_product(runner, cases, shared, name):
     np.testing.assert_allclose(grads[0].T.numpy(), reference["W_k"], atol=5e-5)
 
 
-@pytest.mark.parametrize("change", ["set_weights", "optimizer", "data"])
+@pytest.mark.parametrize(
+    "change", ["set_weights", "optimizer", "data", "data in place", "replaced", "converted"]
+)
 def test_stacked_weights_follow_every_change_of_the_parameters(runner, cases, change):
-    # Calls without gradients reuse the stacked W_q/W_k/W_v: after any change of
-    # the parameters (loaded, stepped in place, replaced) the next call uses the new ones.
+    # Calls without gradients project with W_q/W_k/W_v stacked: after any change of
+    # the parameters (loaded, stepped in place, through .data, replaced, converted
+    # and back) the next call uses the new ones.
     case = cases["bias"]
     num_heads = case.config.num_heads
     layer = runner.layer_for(case).eval()
@@ -452,14 +455,45 @@ def test_stacked_weights_follow_every_change_of_the_parameters(runner, cases, ch
             optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
             layer(x, x, x).square().sum().backward()
             optimizer.step()
-        else:
+        elif change == "data":
             layer.W_v.weight.data = torch.randn_like(layer.W_v.weight)
+        elif change == "data in place":
+            layer.W_v.weight.data.mul_(2)
+        elif change == "replaced":
+            layer.W_v.weight = torch.nn.Parameter(torch.randn_like(layer.W_v.weight))
+        else:
+            with torch.no_grad():
+                layer.W_v.weight.mul_(2)
+            layer.double().float()
         weights = get_weights(layer)
     assert not np.array_equal(weights["W_v"], case.weights["W_v"])
     expected, _ = spec.reference_forward(weights, x, x, x, None, num_heads=num_heads)
-    for mode in (torch.inference_mode, torch.no_grad):
+    for mode in (torch.no_grad, torch.inference_mode):  # no_grad first: as the last call
         with mode():
             np.testing.assert_allclose(layer(x, x, x).numpy(), expected, atol=5e-6)
+
+
+def test_the_input_projections_are_packed_and_stay_packed(runner, cases):
+    """W_q, W_k and W_v lie back to back (their stack a view, no copy) from the
+    constructor, after a conversion, and after share_memory(), which keeps them
+    in the shared memory it moved them to."""
+    layer = runner.layer_for(cases["bias"]).eval()
+    modules = [layer.W_q, layer.W_k, layer.W_v]
+
+    def packed():
+        with torch.no_grad():
+            weight, bias = layer._stacks(modules)
+        return weight.data_ptr() == layer.W_q.weight.data_ptr() and (
+            bias.data_ptr() == layer.W_q.bias.data_ptr()
+        )
+
+    assert packed()
+    layer.double()
+    assert packed() and layer.W_k.weight.dtype == torch.float64
+    layer.float().share_memory()
+    assert packed() and all(m.weight.is_shared() for m in modules)
+    layer.W_k.weight = torch.nn.Parameter(layer.W_k.weight.detach().clone())
+    assert not packed()  # stacked at every call instead
 
 
 # -- grouped key/value heads ----------------------------------------------------
