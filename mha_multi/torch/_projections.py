@@ -123,8 +123,8 @@ class StackedWeights:
     (the stack is part of its graph). Others take a view of packed
     parameters (:func:`pack`), which follows every change of them, or stack
     them where they are not packed. The view is kept for the next call while
-    the parameters lie where it does (their addresses tell: the view holds
-    that memory, so no other tensor can be there).
+    the parameters lie where it does (their addresses and sizes tell: the
+    view holds that memory, so no other tensor can be there).
     """
 
     def __init__(self) -> None:
@@ -141,8 +141,8 @@ class StackedWeights:
         biases = [table["bias"] for table in tables]
         key = (
             weights[0].dtype,
-            *(w.data_ptr() for w in weights),
-            *(b if b is None else b.data_ptr() for b in biases),
+            *[(w.data_ptr(), w.numel()) for w in weights],
+            *[b if b is None else (b.data_ptr(), b.numel()) for b in biases],
         )
         if key != self._key:
             self._key, self._views = key, _views(weights, biases)
