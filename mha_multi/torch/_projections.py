@@ -11,13 +11,14 @@ from torch import nn
 from mha_multi.torch._ops import linear, needs_float32_copies
 
 __all__ = [
+    "StackedWeights",
+    "addresses",
     "finish_lazy",
     "in_features",
     "infer_size",
     "pack",
     "project_with",
     "projection",
-    "StackedWeights",
     "split_stacked",
 ]
 
@@ -79,6 +80,15 @@ def project_with(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return module(x)
     infer_size(module, x)
     return linear(x, module.weight, module.bias)
+
+
+def addresses(modules: Sequence[nn.Module]) -> list[int | None]:
+    """Where the parameters of ``modules`` lie (``None`` for a lazy or absent one)."""
+    return [
+        p.data_ptr() if type(p) is nn.Parameter else None
+        for m in modules
+        for p in m._parameters.values()
+    ]
 
 
 def pack(modules: Sequence[nn.Module]) -> None:

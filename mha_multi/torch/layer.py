@@ -21,6 +21,7 @@ from mha_multi.torch._cache import versioned
 from mha_multi.torch._ops import OPS, linear
 from mha_multi.torch._projections import (
     StackedWeights,
+    addresses,
     finish_lazy,
     in_features,
     infer_size,
@@ -122,19 +123,11 @@ class MultiHeadAttention(nn.Module):
         # A conversion (.to(), .double()...) gives each parameter storage of its
         # own: packed again, as nn.RNNBase flattens its weights again. What
         # works in place (share_memory()) keeps the parameters where they are.
-        before = self._input_addresses()
+        before = addresses([self.W_q, self.W_k, self.W_v])
         module = super()._apply(fn, recurse)
-        if self._input_addresses() != before:
+        if addresses([self.W_q, self.W_k, self.W_v]) != before:
             self._pack()
         return module
-
-    def _input_addresses(self) -> list[int | None]:
-        parameters = [m._parameters for m in (self.W_q, self.W_k, self.W_v)]
-        return [
-            p.data_ptr() if type(p) is nn.Parameter else None
-            for table in parameters
-            for p in table.values()
-        ]
 
     def extra_repr(self) -> str:
         sharded = (
