@@ -93,7 +93,8 @@ def addresses(modules: Sequence[nn.Module]) -> list[int | None]:
 
 def pack(modules: Sequence[nn.Module]) -> None:
     """Lays the weights of ``modules`` back to back in one storage, and their biases in
-    another, keeping every parameter object, so that :func:`stacked` is a view of them.
+    another, keeping every parameter object, so that their stack is a view of them
+    (:class:`StackedWeights`).
 
     As ``nn.RNNBase.flatten_parameters`` does for a recurrent layer's weights:
     the layer packs its input projections when it makes them, when it learns
@@ -149,11 +150,14 @@ class StackedWeights:
         tables = [m._parameters for m in modules]
         weights = [table["weight"] for table in tables]
         biases = [table["bias"] for table in tables]
-        key = (
-            weights[0].dtype,
-            *[(w.data_ptr(), w.numel()) for w in weights],
-            *[b if b is None else (b.data_ptr(), b.numel()) for b in biases],
-        )
+        try:
+            key = (
+                weights[0].dtype,
+                *[(w.data_ptr(), w.numel()) for w in weights],
+                *[b if b is None else (b.data_ptr(), b.numel()) for b in biases],
+            )
+        except RuntimeError:  # a tensor without storage of its own (a DTensor's)
+            return _stack(modules)
         if key != self._key:
             self._key, self._views = key, _views(weights, biases)
         return _stack(modules) if self._views is None else self._views
