@@ -192,7 +192,9 @@ class WrittenLengths:
     (docs: "Generating with a cache"); a read from a GPU waits for it. The
     lengths the step before wrote are known without one. An entry holds
     while its tensor lives, unchanged: TensorFlow's and JAX's arrays cannot
-    be written, PyTorch's tell by their version counters.
+    be written, PyTorch's tell by their version counters. (PyTorch's own
+    layer keeps this on the tensor, in its ``CacheCheck``; TensorFlow's and
+    JAX's arrays take no attributes, hence a table.)
     """
 
     def __init__(self) -> None:
@@ -319,21 +321,20 @@ class KerasFacts(call.Facts):
         if not all(values_readable(x) for x in arrays if x is not None):
             return None
         known = [WRITTEN_LENGTHS.known(x) for x in arrays]
-        if any(held is not None for held in known):
-            rest = [x if held is None else None for x, held in zip(arrays, known, strict=True)]
-            read = self.read(*rest) if any(x is not None for x in rest) else rest
-            return [x if held is None else held for x, held in zip(read, known, strict=True)]
-        together = [x for x in arrays if is_tensor(x) and OPS.dtype(x) in ("int32", "int64")]
+        rest = [x if held is None else None for x, held in zip(arrays, known, strict=True)]
+        together = [x for x in rest if is_tensor(x) and OPS.dtype(x) in ("int32", "int64")]
         if len(together) < 2:
-            return call.read_all(arrays, _host)
-        dtype = "int64" if any(OPS.dtype(x) == "int64" for x in together) else "int32"
-        flat = [keras.ops.reshape(keras.ops.cast(x, dtype), (-1,)) for x in together]
-        sizes = [math.prod(x.shape) for x in together]
-        parts = np.split(as_numpy(keras.ops.concatenate(flat)), np.cumsum(sizes)[:-1])
-        read = {
-            id(x): part.reshape(tuple(x.shape)) for x, part in zip(together, parts, strict=True)
-        }
-        return [read[id(x)] if id(x) in read else _host(x) for x in arrays]
+            read = call.read_all(rest, _host)
+        else:
+            dtype = "int64" if any(OPS.dtype(x) == "int64" for x in together) else "int32"
+            flat = [keras.ops.reshape(keras.ops.cast(x, dtype), (-1,)) for x in together]
+            sizes = [math.prod(x.shape) for x in together]
+            parts = np.split(as_numpy(keras.ops.concatenate(flat)), np.cumsum(sizes)[:-1])
+            by_id = {
+                id(x): part.reshape(tuple(x.shape)) for x, part in zip(together, parts, strict=True)
+            }
+            read = [by_id[id(x)] if id(x) in by_id else _host(x) for x in rest]
+        return [x if held is None else held for x, held in zip(read, known, strict=True)]
 
     kernel_serves = staticmethod(serves)
     fused_attention = staticmethod(fused_attention)

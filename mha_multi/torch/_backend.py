@@ -402,7 +402,7 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         return prefix
 
     def on_host(self, q: torch.Tensor) -> bool:
-        return q.device.type == "cpu"
+        return q.is_cpu
 
     def plan_values(
         self,

@@ -58,10 +58,7 @@ def product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 def needs_float32_copies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` is taken on float32 copies (a 16-bit product off CUDA)."""
-    dtype = product_dtype(x, weight)
-    return (dtype is torch.float16 or dtype is torch.bfloat16) and not accumulates_in_float32(
-        x.device
-    )
+    return product_dtype(x, weight) in SIXTEEN_BIT and not accumulates_in_float32(x.device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

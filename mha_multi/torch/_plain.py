@@ -32,9 +32,11 @@ _PLAIN_PLANS = 64
 
 class PlainRoute:
     """Plain self-attention's fast route, a part of the PyTorch facts
-    (:class:`mha_multi.torch._backend.TorchFacts`, whose kernel and span bucket it reads)."""
+    (:class:`mha_multi.torch._backend.TorchFacts`, whose kernel, span bucket and
+    ``on_host`` it reads)."""
 
     kernel: spec.FusedKernel
+    on_host: Any
 
     def __init__(self) -> None:
         # Plain self-attention's SDPA arguments, by layer and shapes.
@@ -75,7 +77,7 @@ class PlainRoute:
             return None
         if type(queries) is not torch.Tensor:
             return None
-        if not queries.is_cpu and (
+        if not self.on_host(queries) and (
             cache is not None
             or queries.dim() != 3
             or not spec.reads_values(False, queries.shape[1], queries.shape[1])
