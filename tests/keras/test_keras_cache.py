@@ -22,6 +22,7 @@ keras = pytest.importorskip("keras")
 from keras_testing import fused_kernel_here, keras_runner, kernel_key_heads  # noqa: E402, F401
 
 import mha_multi.keras._kernel as kernel_module  # noqa: E402
+from conftest import device_or_skip  # noqa: E402
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import KVCache, MultiHeadAttention, set_weights  # noqa: E402
 from mha_multi.keras import harness as backend  # noqa: E402
@@ -480,6 +481,54 @@ def test_a_call_on_pytorch_moves_nothing_between_host_and_device(monkeypatch, ca
         assert_cache_is(cache, expected_cache)
     else:
         expected, _ = spec.reference_forward(weights, *rows, **HEADS, causal=True)
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+
+
+@pytest.mark.skipif(backend.BACKEND != "torch", reason="PyTorch's synchronisation debug mode")
+def test_decoding_and_a_short_call_on_gpu_never_synchronize():
+    """On a CUDA device neither decoding steps nor a short call without a cache
+    wait for the device: ``torch.cuda.set_sync_debug_mode("error")`` raises at
+    any wait. The lengths the call before returned are known on the host, and
+    below ``spec.DEVICE_READ_SCORES`` scores no value is read for the kernel."""
+    import torch
+
+    gpu = device_or_skip("gpu", backend.gpu_available(), "no CUDA device")
+    weights = grouped_weights(14)
+    x = sequences(14)
+    with backend.device_scope(gpu):
+        layer = layer_of(weights)
+        cache = layer.init_cache(3, MAX_LENGTH)
+
+    def rows(start, stop):
+        arrays = [x[name][:, start:stop] for name in backend.INPUT_NAMES]
+        return arrays, [backend.to_native(array, gpu) for array in arrays]
+
+    def without_synchronisation(run):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    with torch.no_grad():
+        _, prompt = rows(0, 3)
+        lengths = backend.lens_to_native(np.array([3, 2, 3]), gpu)
+        _, cache = layer(*prompt, lengths, causal=True, cache=cache)  # reads init_cache's lengths
+        for position in (3, 4, 5):
+            arrays, inputs = rows(position, position + 1)
+            before = native_cache(cache)
+            output, cache = without_synchronisation(
+                lambda inputs=inputs, cache=cache: layer(*inputs, causal=True, cache=cache)
+            )
+            expected, _, expected_cache = spec.reference_cached_forward(
+                weights, *arrays, before, **HEADS, causal=True
+            )
+            np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+            assert_cache_is(cache, expected_cache)
+        arrays, inputs = rows(0, 4)
+        output = without_synchronisation(lambda: layer(*inputs, causal=True))
+    expected, _ = spec.reference_forward(weights, *arrays, **HEADS, causal=True)
     np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
 
 
