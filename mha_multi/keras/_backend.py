@@ -369,9 +369,13 @@ class KerasFacts(call.Facts):
         num_new = 0 if k is None else k.shape[1]
         first = None if fill is None or not num_new else fill.uniform_start(num_new)
         if first is None or not values_readable(k):
-            return super().write_cache(
+            written, visible = super().write_cache(
                 ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal, fill=fill
             )
+            if fill is not None and values_readable(written.lengths):
+                # A ragged batch's next step reads nothing either.
+                WRITTEN_LENGTHS.remember(written.lengths, fill.held)
+            return written, visible
         backend = active()
         in_place = backend.writes_in_place(k, v, cache.keys, cache.values)
         keys, values = (

@@ -340,7 +340,7 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
             # Each example's rows at its own positions, one index for both arrays.
             examples, steps = np.nonzero(np.arange(num_new)[None, :] < fill.new[:, None])
             index = [
-                torch.from_numpy(i).to(k.device)
+                from_host(i, k.device, None)
                 for i in (examples, steps, fill.lengths[examples] + steps)
             ]
         # Before writing: the versions the lengths' check was made for.

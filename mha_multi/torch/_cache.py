@@ -147,13 +147,20 @@ _NUMPY_INTEGERS = {torch.int32: np.int32, torch.int64: np.int64}
 
 
 def from_host(array: np.ndarray, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
-    """A numpy array as a tensor on ``device`` (of ``dtype``), converted on the host."""
+    """A numpy array as a tensor on ``device`` (of ``dtype``), converted on the host.
+
+    To a CUDA device the copy goes through pinned memory, without waiting
+    for the device: a copy from pageable memory waits for it.
+    """
     if dtype in _NUMPY_INTEGERS:
         array = array.astype(_NUMPY_INTEGERS[dtype], copy=False)
     tensor = torch.from_numpy(array)
-    if device.type != "cpu" or (dtype is not None and tensor.dtype != dtype):
-        tensor = tensor.to(device, dtype or tensor.dtype)
-    return tensor
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    if device.type == "cuda":
+        # The pinned block stays the caching host allocator's until the copy is done.
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 #: The attribute of a cache's lengths tensor that holds its :class:`CacheCheck`.

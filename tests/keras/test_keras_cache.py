@@ -400,21 +400,23 @@ def test_a_step_reads_none_of_the_lengths_the_call_before_returned(monkeypatch, 
     layer = layer_of(weights)
     x = sequences(11)
 
-    def step(cache, position):
+    def step(cache, position, lens=None):
         before = native_cache(cache)
-        rows = [x[name][:, position : position + 1] for name in backend.INPUT_NAMES]
+        count = 1 if lens is None else int(max(lens))
+        rows = [x[name][:, position : position + count] for name in backend.INPUT_NAMES]
+        given = () if lens is None else (backend.lens_to_native(lens),)
         reads.clear()
-        output, cache = layer(*map(backend.to_native, rows), causal=True, cache=cache)
+        output, cache = layer(*map(backend.to_native, rows), *given, causal=True, cache=cache)
         read = len(reads)
         expected, _, expected_cache = spec.reference_cached_forward(
-            weights, *rows, before, **HEADS, causal=True
+            weights, *rows, before, lens, **HEADS, causal=True
         )
         np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
         assert_cache_is(cache, expected_cache)
         return read, cache
 
     with without_gradients(recorded):
-        cache = layer.init_cache(3, MAX_LENGTH)
+        cache = layer.init_cache(3, MAX_LENGTH + 2)
         read, cache = step(cache, 0)
         assert read == 1  # init_cache's lengths
         for position in (1, 2):
@@ -434,11 +436,21 @@ def test_a_step_reads_none_of_the_lengths_the_call_before_returned(monkeypatch, 
             assert read == 1
         read, cache = step(cache, 4)
         assert read == 0
+        # A ragged call (its examples append 1, 0 and 0 positions) reads its
+        # own lengths; the step after it reads nothing.
+        read, cache = step(cache, 5, np.array([1, 0, 0]))
+        assert read == 1
+        read, cache = step(cache, 5)
+        assert read == 0
 
 
 @pytest.mark.skipif(backend.BACKEND != "torch", reason="PyTorch's function modes")
-@pytest.mark.parametrize("cached", [True, False], ids=["a step", "a short call"])
-def test_a_call_on_pytorch_moves_nothing_between_host_and_device(monkeypatch, cached):
+@pytest.mark.parametrize(
+    "cached, held",
+    [(True, [3, 3, 3]), (True, [3, 1, 2]), (False, [3, 3, 3])],
+    ids=["a step", "a step of a ragged batch", "a short call"],
+)
+def test_a_call_on_pytorch_moves_nothing_between_host_and_device(monkeypatch, cached, held):
     """What would wait for a GPU in a short call on Keras' PyTorch backend, a
     decoding step or a call without a cache: no read to the host, and no tensor
     made of host data (a copy to a GPU from pageable memory waits too). The
@@ -464,7 +476,7 @@ def test_a_call_on_pytorch_moves_nothing_between_host_and_device(monkeypatch, ca
     layer = layer_of(weights)
     x = sequences(12)
     with torch.no_grad():
-        cache = prefilled(layer, x, [3, 3, 3], MAX_LENGTH)
+        cache = prefilled(layer, x, held, MAX_LENGTH)
         rows = [x[name][:, 3:4] for name in backend.INPUT_NAMES]
         native = [backend.to_native(row) for row in rows]
         before = native_cache(cache)

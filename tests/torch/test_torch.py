@@ -302,40 +302,50 @@ def test_a_long_forward_on_gpu_reads_once_for_the_kernel(gpu, edit):
     np.testing.assert_allclose(got, expected, atol=5e-6, err_msg=str(edit))
 
 
+@pytest.mark.parametrize("prompt_lens", [None, [2, 1]], ids=["even", "ragged"])
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
-def test_a_decoding_step_on_gpu_never_synchronizes(gpu, num_kv_heads):
+def test_a_decoding_step_on_gpu_never_synchronizes(gpu, num_kv_heads, prompt_lens):
     """A step reads no sum and no lengths (docs: "Generating with a cache").
 
     The new lengths are computed on the device and known on the host; a
     step's scores are few, so the generic path runs without reading the
-    values. The outputs are the float64 cached reference's; any
-    synchronisation raises.
+    values. After a ragged prompt each example writes at its own position,
+    with indices copied from pinned host memory, which waits for nothing.
+    The outputs are the float64 cached reference's; any synchronisation
+    raises.
     """
+    device = backend.device(gpu)
     weights = init_weights(16, num_heads=4, num_kv_heads=num_kv_heads, seed=3)
     layer = set_weights(
-        MultiHeadAttention(16, 4, num_kv_heads=num_kv_heads, device=backend.device(gpu)), weights
+        MultiHeadAttention(16, 4, num_kv_heads=num_kv_heads, device=device), weights
     ).eval()
+    heads = {"num_heads": 4, "num_kv_heads": num_kv_heads}
     rng = np.random.default_rng(4)
-    tokens = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    tokens = rng.standard_normal((2, 8, 16)).astype(np.float32)
     held = spec.KVCache(
-        np.zeros((2, num_kv_heads, 8, 4)), np.zeros((2, num_kv_heads, 8, 4)), np.zeros(2, np.int64)
+        np.zeros((2, num_kv_heads, 10, 4)),
+        np.zeros((2, num_kv_heads, 10, 4)),
+        np.zeros(2, np.int64),
     )
+    start = 0
     with torch.no_grad():
-        cache = layer.init_cache(2, 8)
-        for step in range(6):
-            x = torch.from_numpy(tokens[:, step : step + 1]).to(backend.device(gpu))
+        cache = layer.init_cache(2, 10)
+        if prompt_lens is not None:
+            start, lens = 2, np.array(prompt_lens)
+            x = torch.from_numpy(tokens[:, :start]).to(device)
+            _, cache = layer(x, x, x, torch.from_numpy(lens).to(device), causal=True, cache=cache)
+            prompt = tokens[:, :start]
+            _, _, held = spec.reference_cached_forward(
+                weights, prompt, prompt, prompt, held, lens, **heads, causal=True
+            )
+        for step in range(start, start + 6):
+            x = torch.from_numpy(tokens[:, step : step + 1]).to(device)
             out, cache = _without_synchronisation(
                 lambda x=x, cache=cache: layer(x, x, x, causal=True, cache=cache)
             )
+            row = tokens[:, step : step + 1]
             expected, _, held = spec.reference_cached_forward(
-                weights,
-                tokens[:, step : step + 1],
-                tokens[:, step : step + 1],
-                tokens[:, step : step + 1],
-                held,
-                num_heads=4,
-                num_kv_heads=num_kv_heads,
-                causal=True,
+                weights, row, row, row, held, **heads, causal=True
             )
             np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
 
