@@ -2,7 +2,9 @@
 
 The call flow (checks, kernel plan, cache, attention, gates, output) is
 :func:`mha_multi.call.forward`'s; PyTorch's facts are
-:data:`mha_multi.torch._backend.FACTS` (docs: "Architecture").
+:data:`mha_multi.torch._backend.FACTS`, and the projections the driver
+calls are :class:`mha_multi.torch._projections.PackedProjections`'
+(docs: "Architecture").
 """
 
 from __future__ import annotations
@@ -18,17 +20,12 @@ from torch import nn
 from mha_multi import _docs, call, spec
 from mha_multi.torch._backend import FACTS, host_array
 from mha_multi.torch._cache import versioned
-from mha_multi.torch._ops import OPS, linear
 from mha_multi.torch._projections import (
+    PackedProjections,
     StackedWeights,
-    addresses,
     finish_lazy,
     in_features,
-    infer_size,
-    pack,
-    project_with,
     projection,
-    split_stacked,
 )
 from mha_multi.weights import KERNEL_NAMES, check_layer_weights
 
@@ -36,7 +33,7 @@ __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
 
 @_docs.fill
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(PackedProjections):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
     The projections are ``nn.Linear`` modules named ``W_q``, ``W_k``, ``W_v``
@@ -65,10 +62,6 @@ class MultiHeadAttention(nn.Module):
         device: where to create the parameters.
         dtype: dtype of the parameters.
     """
-
-    #: How the heads are split over processes (a ``HeadSharding``); ``None``
-    #: until :func:`mha_multi.torch.shard_heads` (docs: "Sharding heads").
-    _sharding: Any = None
 
     def __init__(
         self,
@@ -112,22 +105,6 @@ class MultiHeadAttention(nn.Module):
         self._pack()
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
-
-    def _pack(self) -> None:
-        """The input projections' parameters back to back (:func:`pack`), unless sharded."""
-        if self._sharding is None:
-            pack([self.W_q, self.W_k, self.W_v])
-            self._stacks.clear()
-
-    def _apply(self, fn: Any, recurse: bool = True) -> MultiHeadAttention:
-        # A conversion (.to(), .double()...) gives each parameter storage of its
-        # own: packed again, as nn.RNNBase flattens its weights again. What
-        # works in place (share_memory()) keeps the parameters where they are.
-        before = addresses([self.W_q, self.W_k, self.W_v])
-        module = super()._apply(fn, recurse)
-        if addresses([self.W_q, self.W_k, self.W_v]) != before:
-            self._pack()
-        return module
 
     def extra_repr(self) -> str:
         sharded = (
@@ -299,72 +276,6 @@ class MultiHeadAttention(nn.Module):
             local_gates=None if self._sharding is None else self._sharding.local_head_mask,
         )
         return result.returned(return_attention_weights)
-
-    # -- the driver's view of the layer (mha_multi.call.Projections) ----------
-
-    @property
-    def heads(self) -> spec.Heads:
-        """The heads this process computes (all of them unless sharded)."""
-        return self._heads
-
-    def project_inputs(
-        self, queries: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        """The three input projections; one GEMM for inputs that are one tensor.
-
-        Self-attention (``queries is keys is values``) and shared keys/values
-        project with the weights stacked, as ``nn.MultiheadAttention`` does:
-        every output element is the same dot product, and the backward pass
-        gets one input gradient instead of a sum of three.
-        """
-        if keys is None:
-            return project_with(self.W_q, queries), None, None
-        if queries is keys and keys is values and self._sharding is None:
-            # Self-attention, every step of a decode: the one product, directly.
-            return split_stacked(self.project_stacked(queries), self._heads)
-        modules = self._modules
-        projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
-        inputs = [queries, keys, values]
-        if any([infer_size(module, x) for module, x in zip(projections, inputs, strict=True)]):
-            self._pack()
-        first = 0 if queries is keys else 1
-        shared = [i for i in range(first, 3) if inputs[i] is inputs[first]]
-        # Sharded projections run as their modules: their hooks distribute
-        # the inputs and outputs (docs: "Sharding heads").
-        separate = self._sharding is not None or len(shared) < 2
-        if separate:
-            return tuple(
-                project_with(module, x) for module, x in zip(projections, inputs, strict=True)
-            )
-        weight, bias = self._stacks([projections[i] for i in shared])
-        # Grouped heads project queries wider than keys and values.
-        widths = [projections[i].out_features for i in shared]
-        packed = linear(inputs[first], weight, bias).split_with_sizes(widths, dim=-1)
-        outputs = dict(zip(shared, packed, strict=True))
-        return tuple(
-            outputs[i] if i in outputs else project_with(projections[i], inputs[i])
-            for i in range(3)
-        )
-
-    def project_stacked(self, queries: torch.Tensor) -> torch.Tensor:
-        """Self-attention's three projections of ``queries`` side by side, one product
-        ``(..., query_features + 2 * kv_features)`` (an unsharded layer's)."""
-        modules = self._modules
-        projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
-        if any([infer_size(module, queries) for module in projections]):
-            self._pack()
-        weight, bias = self._stacks(projections)
-        return linear(queries, weight, bias)
-
-    def project_output(self, context: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
-        """``W_o`` of the gated context (the gates need no device: OPS places nothing)."""
-        module = self._modules["W_o"]
-        if gates is None and self._sharding is None:
-            # The product itself, as for the stacked input projections: only a
-            # sharded layer's hooks need the module called.
-            parameters = module._parameters
-            return linear(context, parameters["weight"], parameters["bias"])
-        return project_with(module, spec.apply_head_mask(OPS, context, gates, self.num_heads))
 
 
 def _options_repr(options: spec.LayerOptions) -> str:
