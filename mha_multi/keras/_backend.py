@@ -364,7 +364,8 @@ class KerasFacts(call.Facts):
         into the cache's own tensors: the returned cache shares ``keys`` and
         ``values`` with the given one (docs: "Generating with a cache").
         Anything else (a ragged batch, a traced call) gets the spec's
-        functional update.
+        functional update. The lengths an eager call returns are remembered
+        either way (:data:`WRITTEN_LENGTHS`), so the next step reads none.
         """
         num_new = 0 if k is None else k.shape[1]
         first = None if fill is None or not num_new else fill.uniform_start(num_new)
@@ -373,7 +374,6 @@ class KerasFacts(call.Facts):
                 ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal, fill=fill
             )
             if fill is not None and values_readable(written.lengths):
-                # A ragged batch's next step reads nothing either.
                 WRITTEN_LENGTHS.remember(written.lengths, fill.held)
             return written, visible
         backend = active()
