@@ -54,6 +54,18 @@ def gpu_required() -> bool:
     return os.environ.get("MHA_MULTI_REQUIRE_GPU", "") not in ("", "0")
 
 
+def without_synchronisation(run):
+    """``run()`` with PyTorch raising at any wait for a CUDA device (sync debug "error")."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return run()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def device_or_skip(device: str, available: bool, missing: str) -> str:
     """``device`` where it is ``available``; skips the test otherwise.
 

@@ -22,7 +22,7 @@ keras = pytest.importorskip("keras")
 from keras_testing import fused_kernel_here, keras_runner, kernel_key_heads  # noqa: E402, F401
 
 import mha_multi.keras._kernel as kernel_module  # noqa: E402
-from conftest import device_or_skip  # noqa: E402
+from conftest import device_or_skip, without_synchronisation  # noqa: E402
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import KVCache, MultiHeadAttention, set_weights  # noqa: E402
 from mha_multi.keras import harness as backend  # noqa: E402
@@ -514,14 +514,6 @@ def test_decoding_and_a_short_call_on_gpu_never_synchronize():
     def rows(start, stop):
         arrays = [x[name][:, start:stop] for name in backend.INPUT_NAMES]
         return arrays, [backend.to_native(array, gpu) for array in arrays]
-
-    def without_synchronisation(run):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return run()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
 
     with torch.no_grad():
         _, prompt = rows(0, 3)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from route_support import answered_calls, generic_only
 
-from conftest import device_or_skip
+from conftest import device_or_skip, without_synchronisation
 from mha_multi import spec
 from mha_multi.parity.cases import CASES, INPUT_NAMES
 from mha_multi.parity.runners import get_runner
@@ -238,16 +238,6 @@ def _synchronisations(run):
     return result, sum("synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
-def _without_synchronisation(run):
-    """``run()`` with PyTorch raising at any host synchronisation (``"error"`` mode)."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return run()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
 @pytest.mark.parametrize("name", [config.name for config in CASES])
 def test_a_short_forward_on_gpu_never_synchronizes(runner, cases, gpu, name):
     """A call whose heads hold fewer than ``spec.DEVICE_READ_SCORES`` scores reads
@@ -264,7 +254,7 @@ def test_a_short_forward_on_gpu_never_synchronizes(runner, cases, gpu, name):
     options = runner.case_options(case, device=gpu)
     for weights in (False, True):
         layer(*tensors, lens, return_attention_weights=weights, **options)  # lazy state made
-        out = _without_synchronisation(
+        out = without_synchronisation(
             lambda weights=weights: layer(
                 *tensors, lens, return_attention_weights=weights, **options
             )
@@ -340,7 +330,7 @@ def test_a_decoding_step_on_gpu_never_synchronizes(gpu, num_kv_heads, prompt_len
             )
         for step in range(start, start + 6):
             x = torch.from_numpy(tokens[:, step : step + 1]).to(device)
-            out, cache = _without_synchronisation(
+            out, cache = without_synchronisation(
                 lambda x=x, cache=cache: layer(x, x, x, causal=True, cache=cache)
             )
             row = tokens[:, step : step + 1]
