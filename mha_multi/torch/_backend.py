@@ -38,6 +38,7 @@ from mha_multi.torch._ops import (
     autocast_off,
     dtype_kind,
     ops_on,
+    repeats_grouped_heads,
 )
 from mha_multi.torch._plain import PlainRoute
 
@@ -513,8 +514,10 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
 
         Grouped key/value heads reach SDPA as they are, with ``enable_gqa``
         (query head ``h`` reads key/value head ``h // G``, the spec's rule);
-        only a PyTorch whose SDPA has no ``enable_gqa`` gets them repeated,
-        once, on the projected heads (the plan's ``repeat_kv``).
+        a PyTorch whose SDPA has no ``enable_gqa`` gets them repeated, once,
+        on the projected heads (the plan's ``repeat_kv``), and so do float32
+        heads on CUDA, whose kernels with ``enable_gqa`` hold every score
+        (:func:`~mha_multi.torch._ops.repeats_grouped_heads`).
 
         Args:
             q: projected queries ``(B, Q, num_heads * head_dim)``.
@@ -540,9 +543,12 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
                 x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)).transpose(1, 2)
                 for x in (k, v)
             )
-        if plan.repeat_kv:
+        repeat = heads.grouped and (
+            plan.repeat_kv or repeats_grouped_heads(q, num_queries, heads.head_dim)
+        )
+        if repeat:
             k, v = (x.repeat_interleave(heads.group_size, dim=1) for x in (k, v))
-        grouped = heads.grouped and not plan.repeat_kv
+        grouped = heads.grouped and not repeat
         mask = plan.mask(ops, num_queries, num_keys, valid_lens, options)
         if plan.bias:
             bias = spec.score_bias(ops, options, num_queries, num_keys, q)

@@ -414,3 +414,40 @@ def test_grouped_fully_hidden_rows_are_their_key_value_heads_mean(runner):
     means = (kv @ weights["W_v"]).mean(axis=1).reshape(2, 3)  # (H_kv, dh)
     context = np.repeat(means, 2, axis=0).reshape(-1)  # query heads 0, 1 | 2, 3
     np.testing.assert_allclose(out[0], np.tile(context @ weights["W_o"], (2, 1)), atol=5e-6)
+
+
+@pytest.mark.skipif(backend.BACKEND != "torch", reason="PyTorch's SDPA kernels")
+@pytest.mark.parametrize("num_queries", [6, 1], ids=["six queries", "one query"])
+def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(monkeypatch, num_queries):
+    """On Keras' PyTorch backend the kernel follows PyTorch's rule for grouped heads
+    (``repeats_grouped_heads``, told here that the CPU is CUDA): repeated for more
+    queries than ``head_dim``, ``enable_gqa`` otherwise; both give a naive per-head
+    softmax's numbers."""
+    import torch
+
+    import mha_multi.torch._ops as torch_ops
+    from mha_multi.keras import _kernel
+
+    monkeypatch.setattr(
+        torch_ops, "repeats_grouped_heads", lambda q, queries, head_dim: queries > head_dim
+    )
+    seen = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        seen.append((k.shape[1], kwargs.get("enable_gqa", False)))
+        return original(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    rng = np.random.default_rng(32)
+    q = rng.standard_normal((2, num_queries, 4, 4)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 5, 2, 4)).astype(np.float32) for _ in "kv")
+    output = _kernel.dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)), scale=0.5)
+    # Query head h reads key/value head h // 2.
+    kh, vh = (np.repeat(x.astype(np.float64), 2, axis=2) for x in (k, v))
+    scores = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), kh) * 0.5
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = np.einsum("bhqk,bkhd->bqhd", weights, vh)
+    assert seen == ([(4, False)] if num_queries > 4 else [(2, True)])
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=1e-6)

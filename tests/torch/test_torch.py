@@ -827,3 +827,62 @@ def test_torch_compile_empty_keys_and_gradients(runner, compiler):
     np.testing.assert_allclose(layer.W_o.bias.grad.numpy(), expected["b_o"], atol=5e-5)
     np.testing.assert_allclose(tensors[0].grad.numpy(), expected["queries"], atol=5e-5)
     assert tensors[1].grad.shape == (2, 0, 8)
+
+
+@pytest.mark.parametrize("call", ["self-attention", "prefill", "step"])
+def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(monkeypatch, call):
+    """On CUDA, SDPA's kernels that take float32 hold every score with ``enable_gqa``:
+    grouped heads of more queries than ``head_dim`` reach it repeated
+    (``repeats_grouped_heads``, told here that the CPU is CUDA), a decoding step's
+    as they are; the numbers are the float64 reference's either way."""
+    import mha_multi.torch._backend as facts_module
+    import mha_multi.torch._plain as plain_module
+
+    def as_on_cuda(q, num_queries, head_dim):
+        return q.dtype == torch.float32 and num_queries > head_dim
+
+    monkeypatch.setattr(facts_module, "repeats_grouped_heads", as_on_cuda)
+    monkeypatch.setattr(plain_module, "repeats_grouped_heads", as_on_cuda)
+    weights = init_weights(16, num_heads=4, num_kv_heads=2, seed=31)
+    heads = {"num_heads": 4, "num_kv_heads": 2}
+    layer = set_weights(MultiHeadAttention(16, 4, num_kv_heads=2), weights).eval()
+    x = np.random.default_rng(31).standard_normal((2, 7, 16)).astype(np.float32)
+    seen = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        seen.append((k.shape[1], kwargs.get("enable_gqa", False)))
+        return original(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    prompt, row = x[:, :6], x[:, 6:]
+    with torch.no_grad():
+        if call == "self-attention":
+            tensor = torch.from_numpy(prompt)
+            output = layer(tensor, tensor, tensor, causal=True)
+            expected, _ = spec.reference_forward(
+                weights, prompt, prompt, prompt, **heads, causal=True
+            )
+        else:
+            cache = layer.init_cache(2, 8)
+            tensor = torch.from_numpy(prompt)
+            output, cache = layer(tensor, tensor, tensor, causal=True, cache=cache)
+            expected, _, held = spec.reference_cached_forward(
+                weights,
+                prompt,
+                prompt,
+                prompt,
+                spec.KVCache(np.zeros((2, 2, 8, 4)), np.zeros((2, 2, 8, 4)), np.zeros(2, np.int64)),
+                **heads,
+                causal=True,
+            )
+            if call == "step":
+                seen.clear()
+                tensor = torch.from_numpy(row)
+                output, _ = layer(tensor, tensor, tensor, causal=True, cache=cache)
+                expected, _, _ = spec.reference_cached_forward(
+                    weights, row, row, row, held, **heads, causal=True
+                )
+    # Six queries of four dimensions: repeated to the query heads; one query: grouped.
+    assert seen == ([(2, True)] if call == "step" else [(4, False)])
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=5e-6)
