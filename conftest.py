@@ -66,6 +66,22 @@ def without_synchronisation(run):
         torch.cuda.set_sync_debug_mode(0)
 
 
+def record_sdpa_key_heads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """PyTorch's ``scaled_dot_product_attention`` recording, at each call, the
+    key/value heads it gets (``k.shape[1]``) and whether ``enable_gqa`` is set."""
+    import torch
+
+    seen: list[tuple[int, bool]] = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        seen.append((k.shape[1], kwargs.get("enable_gqa", False)))
+        return original(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return seen
+
+
 def device_or_skip(device: str, available: bool, missing: str) -> str:
     """``device`` where it is ``available``; skips the test otherwise.
 

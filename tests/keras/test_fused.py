@@ -24,6 +24,7 @@ from keras_testing import (  # noqa: E402, F401
     kernel_key_heads,
 )
 
+from conftest import record_sdpa_key_heads  # noqa: E402
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import harness as backend  # noqa: E402
 from mha_multi.keras._backend import FACTS, values_exact  # noqa: E402
@@ -431,14 +432,7 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(monkeypatch, num_quer
     monkeypatch.setattr(
         torch_ops, "repeats_grouped_heads", lambda q, queries, head_dim: queries > head_dim
     )
-    seen = []
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def recording(q, k, v, **kwargs):
-        seen.append((k.shape[1], kwargs.get("enable_gqa", False)))
-        return original(q, k, v, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    seen = record_sdpa_key_heads(monkeypatch)
     rng = np.random.default_rng(32)
     q = rng.standard_normal((2, num_queries, 4, 4)).astype(np.float32)
     k, v = (rng.standard_normal((2, 5, 2, 4)).astype(np.float32) for _ in "kv")

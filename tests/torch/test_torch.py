@@ -11,7 +11,7 @@ import pytest
 import torch
 from route_support import answered_calls, generic_only
 
-from conftest import device_or_skip, without_synchronisation
+from conftest import device_or_skip, record_sdpa_key_heads, without_synchronisation
 from mha_multi import spec
 from mha_multi.parity.cases import CASES, INPUT_NAMES
 from mha_multi.parity.runners import get_runner
@@ -847,14 +847,7 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(monkeypatch, call):
     heads = {"num_heads": 4, "num_kv_heads": 2}
     layer = set_weights(MultiHeadAttention(16, 4, num_kv_heads=2), weights).eval()
     x = np.random.default_rng(31).standard_normal((2, 7, 16)).astype(np.float32)
-    seen = []
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def recording(q, k, v, **kwargs):
-        seen.append((k.shape[1], kwargs.get("enable_gqa", False)))
-        return original(q, k, v, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    seen = record_sdpa_key_heads(monkeypatch)
     prompt, row = x[:, :6], x[:, 6:]
     with torch.no_grad():
         if call == "self-attention":
