@@ -263,15 +263,19 @@ def test_a_short_forward_on_gpu_never_synchronizes(runner, cases, gpu, name):
         np.testing.assert_allclose(runner.to_numpy(out), case.reference["output"], atol=5e-6)
 
 
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["2 heads", "1 key/value head"])
 @pytest.mark.parametrize("edit", [None, "nan_query", "inf_key", "nan_value"])
-def test_a_long_forward_on_gpu_reads_once_for_the_kernel(gpu, edit):
+def test_a_long_forward_on_gpu_reads_once_for_the_kernel(gpu, edit, num_kv_heads, monkeypatch):
     """Where a head's scores reach ``spec.DEVICE_READ_SCORES`` an eager call on a GPU
     reads once (whether the projections are finite, with the shortest length):
     SDPA for finite values, with the spec's fully hidden rows (example 0's
     lengths hide every key); the generic path and the float64 reference's
-    non-finite pattern for any NaN or inf."""
-    weights = init_weights(8, seed=24)
-    layer = set_weights(MultiHeadAttention(8, 2, device=backend.device(gpu)), weights).eval()
+    non-finite pattern for any NaN or inf. A float32 key/value head shared by
+    both query heads reaches SDPA repeated (``repeats_grouped_heads``)."""
+    heads = {"num_heads": 2, "num_kv_heads": num_kv_heads}
+    weights = init_weights(8, **heads, seed=24)
+    layer = MultiHeadAttention(8, 2, num_kv_heads=num_kv_heads, device=backend.device(gpu))
+    layer = set_weights(layer, weights).eval()
     rng = np.random.default_rng(24)
     q, k, v = (rng.standard_normal((2, 256, 8)).astype(np.float32) for _ in range(3))
     if edit is not None:
@@ -280,13 +284,15 @@ def test_a_long_forward_on_gpu_reads_once_for_the_kernel(gpu, edit):
     lens = np.array([0, 200])
     args = [torch.from_numpy(x).to(backend.device(gpu)) for x in (q, k, v, lens)]
     layer(*args, causal=True)  # lazy state made
+    seen = record_sdpa_key_heads(monkeypatch)
     with torch.no_grad():
         (out, ran), syncs = _synchronisations(
             lambda: _kernel_ran(lambda: layer(*args, causal=True))
         )
     assert syncs == 1
     assert ran == (edit is None), edit
-    expected, _ = spec.reference_forward(weights, q, k, v, lens, num_heads=2, causal=True)
+    assert seen == ([(2, False)] if ran else [])
+    expected, _ = spec.reference_forward(weights, q, k, v, lens, **heads, causal=True)
     got = backend.to_numpy(out)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected), err_msg=str(edit))
     np.testing.assert_allclose(got, expected, atol=5e-6, err_msg=str(edit))
