@@ -837,8 +837,8 @@ def test_torch_compile_empty_keys_and_gradients(runner, compiler):
 
 @pytest.mark.parametrize("call", ["self-attention", "prefill", "step"])
 def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(monkeypatch, call):
-    """On CUDA, SDPA's kernels that take float32 hold every score with ``enable_gqa``:
-    grouped heads of more queries than ``head_dim`` reach it repeated
+    """On CUDA the one SDPA kernel that takes float32 grouped heads holds every score:
+    grouped heads of more queries than ``head_dim`` reach SDPA repeated
     (``repeats_grouped_heads``, told here that the CPU is CUDA), a decoding step's
     as they are; the numbers are the float64 reference's either way."""
     import mha_multi.torch._backend as facts_module
