@@ -200,6 +200,12 @@ class Facts:
         """Whether :attr:`kernel` serves the dtype and precision of ``q``."""
         return True
 
+    def kernel_takes_grouped(self, q: Array, num_queries: Any, head_dim: int) -> bool:
+        """Whether grouped key/value heads are best given to :attr:`kernel` as they are,
+        for ``num_queries`` queries ``q`` of ``head_dim`` (where it takes them at all);
+        ``False`` has the plan repeat them once (:attr:`mha_multi.spec.KernelPlan.repeat_kv`)."""
+        return True
+
     def on_host(self, q: Array) -> bool:
         """Whether ``q`` lives on the host, where :meth:`plan_values` waits for nothing
         (elsewhere the plan reads only where :func:`mha_multi.spec.reads_values` says)."""
@@ -606,6 +612,8 @@ def kernel_settings(
         "dropout": dropout,
         "return_attention_weights": return_attention_weights,
         "grouped": heads.grouped,
+        "grouped_taken": not heads.grouped
+        or facts.kernel_takes_grouped(q, sizes[1], heads.head_dim),
         "dtype_supported": facts.kernel_serves(q),
         "bias": options.bias is not None or options.alibi_slopes is not None,
         "softcap": options.softcap is not None,

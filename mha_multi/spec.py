@@ -1660,6 +1660,7 @@ def plan_kernel(
     values_exact: bool | None = None,
     shortest_length: float | None = None,
     grouped: bool = False,
+    grouped_taken: bool = True,
     bias: bool = False,
     softcap: bool = False,
     window: bool = False,
@@ -1688,6 +1689,10 @@ def plan_kernel(
         shortest_length: the shortest length, where it was read; ``None``
             where it was not (every row may then be fully hidden).
         grouped: fewer key/value heads than query heads.
+        grouped_taken: where the kernel takes grouped heads, whether it is
+            to take this call's as they are; ``False`` where the framework
+            serves them better repeated (a kernel that would hold every
+            score otherwise), so the plan repeats them once.
         bias: the scores get an additive bias (a ``bias`` argument or ALiBi).
         softcap: the scores are soft-capped.
         window: the layer has a sliding window.
@@ -1763,7 +1768,7 @@ def plan_kernel(
         mask_causal=causal and not is_causal,
         fix_rows=fix_rows,
         fix_causal=causal_hides_rows,
-        repeat_kv=grouped and not kernel.takes_grouped_heads,
+        repeat_kv=grouped and not (kernel.takes_grouped_heads and grouped_taken),
         bias=bias,
         softcap=softcap,
         window_flag=window_flag,

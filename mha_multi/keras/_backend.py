@@ -339,6 +339,9 @@ class KerasFacts(call.Facts):
     kernel_serves = staticmethod(serves)
     fused_attention = staticmethod(fused_attention)
 
+    def kernel_takes_grouped(self, q: Any, num_queries: Any, head_dim: int) -> bool:
+        return active().kernel_takes_grouped(q, num_queries, head_dim)
+
     # -- the cache ------------------------------------------------------------
 
     def write_cache(

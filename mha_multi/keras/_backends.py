@@ -128,6 +128,10 @@ class _Backend:
         tell. TensorFlow's and JAX's arrays cannot be written: always 0."""
         return 0
 
+    def kernel_takes_grouped(self, q: Tensor, num_queries: Any, head_dim: int) -> bool:
+        """:meth:`mha_multi.call.Facts.kernel_takes_grouped` on this backend."""
+        return True
+
 
 class _TensorFlow(_Backend):
     """Keras on TensorFlow: ``tf.GradientTape``."""
@@ -320,6 +324,13 @@ class _Torch(_Backend):
     def version(self, x: Tensor) -> int | None:
         # Inference tensors keep no version counter.
         return None if x.is_inference() else x._version
+
+    def kernel_takes_grouped(self, q: Tensor, num_queries: Any, head_dim: int) -> bool:
+        """PyTorch's own rule for SDPA (:func:`mha_multi.torch._ops.repeats_grouped_heads`),
+        in float32, which the kernel runs in (16-bit inputs are cast up)."""
+        from mha_multi.torch._ops import repeats_grouped_heads
+
+        return not repeats_grouped_heads(q, num_queries, head_dim, self.torch.float32)
 
     def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
         if not in_place:

@@ -84,9 +84,9 @@ def dot_product_attention(
     they are: Keras repeats grouped key/value heads and copies every
     argument into a contiguous array first, which for a cache's filled
     positions (a view) is a cache-sized copy at every decoding step; PyTorch
-    takes grouped heads (``enable_gqa``) and strided arrays itself. Only
-    float32 grouped heads on CUDA of more queries than ``head_dim`` are
-    repeated (:func:`mha_multi.torch._ops.repeats_grouped_heads`).
+    takes grouped heads (``enable_gqa``) and strided arrays itself (the plan
+    repeats those it serves better repeated:
+    :meth:`~mha_multi.keras._backend.KerasFacts.kernel_takes_grouped`).
     """
     if keras.backend.backend() != "torch" or (mask is not None and is_causal):
         return keras.ops.dot_product_attention(
@@ -102,17 +102,7 @@ def dot_product_attention(
         visible = torch.as_tensor(mask, dtype=torch.bool)
         mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
         mask.masked_fill_(~visible, largest * -0.7)
-    grouped = {}
-    if key.shape[2] != query.shape[2]:
-        # PyTorch's fact (docs: "Fast paths"): float32 grouped heads on CUDA
-        # reach a kernel that holds every score, repeated heads one that does not.
-        from mha_multi.torch._ops import repeats_grouped_heads
-
-        if repeats_grouped_heads(query, query.shape[1], query.shape[3]):
-            group = query.shape[2] // key.shape[2]
-            key, value = (x.repeat_interleave(group, dim=2) for x in (key, value))
-        else:
-            grouped = {"enable_gqa": True}
+    grouped = {"enable_gqa": True} if key.shape[2] != query.shape[2] else {}
     output = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),

@@ -182,6 +182,9 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
     passes_options = True
     attends_filled = True
 
+    def kernel_takes_grouped(self, q: torch.Tensor, num_queries: Any, head_dim: int) -> bool:
+        return not repeats_grouped_heads(q, num_queries, head_dim)
+
     def span_bucket_of(self, keys: torch.Tensor) -> int:
         """1 on the CPU, whose eager kernels take any length at no cost; on a GPU the spec's bucket.
 
@@ -517,7 +520,7 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         a PyTorch whose SDPA has no ``enable_gqa`` gets them repeated, once,
         on the projected heads (the plan's ``repeat_kv``), and so do float32
         heads on CUDA, whose kernels with ``enable_gqa`` hold every score
-        (:func:`~mha_multi.torch._ops.repeats_grouped_heads`).
+        (:meth:`kernel_takes_grouped`).
 
         Args:
             q: projected queries ``(B, Q, num_heads * head_dim)``.
@@ -543,12 +546,9 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
                 x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)).transpose(1, 2)
                 for x in (k, v)
             )
-        repeat = heads.grouped and (
-            plan.repeat_kv or repeats_grouped_heads(q, num_queries, heads.head_dim)
-        )
-        if repeat:
+        if plan.repeat_kv:
             k, v = (x.repeat_interleave(heads.group_size, dim=1) for x in (k, v))
-        grouped = heads.grouped and not repeat
+        grouped = heads.grouped and not plan.repeat_kv
         mask = plan.mask(ops, num_queries, num_keys, valid_lens, options)
         if plan.bias:
             bias = spec.score_bias(ops, options, num_queries, num_keys, q)

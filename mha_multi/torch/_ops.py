@@ -29,8 +29,11 @@ def accumulates_in_float32(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def repeats_grouped_heads(q: torch.Tensor, num_queries: int, head_dim: int) -> bool:
-    """Whether SDPA gets grouped key/value heads repeated rather than ``enable_gqa``.
+def repeats_grouped_heads(
+    q: torch.Tensor, num_queries: int, head_dim: int, dtype: torch.dtype | None = None
+) -> bool:
+    """Whether SDPA gets grouped key/value heads repeated rather than ``enable_gqa``,
+    for ``num_queries`` queries ``q`` of ``head_dim``, run in ``dtype`` (``q``'s by default).
 
     On CUDA, PyTorch's memory-efficient kernel takes no grouped heads and
     its flash kernel no float32, so float32 grouped heads fall to the math
@@ -42,7 +45,7 @@ def repeats_grouped_heads(q: torch.Tensor, num_queries: int, head_dim: int) -> b
     (docs: "Results"). A call of fewer queries than ``head_dim`` (a decoding
     step) holds less without the copy; elsewhere ``enable_gqa`` copies nothing.
     """
-    return q.is_cuda and q.dtype == torch.float32 and num_queries > head_dim
+    return q.is_cuda and (dtype or q.dtype) == torch.float32 and num_queries > head_dim
 
 
 #: A context manager that does nothing (reusable: it holds no state).

@@ -21,7 +21,7 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, written_step
-from mha_multi.torch._ops import SIXTEEN_BIT, repeats_grouped_heads
+from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 
 __all__ = ["PlainRoute"]
@@ -206,10 +206,6 @@ class PlainRoute:
             dataclasses.replace(plan, is_causal=False) == spec.KernelPlan(fused=True)
             and queries.dtype not in SIXTEEN_BIT
             and (cache is None or self.span_bucket_of(cache.keys) == 1)
-            # Heads SDPA takes repeated: the generic flow's kernel call repeats them.
-            and not (
-                heads.grouped and repeats_grouped_heads(queries, queries.shape[1], heads.head_dim)
-            )
         )
         arguments = None
         if plain:

@@ -453,6 +453,11 @@ def test_kernel_plan_repeats_grouped_heads_only_for_kernels_without_groups():
     grouping = spec.FusedKernel("grouping", takes_grouped_heads=True)
     assert not spec.plan_kernel(grouping, **facts).repeat_kv
     assert not spec.plan_kernel(SDPA_LIKE, **{**facts, "grouped": False}).repeat_kv
+    # A kernel that takes groups, for a call whose framework serves them better repeated.
+    assert spec.plan_kernel(grouping, **facts, grouped_taken=False).repeat_kv
+    assert not spec.plan_kernel(
+        grouping, **{**facts, "grouped": False}, grouped_taken=False
+    ).repeat_kv
 
 
 def test_kernel_plan_masks_are_the_spec_visibility():

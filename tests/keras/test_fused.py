@@ -419,29 +419,28 @@ def test_grouped_fully_hidden_rows_are_their_key_value_heads_mean(runner):
 
 @pytest.mark.skipif(backend.BACKEND != "torch", reason="PyTorch's SDPA kernels")
 @pytest.mark.parametrize("num_queries", [6, 1], ids=["six queries", "one query"])
-def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(monkeypatch, num_queries):
-    """On Keras' PyTorch backend the kernel follows PyTorch's rule for grouped heads
+def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(
+    runner, fused_here, monkeypatch, num_queries
+):
+    """On Keras' PyTorch backend the plan follows PyTorch's rule for grouped heads
     (``repeats_grouped_heads``, told here that the CPU is CUDA): repeated for more
-    queries than ``head_dim``, ``enable_gqa`` otherwise; both give a naive per-head
-    softmax's numbers."""
-    import torch
-
+    queries than ``head_dim``, ``enable_gqa`` otherwise; both give the float64
+    reference's numbers."""
     import mha_multi.torch._ops as torch_ops
-    from mha_multi.keras import _kernel
 
     monkeypatch.setattr(
-        torch_ops, "repeats_grouped_heads", lambda q, queries, head_dim: queries > head_dim
+        torch_ops,
+        "repeats_grouped_heads",
+        lambda q, queries, head_dim, dtype=None: queries > head_dim,
     )
     seen = record_sdpa_key_heads(monkeypatch)
-    rng = np.random.default_rng(32)
-    q = rng.standard_normal((2, num_queries, 4, 4)).astype(np.float32)
-    k, v = (rng.standard_normal((2, 5, 2, 4)).astype(np.float32) for _ in "kv")
-    output = _kernel.dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)), scale=0.5)
-    # Query head h reads key/value head h // 2.
-    kh, vh = (np.repeat(x.astype(np.float64), 2, axis=2) for x in (k, v))
-    scores = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), kh) * 0.5
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    expected = np.einsum("bhqk,bkhd->bqhd", weights, vh)
+    heads = {"num_heads": 4, "num_kv_heads": 2}
+    weights = init_weights(16, **heads, seed=32)
+    layer = runner.set_weights(runner.make_layer(16, 4, num_kv_heads=2), weights)
+    x = np.random.default_rng(32).standard_normal((2, num_queries, 16)).astype(np.float32)
+    lens = np.array([num_queries, max(num_queries - 2, 1)])
+    out = eager(layer, x, x, x, lens)
+    expected, _ = spec.reference_forward(weights, x, x, x, lens, **heads)
+    # Four dimensions a head: six queries get the heads repeated, one query grouped.
     assert seen == ([(4, False)] if num_queries > 4 else [(2, True)])
-    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)

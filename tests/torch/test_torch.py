@@ -842,13 +842,11 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(monkeypatch, call):
     (``repeats_grouped_heads``, told here that the CPU is CUDA), a decoding step's
     as they are; the numbers are the float64 reference's either way."""
     import mha_multi.torch._backend as facts_module
-    import mha_multi.torch._plain as plain_module
 
-    def as_on_cuda(q, num_queries, head_dim):
-        return q.dtype == torch.float32 and num_queries > head_dim
+    def as_on_cuda(q, num_queries, head_dim, dtype=None):
+        return (dtype or q.dtype) == torch.float32 and num_queries > head_dim
 
     monkeypatch.setattr(facts_module, "repeats_grouped_heads", as_on_cuda)
-    monkeypatch.setattr(plain_module, "repeats_grouped_heads", as_on_cuda)
     weights = init_weights(16, num_heads=4, num_kv_heads=2, seed=31)
     heads = {"num_heads": 4, "num_kv_heads": 2}
     layer = set_weights(MultiHeadAttention(16, 4, num_kv_heads=2), weights).eval()
