@@ -17,7 +17,9 @@ Backend tests are written once and parametrized over runners:
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
@@ -80,6 +82,29 @@ def record_sdpa_key_heads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bo
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     return seen
+
+
+@contextlib.contextmanager
+def recording_host_moves() -> Iterator[list[str]]:
+    """Yields a list that gets the name of every PyTorch call that would wait for a GPU:
+    a read to the host (``item``, ``tolist``, ``__array__``...), or a tensor made of
+    host data (a copy to a GPU from pageable memory waits too)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    moving = {"item", "cpu", "numpy", "tolist", "__array__", "__bool__", "__int__", "__float__"}
+    moved: list[str] = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            made = name in ("tensor", "as_tensor", "from_numpy")
+            if name in moving or (made and not isinstance(args[0], torch.Tensor)):
+                moved.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        yield moved
 
 
 def device_or_skip(device: str, available: bool, missing: str) -> str:

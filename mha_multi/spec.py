@@ -68,6 +68,7 @@ __all__ = [
     "reference_cached_forward",
     "reference_forward",
     "reference_gradients",
+    "rounded_span",
     "scaled_scores",
     "shard_heads",
     "static_split_sizes",
@@ -2385,7 +2386,13 @@ class CacheFill(NamedTuple):
             return max_length
         if window is not None and num_queries - int(self.new.min()) >= window:
             return max_length
-        return min(max_length, -(-self.most // bucket) * bucket)
+        return rounded_span(self.most, max_length, bucket)
+
+
+def rounded_span(filled: int, max_length: int, bucket: int) -> int:
+    """``filled`` leading cache positions rounded up to a multiple of ``bucket``, at most
+    ``max_length``: the span a call attends over (:meth:`CacheFill.span`)."""
+    return min(max_length, -(-filled // bucket) * bucket)
 
 
 def check_cache_values(lengths: Any, valid_lens: Any, num_new: int, max_length: int) -> CacheFill:

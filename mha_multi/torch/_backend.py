@@ -446,8 +446,7 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
             # A cache written in place this call: its check stands for the
             # positions below ``upto``; the rows written are read with the
             # queries, and the rest of the span on its own.
-            pending, check.pending = check.pending or (), None
-            total = finite_sum(q, *pending)
+            total = finite_sum(q, *check.take_pending())
             span = k.shape[2]
             if check.upto < span:
                 total = total + finite_sum(*(x[:, :, check.upto :] for x in (k, v)))

@@ -42,7 +42,10 @@ class CacheCheck:
     positions below ``upto``, and every row the calls wrote, are finite, NaN
     otherwise (:func:`poison_of`). ``pending`` are the rows this call wrote,
     until the plan checks them together with the queries (one pass over
-    self-attention's stacked projection). ``lengths`` are the new lengths on
+    self-attention's stacked projection); after plain steps on a GPU, which
+    read nothing, the cache's positions from ``pending_from`` on, which the
+    steps wrote (one pass over all of them, when a call reads or a write
+    settles them). ``lengths`` are the new lengths on
     the host. The next call trusts all this only for the same tensors
     unchanged since (their version counters), so that a decoding step checks
     its new rows and the positions its span adds instead of the whole cache,
@@ -61,12 +64,13 @@ class CacheCheck:
         self.versions = (cache.keys._version, cache.values._version)
         self.poison, self.upto = poison, upto
         self.pending: tuple[torch.Tensor, ...] | None = pending
+        self.pending_from: int | None = None
         #: ``cache.lengths`` on the host, while the tensor keeps ``lengths_version``.
         self.lengths, self.lengths_version = lengths, cache.lengths._version
         self._uniform: int | None = -1  # not known yet
         #: What the plain step that wrote the cache decided (``PlainRoute.plain_attention``):
-        #: ``(layer, key, arguments)``, for the next step of that layer and key.
-        self.step: tuple[Any, tuple, dict[str, Any]] | None = None
+        #: ``(layer, key, plan)``, for the next step of that layer and key.
+        self.step: tuple[Any, tuple, Any] | None = None
 
     @property
     def uniform(self) -> int | None:
@@ -110,9 +114,13 @@ class CacheCheck:
     def settled(self) -> torch.Tensor | None:
         """The poison with the pending rows checked (where no plan checked them)."""
         if self.pending is not None:
-            self.add(poison_of(*self.pending))
-            self.pending = None
+            self.add(poison_of(*self.take_pending()))
         return self.poison
+
+    def take_pending(self) -> tuple[torch.Tensor, ...]:
+        """The pending rows (none: ``()``), which the caller checks."""
+        pending, self.pending, self.pending_from = self.pending or (), None, None
+        return pending
 
     @staticmethod
     def host_lengths(lengths: torch.Tensor) -> np.ndarray | None:
@@ -199,12 +207,21 @@ def written_step(
     k: torch.Tensor,
     v: torch.Tensor,
     heads: spec.Heads,
-    step: tuple[Any, tuple, dict[str, Any]] | None = None,
+    step: tuple[Any, tuple, Any] | None = None,
+    *,
+    span: int,
+    checked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, spec.KVCache]:
     """A plain step's rows written in place at the length every example holds
-    (``check``, the cache's, :attr:`CacheCheck.uniform`): the keys and values to attend
-    over, and the cache after the step, carrying its check as the generic flow leaves it
-    (with the step's plan, ``step``: :attr:`CacheCheck.step`)."""
+    (``check``, the cache's, :attr:`CacheCheck.uniform`): the cache's first ``span``
+    positions to attend over, and the cache after the step, carrying its check as the
+    generic flow leaves it (with the step's plan, ``step``: :attr:`CacheCheck.step`).
+
+    ``checked``: the step read its rows finite. Otherwise (a GPU's step, which reads
+    nothing) they are left pending, as the generic flow's write leaves them, with the
+    rows the plain steps before wrote: one region of the cache, summed once when a
+    call reads it (a write of the generic flow settles it first).
+    """
     keys, values, lengths = cache
     length = check.uniform
     # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
@@ -217,10 +234,21 @@ def written_step(
         lengths = torch.full_like(lengths, filled)
     updated = spec.KVCache(keys, values, lengths)
     now = check.lengths + 1
-    check = CacheCheck.attach(updated, None, filled, now, pending=None, uniform=filled)
+    if checked:
+        check = CacheCheck.attach(updated, None, filled, now, pending=None, uniform=filled)
+    else:
+        start = check.pending_from
+        if start is None:
+            poison, start = check.settled(), length
+        else:
+            poison = check.poison
+        pending = keys.narrow(2, start, filled - start), values.narrow(2, start, filled - start)
+        check = CacheCheck.attach(updated, poison, filled, now, pending=pending, uniform=filled)
+        if check is not None:
+            check.pending_from = start
     if check is not None:
         check.step = step
-    return keys.narrow(2, 0, filled), values.narrow(2, 0, filled), updated
+    return keys.narrow(2, 0, span), values.narrow(2, 0, span), updated
 
 
 def covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -4,8 +4,11 @@ A call whose queries are its keys and values and that asks for nothing
 else (:func:`mha_multi.call.plain_self_attention`) is offered to
 :meth:`PlainRoute.plain_attention` before any check: for shapes it has seen,
 it runs the dozen operations the generic flow would, to its numbers, with
-the checks' verdict and the kernel plan looked up, and a decoding step's
-plan carried by the cache it wrote (:attr:`mha_multi.torch._cache.CacheCheck.step`).
+the checks' verdict and the kernel plan looked up (:class:`PlainPlan`), and a
+decoding step's plan carried by the cache it wrote
+(:attr:`mha_multi.torch._cache.CacheCheck.step`). On the host those are
+SDPA's after one finiteness read; on a GPU, where that read would wait for
+the device, the generic path's attention, which reads nothing.
 :class:`mha_multi.torch._backend.TorchFacts` takes the route from here; this
 module imports nothing of it.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,10 +27,24 @@ from mha_multi.torch._cache import CacheCheck, written_step
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 
-__all__ = ["PlainRoute"]
+__all__ = ["PlainPlan", "PlainRoute"]
 
 #: How many shapes of a layer's calls :meth:`PlainRoute.plain_attention` keeps plans for.
 _PLAIN_PLANS = 64
+
+
+class PlainPlan(NamedTuple):
+    """How :meth:`PlainRoute.plain_attention` runs the calls of one layer and shapes.
+
+    ``fused``: SDPA with ``arguments`` after the one finiteness read (the
+    generic flow's plan for values read finite). Otherwise the generic
+    path's attention (:meth:`mha_multi.call.Facts.generic_attention`) and no
+    read: the generic flow's plan on a GPU where a head's scores are few
+    (:func:`mha_multi.spec.reads_values`).
+    """
+
+    fused: bool
+    arguments: dict[str, Any]
 
 
 class PlainRoute:
@@ -39,8 +56,8 @@ class PlainRoute:
     on_host: Any
 
     def __init__(self) -> None:
-        # Plain self-attention's SDPA arguments, by layer and shapes.
-        self._plain_plans: weakref.WeakKeyDictionary[Any, dict[tuple, dict[str, Any] | None]] = (
+        # Plain self-attention's plans, by layer and shapes.
+        self._plain_plans: weakref.WeakKeyDictionary[Any, dict[tuple, PlainPlan | None]] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -56,76 +73,110 @@ class PlainRoute:
         """Plain self-attention (:func:`mha_multi.call.plain_self_attention`) in a dozen operations.
 
         Taken where the generic flow would, at this call, check its arguments
-        as it did for the same shapes before, read one finiteness sum of the
-        projections and run SDPA with no mask: an eager call recording no
-        gradient, no 16-bit products or autocast. Without a cache, the
+        as it did for the same shapes before and run SDPA with no mask after
+        one finiteness read of the projections, or (on a GPU, where a head's
+        scores are too few to read for, :func:`mha_multi.spec.reads_values`)
+        the generic path's attention: an eager call recording no gradient,
+        no autocast, and for SDPA no 16-bit products. Without a cache, the
         queries attend to themselves (causal: SDPA's own flag, ``Q == K``).
         With one, a decoding step: one query per example, a cache whose
-        check (:class:`CacheCheck`) still holds with every position below
-        the lengths known finite, every example at the same length ``>= 1``
-        with room for one more, and kernels that take any span (the CPU); the
-        new rows are written in place at that position and SDPA attends over
-        the filled ones. The operations are the generic flow's, on the same
-        tensors: the numbers are its numbers to the bit, and a cache and its
-        check are left as it leaves them. Anything else, non-finite values
-        included, returns ``None`` before writing anything, and the generic
-        flow runs the call (docs: "Fast paths"). ``layer`` is a PyTorch
-        layer: its self-attention projections are one product
-        (``project_stacked``), whose one sum is the finiteness read.
+        check (:class:`CacheCheck`) still holds, every example at the same
+        length ``>= 1`` with room for one more. Its new rows are written in
+        place at that position, and it attends over the filled positions
+        (rounded up to the span bucket, :meth:`span_bucket_of`, for the
+        generic path). On the host the check must know every position below
+        the lengths finite and kernels must take any span (the CPU); on a
+        GPU the step's rows are left for a later read to check, as the
+        generic flow leaves them. The operations are the generic flow's, on
+        the same tensors: the numbers are its numbers to the bit, and a
+        cache and its check are left as it leaves them. Anything else,
+        non-finite values read included, returns ``None`` before writing
+        anything, and the generic flow runs the call (docs: "Fast paths").
+        ``layer`` is a PyTorch layer: its self-attention projections are one
+        product (``project_stacked``), whose one sum is the finiteness read.
         """
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
         if type(queries) is not torch.Tensor:
             return None
-        if not self.on_host(queries) and (
-            cache is not None
-            or queries.dim() != 3
-            or not spec.reads_values(False, queries.shape[1], queries.shape[1])
-        ):
-            return None  # the route's one read would wait for the GPU (a step: the CPU's only)
+        on_host = self.on_host(queries)
         step = None
         if cache is None:
-            sdpa = self._plain_arguments(layer, queries, None, causal=causal, dtype=dtype)
+            plan = self._plain_plan(layer, queries, None, causal=causal, dtype=dtype)
         else:
-            check = self._plain_step_check(queries, cache)
+            check = self._plain_step_check(queries, cache, checked=on_host)
             if check is None:
                 return None
             # The step before, where it was this layer's with these arguments, planned this
-            # one (on the CPU: a step elsewhere has left above).
-            key = (dtype, causal, queries.shape, queries.dtype)
+            # one.
+            key = (dtype, causal, queries.shape, queries.dtype, queries.device)
             step = check.step
             if step is not None and step[0]() is layer and step[1] == key:
-                sdpa = None if torch.is_autocast_enabled("cpu") else step[2]
+                autocast = torch.is_autocast_enabled(queries.device.type)
+                plan = None if autocast else step[2]
             else:
-                sdpa = self._plain_arguments(layer, queries, cache, causal=causal, dtype=dtype)
-                step = None if sdpa is None else (weakref.ref(layer), key, sdpa)
-        if sdpa is None:
+                plan = self._plain_plan(layer, queries, cache, causal=causal, dtype=dtype)
+                step = None if plan is None else (weakref.ref(layer), key, plan)
+        if plan is None:
             return None
         heads = layer.heads
+        if cache is not None:
+            span = filled = check.uniform + 1
+            if not plan.fused:
+                # The generic flow's span (spec.CacheFill.span), which decides its read too.
+                span = spec.rounded_span(
+                    filled, cache.keys.shape[2], self.span_bucket_of(cache.keys)
+                )
+                if spec.reads_values(on_host, 1, span):
+                    return None
         # Self-attention's three projections are one product: one pass reads them all.
         projected = layer.project_stacked(queries)
-        if not math.isfinite(projected.sum(dtype=torch.float32).item()):  # (no gradient here)
-            return None
+        if plan.fused and not math.isfinite(projected.sum(dtype=torch.float32).item()):
+            return None  # (no gradient here)
         q, k, v = split_stacked(projected, heads)
-        if cache is None:
-            k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
-            k, v, updated = k.transpose(1, 2), v.transpose(1, 2), None
+        lengths = updated = None
+        if cache is not None:
+            checked = plan.fused
+            k, v, updated = written_step(
+                cache, check, k, v, heads, step, span=span, checked=checked
+            )
+            # One query per example: it sees what its example now holds.
+            lengths = updated.lengths
+        if plan.fused:
+            if cache is None:
+                k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            q = q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2)
+            context = torch.nn.functional.scaled_dot_product_attention(q, k, v, **plan.arguments)
+            context = context.transpose(1, 2).flatten(2)
         else:
-            k, v, updated = written_step(cache, check, k, v, heads, step)
-        context = torch.nn.functional.scaled_dot_product_attention(
-            q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2), k, v, **sdpa
-        )
-        output = layer.project_output(context.transpose(1, 2).flatten(2), None)
+            context, _ = self.generic_attention(
+                self.ops(queries),
+                q,
+                k,
+                v,
+                lengths,
+                heads=heads,
+                causal=causal and cache is None,
+                dropout=None,
+                kv_split=cache is not None,
+                head_parallel=False,
+                return_attention_weights=False,
+            )
+        output = layer.project_output(context, None)
         return call.Result(output, None, updated)
 
     @staticmethod
-    def _plain_step_check(queries: torch.Tensor, cache: Any) -> CacheCheck | None:
+    def _plain_step_check(queries: torch.Tensor, cache: Any, *, checked: bool) -> CacheCheck | None:
         """The check of a plain step's cache, whose ``uniform`` length every example
-        holds, or ``None`` where the step is not plain (:meth:`plain_attention`)."""
+        holds, or ``None`` where the step is not plain (:meth:`plain_attention`;
+        ``checked``: every position below the lengths must be known finite)."""
         if type(cache) is not spec.KVCache:
             return None
         check = CacheCheck.of(cache)
-        if check is None or check.pending is not None or check.poison is not None:
+        if check is None:
+            return None
+        if checked and (check.pending is not None or check.poison is not None):
             return None
         length = check.uniform
         if length is None or length < 1 or check.upto != length or length >= cache.keys.shape[2]:
@@ -134,7 +185,7 @@ class PlainRoute:
             return None
         return check if queries.shape[:2] == (check.lengths.size, 1) else None
 
-    def _plain_arguments(
+    def _plain_plan(
         self,
         layer: call.Projections,
         queries: torch.Tensor,
@@ -142,15 +193,18 @@ class PlainRoute:
         *,
         causal: bool,
         dtype: torch.dtype | None,
-    ) -> dict[str, Any] | None:
-        """SDPA's arguments for :meth:`plain_attention` of these shapes, or ``None`` where it
+    ) -> PlainPlan | None:
+        """:meth:`plain_attention`'s plan for calls of these shapes, or ``None`` where it
         takes none.
 
         Decided once for each layer and queries, cache and flags of these
         shapes, dtypes and devices: by the generic flow's own checks (which
-        raise its errors) and :func:`mha_multi.spec.plan_kernel`; a step's
-        plan is that of ``length + 1 > 1`` filled positions, all visible
-        (the plan depends on no more of the lengths than that).
+        raise its errors) and :func:`mha_multi.spec.plan_kernel`, for values
+        read finite where the generic flow reads them
+        (:func:`mha_multi.spec.reads_values`) and for values unknown where
+        it does not; a step's plan is that of ``length + 1 > 1`` filled
+        positions, all visible (the plan depends on no more of the lengths
+        than that).
         """
         device = queries.device
         if torch.is_autocast_enabled(device.type):
@@ -176,18 +230,22 @@ class PlainRoute:
         if key in plans:
             return plans[key]
         heads = layer.heads
+        on_host = self.on_host(queries)
         if cache is None:
             call.check_call(
                 self, layer, queries, queries, queries, None, causal=causal, dtype=dtype
             )
             batch, num_queries = queries.shape[:2]
             sizes, lens_ndim, shortest = (batch, num_queries, num_queries), None, None
+            reads = spec.reads_values(on_host, num_queries, num_queries)
         else:
             call.check_cached_call(
                 self, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
             )
             # The causal rule is in the lengths: one query sees every filled position.
             sizes, lens_ndim, shortest, causal = (queries.shape[0], 1, 2), 1, 2, False
+            # (A GPU's step whose span reads leaves the route, in plain_attention.)
+            reads = on_host
         settings = call.kernel_settings(
             self,
             queries,
@@ -199,20 +257,26 @@ class PlainRoute:
             dropout=False,
             return_attention_weights=False,
         )
-        plan = spec.plan_kernel(
-            self.kernel, **settings, values_exact=True, shortest_length=shortest
-        )
-        plain = (
-            dataclasses.replace(plan, is_causal=False) == spec.KernelPlan(fused=True)
-            and queries.dtype not in SIXTEEN_BIT
-            and (cache is None or self.span_bucket_of(cache.keys) == 1)
-        )
-        arguments = None
-        if plain:
-            arguments = {"is_causal": True} if plan.is_causal else {}
-            if heads.grouped:
-                arguments["enable_gqa"] = True
+        plain = None
+        if reads:
+            plan = spec.plan_kernel(
+                self.kernel, **settings, values_exact=True, shortest_length=shortest
+            )
+            if (
+                dataclasses.replace(plan, is_causal=False) == spec.KernelPlan(fused=True)
+                and queries.dtype not in SIXTEEN_BIT
+                and (cache is None or self.span_bucket_of(cache.keys) == 1)
+            ):
+                arguments = {"is_causal": True} if plan.is_causal else {}
+                if heads.grouped:
+                    arguments["enable_gqa"] = True
+                plain = PlainPlan(True, arguments)
+        else:
+            # What call.plan decides of values it does not read: eager, so no guard.
+            plan = spec.plan_kernel(self.kernel, **settings, values_exact=None)
+            if not plan.fused and not plan.guarded:
+                plain = PlainPlan(False, {})
         if len(plans) >= _PLAIN_PLANS:
             plans.clear()
-        plans[key] = arguments
-        return arguments
+        plans[key] = plain
+        return plain

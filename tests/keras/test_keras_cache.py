@@ -22,7 +22,7 @@ keras = pytest.importorskip("keras")
 from keras_testing import fused_kernel_here, keras_runner, kernel_key_heads  # noqa: E402, F401
 
 import mha_multi.keras._kernel as kernel_module  # noqa: E402
-from conftest import device_or_skip, without_synchronisation  # noqa: E402
+from conftest import device_or_skip, recording_host_moves, without_synchronisation  # noqa: E402
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import KVCache, MultiHeadAttention, set_weights  # noqa: E402
 from mha_multi.keras import harness as backend  # noqa: E402
@@ -456,20 +456,8 @@ def test_a_call_on_pytorch_moves_nothing_between_host_and_device(monkeypatch, ca
     made of host data (a copy to a GPU from pageable memory waits too). The
     facts are told the tensors are on a GPU."""
     import torch
-    from torch.overrides import TorchFunctionMode
 
     from mha_multi.keras import _backend as facts
-
-    moving = {"item", "cpu", "numpy", "tolist", "__array__", "__bool__", "__int__", "__float__"}
-    moved = []
-
-    class Recording(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            made = name in ("tensor", "as_tensor", "from_numpy")
-            if name in moving or (made and not isinstance(args[0], torch.Tensor)):
-                moved.append(name)
-            return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(facts, "device_of", lambda x: "gpu")
     weights = grouped_weights(12)
@@ -480,7 +468,7 @@ def test_a_call_on_pytorch_moves_nothing_between_host_and_device(monkeypatch, ca
         rows = [x[name][:, 3:4] for name in backend.INPUT_NAMES]
         native = [backend.to_native(row) for row in rows]
         before = native_cache(cache)
-        with Recording():
+        with recording_host_moves() as moved:
             if cached:
                 output, cache = layer(*native, causal=True, cache=cache)
             else:

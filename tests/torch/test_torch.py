@@ -9,9 +9,14 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from route_support import answered_calls, generic_only
+from route_support import answered_calls, as_if_on_a_gpu, generic_only
 
-from conftest import device_or_skip, record_sdpa_key_heads, without_synchronisation
+from conftest import (
+    device_or_skip,
+    record_sdpa_key_heads,
+    recording_host_moves,
+    without_synchronisation,
+)
 from mha_multi import spec
 from mha_multi.parity.cases import CASES, INPUT_NAMES
 from mha_multi.parity.runners import get_runner
@@ -650,6 +655,39 @@ def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(
     np.testing.assert_allclose(out.double().numpy(), expected, rtol=0, atol=atol)
     with generic_only(), torch.no_grad():
         assert torch.equal(out, layer(x, x, x, causal=causal))
+
+
+@pytest.mark.parametrize(
+    "num_queries, nan", [(5, False), (5, True), (256, False)], ids=["short", "NaN", "long"]
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_self_attention_on_a_gpu_reads_only_where_scores_are_many(num_queries, nan, causal):
+    """On a GPU a call whose heads hold fewer than ``spec.DEVICE_READ_SCORES`` scores
+    takes the route's generic path, reading nothing and making no tensor of host data
+    (a NaN input too: the reference's NaN rows); a longer one reads once and runs SDPA.
+    The generic flow's output to the bit, and the reference's numbers."""
+    heads = {"num_heads": 4, "num_kv_heads": 2}
+    weights = init_weights(16, bias=True, seed=23, **heads)
+    layer = set_weights(MultiHeadAttention(16, bias=True, **heads), weights).eval()
+    x = np.random.default_rng(23).standard_normal((2, num_queries, 16)).astype(np.float32)
+    if nan:
+        x[1, 2, 7] = np.nan
+    expected, _ = spec.reference_forward(
+        weights, *(x.astype(np.float64),) * 3, causal=causal, **heads
+    )
+    x = torch.from_numpy(x)
+    short = num_queries**2 < spec.DEVICE_READ_SCORES
+    with as_if_on_a_gpu(), torch.no_grad():
+        layer(x, x, x, causal=causal)  # (the first call of a shape runs the checks)
+        spies = answered_calls(), backend.kernel_spy(), recording_host_moves()
+        with spies[0] as answers, spies[1] as calls, spies[2] as moved:
+            out = layer(x, x, x, causal=causal)
+        with generic_only():
+            generic = layer(x, x, x, causal=causal)
+        torch.testing.assert_close(out, generic, rtol=0, atol=0, equal_nan=True)
+    assert answers == [not nan or short]
+    assert (calls == [], moved == []) if short else (len(calls) == 1, moved == ["item"])
+    assert_same_nonfinite_pattern(out.numpy(), expected)
 
 
 def test_plain_self_attention_leaves_the_rest_to_the_generic_flow():

@@ -12,9 +12,10 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from route_support import answered_calls, generic_only
+from route_support import answered_calls, as_if_on_a_gpu, generic_only
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from conftest import recording_host_moves
 from mha_multi import spec
 from mha_multi.parity.decode import INPUT_NAMES, chunk_rows, decode, full_reference
 from mha_multi.torch import KVCache, MultiHeadAttention, _cache, set_weights
@@ -493,6 +494,73 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
     assert str(error.value) == str(generic_error.value)
     for kept, old in zip(full, before, strict=True):
         torch.testing.assert_close(kept, old, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("heads", [{"num_heads": 4}, HEADS], ids=["mha", "gqa"])
+def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(heads):
+    """On a GPU a step's finiteness read would wait for the device: the route runs the
+    generic path's attention over the filled positions rounded up to the span bucket
+    (64, then the whole cache of 80), reading nothing and making no tensor of host data;
+    the generic flow's outputs and cache to the bit, and the reference's numbers."""
+    weights, layer = self_attention(heads, seed=13)
+    prompt = np.random.default_rng(13).standard_normal((3, 61, NUM_HIDDENS))
+
+    def against_reference(x, before, output):
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x.double().numpy(),) * 3, before, **heads, causal=True
+        )
+        np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+
+    with as_if_on_a_gpu():
+        with answered_calls() as answers, backend.kernel_spy() as calls:
+            fast, fast_caches = feed_back(layer, prompt, 6, 80, check=against_reference)
+        with generic_only():
+            generic, generic_caches = feed_back(layer, prompt, 6, 80)
+        for ours, theirs in zip(fast, generic, strict=True):
+            assert torch.equal(ours, theirs)
+        for ours, theirs in zip(fast_caches[-1], generic_caches[-1], strict=True):
+            assert torch.equal(ours, theirs)
+        y = fast[-1]
+        with torch.no_grad(), answered_calls() as last, recording_host_moves() as moved:
+            layer(y, y, y, causal=True, cache=fast_caches[-1])
+    assert answers == [False] + [True] * 6 and last == [True]
+    assert calls == [] and moved == []
+
+
+def test_the_rows_gpu_steps_write_are_checked_by_the_next_call_that_reads():
+    """Steps on a GPU read nothing, a NaN's included (the reference's NaN rows): the rows
+    they write stay pending, and the first call that reads (a step on the host) checks
+    them all at once. A NaN among them sends it to the generic path, not to SDPA."""
+    weights, layer = self_attention(HEADS, seed=14)
+    prompt = np.random.default_rng(14).standard_normal((3, 4, NUM_HIDDENS))
+
+    def step(cache, x):
+        before = spec.KVCache(*(t.numpy().copy() for t in cache))
+        output, cache = layer(x, x, x, causal=True, cache=cache)
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True
+        )
+        np.testing.assert_allclose(
+            output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL, equal_nan=True
+        )
+        return output, cache
+
+    x = torch.full((3, 1, NUM_HIDDENS), 0.5)
+    x[1, 0, 3] = np.nan
+    z = x[[0]].expand(3, 1, -1)
+    with as_if_on_a_gpu():
+        _, caches = feed_back(layer, prompt, 1, 12)
+        with answered_calls() as answers, torch.no_grad():
+            output, cache = step(caches[-1], x)
+            assert torch.isnan(output[1]).all() and torch.isfinite(output[[0, 2]]).all()
+            for _ in range(3):
+                output, cache = step(cache, z)
+    assert answers == [True] * 4
+    assert torch.isnan(output[1]).all() and torch.isfinite(output[[0, 2]]).all()
+    with answered_calls() as answers, backend.kernel_spy() as calls, torch.no_grad():
+        output, cache = step(cache, z)
+    assert answers == [False] and calls == []
+    assert torch.isnan(output[1]).all() and torch.isfinite(output[[0, 2]]).all()
 
 
 def test_the_plan_a_step_carries_serves_only_its_layer_weights_and_mode():
