@@ -10,7 +10,8 @@
 #   info    the device and the packages' versions
 #   tests   each backend's tests that take the GPU (-k gpu), in parallel
 #   parity  every parity case on the GPU in every dtype, then the report
-#   bench   the benchmark rows on the GPU (BENCH_ROWS: --only choices)
+#   bench   the benchmark rows on the GPU (BENCH_ROWS: --only choices), then
+#           tools/gpu_step.py's decoding steps
 #
 # Every stage's log and result lands in OUT; OUT.tar.gz holds them all.
 set -u
@@ -95,6 +96,10 @@ EOF
                 step "bench-$backend-$rows" "${BENCH_SECONDS:-300}" "$py" -m mha_multi.bench run --devices gpu \
                     --only "$rows" --out "$out/bench-$rows" "$backend"
             done
+        done
+        # A decoding step's host time: the route, the generic flow, hand-written.
+        for kv in 2 8; do
+            step "gpu-step-$kv" 300 "$py" tools/gpu_step.py gpu 8 512 8 "$kv"
         done
         ;;
     *)

@@ -1,0 +1,113 @@
+"""The host's time of an eager PyTorch decoding step where the tensors live on a GPU.
+
+A decoding step of a small batch on a GPU takes the host's time: the
+kernels run while the host queues the next ones. Three decoders of the
+bench's generation (``mha_multi.bench``'s generators) take turns of 16
+steps: the layer with a cache (on a GPU its plain route runs the generic
+path's attention and reads nothing, docs: "Fast paths"), the same layer with
+that route refused (the generic flow: every check at every step), and the
+bench's hand-written decoder. Each prints its median time per step over the
+rounds, in microseconds.
+
+On the CPU the PyTorch facts are told that every tensor is on a GPU (nothing
+on the host, a cache's span rounded up to ``spec.SPAN_BUCKET``), so the
+layer runs the operations it would run there, on the CPU's kernels: with a
+tiny layer, whose kernels cost next to nothing, what remains is the host's
+cost of a GPU step (docs: "Results").
+
+    python tools/gpu_step.py [cpu|gpu] [batch hiddens heads kv_heads]   # cpu 1 16 2 2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+from unittest import mock
+
+import torch
+
+from mha_multi import spec
+from mha_multi.bench import generate
+from mha_multi.bench.torch import FRAMEWORK
+from mha_multi.torch import _backend
+
+PROMPT, NEW_TOKENS, ROUNDS = 8, 256, 5
+
+
+def told_a_gpu(stack: contextlib.ExitStack) -> None:
+    """The facts told every tensor is on a GPU, as the tests' ``as_if_on_a_gpu`` does."""
+    facts = _backend.FACTS
+    stack.enter_context(mock.patch.object(facts, "on_host", lambda q: False))
+    stack.enter_context(mock.patch.object(facts, "span_bucket_of", lambda keys: spec.SPAN_BUCKET))
+
+
+def refusable(stack: contextlib.ExitStack) -> list[bool]:
+    """A flag that, while true, has the plain route refuse every call (a patch entered
+    once: entering one at every step would cost more than a step)."""
+    refusing = [False]
+    route = _backend.FACTS.plain_attention
+
+    def plain_attention(*args, **kwargs):
+        return None if refusing[0] else route(*args, **kwargs)
+
+    stack.enter_context(mock.patch.object(_backend.FACTS, "plain_attention", plain_attention))
+    return refusing
+
+
+def refused(make: generate.Generator, refusing: list[bool]) -> generate.Generator:
+    """``make``'s decoder with the plain route refused at every step."""
+
+    def step(state, token):
+        refusing[0] = True
+        try:
+            return make.step(state, token)
+        finally:
+            refusing[0] = False
+
+    return generate.Generator(make.prefill, step, make.sync, make.to_numpy)
+
+
+def main(device: str = "cpu", batch: int = 1, hiddens: int = 16, heads: int = 2, kv: int = 2):
+    shape = generate.GenerationShape(batch, PROMPT, NEW_TOKENS, hiddens, heads, kv)
+    if device == "cpu":
+        torch.set_num_threads(1)  # the host's cost, not the kernels'
+    prompt = FRAMEWORK.array(
+        torch.randn(batch, PROMPT, hiddens, generator=torch.Generator().manual_seed(0)).numpy(),
+        device,
+        "float32",
+    )
+    with contextlib.ExitStack() as stack:
+        if device == "cpu":
+            told_a_gpu(stack)
+        refusing = refusable(stack)
+        makers = FRAMEWORK.generators(shape, device, "float32")
+        ways = {
+            "route": lambda: makers["cached"](),
+            "generic flow": lambda: refused(makers["cached"](), refusing),
+            "hand-written": lambda: makers["hand-written"](),
+        }
+        for make in ways.values():
+            generate.generate(make(), prompt, 4)  # kernels loaded
+        steps: dict[str, list[float]] = {name: [] for name in ways}
+        outputs = {}
+        for _ in range(ROUNDS):
+            timed = generate.generate_in_turns(
+                {name: make() for name, make in ways.items()}, prompt, NEW_TOKENS
+            )
+            for name, (_, seconds, output) in timed.items():
+                steps[name].append(seconds / NEW_TOKENS * 1e6)
+                outputs[name] = output
+    print(f"{device}, {shape}, median of {ROUNDS} generations in turns")
+    hand = statistics.median(steps["hand-written"])
+    for name, times in steps.items():
+        median = statistics.median(times)
+        differs = abs(outputs[name] - outputs["route"]).max()
+        print(
+            f"{name:>13}: {median:8.1f} us a step, {hand / median:.2f}x the hand-written"
+            f" speed; largest difference from the route {differs:.1e}"
+        )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2], *(int(arg) for arg in sys.argv[2:6]))
