@@ -209,13 +209,14 @@ def written_step(
     heads: spec.Heads,
     step: tuple[Any, tuple, Any] | None = None,
     *,
-    span: int,
+    span: int | None = None,
     checked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, spec.KVCache]:
     """A plain step's rows written in place at the length every example holds
     (``check``, the cache's, :attr:`CacheCheck.uniform`): the cache's first ``span``
-    positions to attend over, and the cache after the step, carrying its check as the
-    generic flow leaves it (with the step's plan, ``step``: :attr:`CacheCheck.step`).
+    positions to attend over (``None``: the filled ones), and the cache after the step,
+    carrying its check as the generic flow leaves it (with the step's plan, ``step``:
+    :attr:`CacheCheck.step`).
 
     ``checked``: the step read its rows finite. Otherwise (a GPU's step, which reads
     nothing) they are left pending, as the generic flow's write leaves them, with the
@@ -248,6 +249,7 @@ def written_step(
             check.pending_from = start
     if check is not None:
         check.step = step
+    span = filled if span is None else span
     return keys.narrow(2, 0, span), values.narrow(2, 0, span), updated
 
 

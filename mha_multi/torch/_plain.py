@@ -109,10 +109,11 @@ class PlainRoute:
                 return None
             # The step before, where it was this layer's with these arguments, planned this
             # one.
-            key = (dtype, causal, queries.shape, queries.dtype, queries.device)
+            device = queries.device
+            key = (dtype, causal, queries.shape, queries.dtype, device)
             step = check.step
             if step is not None and step[0]() is layer and step[1] == key:
-                autocast = torch.is_autocast_enabled(queries.device.type)
+                autocast = torch.is_autocast_enabled("cpu" if on_host else device.type)
                 plan = None if autocast else step[2]
             else:
                 plan = self._plain_plan(layer, queries, cache, causal=causal, dtype=dtype)
@@ -120,15 +121,13 @@ class PlainRoute:
         if plan is None:
             return None
         heads = layer.heads
-        if cache is not None:
-            span = filled = check.uniform + 1
-            if not plan.fused:
-                # The generic flow's span (spec.CacheFill.span), which decides its read too.
-                span = spec.rounded_span(
-                    filled, cache.keys.shape[2], self.span_bucket_of(cache.keys)
-                )
-                if spec.reads_values(on_host, 1, span):
-                    return None
+        span = None  # (the fused route's: the filled positions)
+        if cache is not None and not plan.fused:
+            # The generic flow's span (spec.CacheFill.span), which decides its read too.
+            keys = cache.keys
+            span = spec.rounded_span(check.uniform + 1, keys.shape[2], self.span_bucket_of(keys))
+            if spec.reads_values(on_host, 1, span):
+                return None
         # Self-attention's three projections are one product: one pass reads them all.
         projected = layer.project_stacked(queries)
         if plan.fused and not math.isfinite(projected.sum(dtype=torch.float32).item()):
