@@ -241,6 +241,10 @@ class PlainRoute:
             call.check_cached_call(
                 self, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
             )
+            # The generic flow checks the cache against the projections before writing:
+            # so does the route, once (a step's projection costs little).
+            projected = layer.project_stacked(queries).dtype
+            spec.check_cache_dtype(self.ops(queries), cache, projected, projected)
             # The causal rule is in the lengths: one query sees every filled position.
             sizes, lens_ndim, shortest, causal = (queries.shape[0], 1, 2), 1, 2, False
             # (A GPU's step whose span reads leaves the route, in plain_attention.)

@@ -7,6 +7,7 @@ against the float64 reference as well.
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import numpy as np
@@ -561,6 +562,30 @@ def test_the_rows_gpu_steps_write_are_checked_by_the_next_call_that_reads():
         output, cache = step(cache, z)
     assert answers == [False] and calls == []
     assert torch.isnan(output[1]).all() and torch.isfinite(output[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("on_a_gpu", [False, True], ids=["host", "gpu"])
+def test_a_step_on_a_cache_of_another_dtype_writes_nothing_and_raises_the_generic_error(on_a_gpu):
+    """A float32 layer stepping on a float64 cache another layer wrote (and whose check
+    it carries): the generic flow's ``TypeError`` naming the cache's array, and the cache
+    as it was, whether the facts are told the tensors are on a GPU or not."""
+    _, wide = self_attention(HEADS, seed=17, dtype=torch.float64)
+    _, layer = self_attention(HEADS, seed=18)
+    prompt = np.random.default_rng(17).standard_normal((3, 4, NUM_HIDDENS))
+    told = as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext()
+    with told:
+        outputs, caches = feed_back(wide, prompt, 2, 12)
+        cache, y = caches[-1], outputs[-1].float()
+        before = [t.clone() for t in cache]
+        messages = []
+        for route in (generic_only(), answered_calls()):
+            refused = pytest.raises(TypeError, match="cache.keys dtype")
+            with route, refused as error, torch.no_grad():
+                layer(y, y, y, causal=True, cache=cache)
+            messages.append(str(error.value))
+    assert messages[0] == messages[1]
+    for kept, old in zip(cache, before, strict=True):
+        assert torch.equal(kept, old)
 
 
 def test_the_plan_a_step_carries_serves_only_its_layer_weights_and_mode():
