@@ -178,7 +178,9 @@ class PlainRoute:
         if checked and (check.pending is not None or check.poison is not None):
             return None
         length = check.uniform
-        if length is None or length < 1 or check.upto != length or length >= cache.keys.shape[2]:
+        # (A check may stand for more positions than are filled: those a GPU's span rounded
+        # up to and a read checked.)
+        if length is None or length < 1 or check.upto < length or length >= cache.keys.shape[2]:
             return None  # (an overflow among them: the generic flow raises it)
         if cache.lengths._version != check.lengths_version:
             return None

@@ -497,14 +497,22 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
         torch.testing.assert_close(kept, old, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("heads", [{"num_heads": 4}, HEADS], ids=["mha", "gqa"])
-def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(heads):
+@pytest.mark.parametrize(
+    "heads, prompt_length, max_length",
+    [({"num_heads": 4}, 61, 80), (HEADS, 61, 80), (HEADS, 300, 400)],
+    ids=["mha", "gqa", "after a prefill that reads"],
+)
+def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
+    heads, prompt_length, max_length
+):
     """On a GPU a step's finiteness read would wait for the device: the route runs the
     generic path's attention over the filled positions rounded up to the span bucket
     (64, then the whole cache of 80), reading nothing and making no tensor of host data;
-    the generic flow's outputs and cache to the bit, and the reference's numbers."""
+    the generic flow's outputs and cache to the bit, and the reference's numbers. A
+    prefill of 300 positions reads (its 300 queries see a span of 320): its check
+    stands for 20 positions more than are filled, and the steps take the route too."""
     weights, layer = self_attention(heads, seed=13)
-    prompt = np.random.default_rng(13).standard_normal((3, 61, NUM_HIDDENS))
+    prompt = np.random.default_rng(13).standard_normal((3, prompt_length, NUM_HIDDENS))
 
     def against_reference(x, before, output):
         expected, _, _ = spec.reference_cached_forward(
@@ -514,9 +522,9 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(heads):
 
     with as_if_on_a_gpu():
         with answered_calls() as answers, backend.kernel_spy() as calls:
-            fast, fast_caches = feed_back(layer, prompt, 6, 80, check=against_reference)
+            fast, fast_caches = feed_back(layer, prompt, 6, max_length, check=against_reference)
         with generic_only():
-            generic, generic_caches = feed_back(layer, prompt, 6, 80)
+            generic, generic_caches = feed_back(layer, prompt, 6, max_length)
         for ours, theirs in zip(fast, generic, strict=True):
             assert torch.equal(ours, theirs)
         for ours, theirs in zip(fast_caches[-1], generic_caches[-1], strict=True):
@@ -525,7 +533,9 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(heads):
         with torch.no_grad(), answered_calls() as last, recording_host_moves() as moved:
             layer(y, y, y, causal=True, cache=fast_caches[-1])
     assert answers == [False] + [True] * 6 and last == [True]
-    assert calls == [] and moved == []
+    span = spec.rounded_span(prompt_length, max_length, spec.SPAN_BUCKET)
+    assert len(calls) == (prompt_length * span >= spec.DEVICE_READ_SCORES)  # the prefill's
+    assert moved == []
 
 
 def test_the_rows_gpu_steps_write_are_checked_by_the_next_call_that_reads():
