@@ -9,9 +9,9 @@ that route refused (the generic flow: every check at every step), and the
 bench's hand-written decoder. Each prints its median time per step over the
 rounds, in microseconds.
 
-On the CPU the PyTorch facts are told that every tensor is on a GPU (nothing
-on the host, a cache's span rounded up to ``spec.SPAN_BUCKET``), so the
-layer runs the operations it would run there, on the CPU's kernels: with a
+On the CPU the PyTorch facts are told that every tensor is on a GPU
+(``mha_multi.torch.harness.as_if_on_a_gpu``), so the layer runs the
+operations it would run there, on the CPU's kernels: with a
 tiny layer, whose kernels cost next to nothing, what remains is the host's
 cost of a GPU step (docs: "Results").
 
@@ -27,19 +27,11 @@ from unittest import mock
 
 import torch
 
-from mha_multi import spec
 from mha_multi.bench import generate
 from mha_multi.bench.torch import FRAMEWORK
-from mha_multi.torch import _backend
+from mha_multi.torch import _backend, harness
 
 PROMPT, NEW_TOKENS, ROUNDS = 8, 256, 5
-
-
-def told_a_gpu(stack: contextlib.ExitStack) -> None:
-    """The facts told every tensor is on a GPU, as the tests' ``as_if_on_a_gpu`` does."""
-    facts = _backend.FACTS
-    stack.enter_context(mock.patch.object(facts, "on_host", lambda q: False))
-    stack.enter_context(mock.patch.object(facts, "span_bucket_of", lambda keys: spec.SPAN_BUCKET))
 
 
 def refusable(stack: contextlib.ExitStack) -> list[bool]:
@@ -79,7 +71,7 @@ def main(device: str = "cpu", batch: int = 1, hiddens: int = 16, heads: int = 2,
     )
     with contextlib.ExitStack() as stack:
         if device == "cpu":
-            told_a_gpu(stack)
+            stack.enter_context(harness.as_if_on_a_gpu())
         refusing = refusable(stack)
         makers = FRAMEWORK.generators(shape, device, "float32")
         ways = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ import torch
 from mha_multi import _docs
 from mha_multi.interop.torch import to_torch_mha
 from mha_multi.parity.runners import KernelCall, facts_passthrough
-from mha_multi.spec import KVCache
+from mha_multi.spec import SPAN_BUCKET, KVCache
 from mha_multi.torch import _backend
 from mha_multi.torch._backend import DTYPES
 from mha_multi.torch.importance import head_mask_gradient
@@ -27,6 +28,7 @@ from mha_multi.torch.layer import MultiHeadAttention
 from mha_multi.weights import KERNEL_NAMES
 
 __all__ = [
+    "as_if_on_a_gpu",
     "forward",
     "head_mask_gradient",
     "init_cache",
@@ -182,6 +184,25 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
         yield calls
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def as_if_on_a_gpu() -> Iterator[None]:
+    """PyTorch's facts told that every tensor is on a GPU, while active.
+
+    Nothing is on the host, so an eager call reads no value below
+    :data:`mha_multi.spec.DEVICE_READ_SCORES` scores, and a cache's span is
+    rounded up to :data:`mha_multi.spec.SPAN_BUCKET`, as for CUDA tensors:
+    on the CPU, a call runs the operations it would run on a GPU (the tests
+    of what waits for a GPU, and the host time of a GPU's decoding step,
+    measured on the CPU).
+    """
+    facts = _backend.FACTS
+    with (
+        mock.patch.object(facts, "on_host", lambda q: False),
+        mock.patch.object(facts, "span_bucket_of", lambda keys: SPAN_BUCKET),
+    ):
+        yield
 
 
 def native_layer(

@@ -9,7 +9,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from route_support import answered_calls, as_if_on_a_gpu, generic_only
+from route_support import answered_calls, generic_only
 
 from conftest import (
     device_or_skip,
@@ -677,7 +677,7 @@ def test_plain_self_attention_on_a_gpu_reads_only_where_scores_are_many(num_quer
     )
     x = torch.from_numpy(x)
     short = num_queries**2 < spec.DEVICE_READ_SCORES
-    with as_if_on_a_gpu(), torch.no_grad():
+    with backend.as_if_on_a_gpu(), torch.no_grad():
         layer(x, x, x, causal=causal)  # (the first call of a shape runs the checks)
         spies = answered_calls(), backend.kernel_spy(), recording_host_moves()
         with spies[0] as answers, spies[1] as calls, spies[2] as moved:

@@ -13,7 +13,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from route_support import answered_calls, as_if_on_a_gpu, generic_only
+from route_support import answered_calls, generic_only
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from conftest import recording_host_moves
@@ -520,7 +520,7 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
         )
         np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
 
-    with as_if_on_a_gpu():
+    with backend.as_if_on_a_gpu():
         with answered_calls() as answers, backend.kernel_spy() as calls:
             fast, fast_caches = feed_back(layer, prompt, 6, max_length, check=against_reference)
         with generic_only():
@@ -559,7 +559,7 @@ def test_the_rows_gpu_steps_write_are_checked_by_the_next_call_that_reads():
     x = torch.full((3, 1, NUM_HIDDENS), 0.5)
     x[1, 0, 3] = np.nan
     z = x[[0]].expand(3, 1, -1)
-    with as_if_on_a_gpu():
+    with backend.as_if_on_a_gpu():
         _, caches = feed_back(layer, prompt, 1, 12)
         with answered_calls() as answers, torch.no_grad():
             output, cache = step(caches[-1], x)
@@ -582,7 +582,7 @@ def test_a_step_on_a_cache_of_another_dtype_writes_nothing_and_raises_the_generi
     _, wide = self_attention(HEADS, seed=17, dtype=torch.float64)
     _, layer = self_attention(HEADS, seed=18)
     prompt = np.random.default_rng(17).standard_normal((3, 4, NUM_HIDDENS))
-    told = as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext()
+    told = backend.as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext()
     with told:
         outputs, caches = feed_back(wide, prompt, 2, 12)
         cache, y = caches[-1], outputs[-1].float()
