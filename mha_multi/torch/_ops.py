@@ -130,7 +130,9 @@ class TorchOps:
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         # The spec chose these dtypes (float32 scores for 16-bit heads):
         # autocast must not lower them.
-        dtype = torch.promote_types(a.dtype, b.dtype)
+        dtype = a.dtype
+        if dtype is not b.dtype:
+            dtype = torch.promote_types(dtype, b.dtype)
         with autocast_off(a.device):
             if dtype in SIXTEEN_BIT and not accumulates_in_float32(a.device):
                 return torch.matmul(a.float(), b.float()).to(dtype)
@@ -166,7 +168,8 @@ class TorchOps:
         return torch.softmax(x, dim=-1)
 
     def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return x.to(dtype)
+        # (``to`` would return ``x`` too, after a dispatch: the generic path casts often.)
+        return x if x.dtype is dtype else x.to(dtype)
 
     def dtype(self, x: torch.Tensor) -> torch.dtype:
         return x.dtype
