@@ -279,7 +279,7 @@ class PlainRoute:
         else:
             # What call.plan decides of values it does not read: eager, so no guard.
             plan = spec.plan_kernel(self.kernel, **settings, values_exact=None)
-            if not plan.fused and not plan.guarded:
+            if not plan.fused:
                 plain = PlainPlan(False, {})
         if len(plans) >= _PLAIN_PLANS:
             plans.clear()
