@@ -7,8 +7,8 @@ docs: "Fast paths"), the same operations written inline (the stacked
 product, the finiteness sum, the rows copied in place, SDPA over the filled
 positions, the output product), and the bench's hand-written decoder (four
 products, slice assignment). Each step is cut into sections, timed with
-``time.perf_counter_ns`` (the layer's by wrapping its methods, which adds
-well under a microsecond each); the medians are printed in microseconds
+``time.perf_counter_ns`` (the layer's by wrapping the functions it calls,
+which adds well under a microsecond each); the medians are printed in microseconds
 (docs: "Results").
 
     python tools/torch_step.py [num_kv_heads] [rounds]     # 8 40
@@ -34,9 +34,11 @@ from mha_multi.weights import init_weights
 BATCH, HIDDENS, HEADS, PROMPT, MAX_LENGTH = 8, 512, 8, 256, 512
 HEAD_DIM = HIDDENS // HEADS
 TURN = 32
-#: SDPA as the inline decoders call it: the layer's calls go through the
-#: module attribute, which :func:`layer_steps` wraps to time them.
+#: SDPA and the product as the inline decoders call them: the layer's calls
+#: go through the module attributes, which :func:`layer_steps` wraps to time
+#: them.
 ATTENTION = functional.scaled_dot_product_attention
+LINEAR = functional.linear
 
 Times = dict[str, list[int]]
 #: The key of a layer's times while one of its steps runs.
@@ -61,12 +63,19 @@ def layer_steps(weights: dict[str, Any], kv_heads: int, times: Times) -> Iterato
     layer = MultiHeadAttention(HIDDENS, HEADS, num_kv_heads=kv_heads).eval()
     set_weights(layer, weights)
     prompt = torch.randn(BATCH, PROMPT, HIDDENS, generator=torch.Generator().manual_seed(0))
-    sdpa = ATTENTION
-    layer.project_stacked = timed(times, "project", layer.project_stacked)
-    layer.project_output = timed(times, "output", layer.project_output)
+    products = {name: timed(times, name, LINEAR) for name in ("project", "output")}
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: Any = None) -> torch.Tensor:
+        # The output projection's weight is square; the stacked input projections' is not.
+        name = "output" if weight.shape[0] == HIDDENS else "project"
+        return products[name](x, weight, bias)
+
     with (
         mock.patch.object(plain, "written_step", timed(times, "write", plain.written_step)),
-        mock.patch.object(functional, "scaled_dot_product_attention", timed(times, "sdpa", sdpa)),
+        mock.patch.object(
+            functional, "scaled_dot_product_attention", timed(times, "sdpa", ATTENTION)
+        ),
+        mock.patch.object(functional, "linear", linear),
     ):
         while True:
             with torch.inference_mode():
@@ -101,18 +110,18 @@ def inline_steps(
         shape = (BATCH, kv_heads, MAX_LENGTH, HEAD_DIM)
         cache = {"k": torch.zeros(shape), "v": torch.zeros(shape)}
         with torch.inference_mode():
-            q = functional.linear(prompt, w["q"]).unflatten(-1, (HEADS, HEAD_DIM)).transpose(1, 2)
+            q = LINEAR(prompt, w["q"]).unflatten(-1, (HEADS, HEAD_DIM)).transpose(1, 2)
             for n in "kv":
-                new = functional.linear(prompt, w[n]).unflatten(-1, (kv_heads, HEAD_DIM))
+                new = LINEAR(prompt, w[n]).unflatten(-1, (kv_heads, HEAD_DIM))
                 cache[n][:, :, :PROMPT] = new.transpose(1, 2)
             keys, values = cache["k"][:, :, :PROMPT], cache["v"][:, :, :PROMPT]
             context = ATTENTION(q, keys, values, is_causal=True, **grouped)
-            token = functional.linear(context.transpose(1, 2).flatten(2), w["o"])[:, -1:]
+            token = LINEAR(context.transpose(1, 2).flatten(2), w["o"])[:, -1:]
         for position in range(PROMPT, MAX_LENGTH):
             with torch.inference_mode():
                 begin = t = time.perf_counter_ns()
                 if stacked:
-                    projected = functional.linear(token, stack)
+                    projected = LINEAR(token, stack)
                     t = mark("project", t)
                     if not math.isfinite(projected.sum(dtype=torch.float32).item()):
                         raise ValueError("a non-finite projection")
@@ -122,8 +131,8 @@ def inline_steps(
                         cache[n].select(2, position).copy_(new.view(-1, kv_heads, HEAD_DIM))
                     keys, values = (cache[n].narrow(2, 0, position + 1) for n in "kv")
                 else:
-                    q = functional.linear(token, w["q"])
-                    new = {n: functional.linear(token, w[n]) for n in "kv"}
+                    q = LINEAR(token, w["q"])
+                    new = {n: LINEAR(token, w[n]) for n in "kv"}
                     t = mark("project", t)
                     for n in "kv":
                         rows = new[n].view(BATCH, 1, kv_heads, HEAD_DIM).transpose(1, 2)
@@ -133,7 +142,7 @@ def inline_steps(
                 heads = q.unflatten(-1, (HEADS, HEAD_DIM)).transpose(1, 2)
                 context = ATTENTION(heads, keys, values, **grouped)
                 t = mark("sdpa", t)
-                token = functional.linear(context.transpose(1, 2).flatten(2), w["o"])
+                token = LINEAR(context.transpose(1, 2).flatten(2), w["o"])
                 mark("output", t)
                 times.setdefault("step", []).append(time.perf_counter_ns() - begin)
             yield

@@ -46,10 +46,11 @@ class CacheCheck:
     read nothing, the cache's positions from ``pending_from`` on, which the
     steps wrote (one pass over all of them, when a call reads or a write
     settles them). ``lengths`` are the new lengths on
-    the host. The next call trusts all this only for the same tensors
-    unchanged since (their version counters), so that a decoding step checks
-    its new rows and the positions its span adds instead of the whole cache,
-    and reads no lengths back.
+    the host (``lengths + added``, added when first asked for: a decoding
+    step's check adds 1 to its last one's). The next call trusts all this
+    only for the same tensors unchanged since (their version counters), so
+    that a decoding step checks its new rows and the positions its span adds
+    instead of the whole cache, and reads no lengths back.
     """
 
     def __init__(
@@ -59,18 +60,33 @@ class CacheCheck:
         upto: int,
         lengths: np.ndarray,
         pending: tuple[torch.Tensor, torch.Tensor] | None,
+        added: int = 0,
     ) -> None:
         self.keys, self.values = weakref.ref(cache.keys), weakref.ref(cache.values)
         self.versions = (cache.keys._version, cache.values._version)
         self.poison, self.upto = poison, upto
         self.pending: tuple[torch.Tensor, ...] | None = pending
         self.pending_from: int | None = None
-        #: ``cache.lengths`` on the host, while the tensor keeps ``lengths_version``.
-        self.lengths, self.lengths_version = lengths, cache.lengths._version
+        self._held, self._added = lengths, added
+        #: How many examples the lengths are for.
+        self.examples: int = lengths.size
+        self.lengths_version = cache.lengths._version
         self._uniform: int | None = -1  # not known yet
         #: What the plain step that wrote the cache decided (``PlainRoute.plain_attention``):
         #: ``(layer, key, plan)``, for the next step of that layer and key.
         self.step: tuple[Any, tuple, Any] | None = None
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``cache.lengths`` on the host, while the tensor keeps ``lengths_version``."""
+        if self._added:
+            self._held, self._added = self._held + self._added, 0
+        return self._held
+
+    def advanced(self) -> dict[str, Any]:
+        """The constructor's ``lengths`` and ``added`` for the lengths one position on
+        (a decoding step's; the addition waits until they are asked for)."""
+        return {"lengths": self._held, "added": self._added + 1}
 
     @property
     def uniform(self) -> int | None:
@@ -234,9 +250,9 @@ def written_step(
     with versioned():
         lengths = torch.full_like(lengths, filled)
     updated = spec.KVCache(keys, values, lengths)
-    now = check.lengths + 1
+    now = check.advanced()
     if checked:
-        check = CacheCheck.attach(updated, None, filled, now, pending=None, uniform=filled)
+        check = CacheCheck.attach(updated, None, filled, pending=None, uniform=filled, **now)
     else:
         start = check.pending_from
         if start is None:
@@ -244,7 +260,7 @@ def written_step(
         else:
             poison = check.poison
         pending = keys.narrow(2, start, filled - start), values.narrow(2, start, filled - start)
-        check = CacheCheck.attach(updated, poison, filled, now, pending=pending, uniform=filled)
+        check = CacheCheck.attach(updated, poison, filled, pending=pending, uniform=filled, **now)
         if check is not None:
             check.pending_from = start
     if check is not None:

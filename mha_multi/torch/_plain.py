@@ -129,7 +129,12 @@ class PlainRoute:
             if spec.reads_values(on_host, 1, span):
                 return None
         # Self-attention's three projections are one product: one pass reads them all.
-        projected = layer.project_stacked(queries)
+        if plan.fused:
+            # (A fused plan's products are neither 16-bit nor autocast's: the product
+            # itself, as the layer's ``linear`` takes it.)
+            projected = torch.nn.functional.linear(queries, *layer.stacked_parameters(queries))
+        else:
+            projected = layer.project_stacked(queries)
         if plan.fused and not math.isfinite(projected.sum(dtype=torch.float32).item()):
             return None  # (no gradient here)
         q, k, v = split_stacked(projected, heads)
@@ -145,7 +150,7 @@ class PlainRoute:
             if cache is None:
                 k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
                 k, v = k.transpose(1, 2), v.transpose(1, 2)
-            q = q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2)
+            q = q.view(q.shape[0], q.shape[1], heads.num_heads, heads.head_dim).transpose(1, 2)
             context = torch.nn.functional.scaled_dot_product_attention(q, k, v, **plan.arguments)
             context = context.transpose(1, 2).flatten(2)
         else:
@@ -162,7 +167,10 @@ class PlainRoute:
                 head_parallel=False,
                 return_attention_weights=False,
             )
-        output = layer.project_output(context, None)
+        if plan.fused:
+            output = torch.nn.functional.linear(context, *layer.output_parameters())
+        else:
+            output = layer.project_output(context, None)
         return call.Result(output, None, updated)
 
     @staticmethod
@@ -184,7 +192,7 @@ class PlainRoute:
             return None  # (an overflow among them: the generic flow raises it)
         if cache.lengths._version != check.lengths_version:
             return None
-        return check if queries.shape[:2] == (check.lengths.size, 1) else None
+        return check if queries.shape[:2] == (check.examples, 1) else None
 
     def _plain_plan(
         self,

@@ -142,7 +142,7 @@ class StackedWeights:
     """
 
     def __init__(self) -> None:
-        self._key: tuple[Any, ...] | None = None
+        self._key: list[Any] | None = None
         self._views: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def __call__(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -151,18 +151,17 @@ class StackedWeights:
             return _stack(modules)
         # The parameter tables, not nn.Module's attribute lookup: every call asks.
         tables = [m._parameters for m in modules]
-        weights = [table["weight"] for table in tables]
-        biases = [table["bias"] for table in tables]
         try:
-            key = (
-                weights[0].dtype,
-                *[(w.data_ptr(), w.numel()) for w in weights],
-                *[b if b is None else (b.data_ptr(), b.numel()) for b in biases],
-            )
+            key = [
+                None if p is None else (p.data_ptr(), p.numel(), p.dtype)
+                for table in tables
+                for p in (table["weight"], table["bias"])
+            ]
         except RuntimeError:  # a tensor without storage of its own (a DTensor's)
             return _stack(modules)
         if key != self._key:
-            self._key, self._views = key, _views(weights, biases)
+            weights = [table["weight"] for table in tables]
+            self._key, self._views = key, _views(weights, [table["bias"] for table in tables])
         return _stack(modules) if self._views is None else self._views
 
     def clear(self) -> None:
@@ -302,22 +301,32 @@ class PackedProjections(nn.Module):
             for i in range(3)
         )
 
-    def project_stacked(self, queries: torch.Tensor) -> torch.Tensor:
-        """Self-attention's three projections of ``queries`` side by side, one product
-        ``(..., query_features + 2 * kv_features)`` (an unsharded layer's)."""
+    def stacked_parameters(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight, bias)`` of ``W_q``, ``W_k`` and ``W_v`` stacked along the output
+        features (:class:`StackedWeights`; lazy sizes learnt from ``queries``)."""
         modules = self._modules
         projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
         if any([infer_size(module, queries) for module in projections]):
             self._pack()
-        weight, bias = self._stacks(projections)
+        return self._stacks(projections)
+
+    def project_stacked(self, queries: torch.Tensor) -> torch.Tensor:
+        """Self-attention's three projections of ``queries`` side by side, one product
+        ``(..., query_features + 2 * kv_features)`` (an unsharded layer's)."""
+        weight, bias = self.stacked_parameters(queries)
         return linear(queries, weight, bias)
+
+    def output_parameters(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight, bias)`` of ``W_o``."""
+        parameters = self._modules["W_o"]._parameters
+        return parameters["weight"], parameters["bias"]
 
     def project_output(self, context: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """``W_o`` of the gated context (the gates need no device: OPS places nothing)."""
-        module = self._modules["W_o"]
         if gates is None and self._sharding is None:
             # The product itself, as for the stacked input projections: only a
             # sharded layer's hooks need the module called.
-            parameters = module._parameters
-            return linear(context, parameters["weight"], parameters["bias"])
+            weight, bias = self.output_parameters()
+            return linear(context, weight, bias)
+        module = self._modules["W_o"]
         return project_with(module, spec.apply_head_mask(OPS, context, gates, self.num_heads))
