@@ -13,9 +13,10 @@ On the CPU the PyTorch facts are told that every tensor is on a GPU
 (``mha_multi.torch.harness.as_if_on_a_gpu``), so the layer runs the
 operations it would run there, on the CPU's kernels: with a
 tiny layer, whose kernels cost next to nothing, what remains is the host's
-cost of a GPU step (docs: "Results").
+cost of a GPU step (docs: "Results"). ``host`` runs the same on the CPU as
+it is: the route's CPU step (SDPA after its one finiteness read).
 
-    python tools/gpu_step.py [cpu|gpu] [batch hiddens heads kv_heads]   # cpu 1 16 2 2
+    python tools/gpu_step.py [cpu|gpu|host] [batch hiddens heads kv_heads]   # cpu 1 16 2 2
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def refused(make: generate.Generator, refusing: list[bool]) -> generate.Generato
 
 def main(device: str = "cpu", batch: int = 1, hiddens: int = 16, heads: int = 2, kv: int = 2):
     shape = generate.GenerationShape(batch, PROMPT, NEW_TOKENS, hiddens, heads, kv)
-    if device == "cpu":
+    mode, as_if_on_a_gpu = device, device == "cpu"
+    if device != "gpu":
+        device = "cpu"
         torch.set_num_threads(1)  # the host's cost, not the kernels'
     prompt = FRAMEWORK.array(
         torch.randn(batch, PROMPT, hiddens, generator=torch.Generator().manual_seed(0)).numpy(),
@@ -70,7 +73,7 @@ def main(device: str = "cpu", batch: int = 1, hiddens: int = 16, heads: int = 2,
         "float32",
     )
     with contextlib.ExitStack() as stack:
-        if device == "cpu":
+        if as_if_on_a_gpu:
             stack.enter_context(harness.as_if_on_a_gpu())
         refusing = refusable(stack)
         makers = FRAMEWORK.generators(shape, device, "float32")
@@ -90,7 +93,7 @@ def main(device: str = "cpu", batch: int = 1, hiddens: int = 16, heads: int = 2,
             for name, (_, seconds, output) in timed.items():
                 steps[name].append(seconds / NEW_TOKENS * 1e6)
                 outputs[name] = output
-    print(f"{device}, {shape}, median of {ROUNDS} generations in turns")
+    print(f"{mode}, {shape}, median of {ROUNDS} generations in turns")
     hand = statistics.median(steps["hand-written"])
     for name, times in steps.items():
         median = statistics.median(times)
