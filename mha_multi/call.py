@@ -299,6 +299,18 @@ class Facts:
         """
         raise NotImplementedError
 
+    def finite_past(self, values: Array, span: int) -> bool:
+        """Whether every value of a cache past its first ``span`` positions is finite.
+
+        A call may attend over those first positions only (:attr:`attends_filled`)
+        where this holds: the positions past them are hidden from every query,
+        and a hidden value takes a weight of 0, which a NaN or an infinity
+        turns into NaN (docs: "Generating with a cache"). Frameworks read the
+        values, or know them from the calls that wrote the cache; the default,
+        ``False``, attends over every position.
+        """
+        return False
+
     def span_bucket_of(self, keys: Array) -> int:
         """The attended span of a cache whose keys are ``keys`` is a multiple of it.
 
@@ -866,13 +878,16 @@ def attended_positions(
     call of ``num_queries`` new positions (``window``: the layer's), rounded
     up to ``bucket`` (``None``: :meth:`Facts.span_bucket_of`), through
     :meth:`Facts.cache_prefix`; all of them where the span reaches
-    ``max_length``. A fill is read from values: the arrays are concrete and
-    their shapes ints.
+    ``max_length``, or where a value past it is not known finite
+    (:meth:`Facts.finite_past`). A fill is read from values: the arrays are
+    concrete and their shapes ints.
     """
     max_length = keys.shape[2]
     bucket = facts.span_bucket_of(keys) if bucket is None else bucket
     span = fill.span(num_queries, max_length, window=window, bucket=bucket)
-    return (keys, values) if span >= max_length else facts.cache_prefix(keys, values, span)
+    if span >= max_length or not facts.finite_past(values, span):
+        return keys, values
+    return facts.cache_prefix(keys, values, span)
 
 
 def plain_self_attention(

@@ -2371,10 +2371,13 @@ class CacheFill(NamedTuple):
         example ``b``, and a hidden score (-1e6) adds exactly nothing to a
         softmax whose row has a visible score: attending over the filled
         positions, rounded up to ``bucket``, gives the numbers of all
-        ``max_length``. A fully hidden row is the exception (uniform over all
-        ``max_length`` keys): an example that holds nothing, or, with a
-        ``window``, a padding query further than the window past its
-        example's last key. Then the whole cache is attended over.
+        ``max_length``, where the values past them are finite (a hidden
+        value's weight is 0, which a NaN or an infinity makes NaN: the
+        caller checks, :func:`mha_multi.call.attended_positions`). A fully
+        hidden row is the exception (uniform over all ``max_length`` keys):
+        an example that holds nothing, or, with a ``window``, a padding query
+        further than the window past its example's last key. Then the whole
+        cache is attended over.
 
         Args:
             num_queries: ``T``, the call's new positions.

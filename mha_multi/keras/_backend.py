@@ -30,6 +30,7 @@ from mha_multi import call, spec
 from mha_multi.keras._backends import (
     BACKEND,
     active,
+    all_finite,
     device_description,
     device_of,
     device_scope,
@@ -403,6 +404,12 @@ class KerasFacts(call.Facts):
 
     def cache_prefix(self, keys: Tensor, values: Tensor, span: int) -> tuple[Tensor, Tensor]:
         return keys[:, :, :span], values[:, :, :span]
+
+    def finite_past(self, values: Tensor, span: int) -> bool:
+        """Read on the host, one sum; not known on a GPU, where the read would wait."""
+        if not values_readable(values) or device_of(values) != "cpu":
+            return False
+        return bool(as_numpy(all_finite(values[:, :, span:])))
 
     def span_bucket_of(self, keys: Tensor) -> int:
         """1 where the backend's eager kernels take any length at no cost (PyTorch's

@@ -65,6 +65,11 @@ class _Backend:
         )
         return ops.all(ops.stack([*finite, ops.less(largest_q * largest_k, bound)]))
 
+    def all_finite(self, x: Tensor) -> Tensor:
+        """A boolean scalar: whether ``x``'s float32 sum is finite, which it is only
+        where every element is (or, at worst, a large sum overflows)."""
+        return keras.ops.isfinite(keras.ops.sum(keras.ops.cast(x, "float32")))
+
     def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
         """``x`` reshaped to ``shape`` (sizes may be unknown: scalar tensors)."""
         return keras.ops.reshape(x, shape)
@@ -297,6 +302,9 @@ class _Torch(_Backend):
         )
         return (largest_q * largest_k < bound) & torch.isfinite(self.finite_sum(v))
 
+    def all_finite(self, x: Tensor) -> Tensor:
+        return self.torch.isfinite(self.finite_sum(x))  # one pass, nothing allocated
+
     def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
         torch = self.torch
         if not (isinstance(fill, (int, float)) and isinstance(condition, torch.Tensor)):
@@ -411,6 +419,11 @@ def scalar_gradient(function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 def values_within(q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
     """Whether ``q``, ``k``, ``v`` are finite and ``max|q| * max|k| < bound``, a boolean scalar."""
     return active().values_within(q, k, v, bound)
+
+
+def all_finite(x: Tensor) -> Tensor:
+    """Whether every element of ``x`` is finite, a boolean scalar (a large sum may say not)."""
+    return active().all_finite(x)
 
 
 def reshape(x: Tensor, shape: tuple[Any, ...]) -> Tensor:

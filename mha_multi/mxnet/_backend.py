@@ -344,6 +344,12 @@ class MXNetFacts(call.Facts):
     def cache_prefix(self, keys: Any, values: Any, span: int) -> tuple[Any, Any]:
         return keys[:, :, :span], values[:, :, :span]
 
+    def finite_past(self, values: Any, span: int) -> bool:
+        """Read, one float32 sum (finite only where every value is, or a large sum
+        overflows)."""
+        rest = values[:, :, span:]
+        return bool(np.isfinite(rest.astype(np.float32, copy=False).sum().asnumpy()))
+
     def fused_attention(self, ops: MXNetOps, *args: Any, **kwargs: Any) -> Any:
         """:func:`mha_multi.mxnet._kernel.sequence_mask_attention`, on arrays or in a graph."""
         return sequence_mask_attention(ops, *args, **kwargs)

@@ -380,6 +380,8 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         updated = spec.KVCache(cache.keys, cache.values, lengths)
         # Padding rows are checked too: at worst the generic path.
         check = CacheCheck.attach(updated, poison, upto, held, pending=(k, v))
+        if check is not None:
+            check.written_past(prior, int(held.max(initial=0)))
         # What the queries see: the lengths held, or causal (B, T) at least as many.
         shortest = fill.least if seen.ndim == 1 else int(seen.min()) if seen.size else None
         self._written.call = Written(check, visible, shortest)
@@ -391,7 +393,11 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         Its first call then reads no lengths back from the device. (Inference
         tensors keep no version counter to trust it by: they carry nothing.)
         """
-        CacheCheck.attach(cache, None, 0, np.zeros(cache.lengths.shape, np.int64), pending=None)
+        check = CacheCheck.attach(
+            cache, None, 0, np.zeros(cache.lengths.shape, np.int64), pending=None
+        )
+        if check is not None:
+            check.finite_from = 0  # (zeros)
         return cache
 
     def cache_prefix(
@@ -404,6 +410,26 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
             if keys is keys_written and values is values_written:
                 written.attended = prefix  # what the plan may take the check for
         return prefix
+
+    def finite_past(self, values: torch.Tensor, span: int) -> bool:
+        """Known where the check of the cache this call wrote in place knows it
+        (:attr:`CacheCheck.finite_from`); otherwise read on the host, one sum (and
+        then known to the calls after), and not known on a GPU, where the read
+        would wait for the device."""
+        written = getattr(self._written, "call", None)
+        check = None if written is None else written.check
+        if check is not None and not check.holds(values):
+            check = None
+        if check is not None and check.finite_from is not None and check.finite_from <= span:
+            return True
+        if torch.compiler.is_compiling() or not self.on_host(values):
+            return False
+        rest = values.detach().narrow(2, span, values.shape[2] - span)
+        if not math.isfinite(rest.sum(dtype=torch.float32).item()):
+            return False
+        if check is not None:
+            check.finite_from = span
+        return True
 
     def on_host(self, q: torch.Tensor) -> bool:
         return q.is_cpu

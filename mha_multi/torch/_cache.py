@@ -45,8 +45,11 @@ class CacheCheck:
     self-attention's stacked projection); after plain steps on a GPU, which
     read nothing, the cache's positions from ``pending_from`` on, which the
     steps wrote (one pass over all of them, when a call reads or a write
-    settles them). ``lengths`` are the new lengths on
-    the host (``lengths + added``, added when first asked for: a decoding
+    settles them). ``finite_from``: every value at that position and past
+    it is known finite (``None``: not known), so that a call may attend over
+    fewer positions (:meth:`mha_multi.call.Facts.finite_past`): 0 for a new
+    cache, and past the rows each call writes. ``lengths`` are the new
+    lengths on the host (``lengths + added``, added when first asked for: a decoding
     step's check adds 1 to its last one's). The next call trusts all this
     only for the same tensors unchanged since (their version counters), so
     that a decoding step checks its new rows and the positions its span adds
@@ -67,6 +70,7 @@ class CacheCheck:
         self.poison, self.upto = poison, upto
         self.pending: tuple[torch.Tensor, ...] | None = pending
         self.pending_from: int | None = None
+        self.finite_from: int | None = None
         self._held, self._added = lengths, added
         #: How many examples the lengths are for.
         self.examples: int = lengths.size
@@ -111,6 +115,21 @@ class CacheCheck:
         check._uniform = uniform
         setattr(cache.lengths, CHECKED, check)
         return check
+
+    def written_past(self, prior: CacheCheck | None, filled: int) -> None:
+        """What ``prior``, the check of the cache before a write below ``filled``,
+        knew of the positions from ``filled`` on (:attr:`finite_from`)."""
+        if prior is not None and prior.finite_from is not None:
+            self.finite_from = max(prior.finite_from, filled)
+
+    def holds(self, values: torch.Tensor) -> bool:
+        """Whether this check describes ``values`` as they are (and their keys)."""
+        keys = self.keys()
+        return (
+            values is self.values()
+            and keys is not None
+            and (keys._version, values._version) == self.versions
+        )
 
     @staticmethod
     def of(cache: spec.KVCache) -> CacheCheck | None:
@@ -240,7 +259,7 @@ def written_step(
     call reads it (a write of the generic flow settles it first).
     """
     keys, values, lengths = cache
-    length = check.uniform
+    prior, length = check, check.uniform
     # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
     rows = (-1, heads.num_kv_heads, heads.head_dim)
     keys.select(2, length).copy_(k.view(rows))
@@ -265,6 +284,7 @@ def written_step(
             check.pending_from = start
     if check is not None:
         check.step = step
+        check.written_past(prior, filled)
     span = filled if span is None else span
     return keys.narrow(2, 0, span), values.narrow(2, 0, span), updated
 

@@ -192,6 +192,10 @@ class PlainRoute:
             return None  # (an overflow among them: the generic flow raises it)
         if cache.lengths._version != check.lengths_version:
             return None
+        # (Nothing past the filled positions is attended over: the values there must be
+        # known finite, call.Facts.finite_past.)
+        if check.finite_from is None or check.finite_from > length + 1:
+            return None
         return check if queries.shape[:2] == (check.examples, 1) else None
 
     def _plain_plan(

@@ -159,6 +159,35 @@ def test_a_cached_call_is_the_per_query_loop(runner, causal):
         )
 
 
+def test_non_finite_values_past_the_filled_positions_reach_the_output(runner):
+    """A hidden value takes a weight of 0, which a NaN or an infinity makes NaN, as
+    the spec's attention over all ``max_length`` positions has it: a call that
+    attends over the filled positions only must know the rest finite (docs:
+    "Generating with a cache")."""
+    config, weights, inputs, _ = setup("gqa_bias", 5)
+    layer = layer_of(runner, weights, config)
+    max_length = 2 * spec.SPAN_BUCKET + 8
+    cache = prefilled(runner, layer, inputs, np.array([3, 2, 1]), max_length)
+    before = cache_as_numpy(runner, cache)
+    values = before.values.copy()
+    values[0, 0, spec.SPAN_BUCKET + 5, 1] = np.nan  # past any span a step rounds to
+    values[2, -1, 4, 0] = np.inf  # past every example's filled positions after the step
+    given = spec.KVCache(cache.keys, runner.to_native(values), cache.lengths)
+    rows = [x[:, 3:4] for x in inputs.values()]
+    output, _ = runner.forward(layer, *native(runner, rows), causal=True, cache=given)
+    expected, _, _ = spec.reference_cached_forward(
+        weights,
+        *rows,
+        spec.KVCache(before.keys, values, before.lengths),
+        **reference_heads(config),
+        causal=True,
+    )
+    assert np.isnan(expected[[0, 2]]).all() and np.isfinite(expected[1]).all()
+    got = runner.to_numpy(output)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_allclose(got[1], expected[1], atol=5e-6, rtol=0)
+
+
 def test_a_call_without_keys_attends_to_the_cache_as_it_is(runner):
     config, weights, inputs, _ = setup("gqa_bias", 4)
     layer = layer_of(runner, weights, config)

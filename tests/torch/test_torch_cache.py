@@ -420,6 +420,46 @@ def feed_back(layer, prompt, steps, max_length, new_lens=None, *, check=None):
     return outputs, caches
 
 
+@pytest.mark.parametrize("written", ["nan", "finite"])
+def test_a_cache_rewound_past_written_rows_gives_the_spec_numbers(written):
+    """Rows written in place stay past the lengths of an older cache of the same
+    tensors. A call of that cache attends over its filled positions only where the
+    values past them read finite: a NaN row there gives the spec's NaN (a hidden
+    value's weight of 0 times NaN). Finite rows cost the call that one read, and the
+    step after takes the route again."""
+    weights, layer = self_attention(HEADS, 31)
+    rng = np.random.default_rng(31)
+    x, y, z, w = (rng.standard_normal((3, n, NUM_HIDDENS)).astype(np.float32) for n in (3, 1, 1, 1))
+    second = y.copy()
+    if written == "nan":
+        second[0, 0, 0] = np.nan
+
+    def step(inputs, cache):
+        before = spec.KVCache(*(t.numpy().copy() for t in cache))
+        (t,) = tensors(inputs)  # one tensor: self-attention, which the route may take
+        with torch.no_grad():
+            output, cache = layer(t, t, t, causal=True, cache=cache)
+        expected, _, _ = spec.reference_cached_forward(
+            weights, inputs, inputs, inputs, before, **HEADS, causal=True
+        )
+        np.testing.assert_array_equal(np.isnan(output.numpy()), np.isnan(expected))
+        np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+        return expected, cache
+
+    with torch.no_grad():
+        _, rewound = layer(*tensors(x, x, x), causal=True, cache=layer.init_cache(3, 9))
+    _, cache = step(y, rewound)  # position 3
+    _, cache = step(second, cache)  # position 4
+    with answered_calls() as answers:
+        expected, cache = step(z, rewound)  # position 3 again: position 4 is past the span
+        step(w, cache)  # position 4 overwritten
+    assert np.isnan(expected[0]).all() == (written == "nan")
+    assert np.isfinite(expected[1:]).all()
+    # (A chain that met a NaN stays on the generic flow: its check cannot tell when
+    # the row is overwritten.)
+    assert answers == [False, written == "finite"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("heads", [{"num_heads": 4}, HEADS], ids=["mha", "gqa"])
 def test_plain_decoding_steps_take_the_fast_route_to_the_generic_numbers(heads, dtype):
