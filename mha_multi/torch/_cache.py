@@ -49,11 +49,12 @@ class CacheCheck:
     it is known finite (``None``: not known), so that a call may attend over
     fewer positions (:meth:`mha_multi.call.Facts.finite_past`): 0 for a new
     cache, and past the rows each call writes. ``lengths`` are the new
-    lengths on the host (``lengths + added``, added when first asked for: a decoding
-    step's check adds 1 to its last one's). The next call trusts all this
-    only for the same tensors unchanged since (their version counters), so
-    that a decoding step checks its new rows and the positions its span adds
-    instead of the whole cache, and reads no lengths back.
+    lengths on the host (``lengths + added``, added when first asked for: a
+    decoding step's check adds 1 to its last one's). The next call trusts
+    all this only for the same tensors unchanged since (their version
+    counters), so that a decoding step checks its new rows and the
+    positions its span adds instead of the whole cache, and reads no lengths
+    back.
     """
 
     def __init__(
