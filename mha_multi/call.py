@@ -299,8 +299,9 @@ class Facts:
         """
         raise NotImplementedError
 
-    def finite_past(self, values: Array, span: int) -> bool:
-        """Whether every value of a cache past its first ``span`` positions is finite.
+    def finite_past(self, keys: Array, values: Array, span: int) -> bool:
+        """Whether every value of a cache (``keys``, ``values``) past its first ``span``
+        positions is finite.
 
         A call may attend over those first positions only (:attr:`attends_filled`)
         where this holds: the positions past them are hidden from every query,
@@ -885,7 +886,7 @@ def attended_positions(
     max_length = keys.shape[2]
     bucket = facts.span_bucket_of(keys) if bucket is None else bucket
     span = fill.span(num_queries, max_length, window=window, bucket=bucket)
-    if span >= max_length or not facts.finite_past(values, span):
+    if span >= max_length or not facts.finite_past(keys, values, span):
         return keys, values
     return facts.cache_prefix(keys, values, span)
 

@@ -405,7 +405,7 @@ class KerasFacts(call.Facts):
     def cache_prefix(self, keys: Tensor, values: Tensor, span: int) -> tuple[Tensor, Tensor]:
         return keys[:, :, :span], values[:, :, :span]
 
-    def finite_past(self, values: Tensor, span: int) -> bool:
+    def finite_past(self, keys: Tensor, values: Tensor, span: int) -> bool:
         """Read on the host, one sum; not known on a GPU, where the read would wait."""
         if not values_readable(values) or device_of(values) != "cpu":
             return False

@@ -344,7 +344,7 @@ class MXNetFacts(call.Facts):
     def cache_prefix(self, keys: Any, values: Any, span: int) -> tuple[Any, Any]:
         return keys[:, :, :span], values[:, :, :span]
 
-    def finite_past(self, values: Any, span: int) -> bool:
+    def finite_past(self, keys: Any, values: Any, span: int) -> bool:
         """Read: the values past ``span`` copied to numpy and summed there in float32
         (finite only where every value is, or a large sum overflows). MXNet's own
         reduction took 5.4 ms over half of an 8/8 cache's values, the copy and

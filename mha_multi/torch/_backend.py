@@ -404,22 +404,18 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         self, keys: torch.Tensor, values: torch.Tensor, span: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         prefix = keys.narrow(2, 0, span), values.narrow(2, 0, span)
-        written = getattr(self._written, "call", None)
-        if written is not None and written.check is not None:
-            keys_written, values_written = written.check.keys(), written.check.values()
-            if keys is keys_written and values is values_written:
-                written.attended = prefix  # what the plan may take the check for
+        written = self._written_into(keys, values)
+        if written is not None:
+            written.attended = prefix  # what the plan may take the check for
         return prefix
 
-    def finite_past(self, values: torch.Tensor, span: int) -> bool:
+    def finite_past(self, keys: torch.Tensor, values: torch.Tensor, span: int) -> bool:
         """Known where the check of the cache this call wrote in place knows it
         (:attr:`CacheCheck.finite_from`); otherwise read on the host, one sum (and
         then known to the calls after), and not known on a GPU, where the read
         would wait for the device."""
-        written = getattr(self._written, "call", None)
+        written = self._written_into(keys, values)
         check = None if written is None else written.check
-        if check is not None and not check.holds(values):
-            check = None
         if check is not None and check.finite_from is not None and check.finite_from <= span:
             return True
         if torch.compiler.is_compiling() or not self.on_host(values):
@@ -500,6 +496,14 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         if valid_lens is None:
             return finite, None
         return finite, read[-1] if shortest is None else shortest
+
+    def _written_into(self, keys: torch.Tensor, values: torch.Tensor) -> Written | None:
+        """What :meth:`write_cache` of this call knew, where it wrote into ``keys`` and
+        ``values`` in place and its check still describes them."""
+        written = getattr(self._written, "call", None)
+        if written is None or written.check is None:
+            return None
+        return written if written.check.holds(keys, values) else None
 
     def _take_written(
         self, k: torch.Tensor, v: torch.Tensor, valid_lens: torch.Tensor | None

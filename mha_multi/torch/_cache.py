@@ -123,12 +123,11 @@ class CacheCheck:
         if prior is not None and prior.finite_from is not None:
             self.finite_from = max(prior.finite_from, filled)
 
-    def holds(self, values: torch.Tensor) -> bool:
-        """Whether this check describes ``values`` as they are (and their keys)."""
-        keys = self.keys()
+    def holds(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether this check describes ``keys`` and ``values`` as they are."""
         return (
-            values is self.values()
-            and keys is not None
+            keys is self.keys()
+            and values is self.values()
             and (keys._version, values._version) == self.versions
         )
 
@@ -137,12 +136,10 @@ class CacheCheck:
         """The check ``cache``'s lengths carry, where it still describes its arrays."""
         check = getattr(cache.lengths, CHECKED, None)
         keys, values = cache.keys, cache.values
-        if check is None or check.keys() is not keys or check.values() is not values:
-            return None
         # Inference tensors keep no version counter: nothing would tell an edit.
-        if keys.is_inference() or values.is_inference():
+        if check is None or keys.is_inference() or values.is_inference():
             return None
-        return check if (keys._version, values._version) == check.versions else None
+        return check if check.holds(keys, values) else None
 
     def add(self, poison: torch.Tensor) -> None:
         self.poison = poison if self.poison is None else self.poison + poison

@@ -140,9 +140,8 @@ class PlainRoute:
         q, k, v = split_stacked(projected, heads)
         lengths = updated = None
         if cache is not None:
-            checked = plan.fused
             k, v, updated = written_step(
-                cache, check, k, v, heads, step, span=span, checked=checked
+                cache, check, k, v, heads, step, span=span, checked=plan.fused
             )
             # One query per example: it sees what its example now holds.
             lengths = updated.lengths
