@@ -235,14 +235,17 @@ class Facts:
         generic: Callable[..., Array],
         arrays: Sequence[Array],
         bias: Array | None,
+        *,
+        head_dim: int,
     ) -> Array:
         """``fused(*arrays)`` where the values are exact, else ``generic(*arrays)``,
         decided on the device.
 
         The values are exact where ``arrays`` (the projections ``q, k, v``
-        the kernel attends over) are finite and ``bias``, where given,
-        bounded: what :meth:`plan_values` reads in an eager call, here a
-        graph's conditional. Only frameworks whose :meth:`values_guard` is
+        the kernel attends over, of heads of ``head_dim``) are finite, their
+        scores within :data:`mha_multi.spec.FUSED_SCORE_LIMIT` and ``bias``,
+        where given, bounded: what :meth:`plan_values` reads in an eager
+        call, here a graph's conditional. Only frameworks whose :meth:`values_guard` is
         true are asked, and their :meth:`fused_attention` never declines
         (both branches give the context).
         """
@@ -853,7 +856,13 @@ def attend(
         options=options,
     )
     if kernel_plan.guarded:
-        context = facts.guarded(fused, lambda *qkv: generic(*qkv)[0], (q, k, v), options.bias)
+        context = facts.guarded(
+            fused,
+            lambda *qkv: generic(*qkv)[0],
+            (q, k, v),
+            options.bias,
+            head_dim=heads.head_dim,
+        )
     elif kernel_plan.fused:
         context = fused(q, k, v)
     if context is None:

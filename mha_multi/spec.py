@@ -31,6 +31,7 @@ import numpy as np
 
 __all__ = [
     "MASK_VALUE",
+    "FUSED_SCORE_LIMIT",
     "ArrayOps",
     "FusedKernel",
     "Heads",
@@ -65,6 +66,7 @@ __all__ = [
     "masked_softmax",
     "plan_kernel",
     "reads_values",
+    "scores_within_limit",
     "reference_cached_forward",
     "reference_forward",
     "reference_gradients",
@@ -102,6 +104,15 @@ __all__ = [
 #: Hidden scores are *replaced* by this value before the softmax (d2l's rule).
 #: A row whose keys are all hidden therefore gets uniform weights ``1/K``.
 MASK_VALUE = -1e6
+
+#: Bound on every score ``|q . k| / sqrt(head_dim)`` within which a kernel
+#: that *adds* a large negative mask gives the spec's weights. The spec
+#: replaces hidden scores by :data:`MASK_VALUE`: the two agree only where
+#: every hidden key's weight is exactly 0 both ways, i.e. where no visible
+#: score of a row lies near or below -1e6 (``exp(-5e5)`` is 0 in every float
+#: type). :func:`scores_within_limit` tests it from the projections' largest
+#: magnitudes.
+FUSED_SCORE_LIMIT: float = -MASK_VALUE / 2
 
 Array = Any
 
@@ -1645,6 +1656,16 @@ def reads_values(on_host: bool, num_queries: int, num_keys: int) -> bool:
     H100 on the results page).
     """
     return on_host or num_queries * num_keys >= DEVICE_READ_SCORES
+
+
+def scores_within_limit(query_max: float, key_max: float, head_dim: int) -> bool:
+    """Whether every score of queries and keys of these largest magnitudes
+    (``max|q|``, ``max|k|``) lies within :data:`FUSED_SCORE_LIMIT`.
+
+    ``|q . k| / sqrt(head_dim) <= sqrt(head_dim) * max|q| * max|k|``
+    (Cauchy-Schwarz, per element). A NaN magnitude fails.
+    """
+    return query_max * key_max < FUSED_SCORE_LIMIT / math.sqrt(head_dim)
 
 
 @_decided_once(canonical=_plan_relations)

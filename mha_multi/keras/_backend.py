@@ -44,7 +44,6 @@ from mha_multi.keras._backends import (
 )
 from mha_multi.keras._kernel import (
     DOT_PRODUCT_ATTENTION,
-    FUSED_SCORE_LIMIT,
     fused_attention,
     serves,
 )
@@ -161,7 +160,7 @@ def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:
     SDPA turns a NaN query row into zeros, and any additive mask lets a
     hidden key's ``+inf`` score through as NaN where the spec replaces it.
     So the fused path needs every projected element finite and every score
-    bounded by :data:`~mha_multi.keras._kernel.FUSED_SCORE_LIMIT`, which
+    bounded by :data:`~mha_multi.spec.FUSED_SCORE_LIMIT`, which
     ``sqrt(head_dim) * max|q| * max|k|`` bounds from above (Cauchy-Schwarz,
     per element). That costs a few reductions over ``(B, T, D)`` and one
     read of a boolean: nothing next to the ``(B, H, Q, K)`` attention.
@@ -179,7 +178,7 @@ def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:
     """
     if not values_readable(q):
         return None
-    return bool(as_numpy(values_within(q, k, v, FUSED_SCORE_LIMIT / math.sqrt(head_dim))))
+    return bool(as_numpy(values_within(q, k, v, spec.FUSED_SCORE_LIMIT / math.sqrt(head_dim))))
 
 
 def _host(x: Any) -> np.ndarray | None:

@@ -21,7 +21,6 @@ __all__ = [
     "DOT_PRODUCT_ATTENTION",
     "FUSED_BACKENDS",
     "FUSED_DTYPES",
-    "FUSED_SCORE_LIMIT",
     "dot_product_attention",
     "fused_attention",
     "serves",
@@ -48,14 +47,6 @@ FUSED_DTYPES: dict[str, frozenset[str]] = {
     "jax": frozenset({"float32", "bfloat16"}),
     "torch": frozenset({"float32", "float16", "bfloat16"}),
 }
-
-#: Bound on ``|q . k| / sqrt(head_dim)`` below which the fused kernel gives
-#: the spec's weights. The spec *replaces* hidden scores by ``MASK_VALUE``
-#: (-1e6) while the kernels add a large negative number (Keras' PyTorch
-#: backend: -0.7 times the dtype's maximum): the two agree only when every
-#: hidden key's weight is exactly 0 both ways, i.e. when no visible score
-#: of a row lies near or below -1e6 (exp(-5e5) is 0 in every float type).
-FUSED_SCORE_LIMIT: float = -spec.MASK_VALUE / 2
 
 #: Keras' fused kernel: no dropout, no key lengths, and an *added* mask, so it
 #: runs only on values read as exact (:func:`mha_multi.keras._backend.values_exact`).

@@ -27,6 +27,7 @@ from mha_multi.torch._cache import (
     Written,
     finite_sum,
     from_host,
+    largest_magnitude,
     versioned,
     writes_in_place,
 )
@@ -163,6 +164,11 @@ SDPA = spec.FusedKernel(
     takes_grouped_heads=tuple(int(n) for n in re.findall(r"\d+", str(torch.__version__))[:2])
     >= (2, 5),
 )
+
+
+def _largest(a: float, b: float) -> float:
+    """The larger of two magnitudes, NaN where either is (Python's ``max`` is not)."""
+    return a + b if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _tensor_beside(name: str, x: Any, like: torch.Tensor, shape: str) -> torch.Tensor:
@@ -381,7 +387,9 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         # Padding rows are checked too: at worst the generic path.
         check = CacheCheck.attach(updated, poison, upto, held, pending=(k, v))
         if check is not None:
-            check.written_past(prior, int(held.max(initial=0)))
+            # (Rows are written from each example's length on, where it appends any.)
+            below = int(fill.lengths[fill.new > 0].min(initial=cache.keys.shape[2]))
+            check.written_past(prior, below, int(held.max(initial=0)))
         # What the queries see: the lengths held, or causal (B, T) at least as many.
         shortest = fill.least if seen.ndim == 1 else int(seen.min()) if seen.size else None
         self._written.call = Written(check, visible, shortest)
@@ -398,6 +406,7 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         )
         if check is not None:
             check.finite_from = 0  # (zeros)
+            check.key_upto = cache.keys.shape[2]  # (zeros: key_max 0)
         return cache
 
     def cache_prefix(
@@ -439,11 +448,17 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         heads: spec.Heads,
         bias: torch.Tensor | None = None,
     ) -> tuple[bool | None, float | None]:
-        """Whether every projection is finite, and the shortest length: one synchronisation.
+        """Whether every projection is finite and every score within bounds, and the
+        shortest length: one synchronisation.
 
-        A ``bias`` must be finite and within ``BIAS_LIMIT``: the spec
-        *replaces* a hidden score by -1e6, which a visible score biased
-        below it would fall under, where SDPA's ``-inf`` would not.
+        The spec *replaces* a hidden score by -1e6, which a visible score
+        below it would fall under, where SDPA's added ``-inf`` would not: so
+        ``max|q| * max|k|`` must keep every score within
+        :data:`~mha_multi.spec.FUSED_SCORE_LIMIT`
+        (:func:`mha_multi.spec.scores_within_limit`), and a ``bias`` must be
+        finite and within ``BIAS_LIMIT``. A cache written in place knows the
+        largest key below its ``key_upto`` (:class:`CacheCheck`): only the
+        attended keys past it are read.
 
         SDPA's CPU kernel turns a NaN query row into zeros, and its added
         ``-inf`` mask lets a hidden key's non-finite score reach the weights
@@ -462,6 +477,7 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         # adds -inf to a hidden key's score.
         written = self._take_written(k, v, valid_lens)
         check = None if written is None else written.check
+        keys_read = k  # (the keys whose largest magnitude is read)
         if check is None:
             total = finite_sum(q, k, v)
         else:
@@ -475,7 +491,8 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
                 check.upto = span
             if check.poison is not None:
                 total = total + check.poison
-        reads = [total]
+            keys_read = k[:, :, check.key_upto :] if check.key_upto < span else k[:, :, :0]
+        reads = [total, largest_magnitude(q), largest_magnitude(keys_read)]
         if bias is not None:
             reads.append(bias.detach().abs().max())  # a NaN max fails the limit too
         shortest = None if written is None else written.shortest
@@ -483,16 +500,22 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
             reads.append(valid_lens.min())
         # One transfer. float64 keeps the order of every length (int64 ones
         # round monotonically).
-        read = (
-            [total.item()] if len(reads) == 1 else torch.stack([x.double() for x in reads]).tolist()
-        )
+        read = torch.stack([x.double() for x in reads]).tolist()
         finite = math.isfinite(read[0])
+        largest_key = read[2]
         if check is not None:
             # What the next call of this cache trusts: everything below
-            # ``upto`` finite, or (a non-finite query too) not known to be.
+            # ``upto`` finite, or (a non-finite query too) not known to be;
+            # the largest key below the span.
             check.poison = None if finite else total * 0.0
+            if check.key_upto < k.shape[2]:
+                largest_key = _largest(check.key_max, largest_key)
+                check.key_max, check.key_upto = largest_key, k.shape[2]
+            else:
+                largest_key = check.key_max
+        finite = finite and spec.scores_within_limit(read[1], largest_key, heads.head_dim)
         if bias is not None:
-            finite = finite and read[1] <= BIAS_LIMIT
+            finite = finite and read[3] <= BIAS_LIMIT
         if valid_lens is None:
             return finite, None
         return finite, read[-1] if shortest is None else shortest

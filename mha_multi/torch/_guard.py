@@ -11,12 +11,14 @@ imports nothing of it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from mha_multi.torch._cache import finite_sum
+from mha_multi import spec
+from mha_multi.torch._cache import finite_sum, largest_magnitude
 
 #: The largest ``|bias|`` the fused path takes
 #: (:meth:`mha_multi.torch._backend.TorchFacts.plan_values`, :meth:`GuardedKernel.guarded`).
@@ -50,6 +52,8 @@ class GuardedKernel:
         generic: Callable[..., torch.Tensor],
         arrays: Sequence[torch.Tensor],
         bias: torch.Tensor | None,
+        *,
+        head_dim: int,
     ) -> torch.Tensor:
         """SDPA's context where the eager read
         (:meth:`mha_multi.torch._backend.TorchFacts.plan_values`) would have found the values
@@ -62,6 +66,11 @@ class GuardedKernel:
         # The eager read's own test (a sum: Inductor compiles it far better
         # than isfinite().all()).
         exact = torch.isfinite(finite_sum(*arrays))
+        # Scores within the limit where SDPA's added mask meets the spec's
+        # replaced one (spec.scores_within_limit).
+        q, k = arrays[0], arrays[1]
+        bound = spec.FUSED_SCORE_LIMIT / math.sqrt(head_dim)
+        exact = exact & (largest_magnitude(q) * largest_magnitude(k) < bound)
         if bias is not None:
             exact = exact & (bias.detach().abs() <= BIAS_LIMIT).all()  # a NaN fails the limit too
         # The branches' operands may not alias one another (the projections

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import CacheCheck, written_step
+from mha_multi.torch._cache import CacheCheck, largest_magnitude, written_step
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 
@@ -40,11 +40,14 @@ class PlainPlan(NamedTuple):
     generic flow's plan for values read finite). Otherwise the generic
     path's attention (:meth:`mha_multi.call.Facts.generic_attention`) and no
     read: the generic flow's plan on a GPU where a head's scores are few
-    (:func:`mha_multi.spec.reads_values`).
+    (:func:`mha_multi.spec.reads_values`). ``bounded``: SDPA's causal flag
+    hides keys, so the read takes the largest query and key too, whose
+    scores must lie within :data:`mha_multi.spec.FUSED_SCORE_LIMIT`.
     """
 
     fused: bool
     arguments: dict[str, Any]
+    bounded: bool = False
 
 
 class PlainRoute:
@@ -135,9 +138,9 @@ class PlainRoute:
             projected = torch.nn.functional.linear(queries, *layer.stacked_parameters(queries))
         else:
             projected = layer.project_stacked(queries)
-        if plan.fused and not math.isfinite(projected.sum(dtype=torch.float32).item()):
-            return None  # (no gradient here)
         q, k, v = split_stacked(projected, heads)
+        if plan.fused and not self._exact(projected, q, k, plan, heads.head_dim):
+            return None  # (no gradient here)
         lengths = updated = None
         if cache is not None:
             k, v, updated = written_step(
@@ -171,6 +174,24 @@ class PlainRoute:
         else:
             output = layer.project_output(context, None)
         return call.Result(output, None, updated)
+
+    @staticmethod
+    def _exact(
+        projected: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        plan: PlainPlan,
+        head_dim: int,
+    ) -> bool:
+        """The one read of a fused plan: every projection finite and, where the plan
+        hides keys (``bounded``), every score within the fused limit."""
+        total = projected.sum(dtype=torch.float32)
+        if not plan.bounded:
+            return math.isfinite(total.item())
+        total, largest_q, largest_k = torch.stack(
+            [total, largest_magnitude(q), largest_magnitude(k)]
+        ).tolist()
+        return math.isfinite(total) and spec.scores_within_limit(largest_q, largest_k, head_dim)
 
     @staticmethod
     def _plain_step_check(queries: torch.Tensor, cache: Any, *, checked: bool) -> CacheCheck | None:
@@ -286,7 +307,8 @@ class PlainRoute:
                 arguments = {"is_causal": True} if plan.is_causal else {}
                 if heads.grouped:
                     arguments["enable_gqa"] = True
-                plain = PlainPlan(True, arguments)
+                # (One query sees its one key: nothing hidden.)
+                plain = PlainPlan(True, arguments, bounded=plan.is_causal and sizes[1] > 1)
         else:
             # What call.plan decides of values it does not read: eager, so no guard.
             plan = spec.plan_kernel(self.kernel, **settings, values_exact=None)

@@ -234,6 +234,65 @@ def test_nonfinite_inputs_propagate_as_in_reference(runner, available_device, na
         assert_matches_reference(attention_weights, expected_weights, 5e-6, "weights")
 
 
+# -- visible scores below the mask value -----------------------------------
+
+
+def scores_below_the_mask_value(batch, length, seed=0):
+    """One head of 4 whose every score is ``-4.5e6``, and inputs ``(batch, length, 4)``.
+
+    ``W_q`` and ``W_k`` keep the first feature (negated for the keys), which
+    is 3000 everywhere, so ``q . k / sqrt(4) = -9e6 / 2`` exactly for every
+    pair; the values differ. The spec replaces a hidden score by ``-1e6``,
+    above every visible one: a row with a hidden key averages the values of
+    its hidden keys, where a kernel that adds ``-inf`` to them would average
+    its visible ones.
+    """
+    weights = init_weights(4, num_heads=1, bias=False, seed=seed)
+    weights["W_q"] = np.diag([1.0, 0.0, 0.0, 0.0]).astype(np.float32)
+    weights["W_k"] = np.diag([-1.0, 0.0, 0.0, 0.0]).astype(np.float32)
+    x = np.random.default_rng(seed).standard_normal((batch, length, 4)).astype(np.float32)
+    x[..., 0] = 3e3
+    return weights, x
+
+
+def test_visible_scores_below_the_mask_value_lose_to_hidden_keys_on_every_path(runner):
+    """Lengths, a causal self-attention call (queries, keys and values one array:
+    a plain call) and a ragged cached chunk that fills its cache, each against
+    the float64 reference, by the default call (fused where the backend has a
+    kernel) and the generic path."""
+    weights, x = scores_below_the_mask_value(2, 3)
+    layer = layer_with(runner, weights, 1)
+    tolerance = {"rtol": 1e-5, "atol": 1e-3}  # values of magnitude 3000
+    lens = np.array([1, 2])
+    expected, expected_weights = spec.reference_forward(weights, x, x, x, lens, num_heads=1)
+    assert expected_weights[0, 0, :, 1:].min() > 0.49  # the hidden keys win
+    outputs, _ = both_paths(runner, layer, x, x, x, lens)
+    for path, output in outputs.items():
+        np.testing.assert_allclose(output, expected, **tolerance, err_msg=f"lengths, {path}")
+    same = runner.to_native(x)
+    expected, _ = spec.reference_forward(weights, x, x, x, num_heads=1, causal=True)
+    output = runner.to_numpy(runner.forward(layer, same, same, same, None, causal=True))
+    np.testing.assert_allclose(output, expected, **tolerance, err_msg="causal self-attention")
+    lens = np.array([3, 2], np.int32)
+    empty = spec.KVCache(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 4)), np.zeros(2, np.int32))
+    expected, _, _ = spec.reference_cached_forward(weights, x, x, x, empty, lens, num_heads=1)
+    for weights_too in (False, True):
+        result = runner.forward(
+            layer,
+            same,
+            same,
+            same,
+            runner.native_lens(lens),
+            cache=runner.init_cache(layer, 2, 3),
+            return_attention_weights=weights_too,
+        )
+        output = runner.to_numpy(result[0])
+        real = np.arange(3)[None, :] < lens[:, None]  # (padding rows are free)
+        np.testing.assert_allclose(
+            output[real], expected[real], **tolerance, err_msg=f"cached, weights={weights_too}"
+        )
+
+
 # -- lengths: NaN, huge, negative --------------------------------------------
 
 

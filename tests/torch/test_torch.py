@@ -27,6 +27,7 @@ from mha_multi.torch._guard import GUARDED_KERNEL_SCORES
 from mha_multi.torch._ops import OPS
 from mha_multi.torch._ops import linear as _linear
 from mha_multi.weights import init_weights
+from tests.backends import test_edges as edges
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +157,25 @@ def test_a_compiled_long_call_takes_the_kernel_only_where_the_values_are_exact(c
         expected, _ = spec.reference_forward(weights, q, k, v, lens, num_heads=2, causal=True)
         assert (edit is None) == bool(np.isfinite(expected).all())
         np.testing.assert_allclose(out.numpy(), expected, atol=5e-6, err_msg=str(edit))
+
+
+def test_a_compiled_long_call_takes_the_generic_branch_for_scores_below_the_mask_value(
+    compiler,
+):
+    """Every visible score ``-4.5e6``, below the ``-1e6`` the spec gives hidden keys:
+    the guard's bound on ``max|q| * max|k|`` sends the call to the generic branch,
+    whose rows average their hidden keys' values as the reference's do."""
+    weights, x = edges.scores_below_the_mask_value(2, 256)
+    layer = set_weights(MultiHeadAttention(4, 1), weights).eval()
+    compiled = compiler(layer, fullgraph=True)
+    lens = np.array([100, 200])
+    args = [torch.from_numpy(a) for a in (x, x, x, lens)]
+    with torch.no_grad():
+        compiled(*args, causal=True)  # (compiling runs the kernel once)
+        out, ran = _kernel_ran(lambda: compiled(*args, causal=True))
+    assert not ran
+    expected, _ = spec.reference_forward(weights, x, x, x, lens, num_heads=1, causal=True)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-3)
 
 
 def test_a_compiled_cached_prefill_takes_the_kernel_only_where_the_values_are_exact(compiler):
@@ -689,7 +709,9 @@ def test_plain_self_attention_on_a_gpu_reads_only_where_scores_are_many(num_quer
     if short:
         assert calls == [] and moved == []
     else:
-        assert len(calls) == 1 and moved == ["item"]  # the one read, then SDPA
+        # The one read (with the largest query and key where the causal flag hides
+        # keys), then SDPA.
+        assert len(calls) == 1 and moved == ["tolist" if causal else "item"]
     assert_same_nonfinite_pattern(out.numpy(), expected)
 
 

@@ -24,6 +24,7 @@ from mha_multi.parity.decode import INPUT_NAMES, chunk_rows, decode, full_refere
 from mha_multi.torch import KVCache, MultiHeadAttention, _cache, set_weights
 from mha_multi.torch import harness as backend
 from mha_multi.weights import init_weights
+from tests.backends import test_edges as edges
 
 #: Grouped heads and biases: two query heads read each key/value head.
 HEADS = {"num_heads": 4, "num_kv_heads": 2}
@@ -932,3 +933,37 @@ def test_random_call_sequences_give_the_reference_numbers(sequence):
             lengths[id(after.lengths)] = np.array(returned.lengths)
             cache = after
             caches.append(cache)
+
+
+def test_a_masked_call_bounds_its_scores_by_every_key_the_cache_holds():
+    """A cache written in place knows its largest key below the rows written since a
+    call read it (``CacheCheck.key_max``): a ragged call that writes a key of 5e5
+    below the span an earlier call read takes it into the bound, and leaves SDPA
+    (larger queries would give scores below the spec's -1e6) for the generic path;
+    the first call, of small keys, runs SDPA. The reference's numbers both times."""
+    weights, x = edges.scores_below_the_mask_value(2, 3, seed=3)
+    layer = set_weights(MultiHeadAttention(4, 1, bias=False), weights).eval()
+    x[..., 0] = 1.0
+    keys = np.random.default_rng(4).standard_normal((2, 1, 4)).astype(np.float32)
+    queries = keys.copy()
+    keys[1, 0, 0] = 5e5  # example 1's, at its position 1: below the 3 positions read
+    lens = np.array([3, 1])
+    cache = layer.init_cache(2, 4)
+    reference = spec.KVCache(np.zeros((2, 1, 4, 4)), np.zeros((2, 1, 4, 4)), np.zeros(2))
+    ran = []
+    for args, new_lens in (((x, x, x), lens), ((queries, keys, keys), None)):
+        given = [torch.from_numpy(a) for a in args]
+        with backend.kernel_spy() as calls, torch.no_grad():
+            out, cache = layer(
+                *given, None if new_lens is None else torch.from_numpy(new_lens), cache=cache
+            )
+        ran.append(len(calls))
+        expected, _, reference = spec.reference_cached_forward(
+            weights, *args, reference, new_lens, num_heads=1
+        )
+        # (Padding rows are free.)
+        real = np.ones(args[0].shape[:2], bool)
+        if new_lens is not None:
+            real = np.arange(args[0].shape[1])[None, :] < new_lens[:, None]
+        np.testing.assert_allclose(out.numpy()[real], expected[real], rtol=1e-5, atol=1e-3)
+    assert ran == [1, 0]
