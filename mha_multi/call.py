@@ -212,11 +212,22 @@ class Facts:
         return True
 
     def plan_values(
-        self, q: Array, k: Array, v: Array, valid_lens: Array | None, heads: spec.Heads
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        valid_lens: Array | None,
+        heads: spec.Heads,
+        *,
+        hides_keys: bool = True,
     ) -> tuple[bool | None, float | None]:
         """What the plan reads of the values: ``(values_exact, shortest_length)``.
 
         See :func:`mha_multi.spec.plan_kernel`; ``(None, None)`` reads nothing.
+        ``hides_keys``: the plan hides keys whatever the lengths (the causal
+        rule, a window), so a kernel that adds its mask needs the scores
+        bounded (:func:`mha_multi.spec.scores_within_limit`); lengths may
+        hide keys too.
         """
         return None, None
 
@@ -686,12 +697,21 @@ def plan(
     if not optimistic.fused:
         return optimistic
     _, num_queries, num_keys = settings["sizes"]
+    # Keys hidden whatever the lengths.
+    hides_keys = (
+        optimistic.is_causal
+        or optimistic.mask_causal
+        or optimistic.window_flag
+        or optimistic.mask_window
+    )
     if not spec.reads_values(facts.on_host(q), num_queries, num_keys):
         exact, shortest = None, None  # a read would wait for the device
     elif options.bias is None:
-        exact, shortest = facts.plan_values(q, k, v, valid_lens, heads)
+        exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, hides_keys=hides_keys)
     else:
-        exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, bias=options.bias)
+        exact, shortest = facts.plan_values(
+            q, k, v, valid_lens, heads, bias=options.bias, hides_keys=hides_keys
+        )
     if exact is True and shortest is None:
         return optimistic  # what the values were assumed to be
     return spec.plan_kernel(

@@ -418,9 +418,18 @@ class KerasFacts(call.Facts):
         return active().span_bucket(keys)
 
     def plan_values(
-        self, q: Tensor, k: Tensor, v: Tensor, valid_lens: Any, heads: spec.Heads
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        valid_lens: Any,
+        heads: spec.Heads,
+        *,
+        hides_keys: bool = True,
     ) -> tuple[bool | None, float | None]:
-        """:func:`values_exact`; the lengths are not read (the kernel takes none)."""
+        """:func:`values_exact`; the lengths are not read (the kernel takes none, so
+        they may hide keys at any call: the scores' bound is read whatever
+        ``hides_keys`` says)."""
         return values_exact(q, k, v, heads.head_dim), None
 
     def on_host(self, q: Tensor) -> bool:

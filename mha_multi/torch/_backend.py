@@ -447,13 +447,16 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         valid_lens: torch.Tensor | None,
         heads: spec.Heads,
         bias: torch.Tensor | None = None,
+        *,
+        hides_keys: bool = True,
     ) -> tuple[bool | None, float | None]:
         """Whether every projection is finite and every score within bounds, and the
         shortest length: one synchronisation.
 
         The spec *replaces* a hidden score by -1e6, which a visible score
         below it would fall under, where SDPA's added ``-inf`` would not: so
-        ``max|q| * max|k|`` must keep every score within
+        where a key may be hidden (``hides_keys``, or lengths not known to
+        hide none) ``max|q| * max|k|`` must keep every score within
         :data:`~mha_multi.spec.FUSED_SCORE_LIMIT`
         (:func:`mha_multi.spec.scores_within_limit`), and a ``bias`` must be
         finite and within ``BIAS_LIMIT``. A cache written in place knows the
@@ -477,6 +480,17 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         # adds -inf to a hidden key's score.
         written = self._take_written(k, v, valid_lens)
         check = None if written is None else written.check
+        shortest = None if written is None else written.shortest
+        num_keys = k.shape[2 if k.dim() == 4 else 1]
+        if not hides_keys and valid_lens is not None and shortest is None and self.on_host(q):
+            # On the host a read waits for nothing: the lengths first, so that
+            # lengths that hide no key need no magnitudes read.
+            shortest = valid_lens.min().item()
+        # Only a hidden key makes SDPA's added mask differ from the spec's replaced
+        # one (a NaN length hides every key).
+        bounded = hides_keys or (
+            valid_lens is not None and (shortest is None or not shortest >= num_keys)
+        )
         keys_read = k  # (the keys whose largest magnitude is read)
         if check is None:
             total = finite_sum(q, k, v)
@@ -485,37 +499,41 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
             # positions below ``upto``; the rows written are read with the
             # queries, and the rest of the span on its own.
             total = finite_sum(q, *check.take_pending())
-            span = k.shape[2]
-            if check.upto < span:
+            if check.upto < num_keys:
                 total = total + finite_sum(*(x[:, :, check.upto :] for x in (k, v)))
-                check.upto = span
+                check.upto = num_keys
             if check.poison is not None:
                 total = total + check.poison
-            keys_read = k[:, :, check.key_upto :] if check.key_upto < span else k[:, :, :0]
-        reads = [total, largest_magnitude(q), largest_magnitude(keys_read)]
+            keys_read = k[:, :, min(check.key_upto, num_keys) :]
+        reads = [total]
+        if bounded:
+            reads += [largest_magnitude(q), largest_magnitude(keys_read)]
         if bias is not None:
             reads.append(bias.detach().abs().max())  # a NaN max fails the limit too
-        shortest = None if written is None else written.shortest
         if valid_lens is not None and shortest is None:
             reads.append(valid_lens.min())
         # One transfer. float64 keeps the order of every length (int64 ones
         # round monotonically).
-        read = torch.stack([x.double() for x in reads]).tolist()
+        read = (
+            [total.item()] if len(reads) == 1 else torch.stack([x.double() for x in reads]).tolist()
+        )
         finite = math.isfinite(read[0])
-        largest_key = read[2]
         if check is not None:
             # What the next call of this cache trusts: everything below
-            # ``upto`` finite, or (a non-finite query too) not known to be;
-            # the largest key below the span.
+            # ``upto`` finite, or (a non-finite query too) not known to be.
             check.poison = None if finite else total * 0.0
-            if check.key_upto < k.shape[2]:
-                largest_key = _largest(check.key_max, largest_key)
-                check.key_max, check.key_upto = largest_key, k.shape[2]
-            else:
-                largest_key = check.key_max
-        finite = finite and spec.scores_within_limit(read[1], largest_key, heads.head_dim)
+        if bounded:
+            largest_key = read[2]
+            if check is not None:
+                # And the largest key below the attended positions.
+                if check.key_upto < num_keys:
+                    largest_key = _largest(check.key_max, largest_key)
+                    check.key_max, check.key_upto = largest_key, num_keys
+                else:
+                    largest_key = check.key_max
+            finite = finite and spec.scores_within_limit(read[1], largest_key, heads.head_dim)
         if bias is not None:
-            finite = finite and read[3] <= BIAS_LIMIT
+            finite = finite and read[3 if bounded else 1] <= BIAS_LIMIT
         if valid_lens is None:
             return finite, None
         return finite, read[-1] if shortest is None else shortest
