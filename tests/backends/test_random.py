@@ -96,3 +96,250 @@ def test_random_configurations_match_reference(runner, config):
     np.testing.assert_allclose(output, expected, rtol=0, atol=5e-6)
     np.testing.assert_allclose(with_weights, expected, rtol=0, atol=5e-6)
     np.testing.assert_allclose(attention, expected_weights, rtol=0, atol=5e-6)
+
+
+# -- heads, options and caches ------------------------------------------------------
+
+
+@st.composite
+def layers(draw):
+    """A layer's heads (grouped or not) and options (docs: "Positions and biases")."""
+    num_kv_heads = draw(st.integers(1, 3))
+    num_heads = num_kv_heads * draw(st.integers(1, 2))
+    head_dim = draw(st.sampled_from([2, 4, 6]))
+    # Self-attention: one array as queries, keys and values, and with no options a
+    # plain call, which a backend may answer by a route of its own (docs: "Fast paths").
+    self_attention = draw(st.booleans())
+    options = {}
+    if not (self_attention and draw(st.booleans())):  # (else a layer of no options)
+        if draw(st.booleans()):
+            options["rotary"] = {
+                "theta": draw(st.sampled_from([10.0, 10000.0])),
+                "fraction": draw(st.sampled_from([1.0, 0.5])) if head_dim == 4 else 1.0,
+                "interleaved": draw(st.booleans()),
+            }
+        if draw(st.booleans()):
+            options["alibi"] = True
+        if draw(st.booleans()):
+            options["window"] = draw(st.integers(1, 4))
+        if draw(st.booleans()):
+            options["softcap"] = draw(st.sampled_from([0.5, 5.0]))
+    if self_attention:
+        sizes = [draw(st.integers(1, 5))] * 3
+    elif "rotary" in options:  # (queries and keys of one sequence's positions)
+        sizes = [draw(st.integers(1, 5))] * 2 + [draw(st.integers(1, 5))]
+    else:
+        sizes = [draw(st.integers(1, 5)) for _ in range(3)]
+    return {
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "num_hiddens": num_heads * head_dim,
+        "self_attention": self_attention,
+        "sizes": sizes,
+        "bias": draw(st.booleans()),
+        "options": options,
+    }
+
+
+def built(runner, layer: dict, seed: int):
+    """The canonical weights of ``layer`` (a :func:`layers` draw) and the backend's layer."""
+    query_size, key_size, value_size = layer["sizes"]
+    sizes = {"query_size": query_size, "key_size": key_size, "value_size": value_size}
+    heads = {"num_heads": layer["num_heads"], "num_kv_heads": layer["num_kv_heads"]}
+    weights = init_weights(layer["num_hiddens"], bias=layer["bias"], seed=seed, **heads, **sizes)
+    made = runner.make_layer(
+        layer["num_hiddens"],
+        layer["num_heads"],
+        num_kv_heads=layer["num_kv_heads"],
+        bias=layer["bias"],
+        **sizes,
+        **layer["options"],
+    )
+    return weights, runner.set_weights(made, weights), {**heads, **layer["options"]}
+
+
+def assert_as_reference(got, expected, what):
+    """The reference's NaN pattern, and its finite numbers within float32's error."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected), err_msg=what)
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-5, atol=2e-5, err_msg=what)
+
+
+@settings(
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    layer=layers(),
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 5), st.integers(1, 5)),
+    lens_kind=st.sampled_from(["none", "1d", "2d"]),
+    causal=st.booleans(),
+    extras=st.sets(st.sampled_from(["bias", "head_mask", "positions", "nan"])),
+    seed=st.integers(0, 2**16),
+)
+def test_random_heads_options_and_call_arguments_match_reference(
+    runner, layer, shape, lens_kind, causal, extras, seed
+):
+    """Grouped heads, every layer option and call argument: the output, the weights
+    and (for finite inputs) every gradient, against the float64 reference."""
+    rng = np.random.default_rng(seed)
+    weights, made, reference = built(runner, layer, seed)
+    batch, num_queries, num_keys = shape
+    if layer["self_attention"] or ("rotary" in layer["options"] and "positions" in extras):
+        num_keys = num_queries  # (positions serve the queries and the keys)
+    query_size, key_size, value_size = layer["sizes"]
+    inputs = [
+        rng.standard_normal((batch, n, size)).astype(np.float32)
+        for n, size in ((num_queries, query_size), (num_keys, key_size), (num_keys, value_size))
+    ]
+    if layer["self_attention"]:
+        inputs = [inputs[0]] * 3
+    if "nan" in extras:
+        which = inputs[rng.integers(3)]
+        which[tuple(rng.integers(s) for s in which.shape)] = np.nan
+    lens = None
+    if lens_kind != "none":
+        lens_shape = (batch,) if lens_kind == "1d" else (batch, num_queries)
+        lens = rng.integers(-1, num_keys + 2, size=lens_shape)
+    call = {}
+    if "bias" in extras:
+        call["bias"] = rng.standard_normal((1, layer["num_heads"], num_queries, num_keys))
+    if "head_mask" in extras:
+        call["head_mask"] = rng.random(layer["num_heads"])
+    if "positions" in extras and "rotary" in layer["options"]:
+        call["positions"] = rng.integers(0, 20, size=(batch, num_queries))
+    call = {
+        name: np.asarray(x, np.int64 if name == "positions" else np.float32)
+        for name, x in call.items()
+    }
+    expected, expected_weights = spec.reference_forward(
+        weights, *inputs, lens, causal=causal, **call, **reference
+    )
+    native = {
+        name: runner.native_lens(x) if name == "positions" else runner.to_native(x)
+        for name, x in call.items()
+    }
+    arrays = [runner.to_native(x) for x in inputs]
+    if layer["self_attention"]:
+        arrays = [arrays[0]] * 3
+    output = runner.forward(made, *arrays, runner.native_lens(lens), causal=causal, **native)
+    assert_as_reference(runner.to_numpy(output), expected, "output")
+    output, attention = runner.forward(
+        made,
+        *arrays,
+        runner.native_lens(lens),
+        causal=causal,
+        return_attention_weights=True,
+        **native,
+    )
+    assert_as_reference(runner.to_numpy(output), expected, "output with the weights")
+    assert_as_reference(runner.to_numpy(attention), expected_weights, "weights")
+    if "nan" in extras:
+        return
+    cotangent = rng.standard_normal(expected.shape).astype(np.float32)
+    expected = spec.reference_gradients(
+        weights, *inputs, lens, causal=causal, output_gradient=cotangent, **call, **reference
+    )
+    got = runner.gradients(
+        made,
+        *inputs,
+        lens,
+        causal=causal,
+        output_gradient=cotangent,
+        device="cpu",
+        dtype="float32",
+        **call,
+    )
+    for name, gradient in expected.items():
+        assert_as_reference(got[name], gradient, f"gradient of {name}")
+
+
+@settings(
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    layer=layers(),
+    batch=st.integers(1, 3),
+    max_length=st.integers(3, 10),
+    calls=st.lists(
+        st.tuples(
+            st.sampled_from([1, 1, 2, 3]),  # new positions
+            st.sampled_from(["all", "all", "ragged", "none"]),  # what each example appends
+            st.booleans(),  # causal
+            st.sets(st.sampled_from(["bias", "head_mask", "positions", "older"]), max_size=2),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_random_cached_calls_match_reference(runner, layer, batch, max_length, calls, seed):
+    """Sequences of cached calls (ragged, appending nothing, with the call's options,
+    and older caches called again) against the float64 cached reference, which is
+    given what the cache's arrays hold before each call: the outputs at the real
+    positions, the lengths, and the filled positions of the cache."""
+    rng = np.random.default_rng(seed)
+    weights, made, reference = built(runner, layer, seed)
+    query_size, key_size, value_size = layer["sizes"]
+    cache = runner.init_cache(made, batch, max_length)
+    history = [cache]
+    for width, appends, causal, extras in calls:
+        if "older" in extras:
+            cache = history[rng.integers(len(history))]
+        held = spec.KVCache(*(runner.to_numpy(x) for x in cache))
+        filled = held.lengths.astype(np.int64)
+        room = max_length - filled
+        if appends == "none":
+            if filled.min() < 1:
+                continue  # (a query that sees no key: padding, and free)
+            new, lens, keys, values = np.zeros(batch, np.int64), None, None, None
+        else:
+            new = np.minimum(rng.integers(0, width + 1, size=batch), room)
+            if appends == "all":
+                if room.min() < width:
+                    continue
+                new = np.full(batch, width)
+            lens = None if appends == "all" else new
+            keys = rng.standard_normal((batch, width, key_size)).astype(np.float32)
+            values = rng.standard_normal((batch, width, value_size)).astype(np.float32)
+        queries = rng.standard_normal((batch, width, query_size)).astype(np.float32)
+        if layer["self_attention"] and keys is not None:
+            keys = values = queries
+        call = {}
+        if "bias" in extras:
+            call["bias"] = rng.standard_normal((1, layer["num_heads"], width, max_length))
+        if "head_mask" in extras:
+            call["head_mask"] = rng.random(layer["num_heads"])
+        if "positions" in extras and "rotary" in layer["options"]:
+            call["positions"] = rng.integers(0, 20, size=(batch, width))
+        call = {
+            name: np.asarray(x, np.int64 if name == "positions" else np.float32)
+            for name, x in call.items()
+        }
+        expected, _, after = spec.reference_cached_forward(
+            weights, queries, keys, values, held, lens, causal=causal, **call, **reference
+        )
+        native = {
+            name: runner.native_lens(x) if name == "positions" else runner.to_native(x)
+            for name, x in call.items()
+        }
+        arrays = [None if x is None else runner.to_native(x) for x in (queries, keys, values)]
+        if keys is queries:
+            arrays = [arrays[0]] * 3
+        result = runner.forward(
+            made, *arrays, runner.native_lens(lens), cache=cache, causal=causal, **native
+        )
+        output, cache = result[0], result[-1]
+        history.append(cache)
+        # Padding queries' rows are free; with nothing appended every query is real.
+        counted = new if appends != "none" else np.full(batch, width)
+        real = np.arange(width)[None, :] < counted[:, None]
+        assert_as_reference(runner.to_numpy(output)[real], expected[real], "output")
+        got = [runner.to_numpy(x) for x in cache]
+        np.testing.assert_array_equal(got[2], after.lengths)
+        kept = np.arange(max_length)[None, None, :, None] < after.lengths[:, None, None, None]
+        for name, array, want in zip(("keys", "values"), got, after, strict=False):
+            assert_as_reference(np.where(kept, array, 0), np.where(kept, want, 0), name)
