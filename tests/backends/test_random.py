@@ -158,6 +158,29 @@ def built(runner, layer: dict, seed: int):
     return weights, runner.set_weights(made, weights), {**heads, **layer["options"]}
 
 
+def call_arguments(runner, rng, extras, layer: dict, sizes: tuple[int, int, int]):
+    """The call's ``bias``, ``head_mask`` and (a rotary layer's) ``positions`` named in
+    ``extras``, for ``sizes`` ``(B, Q, K)`` (``K``: a cache's ``max_length``): as numpy
+    for the reference, and as the backend's arrays."""
+    batch, num_queries, num_keys = sizes
+    call = {}
+    if "bias" in extras:
+        call["bias"] = rng.standard_normal((1, layer["num_heads"], num_queries, num_keys))
+    if "head_mask" in extras:
+        call["head_mask"] = rng.random(layer["num_heads"])
+    if "positions" in extras and "rotary" in layer["options"]:
+        call["positions"] = rng.integers(0, 20, size=(batch, num_queries))
+    call = {
+        name: np.asarray(x, np.int64 if name == "positions" else np.float32)
+        for name, x in call.items()
+    }
+    native = {
+        name: runner.native_lens(x) if name == "positions" else runner.to_native(x)
+        for name, x in call.items()
+    }
+    return call, native
+
+
 def assert_as_reference(got, expected, what):
     """The reference's NaN pattern, and its finite numbers within float32's error."""
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected), err_msg=what)
@@ -202,24 +225,10 @@ def test_random_heads_options_and_call_arguments_match_reference(
     if lens_kind != "none":
         lens_shape = (batch,) if lens_kind == "1d" else (batch, num_queries)
         lens = rng.integers(-1, num_keys + 2, size=lens_shape)
-    call = {}
-    if "bias" in extras:
-        call["bias"] = rng.standard_normal((1, layer["num_heads"], num_queries, num_keys))
-    if "head_mask" in extras:
-        call["head_mask"] = rng.random(layer["num_heads"])
-    if "positions" in extras and "rotary" in layer["options"]:
-        call["positions"] = rng.integers(0, 20, size=(batch, num_queries))
-    call = {
-        name: np.asarray(x, np.int64 if name == "positions" else np.float32)
-        for name, x in call.items()
-    }
+    call, native = call_arguments(runner, rng, extras, layer, (batch, num_queries, num_keys))
     expected, expected_weights = spec.reference_forward(
         weights, *inputs, lens, causal=causal, **call, **reference
     )
-    native = {
-        name: runner.native_lens(x) if name == "positions" else runner.to_native(x)
-        for name, x in call.items()
-    }
     arrays = [runner.to_native(x) for x in inputs]
     if layer["self_attention"]:
         arrays = [arrays[0]] * 3
@@ -308,24 +317,10 @@ def test_random_cached_calls_match_reference(runner, layer, batch, max_length, c
         queries = rng.standard_normal((batch, width, query_size)).astype(np.float32)
         if layer["self_attention"] and keys is not None:
             keys = values = queries
-        call = {}
-        if "bias" in extras:
-            call["bias"] = rng.standard_normal((1, layer["num_heads"], width, max_length))
-        if "head_mask" in extras:
-            call["head_mask"] = rng.random(layer["num_heads"])
-        if "positions" in extras and "rotary" in layer["options"]:
-            call["positions"] = rng.integers(0, 20, size=(batch, width))
-        call = {
-            name: np.asarray(x, np.int64 if name == "positions" else np.float32)
-            for name, x in call.items()
-        }
+        call, native = call_arguments(runner, rng, extras, layer, (batch, width, max_length))
         expected, _, after = spec.reference_cached_forward(
             weights, queries, keys, values, held, lens, causal=causal, **call, **reference
         )
-        native = {
-            name: runner.native_lens(x) if name == "positions" else runner.to_native(x)
-            for name, x in call.items()
-        }
         arrays = [None if x is None else runner.to_native(x) for x in (queries, keys, values)]
         if keys is queries:
             arrays = [arrays[0]] * 3
