@@ -612,11 +612,22 @@ def check_inputs(
     if valid_lens_shape is not None:
         lens_shape = tuple(valid_lens_shape)
         num_queries = shapes[0][1]
-        if lens_shape not in ((batch,), (batch, num_queries)):
+        if not _one_of(lens_shape, (batch,), (batch, num_queries)):
             raise ValueError(
                 f"valid_lens must have shape (batch,) = ({batch},) or "
                 f"(batch, num_queries) = ({batch}, {num_queries}); got {lens_shape}"
             )
+
+
+def _one_of(shape: tuple[Any, ...], *allowed: tuple[Any, ...]) -> bool:
+    """Whether ``shape`` equals one of the ``allowed`` shapes.
+
+    Compared one shape at a time with ``==``: ``torch.compile`` traces ``x
+    in (a, b)`` as false where a size in it is symbolic (once the queries'
+    length varies) and the equal size it meets is not, so a call's valid
+    ``positions``, ``head_mask``, lengths or ``bias`` was refused there.
+    """
+    return any(shape == candidate for candidate in allowed)
 
 
 def check_valid_lens_dtype(kind: str) -> None:
@@ -937,7 +948,7 @@ def check_positions(
     if positions_kind not in "iu":
         raise TypeError(f"positions must be integers; got dtype kind {positions_kind!r}")
     shape = tuple(positions_shape)
-    if shape not in ((batch, num_queries), (1, num_queries)):
+    if not _one_of(shape, (batch, num_queries), (1, num_queries)):
         raise ValueError(
             f"positions must have shape (batch, num_queries) = ({batch}, {num_queries}) "
             f"or (1, {num_queries}); got {shape}"
@@ -973,7 +984,9 @@ def check_bias(
     shape = tuple(bias_shape)
     target = (batch, num_heads, num_queries, num_keys)
     if len(shape) > 4 or any(
-        size not in (1, full) for size, full in zip(shape[::-1], target[::-1], strict=False)
+        # (Compared one by one: see _one_of.)
+        not (size == 1 or size == full)
+        for size, full in zip(shape[::-1], target[::-1], strict=False)
     ):
         raise ValueError(
             "bias must be broadcastable to (batch, num_heads, num_queries, num_keys) = "
@@ -2124,7 +2137,7 @@ def check_head_mask(
             f"head_mask must be a floating-point array; got dtype kind {head_mask_kind!r}"
         )
     shape = tuple(head_mask_shape)
-    if shape not in ((num_heads,), (batch, num_heads)):
+    if not _one_of(shape, (num_heads,), (batch, num_heads)):
         raise ValueError(
             f"head_mask must have shape (num_heads,) = ({num_heads},) or (batch, num_heads) = "
             f"({batch}, {num_heads}); got {shape}"

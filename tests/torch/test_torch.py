@@ -124,6 +124,37 @@ def test_torch_compile_matches_reference(runner, cases, name, compiler):
     np.testing.assert_allclose(weights, case.reference["attention_weights"], atol=5e-6)
 
 
+@pytest.mark.parametrize("argument", ["positions", "head_mask", "lens_1d", "lens_2d", "bias"])
+def test_a_compiled_layer_takes_valid_arguments_once_lengths_vary(compiler, argument):
+    """Once the queries' length has varied, ``torch.compile`` traces it as a symbol;
+    a call's argument of a matching shape (positions ``(B, Q)``, gates ``(B, H)``,
+    lengths ``(B,)`` or ``(B, Q)``, a bias ``(1, H, Q, K)``) must still be taken,
+    with the reference's numbers (the shape checks compare sizes one by one)."""
+    weights = init_weights(8, seed=31)
+    layer = set_weights(MultiHeadAttention(8, 2, rotary={"theta": 100.0}), weights).eval()
+    compiled = compiler(layer, fullgraph=True)
+    rng = np.random.default_rng(31)
+    for length in (2, 3):  # (the queries' length is a symbol from here on)
+        x = torch.from_numpy(rng.standard_normal((3, length, 8)).astype(np.float32))
+        with torch.no_grad():
+            compiled(x, x, x)
+    x = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    given = {
+        "positions": {"positions": np.array([[4, 5], [0, 1], [7, 9]])},
+        "head_mask": {"head_mask": rng.random((3, 2)).astype(np.float32)},
+        "lens_1d": {"valid_lens": np.array([1, 2, 0])},
+        "lens_2d": {"valid_lens": np.array([[1, 2], [0, 1], [2, 2]])},
+        "bias": {"bias": rng.standard_normal((1, 2, 2, 2)).astype(np.float32)},
+    }[argument]
+    expected, _ = spec.reference_forward(
+        weights, x, x, x, num_heads=2, rotary={"theta": 100.0}, **given
+    )
+    t = torch.from_numpy(x)
+    with torch.no_grad():
+        out = compiled(t, t, t, **{name: torch.from_numpy(a) for name, a in given.items()})
+    np.testing.assert_allclose(out.numpy(), expected, atol=5e-6)
+
+
 def _kernel_ran(run):
     """``run()``, and whether SDPA ran in it, as PyTorch's profiler records its ops."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
