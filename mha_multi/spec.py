@@ -625,7 +625,7 @@ def _one_of(shape: tuple[Any, ...], *allowed: tuple[Any, ...]) -> bool:
     Compared one shape at a time with ``==``: ``torch.compile`` traces ``x
     in (a, b)`` as false where a size in it is symbolic (once the queries'
     length varies) and the equal size it meets is not, so a call's valid
-    ``positions``, ``head_mask``, lengths or ``bias`` was refused there.
+    ``positions``, lengths or ``bias`` was refused there.
     """
     return any(shape == candidate for candidate in allowed)
 
