@@ -9,6 +9,15 @@ from hypothesis import strategies as st
 from mha_multi import spec
 from mha_multi.weights import init_weights
 
+#: The settings of every test here. The example count comes from the hypothesis
+#: profile (conftest.py): a few dozen in the default run, many more in the
+#: opt-in ``exhaustive`` session.
+RANDOMISED = settings(
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
 
 @st.composite
 def configurations(draw):
@@ -47,13 +56,7 @@ def configurations(draw):
     }
 
 
-@settings(
-    # The example count comes from the hypothesis profile (conftest.py): a few
-    # dozen in the default run, many more in the opt-in ``exhaustive`` session.
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@RANDOMISED
 @given(config=configurations())
 def test_random_configurations_match_reference(runner, config):
     rng = np.random.default_rng(config["seed"])
@@ -188,11 +191,7 @@ def assert_as_reference(got, expected, what):
     np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-5, atol=2e-5, err_msg=what)
 
 
-@settings(
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@RANDOMISED
 @given(
     layer=layers(),
     shape=st.tuples(st.integers(1, 3), st.integers(1, 5), st.integers(1, 5)),
@@ -264,11 +263,7 @@ def test_random_heads_options_and_call_arguments_match_reference(
         assert_as_reference(got[name], gradient, f"gradient of {name}")
 
 
-@settings(
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@RANDOMISED
 @given(
     layer=layers(),
     batch=st.integers(1, 3),
