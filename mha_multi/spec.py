@@ -63,6 +63,7 @@ __all__ = [
     "lens_as_numpy",
     "check_valid_lens_dtype",
     "is_low_precision",
+    "magnitude_limit",
     "masked_softmax",
     "plan_kernel",
     "reads_values",
@@ -1671,14 +1672,18 @@ def reads_values(on_host: bool, num_queries: int, num_keys: int) -> bool:
     return on_host or num_queries * num_keys >= DEVICE_READ_SCORES
 
 
+def magnitude_limit(head_dim: int) -> float:
+    """The bound on ``max|q| * max|k|`` below which every score lies within
+    :data:`FUSED_SCORE_LIMIT`: ``|q . k| / sqrt(head_dim) <= sqrt(head_dim) *
+    max|q| * max|k|`` (Cauchy-Schwarz, per element)."""
+    return FUSED_SCORE_LIMIT / math.sqrt(head_dim)
+
+
 def scores_within_limit(query_max: float, key_max: float, head_dim: int) -> bool:
     """Whether every score of queries and keys of these largest magnitudes
-    (``max|q|``, ``max|k|``) lies within :data:`FUSED_SCORE_LIMIT`.
-
-    ``|q . k| / sqrt(head_dim) <= sqrt(head_dim) * max|q| * max|k|``
-    (Cauchy-Schwarz, per element). A NaN magnitude fails.
-    """
-    return query_max * key_max < FUSED_SCORE_LIMIT / math.sqrt(head_dim)
+    (``max|q|``, ``max|k|``) lies within :data:`FUSED_SCORE_LIMIT`
+    (:func:`magnitude_limit`). A NaN magnitude fails."""
+    return query_max * key_max < magnitude_limit(head_dim)
 
 
 @_decided_once(canonical=_plan_relations)

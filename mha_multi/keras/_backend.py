@@ -178,7 +178,7 @@ def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:
     """
     if not values_readable(q):
         return None
-    return bool(as_numpy(values_within(q, k, v, spec.FUSED_SCORE_LIMIT / math.sqrt(head_dim))))
+    return bool(as_numpy(values_within(q, k, v, spec.magnitude_limit(head_dim))))
 
 
 def _host(x: Any) -> np.ndarray | None:

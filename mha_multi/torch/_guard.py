@@ -11,7 +11,6 @@ imports nothing of it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,7 +68,7 @@ class GuardedKernel:
         # Scores within the limit where SDPA's added mask meets the spec's
         # replaced one (spec.scores_within_limit).
         q, k = arrays[0], arrays[1]
-        bound = spec.FUSED_SCORE_LIMIT / math.sqrt(head_dim)
+        bound = spec.magnitude_limit(head_dim)
         exact = exact & (largest_magnitude(q) * largest_magnitude(k) < bound)
         if bias is not None:
             exact = exact & (bias.detach().abs() <= BIAS_LIMIT).all()  # a NaN fails the limit too
