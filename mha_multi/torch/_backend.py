@@ -25,9 +25,12 @@ from mha_multi import call, spec
 from mha_multi.torch._cache import (
     CacheCheck,
     Written,
+    extremes,
     finite_sum,
     from_host,
-    largest_magnitude,
+    larger,
+    magnitude_of,
+    read_together,
     versioned,
     writes_in_place,
 )
@@ -164,11 +167,6 @@ SDPA = spec.FusedKernel(
     takes_grouped_heads=tuple(int(n) for n in re.findall(r"\d+", str(torch.__version__))[:2])
     >= (2, 5),
 )
-
-
-def _largest(a: float, b: float) -> float:
-    """The larger of two magnitudes, NaN where either is (Python's ``max`` is not)."""
-    return a + b if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _tensor_beside(name: str, x: Any, like: torch.Tensor, shape: str) -> torch.Tensor:
@@ -507,33 +505,30 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
             keys_read = k[:, :, min(check.key_upto, num_keys) :]
         reads = [total]
         if bounded:
-            reads += [largest_magnitude(q), largest_magnitude(keys_read)]
+            reads += [*extremes(q), *extremes(keys_read)]
         if bias is not None:
             reads.append(bias.detach().abs().max())  # a NaN max fails the limit too
         if valid_lens is not None and shortest is None:
-            reads.append(valid_lens.min())
-        # One transfer. float64 keeps the order of every length (int64 ones
-        # round monotonically).
-        read = (
-            [total.item()] if len(reads) == 1 else torch.stack([x.double() for x in reads]).tolist()
-        )
+            reads.append(valid_lens.detach().min())
+        read = read_together(reads)  # (one transfer)
         finite = math.isfinite(read[0])
         if check is not None:
             # What the next call of this cache trusts: everything below
             # ``upto`` finite, or (a non-finite query too) not known to be.
             check.poison = None if finite else total * 0.0
         if bounded:
-            largest_key = read[2]
+            largest_key = magnitude_of(read[3], read[4])
             if check is not None:
                 # And the largest key below the attended positions.
                 if check.key_upto < num_keys:
-                    largest_key = _largest(check.key_max, largest_key)
+                    largest_key = larger(check.key_max, largest_key)
                     check.key_max, check.key_upto = largest_key, num_keys
                 else:
                     largest_key = check.key_max
-            finite = finite and spec.scores_within_limit(read[1], largest_key, heads.head_dim)
+            largest_query = magnitude_of(read[1], read[2])
+            finite = finite and spec.scores_within_limit(largest_query, largest_key, heads.head_dim)
         if bias is not None:
-            finite = finite and read[3 if bounded else 1] <= BIAS_LIMIT
+            finite = finite and read[5 if bounded else 1] <= BIAS_LIMIT
         if valid_lens is None:
             return finite, None
         return finite, read[-1] if shortest is None else shortest

@@ -12,6 +12,7 @@ the facts (:mod:`mha_multi.torch._backend`) and imports nothing of them.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from typing import Any
 
@@ -25,10 +26,14 @@ __all__ = [
     "CacheCheck",
     "Written",
     "covering",
+    "extremes",
     "finite_sum",
     "from_host",
+    "larger",
     "largest_magnitude",
+    "magnitude_of",
     "poison_of",
+    "read_together",
     "versioned",
     "writes_in_place",
     "written_step",
@@ -362,6 +367,37 @@ def largest_magnitude(x: torch.Tensor) -> torch.Tensor:
     if not x.numel():
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return torch.maximum(x.amax(), -x.amin()).float()
+
+
+def extremes(x: torch.Tensor) -> list[torch.Tensor]:
+    """``[max(x), min(x)]``, 0-d on ``x``'s device (zeros for no elements; NaN where
+    ``x`` holds one), for a read that takes ``max|x|`` on the host
+    (:func:`magnitude_of`): two reductions, where :func:`largest_magnitude`
+    makes five kernels, each a launch on a GPU."""
+    x = x.detach()
+    if not x.numel():
+        return [torch.zeros((), dtype=x.dtype, device=x.device)] * 2
+    return [x.amax(), x.amin()]
+
+
+def larger(a: float, b: float) -> float:
+    """The larger of two magnitudes, NaN where either is (Python's ``max`` is not)."""
+    return a + b if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def magnitude_of(largest: float, smallest: float) -> float:
+    """``max|x|`` from :func:`extremes` read to the host."""
+    return larger(abs(largest), abs(smallest))
+
+
+def read_together(reads: list[torch.Tensor]) -> list[float]:
+    """0-d tensors of any dtypes on one device, read to the host in one transfer as
+    float64 (which holds every length a tensor can have exactly): one stack, no cast
+    of its own per tensor."""
+    if len(reads) == 1:
+        return [reads[0].item()]
+    out = torch.empty(len(reads), dtype=torch.float64, device=reads[0].device)
+    return torch.stack(reads, out=out).tolist()
 
 
 def poison_of(*tensors: torch.Tensor) -> torch.Tensor:

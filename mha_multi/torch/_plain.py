@@ -23,7 +23,13 @@ from typing import Any, NamedTuple
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import CacheCheck, largest_magnitude, written_step
+from mha_multi.torch._cache import (
+    CacheCheck,
+    extremes,
+    magnitude_of,
+    read_together,
+    written_step,
+)
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 
@@ -188,9 +194,8 @@ class PlainRoute:
         total = projected.sum(dtype=torch.float32)
         if not plan.bounded:
             return math.isfinite(total.item())
-        total, largest_q, largest_k = torch.stack(
-            [total, largest_magnitude(q), largest_magnitude(k)]
-        ).tolist()
+        total, *q_k = read_together([total, *extremes(q), *extremes(k)])
+        largest_q, largest_k = magnitude_of(*q_k[:2]), magnitude_of(*q_k[2:])
         return math.isfinite(total) and spec.scores_within_limit(largest_q, largest_k, head_dim)
 
     @staticmethod
