@@ -211,6 +211,13 @@ class Facts:
         (elsewhere the plan reads only where :func:`mha_multi.spec.reads_values` says)."""
         return True
 
+    def records_gradient(self, q: Array) -> bool:
+        """Whether a gradient is recorded through the projection ``q``, so that the
+        generic path keeps its ``(B, H, Q, K)`` weights for the backward pass
+        (:func:`mha_multi.spec.reads_values`); ``True`` where the framework
+        cannot tell."""
+        return True
+
     def plan_values(
         self,
         q: Array,
@@ -696,7 +703,7 @@ def plan(
     optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
     if not optimistic.fused:
         return optimistic
-    _, num_queries, num_keys = settings["sizes"]
+    batch, num_queries, num_keys = settings["sizes"]
     # Keys hidden whatever the lengths.
     hides_keys = (
         optimistic.is_causal
@@ -704,7 +711,10 @@ def plan(
         or optimistic.window_flag
         or optimistic.mask_window
     )
-    if not spec.reads_values(facts.on_host(q), num_queries, num_keys):
+    total_scores = (
+        None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys
+    )
+    if not spec.reads_values(facts.on_host(q), num_queries, num_keys, total_scores=total_scores):
         exact, shortest = None, None  # a read would wait for the device
     elif options.bias is None:
         exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, hides_keys=hides_keys)

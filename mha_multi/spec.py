@@ -39,6 +39,7 @@ __all__ = [
     "CacheFill",
     "SPAN_BUCKET",
     "DEVICE_READ_SCORES",
+    "DEVICE_READ_TOTAL_SCORES",
     "KernelPlan",
     "NumpyDtypes",
     "NumpyOps",
@@ -1656,20 +1657,33 @@ def _plan_relations(settings: dict[str, Any]) -> dict[str, Any]:
 #: its projections to the host to choose the fused kernel (:func:`reads_values`).
 DEVICE_READ_SCORES = 1 << 16
 
+#: Scores in all (``B * H * Q * K``) from which an eager call on an accelerator
+#: that records no gradient reads (:func:`reads_values`).
+DEVICE_READ_TOTAL_SCORES = 1 << 26
 
-def reads_values(on_host: bool, num_queries: int, num_keys: int) -> bool:
+
+def reads_values(
+    on_host: bool, num_queries: int, num_keys: int, *, total_scores: int | None = None
+) -> bool:
     """Whether an eager call reads its projections to plan (``values_exact``,
     one transfer), its arrays on the host (``on_host``) or an accelerator.
 
     On the host always: nothing waits. On an accelerator the transfer waits
     for every kernel queued before it, so only where a head's scores are
     many (:data:`DEVICE_READ_SCORES`): there the fused kernel saves more than
-    that wait costs and never holds the ``(B, H, Q, K)`` scores. Below it (a
-    decoding step, a short call) nothing is read, the generic path runs,
-    and the forward never synchronises (docs: "Fast paths", measured on an
-    H100 on the results page).
+    that wait costs and never holds the ``(B, H, Q, K)`` scores. A call that
+    records no gradient gives its ``total_scores`` (``B * H * Q * K``): its
+    generic path holds them only while it runs, and reads only from
+    :data:`DEVICE_READ_TOTAL_SCORES`, where the kernel's time saved first
+    outweighs the wait. Below it (a decoding step, a short call) nothing is
+    read, the generic path runs, and the forward never synchronises (docs:
+    "Fast paths", measured on an H100 on the results page).
     """
-    return on_host or num_queries * num_keys >= DEVICE_READ_SCORES
+    if on_host:
+        return True
+    if num_queries * num_keys < DEVICE_READ_SCORES:
+        return False
+    return total_scores is None or total_scores >= DEVICE_READ_TOTAL_SCORES
 
 
 def magnitude_limit(head_dim: int) -> float:

@@ -6,10 +6,10 @@ ways in turns (``ROUNDS`` rounds, the median of each way's calls, each call
 followed by ``torch.cuda.synchronize()``):
 
 - ``default``: as the layer runs it (below ``spec.DEVICE_READ_SCORES``
-  scores per head the generic path without any read, above it one read and
-  SDPA);
-- ``read``: the read and SDPA at every shape (the threshold set to 0), so
-  that the read's worth is measured below the threshold too;
+  scores per head or ``spec.DEVICE_READ_TOTAL_SCORES`` in all the generic
+  path without any read, above both one read and SDPA);
+- ``read``: the read and SDPA at every shape (both thresholds set to 0), so
+  that the read's worth is measured below them too;
 - ``sum only``: the same, with the largest query and key that the read
   carries where a key may be hidden replaced by zeros, which costs the read
   two reductions fewer (what the bound on the scores costs; its numbers are
@@ -78,12 +78,17 @@ def ways() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     def sum_only(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=x.device)
 
+    def always() -> contextlib.AbstractContextManager:
+        return _stacked(
+            mock.patch.object(spec, "DEVICE_READ_SCORES", 0),
+            mock.patch.object(spec, "DEVICE_READ_TOTAL_SCORES", 0),
+        )
+
     return {
         "default": contextlib.nullcontext,
-        "read": lambda: mock.patch.object(spec, "DEVICE_READ_SCORES", 0),
+        "read": always,
         "sum only": lambda: _stacked(
-            mock.patch.object(spec, "DEVICE_READ_SCORES", 0),
-            mock.patch.object(_backend, "largest_magnitude", sum_only),
+            always(), mock.patch.object(_backend, "extremes", lambda x: [sum_only(x)] * 2)
         ),
         "generic": lambda: _stacked(
             mock.patch.object(FACTS, "kernel", None),

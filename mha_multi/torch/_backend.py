@@ -437,6 +437,9 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
     def on_host(self, q: torch.Tensor) -> bool:
         return q.is_cpu
 
+    def records_gradient(self, q: torch.Tensor) -> bool:
+        return q.requires_grad
+
     def plan_values(
         self,
         q: torch.Tensor,

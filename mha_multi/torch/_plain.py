@@ -135,7 +135,8 @@ class PlainRoute:
             # The generic flow's span (spec.CacheFill.span), which decides its read too.
             keys = cache.keys
             span = spec.rounded_span(check.uniform + 1, keys.shape[2], self.span_bucket_of(keys))
-            if spec.reads_values(on_host, 1, span):
+            total_scores = keys.shape[0] * heads.num_heads * span  # (no gradient here)
+            if spec.reads_values(on_host, 1, span, total_scores=total_scores):
                 return None
         # Self-attention's three projections are one product: one pass reads them all.
         if plan.fused:
@@ -275,7 +276,9 @@ class PlainRoute:
             )
             batch, num_queries = queries.shape[:2]
             sizes, lens_ndim, shortest = (batch, num_queries, num_queries), None, None
-            reads = spec.reads_values(on_host, num_queries, num_queries)
+            # (The route records no gradient.)
+            total_scores = batch * heads.num_heads * num_queries * num_queries
+            reads = spec.reads_values(on_host, num_queries, num_queries, total_scores=total_scores)
         else:
             call.check_cached_call(
                 self, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype

@@ -447,6 +447,17 @@ def test_a_call_on_an_accelerator_reads_its_values_only_where_its_scores_are_man
         assert spec.reads_values(False, num_queries, num_keys)
 
 
+def test_a_call_recording_no_gradient_reads_only_where_its_scores_in_all_are_many():
+    # Recording no gradient, from 2**26 scores in all as well: two examples of 2048
+    # positions and 8 heads, not one example, nor four of 1024 positions.
+    assert spec.DEVICE_READ_TOTAL_SCORES == 1 << 26
+    for batch, length in ((2, 2048), (8, 2048), (1, 8192)):
+        assert spec.reads_values(False, length, length, total_scores=batch * 8 * length**2)
+    for batch, length in ((1, 2048), (4, 1024), (8, 512), (1 << 20, 255)):
+        assert not spec.reads_values(False, length, length, total_scores=batch * 8 * length**2)
+    assert spec.reads_values(True, 1, 1, total_scores=1)  # the host reads at every call
+
+
 def test_kernel_plan_repeats_grouped_heads_only_for_kernels_without_groups():
     facts = {"sizes": (1, 2, 2), "lens_ndim": None, "values_exact": True, "grouped": True}
     assert spec.plan_kernel(SDPA_LIKE, **facts).repeat_kv

@@ -329,6 +329,8 @@ def test_a_long_forward_on_gpu_reads_once_for_the_kernel(gpu, edit, num_kv_heads
     non-finite pattern for any NaN or inf. A float32 key/value head shared by
     both query heads reaches SDPA repeated (``repeats_grouped_heads``)."""
     heads = {"num_heads": 2, "num_kv_heads": num_kv_heads}
+    # A call that records no gradient reads from these scores in all (B * H * Q * K).
+    monkeypatch.setattr(spec, "DEVICE_READ_TOTAL_SCORES", 2 * 2 * 256 * 256)
     weights = init_weights(8, **heads, seed=24)
     layer = MultiHeadAttention(8, 2, num_kv_heads=num_kv_heads, device=backend.device(gpu))
     layer = set_weights(layer, weights).eval()
@@ -421,7 +423,7 @@ def test_rows_written_by_a_call_that_reads_nothing_reach_a_later_read(monkeypatc
             x, y = torch.from_numpy(chunk), torch.from_numpy(chunk.copy())
             with monkeypatch.context() as patch:
                 if end < 5:
-                    patch.setattr(spec, "reads_values", lambda *sizes: False)
+                    patch.setattr(spec, "reads_values", lambda *sizes, **scores: False)
                 (out, cache), ran = _kernel_ran(
                     lambda x=x, y=y, cache=cache: layer(x, y, y, causal=True, cache=cache)
                 )
@@ -709,14 +711,22 @@ def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(
 
 
 @pytest.mark.parametrize(
-    "num_queries, nan", [(5, False), (5, True), (256, False)], ids=["short", "NaN", "long"]
+    "num_queries, nan, many_in_all",
+    [(5, False, True), (5, True, True), (256, False, True), (256, False, False)],
+    ids=["short", "NaN", "long", "long, few in all"],
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_plain_self_attention_on_a_gpu_reads_only_where_scores_are_many(num_queries, nan, causal):
-    """On a GPU a call whose heads hold fewer than ``spec.DEVICE_READ_SCORES`` scores
+def test_plain_self_attention_on_a_gpu_reads_only_where_scores_are_many(
+    num_queries, nan, many_in_all, causal, monkeypatch
+):
+    """On a GPU a call whose heads hold fewer than ``spec.DEVICE_READ_SCORES`` scores,
+    or (recording no gradient) fewer than ``spec.DEVICE_READ_TOTAL_SCORES`` in all,
     takes the route's generic path, reading nothing and making no tensor of host data
-    (a NaN input too: the reference's NaN rows); a longer one reads once and runs SDPA.
-    The generic flow's output to the bit, and the reference's numbers."""
+    (a NaN input too: the reference's NaN rows); a longer one reads once and runs SDPA
+    (``many_in_all``: the scores in all read from set to this call's). The generic
+    flow's output to the bit, and the reference's numbers."""
+    if many_in_all:
+        monkeypatch.setattr(spec, "DEVICE_READ_TOTAL_SCORES", 2 * 4 * num_queries**2)
     heads = {"num_heads": 4, "num_kv_heads": 2}
     weights = init_weights(16, bias=True, seed=23, **heads)
     layer = set_weights(MultiHeadAttention(16, bias=True, **heads), weights).eval()
@@ -727,7 +737,10 @@ def test_plain_self_attention_on_a_gpu_reads_only_where_scores_are_many(num_quer
         weights, *(x.astype(np.float64),) * 3, causal=causal, **heads
     )
     x = torch.from_numpy(x)
-    short = num_queries**2 < spec.DEVICE_READ_SCORES
+    short = not spec.reads_values(
+        False, num_queries, num_queries, total_scores=2 * 4 * num_queries**2
+    )
+    assert short == (num_queries == 5 or not many_in_all)
     with backend.as_if_on_a_gpu(), torch.no_grad():
         layer(x, x, x, causal=causal)  # (the first call of a shape runs the checks)
         spies = answered_calls(), backend.kernel_spy(), recording_host_moves()

@@ -546,14 +546,18 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
     ids=["mha", "gqa", "after a prefill that reads"],
 )
 def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
-    heads, prompt_length, max_length
+    heads, prompt_length, max_length, monkeypatch
 ):
     """On a GPU a step's finiteness read would wait for the device: the route runs the
     generic path's attention over the filled positions rounded up to the span bucket
     (64, then the whole cache of 80), reading nothing and making no tensor of host data;
     the generic flow's outputs and cache to the bit, and the reference's numbers. A
-    prefill of 300 positions reads (its 300 queries see a span of 320): its check
+    prefill of 300 positions reads (its 300 queries see a span of 320, and the scores
+    in all that a call recording no gradient reads from are set to its own): its check
     stands for 20 positions more than are filled, and the steps take the route too."""
+    span = spec.rounded_span(prompt_length, max_length, spec.SPAN_BUCKET)
+    prefill_scores = 3 * heads["num_heads"] * prompt_length * span
+    monkeypatch.setattr(spec, "DEVICE_READ_TOTAL_SCORES", prefill_scores)
     weights, layer = self_attention(heads, seed=13)
     prompt = np.random.default_rng(13).standard_normal((3, prompt_length, NUM_HIDDENS))
 
@@ -576,8 +580,9 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
         with torch.no_grad(), answered_calls() as last, recording_host_moves() as moved:
             layer(y, y, y, causal=True, cache=fast_caches[-1])
     assert answers == [False] + [True] * 6 and last == [True]
-    span = spec.rounded_span(prompt_length, max_length, spec.SPAN_BUCKET)
-    assert len(calls) == (prompt_length * span >= spec.DEVICE_READ_SCORES)  # the prefill's
+    prefill_reads = spec.reads_values(False, prompt_length, span, total_scores=prefill_scores)
+    assert prefill_reads == (prompt_length == 300)
+    assert len(calls) == prefill_reads  # the prefill's
     assert moved == []
 
 
