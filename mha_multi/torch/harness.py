@@ -191,7 +191,8 @@ def as_if_on_a_gpu() -> Iterator[None]:
     """PyTorch's facts told that every tensor is on a GPU, while active.
 
     Nothing is on the host, so an eager call reads no value below
-    :data:`mha_multi.spec.DEVICE_READ_SCORES` scores, and a cache's span is
+    :data:`mha_multi.spec.DEVICE_READ_SCORES` scores per head (or, recording
+    no gradient, :data:`mha_multi.spec.DEVICE_READ_TOTAL_SCORES` in all), and a cache's span is
     rounded up to :data:`mha_multi.spec.SPAN_BUCKET`, as for CUDA tensors:
     on the CPU, a call runs the operations it would run on a GPU (the tests
     of what waits for a GPU, and the host time of a GPU's decoding step,
