@@ -436,6 +436,9 @@ class KerasFacts(call.Facts):
         # A traced tensor is read nowhere (values_exact answers None).
         return not values_readable(q) or device_of(q) == "cpu"
 
+    def records_gradient(self, q: Tensor) -> bool:
+        return active().records_gradient(q)
+
 
 #: The facts every Keras layer's call is driven with.
 FACTS = KerasFacts()

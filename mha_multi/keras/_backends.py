@@ -50,6 +50,11 @@ class _Backend:
     def values_readable(self, x: Tensor) -> bool:
         raise NotImplementedError
 
+    def records_gradient(self, x: Tensor) -> bool:
+        """Whether a gradient is recorded through ``x``: ``True`` where the array
+        cannot tell (TensorFlow's tapes and JAX's traces record outside it)."""
+        return True
+
     def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         """The gradient of the scalar ``function(x)`` with respect to ``x``, eagerly."""
         raise NotImplementedError
@@ -277,6 +282,9 @@ class _Torch(_Backend):
 
     def values_readable(self, x: Tensor) -> bool:
         return not self.torch.compiler.is_compiling()
+
+    def records_gradient(self, x: Tensor) -> bool:
+        return x.requires_grad
 
     def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         x = x.detach().requires_grad_(True)

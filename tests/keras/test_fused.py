@@ -277,12 +277,28 @@ def test_scores_below_the_mask_value_take_the_generic_path(runner):
     np.testing.assert_allclose(out, expected, atol=5e-6)
 
 
+@pytest.mark.parametrize("recording", [True, False], ids=["recording", "no gradient"])
 @pytest.mark.parametrize("length", [16, 256])
-def test_on_a_gpu_only_a_call_with_many_scores_reads_its_values(runner, monkeypatch, length):
+def test_on_a_gpu_only_a_call_with_many_scores_reads_its_values(
+    runner, monkeypatch, length, recording
+):
     """A read waits for a GPU (here the facts are told the tensors are on one):
     only a call whose heads hold ``DEVICE_READ_SCORES`` scores reads the values
-    for the kernel; a shorter one takes the generic path without reading."""
+    for the kernel; a shorter one takes the generic path without reading. On
+    PyTorch a call under ``torch.no_grad()`` records no gradient, and its 2 x 2 x
+    256 x 256 scores in all are fewer than ``DEVICE_READ_TOTAL_SCORES``: it reads
+    nothing either. TensorFlow and JAX do not tell, and read as when recording."""
+    import contextlib
+
     from mha_multi.keras import _backend as facts
+
+    records = recording or backend.BACKEND != "torch"
+    if records:
+        no_gradient = contextlib.nullcontext()
+    else:
+        import torch
+
+        no_gradient = torch.no_grad()
 
     reads = []
     within = facts.values_within
@@ -292,9 +308,10 @@ def test_on_a_gpu_only_a_call_with_many_scores_reads_its_values(runner, monkeypa
     layer = runner.set_weights(runner.make_layer(8, 2), weights)
     x = np.random.default_rng(25).standard_normal((2, length, 8)).astype(np.float32)
     lens = np.array([length, length // 2])
-    with runner.kernel_spy() as calls:
+    with runner.kernel_spy() as calls, no_gradient:
         out = eager(layer, x, x, x, lens)
-    read = FUSED and length * length >= spec.DEVICE_READ_SCORES
+    assert 2 * 2 * length * length < spec.DEVICE_READ_TOTAL_SCORES
+    read = FUSED and length * length >= spec.DEVICE_READ_SCORES and records
     assert len(reads) == len(calls) == int(read)
     expected, _ = spec.reference_forward(weights, x, x, x, lens, num_heads=2)
     np.testing.assert_allclose(out, expected, atol=5e-6)
