@@ -29,6 +29,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,7 +43,9 @@ SHAPES = {torch.float32: ((2, 2048),), torch.bfloat16: ((2, 2048), (1, 8192))}
 Edit = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def spec_context(q, k, v, lens, causal) -> np.ndarray:
+def spec_context(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, causal: bool
+) -> np.ndarray:
     """The spec's context ``(B, H, Q, D)`` in float64 numpy."""
     merged = [x.double().transpose(1, 2).flatten(2).cpu().numpy() for x in (q, k, v)]
     with np.errstate(all="ignore"):  # (the non-finite cases' own arithmetic)
@@ -58,11 +61,24 @@ def spec_context(q, k, v, lens, causal) -> np.ndarray:
     return context.reshape(B, Q, H, D).transpose(0, 2, 1, 3)
 
 
-def flex_context(kernel, q, k, v, lens, causal) -> tuple[torch.Tensor, torch.Tensor]:
+def flex_context(
+    kernel: Callable[..., Any],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention's context, the spec's rule in its ``score_mod``, and the mended one."""
     offset = k.shape[2] - q.shape[2]
 
-    def score_mod(score, b, h, query, key):
+    def score_mod(
+        score: torch.Tensor,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+    ) -> torch.Tensor:
         visible = key < lens[b]
         if causal:
             visible = visible & (key <= query + offset)
