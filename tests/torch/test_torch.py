@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from unittest import mock
@@ -354,6 +355,33 @@ def test_a_long_forward_on_gpu_reads_once_for_the_kernel(gpu, edit, num_kv_heads
     got = backend.to_numpy(out)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected), err_msg=str(edit))
     np.testing.assert_allclose(got, expected, atol=5e-6, err_msg=str(edit))
+
+
+@pytest.mark.parametrize("recording", [True, False], ids=["recording", "no gradient"])
+def test_a_call_on_a_gpu_recording_no_gradient_reads_only_where_its_scores_in_all_are_many(
+    recording,
+):
+    """On a GPU (here the facts are told every tensor is on one) a call with lengths
+    whose heads hold 256 x 256 scores reads once and runs SDPA while it records a
+    gradient: its generic path would keep the weights for the backward pass. Under
+    ``torch.no_grad()`` its 2 x 2 x 256 x 256 scores in all are fewer than
+    ``spec.DEVICE_READ_TOTAL_SCORES``: the generic path, nothing read. The float64
+    reference's numbers either way."""
+    weights = init_weights(8, num_heads=2, seed=27)
+    layer = set_weights(MultiHeadAttention(8, 2), weights).eval()
+    x = np.random.default_rng(27).standard_normal((2, 256, 8)).astype(np.float32)
+    lens = np.array([256, 100])
+    assert spec.DEVICE_READ_TOTAL_SCORES > 2 * 2 * 256 * 256
+    expected, _ = spec.reference_forward(weights, x, x, x, lens, num_heads=2, causal=True)
+    args = [torch.from_numpy(a) for a in (x, lens)]
+    layer(args[0], args[0], args[0], args[1], causal=True)  # (lazy state made)
+    recorded = contextlib.nullcontext() if recording else torch.no_grad()
+    spies = backend.kernel_spy(), recording_host_moves()
+    with backend.as_if_on_a_gpu(), recorded, spies[0] as calls, spies[1] as moved:
+        out = layer(args[0], args[0], args[0], args[1], causal=True)
+    assert len(calls) == int(recording)
+    assert moved == (["tolist"] if recording else [])
+    np.testing.assert_allclose(out.detach().double().numpy(), expected, rtol=0, atol=5e-6)
 
 
 @pytest.mark.parametrize("prompt_lens", [None, [2, 1]], ids=["even", "ragged"])
