@@ -100,11 +100,6 @@ class CacheCheck:
             self._held, self._added = self._held + self._added, 0
         return self._held
 
-    def advanced(self) -> dict[str, Any]:
-        """The constructor's ``lengths`` and ``added`` for the lengths one position on
-        (a decoding step's; the addition waits until they are asked for)."""
-        return {"lengths": self._held, "added": self._added + 1}
-
     @property
     def uniform(self) -> int | None:
         """The length every example has, or ``None`` where they differ (or there are none)."""
@@ -113,6 +108,45 @@ class CacheCheck:
             first = int(held[0]) if held.ndim == 1 and held.size else None
             self._uniform = first if first is not None and (held == first).all() else None
         return self._uniform
+
+    def stepped(
+        self,
+        updated: spec.KVCache,
+        filled: int,
+        step: tuple[Any, tuple, Any] | None,
+        *,
+        poison: torch.Tensor | None = None,
+        pending: tuple[torch.Tensor, ...] | None = None,
+    ) -> CacheCheck:
+        """The check of ``updated``, which a plain step made from this check's cache by
+        writing one row at every example's length into the same arrays, attached to its
+        new lengths (a tensor made outside inference mode, :func:`versioned`).
+
+        :meth:`attach` and :meth:`written_past` in one, made at every plain decoding
+        step: the arrays are this check's, so their weak references and sizes are kept,
+        and none of them is an inference tensor (this check holds them).
+        """
+        length = self.uniform
+        check = CacheCheck.__new__(CacheCheck)
+        # (Every field is set here: the constructor's and written_past's.)
+        check.__dict__ = {
+            **self.__dict__,
+            "versions": (updated.keys._version, updated.values._version),
+            "poison": poison,
+            "upto": filled,
+            "pending": pending,
+            "pending_from": None,
+            "finite_from": None if self.finite_from is None else max(self.finite_from, filled),
+            "key_upto": min(self.key_upto, length),
+            "_added": self._added + 1,
+            "lengths_version": updated.lengths._version,
+            "_uniform": filled,
+            "step": step,
+        }
+        if not check.key_upto:
+            check.key_max = 0.0  # (a bound of nothing)
+        setattr(updated.lengths, CHECKED, check)
+        return check
 
     @classmethod
     def attach(
@@ -274,7 +308,7 @@ def written_step(
     call reads it (a write of the generic flow settles it first).
     """
     keys, values, lengths = cache
-    prior, length = check, check.uniform
+    length = check.uniform
     # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
     rows = (-1, heads.num_kv_heads, heads.head_dim)
     keys.select(2, length).copy_(k.view(rows))
@@ -284,9 +318,8 @@ def written_step(
     with versioned():
         lengths = torch.full_like(lengths, filled)
     updated = spec.KVCache(keys, values, lengths)
-    now = check.advanced()
     if checked:
-        check = CacheCheck.attach(updated, None, filled, pending=None, uniform=filled, **now)
+        check.stepped(updated, filled, step)
     else:
         start = check.pending_from
         if start is None:
@@ -294,12 +327,7 @@ def written_step(
         else:
             poison = check.poison
         pending = keys.narrow(2, start, filled - start), values.narrow(2, start, filled - start)
-        check = CacheCheck.attach(updated, poison, filled, pending=pending, uniform=filled, **now)
-        if check is not None:
-            check.pending_from = start
-    if check is not None:
-        check.step = step
-        check.written_past(prior, length, filled)
+        check.stepped(updated, filled, step, poison=poison, pending=pending).pending_from = start
     span = filled if span is None else span
     return keys.narrow(2, 0, span), values.narrow(2, 0, span), updated
 

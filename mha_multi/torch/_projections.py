@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedParameter
 
 from mha_multi import spec
 from mha_multi.torch._ops import OPS, linear, needs_float32_copies
@@ -39,7 +40,7 @@ def in_features(linear: nn.Module) -> int | None:
     attribute lookup: every call asks, and a small call's cost is such work.
     """
     weight = linear._parameters["weight"]
-    if type(weight) is nn.parameter.UninitializedParameter:
+    if type(weight) is UninitializedParameter:
         return None
     return int(weight.shape[1])
 
@@ -306,8 +307,13 @@ class PackedProjections(nn.Module):
         features (:class:`StackedWeights`; lazy sizes learnt from ``queries``)."""
         modules = self._modules
         projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
-        if any([infer_size(module, queries) for module in projections]):
-            self._pack()
+        # (Only a lazy projection's weight is uninitialized: every call asks, so no call
+        # is made for the others.)
+        for module in projections:
+            if type(module._parameters["weight"]) is UninitializedParameter:
+                if any([infer_size(projection, queries) for projection in projections]):
+                    self._pack()
+                break
         return self._stacks(projections)
 
     def project_stacked(self, queries: torch.Tensor) -> torch.Tensor:

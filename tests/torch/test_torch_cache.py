@@ -423,6 +423,41 @@ def feed_back(layer, prompt, steps, max_length, new_lens=None, *, check=None):
     return outputs, caches
 
 
+@pytest.mark.parametrize("finite_from", [None, 3, 9])
+@pytest.mark.parametrize("key_upto", [0, 2, 9])
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_steps_check_is_the_one_attach_and_written_past_make(finite_from, key_upto, pending):
+    """``CacheCheck.stepped``, a plain step's shortcut, leaves the check that attaching
+    a new one and carrying over what the prior knew (``written_past``) leave, field by
+    field: what the next step and every later call trust."""
+    keys, values = torch.zeros(2, 1, 9, 4), torch.zeros(2, 1, 9, 4)
+    prior = _cache.CacheCheck.attach(
+        spec.KVCache(keys, values, torch.full((2,), 4)), None, 4, np.full(2, 4), pending=None
+    )
+    prior.finite_from, prior.key_upto, prior.key_max = finite_from, key_upto, 2.5
+    prior.step = "the plan before"
+    keys[:, :, 4] = values[:, :, 4] = 1.0  # the step's rows
+    kept = {
+        "poison": torch.zeros(()) if pending else None,
+        "pending": (keys[:, :, 4:5], values[:, :, 4:5]) if pending else None,
+    }
+
+    def updated():
+        return spec.KVCache(keys, values, torch.full((2,), 5))
+
+    slow = _cache.CacheCheck.attach(
+        updated(), kept["poison"], 5, prior.lengths, pending=kept["pending"], added=1
+    )
+    slow.step, slow._uniform = "this plan", 5
+    slow.written_past(prior, 4, 5)
+    fast = prior.stepped(updated(), 5, "this plan", **kept)
+    fields = {name: value for name, value in vars(slow).items() if name not in ("keys", "values")}
+    assert {name: value for name, value in vars(fast).items() if name in fields} == fields
+    assert vars(fast).keys() == vars(slow).keys()
+    assert (fast.keys(), fast.values()) == (keys, values)
+    assert fast.lengths.tolist() == [5, 5] and fast.uniform == 5
+
+
 @pytest.mark.parametrize("written", ["nan", "finite"])
 def test_a_cache_rewound_past_written_rows_gives_the_spec_numbers(written):
     """Rows written in place stay past the lengths of an older cache of the same
