@@ -15,6 +15,7 @@ from mha_multi.torch._ops import OPS, linear, needs_float32_copies
 
 __all__ = [
     "PackedProjections",
+    "StackedView",
     "StackedWeights",
     "addresses",
     "finish_lazy",
@@ -134,12 +135,14 @@ def pack(modules: Sequence[nn.Module]) -> None:
 class StackedWeights:
     """The stacked weights (and biases) of projections that share their input.
 
-    A call that records gradients, or a compiled graph, stacks them anew
-    (the stack is part of its graph). Others take a view of packed
-    parameters (:func:`pack`), which follows every change of them, or stack
-    them where they are not packed. The view is kept for the next call while
-    the parameters lie where it does (their addresses and sizes tell: the
-    view holds that memory, so no other tensor can be there).
+    Packed parameters (:func:`pack`) are stacked as a view of them, which
+    follows every change of them; a call that records gradients takes it
+    through :class:`StackedView`, whose gradient is each parameter's block.
+    A compiled graph, and projections that are not packed, stack them anew
+    at every call (a copy, part of a recorded graph). The view is kept for
+    the next call while the parameters lie where it does (their addresses
+    and sizes tell: the view holds that memory, so no other tensor can be
+    there).
     """
 
     def __init__(self) -> None:
@@ -148,7 +151,7 @@ class StackedWeights:
 
     def __call__(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight, bias)`` of ``modules`` stacked along the output features."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return _stack(modules)
         # The parameter tables, not nn.Module's attribute lookup: every call asks.
         tables = [m._parameters for m in modules]
@@ -162,12 +165,55 @@ class StackedWeights:
             return _stack(modules)
         if key != self._key:
             weights = [table["weight"] for table in tables]
-            self._key, self._views = key, _views(weights, [table["bias"] for table in tables])
-        return _stack(modules) if self._views is None else self._views
+            with torch.no_grad():  # (a view of the storage, no part of any graph)
+                self._key, self._views = key, _views(weights, [table["bias"] for table in tables])
+        if self._views is None:
+            return _stack(modules)
+        if not torch.is_grad_enabled():
+            return self._views
+        weight, bias = self._views
+        return (
+            StackedView.of(weight, [table["weight"] for table in tables]),
+            None if bias is None else StackedView.of(bias, [table["bias"] for table in tables]),
+        )
 
     def clear(self) -> None:
         """Forgets the view (the parameters were packed anew: the old memory may go)."""
         self._key = self._views = None
+
+
+class StackedView(torch.autograd.Function):
+    """The view of packed parameters that :class:`StackedWeights` stacks, as a function of
+    those parameters: no copy is made, and each parameter's gradient is its block of the
+    stack's (a copy's gradient, to the bit).
+
+    A product saves the view for its backward pass, and the view shares the first
+    parameter's version counter only: the parameters are saved too, so that a change of
+    any of them in place before the backward pass raises PyTorch's error, as it does
+    for ``nn.Linear``'s weight.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, size: torch.Size, stride: tuple[int, ...], *parameters: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.rows = [p.shape[0] for p in parameters]
+        ctx.save_for_backward(*parameters)
+        # (Made here, of the parameters as they are: a view kept from an earlier call
+        # would have seen its base change in place since.)
+        return parameters[0].as_strided(size, stride)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.saved_tensors  # noqa: B018 (raises where a parameter changed in place since)
+        return (None, None, *gradient.split(ctx.rows, 0))
+
+    @classmethod
+    def of(cls, view: torch.Tensor, parameters: list[torch.Tensor]) -> torch.Tensor:
+        """``view``'s stack of ``parameters``, recorded where one of them requires a gradient."""
+        if any([p.requires_grad for p in parameters]):
+            return cls.apply(view.shape, view.stride(), *parameters)
+        return view
 
 
 def _views(
@@ -188,7 +234,7 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     matrix), from an address aligned as a new tensor's is; else ``None``.
 
     (The alignment keeps a product of the view to the numbers of a product
-    of a stacked copy, which a call recording gradients takes.)
+    of a stacked copy, which a compiled graph takes.)
     """
     first = tensors[0]
     address = first.data_ptr()
