@@ -11,7 +11,14 @@ products, slice assignment). Each step is cut into sections, timed with
 which adds well under a microsecond each); the medians are printed in microseconds
 (docs: "Results").
 
-    python tools/torch_step.py [num_kv_heads] [rounds]     # 8 40
+``tiny``: a layer of 16 hiddens and 2 heads on one example and one thread,
+whose kernels cost next to nothing, so that a step's time is its Python.
+``evict``: a copy of 32 MB before every step, which leaves the CPU's caches
+holding what a large step's kernels leave them holding (little of the
+step's own code and objects), so that the tiny layer's Python is timed as
+it runs between the bench's kernels.
+
+    python tools/torch_step.py [num_kv_heads] [rounds] [tiny] [evict]   # 8 40
 """
 
 from __future__ import annotations
@@ -32,8 +39,18 @@ from mha_multi.torch import MultiHeadAttention, set_weights
 from mha_multi.weights import init_weights
 
 BATCH, HIDDENS, HEADS, PROMPT, MAX_LENGTH = 8, 512, 8, 256, 512
+if "tiny" in sys.argv[1:]:
+    BATCH, HIDDENS, HEADS, PROMPT, MAX_LENGTH = 1, 16, 2, 4, 1028
+    torch.set_num_threads(1)
 HEAD_DIM = HIDDENS // HEADS
 TURN = 32
+#: What ``evict`` copies before every step (docs above).
+EVICTED = (torch.randn(4_000_000), torch.empty(4_000_000)) if "evict" in sys.argv[1:] else None
+
+
+def evict() -> None:
+    if EVICTED is not None:
+        EVICTED[1].copy_(EVICTED[0])
 #: SDPA and the product as the inline decoders call them: the layer's calls
 #: go through the module attributes, which :func:`layer_steps` wraps to time
 #: them.
@@ -83,6 +100,7 @@ def layer_steps(weights: dict[str, Any], kv_heads: int, times: Times) -> Iterato
                 output, cache = layer(prompt, prompt, prompt, causal=True, cache=cache)
             token = output[:, -1:]
             for _ in range(MAX_LENGTH - PROMPT):
+                evict()
                 with torch.inference_mode():
                     times[STEPPING] = []
                     start = time.perf_counter_ns()
@@ -118,6 +136,7 @@ def inline_steps(
             context = ATTENTION(q, keys, values, is_causal=True, **grouped)
             token = LINEAR(context.transpose(1, 2).flatten(2), w["o"])[:, -1:]
         for position in range(PROMPT, MAX_LENGTH):
+            evict()
             with torch.inference_mode():
                 begin = t = time.perf_counter_ns()
                 if stacked:
@@ -149,6 +168,7 @@ def inline_steps(
 
 
 def main(kv_heads: int = 8, rounds: int = 40) -> None:
+    kv_heads = min(kv_heads, HEADS)
     weights = init_weights(HIDDENS, num_heads=HEADS, num_kv_heads=kv_heads, seed=0)
     times: dict[str, Times] = {"layer": {}, "inline": {}, "hand-written": {}}
     decoders = {
@@ -166,7 +186,9 @@ def main(kv_heads: int = 8, rounds: int = 40) -> None:
             for _ in range(TURN):
                 next(steps)
     sections = ["project", "sum", "write", "sdpa", "output", "step"]
-    print(f"{kv_heads} key/value heads, median us of {rounds * TURN} steps each")
+    shape = f"{BATCH} x {HIDDENS} hiddens, {HEADS} heads, {kv_heads} key/value heads"
+    evicted = ", 32 MB copied before each step" if EVICTED is not None else ""
+    print(f"{shape}{evicted}: median us of {rounds * TURN} steps each")
     print("| decoder | " + " | ".join(sections) + " |")
     print("|---" * (len(sections) + 1) + "|")
     for name, held in times.items():
@@ -175,4 +197,4 @@ def main(kv_heads: int = 8, rounds: int = 40) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(arg) for arg in sys.argv[1:3]))
+    main(*(int(arg) for arg in sys.argv[1:] if arg.isdigit()))
