@@ -51,6 +51,8 @@ EVICTED = (torch.randn(4_000_000), torch.empty(4_000_000)) if "evict" in sys.arg
 def evict() -> None:
     if EVICTED is not None:
         EVICTED[1].copy_(EVICTED[0])
+
+
 #: SDPA and the product as the inline decoders call them: the layer's calls
 #: go through the module attributes, which :func:`layer_steps` wraps to time
 #: them.
