@@ -606,7 +606,7 @@ def test_a_call_recording_gradients_projects_with_the_packed_weights_uncopied(ru
         output = layer(inputs, inputs, inputs, lens)
         output.backward(torch.from_numpy(output_gradient).float())
         named = {
-            f"{kind}_{n}": getattr(layer, f"W_{n}").__getattr__(attribute).grad
+            f"{kind}_{n}": getattr(getattr(layer, f"W_{n}"), attribute).grad
             for n in "qkvo"
             for kind, attribute in (("W", "weight"), ("b", "bias"))
         }
