@@ -126,9 +126,8 @@ class CacheCheck:
         step: the arrays are this check's, so their weak references and sizes are kept,
         and none of them is an inference tensor (this check holds them).
         """
-        length = self.uniform
         check = CacheCheck.__new__(CacheCheck)
-        # (Every field is set here: the constructor's and written_past's.)
+        # (Every field of the constructor is set here; written_past sets its own.)
         check.__dict__ = {
             **self.__dict__,
             "versions": (updated.keys._version, updated.values._version),
@@ -136,15 +135,12 @@ class CacheCheck:
             "upto": filled,
             "pending": pending,
             "pending_from": None,
-            "finite_from": None if self.finite_from is None else max(self.finite_from, filled),
-            "key_upto": min(self.key_upto, length),
             "_added": self._added + 1,
             "lengths_version": updated.lengths._version,
             "_uniform": filled,
             "step": step,
         }
-        if not check.key_upto:
-            check.key_max = 0.0  # (a bound of nothing)
+        check.written_past(self, filled - 1, filled)
         setattr(updated.lengths, CHECKED, check)
         return check
 
