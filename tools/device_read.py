@@ -37,7 +37,6 @@ from unittest import mock
 import numpy as np
 import torch
 
-from mha_multi import spec
 from mha_multi.torch import MultiHeadAttention, _backend
 from mha_multi.torch._backend import FACTS
 
@@ -80,8 +79,8 @@ def ways() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
 
     def always() -> contextlib.AbstractContextManager:
         return _stacked(
-            mock.patch.object(spec, "DEVICE_READ_SCORES", 0),
-            mock.patch.object(spec, "DEVICE_READ_TOTAL_SCORES", 0),
+            mock.patch("mha_multi.spec.plan.DEVICE_READ_SCORES", 0),
+            mock.patch("mha_multi.spec.plan.DEVICE_READ_TOTAL_SCORES", 0),
         )
 
     return {

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from mha_multi import call, spec
+from mha_multi.spec import memo
 from mha_multi.torch._cache import (
     CacheCheck,
     Written,
@@ -69,6 +70,17 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile`` is tracing: the spec's memos then compute anew, as its
+    tracer warns about every ``functools.lru_cache`` it passes through."""
+    return torch.compiler.is_compiling()  # looked up at each call, so a stand-in takes effect
+
+
+memo.skip_while(compiling)
 
 
 # -- devices and precision -----------------------------------------------------

@@ -331,7 +331,7 @@ def test_a_long_forward_on_gpu_reads_once_for_the_kernel(gpu, edit, num_kv_heads
     both query heads reaches SDPA repeated (``repeats_grouped_heads``)."""
     heads = {"num_heads": 2, "num_kv_heads": num_kv_heads}
     # A call that records no gradient reads from these scores in all (B * H * Q * K).
-    monkeypatch.setattr(spec, "DEVICE_READ_TOTAL_SCORES", 2 * 2 * 256 * 256)
+    monkeypatch.setattr("mha_multi.spec.plan.DEVICE_READ_TOTAL_SCORES", 2 * 2 * 256 * 256)
     weights = init_weights(8, **heads, seed=24)
     layer = MultiHeadAttention(8, 2, num_kv_heads=num_kv_heads, device=backend.device(gpu))
     layer = set_weights(layer, weights).eval()
@@ -835,7 +835,7 @@ def test_plain_self_attention_on_a_gpu_reads_only_where_scores_are_many(
     (``many_in_all``: the scores in all read from set to this call's). The generic
     flow's output to the bit, and the reference's numbers."""
     if many_in_all:
-        monkeypatch.setattr(spec, "DEVICE_READ_TOTAL_SCORES", 2 * 4 * num_queries**2)
+        monkeypatch.setattr("mha_multi.spec.plan.DEVICE_READ_TOTAL_SCORES", 2 * 4 * num_queries**2)
     heads = {"num_heads": 4, "num_kv_heads": 2}
     weights = init_weights(16, bias=True, seed=23, **heads)
     layer = set_weights(MultiHeadAttention(16, bias=True, **heads), weights).eval()

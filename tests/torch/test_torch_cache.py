@@ -593,7 +593,7 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
     stands for 20 positions more than are filled, and the steps take the route too."""
     span = spec.rounded_span(prompt_length, max_length, spec.SPAN_BUCKET)
     prefill_scores = 3 * heads["num_heads"] * prompt_length * span
-    monkeypatch.setattr(spec, "DEVICE_READ_TOTAL_SCORES", prefill_scores)
+    monkeypatch.setattr("mha_multi.spec.plan.DEVICE_READ_TOTAL_SCORES", prefill_scores)
     weights, layer = self_attention(heads, seed=13)
     prompt = np.random.default_rng(13).standard_normal((3, prompt_length, NUM_HIDDENS))
 

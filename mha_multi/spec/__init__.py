@@ -1,0 +1,209 @@
+"""The semantics of multi-head attention, written once, framework-free.
+
+Every function here takes an *array-ops adapter* (``ops``) as its first
+argument: a small object with the handful of array operations the math needs
+(:class:`ArrayOps`). :class:`NumpyOps` evaluates the spec in float64 and is
+the reference; each backend passes its own adapter, so the head layout, the
+``valid_lens`` rule, the causal rule and the masked softmax exist in exactly
+one place.
+
+Shapes, following d2l: queries ``(B, Q, query_size)``, keys
+``(B, K, key_size)``, values ``(B, K, value_size)``, ``num_hiddens = H * head_dim``.
+
+One job per module (docs: "Architecture"): :mod:`~mha_multi.spec.ops` (the
+adapters), :mod:`~mha_multi.spec.checks` (configuration and input checks),
+:mod:`~mha_multi.spec.rotary` and :mod:`~mha_multi.spec.options` (the
+options), :mod:`~mha_multi.spec.layout` (the head layout),
+:mod:`~mha_multi.spec.positions` (masks, positions, position biases),
+:mod:`~mha_multi.spec.attention`, :mod:`~mha_multi.spec.plan` (the kernel
+plan), :mod:`~mha_multi.spec.cache` and :mod:`~mha_multi.spec.cache_checks`,
+and the float64 reference (:mod:`~mha_multi.spec.reference`,
+:mod:`~mha_multi.spec.reference_gradients`,
+:mod:`~mha_multi.spec.reference_cached`); :mod:`~mha_multi.spec.memo` makes a
+call's pure verdicts lookups. Every public name is read from here
+(``mha_multi.spec.X``).
+"""
+
+from __future__ import annotations
+
+from mha_multi.spec.attention import (
+    MASK_VALUE,
+    apply_head_mask,
+    attention,
+    attention_by_kv_heads,
+    check_head_mask,
+    fix_fully_hidden_rows,
+    is_low_precision,
+    masked_softmax,
+    scaled_scores,
+)
+from mha_multi.spec.cache import (
+    KVCache,
+    appended,
+    cache_shape,
+    cached_visibility,
+    check_cache_dtype,
+    update_cache,
+)
+from mha_multi.spec.cache_checks import (
+    SPAN_BUCKET,
+    CacheFill,
+    check_cache_dtypes,
+    check_cache_values,
+    check_cached_call,
+    check_cached_inputs,
+    rounded_span,
+)
+from mha_multi.spec.checks import (
+    Heads,
+    check_causal,
+    check_config,
+    check_heads,
+    check_input_sizes,
+    check_inputs,
+    check_sizes_known,
+    check_valid_lens_dtype,
+    clip_integer_lens,
+    heads_of_weights,
+    lens_as_numpy,
+    shard_heads,
+)
+from mha_multi.spec.layout import (
+    grouped_to_heads,
+    heads_to_grouped,
+    transpose_grouped_output,
+    transpose_grouped_queries,
+    transpose_output,
+    transpose_qkv,
+)
+from mha_multi.spec.ops import (
+    ArrayOps,
+    NumpyDtypes,
+    NumpyOps,
+    static_split_sizes,
+)
+from mha_multi.spec.options import (
+    NO_OPTIONS,
+    LayerOptions,
+    ScoreOptions,
+    alibi_slopes,
+    check_alibi,
+    check_bias,
+    check_positions,
+    check_softcap,
+    check_window,
+)
+from mha_multi.spec.plan import (
+    DEVICE_READ_SCORES,
+    DEVICE_READ_TOTAL_SCORES,
+    FUSED_SCORE_LIMIT,
+    FusedKernel,
+    KernelPlan,
+    magnitude_limit,
+    plan_kernel,
+    reads_values,
+    scores_within_limit,
+)
+from mha_multi.spec.positions import (
+    adjust_scores,
+    cache_positions,
+    call_positions,
+    distance_back,
+    score_bias,
+    visibility,
+)
+from mha_multi.spec.reference import (
+    reference_forward,
+)
+from mha_multi.spec.reference_cached import (
+    reference_cached_forward,
+)
+from mha_multi.spec.reference_gradients import (
+    reference_gradients,
+)
+from mha_multi.spec.rotary import (
+    Llama3Scaling,
+    Rotary,
+    check_rotary,
+    rotary_tables,
+    rotate,
+)
+
+__all__ = [
+    "MASK_VALUE",
+    "FUSED_SCORE_LIMIT",
+    "ArrayOps",
+    "FusedKernel",
+    "Heads",
+    "KVCache",
+    "CacheFill",
+    "SPAN_BUCKET",
+    "DEVICE_READ_SCORES",
+    "DEVICE_READ_TOTAL_SCORES",
+    "KernelPlan",
+    "NumpyDtypes",
+    "NumpyOps",
+    "apply_head_mask",
+    "attention",
+    "attention_by_kv_heads",
+    "cache_shape",
+    "check_cache_dtypes",
+    "check_cache_values",
+    "check_cached_call",
+    "check_cached_inputs",
+    "check_config",
+    "check_sizes_known",
+    "check_head_mask",
+    "check_heads",
+    "grouped_to_heads",
+    "heads_of_weights",
+    "heads_to_grouped",
+    "check_causal",
+    "check_inputs",
+    "clip_integer_lens",
+    "lens_as_numpy",
+    "check_valid_lens_dtype",
+    "is_low_precision",
+    "magnitude_limit",
+    "masked_softmax",
+    "plan_kernel",
+    "reads_values",
+    "scores_within_limit",
+    "reference_cached_forward",
+    "reference_forward",
+    "reference_gradients",
+    "rounded_span",
+    "scaled_scores",
+    "shard_heads",
+    "static_split_sizes",
+    "transpose_grouped_output",
+    "transpose_grouped_queries",
+    "transpose_output",
+    "transpose_qkv",
+    "update_cache",
+    "visibility",
+    "LayerOptions",
+    "Llama3Scaling",
+    "NO_OPTIONS",
+    "Rotary",
+    "ScoreOptions",
+    "adjust_scores",
+    "alibi_slopes",
+    "cache_positions",
+    "call_positions",
+    "check_alibi",
+    "check_bias",
+    "check_positions",
+    "check_rotary",
+    "check_softcap",
+    "check_window",
+    "distance_back",
+    "rotary_tables",
+    "rotate",
+    "score_bias",
+    "fix_fully_hidden_rows",
+    "check_input_sizes",
+    "check_cache_dtype",
+    "cached_visibility",
+    "appended",
+]

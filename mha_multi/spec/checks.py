@@ -1,0 +1,342 @@
+"""The layer's configuration and a call's inputs checked: shapes, sizes and dtypes, no values.
+
+Pure Python on shapes and dtype kinds, so every backend raises the same
+exception with the same message for the same mistake (docs: "Edge cases").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mha_multi.spec.memo import decided_once
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The head layout of a layer (docs: "The spec", grouped-query attention).
+
+    Query head ``h`` reads key/value head ``h // group_size``; with
+    ``num_kv_heads == num_heads`` this is d2l's multi-head attention, with
+    ``num_kv_heads == 1`` multi-query attention.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def grouped(self) -> bool:
+        """Whether key/value heads are shared (``num_kv_heads < num_heads``)."""
+        return self.num_kv_heads != self.num_heads
+
+    @property
+    def query_features(self) -> int:
+        """``num_heads * head_dim``: the width of projected queries and of ``W_o``'s input."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_features(self) -> int:
+        """``num_kv_heads * head_dim``: the width of projected keys and values."""
+        return self.num_kv_heads * self.head_dim
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int; got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int; got {value}")
+
+
+def check_heads(
+    num_hiddens: Any, num_heads: Any, *, num_kv_heads: Any = None, head_dim: Any = None
+) -> Heads:
+    """Validates the head configuration.
+
+    Args:
+        num_hiddens: the output size of the layer.
+        num_heads: the number of query heads ``H``.
+        num_kv_heads: the number of key/value heads; ``None`` for ``num_heads``.
+            Must divide ``num_heads``.
+        head_dim: the size of each head; ``None`` for ``num_hiddens // num_heads``
+            (which ``num_heads`` must then divide).
+
+    Raises:
+        TypeError: a size is not an integer.
+        ValueError: a non-positive size, ``num_kv_heads`` not dividing
+            ``num_heads``, or ``num_hiddens`` not divisible by ``num_heads``
+            without an explicit ``head_dim``.
+    """
+    check_positive_int("num_hiddens", num_hiddens)
+    check_positive_int("num_heads", num_heads)
+    if num_kv_heads is None:
+        num_kv_heads = num_heads
+    check_positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+    if head_dim is None:
+        if num_hiddens % num_heads:
+            raise ValueError(
+                f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads}), "
+                "or head_dim must be given"
+            )
+        head_dim = num_hiddens // num_heads
+    check_positive_int("head_dim", head_dim)
+    return Heads(int(num_heads), int(num_kv_heads), int(head_dim))
+
+
+def shard_heads(heads: Heads, num_shards: Any) -> Heads:
+    """The head layout each of ``num_shards`` devices holds when heads are sharded.
+
+    Tensor parallelism over heads (docs: "Sharding heads"): ``W_q``, ``W_k``
+    and ``W_v`` are split by heads (columns), ``W_o`` by rows, so shard ``s``
+    holds query heads ``[s * H / n, (s + 1) * H / n)`` and the key/value heads
+    they read, ``[s * H_kv / n, (s + 1) * H_kv / n)``. A key/value head is
+    never split, so ``num_shards`` must divide both head counts.
+
+    Raises:
+        TypeError: ``num_shards`` is not an int.
+        ValueError: ``num_shards`` is not positive or does not divide
+            ``num_heads`` and ``num_kv_heads``.
+    """
+    check_positive_int("num_shards", num_shards)
+    for name, count in (("num_heads", heads.num_heads), ("num_kv_heads", heads.num_kv_heads)):
+        if count % num_shards:
+            raise ValueError(
+                f"the number of shards ({num_shards}) must divide {name} ({count}); "
+                f"the layer has num_heads={heads.num_heads}, num_kv_heads={heads.num_kv_heads}"
+            )
+    n = int(num_shards)
+    return Heads(heads.num_heads // n, heads.num_kv_heads // n, heads.head_dim)
+
+
+def check_config(
+    num_hiddens: Any,
+    num_heads: Any,
+    dropout: Any,
+    *,
+    num_kv_heads: Any = None,
+    head_dim: Any = None,
+) -> int:
+    """Validates the layer configuration and returns ``head_dim``.
+
+    Raises:
+        TypeError: a size is not an integer or ``dropout`` not a number.
+        ValueError: a bad head configuration (:func:`check_heads`), or
+            ``dropout`` outside ``[0, 1)``.
+    """
+    heads = check_heads(num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating, np.integer)):
+        raise TypeError(f"dropout must be a float in [0, 1); got {dropout!r}")
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+    return heads.head_dim
+
+
+def check_input_sizes(**sizes: Any) -> None:
+    """Validates optional input sizes (``query_size=...`` etc.): positive ints or None."""
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{name} must be a positive int or None; got {value!r}")
+
+
+def check_sizes_known(sizes: Mapping[str, int | None]) -> None:
+    """Raises ``ValueError`` unless every input size of a layer (its ``input_sizes()``) is known.
+
+    A layer's weights are whole only once its lazy input sizes are fixed.
+    """
+    lazy = [name for name, size in sizes.items() if size is None]
+    if lazy:
+        raise ValueError(
+            f"{', '.join(lazy)} not known yet: call the layer once or pass them to the constructor"
+        )
+
+
+def check_causal(causal: Any) -> None:
+    """Raises ``TypeError`` unless ``causal`` is a bool.
+
+    A string such as ``"False"`` is truthy and an array has no single truth
+    value, so anything but a bool would silently turn the mask on or fail
+    deep inside a framework.
+    """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool; got {causal!r} of type {type(causal).__name__}")
+
+
+@decided_once
+def check_inputs(
+    queries_shape: Sequence[int],
+    keys_shape: Sequence[int],
+    values_shape: Sequence[int],
+    valid_lens_shape: Sequence[int] | None = None,
+    *,
+    query_size: int | None = None,
+    key_size: int | None = None,
+    value_size: int | None = None,
+    causal: Any = False,
+) -> None:
+    """Validates input shapes against each other and the layer's input sizes.
+
+    Args:
+        queries_shape: ``(B, Q, query_size)``.
+        keys_shape: ``(B, K, key_size)``.
+        values_shape: ``(B, K, value_size)``.
+        valid_lens_shape: ``None``, ``(B,)`` or ``(B, Q)``.
+        query_size, key_size, value_size: the layer's input sizes, or ``None``
+            where not yet known.
+        causal: the call's ``causal`` flag (checked by :func:`check_causal`).
+
+    Raises:
+        ValueError: naming the offending argument and the expected shape.
+        TypeError: ``causal`` is not a bool.
+    """
+    check_causal(causal)
+    names = ("queries", "keys", "values")
+    shapes = [tuple(queries_shape), tuple(keys_shape), tuple(values_shape)]
+    sizes = (query_size, key_size, value_size)
+    size_names = ("query_size", "key_size", "value_size")
+    for name, shape in zip(names, shapes, strict=True):
+        if len(shape) != 3:
+            raise ValueError(f"{name} must be 3-D (batch, length, features); got shape {shape}")
+    batch = shapes[0][0]
+    for name, shape in zip(names[1:], shapes[1:], strict=True):
+        if shape[0] != batch:
+            raise ValueError(
+                f"{name} batch size {shape[0]} differs from queries batch size {batch}"
+            )
+    if shapes[1][1] != shapes[2][1]:
+        raise ValueError(
+            f"keys and values must have the same length; got {shapes[1][1]} keys "
+            f"and {shapes[2][1]} values"
+        )
+    for name, size_name, shape, size in zip(names, size_names, shapes, sizes, strict=True):
+        if size is not None and shape[2] != size:
+            raise ValueError(f"{name} last dimension must be {size_name}={size}; got shape {shape}")
+    if valid_lens_shape is not None:
+        lens_shape = tuple(valid_lens_shape)
+        num_queries = shapes[0][1]
+        if not one_of(lens_shape, (batch,), (batch, num_queries)):
+            raise ValueError(
+                f"valid_lens must have shape (batch,) = ({batch},) or "
+                f"(batch, num_queries) = ({batch}, {num_queries}); got {lens_shape}"
+            )
+
+
+def one_of(shape: tuple[Any, ...], *allowed: tuple[Any, ...]) -> bool:
+    """Whether ``shape`` equals one of the ``allowed`` shapes.
+
+    Compared one shape at a time with ``==``: ``torch.compile`` traces ``x
+    in (a, b)`` as false where a size in it is symbolic (once the queries'
+    length varies) and the equal size it meets is not, so a call's valid
+    ``positions``, lengths or ``bias`` was refused there.
+    """
+    return any(shape == candidate for candidate in allowed)
+
+
+def check_valid_lens_dtype(kind: str) -> None:
+    """Raises ``TypeError`` unless ``kind`` (numpy dtype kind) is integer or float."""
+    if kind not in "iuf":
+        raise TypeError(
+            f"valid_lens must be an integer or floating-point array; got dtype kind {kind!r}"
+        )
+
+
+def lens_as_numpy(valid_lens: Any, index_dtype: Any) -> np.ndarray:
+    """Lengths given as a numpy array, a list or a scalar, checked and converted.
+
+    What each backend does with lengths that are not yet its own arrays.
+
+    Args:
+        valid_lens: array-like lengths.
+        index_dtype: the framework's integer type; integer lengths are clipped
+            into it (:func:`clip_integer_lens`), floating ones kept.
+
+    Raises:
+        TypeError: ``valid_lens`` is not numeric (strings, booleans, objects).
+    """
+    try:
+        array = np.asarray(valid_lens)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
+        ) from error
+    check_valid_lens_dtype(array.dtype.kind)
+    return clip_integer_lens(array, index_dtype)
+
+
+def clip_integer_lens(valid_lens: np.ndarray, dtype: Any) -> np.ndarray:
+    """Integer lengths converted to the integer ``dtype`` by clipping, never wrapping.
+
+    A framework that counts in 32 bits (JAX without x64) would wrap ``2**62``
+    to 0 and hide every key. Lengths at or beyond the key count all hide
+    nothing and lengths at or below 0 all hide everything, so clipping to the
+    target's range keeps the meaning of every length (key counts fit in it).
+    Floating lengths are returned unchanged.
+    """
+    valid_lens = np.asarray(valid_lens)
+    if valid_lens.dtype.kind not in "iu":
+        return valid_lens
+    info = np.iinfo(dtype)
+    # Compare in Python ints: numpy would wrap or promote uint64 against int32 bounds.
+    if valid_lens.size and (int(valid_lens.min()) < info.min or int(valid_lens.max()) > info.max):
+        low = np.array(info.min).astype(valid_lens.dtype) if valid_lens.dtype.kind == "i" else 0
+        valid_lens = np.clip(valid_lens, low, np.array(info.max).astype(valid_lens.dtype))
+    return valid_lens.astype(dtype)
+
+
+def check_positive_real(name: str, value: Any) -> float:
+    """``value`` as a positive finite float; ``name`` is the argument's name in messages."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"{name} must be a positive finite number; got {value!r}")
+    if not (math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(f"{name} must be a positive finite number; got {value!r}")
+    return float(value)
+
+
+def heads_of_weights(
+    weights: Mapping[str, Any], num_heads: int, *, num_kv_heads: int | None = None
+) -> Heads:
+    """The head layout canonical weights describe for ``num_heads`` query heads.
+
+    ``head_dim`` is ``W_q``'s width over ``num_heads``; ``num_kv_heads``, when
+    not given, is ``W_k``'s width over ``head_dim``.
+
+    Raises:
+        ValueError: widths that no head layout of ``num_heads`` heads explains.
+    """
+    query_features = np.shape(weights["W_q"])[1]
+    kv_features = np.shape(weights["W_k"])[1]
+    check_positive_int("num_heads", num_heads)
+    if query_features % num_heads:
+        raise ValueError(
+            f"W_q has {query_features} columns, which num_heads ({num_heads}) does not divide"
+        )
+    head_dim = query_features // num_heads
+    if num_kv_heads is None:
+        if kv_features % head_dim:
+            raise ValueError(
+                f"W_k has {kv_features} columns, not a multiple of head_dim ({head_dim})"
+            )
+        num_kv_heads = kv_features // head_dim
+    heads = check_heads(
+        np.shape(weights["W_o"])[1], num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
+    if kv_features != heads.kv_features:
+        raise ValueError(
+            f"W_k must have num_kv_heads * head_dim = {heads.kv_features} columns; "
+            f"got {kv_features}"
+        )
+    return heads

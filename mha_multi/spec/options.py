@@ -1,0 +1,272 @@
+"""The options of the attention's scores: ALiBi, windows, soft-capping, a call's bias and positions.
+
+The constructor's options (:class:`LayerOptions`) and what one call does to
+the scores of every head (:class:`ScoreOptions`), checked (docs: "Positions
+and biases"). Rotary embeddings are in :mod:`mha_multi.spec.rotary`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mha_multi.spec.checks import check_positive_int, check_positive_real, one_of
+from mha_multi.spec.ops import Array
+from mha_multi.spec.rotary import Rotary, check_rotary
+
+
+def check_alibi(alibi: Any) -> bool:
+    """Raises ``TypeError`` unless ``alibi`` is a bool (as :func:`check_causal`)."""
+    if not isinstance(alibi, (bool, np.bool_)):
+        raise TypeError(f"alibi must be a bool; got {alibi!r} of type {type(alibi).__name__}")
+    return bool(alibi)
+
+
+def check_window(window: Any) -> int | None:
+    """``window`` as ``None`` or a positive int: the positions a query may see back.
+
+    Raises:
+        TypeError: not ``None`` or an int.
+        ValueError: not positive (a window of 0 would hide every key).
+    """
+    if window is None:
+        return None
+    check_positive_int("window", window)
+    return int(window)
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap`` as ``None`` or a positive finite float.
+
+    Raises:
+        TypeError: not ``None`` or a number.
+        ValueError: not positive and finite.
+    """
+    return None if softcap is None else check_positive_real("softcap", softcap)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi slopes of ``num_heads`` heads, float64 ``(num_heads,)``.
+
+    For ``H`` a power of two, head ``h`` (from 0) has ``2 ** (-8 (h + 1) / H)``
+    (Press et al., 2022). Otherwise, as BLOOM's ``build_alibi_tensor``: the
+    slopes of the largest power of two ``P < H``, then every other slope of
+    ``2 P`` heads (``2 ** (-4 k / P)`` for odd ``k``) for the remaining
+    ``H - P`` heads. Each slope is one float64 power of two, not a product of
+    rounded powers.
+    """
+    check_positive_int("num_heads", num_heads)
+    closest = 1 << (int(num_heads).bit_length() - 1)
+    slopes = np.exp2(-8.0 * np.arange(1, closest + 1) / closest)
+    if closest == num_heads:
+        return slopes
+    odd = np.arange(1, 2 * (num_heads - closest), 2)
+    return np.concatenate([slopes, np.exp2(-4.0 * odd / closest)])
+
+
+def check_positions(
+    positions_shape: Sequence[int],
+    positions_kind: str,
+    *,
+    batch: int,
+    num_queries: int,
+    num_keys: int | None = None,
+) -> None:
+    """Validates a call's ``positions``: integer ``(B, Q)`` (or ``(1, Q)``, for every example).
+
+    Args:
+        positions_shape: the shape of ``positions``.
+        positions_kind: its numpy dtype kind.
+        batch: ``B``.
+        num_queries: ``Q`` (``T`` of a cached call).
+        num_keys: ``K`` of a call without a cache, where ``positions`` serve
+            the keys too; ``None`` for a cached call (its new keys are its
+            queries' positions).
+
+    Raises:
+        TypeError: ``positions`` is not integer.
+        ValueError: another shape, or keys that are not the queries'
+            sequence (``K != Q`` without a cache).
+    """
+    if positions_kind not in "iu":
+        raise TypeError(f"positions must be integers; got dtype kind {positions_kind!r}")
+    shape = tuple(positions_shape)
+    if not one_of(shape, (batch, num_queries), (1, num_queries)):
+        raise ValueError(
+            f"positions must have shape (batch, num_queries) = ({batch}, {num_queries}) "
+            f"or (1, {num_queries}); got {shape}"
+        )
+    if num_keys is not None and num_keys != num_queries:
+        raise ValueError(
+            "positions serve the queries and the keys of self-attention, so without a cache "
+            f"the keys must be as many as the queries; got {num_queries} queries and "
+            f"{num_keys} keys (leave positions=None for cross-attention)"
+        )
+
+
+def check_bias(
+    bias_shape: Sequence[int],
+    bias_kind: str,
+    *,
+    batch: int,
+    num_heads: int,
+    num_queries: int,
+    num_keys: int,
+) -> None:
+    """Validates a call's ``bias``: floating, broadcastable to ``(B, H, Q, K)``.
+
+    With a cache, ``Q`` is the call's new positions ``T`` and ``K`` the
+    cache's ``max_length``.
+
+    Raises:
+        TypeError: ``bias`` is not floating-point.
+        ValueError: a shape numpy would not broadcast to ``(B, H, Q, K)``.
+    """
+    if bias_kind != "f":
+        raise TypeError(f"bias must be a floating-point array; got dtype kind {bias_kind!r}")
+    shape = tuple(bias_shape)
+    target = (batch, num_heads, num_queries, num_keys)
+    if len(shape) > 4 or any(
+        # (Compared one by one: see one_of.)
+        not (size == 1 or size == full)
+        for size, full in zip(shape[::-1], target[::-1], strict=False)
+    ):
+        raise ValueError(
+            "bias must be broadcastable to (batch, num_heads, num_queries, num_keys) = "
+            f"{target}; got shape {shape}"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreOptions:
+    """What one call does to the scaled scores of every head (docs: "Positions and biases").
+
+    Attributes:
+        softcap: ``None``, or ``c`` for ``c * tanh(s / c)`` (Gemma 2).
+        bias: ``None``, or an additive bias broadcastable to ``(B, H, Q, K)``.
+        alibi_slopes: ``None``, or the ``(H,)`` host slopes of the heads
+            this call computes (:func:`alibi_slopes`, sliced where heads are
+            sharded): ``slope[h] * (j - i_abs)`` is added.
+        window: ``None``, or ``w``: key ``j`` is hidden from query ``i``
+            unless ``i_abs - j < w``.
+        query_positions: where the queries sit among the keys (key ``j`` sits
+            at ``j``): ``None`` for ``i_abs = i + K - Q`` (the causal rule's
+            bottom-right frame), or integer ``(B, Q)`` (``lengths[b] + i`` of
+            a cached call). ALiBi, the window and the causal rule read it;
+            the call's ``positions`` only rotate.
+    """
+
+    softcap: float | None = None
+    bias: Array | None = None
+    alibi_slopes: np.ndarray | None = None
+    window: int | None = None
+    query_positions: Array | None = None
+
+    @property
+    def adjusts_scores(self) -> bool:
+        """Whether :func:`adjust_scores` changes the scores."""
+        return self.softcap is not None or self.bias is not None or self.alibi_slopes is not None
+
+
+#: No option: d2l's scores.
+NO_OPTIONS = ScoreOptions()
+
+
+_LAYER_OPTIONS = ("rotary", "alibi", "window", "softcap")
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """The constructor options of docs "Positions and biases"; the defaults are d2l's layer.
+
+    Attributes:
+        rotary: ``None`` or a :class:`Rotary` (a dict of its fields before
+            :meth:`check`).
+        alibi: add ALiBi's per-head linear bias (:func:`alibi_slopes`).
+        window: ``None`` or the sliding window (:func:`check_window`).
+        softcap: ``None`` or the soft cap of the scores (:func:`check_softcap`).
+    """
+
+    rotary: Rotary | Mapping[str, Any] | None = None
+    alibi: bool = False
+    window: int | None = None
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> LayerOptions:
+        """Checked options from keywords (``rotary=``, ...), naming an unknown one.
+
+        Raises:
+            TypeError: an unknown keyword, or a value of the wrong type.
+            ValueError: a value out of range.
+        """
+        unknown = sorted(set(options) - set(_LAYER_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"unknown option(s) {unknown}; the options are {', '.join(_LAYER_OPTIONS)}"
+            )
+        return cls(**options).check()
+
+    def check(self, head_dim: int | None = None) -> LayerOptions:
+        """These options validated, ``rotary`` as a :class:`Rotary`.
+
+        Args:
+            head_dim: the layer's head size, which the rotated share of
+                ``rotary`` must fit (:meth:`Rotary.dim`); ``None`` to skip.
+
+        Raises:
+            TypeError, ValueError: from :func:`check_rotary`,
+                :func:`check_alibi`, :func:`check_window`, :func:`check_softcap`,
+                :meth:`Rotary.dim`.
+        """
+        options = LayerOptions(
+            rotary=check_rotary(self.rotary),
+            alibi=check_alibi(self.alibi),
+            window=check_window(self.window),
+            softcap=check_softcap(self.softcap),
+        )
+        if head_dim is not None and options.rotary is not None:
+            options.rotary.dim(head_dim)
+        return options
+
+    def config(self) -> dict[str, Any]:
+        """The options as plain Python values (``rotary`` a dict), as constructors take them."""
+        rotary = self.rotary
+        if isinstance(rotary, Rotary):
+            rotary = dataclasses.asdict(rotary)
+        return {
+            "rotary": rotary,
+            "alibi": self.alibi,
+            "window": self.window,
+            "softcap": self.softcap,
+        }
+
+    @property
+    def is_default(self) -> bool:
+        """Whether these are d2l's layer (no option set)."""
+        return (
+            self.rotary is None and not self.alibi and self.window is None and self.softcap is None
+        )
+
+    def score_options(
+        self, *, num_heads: int, bias: Array | None = None, query_positions: Array | None = None
+    ) -> ScoreOptions:
+        """The :class:`ScoreOptions` of one call of a layer with these (checked) options.
+
+        Args:
+            num_heads: the heads whose ALiBi slopes the call needs.
+            bias: the call's checked ``bias``, or ``None``.
+            query_positions: ``None``, or a cached call's
+                :func:`cache_positions`.
+        """
+        return ScoreOptions(
+            softcap=self.softcap,
+            bias=bias,
+            alibi_slopes=alibi_slopes(num_heads) if self.alibi else None,
+            window=self.window,
+            query_positions=query_positions,
+        )
