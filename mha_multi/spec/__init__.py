@@ -18,7 +18,6 @@ options), :mod:`~mha_multi.spec.layout` (the head layout),
 :mod:`~mha_multi.spec.attention`, :mod:`~mha_multi.spec.plan` (the kernel
 plan), :mod:`~mha_multi.spec.cache` and :mod:`~mha_multi.spec.cache_checks`,
 and the float64 reference (:mod:`~mha_multi.spec.reference`,
-:mod:`~mha_multi.spec.reference_gradients`,
 :mod:`~mha_multi.spec.reference_cached`); :mod:`~mha_multi.spec.memo` makes a
 call's pure verdicts lookups. Every public name is read from here
 (``mha_multi.spec.X``).
@@ -114,12 +113,10 @@ from mha_multi.spec.positions import (
 )
 from mha_multi.spec.reference import (
     reference_forward,
+    reference_gradients,
 )
 from mha_multi.spec.reference_cached import (
     reference_cached_forward,
-)
-from mha_multi.spec.reference_gradients import (
-    reference_gradients,
 )
 from mha_multi.spec.rotary import (
     Llama3Scaling,

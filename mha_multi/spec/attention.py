@@ -11,15 +11,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mha_multi.spec import layout
 from mha_multi.spec.checks import one_of
-from mha_multi.spec.layout import (
-    grouped_to_heads,
-    heads_to_grouped,
-    transpose_grouped_output,
-    transpose_grouped_queries,
-    transpose_output,
-    transpose_qkv,
-)
 from mha_multi.spec.ops import Array, ArrayOps
 from mha_multi.spec.options import NO_OPTIONS, ScoreOptions
 from mha_multi.spec.positions import adjust_scores, visibility
@@ -186,7 +179,7 @@ def attention(
             kv_split,
             options,
         )
-    q = transpose_qkv(ops, q, num_heads)
+    q = layout.transpose_qkv(ops, q, num_heads)
     k, v = (_kv_heads(ops, x, num_heads, kv_split) for x in (k, v))
     head_scores = scaled_scores(ops, q, k, head_dim)  # (B*H, Q, K)
     # Rows are b*H + h, so splitting axis 0 as (B, H) lines heads up with a
@@ -196,7 +189,7 @@ def attention(
     flat_weights = ops.merge_axes(weights, 0)
     if dropout is not None:
         flat_weights = dropout(flat_weights)
-    context = transpose_output(ops, ops.matmul(flat_weights, v), num_heads)
+    context = layout.transpose_output(ops, ops.matmul(flat_weights, v), num_heads)
     return context, weights
 
 
@@ -294,17 +287,17 @@ def _grouped_attention(
     multi-head attention on repeated heads.
     """
     group_size = num_heads // num_kv_heads
-    q = transpose_grouped_queries(ops, q, num_kv_heads, group_size)  # (B*H_kv, G*Q, dh)
+    q = layout.transpose_grouped_queries(ops, q, num_kv_heads, group_size)  # (B*H_kv, G*Q, dh)
     k, v = (_kv_heads(ops, x, num_kv_heads, kv_split) for x in (k, v))  # (B*H_kv, K, dh)
-    scores = grouped_to_heads(
+    scores = layout.grouped_to_heads(
         ops, scaled_scores(ops, q, k, head_dim), num_kv_heads, group_size
     )  # (B, H, Q, K)
     weights = _option_weights(ops, scores, valid_lens, causal, options, ops.dtype(v))
-    flat_weights = heads_to_grouped(ops, weights, num_kv_heads, group_size)
+    flat_weights = layout.heads_to_grouped(ops, weights, num_kv_heads, group_size)
     if dropout is not None:
         flat_weights = dropout(flat_weights)
     context = ops.matmul(flat_weights, v)  # (B*H_kv, G*Q, dh)
-    return transpose_grouped_output(ops, context, num_kv_heads, group_size), weights
+    return layout.transpose_grouped_output(ops, context, num_kv_heads, group_size), weights
 
 
 def _option_weights(
@@ -336,7 +329,7 @@ def _option_weights(
 
 def _kv_heads(ops: ArrayOps, x: Array, num_kv_heads: int, split: bool) -> Array:
     """Keys or values as ``(B*H_kv, K, dh)``; ``split``: from ``(B, H_kv, K, dh)``."""
-    return ops.merge_axes(x, 0) if split else transpose_qkv(ops, x, num_kv_heads)
+    return ops.merge_axes(x, 0) if split else layout.transpose_qkv(ops, x, num_kv_heads)
 
 
 def check_head_mask(

@@ -1,24 +1,32 @@
-"""The float64 reference: the spec evaluated in numpy, and the checked inputs it shares.
+"""The float64 reference: the spec evaluated in numpy, and its gradients derived by hand.
 
 :func:`reference_forward` runs the same spec functions as every backend, with
-:class:`~mha_multi.spec.ops.NumpyOps` in float64. The hand-derived gradients
-and the cached form, written apart from the layer's code so that they check
-it, are in :mod:`mha_multi.spec.reference_gradients` and
+:class:`~mha_multi.spec.ops.NumpyOps` in float64; :func:`reference_gradients`
+is its backward pass written out, with no autodiff framework, so it checks
+every backend's gradients. The cached form is in
 :mod:`mha_multi.spec.reference_cached`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from mha_multi.spec.attention import apply_head_mask, attention, check_head_mask
+from mha_multi.spec import layout
+from mha_multi.spec.attention import (
+    apply_head_mask,
+    attention,
+    check_head_mask,
+    masked_softmax,
+    scaled_scores,
+)
 from mha_multi.spec.checks import Heads, check_inputs, heads_of_weights
 from mha_multi.spec.ops import NumpyOps
 from mha_multi.spec.options import LayerOptions, check_bias, check_positions
-from mha_multi.spec.positions import call_positions
+from mha_multi.spec.positions import adjust_scores, call_positions, visibility
 from mha_multi.spec.rotary import Rotary, rotate
 
 
@@ -195,3 +203,135 @@ def checked_head_mask(head_mask: Any, heads: Heads, batch: int) -> np.ndarray | 
     gates = np.asarray(head_mask)
     check_head_mask(gates.shape, gates.dtype.kind, num_heads=heads.num_heads, batch=batch)
     return gates.astype(np.float64)
+
+
+def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The gradient of a broadcast: ``x`` summed over the axes ``shape`` was broadcast along."""
+    x = x.sum(axis=tuple(range(x.ndim - len(shape))))
+    axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def reference_gradients(
+    weights: Mapping[str, Any],
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    causal: bool = False,
+    output_gradient: Any,
+    head_mask: Any = None,
+    positions: Any = None,
+    bias: Any = None,
+    **options: Any,
+) -> dict[str, np.ndarray]:
+    """Float64 vector-Jacobian product of :func:`reference_forward`.
+
+    The backward pass is derived by hand (no autodiff framework), so it is an
+    independent check of every backend's gradients. Hidden scores are
+    replaced by a constant, so they receive no gradient (nor does the bias
+    there). A rotation's transpose is the rotation by the opposite angles;
+    soft-capping's derivative is ``1 - tanh(s / c) ** 2``.
+
+    Args:
+        weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal: as in
+            :func:`reference_forward`.
+        output_gradient: the cotangent of the output, ``(B, Q, num_hiddens)``.
+        head_mask: as in :func:`reference_forward`; its gradient is returned
+            too.
+        positions, bias: as in :func:`reference_forward`; the gradient of
+            ``bias`` is returned too, in its shape.
+        **options: as in :func:`reference_forward`.
+
+    Returns:
+        Gradients keyed ``queries``, ``keys``, ``values``, every weight name
+        and, with a ``head_mask``, ``head_mask``, with a ``bias``, ``bias``.
+    """
+    ops = NumpyOps()
+    layer = LayerOptions.of(options)
+    w, queries, keys, values, lens, heads = checked_inputs(
+        weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal
+    )
+    batch, num_queries = queries.shape[:2]
+    num_keys = keys.shape[1]
+    positions = checked_positions(positions, batch, num_queries, num_keys)
+    bias = checked_bias(bias, heads, batch, num_queries, num_keys)
+    head_dim = heads.head_dim
+    grad_out = as_float64(output_gradient)
+    scale = 1.0 / math.sqrt(head_dim)
+
+    projected = projections(w, queries, keys, values, heads, layer.rotary, positions)
+    # The grouped layout (docs: "The spec"): (B*H_kv, G*Q, dh) queries against
+    # (B*H_kv, K, dh) keys and values; with G = 1 it is d2l's (B*H, Q, dh).
+    kv_heads, group = heads.num_kv_heads, heads.group_size
+    q = layout.transpose_grouped_queries(ops, projected["q"], kv_heads, group)
+    k, v = (layout.transpose_qkv(ops, projected[n], kv_heads) for n in "kv")
+    raw_scores = layout.grouped_to_heads(ops, scaled_scores(ops, q, k, head_dim), kv_heads, group)
+    score_options = layer.score_options(num_heads=heads.num_heads, bias=bias)
+    scores = adjust_scores(ops, raw_scores, score_options)  # (B, H, Q, K)
+    visible = visibility(
+        ops, num_queries, num_keys, lens, causal=causal, window=score_options.window
+    )
+    attn = layout.heads_to_grouped(ops, masked_softmax(ops, scores, visible), kv_heads, group)
+    context = layout.transpose_grouped_output(ops, attn @ v, kv_heads, group)
+    gates = checked_head_mask(head_mask, heads, batch)
+
+    grads: dict[str, np.ndarray] = {}
+    grads["W_o"] = np.einsum(
+        "bqi,bqj->ij", apply_head_mask(ops, context, gates, heads.num_heads), grad_out
+    )
+    if "b_o" in w:
+        grads["b_o"] = grad_out.sum(axis=(0, 1))
+    grad_context = grad_out @ w["W_o"].T  # (B, Q, H*dh), of the gated context
+    if gates is not None:
+        # d(context_h * gate_h): the gate's gradient sums its head's products,
+        # over the batch too for one gate per head.
+        per_head = (grad_context * context).reshape(
+            *context.shape[:2], heads.num_heads, heads.head_dim
+        )
+        grad_gates = per_head.sum(axis=(1, 3))  # (B, H)
+        grads["head_mask"] = grad_gates if gates.ndim == 2 else grad_gates.sum(axis=0)
+        grad_context = apply_head_mask(ops, grad_context, gates, heads.num_heads)
+    grad_heads = layout.transpose_grouped_queries(ops, grad_context, kv_heads, group)
+    grad_attn = grad_heads @ np.swapaxes(v, -1, -2)  # d(attn @ v) / d attn
+    # A key/value head's gradient sums over its whole group (the G*Q rows).
+    grad_v = np.swapaxes(attn, -1, -2) @ grad_heads
+    grad_scores = attn * (grad_attn - (grad_attn * attn).sum(axis=-1, keepdims=True))
+    grad_scores = layout.grouped_to_heads(ops, grad_scores, kv_heads, group)  # (B, H, Q, K)
+    if visible is not None:
+        grad_scores = np.where(visible, grad_scores, 0.0)
+    if bias is not None:
+        grads["bias"] = _sum_to_shape(grad_scores, bias.shape)  # the bias is added
+    if layer.softcap is not None:
+        grad_scores = grad_scores * (1.0 - np.tanh(raw_scores / layer.softcap) ** 2)
+    grad_scores = layout.heads_to_grouped(ops, grad_scores, kv_heads, group)
+    grad_q = grad_scores @ k * scale
+    grad_k = np.swapaxes(grad_scores, -1, -2) @ q * scale
+
+    inputs = {"q": ("queries", queries), "k": ("keys", keys), "v": ("values", values)}
+    projected_grads = {
+        "q": layout.transpose_grouped_output(ops, grad_q, kv_heads, group),
+        "k": layout.transpose_output(ops, grad_k, kv_heads),
+        "v": layout.transpose_output(ops, grad_v, kv_heads),
+    }
+    if layer.rotary is not None:
+        query_positions, key_positions = call_positions(
+            ops, positions, num_queries=num_queries, num_keys=num_keys
+        )
+        for name, at, count in (
+            ("q", query_positions, heads.num_heads),
+            ("k", key_positions, kv_heads),
+        ):
+            projected_grads[name] = rotate(
+                ops, projected_grads[name], at, layer.rotary, count, head_dim, inverse=True
+            )
+    for name, grad_projected in projected_grads.items():
+        input_name, x = inputs[name]
+        grads[f"W_{name}"] = np.einsum("bti,btj->ij", x, grad_projected)
+        if f"b_{name}" in w:
+            grads[f"b_{name}"] = grad_projected.sum(axis=(0, 1))
+        grads[input_name] = grad_projected @ w[f"W_{name}"].T
+    return grads
