@@ -1,0 +1,58 @@
+"""The layer's call, written once: checks, plan, cache, attend, gates, output.
+
+Every backend's layer is a shell around :func:`forward` (docs:
+"Architecture"): it owns its parameters and its framework's module protocol,
+and hands each call here together with two objects.
+
+* The framework's :class:`Facts` (a subclass in
+  ``mha_multi/<framework>/_facts.py``): how its arrays are checked and
+  converted, which values can be read on the host and when, its array-ops
+  adapter, and its fused kernel. Eager and compiled execution differ only in
+  what :meth:`Facts.read` can read.
+* The layer's :class:`Projections`: its head layout and input sizes, the
+  input projections and the output projection of the gated context.
+
+The math is :mod:`mha_multi.spec`'s; the flow of a call is here and nowhere
+else, so a new option of the attention is added to the spec, to this package,
+and to those fused kernels that can take it. One job per module:
+:mod:`~mha_multi.call.contract` (the layer's side and the result),
+:mod:`~mha_multi.call.facts` (the framework's side), :mod:`~mha_multi.call.checks`,
+:mod:`~mha_multi.call.kernel_plan` and :mod:`~mha_multi.call.flow`.
+
+Nothing here imports a framework.
+"""
+
+from __future__ import annotations
+
+from mha_multi.call.checks import (
+    check_cache_values,
+    check_cached_call,
+    check_call,
+    check_gates,
+    check_options,
+)
+from mha_multi.call.contract import BIAS_SHAPE, GATES_SHAPE, INPUT_NAMES, Projections, Result
+from mha_multi.call.facts import Facts, read_all
+from mha_multi.call.flow import attend, attended_positions, forward, plain_self_attention
+from mha_multi.call.kernel_plan import kernel_settings, plan
+
+__all__ = [
+    "BIAS_SHAPE",
+    "GATES_SHAPE",
+    "INPUT_NAMES",
+    "Facts",
+    "Projections",
+    "Result",
+    "attend",
+    "attended_positions",
+    "check_cache_values",
+    "check_cached_call",
+    "check_call",
+    "check_gates",
+    "check_options",
+    "forward",
+    "kernel_settings",
+    "plain_self_attention",
+    "plan",
+    "read_all",
+]

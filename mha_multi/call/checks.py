@@ -1,0 +1,204 @@
+"""A call's checks, in the order every backend runs them: inputs, cache, gates, options.
+
+The checks that read no values, from the framework's arrays through its
+:class:`~mha_multi.call.facts.Facts` into :mod:`mha_multi.spec`'s shape and
+dtype rules, so the same mistake raises the same error in every backend; and
+the one read of a cached call's lengths where they can be read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mha_multi import spec
+from mha_multi.call.contract import INPUT_NAMES, Array, Projections
+from mha_multi.call.facts import Facts
+
+
+def _shape(x: Array | None) -> tuple[int, ...] | None:
+    return None if x is None else tuple(x.shape)
+
+
+def check_call(
+    facts: Facts,
+    layer: Projections,
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any,
+    *,
+    causal: Any,
+    dtype: Any = None,
+) -> tuple[Array, Array, Array, Array | None]:
+    """Every check of a call without a cache that reads no values.
+
+    Args:
+        facts: the framework's facts.
+        layer: the layer's projections (for its input sizes).
+        queries: ``(B, Q, query_size)``; keys, values ``(B, K, ·)``.
+        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
+        causal: the call's flag, which must be a bool.
+        dtype: the dtype the inputs must have, or ``None`` for any floating.
+
+    Returns:
+        ``(queries, keys, values, valid_lens)`` as the framework's arrays.
+
+    Raises:
+        TypeError: an input that is no floating array (of ``dtype``),
+            non-numeric lengths, a ``causal`` that is not a bool.
+        ValueError: shapes that do not fit together or the layer, named
+            (:func:`mha_multi.spec.check_inputs`); arrays on other devices.
+    """
+    queries = facts.check_input("queries", queries, like=None, dtype=dtype)
+    keys, values = (
+        # Self-attention's keys and values are the queries, checked already.
+        x if x is queries else facts.check_input(name, x, like=queries, dtype=dtype)
+        for name, x in zip(INPUT_NAMES[1:], (keys, values), strict=True)
+    )
+    lens = facts.as_lens(valid_lens, queries)
+    spec.check_inputs(
+        queries.shape,
+        keys.shape,
+        values.shape,
+        _shape(lens),
+        **layer.input_sizes(),
+        causal=causal,
+    )
+    return queries, keys, values, lens
+
+
+def check_cached_call(
+    facts: Facts,
+    layer: Projections,
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any,
+    cache: Any,
+    *,
+    causal: Any,
+    dtype: Any = None,
+) -> tuple[Array, Array | None, Array | None, Array | None, spec.KVCache]:
+    """Every check of a cached call that reads no values (docs: "Generating with a cache").
+
+    As :func:`check_call`; ``keys`` and ``values`` may both be ``None`` (the
+    call appends nothing), ``valid_lens`` counts each example's new
+    positions, and the cache is checked against the layer's heads.
+
+    Returns:
+        ``(queries, keys, values, valid_lens, cache)`` as the framework's arrays.
+
+    Raises:
+        TypeError, ValueError: as :func:`mha_multi.spec.check_cached_call`,
+            and those of :meth:`Facts.as_cache`.
+    """
+    queries = facts.check_input("queries", queries, like=None, dtype=dtype)
+    keys, values = (
+        # Self-attention's keys and values are the queries, checked already.
+        x if x is None or x is queries else facts.check_input(name, x, like=queries, dtype=dtype)
+        for name, x in zip(INPUT_NAMES[1:], (keys, values), strict=True)
+    )
+    cache = facts.as_cache(cache, queries)
+    lens = facts.as_lens(valid_lens, queries)
+    spec.check_cached_call(
+        queries,
+        keys,
+        values,
+        lens,
+        cache,
+        heads=layer.heads,
+        dtype_kind=facts.dtype_kind,
+        causal=causal,
+        **layer.input_sizes(),
+    )
+    return queries, keys, values, lens, cache
+
+
+def check_gates(facts: Facts, head_mask: Any, *, num_heads: int, like: Array) -> Array | None:
+    """``head_mask`` checked (docs: "Heads"): ``(num_heads,)`` or ``(B, num_heads)``, floating.
+
+    Args:
+        num_heads: the heads the gates are for (a sharded layer's whole count).
+        like: the queries, whose batch a ``(B, num_heads)`` mask must have.
+
+    Raises:
+        TypeError: not an array, or not floating.
+        ValueError: another shape, or another device.
+    """
+    if head_mask is None:
+        return None
+    gates = facts.as_gates(head_mask, like)
+    spec.check_head_mask(
+        tuple(gates.shape),
+        facts.dtype_kind(gates.dtype),
+        num_heads=num_heads,
+        batch=like.shape[0],
+    )
+    return gates
+
+
+def check_cache_values(
+    facts: Facts, cache: spec.KVCache, valid_lens: Array | None, num_new: int
+) -> spec.CacheFill | None:
+    """:func:`mha_multi.spec.check_cache_values` where the lengths can be read.
+
+    One read of ``cache.lengths`` and ``valid_lens`` in an eager call;
+    nothing in a traced one, where :func:`mha_multi.spec.update_cache` drops
+    what would overflow instead.
+
+    Returns:
+        The lengths read (and so checked), or ``None`` where they cannot be.
+    """
+    read = facts.read(cache.lengths, valid_lens)
+    if read is None:
+        return None
+    return spec.check_cache_values(read[0], read[1], num_new, cache.keys.shape[2])
+
+
+def check_options(
+    facts: Facts,
+    positions: Any,
+    bias: Any,
+    *,
+    num_heads: int,
+    like: Array,
+    num_keys: int,
+    cached: bool,
+) -> tuple[Array | None, Array | None]:
+    """A call's ``positions`` and ``bias`` checked (docs: "Positions and biases").
+
+    Args:
+        num_heads: the heads ``bias`` is for (a sharded layer's whole count).
+        like: the checked queries ``(B, Q, ·)``.
+        num_keys: ``K`` of an uncached call, ``max_length`` of a cached one.
+        cached: whether the call has a cache (its new keys are its queries'
+            sequence, so ``positions`` need no ``K == Q``).
+
+    Returns:
+        ``(positions, bias)`` as the framework's arrays (``None`` stays ``None``).
+
+    Raises:
+        TypeError, ValueError: as :func:`mha_multi.spec.check_positions` and
+            :func:`mha_multi.spec.check_bias`.
+    """
+    batch, num_queries = like.shape[0], like.shape[1]
+    if positions is not None:
+        positions = facts.as_positions(positions, like)
+        spec.check_positions(
+            tuple(positions.shape),
+            facts.dtype_kind(positions.dtype),
+            batch=batch,
+            num_queries=num_queries,
+            num_keys=None if cached else num_keys,
+        )
+    if bias is not None:
+        bias = facts.as_bias(bias, like)
+        spec.check_bias(
+            tuple(bias.shape),
+            facts.dtype_kind(bias.dtype),
+            batch=batch,
+            num_heads=num_heads,
+            num_queries=num_queries,
+            num_keys=num_keys,
+        )
+    return positions, bias

@@ -1,0 +1,61 @@
+"""What a layer gives the call flow and gets back: its projections, the call's result.
+
+A backend's layer is :class:`Projections` to the flow (its heads, input sizes
+and projections); every call returns a :class:`Result`. The framework's side
+of the contract is :class:`~mha_multi.call.facts.Facts`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+from mha_multi import spec
+
+Array = Any
+#: A call's array arguments, as its errors name them.
+INPUT_NAMES = ("queries", "keys", "values")
+#: The shapes a call's ``bias`` and ``head_mask`` may have, as the facts' errors word them.
+BIAS_SHAPE = "broadcastable to (batch, num_heads, num_queries, num_keys)"
+GATES_SHAPE = "of shape (num_heads,) or (batch, num_heads)"
+
+
+class Projections(Protocol):
+    """What the driver asks of a layer: its heads, sizes and projections."""
+
+    @property
+    def heads(self) -> spec.Heads:
+        """The heads this call computes (a sharded layer's own share)."""
+
+    def input_sizes(self) -> dict[str, int | None]:
+        """``query_size``, ``key_size``, ``value_size``; ``None`` where not known yet."""
+
+    def project_inputs(
+        self, queries: Array, keys: Array | None, values: Array | None
+    ) -> tuple[Any, ...]:
+        """``(q, k, v)``: the projected inputs; ``k`` and ``v`` ``None`` without keys."""
+
+    def project_output(self, context: Array, gates: Array | None) -> Array:
+        """``W_o`` (and ``b_o``) of the heads' context gated by ``gates``.
+
+        The gating is :func:`mha_multi.spec.apply_head_mask`; where a 16-bit
+        product is taken and rounded is the layer's fact.
+        """
+
+
+class Result(NamedTuple):
+    """What :func:`attend` computes: the output, the weights and the cache."""
+
+    output: Array
+    #: ``(B, H, Q, K)`` pre-dropout weights, ``None`` unless asked for (or fused).
+    weights: Array | None
+    #: The cache after the call; ``None`` for a call without one.
+    cache: spec.KVCache | None
+
+    def returned(self, return_attention_weights: bool) -> Any:
+        """The layer's return value: the output, then the weights and the cache where given."""
+        outputs: tuple[Any, ...] = (self.output,)
+        if return_attention_weights:
+            outputs += (self.weights,)
+        if self.cache is not None:
+            outputs += (self.cache,)
+        return outputs[0] if len(outputs) == 1 else outputs

@@ -1,0 +1,349 @@
+"""The framework's side of the call's contract: :class:`Facts`, one subclass per framework.
+
+Each framework's facts module (``mha_multi/<framework>/_facts.py``) subclasses
+it: how its arrays are checked and converted, which values can be read on the
+host and when, its array-ops adapter, and its fused kernel. Eager and
+compiled execution differ only in what :meth:`Facts.read` can read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mha_multi import spec
+from mha_multi.call.contract import Array, Projections, Result
+
+
+class Facts:
+    """A framework's facts, as a call asks for them (docs: "Architecture").
+
+    Subclasses override what their framework does differently; the defaults
+    are those of a framework whose arrays have ``.shape`` and ``.dtype``.
+
+    Attributes:
+        kernel: the fused kernel a call may plan for, or ``None`` where every
+            call takes the generic path.
+        vmap: ``jax.vmap`` or a function of its signature, for layers whose
+            heads are split over devices (``head_parallel``); ``None`` where
+            the framework has none.
+        passes_options: :meth:`fused_attention` takes the call's
+            :class:`~mha_multi.spec.ScoreOptions` (``options=``) and
+            :meth:`plan_values` its ``bias`` (``bias=``); where not, a call
+            with a bias, ALiBi, a window, soft-capping or its own query
+            positions takes the generic path.
+        attends_filled: an eager cached call attends over the cache's filled
+            positions (:meth:`mha_multi.spec.CacheFill.span`, through
+            :meth:`cache_prefix`) rather than all ``max_length``: for
+            frameworks whose kernels take any length at no compile cost.
+    """
+
+    kernel: spec.FusedKernel | None = None
+    vmap: Callable[..., Callable[..., Any]] | None = None
+    passes_options: bool = False
+    attends_filled: bool = False
+
+    # -- arrays -----------------------------------------------------------
+
+    def ops(self, like: Array) -> spec.ArrayOps:
+        """The array-ops adapter for arrays such as ``like`` (its device, precision)."""
+        raise NotImplementedError
+
+    def dtype_kind(self, dtype: Any) -> str:
+        """numpy's ``dtype.kind`` of a framework dtype (``"f"``, ``"i"``...)."""
+        raise NotImplementedError
+
+    def check_input(self, name: str, x: Any, *, like: Array | None, dtype: Any) -> Array:
+        """``x`` as an input of the call: a floating array of the framework.
+
+        Args:
+            name: ``"queries"``, ``"keys"`` or ``"values"``.
+            x: what the caller passed.
+            like: the queries (already checked) for keys and values, where
+                they must share its device; ``None`` for the queries.
+            dtype: the dtype the layer requires, or ``None`` for any floating one.
+
+        Raises:
+            TypeError: not an array of the framework, not floating, or not of
+                ``dtype``.
+            ValueError: on another device than ``like``.
+        """
+        raise NotImplementedError
+
+    def as_lens(self, valid_lens: Any, like: Array) -> Array | None:
+        """``valid_lens`` as the framework's array beside ``like``, its dtype checked.
+
+        Integer lengths beyond the framework's index type are clipped, never
+        wrapped (:func:`mha_multi.spec.lens_as_numpy`).
+
+        Raises:
+            TypeError: not numeric.
+        """
+        raise NotImplementedError
+
+    def as_cache(self, cache: Any, like: Array) -> spec.KVCache:
+        """``cache`` as a :class:`~mha_multi.spec.KVCache` of the framework's arrays.
+
+        Raises:
+            TypeError: not a ``(keys, values, lengths)`` tuple of arrays.
+            ValueError: an array on another device than ``like``.
+        """
+        raise NotImplementedError
+
+    def as_positions(self, positions: Any, like: Array) -> Array:
+        """``positions`` (not ``None``) as the framework's array beside ``like``.
+
+        Arrays of the framework keep their dtype (checked by
+        :func:`mha_multi.spec.check_positions`); sequences and numpy arrays
+        are converted.
+
+        Raises:
+            TypeError: not array-like.
+        """
+        raise NotImplementedError
+
+    def as_bias(self, bias: Any, like: Array) -> Array:
+        """``bias`` (not ``None``) as the framework's array beside ``like``.
+
+        Its shape and dtype are checked by :func:`mha_multi.spec.check_bias`.
+
+        Raises:
+            TypeError: not an array of the framework.
+            ValueError: on another device than ``like``.
+        """
+        raise NotImplementedError
+
+    def as_gates(self, head_mask: Any, like: Array) -> Array:
+        """``head_mask`` (not ``None``) as the framework's array beside ``like``.
+
+        Its shape and dtype are checked by :func:`check_gates`.
+
+        Raises:
+            TypeError: not an array.
+            ValueError: on another device than ``like``.
+        """
+        raise NotImplementedError
+
+    def read(self, *arrays: Array | None) -> list[np.ndarray | None] | None:
+        """A few small arrays as numpy, or ``None`` where values cannot be read.
+
+        Eager calls read; traced ones (``torch.compile``, ``jax.jit``,
+        ``tf.function``) cannot, and then the call does what the docs say
+        compiled code does instead. ``None`` entries stay ``None``.
+        """
+        raise NotImplementedError
+
+    # -- the fused kernel ---------------------------------------------------
+
+    def kernel_serves(self, q: Array) -> bool:
+        """Whether :attr:`kernel` serves the dtype and precision of ``q``."""
+        return True
+
+    def kernel_takes_grouped(self, q: Array, num_queries: Any, head_dim: int) -> bool:
+        """Whether grouped key/value heads are best given to :attr:`kernel` as they are,
+        for ``num_queries`` queries ``q`` of ``head_dim`` (where it takes them at all);
+        ``False`` has the plan repeat them once (:attr:`mha_multi.spec.KernelPlan.repeat_kv`)."""
+        return True
+
+    def on_host(self, q: Array) -> bool:
+        """Whether ``q`` lives on the host, where :meth:`plan_values` waits for nothing
+        (elsewhere the plan reads only where :func:`mha_multi.spec.reads_values` says)."""
+        return True
+
+    def records_gradient(self, q: Array) -> bool:
+        """Whether a gradient is recorded through the projection ``q``, so that the
+        generic path keeps its ``(B, H, Q, K)`` weights for the backward pass
+        (:func:`mha_multi.spec.reads_values`); ``True`` where the framework
+        cannot tell."""
+        return True
+
+    def plan_values(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        valid_lens: Array | None,
+        heads: spec.Heads,
+        *,
+        hides_keys: bool = True,
+    ) -> tuple[bool | None, float | None]:
+        """What the plan reads of the values: ``(values_exact, shortest_length)``.
+
+        See :func:`mha_multi.spec.plan_kernel`; ``(None, None)`` reads nothing.
+        ``hides_keys``: the plan hides keys whatever the lengths (the causal
+        rule, a window), so a kernel that adds its mask needs the scores
+        bounded (:func:`mha_multi.spec.scores_within_limit`); lengths may
+        hide keys too.
+        """
+        return None, None
+
+    def values_guard(self, q: Array, sizes: tuple[Any, Any, Any]) -> bool:
+        """Whether a call whose values cannot be read (:meth:`plan_values`)
+        runs the kernel under :meth:`guarded`; ``sizes`` are ``(B, Q, K)``.
+
+        A framework whose compiled graphs branch on the device says where
+        that pays (docs: "Fast paths"); the default is the generic path.
+        """
+        return False
+
+    def guarded(
+        self,
+        fused: Callable[..., Array],
+        generic: Callable[..., Array],
+        arrays: Sequence[Array],
+        bias: Array | None,
+        *,
+        head_dim: int,
+    ) -> Array:
+        """``fused(*arrays)`` where the values are exact, else ``generic(*arrays)``,
+        decided on the device.
+
+        The values are exact where ``arrays`` (the projections ``q, k, v``
+        the kernel attends over, of heads of ``head_dim``) are finite, their
+        scores within :data:`mha_multi.spec.FUSED_SCORE_LIMIT` and ``bias``,
+        where given, bounded: what :meth:`plan_values` reads in an eager
+        call, here a graph's conditional. Only frameworks whose :meth:`values_guard` is
+        true are asked, and their :meth:`fused_attention` never declines
+        (both branches give the context).
+        """
+        raise NotImplementedError
+
+    def fused_attention(
+        self,
+        ops: spec.ArrayOps,
+        q: Array,
+        k: Array,
+        v: Array,
+        valid_lens: Array | None,
+        plan: spec.KernelPlan,
+        *,
+        heads: spec.Heads,
+        kv_split: bool,
+        dropout_rate: float,
+    ) -> Array | None:
+        """The heads' context ``(B, Q, H*dh)`` from the fused kernel, to the spec's numbers.
+
+        ``None`` where the kernel declined the call after all (cuDNN's
+        shapes): the generic path then serves.
+        """
+        raise NotImplementedError
+
+    # -- the cache ------------------------------------------------------------
+
+    def write_cache(
+        self,
+        ops: spec.ArrayOps,
+        cache: spec.KVCache,
+        k: Array,
+        v: Array,
+        valid_lens: Array | None,
+        *,
+        head_dim: int,
+        causal: bool,
+        fill: spec.CacheFill | None,
+    ) -> tuple[spec.KVCache, Array]:
+        """:func:`mha_multi.spec.update_cache`: the cache after the call, and what queries see.
+
+        The default is the spec's functional update (static shapes, any
+        execution). A framework that can write arrays in place overrides
+        it for the calls where that is safe (eager, no gradient through the
+        cache), using ``fill``, the lengths read on the host (``None`` in a
+        traced call).
+        """
+        return spec.update_cache(ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal)
+
+    def cache_prefix(self, keys: Array, values: Array, span: int) -> tuple[Array, Array]:
+        """The first ``span`` positions of a cache's ``(B, H_kv, max_length, dh)`` arrays.
+
+        Only frameworks that set :attr:`attends_filled` are asked.
+        """
+        raise NotImplementedError
+
+    def finite_past(self, keys: Array, values: Array, span: int) -> bool:
+        """Whether every value of a cache (``keys``, ``values``) past its first ``span``
+        positions is finite.
+
+        A call may attend over those first positions only (:attr:`attends_filled`)
+        where this holds: the positions past them are hidden from every query,
+        and a hidden value takes a weight of 0, which a NaN or an infinity
+        turns into NaN (docs: "Generating with a cache"). Frameworks read the
+        values, or know them from the calls that wrote the cache; the default,
+        ``False``, attends over every position.
+        """
+        return False
+
+    def span_bucket_of(self, keys: Array) -> int:
+        """The attended span of a cache whose keys are ``keys`` is a multiple of it.
+
+        The shapes a compiled kernel is reused for: the spec's bucket by
+        default, 1 where kernels take any length at no cost.
+        """
+        return spec.SPAN_BUCKET
+
+    def plain_attention(
+        self, layer: Projections, queries: Any, cache: Any, *, causal: bool, dtype: Any
+    ) -> Result | None:
+        """Plain self-attention (:func:`plain_self_attention`) run in few operations, or ``None``.
+
+        A framework may answer the calls whose every fact it already holds
+        (the checks of these shapes, the plan, and for a decoding step the
+        cache its own writes made and its lengths on the host) with the
+        generic flow's operations on the same arrays, so with its numbers to
+        the bit, and ``None`` for anything else: the generic flow then checks
+        and runs the call. The default answers none.
+
+        Args:
+            layer: the layer's projections.
+            queries: the call's queries, which are its keys and values.
+            cache: the call's cache, unchecked, or ``None``.
+            causal: the call's flag (a bool).
+            dtype: the dtype the inputs must have, or ``None`` for any floating.
+        """
+        return None
+
+    # -- the generic path ---------------------------------------------------
+
+    def generic_attention(
+        self,
+        ops: spec.ArrayOps,
+        q: Array,
+        k: Array,
+        v: Array,
+        valid_lens: Array | None,
+        *,
+        heads: spec.Heads,
+        causal: bool,
+        dropout: Callable[[Array], Array] | None,
+        kv_split: bool,
+        head_parallel: bool,
+        return_attention_weights: bool,
+        options: spec.ScoreOptions = spec.NO_OPTIONS,
+    ) -> tuple[Array, Array | None]:
+        """:func:`mha_multi.spec.attention`, or head by head where the heads are split.
+
+        With ``head_parallel`` (and no dropout, whose mask is drawn for the
+        whole ``(B*H, Q, K)`` weights, nor score options) the attention is
+        mapped over the key/value heads
+        (:func:`mha_multi.spec.attention_by_kv_heads`), so that sharded heads
+        are computed where they live.
+        """
+        settings: dict[str, Any] = {
+            "num_heads": heads.num_heads,
+            "head_dim": heads.head_dim,
+            "num_kv_heads": heads.num_kv_heads,
+            "causal": causal,
+            "kv_split": kv_split,
+        }
+        plain = options is spec.NO_OPTIONS
+        if head_parallel and dropout is None and plain and self.vmap is not None:
+            return spec.attention_by_kv_heads(ops, q, k, v, valid_lens, vmap=self.vmap, **settings)
+        if not plain:
+            settings["options"] = options
+        return spec.attention(ops, q, k, v, valid_lens, dropout=dropout, **settings)
+
+
+def read_all(arrays: Sequence[Any], read_one: Callable[[Any], np.ndarray]) -> list[Any]:
+    """``read_one`` of each array, ``None`` entries kept: a helper of :meth:`Facts.read`."""
+    return [None if x is None else read_one(x) for x in arrays]

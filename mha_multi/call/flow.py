@@ -1,0 +1,364 @@
+"""A call's flow, written once: the checks, projections, cache, attention, gates and output.
+
+:func:`forward` is what every layer calls; :func:`attend` computes a checked
+call (docs: "Architecture").
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mha_multi import spec
+from mha_multi.call.checks import (
+    check_cache_values,
+    check_cached_call,
+    check_call,
+    check_gates,
+    check_options,
+)
+from mha_multi.call.contract import Array, Projections, Result
+from mha_multi.call.facts import Facts
+from mha_multi.call.kernel_plan import plan
+
+
+def _rotated(
+    ops: spec.ArrayOps,
+    q: Array,
+    k: Array | None,
+    positions: Array | None,
+    rotary: spec.Rotary,
+    heads: spec.Heads,
+    lengths: Array | None,
+) -> tuple[Array, Array | None]:
+    """``q`` and ``k`` rotated at the call's positions (:func:`mha_multi.spec.call_positions`)."""
+    query_positions, key_positions = spec.call_positions(
+        ops,
+        positions,
+        num_queries=ops.size(q, 1),
+        num_keys=None if k is None else ops.size(k, 1),
+        lengths=lengths,
+    )
+    tables = spec.rotary_tables(ops, q, query_positions, rotary, heads.head_dim)
+    q = spec.rotate(ops, q, query_positions, rotary, heads.num_heads, heads.head_dim, tables=tables)
+    if k is not None:
+        shared = tables if key_positions is query_positions else None
+        k = spec.rotate(
+            ops, k, key_positions, rotary, heads.num_kv_heads, heads.head_dim, tables=shared
+        )
+    return q, k
+
+
+def attend(
+    facts: Facts,
+    layer: Projections,
+    ops: spec.ArrayOps,
+    queries: Array,
+    keys: Array | None,
+    values: Array | None,
+    valid_lens: Array | None,
+    *,
+    cache: spec.KVCache | None = None,
+    gates: Array | None = None,
+    causal: bool = False,
+    return_attention_weights: bool = False,
+    dropout: Callable[[Array], Array] | None = None,
+    dropout_rate: float = 0.0,
+    head_parallel: bool = False,
+    kernel_plan: spec.KernelPlan | None = None,
+    layer_options: spec.LayerOptions | None = None,
+    positions: Array | None = None,
+    bias: Array | None = None,
+    fill: spec.CacheFill | None = None,
+) -> Result:
+    """Projections, the cache update, attention, gates and the output of checked arguments.
+
+    Args:
+        facts: the framework's facts.
+        layer: the layer's projections.
+        ops: the array-ops adapter of these arrays.
+        queries, keys, values, valid_lens: as the checks returned them
+            (:func:`check_call`, :func:`check_cached_call`).
+        cache: ``None``, or the checked cache: the new keys and values are
+            written into it (:func:`mha_multi.spec.update_cache`) and the
+            queries attend to all it then holds, the causal rule inside the
+            lengths.
+        gates: the checked ``head_mask`` (:func:`check_gates`), or ``None``.
+        causal: the spec's causal flag.
+        return_attention_weights: compute the weights (the generic path).
+        dropout: applied to the weights by the generic path, or ``None``.
+        dropout_rate: its rate, for a fused kernel that applies dropout.
+        head_parallel: the heads are split over devices (see
+            :meth:`Facts.generic_attention`).
+        kernel_plan: a plan decided before the call (MXNet plans outside its
+            graphs, where shapes are known); ``None`` plans here.
+        layer_options: the layer's checked constructor options (rotary,
+            ALiBi, window, soft-capping); ``None`` for none.
+        positions, bias: the call's, checked (:func:`check_options`).
+        fill: a cached call's lengths as read on the host
+            (:func:`check_cache_values`), for frameworks that write the
+            cache in place or attend over its filled positions; ``None``
+            keeps the spec's functional update over all ``max_length``.
+
+    Returns:
+        The :class:`Result`.
+    """
+    heads = layer.heads
+    q, k, v = layer.project_inputs(queries, keys, values)
+    kv_split = cache is not None
+    lengths = None if cache is None else cache.lengths  # before the new rows
+    options = spec.NO_OPTIONS
+    if layer_options is not None and layer_options.rotary is not None:
+        # Keys rotate before they enter the cache (docs: "Positions and biases").
+        q, k = _rotated(ops, q, k, positions, layer_options.rotary, heads, lengths)
+    if cache is not None:
+        spec.check_cache_dtype(ops, cache, ops.dtype(q), ops.dtype(q))
+        cache, valid_lens = facts.write_cache(
+            ops, cache, k, v, valid_lens, head_dim=heads.head_dim, causal=causal, fill=fill
+        )
+        # The causal rule, each example's own, is in the lengths now.
+        k, v, causal = cache.keys, cache.values, False
+        if fill is not None and bias is None and not return_attention_weights:
+            # Keys past the filled positions add nothing to any row (a user's
+            # bias could make them: it keeps all of them).
+            window = None if layer_options is None else layer_options.window
+            k, v = attended_positions(facts, k, v, fill, q.shape[1], window=window)
+    if bias is not None or (layer_options is not None and not layer_options.is_default):
+        layer_options = layer_options or spec.LayerOptions()
+        # ALiBi and the window see each cached query at its own position.
+        frame = lengths is not None and (layer_options.alibi or layer_options.window is not None)
+        options = layer_options.score_options(
+            num_heads=heads.num_heads,
+            bias=bias,
+            query_positions=spec.cache_positions(ops, lengths, ops.size(q, 1)) if frame else None,
+        )
+        if not options.adjusts_scores and options.window is None:
+            options = spec.NO_OPTIONS  # rotary only: the scores are d2l's
+    if kernel_plan is None:
+        kernel_plan = plan(
+            facts,
+            q,
+            k,
+            v,
+            valid_lens,
+            heads=heads,
+            causal=causal,
+            dropout=dropout is not None,
+            return_attention_weights=return_attention_weights,
+            kv_split=kv_split,
+            options=options,
+        )
+    context = weights = None
+    settings: dict[str, Any] = {"heads": heads, "kv_split": kv_split}
+    if kernel_plan.fused:
+        fused_settings = {
+            **settings,
+            "dropout_rate": dropout_rate if dropout is not None else 0.0,
+            **({"options": options} if facts.passes_options else {}),
+        }
+
+        def fused(q: Array, k: Array, v: Array) -> Array | None:
+            return facts.fused_attention(ops, q, k, v, valid_lens, kernel_plan, **fused_settings)
+
+    generic = functools.partial(
+        facts.generic_attention,
+        ops,
+        valid_lens=valid_lens,
+        **settings,
+        causal=causal,
+        dropout=dropout,
+        head_parallel=head_parallel,
+        return_attention_weights=return_attention_weights,
+        options=options,
+    )
+    if kernel_plan.guarded:
+        context = facts.guarded(
+            fused,
+            lambda *qkv: generic(*qkv)[0],
+            (q, k, v),
+            options.bias,
+            head_dim=heads.head_dim,
+        )
+    elif kernel_plan.fused:
+        context = fused(q, k, v)
+    if context is None:
+        context, weights = generic(q, k, v)
+    # Both paths' context is the heads' (B, Q, H*dh): the gates act on it alike.
+    output = layer.project_output(context, gates)
+    return Result(output, weights if return_attention_weights else None, cache)
+
+
+def attended_positions(
+    facts: Facts,
+    keys: Array,
+    values: Array,
+    fill: spec.CacheFill,
+    num_queries: int,
+    *,
+    window: int | None = None,
+    bucket: int | None = None,
+) -> tuple[Array, Array]:
+    """What a cached call attends over of a cache's ``(B, H_kv, max_length, dh)`` arrays.
+
+    The leading positions :meth:`mha_multi.spec.CacheFill.span` names for a
+    call of ``num_queries`` new positions (``window``: the layer's), rounded
+    up to ``bucket`` (``None``: :meth:`Facts.span_bucket_of`), through
+    :meth:`Facts.cache_prefix`; all of them where the span reaches
+    ``max_length``, or where a value past it is not known finite
+    (:meth:`Facts.finite_past`). A fill is read from values: the arrays are
+    concrete and their shapes ints.
+    """
+    max_length = keys.shape[2]
+    bucket = facts.span_bucket_of(keys) if bucket is None else bucket
+    span = fill.span(num_queries, max_length, window=window, bucket=bucket)
+    if span >= max_length or not facts.finite_past(keys, values, span):
+        return keys, values
+    return facts.cache_prefix(keys, values, span)
+
+
+def plain_self_attention(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any,
+    *,
+    causal: Any,
+    layer_options: spec.LayerOptions | None,
+    others: Sequence[Any],
+) -> bool:
+    """Whether a call is plain self-attention, which :meth:`Facts.plain_attention` may answer.
+
+    The queries are the keys and values (with a cache: the new positions),
+    ``causal`` is a bool, and nothing else is asked: no lengths or layer
+    options, and each of ``others``, the call's every other argument
+    (returned weights, gates, positions, bias, dropout, heads mapped over
+    devices or sharded), ``None`` or ``False``.
+    """
+    if not (
+        keys is queries
+        and values is queries
+        and valid_lens is None
+        and (causal is True or causal is False)
+        and (layer_options is None or layer_options.is_default)
+    ):
+        return False
+    # A loop, not all() of a generator: every call of every layer asks.
+    for x in others:  # noqa: SIM110
+        if x is not None and x is not False:
+            return False
+    return True
+
+
+def forward(
+    facts: Facts,
+    layer: Projections,
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any = None,
+    *,
+    causal: Any = False,
+    return_attention_weights: bool = False,
+    cache: Any = None,
+    head_mask: Any = None,
+    positions: Any = None,
+    bias: Any = None,
+    layer_options: spec.LayerOptions | None = None,
+    gate_heads: int | None = None,
+    dtype: Any = None,
+    dropout: Callable[[Array], Array] | None = None,
+    dropout_rate: float = 0.0,
+    head_parallel: bool = False,
+    local_gates: Callable[[Array], Array] | None = None,
+    run: Callable[..., Result] = attend,
+) -> Result:
+    """One call of the layer: the checks, then :func:`attend`.
+
+    Args:
+        facts: the framework's facts.
+        layer: the layer's projections.
+        queries, keys, values, valid_lens: the layer call's arguments (docs: "The spec").
+        causal, return_attention_weights, cache, head_mask: the call's options.
+        positions, bias: the call's (docs: "Positions and biases").
+        layer_options: the layer's checked constructor options
+            (:class:`mha_multi.spec.LayerOptions`); ``None`` for none.
+        gate_heads: the heads ``head_mask`` is for; ``None`` for the
+            layer's (a sharded layer's gates span all its heads).
+        dtype: the dtype the inputs must have, or ``None`` for any floating.
+        dropout, dropout_rate, head_parallel: as in :func:`attend`.
+        local_gates: maps the whole layer's checked gates to the heads this
+            process computes (a sharded layer), or ``None``.
+        run: what computes the checked call: :func:`attend`, or a function
+            of its arguments that runs it elsewhere (MXNet's hybridized
+            graphs, planned here where shapes are known and attending inside).
+
+    Returns:
+        The :class:`Result`; :meth:`Result.returned` is the layer's return value.
+
+    Raises:
+        ValueError: a ``bias`` or ALiBi on a layer whose heads are sharded
+            (not supported: each process would need its heads' share).
+    """
+    # Every other argument of the call: a plain call leaves them unset.
+    others = (return_attention_weights, head_mask, positions, bias)
+    others += (dropout, head_parallel, local_gates)
+    if plain_self_attention(
+        queries, keys, values, valid_lens, causal=causal, layer_options=layer_options, others=others
+    ):
+        result = facts.plain_attention(layer, queries, cache, causal=causal, dtype=dtype)
+        if result is not None:
+            return result
+    heads = layer.heads
+    if cache is None:
+        queries, keys, values, lens = check_call(
+            facts, layer, queries, keys, values, valid_lens, causal=causal, dtype=dtype
+        )
+    else:
+        queries, keys, values, lens, cache = check_cached_call(
+            facts, layer, queries, keys, values, valid_lens, cache, causal=causal, dtype=dtype
+        )
+    all_heads = heads.num_heads if gate_heads is None else gate_heads
+    gates = check_gates(facts, head_mask, num_heads=all_heads, like=queries)
+    if gates is not None and local_gates is not None:
+        gates = local_gates(gates)
+    extra: dict[str, Any] = {}
+    if (
+        positions is not None
+        or bias is not None
+        or (layer_options is not None and not layer_options.is_default)
+    ):
+        positions, bias = check_options(
+            facts,
+            positions,
+            bias,
+            num_heads=all_heads,
+            like=queries,
+            num_keys=keys.shape[1] if cache is None else cache.keys.shape[2],
+            cached=cache is not None,
+        )
+        sharded = all_heads != heads.num_heads or local_gates is not None
+        if sharded and (bias is not None or (layer_options and layer_options.alibi)):
+            raise ValueError("bias and alibi are not supported on a layer whose heads are sharded")
+        extra = {"layer_options": layer_options, "positions": positions, "bias": bias}
+    if cache is not None:
+        fill = check_cache_values(facts, cache, lens, 0 if keys is None else queries.shape[1])
+        if fill is not None and facts.attends_filled:
+            extra["fill"] = fill
+    return run(
+        facts,
+        layer,
+        facts.ops(queries),
+        queries,
+        keys,
+        values,
+        lens,
+        cache=cache,
+        gates=gates,
+        causal=bool(causal),
+        return_attention_weights=return_attention_weights,
+        dropout=dropout,
+        dropout_rate=dropout_rate,
+        head_parallel=head_parallel,
+        **extra,
+    )

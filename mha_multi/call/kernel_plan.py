@@ -1,0 +1,130 @@
+"""A call's kernel plan: what :func:`mha_multi.spec.plan_kernel` reads of it, and its values' read.
+
+The values are read (:meth:`~mha_multi.call.facts.Facts.plan_values`) only
+where they can still change the decision, and off the host only where
+:func:`mha_multi.spec.reads_values` says the wait pays (docs: "Fast paths").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mha_multi import spec
+from mha_multi.call.contract import Array
+from mha_multi.call.facts import Facts
+
+
+def kernel_settings(
+    facts: Facts,
+    q: Array,
+    *,
+    sizes: tuple[Any, Any, Any],
+    lens_ndim: int | None,
+    lens_integer: bool,
+    heads: spec.Heads,
+    causal: bool,
+    dropout: bool,
+    return_attention_weights: bool,
+    options: spec.ScoreOptions = spec.NO_OPTIONS,
+) -> dict[str, Any]:
+    """What :func:`mha_multi.spec.plan_kernel` reads of a call, but its values.
+
+    Args:
+        q: projected queries (for the dtype the kernel serves).
+        sizes: ``(B, Q, K)``.
+        lens_ndim, lens_integer: the lengths' rank (``None``: no lengths)
+            and whether they are integers.
+    """
+    return {
+        "sizes": sizes,
+        "lens_ndim": lens_ndim,
+        "lens_integer": lens_integer,
+        "causal": causal,
+        "dropout": dropout,
+        "return_attention_weights": return_attention_weights,
+        "grouped": heads.grouped,
+        "grouped_taken": not heads.grouped
+        or facts.kernel_takes_grouped(q, sizes[1], heads.head_dim),
+        "dtype_supported": facts.kernel_serves(q),
+        "bias": options.bias is not None or options.alibi_slopes is not None,
+        "softcap": options.softcap is not None,
+        "window": options.window is not None,
+        "query_positions": options.query_positions is not None,
+    }
+
+
+def plan(
+    facts: Facts,
+    q: Array,
+    k: Array,
+    v: Array,
+    valid_lens: Array | None,
+    *,
+    heads: spec.Heads,
+    causal: bool,
+    dropout: bool,
+    return_attention_weights: bool,
+    kv_split: bool,
+    options: spec.ScoreOptions = spec.NO_OPTIONS,
+) -> spec.KernelPlan:
+    """The kernel plan of a call: the framework's kernel only where it gives the spec's numbers.
+
+    :func:`mha_multi.spec.plan_kernel` decides for every backend; the values
+    are read (:meth:`Facts.plan_values`) only where they can still change
+    the decision.
+
+    Args:
+        q: projected queries ``(B, Q, H*dh)``; ``k``, ``v`` ``(B, K,
+            H_kv*dh)``, or a cache's ``(B, H_kv, K, dh)`` with ``kv_split``.
+        options: the call's score options.
+    """
+    if facts.kernel is None:
+        return spec.KernelPlan(fused=False, reason="the backend has no fused kernel")
+    if options is not spec.NO_OPTIONS and not facts.passes_options:
+        return spec.KernelPlan(
+            fused=False, reason="the backend's kernel call passes no positions or biases"
+        )
+    lens_kind = None if valid_lens is None else facts.dtype_kind(valid_lens.dtype)
+    settings = kernel_settings(
+        facts,
+        q,
+        sizes=(q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
+        lens_ndim=None if valid_lens is None else len(valid_lens.shape),
+        lens_integer=lens_kind is None or lens_kind in "iu",
+        heads=heads,
+        causal=causal,
+        dropout=dropout,
+        return_attention_weights=return_attention_weights,
+        options=options,
+    )
+    optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
+    if not optimistic.fused:
+        return optimistic
+    batch, num_queries, num_keys = settings["sizes"]
+    # Keys hidden whatever the lengths.
+    hides_keys = (
+        optimistic.is_causal
+        or optimistic.mask_causal
+        or optimistic.window_flag
+        or optimistic.mask_window
+    )
+    total_scores = (
+        None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys
+    )
+    if not spec.reads_values(facts.on_host(q), num_queries, num_keys, total_scores=total_scores):
+        exact, shortest = None, None  # a read would wait for the device
+    elif options.bias is None:
+        exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, hides_keys=hides_keys)
+    else:
+        exact, shortest = facts.plan_values(
+            q, k, v, valid_lens, heads, bias=options.bias, hides_keys=hides_keys
+        )
+    if exact is True and shortest is None:
+        return optimistic  # what the values were assumed to be
+    return spec.plan_kernel(
+        facts.kernel,
+        **settings,
+        values_exact=exact,
+        shortest_length=shortest,
+        values_guard=exact is None and facts.values_guard(q, settings["sizes"]),
+    )
