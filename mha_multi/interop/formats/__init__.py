@@ -22,6 +22,9 @@ widths are ``num_heads * head_dim`` (``W_q``) and ``num_kv_heads * head_dim``
 (a Llama state dict): :attr:`Format.heads`.
 """
 
+from collections.abc import Mapping
+
+from mha_multi.interop.formats import _registry
 from mha_multi.interop.formats._files import detect_format, load, save, suffix_formats
 from mha_multi.interop.formats._head_layout import (
     check_heads_given,
@@ -29,7 +32,18 @@ from mha_multi.interop.formats._head_layout import (
     resolve_heads,
 )
 from mha_multi.interop.formats._recognisers import llama_prefixes, safetensors_format
-from mha_multi.interop.formats._registry import FORMATS, RECOGNISERS, Format
+from mha_multi.interop.formats._registry import Format
+
+# The registry's tables are bound here, with their descriptions, because the
+# API page reads the descriptions of data from the module it documents.
+
+#: Format name -> record, in the order help and error messages list them.
+FORMATS: Mapping[str, Format] = _registry.FORMATS
+#: File name ending shared by several formats -> ``"module:function"`` telling,
+#: from the content of such a file, which of them it is (``function(path) ->
+#: name``). A recogniser imports what reading the file needs, no more: a
+#: ``.safetensors`` file is told apart by its header alone, without PyTorch.
+RECOGNISERS: Mapping[str, str] = _registry.RECOGNISERS
 
 __all__ = [
     "FORMATS",

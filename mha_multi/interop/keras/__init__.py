@@ -79,6 +79,7 @@ book); their kernels are already canonical (:func:`from_keras_d2l`,
 :func:`to_keras_d2l`).
 """
 
+from mha_multi.interop.keras import _gqa, _mha
 from mha_multi.interop.keras._d2l import from_keras_d2l, to_keras_d2l
 from mha_multi.interop.keras._files import (
     load_keras_gqa,
@@ -87,7 +88,6 @@ from mha_multi.interop.keras._files import (
     save_keras_mha,
 )
 from mha_multi.interop.keras._gqa import (
-    KERAS_GQA_NAMES,
     from_keras_gqa,
     from_keras_gqa_state,
     to_keras_gqa,
@@ -96,12 +96,19 @@ from mha_multi.interop.keras._gqa import (
 from mha_multi.interop.keras._h5_groups import weights_file_format
 from mha_multi.interop.keras._mask import attention_mask
 from mha_multi.interop.keras._mha import (
-    KERAS_MHA_NAMES,
     from_keras_mha,
     from_keras_mha_state,
     to_keras_mha,
     to_keras_mha_state,
 )
+
+# The sublayer names are bound here, with their descriptions, because the API
+# page reads the descriptions of data from the module it documents.
+
+#: Keras' sublayer name -> canonical projection letter.
+KERAS_MHA_NAMES = _mha.KERAS_MHA_NAMES
+#: ``keras.layers.GroupQueryAttention``'s sublayer name -> canonical projection letter.
+KERAS_GQA_NAMES = _gqa.KERAS_GQA_NAMES
 
 __all__ = [
     "KERAS_GQA_NAMES",
