@@ -39,7 +39,6 @@ import numpy as np
 
 from mha_multi.interop.formats import (
     FORMATS,
-    _record,
     check_heads_given,
     detect_format,
     load,
@@ -47,6 +46,7 @@ from mha_multi.interop.formats import (
     save,
     suffix_formats,
 )
+from mha_multi.interop.formats._registry import _record
 
 
 def _source_format(path: str, explicit: str | None) -> str | None:

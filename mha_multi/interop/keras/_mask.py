@@ -1,0 +1,44 @@
+"""Keras' boolean ``attention_mask`` that hides what the spec's ``valid_lens`` and ``causal`` hide.
+
+Part of :mod:`mha_multi.interop.keras`, whose notes say how Keras' masks
+differ from the spec's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mha_multi import spec
+
+__all__ = ["attention_mask"]
+
+
+def attention_mask(
+    valid_lens: Any, num_queries: int, num_keys: int, *, causal: bool = False
+) -> np.ndarray:
+    """Keras' boolean ``attention_mask`` equivalent to the spec's masking.
+
+    Args:
+        valid_lens: ``None``, ``(B,)`` or ``(B, Q)``; with ``None``, pass
+            ``causal=True`` (otherwise nothing is hidden and no mask is needed).
+        num_queries: ``Q``.
+        num_keys: ``K``.
+        causal: the spec's bottom-right aligned causal rule.
+
+    Returns:
+        ``(B, Q, K)`` (or ``(1, Q, K)`` without lengths), ``True`` where a key
+        is visible (Keras' polarity).
+
+    Raises:
+        ValueError: neither lengths nor ``causal``.
+    """
+    if valid_lens is None and not causal:
+        raise ValueError("nothing is hidden without valid_lens or causal=True: pass no mask")
+    lens = None if valid_lens is None else np.asarray(valid_lens)
+    if lens is not None:
+        spec.check_valid_lens_dtype(lens.dtype.kind)
+    visible = spec.visibility(spec.NumpyOps(), num_queries, num_keys, lens, causal=causal)
+    batch = 1 if lens is None else lens.shape[0]
+    return np.broadcast_to(visible, (batch, 1, num_queries, num_keys))[:, 0].copy()
