@@ -8,7 +8,7 @@ settings for exact float32 products, conversions to and from numpy
 checked, what can be read on the host (nothing while traced), the fused
 kernel (:mod:`mha_multi.jax._kernel`) and the generic path piece by piece on
 a CPU. This module imports no layer; what builds and drives layers is in
-:mod:`mha_multi.jax.harness`.
+:mod:`mha_multi.parity.harness.jax`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ numpy (bfloat16 included), and :class:`KerasFacts`, what the call flow of
 :mod:`mha_multi.call` asks of Keras: how inputs, lengths, caches and gates
 are checked, what can be read on the host, and the fused kernel
 (:mod:`mha_multi.keras._kernel`). This module imports no layer; what builds
-and drives layers is in :mod:`mha_multi.keras.harness`.
+and drives layers is in :mod:`mha_multi.parity.harness.keras`.
 
 Keras fixes its backend per process (``KERAS_BACKEND``); what differs
 between TensorFlow, JAX and PyTorch underneath is one class each in

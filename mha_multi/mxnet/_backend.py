@@ -6,7 +6,7 @@ products, how arrays leave for numpy, and :class:`MXNetFacts`, what the call
 flow of :mod:`mha_multi.call` asks of MXNet: how inputs, lengths, caches
 and gates are checked, what can be read on the host, and the fused route
 (:mod:`mha_multi.mxnet._kernel`). This module imports no layer; what builds
-and drives layers is in :mod:`mha_multi.mxnet.harness`.
+and drives layers is in :mod:`mha_multi.parity.harness.mxnet`.
 
 MXNet 1.9's numpy interface has no bfloat16, so :data:`DTYPES` has none.
 

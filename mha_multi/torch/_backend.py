@@ -8,7 +8,7 @@ PyTorch: how inputs, lengths, caches and gates are checked, what can be read
 on the host, and the fused kernel (``scaled_dot_product_attention``). What
 a cache written in place carries from call to call is in
 :mod:`mha_multi.torch._cache`. This module imports no layer; what builds
-and drives layers is in :mod:`mha_multi.torch.harness`.
+and drives layers is in :mod:`mha_multi.parity.harness.torch`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from mha_multi.jax import (
     multi_head_attention,
     set_weights,
 )
-from mha_multi.jax import harness as backend
+from mha_multi.parity.harness import jax as backend
 from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 from tests.backends import test_parity as parity

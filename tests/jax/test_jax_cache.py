@@ -21,9 +21,9 @@ from jax_support import LinenRunner, NNXRunner, nan_where_nothing_is_seen
 
 from mha_multi import spec
 from mha_multi.jax import MultiHeadAttention, _backend, linen
-from mha_multi.jax import harness as backend
 from mha_multi.jax._kernel import DOT_PRODUCT_ATTENTION
 from mha_multi.parity.decode import decode, full_reference
+from mha_multi.parity.harness import jax as backend
 from mha_multi.weights import init_weights
 
 CONFIGS = {

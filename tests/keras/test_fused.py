@@ -26,9 +26,9 @@ from keras_testing import (  # noqa: E402, F401
 
 from conftest import record_sdpa_key_heads  # noqa: E402
 from mha_multi import spec  # noqa: E402
-from mha_multi.keras import harness as backend  # noqa: E402
 from mha_multi.keras._backend import FACTS, values_exact  # noqa: E402
 from mha_multi.keras._kernel import DOT_PRODUCT_ATTENTION  # noqa: E402
+from mha_multi.parity.harness import keras as backend  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
 #: Where the default call takes the kernel, per Keras backend and compute

@@ -25,8 +25,8 @@ import mha_multi.keras._kernel as kernel_module  # noqa: E402
 from conftest import device_or_skip, recording_host_moves, without_synchronisation  # noqa: E402
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import KVCache, MultiHeadAttention, set_weights  # noqa: E402
-from mha_multi.keras import harness as backend  # noqa: E402
 from mha_multi.parity.decode import decode, full_reference  # noqa: E402
+from mha_multi.parity.harness import keras as backend  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
 #: Grouped-query attention with an explicit head size and biases.

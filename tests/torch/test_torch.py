@@ -20,9 +20,9 @@ from conftest import (
 )
 from mha_multi import spec
 from mha_multi.parity.cases import CASES, INPUT_NAMES
+from mha_multi.parity.harness import torch as backend
 from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, _projections, get_weights, set_weights
-from mha_multi.torch import harness as backend
 from mha_multi.torch._backend import FACTS, SDPA
 from mha_multi.torch._guard import GUARDED_KERNEL_SCORES
 from mha_multi.torch._ops import OPS

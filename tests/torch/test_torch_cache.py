@@ -21,8 +21,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from conftest import recording_host_moves
 from mha_multi import spec
 from mha_multi.parity.decode import INPUT_NAMES, chunk_rows, decode, full_reference
+from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import KVCache, MultiHeadAttention, _cache, set_weights
-from mha_multi.torch import harness as backend
 from mha_multi.weights import init_weights
 from tests.backends import test_edges as edges
 

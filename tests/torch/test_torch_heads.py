@@ -15,8 +15,8 @@ import torch
 from conftest import gpu_required
 from mha_multi import spec
 from mha_multi.parity.cases import HEAD_MASK_CASES, INPUT_NAMES, build_case
+from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import MultiHeadAttention, head_importance, set_weights
-from mha_multi.torch import harness as backend
 from mha_multi.torch._backend import SDPA
 from mha_multi.weights import init_weights
 

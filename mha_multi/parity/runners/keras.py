@@ -1,6 +1,6 @@
 """Parity runners for :mod:`mha_multi.keras`, one per Keras backend.
 
-They drive the layer through :mod:`mha_multi.keras.harness`; Keras' facts,
+They drive the layer through :mod:`mha_multi.parity.harness.keras`; Keras' facts,
 those of each backend included, are in its ``_backend``.
 Keras picks its backend once per process from ``KERAS_BACKEND``; each nox
 environment sets it. A runner whose backend is not the active one raises
@@ -31,6 +31,7 @@ class KerasRunner(Runner):
     """The layer on the active Keras backend."""
 
     package = "mha_multi.keras"
+    harness = "mha_multi.parity.harness.keras"
     #: ``keras.backend.backend()`` this runner needs.
     keras_backend: ClassVar[str]
 

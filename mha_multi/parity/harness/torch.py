@@ -3,8 +3,8 @@
 The parity runner, the benchmark and the tests reach PyTorch through this
 module (docs: "Architecture"). It sits above the layer: it imports the layer
 and :mod:`mha_multi.torch._backend` (PyTorch's facts, whose public names are
-read through this module too: ``harness.to_numpy``), and nothing below
-imports it.
+read through this module too: ``harness.to_numpy``), and nothing in
+:mod:`mha_multi.torch` imports it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from mha_multi import _docs
 from mha_multi.interop.torch import to_torch_mha
-from mha_multi.parity.runners import KernelCall, facts_passthrough
+from mha_multi.parity.harness import KernelCall, facts_passthrough
 from mha_multi.spec import SPAN_BUCKET, KVCache
 from mha_multi.torch import _backend
 from mha_multi.torch._backend import DTYPES
@@ -161,7 +161,7 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
     """Records every call of ``scaled_dot_product_attention`` while active.
 
     Yields:
-        A list that gets one :class:`~mha_multi.parity.runners.KernelCall`
+        A list that gets one :class:`~mha_multi.parity.harness.KernelCall`
         per call: whether a mask was passed, the kernel's causal flag and
         its dropout rate.
     """

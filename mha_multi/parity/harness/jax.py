@@ -5,7 +5,8 @@ module (docs: "Architecture"). :func:`make_layer` builds the NNX layer and
 :func:`linen_layer` the Linen one; :func:`forward` and :func:`vjp` take
 either. It sits above the layers: it imports them and
 :mod:`mha_multi.jax._backend` (JAX's facts, whose public names are read
-through this module too: ``harness.to_numpy``), and nothing below imports it.
+through this module too: ``harness.to_numpy``), and nothing in
+:mod:`mha_multi.jax` imports it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from mha_multi.interop.jax import to_flax_nnx
 from mha_multi.jax import _backend, _kernel, linen
 from mha_multi.jax._backend import DTYPES
 from mha_multi.jax.layer import MultiHeadAttention
-from mha_multi.parity.runners import KernelCall, facts_passthrough
+from mha_multi.parity.harness import KernelCall, facts_passthrough
 from mha_multi.weights import KERNEL_NAMES
 
 __all__ = [
