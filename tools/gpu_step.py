@@ -31,7 +31,7 @@ import torch
 from mha_multi.bench import generate
 from mha_multi.bench.torch import FRAMEWORK
 from mha_multi.parity.harness import torch as harness
-from mha_multi.torch import _backend
+from mha_multi.torch import _facts
 
 PROMPT, NEW_TOKENS, ROUNDS = 8, 256, 5
 
@@ -40,12 +40,12 @@ def refusable(stack: contextlib.ExitStack) -> list[bool]:
     """A flag that, while true, has the plain route refuse every call (a patch entered
     once: entering one at every step would cost more than a step)."""
     refusing = [False]
-    route = _backend.FACTS.plain_attention
+    route = _facts.FACTS.plain_attention
 
     def plain_attention(*args, **kwargs):
         return None if refusing[0] else route(*args, **kwargs)
 
-    stack.enter_context(mock.patch.object(_backend.FACTS, "plain_attention", plain_attention))
+    stack.enter_context(mock.patch.object(_facts.FACTS, "plain_attention", plain_attention))
     return refusing
 
 

@@ -90,7 +90,8 @@ import numpy as np
 
 from mha_multi import spec
 from mha_multi.interop.formats import check_heads_given, check_stored_heads, resolve_heads
-from mha_multi.keras import _backend, _native
+from mha_multi.keras import _facts as _backend
+from mha_multi.keras import _native
 from mha_multi.weights import check_weights
 
 __all__ = [

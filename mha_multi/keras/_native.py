@@ -17,7 +17,7 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.keras._backend import device_scope
+from mha_multi.keras._facts import device_scope
 from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [

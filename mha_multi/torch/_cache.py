@@ -6,7 +6,7 @@ on the host, and whether every position it attended over and every row it
 wrote was finite; the next call trusts this only for the same tensors
 unchanged since (docs: "Generating with a cache"). The finiteness of a
 call's projections is one sum (:func:`finite_sum`). This module sits below
-the facts (:mod:`mha_multi.torch._backend`) and imports nothing of them.
+the facts (:mod:`mha_multi.torch._facts`) and imports nothing of them.
 """
 
 from __future__ import annotations

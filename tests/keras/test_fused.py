@@ -26,7 +26,7 @@ from keras_testing import (  # noqa: E402, F401
 
 from conftest import record_sdpa_key_heads  # noqa: E402
 from mha_multi import spec  # noqa: E402
-from mha_multi.keras._backend import FACTS, values_exact  # noqa: E402
+from mha_multi.keras._facts import FACTS, values_exact  # noqa: E402
 from mha_multi.keras._kernel import DOT_PRODUCT_ATTENTION  # noqa: E402
 from mha_multi.parity.harness import keras as backend  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
@@ -290,7 +290,7 @@ def test_on_a_gpu_only_a_call_with_many_scores_reads_its_values(
     nothing either. TensorFlow and JAX do not tell, and read as when recording."""
     import contextlib
 
-    from mha_multi.keras import _backend as facts
+    from mha_multi.keras import _facts as facts
 
     records = recording or backend.BACKEND != "torch"
     if records:

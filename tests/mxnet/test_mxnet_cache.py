@@ -32,7 +32,7 @@ from mxnet_support import (
 
 from mha_multi import spec
 from mha_multi.mxnet import KVCache, MultiHeadAttention
-from mha_multi.mxnet._backend import MXNetFacts
+from mha_multi.mxnet._facts import MXNetFacts
 from mha_multi.mxnet._graph import AttentionGraph
 from mha_multi.parity.compare import tolerance
 from mha_multi.parity.decode import chunk_rows, full_reference

@@ -2,7 +2,7 @@
 
 The parity runners, the benchmark and the tests reach Keras through this
 module (docs: "Architecture"). It sits above the layer: it imports the layer
-and :mod:`mha_multi.keras._backend` (Keras' facts, whose public names are
+and :mod:`mha_multi.keras._facts` (Keras' facts, whose public names are
 read through this module too: ``harness.to_numpy``), and nothing in
 :mod:`mha_multi.keras` imports it.
 
@@ -24,8 +24,8 @@ import keras
 
 from mha_multi import _docs, spec
 from mha_multi.call import INPUT_NAMES, check_cache_values
-from mha_multi.keras import _backend, _kernel
-from mha_multi.keras._backend import FACTS, device_of, device_scope
+from mha_multi.keras import _facts, _kernel
+from mha_multi.keras._facts import FACTS, device_of, device_scope
 from mha_multi.keras._native import native_gqa_layer, native_layer
 from mha_multi.keras.importance import head_mask_gradient
 from mha_multi.keras.layer import MultiHeadAttention
@@ -56,7 +56,7 @@ __all__ = [
     "vjp",
 ]
 
-__getattr__ = facts_passthrough(__name__, _backend)
+__getattr__ = facts_passthrough(__name__, _facts)
 
 Tensor = Any
 

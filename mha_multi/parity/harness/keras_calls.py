@@ -18,7 +18,7 @@ from typing import Any
 
 import keras
 
-from mha_multi.keras._backend import BACKEND
+from mha_multi.keras._facts import BACKEND
 
 __all__ = [
     "ForwardFunction",

@@ -2,7 +2,7 @@
 
 The parity runners, the benchmark and the tests reach MXNet through this
 module (docs: "Architecture"). It sits above the layer: it imports the layer
-and :mod:`mha_multi.mxnet._backend` (MXNet's facts, whose public names are
+and :mod:`mha_multi.mxnet._facts` (MXNet's facts, whose public names are
 read through this module too: ``harness.to_numpy``), and nothing in
 :mod:`mha_multi.mxnet` imports it.
 
@@ -19,14 +19,14 @@ from typing import Any
 
 # First: MXNet's exact-float32 environment is in place before MXNet loads
 # (docs: "Architecture").
-from mha_multi.mxnet import _backend  # isort: split
+from mha_multi.mxnet import _facts  # isort: split
 
 import mxnet as mx
 from mxnet import autograd
 
 from mha_multi import _docs
 from mha_multi.call import INPUT_NAMES
-from mha_multi.mxnet._backend import MXNetFacts
+from mha_multi.mxnet._facts import MXNetFacts
 from mha_multi.mxnet.importance import head_mask_gradient
 from mha_multi.mxnet.layer import MultiHeadAttention
 from mha_multi.parity.harness import KernelCall, facts_passthrough
@@ -42,7 +42,7 @@ __all__ = [
     "vjp",
 ]
 
-__getattr__ = facts_passthrough(__name__, _backend)
+__getattr__ = facts_passthrough(__name__, _facts)
 
 
 # -- the layer ---------------------------------------------------------------------
@@ -74,7 +74,7 @@ def make_layer(
     layer = MultiHeadAttention(
         num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, **kwargs
     )
-    layer.initialize(mx.init.Zero(), ctx=_backend.device(device))
+    layer.initialize(mx.init.Zero(), ctx=_facts.device(device))
     if hybridize:
         layer.hybridize()
     return layer

@@ -1,11 +1,13 @@
-"""What differs between Keras' backends: one class each, and the process's devices.
+"""What differs between the frameworks under Keras: one class each, and the process's devices.
 
-The layer's facts (:mod:`mha_multi.keras._backend`) ask the active
-backend's class here for devices, GPU detection, the settings for exact
-float32 products, whether values can be read now, and how a cache's rows
-are written (a new array, or in place on PyTorch without gradients). Only
-the active backend's class is created, so only that framework is ever
-imported.
+Keras calls TensorFlow, JAX and PyTorch its backends; each has a class here
+(:func:`active` makes the process's). The layer's facts
+(:mod:`mha_multi.keras._facts`) ask it for devices, GPU detection, the
+settings for exact float32 products, whether values can be read now, and
+how a cache's rows are written (a new array, or in place on PyTorch without
+gradients); the ops adapter (:mod:`mha_multi.keras._ops`) for the fastest
+way to a reshape, a transpose or a product. Only the active backend's class
+is created, so only that framework is ever imported.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ Tensor = Any
 # -- what differs per Keras backend --------------------------------------------------
 
 
-class _Backend:
-    """What one Keras backend does its own way."""
+class _Framework:
+    """What the framework under one Keras backend does its own way."""
 
     def gpu_available(self) -> bool:
         raise NotImplementedError
@@ -62,7 +64,7 @@ class _Backend:
     def values_within(self, q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
         """A boolean scalar: every element of ``q``, ``k``, ``v`` finite, and
         ``max|q| * max|k| < bound`` (what the fused kernel needs; see
-        :func:`mha_multi.keras._backend.values_exact`)."""
+        :func:`mha_multi.keras._facts.values_exact`)."""
         ops = keras.ops
         finite = [ops.all(ops.isfinite(x)) for x in (q, k, v)]
         largest_q, largest_k = (
@@ -143,7 +145,7 @@ class _Backend:
         return True
 
 
-class _TensorFlow(_Backend):
+class _TensorFlow(_Framework):
     """Keras on TensorFlow: ``tf.GradientTape``."""
 
     def __init__(self) -> None:
@@ -209,7 +211,7 @@ class _TensorFlow(_Backend):
         return tape.gradient(y, x)
 
 
-class _Jax(_Backend):
+class _Jax(_Framework):
     """Keras on JAX: ``jax.grad``.
 
     The facts of plain JAX are written again here rather than taken from
@@ -252,16 +254,16 @@ class _Jax(_Backend):
         self.jax.block_until_ready(value)
 
 
-class _Torch(_Backend):
+class _Torch(_Framework):
     """Keras on PyTorch: ``torch.autograd.grad``.
 
-    Devices and precision are plain PyTorch's (:mod:`mha_multi.torch._backend`).
+    Devices and precision are plain PyTorch's (:mod:`mha_multi.torch._facts`).
     """
 
     def __init__(self) -> None:
         import torch
 
-        from mha_multi.torch import _backend as torch_backend
+        from mha_multi.torch import _facts as torch_backend
         from mha_multi.torch._cache import finite_sum, largest_magnitude
 
         self.torch = torch
@@ -350,7 +352,7 @@ class _Torch(_Backend):
 
 
 @functools.cache
-def active() -> _Backend:
+def active() -> _Framework:
     """The facts of the Keras backend this process runs, made on first use.
 
     Not at import: the documentation imports this module against mocked
@@ -426,31 +428,6 @@ def values_within(q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
 def all_finite(x: Tensor) -> Tensor:
     """Whether every element of ``x`` is finite, a boolean scalar (a large sum may say not)."""
     return active().all_finite(x)
-
-
-def reshape(x: Tensor, shape: tuple[Any, ...]) -> Tensor:
-    """``x`` reshaped to ``shape``, the backend's fastest way."""
-    return active().reshape(x, shape)
-
-
-def transpose(x: Tensor, axes: tuple[int, ...]) -> Tensor:
-    """``x`` with its axes in the order ``axes``, the backend's fastest way."""
-    return active().transpose(x, axes)
-
-
-def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b``, the backend's fastest way to Keras' own numbers."""
-    return active().matmul(a, b)
-
-
-def row_max(x: Tensor) -> Tensor:
-    """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1."""
-    return active().row_max(x)
-
-
-def where(condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
-    """``x`` where ``condition``, else ``fill`` rounded to ``x``'s dtype."""
-    return active().where(condition, x, fill)
 
 
 def sync(value: Any) -> None:
