@@ -257,18 +257,20 @@ class _Jax(_Framework):
 class _Torch(_Framework):
     """Keras on PyTorch: ``torch.autograd.grad``.
 
-    Devices and precision are plain PyTorch's (:mod:`mha_multi.torch._facts`).
+    Devices, precision and PyTorch's own rules for a cache written in place
+    and for grouped heads are plain PyTorch's facts
+    (:mod:`mha_multi.torch._facts`), the finiteness reads its reads
+    (:mod:`mha_multi.torch._reads`): nothing else of :mod:`mha_multi.torch`.
     """
 
     def __init__(self) -> None:
         import torch
 
-        from mha_multi.torch import _facts as torch_backend
-        from mha_multi.torch._cache import finite_sum, largest_magnitude
+        from mha_multi.torch import _facts, _reads
 
         self.torch = torch
-        self.plain = torch_backend
-        self.finite_sum, self.largest_magnitude = finite_sum, largest_magnitude
+        self.plain = _facts
+        self.finite_sum, self.largest_magnitude = _reads.finite_sum, _reads.largest_magnitude
 
     def gpu_available(self) -> bool:
         return self.plain.gpu_available()
@@ -329,9 +331,7 @@ class _Torch(_Framework):
     def writes_in_place(self, *arrays: Tensor) -> bool:
         """In the calls PyTorch's own layer writes its cache in place
         (:func:`mha_multi.torch._cache.writes_in_place`)."""
-        from mha_multi.torch._cache import writes_in_place
-
-        return writes_in_place(*arrays)
+        return self.plain.writes_in_place(*arrays)
 
     def version(self, x: Tensor) -> int | None:
         # Inference tensors keep no version counter.
@@ -340,9 +340,7 @@ class _Torch(_Framework):
     def kernel_takes_grouped(self, q: Tensor, num_queries: Any, head_dim: int) -> bool:
         """PyTorch's own rule for SDPA (:func:`mha_multi.torch._ops.repeats_grouped_heads`),
         in float32, which the kernel runs in (16-bit inputs are cast up)."""
-        from mha_multi.torch._ops import repeats_grouped_heads
-
-        return not repeats_grouped_heads(q, num_queries, head_dim, self.torch.float32)
+        return not self.plain.repeats_grouped_heads(q, num_queries, head_dim, self.torch.float32)
 
     def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
         if not in_place:

@@ -17,11 +17,8 @@ from typing import Any
 import torch
 
 from mha_multi import spec
-from mha_multi.torch._cache import finite_sum, largest_magnitude
-
-#: The largest ``|bias|`` the fused path takes
-#: (:meth:`mha_multi.torch._facts.TorchFacts.plan_values`, :meth:`GuardedKernel.guarded`).
-BIAS_LIMIT = 1e5
+from mha_multi.torch._kernel import BIAS_LIMIT
+from mha_multi.torch._reads import finite_sum, largest_magnitude
 
 #: Scores per head (``Q * K``) from which a compiled call runs SDPA under
 #: :meth:`GuardedKernel.guarded`. Inductor fuses the generic path's masking and

@@ -23,15 +23,10 @@ from typing import Any, NamedTuple
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import (
-    CacheCheck,
-    extremes,
-    magnitude_of,
-    read_together,
-    written_step,
-)
+from mha_multi.torch._cache import CacheCheck, written_step
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
+from mha_multi.torch._reads import extremes, magnitude_of, read_together
 
 __all__ = ["PlainPlan", "PlainRoute"]
 

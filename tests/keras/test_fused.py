@@ -443,10 +443,10 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(
     (``repeats_grouped_heads``, told here that the CPU is CUDA): repeated for more
     queries than ``head_dim``, ``enable_gqa`` otherwise; both give the float64
     reference's numbers."""
-    import mha_multi.torch._ops as torch_ops
+    import mha_multi.torch._facts as torch_facts
 
     monkeypatch.setattr(
-        torch_ops,
+        torch_facts,
         "repeats_grouped_heads",
         lambda q, queries, head_dim, dtype=None: queries > head_dim,
     )

@@ -23,8 +23,9 @@ from mha_multi.parity.cases import CASES, INPUT_NAMES
 from mha_multi.parity.harness import torch as backend
 from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, _projections, get_weights, set_weights
-from mha_multi.torch._facts import FACTS, SDPA
+from mha_multi.torch._facts import FACTS
 from mha_multi.torch._guard import GUARDED_KERNEL_SCORES
+from mha_multi.torch._kernel import SDPA
 from mha_multi.torch._ops import OPS
 from mha_multi.torch._ops import linear as _linear
 from mha_multi.weights import init_weights

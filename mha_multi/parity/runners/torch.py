@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from mha_multi.parity.runners import Runner
-from mha_multi.torch._facts import SDPA
+from mha_multi.torch._kernel import SDPA
 
 
 class TorchRunner(Runner):
