@@ -26,7 +26,7 @@ backend. Which kernel runs is ``implementation``:
   GPU, which never materialises the ``(B, H, Q, K)`` scores; the generic path
   everywhere else, and wherever cuDNN declines the shapes. XLA's kernel is
   the generic path's own arithmetic and measured no faster (slower
-  forward+backward on CPU; see ``python -m mha_multi.bench``), so it is not
+  forward+backward on CPU; the benchmark, docs: "Results"), so it is not
   chosen automatically.
 * ``"xla"`` or ``"cudnn"``: that kernel, wherever the fused path is exact
   (and no axis is empty).

@@ -6,8 +6,8 @@ float32 products, whether values can be read now, conversions to and from
 numpy (bfloat16 included), and :class:`KerasFacts`, what the call flow of
 :mod:`mha_multi.call` asks of Keras: how inputs, lengths, caches and gates
 are checked, what can be read on the host, and the fused kernel
-(:mod:`mha_multi.keras._kernel`). This module imports no layer; what builds
-and drives layers is in :mod:`mha_multi.parity.harness.keras`.
+(:mod:`mha_multi.keras._kernel`). This module imports no layer; the parity
+harness builds and drives layers (docs: "Architecture").
 
 Keras fixes its backend per process (``KERAS_BACKEND``); what differs
 between TensorFlow, JAX and PyTorch underneath is one class each in

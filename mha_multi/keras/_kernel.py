@@ -28,7 +28,7 @@ __all__ = [
 
 #: Keras backends on which the default call goes through
 #: ``keras.ops.dot_product_attention``: those where it measured faster than
-#: the generic path (``python -m mha_multi.bench run keras-<backend>``, CPU,
+#: the generic path (the benchmark's ``keras-<backend>`` rows, docs: "Results"; CPU,
 #: B=8, D=512, H=8). PyTorch: SDPA, 2.3-2.8x faster at N=512-2048 and
 #: O(N) memory. Not TensorFlow: its kernel is einsum + softmax like the
 #: generic path, materialises a (B, H, Q, K) boolean mask besides, and was

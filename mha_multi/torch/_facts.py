@@ -9,8 +9,7 @@ read on the host before the plan. The fused kernel
 (``scaled_dot_product_attention``) is :mod:`mha_multi.torch._kernel`; a
 cache's writes in place :mod:`mha_multi.torch._cache_writes`, and what they
 carry from call to call :mod:`mha_multi.torch._cache`. This module imports
-no layer; what builds and drives layers is in
-:mod:`mha_multi.parity.harness.torch`.
+no layer; the parity harness builds and drives layers (docs: "Architecture").
 """
 
 from __future__ import annotations
