@@ -1,9 +1,10 @@
 """Backend runners: one small class per framework, found lazily by name.
 
-A runner turns numpy inputs into a backend's arrays, drives its layer and
+A runner turns numpy inputs into a backend's arrays, drives its layer
+through the framework's harness (:mod:`mha_multi.parity.harness`) and
 returns float64 numpy results. The parity command and the test-suite use the
-same runners, so a new backend plugs in by adding one module here and one
-line to :data:`RUNNERS`.
+same runners, so a new backend plugs in by adding its harness, one module
+here and one line to :data:`RUNNERS`.
 """
 
 from __future__ import annotations
