@@ -44,7 +44,7 @@ implementation: which attention kernel runs when the weights are not
     requested and dropout is off: ``None`` (cuDNN's for 16-bit inputs
     on a GPU, the generic path otherwise), ``"generic"``, ``"xla"``
     or ``"cudnn"``; see :mod:`mha_multi.jax.functional`.""",
-    # ``make_layer`` of the harnesses (``mha_multi.<framework>.harness``).
+    # ``make_layer`` of the parity harness, one per framework (docs: "Architecture").
     "harness_layer_args": """\
 num_hiddens: the layer's ``num_hiddens``.
 num_heads: the layer's ``num_heads``.

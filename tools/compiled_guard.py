@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mha_multi.torch import MultiHeadAttention
-from mha_multi.torch._backend import TorchFacts
+from mha_multi.torch._facts import TorchFacts
 
 SHAPES = ["1,1", "1,16", "8,128", "8,128,lens", "4,256", "4,256,lens", "2,1024,lens"]
 

@@ -37,8 +37,8 @@ from unittest import mock
 import numpy as np
 import torch
 
-from mha_multi.torch import MultiHeadAttention, _backend
-from mha_multi.torch._backend import FACTS
+from mha_multi.torch import MultiHeadAttention, _facts
+from mha_multi.torch._facts import FACTS
 
 SHAPES = ["1,1", "1,16", "1,128", "4,256", "8,512", "2,2048", "1,8192"]
 ROUNDS = 3
@@ -87,7 +87,7 @@ def ways() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
         "default": contextlib.nullcontext,
         "read": always,
         "sum only": lambda: _stacked(
-            always(), mock.patch.object(_backend, "extremes", lambda x: [sum_only(x)] * 2)
+            always(), mock.patch.object(_facts, "extremes", lambda x: [sum_only(x)] * 2)
         ),
         "generic": lambda: _stacked(
             mock.patch.object(FACTS, "kernel", None),

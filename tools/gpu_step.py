@@ -10,7 +10,7 @@ bench's hand-written decoder. Each prints its median time per step over the
 rounds, in microseconds.
 
 On the CPU the PyTorch facts are told that every tensor is on a GPU
-(``mha_multi.torch.harness.as_if_on_a_gpu``), so the layer runs the
+(``mha_multi.parity.harness.torch.as_if_on_a_gpu``), so the layer runs the
 operations it would run there, on the CPU's kernels: with a
 tiny layer, whose kernels cost next to nothing, what remains is the host's
 cost of a GPU step (docs: "Results"). ``host`` runs the same on the CPU as
@@ -30,7 +30,8 @@ import torch
 
 from mha_multi.bench import generate
 from mha_multi.bench.torch import FRAMEWORK
-from mha_multi.torch import _backend, harness
+from mha_multi.parity.harness import torch as harness
+from mha_multi.torch import _facts
 
 PROMPT, NEW_TOKENS, ROUNDS = 8, 256, 5
 
@@ -39,12 +40,12 @@ def refusable(stack: contextlib.ExitStack) -> list[bool]:
     """A flag that, while true, has the plain route refuse every call (a patch entered
     once: entering one at every step would cost more than a step)."""
     refusing = [False]
-    route = _backend.FACTS.plain_attention
+    route = _facts.FACTS.plain_attention
 
     def plain_attention(*args, **kwargs):
         return None if refusing[0] else route(*args, **kwargs)
 
-    stack.enter_context(mock.patch.object(_backend.FACTS, "plain_attention", plain_attention))
+    stack.enter_context(mock.patch.object(_facts.FACTS, "plain_attention", plain_attention))
     return refusing
 
 

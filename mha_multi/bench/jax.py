@@ -29,8 +29,8 @@ from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.jax import MultiHeadAttention, get_weights
-from mha_multi.jax import harness as backend
-from mha_multi.jax._backend import batch_pieces
+from mha_multi.jax._facts import batch_pieces
+from mha_multi.parity.harness import jax as backend
 
 Call = Callable[[nnx.Module, jax.Array, jax.Array, jax.Array], jax.Array]
 

@@ -14,7 +14,7 @@ Both layers hold the same weights and see the same key padding: ours as
 ``valid_lens``, Keras' as an ``attention_mask`` with ``True`` where a key is
 *visible* (Keras' polarity). Grouped rows build ours with ``num_kv_heads``
 and, as the native layer, Keras' own grouped-query layer. How each backend runs, differentiates and
-waits is in :mod:`mha_multi.keras.harness`.
+waits is in :mod:`mha_multi.parity.harness.keras`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.keras import MultiHeadAttention, layout_map, set_weights
-from mha_multi.keras import harness as backend
-from mha_multi.keras.harness import LayerCall
+from mha_multi.parity.harness import keras as backend
+from mha_multi.parity.harness.keras import LayerCall
 from mha_multi.weights import init_weights
 
 COMPILERS = {

@@ -14,7 +14,7 @@ from typing import Any
 
 # First: MXNet's exact-float32 environment is in place before MXNet loads
 # (docs: "Architecture").
-from mha_multi.mxnet import harness as backend  # isort: split
+from mha_multi.parity.harness import mxnet as backend  # isort: split
 
 import mxnet as mx
 import numpy as np

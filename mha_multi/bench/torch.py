@@ -23,7 +23,7 @@ from mha_multi.bench.common import Shape, median_seconds
 from mha_multi.bench.driver import Framework, score_bytes
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.interop.torch import key_padding_mask, to_torch_d2l
-from mha_multi.torch import harness as backend
+from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import set_weights
 from mha_multi.weights import init_weights
 

@@ -55,7 +55,7 @@ import numpy as np
 from flax import linen, nnx
 
 from mha_multi import spec
-from mha_multi.jax._backend import host_array
+from mha_multi.jax._facts import host_array
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
 __all__ = [

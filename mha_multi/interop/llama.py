@@ -45,7 +45,7 @@ import torch
 from mha_multi import spec
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
-from mha_multi.torch._backend import host_array
+from mha_multi.torch._facts import host_array
 from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [

@@ -26,7 +26,7 @@ import mxnet as mx
 import numpy as np
 from mxnet import gluon, npx
 
-from mha_multi.mxnet._backend import host_array
+from mha_multi.mxnet._facts import host_array
 from mha_multi.mxnet._projections import load_parameter
 from mha_multi.weights import KERNEL_NAMES, check_weights
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from mha_multi.interop.formats import llama_prefixes
-from mha_multi.torch._backend import host_array
+from mha_multi.torch._facts import host_array
 from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [

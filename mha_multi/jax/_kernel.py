@@ -3,7 +3,7 @@
 The values of ``implementation``, the dtypes and precisions the kernel
 serves, the default choice of kernel, and the call of the kernel with the
 spec's masking semantics (docs: "Fast paths").
-:class:`mha_multi.jax._backend.JaxFacts` plans with :data:`DOT_PRODUCT_ATTENTION`
+:class:`mha_multi.jax._facts.JaxFacts` plans with :data:`DOT_PRODUCT_ATTENTION`
 and calls :func:`fused_attention`.
 """
 

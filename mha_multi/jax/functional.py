@@ -2,7 +2,7 @@
 
 The call flow (checks, kernel plan, cache, attention, gates, output) is
 :func:`mha_multi.call.forward`'s, given JAX's facts
-(:class:`mha_multi.jax._backend.JaxFacts`) and the projections of canonical
+(:class:`mha_multi.jax._facts.JaxFacts`) and the projections of canonical
 weights (:class:`~mha_multi.jax._projections.WeightsProjections`); docs:
 "Architecture". Both Flax modules (:class:`mha_multi.jax.MultiHeadAttention`
 on NNX and :class:`mha_multi.jax.linen.MultiHeadAttention`) call it with
@@ -26,7 +26,7 @@ backend. Which kernel runs is ``implementation``:
   GPU, which never materialises the ``(B, H, Q, K)`` scores; the generic path
   everywhere else, and wherever cuDNN declines the shapes. XLA's kernel is
   the generic path's own arithmetic and measured no faster (slower
-  forward+backward on CPU; see ``python -m mha_multi.bench``), so it is not
+  forward+backward on CPU; the benchmark, docs: "Results"), so it is not
   chosen automatically.
 * ``"xla"`` or ``"cudnn"``: that kernel, wherever the fused path is exact
   (and no axis is empty).
@@ -35,7 +35,7 @@ backend. Which kernel runs is ``implementation``:
 On a CPU the generic path takes a batch whose ``(B, H, Q, K)`` scores outgrow
 the caches in pieces of examples, one after another, and recomputes a
 piece's scores in its backward pass (see
-:meth:`mha_multi.jax._backend.JaxFacts.generic_attention`); the projections
+:meth:`mha_multi.jax._facts.JaxFacts.generic_attention`); the projections
 read their kernels with a heads axis (see
 :func:`mha_multi.jax._projections.linear`). Both change which kernels XLA
 runs, not the function: the numbers agree to float32 rounding.
@@ -62,8 +62,8 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from mha_multi import call, spec
-from mha_multi.jax import _backend
-from mha_multi.jax._backend import JaxFacts, as_valid_lens
+from mha_multi.jax import _facts
+from mha_multi.jax._facts import JaxFacts, as_valid_lens
 from mha_multi.jax._kernel import check_implementation, platform
 from mha_multi.jax._ops import PrecisionLike, dtype_kind
 from mha_multi.jax._projections import WeightsProjections
@@ -262,7 +262,7 @@ def attend_compiled(
     per shapes, dtypes and settings, after :func:`mha_multi.call.forward` has
     checked it and read what it reads on the host. The plan and the
     operations are the same as under the caller's own ``jit``: JAX's plan
-    reads no values (:class:`~mha_multi.jax._backend.JaxFacts`). A call
+    reads no values (:class:`~mha_multi.jax._facts.JaxFacts`). A call
     being traced (``jit``, ``grad``, ``vmap``) runs in the caller's trace,
     and so does an eager call with dropout, whose mask key is drawn in it.
 
@@ -287,7 +287,7 @@ def attend_compiled(
         tuple(layer.input_sizes().items()),
         layer.dtype,
         tuple(sorted(arguments.items())),
-        _backend.CPU_PIECE_BYTES,
+        _facts.CPU_PIECE_BYTES,
     )
     leaves = jax.tree_util.tree_leaves((params, queries, keys, values, valid_lens, arrays))
     eager = not any(isinstance(x, jax.core.Tracer) for x in leaves)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from mha_multi.heads import importance_over
 from mha_multi.jax import linen
-from mha_multi.jax._backend import as_valid_lens, host_array
+from mha_multi.jax._facts import as_valid_lens, host_array
 from mha_multi.jax.layer import MultiHeadAttention
 
 __all__ = ["head_importance", "head_mask_gradient"]

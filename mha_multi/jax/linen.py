@@ -22,7 +22,7 @@ from jax.typing import DTypeLike
 
 from mha_multi import _docs, call, spec
 from mha_multi.jax import functional
-from mha_multi.jax._backend import JaxFacts, host_array
+from mha_multi.jax._facts import JaxFacts, host_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.jax._projections import Projection, WeightsProjections

@@ -3,7 +3,7 @@
 Which Keras backends and dtypes take it by default, the bound on the scores
 below which it gives the spec's weights, and the call of the kernel with the
 spec's masking semantics (docs: "Fast paths"). Whether a call's values stay
-within that bound is read by :class:`mha_multi.keras._backend.KerasFacts`,
+within that bound is read by :class:`mha_multi.keras._facts.KerasFacts`,
 which plans with this kernel.
 """
 
@@ -28,7 +28,7 @@ __all__ = [
 
 #: Keras backends on which the default call goes through
 #: ``keras.ops.dot_product_attention``: those where it measured faster than
-#: the generic path (``python -m mha_multi.bench run keras-<backend>``, CPU,
+#: the generic path (the benchmark's ``keras-<backend>`` rows, docs: "Results"; CPU,
 #: B=8, D=512, H=8). PyTorch: SDPA, 2.3-2.8x faster at N=512-2048 and
 #: O(N) memory. Not TensorFlow: its kernel is einsum + softmax like the
 #: generic path, materialises a (B, H, Q, K) boolean mask besides, and was
@@ -49,7 +49,7 @@ FUSED_DTYPES: dict[str, frozenset[str]] = {
 }
 
 #: Keras' fused kernel: no dropout, no key lengths, and an *added* mask, so it
-#: runs only on values read as exact (:func:`mha_multi.keras._backend.values_exact`).
+#: runs only on values read as exact (:func:`mha_multi.keras._facts.values_exact`).
 #: It takes fewer key/value heads than query heads (``(B, K, H_kv, dh)``;
 #: query head ``h`` reads key/value head ``h // G``), except on Keras'
 #: TensorFlow backend, whose einsum does not broadcast a single key/value
@@ -77,7 +77,7 @@ def dot_product_attention(
     positions (a view) is a cache-sized copy at every decoding step; PyTorch
     takes grouped heads (``enable_gqa``) and strided arrays itself (the plan
     repeats those it serves better repeated:
-    :meth:`~mha_multi.keras._backend.KerasFacts.kernel_takes_grouped`).
+    :meth:`~mha_multi.keras._facts.KerasFacts.kernel_takes_grouped`).
     """
     if keras.backend.backend() != "torch" or (mask is not None and is_causal):
         return keras.ops.dot_product_attention(
@@ -133,7 +133,7 @@ def fused_attention(
     them (query head ``h`` reads key/value head ``h // G`` there too);
     otherwise they are repeated, once, on the projected heads (the
     plan's ``repeat_kv``). :meth:`mha_multi.call.Facts.fused_attention`
-    of :class:`~mha_multi.keras._backend.KerasFacts`.
+    of :class:`~mha_multi.keras._facts.KerasFacts`.
 
     Args:
         ops: the :mod:`mha_multi.keras._ops` adapter.

@@ -4,7 +4,7 @@ How the canonical arrays map onto the variables of
 ``keras.layers.MultiHeadAttention`` and ``keras.layers.GroupQueryAttention``,
 and those layers built with them: what the converters of
 :mod:`mha_multi.interop.keras` hand out, and what the benchmark and the
-tests compare the layer with (through :mod:`mha_multi.keras.harness`).
+tests compare the layer with (through the parity harness).
 Imports no layer of this package.
 """
 
@@ -17,7 +17,7 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.keras._backend import device_scope
+from mha_multi.keras._facts import device_scope
 from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [

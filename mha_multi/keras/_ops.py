@@ -1,8 +1,9 @@
 """The spec's array-ops adapter on ``keras.ops``.
 
 Written against ``keras.ops`` only, so the same adapter serves Keras'
-TensorFlow, JAX and PyTorch backends (what differs between them is in
-:mod:`mha_multi.keras._backend`). Shapes are read with
+TensorFlow, JAX and PyTorch backends; where one of them has a faster way to
+Keras' own numbers (a reshape, a transpose, a product), the functions below
+take it from :mod:`mha_multi.keras._frameworks`. Shapes are read with
 ``keras.ops.shape``, which gives Python ints where a dimension is static and
 scalar tensors where it is not (TensorFlow graphs with an unknown batch), so
 the reshapes below work in eager code, in ``tf.function``/XLA and in the
@@ -21,9 +22,38 @@ import numpy as np
 from keras import ops
 
 from mha_multi import spec
-from mha_multi.keras._backends import matmul, reshape, row_max, transpose, where
+from mha_multi.keras._frameworks import active
 
 Tensor = Any
+
+
+# -- the active backend's fastest ways to Keras' own numbers ---------------------------
+
+
+def reshape(x: Tensor, shape: tuple[Any, ...]) -> Tensor:
+    """``x`` reshaped to ``shape``, the backend's fastest way."""
+    return active().reshape(x, shape)
+
+
+def transpose(x: Tensor, axes: tuple[int, ...]) -> Tensor:
+    """``x`` with its axes in the order ``axes``, the backend's fastest way."""
+    return active().transpose(x, axes)
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b``, the backend's fastest way to Keras' own numbers."""
+    return active().matmul(a, b)
+
+
+def row_max(x: Tensor) -> Tensor:
+    """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1."""
+    return active().row_max(x)
+
+
+def where(condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
+    """``x`` where ``condition``, else ``fill`` rounded to ``x``'s dtype."""
+    return active().where(condition, x, fill)
+
 
 _KINDS = (("bfloat", "f"), ("float", "f"), ("uint", "u"), ("int", "i"), ("bool", "b"))
 

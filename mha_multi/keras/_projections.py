@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.keras._backend import (
+from mha_multi.keras._facts import (
     as_numpy,
     device_of,
     device_scope,

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 
 from mha_multi.heads import importance_over
-from mha_multi.keras._backend import device_of, device_scope, host_array, scalar_gradient
+from mha_multi.keras._facts import device_of, device_scope, host_array, scalar_gradient
 from mha_multi.keras.layer import MultiHeadAttention
 
 __all__ = ["head_importance", "head_mask_gradient"]

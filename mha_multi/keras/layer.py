@@ -4,7 +4,7 @@ The layer runs on Keras' TensorFlow (primary), JAX and PyTorch backends: it
 calls no TensorFlow, JAX or PyTorch function itself. The call flow (checks,
 kernel plan, cache, attention, gates, output) is
 :func:`mha_multi.call.forward`'s; Keras' facts are
-:data:`mha_multi.keras._backend.FACTS` (docs: "Architecture"). What is
+:data:`mha_multi.keras._facts.FACTS` (docs: "Architecture"). What is
 Keras' own stays with the layer: its variables, their build and the
 projections (:mod:`mha_multi.keras._projections`), and here the checks
 before Keras converts a call's arguments, the symbolic outputs, the
@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from mha_multi import _docs, call, spec
-from mha_multi.keras._backend import (
+from mha_multi.keras._facts import (
     FACTS,
     checked_lens,
     is_tensor,

@@ -6,7 +6,7 @@ layer is written for, as d2l does.
 
 # First: MXNet's exact-float32 environment is in place before MXNet loads
 # (docs: "Architecture").
-from mha_multi.mxnet import _backend  # noqa: F401
+from mha_multi.mxnet import _facts  # noqa: F401
 
 # isort: split
 from mha_multi.mxnet.importance import head_importance

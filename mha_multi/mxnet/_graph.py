@@ -42,7 +42,7 @@ import numpy as np
 from mxnet import gluon
 
 from mha_multi import call, spec
-from mha_multi.mxnet._backend import FACTS, as_int32
+from mha_multi.mxnet._facts import FACTS, as_int32
 from mha_multi.mxnet._kernel import weights_dropout
 from mha_multi.mxnet._ops import MXNetOps
 from mha_multi.mxnet._projections import (

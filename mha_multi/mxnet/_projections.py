@@ -23,7 +23,7 @@ from mxnet import gluon
 from mxnet.gluon import nn
 
 from mha_multi import spec
-from mha_multi.mxnet._backend import host_array
+from mha_multi.mxnet._facts import host_array
 from mha_multi.mxnet._ops import MXNetOps
 from mha_multi.weights import KERNEL_NAMES, check_layer_weights
 

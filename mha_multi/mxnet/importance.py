@@ -10,7 +10,7 @@ import numpy as np
 from mxnet import autograd
 
 from mha_multi.heads import importance_over
-from mha_multi.mxnet._backend import to_numpy
+from mha_multi.mxnet._facts import to_numpy
 from mha_multi.mxnet.layer import MultiHeadAttention
 
 __all__ = ["head_importance", "head_mask_gradient"]

@@ -3,7 +3,7 @@
 The layer is a shell (docs: "Architecture"): its ``nn.Dense`` parameters,
 Gluon's protocol (``forward``, ``hybridize``, ``cast``, ``export``) and one
 call of :func:`mha_multi.call.forward`, which checks the call on the
-concrete arrays, with MXNet's facts (:data:`mha_multi.mxnet._backend.FACTS`).
+concrete arrays, with MXNet's facts (:data:`mha_multi.mxnet._facts.FACTS`).
 The checked call then runs through :func:`mha_multi.call.attend`
 (:func:`mha_multi.mxnet._graph.run`): on the parameters' arrays, or,
 hybridized, inside the configuration's graph, planned before it where shapes
@@ -17,7 +17,7 @@ every route. Inputs with an empty axis reach no MXNet kernel
 
 Importing the package sets ``MXNET_CUDA_TENSOR_OP_MATH_ALLOW_CONVERSION`` to
 MXNet's own default, ``0``, where the environment does not set it, before
-MXNet is loaded (:func:`mha_multi.mxnet._backend.exact_float32`): MXNet's
+MXNet is loaded (:func:`mha_multi.mxnet._facts.exact_float32`): MXNet's
 behaviour is unchanged, and the parity runs are sure of it.
 """
 
@@ -31,7 +31,7 @@ from mxnet import gluon, npx
 from mxnet.gluon import nn
 
 from mha_multi import _docs, call, spec
-from mha_multi.mxnet._backend import FACTS
+from mha_multi.mxnet._facts import FACTS
 from mha_multi.mxnet._graph import Graphs, run
 from mha_multi.mxnet._projections import PROJECTIONS, get_weights, in_units, set_weights
 

@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     markdown = format_markdown(result)
     try:
         from mha_multi.parity.cases import load_case
-        from mha_multi.parity.heads import plot_heads
+        from mha_multi.parity.heads_figure import plot_heads
 
         heads = plot_heads(args.results, load_case(Path(cases_dir) / "book.npz"), out / "heads.png")
         if heads:

@@ -1,18 +1,17 @@
-"""What an eager PyTorch call knows of a cache it wrote in place, and the finiteness reads.
+"""What an eager PyTorch call knows of a cache it wrote in place.
 
 A cache written in place under ``torch.no_grad()`` carries, on its lengths
 tensor, what the call that wrote it knew (:class:`CacheCheck`): the lengths
 on the host, and whether every position it attended over and every row it
-wrote was finite; the next call trusts this only for the same tensors
-unchanged since (docs: "Generating with a cache"). The finiteness of a
-call's projections is one sum (:func:`finite_sum`). This module sits below
-the facts (:mod:`mha_multi.torch._backend`) and imports nothing of them.
+wrote was finite (one sum, :func:`mha_multi.torch._reads.finite_sum`); the
+next call trusts this only for the same tensors unchanged since (docs:
+"Generating with a cache"). This module sits below the facts
+(:mod:`mha_multi.torch._facts`) and imports nothing of them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from typing import Any
 
@@ -20,20 +19,14 @@ import numpy as np
 import torch
 
 from mha_multi import spec
+from mha_multi.torch._reads import finite_sum
 
 __all__ = [
     "CHECKED",
     "CacheCheck",
     "Written",
-    "covering",
-    "extremes",
-    "finite_sum",
     "from_host",
-    "larger",
-    "largest_magnitude",
-    "magnitude_of",
     "poison_of",
-    "read_together",
     "versioned",
     "writes_in_place",
     "written_step",
@@ -326,100 +319,6 @@ def written_step(
         check.stepped(updated, filled, step, poison=poison, pending=pending).pending_from = start
     span = filled if span is None else span
     return keys.narrow(2, 0, span), values.narrow(2, 0, span), updated
-
-
-def covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Tensors holding exactly the elements of ``tensors``, as few as can be.
-
-    The projections of self-attention are column blocks of one stacked
-    product ``(B, T, width)``, side by side in memory: one pass over that
-    product reads them all. (Views made under ``torch.inference_mode`` do
-    not know their base, so the blocks are matched by their addresses.)
-    """
-    first = tensors[0]
-    if len(tensors) < 2 or torch.compiler.is_compiling():
-        return tensors  # (a traced tensor has no address; the compiler fuses the passes)
-    base = first._base
-    if (
-        base is not None
-        and all(x._base is base for x in tensors[1:])
-        and base.numel() <= sum(x.numel() for x in tensors)
-    ):
-        # Views of one tensor that holds no more elements than they do: a
-        # pass over it reads them all (at worst an element twice).
-        return (base,)
-    if first.dim() != 3:
-        return tensors
-    width = sum(x.shape[-1] for x in tensors)
-    stride = first.stride()
-    if stride[-1] != 1 or stride[-2] != width or stride[0] != width * first.shape[1]:
-        return tensors
-    storage = first.untyped_storage().data_ptr()
-    address = first.data_ptr()
-    for x in tensors:
-        if (
-            x.data_ptr() != address
-            or x.shape[:-1] != first.shape[:-1]
-            or x.stride() != stride
-            or x.dtype != first.dtype
-            or x.untyped_storage().data_ptr() != storage
-        ):
-            return tensors
-        address += x.shape[-1] * x.element_size()
-    return (first.as_strided((*first.shape[:-1], width), stride),)
-
-
-def finite_sum(*tensors: torch.Tensor) -> torch.Tensor:
-    """A 0-d float32 on the tensors' device, finite only if every element is.
-
-    One pass, nothing allocated (over self-attention's stacked projection
-    once, :func:`covering`). A finite sum that overflows only sends a call
-    to the generic path, which is exact for any values.
-    """
-    blocks = covering(*tensors)
-    total = blocks[0].detach().sum(dtype=torch.float32)
-    for x in blocks[1:]:
-        total = total + x.detach().sum(dtype=torch.float32)
-    return total
-
-
-def extremes(x: torch.Tensor) -> list[torch.Tensor]:
-    """``[max(x), min(x)]``, 0-d on ``x``'s device (zeros for no elements; NaN where
-    ``x`` holds one): two passes, nothing allocated. A read takes ``max|x|`` from
-    them on the host (:func:`magnitude_of`), with three kernels fewer than
-    :func:`largest_magnitude`, each a launch on a GPU. (``linalg.vector_norm``'s
-    infinity norm took 60 times as long over a strided cache prefix on the CPU.)"""
-    x = x.detach()
-    if not x.numel():
-        return [torch.zeros((), dtype=x.dtype, device=x.device)] * 2
-    return [x.amax(), x.amin()]
-
-
-def largest_magnitude(x: torch.Tensor) -> torch.Tensor:
-    """``max|x|`` on the device, a 0-d float32 (0 for no elements; NaN where ``x``
-    holds one), for a test that stays there (a compiled graph's predicate)."""
-    largest, smallest = extremes(x)
-    return torch.maximum(largest, -smallest).float()
-
-
-def larger(a: float, b: float) -> float:
-    """The larger of two magnitudes, NaN where either is (Python's ``max`` is not)."""
-    return a + b if math.isnan(a) or math.isnan(b) else max(a, b)
-
-
-def magnitude_of(largest: float, smallest: float) -> float:
-    """``max|x|`` from :func:`extremes` read to the host."""
-    return larger(abs(largest), abs(smallest))
-
-
-def read_together(reads: list[torch.Tensor]) -> list[float]:
-    """0-d tensors of any dtypes on one device, read to the host in one transfer as
-    float64 (which holds every length a tensor can have exactly): one stack, no cast
-    of its own per tensor."""
-    if len(reads) == 1:
-        return [reads[0].item()]
-    out = torch.empty(len(reads), dtype=torch.float64, device=reads[0].device)
-    return torch.stack(reads, out=out).tolist()
 
 
 def poison_of(*tensors: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ needs them read is *guarded* (:attr:`mha_multi.spec.KernelPlan.guarded`):
 :meth:`GuardedKernel.guarded` puts one ``torch.cond`` in the graph whose
 predicate is the eager read's test, taking SDPA where it holds and the
 generic path elsewhere (docs: "Fast paths").
-:class:`mha_multi.torch._backend.TorchFacts` takes it from here; this module
+:class:`mha_multi.torch._facts.TorchFacts` takes it from here; this module
 imports nothing of it.
 """
 
@@ -17,11 +17,8 @@ from typing import Any
 import torch
 
 from mha_multi import spec
-from mha_multi.torch._cache import finite_sum, largest_magnitude
-
-#: The largest ``|bias|`` the fused path takes
-#: (:meth:`mha_multi.torch._backend.TorchFacts.plan_values`, :meth:`GuardedKernel.guarded`).
-BIAS_LIMIT = 1e5
+from mha_multi.torch._kernel import BIAS_LIMIT
+from mha_multi.torch._reads import finite_sum, largest_magnitude
 
 #: Scores per head (``Q * K``) from which a compiled call runs SDPA under
 #: :meth:`GuardedKernel.guarded`. Inductor fuses the generic path's masking and
@@ -55,7 +52,7 @@ class GuardedKernel:
         head_dim: int,
     ) -> torch.Tensor:
         """SDPA's context where the eager read
-        (:meth:`mha_multi.torch._backend.TorchFacts.plan_values`) would have found the values
+        (:meth:`mha_multi.torch._facts.TorchFacts.plan_values`) would have found the values
         exact, the generic path's elsewhere: one ``torch.cond`` in the graph.
 
         A compiled graph cannot read the values, and SDPA's own non-finite

@@ -9,7 +9,7 @@ decoding step's plan carried by the cache it wrote
 (:attr:`mha_multi.torch._cache.CacheCheck.step`). On the host those are
 SDPA's after one finiteness read; on a GPU, where that read would wait for
 the device, the generic path's attention, which reads nothing.
-:class:`mha_multi.torch._backend.TorchFacts` takes the route from here; this
+:class:`mha_multi.torch._facts.TorchFacts` takes the route from here; this
 module imports nothing of it.
 """
 
@@ -23,15 +23,10 @@ from typing import Any, NamedTuple
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import (
-    CacheCheck,
-    extremes,
-    magnitude_of,
-    read_together,
-    written_step,
-)
+from mha_multi.torch._cache import CacheCheck, written_step
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
+from mha_multi.torch._reads import extremes, magnitude_of, read_together
 
 __all__ = ["PlainPlan", "PlainRoute"]
 
@@ -58,7 +53,7 @@ class PlainPlan(NamedTuple):
 
 class PlainRoute:
     """Plain self-attention's fast route, a part of the PyTorch facts
-    (:class:`mha_multi.torch._backend.TorchFacts`, whose kernel, span bucket and
+    (:class:`mha_multi.torch._facts.TorchFacts`, whose kernel, span bucket and
     ``on_host`` it reads)."""
 
     kernel: spec.FusedKernel

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from mha_multi.heads import importance_over
-from mha_multi.torch._backend import host_array
+from mha_multi.torch._facts import host_array
 from mha_multi.torch.layer import MultiHeadAttention
 
 __all__ = ["head_importance", "head_mask_gradient"]

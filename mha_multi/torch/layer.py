@@ -2,7 +2,7 @@
 
 The call flow (checks, kernel plan, cache, attention, gates, output) is
 :func:`mha_multi.call.forward`'s; PyTorch's facts are
-:data:`mha_multi.torch._backend.FACTS`, and the projections the driver
+:data:`mha_multi.torch._facts.FACTS`, and the projections the driver
 calls are :class:`mha_multi.torch._projections.PackedProjections`'
 (docs: "Architecture").
 """
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from mha_multi import _docs, call, spec
-from mha_multi.torch._backend import FACTS, host_array
 from mha_multi.torch._cache import versioned
+from mha_multi.torch._facts import FACTS, host_array
 from mha_multi.torch._projections import (
     PackedProjections,
     StackedWeights,

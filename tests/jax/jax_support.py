@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import device_or_skip
-from mha_multi.jax import harness as backend
 from mha_multi.parity.cases import Case
+from mha_multi.parity.harness import jax as backend
 from mha_multi.parity.runners.jax import JaxLinenRunner, JaxNNXRunner
 
 

@@ -17,9 +17,9 @@ from jax_support import LinenRunner, NNXRunner, gpu, inputs, nan_where_nothing_i
 
 from mha_multi import spec
 from mha_multi.jax import MultiHeadAttention, linen, multi_head_attention, set_weights
-from mha_multi.jax import harness as backend
 from mha_multi.jax._kernel import DOT_PRODUCT_ATTENTION, fused_dtype_supported
 from mha_multi.parity.cases import CASES
+from mha_multi.parity.harness import jax as backend
 from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 from tests.backends import test_edges as edges

@@ -16,14 +16,14 @@ from jax_support import LinenRunner, NNXRunner, gpu, inputs
 from mha_multi import spec
 from mha_multi.jax import (
     MultiHeadAttention,
-    _backend,
+    _facts,
     functional,
     get_weights,
     linen,
     multi_head_attention,
     set_weights,
 )
-from mha_multi.jax import harness as backend
+from mha_multi.parity.harness import jax as backend
 from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 from tests.backends import test_parity as parity
@@ -501,7 +501,7 @@ PIECES_CASES = (
 )
 def test_pieces_of_the_batch_match_the_reference(monkeypatch, cases, dtype, case_name):
     # The cases' scores are far below the budget: one byte makes every example a piece.
-    monkeypatch.setattr(_backend, "CPU_PIECE_BYTES", 1)
+    monkeypatch.setattr(_facts, "CPU_PIECE_BYTES", 1)
     parity.test_case_within_tolerance(NNX, "cpu", dtype, case_name, cases)
 
 
@@ -518,7 +518,7 @@ def _pieces_traced(case, **kwargs):
 def test_pieces_only_past_the_budget_and_never_with_dropout(monkeypatch, cases):
     case = cases["lens_2d"]
     assert not _pieces_traced(case)
-    monkeypatch.setattr(_backend, "CPU_PIECE_BYTES", 1)
+    monkeypatch.setattr(_facts, "CPU_PIECE_BYTES", 1)
     assert _pieces_traced(case)
     # One dropout mask for the whole batch, as Flax draws it.
     dropout = {"dropout_rate": 0.5, "deterministic": False, "dropout_rng": jax.random.key(0)}
@@ -531,8 +531,8 @@ def test_pieces_only_past_the_budget_and_never_with_dropout(monkeypatch, cases):
 )
 def test_the_batch_splits_into_the_fewest_pieces_within_the_budget(monkeypatch, budget, pieces):
     example_bytes = 120
-    monkeypatch.setattr(_backend, "CPU_PIECE_BYTES", int(budget * example_bytes))
-    assert _backend.batch_pieces(6, example_bytes) == pieces
+    monkeypatch.setattr(_facts, "CPU_PIECE_BYTES", int(budget * example_bytes))
+    assert _facts.batch_pieces(6, example_bytes) == pieces
 
 
 # -- GPU --------------------------------------------------------------------------

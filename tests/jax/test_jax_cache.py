@@ -20,10 +20,10 @@ from flax import nnx
 from jax_support import LinenRunner, NNXRunner, nan_where_nothing_is_seen
 
 from mha_multi import spec
-from mha_multi.jax import MultiHeadAttention, _backend, linen
-from mha_multi.jax import harness as backend
+from mha_multi.jax import MultiHeadAttention, _facts, linen
 from mha_multi.jax._kernel import DOT_PRODUCT_ATTENTION
 from mha_multi.parity.decode import decode, full_reference
+from mha_multi.parity.harness import jax as backend
 from mha_multi.weights import init_weights
 
 CONFIGS = {
@@ -294,7 +294,7 @@ def test_cached_calls_take_the_generic_path_in_pieces_on_a_cpu(monkeypatch):
     cache = garbage_cache(5, name, [3, 1, 0], max_length=6)
     # The scores of one example (4 heads, 2 queries, 6 cached keys) fit, of two
     # do not: 3 pieces of one example.
-    monkeypatch.setattr(_backend, "CPU_PIECE_BYTES", 2 * 4 * 2 * 6 * 4 - 1)
+    monkeypatch.setattr(_facts, "CPU_PIECE_BYTES", 2 * 4 * 2 * 6 * 4 - 1)
     rows = [x[:, :2] for x in inputs.values()]
     new_lens = np.array([2, 1, 0])
 

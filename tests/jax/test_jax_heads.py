@@ -17,9 +17,9 @@ from jax_support import LinenRunner, NNXRunner, inputs
 
 from mha_multi import spec
 from mha_multi.jax import MultiHeadAttention, head_importance, linen, set_weights
-from mha_multi.jax import harness as backend
 from mha_multi.jax._kernel import DOT_PRODUCT_ATTENTION
 from mha_multi.parity.cases import HEAD_MASK_CASES, build_case
+from mha_multi.parity.harness import jax as backend
 from mha_multi.weights import init_weights
 
 FLOAT32_ATOL, FLOAT32_GRAD_ATOL, SIXTEEN_BIT_ATOL = 5e-6, 5e-5, 2e-2

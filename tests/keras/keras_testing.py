@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import mha_multi.keras._kernel as kernel_module
-from mha_multi.keras import harness as backend
 from mha_multi.parity.cases import Case
+from mha_multi.parity.harness import keras as backend
 from mha_multi.parity.runners import Runner, get_runner
 
 #: Keras' own numpy conversions (``Layer.get_weights``, ``predict``...) call

@@ -23,7 +23,7 @@ from mha_multi import spec  # noqa: E402
 from mha_multi.__main__ import main as cli  # noqa: E402
 from mha_multi.interop import detect_format, load  # noqa: E402
 from mha_multi.interop import keras as interop  # noqa: E402
-from mha_multi.keras import harness as backend  # noqa: E402
+from mha_multi.parity.harness import keras as backend  # noqa: E402
 from mha_multi.weights import init_weights, load_weights, save_weights  # noqa: E402
 
 pytestmark = COPY_KEYWORD_WARNING

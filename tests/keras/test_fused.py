@@ -26,9 +26,9 @@ from keras_testing import (  # noqa: E402, F401
 
 from conftest import record_sdpa_key_heads  # noqa: E402
 from mha_multi import spec  # noqa: E402
-from mha_multi.keras import harness as backend  # noqa: E402
-from mha_multi.keras._backend import FACTS, values_exact  # noqa: E402
+from mha_multi.keras._facts import FACTS, values_exact  # noqa: E402
 from mha_multi.keras._kernel import DOT_PRODUCT_ATTENTION  # noqa: E402
+from mha_multi.parity.harness import keras as backend  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
 #: Where the default call takes the kernel, per Keras backend and compute
@@ -290,7 +290,7 @@ def test_on_a_gpu_only_a_call_with_many_scores_reads_its_values(
     nothing either. TensorFlow and JAX do not tell, and read as when recording."""
     import contextlib
 
-    from mha_multi.keras import _backend as facts
+    from mha_multi.keras import _facts as facts
 
     records = recording or backend.BACKEND != "torch"
     if records:
@@ -443,10 +443,10 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(
     (``repeats_grouped_heads``, told here that the CPU is CUDA): repeated for more
     queries than ``head_dim``, ``enable_gqa`` otherwise; both give the float64
     reference's numbers."""
-    import mha_multi.torch._ops as torch_ops
+    import mha_multi.torch._facts as torch_facts
 
     monkeypatch.setattr(
-        torch_ops,
+        torch_facts,
         "repeats_grouped_heads",
         lambda q, queries, head_dim, dtype=None: queries > head_dim,
     )

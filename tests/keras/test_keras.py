@@ -12,7 +12,7 @@ from keras_testing import COPY_KEYWORD_WARNING, inputs, keras_runner  # noqa: E4
 
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import MultiHeadAttention, get_weights, set_weights  # noqa: E402
-from mha_multi.keras import harness as backend  # noqa: E402
+from mha_multi.parity.harness import keras as backend  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
 pytestmark = COPY_KEYWORD_WARNING

@@ -25,8 +25,8 @@ import mha_multi.keras._kernel as kernel_module  # noqa: E402
 from conftest import device_or_skip, recording_host_moves, without_synchronisation  # noqa: E402
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import KVCache, MultiHeadAttention, set_weights  # noqa: E402
-from mha_multi.keras import harness as backend  # noqa: E402
 from mha_multi.parity.decode import decode, full_reference  # noqa: E402
+from mha_multi.parity.harness import keras as backend  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
 #: Grouped-query attention with an explicit head size and biases.
@@ -299,7 +299,7 @@ def test_eager_steps_attend_over_the_filled_positions_rounded_to_the_bucket(monk
     """Steps at one position attend over the positions filled, rounded up to the
     backend's bucket (the spec's on TensorFlow and JAX, 1 on PyTorch's CPU) and never
     past ``max_length``, to the reference's numbers."""
-    from mha_multi.keras._backend import FACTS
+    from mha_multi.keras._facts import FACTS
 
     weights = grouped_weights(8)
     layer = layer_of(weights)
@@ -390,7 +390,7 @@ def test_a_step_reads_none_of_the_lengths_the_call_before_returned(monkeypatch, 
     which then reads nothing from the device (a read waits for a GPU; the facts are
     told the tensors are on one, so that no values are read for the kernel either).
     Lengths that did not come from a call, or were changed since, are read."""
-    from mha_multi.keras import _backend as facts
+    from mha_multi.keras import _facts as facts
 
     reads = []
     as_numpy = facts.as_numpy
@@ -457,7 +457,7 @@ def test_a_call_on_pytorch_moves_nothing_between_host_and_device(monkeypatch, ca
     facts are told the tensors are on a GPU."""
     import torch
 
-    from mha_multi.keras import _backend as facts
+    from mha_multi.keras import _facts as facts
 
     monkeypatch.setattr(facts, "device_of", lambda x: "gpu")
     weights = grouped_weights(12)

@@ -21,7 +21,7 @@ from keras_testing import keras_runner  # noqa: E402, F401
 
 from mha_multi import heads, spec  # noqa: E402
 from mha_multi.keras import KVCache, MultiHeadAttention, head_importance, set_weights  # noqa: E402
-from mha_multi.keras import harness as backend  # noqa: E402
+from mha_multi.parity.harness import keras as backend  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
 #: The runner sets the process up (exact float32 products, float64 on JAX).

@@ -32,8 +32,8 @@ keras = pytest.importorskip("keras")
 
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import MultiHeadAttention, get_weights, layout_map, set_weights  # noqa: E402
-from mha_multi.keras import harness as backend  # noqa: E402
 from mha_multi.parity.compare import tolerance  # noqa: E402
+from mha_multi.parity.harness import keras as backend  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
 ATOL = tolerance("float32", "output")

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from mha_multi import spec
-from mha_multi.mxnet import harness as backend
 from mha_multi.mxnet._ops import MXNetOps
 from mha_multi.parity.cases import INPUT_NAMES
+from mha_multi.parity.harness import mxnet as backend
 from mha_multi.parity.runners import get_runner
 
 #: Cases with rows that see no key (lengths <= 0, causal with Q > K) or

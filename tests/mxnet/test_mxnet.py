@@ -10,8 +10,8 @@ from mxnet import autograd, gluon
 from conftest import device_or_skip
 from mha_multi import spec
 from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
-from mha_multi.mxnet import harness as backend
 from mha_multi.parity.cases import INPUT_NAMES
+from mha_multi.parity.harness import mxnet as backend
 from mha_multi.parity.runners import get_runner
 from mha_multi.weights import init_weights
 

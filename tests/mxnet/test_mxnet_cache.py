@@ -32,12 +32,12 @@ from mxnet_support import (
 
 from mha_multi import spec
 from mha_multi.mxnet import KVCache, MultiHeadAttention
-from mha_multi.mxnet import harness as backend
-from mha_multi.mxnet._backend import MXNetFacts
+from mha_multi.mxnet._facts import MXNetFacts
 from mha_multi.mxnet._graph import AttentionGraph
 from mha_multi.parity.compare import tolerance
 from mha_multi.parity.decode import chunk_rows, full_reference
-from mha_multi.parity.runners import KernelCall
+from mha_multi.parity.harness import KernelCall
+from mha_multi.parity.harness import mxnet as backend
 
 #: Ragged sequences and their schedule: a padded prefill of 3, steps of 1
 #: (with idle examples) and a chunk of 2; example 2 fills the cache.

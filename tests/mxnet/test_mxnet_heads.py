@@ -29,11 +29,11 @@ from mxnet_support import (
 
 from mha_multi import heads, spec
 from mha_multi.mxnet import MultiHeadAttention, head_importance, set_weights
-from mha_multi.mxnet import harness as backend
 from mha_multi.mxnet._graph import AttentionGraph
 from mha_multi.mxnet._kernel import SEQUENCE_MASK
 from mha_multi.parity.compare import tolerance
-from mha_multi.parity.runners import KernelCall
+from mha_multi.parity.harness import KernelCall
+from mha_multi.parity.harness import mxnet as backend
 from mha_multi.weights import KERNEL_NAMES
 
 RUNNERS = pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID], ids=lambda r: r.name)

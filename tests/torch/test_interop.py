@@ -19,9 +19,9 @@ from mha_multi.interop.torch import (
     to_torch_mha_state,
 )
 from mha_multi.parity.cases import INPUT_NAMES
+from mha_multi.parity.harness import torch as backend
 from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
-from mha_multi.torch import harness as backend
 from mha_multi.weights import init_weights
 
 

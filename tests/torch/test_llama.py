@@ -14,7 +14,7 @@ from mha_multi.interop.llama import (
     to_llama,
     to_llama_state,
 )
-from mha_multi.torch import harness as backend
+from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import set_weights
 from mha_multi.weights import init_weights
 

@@ -20,11 +20,12 @@ from conftest import (
 )
 from mha_multi import spec
 from mha_multi.parity.cases import CASES, INPUT_NAMES
+from mha_multi.parity.harness import torch as backend
 from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, _projections, get_weights, set_weights
-from mha_multi.torch import harness as backend
-from mha_multi.torch._backend import FACTS, SDPA
+from mha_multi.torch._facts import FACTS
 from mha_multi.torch._guard import GUARDED_KERNEL_SCORES
+from mha_multi.torch._kernel import SDPA
 from mha_multi.torch._ops import OPS
 from mha_multi.torch._ops import linear as _linear
 from mha_multi.weights import init_weights
@@ -1057,7 +1058,7 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(monkeypatch, call):
     grouped heads of more queries than ``head_dim`` reach SDPA repeated
     (``repeats_grouped_heads``, told here that the CPU is CUDA), a decoding step's
     as they are; the numbers are the float64 reference's either way."""
-    import mha_multi.torch._backend as facts_module
+    import mha_multi.torch._facts as facts_module
 
     def as_on_cuda(q, num_queries, head_dim, dtype=None):
         return (dtype or q.dtype) == torch.float32 and num_queries > head_dim

@@ -21,8 +21,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from conftest import recording_host_moves
 from mha_multi import spec
 from mha_multi.parity.decode import INPUT_NAMES, chunk_rows, decode, full_reference
-from mha_multi.torch import KVCache, MultiHeadAttention, _cache, set_weights
-from mha_multi.torch import harness as backend
+from mha_multi.parity.harness import torch as backend
+from mha_multi.torch import KVCache, MultiHeadAttention, _cache, _reads, set_weights
 from mha_multi.weights import init_weights
 from tests.backends import test_edges as edges
 
@@ -377,7 +377,7 @@ def test_decoding_steps_read_only_their_new_rows(inference, made_by):
         _, cache = layer(*rows, causal=True, cache=cache)
         token = tensors(*(x[:, 4:5] for x in inputs.values()))
         with (
-            mock.patch.object(_cache, "covering", wraps=_cache.covering) as covering,
+            mock.patch.object(_reads, "covering", wraps=_reads.covering) as covering,
             mock.patch.object(_cache, "poison_of", wraps=_cache.poison_of) as poison,
         ):
             output, cache = layer(*token, causal=True, cache=cache)

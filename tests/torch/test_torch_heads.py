@@ -15,9 +15,9 @@ import torch
 from conftest import gpu_required
 from mha_multi import spec
 from mha_multi.parity.cases import HEAD_MASK_CASES, INPUT_NAMES, build_case
+from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import MultiHeadAttention, head_importance, set_weights
-from mha_multi.torch import harness as backend
-from mha_multi.torch._backend import SDPA
+from mha_multi.torch._kernel import SDPA
 from mha_multi.weights import init_weights
 
 FLOAT32_ATOL, FLOAT32_GRAD_ATOL, SIXTEEN_BIT_ATOL = 5e-6, 5e-5, 2e-2

@@ -11,7 +11,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from mha_multi.keras import _backend
+from mha_multi.keras import _facts
 from mha_multi.weights import check_weights
 
 __all__ = ["from_keras_d2l", "to_keras_d2l"]
@@ -39,9 +39,9 @@ def from_keras_d2l(layer: Any) -> dict[str, np.ndarray]:
             kernel, bias = projection, getattr(layer, f"b_{name[-1]}", None)
         else:  # a Dense layer
             kernel, bias = projection.kernel, projection.bias
-        weights[name] = _backend.host_array(kernel)
+        weights[name] = _facts.host_array(kernel)
         if bias is not None:
-            weights[f"b_{name[-1]}"] = _backend.host_array(bias)
+            weights[f"b_{name[-1]}"] = _facts.host_array(bias)
     return check_weights(weights)[0]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_multi.keras import _backend
+from mha_multi.keras import _facts
 
 
 def _kernels_of_state(
@@ -49,7 +49,7 @@ def _projection_state(projections: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """``<name>/kernel`` and, where there is one, ``<name>/bias`` of each projection, as numpy."""
     state = {}
     for name, dense in projections.items():
-        state[f"{name}/kernel"] = _backend.host_array(dense.kernel)
+        state[f"{name}/kernel"] = _facts.host_array(dense.kernel)
         if dense.bias is not None:
-            state[f"{name}/bias"] = _backend.host_array(dense.bias)
+            state[f"{name}/bias"] = _facts.host_array(dense.bias)
     return state

@@ -1,9 +1,10 @@
 """Backend runners: one small class per framework, found lazily by name.
 
-A runner turns numpy inputs into a backend's arrays, drives its layer and
+A runner turns numpy inputs into a backend's arrays, drives its layer
+through the framework's harness (:mod:`mha_multi.parity.harness`) and
 returns float64 numpy results. The parity command and the test-suite use the
-same runners, so a new backend plugs in by adding one module here and one
-line to :data:`RUNNERS`.
+same runners, so a new backend plugs in by adding its harness, one module
+here and one line to :data:`RUNNERS`.
 """
 
 from __future__ import annotations
@@ -12,22 +13,20 @@ import abc
 import contextlib
 import importlib
 from collections.abc import Callable, Mapping, Sequence
-from types import ModuleType
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 
 from mha_multi import spec
 from mha_multi.parity.cases import Case
 from mha_multi.parity.decode import Chunk, decode
+from mha_multi.parity.harness import KernelCall
 
 __all__ = [
     "DEVICES",
     "DTYPES",
     "RUNNERS",
-    "KernelCall",
     "Runner",
-    "facts_passthrough",
     "get_runner",
     "runner_names",
 ]
@@ -48,44 +47,6 @@ DEVICES = ("cpu", "gpu")
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
-class KernelCall(NamedTuple):
-    """What one call of a backend's fused kernel was given."""
-
-    mask: bool
-    """Whether a boolean mask was passed."""
-    is_causal: bool
-    """The kernel's own causal flag."""
-    key_lengths: np.ndarray | None = None
-    """Per-example key lengths, where the kernel takes them."""
-    dropout: float = 0.0
-    """The kernel's dropout rate."""
-
-
-def facts_passthrough(harness: str, facts: ModuleType) -> Callable[[str], Any]:
-    """A harness module's ``__getattr__`` (PEP 562) that answers with its framework's facts.
-
-    A harness (``mha_multi.<framework>.harness``) drives layers; its callers
-    (runners, benchmarks, tests) also convert arrays, pick devices and sync,
-    which the framework's facts module does. With this as its
-    ``__getattr__``, ``harness.to_numpy`` and the other public names of the
-    facts module are read through the harness, which lists only its own.
-
-    Args:
-        harness: the harness module's ``__name__``, for the error message.
-        facts: the framework's facts module (``mha_multi.<framework>._backend``).
-
-    Returns:
-        The ``__getattr__`` to bind in the harness module.
-    """
-
-    def facts_name(name: str) -> Any:
-        if name in facts.__all__:
-            return getattr(facts, name)
-        raise AttributeError(f"module {harness!r} has no attribute {name!r}")
-
-    return facts_name
-
-
 def runner_names() -> list[str]:
     return list(RUNNERS)
 
@@ -102,7 +63,7 @@ def get_runner(name: str) -> Runner:
 class Runner(abc.ABC):
     """Drives one backend's layer from numpy.
 
-    A runner names the framework's harness (:attr:`backend`: layer
+    A runner names the framework's harness (:attr:`harness`: layer
     construction, one forward call and one vector-Jacobian product, and
     through it the facts module's conversions and devices) and hands it
     every framework call; a runner overrides only what differs (JAX's Linen
@@ -116,6 +77,10 @@ class Runner(abc.ABC):
     distributions: ClassVar[tuple[str, ...]]
     #: The backend package with module-level ``set_weights``/``get_weights``.
     package: ClassVar[str]
+    #: What drives the framework's layer, by import path
+    #: (:mod:`mha_multi.parity.harness`): imported when a runner is made, so
+    #: that listing the runners imports no framework.
+    harness: ClassVar[str]
     #: The fused kernel a default call may plan for (docs: "Fast paths");
     #: ``None`` where the default call always takes the generic path.
     fused_kernel: ClassVar[spec.FusedKernel | None] = None
@@ -127,14 +92,8 @@ class Runner(abc.ABC):
     passes_options: ClassVar[bool] = False
 
     def __init__(self) -> None:
-        self.facts = importlib.import_module(self.backend)
+        self.facts = importlib.import_module(self.harness)
         self.facts.exact_float32()
-
-    @property
-    def backend(self) -> str:
-        """What drives the framework's layer, by import path: the package's
-        ``harness``; the framework glue below hands its calls to it."""
-        return f"{self.package}.harness"
 
     # -- what the backend can do ------------------------------------------
 

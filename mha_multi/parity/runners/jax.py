@@ -1,5 +1,5 @@
 """Parity runners for :mod:`mha_multi.jax` (Flax NNX) and :mod:`mha_multi.jax.linen`;
-they drive the layers through :mod:`mha_multi.jax.harness`.
+they drive the layers through :mod:`mha_multi.parity.harness.jax`.
 
 The default call takes the generic path on a CPU (docs: "Fast paths"), so
 ``fused_kernel`` is ``None``; the fused path runs where a layer asks for
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_multi.jax.harness import LinenLayer
+from mha_multi.parity.harness.jax import LinenLayer
 from mha_multi.parity.runners import Runner
 
 
@@ -21,6 +21,7 @@ class JaxNNXRunner(Runner):
     name = "jax-nnx"
     distributions = ("jax", "jaxlib", "flax")
     package = "mha_multi.jax"
+    harness = "mha_multi.parity.harness.jax"
     fused_kernel = None
     reads_shortest_length = False
 

@@ -1,7 +1,7 @@
 """Parity runners for :mod:`mha_multi.keras`, one per Keras backend.
 
-They drive the layer through :mod:`mha_multi.keras.harness`; Keras' facts,
-those of each backend included, are in its ``_backend``.
+They drive the layer through :mod:`mha_multi.parity.harness.keras`; Keras' facts,
+those of each backend included, are in its ``_facts``.
 Keras picks its backend once per process from ``KERAS_BACKEND``; each nox
 environment sets it. A runner whose backend is not the active one raises
 ``ImportError`` when created, so it counts as unavailable in the wrong
@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import keras
 
 from mha_multi import spec
-from mha_multi.keras import _backend
+from mha_multi.keras import _facts
 from mha_multi.keras._kernel import DOT_PRODUCT_ATTENTION, FUSED_BACKENDS
 from mha_multi.parity.runners import Runner
 
@@ -31,17 +31,18 @@ class KerasRunner(Runner):
     """The layer on the active Keras backend."""
 
     package = "mha_multi.keras"
+    harness = "mha_multi.parity.harness.keras"
     #: ``keras.backend.backend()`` this runner needs.
     keras_backend: ClassVar[str]
 
     def __init__(self) -> None:
-        if self.keras_backend != _backend.BACKEND:
+        if self.keras_backend != _facts.BACKEND:
             raise ImportError(
                 f"{self.name} needs KERAS_BACKEND={self.keras_backend}; "
-                f"this process runs Keras on {_backend.BACKEND!r}"
+                f"this process runs Keras on {_facts.BACKEND!r}"
             )
         super().__init__()
-        _backend.enable_float64()
+        _facts.enable_float64()
 
     def inner_product(self, a: Any, b: Any) -> Any:
         # A TensorFlow tensor has no ``.sum()``; keras.ops serves every backend.

@@ -1,5 +1,5 @@
 """Parity runners for :mod:`mha_multi.mxnet`: imperative (``mxnet``) and hybridized
-(``mxnet-hybrid``); what drives the layer is in :mod:`mha_multi.mxnet.harness`.
+(``mxnet-hybrid``); what drives the layer is in :mod:`mha_multi.parity.harness.mxnet`.
 
 MXNet 1.9's numpy interface has no bfloat16, so :meth:`MXNetRunner.dtype_supported`
 declines it and those parity tests show as skips. float16 runs on the CPU too: the
@@ -22,6 +22,7 @@ class MXNetRunner(Runner):
     name = "mxnet"
     distributions = ("mxnet", "mxnet-cu112", "mxnet-cu110")
     package = "mha_multi.mxnet"
+    harness = "mha_multi.parity.harness.mxnet"
     fused_kernel = SEQUENCE_MASK
     # The plan is made from shapes and flags only: a hybridized graph is
     # built per configuration, not per length.

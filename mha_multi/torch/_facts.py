@@ -1,21 +1,20 @@
-"""PyTorch's facts, once: dtypes, devices, precision settings, conversions, checks, the kernel.
+"""PyTorch's facts, once: dtypes, devices, precision settings, conversions, checks, reads.
 
 What the layer needs of PyTorch sits here, below it (docs: "Architecture"):
 how a device name maps to a ``torch.device``, which process-wide settings
 give exact float32 products, how tensors leave for numpy, and
 :class:`TorchFacts`, what the call flow of :mod:`mha_multi.call` asks of
-PyTorch: how inputs, lengths, caches and gates are checked, what can be read
-on the host, and the fused kernel (``scaled_dot_product_attention``). What
-a cache written in place carries from call to call is in
-:mod:`mha_multi.torch._cache`. This module imports no layer; what builds
-and drives layers is in :mod:`mha_multi.torch.harness`.
+PyTorch: how inputs, lengths, caches and gates are checked, and what can be
+read on the host before the plan. The fused kernel
+(``scaled_dot_product_attention``) is :mod:`mha_multi.torch._kernel`; a
+cache's writes in place :mod:`mha_multi.torch._cache_writes`, and what they
+carry from call to call :mod:`mha_multi.torch._cache`. This module imports
+no layer; the parity harness builds and drives layers (docs: "Architecture").
 """
 
 from __future__ import annotations
 
 import math
-import re
-import threading
 from typing import Any
 
 import numpy as np
@@ -23,34 +22,17 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.spec import memo
-from mha_multi.torch._cache import (
-    CacheCheck,
-    Written,
-    extremes,
-    finite_sum,
-    from_host,
-    larger,
-    magnitude_of,
-    read_together,
-    versioned,
-    writes_in_place,
-)
-from mha_multi.torch._guard import BIAS_LIMIT, GuardedKernel
-from mha_multi.torch._ops import (
-    SIXTEEN_BIT,
-    TorchOps,
-    accumulates_in_float32,
-    autocast_off,
-    dtype_kind,
-    ops_on,
-    repeats_grouped_heads,
-)
+from mha_multi.torch._cache import CacheCheck, writes_in_place
+from mha_multi.torch._cache_writes import CacheWrites
+from mha_multi.torch._guard import GuardedKernel
+from mha_multi.torch._kernel import BIAS_LIMIT, SDPA, fused_attention
+from mha_multi.torch._ops import TorchOps, dtype_kind, ops_on, repeats_grouped_heads
 from mha_multi.torch._plain import PlainRoute
+from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 
 __all__ = [
     "DTYPES",
     "FACTS",
-    "SDPA",
     "TorchFacts",
     "device",
     "device_description",
@@ -58,10 +40,18 @@ __all__ = [
     "gpu_available",
     "host_array",
     "lens_to_native",
+    "repeats_grouped_heads",
     "sync",
     "to_native",
     "to_numpy",
+    "writes_in_place",
 ]
+
+# ``repeats_grouped_heads`` and ``writes_in_place`` are PyTorch's own rules for
+# grouped heads in SDPA and for writing a cache in place, which Keras on
+# PyTorch follows too: it reaches PyTorch through this module (and the
+# finiteness reads, mha_multi.torch._reads) rather than the package's other
+# private modules (docs: "Fast paths", "Generating with a cache").
 
 #: dtype name -> torch dtype.
 DTYPES: dict[str, torch.dtype] = {
@@ -168,18 +158,6 @@ def lens_to_native(valid_lens: Any, device: str = "cpu") -> Any:
 
 # -- the call's facts ----------------------------------------------------------------
 
-#: PyTorch's fused kernel: it applies dropout itself and adds ``-inf`` where
-#: keys are hidden, so it runs only on values read as finite. Its
-#: ``enable_gqa`` (PyTorch 2.5 and later) takes grouped key/value heads; a
-#: float ``attn_mask`` is an additive bias.
-SDPA = spec.FusedKernel(
-    "scaled_dot_product_attention",
-    takes_dropout=True,
-    takes_bias=True,
-    takes_grouped_heads=tuple(int(n) for n in re.findall(r"\d+", str(torch.__version__))[:2])
-    >= (2, 5),
-)
-
 
 def _tensor_beside(name: str, x: Any, like: torch.Tensor, shape: str) -> torch.Tensor:
     """``x``, a tensor of any dtype, on ``like``'s device; ``shape`` words the TypeError."""
@@ -190,13 +168,20 @@ def _tensor_beside(name: str, x: Any, like: torch.Tensor, shape: str) -> torch.T
     return x.to(like.device)
 
 
-class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
-    """What a call of the PyTorch layer asks of PyTorch (:class:`mha_multi.call.Facts`);
-    plain self-attention's fast route is :class:`~mha_multi.torch._plain.PlainRoute`'s."""
+class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
+    """What a call of the PyTorch layer asks of PyTorch (:class:`mha_multi.call.Facts`).
+
+    Plain self-attention's fast route is
+    :class:`~mha_multi.torch._plain.PlainRoute`'s, a cache's writes in place
+    :class:`~mha_multi.torch._cache_writes.CacheWrites`', the compiled
+    graph's guard :class:`~mha_multi.torch._guard.GuardedKernel`'s, and the
+    kernel's call :func:`mha_multi.torch._kernel.fused_attention`.
+    """
 
     kernel = SDPA
     passes_options = True
     attends_filled = True
+    fused_attention = staticmethod(fused_attention)
 
     def kernel_takes_grouped(self, q: torch.Tensor, num_queries: Any, head_dim: int) -> bool:
         return not repeats_grouped_heads(q, num_queries, head_dim)
@@ -212,9 +197,7 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         return 1 if keys.device.type == "cpu" else spec.SPAN_BUCKET
 
     def __init__(self) -> None:
-        # The check of the cache a call wrote in place, from write_cache to
-        # plan_values of the same call (one per thread).
-        self._written = threading.local()
+        CacheWrites.__init__(self)
         PlainRoute.__init__(self)
 
     def ops(self, like: torch.Tensor) -> Any:
@@ -321,131 +304,6 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
             read = call.read_all(rest, host_array)
         return [read_ if held is None else held for read_, held in zip(read, known, strict=True)]
 
-    def write_cache(
-        self,
-        ops: Any,
-        cache: spec.KVCache,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        valid_lens: torch.Tensor | None,
-        *,
-        head_dim: int,
-        causal: bool,
-        fill: spec.CacheFill | None,
-    ) -> tuple[spec.KVCache, torch.Tensor]:
-        """The new rows written into the cache's own tensors where no gradient needs the old ones.
-
-        An eager call whose lengths were read (``fill``) and that records no
-        gradient through the cache writes each example's rows at its own
-        positions in place: the returned cache shares ``keys`` and
-        ``values`` with the given one (docs: "Generating with a cache").
-        Anything else (``torch.compile``, a cache or projections that
-        require gradients, an inference tensor outside inference mode) gets
-        the spec's functional update.
-        """
-        in_place = (
-            fill is not None
-            and k is not None
-            and not torch.compiler.is_compiling()
-            and writes_in_place(k, v, cache.keys, cache.values)
-        )
-        if not in_place or k.shape[1] == 0:
-            return super().write_cache(
-                ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal, fill=fill
-            )
-        # (The driver has checked the cache's dtypes against the projections'.)
-        num_new = k.shape[1]
-        first = fill.uniform_start(num_new)
-        if first is None:
-            # Each example's rows at its own positions, one index for both arrays.
-            examples, steps = np.nonzero(np.arange(num_new)[None, :] < fill.new[:, None])
-            index = [
-                from_host(i, k.device, None)
-                for i in (examples, steps, fill.lengths[examples] + steps)
-            ]
-        # Before writing: the versions the lengths' check was made for.
-        prior = CacheCheck.of(cache)
-        poison, upto = (None, 0) if prior is None else (prior.settled(), prior.upto)
-        if first == upto:
-            upto = first + num_new  # every example's next rows, checked as written
-        for held, x in ((cache.keys, k), (cache.values, v)):
-            rows = x.unflatten(-1, (held.shape[1], head_dim))  # (B, T, H_kv, dh)
-            if first is not None:
-                held.narrow(2, first, num_new).copy_(rows.transpose(1, 2))
-            elif index[0].numel():
-                # Advanced indices around a slice put the rows' axis first: (N, H_kv, dh).
-                held[index[0], :, index[2]] = rows[index[0], index[1]]
-        # The lengths are on the host already: the new ones are computed there.
-        held = fill.held
-        seen = fill.visibility(num_new, causal=causal)
-        if first is None or cache.lengths.device.type == "cpu":
-            with versioned():
-                lengths = from_host(held, cache.lengths.device, cache.lengths.dtype)
-            visible = from_host(seen, k.device, None)
-        else:
-            # Every example appends its rows at one position: the device
-            # computes the same numbers from its own lengths, and no copy
-            # from the host (which waits for the device) is made.
-            new = spec.appended(ops, cache.lengths, None, num_new)
-            with versioned():
-                lengths = cache.lengths + new
-            # The host's shape: (B, T) only where causal and T > 1.
-            visible = spec.cached_visibility(
-                ops, cache.lengths, new, num_new, causal=seen.ndim == 2
-            )
-        updated = spec.KVCache(cache.keys, cache.values, lengths)
-        # Padding rows are checked too: at worst the generic path.
-        check = CacheCheck.attach(updated, poison, upto, held, pending=(k, v))
-        if check is not None:
-            # (Rows are written from each example's length on, where it appends any.)
-            below = int(fill.lengths[fill.new > 0].min(initial=cache.keys.shape[2]))
-            check.written_past(prior, below, int(held.max(initial=0)))
-        # What the queries see: the lengths held, or causal (B, T) at least as many.
-        shortest = fill.least if seen.ndim == 1 else int(seen.min()) if seen.size else None
-        self._written.call = Written(check, visible, shortest)
-        return updated, visible
-
-    def empty_cache(self, cache: spec.KVCache) -> spec.KVCache:
-        """``cache``, all of whose ``lengths`` are 0, carrying that on the host.
-
-        Its first call then reads no lengths back from the device. (Inference
-        tensors keep no version counter to trust it by: they carry nothing.)
-        """
-        check = CacheCheck.attach(
-            cache, None, 0, np.zeros(cache.lengths.shape, np.int64), pending=None
-        )
-        if check is not None:
-            check.finite_from = 0  # (zeros)
-            check.key_upto = cache.keys.shape[2]  # (zeros: key_max 0)
-        return cache
-
-    def cache_prefix(
-        self, keys: torch.Tensor, values: torch.Tensor, span: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        prefix = keys.narrow(2, 0, span), values.narrow(2, 0, span)
-        written = self._written_into(keys, values)
-        if written is not None:
-            written.attended = prefix  # what the plan may take the check for
-        return prefix
-
-    def finite_past(self, keys: torch.Tensor, values: torch.Tensor, span: int) -> bool:
-        """Known where the check of the cache this call wrote in place knows it
-        (:attr:`CacheCheck.finite_from`); otherwise read on the host, one sum (and
-        then known to the calls after), and not known on a GPU, where the read
-        would wait for the device."""
-        written = self._written_into(keys, values)
-        check = None if written is None else written.check
-        if check is not None and check.finite_from is not None and check.finite_from <= span:
-            return True
-        if torch.compiler.is_compiling() or not self.on_host(values):
-            return False
-        rest = values.detach().narrow(2, span, values.shape[2] - span)
-        if not math.isfinite(rest.sum(dtype=torch.float32).item()):
-            return False
-        if check is not None:
-            check.finite_from = span
-        return True
-
     def on_host(self, q: torch.Tensor) -> bool:
         return q.is_cpu
 
@@ -547,109 +405,6 @@ class TorchFacts(GuardedKernel, PlainRoute, call.Facts):
         if valid_lens is None:
             return finite, None
         return finite, read[-1] if shortest is None else shortest
-
-    def _written_into(self, keys: torch.Tensor, values: torch.Tensor) -> Written | None:
-        """What :meth:`write_cache` of this call knew, where it wrote into ``keys`` and
-        ``values`` in place and its check still describes them."""
-        written = getattr(self._written, "call", None)
-        if written is None or written.check is None:
-            return None
-        return written if written.check.holds(keys, values) else None
-
-    def _take_written(
-        self, k: torch.Tensor, v: torch.Tensor, valid_lens: torch.Tensor | None
-    ) -> Written | None:
-        """What :meth:`write_cache` of this call knew, where ``k``, ``v`` are that cache.
-
-        ``k`` and ``v`` must be the cache's arrays, or the leading positions
-        :meth:`cache_prefix` gave this call; ``valid_lens`` the visibility
-        the write returned.
-        """
-        written = getattr(self._written, "call", None)
-        self._written.call = None
-        if written is None or valid_lens is not written.visible:
-            return None
-        check = written.check
-        if check is None:
-            return written
-        attended = written.attended or (check.keys(), check.values())
-        return written if k is attended[0] and v is attended[1] else None
-
-    def fused_attention(
-        self,
-        ops: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        valid_lens: torch.Tensor | None,
-        plan: spec.KernelPlan,
-        *,
-        heads: spec.Heads,
-        kv_split: bool,
-        dropout_rate: float,
-        options: spec.ScoreOptions = spec.NO_OPTIONS,
-    ) -> torch.Tensor:
-        """``scaled_dot_product_attention`` with the spec's masking semantics.
-
-        The call's bias and ALiBi reach SDPA as a float ``attn_mask``
-        (:func:`mha_multi.spec.score_bias`), ``-inf`` where the plan's mask
-        hides a key; the window is in the boolean mask.
-
-        Grouped key/value heads reach SDPA as they are, with ``enable_gqa``
-        (query head ``h`` reads key/value head ``h // G``, the spec's rule);
-        a PyTorch whose SDPA has no ``enable_gqa`` gets them repeated, once,
-        on the projected heads (the plan's ``repeat_kv``), and so do float32
-        heads on CUDA, whose kernels with ``enable_gqa`` hold every score
-        (:meth:`kernel_takes_grouped`).
-
-        Args:
-            q: projected queries ``(B, Q, num_heads * head_dim)``.
-            k: projected keys ``(B, K, num_kv_heads * head_dim)``, or with
-                ``kv_split`` ``(B, num_kv_heads, K, head_dim)``, SDPA's own
-                layout (a cache's).
-            v: projected values, as ``k``.
-            plan: what :func:`mha_multi.call.plan` decided the kernel is given.
-
-        Returns:
-            The concatenated heads ``(B, Q, num_heads * head_dim)``.
-        """
-        num_queries, num_keys = q.shape[1], k.shape[-2]
-        dtype = v.dtype
-        if dtype in SIXTEEN_BIT and not accumulates_in_float32(q.device):
-            # CPU kernels may sum 16-bit products in 16 bits: float32 copies,
-            # one rounding at the end.
-            q, k, v = q.float(), k.float(), v.float()
-        # (B, T, H*dh) -> (B, H, T, dh): the spec's head layout, unflattened.
-        q = q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2)
-        if not kv_split:
-            k, v = (
-                x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)).transpose(1, 2)
-                for x in (k, v)
-            )
-        if plan.repeat_kv:
-            k, v = (x.repeat_interleave(heads.group_size, dim=1) for x in (k, v))
-        grouped = heads.grouped and not plan.repeat_kv
-        mask = plan.mask(ops, num_queries, num_keys, valid_lens, options)
-        if plan.bias:
-            bias = spec.score_bias(ops, options, num_queries, num_keys, q)
-            mask = bias if mask is None else torch.where(mask, bias, float("-inf"))
-        with autocast_off(q.device):
-            output = torch.nn.functional.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=dropout_rate,
-                is_causal=plan.is_causal,
-                # Passed only where needed: PyTorch before 2.5 has no such argument.
-                **({"enable_gqa": True} if grouped else {}),
-            )
-        visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens, options)
-        output = spec.fix_fully_hidden_rows(
-            ops, output, v, visible, heads_axis=1, group_size=heads.group_size if grouped else 1
-        )
-        output = output.transpose(1, 2).flatten(2)
-        return output if output.dtype == dtype else output.to(dtype)
 
 
 #: The facts every PyTorch layer's call is driven with.

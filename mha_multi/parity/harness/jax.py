@@ -4,8 +4,9 @@ The parity runners, the benchmark and the tests reach JAX through this
 module (docs: "Architecture"). :func:`make_layer` builds the NNX layer and
 :func:`linen_layer` the Linen one; :func:`forward` and :func:`vjp` take
 either. It sits above the layers: it imports them and
-:mod:`mha_multi.jax._backend` (JAX's facts, whose public names are read
-through this module too: ``harness.to_numpy``), and nothing below imports it.
+:mod:`mha_multi.jax._facts` (JAX's facts, whose public names are read
+through this module too: ``harness.to_numpy``), and nothing in
+:mod:`mha_multi.jax` imports it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from flax import nnx
 from mha_multi import spec
 from mha_multi.call import INPUT_NAMES
 from mha_multi.interop.jax import to_flax_nnx
-from mha_multi.jax import _backend, _kernel, linen
-from mha_multi.jax._backend import DTYPES
+from mha_multi.jax import _facts, _kernel, linen
+from mha_multi.jax._facts import DTYPES
 from mha_multi.jax.layer import MultiHeadAttention
-from mha_multi.parity.runners import KernelCall, facts_passthrough
+from mha_multi.parity.harness import KernelCall, facts_passthrough
 from mha_multi.weights import KERNEL_NAMES
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
     "vjp",
 ]
 
-__getattr__ = facts_passthrough(__name__, _backend)
+__getattr__ = facts_passthrough(__name__, _facts)
 
 
 # -- layers: construction, one call, one vector-Jacobian product ----------------
@@ -62,7 +63,7 @@ def make_layer(
     ``implementation``...). It starts in NNX's default mode, training;
     :func:`forward` sets the mode of each call.
     """
-    with jax.default_device(_backend.device(device)):
+    with jax.default_device(_facts.device(device)):
         return MultiHeadAttention(
             num_hiddens, num_heads, param_dtype=DTYPES[dtype], rngs=nnx.Rngs(0), **kwargs
         )
@@ -113,7 +114,7 @@ def linen_layer(
     otherwise they stay ``None`` until weights are set.
     """
     module = linen.MultiHeadAttention(num_hiddens, num_heads, param_dtype=DTYPES[dtype], **kwargs)
-    layer = LinenLayer(module, None, _backend.device(device), jax.random.key(0))
+    layer = LinenLayer(module, None, _facts.device(device), jax.random.key(0))
     sizes = (module.query_size, module.key_size, module.value_size)
     if all(size is not None for size in sizes):
         shapes = [jnp.zeros((1, 1, size), DTYPES[dtype]) for size in sizes]
@@ -261,7 +262,7 @@ def native_layer(
     further constructor arguments (see
     :func:`mha_multi.interop.jax.to_flax_nnx`).
     """
-    with jax.default_device(_backend.device(device)):
+    with jax.default_device(_facts.device(device)):
         layer = to_flax_nnx(weights, num_heads, param_dtype=DTYPES[dtype], **kwargs)
     layer.eval()
     return layer

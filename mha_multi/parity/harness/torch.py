@@ -2,9 +2,9 @@
 
 The parity runner, the benchmark and the tests reach PyTorch through this
 module (docs: "Architecture"). It sits above the layer: it imports the layer
-and :mod:`mha_multi.torch._backend` (PyTorch's facts, whose public names are
-read through this module too: ``harness.to_numpy``), and nothing below
-imports it.
+and :mod:`mha_multi.torch._facts` (PyTorch's facts, whose public names are
+read through this module too: ``harness.to_numpy``), and nothing in
+:mod:`mha_multi.torch` imports it.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch
 
 from mha_multi import _docs
 from mha_multi.interop.torch import to_torch_mha
-from mha_multi.parity.runners import KernelCall, facts_passthrough
+from mha_multi.parity.harness import KernelCall, facts_passthrough
 from mha_multi.spec import SPAN_BUCKET, KVCache
-from mha_multi.torch import _backend
-from mha_multi.torch._backend import DTYPES
+from mha_multi.torch import _facts
+from mha_multi.torch._facts import DTYPES
 from mha_multi.torch.importance import head_mask_gradient
 from mha_multi.torch.layer import MultiHeadAttention
 from mha_multi.weights import KERNEL_NAMES
@@ -38,7 +38,7 @@ __all__ = [
     "vjp",
 ]
 
-__getattr__ = facts_passthrough(__name__, _backend)
+__getattr__ = facts_passthrough(__name__, _facts)
 
 INPUT_NAMES = ("queries", "keys", "values")
 #: ``scaled_dot_product_attention``'s leading positional parameters.
@@ -71,7 +71,7 @@ def make_layer(
         num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        device=_backend.device(device),
+        device=_facts.device(device),
         dtype=DTYPES[dtype],
         **kwargs,
     )
@@ -161,7 +161,7 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
     """Records every call of ``scaled_dot_product_attention`` while active.
 
     Yields:
-        A list that gets one :class:`~mha_multi.parity.runners.KernelCall`
+        A list that gets one :class:`~mha_multi.parity.harness.KernelCall`
         per call: whether a mask was passed, the kernel's causal flag and
         its dropout rate.
     """
@@ -198,7 +198,7 @@ def as_if_on_a_gpu() -> Iterator[None]:
     of what waits for a GPU, and the host time of a GPU's decoding step,
     measured on the CPU).
     """
-    facts = _backend.FACTS
+    facts = _facts.FACTS
     with (
         mock.patch.object(facts, "on_host", lambda q: False),
         mock.patch.object(facts, "span_bucket_of", lambda keys: SPAN_BUCKET),
@@ -225,4 +225,4 @@ def native_layer(
         dtype: a key of :data:`DTYPES`.
     """
     module = to_torch_mha(weights, num_heads, batch_first=True)
-    return module.to(device=_backend.device(device), dtype=DTYPES[dtype]).eval()
+    return module.to(device=_facts.device(device), dtype=DTYPES[dtype]).eval()

@@ -5,8 +5,8 @@ how a device name maps to a context, which setting gives exact float32
 products, how arrays leave for numpy, and :class:`MXNetFacts`, what the call
 flow of :mod:`mha_multi.call` asks of MXNet: how inputs, lengths, caches
 and gates are checked, what can be read on the host, and the fused route
-(:mod:`mha_multi.mxnet._kernel`). This module imports no layer; what builds
-and drives layers is in :mod:`mha_multi.mxnet.harness`.
+(:mod:`mha_multi.mxnet._kernel`). This module imports no layer; the parity
+harness builds and drives layers (docs: "Architecture").
 
 MXNet 1.9's numpy interface has no bfloat16, so :data:`DTYPES` has none.
 

@@ -6,12 +6,12 @@ float32 products, whether values can be read now, conversions to and from
 numpy (bfloat16 included), and :class:`KerasFacts`, what the call flow of
 :mod:`mha_multi.call` asks of Keras: how inputs, lengths, caches and gates
 are checked, what can be read on the host, and the fused kernel
-(:mod:`mha_multi.keras._kernel`). This module imports no layer; what builds
-and drives layers is in :mod:`mha_multi.keras.harness`.
+(:mod:`mha_multi.keras._kernel`). This module imports no layer; the parity
+harness builds and drives layers (docs: "Architecture").
 
 Keras fixes its backend per process (``KERAS_BACKEND``); what differs
 between TensorFlow, JAX and PyTorch underneath is one class each in
-:mod:`mha_multi.keras._backends`, of which only the active backend's is
+:mod:`mha_multi.keras._frameworks`, of which only the active backend's is
 created, so only that framework is ever imported.
 """
 
@@ -27,7 +27,7 @@ import keras
 import numpy as np
 
 from mha_multi import call, spec
-from mha_multi.keras._backends import (
+from mha_multi.keras._frameworks import (
     BACKEND,
     active,
     all_finite,
@@ -414,7 +414,7 @@ class KerasFacts(call.Facts):
         """1 where the backend's eager kernels take any length at no cost (PyTorch's
         CPU); the spec's bucket on TensorFlow, which keeps memory for each new shape,
         on JAX, whose eager operations compile for each new shape, and on PyTorch's
-        GPU (as :class:`mha_multi.torch._backend.TorchFacts`)."""
+        GPU (as :class:`mha_multi.torch._facts.TorchFacts`)."""
         return active().span_bucket(keys)
 
     def plan_values(

@@ -1,11 +1,13 @@
-"""What differs between Keras' backends: one class each, and the process's devices.
+"""What differs between the frameworks under Keras: one class each, and the process's devices.
 
-The layer's facts (:mod:`mha_multi.keras._backend`) ask the active
-backend's class here for devices, GPU detection, the settings for exact
-float32 products, whether values can be read now, and how a cache's rows
-are written (a new array, or in place on PyTorch without gradients). Only
-the active backend's class is created, so only that framework is ever
-imported.
+Keras calls TensorFlow, JAX and PyTorch its backends; each has a class here
+(:func:`active` makes the process's). The layer's facts
+(:mod:`mha_multi.keras._facts`) ask it for devices, GPU detection, the
+settings for exact float32 products, whether values can be read now, and
+how a cache's rows are written (a new array, or in place on PyTorch without
+gradients); the ops adapter (:mod:`mha_multi.keras._ops`) for the fastest
+way to a reshape, a transpose or a product. Only the active backend's class
+is created, so only that framework is ever imported.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ Tensor = Any
 # -- what differs per Keras backend --------------------------------------------------
 
 
-class _Backend:
-    """What one Keras backend does its own way."""
+class _Framework:
+    """What the framework under one Keras backend does its own way."""
 
     def gpu_available(self) -> bool:
         raise NotImplementedError
@@ -62,7 +64,7 @@ class _Backend:
     def values_within(self, q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
         """A boolean scalar: every element of ``q``, ``k``, ``v`` finite, and
         ``max|q| * max|k| < bound`` (what the fused kernel needs; see
-        :func:`mha_multi.keras._backend.values_exact`)."""
+        :func:`mha_multi.keras._facts.values_exact`)."""
         ops = keras.ops
         finite = [ops.all(ops.isfinite(x)) for x in (q, k, v)]
         largest_q, largest_k = (
@@ -143,7 +145,7 @@ class _Backend:
         return True
 
 
-class _TensorFlow(_Backend):
+class _TensorFlow(_Framework):
     """Keras on TensorFlow: ``tf.GradientTape``."""
 
     def __init__(self) -> None:
@@ -209,7 +211,7 @@ class _TensorFlow(_Backend):
         return tape.gradient(y, x)
 
 
-class _Jax(_Backend):
+class _Jax(_Framework):
     """Keras on JAX: ``jax.grad``.
 
     The facts of plain JAX are written again here rather than taken from
@@ -252,21 +254,23 @@ class _Jax(_Backend):
         self.jax.block_until_ready(value)
 
 
-class _Torch(_Backend):
+class _Torch(_Framework):
     """Keras on PyTorch: ``torch.autograd.grad``.
 
-    Devices and precision are plain PyTorch's (:mod:`mha_multi.torch._backend`).
+    Devices, precision and PyTorch's own rules for a cache written in place
+    and for grouped heads are plain PyTorch's facts
+    (:mod:`mha_multi.torch._facts`), the finiteness reads its reads
+    (:mod:`mha_multi.torch._reads`): nothing else of :mod:`mha_multi.torch`.
     """
 
     def __init__(self) -> None:
         import torch
 
-        from mha_multi.torch import _backend as torch_backend
-        from mha_multi.torch._cache import finite_sum, largest_magnitude
+        from mha_multi.torch import _facts, _reads
 
         self.torch = torch
-        self.plain = torch_backend
-        self.finite_sum, self.largest_magnitude = finite_sum, largest_magnitude
+        self.plain = _facts
+        self.finite_sum, self.largest_magnitude = _reads.finite_sum, _reads.largest_magnitude
 
     def gpu_available(self) -> bool:
         return self.plain.gpu_available()
@@ -327,9 +331,7 @@ class _Torch(_Backend):
     def writes_in_place(self, *arrays: Tensor) -> bool:
         """In the calls PyTorch's own layer writes its cache in place
         (:func:`mha_multi.torch._cache.writes_in_place`)."""
-        from mha_multi.torch._cache import writes_in_place
-
-        return writes_in_place(*arrays)
+        return self.plain.writes_in_place(*arrays)
 
     def version(self, x: Tensor) -> int | None:
         # Inference tensors keep no version counter.
@@ -338,9 +340,7 @@ class _Torch(_Backend):
     def kernel_takes_grouped(self, q: Tensor, num_queries: Any, head_dim: int) -> bool:
         """PyTorch's own rule for SDPA (:func:`mha_multi.torch._ops.repeats_grouped_heads`),
         in float32, which the kernel runs in (16-bit inputs are cast up)."""
-        from mha_multi.torch._ops import repeats_grouped_heads
-
-        return not repeats_grouped_heads(q, num_queries, head_dim, self.torch.float32)
+        return not self.plain.repeats_grouped_heads(q, num_queries, head_dim, self.torch.float32)
 
     def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
         if not in_place:
@@ -350,7 +350,7 @@ class _Torch(_Backend):
 
 
 @functools.cache
-def active() -> _Backend:
+def active() -> _Framework:
     """The facts of the Keras backend this process runs, made on first use.
 
     Not at import: the documentation imports this module against mocked
@@ -426,31 +426,6 @@ def values_within(q: Tensor, k: Tensor, v: Tensor, bound: float) -> Tensor:
 def all_finite(x: Tensor) -> Tensor:
     """Whether every element of ``x`` is finite, a boolean scalar (a large sum may say not)."""
     return active().all_finite(x)
-
-
-def reshape(x: Tensor, shape: tuple[Any, ...]) -> Tensor:
-    """``x`` reshaped to ``shape``, the backend's fastest way."""
-    return active().reshape(x, shape)
-
-
-def transpose(x: Tensor, axes: tuple[int, ...]) -> Tensor:
-    """``x`` with its axes in the order ``axes``, the backend's fastest way."""
-    return active().transpose(x, axes)
-
-
-def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b``, the backend's fastest way to Keras' own numbers."""
-    return active().matmul(a, b)
-
-
-def row_max(x: Tensor) -> Tensor:
-    """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1."""
-    return active().row_max(x)
-
-
-def where(condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
-    """``x`` where ``condition``, else ``fill`` rounded to ``x``'s dtype."""
-    return active().where(condition, x, fill)
 
 
 def sync(value: Any) -> None:

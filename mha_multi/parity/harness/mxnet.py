@@ -2,9 +2,9 @@
 
 The parity runners, the benchmark and the tests reach MXNet through this
 module (docs: "Architecture"). It sits above the layer: it imports the layer
-and :mod:`mha_multi.mxnet._backend` (MXNet's facts, whose public names are
-read through this module too: ``harness.to_numpy``), and nothing below
-imports it.
+and :mod:`mha_multi.mxnet._facts` (MXNet's facts, whose public names are
+read through this module too: ``harness.to_numpy``), and nothing in
+:mod:`mha_multi.mxnet` imports it.
 
 MXNet has no attention layer of its own (Gluon's core has none), so there is
 no ``native_layer`` here; the benchmark's baseline is d2l's MXNet layer
@@ -17,16 +17,19 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+# First: MXNet's exact-float32 environment is in place before MXNet loads
+# (docs: "Architecture").
+from mha_multi.mxnet import _facts  # isort: split
+
 import mxnet as mx
 from mxnet import autograd
 
 from mha_multi import _docs
 from mha_multi.call import INPUT_NAMES
-from mha_multi.mxnet import _backend
-from mha_multi.mxnet._backend import MXNetFacts
+from mha_multi.mxnet._facts import MXNetFacts
 from mha_multi.mxnet.importance import head_mask_gradient
 from mha_multi.mxnet.layer import MultiHeadAttention
-from mha_multi.parity.runners import KernelCall, facts_passthrough
+from mha_multi.parity.harness import KernelCall, facts_passthrough
 from mha_multi.spec import KVCache
 from mha_multi.weights import KERNEL_NAMES
 
@@ -39,7 +42,7 @@ __all__ = [
     "vjp",
 ]
 
-__getattr__ = facts_passthrough(__name__, _backend)
+__getattr__ = facts_passthrough(__name__, _facts)
 
 
 # -- the layer ---------------------------------------------------------------------
@@ -71,7 +74,7 @@ def make_layer(
     layer = MultiHeadAttention(
         num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, **kwargs
     )
-    layer.initialize(mx.init.Zero(), ctx=_backend.device(device))
+    layer.initialize(mx.init.Zero(), ctx=_facts.device(device))
     if hybridize:
         layer.hybridize()
     return layer
@@ -173,7 +176,7 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
     every call.
 
     Yields:
-        A list that gets one :class:`~mha_multi.parity.runners.KernelCall`
+        A list that gets one :class:`~mha_multi.parity.harness.KernelCall`
         per run: ``mask`` whether it called ``sequence_mask``, no causal flag
         (the rule is in the mask), and the dropout rate it gave
         ``npx.dropout``.

@@ -7,8 +7,8 @@ settings for exact float32 products, conversions to and from numpy
 :mod:`mha_multi.call` asks of JAX: how inputs, lengths, caches and gates are
 checked, what can be read on the host (nothing while traced), the fused
 kernel (:mod:`mha_multi.jax._kernel`) and the generic path piece by piece on
-a CPU. This module imports no layer; what builds and drives layers is in
-:mod:`mha_multi.jax.harness`.
+a CPU. This module imports no layer; the parity harness builds and drives
+layers (docs: "Architecture").
 """
 
 from __future__ import annotations
