@@ -62,8 +62,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-
-
 def compiling() -> bool:
     """Whether ``torch.compile`` is tracing: the spec's memos then compute anew, as its
     tracer warns about every ``functools.lru_cache`` it passes through."""
