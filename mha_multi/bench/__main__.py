@@ -9,8 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mha_multi.bench import BENCHMARKS, driver
-from mha_multi.bench.common import Shape, format_markdown, machine_info
+from mha_multi.bench.common import Shape
+from mha_multi.bench.framework import load
 from mha_multi.bench.generate import GenerationShape, generation_peak_mib
+from mha_multi.bench.memory import peak_memory_mib
+from mha_multi.bench.tables import format_markdown
+from mha_multi.parity.provenance import provenance
 
 #: ``--only`` choice -> the ``driver.run`` lengths argument of those rows;
 #: the generation rows are ``generation=None`` when left out.
@@ -24,6 +28,19 @@ ROWS = {
 }
 
 
+#: Every kind of row ``--only`` takes.
+KINDS = (*ROWS, "generation")
+
+
+def kinds_of_rows(text: str) -> tuple[str, ...]:
+    """``--only``'s comma-separated kinds of row, each checked."""
+    kinds = tuple(kind for kind in text.split(",") if kind)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"expected kinds of row among {', '.join(KINDS)}")
+    return kinds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mha_multi.bench")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -32,8 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
     run.add_argument(
         "--only",
-        choices=sorted({*ROWS, "generation"}),
-        help="only one kind of row (the GEMM rate is always measured)",
+        type=kinds_of_rows,
+        help="comma-separated kinds of row to run, of "
+        + ", ".join(KINDS)
+        + " (default: all; the GEMM rate is always measured)",
     )
     run.add_argument(
         "--devices",
@@ -63,15 +82,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     generation.add_argument("dtype")
     generation.add_argument("shape", type=lambda text: GenerationShape(**json.loads(text)))
     args = parser.parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else argv
 
     if args.command == "generation-memory":
-        framework = driver.load(args.backend)
+        framework = load(args.backend)
         print(generation_peak_mib(framework, args.device, args.dtype, args.shape))
         return 0
 
     if args.command == "memory":
-        framework = driver.load(args.backend)
-        print(driver.peak_memory_mib(framework, args.implementation, args.device, args.shape))
+        framework = load(args.backend)
+        print(peak_memory_mib(framework, args.implementation, args.device, args.shape))
         return 0
 
     if args.command == "run":
@@ -92,15 +112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             if args.only:
                 # Every other kind of row is left out.
-                kwargs |= {name: () for kind, name in ROWS.items() if kind != args.only}
-                kwargs |= {"generation": None} if args.only != "generation" else {}
+                kwargs |= {name: () for kind, name in ROWS.items() if kind not in args.only}
+                kwargs |= {"generation": None} if "generation" not in args.only else {}
             if args.devices:
                 kwargs["devices"] = args.devices.split(",")
             if args.ways:
                 kwargs["generation_ways"] = args.ways.split(",")
-            results = driver.run(driver.load(backend), **kwargs)
-            for result in results:
-                result["machine"] = machine_info()
+            # Where the figures come from, for the report and the results page.
+            made = provenance("python -m mha_multi.bench", arguments)
+            results = [result | made for result in driver.run(load(backend), **kwargs)]
             (out / f"{backend}.json").write_text(json.dumps(results, indent=2))
             print(format_markdown(results), flush=True)
         return 0
