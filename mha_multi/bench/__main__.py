@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mha_multi.bench import BENCHMARKS, driver
+from mha_multi.bench import BENCHMARKS, driver, page
 from mha_multi.bench.common import Shape
 from mha_multi.bench.framework import load
 from mha_multi.bench.generate import GenerationShape, generation_peak_mib
@@ -67,6 +67,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = commands.add_parser("report", help="print and write report.md from results")
     report.add_argument("--results", required=True)
     report.add_argument("--out", required=True)
+    results_page = commands.add_parser(
+        "page", help="write the results page's tables from the result files kept for it"
+    )
+    results_page.add_argument("--results", default="docs/results", help="the result files")
+    results_page.add_argument("--page", default="docs/results.md", help="the page")
+    results_page.add_argument(
+        "--take",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a parity report, a benchmark result file or a folder of them, to keep in"
+        " RESULTS first (repeatable)",
+    )
+    results_page.add_argument(
+        "--check", action="store_true", help="write nothing; fail if a table is out of date"
+    )
     # What ``run`` starts for each peak-memory figure, a process's peak being
     # meaningful only for its first pass.
     memory = commands.add_parser("memory", help="peak memory of one forward pass, in MiB")
@@ -83,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     generation.add_argument("shape", type=lambda text: GenerationShape(**json.loads(text)))
     args = parser.parse_args(argv)
     arguments = sys.argv[1:] if argv is None else argv
+
+    if args.command == "page":
+        return write_page(args.page, args.results, args.take, check=args.check)
 
     if args.command == "generation-memory":
         framework = load(args.backend)
@@ -134,6 +153,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "report.json").write_text(json.dumps(results, indent=2))
     print(markdown)
     print(f"[bench] report written to {out / 'report.md'}")
+    return 0
+
+
+def write_page(path: str, results: str, takes: Sequence[str], *, check: bool) -> int:
+    """``page``: keeps ``takes`` in ``results``, then writes or checks the page's tables."""
+    for written in page.take(takes, results) if takes else ():
+        print(f"[bench] kept {written}")
+    text = Path(path).read_text()
+    generated = page.blocks(page.load(results))
+    outdated = page.stale(text, generated)
+    if check:
+        if outdated:
+            print(
+                f"[bench] {path}: tables {', '.join(outdated)} differ from the files in"
+                f" {results}; `nox -s results` writes them"
+            )
+            return 1
+        print(f"[bench] {path}: every table matches the files in {results}")
+        return 0
+    Path(path).write_text(page.render(text, generated))
+    print(f"[bench] {path}: tables written ({', '.join(outdated) or 'none'} changed)")
     return 0
 
 

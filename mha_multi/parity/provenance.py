@@ -9,11 +9,12 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["command_line", "machine_info", "provenance"]
+__all__ = ["command_line", "describe_machine", "machine_info", "provenance"]
 
 
 def machine_info() -> dict[str, object]:
@@ -32,7 +33,43 @@ def machine_info() -> dict[str, object]:
                     break
     except OSError:
         pass
+    # NVIDIA's driver names its GPUs here, with no framework to ask.
+    models = []
+    for path in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        for line in path.read_text().splitlines():
+            if line.startswith("Model:"):
+                models.append(line.split(":", 1)[1].strip())
+    if models:
+        info["gpus"] = models
+        try:
+            version = Path("/proc/driver/nvidia/version").read_text()
+        except OSError:
+            version = ""
+        found = re.search(r"Kernel Module\s+(\S+)", version)
+        if found:
+            info["gpu_driver"] = found.group(1)
     return info
+
+
+def describe_machine(machine: dict[str, object]) -> str:
+    """A machine as one line: its processor and cores, GPUs and driver, system and Python."""
+    parts = []
+    processor, cores = machine.get("cpu") or machine.get("processor"), machine.get("cpu_count")
+    if processor:
+        parts.append(f"{processor} ({cores} cores)" if cores else str(processor))
+    elif cores:
+        parts.append(f"{cores} CPU cores")
+    gpus = list(machine.get("gpus") or [])
+    for model in sorted(set(gpus)):
+        count = gpus.count(model)
+        parts.append(f"{count} x {model}" if count > 1 else str(model))
+    if machine.get("gpu_driver"):
+        parts.append(f"driver {machine['gpu_driver']}")
+    if machine.get("platform"):
+        parts.append(str(machine["platform"]).split("-")[0])
+    if machine.get("python"):
+        parts.append(f"Python {machine['python']}")
+    return ", ".join(parts) or "an unrecorded machine"
 
 
 def command_line(program: str, arguments: Sequence[str]) -> str:
