@@ -82,10 +82,14 @@ class Results:
     winners: set[Path]
 
 
-def _row_key(result: dict, m: dict) -> str:
-    """What a measurement measures: a newer one of the same key replaces it."""
-    fields = ("implementation", "mode", "device", "dtype", "length", "shape")
-    return json.dumps([result.get("device"), m["backend"], *(m.get(f) for f in fields)])
+def _row_key(m: dict) -> str:
+    """What a measurement measures: a newer one of the same key replaces it.
+
+    The device is its kind (``"cpu"``, ``"gpu"``), not its model: a run on
+    another GPU replaces the GPU's rows.
+    """
+    fields = ("backend", "implementation", "mode", "device", "dtype", "length", "shape")
+    return json.dumps([m.get(f) for f in fields])
 
 
 def load(directory: str | Path) -> Results:
@@ -101,7 +105,7 @@ def load(directory: str | Path) -> Results:
         for result in json.loads(path.read_text()):
             source = Source.of(result)
             for m in result["measurements"]:
-                key = _row_key(result, m)
+                key = _row_key(m)
                 if key not in newest or newest[key][0] <= source.date:
                     newest[key] = (source.date, m, source, path)
     rows = [m for _, m, _, _ in newest.values()]

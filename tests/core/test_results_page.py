@@ -296,6 +296,16 @@ def test_a_transcribed_source_says_so(tmp_path):
         f"Measured 2026-11-27 on Test GPU, driver 1.0: `{BENCH_COMMAND}`. "
         "Transcribed from an earlier page."
     )
+    # A later run on another GPU replaces those rows, and the transcribed file goes.
+    later = [{**row, "tokens_per_s": 3000.0} for row in gpu_rows]
+    run = {**bench_file(later, date="2026-12-01T00:00:00Z")[0], "device": "Other GPU"}
+    made = tmp_path / "torch.json"
+    made.write_text(json.dumps([{**run, "machine": {"gpus": ["Other GPU"]}}]))
+    page.take([made], folder)
+    gpu = page.blocks(page.load(folder))["gpu"]
+    assert "| torch | float32 | 8/2 | 3000 | 3000 | 1.00x | - |" in gpu
+    assert gpu[-1] == f"Measured 2026-12-01 on Other GPU: `{BENCH_COMMAND}`."
+    assert [path.name for path in folder.iterdir()] == ["bench-torch-gpu-20261201T000000Z.json"]
 
 
 def test_the_repository_page_matches_its_files_and_a_tampered_copy_does_not(tmp_path):
