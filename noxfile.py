@@ -24,6 +24,8 @@ nox.options.reuse_existing_virtualenvs = True
 ROOT = Path(__file__).parent
 PARITY_DIR = ROOT / "parity-report"
 BENCH_DIR = ROOT / "bench-report"
+#: The result files the results page is made from (docs: "Measured results").
+RESULTS_DIR = ROOT / "docs" / "results"
 
 # Every pinned version lives here. An unpinned torch pulls gigabytes of CUDA
 # packages; 2.13.0 resolves to a CPU wheel on the project's machines.
@@ -344,6 +346,24 @@ def bench_report(session: nox.Session) -> None:
     )
 
 
+@nox.session(default=False)
+def results(session: nox.Session) -> None:
+    """The results page's tables from the newest parity report and benchmark results.
+
+    ``nox -s parity bench results`` measures, then writes the page: the work
+    is queued behind what ``parity`` and ``bench`` queue (``results-page``).
+    """
+    session.notify("results-page")
+
+
+@nox.session(name="results-page", default=False)
+def results_page(session: nox.Session) -> None:
+    session.install(PINS["numpy"], "-e", ".")
+    made = [PARITY_DIR / "report.json", BENCH_DIR / "results"]
+    takes = [arg for path in made if path.exists() for arg in ("--take", str(path))]
+    session.run("python", "-m", "mha_multi.bench", "page", "--results", str(RESULTS_DIR), *takes)
+
+
 @nox.session
 def docs(session: nox.Session) -> None:
     """The documentation site in docs/_build/html (warnings are errors).
@@ -362,6 +382,8 @@ def docs(session: nox.Session) -> None:
         "-e",
         ".[docs]",
     )
+    # The results page's tables must be those its result files make.
+    session.run("python", "-m", "mha_multi.bench", "page", "--check", "--results", str(RESULTS_DIR))
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
 
 

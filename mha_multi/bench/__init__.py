@@ -5,7 +5,7 @@
 """
 
 #: Benchmark name -> module whose ``FRAMEWORK`` (a
-#: :class:`~mha_multi.bench.driver.Framework`) it runs; imported only when run.
+#: :class:`~mha_multi.bench.framework.Framework`) it runs; imported only when run.
 BENCHMARKS = {
     "torch": "mha_multi.bench.torch",
     "jax": "mha_multi.bench.jax",

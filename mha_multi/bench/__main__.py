@@ -8,9 +8,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mha_multi.bench import BENCHMARKS, driver
-from mha_multi.bench.common import Shape, format_markdown, machine_info
+from mha_multi.bench import BENCHMARKS, driver, page
+from mha_multi.bench.common import Shape
+from mha_multi.bench.framework import load
 from mha_multi.bench.generate import GenerationShape, generation_peak_mib
+from mha_multi.bench.memory import peak_memory_mib
+from mha_multi.bench.tables import format_markdown
+from mha_multi.parity.provenance import provenance
 
 #: ``--only`` choice -> the ``driver.run`` lengths argument of those rows;
 #: the generation rows are ``generation=None`` when left out.
@@ -24,6 +28,19 @@ ROWS = {
 }
 
 
+#: Every kind of row ``--only`` takes.
+KINDS = (*ROWS, "generation")
+
+
+def kinds_of_rows(text: str) -> tuple[str, ...]:
+    """``--only``'s comma-separated kinds of row, each checked."""
+    kinds = tuple(kind for kind in text.split(",") if kind)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"expected kinds of row among {', '.join(KINDS)}")
+    return kinds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mha_multi.bench")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -32,8 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
     run.add_argument(
         "--only",
-        choices=sorted({*ROWS, "generation"}),
-        help="only one kind of row (the GEMM rate is always measured)",
+        type=kinds_of_rows,
+        help="comma-separated kinds of row to run, of "
+        + ", ".join(KINDS)
+        + " (default: all; the GEMM rate is always measured)",
     )
     run.add_argument(
         "--devices",
@@ -48,6 +67,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = commands.add_parser("report", help="print and write report.md from results")
     report.add_argument("--results", required=True)
     report.add_argument("--out", required=True)
+    results_page = commands.add_parser(
+        "page", help="write the results page's tables from the result files kept for it"
+    )
+    results_page.add_argument("--results", default="docs/results", help="the result files")
+    results_page.add_argument("--page", default="docs/results.md", help="the page")
+    results_page.add_argument(
+        "--take",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a parity report, a benchmark result file or a folder of them, to keep in"
+        " RESULTS first (repeatable)",
+    )
+    results_page.add_argument(
+        "--check", action="store_true", help="write nothing; fail if a table is out of date"
+    )
     # What ``run`` starts for each peak-memory figure, a process's peak being
     # meaningful only for its first pass.
     memory = commands.add_parser("memory", help="peak memory of one forward pass, in MiB")
@@ -63,15 +98,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     generation.add_argument("dtype")
     generation.add_argument("shape", type=lambda text: GenerationShape(**json.loads(text)))
     args = parser.parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else argv
+
+    if args.command == "page":
+        return write_page(args.page, args.results, args.take, check=args.check)
 
     if args.command == "generation-memory":
-        framework = driver.load(args.backend)
+        framework = load(args.backend)
         print(generation_peak_mib(framework, args.device, args.dtype, args.shape))
         return 0
 
     if args.command == "memory":
-        framework = driver.load(args.backend)
-        print(driver.peak_memory_mib(framework, args.implementation, args.device, args.shape))
+        framework = load(args.backend)
+        print(peak_memory_mib(framework, args.implementation, args.device, args.shape))
         return 0
 
     if args.command == "run":
@@ -92,15 +131,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             if args.only:
                 # Every other kind of row is left out.
-                kwargs |= {name: () for kind, name in ROWS.items() if kind != args.only}
-                kwargs |= {"generation": None} if args.only != "generation" else {}
+                kwargs |= {name: () for kind, name in ROWS.items() if kind not in args.only}
+                kwargs |= {"generation": None} if "generation" not in args.only else {}
             if args.devices:
                 kwargs["devices"] = args.devices.split(",")
             if args.ways:
                 kwargs["generation_ways"] = args.ways.split(",")
-            results = driver.run(driver.load(backend), **kwargs)
-            for result in results:
-                result["machine"] = machine_info()
+            # Where the figures come from, for the report and the results page.
+            made = provenance("python -m mha_multi.bench", arguments)
+            results = [result | made for result in driver.run(load(backend), **kwargs)]
             (out / f"{backend}.json").write_text(json.dumps(results, indent=2))
             print(format_markdown(results), flush=True)
         return 0
@@ -114,6 +153,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "report.json").write_text(json.dumps(results, indent=2))
     print(markdown)
     print(f"[bench] report written to {out / 'report.md'}")
+    return 0
+
+
+def write_page(path: str, results: str, takes: Sequence[str], *, check: bool) -> int:
+    """``page``: keeps ``takes`` in ``results``, then writes or checks the page's tables."""
+    for written in page.take(takes, results) if takes else ():
+        print(f"[bench] kept {written}")
+    text = Path(path).read_text()
+    generated = page.blocks(page.load(results))
+    outdated = page.stale(text, generated)
+    if check:
+        if outdated:
+            print(
+                f"[bench] {path}: tables {', '.join(outdated)} differ from the files in"
+                f" {results}; `nox -s results` writes them"
+            )
+            return 1
+        print(f"[bench] {path}: every table matches the files in {results}")
+        return 0
+    Path(path).write_text(page.render(text, generated))
+    print(f"[bench] {path}: tables written ({', '.join(outdated) or 'none'} changed)")
     return 0
 
 

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha_multi.bench.common import Shape, median_seconds
-from mha_multi.bench.driver import Framework, score_bytes
+from mha_multi.bench.common import Shape, median_seconds, score_bytes
+from mha_multi.bench.framework import Framework
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.jax import MultiHeadAttention, get_weights
 from mha_multi.jax._facts import batch_pieces

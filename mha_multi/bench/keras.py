@@ -32,8 +32,8 @@ import keras
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.bench.common import Shape, median_seconds
-from mha_multi.bench.driver import Framework, score_bytes
+from mha_multi.bench.common import Shape, median_seconds, score_bytes
+from mha_multi.bench.framework import Framework
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.keras import MultiHeadAttention, layout_map, set_weights
 from mha_multi.parity.harness import keras as backend

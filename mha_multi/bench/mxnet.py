@@ -21,8 +21,8 @@ import numpy as np
 from mxnet import autograd, gluon, npx
 from mxnet.gluon import nn
 
-from mha_multi.bench.common import Shape
-from mha_multi.bench.driver import Framework, score_bytes
+from mha_multi.bench.common import Shape, score_bytes
+from mha_multi.bench.framework import Framework
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.mxnet import set_weights
 from mha_multi.weights import init_weights

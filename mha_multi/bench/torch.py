@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from mha_multi import spec
-from mha_multi.bench.common import Shape, median_seconds
-from mha_multi.bench.driver import Framework, score_bytes
+from mha_multi.bench.common import Shape, median_seconds, score_bytes
+from mha_multi.bench.framework import Framework
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.interop.torch import key_padding_mask, to_torch_d2l
 from mha_multi.parity.harness import torch as backend

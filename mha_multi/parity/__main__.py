@@ -60,11 +60,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.backends, args.cases, args.out, require_gpu=require_gpu, devices=devices
         )
         return 0 if ok else 1
+    from mha_multi.parity.provenance import provenance
     from mha_multi.parity.report import build_report, format_markdown
 
     cases_dir = args.cases or str(Path(args.results).parent / "cases")
     expected = [b for b in args.expect.split(",") if b]
     result = build_report(args.results, cases_dir, expected)
+    # The results page prints when, where and how the report was made.
+    arguments = sys.argv[1:] if argv is None else argv
+    result |= provenance("python -m mha_multi.parity", arguments)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     markdown = format_markdown(result)

@@ -15,7 +15,7 @@ from mha_multi.parity.cases import Case, load_cases
 from mha_multi.parity.compare import Check, compare, errors, tolerance
 from mha_multi.parity.importance import IMPORTANCE_CASES, reference_importance
 
-__all__ = ["Cell", "build_report", "format_markdown"]
+__all__ = ["Cell", "build_report", "format_markdown", "matrix_lines"]
 
 
 @dataclass
@@ -229,6 +229,24 @@ def _verdict(passed: bool) -> str:
     return "pass" if passed else "**FAIL**"
 
 
+def matrix_lines(cells: Sequence[dict]) -> list[str]:
+    """The error matrix: a row per backend x device x dtype (the results page shows it too)."""
+    lines = [
+        "| backend | device | dtype | cases | forward | gradients | tolerance | result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        tol = "-"
+        if cell["forward"] and cell["gradient"]:
+            tol = f"{cell['forward']['tolerance']:g} / {cell['gradient']['tolerance']:g}"
+        lines.append(
+            f"| {cell['backend']} | {cell['device']} | {cell['dtype']} | {cell['cases']} | "
+            f"{_fmt(cell['forward'])} | {_fmt(cell['gradient'])} | {tol} | "
+            f"{_verdict(cell['passed'])} |"
+        )
+    return lines
+
+
 def format_markdown(report: dict[str, object]) -> str:
     """The report as Markdown (also what is printed)."""
     lines = [
@@ -239,18 +257,8 @@ def format_markdown(report: dict[str, object]) -> str:
         "forward covers the output of every code path and the attention weights,",
         "gradients cover queries, keys, values and every weight.",
         "",
-        "| backend | device | dtype | cases | forward | gradients | tolerance | result |",
-        "|---|---|---|---|---|---|---|---|",
+        *matrix_lines(report["cells"]),
     ]
-    for cell in report["cells"]:
-        tol = "-"
-        if cell["forward"] and cell["gradient"]:
-            tol = f"{cell['forward']['tolerance']:g} / {cell['gradient']['tolerance']:g}"
-        lines.append(
-            f"| {cell['backend']} | {cell['device']} | {cell['dtype']} | {cell['cases']} | "
-            f"{_fmt(cell['forward'])} | {_fmt(cell['gradient'])} | {tol} | "
-            f"{_verdict(cell['passed'])} |"
-        )
     if report["pairwise"]:
         lines += _section(
             "Backend vs backend (output, max abs)", [], ["a", "b", "device", "dtype", "max abs"]
