@@ -41,7 +41,8 @@ class Framework:
     name: str
     #: The backend package, whose ``set_weights`` loads canonical weights.
     package: str = ""
-    #: The framework's facts module (``mha_multi.<framework>._backend``):
+    #: The framework's harness (``mha_multi.parity.harness.<framework>``, which reads
+    #: its facts module's names through itself):
     #: settings, devices, conversions and sync come from it by default.
     backend: Any = None
     implementations: tuple[str, ...] = ("ours", "ours (generic)", "native")

@@ -32,12 +32,13 @@ from mha_multi.call.checks import (
     check_options,
 )
 from mha_multi.call.contract import BIAS_SHAPE, GATES_SHAPE, INPUT_NAMES, Projections, Result
-from mha_multi.call.facts import Facts, read_all
+from mha_multi.call.facts import FACTS_MODULE_NAMES, Facts, read_all
 from mha_multi.call.flow import attend, attended_positions, forward, plain_self_attention
 from mha_multi.call.kernel_plan import kernel_settings, plan
 
 __all__ = [
     "BIAS_SHAPE",
+    "FACTS_MODULE_NAMES",
     "GATES_SHAPE",
     "INPUT_NAMES",
     "Facts",

@@ -8,6 +8,7 @@ the one read of a cached call's lengths where they can be read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from mha_multi import spec
@@ -181,24 +182,29 @@ def check_options(
         TypeError, ValueError: as :func:`mha_multi.spec.check_positions` and
             :func:`mha_multi.spec.check_bias`.
     """
-    batch, num_queries = like.shape[0], like.shape[1]
     if positions is not None:
         positions = facts.as_positions(positions, like)
-        spec.check_positions(
-            tuple(positions.shape),
-            facts.dtype_kind(positions.dtype),
-            batch=batch,
-            num_queries=num_queries,
-            num_keys=None if cached else num_keys,
+        _check_call_array(
+            facts, spec.check_positions, positions, like, num_keys=None if cached else num_keys
         )
     if bias is not None:
         bias = facts.as_bias(bias, like)
-        spec.check_bias(
-            tuple(bias.shape),
-            facts.dtype_kind(bias.dtype),
-            batch=batch,
-            num_heads=num_heads,
-            num_queries=num_queries,
-            num_keys=num_keys,
+        _check_call_array(
+            facts, spec.check_bias, bias, like, num_heads=num_heads, num_keys=num_keys
         )
     return positions, bias
+
+
+def _check_call_array(
+    facts: Facts, check: Callable[..., None], x: Array, like: Array, **sizes: Any
+) -> None:
+    """``check`` (:func:`mha_multi.spec.check_positions` or
+    :func:`mha_multi.spec.check_bias`) of an argument of the call whose
+    leading axes are the queries' ``(B, Q)``."""
+    check(
+        tuple(x.shape),
+        facts.dtype_kind(x.dtype),
+        batch=like.shape[0],
+        num_queries=like.shape[1],
+        **sizes,
+    )

@@ -16,6 +16,22 @@ import numpy as np
 from mha_multi import spec
 from mha_multi.call.contract import Array, Projections, Result
 
+#: What every framework's facts module (``mha_multi/<framework>/_facts.py``)
+#: defines and exports besides its :class:`Facts` subclass: its dtypes by
+#: name, devices, exact-float32 settings and conversions, which the parity
+#: harness and the benchmarks read through it (docs: "Adding a backend").
+FACTS_MODULE_NAMES = (
+    "DTYPES",
+    "device_description",
+    "exact_float32",
+    "gpu_available",
+    "host_array",
+    "lens_to_native",
+    "sync",
+    "to_native",
+    "to_numpy",
+)
+
 
 class Facts:
     """A framework's facts, as a call asks for them (docs: "Architecture").

@@ -33,20 +33,12 @@ from mha_multi.jax._kernel import (
 from mha_multi.jax._ops import JaxOps, PrecisionLike, dtype_kind
 
 __all__ = [
+    *call.FACTS_MODULE_NAMES,
     "CPU_PIECE_BYTES",
-    "DTYPES",
     "JaxFacts",
     "as_valid_lens",
     "batch_pieces",
     "device",
-    "device_description",
-    "exact_float32",
-    "gpu_available",
-    "host_array",
-    "lens_to_native",
-    "sync",
-    "to_native",
-    "to_numpy",
 ]
 
 #: Dtype name -> JAX dtype. float64 needs :func:`exact_float32`'s x64.

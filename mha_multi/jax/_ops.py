@@ -53,7 +53,7 @@ def matmul(a: jax.Array, b: jax.Array, precision: PrecisionLike = None) -> jax.A
     return product.astype(dtype)
 
 
-class JaxOps(spec.NumpyDtypes):
+class JaxOps(spec.NumpyDtypes, spec.NamespaceOps):
     """:class:`mha_multi.spec.ArrayOps` on ``jax.Array`` (and tracers).
 
     Args:
@@ -61,6 +61,8 @@ class JaxOps(spec.NumpyDtypes):
             string such as ``"highest"``); ``None`` uses JAX's default, which
             ``jax.default_matmul_precision`` sets.
     """
+
+    xp = jnp
 
     def __init__(self, precision: PrecisionLike = None) -> None:
         self.precision = precision
@@ -97,15 +99,6 @@ class JaxOps(spec.NumpyDtypes):
     def flip(self, x: jax.Array) -> jax.Array:
         return jnp.flip(x, 0)
 
-    def less(self, a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.less(a, b)
-
-    def greater_equal(self, a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.greater_equal(a, b)
-
-    def logical_and(self, a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.logical_and(a, b)
-
     def where(self, condition: jax.Array, x: jax.Array, fill: float | jax.Array) -> jax.Array:
         # The fill takes x's dtype: a Python float must not promote 16-bit x.
         return jnp.where(condition, x, jnp.asarray(fill, dtype=x.dtype))
@@ -129,9 +122,6 @@ class JaxOps(spec.NumpyDtypes):
     def any_last(self, x: jax.Array) -> jax.Array:
         return jnp.any(x, axis=-1, keepdims=True)
 
-    def logical_not(self, x: jax.Array) -> jax.Array:
-        return jnp.logical_not(x)
-
     def mean(self, x: jax.Array, axis: int) -> jax.Array:
         # jnp.mean accumulates 16-bit floats in float32 and casts back.
         return jnp.mean(x, axis=axis, keepdims=True)
@@ -141,20 +131,8 @@ class JaxOps(spec.NumpyDtypes):
         # "clip" spares the bounds handling of JAX's default "fill" mode.
         return jnp.take_along_axis(x, positions[..., None], axis=1, mode="clip")
 
-    def slice_last(self, x: jax.Array, start: int, stop: int) -> jax.Array:
-        return x[..., start:stop]
-
     def concat_last(self, xs: Sequence[jax.Array]) -> jax.Array:
         return jnp.concatenate(list(xs), axis=-1)
-
-    def cos(self, x: jax.Array) -> jax.Array:
-        return jnp.cos(x)
-
-    def sin(self, x: jax.Array) -> jax.Array:
-        return jnp.sin(x)
-
-    def tanh(self, x: jax.Array) -> jax.Array:
-        return jnp.tanh(x)
 
     def constant(self, value: np.ndarray, like: jax.Array) -> jax.Array:
         return jnp.asarray(value)

@@ -25,20 +25,12 @@ import numpy as np
 from mha_multi import call, spec
 
 __all__ = [
-    "DTYPES",
+    *call.FACTS_MODULE_NAMES,
     "FACTS",
     "LENS_DTYPES",
     "MXNetFacts",
     "as_int32",
     "device",
-    "device_description",
-    "exact_float32",
-    "gpu_available",
-    "host_array",
-    "lens_to_native",
-    "sync",
-    "to_native",
-    "to_numpy",
 ]
 
 #: Float32 products on GPUs stay IEEE float32: no implicit conversion to

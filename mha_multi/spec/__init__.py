@@ -17,8 +17,7 @@ options), :mod:`~mha_multi.spec.layout` (the head layout),
 :mod:`~mha_multi.spec.positions` (masks, positions, position biases),
 :mod:`~mha_multi.spec.attention`, :mod:`~mha_multi.spec.plan` (the kernel
 plan), :mod:`~mha_multi.spec.cache` and :mod:`~mha_multi.spec.cache_checks`,
-and the float64 reference (:mod:`~mha_multi.spec.reference`,
-:mod:`~mha_multi.spec.reference_cached`); :mod:`~mha_multi.spec.memo` makes a
+and the float64 reference (:mod:`~mha_multi.spec.reference`); :mod:`~mha_multi.spec.memo` makes a
 call's pure verdicts lookups. Every public name is read from here
 (``mha_multi.spec.X``).
 """
@@ -77,6 +76,7 @@ from mha_multi.spec.layout import (
 )
 from mha_multi.spec.ops import (
     ArrayOps,
+    NamespaceOps,
     NumpyDtypes,
     NumpyOps,
     static_split_sizes,
@@ -112,11 +112,9 @@ from mha_multi.spec.positions import (
     visibility,
 )
 from mha_multi.spec.reference import (
+    reference_cached_forward,
     reference_forward,
     reference_gradients,
-)
-from mha_multi.spec.reference_cached import (
-    reference_cached_forward,
 )
 from mha_multi.spec.rotary import (
     Llama3Scaling,
@@ -138,6 +136,7 @@ __all__ = [
     "DEVICE_READ_SCORES",
     "DEVICE_READ_TOTAL_SCORES",
     "KernelPlan",
+    "NamespaceOps",
     "NumpyDtypes",
     "NumpyOps",
     "apply_head_mask",

@@ -158,8 +158,48 @@ class NumpyDtypes:
         return np.dtype(np.float32)
 
 
-class NumpyOps(NumpyDtypes):
+class NamespaceOps:
+    """The :class:`ArrayOps` methods that are one function of a numpy-like namespace.
+
+    numpy, ``jax.numpy`` and ``torch`` give these functions the same names
+    (the array API's), so an adapter that names its namespace (:attr:`xp`)
+    has them written once, here. Keras' and MXNet's adapters keep their own:
+    Keras casts where a backend's kernel is not exact, and MXNet's namespace
+    is its graph's, given per call.
+    """
+
+    #: ``numpy``, ``jax.numpy`` or ``torch``.
+    xp: Any
+
+    def less(self, a: Array, b: Array) -> Array:
+        return self.xp.less(a, b)
+
+    def greater_equal(self, a: Array, b: Array) -> Array:
+        return self.xp.greater_equal(a, b)
+
+    def logical_and(self, a: Array, b: Array) -> Array:
+        return self.xp.logical_and(a, b)
+
+    def logical_not(self, x: Array) -> Array:
+        return self.xp.logical_not(x)
+
+    def slice_last(self, x: Array, start: int, stop: int) -> Array:
+        return x[..., start:stop]
+
+    def cos(self, x: Array) -> Array:
+        return self.xp.cos(x)
+
+    def sin(self, x: Array) -> Array:
+        return self.xp.sin(x)
+
+    def tanh(self, x: Array) -> Array:
+        return self.xp.tanh(x)
+
+
+class NumpyOps(NumpyDtypes, NamespaceOps):
     """The spec on numpy; with float64 inputs this is the reference."""
+
+    xp = np
 
     def split_axis(self, x: np.ndarray, axis: int, sizes: tuple[int, int]) -> np.ndarray:
         axis = axis % x.ndim
@@ -194,15 +234,6 @@ class NumpyOps(NumpyDtypes):
     def flip(self, x: np.ndarray) -> np.ndarray:
         return x[::-1]
 
-    def less(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return np.less(a, b)
-
-    def greater_equal(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return np.greater_equal(a, b)
-
-    def logical_and(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return np.logical_and(a, b)
-
     def where(self, condition: np.ndarray, x: np.ndarray, fill: Any) -> np.ndarray:
         return np.where(condition, x, np.asarray(fill, dtype=x.dtype))
 
@@ -224,29 +255,14 @@ class NumpyOps(NumpyDtypes):
     def any_last(self, x: np.ndarray) -> np.ndarray:
         return np.any(x, axis=-1, keepdims=True)
 
-    def logical_not(self, x: np.ndarray) -> np.ndarray:
-        return np.logical_not(x)
-
     def mean(self, x: np.ndarray, axis: int) -> np.ndarray:
         return np.mean(x, axis=axis, keepdims=True)
 
     def gather_positions(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return np.take_along_axis(x, positions[..., None], axis=1)
 
-    def slice_last(self, x: np.ndarray, start: int, stop: int) -> np.ndarray:
-        return x[..., start:stop]
-
     def concat_last(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         return np.concatenate(list(xs), axis=-1)
-
-    def cos(self, x: np.ndarray) -> np.ndarray:
-        return np.cos(x)
-
-    def sin(self, x: np.ndarray) -> np.ndarray:
-        return np.sin(x)
-
-    def tanh(self, x: np.ndarray) -> np.ndarray:
-        return np.tanh(x)
 
     def constant(self, value: np.ndarray, like: Any) -> np.ndarray:
         return np.asarray(value)

@@ -7,7 +7,7 @@ in float64; the rotation is written once against the array-ops adapter.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,15 +76,25 @@ class Llama3Scaling:
         return np.where(medium, smoothed, scaled)
 
 
+def _fields(value: Any, name: str, kind: type, keys: Sequence[str]) -> dict[str, Any]:
+    """The fields of an option given as a dict, for ``kind(**fields)``.
+
+    Raises:
+        TypeError: ``value`` is not a mapping; the message names the option
+            ``name`` and what it may be (``None``, a ``kind`` or a dict of ``keys``).
+    """
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{name} must be None, a mha_multi.spec.{kind.__name__} or a dict with keys "
+            f"{', '.join(keys)}; got {value!r}"
+        )
+    return dict(value)
+
+
 def _check_scaling(scaling: Any) -> Llama3Scaling | None:
     if scaling is None or isinstance(scaling, Llama3Scaling):
         return scaling
-    if not isinstance(scaling, Mapping):
-        raise TypeError(
-            "rotary.scaling must be None, a mha_multi.spec.Llama3Scaling or a dict with keys "
-            f"{', '.join(_LLAMA3_KEYS)}; got {scaling!r}"
-        )
-    fields = dict(scaling)
+    fields = _fields(scaling, "rotary.scaling", Llama3Scaling, _LLAMA3_KEYS)
     # transformers' rope_scaling names its type; only Llama 3's is defined here.
     for type_key in ("rope_type", "type"):
         if type_key in fields and fields.pop(type_key) != "llama3":
@@ -178,17 +188,13 @@ def check_rotary(rotary: Any) -> Rotary | None:
     """
     if rotary is None or isinstance(rotary, Rotary):
         return rotary
-    if not isinstance(rotary, Mapping):
-        raise TypeError(
-            "rotary must be None, a mha_multi.spec.Rotary or a dict with keys "
-            f"{', '.join(_ROTARY_KEYS)}; got {rotary!r}"
-        )
-    unknown = sorted(set(rotary) - set(_ROTARY_KEYS))
+    fields = _fields(rotary, "rotary", Rotary, _ROTARY_KEYS)
+    unknown = sorted(set(fields) - set(_ROTARY_KEYS))
     if unknown:
         raise ValueError(
             f"rotary has unknown keys {unknown}; the keys are {', '.join(_ROTARY_KEYS)}"
         )
-    return Rotary(**rotary)
+    return Rotary(**fields)
 
 
 def rotary_tables(

@@ -31,19 +31,11 @@ from mha_multi.torch._plain import PlainRoute
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 
 __all__ = [
-    "DTYPES",
+    *call.FACTS_MODULE_NAMES,
     "FACTS",
     "TorchFacts",
     "device",
-    "device_description",
-    "exact_float32",
-    "gpu_available",
-    "host_array",
-    "lens_to_native",
     "repeats_grouped_heads",
-    "sync",
-    "to_native",
-    "to_numpy",
     "writes_in_place",
 ]
 

@@ -103,12 +103,14 @@ def dtype_kind(dtype: torch.dtype) -> str:
     return "i" if dtype.is_signed else "u"
 
 
-class TorchOps:
+class TorchOps(spec.NamespaceOps):
     """:class:`mha_multi.spec.ArrayOps` on ``torch.Tensor``.
 
     Args:
         device: where :meth:`arange` puts the positions of a mask.
     """
+
+    xp = torch
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -150,15 +152,6 @@ class TorchOps:
     def flip(self, x: torch.Tensor) -> torch.Tensor:
         return torch.flip(x, (0,))
 
-    def less(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.lt(a, b)
-
-    def greater_equal(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.ge(a, b)
-
-    def logical_and(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.logical_and(a, b)
-
     def where(
         self, condition: torch.Tensor, x: torch.Tensor, fill: float | torch.Tensor
     ) -> torch.Tensor:
@@ -189,29 +182,14 @@ class TorchOps:
     def any_last(self, x: torch.Tensor) -> torch.Tensor:
         return x.any(dim=-1, keepdim=True)
 
-    def logical_not(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.logical_not(x)
-
     def mean(self, x: torch.Tensor, axis: int) -> torch.Tensor:
         return x.mean(dim=axis, keepdim=True)
 
     def gather_positions(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.take_along_dim(x, positions.unsqueeze(-1), dim=1)
 
-    def slice_last(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        return x[..., start:stop]
-
     def concat_last(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(xs), dim=-1)
-
-    def cos(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cos(x)
-
-    def sin(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sin(x)
-
-    def tanh(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x)
 
     def constant(self, value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         if like.device.type == "cpu" or torch.compiler.is_compiling():

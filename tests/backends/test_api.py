@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
-from mha_multi import spec
+from mha_multi import call, spec
 from mha_multi.weights import init_weights
 
 
@@ -271,3 +273,12 @@ def test_training_without_dropout_equals_eval(runner):
         runner.call(layer, q, k, v, np.array([1, 3]), training=True),
         runner.call(layer, q, k, v, np.array([1, 3])),
     )
+
+
+def test_the_facts_module_defines_what_the_harness_reads(runner):
+    """Every framework's facts module exports the functions the harness and the
+    benchmarks read through it (``mha_multi.call.FACTS_MODULE_NAMES``)."""
+    facts = importlib.import_module(f"{runner.package}._facts")
+    missing = [name for name in call.FACTS_MODULE_NAMES if name not in facts.__all__]
+    assert missing == []
+    assert all(hasattr(facts, name) for name in facts.__all__)
