@@ -203,3 +203,10 @@ __all__ = [
     "cached_visibility",
     "appended",
 ]
+
+# The values users keep (a cache, the rotary options) are named by their public
+# path: pickles and the API pages refer to ``mha_multi.spec.KVCache``, which
+# stays where it is whichever module of the package defines it.
+for _public in (KVCache, Llama3Scaling, Rotary):
+    _public.__module__ = __name__
+del _public
