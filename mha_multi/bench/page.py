@@ -127,11 +127,25 @@ def _source_lines(sources: Iterable[Source]) -> list[str]:
             groups[key].append(source.command)
     lines = []
     for (day, machine, transcribed), commands in groups.items():
-        line = f"Measured {day} on {machine}: " + "; ".join(f"`{c}`" for c in commands) + "."
+        line = f"Measured {day} on {machine}: {_commands(commands)}."
         if transcribed:
             line += f" Transcribed from {transcribed}."
         lines.append(line)
     return lines
+
+
+def _commands(commands: Sequence[str]) -> str:
+    """The commands, those that differ in their last word only (the backend) written once."""
+    endings: dict[str, list[str]] = {}
+    for command in commands:
+        start, _, last = command.rpartition(" ")
+        endings.setdefault(start, []).append(last)
+    return "; ".join(
+        f"`{start} {lasts[0]}`"
+        if len(lasts) == 1
+        else f"`{start} <backend>` for {', '.join(lasts)}"
+        for start, lasts in endings.items()
+    )
 
 
 def _with_sources(table: Table, results: Results) -> list[str]:

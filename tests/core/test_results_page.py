@@ -323,6 +323,21 @@ def test_the_repository_page_matches_its_files_and_a_tampered_copy_does_not(tmp_
     assert main(arguments) == 1
 
 
+def test_runs_of_one_day_that_differ_in_their_backend_are_named_once(tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for backend in ("torch", "jax"):
+        rows = [{**row, "backend": backend} for row in BENCH[0]["measurements"][:2]]
+        command = f"python -m mha_multi.bench run --out r {backend}"
+        result = bench_file(rows, command=command)
+        (folder / f"bench-{backend}-cpu-20261101T100000Z.json").write_text(json.dumps(result))
+    speed = page.blocks(page.load(folder))["speed"]
+    assert speed[-1] == (
+        "Measured 2026-11-01 on Test CPU (2 cores), Linux, Python 3.11.7: "
+        "`python -m mha_multi.bench run --out r <backend>` for jax, torch."
+    )
+
+
 def test_machine_and_command_as_the_page_prints_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     line = command_line("python -m mha_multi.bench", ["run", "--out", str(tmp_path / "a b"), "x"])
