@@ -1,7 +1,7 @@
 """Llama-style attention: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``.
 
 The layout of transformers' ``LlamaAttention`` and of the models that copy
-it (Mistral, Qwen2, Gemma...): four ``torch.nn.Linear`` projections, grouped
+it (Mistral, Qwen2, Gemma 2, Cohere): four ``torch.nn.Linear`` projections, grouped
 query heads (``num_key_value_heads``) and an explicit ``head_dim``. Query head
 ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``
 (transformers' ``repeat_kv``), the rule of the canonical layer, so the
@@ -9,8 +9,11 @@ weights port as they are: ``W_q = q_proj.weight.T`` and so on.
 
 :func:`from_llama` reads the module's configuration too and returns the
 constructor arguments under which every backend's layer *is* that
-attention block (docs: "Positions and biases"): the rotary embedding
-(``rope_theta``, Llama 3's frequency scaling, ``partial_rotary_factor``),
+attention block (docs: "Positions and biases"). It converts only the blocks
+it knows completely (:data:`KNOWN_BLOCKS`), and refuses any other class, or
+a config field it does not compute, rather than return a layer that computes
+something else: the rotary embedding (``rope_theta``, Llama 3's frequency
+scaling, ``partial_rotary_factor``, the pairing of the rotated entries),
 the sliding window (Mistral's ``sliding_window``, Gemma 2's on its sliding
 layers), the soft cap of the scores (Gemma 2's
 ``attn_logit_softcapping``). A scale of the scores other than
@@ -49,10 +52,13 @@ from mha_multi.torch._facts import host_array
 from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [
+    "INTERLEAVED_ROTARY",
+    "KNOWN_BLOCKS",
     "from_llama",
     "from_llama_state",
     "llama_config",
     "load_llama",
+    "rotary_of",
     "save_llama",
     "to_llama",
     "to_llama_state",
@@ -198,6 +204,9 @@ def to_llama_state(
 def rotary_of(config: Any) -> dict[str, Any]:
     """The ``rotary=`` argument of transformers' rotary settings in ``config``.
 
+    The pairing of the rotated entries is the model type's
+    (:data:`INTERLEAVED_ROTARY`).
+
     Raises:
         ValueError: a rotary type other than transformers' ``default`` and
             ``llama3`` (not supported).
@@ -217,6 +226,8 @@ def rotary_of(config: Any) -> dict[str, Any]:
         raise ValueError(
             f"rope_type {kind!r} is not supported; the rotary types are 'default' and 'llama3'"
         )
+    if getattr(config, "model_type", None) in INTERLEAVED_ROTARY:
+        rotary["interleaved"] = True
     return rotary
 
 
@@ -239,23 +250,82 @@ def _window_of(module: torch.nn.Module) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
+#: The attention blocks :func:`from_llama` knows, by transformers' class name,
+#: each with the model type of the config it reads its numbers from; a block
+#: of another class is refused rather than read as one of these.
+KNOWN_BLOCKS: dict[str, str] = {
+    "LlamaAttention": "llama",
+    "MistralAttention": "mistral",
+    "Qwen2Attention": "qwen2",
+    "Gemma2Attention": "gemma2",
+    "CohereAttention": "cohere",
+}
+
+#: Model types whose rotary embedding pairs entry ``2 i`` with ``2 i + 1``
+#: (Cohere's ``rotate_half``); the others pair ``i`` with ``i + dim / 2``.
+INTERLEAVED_ROTARY = frozenset({"cohere"})
+
+#: Config fields of a known block that change its numbers in a way the layer
+#: does not express (yet): a block whose field is set otherwise is refused.
+_UNSUPPORTED_FIELDS = {
+    # Cohere's LayerNorm of each head's query and key.
+    "use_qk_norm": False,
+    # Gemma 2 without the causal rule (its window then looks both ways).
+    "use_bidirectional_attention": False,
+}
+
+
+def _check_known(module: torch.nn.Module) -> None:
+    """Raises unless the block is one of :data:`KNOWN_BLOCKS` with its own model's config.
+
+    Raises:
+        ValueError: another class or config, or a config field set to what
+            the layer does not compute; naming the class and the field.
+    """
+    name = type(module).__name__
+    if name not in KNOWN_BLOCKS or not type(module).__module__.startswith("transformers."):
+        raise ValueError(
+            f"{type(module).__module__}.{name} is not an attention block from_llama knows: "
+            f"it converts transformers' {', '.join(KNOWN_BLOCKS)} only, and refuses others "
+            "rather than read them as one of these"
+        )
+    model_type = getattr(module.config, "model_type", None)
+    if model_type != KNOWN_BLOCKS[name]:
+        raise ValueError(
+            f"{name} with a config of model_type {model_type!r} is not known: "
+            f"it reads a {KNOWN_BLOCKS[name]!r} config"
+        )
+    for field, supported in _UNSUPPORTED_FIELDS.items():
+        value = getattr(module.config, field, supported)
+        if bool(value) != supported:  # transformers reads them as truth values (None: off)
+            raise ValueError(
+                f"{name} with config {field}={value!r} is not supported: the layer computes "
+                f"the block with {field}={supported!r} only"
+            )
+
+
 def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Canonical weights and the constructor arguments of a ``LlamaAttention``-style module.
 
-    Llama's, Mistral's, Qwen2's and Gemma 2's attention blocks (and those
-    that copy them): ``MultiHeadAttention(hidden_size, **kwargs)`` in any
-    backend, loaded with the weights, computes what the block computes for
-    the same inputs and ``positions`` (its ``position_ids``), rotary
-    embeddings, window and soft cap included.
+    The attention blocks of :data:`KNOWN_BLOCKS`: Llama's, Mistral's,
+    Qwen2's, Gemma 2's and Cohere's. ``MultiHeadAttention(hidden_size,
+    **kwargs)`` in any backend, loaded with the weights, computes what the
+    block computes for the same inputs and ``positions`` (its
+    ``position_ids``), with ``causal=True`` as the block's own mask: rotary
+    embeddings (their pairing taken from the block), window, soft cap and
+    attention dropout included.
 
     Returns:
         ``(weights, kwargs)``: ``kwargs`` holds plain Python values:
         ``num_heads``, ``num_kv_heads``, ``head_dim`` and, where the block
-        has them, ``rotary``, ``window``, ``softcap``, ``bias``.
+        has them, ``rotary``, ``window``, ``softcap``, ``bias``, ``dropout``.
 
     Raises:
-        ValueError: a rotary type that is not supported (:func:`rotary_of`).
+        ValueError: a block of another class, a config field the layer does
+            not compute, or a rotary type that is not supported
+            (:func:`rotary_of`); nothing is returned then.
     """
+    _check_known(module)
     config = module.config
     num_heads = config.num_attention_heads
     weights = from_llama_state(
@@ -282,6 +352,9 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
         kwargs["softcap"] = float(softcap)
     if "b_q" in weights:
         kwargs["bias"] = True
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if dropout:
+        kwargs["dropout"] = dropout
     return weights, kwargs
 
 

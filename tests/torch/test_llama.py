@@ -104,3 +104,108 @@ def test_cross_attention_weights_have_no_llama_form():
     weights = init_weights(16, query_size=8, num_heads=4)
     with pytest.raises(ValueError, match="query_size, key_size, value_size and num_hiddens"):
         llama_config(weights, num_heads=4)
+
+
+def small_block(family: str, **options):
+    """transformers' attention block of ``family`` (layer 0), small, random, float64, eval."""
+    import importlib
+
+    module = importlib.import_module(
+        f"transformers.models.{family.lower()}.modeling_{family.lower()}"
+    )
+    config = getattr(module, f"{family}Config")(
+        hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, **options
+    )
+    # SDPA: the eager implementation takes no causal rule without a mask.
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    block = getattr(module, f"{family}Attention")(config, layer_idx=0).double().eval()
+    return module, block
+
+
+def test_a_block_of_interleaved_rotary_pairs_converts_with_them():
+    """Cohere rotates entries ``2 i`` and ``2 i + 1`` together (its ``rotate_half``);
+    the conversion takes the pairing from the block, and the layer gives the
+    block's output at ragged positions. Read as Llama's half-split pairs, the
+    same weights give another function."""
+    module, block = small_block("Cohere", use_qk_norm=False)
+    weights, kwargs = from_llama(block)
+    assert kwargs["rotary"]["interleaved"] is True
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((2, 5, 16)))
+    positions = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]])
+    cos, sin = module.CohereRotaryEmbedding(block.config)(x, positions)
+    with torch.no_grad():
+        expected, _ = block(x, position_embeddings=(cos, sin), attention_mask=None)
+    heads = {name: kwargs[name] for name in ("num_heads", "num_kv_heads")}
+
+    def ours(rotary):
+        output, _ = spec.reference_forward(
+            weights, x, x, x, causal=True, positions=positions.numpy(), rotary=rotary, **heads
+        )
+        return output
+
+    # The block rotates in float32 (its apply_rotary_pos_emb), the reference in float64.
+    np.testing.assert_allclose(ours(kwargs["rotary"]), expected.numpy(), rtol=0, atol=2e-6)
+    half_split = {**kwargs["rotary"], "interleaved": False}
+    assert np.abs(ours(half_split) - expected.numpy()).max() > 1e-2
+
+
+class _OwnLlamaAttention(torch.nn.Module):
+    """A block of Llama's layout whose class transformers does not define."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _, llama = small_block("Llama")
+        self.config, self.scaling = llama.config, llama.scaling
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, getattr(llama, name))
+
+
+def _llama_block_of_cohere_config():
+    _, cohere = small_block("Cohere", use_qk_norm=False)
+    _, llama = small_block("Llama")
+    return type(llama)(cohere.config, layer_idx=0).double()
+
+
+def _with_sinks():
+    _, block = small_block("Llama")
+    block.register_parameter("sinks", torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)))
+    return block
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: small_block("Phi3")[1],
+            "Phi3Attention is not an attention block from_llama knows",
+        ),
+        (_OwnLlamaAttention, "_OwnLlamaAttention is not an attention block from_llama knows"),
+        (lambda: small_block("Cohere", use_qk_norm=True)[1], "use_qk_norm=True is not supported"),
+        (
+            lambda: small_block(
+                "Llama",
+                rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            )[1],
+            "rope_type 'linear' is not supported",
+        ),
+        (_with_sinks, r"unexpected Llama attention entries \['sinks'\]"),
+        (_llama_block_of_cohere_config, "LlamaAttention with a config of model_type 'cohere'"),
+    ],
+    ids=[
+        "unknown class",
+        "not transformers' class",
+        "qk norm",
+        "rotary type",
+        "extra entry",
+        "another model's config",
+    ],
+)
+def test_a_block_from_llama_does_not_know_is_refused(make, match):
+    """A block of a class, or with a config field or a state-dict entry, that the
+    converter does not know raises a ValueError naming it: no conversion is returned."""
+    block = make()
+    converted = None
+    with pytest.raises(ValueError, match=match):
+        converted = from_llama(block)
+    assert converted is None
