@@ -432,7 +432,3 @@ class Runner(abc.ABC):
 
 def as_float64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
-
-
-def is_numeric(x: np.ndarray | None) -> bool:
-    return x is not None and isinstance(x, np.ndarray) and x.dtype.kind in "iuf"
