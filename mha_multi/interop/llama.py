@@ -46,7 +46,9 @@ import numpy as np
 import torch
 
 from mha_multi import spec
+from mha_multi.interop.families import KNOWN_BLOCKS, check_known, window_of
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
+from mha_multi.interop.rotary_config import INTERLEAVED_ROTARY, rotary_of
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
 from mha_multi.torch._facts import host_array
 from mha_multi.weights import WeightsConfig, check_weights
@@ -201,109 +203,6 @@ def to_llama_state(
     return state
 
 
-def rotary_of(config: Any) -> dict[str, Any]:
-    """The ``rotary=`` argument of transformers' rotary settings in ``config``.
-
-    The pairing of the rotated entries is the model type's
-    (:data:`INTERLEAVED_ROTARY`).
-
-    Raises:
-        ValueError: a rotary type other than transformers' ``default`` and
-            ``llama3`` (not supported).
-    """
-    parameters = dict(getattr(config, "rope_parameters", None) or {})
-    if not parameters:  # transformers before rope_parameters
-        parameters = dict(getattr(config, "rope_scaling", None) or {})
-        parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
-    rotary: dict[str, Any] = {
-        "theta": float(parameters["rope_theta"]),
-        "fraction": float(getattr(config, "partial_rotary_factor", 1.0) or 1.0),
-    }
-    if kind == "llama3":
-        rotary["scaling"] = {name: parameters[name] for name in _LLAMA3_SCALING}
-    elif kind != "default":
-        raise ValueError(
-            f"rope_type {kind!r} is not supported; the rotary types are 'default' and 'llama3'"
-        )
-    if getattr(config, "model_type", None) in INTERLEAVED_ROTARY:
-        rotary["interleaved"] = True
-    return rotary
-
-
-_LLAMA3_SCALING = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
-
-
-def _window_of(module: torch.nn.Module) -> int | None:
-    """The block's sliding window: its own (Gemma 2's layers), else its model's (Mistral's)."""
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window
-    config = module.config
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer_types[module.layer_idx] != "sliding_attention":
-        return None
-    return getattr(config, "sliding_window", None)
-
-
-#: The attention blocks :func:`from_llama` knows, by transformers' class name,
-#: each with the model type of the config it reads its numbers from; a block
-#: of another class is refused rather than read as one of these.
-KNOWN_BLOCKS: dict[str, str] = {
-    "LlamaAttention": "llama",
-    "MistralAttention": "mistral",
-    "Qwen2Attention": "qwen2",
-    "Gemma2Attention": "gemma2",
-    "CohereAttention": "cohere",
-}
-
-#: Model types whose rotary embedding pairs entry ``2 i`` with ``2 i + 1``
-#: (Cohere's ``rotate_half``); the others pair ``i`` with ``i + dim / 2``.
-INTERLEAVED_ROTARY = frozenset({"cohere"})
-
-#: Config fields of a known block that change its numbers in a way the layer
-#: does not express (yet): a block whose field is set otherwise is refused.
-_UNSUPPORTED_FIELDS = {
-    # Cohere's LayerNorm of each head's query and key.
-    "use_qk_norm": False,
-    # Gemma 2 without the causal rule (its window then looks both ways).
-    "use_bidirectional_attention": False,
-}
-
-
-def _check_known(module: torch.nn.Module) -> None:
-    """Raises unless the block is one of :data:`KNOWN_BLOCKS` with its own model's config.
-
-    Raises:
-        ValueError: another class or config, or a config field set to what
-            the layer does not compute; naming the class and the field.
-    """
-    name = type(module).__name__
-    if name not in KNOWN_BLOCKS or not type(module).__module__.startswith("transformers."):
-        raise ValueError(
-            f"{type(module).__module__}.{name} is not an attention block from_llama knows: "
-            f"it converts transformers' {', '.join(KNOWN_BLOCKS)} only, and refuses others "
-            "rather than read them as one of these"
-        )
-    model_type = getattr(module.config, "model_type", None)
-    if model_type != KNOWN_BLOCKS[name]:
-        raise ValueError(
-            f"{name} with a config of model_type {model_type!r} is not known: "
-            f"it reads a {KNOWN_BLOCKS[name]!r} config"
-        )
-    for field, supported in _UNSUPPORTED_FIELDS.items():
-        value = getattr(module.config, field, supported)
-        if bool(value) != supported:  # transformers reads them as truth values (None: off)
-            raise ValueError(
-                f"{name} with config {field}={value!r} is not supported: the layer computes "
-                f"the block with {field}={supported!r} only"
-            )
-
-
 def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Canonical weights and the constructor arguments of a ``LlamaAttention``-style module.
 
@@ -325,7 +224,7 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
             not compute, or a rotary type that is not supported
             (:func:`rotary_of`); nothing is returned then.
     """
-    _check_known(module)
+    check_known(module)
     config = module.config
     num_heads = config.num_attention_heads
     weights = from_llama_state(
@@ -344,7 +243,7 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
         "head_dim": heads.head_dim,
         "rotary": rotary_of(config),
     }
-    window = _window_of(module)
+    window = window_of(module)
     if window is not None:
         kwargs["window"] = int(window)
     softcap = getattr(config, "attn_logit_softcapping", None)
