@@ -299,7 +299,14 @@ class Facts:
         return spec.SPAN_BUCKET
 
     def plain_attention(
-        self, layer: Projections, queries: Any, cache: Any, *, causal: bool, dtype: Any
+        self,
+        layer: Projections,
+        queries: Any,
+        cache: Any,
+        *,
+        causal: bool,
+        dtype: Any,
+        rotary: spec.Rotary | None = None,
     ) -> Result | None:
         """Plain self-attention (:func:`plain_self_attention`) run in few operations, or ``None``.
 
@@ -316,6 +323,8 @@ class Facts:
             cache: the call's cache, unchecked, or ``None``.
             causal: the call's flag (a bool).
             dtype: the dtype the inputs must have, or ``None`` for any floating.
+            rotary: the layer's rotary embedding (its one option), or ``None``:
+                queries and keys rotate at the default positions.
         """
         return None
 

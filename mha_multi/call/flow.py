@@ -230,17 +230,18 @@ def plain_self_attention(
     """Whether a call is plain self-attention, which :meth:`Facts.plain_attention` may answer.
 
     The queries are the keys and values (with a cache: the new positions),
-    ``causal`` is a bool, and nothing else is asked: no lengths or layer
-    options, and each of ``others``, the call's every other argument
-    (returned weights, gates, positions, bias, dropout, heads mapped over
-    devices or sharded), ``None`` or ``False``.
+    ``causal`` is a bool, and nothing else is asked: no lengths, no layer
+    option but ``rotary`` (at the default positions), and each of
+    ``others``, the call's every other argument (returned weights, gates,
+    positions, bias, dropout, heads mapped over devices or sharded), ``None``
+    or ``False``.
     """
     if not (
         keys is queries
         and values is queries
         and valid_lens is None
         and (causal is True or causal is False)
-        and (layer_options is None or layer_options.is_default)
+        and (layer_options is None or layer_options.is_default or layer_options.only_rotary)
     ):
         return False
     # A loop, not all() of a generator: every call of every layer asks.
@@ -306,7 +307,10 @@ def forward(
     if plain_self_attention(
         queries, keys, values, valid_lens, causal=causal, layer_options=layer_options, others=others
     ):
-        result = facts.plain_attention(layer, queries, cache, causal=causal, dtype=dtype)
+        rotary = None if layer_options is None else layer_options.rotary
+        result = facts.plain_attention(
+            layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary
+        )
         if result is not None:
             return result
     heads = layer.heads

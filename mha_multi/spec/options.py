@@ -245,12 +245,26 @@ class LayerOptions:
             "softcap": self.softcap,
         }
 
+    def __post_init__(self) -> None:
+        # Every call of a layer asks both, and the options never change: decided once.
+        # (Plain attributes, not functools.cached_property: Python 3.11's takes a lock,
+        # which torch.compile cannot trace.)
+        others_default = all(
+            getattr(self, field.name) == field.default
+            for field in dataclasses.fields(self)
+            if field.name != "rotary"
+        )
+        object.__setattr__(self, "_others_default", others_default)
+
     @property
     def is_default(self) -> bool:
         """Whether these are d2l's layer (no option set)."""
-        return (
-            self.rotary is None and not self.alibi and self.window is None and self.softcap is None
-        )
+        return self.rotary is None and self._others_default
+
+    @property
+    def only_rotary(self) -> bool:
+        """Whether ``rotary`` is the one option set: the scores are d2l's, of rotated q and k."""
+        return self.rotary is not None and self._others_default
 
     def score_options(
         self, *, num_heads: int, bias: Array | None = None, query_positions: Array | None = None

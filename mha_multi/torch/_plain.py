@@ -24,7 +24,7 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, written_step
-from mha_multi.torch._ops import SIXTEEN_BIT
+from mha_multi.torch._ops import OPS, SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
 
@@ -44,11 +44,15 @@ class PlainPlan(NamedTuple):
     (:func:`mha_multi.spec.reads_values`). ``bounded``: SDPA's causal flag
     hides keys, so the read takes the largest query and key too, whose
     scores must lie within :data:`mha_multi.spec.FUSED_SCORE_LIMIT`.
+    ``tables``: a rotary layer's :func:`mha_multi.spec.rotary_tables`, made
+    once: of the call's ``arange(Q)`` without a cache, of every position of
+    the cache with one (a step takes its row).
     """
 
     fused: bool
     arguments: dict[str, Any]
     bounded: bool = False
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class PlainRoute:
@@ -73,6 +77,7 @@ class PlainRoute:
         *,
         causal: bool,
         dtype: torch.dtype | None,
+        rotary: spec.Rotary | None = None,
     ) -> call.Result | None:
         """Plain self-attention (:func:`mha_multi.call.plain_self_attention`) in a dozen operations.
 
@@ -98,6 +103,11 @@ class PlainRoute:
         anything, and the generic flow runs the call (docs: "Fast paths").
         ``layer`` is a PyTorch layer: its self-attention projections are one
         product (``project_stacked``), whose one sum is the finiteness read.
+        A layer whose one option is ``rotary`` rotates its queries and keys
+        together (one tensor of their heads: the rotation acts on each head
+        alone) by the plan's tables, at ``arange(Q)`` or at the step's
+        position, the generic flow's default positions; the read then sums
+        what attention takes, the rotated heads and the values.
         """
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
@@ -106,7 +116,7 @@ class PlainRoute:
         on_host = self.on_host(queries)
         step = None
         if cache is None:
-            plan = self._plain_plan(layer, queries, None, causal=causal, dtype=dtype)
+            plan = self._plain_plan(layer, queries, None, causal=causal, dtype=dtype, rotary=rotary)
         else:
             check = self._plain_step_check(queries, cache, checked=on_host)
             if check is None:
@@ -120,7 +130,9 @@ class PlainRoute:
                 autocast = torch.is_autocast_enabled("cpu" if on_host else device.type)
                 plan = None if autocast else step[2]
             else:
-                plan = self._plain_plan(layer, queries, cache, causal=causal, dtype=dtype)
+                plan = self._plain_plan(
+                    layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary
+                )
                 step = None if plan is None else (weakref.ref(layer), key, plan)
         if plan is None:
             return None
@@ -141,7 +153,13 @@ class PlainRoute:
         else:
             projected = layer.project_stacked(queries)
         q, k, v = split_stacked(projected, heads)
-        if plan.fused and not self._exact(projected, q, k, plan, heads.head_dim):
+        read = (projected,)
+        if rotary is not None:
+            q, k, turned = _rotated(
+                projected, plan, rotary, heads, None if cache is None else check
+            )
+            read = (turned, v)
+        if plan.fused and not self._exact(read, q, k, plan, heads.head_dim):
             return None  # (no gradient here)
         lengths = updated = None
         if cache is not None:
@@ -179,15 +197,18 @@ class PlainRoute:
 
     @staticmethod
     def _exact(
-        projected: torch.Tensor,
+        read: tuple[torch.Tensor, ...],
         q: torch.Tensor,
         k: torch.Tensor,
         plan: PlainPlan,
         head_dim: int,
     ) -> bool:
-        """The one read of a fused plan: every projection finite and, where the plan
-        hides keys (``bounded``), every score within the fused limit."""
-        total = projected.sum(dtype=torch.float32)
+        """The one read of a fused plan: what attention takes finite (``read``, the
+        projections or the rotated heads and the values) and, where the plan hides
+        keys (``bounded``), every score within the fused limit."""
+        total = read[0].sum(dtype=torch.float32)
+        for x in read[1:]:
+            total = total + x.sum(dtype=torch.float32)
         if not plan.bounded:
             return math.isfinite(total.item())
         total, *q_k = read_together([total, *extremes(q), *extremes(k)])
@@ -227,6 +248,7 @@ class PlainRoute:
         *,
         causal: bool,
         dtype: torch.dtype | None,
+        rotary: spec.Rotary | None = None,
     ) -> PlainPlan | None:
         """:meth:`plain_attention`'s plan for calls of these shapes, or ``None`` where it
         takes none.
@@ -317,7 +339,42 @@ class PlainRoute:
             plan = spec.plan_kernel(self.kernel, **settings, values_exact=None)
             if not plan.fused:
                 plain = PlainPlan(False, {})
+        if plain is not None and rotary is not None:
+            # The generic flow's tables of the same positions (spec.rotary_tables is
+            # elementwise: a table's row is that of its position alone).
+            ops = self.ops(queries)
+            count = queries.shape[1] if cache is None else cache.keys.shape[2]
+            tables = spec.rotary_tables(ops, queries, ops.arange(count), rotary, heads.head_dim)
+            plain = plain._replace(tables=tables)
         if len(plans) >= _PLAIN_PLANS:
             plans.clear()
         plans[key] = plain
         return plain
+
+
+def _rotated(
+    projected: torch.Tensor,
+    plan: PlainPlan,
+    rotary: spec.Rotary,
+    heads: spec.Heads,
+    check: CacheCheck | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries and keys of stacked projections rotated together, at ``arange(Q)``
+    (no cache) or at the step's position (``check.uniform``), by the plan's tables:
+    ``(q, k, both)``, the first two views of the third."""
+    query_width = heads.query_features
+    both = projected.narrow(-1, 0, query_width + heads.kv_features)
+    cos, sin = plan.tables
+    if check is not None:
+        cos, sin = cos.narrow(0, check.uniform, 1), sin.narrow(0, check.uniform, 1)
+    both = spec.rotate(
+        OPS,
+        both,
+        None,
+        rotary,
+        heads.num_heads + heads.num_kv_heads,
+        heads.head_dim,
+        tables=(cos, sin),
+    )
+    q, k = both.split_with_sizes((query_width, heads.kv_features), -1)
+    return q, k, both

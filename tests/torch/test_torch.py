@@ -797,18 +797,24 @@ def assert_same_nonfinite_pattern(got, expected):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("num_kv_heads", [4, 2])
+@pytest.mark.parametrize(
+    "num_kv_heads, rotary",
+    [(4, None), (2, None), (2, {"theta": 100.0}), (4, {"fraction": 0.5, "interleaved": True})],
+    ids=["mha", "gqa", "gqa-rotary", "mha-interleaved"],
+)
 def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(
-    num_kv_heads, causal, dtype
+    num_kv_heads, rotary, causal, dtype
 ):
     """``layer(x, x, x)`` under ``no_grad``: one answer of the facts' route, SDPA with the
-    causal flag and no mask, the generic flow's output to the bit and the reference's."""
+    causal flag and no mask, the generic flow's output to the bit and the reference's;
+    a layer whose one option is rotary too (at ``arange(Q)``)."""
     heads = {"num_heads": 4, "num_kv_heads": num_kv_heads}
     weights = init_weights(16, bias=True, seed=21, **heads)
-    layer = set_weights(MultiHeadAttention(16, bias=True, dtype=dtype, **heads), weights).eval()
+    layer = MultiHeadAttention(16, bias=True, dtype=dtype, rotary=rotary, **heads)
+    layer = set_weights(layer, weights).eval()
     x = torch.from_numpy(np.random.default_rng(21).standard_normal((3, 5, 16))).to(dtype)
     expected, _ = spec.reference_forward(
-        weights, *(x.double().numpy(),) * 3, causal=causal, **heads
+        weights, *(x.double().numpy(),) * 3, causal=causal, rotary=rotary, **heads
     )
     with answered_calls() as answers, backend.kernel_spy() as calls, torch.no_grad():
         out = layer(x, x, x, causal=causal)

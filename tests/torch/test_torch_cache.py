@@ -130,6 +130,33 @@ def test_compiled_decoding_equals_eager_and_the_reference(compiler):
         )
 
 
+@pytest.mark.parametrize("rotary", [None, {"theta": 100.0}], ids=["plain", "rotary"])
+def test_compiled_self_attention_steps_are_one_graph_of_the_eager_numbers(rotary):
+    """A decoding step of self-attention, plain and Llama-shaped (rotary, grouped heads),
+    traces to one graph without a break (``torch._dynamo.explain``), static shapes; the
+    compiled prefill and steps give the eager numbers."""
+    weights, layer = self_attention(HEADS, seed=15, rotary=rotary)
+    x = torch.from_numpy(np.random.default_rng(15).standard_normal((3, 4, NUM_HIDDENS)))
+    x = x.float()
+    with torch.no_grad():
+        _, cache = layer(x, x, x, causal=True, cache=layer.init_cache(3, 8))
+        y = x[:, -1:].contiguous()
+        explained = torch._dynamo.explain(layer)(y, y, y, causal=True, cache=cache)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False, backend="eager")
+    caches = {"eager": layer.init_cache(3, 8), "compiled": layer.init_cache(3, 8)}
+    outputs = {}
+    for name, run in (("eager", layer), ("compiled", compiled)):
+        token, cache = x, caches[name]
+        with torch.no_grad():
+            for _ in range(3):
+                token, cache = run(token, token, token, causal=True, cache=cache)
+                token = token[:, -1:].contiguous()
+        outputs[name], caches[name] = token, cache
+    torch.testing.assert_close(outputs["compiled"], outputs["eager"], rtol=0, atol=FLOAT32_ATOL)
+    assert caches["compiled"].lengths.tolist() == caches["eager"].lengths.tolist() == [6] * 3
+
+
 def test_compiled_overflow_drops_positions_and_keeps_counting(compiler):
     """Eager raises; compiled code writes what fits, overwrites nothing held, counts on."""
     weights, layer, inputs = make(1, length=7)
@@ -392,10 +419,10 @@ def test_decoding_steps_read_only_their_new_rows(inference, made_by):
 # -- a plain decoding step's fast route -------------------------------------------------
 
 
-def self_attention(heads, seed, dtype=torch.float32):
+def self_attention(heads, seed, dtype=torch.float32, **options):
     """A self-attention layer (every input of ``NUM_HIDDENS``) and its float64 weights."""
     weights = init_weights(NUM_HIDDENS, bias=True, seed=seed, **heads)
-    layer = MultiHeadAttention(NUM_HIDDENS, bias=True, dtype=dtype, **heads)
+    layer = MultiHeadAttention(NUM_HIDDENS, bias=True, dtype=dtype, **heads, **options)
     layer = set_weights(layer, {k: v.astype(np.float32) for k, v in weights.items()}).eval()
     return {k: v.astype(np.float32).astype(np.float64) for k, v in weights.items()}, layer
 
@@ -499,19 +526,33 @@ def test_a_cache_rewound_past_written_rows_gives_the_spec_numbers(written):
     assert answers == [False, written == "finite"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("heads", [{"num_heads": 4}, HEADS], ids=["mha", "gqa"])
-def test_plain_decoding_steps_take_the_fast_route_to_the_generic_numbers(heads, dtype):
+#: Rotary embeddings a decoding route takes: none, half-split, interleaved pairs of a part.
+ROUTE_ROTARY = [None, {"theta": 100.0}, {"theta": 50.0, "fraction": 0.5, "interleaved": True}]
+
+
+@pytest.mark.parametrize(
+    "dtype, heads, rotary",
+    [
+        (torch.float32, {"num_heads": 4}, None),
+        (torch.float32, HEADS, None),
+        (torch.float64, HEADS, None),
+        (torch.float32, HEADS, ROUTE_ROTARY[1]),
+        (torch.float64, {"num_heads": 4}, ROUTE_ROTARY[2]),
+    ],
+    ids=["mha", "gqa", "gqa-float64", "gqa-rotary", "mha-interleaved-float64"],
+)
+def test_plain_decoding_steps_take_the_fast_route_to_the_generic_numbers(heads, dtype, rotary):
     """Self-attention steps under ``no_grad``, all examples at one length: the facts answer
     every step after the prefill, with the generic flow's outputs and cache to the bit, and
-    the float64 reference's numbers."""
-    weights, layer = self_attention(heads, seed=11, dtype=dtype)
+    the float64 reference's numbers; a layer whose one option is rotary too (its rows
+    rotated at each example's length)."""
+    weights, layer = self_attention(heads, seed=11, dtype=dtype, rotary=rotary)
     prompt = np.random.default_rng(11).standard_normal((3, 4, NUM_HIDDENS))
     atol = FLOAT32_ATOL if dtype == torch.float32 else 1e-12
 
     def against_reference(x, before, output):
         expected, _, _ = spec.reference_cached_forward(
-            weights, *(x.double().numpy(),) * 3, before, **heads, causal=True
+            weights, *(x.double().numpy(),) * 3, before, **heads, causal=True, rotary=rotary
         )
         np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=atol)
 
@@ -577,12 +618,17 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
 
 
 @pytest.mark.parametrize(
-    "heads, prompt_length, max_length",
-    [({"num_heads": 4}, 61, 80), (HEADS, 61, 80), (HEADS, 300, 400)],
-    ids=["mha", "gqa", "after a prefill that reads"],
+    "heads, prompt_length, max_length, rotary",
+    [
+        ({"num_heads": 4}, 61, 80, None),
+        (HEADS, 61, 80, None),
+        (HEADS, 300, 400, None),
+        (HEADS, 61, 80, ROUTE_ROTARY[1]),
+    ],
+    ids=["mha", "gqa", "after a prefill that reads", "gqa-rotary"],
 )
 def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
-    heads, prompt_length, max_length, monkeypatch
+    heads, prompt_length, max_length, rotary, monkeypatch
 ):
     """On a GPU a step's finiteness read would wait for the device: the route runs the
     generic path's attention over the filled positions rounded up to the span bucket
@@ -590,16 +636,17 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
     the generic flow's outputs and cache to the bit, and the reference's numbers. A
     prefill of 300 positions reads (its 300 queries see a span of 320, and the scores
     in all that a call recording no gradient reads from are set to its own): its check
-    stands for 20 positions more than are filled, and the steps take the route too."""
+    stands for 20 positions more than are filled, and the steps take the route too. A
+    rotary layer's steps too."""
     span = spec.rounded_span(prompt_length, max_length, spec.SPAN_BUCKET)
     prefill_scores = 3 * heads["num_heads"] * prompt_length * span
     monkeypatch.setattr("mha_multi.spec.plan.DEVICE_READ_TOTAL_SCORES", prefill_scores)
-    weights, layer = self_attention(heads, seed=13)
+    weights, layer = self_attention(heads, seed=13, rotary=rotary)
     prompt = np.random.default_rng(13).standard_normal((3, prompt_length, NUM_HIDDENS))
 
     def against_reference(x, before, output):
         expected, _, _ = spec.reference_cached_forward(
-            weights, *(x.double().numpy(),) * 3, before, **heads, causal=True
+            weights, *(x.double().numpy(),) * 3, before, **heads, causal=True, rotary=rotary
         )
         np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
 
