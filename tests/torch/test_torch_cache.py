@@ -135,7 +135,7 @@ def test_compiled_self_attention_steps_are_one_graph_of_the_eager_numbers(rotary
     """A decoding step of self-attention, plain and Llama-shaped (rotary, grouped heads),
     traces to one graph without a break (``torch._dynamo.explain``), static shapes; the
     compiled prefill and steps give the eager numbers."""
-    weights, layer = self_attention(HEADS, seed=15, rotary=rotary)
+    _, layer = self_attention(HEADS, seed=15, rotary=rotary)
     x = torch.from_numpy(np.random.default_rng(15).standard_normal((3, 4, NUM_HIDDENS)))
     x = x.float()
     with torch.no_grad():
