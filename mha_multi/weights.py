@@ -29,7 +29,7 @@ import os
 import zipfile
 import zlib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -305,11 +305,14 @@ def check_layer_weights(
             floating-point array.
         ValueError: a missing, extra or mis-shaped entry, named.
     """
+    heads = layer.heads if heads is None else heads
     return check_weights(
         weights,
         num_hiddens=layer.num_hiddens,
         bias=layer.bias,
-        **asdict(layer.heads if heads is None else heads),  # num_heads, num_kv_heads, head_dim
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
+        head_dim=heads.head_dim,
         **layer.input_sizes(),
     )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,25 +29,26 @@ class Heads:
     num_kv_heads: int
     head_dim: int
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per key/value head."""
-        return self.num_heads // self.num_kv_heads
+    def __post_init__(self) -> None:
+        # Plain attributes, set once: every call reads them, and a property is a
+        # function call each time (docs: "Results", calls per call).
+        derived = {
+            "group_size": self.num_heads // self.num_kv_heads,
+            "grouped": self.num_kv_heads != self.num_heads,
+            "query_features": self.num_heads * self.head_dim,
+            "kv_features": self.num_kv_heads * self.head_dim,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
-    @property
-    def grouped(self) -> bool:
-        """Whether key/value heads are shared (``num_kv_heads < num_heads``)."""
-        return self.num_kv_heads != self.num_heads
-
-    @property
-    def query_features(self) -> int:
-        """``num_heads * head_dim``: the width of projected queries and of ``W_o``'s input."""
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_features(self) -> int:
-        """``num_kv_heads * head_dim``: the width of projected keys and values."""
-        return self.num_kv_heads * self.head_dim
+    #: Query heads per key/value head.
+    group_size: int = field(init=False, repr=False, compare=False)
+    #: Whether key/value heads are shared (``num_kv_heads < num_heads``).
+    grouped: bool = field(init=False, repr=False, compare=False)
+    #: ``num_heads * head_dim``: the width of projected queries and of ``W_o``'s input.
+    query_features: int = field(init=False, repr=False, compare=False)
+    #: ``num_kv_heads * head_dim``: the width of projected keys and values.
+    kv_features: int = field(init=False, repr=False, compare=False)
 
 
 def check_positive_int(name: str, value: Any) -> None:

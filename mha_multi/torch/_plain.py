@@ -27,6 +27,7 @@ from mha_multi.torch._cache import CacheCheck, written_step
 from mha_multi.torch._ops import OPS, SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
+from mha_multi.torch._rotary import WideTables, rotate_wide, wide_tables
 
 __all__ = ["PlainPlan", "PlainRoute"]
 
@@ -46,13 +47,15 @@ class PlainPlan(NamedTuple):
     scores must lie within :data:`mha_multi.spec.FUSED_SCORE_LIMIT`.
     ``tables``: a rotary layer's :func:`mha_multi.spec.rotary_tables`, made
     once: of the call's ``arange(Q)`` without a cache, of every position of
-    the cache with one (a step takes its row).
+    the cache with one (a step takes its row); ``wide_tables`` the same as
+    :func:`mha_multi.torch._rotary.wide_tables`, where whole heads rotate.
     """
 
     fused: bool
     arguments: dict[str, Any]
     bounded: bool = False
     tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    wide_tables: WideTables | None = None
 
 
 class PlainRoute:
@@ -345,7 +348,9 @@ class PlainRoute:
             ops = self.ops(queries)
             count = queries.shape[1] if cache is None else cache.keys.shape[2]
             tables = spec.rotary_tables(ops, queries, ops.arange(count), rotary, heads.head_dim)
-            plain = plain._replace(tables=tables)
+            plain = plain._replace(
+                tables=tables, wide_tables=wide_tables(tables, rotary, heads.head_dim)
+            )
         if len(plans) >= _PLAIN_PLANS:
             plans.clear()
         plans[key] = plain
@@ -364,17 +369,14 @@ def _rotated(
     ``(q, k, both)``, the first two views of the third."""
     query_width = heads.query_features
     both = projected.narrow(-1, 0, query_width + heads.kv_features)
-    cos, sin = plan.tables
+    all_heads = heads.num_heads + heads.num_kv_heads
+    tables = plan.tables if plan.wide_tables is None else plan.wide_tables
     if check is not None:
-        cos, sin = cos.narrow(0, check.uniform, 1), sin.narrow(0, check.uniform, 1)
-    both = spec.rotate(
-        OPS,
-        both,
-        None,
-        rotary,
-        heads.num_heads + heads.num_kv_heads,
-        heads.head_dim,
-        tables=(cos, sin),
-    )
+        position = check.uniform
+        tables = tuple(table.narrow(0, position, 1) for table in tables)
+    if plan.wide_tables is None:
+        both = spec.rotate(OPS, both, None, rotary, all_heads, heads.head_dim, tables=tables)
+    else:
+        both = rotate_wide(both, tables, rotary, all_heads, heads.head_dim)
     q, k = both.split_with_sizes((query_width, heads.kv_features), -1)
     return q, k, both

@@ -799,7 +799,7 @@ def assert_same_nonfinite_pattern(got, expected):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "num_kv_heads, rotary",
-    [(4, None), (2, None), (2, {"theta": 100.0}), (4, {"fraction": 0.5, "interleaved": True})],
+    [(4, None), (2, None), (2, {"theta": 100.0}), (4, {"interleaved": True})],
     ids=["mha", "gqa", "gqa-rotary", "mha-interleaved"],
 )
 def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(

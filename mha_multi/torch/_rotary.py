@@ -1,0 +1,58 @@
+"""The fast route's rotation: :func:`mha_multi.spec.rotate`'s numbers in fewer operations.
+
+A decoding step's host time is its operations (docs: "Fast paths"), and
+the spec's rotation of each head's pairs, ``(x1 cos - x2 sin, x2 cos + x1
+sin)``, takes nine. Written as transformers writes it, ``x * C + swap(x)
+* S``, with ``C`` each angle's cosine at both entries of its pair and
+``S`` its sine, negated at the pair's first entry, it takes four: a swap
+of the pairs (a roll of the half-split layout, a flip of interleaved
+pairs), two products and a sum. Each entry is the same two products and
+one sum, rounded the same way (``a + b * (-s)`` is ``a - b * s`` in IEEE
+arithmetic, non-finite values included), so the numbers are the spec's to
+the bit. A rotation of part of each head keeps the spec's own form.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha_multi import spec
+
+__all__ = ["WideTables", "rotate_wide", "wide_tables"]
+
+#: ``(C, S)``, each ``(..., head_dim)``: every entry's cosine and signed sine.
+WideTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def wide_tables(
+    tables: tuple[torch.Tensor, torch.Tensor], rotary: spec.Rotary, head_dim: int
+) -> WideTables | None:
+    """``(C, S)`` of :func:`mha_multi.spec.rotary_tables`' ``(cos, sin)`` (``(..., dim /
+    2)``), or ``None`` where only part of each head rotates."""
+    if rotary.dim(head_dim) != head_dim:
+        return None
+    cos, sin = tables
+    if rotary.interleaved:  # pairs (2 i, 2 i + 1)
+        return (
+            torch.stack([cos, cos], -1).flatten(-2),
+            torch.stack([-sin, sin], -1).flatten(-2),
+        )
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # pairs (i, i + dim / 2)
+
+
+def rotate_wide(
+    x: torch.Tensor, tables: WideTables, rotary: spec.Rotary, num_heads: int, head_dim: int
+) -> torch.Tensor:
+    """:func:`mha_multi.spec.rotate` of ``x`` ``(B, T, num_heads * head_dim)`` by
+    :func:`wide_tables` (broadcast against ``(B, T, num_heads, head_dim)``)."""
+    wide_cos, wide_sin = tables
+    dtype = x.dtype
+    heads = x.unflatten(-1, (num_heads, head_dim))
+    if wide_cos.dtype != dtype:  # 16-bit heads rotate in float32, rounded once
+        heads = heads.to(wide_cos.dtype)
+    if rotary.interleaved:
+        swapped = heads.unflatten(-1, (head_dim // 2, 2)).flip(-1).flatten(-2)
+    else:
+        swapped = heads.roll(head_dim // 2, -1)
+    turned = (heads * wide_cos + swapped * wide_sin).flatten(-2)
+    return turned if turned.dtype == dtype else turned.to(dtype)
