@@ -7,7 +7,6 @@ and biases"). Rotary embeddings are in :mod:`mha_multi.spec.rotary`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -237,7 +236,7 @@ class LayerOptions:
         """The options as plain Python values (``rotary`` a dict), as constructors take them."""
         rotary = self.rotary
         if isinstance(rotary, Rotary):
-            rotary = dataclasses.asdict(rotary)
+            rotary = rotary.config()
         return {
             "rotary": rotary,
             "alibi": self.alibi,
