@@ -530,13 +530,12 @@ GRADIENTS = {
         {"num_kv_heads": 2},
         {
             "rotary": {
-                "scaling": {
-                    "rope_type": "longrope",
-                    "short_factor": [1.0, 2.0],
-                    "long_factor": [3.0, 5.0],
-                    "original_max_position_embeddings": 2,
-                    "factor": 3.0,
-                }
+                "scaling": spec.LongRopeScaling(
+                    short_factor=[1.0, 2.0],
+                    long_factor=[3.0, 5.0],
+                    original_max_position_embeddings=2,
+                    attention_factor=1.2,
+                )
             },
             "causal": True,
             "positions": "ragged",
