@@ -7,6 +7,7 @@ and biases"). Rotary embeddings are in :mod:`mha_multi.spec.rotary`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -236,7 +237,7 @@ class LayerOptions:
         """The options as plain Python values (``rotary`` a dict), as constructors take them."""
         rotary = self.rotary
         if isinstance(rotary, Rotary):
-            rotary = rotary.config()
+            rotary = dataclasses.asdict(rotary)
         return {
             "rotary": rotary,
             "alibi": self.alibi,

@@ -71,15 +71,6 @@ class Rotary:
         """Whether the frequencies depend on the call's length (``dynamic``, ``longrope``)."""
         return self.scaling is not None and self.scaling.depends_on_length
 
-    def config(self) -> dict[str, Any]:
-        """The rotation as plain Python values, the scaling tagged with its ``rope_type``."""
-        return {
-            "theta": self.theta,
-            "fraction": self.fraction,
-            "interleaved": self.interleaved,
-            "scaling": None if self.scaling is None else self.scaling.config(),
-        }
-
     def dim(self, head_dim: int) -> int:
         """The rotated size of a head: ``int(head_dim * fraction)``, as transformers rounds it.
 

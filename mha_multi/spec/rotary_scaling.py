@@ -39,10 +39,13 @@ __all__ = [
 
 
 class _Scaling:
-    """What every rotary type shares: its tag, its checks and its plain form."""
+    """What every rotary type shares: its checks and its defaults.
 
-    #: transformers' ``rope_type`` of this scaling.
-    rope_type: ClassVar[str]
+    Each type's ``rope_type`` (transformers' tag) is a field that is not an
+    argument, so ``dataclasses.asdict`` gives the tagged dict (a layer's
+    ``get_config``) that :func:`check_scaling` reads back.
+    """
+
     #: Whether the frequencies depend on the call's length (``dynamic``, ``longrope``).
     depends_on_length: ClassVar[bool] = False
 
@@ -67,14 +70,6 @@ class _Scaling:
     def check_pairs(self, pairs: int) -> None:
         """Raises a ``ValueError`` where the scaling does not fit ``pairs`` rotated pairs."""
 
-    def config(self) -> dict[str, Any]:
-        """The scaling as plain Python values, tagged with its ``rope_type``."""
-        fields = {
-            name: list(value) if isinstance(value, tuple) else value
-            for name, value in dataclasses.asdict(self).items()
-        }
-        return {"rope_type": self.rope_type, **fields}
-
 
 @dataclass(frozen=True)
 class Llama3Scaling(_Scaling):
@@ -93,7 +88,7 @@ class Llama3Scaling(_Scaling):
             ``high_freq_factor <= low_freq_factor``.
     """
 
-    rope_type: ClassVar[str] = "llama3"
+    rope_type: str = dataclasses.field(default="llama3", init=False)
 
     factor: float
     low_freq_factor: float
@@ -138,7 +133,7 @@ class LinearScaling(_Scaling):
         TypeError, ValueError: ``factor`` not a positive finite number.
     """
 
-    rope_type: ClassVar[str] = "linear"
+    rope_type: str = dataclasses.field(default="linear", init=False)
 
     factor: float
 
@@ -170,7 +165,7 @@ class DynamicScaling(_Scaling):
             ``max_position_embeddings``).
     """
 
-    rope_type: ClassVar[str] = "dynamic"
+    rope_type: str = dataclasses.field(default="dynamic", init=False)
     depends_on_length: ClassVar[bool] = True
 
     factor: float
@@ -218,7 +213,7 @@ class YarnScaling(_Scaling):
         TypeError, ValueError: a field of the wrong type or out of range.
     """
 
-    rope_type: ClassVar[str] = "yarn"
+    rope_type: str = dataclasses.field(default="yarn", init=False)
 
     factor: float
     original_max_position_embeddings: int
@@ -292,7 +287,7 @@ class LongRopeScaling(_Scaling):
             neither ``factor`` nor ``attention_factor`` given.
     """
 
-    rope_type: ClassVar[str] = "longrope"
+    rope_type: str = dataclasses.field(default="longrope", init=False)
     depends_on_length: ClassVar[bool] = True
 
     short_factor: Sequence[float]
@@ -414,6 +409,8 @@ def _keys(kind: type) -> tuple[list[str], list[str]]:
     """A scaling's required and optional fields."""
     required, optional = [], []
     for field in dataclasses.fields(kind):
+        if not field.init:  # rope_type: the tag, not a key
+            continue
         has_default = field.default is not dataclasses.MISSING
         (optional if has_default else required).append(field.name)
     return required, optional
