@@ -383,7 +383,9 @@ def check_scaling(scaling: Any) -> RotaryScaling | None:
     """
     if scaling is None or isinstance(scaling, tuple(SCALINGS.values())):
         return scaling
-    fields = option_fields(scaling, "rotary.scaling", "Llama3Scaling", _keys(Llama3Scaling)[0])
+    fields = option_fields(
+        scaling, "rotary.scaling", "Llama3Scaling (or another rotary type)", ["rope_type", "..."]
+    )
     tags = {fields.pop(key) for key in ("rope_type", "type") if key in fields}
     if len(tags) > 1:
         raise ValueError(f"rotary.scaling rope_type and type differ: {sorted(map(str, tags))}")
