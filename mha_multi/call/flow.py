@@ -31,21 +31,38 @@ def _rotated(
     rotary: spec.Rotary,
     heads: spec.Heads,
     lengths: Array | None,
+    fill: spec.CacheFill | None = None,
 ) -> tuple[Array, Array | None]:
     """``q`` and ``k`` rotated at the call's positions (:func:`mha_multi.spec.call_positions`)."""
+    num_queries = ops.size(q, 1)
+    num_keys = None if k is None else ops.size(k, 1)
     query_positions, key_positions = spec.call_positions(
-        ops,
-        positions,
-        num_queries=ops.size(q, 1),
-        num_keys=None if k is None else ops.size(k, 1),
-        lengths=lengths,
+        ops, positions, num_queries=num_queries, num_keys=num_keys, lengths=lengths
     )
-    tables = spec.rotary_tables(ops, q, query_positions, rotary, heads.head_dim)
+    length = None
+    if rotary.depends_on_length:
+        # The call's largest position + 1 (docs: "Positions and biases"): from
+        # shapes, or a cache's lengths read already; else one device reduction.
+        sizes = (num_queries, num_keys)
+        if positions is None and lengths is None and all(isinstance(n, int) for n in sizes):
+            length = max(sizes)
+        elif positions is None and fill is not None and isinstance(num_queries, int):
+            length = int(fill.lengths.max()) + num_queries if fill.lengths.size else 0
+        else:
+            length = spec.rotary_length(ops, query_positions, key_positions)
+    tables = spec.rotary_tables(ops, q, query_positions, rotary, heads.head_dim, length=length)
     q = spec.rotate(ops, q, query_positions, rotary, heads.num_heads, heads.head_dim, tables=tables)
     if k is not None:
         shared = tables if key_positions is query_positions else None
         k = spec.rotate(
-            ops, k, key_positions, rotary, heads.num_kv_heads, heads.head_dim, tables=shared
+            ops,
+            k,
+            key_positions,
+            rotary,
+            heads.num_kv_heads,
+            heads.head_dim,
+            tables=shared,
+            length=length,
         )
     return q, k
 
@@ -111,7 +128,7 @@ def attend(
     options = spec.NO_OPTIONS
     if layer_options is not None and layer_options.rotary is not None:
         # Keys rotate before they enter the cache (docs: "Positions and biases").
-        q, k = _rotated(ops, q, k, positions, layer_options.rotary, heads, lengths)
+        q, k = _rotated(ops, q, k, positions, layer_options.rotary, heads, lengths, fill)
     if cache is not None:
         spec.check_cache_dtype(ops, cache, ops.dtype(q), ops.dtype(q))
         cache, valid_lens = facts.write_cache(

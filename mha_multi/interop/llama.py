@@ -12,8 +12,8 @@ constructor arguments under which every backend's layer *is* that
 attention block (docs: "Positions and biases"). It converts only the blocks
 it knows completely (:data:`KNOWN_BLOCKS`), and refuses any other class, or
 a config field it does not compute, rather than return a layer that computes
-something else: the rotary embedding (``rope_theta``, Llama 3's frequency
-scaling, ``partial_rotary_factor``, the pairing of the rotated entries),
+something else: the rotary embedding (``rope_theta``, the rotary type and
+its parameters, ``partial_rotary_factor``, the pairing of the rotated entries),
 the sliding window (Mistral's ``sliding_window``, Gemma 2's on its sliding
 layers), the soft cap of the scores (Gemma 2's
 ``attn_logit_softcapping``). A scale of the scores other than

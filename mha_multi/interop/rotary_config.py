@@ -3,8 +3,8 @@
 A config's ``rope_parameters`` (or, before transformers 5, ``rope_scaling``
 and ``rope_theta``), its ``partial_rotary_factor`` and its model type's
 pairing of the rotated entries, read into the plain values
-:class:`mha_multi.spec.Rotary` takes; a rotary type it does not compute is
-refused.
+:class:`mha_multi.spec.Rotary` takes; a rotary type it does not compute, or
+a field of a type's parameters it does not know, is refused.
 """
 
 from __future__ import annotations
@@ -24,33 +24,104 @@ def rotary_of(config: Any) -> dict[str, Any]:
     The pairing of the rotated entries is the model type's
     (:data:`INTERLEAVED_ROTARY`).
 
+    Every rotary type of transformers' ``ROPE_INIT_FUNCTIONS`` for these
+    families is read: ``default``, ``linear``, ``dynamic`` (with the
+    config's ``max_position_embeddings``), ``yarn``, ``longrope`` (its
+    ``factor``, where not given, the ratio of ``max_position_embeddings`` to
+    ``original_max_position_embeddings``, as transformers takes it) and
+    ``llama3``, in the ``scaling`` of :class:`mha_multi.spec.Rotary`.
+
     Raises:
-        ValueError: a rotary type other than transformers' ``default`` and
-            ``llama3`` (not supported).
+        ValueError: another rotary type, or a field of a rotary type's
+            parameters that transformers' type does not define (named):
+            nothing is converted then.
     """
     parameters = dict(getattr(config, "rope_parameters", None) or {})
     if not parameters:  # transformers before rope_parameters
         parameters = dict(getattr(config, "rope_scaling", None) or {})
         parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    kind = parameters.pop("rope_type", None) or parameters.pop("type", None) or "default"
+    parameters.pop("type", None)
     rotary: dict[str, Any] = {
-        "theta": float(parameters["rope_theta"]),
-        "fraction": float(getattr(config, "partial_rotary_factor", 1.0) or 1.0),
+        "theta": float(parameters.pop("rope_theta")),
+        "fraction": float(
+            parameters.pop("partial_rotary_factor", None)
+            or getattr(config, "partial_rotary_factor", 1.0)
+            or 1.0
+        ),
     }
-    if kind == "llama3":
-        rotary["scaling"] = {name: parameters[name] for name in _LLAMA3_SCALING}
-    elif kind != "default":
+    if kind not in _ROPE_KEYS:
         raise ValueError(
-            f"rope_type {kind!r} is not supported; the rotary types are 'default' and 'llama3'"
+            f"rope_type {kind!r} is not supported; the rotary types are "
+            f"{', '.join(map(repr, _ROPE_KEYS))}"
         )
+    unknown = sorted(set(parameters) - set(_ROPE_KEYS[kind]))
+    if unknown:
+        raise ValueError(
+            f"rope_parameters field(s) {unknown} of rope_type {kind!r} are not supported; "
+            f"its fields are {', '.join(_ROPE_KEYS[kind]) or 'none'} (with rope_type, "
+            "rope_theta and partial_rotary_factor)"
+        )
+    if kind != "default":
+        rotary["scaling"] = _scaling_of(kind, parameters, config)
     if getattr(config, "model_type", None) in INTERLEAVED_ROTARY:
         rotary["interleaved"] = True
     return rotary
 
 
-_LLAMA3_SCALING = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
+#: Each rotary type's fields in ``rope_parameters`` beside ``rope_type``,
+#: ``rope_theta`` and ``partial_rotary_factor`` (transformers' own validation's).
+_ROPE_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+    "longrope": (
+        "short_factor",
+        "long_factor",
+        "original_max_position_embeddings",
+        "factor",
+        "attention_factor",
+    ),
+    "llama3": (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ),
+}
+
+
+def _scaling_of(kind: str, parameters: dict[str, Any], config: Any) -> dict[str, Any]:
+    """The ``scaling`` of a type's checked ``rope_parameters``, read as transformers reads it."""
+    # transformers treats these as unset where None (and YaRN's betas and
+    # mscales where 0: ``or`` and truthiness in its code).
+    falsy_unset = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+    scaling = {
+        name: value
+        for name, value in parameters.items()
+        if value is not None and not (name in falsy_unset and not value)
+    }
+    longest = getattr(config, "max_position_embeddings", None)
+    if kind in ("llama3", "yarn", "longrope") and "original_max_position_embeddings" not in scaling:
+        # transformers' standardize_rope_params: the config's own field, else its context length.
+        original = getattr(config, "original_max_position_embeddings", None) or longest
+        scaling["original_max_position_embeddings"] = original
+    if kind == "dynamic":
+        scaling["max_position_embeddings"] = longest
+    if kind == "longrope" and "factor" not in scaling:
+        # transformers: the ratio of the context lengths, where the config has no factor.
+        scaling["factor"] = longest / scaling["original_max_position_embeddings"]
+    if kind == "longrope":
+        for name in ("short_factor", "long_factor"):
+            scaling[name] = [float(value) for value in scaling[name]]
+    return {"rope_type": kind, **scaling}

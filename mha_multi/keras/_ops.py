@@ -263,6 +263,9 @@ class KerasOps:
     def tanh(self, x: Tensor) -> Tensor:
         return _unary("tanh", x)
 
+    def largest(self, x: Tensor) -> Tensor:
+        return ops.max(x)
+
     def constant(self, value: np.ndarray, like: Tensor) -> Tensor:
         return ops.convert_to_tensor(value, dtype=str(value.dtype))
 

@@ -12,8 +12,9 @@ Shapes, following d2l: queries ``(B, Q, query_size)``, keys
 
 One job per module (docs: "Architecture"): :mod:`~mha_multi.spec.ops` (the
 adapters), :mod:`~mha_multi.spec.checks` (configuration and input checks),
-:mod:`~mha_multi.spec.rotary` and :mod:`~mha_multi.spec.options` (the
-options), :mod:`~mha_multi.spec.layout` (the head layout),
+:mod:`~mha_multi.spec.rotary`, :mod:`~mha_multi.spec.rotary_scaling` (the
+rotary types) and :mod:`~mha_multi.spec.options` (the options),
+:mod:`~mha_multi.spec.layout` (the head layout),
 :mod:`~mha_multi.spec.positions` (masks, positions, position biases),
 :mod:`~mha_multi.spec.attention`, :mod:`~mha_multi.spec.plan` (the kernel
 plan), :mod:`~mha_multi.spec.cache` and :mod:`~mha_multi.spec.cache_checks`,
@@ -120,8 +121,15 @@ from mha_multi.spec.rotary import (
     Llama3Scaling,
     Rotary,
     check_rotary,
+    rotary_length,
     rotary_tables,
     rotate,
+)
+from mha_multi.spec.rotary_scaling import (
+    DynamicScaling,
+    LinearScaling,
+    LongRopeScaling,
+    YarnScaling,
 )
 
 __all__ = [
@@ -179,7 +187,11 @@ __all__ = [
     "update_cache",
     "visibility",
     "LayerOptions",
+    "DynamicScaling",
+    "LinearScaling",
     "Llama3Scaling",
+    "LongRopeScaling",
+    "YarnScaling",
     "NO_OPTIONS",
     "Rotary",
     "ScoreOptions",
@@ -194,6 +206,7 @@ __all__ = [
     "check_softcap",
     "check_window",
     "distance_back",
+    "rotary_length",
     "rotary_tables",
     "rotate",
     "score_bias",
@@ -207,6 +220,14 @@ __all__ = [
 # The values users keep (a cache, the rotary options) are named by their public
 # path: pickles and the API pages refer to ``mha_multi.spec.KVCache``, which
 # stays where it is whichever module of the package defines it.
-for _public in (KVCache, Llama3Scaling, Rotary):
+for _public in (
+    KVCache,
+    Rotary,
+    Llama3Scaling,
+    LinearScaling,
+    DynamicScaling,
+    YarnScaling,
+    LongRopeScaling,
+):
     _public.__module__ = __name__
 del _public

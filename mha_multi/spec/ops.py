@@ -130,6 +130,9 @@ class ArrayOps(Protocol):
 
     def tanh(self, x: Array) -> Array: ...
 
+    def largest(self, x: Array) -> Array:
+        """The largest entry of a non-empty array, as a 0-d array (a rotary length)."""
+
     def constant(self, value: np.ndarray, like: Array) -> Array:
         """A host numpy array as an array of this framework, beside ``like``.
 
@@ -194,6 +197,9 @@ class NamespaceOps:
 
     def tanh(self, x: Array) -> Array:
         return self.xp.tanh(x)
+
+    def largest(self, x: Array) -> Array:
+        return self.xp.max(x)
 
 
 class NumpyOps(NumpyDtypes, NamespaceOps):

@@ -105,6 +105,17 @@ def checked_bias(
     return array.astype(np.float64)
 
 
+def call_length(positions: np.ndarray | None, num_queries: int, num_keys: int) -> int:
+    """A call's rotary length (docs: "Positions and biases"): its largest position + 1.
+
+    Over the whole batch, the queries' and the keys' positions
+    (``arange(Q)`` and ``arange(K)`` without ``positions``); 0 for none.
+    """
+    if positions is None:
+        return max(num_queries, num_keys)
+    return int(positions.max()) + 1 if positions.size else 0
+
+
 def projections(
     w: Mapping[str, np.ndarray],
     queries: np.ndarray,
@@ -122,12 +133,14 @@ def projections(
         query_positions, key_positions = call_positions(
             ops, positions, num_queries=queries.shape[1], num_keys=keys.shape[1]
         )
-        projected["q"] = rotate(
-            ops, projected["q"], query_positions, rotary, heads.num_heads, heads.head_dim
-        )
-        projected["k"] = rotate(
-            ops, projected["k"], key_positions, rotary, heads.num_kv_heads, heads.head_dim
-        )
+        length = call_length(positions, queries.shape[1], keys.shape[1])
+        for name, at, count in (
+            ("q", query_positions, heads.num_heads),
+            ("k", key_positions, heads.num_kv_heads),
+        ):
+            projected[name] = rotate(
+                ops, projected[name], at, rotary, count, heads.head_dim, length=length
+            )
     return projected
 
 
@@ -332,7 +345,14 @@ def reference_gradients(
             ("k", key_positions, kv_heads),
         ):
             projected_grads[name] = rotate(
-                ops, projected_grads[name], at, layer.rotary, count, head_dim, inverse=True
+                ops,
+                projected_grads[name],
+                at,
+                layer.rotary,
+                count,
+                head_dim,
+                inverse=True,
+                length=call_length(positions, num_queries, num_keys),
             )
     for name, grad_projected in projected_grads.items():
         input_name, x = inputs[name]
@@ -416,13 +436,15 @@ def reference_cached_forward(
     dh, group = heads.head_dim, heads.group_size
     with np.errstate(invalid="ignore", over="ignore"):
         q = linear(queries, w, "q")
+        # Keys already in the cache keep the angles they were written with.
+        length = call_length(positions, num_new, num_new)
         if layer.rotary is not None:
-            q = rotate(ops, q, positions, layer.rotary, heads.num_heads, dh)
+            q = rotate(ops, q, positions, layer.rotary, heads.num_heads, dh, length=length)
         if keys is not None:
             projected_k = linear(as_float64(keys), w, "k")
             if layer.rotary is not None:  # keys enter the cache rotated
                 projected_k = rotate(
-                    ops, projected_k, positions, layer.rotary, heads.num_kv_heads, dh
+                    ops, projected_k, positions, layer.rotary, heads.num_kv_heads, dh, length=length
                 )
             projected_k = projected_k.reshape(
                 batch, num_new, -1 if num_new else heads.num_kv_heads, dh

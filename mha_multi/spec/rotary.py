@@ -1,115 +1,29 @@
 """Rotary position embeddings: the option's value, its frequencies and the rotation.
 
-Docs: "Positions and biases". The frequencies are computed once on the host
-in float64; the rotation is written once against the array-ops adapter.
+Docs: "Positions and biases". The frequencies are computed on the host in
+float64 (the rotary types in :mod:`mha_multi.spec.rotary_scaling`); those of
+a call whose length is in its values, on the device, through the array-ops
+adapter. The rotation is written once against the adapter.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mha_multi.spec.checks import check_positive_int, check_positive_real
-from mha_multi.spec.ops import Array, ArrayOps
+from mha_multi.spec.ops import Array, ArrayOps, NumpyOps
+from mha_multi.spec.rotary_scaling import (
+    Llama3Scaling,
+    RotaryScaling,
+    check_scaling,
+    option_fields,
+)
 
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-@dataclass(frozen=True)
-class Llama3Scaling:
-    """Llama 3's scaling of the rotary frequencies (transformers' ``rope_type="llama3"``).
-
-    A frequency ``f`` of wavelength ``2 pi / f`` shorter than
-    ``original_max_position_embeddings / high_freq_factor`` is kept, one
-    longer than ``original_max_position_embeddings / low_freq_factor`` is
-    divided by ``factor``, and the others are interpolated between the two
-    (transformers' ``_compute_llama3_parameters``).
-
-    Raises:
-        TypeError: a field is not a number (``original_max_position_embeddings``
-            not an int).
-        ValueError: a field is not positive and finite, or
-            ``high_freq_factor <= low_freq_factor``.
-    """
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def __post_init__(self) -> None:
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            object.__setattr__(
-                self, name, check_positive_real(f"rotary.scaling.{name}", getattr(self, name))
-            )
-        if self.high_freq_factor <= self.low_freq_factor:
-            # The interpolation divides by their difference.
-            raise ValueError(
-                f"rotary.scaling.high_freq_factor ({self.high_freq_factor}) must be greater "
-                f"than rotary.scaling.low_freq_factor ({self.low_freq_factor})"
-            )
-        check_positive_int(
-            "rotary.scaling.original_max_position_embeddings",
-            self.original_max_position_embeddings,
-        )
-        object.__setattr__(
-            self, "original_max_position_embeddings", int(self.original_max_position_embeddings)
-        )
-
-    def apply(self, inverse_frequencies: np.ndarray) -> np.ndarray:
-        """The scaled frequencies, float64, in the order of transformers' computation."""
-        inv = np.asarray(inverse_frequencies, dtype=np.float64)
-        old = float(self.original_max_position_embeddings)
-        low_wavelength = old / self.low_freq_factor
-        high_wavelength = old / self.high_freq_factor
-        wavelength = 2 * math.pi / inv
-        scaled = np.where(wavelength > low_wavelength, inv / self.factor, inv)
-        smooth = (old / wavelength - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-        medium = ~(wavelength < high_wavelength) & ~(wavelength > low_wavelength)
-        return np.where(medium, smoothed, scaled)
-
-
-def _fields(value: Any, name: str, kind: type, keys: Sequence[str]) -> dict[str, Any]:
-    """The fields of an option given as a dict, for ``kind(**fields)``.
-
-    Raises:
-        TypeError: ``value`` is not a mapping; the message names the option
-            ``name`` and what it may be (``None``, a ``kind`` or a dict of ``keys``).
-    """
-    if not isinstance(value, Mapping):
-        raise TypeError(
-            f"{name} must be None, a mha_multi.spec.{kind.__name__} or a dict with keys "
-            f"{', '.join(keys)}; got {value!r}"
-        )
-    return dict(value)
-
-
-def _check_scaling(scaling: Any) -> Llama3Scaling | None:
-    if scaling is None or isinstance(scaling, Llama3Scaling):
-        return scaling
-    fields = _fields(scaling, "rotary.scaling", Llama3Scaling, _LLAMA3_KEYS)
-    # transformers' rope_scaling names its type; only Llama 3's is defined here.
-    for type_key in ("rope_type", "type"):
-        if type_key in fields and fields.pop(type_key) != "llama3":
-            raise ValueError(
-                f"rotary.scaling {type_key} must be 'llama3' (the only scaling defined); "
-                f"got {scaling[type_key]!r}"
-            )
-    unknown = sorted(set(fields) - set(_LLAMA3_KEYS))
-    missing = [key for key in _LLAMA3_KEYS if key not in fields]
-    if unknown or missing:
-        raise ValueError(
-            f"rotary.scaling must have the keys {', '.join(_LLAMA3_KEYS)}; "
-            f"unknown {unknown}, missing {missing}"
-        )
-    return Llama3Scaling(**fields)
+__all__ = ["Llama3Scaling", "Rotary", "check_rotary", "rotary_length", "rotary_tables", "rotate"]
 
 
 @dataclass(frozen=True)
@@ -124,8 +38,12 @@ class Rotary:
         interleaved: ``False`` pairs entry ``i`` with ``i + dim / 2``
             (transformers' ``rotate_half``); ``True`` pairs ``2 i`` with
             ``2 i + 1`` (the RoFormer paper, GPT-J).
-        scaling: ``None``, or Llama 3's frequency scaling (a
-            :class:`Llama3Scaling` or a dict of its fields).
+        scaling: ``None`` (transformers' ``rope_type="default"``), or a
+            rotary type of :mod:`mha_multi.spec.rotary_scaling`
+            (:class:`Llama3Scaling`, :class:`LinearScaling`,
+            :class:`DynamicScaling`, :class:`YarnScaling`,
+            :class:`LongRopeScaling`), or a dict of its fields tagged with
+            its ``rope_type`` (untagged: Llama 3's).
 
     Raises:
         TypeError, ValueError: a field of the wrong type or out of range,
@@ -135,7 +53,7 @@ class Rotary:
     theta: float = 10000.0
     fraction: float = 1.0
     interleaved: bool = False
-    scaling: Llama3Scaling | Mapping[str, Any] | None = None
+    scaling: RotaryScaling | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "theta", check_positive_real("rotary.theta", self.theta))
@@ -146,13 +64,19 @@ class Rotary:
         if not isinstance(self.interleaved, (bool, np.bool_)):
             raise TypeError(f"rotary.interleaved must be a bool; got {self.interleaved!r}")
         object.__setattr__(self, "interleaved", bool(self.interleaved))
-        object.__setattr__(self, "scaling", _check_scaling(self.scaling))
+        object.__setattr__(self, "scaling", check_scaling(self.scaling))
+
+    @property
+    def depends_on_length(self) -> bool:
+        """Whether the frequencies depend on the call's length (``dynamic``, ``longrope``)."""
+        return self.scaling is not None and self.scaling.depends_on_length
 
     def dim(self, head_dim: int) -> int:
         """The rotated size of a head: ``int(head_dim * fraction)``, as transformers rounds it.
 
         Raises:
-            ValueError: that size is odd or 0 (entries rotate in pairs).
+            ValueError: that size is odd or 0 (entries rotate in pairs), or
+                the scaling's factors per pair are not ``dim / 2``.
         """
         check_positive_int("head_dim", head_dim)
         rotated = int(head_dim * self.fraction)
@@ -161,18 +85,35 @@ class Rotary:
                 f"rotary.fraction ({self.fraction}) of head_dim ({head_dim}) rotates "
                 f"{rotated} entries; rotation needs an even number, at least 2"
             )
+        if self.scaling is not None:
+            self.scaling.check_pairs(rotated // 2)
         return rotated
 
-    def inverse_frequencies(self, head_dim: int) -> np.ndarray:
+    def inverse_frequencies(self, head_dim: int, length: int | None = None) -> np.ndarray:
         """``(dim / 2,)`` float64 frequencies ``theta ** (-2 i / dim)``, scaled if asked.
 
-        Computed on the host, once, in float64; backends take them as
-        constants (:meth:`ArrayOps.constant`), rounded to float32 for inputs
-        of 32 bits or fewer.
+        Computed on the host in float64; backends take them as constants
+        (:meth:`ArrayOps.constant`), rounded to float32 for inputs of 32
+        bits or fewer.
+
+        Args:
+            head_dim: the size of each head.
+            length: the call's length (its largest position + 1), for the
+                types whose frequencies depend on it (:attr:`depends_on_length`);
+                ``None`` for a length within the original context.
         """
+        inv = self.default_frequencies(head_dim)
+        if self.scaling is None:
+            return inv
+        if self.depends_on_length:
+            at = np.float64(0 if length is None else length)
+            return self.scaling.at_length(NumpyOps(), np.asarray, inv, at)
+        return self.scaling.frequencies(inv, self.theta, self.dim(head_dim))
+
+    def default_frequencies(self, head_dim: int) -> np.ndarray:
+        """``(dim / 2,)`` float64 ``theta ** (-2 i / dim)``: transformers' ``default`` type."""
         rotated = self.dim(head_dim)
-        inv = 1.0 / self.theta ** (np.arange(0, rotated, 2, dtype=np.float64) / rotated)
-        return inv if self.scaling is None else self.scaling.apply(inv)
+        return 1.0 / self.theta ** (np.arange(0, rotated, 2, dtype=np.float64) / rotated)
 
 
 _ROTARY_KEYS = ("theta", "fraction", "interleaved", "scaling")
@@ -188,7 +129,7 @@ def check_rotary(rotary: Any) -> Rotary | None:
     """
     if rotary is None or isinstance(rotary, Rotary):
         return rotary
-    fields = _fields(rotary, "rotary", Rotary, _ROTARY_KEYS)
+    fields = option_fields(rotary, "rotary", "Rotary", _ROTARY_KEYS)
     unknown = sorted(set(fields) - set(_ROTARY_KEYS))
     if unknown:
         raise ValueError(
@@ -197,15 +138,50 @@ def check_rotary(rotary: Any) -> Rotary | None:
     return Rotary(**fields)
 
 
+def rotary_length(ops: ArrayOps, positions: Array, other: Array | None = None) -> Array | int:
+    """A call's length on the device: its largest position + 1 over the whole batch.
+
+    What the frequencies of ``dynamic`` and ``longrope`` depend on (docs:
+    "Positions and biases"): one reduction on the device, no read on the
+    host. The length of a call without ``positions`` is known from shapes
+    (or from a cache's lengths already read), and callers pass it as an int.
+
+    Args:
+        ops: the array-ops adapter.
+        positions: the call's integer positions, ``(B|1, T)`` or ``(T,)``.
+        other: the keys' positions where they are another array (an
+            uncached call without ``positions``: ``arange(Q)`` and
+            ``arange(K)``, both 1-D), or ``None``.
+
+    Returns:
+        A 0-d integer array, or 0 where every positions array is empty.
+    """
+    arrays = [positions] if other is None or other is positions else [positions, other]
+    arrays = [p for p in arrays if not any(ops.size(p, a) == 0 for a in range(ops.ndim(p)))]
+    if not arrays:
+        return 0
+    joined = arrays[0] if len(arrays) == 1 else ops.concat_last(arrays)
+    return ops.largest(joined) + 1
+
+
 def rotary_tables(
-    ops: ArrayOps, x: Array, positions: Array, rotary: Rotary, head_dim: int
+    ops: ArrayOps,
+    x: Array,
+    positions: Array,
+    rotary: Rotary,
+    head_dim: int,
+    *,
+    length: Array | int | None = None,
 ) -> tuple[Array, Array]:
-    """The cosines and sines of the angles ``positions * inverse_frequencies``.
+    """The cosines and sines of the angles ``positions * inverse_frequencies``, scaled.
 
     The angles are float32 for inputs of 32 bits or fewer (float64 for
     float64), so 16-bit inputs rotate by float32 angles (docs: "Positions
     and biases"), and a float32 angle is the one rounding of the product of
-    two float32 numbers, as transformers computes it.
+    two float32 numbers, as transformers computes it. Cosines and sines are
+    then multiplied by the rotary type's attention factor (YaRN's and
+    LongRoPE's; 1 for the others), in the angles' precision, as transformers
+    does.
 
     Args:
         ops: the array-ops adapter.
@@ -213,17 +189,32 @@ def rotary_tables(
         positions: integer ``(B|1, T)`` or ``(T,)``.
         rotary: the rotation.
         head_dim: the size of each head.
+        length: the call's length (largest position + 1) for a rotary type
+            that depends on it: an int known on the host, a 0-d array
+            (:func:`rotary_length`), or ``None`` for :func:`rotary_length`
+            of ``positions``. Unused by the other types.
 
     Returns:
         ``(cos, sin)``, each ``(B|1, T, 1, dim / 2)`` or ``(T, 1, dim / 2)``:
         one angle per rotated pair, the same for every head.
     """
-    inv = rotary.inverse_frequencies(head_dim)
     wide = ops.itemsize(ops.dtype(x)) >= 8
-    inv = ops.constant(inv if wide else inv.astype(np.float32), x)  # (dim/2,)
+
+    def constant(value: np.ndarray) -> Array:
+        return ops.constant(value if wide else value.astype(np.float32), x)
+
+    if rotary.depends_on_length and length is None:
+        length = rotary_length(ops, positions)
+    if not rotary.depends_on_length or isinstance(length, (int, np.integer)):
+        inv = constant(rotary.inverse_frequencies(head_dim, length))  # (dim/2,)
+    else:  # the length is in the positions' values: the same formula on the device
+        length = ops.cast(length, ops.dtype(x) if wide else ops.float32())
+        inv = rotary.scaling.at_length(ops, constant, rotary.default_frequencies(head_dim), length)
     angles = ops.expand_dims(ops.cast(positions, ops.dtype(inv)), -1) * inv  # (..., T, dim/2)
     angles = ops.expand_dims(angles, -2)  # (..., T, 1, dim/2): heads broadcast
-    return ops.cos(angles), ops.sin(angles)
+    cos, sin = ops.cos(angles), ops.sin(angles)
+    factor = 1.0 if rotary.scaling is None else rotary.scaling.attention_scaling()
+    return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
 
 
 def rotate(
@@ -236,6 +227,7 @@ def rotate(
     inverse: bool = False,
     *,
     tables: tuple[Array, Array] | None = None,
+    length: Array | int | None = None,
 ) -> Array:
     """Rotary position embeddings of projected queries or keys.
 
@@ -254,16 +246,20 @@ def rotate(
         rotary: the rotation.
         num_heads: the heads of ``x`` (key/value heads for keys).
         head_dim: the size of each head.
-        inverse: rotate by the opposite angles (the transpose: what a
-            gradient goes through).
+        inverse: rotate by the opposite angles, times the same attention
+            factor (the transpose: what a gradient goes through).
         tables: :func:`rotary_tables` for these positions, where already
             computed (queries and keys at the same positions).
+        length: the call's length, for the rotary types that depend on it
+            (:func:`rotary_tables`): queries and keys rotate at one length.
 
     Returns:
         ``x`` rotated, same shape and dtype.
     """
     dtype = ops.dtype(x)
-    cos, sin = rotary_tables(ops, x, positions, rotary, head_dim) if tables is None else tables
+    if tables is None:
+        tables = rotary_tables(ops, x, positions, rotary, head_dim, length=length)
+    cos, sin = tables
     if inverse:
         sin = -sin
     heads = ops.split_axis(x, 2, (num_heads, head_dim))  # (B, T, H, dh)

@@ -121,6 +121,78 @@ def prefilled(runner, layer, inputs, new_lens, max_length):
     return result[-1]
 
 
+LENGTH_DEPENDENT_ROTARY = {
+    "dynamic": {"rope_type": "dynamic", "factor": 3.0, "max_position_embeddings": 4},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 2.0],
+        "long_factor": [3.0, 7.0],
+        "original_max_position_embeddings": 4,
+        "factor": 4.0,
+    },
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LENGTH_DEPENDENT_ROTARY))
+def test_a_rotary_of_the_calls_length_is_the_cached_reference(runner, kind):
+    """A prefill within the original context, then a call past it (docs: "Positions
+    and biases"): each call at its own length, the cached keys at theirs."""
+    config, weights, inputs, _ = setup("gqa_bias", 5)
+    rotary = {"theta": 100.0, "scaling": LENGTH_DEPENDENT_ROTARY[kind]}
+    layer = runner.make_layer(
+        16, 4, num_kv_heads=2, bias=True, query_size=QUERY_SIZE, rotary=rotary
+    )
+    layer = runner.set_weights(layer, weights)
+    cache = runner.init_cache(layer, 3, 7)
+    expected_cache = spec.KVCache(np.zeros((3, 2, 7, 4)), np.zeros((3, 2, 7, 4)), np.zeros(3))
+    start = np.zeros(3, np.int64)
+    for new_lens in (np.array([3, 1, 0]), np.array([2, 0, 3])):  # lengths 3, then 6
+        rows = [chunk_rows(x, start, 3) for x in inputs.values()]
+        output, cache = runner.forward(
+            layer, *native(runner, rows, new_lens), causal=True, cache=cache
+        )
+        expected, _, expected_cache = spec.reference_cached_forward(
+            weights,
+            *rows,
+            expected_cache,
+            new_lens,
+            **reference_heads(config),
+            causal=True,
+            rotary=rotary,
+        )
+        real = np.arange(3) < new_lens[:, None]
+        error = np.abs(np.where(real[..., None], runner.to_numpy(output) - expected, 0)).max()
+        assert error <= 5e-6, (kind, new_lens, error)
+        start += new_lens
+
+
+@pytest.mark.parametrize("kind", sorted(LENGTH_DEPENDENT_ROTARY))
+def test_plain_decoding_steps_of_a_rotary_of_the_calls_length(runner, kind):
+    """Self-attention steps at the default positions past the original context
+    (the plainest calls a backend may serve on a fast route): each at its own length."""
+    weights = init_weights(16, num_heads=4, num_kv_heads=2, seed=6)
+    weights = {k: v.astype(np.float32) for k, v in weights.items()}
+    rotary = {"theta": 100.0, "scaling": LENGTH_DEPENDENT_ROTARY[kind]}
+    layer = runner.set_weights(runner.make_layer(16, 4, num_kv_heads=2, rotary=rotary), weights)
+    x = np.random.default_rng(6).standard_normal((2, 6, 16)).astype(np.float32)
+    cache = runner.init_cache(layer, 2, 6)
+    expected_cache = spec.KVCache(np.zeros((2, 2, 6, 4)), np.zeros((2, 2, 6, 4)), np.zeros(2))
+    for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6)):
+        rows = runner.to_native(x[:, start:stop])
+        output, cache = runner.forward(layer, rows, rows, rows, None, causal=True, cache=cache)
+        expected, _, expected_cache = spec.reference_cached_forward(
+            weights,
+            *[x[:, start:stop]] * 3,
+            expected_cache,
+            num_heads=4,
+            num_kv_heads=2,
+            causal=True,
+            rotary=rotary,
+        )
+        error = np.abs(runner.to_numpy(output) - expected).max()
+        assert error <= 5e-6, (kind, stop, error)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_cached_call_is_the_per_query_loop(runner, causal):
     """Output, weights ``(B, H, T, max_length)`` and the cache after a second call."""

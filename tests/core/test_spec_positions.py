@@ -511,6 +511,37 @@ GRADIENTS = {
             "window": 4,
         },
     ),
+    "YaRN's attention factor, half rotated, cross-attention": (
+        {"num_queries": 3, "num_keys": 6, "head_dim": 8, "num_heads": 2},
+        {
+            "rotary": {
+                "fraction": 0.5,
+                "scaling": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            },
+            "causal": True,
+            "bias": (2, 3, 1),
+        },
+    ),
+    "LongRoPE at ragged positions beyond its context": (
+        {"num_kv_heads": 2},
+        {
+            "rotary": {
+                "scaling": spec.LongRopeScaling(
+                    short_factor=[1.0, 2.0],
+                    long_factor=[3.0, 5.0],
+                    original_max_position_embeddings=2,
+                    attention_factor=1.2,
+                )
+            },
+            "causal": True,
+            "positions": "ragged",
+            "bias": (),
+        },
+    ),
     "ALiBi with 3 heads and a bias ()": (
         {"num_heads": 3, "num_queries": 4, "num_keys": 4},
         {"alibi": True, "bias": (), "valid_lens": np.array([[4, 1, 0, 3], [2, 4, 4, 1]])},
@@ -707,9 +738,14 @@ ERRORS = [
     (lambda: spec.Rotary(scaling=8.0), TypeError, "rotary.scaling"),
     (lambda: spec.Rotary(scaling={"factor": 8.0}), ValueError, "missing"),
     (
+        lambda: spec.Rotary(scaling={**LLAMA3, "rope_type": "ntk"}),
+        ValueError,
+        r"rope_type must be one of 'linear', .* got 'ntk'",
+    ),
+    (
         lambda: spec.Rotary(scaling={**LLAMA3, "rope_type": "yarn"}),
         ValueError,
-        "rope_type must be 'llama3'",
+        r"rope_type 'yarn' .* unknown \['high_freq_factor', 'low_freq_factor'\]",
     ),
     (
         lambda: spec.Rotary(scaling={**LLAMA3, "high_freq_factor": 1.0}),

@@ -172,6 +172,28 @@ def test_grouped_config_round_trip():
     assert restored.get_config() == config
 
 
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0, 2.0],
+            "long_factor": [3.0, 4.0],
+            "original_max_position_embeddings": 8,
+            "factor": 2.0,
+        },
+    ],
+)
+def test_a_rotary_type_round_trips_through_the_config(scaling):
+    layer = MultiHeadAttention(8, 2, rotary={"theta": 50.0, "scaling": scaling})
+    config = layer.get_config()
+    assert config["rotary"]["scaling"]["rope_type"] == scaling["rope_type"]
+    assert MultiHeadAttention.from_config(config).options == layer.options
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
+    assert restored.get_config() == config and restored.options == layer.options
+
+
 def test_config_without_head_options_is_multi_head_attention():
     # What get_config recorded before num_kv_heads and head_dim existed.
     config = MultiHeadAttention(12, 3).get_config()

@@ -185,9 +185,22 @@ def _with_sinks():
         (
             lambda: small_block(
                 "Llama",
-                rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                rope_parameters={"rope_type": "ntk_by_parts", "factor": 2.0, "rope_theta": 1e4},
             )[1],
-            "rope_type 'linear' is not supported",
+            "rope_type 'ntk_by_parts' is not supported",
+        ),
+        (
+            lambda: small_block(
+                "Llama",
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "factor": 2.0,
+                    "rope_theta": 1e4,
+                    "original_max_position_embeddings": 64,
+                    "ramp_power": 2.0,
+                },
+            )[1],
+            r"rope_parameters field\(s\) \['ramp_power'\] of rope_type 'yarn'",
         ),
         (_with_sinks, r"unexpected Llama attention entries \['sinks'\]"),
         (_llama_block_of_cohere_config, "LlamaAttention with a config of model_type 'cohere'"),
@@ -196,7 +209,8 @@ def _with_sinks():
         "unknown class",
         "not transformers' class",
         "qk norm",
-        "rotary type",
+        "unknown rotary type",
+        "unknown field of a rotary type",
         "extra entry",
         "another model's config",
     ],
