@@ -13,7 +13,13 @@ name                  shape                                       present
 ``b_q``               ``(num_heads*head_dim,)``                   iff ``bias=True``
 ``b_k``, ``b_v``      ``(num_kv_heads*head_dim,)``                iff ``bias=True``
 ``b_o``               ``(num_hiddens,)``                          iff ``bias=True``
+``q_norm``            ``(head_dim,)`` or ``(num_heads*head_dim,)``  iff ``qk_norm``
+``k_norm``            ``(head_dim,)`` or ``(num_kv_heads*head_dim,)``  iff ``qk_norm``
 ====================  ==========================================  ===============
+
+The norms' weights (``qk_norm=``, docs: "Positions and biases") are
+``(head_dim,)``, shared by every head, for a norm of scope ``"heads"``, and
+the whole projection's width for scope ``"whole"``.
 
 For multi-head attention with the default head size (``num_kv_heads =
 num_heads``, ``head_dim = num_hiddens // num_heads``) every width is
@@ -39,6 +45,7 @@ from mha_multi import spec
 __all__ = [
     "BIAS_NAMES",
     "KERNEL_NAMES",
+    "NORM_NAMES",
     "WeightsConfig",
     "check_layer_weights",
     "check_weights",
@@ -50,6 +57,7 @@ __all__ = [
 
 KERNEL_NAMES = ("W_q", "W_k", "W_v", "W_o")
 BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
+NORM_NAMES = spec.QK_NORM_NAMES
 
 # A zip archive starts with a local file header, or, when empty, with its end record.
 _ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")
@@ -180,6 +188,7 @@ def check_weights(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    qk_norm: str | bool | None = False,
 ) -> tuple[dict[str, np.ndarray], WeightsConfig]:
     """Strictly validates a canonical mapping.
 
@@ -196,6 +205,11 @@ def check_weights(
         num_hiddens, query_size, key_size, value_size, bias: what the
             weights must describe, where known.
         num_heads, num_kv_heads, head_dim: the layer's head layout, where known.
+        qk_norm: the query/key norms' entries ``q_norm``, ``k_norm``:
+            ``False`` refuses them (a layer or converter without norms),
+            ``"heads"`` or ``"whole"`` (a :class:`mha_multi.spec.QKNorm`'s
+            scope) requires them, ``None`` takes them where present, of
+            either scope's shapes.
 
     Returns:
         ``(weights, config)``: the entries as numpy arrays, and the sizes.
@@ -246,10 +260,27 @@ def check_weights(
     expected["W_o"] = (query_features, num_hiddens)
     if bias:
         expected.update({"b_q": (query_features,), "b_k": (kv_features,), "b_v": (kv_features,)})
+    if qk_norm is None:
+        qk_norm = _norm_scope(arrays, query_features, kv_features)
+    if qk_norm == "whole":
+        expected.update({"q_norm": (query_features,), "k_norm": (kv_features,)})
+    elif qk_norm == "heads":
+        if num_heads is not None:
+            heads = spec.check_heads(
+                num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+            )
+            size: tuple[int, ...] = (heads.head_dim,)
+        else:
+            # No head layout known: the head size the entries have, if both widths hold it.
+            size = np.shape(arrays.get("q_norm", np.zeros(query_features)))
+            _check_head_norm(size, query_features, kv_features)
+        expected.update({"q_norm": size, "k_norm": size})
     for name in sorted(set(expected) - set(arrays)):
-        raise ValueError(f"weights is missing {name!r} (bias={bias})")
+        reason = f"qk_norm scope {qk_norm!r}" if name in NORM_NAMES else f"bias={bias}"
+        raise ValueError(f"weights is missing {name!r} ({reason})")
     for name in sorted(set(arrays) - set(expected)):
         reason = " (the layer has bias=False)" if name in BIAS_NAMES else ""
+        reason = " (the layer has no qk_norm)" if name in NORM_NAMES else reason
         raise ValueError(
             f"weights has an unexpected entry {name!r}{reason}; expected exactly {sorted(expected)}"
         )
@@ -272,11 +303,41 @@ def check_weights(
     return {name: arrays[name] for name in expected}, config
 
 
+def _norm_scope(arrays: Mapping[str, np.ndarray], query_features: int, kv_features: int) -> Any:
+    """The norms' scope canonical weights hold: ``False`` (none), ``"whole"`` or ``"heads"``.
+
+    Raises:
+        ValueError: one norm without the other, or shapes of neither scope, named.
+    """
+    present = [name for name in NORM_NAMES if name in arrays]
+    if not present:
+        return False
+    if len(present) == 1:
+        missing = next(name for name in NORM_NAMES if name not in arrays)
+        raise ValueError(f"weights has {present[0]!r} but is missing {missing!r}")
+    shapes = (np.shape(arrays["q_norm"]), np.shape(arrays["k_norm"]))
+    if shapes == ((query_features,), (kv_features,)):
+        return "whole"
+    return "heads"
+
+
+def _check_head_norm(size: tuple[int, ...], query_features: int, kv_features: int) -> None:
+    """Raises a ``ValueError`` naming ``q_norm`` unless ``size`` is one head's, ``(head_dim,)``."""
+    if len(size) != 1 or not size[0] or query_features % size[0] or kv_features % size[0]:
+        raise ValueError(
+            f"weights['q_norm'] must have shape (head_dim,) of a head size that divides "
+            f"{query_features} and {kv_features}, or ({query_features},) with "
+            f"weights['k_norm'] ({kv_features},); got {size}"
+        )
+
+
 class SizedLayer(Protocol):
     """What :func:`check_layer_weights` reads of a layer of any framework."""
 
     num_hiddens: int
     bias: bool
+    #: The layer's checked constructor options (its ``qk_norm`` names the norms' entries).
+    options: spec.LayerOptions
 
     @property
     def heads(self) -> spec.Heads:
@@ -289,7 +350,8 @@ class SizedLayer(Protocol):
 def check_layer_weights(
     weights: Mapping[str, Any], layer: SizedLayer, heads: spec.Heads | None = None
 ) -> tuple[dict[str, np.ndarray], WeightsConfig]:
-    """:func:`check_weights` against a layer: its width, biases, heads and known input sizes.
+    """:func:`check_weights` against a layer: its width, biases, norms, heads and known
+    input sizes.
 
     Args:
         weights: the canonical mapping to load into ``layer``.
@@ -305,10 +367,12 @@ def check_layer_weights(
             floating-point array.
         ValueError: a missing, extra or mis-shaped entry, named.
     """
+    qk_norm = layer.options.qk_norm
     return check_weights(
         weights,
         num_hiddens=layer.num_hiddens,
         bias=layer.bias,
+        qk_norm=False if qk_norm is None else qk_norm.scope,
         **asdict(layer.heads if heads is None else heads),  # num_heads, num_kv_heads, head_dim
         **layer.input_sizes(),
     )
@@ -326,7 +390,7 @@ def save_weights(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> No
 
     The weights are validated first; nothing is written for an invalid mapping.
     """
-    arrays, _ = check_weights(weights)
+    arrays, _ = check_weights(weights, qk_norm=None)
     if _format(path) == ".npz":
         with open(path, "wb") as file:
             np.savez(file, **arrays)
@@ -410,7 +474,7 @@ def load_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
             f"{path!r} holds no arrays; expected canonical weights {', '.join(KERNEL_NAMES)}"
         )
     try:
-        return check_weights(weights)[0]
+        return check_weights(weights, qk_norm=None)[0]
     except ValueError as error:
         raise ValueError(f"{path!r}: {error}") from error
     except TypeError as error:

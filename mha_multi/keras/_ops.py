@@ -263,6 +263,9 @@ class KerasOps:
     def tanh(self, x: Tensor) -> Tensor:
         return _unary("tanh", x)
 
+    def rsqrt(self, x: Tensor) -> Tensor:
+        return 1.0 / _unary("sqrt", x)
+
     def constant(self, value: np.ndarray, like: Tensor) -> Tensor:
         return ops.convert_to_tensor(value, dtype=str(value.dtype))
 

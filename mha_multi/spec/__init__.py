@@ -12,8 +12,8 @@ Shapes, following d2l: queries ``(B, Q, query_size)``, keys
 
 One job per module (docs: "Architecture"): :mod:`~mha_multi.spec.ops` (the
 adapters), :mod:`~mha_multi.spec.checks` (configuration and input checks),
-:mod:`~mha_multi.spec.rotary` and :mod:`~mha_multi.spec.options` (the
-options), :mod:`~mha_multi.spec.layout` (the head layout),
+:mod:`~mha_multi.spec.rotary`, :mod:`~mha_multi.spec.norms` and
+:mod:`~mha_multi.spec.options` (the options), :mod:`~mha_multi.spec.layout` (the head layout),
 :mod:`~mha_multi.spec.positions` (masks, positions, position biases),
 :mod:`~mha_multi.spec.attention`, :mod:`~mha_multi.spec.plan` (the kernel
 plan), :mod:`~mha_multi.spec.cache` and :mod:`~mha_multi.spec.cache_checks`,
@@ -111,6 +111,15 @@ from mha_multi.spec.positions import (
     score_bias,
     visibility,
 )
+from mha_multi.spec.norms import (
+    QK_NORM_NAMES,
+    QKNorm,
+    check_qk_norm,
+    normalize_qk,
+    refuse_whole_norm,
+    rms_norm,
+    rms_norm_backward,
+)
 from mha_multi.spec.reference import (
     reference_cached_forward,
     reference_forward,
@@ -202,11 +211,18 @@ __all__ = [
     "check_cache_dtype",
     "cached_visibility",
     "appended",
+    "QK_NORM_NAMES",
+    "QKNorm",
+    "check_qk_norm",
+    "normalize_qk",
+    "refuse_whole_norm",
+    "rms_norm",
+    "rms_norm_backward",
 ]
 
 # The values users keep (a cache, the rotary options) are named by their public
 # path: pickles and the API pages refer to ``mha_multi.spec.KVCache``, which
 # stays where it is whichever module of the package defines it.
-for _public in (KVCache, Llama3Scaling, Rotary):
+for _public in (KVCache, Llama3Scaling, QKNorm, Rotary):
     _public.__module__ = __name__
 del _public

@@ -130,6 +130,9 @@ class ArrayOps(Protocol):
 
     def tanh(self, x: Array) -> Array: ...
 
+    def rsqrt(self, x: Array) -> Array:
+        """``1 / sqrt(x)`` (the RMSNorm of ``qk_norm``, :func:`rms_norm`)."""
+
     def constant(self, value: np.ndarray, like: Array) -> Array:
         """A host numpy array as an array of this framework, beside ``like``.
 
@@ -263,6 +266,9 @@ class NumpyOps(NumpyDtypes, NamespaceOps):
 
     def concat_last(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         return np.concatenate(list(xs), axis=-1)
+
+    def rsqrt(self, x: np.ndarray) -> np.ndarray:
+        return 1.0 / np.sqrt(x)
 
     def constant(self, value: np.ndarray, like: Any) -> np.ndarray:
         return np.asarray(value)
