@@ -111,9 +111,7 @@ def attend(
     options = spec.NO_OPTIONS
     if layer_options is not None and layer_options.qk_norm is not None:
         # Before the rotation, so keys enter the cache normalised (docs: "Positions and biases").
-        q, k = spec.normalize_qk(
-            ops, q, k, layer.qk_norm_weights(), layer_options.qk_norm, heads
-        )
+        q, k = spec.normalize_qk(ops, q, k, layer.qk_norm_weights(), layer_options.qk_norm, heads)
     if layer_options is not None and layer_options.rotary is not None:
         # Keys rotate before they enter the cache (docs: "Positions and biases").
         q, k = _rotated(ops, q, k, positions, layer_options.rotary, heads, lengths)

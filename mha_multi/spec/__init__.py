@@ -74,6 +74,15 @@ from mha_multi.spec.layout import (
     transpose_output,
     transpose_qkv,
 )
+from mha_multi.spec.norms import (
+    QK_NORM_NAMES,
+    QKNorm,
+    check_qk_norm,
+    normalize_qk,
+    refuse_whole_norm,
+    rms_norm,
+    rms_norm_backward,
+)
 from mha_multi.spec.ops import (
     ArrayOps,
     NamespaceOps,
@@ -110,15 +119,6 @@ from mha_multi.spec.positions import (
     distance_back,
     score_bias,
     visibility,
-)
-from mha_multi.spec.norms import (
-    QK_NORM_NAMES,
-    QKNorm,
-    check_qk_norm,
-    normalize_qk,
-    refuse_whole_norm,
-    rms_norm,
-    rms_norm_backward,
 )
 from mha_multi.spec.reference import (
     reference_cached_forward,

@@ -133,9 +133,10 @@ class MultiHeadAttention(PackedProjections):
     def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q_norm, k_norm)``: the query/key norms' parameters (``qk_norm`` set)."""
         parameters = self._parameters
+        q_norm, k_norm = parameters["q_norm"], parameters["k_norm"]
         if self._sharding is not None:
-            return tuple(map(self._sharding.replicated, (parameters["q_norm"], parameters["k_norm"])))
-        return parameters["q_norm"], parameters["k_norm"]
+            return self._sharding.replicated(q_norm), self._sharding.replicated(k_norm)
+        return q_norm, k_norm
 
     def input_sizes(self) -> dict[str, int | None]:
         """``query_size``, ``key_size``, ``value_size``; ``None`` where still lazy."""
