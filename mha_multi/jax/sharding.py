@@ -131,8 +131,8 @@ def shard_heads(layer: MultiHeadAttention, mesh: Mesh, axis: str = "model") -> M
             "layer must be an mha_multi.jax.MultiHeadAttention (for Linen variables use "
             f"mha_multi.jax.linen.shard_variables); got {type(layer).__name__}"
         )
-    _num_shards(layer.heads, mesh, axis)
     spec.refuse_whole_norm(layer.options.qk_norm, "sharding heads")
+    _num_shards(layer.heads, mesh, axis)
     placed = set()
     for name, specs in param_specs(axis).items():
         linear = getattr(layer, name)
@@ -277,8 +277,8 @@ def shard_variables(
     Raises:
         ValueError: see :func:`shard_heads` and :func:`partition_specs`.
     """
-    _num_shards(module.heads, mesh, axis)
     spec.refuse_whole_norm(module.layer_options().qk_norm, "sharding heads")
+    _num_shards(module.heads, mesh, axis)
     shardings = jax.tree.map(
         lambda partition: NamedSharding(mesh, partition), partition_specs(variables, axis)
     )

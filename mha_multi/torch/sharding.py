@@ -165,12 +165,12 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
         raise TypeError(
             f"layer must be a mha_multi.torch.MultiHeadAttention; got {type(layer).__name__}"
         )
+    spec.refuse_whole_norm(layer.options.qk_norm, "sharding heads")
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(
             f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh; "
             f"got {type(device_mesh).__name__}"
         )
-    spec.refuse_whole_norm(layer.options.qk_norm, "sharding heads")
     if layer._sharding is not None:
         raise ValueError(
             f"the layer's heads are already sharded {layer._sharding.num_shards} ways; "
