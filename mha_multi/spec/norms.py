@@ -89,25 +89,20 @@ class QKNorm:
 
 
 def check_qk_norm(qk_norm: Any) -> QKNorm | None:
-    """The layer's ``qk_norm=`` argument as a :class:`QKNorm` (or ``None``).
+    """``qk_norm=`` as layers keep it: ``None``, or a :class:`QKNorm` (made of a dict of its
+    fields where one is given).
 
     Raises:
-        TypeError: not ``None``, a :class:`QKNorm` or a dict; or a field of
-            the wrong type.
-        ValueError: a dict with other keys, or a field out of range.
+        TypeError: neither ``None``, a :class:`QKNorm` nor a dict, or a field of the wrong type.
+        ValueError: a key that is no field, or a field out of range.
     """
     if qk_norm is None or isinstance(qk_norm, QKNorm):
         return qk_norm
+    keys = ", ".join(_QK_NORM_KEYS)
     if not isinstance(qk_norm, Mapping):
-        raise TypeError(
-            "qk_norm must be None, a mha_multi.spec.QKNorm or a dict with keys "
-            f"{', '.join(_QK_NORM_KEYS)}; got {qk_norm!r}"
-        )
-    unknown = sorted(set(qk_norm) - set(_QK_NORM_KEYS))
-    if unknown:
-        raise ValueError(
-            f"qk_norm has unknown keys {unknown}; the keys are {', '.join(_QK_NORM_KEYS)}"
-        )
+        raise TypeError(f"qk_norm must be None, a mha_multi.spec.QKNorm or a dict with keys {keys}")
+    if set(qk_norm) - set(_QK_NORM_KEYS):
+        raise ValueError(f"qk_norm has unknown keys {sorted(set(qk_norm) - set(_QK_NORM_KEYS))}")
     return QKNorm(**qk_norm)
 
 

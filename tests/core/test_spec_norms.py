@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 from finite_differences import assert_central_differences
+from test_spec_positions import reference_step
 
 from mha_multi import spec
 from mha_multi.parity.decode import decode, random_schedule
@@ -104,23 +105,7 @@ def test_cached_chunks_equal_one_full_call(name):
     options = {"qk_norm": norm, "rotary": {"theta": 100.0}}
     full, _ = spec.reference_forward(weights, x, x, x, lengths, num_heads=4, causal=True, **options)
     expected = np.where((np.arange(7) < lengths[:, None])[..., None], full, 0.0)
-    state = {"cache": spec.KVCache(*(np.zeros(spec.cache_shape(3, 8, HEADS)),) * 2, None)}
-    state["cache"] = state["cache"]._replace(lengths=np.zeros(3, np.int32))
-
-    def step(queries, keys, values, new_lens):
-        output, _, state["cache"] = spec.reference_cached_forward(
-            weights,
-            queries,
-            keys,
-            values,
-            state["cache"],
-            new_lens,
-            num_heads=4,
-            causal=True,
-            **options,
-        )
-        return output
-
+    step = reference_step(weights, HEADS, 8, **options)
     inputs = {"queries": x, "keys": x, "values": x}
     got = decode(step, inputs, lengths, random_schedule(rng, lengths))
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
