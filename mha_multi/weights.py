@@ -13,13 +13,14 @@ name                  shape                                       present
 ``b_q``               ``(num_heads*head_dim,)``                   iff ``bias=True``
 ``b_k``, ``b_v``      ``(num_kv_heads*head_dim,)``                iff ``bias=True``
 ``b_o``               ``(num_hiddens,)``                          iff ``bias=True``
-``q_norm``            ``(head_dim,)`` or ``(num_heads*head_dim,)``  iff ``qk_norm``
-``k_norm``            ``(head_dim,)`` or ``(num_kv_heads*head_dim,)``  iff ``qk_norm``
+``q_norm``            ``(head_dim,)``, or see below               iff ``qk_norm``
+``k_norm``            ``(head_dim,)``, or see below               iff ``qk_norm``
 ====================  ==========================================  ===============
 
 The norms' weights (``qk_norm=``, docs: "Positions and biases") are
 ``(head_dim,)``, shared by every head, for a norm of scope ``"heads"``, and
-the whole projection's width for scope ``"whole"``.
+the whole projection's width for scope ``"whole"``: ``(num_heads*head_dim,)``
+and ``(num_kv_heads*head_dim,)``.
 
 For multi-head attention with the default head size (``num_kv_heads =
 num_heads``, ``head_dim = num_hiddens // num_heads``) every width is
