@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 from finite_differences import assert_central_differences
-from test_spec_positions import reference_step
+from test_spec_positions import loop_norm, reference_step
 
 from mha_multi import spec
 from mha_multi.parity.decode import decode, random_schedule
@@ -37,18 +37,6 @@ def setup(name, seed=0, *, bias=True, length=5):
         weights[key] = norm.initial_value + 0.5 * rng.standard_normal(shape)
     x = rng.standard_normal((3, length, 12))
     return weights, x, norm, rng
-
-
-def loop_norm(x, weight, norm, size):
-    """The norm written out, one group of ``size`` entries of one row at a time."""
-    out = np.empty_like(x)
-    gain = weight + 1.0 if norm.unit_offset else weight
-    for b, t in np.ndindex(x.shape[:2]):
-        for start in range(0, x.shape[2], size):
-            group = x[b, t, start : start + size]
-            rms = np.sqrt(sum(v * v for v in group) / size + norm.eps)
-            out[b, t, start : start + size] = gain * group / rms
-    return out
 
 
 @pytest.mark.parametrize("name", list(NORMS))
