@@ -261,21 +261,15 @@ def check_weights(
     expected["W_o"] = (query_features, num_hiddens)
     if bias:
         expected.update({"b_q": (query_features,), "b_k": (kv_features,), "b_v": (kv_features,)})
-    if qk_norm is None:
-        qk_norm = _norm_scope(arrays, query_features, kv_features)
-    if qk_norm == "whole":
-        expected.update({"q_norm": (query_features,), "k_norm": (kv_features,)})
-    elif qk_norm == "heads":
-        if num_heads is not None:
-            heads = spec.check_heads(
-                num_hiddens, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
-            )
-            size: tuple[int, ...] = (heads.head_dim,)
-        else:
-            # No head layout known: the head size the entries have, if both widths hold it.
-            size = np.shape(arrays.get("q_norm", np.zeros(query_features)))
-            _check_head_norm(size, query_features, kv_features)
-        expected.update({"q_norm": size, "k_norm": size})
+    head_size = None if num_heads is None else query_features // num_heads
+    qk_norm, norm_shapes = spec.qk_norm_shapes(
+        {name: arrays[name].shape for name in NORM_NAMES if name in arrays},
+        qk_norm,
+        query_features=query_features,
+        kv_features=kv_features,
+        head_dim=head_size,
+    )
+    expected.update(norm_shapes)
     for name in sorted(set(expected) - set(arrays)):
         reason = f"qk_norm scope {qk_norm!r}" if name in NORM_NAMES else f"bias={bias}"
         raise ValueError(f"weights is missing {name!r} ({reason})")
@@ -302,34 +296,6 @@ def check_weights(
         kv_features=kv_features,
     )
     return {name: arrays[name] for name in expected}, config
-
-
-def _norm_scope(arrays: Mapping[str, np.ndarray], query_features: int, kv_features: int) -> Any:
-    """The norms' scope canonical weights hold: ``False`` (none), ``"whole"`` or ``"heads"``.
-
-    Raises:
-        ValueError: one norm without the other, or shapes of neither scope, named.
-    """
-    present = [name for name in NORM_NAMES if name in arrays]
-    if not present:
-        return False
-    if len(present) == 1:
-        missing = next(name for name in NORM_NAMES if name not in arrays)
-        raise ValueError(f"weights has {present[0]!r} but is missing {missing!r}")
-    shapes = (np.shape(arrays["q_norm"]), np.shape(arrays["k_norm"]))
-    if shapes == ((query_features,), (kv_features,)):
-        return "whole"
-    return "heads"
-
-
-def _check_head_norm(size: tuple[int, ...], query_features: int, kv_features: int) -> None:
-    """Raises a ``ValueError`` naming ``q_norm`` unless ``size`` is one head's, ``(head_dim,)``."""
-    if len(size) != 1 or not size[0] or query_features % size[0] or kv_features % size[0]:
-        raise ValueError(
-            f"weights['q_norm'] must have shape (head_dim,) of a head size that divides "
-            f"{query_features} and {kv_features}, or ({query_features},) with "
-            f"weights['k_norm'] ({kv_features},); got {size}"
-        )
 
 
 class SizedLayer(Protocol):

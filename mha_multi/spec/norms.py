@@ -106,6 +106,53 @@ def check_qk_norm(qk_norm: Any) -> QKNorm | None:
     return QKNorm(**qk_norm)
 
 
+def qk_norm_shapes(
+    shapes: Mapping[str, tuple[int, ...]],
+    qk_norm: str | bool | None,
+    *,
+    query_features: int,
+    kv_features: int,
+    head_dim: int | None,
+) -> tuple[str | bool, dict[str, tuple[int, ...]]]:
+    """The norms' scope and the shapes canonical ``q_norm`` and ``k_norm`` must have.
+
+    Args:
+        shapes: the shapes of the ``q_norm`` and ``k_norm`` entries given.
+        qk_norm: ``False`` (no norms), a scope (``"heads"``, ``"whole"``), or
+            ``None`` for the scope the entries have (``False`` without them).
+        query_features, kv_features: the projections' widths.
+        head_dim: the head size, or ``None`` where no head layout is known
+            (a per-head norm then has the size its entries have, if both
+            widths hold it).
+
+    Returns:
+        ``(scope, shapes)``; ``shapes`` empty for ``False``.
+
+    Raises:
+        ValueError: one entry without the other, or a head size of neither
+            width, named.
+    """
+    if qk_norm is None:
+        if len(shapes) == 1:
+            (present,) = shapes
+            missing = next(name for name in QK_NORM_NAMES if name != present)
+            raise ValueError(f"weights has {present!r} but is missing {missing!r}")
+        whole = (shapes.get("q_norm"), shapes.get("k_norm")) == ((query_features,), (kv_features,))
+        qk_norm = False if not shapes else "whole" if whole else "heads"
+    if not qk_norm:
+        return qk_norm, {}
+    if qk_norm == "whole":
+        return qk_norm, {"q_norm": (query_features,), "k_norm": (kv_features,)}
+    size = (head_dim,) if head_dim is not None else tuple(shapes.get("q_norm", (query_features,)))
+    if len(size) != 1 or not size[0] or query_features % size[0] or kv_features % size[0]:
+        raise ValueError(
+            f"weights['q_norm'] must have shape (head_dim,) of a head size that divides "
+            f"{query_features} and {kv_features}, or ({query_features},) with "
+            f"weights['k_norm'] ({kv_features},); got {size}"
+        )
+    return qk_norm, {"q_norm": size, "k_norm": size}
+
+
 def refuse_whole_norm(qk_norm: QKNorm | None, action: str) -> None:
     """Raises a ``ValueError`` where ``action`` (on heads) meets a whole-projection norm.
 
