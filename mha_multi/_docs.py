@@ -34,7 +34,10 @@ num_kv_heads: number of key/value heads; must divide ``num_heads``
 head_dim: size of each head (``None``: ``num_hiddens // num_heads``).""",
     "options_args": """\
 rotary, alibi, window, softcap: positions and biases inside attention
-    (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).""",
+    (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).
+qk_norm: ``None``, or the RMSNorm of the projected queries and keys
+    before rotary: a :class:`~mha_multi.spec.QKNorm` or a dict of its
+    fields; its weights are the parameters ``q_norm`` and ``k_norm``.""",
     # The Flax modules' (NNX and Linen) computation settings.
     "flax_compute_args": """\
 dtype: computation dtype; ``None`` promotes inputs and parameters.

@@ -70,6 +70,9 @@ def prune_heads(
     whole groups may go, and then their key/value head too. ``b_o`` and the
     input sizes are unchanged, and so is ``head_dim``: the pruned layer has
     ``num_heads * head_dim != num_hiddens``, which its configuration states.
+    The ``(head_dim,)`` weights of a per-head ``qk_norm`` stay as they are
+    (the pruned layer takes the same ``qk_norm``); a norm of the whole
+    projection spans every head, and is refused.
 
     Args:
         weights: canonical weights of the full layer.
@@ -86,11 +89,14 @@ def prune_heads(
     Raises:
         TypeError: a head index that is not an int.
         ValueError: an index out of range or repeated, every head removed,
-            part of a group of grouped heads, or weights that do not fit the
-            head layout.
+            part of a group of grouped heads, weights that do not fit the
+            head layout, or the weights of a ``qk_norm`` of scope ``"whole"``.
     """
-    arrays, config = check_weights(weights)
+    arrays, config = check_weights(weights, qk_norm=None)
     layout = spec.heads_of_weights(arrays, num_heads, num_kv_heads=num_kv_heads)
+    norms = {name: arrays[name] for name in spec.QK_NORM_NAMES if name in arrays}
+    if norms and norms["q_norm"].shape != (layout.head_dim,):
+        spec.refuse_whole_norm(spec.QKNorm(scope="whole"), "pruning heads")
     if head_dim is not None and head_dim != layout.head_dim:
         raise ValueError(
             f"head_dim ({head_dim}) does not fit W_q: {arrays['W_q'].shape[1]} columns "
@@ -131,6 +137,8 @@ def prune_heads(
             "b_v": arrays["b_v"][keep_kv],
             "b_o": arrays["b_o"].copy(),
         }
+    # A per-head norm's (head_dim,) weights serve every head that stays.
+    pruned |= {name: norm.copy() for name, norm in norms.items()}
     pruned_config = LayerConfig(
         num_hiddens=config.num_hiddens,
         num_heads=layout.num_heads - len(removed),

@@ -13,7 +13,14 @@ name                  shape                                       present
 ``b_q``               ``(num_heads*head_dim,)``                   iff ``bias=True``
 ``b_k``, ``b_v``      ``(num_kv_heads*head_dim,)``                iff ``bias=True``
 ``b_o``               ``(num_hiddens,)``                          iff ``bias=True``
+``q_norm``            ``(head_dim,)``, or see below               iff ``qk_norm``
+``k_norm``            ``(head_dim,)``, or see below               iff ``qk_norm``
 ====================  ==========================================  ===============
+
+The norms' weights (``qk_norm=``, docs: "Positions and biases") are
+``(head_dim,)``, shared by every head, for a norm of scope ``"heads"``, and
+the whole projection's width for scope ``"whole"``: ``(num_heads*head_dim,)``
+and ``(num_kv_heads*head_dim,)``.
 
 For multi-head attention with the default head size (``num_kv_heads =
 num_heads``, ``head_dim = num_hiddens // num_heads``) every width is
@@ -39,6 +46,7 @@ from mha_multi import spec
 __all__ = [
     "BIAS_NAMES",
     "KERNEL_NAMES",
+    "NORM_NAMES",
     "WeightsConfig",
     "check_layer_weights",
     "check_weights",
@@ -50,6 +58,7 @@ __all__ = [
 
 KERNEL_NAMES = ("W_q", "W_k", "W_v", "W_o")
 BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
+NORM_NAMES = spec.QK_NORM_NAMES
 
 # A zip archive starts with a local file header, or, when empty, with its end record.
 _ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")
@@ -180,6 +189,7 @@ def check_weights(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    qk_norm: str | bool | None = False,
 ) -> tuple[dict[str, np.ndarray], WeightsConfig]:
     """Strictly validates a canonical mapping.
 
@@ -196,6 +206,11 @@ def check_weights(
         num_hiddens, query_size, key_size, value_size, bias: what the
             weights must describe, where known.
         num_heads, num_kv_heads, head_dim: the layer's head layout, where known.
+        qk_norm: the query/key norms' entries ``q_norm``, ``k_norm``:
+            ``False`` refuses them (a layer or converter without norms),
+            ``"heads"`` or ``"whole"`` (a :class:`mha_multi.spec.QKNorm`'s
+            scope) requires them, ``None`` takes them where present, of
+            either scope's shapes.
 
     Returns:
         ``(weights, config)``: the entries as numpy arrays, and the sizes.
@@ -246,10 +261,21 @@ def check_weights(
     expected["W_o"] = (query_features, num_hiddens)
     if bias:
         expected.update({"b_q": (query_features,), "b_k": (kv_features,), "b_v": (kv_features,)})
+    head_size = None if num_heads is None else query_features // num_heads
+    qk_norm, norm_shapes = spec.qk_norm_shapes(
+        {name: arrays[name].shape for name in NORM_NAMES if name in arrays},
+        qk_norm,
+        query_features=query_features,
+        kv_features=kv_features,
+        head_dim=head_size,
+    )
+    expected.update(norm_shapes)
     for name in sorted(set(expected) - set(arrays)):
-        raise ValueError(f"weights is missing {name!r} (bias={bias})")
+        reason = f"qk_norm scope {qk_norm!r}" if name in NORM_NAMES else f"bias={bias}"
+        raise ValueError(f"weights is missing {name!r} ({reason})")
     for name in sorted(set(arrays) - set(expected)):
         reason = " (the layer has bias=False)" if name in BIAS_NAMES else ""
+        reason = " (the layer has no qk_norm)" if name in NORM_NAMES else reason
         raise ValueError(
             f"weights has an unexpected entry {name!r}{reason}; expected exactly {sorted(expected)}"
         )
@@ -277,6 +303,8 @@ class SizedLayer(Protocol):
 
     num_hiddens: int
     bias: bool
+    #: The layer's checked constructor options (its ``qk_norm`` names the norms' entries).
+    options: spec.LayerOptions
 
     @property
     def heads(self) -> spec.Heads:
@@ -289,7 +317,8 @@ class SizedLayer(Protocol):
 def check_layer_weights(
     weights: Mapping[str, Any], layer: SizedLayer, heads: spec.Heads | None = None
 ) -> tuple[dict[str, np.ndarray], WeightsConfig]:
-    """:func:`check_weights` against a layer: its width, biases, heads and known input sizes.
+    """:func:`check_weights` against a layer: its width, biases, norms, heads and known
+    input sizes.
 
     Args:
         weights: the canonical mapping to load into ``layer``.
@@ -306,10 +335,12 @@ def check_layer_weights(
         ValueError: a missing, extra or mis-shaped entry, named.
     """
     heads = layer.heads if heads is None else heads
+    qk_norm = layer.options.qk_norm
     return check_weights(
         weights,
         num_hiddens=layer.num_hiddens,
         bias=layer.bias,
+        qk_norm=False if qk_norm is None else qk_norm.scope,
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
@@ -329,7 +360,7 @@ def save_weights(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> No
 
     The weights are validated first; nothing is written for an invalid mapping.
     """
-    arrays, _ = check_weights(weights)
+    arrays, _ = check_weights(weights, qk_norm=None)
     if _format(path) == ".npz":
         with open(path, "wb") as file:
             np.savez(file, **arrays)
@@ -413,7 +444,7 @@ def load_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
             f"{path!r} holds no arrays; expected canonical weights {', '.join(KERNEL_NAMES)}"
         )
     try:
-        return check_weights(weights)[0]
+        return check_weights(weights, qk_norm=None)[0]
     except ValueError as error:
         raise ValueError(f"{path!r}: {error}") from error
     except TypeError as error:

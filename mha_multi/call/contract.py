@@ -34,6 +34,12 @@ class Projections(Protocol):
     ) -> tuple[Any, ...]:
         """``(q, k, v)``: the projected inputs; ``k`` and ``v`` ``None`` without keys."""
 
+    def qk_norm_weights(self) -> tuple[Array, Array]:
+        """``(q_norm, k_norm)``: the query/key norms' weights, in the projections' dtype.
+
+        Asked only of a layer with ``qk_norm`` (:func:`mha_multi.spec.normalize_qk`).
+        """
+
     def project_output(self, context: Array, gates: Array | None) -> Array:
         """``W_o`` (and ``b_o``) of the heads' context gated by ``gates``.
 

@@ -111,7 +111,7 @@ def attend(
         kernel_plan: a plan decided before the call (MXNet plans outside its
             graphs, where shapes are known); ``None`` plans here.
         layer_options: the layer's checked constructor options (rotary,
-            ALiBi, window, soft-capping); ``None`` for none.
+            ALiBi, window, soft-capping, query/key norms); ``None`` for none.
         positions, bias: the call's, checked (:func:`check_options`).
         fill: a cached call's lengths as read on the host
             (:func:`check_cache_values`), for frameworks that write the
@@ -126,6 +126,9 @@ def attend(
     kv_split = cache is not None
     lengths = None if cache is None else cache.lengths  # before the new rows
     options = spec.NO_OPTIONS
+    if layer_options is not None and layer_options.qk_norm is not None:
+        # Before the rotation, so keys enter the cache normalised (docs: "Positions and biases").
+        q, k = spec.normalize_qk(ops, q, k, layer.qk_norm_weights(), layer_options.qk_norm, heads)
     if layer_options is not None and layer_options.rotary is not None:
         # Keys rotate before they enter the cache (docs: "Positions and biases").
         q, k = _rotated(ops, q, k, positions, layer_options.rotary, heads, lengths, fill)
@@ -151,7 +154,7 @@ def attend(
             query_positions=spec.cache_positions(ops, lengths, ops.size(q, 1)) if frame else None,
         )
         if not options.adjusts_scores and options.window is None:
-            options = spec.NO_OPTIONS  # rotary only: the scores are d2l's
+            options = spec.NO_OPTIONS  # rotary or norms only: the scores are d2l's
     if kernel_plan is None:
         kernel_plan = plan(
             facts,

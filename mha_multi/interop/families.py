@@ -8,9 +8,11 @@ layer that computes something else.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["KNOWN_BLOCKS", "check_known", "window_of"]
+__all__ = ["KNOWN_BLOCKS", "QK_NORMS", "check_known", "qk_norm_of", "window_of"]
 
 
 def window_of(module: torch.nn.Module) -> int | None:
@@ -33,6 +35,24 @@ KNOWN_BLOCKS: dict[str, str] = {
     "Qwen2Attention": "qwen2",
     "Gemma2Attention": "gemma2",
     "CohereAttention": "cohere",
+    "Qwen3Attention": "qwen3",
+    "Gemma3Attention": "gemma3_text",
+    "Olmo2Attention": "olmo2",
+}
+
+#: The query/key norms of the known blocks that have them, by model type: the
+#: class of the block's ``q_norm`` and ``k_norm`` and the :class:`mha_multi.spec.QKNorm`
+#: fields of its computation (docs: "Positions and biases"): Qwen 3 casts the
+#: normalised values back before the weight multiplies them, Gemma 3 and OLMo 2
+#: multiply in float32; Gemma 3's weight is ``1 + w``; OLMo 2 normalises the
+#: whole projection.
+QK_NORMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3RMSNorm", {"scope": "heads", "unit_offset": False, "product": "input"}),
+    "gemma3_text": (
+        "Gemma3RMSNorm",
+        {"scope": "heads", "unit_offset": True, "product": "float32"},
+    ),
+    "olmo2": ("Olmo2RMSNorm", {"scope": "whole", "unit_offset": False, "product": "float32"}),
 }
 
 #: Config fields of a known block that change its numbers in a way the layer
@@ -40,9 +60,42 @@ KNOWN_BLOCKS: dict[str, str] = {
 _UNSUPPORTED_FIELDS = {
     # Cohere's LayerNorm of each head's query and key.
     "use_qk_norm": False,
-    # Gemma 2 without the causal rule (its window then looks both ways).
+    # Gemma 2 and 3 without the causal rule (the window then looks both ways).
     "use_bidirectional_attention": False,
 }
+#: Fields set otherwise than the layer computes them for one model type only.
+_UNSUPPORTED_BY_MODEL = {
+    # transformers' Gemma3Attention does not soft-cap its scores whatever the
+    # config says: a checkpoint that sets it would be read one way or the other.
+    "gemma3_text": {"attn_logit_softcapping": False},
+}
+
+
+def qk_norm_of(module: torch.nn.Module) -> dict[str, Any] | None:
+    """The ``qk_norm=`` argument of a known block's query/key norms; ``None`` without them.
+
+    Raises:
+        ValueError: norms of another class than the model type's, or with
+            different epsilons.
+    """
+    known = QK_NORMS.get(module.config.model_type)
+    if known is None:
+        return None
+    name, fields = known
+    norms = (module.q_norm, module.k_norm)
+    for norm in norms:
+        if type(norm).__name__ != name:
+            raise ValueError(
+                f"{type(module).__name__}'s query/key norm is a {type(norm).__name__}, "
+                f"not the {name} it converts"
+            )
+    eps = [float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0))) for norm in norms]
+    if eps[0] != eps[1]:
+        raise ValueError(
+            f"{type(module).__name__}'s q_norm and k_norm have different eps ({eps[0]}, "
+            f"{eps[1]}); the layer's qk_norm has one"
+        )
+    return {**fields, "eps": eps[0]}
 
 
 def check_known(module: torch.nn.Module) -> None:
@@ -65,7 +118,8 @@ def check_known(module: torch.nn.Module) -> None:
             f"{name} with a config of model_type {model_type!r} is not known: "
             f"it reads a {KNOWN_BLOCKS[name]!r} config"
         )
-    for field, supported in _UNSUPPORTED_FIELDS.items():
+    unsupported = {**_UNSUPPORTED_FIELDS, **_UNSUPPORTED_BY_MODEL.get(model_type, {})}
+    for field, supported in unsupported.items():
         value = getattr(module.config, field, supported)
         if bool(value) != supported:  # transformers reads them as truth values (None: off)
             raise ValueError(

@@ -1,7 +1,9 @@
 """Llama-style attention: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``.
 
 The layout of transformers' ``LlamaAttention`` and of the models that copy
-it (Mistral, Qwen2, Gemma 2, Cohere): four ``torch.nn.Linear`` projections, grouped
+it (Mistral, Qwen2, Gemma 2, Cohere; with RMSNorms of the projected queries
+and keys, ``q_norm`` and ``k_norm``, Qwen 3, Gemma 3 and OLMo 2): four
+``torch.nn.Linear`` projections, grouped
 query heads (``num_key_value_heads``) and an explicit ``head_dim``. Query head
 ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``
 (transformers' ``repeat_kv``), the rule of the canonical layer, so the
@@ -16,10 +18,12 @@ something else: the rotary embedding (``rope_theta``, the rotary type and
 its parameters, ``partial_rotary_factor``, the pairing of the rotated entries),
 the sliding window (Mistral's ``sliding_window``, Gemma 2's on its sliding
 layers), the soft cap of the scores (Gemma 2's
-``attn_logit_softcapping``). A scale of the scores other than
-``1/sqrt(head_dim)`` (Gemma 2's ``query_pre_attn_scalar``) is folded into
-``W_q`` and ``b_q``. Models with biases on the query, key and value
-projections only (Qwen2) convert with ``b_o = 0``. State dicts and files
+``attn_logit_softcapping``), the query/key norms (``qk_norm``). A scale of
+the scores other than ``1/sqrt(head_dim)`` (Gemma 2's and Gemma 3's
+``query_pre_attn_scalar``) is folded into ``W_q`` and ``b_q``, or, where the
+queries are normalised after their projection, into ``q_norm``. Models
+with biases on the query, key and value projections only (Qwen2) convert
+with ``b_o = 0``. State dicts and files
 hold weights only: their layers get the positions options from
 :func:`rotary_of` and the model's config.
 
@@ -38,6 +42,7 @@ writing take the head layout (any one of ``num_heads``, ``num_kv_heads``,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -46,7 +51,7 @@ import numpy as np
 import torch
 
 from mha_multi import spec
-from mha_multi.interop.families import KNOWN_BLOCKS, check_known, window_of
+from mha_multi.interop.families import KNOWN_BLOCKS, check_known, qk_norm_of, window_of
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
 from mha_multi.interop.rotary_config import INTERLEAVED_ROTARY, rotary_of
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
@@ -68,6 +73,8 @@ __all__ = [
 
 #: Canonical projection -> the Llama module's attribute.
 PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+#: The query/key norms' state-dict entries -> their canonical names.
+NORMS = {"q_norm.weight": "q_norm", "k_norm.weight": "k_norm"}
 
 
 def from_llama_state(
@@ -84,7 +91,8 @@ def from_llama_state(
             ``k_proj.weight``/``v_proj.weight`` ``(num_kv_heads*head_dim,
             hidden_size)``, ``o_proj.weight`` ``(hidden_size,
             num_heads*head_dim)``, and biases: all four, or ``q``/``k``/``v``
-            only (then ``b_o`` is zero), or none.
+            only (then ``b_o`` is zero), or none; and the query/key norms'
+            ``q_norm.weight`` and ``k_norm.weight`` (both or neither).
         num_heads: ``num_attention_heads`` (the state dict does not say).
         num_kv_heads: ``num_key_value_heads``; ``None`` reads it from
             ``k_proj``'s rows.
@@ -114,6 +122,7 @@ def _checked(
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
+        qk_norm=None,
     )
     return heads, arrays, config
 
@@ -131,7 +140,7 @@ def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, n
     expected = {
         f"{module}.{kind}" for module in PROJECTIONS.values() for kind in ("weight", "bias")
     }
-    unexpected = sorted(set(entries) - expected)
+    unexpected = sorted(set(entries) - expected - set(NORMS))
     if unexpected:
         raise ValueError(f"unexpected Llama attention entries {unexpected}")
     weights: dict[str, np.ndarray] = {}
@@ -151,6 +160,9 @@ def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, n
         )
     for name in sorted(biases & set("qkv")) + (["o"] if "o_proj.bias" in entries else []):
         weights[f"b_{name}"] = np.asarray(host_array(entries[f"{PROJECTIONS[name]}.bias"]))
+    for key, name in NORMS.items():
+        if key in entries:
+            weights[name] = np.asarray(host_array(entries[key]))
     return weights
 
 
@@ -189,7 +201,8 @@ def to_llama_state(
 ) -> dict[str, torch.Tensor]:
     """A Llama-style attention ``state_dict`` from canonical weights.
 
-    Biases, when present, go on all four projections (``attention_bias=True``).
+    Biases, when present, go on all four projections (``attention_bias=True``);
+    ``q_norm`` and ``k_norm``, when present, are ``q_norm.weight`` and ``k_norm.weight``.
 
     Raises:
         ValueError: as :func:`llama_config`.
@@ -200,6 +213,9 @@ def to_llama_state(
         state[f"{module}.weight"] = torch.from_numpy(np.array(weights[f"W_{name}"]).T.copy())
         if f"b_{name}" in weights:
             state[f"{module}.bias"] = torch.from_numpy(np.array(weights[f"b_{name}"], copy=True))
+    for key, name in NORMS.items():
+        if name in weights:
+            state[key] = torch.from_numpy(np.array(weights[name], copy=True))
     return state
 
 
@@ -207,7 +223,8 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
     """Canonical weights and the constructor arguments of a ``LlamaAttention``-style module.
 
     The attention blocks of :data:`KNOWN_BLOCKS`: Llama's, Mistral's,
-    Qwen2's, Gemma 2's and Cohere's. ``MultiHeadAttention(hidden_size,
+    Qwen2's, Gemma 2's, Cohere's, Qwen 3's, Gemma 3's (a local or a global
+    layer: its own rotary settings and window) and OLMo 2's. ``MultiHeadAttention(hidden_size,
     **kwargs)`` in any backend, loaded with the weights, computes what the
     block computes for the same inputs and ``positions`` (its
     ``position_ids``), with ``causal=True`` as the block's own mask: rotary
@@ -217,7 +234,8 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
     Returns:
         ``(weights, kwargs)``: ``kwargs`` holds plain Python values:
         ``num_heads``, ``num_kv_heads``, ``head_dim`` and, where the block
-        has them, ``rotary``, ``window``, ``softcap``, ``bias``, ``dropout``.
+        has them, ``rotary``, ``window``, ``softcap``, ``qk_norm``, ``bias``,
+        ``dropout``.
 
     Raises:
         ValueError: a block of another class, a config field the layer does
@@ -231,18 +249,28 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
         module.state_dict(), num_heads=num_heads, num_kv_heads=config.num_key_value_heads
     )
     heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=config.num_key_value_heads)
-    # Our scores are scaled by 1/sqrt(head_dim): another scale goes into W_q.
+    qk_norm = qk_norm_of(module)
+    if (qk_norm is None) != ("q_norm" not in weights):
+        raise ValueError(
+            f"{type(module).__name__}'s state dict has query/key norms where its model type "
+            f"{config.model_type!r} has none, or none where it has them"
+        )
+    if qk_norm is not None:
+        # The norms' shapes as the model type's scope has them (docs: "Canonical weights").
+        check_weights(weights, qk_norm=qk_norm["scope"], **dataclasses.asdict(heads))
+    # Our scores are scaled by 1/sqrt(head_dim): another scale goes into W_q, or
+    # into the queries' norm where it follows W_q.
     factor = float(module.scaling) * float(np.sqrt(heads.head_dim))
     if factor != 1.0:
-        for name in ("W_q", "b_q"):
-            if name in weights:
-                weights[name] = weights[name].astype(np.float64) * factor
+        _fold_scale(weights, factor, qk_norm)
     kwargs: dict[str, Any] = {
         "num_heads": heads.num_heads,
         "num_kv_heads": heads.num_kv_heads,
         "head_dim": heads.head_dim,
-        "rotary": rotary_of(config),
+        "rotary": rotary_of(config, getattr(module, "layer_type", None)),
     }
+    if qk_norm is not None:
+        kwargs["qk_norm"] = qk_norm
     window = window_of(module)
     if window is not None:
         kwargs["window"] = int(window)
@@ -255,6 +283,21 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
     if dropout:
         kwargs["dropout"] = dropout
     return weights, kwargs
+
+
+def _fold_scale(weights: dict[str, np.ndarray], factor: float, qk_norm: Any) -> None:
+    """Multiplies the queries by ``factor`` through their weights, in float64.
+
+    Without norms ``W_q`` and ``b_q`` scale; with them the norm's gain does:
+    ``factor * w``, or for a ``(1 + w)`` gain ``factor * (1 + w) - 1``.
+    """
+    if qk_norm is None:
+        for name in ("W_q", "b_q"):
+            if name in weights:
+                weights[name] = weights[name].astype(np.float64) * factor
+        return
+    offset = 1.0 if qk_norm["unit_offset"] else 0.0
+    weights["q_norm"] = (weights["q_norm"].astype(np.float64) + offset) * factor - offset
 
 
 def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Module:
@@ -340,7 +383,7 @@ def load_llama(
             f"{path!r} must hold the state dict of one Llama-style attention block; found {found}"
         )
     try:
-        weights, _ = check_weights(_canonical_arrays(state, prefixes[0]))
+        weights, _ = check_weights(_canonical_arrays(state, prefixes[0]), qk_norm=None)
     except ValueError as error:
         raise ValueError(f"{path!r}: {error}") from error
     heads = resolve_heads(weights, source=path, **options)

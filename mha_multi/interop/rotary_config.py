@@ -18,11 +18,13 @@ __all__ = ["INTERLEAVED_ROTARY", "rotary_of"]
 INTERLEAVED_ROTARY = frozenset({"cohere"})
 
 
-def rotary_of(config: Any) -> dict[str, Any]:
+def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The ``rotary=`` argument of transformers' rotary settings in ``config``.
 
     The pairing of the rotated entries is the model type's
-    (:data:`INTERLEAVED_ROTARY`).
+    (:data:`INTERLEAVED_ROTARY`). A config whose ``rope_parameters`` are
+    keyed by layer type (Gemma 3's ``sliding_attention`` and
+    ``full_attention``) gives those of ``layer_type``.
 
     Every rotary type of transformers' ``ROPE_INIT_FUNCTIONS`` for these
     families is read: ``default``, ``linear``, ``dynamic`` (with the
@@ -31,12 +33,18 @@ def rotary_of(config: Any) -> dict[str, Any]:
     ``original_max_position_embeddings``, as transformers takes it) and
     ``llama3``, in the ``scaling`` of :class:`mha_multi.spec.Rotary`.
 
+    Args:
+        config: the model's config.
+        layer_type: the block's layer type (its ``layer_type``), for a config
+            of rotary settings by layer type.
+
     Raises:
         ValueError: another rotary type, or a field of a rotary type's
             parameters that transformers' type does not define (named):
-            nothing is converted then.
+            nothing is converted then; a config of settings by layer type
+            without a ``layer_type`` it has settings for.
     """
-    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    parameters = _layer_parameters(config, layer_type)
     if not parameters:  # transformers before rope_parameters
         parameters = dict(getattr(config, "rope_scaling", None) or {})
         parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -125,3 +133,17 @@ def _scaling_of(kind: str, parameters: dict[str, Any], config: Any) -> dict[str,
         for name in ("short_factor", "long_factor"):
             scaling[name] = [float(value) for value in scaling[name]]
     return {"rope_type": kind, **scaling}
+
+
+def _layer_parameters(config: Any, layer_type: str | None) -> dict[str, Any]:
+    """``config.rope_parameters``, those of ``layer_type`` where they are keyed by layer type."""
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if not (parameters and set(parameters) <= layer_types):
+        return parameters
+    if layer_type not in parameters or parameters[layer_type] is None:
+        raise ValueError(
+            f"the config's rope_parameters are given by layer type ({sorted(parameters)}); "
+            f"layer_type {layer_type!r} has none: pass the block's own layer type"
+        )
+    return dict(parameters[layer_type])

@@ -134,5 +134,8 @@ class JaxOps(spec.NumpyDtypes, spec.NamespaceOps):
     def concat_last(self, xs: Sequence[jax.Array]) -> jax.Array:
         return jnp.concatenate(list(xs), axis=-1)
 
+    def rsqrt(self, x: jax.Array) -> jax.Array:
+        return jax.lax.rsqrt(x)
+
     def constant(self, value: np.ndarray, like: jax.Array) -> jax.Array:
         return jnp.asarray(value)

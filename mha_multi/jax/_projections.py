@@ -64,8 +64,8 @@ class WeightsProjections:
     projected by :func:`linear`; the gated context by ``W_o``.
 
     Args:
-        params: canonical weights (``W_q``... and, with biases, ``b_q``...),
-            as the layer holds them.
+        params: canonical weights (``W_q``... and, with biases, ``b_q``...;
+            with norms, ``q_norm`` and ``k_norm``), as the layer holds them.
         heads: the head layout.
         sizes: ``query_size``, ``key_size``, ``value_size``; ``None`` where
             not known yet.
@@ -116,6 +116,10 @@ class WeightsProjections:
             None if x is None else self._project(jnp.asarray(x, dtype), name)
             for x, name in zip(inputs, "qkv", strict=True)
         )
+
+    def qk_norm_weights(self) -> tuple[jax.Array, jax.Array]:
+        """``(q_norm, k_norm)`` in the computation dtype (after :meth:`project_inputs`)."""
+        return self._weights["q_norm"], self._weights["k_norm"]
 
     def project_output(self, context: jax.Array, gates: Any) -> jax.Array:
         context = spec.apply_head_mask(JaxOps(self.precision), context, gates, self.heads.num_heads)

@@ -52,6 +52,7 @@ cannot, and drop the positions that do not fit (see :func:`multi_head_attention`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -105,14 +106,20 @@ def check_params(
     key_size: int | None = None,
     value_size: int | None = None,
     bias: bool | None = None,
+    qk_norm: str | bool | None = None,
+    heads: spec.Heads | None = None,
 ) -> WeightsConfig:
     """Validates canonical weights by their shapes and dtypes (traceable).
 
     Args:
-        params: canonical weights (``W_q``... and, with biases, ``b_q``...);
-            arrays, tracers or array-likes.
+        params: canonical weights (``W_q``... and, with biases, ``b_q``...;
+            with ``qk_norm``, ``q_norm`` and ``k_norm``); arrays, tracers or
+            array-likes.
         num_hiddens, query_size, key_size, value_size, bias: what the weights
             must describe, where known.
+        qk_norm: the norms' entries, as :func:`mha_multi.weights.check_weights`
+            takes them (``None``: where present).
+        heads: the head layout, where known.
 
     Returns:
         The sizes the weights describe.
@@ -131,6 +138,8 @@ def check_params(
         key_size=key_size,
         value_size=value_size,
         bias=bias,
+        qk_norm=qk_norm,
+        **({} if heads is None else dataclasses.asdict(heads)),
     )
     return config
 
@@ -373,7 +382,8 @@ def multi_head_attention(
             ``W_k (key_size, num_kv_heads*head_dim)``, ``W_v (value_size,
             num_kv_heads*head_dim)``, ``W_o (num_heads*head_dim, num_hiddens)``
             and optionally all four biases ``b_q``, ``b_k``, ``b_v``, ``b_o``
-            of the widths of their kernels' outputs (docs: "Canonical weights").
+            of the widths of their kernels' outputs (docs: "Canonical weights");
+            with ``qk_norm`` in ``options``, ``q_norm`` and ``k_norm``.
             ``head_dim`` is ``W_q``'s width over ``num_heads``.
         queries: ``(B, Q, query_size)``.
         keys: ``(B, K, key_size)``; with a cache ``(B, Q, key_size)``, or
@@ -419,7 +429,7 @@ def multi_head_attention(
             a cached call) by (docs: "Positions and biases").
         bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``,
             added to the scaled scores before the masks; differentiable.
-        options: ``rotary``, ``alibi``, ``window``, ``softcap``
+        options: ``rotary``, ``alibi``, ``window``, ``softcap``, ``qk_norm``
             (:class:`mha_multi.spec.LayerOptions`, or a dict of them); static.
 
     Returns:
@@ -440,6 +450,11 @@ def multi_head_attention(
     check_implementation(implementation)
     config = check_params(params)
     heads = spec.heads_of_weights(params, num_heads, num_kv_heads=num_kv_heads)
+    layer_options = _layer_options(options, heads.head_dim)
+    qk_norm = None if layer_options is None else layer_options.qk_norm
+    if qk_norm is not None or "q_norm" in params:
+        # The norms' entries as the option has them (none without it).
+        check_params(params, qk_norm=False if qk_norm is None else qk_norm.scope, heads=heads)
     spec.check_config(
         config.num_hiddens,
         num_heads,
@@ -478,7 +493,7 @@ def multi_head_attention(
         head_parallel=head_parallel,
         positions=positions,
         bias=bias,
-        layer_options=_layer_options(options, heads.head_dim),
+        layer_options=layer_options,
         run=attend_compiled,
     )
     if result.cache is None:

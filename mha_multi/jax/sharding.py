@@ -43,7 +43,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mha_multi import spec
 from mha_multi.jax.layer import MultiHeadAttention
-from mha_multi.weights import KERNEL_NAMES
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES
 
 __all__ = ["param_specs", "partition_specs", "shard_cache", "shard_heads", "shard_variables"]
 
@@ -123,13 +123,15 @@ def shard_heads(layer: MultiHeadAttention, mesh: Mesh, axis: str = "model") -> M
             ``mesh`` no :class:`~jax.sharding.Mesh`.
         ValueError: ``axis`` not an ``Auto`` axis of ``mesh``, or its size
             not dividing ``num_heads`` and ``num_kv_heads``
-            (:func:`mha_multi.spec.shard_heads`).
+            (:func:`mha_multi.spec.shard_heads`), or a ``qk_norm`` of scope
+            ``"whole"`` (its mean square spans every head).
     """
     if not isinstance(layer, MultiHeadAttention):
         raise TypeError(
             "layer must be an mha_multi.jax.MultiHeadAttention (for Linen variables use "
             f"mha_multi.jax.linen.shard_variables); got {type(layer).__name__}"
         )
+    spec.refuse_whole_norm(layer.options.qk_norm, "sharding heads")
     _num_shards(layer.heads, mesh, axis)
     placed = set()
     for name, specs in param_specs(axis).items():
@@ -227,6 +229,9 @@ def partition_specs(variables: Mapping[str, Any], axis: str = "model") -> dict[s
     params = variables["params"] if wrapped else variables
     result: dict[str, Any] = {}
     for name, entries in params.items():
+        if name in NORM_NAMES:  # a per-head norm's weights serve every head: whole on each
+            result[name] = PartitionSpec()
+            continue
         if name not in KERNEL_NAMES:
             raise ValueError(
                 f"params/{name} is not a projection of mha_multi's MultiHeadAttention "
@@ -272,6 +277,7 @@ def shard_variables(
     Raises:
         ValueError: see :func:`shard_heads` and :func:`partition_specs`.
     """
+    spec.refuse_whole_norm(module.layer_options().qk_norm, "sharding heads")
     _num_shards(module.heads, mesh, axis)
     shardings = jax.tree.map(
         lambda partition: NamedSharding(mesh, partition), partition_specs(variables, axis)

@@ -238,7 +238,7 @@ class KerasOps:
         return ops.logical_not(x)
 
     def mean(self, x: Tensor, axis: int) -> Tensor:
-        return ops.mean(x, axis=axis, keepdims=True)
+        return _unary("mean", x, axis=axis, keepdims=True)
 
     def gather_positions(self, x: Tensor, positions: Tensor) -> Tensor:
         # Whole rows of x as (B*T, F), one gather: take_along_axis would take
@@ -266,22 +266,25 @@ class KerasOps:
     def largest(self, x: Tensor) -> Tensor:
         return ops.max(x)
 
+    def rsqrt(self, x: Tensor) -> Tensor:
+        return 1.0 / _unary("sqrt", x)
+
     def constant(self, value: np.ndarray, like: Tensor) -> Tensor:
         return ops.convert_to_tensor(value, dtype=str(value.dtype))
 
 
-def _unary(name: str, x: Tensor) -> Tensor:
-    """``keras.ops.<name>(x)`` in ``x``'s dtype.
+def _unary(name: str, x: Tensor, **kwargs: Any) -> Tensor:
+    """``keras.ops.<name>(x, **kwargs)`` in ``x``'s dtype.
 
     Keras' JAX backend computes these in ``result_type(x, float)``, which is
     float32 for float64 inputs; JAX's own function keeps float64 (the
-    reference's angles and caps are float64 there).
+    reference's angles, caps and norms are float64 there).
     """
     if keras.backend.backend() == "jax" and keras.backend.standardize_dtype(x.dtype) == "float64":
         import jax.numpy as jnp  # the backend in use: imported already
 
-        return getattr(jnp, name)(x)
-    return getattr(ops, name)(x)
+        return getattr(jnp, name)(x, **kwargs)
+    return getattr(ops, name)(x, **kwargs)
 
 
 OPS = KerasOps()

@@ -28,7 +28,7 @@ from mha_multi.keras._facts import (
 )
 from mha_multi.keras._ops import OPS, is_16_bit, matmul_16_bit
 from mha_multi.keras.sharding import cache_layout, check_variable_layout
-from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, check_layer_weights
+from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, NORM_NAMES, check_layer_weights
 
 __all__ = ["ProjectionLayer", "get_weights", "set_weights"]
 
@@ -41,8 +41,8 @@ class ProjectionLayer(keras.layers.Layer):
 
     Its subclass sets, before it adds a projection: ``_heads``
     (:class:`~mha_multi.spec.Heads`), ``num_hiddens``, ``num_heads``,
-    ``bias``, ``kernel_initializer``, ``bias_initializer``, every ``W_*`` and
-    ``b_*`` attribute (``None`` until created) and ``_head_parallel``.
+    ``bias``, ``options``, ``kernel_initializer``, ``bias_initializer``, every
+    ``W_*`` and ``b_*`` attribute (``None`` until created) and ``_head_parallel``.
     """
 
     def _add_projection(self, name: str, in_features: int) -> None:
@@ -59,6 +59,23 @@ class ProjectionLayer(keras.layers.Layer):
         if self.bias:
             bias = self._add_head_weight(f"b_{name}", (out_features,), self.bias_initializer)
             setattr(self, f"b_{name}", bias)
+
+    def _add_norms(self) -> None:
+        """The query/key norms' weights ``q_norm``, ``k_norm`` (``None`` without ``qk_norm``),
+        initialised as the models do (docs: "Positions and biases")."""
+        norm = self.options.qk_norm
+        self.q_norm = self.k_norm = None
+        for name, shape in ({} if norm is None else norm.shapes(self._heads)).items():
+            initial = keras.initializers.Constant(norm.initial_value)
+            setattr(self, name, self._add_head_weight(name, shape, initial))
+
+    def qk_norm_weights(self) -> tuple[Any, Any]:
+        """``(q_norm, k_norm)`` in the compute dtype (``qk_norm`` set)."""
+        dtype = self.compute_dtype
+        return tuple(
+            w.value if OPS.dtype(w) == dtype else keras.ops.cast(w, dtype)
+            for w in (self.q_norm, self.k_norm)
+        )
 
     def _add_head_weight(self, name: str, shape: tuple[int, ...], initializer: Any) -> Any:
         """``add_weight``, refused where an active distribution would split a head.
@@ -80,7 +97,7 @@ class ProjectionLayer(keras.layers.Layer):
     def canonical_variables(self) -> dict[str, keras.Variable]:
         """Canonical weight name -> variable, for the projections created so far."""
         variables = {}
-        for name in (*KERNEL_NAMES, *BIAS_NAMES):
+        for name in (*KERNEL_NAMES, *BIAS_NAMES, *NORM_NAMES):
             variable = getattr(self, name)
             if variable is not None:
                 variables[name] = variable

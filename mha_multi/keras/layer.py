@@ -119,6 +119,7 @@ class MultiHeadAttention(ProjectionLayer):
         alibi: bool = False,
         window: int | None = None,
         softcap: float | None = None,
+        qk_norm: spec.QKNorm | dict[str, Any] | None = None,
         kernel_initializer: Any = "glorot_uniform",
         bias_initializer: Any = "zeros",
         seed: int | None = None,
@@ -130,7 +131,9 @@ class MultiHeadAttention(ProjectionLayer):
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
-        self.options = spec.LayerOptions(rotary, alibi, window, softcap).check(self._heads.head_dim)
+        self.options = spec.LayerOptions(rotary, alibi, window, softcap, qk_norm=qk_norm).check(
+            self._heads.head_dim
+        )
         self.num_hiddens = int(num_hiddens)
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads
@@ -148,6 +151,7 @@ class MultiHeadAttention(ProjectionLayer):
         for name in PROJECTIONS:
             setattr(self, f"W_{name}", None)
             setattr(self, f"b_{name}", None)
+        self._add_norms()
         self._add_projection("o", self._heads.query_features)
         sizes = (query_size, key_size, value_size)
         if all(size is not None for size in sizes):

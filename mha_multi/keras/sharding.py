@@ -136,6 +136,8 @@ def layout_map(
         name = layer.name
         num_shards = device_mesh.shape[list(device_mesh.axis_names).index(axis)]
         spec.shard_heads(layer._heads, num_shards)
+        if num_shards > 1:
+            spec.refuse_whole_norm(layer.options.qk_norm, "sharding heads")
     # Keras matches a path with re.fullmatch; a variable's path has at least
     # its layer's name before it, and parents (models, blocks) before that.
     prefix = ".*/" if name is None else f"(?:.*/)?{re.escape(name)}/"
@@ -198,6 +200,8 @@ def check_variable_layout(layer: Any, name: str, path: str) -> int:
     if layout is None:
         return 1
     num_shards, axes = _shards(layout, distribution, HEAD_AXES[name])
+    if num_shards > 1:
+        spec.refuse_whole_norm(layer.options.qk_norm, "sharding heads")
     try:
         spec.shard_heads(layer._heads, num_shards)
     except ValueError as error:

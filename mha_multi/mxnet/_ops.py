@@ -175,6 +175,9 @@ class MXNetOps(spec.NumpyDtypes):
     def largest(self, x: Array) -> Array:
         return self.np.max(x)
 
+    def rsqrt(self, x: Array) -> Array:
+        return 1.0 / self.np.sqrt(x)
+
     def constant(self, value: np.ndarray, like: Array) -> Array:
         # Arrays only: graphs take no host constants (a call with positions
         # or biases runs on the parameters' arrays, docs: "Positions and biases").

@@ -25,7 +25,7 @@ from mxnet.gluon import nn
 from mha_multi import spec
 from mha_multi.mxnet._facts import host_array
 from mha_multi.mxnet._ops import MXNetOps
-from mha_multi.weights import KERNEL_NAMES, check_layer_weights
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, check_layer_weights
 
 __all__ = [
     "PROJECTIONS",
@@ -50,7 +50,8 @@ class Projections:
     Args:
         ops: the adapter of the call's arrays or symbols (its ``np``/``npx``).
         params: ``W_q_weight``, ``W_q_bias``... as arrays or symbols; biases
-            only with ``bias=True``, and only the projections the call uses.
+            only with ``bias=True``, and only the projections the call uses;
+            ``q_norm`` and ``k_norm`` with ``qk_norm``.
         heads: the layer's head layout.
         num_hiddens: the output size.
         dtype: the parameters' dtype.
@@ -107,6 +108,10 @@ class Projections:
         """``(k, v)``: a cached call's new positions, projected to be written into the cache."""
         return self._project(keys, "k"), self._project(values, "v")
 
+    def qk_norm_weights(self) -> tuple[Array, Array]:
+        """``(q_norm, k_norm)``: the query/key norms' arrays (``qk_norm`` set)."""
+        return self._params["q_norm"], self._params["k_norm"]
+
     def project_output(self, context: Array, gates: Array | None) -> Array:
         """``W_o`` of the context, each head's slice times its gate."""
         gated = spec.apply_head_mask(self._ops, context, gates, self._heads.num_heads)
@@ -147,6 +152,8 @@ def parameter_arrays(
             if x is None and parameter._deferred_init:
                 continue  # its size is still unknown, so it has no value
             arrays[f"W_{name}_{kind}"] = parameter.data(ctx)
+    if layer.options.qk_norm is not None:
+        arrays.update({name: getattr(layer, name).data(ctx) for name in NORM_NAMES})
     return arrays
 
 
@@ -240,6 +247,9 @@ def set_weights(
         weights = {name: host_array(value) for name, value in weights.items()}
     arrays, _ = check_layer_weights(weights, layer)
     for name, array in arrays.items():
+        if name in NORM_NAMES:
+            load_parameter(getattr(layer, name), array, ctx)
+            continue
         dense = getattr(layer, f"W_{name[-1]}")
         if name in KERNEL_NAMES:
             load_parameter(dense.weight, np.ascontiguousarray(array.T), ctx)
@@ -265,4 +275,6 @@ def get_weights(layer: gluon.HybridBlock) -> dict[str, np.ndarray]:
         weights[name] = np.ascontiguousarray(host_array(dense.weight).T)
         if layer.bias:
             weights[f"b_{name[-1]}"] = host_array(dense.bias)
+    if layer.options.qk_norm is not None:
+        weights.update({name: host_array(getattr(layer, name)) for name in NORM_NAMES})
     return weights

@@ -112,6 +112,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         alibi: bool = False,
         window: int | None = None,
         softcap: float | None = None,
+        qk_norm: spec.QKNorm | dict[str, Any] | None = None,
         dtype: Any = "float32",
         **kwargs: Any,
     ) -> None:
@@ -120,7 +121,9 @@ class MultiHeadAttention(gluon.HybridBlock):
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         super().__init__(**kwargs)
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
-        self.options = spec.LayerOptions(rotary, alibi, window, softcap).check(self._heads.head_dim)
+        self.options = spec.LayerOptions(rotary, alibi, window, softcap, qk_norm=qk_norm).check(
+            self._heads.head_dim
+        )
         self.num_hiddens = int(num_hiddens)
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads
@@ -141,6 +144,10 @@ class MultiHeadAttention(gluon.HybridBlock):
                     prefix=f"W_{name}_",
                 )
                 setattr(self, f"W_{name}", dense)
+            norm = self.options.qk_norm
+            for name, shape in ({} if norm is None else norm.shapes(self._heads)).items():
+                initial = mx.init.Constant(norm.initial_value)
+                setattr(self, name, self.params.get(name, shape=shape, init=initial, dtype=dtype))
         self._graphs = Graphs(hybridize_args=None)
 
     def __repr__(self) -> str:

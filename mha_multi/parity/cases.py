@@ -73,7 +73,8 @@ class CaseConfig:
     head_mask: Any = None
     #: The layer's positions and biases options (docs: "Positions and
     #: biases"): ``rotary`` (a dict of :class:`~mha_multi.spec.Rotary`'s
-    #: fields), ``alibi``, ``window``, ``softcap``; ``None`` for none.
+    #: fields), ``alibi``, ``window``, ``softcap``, ``qk_norm`` (a dict of
+    #: :class:`~mha_multi.spec.QKNorm`'s fields); ``None`` for none.
     options: Any = None
     #: ``None``, or the call's ``positions``: a list of lists ``(B, Q)``.
     positions: Any = None
@@ -287,6 +288,25 @@ OPTION_CASES: tuple[CaseConfig, ...] = (
         options={"softcap": 0.5},
         description="soft-capped scores (cap 0.5: most scores are capped)",
     ),
+    CaseConfig(
+        "qk_norm_heads",
+        num_heads=2,
+        num_kv_heads=1,
+        **_causal(5),
+        valid_lens=[5, 2, 4],
+        options={
+            "qk_norm": {"unit_offset": True, "product": "float32"},
+            "rotary": {"theta": 100.0},
+        },
+        description="(1 + w) RMSNorm of each head's query and key, then rotary (Gemma 3), grouped",
+    ),
+    CaseConfig(
+        "qk_norm_whole",
+        bias=True,
+        valid_lens=[4, 7, 1],
+        options={"qk_norm": {"scope": "whole", "eps": 1e-5, "product": "float32"}},
+        description="RMSNorm of the whole projected query and key (OLMo 2), biases",
+    ),
 )
 CASES += OPTION_CASES
 
@@ -330,6 +350,17 @@ CACHED_CASES: tuple[CaseConfig, ...] = (
         cache_length=8,
         options={"rotary": {"theta": 100.0}, "window": 3},
         description="rotary at each example's cache positions and a window of 3, in chunks",
+    ),
+    CaseConfig(
+        "cached_qk_norm",
+        num_heads=4,
+        num_kv_heads=2,
+        **_causal(6),
+        valid_lens=[6, 4, 1],
+        chunks=[[3, [3, 3, 1]], [1, [1, 1, 0]], [2, [2, 0, 0]]],
+        cache_length=7,
+        options={"qk_norm": {"eps": 1e-6}, "rotary": {"theta": 100.0}},
+        description="per-head norms (Qwen 3) of the keys before they enter the cache",
     ),
 )
 
@@ -393,9 +424,24 @@ def build_case(config: CaseConfig) -> Case:
     bias = None
     if config.bias_shape is not None:
         bias = rng.standard_normal(config.bias_shape).astype(np.float32)
+    weights.update(_norm_weights(config))
     case = Case(config, weights, inputs, valid_lens, output_gradient, bias=bias)
     case.reference = reference_results(case)
     return case
+
+
+def _norm_weights(config: CaseConfig) -> dict[str, np.ndarray]:
+    """The ``q_norm`` and ``k_norm`` of a case with ``qk_norm`` (none without): their
+    initial value plus noise of scale 0.5, from a stream of their own."""
+    qk_norm = spec.check_qk_norm(config.layer_options().get("qk_norm"))
+    if qk_norm is None:
+        return {}
+    rng = np.random.default_rng(config.seed + 2)
+    heads = spec.check_heads(config.num_hiddens, config.num_heads, **config.heads())
+    return {
+        name: (qk_norm.initial_value + 0.5 * rng.standard_normal(shape)).astype(np.float32)
+        for name, shape in qk_norm.shapes(heads).items()
+    }
 
 
 def reference_results(case: Case) -> dict[str, np.ndarray]:

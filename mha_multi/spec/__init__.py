@@ -13,8 +13,8 @@ Shapes, following d2l: queries ``(B, Q, query_size)``, keys
 One job per module (docs: "Architecture"): :mod:`~mha_multi.spec.ops` (the
 adapters), :mod:`~mha_multi.spec.checks` (configuration and input checks),
 :mod:`~mha_multi.spec.rotary`, :mod:`~mha_multi.spec.rotary_scaling` (the
-rotary types) and :mod:`~mha_multi.spec.options` (the options),
-:mod:`~mha_multi.spec.layout` (the head layout),
+rotary types), :mod:`~mha_multi.spec.norms` and :mod:`~mha_multi.spec.options`
+(the options), :mod:`~mha_multi.spec.layout` (the head layout),
 :mod:`~mha_multi.spec.positions` (masks, positions, position biases),
 :mod:`~mha_multi.spec.attention`, :mod:`~mha_multi.spec.plan` (the kernel
 plan), :mod:`~mha_multi.spec.cache` and :mod:`~mha_multi.spec.cache_checks`,
@@ -74,6 +74,16 @@ from mha_multi.spec.layout import (
     transpose_grouped_queries,
     transpose_output,
     transpose_qkv,
+)
+from mha_multi.spec.norms import (
+    QK_NORM_NAMES,
+    QKNorm,
+    check_qk_norm,
+    normalize_qk,
+    qk_norm_shapes,
+    refuse_whole_norm,
+    rms_norm,
+    rms_norm_backward,
 )
 from mha_multi.spec.ops import (
     ArrayOps,
@@ -215,6 +225,14 @@ __all__ = [
     "check_cache_dtype",
     "cached_visibility",
     "appended",
+    "QK_NORM_NAMES",
+    "QKNorm",
+    "check_qk_norm",
+    "normalize_qk",
+    "qk_norm_shapes",
+    "refuse_whole_norm",
+    "rms_norm",
+    "rms_norm_backward",
 ]
 
 # The values users keep (a cache, the rotary options) are named by their public
@@ -228,6 +246,7 @@ for _public in (
     DynamicScaling,
     YarnScaling,
     LongRopeScaling,
+    QKNorm,
 ):
     _public.__module__ = __name__
 del _public

@@ -133,6 +133,9 @@ class ArrayOps(Protocol):
     def largest(self, x: Array) -> Array:
         """The largest entry of a non-empty array, as a 0-d array (a rotary length)."""
 
+    def rsqrt(self, x: Array) -> Array:
+        """``1 / sqrt(x)`` (the RMSNorm of ``qk_norm``, :func:`rms_norm`)."""
+
     def constant(self, value: np.ndarray, like: Array) -> Array:
         """A host numpy array as an array of this framework, beside ``like``.
 
@@ -269,6 +272,9 @@ class NumpyOps(NumpyDtypes, NamespaceOps):
 
     def concat_last(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         return np.concatenate(list(xs), axis=-1)
+
+    def rsqrt(self, x: np.ndarray) -> np.ndarray:
+        return 1.0 / np.sqrt(x)
 
     def constant(self, value: np.ndarray, like: Any) -> np.ndarray:
         return np.asarray(value)

@@ -2,7 +2,8 @@
 
 The constructor's options (:class:`LayerOptions`) and what one call does to
 the scores of every head (:class:`ScoreOptions`), checked (docs: "Positions
-and biases"). Rotary embeddings are in :mod:`mha_multi.spec.rotary`.
+and biases"). Rotary embeddings are in :mod:`mha_multi.spec.rotary`, the
+query/key norms in :mod:`mha_multi.spec.norms`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from mha_multi.spec.checks import check_positive_int, check_positive_real, one_of
+from mha_multi.spec.norms import QKNorm, check_qk_norm
 from mha_multi.spec.ops import Array
 from mha_multi.spec.rotary import Rotary, check_rotary
 
@@ -176,7 +178,7 @@ class ScoreOptions:
 NO_OPTIONS = ScoreOptions()
 
 
-_LAYER_OPTIONS = ("rotary", "alibi", "window", "softcap")
+_LAYER_OPTIONS = ("rotary", "alibi", "window", "softcap", "qk_norm")
 
 
 @dataclass(frozen=True)
@@ -189,12 +191,15 @@ class LayerOptions:
         alibi: add ALiBi's per-head linear bias (:func:`alibi_slopes`).
         window: ``None`` or the sliding window (:func:`check_window`).
         softcap: ``None`` or the soft cap of the scores (:func:`check_softcap`).
+        qk_norm: ``None`` or the RMSNorm of the projected queries and keys
+            (a :class:`QKNorm`, or a dict of its fields before :meth:`check`).
     """
 
     rotary: Rotary | Mapping[str, Any] | None = None
     alibi: bool = False
     window: int | None = None
     softcap: float | None = None
+    qk_norm: QKNorm | Mapping[str, Any] | None = None
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> LayerOptions:
@@ -221,28 +226,33 @@ class LayerOptions:
         Raises:
             TypeError, ValueError: from :func:`check_rotary`,
                 :func:`check_alibi`, :func:`check_window`, :func:`check_softcap`,
-                :meth:`Rotary.dim`.
+                :func:`check_qk_norm`, :meth:`Rotary.dim`.
         """
         options = LayerOptions(
             rotary=check_rotary(self.rotary),
             alibi=check_alibi(self.alibi),
             window=check_window(self.window),
             softcap=check_softcap(self.softcap),
+            qk_norm=check_qk_norm(self.qk_norm),
         )
         if head_dim is not None and options.rotary is not None:
             options.rotary.dim(head_dim)
         return options
 
     def config(self) -> dict[str, Any]:
-        """The options as plain Python values (``rotary`` a dict), as constructors take them."""
-        rotary = self.rotary
+        """The options as plain Python values (``rotary`` and ``qk_norm`` dicts), as
+        constructors take them."""
+        rotary, qk_norm = self.rotary, self.qk_norm
         if isinstance(rotary, Rotary):
             rotary = dataclasses.asdict(rotary)
+        if isinstance(qk_norm, QKNorm):
+            qk_norm = dataclasses.asdict(qk_norm)
         return {
             "rotary": rotary,
             "alibi": self.alibi,
             "window": self.window,
             "softcap": self.softcap,
+            "qk_norm": qk_norm,
         }
 
     def __post_init__(self) -> None:

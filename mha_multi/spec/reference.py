@@ -30,6 +30,7 @@ from mha_multi.spec.attention import (
 from mha_multi.spec.cache import KVCache
 from mha_multi.spec.cache_checks import check_cache_values
 from mha_multi.spec.checks import Heads, check_inputs, heads_of_weights
+from mha_multi.spec.norms import QKNorm, rms_norm, rms_norm_backward
 from mha_multi.spec.ops import NumpyOps
 from mha_multi.spec.options import LayerOptions, alibi_slopes, check_bias, check_positions
 from mha_multi.spec.positions import adjust_scores, call_positions, visibility
@@ -124,10 +125,15 @@ def projections(
     heads: Heads,
     rotary: Rotary | None,
     positions: np.ndarray | None,
+    qk_norm: QKNorm | None = None,
 ) -> dict[str, np.ndarray]:
-    """The projected ``q``, ``k``, ``v`` of an uncached call, ``q`` and ``k`` rotated."""
+    """The projected ``q``, ``k``, ``v`` of an uncached call, ``q`` and ``k`` normalised
+    (``qk_norm``) and rotated."""
     projected = {"q": linear(queries, w, "q"), "k": linear(keys, w, "k")}
     projected["v"] = linear(values, w, "v")
+    if qk_norm is not None:
+        projected["q"] = normed(w, projected["q"], "q", qk_norm, heads)
+        projected["k"] = normed(w, projected["k"], "k", qk_norm, heads)
     if rotary is not None:
         ops = NumpyOps()
         query_positions, key_positions = call_positions(
@@ -142,6 +148,14 @@ def projections(
                 ops, projected[name], at, rotary, count, heads.head_dim, length=length
             )
     return projected
+
+
+def normed(
+    w: Mapping[str, np.ndarray], x: np.ndarray, name: str, qk_norm: QKNorm, heads: Heads
+) -> np.ndarray:
+    """The projection ``name`` (``"q"`` or ``"k"``) through its norm (:func:`rms_norm`)."""
+    count = heads.num_heads if name == "q" else heads.num_kv_heads
+    return rms_norm(NumpyOps(), x, w[f"{name}_norm"], qk_norm, count, heads.head_dim)
 
 
 def reference_forward(
@@ -177,8 +191,9 @@ def reference_forward(
         positions: ``None`` or integer ``(B, Q)``: the rotary positions of
             the queries and (``K == Q``) the keys; ``None`` for ``arange``.
         bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``.
-        **options: the layer's options, ``rotary``, ``alibi``, ``window``
-            and ``softcap`` (:class:`LayerOptions`).
+        **options: the layer's options, ``rotary``, ``alibi``, ``window``,
+            ``softcap`` and ``qk_norm`` (:class:`LayerOptions`); with
+            ``qk_norm``, ``weights`` hold ``q_norm`` and ``k_norm``.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and
@@ -199,7 +214,9 @@ def reference_forward(
     # Non-finite inputs propagate by design (docs: "Edge cases"); numpy's warnings
     # about them would only be noise.
     with np.errstate(invalid="ignore", over="ignore"):
-        projected = projections(w, queries, keys, values, heads, layer.rotary, positions)
+        projected = projections(
+            w, queries, keys, values, heads, layer.rotary, positions, layer.qk_norm
+        )
         context, attention_weights = attention(
             NumpyOps(),
             projected["q"],
@@ -253,7 +270,8 @@ def reference_gradients(
     independent check of every backend's gradients. Hidden scores are
     replaced by a constant, so they receive no gradient (nor does the bias
     there). A rotation's transpose is the rotation by the opposite angles;
-    soft-capping's derivative is ``1 - tanh(s / c) ** 2``.
+    soft-capping's derivative is ``1 - tanh(s / c) ** 2``; the query/key
+    norms' is :func:`rms_norm_backward`.
 
     Args:
         weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal: as in
@@ -282,7 +300,7 @@ def reference_gradients(
     grad_out = as_float64(output_gradient)
     scale = 1.0 / math.sqrt(head_dim)
 
-    projected = projections(w, queries, keys, values, heads, layer.rotary, positions)
+    projected = projections(w, queries, keys, values, heads, layer.rotary, positions, layer.qk_norm)
     # The grouped layout (docs: "The spec"): (B*H_kv, G*Q, dh) queries against
     # (B*H_kv, K, dh) keys and values; with G = 1 it is d2l's (B*H, Q, dh).
     kv_heads, group = heads.num_kv_heads, heads.group_size
@@ -354,6 +372,12 @@ def reference_gradients(
                 inverse=True,
                 length=call_length(positions, num_queries, num_keys),
             )
+    if layer.qk_norm is not None:
+        for name in "qk":
+            before = linear(inputs[name][1], w, name)
+            projected_grads[name], grads[f"{name}_norm"] = rms_norm_backward(
+                before, w[f"{name}_norm"], layer.qk_norm, head_dim, projected_grads[name]
+            )
     for name, grad_projected in projected_grads.items():
         input_name, x = inputs[name]
         grads[f"W_{name}"] = np.einsum("bti,btj->ij", x, grad_projected)
@@ -400,8 +424,8 @@ def reference_cached_forward(
         positions: ``None`` or integer ``(B, T)``: the rotary positions of
             the queries and the new keys; ``None`` for ``lengths[b] + i``.
         bias: ``None``, or floating, broadcastable to ``(B, H, T, M)``.
-        **options: ``rotary``, ``alibi``, ``window``, ``softcap``
-            (:class:`LayerOptions`). ALiBi and the window place query ``i``
+        **options: ``rotary``, ``alibi``, ``window``, ``softcap``,
+            ``qk_norm`` (:class:`LayerOptions`). ALiBi and the window place query ``i``
             of example ``b`` at ``lengths[b] + i`` and key ``j`` at ``j``;
             keys older than the window stay in the cache, hidden.
 
@@ -436,12 +460,16 @@ def reference_cached_forward(
     dh, group = heads.head_dim, heads.group_size
     with np.errstate(invalid="ignore", over="ignore"):
         q = linear(queries, w, "q")
+        if layer.qk_norm is not None:
+            q = normed(w, q, "q", layer.qk_norm, heads)
         # Keys already in the cache keep the angles they were written with.
         length = call_length(positions, num_new, num_new)
         if layer.rotary is not None:
             q = rotate(ops, q, positions, layer.rotary, heads.num_heads, dh, length=length)
         if keys is not None:
             projected_k = linear(as_float64(keys), w, "k")
+            if layer.qk_norm is not None:  # before the rotation, as every key
+                projected_k = normed(w, projected_k, "k", layer.qk_norm, heads)
             if layer.rotary is not None:  # keys enter the cache rotated
                 projected_k = rotate(
                     ops, projected_k, positions, layer.rotary, heads.num_kv_heads, dh, length=length

@@ -191,6 +191,9 @@ class TorchOps(spec.NamespaceOps):
     def concat_last(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(xs), dim=-1)
 
+    def rsqrt(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.rsqrt(x)
+
     def constant(self, value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         if like.device.type == "cpu" or torch.compiler.is_compiling():
             return torch.as_tensor(value, device=like.device)

@@ -27,7 +27,7 @@ from mha_multi.torch._projections import (
     in_features,
     projection,
 )
-from mha_multi.weights import KERNEL_NAMES, check_layer_weights
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, check_layer_weights
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -59,6 +59,9 @@ class MultiHeadAttention(PackedProjections):
         window: ``None``, or the sliding window: a query sees the keys at
             most ``window - 1`` positions behind it.
         softcap: ``None``, or Gemma 2's soft cap of the scaled scores.
+        qk_norm: ``None``, or the RMSNorm of the projected queries and keys
+            before rotary: a :class:`~mha_multi.spec.QKNorm` or a dict of its
+            fields; its weights are the parameters ``q_norm`` and ``k_norm``.
         device: where to create the parameters.
         dtype: dtype of the parameters.
     """
@@ -79,6 +82,7 @@ class MultiHeadAttention(PackedProjections):
         alibi: bool = False,
         window: int | None = None,
         softcap: float | None = None,
+        qk_norm: spec.QKNorm | Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -87,7 +91,9 @@ class MultiHeadAttention(PackedProjections):
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         super().__init__()
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
-        options = spec.LayerOptions(rotary, alibi, window, softcap).check(self._heads.head_dim)
+        options = spec.LayerOptions(rotary, alibi, window, softcap, qk_norm=qk_norm).check(
+            self._heads.head_dim
+        )
         self.num_hiddens = int(num_hiddens)
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads
@@ -100,6 +106,10 @@ class MultiHeadAttention(PackedProjections):
         self.W_k = projection(key_size, kv_features, bias)
         self.W_v = projection(value_size, kv_features, bias)
         self.W_o = nn.Linear(query_features, num_hiddens, bias=bias)
+        if options.qk_norm is not None:
+            for name, shape in options.qk_norm.shapes(self._heads).items():
+                initial = torch.full(shape, options.qk_norm.initial_value)
+                self.register_parameter(name, nn.Parameter(initial))
         self.dropout = nn.Dropout(dropout)
         self._stacks = StackedWeights()
         self._pack()
@@ -119,6 +129,14 @@ class MultiHeadAttention(PackedProjections):
     def _canonical_heads(self) -> spec.Heads:
         """The whole layer's heads, which the canonical weights and ``head_mask`` have."""
         return self._heads if self._sharding is None else self._sharding.heads
+
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_norm, k_norm)``: the query/key norms' parameters (``qk_norm`` set)."""
+        parameters = self._parameters
+        q_norm, k_norm = parameters["q_norm"], parameters["k_norm"]
+        if self._sharding is not None:
+            return self._sharding.replicated(q_norm), self._sharding.replicated(k_norm)
+        return q_norm, k_norm
 
     def input_sizes(self) -> dict[str, int | None]:
         """``query_size``, ``key_size``, ``value_size``; ``None`` where still lazy."""
@@ -305,6 +323,8 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
         tensor = torch.from_numpy(np.array(array, copy=True))
         if name in KERNEL_NAMES:
             state[f"{name}.weight"] = tensor.T.contiguous()
+        elif name in NORM_NAMES:
+            state[name] = tensor
         else:
             state[f"W_{name[-1]}.bias"] = tensor
     if layer._sharding is not None:
@@ -341,4 +361,7 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
         weights[name] = host_array(whole(linear.weight).T)
         if layer.bias:
             weights[f"b_{name[-1]}"] = host_array(whole(linear.bias))
+    if layer.options.qk_norm is not None:
+        # Per head, every process holds the whole (head_dim,) weights.
+        weights.update(zip(NORM_NAMES, map(host_array, layer.qk_norm_weights()), strict=True))
     return weights

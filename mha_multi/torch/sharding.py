@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -65,6 +65,13 @@ class HeadSharding:
         axis = head_mask.dim() - 1
         full = DTensor.from_local(head_mask, self.mesh, [Replicate()], run_check=False)
         return full.redistribute(self.mesh, [Shard(axis)]).to_local()
+
+    def replicated(self, parameter: torch.Tensor) -> torch.Tensor:
+        """A parameter every process holds whole (a per-head norm's weights), as this
+        process's computation uses it: its gradient sums every process's (an all-reduce
+        in the backward pass), as the unsharded layer's sums every head's."""
+        full = DTensor.from_local(parameter, self.mesh, [Replicate()], run_check=False)
+        return full.to_local(grad_placements=[Partial()])
 
     def check_inputs(self, queries: torch.Tensor, layer: MultiHeadAttention) -> None:
         """Refuses the products the sharded projections cannot compute to the spec.
@@ -149,7 +156,8 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
             ``device_mesh`` not a ``DeviceMesh``.
         ValueError: the mesh is not 1-D, its size does not divide
             ``num_heads`` and ``num_kv_heads`` (:func:`mha_multi.spec.shard_heads`),
-            an input size is still lazy, the layer is already sharded, its
+            an input size is still lazy, the layer is already sharded or has
+            ``qk_norm`` of scope ``"whole"`` (its mean square spans every head), its
             parameters are not on the mesh's device type, or this process
             is not part of the mesh.
     """
@@ -157,6 +165,7 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
         raise TypeError(
             f"layer must be a mha_multi.torch.MultiHeadAttention; got {type(layer).__name__}"
         )
+    spec.refuse_whole_norm(layer.options.qk_norm, "sharding heads")
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(
             f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh; "

@@ -68,6 +68,19 @@ def loop_rotate(vector, position, frequencies, interleaved):
     return out
 
 
+def loop_norm(x, weight, norm, size):
+    """A query/key norm written out, one group of ``size`` entries of one row at a time:
+    ``g * x / sqrt(mean(x ** 2) + eps)``, ``g`` the weight or one plus it."""
+    out = np.empty_like(x)
+    gain = weight + 1.0 if norm.unit_offset else weight
+    for b, t in np.ndindex(x.shape[:2]):
+        for start in range(0, x.shape[2], size):
+            group = x[b, t, start : start + size]
+            rms = np.sqrt(sum(v * v for v in group) / size + norm.eps)
+            out[b, t, start : start + size] = gain * group / rms
+    return out
+
+
 def naive_forward(
     weights,
     queries,
@@ -85,6 +98,7 @@ def naive_forward(
     window=None,
     softcap=None,
     gates=None,
+    qk_norm=None,
 ):
     """Every option written out: one example, head, query and key at a time.
 
@@ -101,6 +115,10 @@ def naive_forward(
         return y + weights[f"b_{name}"] if f"b_{name}" in weights else y
 
     q, k, v = project(queries, "q"), project(keys, "k"), project(values, "v")
+    if qk_norm is not None:
+        norm = spec.QKNorm(**qk_norm)
+        q = loop_norm(q, weights["q_norm"], norm, head_dim if norm.scope == "heads" else q.shape[2])
+        k = loop_norm(k, weights["k_norm"], norm, head_dim if norm.scope == "heads" else k.shape[2])
     if rotary is not None:
         frequencies = loop_inverse_frequencies(
             head_dim,

@@ -452,6 +452,12 @@ def test_bad_arguments() -> None:
         shard_heads(layer, "model")
     with pytest.raises(ValueError, match="batch_axis must differ"):
         shard_cache(layer.init_cache(2, 4), mesh, batch_axis="model")
+    whole = {"scope": "whole"}
+    with pytest.raises(ValueError, match="sharding heads is not possible with qk_norm"):
+        shard_heads(MultiHeadAttention(8, 2, qk_norm=whole), mesh)
+    module = linen.MultiHeadAttention(8, 2, qk_norm=whole)
+    with pytest.raises(ValueError, match="sharding heads is not possible with qk_norm"):
+        linen.shard_variables(module, {}, mesh)
     # A one-device axis divides every head count: the layer keeps computing the same.
     assert shard_heads(layer, mesh) is layer
     x = np.ones((1, 3, 8), np.float32)

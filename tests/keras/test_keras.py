@@ -194,6 +194,21 @@ def test_a_rotary_type_round_trips_through_the_config(scaling):
     assert restored.get_config() == config and restored.options == layer.options
 
 
+def test_qk_norm_config_and_variables_round_trip():
+    norm = {"scope": "whole", "eps": 1e-5, "unit_offset": True, "product": "float32"}
+    layer = MultiHeadAttention(8, 2, qk_norm=norm, query_size=8, key_size=8, value_size=8)
+    config = layer.get_config()
+    assert config["qk_norm"] == norm
+    clone = MultiHeadAttention.from_config(config)
+    assert clone.get_config() == config
+    store = {}
+    layer.q_norm.assign(np.arange(8, dtype=np.float32))
+    layer.save_own_variables(store)
+    assert {"q_norm", "k_norm"} <= set(store)
+    clone.load_own_variables(store)
+    np.testing.assert_array_equal(backend.to_numpy(clone.q_norm.value), np.arange(8))
+
+
 def test_config_without_head_options_is_multi_head_attention():
     # What get_config recorded before num_kv_heads and head_dim existed.
     config = MultiHeadAttention(12, 3).get_config()

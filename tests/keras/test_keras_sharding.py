@@ -324,6 +324,12 @@ def _error_checks(results: dict[str, Any]) -> None:
     template = MultiHeadAttention(16, 4, num_kv_heads=2, **ZEROS)
     attempt("layout_map_layer", lambda: layout_map(mesh, layer=template))
     attempt("layout_map_axis", lambda: layout_map(mesh, axis="heads"))
+    # A norm of the whole projection couples every head: refused, at once and under a distribution.
+    whole = {"scope": "whole"}
+    attempt("whole_norm", lambda: under_distribution(num_hiddens=16, num_heads=4, qk_norm=whole))
+    norm_template = MultiHeadAttention(16, 4, qk_norm=whole, **ZEROS)
+    attempt("layout_map_whole_norm", lambda: layout_map(mesh, layer=norm_template))
+    attempt("heads_norm", lambda: under_distribution(num_hiddens=16, num_heads=4, qk_norm={}))
 
 
 def _nested_checks(results: dict[str, Any]) -> None:
@@ -548,6 +554,11 @@ def test_a_count_that_splits_heads_is_a_value_error(results: dict[str, Any]) -> 
         assert "shards (4)" in message, (label, message)
     kind, message = errors["layout_map_axis"]
     assert kind == "ValueError" and "'heads'" in message and "['model']" in message
+    assert errors["heads_norm"] is None  # per-head norms: whole on every device
+    for label in ("whole_norm", "layout_map_whole_norm"):
+        kind, message = errors[label]
+        assert kind == "ValueError", (label, message)
+        assert "sharding heads is not possible with qk_norm" in message, (label, message)
 
 
 @JAX_ONLY

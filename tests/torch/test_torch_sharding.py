@@ -51,6 +51,13 @@ CASES: dict[str, dict[str, Any]] = {
         "sizes": {"query_size": 6, "key_size": 7, "value_size": 7},
         "call": {"head_mask": "1d"},
     },
+    # Per-head query/key norms: every process holds their weights whole, and
+    # their gradient sums every process's heads.
+    "qk_norm": {
+        "layer": {"num_hiddens": 16, "num_heads": 4, "num_kv_heads": 2, "qk_norm": {}},
+        "sizes": {"query_size": 16, "key_size": 16, "value_size": 16},
+        "call": {"valid_lens": "1d", "causal": True},
+    },
 }
 #: The decode: grouped heads, prompts of 4, 1 and 3 positions, then two steps.
 DECODE = {"layer": CASES["grouped_head_mask"]["layer"], "prompts": [4, 1, 3], "steps": 2}
@@ -58,7 +65,14 @@ DECODE = {"layer": CASES["grouped_head_mask"]["layer"], "prompts": [4, 1, 3], "s
 
 def _weights(name: str, seed: int = 0) -> dict[str, np.ndarray]:
     config = CASES[name]
-    return init_weights(**config["layer"], **config["sizes"], seed=seed)
+    layer = {k: v for k, v in config["layer"].items() if k != "qk_norm"}
+    weights = init_weights(**layer, **config["sizes"], seed=seed)
+    if "qk_norm" in config["layer"]:  # (head_dim,) weights, away from their identity
+        rng = np.random.default_rng(seed)
+        head_dim = weights["W_q"].shape[1] // layer["num_heads"]
+        for norm in spec.QK_NORM_NAMES:
+            weights[norm] = (1 + 0.5 * rng.standard_normal(head_dim)).astype(np.float32)
+    return weights
 
 
 def _layer(name: str, weights: dict[str, np.ndarray]) -> MultiHeadAttention:
@@ -237,6 +251,7 @@ def _worker(rank: int, world_size: int, init_method: str, out_dir: str) -> None:
                 _layer("cross", _weights("cross")), init_device_mesh("cpu", (1, world_size))
             ),
             "lazy": lambda: shard_heads(MultiHeadAttention(16, 4), mesh),
+            "whole_qk_norm": sharded(num_hiddens=16, num_heads=4, qk_norm={"scope": "whole"}),
             "twice": lambda: shard_heads(layer, mesh),
             "local_head_mask": lambda: layer(queries, keys, values, head_mask=torch.ones(2)),
             "bfloat16_cpu": lambda: layer.to(torch.bfloat16)(
@@ -386,6 +401,7 @@ def test_bad_shard_counts_raise_the_spec_error(ranks: list[dict[str, np.ndarray]
     [
         ("mesh_2d", "ValueError: device_mesh must be 1-D"),
         ("lazy", "ValueError: query_size, key_size, value_size not known yet"),
+        ("whole_qk_norm", "ValueError: sharding heads is not possible with qk_norm"),
         ("twice", "ValueError: the layer's heads are already sharded 2 ways"),
         ("local_head_mask", "ValueError: head_mask must have shape (num_heads,) = (4,)"),
         ("bfloat16_cpu", "TypeError: a head-sharded layer computes 16-bit products only"),

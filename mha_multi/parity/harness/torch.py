@@ -25,7 +25,7 @@ from mha_multi.torch import _facts
 from mha_multi.torch._facts import DTYPES
 from mha_multi.torch.importance import head_mask_gradient
 from mha_multi.torch.layer import MultiHeadAttention
-from mha_multi.weights import KERNEL_NAMES
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES
 
 __all__ = [
     "as_if_on_a_gpu",
@@ -153,7 +153,13 @@ def vjp(
         grads[name] = linear.weight.grad.T
         if linear.bias is not None:
             grads[f"b_{name[-1]}"] = linear.bias.grad
+    grads.update({name: layer.get_parameter(name).grad for name in _norms(layer)})
     return grads
+
+
+def _norms(layer: MultiHeadAttention) -> tuple[str, ...]:
+    """The names of the layer's query/key norm weights (none without ``qk_norm``)."""
+    return () if layer.options.qk_norm is None else NORM_NAMES
 
 
 @contextlib.contextmanager
