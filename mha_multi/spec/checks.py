@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -41,14 +41,16 @@ class Heads:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 
+    # Set on each instance by __post_init__; not fields, so that
+    # dataclasses.asdict and replace see the three sizes alone.
     #: Query heads per key/value head.
-    group_size: int = field(init=False, repr=False, compare=False)
+    group_size: ClassVar[int]
     #: Whether key/value heads are shared (``num_kv_heads < num_heads``).
-    grouped: bool = field(init=False, repr=False, compare=False)
+    grouped: ClassVar[bool]
     #: ``num_heads * head_dim``: the width of projected queries and of ``W_o``'s input.
-    query_features: int = field(init=False, repr=False, compare=False)
+    query_features: ClassVar[int]
     #: ``num_kv_heads * head_dim``: the width of projected keys and values.
-    kv_features: int = field(init=False, repr=False, compare=False)
+    kv_features: ClassVar[int]
 
 
 def check_positive_int(name: str, value: Any) -> None:
