@@ -36,6 +36,8 @@ class LayerConfig:
     query_size: int
     key_size: int
     value_size: int
+    #: The heads have sink logits (the canonical ``sinks``; docs: "Positions and biases").
+    sinks: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """The constructor's keyword arguments."""
@@ -67,8 +69,9 @@ def prune_heads(
     In multi-head attention its key/value head goes with it (``W_k``,
     ``b_k``, ``W_v``, ``b_v`` columns). With grouped heads a key/value head
     serves a group of ``num_heads // num_kv_heads`` query heads, so only
-    whole groups may go, and then their key/value head too. ``b_o`` and the
-    input sizes are unchanged, and so is ``head_dim``: the pruned layer has
+    whole groups may go, and then their key/value head too. A layer with sinks
+    keeps the kept heads' entries of ``sinks``. ``b_o`` and the input sizes
+    are unchanged, and so is ``head_dim``: the pruned layer has
     ``num_heads * head_dim != num_hiddens``, which its configuration states.
 
     Args:
@@ -89,8 +92,9 @@ def prune_heads(
             part of a group of grouped heads, or weights that do not fit the
             head layout.
     """
-    arrays, config = check_weights(weights)
+    arrays, config = check_weights(weights, sinks=None)
     layout = spec.heads_of_weights(arrays, num_heads, num_kv_heads=num_kv_heads)
+    spec.sink_logits_of(arrays, config.sinks, layout.num_heads)  # (num_heads,), checked
     if head_dim is not None and head_dim != layout.head_dim:
         raise ValueError(
             f"head_dim ({head_dim}) does not fit W_q: {arrays['W_q'].shape[1]} columns "
@@ -131,6 +135,8 @@ def prune_heads(
             "b_v": arrays["b_v"][keep_kv],
             "b_o": arrays["b_o"].copy(),
         }
+    if config.sinks:
+        pruned["sinks"] = arrays["sinks"][[h for h in range(layout.num_heads) if h not in removed]]
     pruned_config = LayerConfig(
         num_hiddens=config.num_hiddens,
         num_heads=layout.num_heads - len(removed),
@@ -140,6 +146,7 @@ def prune_heads(
         query_size=config.query_size,
         key_size=config.key_size,
         value_size=config.value_size,
+        sinks=config.sinks,
     )
     return Pruned({name: np.ascontiguousarray(a) for name, a in pruned.items()}, pruned_config)
 

@@ -13,6 +13,7 @@ name                  shape                                       present
 ``b_q``               ``(num_heads*head_dim,)``                   iff ``bias=True``
 ``b_k``, ``b_v``      ``(num_kv_heads*head_dim,)``                iff ``bias=True``
 ``b_o``               ``(num_hiddens,)``                          iff ``bias=True``
+``sinks``             ``(num_heads,)``                            iff ``sinks=True``
 ====================  ==========================================  ===============
 
 For multi-head attention with the default head size (``num_kv_heads =
@@ -39,6 +40,7 @@ from mha_multi import spec
 __all__ = [
     "BIAS_NAMES",
     "KERNEL_NAMES",
+    "SINKS_NAME",
     "WeightsConfig",
     "check_layer_weights",
     "check_weights",
@@ -50,6 +52,8 @@ __all__ = [
 
 KERNEL_NAMES = ("W_q", "W_k", "W_v", "W_o")
 BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
+#: The name of the heads' sink logits, ``(num_heads,)``, present iff ``sinks=True``.
+SINKS_NAME = "sinks"
 
 # A zip archive starts with a local file header, or, when empty, with its end record.
 _ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")
@@ -68,6 +72,8 @@ class WeightsConfig:
     """Width of the projected queries, ``num_heads * head_dim`` (``W_q``'s columns)."""
     kv_features: int | None = None
     """Width of the projected keys and values, ``num_kv_heads * head_dim``."""
+    sinks: bool = False
+    """Whether the weights hold the heads' sink logits (``sinks``)."""
 
 
 def _features(
@@ -92,12 +98,14 @@ def weight_shapes(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    sinks: bool = False,
 ) -> dict[str, tuple[int, ...]]:
     """Canonical names and shapes for a configuration.
 
     Input sizes default to ``num_hiddens``. Without ``num_heads`` the layout is
     multi-head attention with the default head size, whose shapes do not
-    depend on the number of heads.
+    depend on the number of heads; ``sinks=True`` needs ``num_heads`` (else
+    a ``ValueError``).
     """
     query_features, kv_features = _features(num_hiddens, num_heads, num_kv_heads, head_dim)
     shapes: dict[str, tuple[int, ...]] = {
@@ -115,6 +123,10 @@ def weight_shapes(
                 "b_o": (num_hiddens,),
             }
         )
+    if sinks:
+        if num_heads is None:
+            raise ValueError("sinks=True needs num_heads (the sinks are (num_heads,))")
+        shapes[SINKS_NAME] = (int(num_heads),)
     return shapes
 
 
@@ -128,6 +140,7 @@ def init_weights(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    sinks: bool = False,
     seed: int = 0,
     dtype: Any = np.float32,
 ) -> dict[str, np.ndarray]:
@@ -144,6 +157,8 @@ def init_weights(
         num_heads, num_kv_heads, head_dim: the head layout (see
             :func:`mha_multi.spec.check_heads`); only grouped heads or an
             explicit ``head_dim`` change the shapes.
+        sinks: whether to include the heads' sink logits ``sinks``, zeros
+            (a zero logit is one more key of score 0 in every row).
         seed: seed of a ``numpy.random.default_rng``.
         dtype: dtype of the returned arrays.
 
@@ -160,11 +175,11 @@ def init_weights(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        sinks=sinks,
     )
     weights = {}
     for name, shape in shapes.items():
-        fan_in = shapes["W_" + name[-1]][0]
-        bound = 1.0 / np.sqrt(fan_in)
+        bound = 0.0 if name == SINKS_NAME else 1.0 / np.sqrt(shapes["W_" + name[-1]][0])
         weights[name] = rng.uniform(-bound, bound, size=shape).astype(dtype)
     return weights
 
@@ -180,6 +195,7 @@ def check_weights(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    sinks: bool | None = False,
 ) -> tuple[dict[str, np.ndarray], WeightsConfig]:
     """Strictly validates a canonical mapping.
 
@@ -196,6 +212,10 @@ def check_weights(
         num_hiddens, query_size, key_size, value_size, bias: what the
             weights must describe, where known.
         num_heads, num_kv_heads, head_dim: the layer's head layout, where known.
+        sinks: whether the weights hold the sink logits ``sinks`` (of a
+            layer with ``sinks=True``); ``None`` reads it from the entry's
+            presence (:func:`mha_multi.spec.sinks_shape`). ``False`` by
+            default: a layer without sinks, or a native one, refuses it.
 
     Returns:
         ``(weights, config)``: the entries as numpy arrays, and the sizes.
@@ -221,6 +241,8 @@ def check_weights(
             raise ValueError(f"weights[{name!r}] must be 2-D; got shape {arrays[name].shape}")
     if bias is None:
         bias = "b_q" in arrays
+    if sinks is None:
+        sinks = SINKS_NAME in arrays
     if num_hiddens is None and num_heads is None:
         # Nothing known: any head layout, the widths the kernels have (checked
         # against each other below).
@@ -246,10 +268,14 @@ def check_weights(
     expected["W_o"] = (query_features, num_hiddens)
     if bias:
         expected.update({"b_q": (query_features,), "b_k": (kv_features,), "b_v": (kv_features,)})
+    if sinks:
+        expected[SINKS_NAME] = spec.sinks_shape(arrays.get(SINKS_NAME), num_heads, query_features)
     for name in sorted(set(expected) - set(arrays)):
-        raise ValueError(f"weights is missing {name!r} (bias={bias})")
+        flag = f"sinks={sinks}" if name == SINKS_NAME else f"bias={bias}"
+        raise ValueError(f"weights is missing {name!r} ({flag})")
     for name in sorted(set(arrays) - set(expected)):
-        reason = " (the layer has bias=False)" if name in BIAS_NAMES else ""
+        flag = "sinks" if name == SINKS_NAME else "bias" if name in BIAS_NAMES else ""
+        reason = f" (the layer has {flag}=False)" if flag else ""
         raise ValueError(
             f"weights has an unexpected entry {name!r}{reason}; expected exactly {sorted(expected)}"
         )
@@ -268,6 +294,7 @@ def check_weights(
         bias=bias,
         query_features=query_features,
         kv_features=kv_features,
+        sinks=sinks,
     )
     return {name: arrays[name] for name in expected}, config
 
@@ -277,6 +304,8 @@ class SizedLayer(Protocol):
 
     num_hiddens: int
     bias: bool
+    #: The layer's options (:class:`mha_multi.spec.LayerOptions`): ``sinks`` is read.
+    options: spec.LayerOptions
 
     @property
     def heads(self) -> spec.Heads:
@@ -303,7 +332,8 @@ def check_layer_weights(
     Raises:
         TypeError: ``weights`` is not a mapping, or an entry is not a
             floating-point array.
-        ValueError: a missing, extra or mis-shaped entry, named.
+        ValueError: a missing, extra or mis-shaped entry (``sinks`` as the
+            layer's ``options.sinks`` says), named.
     """
     return check_weights(
         weights,
@@ -311,6 +341,7 @@ def check_layer_weights(
         bias=layer.bias,
         **asdict(layer.heads if heads is None else heads),  # num_heads, num_kv_heads, head_dim
         **layer.input_sizes(),
+        sinks=layer.options.sinks,
     )
 
 
@@ -326,7 +357,7 @@ def save_weights(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> No
 
     The weights are validated first; nothing is written for an invalid mapping.
     """
-    arrays, _ = check_weights(weights)
+    arrays, _ = check_weights(weights, sinks=None)
     if _format(path) == ".npz":
         with open(path, "wb") as file:
             np.savez(file, **arrays)
@@ -410,7 +441,7 @@ def load_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
             f"{path!r} holds no arrays; expected canonical weights {', '.join(KERNEL_NAMES)}"
         )
     try:
-        return check_weights(weights)[0]
+        return check_weights(weights, sinks=None)[0]
     except ValueError as error:
         raise ValueError(f"{path!r}: {error}") from error
     except TypeError as error:

@@ -34,6 +34,10 @@ class Projections(Protocol):
     ) -> tuple[Any, ...]:
         """``(q, k, v)``: the projected inputs; ``k`` and ``v`` ``None`` without keys."""
 
+    def sink_logits(self) -> Array:
+        """The ``(H,)`` sink logits of the heads this call computes (a layer with
+        ``sinks=True``; docs: "Positions and biases"), after :meth:`project_inputs`."""
+
     def project_output(self, context: Array, gates: Array | None) -> Array:
         """``W_o`` (and ``b_o``) of the heads' context gated by ``gates``.
 

@@ -33,6 +33,8 @@ KNOWN_BLOCKS: dict[str, str] = {
     "Qwen2Attention": "qwen2",
     "Gemma2Attention": "gemma2",
     "CohereAttention": "cohere",
+    # Sinks, biases on all four projections, a window on its sliding layers.
+    "GptOssAttention": "gpt_oss",
 }
 
 #: Config fields of a known block that change its numbers in a way the layer

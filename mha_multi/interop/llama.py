@@ -1,7 +1,7 @@
 """Llama-style attention: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``.
 
 The layout of transformers' ``LlamaAttention`` and of the models that copy
-it (Mistral, Qwen2, Gemma 2, Cohere): four ``torch.nn.Linear`` projections, grouped
+it (Mistral, Qwen2, Gemma 2, Cohere, gpt-oss): four ``torch.nn.Linear`` projections, grouped
 query heads (``num_key_value_heads``) and an explicit ``head_dim``. Query head
 ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``
 (transformers' ``repeat_kv``), the rule of the canonical layer, so the
@@ -16,7 +16,8 @@ something else: the rotary embedding (``rope_theta``, Llama 3's frequency
 scaling, ``partial_rotary_factor``, the pairing of the rotated entries),
 the sliding window (Mistral's ``sliding_window``, Gemma 2's on its sliding
 layers), the soft cap of the scores (Gemma 2's
-``attn_logit_softcapping``). A scale of the scores other than
+``attn_logit_softcapping``), gpt-oss' sink logit of each head (its ``sinks``
+parameter, the canonical ``sinks``). A scale of the scores other than
 ``1/sqrt(head_dim)`` (Gemma 2's ``query_pre_attn_scalar``) is folded into
 ``W_q`` and ``b_q``. Models with biases on the query, key and value
 projections only (Qwen2) convert with ``b_o = 0``. State dicts and files
@@ -51,7 +52,7 @@ from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve
 from mha_multi.interop.rotary_config import INTERLEAVED_ROTARY, rotary_of
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
 from mha_multi.torch._facts import host_array
-from mha_multi.weights import WeightsConfig, check_weights
+from mha_multi.weights import SINKS_NAME, WeightsConfig, check_weights
 
 __all__ = [
     "INTERLEAVED_ROTARY",
@@ -114,6 +115,7 @@ def _checked(
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
+        sinks=None,
     )
     return heads, arrays, config
 
@@ -131,6 +133,7 @@ def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, n
     expected = {
         f"{module}.{kind}" for module in PROJECTIONS.values() for kind in ("weight", "bias")
     }
+    expected.add(SINKS_NAME)  # gpt-oss' sink logit of each head
     unexpected = sorted(set(entries) - expected)
     if unexpected:
         raise ValueError(f"unexpected Llama attention entries {unexpected}")
@@ -151,6 +154,8 @@ def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, n
         )
     for name in sorted(biases & set("qkv")) + (["o"] if "o_proj.bias" in entries else []):
         weights[f"b_{name}"] = np.asarray(host_array(entries[f"{PROJECTIONS[name]}.bias"]))
+    if SINKS_NAME in entries:
+        weights[SINKS_NAME] = np.asarray(host_array(entries[SINKS_NAME]))
     return weights
 
 
@@ -189,7 +194,8 @@ def to_llama_state(
 ) -> dict[str, torch.Tensor]:
     """A Llama-style attention ``state_dict`` from canonical weights.
 
-    Biases, when present, go on all four projections (``attention_bias=True``).
+    Biases, when present, go on all four projections (``attention_bias=True``);
+    the heads' sink logits, when present, are the entry ``sinks`` (gpt-oss).
 
     Raises:
         ValueError: as :func:`llama_config`.
@@ -200,6 +206,8 @@ def to_llama_state(
         state[f"{module}.weight"] = torch.from_numpy(np.array(weights[f"W_{name}"]).T.copy())
         if f"b_{name}" in weights:
             state[f"{module}.bias"] = torch.from_numpy(np.array(weights[f"b_{name}"], copy=True))
+    if SINKS_NAME in weights:
+        state[SINKS_NAME] = torch.from_numpy(np.array(weights[SINKS_NAME], copy=True))
     return state
 
 
@@ -207,7 +215,7 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
     """Canonical weights and the constructor arguments of a ``LlamaAttention``-style module.
 
     The attention blocks of :data:`KNOWN_BLOCKS`: Llama's, Mistral's,
-    Qwen2's, Gemma 2's and Cohere's. ``MultiHeadAttention(hidden_size,
+    Qwen2's, Gemma 2's, Cohere's and gpt-oss'. ``MultiHeadAttention(hidden_size,
     **kwargs)`` in any backend, loaded with the weights, computes what the
     block computes for the same inputs and ``positions`` (its
     ``position_ids``), with ``causal=True`` as the block's own mask: rotary
@@ -217,7 +225,8 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
     Returns:
         ``(weights, kwargs)``: ``kwargs`` holds plain Python values:
         ``num_heads``, ``num_kv_heads``, ``head_dim`` and, where the block
-        has them, ``rotary``, ``window``, ``softcap``, ``bias``, ``dropout``.
+        has them, ``rotary``, ``window``, ``softcap``, ``bias``, ``sinks``,
+        ``dropout``.
 
     Raises:
         ValueError: a block of another class, a config field the layer does
@@ -251,6 +260,8 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
         kwargs["softcap"] = float(softcap)
     if "b_q" in weights:
         kwargs["bias"] = True
+    if SINKS_NAME in weights:
+        kwargs["sinks"] = True
     dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if dropout:
         kwargs["dropout"] = dropout
@@ -272,6 +283,11 @@ def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Mo
             raise ValueError(f"the module's config has {field}={actual}; the weights need {value}")
     state = to_llama_state(weights, num_heads=num_heads, num_kv_heads=config.num_key_value_heads)
     reference = module.state_dict()
+    if (SINKS_NAME in state) != (SINKS_NAME in reference):
+        has = "has" if SINKS_NAME in reference else "has no"
+        raise ValueError(
+            f"{type(module).__name__} {has} sink logits ('sinks'); the weights need the other"
+        )
     state = {name: tensor.to(reference[name].dtype) for name, tensor in state.items()}
     module.load_state_dict(state, strict=True)
     return module
@@ -340,7 +356,7 @@ def load_llama(
             f"{path!r} must hold the state dict of one Llama-style attention block; found {found}"
         )
     try:
-        weights, _ = check_weights(_canonical_arrays(state, prefixes[0]))
+        weights, _ = check_weights(_canonical_arrays(state, prefixes[0]), sinks=None)
     except ValueError as error:
         raise ValueError(f"{path!r}: {error}") from error
     heads = resolve_heads(weights, source=path, **options)

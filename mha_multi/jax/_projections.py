@@ -117,6 +117,10 @@ class WeightsProjections:
             for x, name in zip(inputs, "qkv", strict=True)
         )
 
+    def sink_logits(self) -> jax.Array:
+        """The heads' sink logits ``(H,)`` in the computation dtype (after :meth:`project_inputs`)."""
+        return self._weights["sinks"]
+
     def project_output(self, context: jax.Array, gates: Any) -> jax.Array:
         context = spec.apply_head_mask(JaxOps(self.precision), context, gates, self.heads.num_heads)
         return self._project(context, "o")

@@ -105,14 +105,16 @@ def check_params(
     key_size: int | None = None,
     value_size: int | None = None,
     bias: bool | None = None,
+    sinks: bool | None = False,
 ) -> WeightsConfig:
     """Validates canonical weights by their shapes and dtypes (traceable).
 
     Args:
         params: canonical weights (``W_q``... and, with biases, ``b_q``...);
             arrays, tracers or array-likes.
-        num_hiddens, query_size, key_size, value_size, bias: what the weights
-            must describe, where known.
+        num_hiddens, query_size, key_size, value_size, bias, sinks: what the
+            weights must describe, where known
+            (:func:`~mha_multi.weights.check_weights`).
 
     Returns:
         The sizes the weights describe.
@@ -131,6 +133,7 @@ def check_params(
         key_size=key_size,
         value_size=value_size,
         bias=bias,
+        sinks=sinks,
     )
     return config
 
@@ -419,8 +422,9 @@ def multi_head_attention(
             a cached call) by (docs: "Positions and biases").
         bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``,
             added to the scaled scores before the masks; differentiable.
-        options: ``rotary``, ``alibi``, ``window``, ``softcap``
+        options: ``rotary``, ``alibi``, ``window``, ``softcap``, ``sinks``
             (:class:`mha_multi.spec.LayerOptions`, or a dict of them); static.
+            With ``sinks=True``, ``params`` holds ``sinks`` ``(num_heads,)``.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and the
@@ -438,8 +442,10 @@ def multi_head_attention(
             range or an overflow.
     """
     check_implementation(implementation)
-    config = check_params(params)
+    config = check_params(params, sinks=None)
     heads = spec.heads_of_weights(params, num_heads, num_kv_heads=num_kv_heads)
+    layer_options = _layer_options(options, heads.head_dim)
+    spec.sink_logits_of(params, layer_options is not None and layer_options.sinks, num_heads)
     spec.check_config(
         config.num_hiddens,
         num_heads,
@@ -478,7 +484,7 @@ def multi_head_attention(
         head_parallel=head_parallel,
         positions=positions,
         bias=bias,
-        layer_options=_layer_options(options, heads.head_dim),
+        layer_options=layer_options,
         run=attend_compiled,
     )
     if result.cache is None:

@@ -20,7 +20,7 @@ from mha_multi.jax._facts import JaxFacts, host_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.jax._projections import WeightsProjections
-from mha_multi.weights import KERNEL_NAMES, check_layer_weights
+from mha_multi.weights import KERNEL_NAMES, SINKS_NAME, check_layer_weights
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -92,6 +92,7 @@ class MultiHeadAttention(nnx.Module):
         alibi: bool = False,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
         deterministic: bool = False,
         dtype: DTypeLike | None = None,
         param_dtype: DTypeLike = jnp.float32,
@@ -112,7 +113,8 @@ class MultiHeadAttention(nnx.Module):
         self.head_dim = heads.head_dim
         self.num_kv_heads = heads.num_kv_heads
         #: The positions and biases options (docs: "Positions and biases"); static.
-        self.options = spec.LayerOptions(rotary, alibi, window, softcap).check(heads.head_dim)
+        self.options = spec.LayerOptions(rotary, alibi, window, softcap, sinks)
+        self.options = self.options.check(heads.head_dim)
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         check_implementation(implementation)
         self.num_hiddens = int(num_hiddens)
@@ -146,6 +148,8 @@ class MultiHeadAttention(nnx.Module):
             self.num_hiddens if value_size is None else int(value_size), heads.kv_features
         )
         self.W_o = linear(heads.query_features, self.num_hiddens)
+        if self.options.sinks:  # each head's sink logit, zeros at first
+            self.sinks = nnx.Param(jnp.zeros((heads.num_heads,), param_dtype))
         self.rngs = rngs.dropout.fork() if self.dropout > 0 else nnx.data(None)
 
     def input_sizes(self) -> dict[str, int]:
@@ -157,13 +161,15 @@ class MultiHeadAttention(nnx.Module):
         }
 
     def params(self) -> dict[str, jax.Array]:
-        """The parameters under their canonical names (``W_q``... ``b_o``), as arrays."""
+        """The parameters under their canonical names (``W_q``... ``b_o``, ``sinks``), as arrays."""
         params = {}
         for name in KERNEL_NAMES:
             linear = getattr(self, name)
             params[name] = linear.kernel[...]
             if linear.bias is not None:
                 params[f"b_{name[-1]}"] = linear.bias[...]
+        if self.options.sinks:
+            params[SINKS_NAME] = self.sinks[...]
         return params
 
     @property
@@ -361,8 +367,11 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
     """
     arrays, _ = check_layer_weights(weights, layer)
     for name, array in arrays.items():
-        linear = getattr(layer, f"W_{name[-1]}")
-        param = linear.kernel if name in KERNEL_NAMES else linear.bias
+        if name == SINKS_NAME:
+            param = layer.sinks
+        else:
+            linear = getattr(layer, f"W_{name[-1]}")
+            param = linear.kernel if name in KERNEL_NAMES else linear.bias
         current = param[...]
         value = np.asarray(array).astype(np.dtype(current.dtype))
         param.set_value(jax.device_put(value, current.sharding))

@@ -27,7 +27,7 @@ from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.jax._projections import Projection, WeightsProjections
 from mha_multi.jax.sharding import partition_specs, shard_variables
-from mha_multi.weights import KERNEL_NAMES, check_weights
+from mha_multi.weights import KERNEL_NAMES, SINKS_NAME, check_weights
 
 __all__ = [
     "MultiHeadAttention",
@@ -86,6 +86,7 @@ class MultiHeadAttention(nn.Module):
     alibi: bool = False
     window: int | None = None
     softcap: float | None = None
+    sinks: bool = False
     dtype: DTypeLike | None = None
     param_dtype: DTypeLike = jnp.float32
     precision: PrecisionLike = None
@@ -149,7 +150,7 @@ class MultiHeadAttention(nn.Module):
 
     def layer_options(self) -> spec.LayerOptions:
         """The checked positions and biases options (docs: "Positions and biases")."""
-        options = spec.LayerOptions(self.rotary, self.alibi, self.window, self.softcap)
+        options = spec.LayerOptions(self.rotary, self.alibi, self.window, self.softcap, self.sinks)
         return options.check(self.heads.head_dim)
 
     def _known_sizes(self) -> dict[str, int | None]:
@@ -239,6 +240,10 @@ class MultiHeadAttention(nn.Module):
             params[f"W_{name}"] = kernel
             if bias is not None:
                 params[f"b_{name}"] = bias
+        if self.sinks:  # each head's sink logit, zeros at first
+            params[SINKS_NAME] = self.param(
+                SINKS_NAME, nn.initializers.zeros_init(), (heads.num_heads,), self.param_dtype
+            )
         return params
 
 
@@ -268,7 +273,7 @@ class _ModuleProjections(WeightsProjections):
             )
         params = self.module._make_params(sizes)
         # The variables are the caller's (apply's argument): their dtypes are checked.
-        functional.check_params(params)
+        functional.check_params(params, sinks=self.module.sinks)
         return params
 
 
@@ -306,14 +311,18 @@ def variables_from_weights(
             "num_heads": module.num_heads,
             "num_kv_heads": module.num_kv_heads,
             "head_dim": module.heads.head_dim,
+            "sinks": module.sinks,
         }
         if dtype is None:
             dtype = module.param_dtype
-    arrays, _ = check_weights(weights, **config)
-    params: dict[str, dict[str, jax.Array]] = {}
+    arrays, _ = check_weights(weights, **{"sinks": None, **config})
+    params: dict[str, Any] = {}
     for name, array in arrays.items():
         if dtype is not None:
             array = np.asarray(array).astype(np.dtype(dtype))
+        if name == SINKS_NAME:  # a parameter of the module itself
+            params[name] = jnp.asarray(array)
+            continue
         entry = "kernel" if name in KERNEL_NAMES else "bias"
         params.setdefault(f"W_{name[-1]}", {})[entry] = jnp.asarray(array)
     return {"params": params}
@@ -340,4 +349,6 @@ def weights_from_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray
         for entry, canonical in (("kernel", name), ("bias", f"b_{name[-1]}")):
             if entry in projection:
                 weights[canonical] = host_array(projection[entry])
-    return check_weights(weights)[0]
+    if SINKS_NAME in params:
+        weights[SINKS_NAME] = host_array(params[SINKS_NAME])
+    return check_weights(weights, sinks=None)[0]

@@ -25,7 +25,7 @@ from mxnet.gluon import nn
 from mha_multi import spec
 from mha_multi.mxnet._facts import host_array
 from mha_multi.mxnet._ops import MXNetOps
-from mha_multi.weights import KERNEL_NAMES, check_layer_weights
+from mha_multi.weights import KERNEL_NAMES, SINKS_NAME, check_layer_weights
 
 __all__ = [
     "PROJECTIONS",
@@ -107,6 +107,10 @@ class Projections:
         """``(k, v)``: a cached call's new positions, projected to be written into the cache."""
         return self._project(keys, "k"), self._project(values, "v")
 
+    def sink_logits(self) -> Array:
+        """The heads' sink logits ``(H,)`` (the ``sinks`` entry of the parameters)."""
+        return self._params[SINKS_NAME]
+
     def project_output(self, context: Array, gates: Array | None) -> Array:
         """``W_o`` of the context, each head's slice times its gate."""
         gated = spec.apply_head_mask(self._ops, context, gates, self._heads.num_heads)
@@ -147,6 +151,8 @@ def parameter_arrays(
             if x is None and parameter._deferred_init:
                 continue  # its size is still unknown, so it has no value
             arrays[f"W_{name}_{kind}"] = parameter.data(ctx)
+    if "q" in projections and getattr(layer, "sinks", None) is not None:
+        arrays[SINKS_NAME] = layer.sinks.data(ctx)  # a call that attends reads them
     return arrays
 
 
@@ -240,6 +246,9 @@ def set_weights(
         weights = {name: host_array(value) for name, value in weights.items()}
     arrays, _ = check_layer_weights(weights, layer)
     for name, array in arrays.items():
+        if name == SINKS_NAME:
+            load_parameter(layer.sinks, array, ctx)
+            continue
         dense = getattr(layer, f"W_{name[-1]}")
         if name in KERNEL_NAMES:
             load_parameter(dense.weight, np.ascontiguousarray(array.T), ctx)
@@ -265,4 +274,6 @@ def get_weights(layer: gluon.HybridBlock) -> dict[str, np.ndarray]:
         weights[name] = np.ascontiguousarray(host_array(dense.weight).T)
         if layer.bias:
             weights[f"b_{name[-1]}"] = host_array(dense.bias)
+    if layer.sinks is not None:
+        weights[SINKS_NAME] = host_array(layer.sinks)
     return weights

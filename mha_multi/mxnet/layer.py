@@ -34,6 +34,7 @@ from mha_multi import _docs, call, spec
 from mha_multi.mxnet._facts import FACTS
 from mha_multi.mxnet._graph import Graphs, run
 from mha_multi.mxnet._projections import PROJECTIONS, get_weights, in_units, set_weights
+from mha_multi.weights import SINKS_NAME
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -112,6 +113,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         alibi: bool = False,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
         dtype: Any = "float32",
         **kwargs: Any,
     ) -> None:
@@ -120,7 +122,8 @@ class MultiHeadAttention(gluon.HybridBlock):
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         super().__init__(**kwargs)
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
-        self.options = spec.LayerOptions(rotary, alibi, window, softcap).check(self._heads.head_dim)
+        self.options = spec.LayerOptions(rotary, alibi, window, softcap, sinks)
+        self.options = self.options.check(self._heads.head_dim)
         self.num_hiddens = int(num_hiddens)
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads
@@ -141,6 +144,12 @@ class MultiHeadAttention(gluon.HybridBlock):
                     prefix=f"W_{name}_",
                 )
                 setattr(self, f"W_{name}", dense)
+            # Each head's sink logit, zeros at first (docs: "Positions and biases").
+            self.sinks = (
+                self.params.get(SINKS_NAME, shape=(self.num_heads,), init="zeros", dtype=dtype)
+                if self.options.sinks
+                else None
+            )
         self._graphs = Graphs(hybridize_args=None)
 
     def __repr__(self) -> str:

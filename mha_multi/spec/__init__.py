@@ -12,8 +12,8 @@ Shapes, following d2l: queries ``(B, Q, query_size)``, keys
 
 One job per module (docs: "Architecture"): :mod:`~mha_multi.spec.ops` (the
 adapters), :mod:`~mha_multi.spec.checks` (configuration and input checks),
-:mod:`~mha_multi.spec.rotary` and :mod:`~mha_multi.spec.options` (the
-options), :mod:`~mha_multi.spec.layout` (the head layout),
+:mod:`~mha_multi.spec.rotary`, :mod:`~mha_multi.spec.options` and
+:mod:`~mha_multi.spec.sinks` (the options), :mod:`~mha_multi.spec.layout` (the head layout),
 :mod:`~mha_multi.spec.positions` (masks, positions, position biases),
 :mod:`~mha_multi.spec.attention`, :mod:`~mha_multi.spec.plan` (the kernel
 plan), :mod:`~mha_multi.spec.cache` and :mod:`~mha_multi.spec.cache_checks`,
@@ -116,6 +116,14 @@ from mha_multi.spec.reference import (
     reference_forward,
     reference_gradients,
 )
+from mha_multi.spec.sinks import (
+    check_sinks,
+    sink_column,
+    sink_logits_of,
+    sink_softmax_backward,
+    sink_weights,
+    sinks_shape,
+)
 from mha_multi.spec.rotary import (
     Llama3Scaling,
     Rotary,
@@ -191,10 +199,16 @@ __all__ = [
     "check_bias",
     "check_positions",
     "check_rotary",
+    "check_sinks",
     "check_softcap",
     "check_window",
     "distance_back",
     "rotary_tables",
+    "sink_column",
+    "sink_logits_of",
+    "sink_softmax_backward",
+    "sink_weights",
+    "sinks_shape",
     "rotate",
     "score_bias",
     "fix_fully_hidden_rows",

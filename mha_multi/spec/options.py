@@ -1,4 +1,4 @@
-"""The options of the attention's scores: ALiBi, windows, soft-capping, a call's bias and positions.
+"""The options of the attention's scores: ALiBi, windows, soft-capping, sinks, a call's bias and positions.
 
 The constructor's options (:class:`LayerOptions`) and what one call does to
 the scores of every head (:class:`ScoreOptions`), checked (docs: "Positions
@@ -17,6 +17,7 @@ import numpy as np
 from mha_multi.spec.checks import check_positive_int, check_positive_real, one_of
 from mha_multi.spec.ops import Array
 from mha_multi.spec.rotary import Rotary, check_rotary
+from mha_multi.spec.sinks import check_sinks
 
 
 def check_alibi(alibi: Any) -> bool:
@@ -158,6 +159,9 @@ class ScoreOptions:
             bottom-right frame), or integer ``(B, Q)`` (``lengths[b] + i`` of
             a cached call). ALiBi, the window and the causal rule read it;
             the call's ``positions`` only rotate.
+        sinks: ``None``, or the ``(H,)`` sink logits of the heads this call
+            computes (the layer's parameter, :mod:`mha_multi.spec.sinks`):
+            one more column of every row's softmax, dropped from the weights.
     """
 
     softcap: float | None = None
@@ -165,6 +169,7 @@ class ScoreOptions:
     alibi_slopes: np.ndarray | None = None
     window: int | None = None
     query_positions: Array | None = None
+    sinks: Array | None = None
 
     @property
     def adjusts_scores(self) -> bool:
@@ -176,7 +181,7 @@ class ScoreOptions:
 NO_OPTIONS = ScoreOptions()
 
 
-_LAYER_OPTIONS = ("rotary", "alibi", "window", "softcap")
+_LAYER_OPTIONS = ("rotary", "alibi", "window", "softcap", "sinks")
 
 
 @dataclass(frozen=True)
@@ -189,12 +194,16 @@ class LayerOptions:
         alibi: add ALiBi's per-head linear bias (:func:`alibi_slopes`).
         window: ``None`` or the sliding window (:func:`check_window`).
         softcap: ``None`` or the soft cap of the scores (:func:`check_softcap`).
+        sinks: each head has a learned sink logit (the canonical weight
+            ``sinks``, ``(num_heads,)``) that joins every query's softmax,
+            taking weight but giving no value (:mod:`mha_multi.spec.sinks`).
     """
 
     rotary: Rotary | Mapping[str, Any] | None = None
     alibi: bool = False
     window: int | None = None
     softcap: float | None = None
+    sinks: bool = False
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> LayerOptions:
@@ -221,13 +230,14 @@ class LayerOptions:
         Raises:
             TypeError, ValueError: from :func:`check_rotary`,
                 :func:`check_alibi`, :func:`check_window`, :func:`check_softcap`,
-                :meth:`Rotary.dim`.
+                :func:`check_sinks`, :meth:`Rotary.dim`.
         """
         options = LayerOptions(
             rotary=check_rotary(self.rotary),
             alibi=check_alibi(self.alibi),
             window=check_window(self.window),
             softcap=check_softcap(self.softcap),
+            sinks=check_sinks(self.sinks),
         )
         if head_dim is not None and options.rotary is not None:
             options.rotary.dim(head_dim)
@@ -243,17 +253,27 @@ class LayerOptions:
             "alibi": self.alibi,
             "window": self.window,
             "softcap": self.softcap,
+            "sinks": self.sinks,
         }
 
     @property
     def is_default(self) -> bool:
         """Whether these are d2l's layer (no option set)."""
         return (
-            self.rotary is None and not self.alibi and self.window is None and self.softcap is None
+            self.rotary is None
+            and not self.alibi
+            and self.window is None
+            and self.softcap is None
+            and not self.sinks
         )
 
     def score_options(
-        self, *, num_heads: int, bias: Array | None = None, query_positions: Array | None = None
+        self,
+        *,
+        num_heads: int,
+        bias: Array | None = None,
+        query_positions: Array | None = None,
+        sinks: Array | None = None,
     ) -> ScoreOptions:
         """The :class:`ScoreOptions` of one call of a layer with these (checked) options.
 
@@ -262,11 +282,19 @@ class LayerOptions:
             bias: the call's checked ``bias``, or ``None``.
             query_positions: ``None``, or a cached call's
                 :func:`cache_positions`.
+            sinks: the ``(num_heads,)`` sink logits of a layer with
+                ``sinks=True`` (ignored otherwise).
+
+        Raises:
+            ValueError: ``sinks=True`` and no logits given.
         """
+        if self.sinks and sinks is None:
+            raise ValueError("a layer with sinks=True needs its sink logits (the weight 'sinks')")
         return ScoreOptions(
             softcap=self.softcap,
             bias=bias,
             alibi_slopes=alibi_slopes(num_heads) if self.alibi else None,
             window=self.window,
             query_positions=query_positions,
+            sinks=sinks if self.sinks else None,
         )

@@ -27,7 +27,7 @@ from mha_multi.torch._projections import (
     in_features,
     projection,
 )
-from mha_multi.weights import KERNEL_NAMES, check_layer_weights
+from mha_multi.weights import KERNEL_NAMES, SINKS_NAME, check_layer_weights
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -59,6 +59,10 @@ class MultiHeadAttention(PackedProjections):
         window: ``None``, or the sliding window: a query sees the keys at
             most ``window - 1`` positions behind it.
         softcap: ``None``, or Gemma 2's soft cap of the scaled scores.
+        sinks: give each head a learned sink logit (the parameter ``sinks``
+            ``(num_heads,)``, zeros at first) that joins every query's
+            softmax, taking weight but giving no value (gpt-oss; docs:
+            "Positions and biases").
         device: where to create the parameters.
         dtype: dtype of the parameters.
     """
@@ -79,6 +83,7 @@ class MultiHeadAttention(PackedProjections):
         alibi: bool = False,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -87,7 +92,8 @@ class MultiHeadAttention(PackedProjections):
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         super().__init__()
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
-        options = spec.LayerOptions(rotary, alibi, window, softcap).check(self._heads.head_dim)
+        options = spec.LayerOptions(rotary, alibi, window, softcap, sinks)
+        options = options.check(self._heads.head_dim)
         self.num_hiddens = int(num_hiddens)
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads
@@ -101,6 +107,8 @@ class MultiHeadAttention(PackedProjections):
         self.W_v = projection(value_size, kv_features, bias)
         self.W_o = nn.Linear(query_features, num_hiddens, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        if options.sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self._stacks = StackedWeights()
         self._pack()
         if device is not None or dtype is not None:
@@ -305,6 +313,8 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
         tensor = torch.from_numpy(np.array(array, copy=True))
         if name in KERNEL_NAMES:
             state[f"{name}.weight"] = tensor.T.contiguous()
+        elif name == SINKS_NAME:
+            state[name] = tensor
         else:
             state[f"W_{name[-1]}.bias"] = tensor
     if layer._sharding is not None:
@@ -341,4 +351,6 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
         weights[name] = host_array(whole(linear.weight).T)
         if layer.bias:
             weights[f"b_{name[-1]}"] = host_array(whole(linear.bias))
+    if layer.options.sinks:
+        weights[SINKS_NAME] = host_array(whole(layer.sinks))
     return weights

@@ -31,7 +31,7 @@ from mha_multi.mxnet.importance import head_mask_gradient
 from mha_multi.mxnet.layer import MultiHeadAttention
 from mha_multi.parity.harness import KernelCall, facts_passthrough
 from mha_multi.spec import KVCache
-from mha_multi.weights import KERNEL_NAMES
+from mha_multi.weights import KERNEL_NAMES, SINKS_NAME
 
 __all__ = [
     "forward",
@@ -158,6 +158,8 @@ def vjp(
         grads[name] = dense.weight.grad(ctx).T
         if dense.bias is not None:
             grads[f"b_{name[-1]}"] = dense.bias.grad(ctx)
+    if layer.sinks is not None:
+        grads[SINKS_NAME] = layer.sinks.grad(ctx)
     return grads
 
 
