@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KNOWN_BLOCKS", "check_known", "window_of"]
+__all__ = ["KNOWN_BLOCKS", "SINK_BLOCKS", "check_known", "window_of"]
 
 
 def window_of(module: torch.nn.Module) -> int | None:
@@ -36,6 +36,10 @@ KNOWN_BLOCKS: dict[str, str] = {
     # Sinks, biases on all four projections, a window on its sliding layers.
     "GptOssAttention": "gpt_oss",
 }
+
+#: The known blocks whose state dict holds each head's sink logit (``sinks``);
+#: another block with such an entry is refused.
+SINK_BLOCKS = frozenset({"GptOssAttention"})
 
 #: Config fields of a known block that change its numbers in a way the layer
 #: does not express (yet): a block whose field is set otherwise is refused.

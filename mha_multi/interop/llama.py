@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from mha_multi import spec
-from mha_multi.interop.families import KNOWN_BLOCKS, check_known, window_of
+from mha_multi.interop.families import KNOWN_BLOCKS, SINK_BLOCKS, check_known, window_of
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
 from mha_multi.interop.rotary_config import INTERLEAVED_ROTARY, rotary_of
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
@@ -120,8 +120,13 @@ def _checked(
     return heads, arrays, config
 
 
-def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, np.ndarray]:
+def _canonical_arrays(
+    state_dict: Mapping[str, Any], prefix: str, *, sinks: bool = True
+) -> dict[str, np.ndarray]:
     """The canonical arrays of a Llama-style state dict, their shapes not yet checked.
+
+    ``sinks``: the entry ``sinks`` (gpt-oss') is taken; a block of a class
+    without sinks refuses it.
 
     Raises:
         ValueError: a missing or extra entry, or biases the canonical layer
@@ -133,7 +138,8 @@ def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, n
     expected = {
         f"{module}.{kind}" for module in PROJECTIONS.values() for kind in ("weight", "bias")
     }
-    expected.add(SINKS_NAME)  # gpt-oss' sink logit of each head
+    if sinks:
+        expected.add(SINKS_NAME)  # gpt-oss' sink logit of each head
     unexpected = sorted(set(entries) - expected)
     if unexpected:
         raise ValueError(f"unexpected Llama attention entries {unexpected}")
@@ -236,9 +242,8 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
     check_known(module)
     config = module.config
     num_heads = config.num_attention_heads
-    weights = from_llama_state(
-        module.state_dict(), num_heads=num_heads, num_kv_heads=config.num_key_value_heads
-    )
+    state = _canonical_arrays(module.state_dict(), "", sinks=type(module).__name__ in SINK_BLOCKS)
+    _, weights, _ = _checked(state, num_heads, config.num_key_value_heads)
     heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=config.num_key_value_heads)
     # Our scores are scaled by 1/sqrt(head_dim): another scale goes into W_q.
     factor = float(module.scaling) * float(np.sqrt(heads.head_dim))
