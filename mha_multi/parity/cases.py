@@ -73,7 +73,7 @@ class CaseConfig:
     head_mask: Any = None
     #: The layer's positions and biases options (docs: "Positions and
     #: biases"): ``rotary`` (a dict of :class:`~mha_multi.spec.Rotary`'s
-    #: fields), ``alibi``, ``window``, ``softcap``; ``None`` for none.
+    #: fields), ``alibi``, ``window``, ``softcap``, ``sinks``; ``None`` for none.
     options: Any = None
     #: ``None``, or the call's ``positions``: a list of lists ``(B, Q)``.
     positions: Any = None
@@ -287,6 +287,14 @@ OPTION_CASES: tuple[CaseConfig, ...] = (
         options={"softcap": 0.5},
         description="soft-capped scores (cap 0.5: most scores are capped)",
     ),
+    CaseConfig(
+        "sinks",
+        **_GROUPED,
+        causal=True,
+        valid_lens=[[7, 0, 3, 7, 2], [5, 5, 5, 5, 5], [0, 0, 0, 0, 0]],
+        options={"sinks": True, "window": 4},
+        description="a sink logit per head (gpt-oss), grouped heads, window, fully hidden rows",
+    ),
 )
 CASES += OPTION_CASES
 
@@ -331,6 +339,17 @@ CACHED_CASES: tuple[CaseConfig, ...] = (
         options={"rotary": {"theta": 100.0}, "window": 3},
         description="rotary at each example's cache positions and a window of 3, in chunks",
     ),
+    CaseConfig(
+        "cached_sinks",
+        num_heads=4,
+        num_kv_heads=2,
+        **_causal(6),
+        valid_lens=[6, 3, 0],
+        chunks=[[3, [3, 2, 0]], [1, [1, 1, 0]], [2, [2, 0, 0]]],
+        cache_length=7,
+        options={"sinks": True},
+        description="sink logits (gpt-oss) in chunks; an empty example",
+    ),
 )
 
 
@@ -366,11 +385,13 @@ def build_case(config: CaseConfig) -> Case:
     """
     rng = np.random.default_rng(config.seed)
     sizes = config.sizes()
+    sinks = bool(config.layer_options().get("sinks", False))
     weights = init_weights(
         config.num_hiddens,
         bias=config.bias,
         seed=config.seed + 1,
         num_heads=config.num_heads,
+        sinks=sinks,
         **config.heads(),
         **sizes,
     )
@@ -393,6 +414,8 @@ def build_case(config: CaseConfig) -> Case:
     bias = None
     if config.bias_shape is not None:
         bias = rng.standard_normal(config.bias_shape).astype(np.float32)
+    if sinks:  # logits that matter (they start at zero), drawn last: other cases keep theirs
+        weights["sinks"] = rng.standard_normal(config.num_heads).astype(np.float32)
     case = Case(config, weights, inputs, valid_lens, output_gradient, bias=bias)
     case.reference = reference_results(case)
     return case
