@@ -15,7 +15,9 @@ from finite_differences import assert_central_differences
 from test_spec_positions import cached_setup, reference_step, setup
 
 from mha_multi import spec
+from mha_multi.heads import prune_heads
 from mha_multi.parity.decode import decode, random_schedule
+from mha_multi.weights import check_weights, init_weights, load_weights, save_weights, weight_shapes
 
 OPS = spec.NumpyOps()
 
@@ -207,3 +209,58 @@ def test_a_layer_with_sinks_takes_the_generic_path():
     kernel = spec.FusedKernel("any", takes_bias=True, takes_softcap=True, takes_window=True)
     plan = spec.plan_kernel(kernel, sizes=(2, 3, 3), lens_ndim=None, values_exact=True, sinks=True)
     assert not plan.fused and "sinks" in plan.reason
+
+
+# -- canonical weights and heads -----------------------------------------------
+
+
+def grouped_weights(**kwargs):
+    return init_weights(16, num_heads=4, num_kv_heads=2, head_dim=4, sinks=True, **kwargs)
+
+
+def test_the_sinks_entry_is_optional_zeros_and_strict():
+    weights = grouped_weights(bias=True)
+    assert weights["sinks"].shape == (4,) and (weights["sinks"] == 0).all()
+    # The other entries draw as they do without sinks.
+    plain = init_weights(16, num_heads=4, num_kv_heads=2, head_dim=4, bias=True)
+    assert all(np.array_equal(plain[name], weights[name]) for name in plain)
+    heads = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 4}
+    _, config = check_weights(weights, **heads, sinks=True)
+    assert config.sinks
+    with pytest.raises(ValueError, match=r"unexpected entry 'sinks' \(the layer has sinks=False\)"):
+        check_weights(weights, **heads)
+    with pytest.raises(ValueError, match=r"missing 'sinks' \(sinks=True\)"):
+        check_weights(plain, **heads, sinks=True)
+    with pytest.raises(ValueError, match=r"weights\['sinks'\] must have shape \(4,\)"):
+        check_weights({**weights, "sinks": np.zeros(2, np.float32)}, **heads, sinks=True)
+    with pytest.raises(ValueError, match=r"weights\['sinks'\] must be \(num_heads,\)"):
+        check_weights({**weights, "sinks": np.zeros(3, np.float32)}, sinks=None)
+    with pytest.raises(TypeError, match="sinks"):
+        check_weights({**weights, "sinks": np.zeros(4, np.int32)}, **heads, sinks=True)
+    with pytest.raises(ValueError, match="needs num_heads"):
+        weight_shapes(16, sinks=True)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_files_keep_the_sinks_bit_for_bit(tmp_path, suffix):
+    weights = grouped_weights()
+    weights["sinks"] = np.random.default_rng(29).standard_normal(4).astype(np.float32)
+    save_weights(tmp_path / f"w{suffix}", weights)
+    loaded = load_weights(tmp_path / f"w{suffix}")
+    assert sorted(loaded) == sorted(weights)
+    assert all(loaded[name].tobytes() == weights[name].tobytes() for name in weights)
+
+
+def test_a_pruned_layer_keeps_its_heads_sinks_and_is_the_masked_one():
+    weights, inputs, _ = setup(30, num_kv_heads=2)
+    weights = with_sinks(weights, 4, 30)
+    pruned, config = prune_heads(weights, [0, 1], num_heads=4, num_kv_heads=2)
+    np.testing.assert_array_equal(pruned["sinks"], weights["sinks"][2:])
+    assert config.sinks and config.kwargs()["sinks"] is True
+    lens = np.array([[5, 0, 2, 5, 1], [3, 3, 0, 4, 5]])
+    kwargs = {"causal": True, "sinks": True}
+    small, _ = spec.reference_forward(pruned, *inputs.values(), lens, num_heads=2, **kwargs)
+    masked, _ = spec.reference_forward(
+        weights, *inputs.values(), lens, num_heads=4, head_mask=np.array([0.0, 0, 1, 1]), **kwargs
+    )
+    np.testing.assert_allclose(small, masked, rtol=0, atol=1e-12)

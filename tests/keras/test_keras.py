@@ -172,6 +172,29 @@ def test_grouped_config_round_trip():
     assert restored.get_config() == config
 
 
+def test_sinks_config_and_saved_model_round_trip(cases, tmp_path):
+    case = cases["sinks"]  # grouped heads, a window and sink logits
+    config = case.config
+    layer = MultiHeadAttention(
+        config.num_hiddens, config.num_heads, **config.heads(), **config.layer_options()
+    )
+    assert layer.get_config()["sinks"] is True
+    clone = MultiHeadAttention.from_config(layer.get_config())
+    assert clone.get_config() == layer.get_config() and tuple(clone.sinks.shape) == (8,)
+    model = functional_model(layer, case)
+    set_weights(layer, case.weights)
+    arguments = [*inputs(case), case.valid_lens.astype(np.int32)]
+    expected = backend.to_numpy(model(arguments))
+    np.testing.assert_allclose(expected, case.reference["output"], rtol=0, atol=5e-6)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    loaded_layer = next(lyr for lyr in loaded.layers if isinstance(lyr, MultiHeadAttention))
+    np.testing.assert_array_equal(backend.to_numpy(loaded(arguments)), expected)
+    for name, array in get_weights(loaded_layer).items():
+        np.testing.assert_array_equal(array, case.weights[name])
+
+
 def test_config_without_head_options_is_multi_head_attention():
     # What get_config recorded before num_kv_heads and head_dim existed.
     config = MultiHeadAttention(12, 3).get_config()
