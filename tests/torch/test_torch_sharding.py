@@ -51,6 +51,12 @@ CASES: dict[str, dict[str, Any]] = {
         "sizes": {"query_size": 6, "key_size": 7, "value_size": 7},
         "call": {"head_mask": "1d"},
     },
+    # Each head's sink logit goes with its head; a fully hidden row.
+    "sinks": {
+        "layer": {"num_hiddens": 16, "num_heads": 4, "num_kv_heads": 2, "sinks": True},
+        "sizes": {"query_size": 16, "key_size": 16, "value_size": 16},
+        "call": {"valid_lens": "1d", "causal": True},
+    },
 }
 #: The decode: grouped heads, prompts of 4, 1 and 3 positions, then two steps.
 DECODE = {"layer": CASES["grouped_head_mask"]["layer"], "prompts": [4, 1, 3], "steps": 2}
@@ -58,7 +64,10 @@ DECODE = {"layer": CASES["grouped_head_mask"]["layer"], "prompts": [4, 1, 3], "s
 
 def _weights(name: str, seed: int = 0) -> dict[str, np.ndarray]:
     config = CASES[name]
-    return init_weights(**config["layer"], **config["sizes"], seed=seed)
+    weights = init_weights(**config["layer"], **config["sizes"], seed=seed)
+    if "sinks" in weights:  # logits that differ by head (they start at zero)
+        weights["sinks"] = np.linspace(-1.0, 2.0, len(weights["sinks"]), dtype=np.float32)
+    return weights
 
 
 def _layer(name: str, weights: dict[str, np.ndarray]) -> MultiHeadAttention:
