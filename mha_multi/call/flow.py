@@ -133,8 +133,7 @@ def attend(
             num_heads=heads.num_heads,
             bias=bias,
             query_positions=spec.cache_positions(ops, lengths, ops.size(q, 1)) if frame else None,
-            sinks=layer.sink_logits() if layer_options.sinks else None,
-        )
+        ).with_sinks(layer.sink_logits() if layer_options.sinks else None)
         if not options.adjusts_scores and options.window is None and options.sinks is None:
             options = spec.NO_OPTIONS  # rotary only: the scores are d2l's
     if kernel_plan is None:

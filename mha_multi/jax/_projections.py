@@ -118,7 +118,7 @@ class WeightsProjections:
         )
 
     def sink_logits(self) -> jax.Array:
-        """The heads' sink logits ``(H,)`` in the computation dtype (after :meth:`project_inputs`)."""
+        """The heads' sink logits ``(H,)`` in the computation dtype (:meth:`project_inputs`)."""
         return self._weights["sinks"]
 
     def project_output(self, context: jax.Array, gates: Any) -> jax.Array:

@@ -145,7 +145,9 @@ def shard_heads(layer: MultiHeadAttention, mesh: Mesh, axis: str = "model") -> M
             placed.add(id(param))
     if layer.options.sinks:  # each head's sink logit goes with its head
         layer.sinks.set_metadata(out_sharding=(axis,), mesh=mesh)
-        layer.sinks.set_value(jax.device_put(layer.sinks[...], NamedSharding(mesh, PartitionSpec(axis))))
+        layer.sinks.set_value(
+            jax.device_put(layer.sinks[...], NamedSharding(mesh, PartitionSpec(axis)))
+        )
         placed.add(id(layer.sinks))
     layer.head_parallel = True
     # Every other array (dropout rng keys and counts) on the same devices, whole.

@@ -25,8 +25,8 @@ from mha_multi.keras._facts import (
     is_tensor,
 )
 from mha_multi.keras._ops import OPS
-from mha_multi.weights import SINKS_NAME
 from mha_multi.keras._projections import PROJECTIONS, ProjectionLayer, get_weights, set_weights
+from mha_multi.weights import SINKS_NAME
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 

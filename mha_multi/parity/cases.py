@@ -341,14 +341,13 @@ CACHED_CASES: tuple[CaseConfig, ...] = (
     ),
     CaseConfig(
         "cached_sinks",
-        num_heads=4,
-        num_kv_heads=2,
-        **_causal(6),
-        valid_lens=[6, 3, 0],
-        chunks=[[3, [3, 2, 0]], [1, [1, 1, 0]], [2, [2, 0, 0]]],
-        cache_length=7,
         options={"sinks": True},
-        description="sink logits (gpt-oss) in chunks; an empty example",
+        **_causal(6),
+        chunks=[[3, [3, 2, 0]], [1, [1, 1, 0]], [2, [2, 0, 0]]],
+        valid_lens=[6, 3, 0],
+        num_kv_heads=2,
+        cache_length=7,
+        description="sink logits (gpt-oss) in chunks, grouped heads; an empty example",
     ),
 )
 

@@ -116,6 +116,13 @@ from mha_multi.spec.reference import (
     reference_forward,
     reference_gradients,
 )
+from mha_multi.spec.rotary import (
+    Llama3Scaling,
+    Rotary,
+    check_rotary,
+    rotary_tables,
+    rotate,
+)
 from mha_multi.spec.sinks import (
     check_sinks,
     sink_column,
@@ -123,13 +130,6 @@ from mha_multi.spec.sinks import (
     sink_softmax_backward,
     sink_weights,
     sinks_shape,
-)
-from mha_multi.spec.rotary import (
-    Llama3Scaling,
-    Rotary,
-    check_rotary,
-    rotary_tables,
-    rotate,
 )
 
 __all__ = [

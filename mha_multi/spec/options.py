@@ -1,4 +1,4 @@
-"""The options of the attention's scores: ALiBi, windows, soft-capping, sinks, a call's bias and positions.
+"""The options of the attention's scores: ALiBi, windows, soft-capping, sinks, bias, positions.
 
 The constructor's options (:class:`LayerOptions`) and what one call does to
 the scores of every head (:class:`ScoreOptions`), checked (docs: "Positions
@@ -176,6 +176,10 @@ class ScoreOptions:
         """Whether :func:`adjust_scores` changes the scores."""
         return self.softcap is not None or self.bias is not None or self.alibi_slopes is not None
 
+    def with_sinks(self, sinks: Array | None) -> ScoreOptions:
+        """These options with the heads' ``(H,)`` sink logits (``None``: none)."""
+        return dataclasses.replace(self, sinks=sinks)
+
 
 #: No option: d2l's scores.
 NO_OPTIONS = ScoreOptions()
@@ -268,33 +272,22 @@ class LayerOptions:
         )
 
     def score_options(
-        self,
-        *,
-        num_heads: int,
-        bias: Array | None = None,
-        query_positions: Array | None = None,
-        sinks: Array | None = None,
+        self, *, num_heads: int, bias: Array | None = None, query_positions: Array | None = None
     ) -> ScoreOptions:
         """The :class:`ScoreOptions` of one call of a layer with these (checked) options.
+
+        A layer with ``sinks=True`` adds its logits with :meth:`ScoreOptions.with_sinks`.
 
         Args:
             num_heads: the heads whose ALiBi slopes the call needs.
             bias: the call's checked ``bias``, or ``None``.
             query_positions: ``None``, or a cached call's
                 :func:`cache_positions`.
-            sinks: the ``(num_heads,)`` sink logits of a layer with
-                ``sinks=True`` (ignored otherwise).
-
-        Raises:
-            ValueError: ``sinks=True`` and no logits given.
         """
-        if self.sinks and sinks is None:
-            raise ValueError("a layer with sinks=True needs its sink logits (the weight 'sinks')")
         return ScoreOptions(
             softcap=self.softcap,
             bias=bias,
             alibi_slopes=alibi_slopes(num_heads) if self.alibi else None,
             window=self.window,
             query_positions=query_positions,
-            sinks=sinks if self.sinks else None,
         )

@@ -199,10 +199,8 @@ def reference_forward(
             head_dim=heads.head_dim,
             num_kv_heads=heads.num_kv_heads,
             causal=causal,
-            options=layer.score_options(
-                num_heads=heads.num_heads,
-                bias=bias,
-                sinks=sink_logits_of(w, layer.sinks, heads.num_heads),
+            options=layer.score_options(num_heads=heads.num_heads, bias=bias).with_sinks(
+                sink_logits_of(w, layer.sinks, heads.num_heads)
             ),
         )
         context = apply_head_mask(NumpyOps(), context, gates, heads.num_heads)
@@ -284,7 +282,7 @@ def reference_gradients(
     k, v = (layout.transpose_qkv(ops, projected[n], kv_heads) for n in "kv")
     raw_scores = layout.grouped_to_heads(ops, scaled_scores(ops, q, k, head_dim), kv_heads, group)
     sinks = sink_logits_of(w, layer.sinks, heads.num_heads)
-    score_options = layer.score_options(num_heads=heads.num_heads, bias=bias, sinks=sinks)
+    score_options = layer.score_options(num_heads=heads.num_heads, bias=bias).with_sinks(sinks)
     scores = adjust_scores(ops, raw_scores, score_options)  # (B, H, Q, K)
     visible = visibility(
         ops, num_queries, num_keys, lens, causal=causal, window=score_options.window

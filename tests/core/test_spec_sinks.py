@@ -102,7 +102,7 @@ def test_non_finite_scores_propagate_to_their_row():
     weights, inputs, _ = setup(23)
     weights = with_sinks(weights, 4, 23)
     inputs["keys"][0, 1, 0] = np.nan
-    output, attention = spec.reference_forward(
+    output, _ = spec.reference_forward(
         weights, *inputs.values(), np.array([5, 5]), num_heads=4, sinks=True
     )
     assert np.isnan(output[0]).all() and np.isfinite(output[1]).all()
@@ -133,14 +133,8 @@ def test_reference_gradients_match_finite_differences(num_kv_heads):
     kwargs = {"num_heads": 4, "num_kv_heads": num_kv_heads, "sinks": True, "softcap": 2.0}
 
     def loss():
-        out, _ = spec.reference_forward(
-            {n: arrays[n] for n in weights},
-            arrays["queries"],
-            arrays["keys"],
-            arrays["values"],
-            lens,
-            **kwargs,
-        )
+        args = [arrays[name] for name in ("queries", "keys", "values")]
+        out, _ = spec.reference_forward({n: arrays[n] for n in weights}, *args, lens, **kwargs)
         return float(np.sum(out * cotangent))
 
     grads = spec.reference_gradients(
@@ -178,9 +172,17 @@ def test_the_spec_cached_call_is_the_cached_reference():
     )
     q, k, v = (x @ weights[f"W_{n}"] for x, n in zip(rows, "qkv", strict=True))
     updated, lens = spec.update_cache(OPS, cache, k, v, new_lens, head_dim=4, causal=True)
-    options = spec.LayerOptions(sinks=True).score_options(num_heads=4, sinks=weights["sinks"])
+    options = spec.LayerOptions(sinks=True).score_options(num_heads=4)
+    options = options.with_sinks(weights["sinks"])
     context, expected = spec.attention(
-        OPS, q, updated.keys, updated.values, lens, num_heads=4, head_dim=4, kv_split=True,
+        OPS,
+        q,
+        updated.keys,
+        updated.values,
+        lens,
+        num_heads=4,
+        head_dim=4,
+        kv_split=True,
         options=options,
     )
     np.testing.assert_allclose(attention, expected, rtol=0, atol=1e-12)
@@ -196,9 +198,7 @@ def test_the_option_and_the_weight_go_together():
     with pytest.raises(ValueError, match="'sinks'"):
         spec.reference_forward(with_sinks(weights, 4, 0), *inputs.values(), num_heads=4)
     with pytest.raises(ValueError, match=r"shape \(4,\)"):
-        spec.reference_forward(
-            with_sinks(weights, 3, 0), *inputs.values(), num_heads=4, sinks=True
-        )
+        spec.reference_forward(with_sinks(weights, 3, 0), *inputs.values(), num_heads=4, sinks=True)
     with pytest.raises(TypeError, match="sinks must be a bool"):
         spec.LayerOptions.of({"sinks": "yes"})
     assert spec.LayerOptions.of({"sinks": True}).config()["sinks"] is True

@@ -303,7 +303,7 @@ def worker() -> dict[str, Any]:
     module = linen.MultiHeadAttention(D, H, bias=True, num_kv_heads=2, sinks=True)
     variables = linen.shard_variables(module, linen.variables_from_weights(weights, module), mesh)
     results["sinks/linen_spec"] = spec_of(variables["params"]["sinks"])
-    linen_out = jax.jit(lambda v: module.apply(v, *call, causal=True))(variables)  # noqa: B023
+    linen_out = jax.jit(lambda v: module.apply(v, *call, causal=True))(variables)
     errors["sinks/linen/output"] = err(linen_out, expected_output)
 
     # Shard counts that do not divide the heads.

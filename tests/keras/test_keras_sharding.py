@@ -423,7 +423,7 @@ def sharded_checks() -> dict[str, Any]:
 
 
 def _sinks_checks(results: dict[str, Any]) -> None:
-    """Each head's sink logit goes with its head: split by ``layout_map``, the reference's output."""
+    """Each head's sink logit goes with its head (``layout_map``), to the reference's output."""
     mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
     distribution = keras.distribution.ModelParallel(
         layout_map=layout_map(mesh), batch_dim_name="batch"

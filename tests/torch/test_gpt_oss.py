@@ -17,20 +17,15 @@ from llama_support import llama_attention  # noqa: E402
 
 #: A rotary type rotary_of computes: gpt-oss' own default is YaRN.
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 500.0}
+#: A small block's sizes: 4 query heads of 4 reading 2 key/value heads.
+SIZES = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4}
 
 
 def gpt_oss_attention(layer_idx=0, rope_parameters=DEFAULT_ROPE, seed=0):
     """transformers' ``GptOssAttention`` from a small config (layer 0 slides, 1 does not)."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssConfig
 
-    config = GptOssConfig(
-        hidden_size=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-        sliding_window=3,
-        rope_parameters=rope_parameters,
-    )
+    config = GptOssConfig(**SIZES, sliding_window=3, rope_parameters=rope_parameters)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     module = GptOssAttention(config, layer_idx=layer_idx).double().eval()
