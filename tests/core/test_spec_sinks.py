@@ -1,18 +1,16 @@
 """Attention sinks in the spec: the reference against a loop, hidden rows, gradients, the cache.
 
-The loop is written here from the rule of docs "Positions and biases" (the
-row's masked scores and the head's sink logit, one softmax, the sink's column
-dropped), one example, head and query at a time.
+The loop (``naive_forward``) is written from the rule of docs "Positions and
+biases" (the row's masked scores and the head's sink logit, one softmax, the
+sink's column dropped), one example, head, query and key at a time.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 from finite_differences import assert_central_differences
-from test_spec_positions import cached_setup, reference_step, setup
+from test_spec_positions import cached_setup, naive_forward, reference_step, setup
 
 from mha_multi import spec
 from mha_multi.heads import prune_heads
@@ -25,36 +23,6 @@ OPS = spec.NumpyOps()
 def with_sinks(weights, num_heads, seed):
     logits = np.random.default_rng(seed).standard_normal(num_heads) * 2.0
     return {**weights, "sinks": logits}
-
-
-def loop_forward(weights, queries, keys, values, valid_lens, *, num_heads, causal, window):
-    """The layer with sinks, one example, head and query at a time (float64)."""
-    q, k, v = (x @ weights[f"W_{n}"] for x, n in ((queries, "q"), (keys, "k"), (values, "v")))
-    batch, num_queries = queries.shape[:2]
-    num_keys = keys.shape[1]
-    head_dim = q.shape[-1] // num_heads
-    context = np.zeros_like(q)
-    attention = np.zeros((batch, num_heads, num_queries, num_keys))
-    for b in range(batch):
-        for h in range(num_heads):
-            cols = slice(h * head_dim, (h + 1) * head_dim)
-            for i in range(num_queries):
-                at = i + num_keys - num_queries
-                row = []
-                for j in range(num_keys):
-                    seen = valid_lens is None or j < valid_lens[b]
-                    seen = seen and not (causal and j > at)
-                    seen = seen and (window is None or at - j < window)
-                    score = q[b, i, cols] @ k[b, j, cols] / math.sqrt(head_dim)
-                    row.append(score if seen else -1e6)
-                row.append(weights["sinks"][h])
-                top = max(row)
-                exps = [math.exp(s - top) for s in row]
-                total = sum(exps)
-                for j in range(num_keys):
-                    attention[b, h, i, j] = exps[j] / total
-                    context[b, i, cols] += exps[j] / total * v[b, j, cols]
-    return context @ weights["W_o"], attention
 
 
 @pytest.mark.parametrize(
@@ -70,7 +38,7 @@ def test_reference_matches_a_loop(kwargs):
     weights = with_sinks(weights, 4, 20)
     lens = kwargs.pop("valid_lens")
     got = spec.reference_forward(weights, *inputs.values(), lens, num_heads=4, sinks=True, **kwargs)
-    expected = loop_forward(weights, *inputs.values(), lens, num_heads=4, **kwargs)
+    expected = naive_forward(weights, *inputs.values(), lens, num_heads=4, sinks=True, **kwargs)
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
     # The keys' weights sum to less than 1: the sink takes the rest.
