@@ -33,8 +33,10 @@ num_kv_heads: number of key/value heads; must divide ``num_heads``
     (``None``: ``num_heads``).
 head_dim: size of each head (``None``: ``num_hiddens // num_heads``).""",
     "options_args": """\
-rotary, alibi, window, softcap: positions and biases inside attention
-    (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`).
+rotary, alibi, window, softcap, sinks: positions and biases inside attention
+    (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`);
+    ``sinks=True`` gives each head a learned sink logit, the weight ``sinks``
+    ``(num_heads,)`` (zeros at first).
 qk_norm: ``None``, or the RMSNorm of the projected queries and keys
     before rotary: a :class:`~mha_multi.spec.QKNorm` or a dict of its
     fields; its weights are the parameters ``q_norm`` and ``k_norm``.""",

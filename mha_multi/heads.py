@@ -36,6 +36,8 @@ class LayerConfig:
     query_size: int
     key_size: int
     value_size: int
+    #: The heads have sink logits (the canonical ``sinks``; docs: "Positions and biases").
+    sinks: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """The constructor's keyword arguments."""
@@ -67,8 +69,9 @@ def prune_heads(
     In multi-head attention its key/value head goes with it (``W_k``,
     ``b_k``, ``W_v``, ``b_v`` columns). With grouped heads a key/value head
     serves a group of ``num_heads // num_kv_heads`` query heads, so only
-    whole groups may go, and then their key/value head too. ``b_o`` and the
-    input sizes are unchanged, and so is ``head_dim``: the pruned layer has
+    whole groups may go, and then their key/value head too. A layer with sinks
+    keeps the kept heads' entries of ``sinks``. ``b_o`` and the input sizes
+    are unchanged, and so is ``head_dim``: the pruned layer has
     ``num_heads * head_dim != num_hiddens``, which its configuration states.
     The ``(head_dim,)`` weights of a per-head ``qk_norm`` stay as they are
     (the pruned layer takes the same ``qk_norm``); a norm of the whole
@@ -92,11 +95,12 @@ def prune_heads(
             part of a group of grouped heads, weights that do not fit the
             head layout, or the weights of a ``qk_norm`` of scope ``"whole"``.
     """
-    arrays, config = check_weights(weights, qk_norm=None)
+    arrays, config = check_weights(weights, qk_norm=None, sinks=None)
     layout = spec.heads_of_weights(arrays, num_heads, num_kv_heads=num_kv_heads)
     norms = {name: arrays[name] for name in spec.QK_NORM_NAMES if name in arrays}
     if norms and norms["q_norm"].shape != (layout.head_dim,):
         spec.refuse_whole_norm(spec.QKNorm(scope="whole"), "pruning heads")
+    spec.sink_logits_of(arrays, config.sinks, layout.num_heads)  # (num_heads,), checked
     if head_dim is not None and head_dim != layout.head_dim:
         raise ValueError(
             f"head_dim ({head_dim}) does not fit W_q: {arrays['W_q'].shape[1]} columns "
@@ -139,6 +143,8 @@ def prune_heads(
         }
     # A per-head norm's (head_dim,) weights serve every head that stays.
     pruned |= {name: norm.copy() for name, norm in norms.items()}
+    if config.sinks:
+        pruned["sinks"] = arrays["sinks"][[h for h in range(layout.num_heads) if h not in removed]]
     pruned_config = LayerConfig(
         num_hiddens=config.num_hiddens,
         num_heads=layout.num_heads - len(removed),
@@ -148,6 +154,7 @@ def prune_heads(
         query_size=config.query_size,
         key_size=config.key_size,
         value_size=config.value_size,
+        sinks=config.sinks,
     )
     return Pruned({name: np.ascontiguousarray(a) for name, a in pruned.items()}, pruned_config)
 

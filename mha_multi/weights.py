@@ -15,6 +15,7 @@ name                  shape                                       present
 ``b_o``               ``(num_hiddens,)``                          iff ``bias=True``
 ``q_norm``            ``(head_dim,)``, or see below               iff ``qk_norm``
 ``k_norm``            ``(head_dim,)``, or see below               iff ``qk_norm``
+``sinks``             ``(num_heads,)``                            iff ``sinks=True``
 ====================  ==========================================  ===============
 
 The norms' weights (``qk_norm=``, docs: "Positions and biases") are
@@ -47,6 +48,7 @@ __all__ = [
     "BIAS_NAMES",
     "KERNEL_NAMES",
     "NORM_NAMES",
+    "SINKS_NAME",
     "WeightsConfig",
     "check_layer_weights",
     "check_weights",
@@ -59,6 +61,8 @@ __all__ = [
 KERNEL_NAMES = ("W_q", "W_k", "W_v", "W_o")
 BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
 NORM_NAMES = spec.QK_NORM_NAMES
+#: The name of the heads' sink logits, ``(num_heads,)``, present iff ``sinks=True``.
+SINKS_NAME = "sinks"
 
 # A zip archive starts with a local file header, or, when empty, with its end record.
 _ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")
@@ -77,6 +81,8 @@ class WeightsConfig:
     """Width of the projected queries, ``num_heads * head_dim`` (``W_q``'s columns)."""
     kv_features: int | None = None
     """Width of the projected keys and values, ``num_kv_heads * head_dim``."""
+    sinks: bool = False
+    """Whether the weights hold the heads' sink logits (``sinks``)."""
 
 
 def _features(
@@ -101,12 +107,14 @@ def weight_shapes(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    sinks: bool = False,
 ) -> dict[str, tuple[int, ...]]:
     """Canonical names and shapes for a configuration.
 
     Input sizes default to ``num_hiddens``. Without ``num_heads`` the layout is
     multi-head attention with the default head size, whose shapes do not
-    depend on the number of heads.
+    depend on the number of heads; ``sinks=True`` needs ``num_heads`` (else
+    a ``ValueError``).
     """
     query_features, kv_features = _features(num_hiddens, num_heads, num_kv_heads, head_dim)
     shapes: dict[str, tuple[int, ...]] = {
@@ -124,6 +132,10 @@ def weight_shapes(
                 "b_o": (num_hiddens,),
             }
         )
+    if sinks:
+        if num_heads is None:
+            raise ValueError("sinks=True needs num_heads (the sinks are (num_heads,))")
+        shapes[SINKS_NAME] = (int(num_heads),)
     return shapes
 
 
@@ -137,6 +149,7 @@ def init_weights(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    sinks: bool = False,
     seed: int = 0,
     dtype: Any = np.float32,
 ) -> dict[str, np.ndarray]:
@@ -153,6 +166,8 @@ def init_weights(
         num_heads, num_kv_heads, head_dim: the head layout (see
             :func:`mha_multi.spec.check_heads`); only grouped heads or an
             explicit ``head_dim`` change the shapes.
+        sinks: whether to include the heads' sink logits ``sinks``, zeros
+            (a zero logit is one more key of score 0 in every row).
         seed: seed of a ``numpy.random.default_rng``.
         dtype: dtype of the returned arrays.
 
@@ -169,11 +184,11 @@ def init_weights(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        sinks=sinks,
     )
     weights = {}
     for name, shape in shapes.items():
-        fan_in = shapes["W_" + name[-1]][0]
-        bound = 1.0 / np.sqrt(fan_in)
+        bound = 0.0 if name == SINKS_NAME else 1.0 / np.sqrt(shapes["W_" + name[-1]][0])
         weights[name] = rng.uniform(-bound, bound, size=shape).astype(dtype)
     return weights
 
@@ -190,6 +205,7 @@ def check_weights(
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
     qk_norm: str | bool | None = False,
+    sinks: bool | None = False,
 ) -> tuple[dict[str, np.ndarray], WeightsConfig]:
     """Strictly validates a canonical mapping.
 
@@ -211,6 +227,10 @@ def check_weights(
             ``"heads"`` or ``"whole"`` (a :class:`mha_multi.spec.QKNorm`'s
             scope) requires them, ``None`` takes them where present, of
             either scope's shapes.
+        sinks: whether the weights hold the sink logits ``sinks`` (of a
+            layer with ``sinks=True``); ``None`` reads it from the entry's
+            presence (:func:`mha_multi.spec.sinks_shape`). ``False`` by
+            default: a layer without sinks, or a native one, refuses it.
 
     Returns:
         ``(weights, config)``: the entries as numpy arrays, and the sizes.
@@ -236,6 +256,8 @@ def check_weights(
             raise ValueError(f"weights[{name!r}] must be 2-D; got shape {arrays[name].shape}")
     if bias is None:
         bias = "b_q" in arrays
+    if sinks is None:
+        sinks = SINKS_NAME in arrays
     if num_hiddens is None and num_heads is None:
         # Nothing known: any head layout, the widths the kernels have (checked
         # against each other below).
@@ -270,11 +292,15 @@ def check_weights(
         head_dim=head_size,
     )
     expected.update(norm_shapes)
+    if sinks:
+        expected[SINKS_NAME] = spec.sinks_shape(arrays.get(SINKS_NAME), num_heads, query_features)
     for name in sorted(set(expected) - set(arrays)):
         reason = f"qk_norm scope {qk_norm!r}" if name in NORM_NAMES else f"bias={bias}"
+        reason = f"sinks={sinks}" if name == SINKS_NAME else reason
         raise ValueError(f"weights is missing {name!r} ({reason})")
     for name in sorted(set(arrays) - set(expected)):
-        reason = " (the layer has bias=False)" if name in BIAS_NAMES else ""
+        flag = "sinks" if name == SINKS_NAME else "bias" if name in BIAS_NAMES else ""
+        reason = f" (the layer has {flag}=False)" if flag else ""
         reason = " (the layer has no qk_norm)" if name in NORM_NAMES else reason
         raise ValueError(
             f"weights has an unexpected entry {name!r}{reason}; expected exactly {sorted(expected)}"
@@ -294,6 +320,7 @@ def check_weights(
         bias=bias,
         query_features=query_features,
         kv_features=kv_features,
+        sinks=sinks,
     )
     return {name: arrays[name] for name in expected}, config
 
@@ -303,7 +330,8 @@ class SizedLayer(Protocol):
 
     num_hiddens: int
     bias: bool
-    #: The layer's checked constructor options (its ``qk_norm`` names the norms' entries).
+    #: The layer's checked constructor options (its ``qk_norm`` names the norms'
+    #: entries, and its ``sinks`` are read).
     options: spec.LayerOptions
 
     @property
@@ -332,7 +360,8 @@ def check_layer_weights(
     Raises:
         TypeError: ``weights`` is not a mapping, or an entry is not a
             floating-point array.
-        ValueError: a missing, extra or mis-shaped entry, named.
+        ValueError: a missing, extra or mis-shaped entry (``sinks`` as the
+            layer's ``options.sinks`` says), named.
     """
     heads = layer.heads if heads is None else heads
     qk_norm = layer.options.qk_norm
@@ -345,6 +374,7 @@ def check_layer_weights(
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
         **layer.input_sizes(),
+        sinks=layer.options.sinks,
     )
 
 
@@ -360,7 +390,7 @@ def save_weights(path: str | os.PathLike[str], weights: Mapping[str, Any]) -> No
 
     The weights are validated first; nothing is written for an invalid mapping.
     """
-    arrays, _ = check_weights(weights, qk_norm=None)
+    arrays, _ = check_weights(weights, qk_norm=None, sinks=None)
     if _format(path) == ".npz":
         with open(path, "wb") as file:
             np.savez(file, **arrays)
@@ -444,7 +474,7 @@ def load_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
             f"{path!r} holds no arrays; expected canonical weights {', '.join(KERNEL_NAMES)}"
         )
     try:
-        return check_weights(weights, qk_norm=None)[0]
+        return check_weights(weights, qk_norm=None, sinks=None)[0]
     except ValueError as error:
         raise ValueError(f"{path!r}: {error}") from error
     except TypeError as error:

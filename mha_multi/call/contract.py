@@ -40,6 +40,10 @@ class Projections(Protocol):
         Asked only of a layer with ``qk_norm`` (:func:`mha_multi.spec.normalize_qk`).
         """
 
+    def sink_logits(self) -> Array:
+        """The ``(H,)`` sink logits of the heads this call computes (a layer with
+        ``sinks=True``; docs: "Positions and biases"), after :meth:`project_inputs`."""
+
     def project_output(self, context: Array, gates: Array | None) -> Array:
         """``W_o`` (and ``b_o``) of the heads' context gated by ``gates``.
 

@@ -111,7 +111,8 @@ def attend(
         kernel_plan: a plan decided before the call (MXNet plans outside its
             graphs, where shapes are known); ``None`` plans here.
         layer_options: the layer's checked constructor options (rotary,
-            ALiBi, window, soft-capping, query/key norms); ``None`` for none.
+            ALiBi, window, soft-capping, query/key norms, sinks: the logits are the
+            layer's :meth:`~mha_multi.call.Projections.sink_logits`); ``None`` for none.
         positions, bias: the call's, checked (:func:`check_options`).
         fill: a cached call's lengths as read on the host
             (:func:`check_cache_values`), for frameworks that write the
@@ -152,8 +153,8 @@ def attend(
             num_heads=heads.num_heads,
             bias=bias,
             query_positions=spec.cache_positions(ops, lengths, ops.size(q, 1)) if frame else None,
-        )
-        if not options.adjusts_scores and options.window is None:
+        ).with_sinks(layer.sink_logits() if layer_options.sinks else None)
+        if not options.adjusts_scores and options.window is None and options.sinks is None:
             options = spec.NO_OPTIONS  # rotary or norms only: the scores are d2l's
     if kernel_plan is None:
         kernel_plan = plan(

@@ -50,6 +50,7 @@ def kernel_settings(
         "softcap": options.softcap is not None,
         "window": options.window is not None,
         "query_positions": options.query_positions is not None,
+        "sinks": options.sinks is not None,
     }
 
 

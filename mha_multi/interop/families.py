@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["KNOWN_BLOCKS", "QK_NORMS", "check_known", "qk_norm_of", "window_of"]
+__all__ = ["KNOWN_BLOCKS", "QK_NORMS", "SINK_BLOCKS", "check_known", "qk_norm_of", "window_of"]
 
 
 def window_of(module: torch.nn.Module) -> int | None:
@@ -38,6 +38,8 @@ KNOWN_BLOCKS: dict[str, str] = {
     "Qwen3Attention": "qwen3",
     "Gemma3Attention": "gemma3_text",
     "Olmo2Attention": "olmo2",
+    # Sinks, biases on all four projections, a window on its sliding layers.
+    "GptOssAttention": "gpt_oss",
 }
 
 #: The query/key norms of the known blocks that have them, by model type: the
@@ -54,6 +56,10 @@ QK_NORMS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "olmo2": ("Olmo2RMSNorm", {"scope": "whole", "unit_offset": False, "product": "float32"}),
 }
+
+#: The known blocks whose state dict holds each head's sink logit (``sinks``);
+#: another block with such an entry is refused.
+SINK_BLOCKS = frozenset({"GptOssAttention"})
 
 #: Config fields of a known block that change its numbers in a way the layer
 #: does not express (yet): a block whose field is set otherwise is refused.

@@ -1,8 +1,8 @@
 """Llama-style attention: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``.
 
 The layout of transformers' ``LlamaAttention`` and of the models that copy
-it (Mistral, Qwen2, Gemma 2, Cohere; with RMSNorms of the projected queries
-and keys, ``q_norm`` and ``k_norm``, Qwen 3, Gemma 3 and OLMo 2): four
+it (Mistral, Qwen2, Gemma 2, Cohere, gpt-oss; with RMSNorms of the projected
+queries and keys, ``q_norm`` and ``k_norm``, Qwen 3, Gemma 3 and OLMo 2): four
 ``torch.nn.Linear`` projections, grouped
 query heads (``num_key_value_heads``) and an explicit ``head_dim``. Query head
 ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``
@@ -18,10 +18,11 @@ something else: the rotary embedding (``rope_theta``, the rotary type and
 its parameters, ``partial_rotary_factor``, the pairing of the rotated entries),
 the sliding window (Mistral's ``sliding_window``, Gemma 2's on its sliding
 layers), the soft cap of the scores (Gemma 2's
-``attn_logit_softcapping``), the query/key norms (``qk_norm``). A scale of
-the scores other than ``1/sqrt(head_dim)`` (Gemma 2's and Gemma 3's
-``query_pre_attn_scalar``) is folded into ``W_q`` and ``b_q``, or, where the
-queries are normalised after their projection, into ``q_norm``. Models
+``attn_logit_softcapping``), the query/key norms (``qk_norm``), gpt-oss'
+sink logit of each head (its ``sinks`` parameter, the canonical ``sinks``).
+A scale of the scores other than ``1/sqrt(head_dim)`` (Gemma 2's and Gemma
+3's ``query_pre_attn_scalar``) is folded into ``W_q`` and ``b_q``, or, where
+the queries are normalised after their projection, into ``q_norm``. Models
 with biases on the query, key and value projections only (Qwen2) convert
 with ``b_o = 0``. State dicts and files
 hold weights only: their layers get the positions options from
@@ -51,12 +52,18 @@ import numpy as np
 import torch
 
 from mha_multi import spec
-from mha_multi.interop.families import KNOWN_BLOCKS, check_known, qk_norm_of, window_of
+from mha_multi.interop.families import (
+    KNOWN_BLOCKS,
+    SINK_BLOCKS,
+    check_known,
+    qk_norm_of,
+    window_of,
+)
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
 from mha_multi.interop.rotary_config import INTERLEAVED_ROTARY, rotary_of
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
 from mha_multi.torch._facts import host_array
-from mha_multi.weights import WeightsConfig, check_weights
+from mha_multi.weights import SINKS_NAME, WeightsConfig, check_weights
 
 __all__ = [
     "INTERLEAVED_ROTARY",
@@ -123,12 +130,18 @@ def _checked(
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
         qk_norm=None,
+        sinks=None,
     )
     return heads, arrays, config
 
 
-def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, np.ndarray]:
+def _canonical_arrays(
+    state_dict: Mapping[str, Any], prefix: str, *, sinks: bool = True
+) -> dict[str, np.ndarray]:
     """The canonical arrays of a Llama-style state dict, their shapes not yet checked.
+
+    ``sinks``: the entry ``sinks`` (gpt-oss') is taken; a block of a class
+    without sinks refuses it.
 
     Raises:
         ValueError: a missing or extra entry, or biases the canonical layer
@@ -140,6 +153,8 @@ def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, n
     expected = {
         f"{module}.{kind}" for module in PROJECTIONS.values() for kind in ("weight", "bias")
     }
+    if sinks:
+        expected.add(SINKS_NAME)  # gpt-oss' sink logit of each head
     unexpected = sorted(set(entries) - expected - set(NORMS))
     if unexpected:
         raise ValueError(f"unexpected Llama attention entries {unexpected}")
@@ -163,6 +178,8 @@ def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, n
     for key, name in NORMS.items():
         if key in entries:
             weights[name] = np.asarray(host_array(entries[key]))
+    if SINKS_NAME in entries:
+        weights[SINKS_NAME] = np.asarray(host_array(entries[SINKS_NAME]))
     return weights
 
 
@@ -202,7 +219,8 @@ def to_llama_state(
     """A Llama-style attention ``state_dict`` from canonical weights.
 
     Biases, when present, go on all four projections (``attention_bias=True``);
-    ``q_norm`` and ``k_norm``, when present, are ``q_norm.weight`` and ``k_norm.weight``.
+    ``q_norm`` and ``k_norm``, when present, are ``q_norm.weight`` and ``k_norm.weight``;
+    the heads' sink logits, when present, are the entry ``sinks`` (gpt-oss).
 
     Raises:
         ValueError: as :func:`llama_config`.
@@ -216,6 +234,8 @@ def to_llama_state(
     for key, name in NORMS.items():
         if name in weights:
             state[key] = torch.from_numpy(np.array(weights[name], copy=True))
+    if SINKS_NAME in weights:
+        state[SINKS_NAME] = torch.from_numpy(np.array(weights[SINKS_NAME], copy=True))
     return state
 
 
@@ -224,7 +244,8 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
 
     The attention blocks of :data:`KNOWN_BLOCKS`: Llama's, Mistral's,
     Qwen2's, Gemma 2's, Cohere's, Qwen 3's, Gemma 3's (a local or a global
-    layer: its own rotary settings and window) and OLMo 2's. ``MultiHeadAttention(hidden_size,
+    layer: its own rotary settings and window), OLMo 2's and gpt-oss'.
+    ``MultiHeadAttention(hidden_size,
     **kwargs)`` in any backend, loaded with the weights, computes what the
     block computes for the same inputs and ``positions`` (its
     ``position_ids``), with ``causal=True`` as the block's own mask: rotary
@@ -234,7 +255,7 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
     Returns:
         ``(weights, kwargs)``: ``kwargs`` holds plain Python values:
         ``num_heads``, ``num_kv_heads``, ``head_dim`` and, where the block
-        has them, ``rotary``, ``window``, ``softcap``, ``qk_norm``, ``bias``,
+        has them, ``rotary``, ``window``, ``softcap``, ``qk_norm``, ``bias``, ``sinks``,
         ``dropout``.
 
     Raises:
@@ -245,9 +266,8 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
     check_known(module)
     config = module.config
     num_heads = config.num_attention_heads
-    weights = from_llama_state(
-        module.state_dict(), num_heads=num_heads, num_kv_heads=config.num_key_value_heads
-    )
+    state = _canonical_arrays(module.state_dict(), "", sinks=type(module).__name__ in SINK_BLOCKS)
+    _, weights, _ = _checked(state, num_heads, config.num_key_value_heads)
     heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=config.num_key_value_heads)
     qk_norm = qk_norm_of(module)
     if (qk_norm is None) != ("q_norm" not in weights):
@@ -257,7 +277,7 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
         )
     if qk_norm is not None:
         # The norms' shapes as the model type's scope has them (docs: "Canonical weights").
-        check_weights(weights, qk_norm=qk_norm["scope"], **dataclasses.asdict(heads))
+        check_weights(weights, qk_norm=qk_norm["scope"], sinks=None, **dataclasses.asdict(heads))
     # Our scores are scaled by 1/sqrt(head_dim): another scale goes into W_q, or
     # into the queries' norm where it follows W_q.
     factor = float(module.scaling) * float(np.sqrt(heads.head_dim))
@@ -279,6 +299,8 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
         kwargs["softcap"] = float(softcap)
     if "b_q" in weights:
         kwargs["bias"] = True
+    if SINKS_NAME in weights:
+        kwargs["sinks"] = True
     dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if dropout:
         kwargs["dropout"] = dropout
@@ -315,6 +337,11 @@ def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Mo
             raise ValueError(f"the module's config has {field}={actual}; the weights need {value}")
     state = to_llama_state(weights, num_heads=num_heads, num_kv_heads=config.num_key_value_heads)
     reference = module.state_dict()
+    if (SINKS_NAME in state) != (SINKS_NAME in reference):
+        has = "has" if SINKS_NAME in reference else "has no"
+        raise ValueError(
+            f"{type(module).__name__} {has} sink logits ('sinks'); the weights need the other"
+        )
     state = {name: tensor.to(reference[name].dtype) for name, tensor in state.items()}
     module.load_state_dict(state, strict=True)
     return module
@@ -383,7 +410,7 @@ def load_llama(
             f"{path!r} must hold the state dict of one Llama-style attention block; found {found}"
         )
     try:
-        weights, _ = check_weights(_canonical_arrays(state, prefixes[0]), qk_norm=None)
+        weights, _ = check_weights(_canonical_arrays(state, prefixes[0]), qk_norm=None, sinks=None)
     except ValueError as error:
         raise ValueError(f"{path!r}: {error}") from error
     heads = resolve_heads(weights, source=path, **options)

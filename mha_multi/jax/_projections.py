@@ -121,6 +121,10 @@ class WeightsProjections:
         """``(q_norm, k_norm)`` in the computation dtype (after :meth:`project_inputs`)."""
         return self._weights["q_norm"], self._weights["k_norm"]
 
+    def sink_logits(self) -> jax.Array:
+        """The heads' sink logits ``(H,)`` in the computation dtype (:meth:`project_inputs`)."""
+        return self._weights["sinks"]
+
     def project_output(self, context: jax.Array, gates: Any) -> jax.Array:
         context = spec.apply_head_mask(JaxOps(self.precision), context, gates, self.heads.num_heads)
         return self._project(context, "o")

@@ -108,6 +108,7 @@ def check_params(
     bias: bool | None = None,
     qk_norm: str | bool | None = None,
     heads: spec.Heads | None = None,
+    sinks: bool | None = False,
 ) -> WeightsConfig:
     """Validates canonical weights by their shapes and dtypes (traceable).
 
@@ -115,8 +116,9 @@ def check_params(
         params: canonical weights (``W_q``... and, with biases, ``b_q``...;
             with ``qk_norm``, ``q_norm`` and ``k_norm``); arrays, tracers or
             array-likes.
-        num_hiddens, query_size, key_size, value_size, bias: what the weights
-            must describe, where known.
+        num_hiddens, query_size, key_size, value_size, bias, sinks: what the
+            weights must describe, where known
+            (:func:`~mha_multi.weights.check_weights`).
         qk_norm: the norms' entries, as :func:`mha_multi.weights.check_weights`
             takes them (``None``: where present).
         heads: the head layout, where known.
@@ -139,6 +141,7 @@ def check_params(
         value_size=value_size,
         bias=bias,
         qk_norm=qk_norm,
+        sinks=sinks,
         **({} if heads is None else dataclasses.asdict(heads)),
     )
     return config
@@ -429,8 +432,9 @@ def multi_head_attention(
             a cached call) by (docs: "Positions and biases").
         bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``,
             added to the scaled scores before the masks; differentiable.
-        options: ``rotary``, ``alibi``, ``window``, ``softcap``, ``qk_norm``
+        options: ``rotary``, ``alibi``, ``window``, ``softcap``, ``qk_norm``, ``sinks``
             (:class:`mha_multi.spec.LayerOptions`, or a dict of them); static.
+            With ``sinks=True``, ``params`` holds ``sinks`` ``(num_heads,)``.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and the
@@ -448,13 +452,16 @@ def multi_head_attention(
             range or an overflow.
     """
     check_implementation(implementation)
-    config = check_params(params)
+    config = check_params(params, sinks=None)
     heads = spec.heads_of_weights(params, num_heads, num_kv_heads=num_kv_heads)
     layer_options = _layer_options(options, heads.head_dim)
     qk_norm = None if layer_options is None else layer_options.qk_norm
     if qk_norm is not None or "q_norm" in params:
         # The norms' entries as the option has them (none without it).
-        check_params(params, qk_norm=False if qk_norm is None else qk_norm.scope, heads=heads)
+        check_params(
+            params, qk_norm=False if qk_norm is None else qk_norm.scope, heads=heads, sinks=None
+        )
+    spec.sink_logits_of(params, layer_options is not None and layer_options.sinks, num_heads)
     spec.check_config(
         config.num_hiddens,
         num_heads,

@@ -20,7 +20,7 @@ from mha_multi.jax._facts import JaxFacts, host_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.jax._projections import WeightsProjections
-from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, check_layer_weights
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME, check_layer_weights
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -93,6 +93,7 @@ class MultiHeadAttention(nnx.Module):
         window: int | None = None,
         softcap: float | None = None,
         qk_norm: spec.QKNorm | Mapping[str, Any] | None = None,
+        sinks: bool = False,
         deterministic: bool = False,
         dtype: DTypeLike | None = None,
         param_dtype: DTypeLike = jnp.float32,
@@ -113,9 +114,9 @@ class MultiHeadAttention(nnx.Module):
         self.head_dim = heads.head_dim
         self.num_kv_heads = heads.num_kv_heads
         #: The positions and biases options (docs: "Positions and biases"); static.
-        self.options = spec.LayerOptions(rotary, alibi, window, softcap, qk_norm=qk_norm).check(
-            heads.head_dim
-        )
+        self.options = spec.LayerOptions(
+            rotary, alibi, window, softcap, sinks, qk_norm=qk_norm
+        ).check(heads.head_dim)
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         check_implementation(implementation)
         self.num_hiddens = int(num_hiddens)
@@ -153,6 +154,8 @@ class MultiHeadAttention(nnx.Module):
         if norm is not None:
             for name, shape in norm.shapes(heads).items():
                 setattr(self, name, nnx.Param(jnp.full(shape, norm.initial_value, param_dtype)))
+        if self.options.sinks:  # each head's sink logit, zeros at first
+            self.sinks = nnx.Param(jnp.zeros((heads.num_heads,), param_dtype))
         self.rngs = rngs.dropout.fork() if self.dropout > 0 else nnx.data(None)
 
     def input_sizes(self) -> dict[str, int]:
@@ -165,7 +168,7 @@ class MultiHeadAttention(nnx.Module):
 
     def params(self) -> dict[str, jax.Array]:
         """The parameters under their canonical names (``W_q``... ``b_o``, ``q_norm``,
-        ``k_norm``), as arrays."""
+        ``k_norm``, ``sinks``), as arrays."""
         params = {}
         for name in KERNEL_NAMES:
             linear = getattr(self, name)
@@ -174,6 +177,8 @@ class MultiHeadAttention(nnx.Module):
                 params[f"b_{name[-1]}"] = linear.bias[...]
         if self.options.qk_norm is not None:
             params.update({name: getattr(self, name)[...] for name in NORM_NAMES})
+        if self.options.sinks:
+            params[SINKS_NAME] = self.sinks[...]
         return params
 
     @property
@@ -373,6 +378,8 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
     for name, array in arrays.items():
         if name in NORM_NAMES:
             param = getattr(layer, name)
+        elif name == SINKS_NAME:
+            param = layer.sinks
         else:
             linear = getattr(layer, f"W_{name[-1]}")
             param = linear.kernel if name in KERNEL_NAMES else linear.bias

@@ -27,7 +27,7 @@ from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.jax._projections import Projection, WeightsProjections
 from mha_multi.jax.sharding import partition_specs, shard_variables
-from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, check_weights
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME, check_weights
 
 __all__ = [
     "MultiHeadAttention",
@@ -87,6 +87,7 @@ class MultiHeadAttention(nn.Module):
     window: int | None = None
     softcap: float | None = None
     qk_norm: spec.QKNorm | Mapping[str, Any] | None = None
+    sinks: bool = False
     dtype: DTypeLike | None = None
     param_dtype: DTypeLike = jnp.float32
     precision: PrecisionLike = None
@@ -151,7 +152,7 @@ class MultiHeadAttention(nn.Module):
     def layer_options(self) -> spec.LayerOptions:
         """The checked positions and biases options (docs: "Positions and biases")."""
         options = spec.LayerOptions(
-            self.rotary, self.alibi, self.window, self.softcap, qk_norm=self.qk_norm
+            self.rotary, self.alibi, self.window, self.softcap, self.sinks, qk_norm=self.qk_norm
         )
         return options.check(self.heads.head_dim)
 
@@ -247,6 +248,10 @@ class MultiHeadAttention(nn.Module):
             for name, shape in norm.shapes(heads).items():
                 initial = nn.initializers.constant(norm.initial_value)
                 params[name] = self.param(name, initial, shape, self.param_dtype)
+        if self.sinks:  # each head's sink logit, zeros at first
+            params[SINKS_NAME] = self.param(
+                SINKS_NAME, nn.initializers.zeros_init(), (heads.num_heads,), self.param_dtype
+            )
         return params
 
 
@@ -277,7 +282,9 @@ class _ModuleProjections(WeightsProjections):
         params = self.module._make_params(sizes)
         # The variables are the caller's (apply's argument): their dtypes are checked.
         norm = self.module.layer_options().qk_norm
-        functional.check_params(params, qk_norm=False if norm is None else norm.scope)
+        functional.check_params(
+            params, qk_norm=False if norm is None else norm.scope, sinks=self.module.sinks
+        )
         return params
 
 
@@ -315,17 +322,18 @@ def variables_from_weights(
             "num_heads": module.num_heads,
             "num_kv_heads": module.num_kv_heads,
             "head_dim": module.heads.head_dim,
+            "sinks": module.sinks,
         }
         norm = module.layer_options().qk_norm
         config["qk_norm"] = False if norm is None else norm.scope
         if dtype is None:
             dtype = module.param_dtype
-    arrays, _ = check_weights(weights, **{"qk_norm": None, **config})
+    arrays, _ = check_weights(weights, **{"qk_norm": None, "sinks": None, **config})
     params: dict[str, Any] = {}
     for name, array in arrays.items():
         if dtype is not None:
             array = np.asarray(array).astype(np.dtype(dtype))
-        if name in NORM_NAMES:  # a parameter of the module itself
+        if name in NORM_NAMES or name == SINKS_NAME:  # a parameter of the module itself
             params[name] = jnp.asarray(array)
             continue
         entry = "kernel" if name in KERNEL_NAMES else "bias"
@@ -355,4 +363,6 @@ def weights_from_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray
             if entry in projection:
                 weights[canonical] = host_array(projection[entry])
     weights.update({name: host_array(params[name]) for name in NORM_NAMES if name in params})
-    return check_weights(weights, qk_norm=None)[0]
+    if SINKS_NAME in params:
+        weights[SINKS_NAME] = host_array(params[SINKS_NAME])
+    return check_weights(weights, qk_norm=None, sinks=None)[0]

@@ -43,7 +43,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mha_multi import spec
 from mha_multi.jax.layer import MultiHeadAttention
-from mha_multi.weights import KERNEL_NAMES, NORM_NAMES
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME
 
 __all__ = ["param_specs", "partition_specs", "shard_cache", "shard_heads", "shard_variables"]
 
@@ -145,6 +145,12 @@ def shard_heads(layer: MultiHeadAttention, mesh: Mesh, axis: str = "model") -> M
             param.set_metadata(out_sharding=tuple(partition), mesh=mesh)
             param.set_value(jax.device_put(param[...], NamedSharding(mesh, partition)))
             placed.add(id(param))
+    if layer.options.sinks:  # each head's sink logit goes with its head
+        layer.sinks.set_metadata(out_sharding=(axis,), mesh=mesh)
+        layer.sinks.set_value(
+            jax.device_put(layer.sinks[...], NamedSharding(mesh, PartitionSpec(axis)))
+        )
+        placed.add(id(layer.sinks))
     layer.head_parallel = True
     # Every other array (dropout rng keys and counts) on the same devices, whole.
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -231,6 +237,9 @@ def partition_specs(variables: Mapping[str, Any], axis: str = "model") -> dict[s
     for name, entries in params.items():
         if name in NORM_NAMES:  # a per-head norm's weights serve every head: whole on each
             result[name] = PartitionSpec()
+            continue
+        if name == SINKS_NAME:  # (num_heads,): split with the heads
+            result[name] = PartitionSpec(axis)
             continue
         if name not in KERNEL_NAMES:
             raise ValueError(

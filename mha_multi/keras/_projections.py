@@ -28,7 +28,13 @@ from mha_multi.keras._facts import (
 )
 from mha_multi.keras._ops import OPS, is_16_bit, matmul_16_bit
 from mha_multi.keras.sharding import cache_layout, check_variable_layout
-from mha_multi.weights import BIAS_NAMES, KERNEL_NAMES, NORM_NAMES, check_layer_weights
+from mha_multi.weights import (
+    BIAS_NAMES,
+    KERNEL_NAMES,
+    NORM_NAMES,
+    SINKS_NAME,
+    check_layer_weights,
+)
 
 __all__ = ["ProjectionLayer", "get_weights", "set_weights"]
 
@@ -97,8 +103,8 @@ class ProjectionLayer(keras.layers.Layer):
     def canonical_variables(self) -> dict[str, keras.Variable]:
         """Canonical weight name -> variable, for the projections created so far."""
         variables = {}
-        for name in (*KERNEL_NAMES, *BIAS_NAMES, *NORM_NAMES):
-            variable = getattr(self, name)
+        for name in (*KERNEL_NAMES, *BIAS_NAMES, *NORM_NAMES, SINKS_NAME):
+            variable = getattr(self, name, None)
             if variable is not None:
                 variables[name] = variable
         return variables
@@ -185,6 +191,10 @@ class ProjectionLayer(keras.layers.Layer):
         if keys is None:
             return self._project(queries, "q"), None, None
         return tuple(self._project(x, n) for x, n in ((queries, "q"), (keys, "k"), (values, "v")))
+
+    def sink_logits(self) -> Any:
+        """The heads' sink logits ``(H,)``, as their variable holds them (cast with the scores)."""
+        return self.sinks.value
 
     def project_output(self, context: Any, gates: Any) -> Any:
         """``W_o`` (and ``b_o``) of the heads' context ``(B, Q, H*dh)`` gated by ``gates``.

@@ -26,6 +26,7 @@ from mha_multi.keras._facts import (
 )
 from mha_multi.keras._ops import OPS
 from mha_multi.keras._projections import PROJECTIONS, ProjectionLayer, get_weights, set_weights
+from mha_multi.weights import SINKS_NAME
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -120,6 +121,7 @@ class MultiHeadAttention(ProjectionLayer):
         window: int | None = None,
         softcap: float | None = None,
         qk_norm: spec.QKNorm | dict[str, Any] | None = None,
+        sinks: bool = False,
         kernel_initializer: Any = "glorot_uniform",
         bias_initializer: Any = "zeros",
         seed: int | None = None,
@@ -131,9 +133,9 @@ class MultiHeadAttention(ProjectionLayer):
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
-        self.options = spec.LayerOptions(rotary, alibi, window, softcap, qk_norm=qk_norm).check(
-            self._heads.head_dim
-        )
+        self.options = spec.LayerOptions(
+            rotary, alibi, window, softcap, sinks, qk_norm=qk_norm
+        ).check(self._heads.head_dim)
         self.num_hiddens = int(num_hiddens)
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads
@@ -153,6 +155,9 @@ class MultiHeadAttention(ProjectionLayer):
             setattr(self, f"b_{name}", None)
         self._add_norms()
         self._add_projection("o", self._heads.query_features)
+        self.sinks = None
+        if self.options.sinks:  # each head's sink logit, zeros at first
+            self.sinks = self._add_head_weight(SINKS_NAME, (self.num_heads,), "zeros")
         sizes = (query_size, key_size, value_size)
         if all(size is not None for size in sizes):
             self.build(*((None, None, size) for size in sizes))

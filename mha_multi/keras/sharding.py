@@ -60,6 +60,7 @@ HEAD_AXES: dict[str, int] = {
     "b_k": 0,
     "b_v": 0,
     "W_o": 0,
+    "sinks": 0,
 }
 
 
@@ -146,6 +147,7 @@ def layout_map(
         layouts[f"{prefix}W_{projection}"] = (None, axis)
         layouts[f"{prefix}b_{projection}"] = (axis,)
     layouts[f"{prefix}W_o"] = (axis, None)
+    layouts[f"{prefix}sinks"] = (axis,)  # each head's sink logit goes with its head
     return layouts
 
 

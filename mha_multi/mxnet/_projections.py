@@ -25,7 +25,7 @@ from mxnet.gluon import nn
 from mha_multi import spec
 from mha_multi.mxnet._facts import host_array
 from mha_multi.mxnet._ops import MXNetOps
-from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, check_layer_weights
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME, check_layer_weights
 
 __all__ = [
     "PROJECTIONS",
@@ -112,6 +112,10 @@ class Projections:
         """``(q_norm, k_norm)``: the query/key norms' arrays (``qk_norm`` set)."""
         return self._params["q_norm"], self._params["k_norm"]
 
+    def sink_logits(self) -> Array:
+        """The heads' sink logits ``(H,)`` (the ``sinks`` entry of the parameters)."""
+        return self._params[SINKS_NAME]
+
     def project_output(self, context: Array, gates: Array | None) -> Array:
         """``W_o`` of the context, each head's slice times its gate."""
         gated = spec.apply_head_mask(self._ops, context, gates, self._heads.num_heads)
@@ -154,6 +158,8 @@ def parameter_arrays(
             arrays[f"W_{name}_{kind}"] = parameter.data(ctx)
     if layer.options.qk_norm is not None:
         arrays.update({name: getattr(layer, name).data(ctx) for name in NORM_NAMES})
+    if "q" in projections and getattr(layer, "sinks", None) is not None:
+        arrays[SINKS_NAME] = layer.sinks.data(ctx)  # a call that attends reads them
     return arrays
 
 
@@ -250,6 +256,9 @@ def set_weights(
         if name in NORM_NAMES:
             load_parameter(getattr(layer, name), array, ctx)
             continue
+        if name == SINKS_NAME:
+            load_parameter(layer.sinks, array, ctx)
+            continue
         dense = getattr(layer, f"W_{name[-1]}")
         if name in KERNEL_NAMES:
             load_parameter(dense.weight, np.ascontiguousarray(array.T), ctx)
@@ -277,4 +286,6 @@ def get_weights(layer: gluon.HybridBlock) -> dict[str, np.ndarray]:
             weights[f"b_{name[-1]}"] = host_array(dense.bias)
     if layer.options.qk_norm is not None:
         weights.update({name: host_array(getattr(layer, name)) for name in NORM_NAMES})
+    if layer.sinks is not None:
+        weights[SINKS_NAME] = host_array(layer.sinks)
     return weights

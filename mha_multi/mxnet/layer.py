@@ -34,6 +34,7 @@ from mha_multi import _docs, call, spec
 from mha_multi.mxnet._facts import FACTS
 from mha_multi.mxnet._graph import Graphs, run
 from mha_multi.mxnet._projections import PROJECTIONS, get_weights, in_units, set_weights
+from mha_multi.weights import SINKS_NAME
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -113,6 +114,7 @@ class MultiHeadAttention(gluon.HybridBlock):
         window: int | None = None,
         softcap: float | None = None,
         qk_norm: spec.QKNorm | dict[str, Any] | None = None,
+        sinks: bool = False,
         dtype: Any = "float32",
         **kwargs: Any,
     ) -> None:
@@ -121,9 +123,9 @@ class MultiHeadAttention(gluon.HybridBlock):
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         super().__init__(**kwargs)
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
-        self.options = spec.LayerOptions(rotary, alibi, window, softcap, qk_norm=qk_norm).check(
-            self._heads.head_dim
-        )
+        self.options = spec.LayerOptions(
+            rotary, alibi, window, softcap, sinks, qk_norm=qk_norm
+        ).check(self._heads.head_dim)
         self.num_hiddens = int(num_hiddens)
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads
@@ -148,6 +150,12 @@ class MultiHeadAttention(gluon.HybridBlock):
             for name, shape in ({} if norm is None else norm.shapes(self._heads)).items():
                 initial = mx.init.Constant(norm.initial_value)
                 setattr(self, name, self.params.get(name, shape=shape, init=initial, dtype=dtype))
+            # Each head's sink logit, zeros at first (docs: "Positions and biases").
+            self.sinks = (
+                self.params.get(SINKS_NAME, shape=(self.num_heads,), init="zeros", dtype=dtype)
+                if self.options.sinks
+                else None
+            )
         self._graphs = Graphs(hybridize_args=None)
 
     def __repr__(self) -> str:

@@ -73,8 +73,8 @@ class CaseConfig:
     head_mask: Any = None
     #: The layer's positions and biases options (docs: "Positions and
     #: biases"): ``rotary`` (a dict of :class:`~mha_multi.spec.Rotary`'s
-    #: fields), ``alibi``, ``window``, ``softcap``, ``qk_norm`` (a dict of
-    #: :class:`~mha_multi.spec.QKNorm`'s fields); ``None`` for none.
+    #: fields), ``alibi``, ``window``, ``softcap``, ``sinks``, ``qk_norm`` (a
+    #: dict of :class:`~mha_multi.spec.QKNorm`'s fields); ``None`` for none.
     options: Any = None
     #: ``None``, or the call's ``positions``: a list of lists ``(B, Q)``.
     positions: Any = None
@@ -307,6 +307,14 @@ OPTION_CASES: tuple[CaseConfig, ...] = (
         options={"qk_norm": {"scope": "whole", "eps": 1e-5, "product": "float32"}},
         description="RMSNorm of the whole projected query and key (OLMo 2), biases",
     ),
+    CaseConfig(
+        "sinks",
+        **_GROUPED,
+        causal=True,
+        valid_lens=[[7, 0, 3, 7, 2], [5, 5, 5, 5, 5], [0, 0, 0, 0, 0]],
+        options={"sinks": True, "window": 4},
+        description="a sink logit per head (gpt-oss), grouped heads, window, fully hidden rows",
+    ),
 )
 CASES += OPTION_CASES
 
@@ -362,6 +370,16 @@ CACHED_CASES: tuple[CaseConfig, ...] = (
         options={"qk_norm": {"eps": 1e-6}, "rotary": {"theta": 100.0}},
         description="per-head norms (Qwen 3) of the keys before they enter the cache",
     ),
+    CaseConfig(
+        "cached_sinks",
+        options={"sinks": True},
+        **_causal(6),
+        chunks=[[3, [3, 2, 0]], [1, [1, 1, 0]], [2, [2, 0, 0]]],
+        valid_lens=[6, 3, 0],
+        num_kv_heads=2,
+        cache_length=7,
+        description="sink logits (gpt-oss) in chunks, grouped heads; an empty example",
+    ),
 )
 
 
@@ -397,11 +415,13 @@ def build_case(config: CaseConfig) -> Case:
     """
     rng = np.random.default_rng(config.seed)
     sizes = config.sizes()
+    sinks = bool(config.layer_options().get("sinks", False))
     weights = init_weights(
         config.num_hiddens,
         bias=config.bias,
         seed=config.seed + 1,
         num_heads=config.num_heads,
+        sinks=sinks,
         **config.heads(),
         **sizes,
     )
@@ -425,6 +445,8 @@ def build_case(config: CaseConfig) -> Case:
     if config.bias_shape is not None:
         bias = rng.standard_normal(config.bias_shape).astype(np.float32)
     weights.update(_norm_weights(config))
+    if sinks:  # logits that matter (they start at zero), drawn last: other cases keep theirs
+        weights["sinks"] = rng.standard_normal(config.num_heads).astype(np.float32)
     case = Case(config, weights, inputs, valid_lens, output_gradient, bias=bias)
     case.reference = reference_results(case)
     return case

@@ -13,8 +13,8 @@ Shapes, following d2l: queries ``(B, Q, query_size)``, keys
 One job per module (docs: "Architecture"): :mod:`~mha_multi.spec.ops` (the
 adapters), :mod:`~mha_multi.spec.checks` (configuration and input checks),
 :mod:`~mha_multi.spec.rotary`, :mod:`~mha_multi.spec.rotary_scaling` (the
-rotary types), :mod:`~mha_multi.spec.norms` and :mod:`~mha_multi.spec.options`
-(the options), :mod:`~mha_multi.spec.layout` (the head layout),
+rotary types), :mod:`~mha_multi.spec.norms`, :mod:`~mha_multi.spec.sinks` and
+:mod:`~mha_multi.spec.options` (the options), :mod:`~mha_multi.spec.layout` (the head layout),
 :mod:`~mha_multi.spec.positions` (masks, positions, position biases),
 :mod:`~mha_multi.spec.attention`, :mod:`~mha_multi.spec.plan` (the kernel
 plan), :mod:`~mha_multi.spec.cache` and :mod:`~mha_multi.spec.cache_checks`,
@@ -141,6 +141,14 @@ from mha_multi.spec.rotary_scaling import (
     LongRopeScaling,
     YarnScaling,
 )
+from mha_multi.spec.sinks import (
+    check_sinks,
+    sink_column,
+    sink_logits_of,
+    sink_softmax_backward,
+    sink_weights,
+    sinks_shape,
+)
 
 __all__ = [
     "MASK_VALUE",
@@ -213,11 +221,17 @@ __all__ = [
     "check_bias",
     "check_positions",
     "check_rotary",
+    "check_sinks",
     "check_softcap",
     "check_window",
     "distance_back",
     "rotary_length",
     "rotary_tables",
+    "sink_column",
+    "sink_logits_of",
+    "sink_softmax_backward",
+    "sink_weights",
+    "sinks_shape",
     "rotate",
     "score_bias",
     "fix_fully_hidden_rows",

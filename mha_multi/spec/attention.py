@@ -1,8 +1,9 @@
 """The attention itself: scores, the masked softmax, heads' weights and context, head gates.
 
 Hidden scores are *replaced* by :data:`MASK_VALUE` (d2l's rule), so a row
-whose keys are all hidden gets uniform weights ``1/K``; fused kernels get that
-value back with :func:`fix_fully_hidden_rows`.
+whose keys are all hidden gets uniform weights ``1/K`` (a layer with sinks puts
+it on the sink); fused kernels get that value back with
+:func:`fix_fully_hidden_rows`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from mha_multi.spec.checks import one_of
 from mha_multi.spec.ops import Array, ArrayOps
 from mha_multi.spec.options import NO_OPTIONS, ScoreOptions
 from mha_multi.spec.positions import adjust_scores, visibility
+from mha_multi.spec.sinks import sink_column
 
 #: Hidden scores are *replaced* by this value before the softmax (d2l's rule).
-#: A row whose keys are all hidden therefore gets uniform weights ``1/K``.
+#: A row whose keys are all hidden therefore gets uniform weights ``1/K`` (with
+#: attention sinks: puts its weight on the sink, :mod:`mha_multi.spec.sinks`).
 MASK_VALUE = -1e6
 
 
@@ -27,7 +30,13 @@ def is_low_precision(ops: ArrayOps, dtype: Any) -> bool:
     return ops.dtype_kind(dtype) == "f" and ops.itemsize(dtype) < 4
 
 
-def masked_softmax(ops: ArrayOps, scores: Array, visible: Array | None, dtype: Any = None) -> Array:
+def masked_softmax(
+    ops: ArrayOps,
+    scores: Array,
+    visible: Array | None,
+    dtype: Any = None,
+    sinks: Array | None = None,
+) -> Array:
     """Softmax over the last axis with hidden scores replaced by ``MASK_VALUE``.
 
     Hidden scores are *replaced*, so a NaN or inf score of a hidden key does
@@ -37,6 +46,10 @@ def masked_softmax(ops: ArrayOps, scores: Array, visible: Array | None, dtype: A
         scores: ``(B, H, Q, K)``.
         visible: ``None`` or a boolean array broadcastable to ``scores``.
         dtype: the dtype of the weights; ``None`` keeps that of ``scores``.
+        sinks: ``None``, or the ``(H,)`` sink logits of these heads: each
+            row's softmax then runs over its scores and one more column
+            holding its head's logit, never masked, and that column is
+            dropped from the weights (:mod:`mha_multi.spec.sinks`).
 
     Returns:
         Weights of ``dtype``. 16-bit scores are softmaxed in float32
@@ -47,7 +60,11 @@ def masked_softmax(ops: ArrayOps, scores: Array, visible: Array | None, dtype: A
         scores = ops.cast(scores, ops.float32())
     if visible is not None:
         scores = ops.where(visible, scores, MASK_VALUE)
-    weights = ops.softmax(scores)
+    if sinks is None:
+        weights = ops.softmax(scores)
+    else:
+        joined = ops.concat_last([scores, sink_column(ops, scores, sinks)])
+        weights = ops.slice_last(ops.softmax(joined), 0, -1)
     return weights if ops.dtype(weights) == dtype else ops.cast(weights, dtype)
 
 
@@ -155,9 +172,10 @@ def attention(
         kv_split: ``k`` and ``v`` are already split into heads,
             ``(B, num_kv_heads, K, head_dim)``, as a :class:`KVCache` holds
             them.
-        options: soft-capping, bias, ALiBi and the sliding window
-            (:func:`adjust_scores`, :func:`visibility`); rotary embeddings
-            are applied to ``q`` and ``k`` before (:func:`rotate`).
+        options: soft-capping, bias, ALiBi, the sliding window
+            (:func:`adjust_scores`, :func:`visibility`) and the heads' sink
+            logits (:func:`masked_softmax`); rotary embeddings are applied to
+            ``q`` and ``k`` before (:func:`rotate`).
 
     Returns:
         ``(context, weights)``: the concatenated heads ``(B, Q, num_heads *
@@ -324,7 +342,7 @@ def _option_weights(
         window=options.window,
         query_positions=options.query_positions,
     )
-    return masked_softmax(ops, scores, visible, dtype)
+    return masked_softmax(ops, scores, visible, dtype, sinks=options.sinks)
 
 
 def _kv_heads(ops: ArrayOps, x: Array, num_kv_heads: int, split: bool) -> Array:

@@ -1,4 +1,4 @@
-"""The options of the attention's scores: ALiBi, windows, soft-capping, a call's bias and positions.
+"""The options of the attention's scores: ALiBi, windows, soft-capping, sinks, bias, positions.
 
 The constructor's options (:class:`LayerOptions`) and what one call does to
 the scores of every head (:class:`ScoreOptions`), checked (docs: "Positions
@@ -19,6 +19,7 @@ from mha_multi.spec.checks import check_positive_int, check_positive_real, one_o
 from mha_multi.spec.norms import QKNorm, check_qk_norm
 from mha_multi.spec.ops import Array
 from mha_multi.spec.rotary import Rotary, check_rotary
+from mha_multi.spec.sinks import check_sinks
 
 
 def check_alibi(alibi: Any) -> bool:
@@ -160,6 +161,9 @@ class ScoreOptions:
             bottom-right frame), or integer ``(B, Q)`` (``lengths[b] + i`` of
             a cached call). ALiBi, the window and the causal rule read it;
             the call's ``positions`` only rotate.
+        sinks: ``None``, or the ``(H,)`` sink logits of the heads this call
+            computes (the layer's parameter, :mod:`mha_multi.spec.sinks`):
+            one more column of every row's softmax, dropped from the weights.
     """
 
     softcap: float | None = None
@@ -167,18 +171,23 @@ class ScoreOptions:
     alibi_slopes: np.ndarray | None = None
     window: int | None = None
     query_positions: Array | None = None
+    sinks: Array | None = None
 
     @property
     def adjusts_scores(self) -> bool:
         """Whether :func:`adjust_scores` changes the scores."""
         return self.softcap is not None or self.bias is not None or self.alibi_slopes is not None
 
+    def with_sinks(self, sinks: Array | None) -> ScoreOptions:
+        """These options with the heads' ``(H,)`` sink logits (``None``: none)."""
+        return dataclasses.replace(self, sinks=sinks)
+
 
 #: No option: d2l's scores.
 NO_OPTIONS = ScoreOptions()
 
 
-_LAYER_OPTIONS = ("rotary", "alibi", "window", "softcap", "qk_norm")
+_LAYER_OPTIONS = ("rotary", "alibi", "window", "softcap", "sinks", "qk_norm")
 
 
 @dataclass(frozen=True)
@@ -191,6 +200,9 @@ class LayerOptions:
         alibi: add ALiBi's per-head linear bias (:func:`alibi_slopes`).
         window: ``None`` or the sliding window (:func:`check_window`).
         softcap: ``None`` or the soft cap of the scores (:func:`check_softcap`).
+        sinks: each head has a learned sink logit (the canonical weight
+            ``sinks``, ``(num_heads,)``) that joins every query's softmax,
+            taking weight but giving no value (:mod:`mha_multi.spec.sinks`).
         qk_norm: ``None`` or the RMSNorm of the projected queries and keys
             (a :class:`QKNorm`, or a dict of its fields before :meth:`check`).
     """
@@ -199,6 +211,7 @@ class LayerOptions:
     alibi: bool = False
     window: int | None = None
     softcap: float | None = None
+    sinks: bool = False
     qk_norm: QKNorm | Mapping[str, Any] | None = None
 
     @classmethod
@@ -226,13 +239,14 @@ class LayerOptions:
         Raises:
             TypeError, ValueError: from :func:`check_rotary`,
                 :func:`check_alibi`, :func:`check_window`, :func:`check_softcap`,
-                :func:`check_qk_norm`, :meth:`Rotary.dim`.
+                :func:`check_sinks`, :func:`check_qk_norm`, :meth:`Rotary.dim`.
         """
         options = LayerOptions(
             rotary=check_rotary(self.rotary),
             alibi=check_alibi(self.alibi),
             window=check_window(self.window),
             softcap=check_softcap(self.softcap),
+            sinks=check_sinks(self.sinks),
             qk_norm=check_qk_norm(self.qk_norm),
         )
         if head_dim is not None and options.rotary is not None:
@@ -252,6 +266,7 @@ class LayerOptions:
             "alibi": self.alibi,
             "window": self.window,
             "softcap": self.softcap,
+            "sinks": self.sinks,
             "qk_norm": qk_norm,
         }
 
@@ -280,6 +295,8 @@ class LayerOptions:
         self, *, num_heads: int, bias: Array | None = None, query_positions: Array | None = None
     ) -> ScoreOptions:
         """The :class:`ScoreOptions` of one call of a layer with these (checked) options.
+
+        A layer with ``sinks=True`` adds its logits with :meth:`ScoreOptions.with_sinks`.
 
         Args:
             num_heads: the heads whose ALiBi slopes the call needs.

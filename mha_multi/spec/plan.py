@@ -273,6 +273,7 @@ def plan_kernel(
     window: bool = False,
     query_positions: bool = False,
     values_guard: bool = False,
+    sinks: bool = False,
 ) -> KernelPlan:
     """Whether a call runs ``kernel``, and what the kernel is given.
 
@@ -311,6 +312,9 @@ def plan_kernel(
             generic path on the device, from the values
             (:attr:`KernelPlan.guarded`). Never with dropout: the two paths
             would draw different random numbers.
+        sinks: the layer has attention sinks (:mod:`mha_multi.spec.sinks`).
+            No backend's kernel takes a sink column: such a call always
+            takes the generic path.
 
     Returns:
         The plan.
@@ -323,6 +327,8 @@ def plan_kernel(
         return _generic("the kernel takes no additive bias (bias or ALiBi)")
     if softcap and not kernel.takes_softcap:
         return _generic("the kernel has no soft-capping")
+    if sinks:
+        return _generic("the kernel has no attention sinks")
     if not all(isinstance(size, int) for size in sizes):
         return _generic("sizes unknown while tracing")
     batch, num_queries, num_keys = sizes

@@ -35,6 +35,7 @@ from mha_multi.spec.ops import NumpyOps
 from mha_multi.spec.options import LayerOptions, alibi_slopes, check_bias, check_positions
 from mha_multi.spec.positions import adjust_scores, call_positions, visibility
 from mha_multi.spec.rotary import Rotary, rotate
+from mha_multi.spec.sinks import sink_logits_of, sink_softmax_backward, sink_weights
 
 
 def linear(x: np.ndarray, weights: Mapping[str, np.ndarray], name: str) -> np.ndarray:
@@ -176,7 +177,8 @@ def reference_forward(
     """The spec evaluated in float64 numpy.
 
     Args:
-        weights: canonical weights (``W_q``... in ``x @ W + b`` orientation).
+        weights: canonical weights (``W_q``... in ``x @ W + b`` orientation;
+            ``sinks`` with ``sinks=True``).
         queries: ``(B, Q, query_size)``.
         keys: ``(B, K, key_size)``.
         values: ``(B, K, value_size)``.
@@ -192,7 +194,7 @@ def reference_forward(
             the queries and (``K == Q``) the keys; ``None`` for ``arange``.
         bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``.
         **options: the layer's options, ``rotary``, ``alibi``, ``window``,
-            ``softcap`` and ``qk_norm`` (:class:`LayerOptions`); with
+            ``softcap``, ``sinks`` and ``qk_norm`` (:class:`LayerOptions`); with
             ``qk_norm``, ``weights`` hold ``q_norm`` and ``k_norm``.
 
     Returns:
@@ -227,7 +229,9 @@ def reference_forward(
             head_dim=heads.head_dim,
             num_kv_heads=heads.num_kv_heads,
             causal=causal,
-            options=layer.score_options(num_heads=heads.num_heads, bias=bias),
+            options=layer.score_options(num_heads=heads.num_heads, bias=bias).with_sinks(
+                sink_logits_of(w, layer.sinks, heads.num_heads)
+            ),
         )
         context = apply_head_mask(NumpyOps(), context, gates, heads.num_heads)
         return linear(context, w, "o"), attention_weights
@@ -271,7 +275,8 @@ def reference_gradients(
     replaced by a constant, so they receive no gradient (nor does the bias
     there). A rotation's transpose is the rotation by the opposite angles;
     soft-capping's derivative is ``1 - tanh(s / c) ** 2``; the query/key
-    norms' is :func:`rms_norm_backward`.
+    norms' is :func:`rms_norm_backward`; the sinks' is
+    :func:`~mha_multi.spec.sinks.sink_softmax_backward`'s.
 
     Args:
         weights, queries, keys, values, valid_lens, num_heads, num_kv_heads, causal: as in
@@ -307,12 +312,18 @@ def reference_gradients(
     q = layout.transpose_grouped_queries(ops, projected["q"], kv_heads, group)
     k, v = (layout.transpose_qkv(ops, projected[n], kv_heads) for n in "kv")
     raw_scores = layout.grouped_to_heads(ops, scaled_scores(ops, q, k, head_dim), kv_heads, group)
-    score_options = layer.score_options(num_heads=heads.num_heads, bias=bias)
+    sinks = sink_logits_of(w, layer.sinks, heads.num_heads)
+    score_options = layer.score_options(num_heads=heads.num_heads, bias=bias).with_sinks(sinks)
     scores = adjust_scores(ops, raw_scores, score_options)  # (B, H, Q, K)
     visible = visibility(
         ops, num_queries, num_keys, lens, causal=causal, window=score_options.window
     )
-    attn = layout.heads_to_grouped(ops, masked_softmax(ops, scores, visible), kv_heads, group)
+    if sinks is None:
+        attn = layout.heads_to_grouped(ops, masked_softmax(ops, scores, visible), kv_heads, group)
+    else:  # the sink's weight too, for the logits' gradient
+        masked = scores if visible is None else np.where(visible, scores, MASK_VALUE)
+        head_attn, sink_weight = sink_weights(masked, sinks)
+        attn = layout.heads_to_grouped(ops, head_attn, kv_heads, group)
     context = layout.transpose_grouped_output(ops, attn @ v, kv_heads, group)
     gates = checked_head_mask(head_mask, heads, batch)
 
@@ -336,8 +347,13 @@ def reference_gradients(
     grad_attn = grad_heads @ np.swapaxes(v, -1, -2)  # d(attn @ v) / d attn
     # A key/value head's gradient sums over its whole group (the G*Q rows).
     grad_v = np.swapaxes(attn, -1, -2) @ grad_heads
-    grad_scores = attn * (grad_attn - (grad_attn * attn).sum(axis=-1, keepdims=True))
-    grad_scores = layout.grouped_to_heads(ops, grad_scores, kv_heads, group)  # (B, H, Q, K)
+    if sinks is None:
+        grad_scores = attn * (grad_attn - (grad_attn * attn).sum(axis=-1, keepdims=True))
+        grad_scores = layout.grouped_to_heads(ops, grad_scores, kv_heads, group)  # (B, H, Q, K)
+    else:
+        grad_scores, grads["sinks"] = sink_softmax_backward(
+            head_attn, sink_weight, layout.grouped_to_heads(ops, grad_attn, kv_heads, group)
+        )
     if visible is not None:
         grad_scores = np.where(visible, grad_scores, 0.0)
     if bias is not None:
@@ -424,7 +440,7 @@ def reference_cached_forward(
         positions: ``None`` or integer ``(B, T)``: the rotary positions of
             the queries and the new keys; ``None`` for ``lengths[b] + i``.
         bias: ``None``, or floating, broadcastable to ``(B, H, T, M)``.
-        **options: ``rotary``, ``alibi``, ``window``, ``softcap``,
+        **options: ``rotary``, ``alibi``, ``window``, ``softcap``, ``sinks``,
             ``qk_norm`` (:class:`LayerOptions`). ALiBi and the window place query ``i``
             of example ``b`` at ``lengths[b] + i`` and key ``j`` at ``j``;
             keys older than the window stay in the cache, hidden.
@@ -454,6 +470,7 @@ def reference_cached_forward(
     if bias is not None:
         bias = np.broadcast_to(bias, (batch, heads.num_heads, num_new, max_length))
     slopes = alibi_slopes(heads.num_heads) if layer.alibi else None
+    sinks = sink_logits_of(w, layer.sinks, heads.num_heads)
     if positions is None:
         positions = lengths[:, None] + np.arange(num_new)  # each example's own positions
     ops = NumpyOps()
@@ -505,8 +522,10 @@ def reference_cached_forward(
                     if slopes is not None:
                         scores = scores + slopes[h] * (key_positions - at)
                     scores = np.where(visible, scores, MASK_VALUE)
+                    if sinks is not None:  # one more column, dropped (docs: "Positions ...")
+                        scores = np.append(scores, sinks[h])
                     row = np.exp(scores - scores.max())
-                    row = row / row.sum()
+                    row = (row / row.sum())[:max_length]
                     attention_weights[b, h, i] = row
                     context[b, i, h] = row @ cache_values[b, h // group]
                     if gates is not None:

@@ -373,6 +373,11 @@ class PackedProjections(nn.Module):
         parameters = self._modules["W_o"]._parameters
         return parameters["weight"], parameters["bias"]
 
+    def sink_logits(self) -> torch.Tensor:
+        """The heads' sink logits ``(H,)``: this process's share where the heads are sharded."""
+        logits = self._parameters["sinks"]
+        return logits if self._sharding is None else self._sharding.local_sinks(logits)
+
     def project_output(self, context: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """``W_o`` of the gated context (the gates need no device: OPS places nothing)."""
         if gates is None and self._sharding is None:

@@ -27,7 +27,7 @@ from mha_multi.torch._projections import (
     in_features,
     projection,
 )
-from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, check_layer_weights
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME, check_layer_weights
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -59,6 +59,10 @@ class MultiHeadAttention(PackedProjections):
         window: ``None``, or the sliding window: a query sees the keys at
             most ``window - 1`` positions behind it.
         softcap: ``None``, or Gemma 2's soft cap of the scaled scores.
+        sinks: give each head a learned sink logit (the parameter ``sinks``
+            ``(num_heads,)``, zeros at first) that joins every query's
+            softmax, taking weight but giving no value (gpt-oss; docs:
+            "Positions and biases").
         qk_norm: ``None``, or the RMSNorm of the projected queries and keys
             before rotary: a :class:`~mha_multi.spec.QKNorm` or a dict of its
             fields; its weights are the parameters ``q_norm`` and ``k_norm``.
@@ -82,6 +86,7 @@ class MultiHeadAttention(PackedProjections):
         alibi: bool = False,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
         qk_norm: spec.QKNorm | Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -91,9 +96,8 @@ class MultiHeadAttention(PackedProjections):
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         super().__init__()
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
-        options = spec.LayerOptions(rotary, alibi, window, softcap, qk_norm=qk_norm).check(
-            self._heads.head_dim
-        )
+        options = spec.LayerOptions(rotary, alibi, window, softcap, sinks, qk_norm=qk_norm)
+        options = options.check(self._heads.head_dim)
         self.num_hiddens = int(num_hiddens)
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads
@@ -111,6 +115,8 @@ class MultiHeadAttention(PackedProjections):
                 initial = torch.full(shape, options.qk_norm.initial_value)
                 self.register_parameter(name, nn.Parameter(initial))
         self.dropout = nn.Dropout(dropout)
+        if options.sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self._stacks = StackedWeights()
         self._pack()
         if device is not None or dtype is not None:
@@ -323,7 +329,7 @@ def set_weights(layer: MultiHeadAttention, weights: Mapping[str, Any]) -> MultiH
         tensor = torch.from_numpy(np.array(array, copy=True))
         if name in KERNEL_NAMES:
             state[f"{name}.weight"] = tensor.T.contiguous()
-        elif name in NORM_NAMES:
+        elif name in NORM_NAMES or name == SINKS_NAME:
             state[name] = tensor
         else:
             state[f"W_{name[-1]}.bias"] = tensor
@@ -364,4 +370,6 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
     if layer.options.qk_norm is not None:
         # Per head, every process holds the whole (head_dim,) weights.
         weights.update(zip(NORM_NAMES, map(host_array, layer.qk_norm_weights()), strict=True))
+    if layer.options.sinks:
+        weights[SINKS_NAME] = host_array(whole(layer.sinks))
     return weights

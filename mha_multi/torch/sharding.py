@@ -4,7 +4,7 @@
 over the processes of a 1-D :class:`~torch.distributed.device_mesh.DeviceMesh`
 with :func:`torch.distributed.tensor.parallel.parallelize_module`: ``W_q``,
 ``W_k`` and ``W_v`` column-wise (:class:`~torch.distributed.tensor.parallel.ColwiseParallel`,
-each process projects its own heads), ``W_o`` row-wise
+each process projects its own heads; a layer's ``sinks`` split with its heads), ``W_o`` row-wise
 (:class:`~torch.distributed.tensor.parallel.RowwiseParallel`, whose output is
 the one all-reduce of the layer). Attention between the projections runs on
 each process's own heads as ordinary tensors: it needs no communication, so
@@ -89,6 +89,12 @@ class HeadSharding:
                 f"float32 (CUDA); got {queries.dtype} queries on {queries.device.type} with "
                 f'{layer.W_o.weight.dtype} weights: use float32 there (docs: "Sharding heads")'
             )
+
+    @staticmethod
+    def local_sinks(sinks: torch.Tensor) -> torch.Tensor:
+        """This process's heads' sink logits, of a parameter sharded with the heads
+        (differentiable: the gradient comes back to the shard)."""
+        return sinks.to_local() if isinstance(sinks, DTensor) else sinks
 
     @staticmethod
     def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -207,6 +213,9 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
         "W_o": RowwiseParallel(),
     }
     parallelize_module(layer, device_mesh, plan)
+    if layer.options.sinks:  # each head's sink logit goes with its head
+        sinks = distribute_tensor(layer.sinks.data, device_mesh, [Shard(0)])
+        layer.sinks = torch.nn.Parameter(sinks, requires_grad=layer.sinks.requires_grad)
     layer._sharding = HeadSharding(device_mesh, layer._heads, local, coordinate[0])
     layer._heads = local
     layer.num_heads = local.num_heads

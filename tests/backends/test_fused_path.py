@@ -31,6 +31,7 @@ def planned(runner, case) -> spec.KernelPlan:
     options = spec.LayerOptions.of(config.layer_options())
     # Rotary embeddings change q and k, not what the kernel is given.
     scored = case.bias is not None or options.alibi or options.window or options.softcap
+    scored = scored or options.sinks
     if scored and not runner.passes_options:
         return spec.KernelPlan(fused=False, reason="the kernel's call passes no options")
     return spec.plan_kernel(
@@ -45,6 +46,7 @@ def planned(runner, case) -> spec.KernelPlan:
         bias=case.bias is not None or options.alibi,
         softcap=options.softcap is not None,
         window=options.window is not None,
+        sinks=options.sinks,
     )
 
 

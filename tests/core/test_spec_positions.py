@@ -99,11 +99,14 @@ def naive_forward(
     softcap=None,
     gates=None,
     qk_norm=None,
+    sinks=False,
 ):
     """Every option written out: one example, head, query and key at a time.
 
     Query head ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``;
     its context is multiplied by ``gates[h]`` (or ``gates[b][h]``) if given.
+    With ``sinks``, head ``h``'s row is softmaxed with ``weights["sinks"][h]``
+    as one more score, which is then dropped.
     """
     batch, num_queries, _ = queries.shape
     num_keys = keys.shape[1]
@@ -171,8 +174,10 @@ def naive_forward(
                     scores[j] = score if visible else -1e6
                 if num_keys == 0:
                     continue
+                if sinks:
+                    scores = np.append(scores, weights["sinks"][h])
                 row = np.exp(scores - scores.max())
-                row /= row.sum()
+                row = (row / row.sum())[:num_keys]
                 attention[b, h, i] = row
                 context[b, i, cols] = row @ v[b, :, kv_cols]
                 if gates is not None:

@@ -553,3 +553,25 @@ def test_gpu_highest_precision_float32_parity(cases):
     np.testing.assert_array_equal(out, linen_out)
     got = get_weights(layer)
     assert all(got[name].tobytes() == case.weights[name].tobytes() for name in case.weights)
+
+
+def test_functional_sinks_are_a_parameter_and_an_option():
+    weights = init_weights(16, num_heads=4, num_kv_heads=2, sinks=True, seed=9)
+    weights["sinks"] = np.array([2.0, -1.0, 0.5, 0.0], np.float32)
+    rng = np.random.default_rng(9)
+    q, kv = (rng.standard_normal((2, 3, 16)).astype(np.float32) for _ in range(2))
+    lens = np.array([3, 0], np.int32)
+    expected, _ = spec.reference_forward(weights, q, kv, kv, lens, num_heads=4, sinks=True)
+
+    def loss(params):
+        out, _ = multi_head_attention(params, q, kv, kv, lens, num_heads=4, options={"sinks": True})
+        return jnp.sum(out), out
+
+    (grads, out) = jax.grad(loss, has_aux=True)(weights)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
+    assert grads["sinks"].shape == (4,) and np.abs(np.asarray(grads["sinks"])).max() > 0
+    without = {name: value for name, value in weights.items() if name != "sinks"}
+    with pytest.raises(ValueError, match="'sinks'"):
+        multi_head_attention(without, q, kv, kv, num_heads=4, options={"sinks": True})
+    with pytest.raises(ValueError, match="'sinks'"):
+        multi_head_attention(weights, q, kv, kv, num_heads=4)

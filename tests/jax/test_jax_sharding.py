@@ -278,6 +278,34 @@ def worker() -> dict[str, Any]:
         )
         results[f"{name}/linen/cache_spec"] = spec_of(cache.keys)
 
+    # Each head's sink logit goes with its head (NNX and Linen).
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(auto, auto))
+    weights = init_weights(D, num_heads=H, num_kv_heads=2, bias=True, sinks=True, seed=2)
+    weights["sinks"] = np.linspace(-1.0, 2.0, H, dtype=np.float32)
+    layout = {"num_heads": H, "num_kv_heads": 2, "sinks": True}
+    call = (queries, keys, values, lens)
+    expected_output, _ = spec.reference_forward(weights, *call, causal=True, **layout)
+    expected_grads = spec.reference_gradients(
+        weights, *call, causal=True, output_gradient=cotangent, **layout
+    )
+    layer = MultiHeadAttention(D, H, bias=True, num_kv_heads=2, sinks=True)
+    set_weights(layer, weights).eval()
+    shard_heads(layer, mesh)
+    results["sinks/spec"] = spec_of(layer.sinks[...])
+
+    def sinks_loss(layer, q):
+        out = layer(q, keys, values, lens, causal=True)
+        return jnp.sum(out * cotangent), out
+
+    (grads, _), out = nnx.jit(nnx.grad(sinks_loss, argnums=(0, 1), has_aux=True))(layer, queries)
+    errors["sinks/output"] = err(out, expected_output)
+    grad_errors["sinks/grad.sinks"] = err(grads["sinks"].get_value(), expected_grads["sinks"])
+    module = linen.MultiHeadAttention(D, H, bias=True, num_kv_heads=2, sinks=True)
+    variables = linen.shard_variables(module, linen.variables_from_weights(weights, module), mesh)
+    results["sinks/linen_spec"] = spec_of(variables["params"]["sinks"])
+    linen_out = jax.jit(lambda v: module.apply(v, *call, causal=True))(variables)
+    errors["sinks/linen/output"] = err(linen_out, expected_output)
+
     # Shard counts that do not divide the heads.
     three = Mesh(np.array(jax.devices()[:3]), ("model",))
     four = jax.make_mesh((4,), ("model",), axis_types=(auto,))
@@ -358,6 +386,14 @@ def test_decode_with_a_sharded_cache(results: dict[str, Any], tag: str) -> None:
     batch = "data" if tag.startswith("gqa-2d") else None
     assert results[f"{tag}/decode_cache_spec"][:2] == [batch, "model"]
     assert results[f"{tag}/decode_lengths"] == [8, 5, 6, 7]
+
+
+def test_sinks_are_split_with_their_heads(results: dict[str, Any]) -> None:
+    assert results["sinks/spec"] == ["model"]
+    assert results["sinks/linen_spec"] == ["model"]
+    for key in ("sinks/output", "sinks/linen/output"):
+        assert results["errors"][key] <= 5e-6, key
+    assert results["grad_errors"]["sinks/grad.sinks"] <= 5e-5
 
 
 def test_linen_equals_unsharded(results: dict[str, Any]) -> None:

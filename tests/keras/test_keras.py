@@ -327,10 +327,23 @@ def test_saved_model_loads_with_identical_outputs(cases, tmp_path, sizes):
     assert loaded_layer.get_config() == layer.get_config()
 
 
-def test_grouped_saved_model_loads_with_identical_outputs(cases, tmp_path):
-    case = cases["head_dim"]  # 2 of 4 key/value heads of size 3, 10 hiddens
+@pytest.mark.parametrize(
+    ("name", "kv_heads_and_dim"),
+    [
+        ("head_dim", (2, 3)),  # 2 of 4 key/value heads of size 3, 10 hiddens
+        ("sinks", (2, 4)),  # 2 of 8 key/value heads, a window and sink logits
+    ],
+)
+def test_grouped_saved_model_loads_with_identical_outputs(cases, tmp_path, name, kv_heads_and_dim):
+    case = cases[name]
     config = case.config
-    layer = MultiHeadAttention(config.num_hiddens, config.num_heads, bias=True, **config.heads())
+    options = config.layer_options()
+    layer = MultiHeadAttention(
+        config.num_hiddens, config.num_heads, bias=config.bias, **config.heads(), **options
+    )
+    clone = MultiHeadAttention.from_config(layer.get_config())
+    assert clone.get_config() == layer.get_config()
+    assert clone.options == layer.options and layer.options.sinks == bool(options.get("sinks"))
     model = functional_model(layer, case)
     set_weights(layer, case.weights)
     arguments = [*inputs(case), case.valid_lens.astype(np.int32)]
@@ -340,7 +353,8 @@ def test_grouped_saved_model_loads_with_identical_outputs(cases, tmp_path):
     model.save(path)
     loaded = keras.saving.load_model(path)
     loaded_layer = next(lyr for lyr in loaded.layers if isinstance(lyr, MultiHeadAttention))
-    assert (loaded_layer.num_kv_heads, loaded_layer.head_dim) == (2, 3)
+    assert (loaded_layer.num_kv_heads, loaded_layer.head_dim) == kv_heads_and_dim
+    assert loaded_layer.get_config() == layer.get_config()
     np.testing.assert_array_equal(backend.to_numpy(loaded(arguments)), expected)
     for name, array in get_weights(loaded_layer).items():
         np.testing.assert_array_equal(array, case.weights[name])

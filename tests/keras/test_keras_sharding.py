@@ -68,6 +68,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 BATCH, NUM_QUERIES, NUM_KEYS, MAX_LENGTH = 4, 5, 6, 12
 ZEROS = {"kernel_initializer": "zeros", "bias_initializer": "zeros"}
+SIZES_16 = {"query_size": 16, "key_size": 16, "value_size": 16}
 
 
 # -- the checks, in a process of their own ----------------------------------------------------
@@ -423,7 +424,28 @@ def sharded_checks() -> dict[str, Any]:
     _error_checks(results)
     _nested_checks(results)
     _fit_checks(results)
+    _sinks_checks(results)
     return results
+
+
+def _sinks_checks(results: dict[str, Any]) -> None:
+    """Each head's sink logit goes with its head (``layout_map``), to the reference's output."""
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map(mesh), batch_dim_name="batch"
+    )
+    weights = init_weights(16, num_heads=4, num_kv_heads=2, sinks=True, seed=4)
+    weights["sinks"] = np.array([1.0, -1.0, 0.5, 2.0], np.float32)
+    with distribution.scope():
+        layer = MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, **SIZES_16)
+        set_weights(layer, weights)
+    x = np.random.default_rng(5).standard_normal((4, 3, 16)).astype(np.float32)
+    lens = np.array([3, 0, 2, 1], np.int32)
+    expected, _ = spec.reference_forward(weights, x, x, x, lens, num_heads=4, sinks=True)
+    results["sinks"] = {
+        "spec": _spec(layer.sinks.value),
+        "output": float(np.abs(np.asarray(layer(x, x, x, lens)) - expected).max()),
+    }
 
 
 # -- the JAX backend: the checks' results -----------------------------------------------------
@@ -573,6 +595,12 @@ def test_nested_layers_are_matched_by_name(results: dict[str, Any]) -> None:
     # only where the batch divides into it.
     assert results["lazy_cache"] == ["batch", "model", None, None]
     assert results["odd_batch_cache"] == [None, "model", None, None]
+
+
+@JAX_ONLY
+def test_sinks_are_split_with_their_heads(results: dict[str, Any]) -> None:
+    assert results["sinks"]["spec"] == ["model"]
+    assert results["sinks"]["output"] <= ATOL
 
 
 @JAX_ONLY

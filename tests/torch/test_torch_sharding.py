@@ -58,6 +58,12 @@ CASES: dict[str, dict[str, Any]] = {
         "sizes": {"query_size": 16, "key_size": 16, "value_size": 16},
         "call": {"valid_lens": "1d", "causal": True},
     },
+    # Each head's sink logit goes with its head; a fully hidden row.
+    "sinks": {
+        "layer": {"num_hiddens": 16, "num_heads": 4, "num_kv_heads": 2, "sinks": True},
+        "sizes": {"query_size": 16, "key_size": 16, "value_size": 16},
+        "call": {"valid_lens": "1d", "causal": True},
+    },
 }
 #: The decode: grouped heads, prompts of 4, 1 and 3 positions, then two steps.
 DECODE = {"layer": CASES["grouped_head_mask"]["layer"], "prompts": [4, 1, 3], "steps": 2}
@@ -72,6 +78,8 @@ def _weights(name: str, seed: int = 0) -> dict[str, np.ndarray]:
         head_dim = weights["W_q"].shape[1] // layer["num_heads"]
         for norm in spec.QK_NORM_NAMES:
             weights[norm] = (1 + 0.5 * rng.standard_normal(head_dim)).astype(np.float32)
+    if "sinks" in weights:  # logits that differ by head (they start at zero)
+        weights["sinks"] = np.linspace(-1.0, 2.0, len(weights["sinks"]), dtype=np.float32)
     return weights
 
 

@@ -70,7 +70,7 @@ def resolve_heads(
     )
     if not given:
         return None
-    _, config = check_weights(weights, qk_norm=None)
+    _, config = check_weights(weights, qk_norm=None, sinks=None)
     where = "" if source is None else f" of {os.fspath(source)!r}"
     query, kv, hidden = config.query_features, config.kv_features, config.num_hiddens
     assert query is not None and kv is not None  # check_weights reads them from the kernels

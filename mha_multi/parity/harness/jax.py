@@ -29,7 +29,7 @@ from mha_multi.jax import _facts, _kernel, linen
 from mha_multi.jax._facts import DTYPES
 from mha_multi.jax.layer import MultiHeadAttention
 from mha_multi.parity.harness import KernelCall, facts_passthrough
-from mha_multi.weights import KERNEL_NAMES, NORM_NAMES
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME
 
 __all__ = [
     "INPUT_NAMES",
@@ -236,6 +236,8 @@ def vjp(
         if tree[name].get("bias") is not None:
             grads[f"b_{name[-1]}"] = tree[name]["bias"]
     grads.update({name: tree[name] for name in NORM_NAMES if name in tree})
+    if SINKS_NAME in tree:
+        grads[SINKS_NAME] = tree[SINKS_NAME]
     return grads
 
 

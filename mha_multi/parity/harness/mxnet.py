@@ -31,7 +31,7 @@ from mha_multi.mxnet.importance import head_mask_gradient
 from mha_multi.mxnet.layer import MultiHeadAttention
 from mha_multi.parity.harness import KernelCall, facts_passthrough
 from mha_multi.spec import KVCache
-from mha_multi.weights import KERNEL_NAMES, NORM_NAMES
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME
 
 __all__ = [
     "forward",
@@ -160,6 +160,8 @@ def vjp(
             grads[f"b_{name[-1]}"] = dense.bias.grad(ctx)
     if layer.options.qk_norm is not None:
         grads.update({name: getattr(layer, name).grad(ctx) for name in NORM_NAMES})
+    if layer.sinks is not None:
+        grads[SINKS_NAME] = layer.sinks.grad(ctx)
     return grads
 
 

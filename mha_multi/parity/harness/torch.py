@@ -25,7 +25,7 @@ from mha_multi.torch import _facts
 from mha_multi.torch._facts import DTYPES
 from mha_multi.torch.importance import head_mask_gradient
 from mha_multi.torch.layer import MultiHeadAttention
-from mha_multi.weights import KERNEL_NAMES, NORM_NAMES
+from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME
 
 __all__ = [
     "as_if_on_a_gpu",
@@ -154,6 +154,8 @@ def vjp(
         if linear.bias is not None:
             grads[f"b_{name[-1]}"] = linear.bias.grad
     grads.update({name: layer.get_parameter(name).grad for name in _norms(layer)})
+    if layer.options.sinks:
+        grads[SINKS_NAME] = layer.sinks.grad
     return grads
 
 
