@@ -238,7 +238,12 @@ class KerasOps:
         return ops.logical_not(x)
 
     def mean(self, x: Tensor, axis: int) -> Tensor:
-        return _unary("mean", x, axis=axis, keepdims=True)
+        if keras.backend.standardize_dtype(x.dtype) == "float64":
+            # Keras' mean accumulates float64 in float32 on its JAX and PyTorch
+            # backends; its sum keeps float64 (the norms' mean square, docs:
+            # "Positions and biases").
+            return ops.sum(x, axis=axis, keepdims=True) / x.shape[axis]
+        return ops.mean(x, axis=axis, keepdims=True)
 
     def gather_positions(self, x: Tensor, positions: Tensor) -> Tensor:
         # Whole rows of x as (B*T, F), one gather: take_along_axis would take
@@ -273,18 +278,18 @@ class KerasOps:
         return ops.convert_to_tensor(value, dtype=str(value.dtype))
 
 
-def _unary(name: str, x: Tensor, **kwargs: Any) -> Tensor:
-    """``keras.ops.<name>(x, **kwargs)`` in ``x``'s dtype.
+def _unary(name: str, x: Tensor) -> Tensor:
+    """``keras.ops.<name>(x)`` in ``x``'s dtype.
 
     Keras' JAX backend computes these in ``result_type(x, float)``, which is
     float32 for float64 inputs; JAX's own function keeps float64 (the
-    reference's angles, caps and norms are float64 there).
+    reference's angles and caps are float64 there).
     """
     if keras.backend.backend() == "jax" and keras.backend.standardize_dtype(x.dtype) == "float64":
         import jax.numpy as jnp  # the backend in use: imported already
 
-        return getattr(jnp, name)(x, **kwargs)
-    return getattr(ops, name)(x, **kwargs)
+        return getattr(jnp, name)(x)
+    return getattr(ops, name)(x)
 
 
 OPS = KerasOps()
