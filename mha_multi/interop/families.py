@@ -33,6 +33,8 @@ KNOWN_BLOCKS: dict[str, str] = {
     "Qwen2Attention": "qwen2",
     "Gemma2Attention": "gemma2",
     "CohereAttention": "cohere",
+    # One fused qkv_proj (mha_multi.interop.fused_projections), split on the way in.
+    "Phi3Attention": "phi3",
 }
 
 #: Config fields of a known block that change its numbers in a way the layer

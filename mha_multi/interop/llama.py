@@ -1,11 +1,15 @@
-"""Llama-style attention: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``.
+"""Llama-style attention: ``q_proj``, ``k_proj``, ``v_proj`` (or a fused ``qkv_proj``), ``o_proj``.
 
 The layout of transformers' ``LlamaAttention`` and of the models that copy
-it (Mistral, Qwen2, Gemma 2, Cohere): four ``torch.nn.Linear`` projections, grouped
+it (Mistral, Qwen2, Gemma 2, Cohere, Phi-3): four ``torch.nn.Linear`` projections, grouped
 query heads (``num_key_value_heads``) and an explicit ``head_dim``. Query head
 ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``
 (transformers' ``repeat_kv``), the rule of the canonical layer, so the
-weights port as they are: ``W_q = q_proj.weight.T`` and so on.
+weights port as they are: ``W_q = q_proj.weight.T`` and so on. Families
+that fuse the query, key and value projections into one module (Phi-3's
+``qkv_proj``, :data:`FUSED_PROJECTIONS`) have them split on the way in,
+wherever a state dict is read, and joined on the way out where the caller
+(``layout=``) or the target module asks for that layout.
 
 :func:`from_llama` reads the module's configuration too and returns the
 constructor arguments under which every backend's layer *is* that
@@ -48,12 +52,19 @@ import torch
 from mha_multi import spec
 from mha_multi.interop.families import KNOWN_BLOCKS, check_known, window_of
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
+from mha_multi.interop.fused_projections import (
+    FUSED_PROJECTIONS,
+    fused_layout_of,
+    join_fused,
+    split_fused,
+)
 from mha_multi.interop.rotary_config import INTERLEAVED_ROTARY, rotary_of
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
 from mha_multi.torch._facts import host_array
 from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [
+    "FUSED_PROJECTIONS",
     "INTERLEAVED_ROTARY",
     "KNOWN_BLOCKS",
     "from_llama",
@@ -84,7 +95,10 @@ def from_llama_state(
             ``k_proj.weight``/``v_proj.weight`` ``(num_kv_heads*head_dim,
             hidden_size)``, ``o_proj.weight`` ``(hidden_size,
             num_heads*head_dim)``, and biases: all four, or ``q``/``k``/``v``
-            only (then ``b_o`` is zero), or none.
+            only (then ``b_o`` is zero), or none. A fused module of
+            :data:`FUSED_PROJECTIONS` (``qkv_proj.weight``, its rows the
+            three projections' in turn) may stand for ``q_proj``, ``k_proj``
+            and ``v_proj``; it is split by ``o_proj``'s columns.
         num_heads: ``num_attention_heads`` (the state dict does not say).
         num_kv_heads: ``num_key_value_heads``; ``None`` reads it from
             ``k_proj``'s rows.
@@ -92,8 +106,10 @@ def from_llama_state(
             (``"model.layers.0.self_attn."``); other entries are ignored then.
 
     Raises:
-        ValueError: a missing, extra or mis-shaped entry, named, or shapes no
-            head layout of ``num_heads`` heads explains.
+        ValueError: a missing, extra or mis-shaped entry, named (a fused
+            entry whose rows do not split, or beside a separate one of its
+            parts, included), or shapes no head layout of ``num_heads`` heads
+            explains.
     """
     _, arrays, _ = _checked(_canonical_arrays(state_dict, prefix), num_heads, num_kv_heads)
     return arrays
@@ -128,6 +144,7 @@ def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, n
     entries = {
         name[len(prefix) :]: value for name, value in state_dict.items() if name.startswith(prefix)
     }
+    entries = split_fused(entries, PROJECTIONS, prefix=prefix)
     expected = {
         f"{module}.{kind}" for module in PROJECTIONS.values() for kind in ("weight", "bias")
     }
@@ -185,32 +202,47 @@ def llama_config(
 
 
 def to_llama_state(
-    weights: Mapping[str, Any], *, num_heads: int, num_kv_heads: int | None = None
+    weights: Mapping[str, Any],
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    layout: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """A Llama-style attention ``state_dict`` from canonical weights.
 
     Biases, when present, go on all four projections (``attention_bias=True``).
 
+    Args:
+        weights: canonical weights of self-attention.
+        num_heads, num_kv_heads: the head layout (``num_kv_heads`` from the
+            widths when ``None``).
+        layout: ``None`` for separate ``q_proj``, ``k_proj``, ``v_proj``;
+            or a model type of :data:`FUSED_PROJECTIONS` (``"phi3"``) whose
+            fused module (``qkv_proj``) then holds their rows, in its order.
+
     Raises:
-        ValueError: as :func:`llama_config`.
+        ValueError: as :func:`llama_config`, or an unknown ``layout``.
     """
     llama_config(weights, num_heads=num_heads, num_kv_heads=num_kv_heads)
     state = {}
     for name, module in PROJECTIONS.items():
-        state[f"{module}.weight"] = torch.from_numpy(np.array(weights[f"W_{name}"]).T.copy())
+        state[f"{module}.weight"] = np.array(weights[f"W_{name}"]).T.copy()
         if f"b_{name}" in weights:
-            state[f"{module}.bias"] = torch.from_numpy(np.array(weights[f"b_{name}"], copy=True))
-    return state
+            state[f"{module}.bias"] = np.array(weights[f"b_{name}"], copy=True)
+    if layout is not None:
+        state = join_fused(state, PROJECTIONS, layout)
+    return {name: torch.from_numpy(array) for name, array in state.items()}
 
 
 def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Canonical weights and the constructor arguments of a ``LlamaAttention``-style module.
 
     The attention blocks of :data:`KNOWN_BLOCKS`: Llama's, Mistral's,
-    Qwen2's, Gemma 2's and Cohere's. ``MultiHeadAttention(hidden_size,
-    **kwargs)`` in any backend, loaded with the weights, computes what the
-    block computes for the same inputs and ``positions`` (its
-    ``position_ids``), with ``causal=True`` as the block's own mask: rotary
+    Qwen2's, Gemma 2's, Cohere's and Phi-3's (its fused ``qkv_proj``
+    split). ``MultiHeadAttention(hidden_size, **kwargs)`` in any backend,
+    loaded with the weights, computes what the block computes for the same
+    inputs and ``positions`` (its ``position_ids``), with ``causal=True`` as
+    the block's own mask: rotary
     embeddings (their pairing taken from the block), window, soft cap and
     attention dropout included.
 
@@ -260,18 +292,40 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
 def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Module:
     """Loads canonical weights into a ``LlamaAttention``-style module (strict) and returns it.
 
+    The module tells its layout: separate ``q_proj``, ``k_proj``, ``v_proj``,
+    or a fused projection of :data:`FUSED_PROJECTIONS` (Phi-3's ``qkv_proj``),
+    which then gets their rows joined.
+
     Raises:
-        ValueError: the module's configuration differs from the weights'.
+        ValueError: the module's configuration, entries or shapes differ
+            from the weights'.
     """
     config = module.config
     num_heads = config.num_attention_heads
     expected = llama_config(weights, num_heads=num_heads, num_kv_heads=config.num_key_value_heads)
     for field, value in expected.items():
+        # A field the config lacks is not the model's setting (Phi-3 has no attention_bias):
+        # the entries and shapes below check what it would.
         actual = getattr(config, field, None)
-        if actual != value:
+        if hasattr(config, field) and actual != value:
             raise ValueError(f"the module's config has {field}={actual}; the weights need {value}")
-    state = to_llama_state(weights, num_heads=num_heads, num_kv_heads=config.num_key_value_heads)
     reference = module.state_dict()
+    state = to_llama_state(
+        weights,
+        num_heads=num_heads,
+        num_kv_heads=config.num_key_value_heads,
+        layout=fused_layout_of(reference),
+    )
+    if set(state) != set(reference):
+        raise ValueError(
+            f"the module has the entries {sorted(reference)}; the weights give {sorted(state)}"
+        )
+    for name, tensor in state.items():
+        if tensor.shape != reference[name].shape:
+            raise ValueError(
+                f"the module's {name} has shape {tuple(reference[name].shape)}; the weights "
+                f"give {tuple(tensor.shape)}"
+            )
     state = {name: tensor.to(reference[name].dtype) for name, tensor in state.items()}
     module.load_state_dict(state, strict=True)
     return module
@@ -357,6 +411,7 @@ def save_llama(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    layout: str | None = None,
 ) -> None:
     """Writes canonical weights as a Llama-style attention block's state dict.
 
@@ -368,6 +423,9 @@ def save_llama(
         weights: canonical weights of self-attention (every size ``hidden_size``).
         num_heads, num_kv_heads, head_dim: the head layout; one is needed,
             the widths give the others, and those given too are checked.
+        layout: ``None`` for separate ``q_proj``, ``k_proj``, ``v_proj``, or
+            a model type of :data:`FUSED_PROJECTIONS` whose fused module
+            holds them (:func:`to_llama_state`).
 
     Raises:
         ValueError: no head option, head options that do not fit the
@@ -380,7 +438,9 @@ def save_llama(
     check_heads_given("llama", reading=False, **options)
     heads = resolve_heads(weights, **options)
     assert heads is not None  # check_heads_given
-    state = to_llama_state(weights, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
+    state = to_llama_state(
+        weights, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, layout=layout
+    )
     if not _is_safetensors(path):
         _save_state_dict(path, state)
         return

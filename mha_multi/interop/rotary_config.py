@@ -35,7 +35,12 @@ def rotary_of(config: Any) -> dict[str, Any]:
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     rotary: dict[str, Any] = {
         "theta": float(parameters["rope_theta"]),
-        "fraction": float(getattr(config, "partial_rotary_factor", 1.0) or 1.0),
+        # transformers 5 reads it from rope_parameters (Phi-3's configs hold it there only).
+        "fraction": float(
+            parameters.get("partial_rotary_factor")
+            or getattr(config, "partial_rotary_factor", None)
+            or 1.0
+        ),
     }
     if kind == "llama3":
         rotary["scaling"] = {name: parameters[name] for name in _LLAMA3_SCALING}
