@@ -25,7 +25,9 @@ layers), the soft cap of the scores (Gemma 2's
 ``W_q`` and ``b_q``. Models with biases on the query, key and value
 projections only (Qwen2) convert with ``b_o = 0``. State dicts and files
 hold weights only: their layers get the positions options from
-:func:`rotary_of` and the model's config.
+:func:`rotary_of` and the model's config. Reading a state dict of numpy
+arrays needs no PyTorch: :func:`from_llama_state` lives in
+:mod:`mha_multi.interop.llama_state`, which imports no framework.
 
 Files (:func:`load_llama`, :func:`save_llama`; the ``llama`` format of
 ``python -m mha_multi convert``) hold one attention block's state dict,
@@ -52,16 +54,16 @@ import torch
 from mha_multi import spec
 from mha_multi.interop.families import KNOWN_BLOCKS, check_known, window_of
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
-from mha_multi.interop.fused_projections import (
-    FUSED_PROJECTIONS,
-    fused_layout_of,
-    join_fused,
-    split_fused,
+from mha_multi.interop.fused_projections import FUSED_PROJECTIONS, fused_layout_of, join_fused
+from mha_multi.interop.llama_state import (
+    PROJECTIONS,
+    _canonical_arrays,
+    _checked,
+    from_llama_state,
 )
 from mha_multi.interop.rotary_config import INTERLEAVED_ROTARY, rotary_of
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
-from mha_multi.torch._facts import host_array
-from mha_multi.weights import WeightsConfig, check_weights
+from mha_multi.weights import check_weights
 
 __all__ = [
     "FUSED_PROJECTIONS",
@@ -76,100 +78,6 @@ __all__ = [
     "to_llama",
     "to_llama_state",
 ]
-
-#: Canonical projection -> the Llama module's attribute.
-PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
-
-
-def from_llama_state(
-    state_dict: Mapping[str, Any],
-    *,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    prefix: str = "",
-) -> dict[str, np.ndarray]:
-    """Canonical weights from a Llama-style attention ``state_dict``.
-
-    Args:
-        state_dict: ``q_proj.weight`` ``(num_heads*head_dim, hidden_size)``,
-            ``k_proj.weight``/``v_proj.weight`` ``(num_kv_heads*head_dim,
-            hidden_size)``, ``o_proj.weight`` ``(hidden_size,
-            num_heads*head_dim)``, and biases: all four, or ``q``/``k``/``v``
-            only (then ``b_o`` is zero), or none. A fused module of
-            :data:`FUSED_PROJECTIONS` (``qkv_proj.weight``, its rows the
-            three projections' in turn) may stand for ``q_proj``, ``k_proj``
-            and ``v_proj``; it is split by ``o_proj``'s columns.
-        num_heads: ``num_attention_heads`` (the state dict does not say).
-        num_kv_heads: ``num_key_value_heads``; ``None`` reads it from
-            ``k_proj``'s rows.
-        prefix: the attention module's prefix in a model's state dict
-            (``"model.layers.0.self_attn."``); other entries are ignored then.
-
-    Raises:
-        ValueError: a missing, extra or mis-shaped entry, named (a fused
-            entry whose rows do not split, or beside a separate one of its
-            parts, included), or shapes no head layout of ``num_heads`` heads
-            explains.
-    """
-    _, arrays, _ = _checked(_canonical_arrays(state_dict, prefix), num_heads, num_kv_heads)
-    return arrays
-
-
-def _checked(
-    weights: Mapping[str, Any], num_heads: int, num_kv_heads: int | None
-) -> tuple[spec.Heads, dict[str, np.ndarray], WeightsConfig]:
-    """The head layout the shapes give ``num_heads`` heads, and the weights checked against it.
-
-    Raises:
-        ValueError: shapes no head layout of ``num_heads`` heads explains, or
-            weights that are not canonical.
-    """
-    heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=num_kv_heads)
-    arrays, config = check_weights(
-        weights,
-        num_heads=heads.num_heads,
-        num_kv_heads=heads.num_kv_heads,
-        head_dim=heads.head_dim,
-    )
-    return heads, arrays, config
-
-
-def _canonical_arrays(state_dict: Mapping[str, Any], prefix: str) -> dict[str, np.ndarray]:
-    """The canonical arrays of a Llama-style state dict, their shapes not yet checked.
-
-    Raises:
-        ValueError: a missing or extra entry, or biases the canonical layer
-            cannot hold.
-    """
-    entries = {
-        name[len(prefix) :]: value for name, value in state_dict.items() if name.startswith(prefix)
-    }
-    entries = split_fused(entries, PROJECTIONS, prefix=prefix)
-    expected = {
-        f"{module}.{kind}" for module in PROJECTIONS.values() for kind in ("weight", "bias")
-    }
-    unexpected = sorted(set(entries) - expected)
-    if unexpected:
-        raise ValueError(f"unexpected Llama attention entries {unexpected}")
-    weights: dict[str, np.ndarray] = {}
-    for name, module in PROJECTIONS.items():
-        key = f"{module}.weight"
-        if key not in entries:
-            raise ValueError(f"the Llama attention state dict is missing {prefix + key!r}")
-        weights[f"W_{name}"] = np.asarray(host_array(entries[key])).T.copy()
-    biases = {name for name, module in PROJECTIONS.items() if f"{module}.bias" in entries}
-    if biases == set("qkv"):
-        biases.add("o")
-        weights["b_o"] = np.zeros(weights["W_o"].shape[1], weights["W_o"].dtype)
-    elif biases and biases != set("qkvo"):
-        raise ValueError(
-            "the canonical layer has biases on all four projections, or on q, k and v (b_o = 0), "
-            f"or none; this state dict has them on {sorted(biases)}"
-        )
-    for name in sorted(biases & set("qkv")) + (["o"] if "o_proj.bias" in entries else []):
-        weights[f"b_{name}"] = np.asarray(host_array(entries[f"{PROJECTIONS[name]}.bias"]))
-    return weights
-
 
 def llama_config(
     weights: Mapping[str, Any], *, num_heads: int, num_kv_heads: int | None = None
