@@ -33,7 +33,8 @@ KNOWN_BLOCKS: dict[str, str] = {
     "Qwen2Attention": "qwen2",
     "Gemma2Attention": "gemma2",
     "CohereAttention": "cohere",
-    # One fused qkv_proj (mha_multi.interop.fused_projections), split on the way in.
+    # One fused qkv_proj (mha_multi.interop.fused_projections), split on the way in. Its
+    # config's resid_pdrop and embd_pdrop act outside the block, in the decoder layer.
     "Phi3Attention": "phi3",
 }
 
