@@ -34,7 +34,16 @@ myst_heading_anchors = 3
 
 # The documentation environment installs no framework: every backend module
 # is imported against mocks, so that its docstrings and signatures render.
-autodoc_mock_imports = ["torch", "jax", "jaxlib", "flax", "keras", "tensorflow", "mxnet"]
+autodoc_mock_imports = [
+    "torch",
+    "jax",
+    "jaxlib",
+    "flax",
+    "keras",
+    "tensorflow",
+    "mxnet",
+    "transformers",
+]
 autodoc_member_order = "bysource"
 
 # A mocked class decorator would replace the Keras layer class by a mock and

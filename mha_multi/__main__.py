@@ -5,8 +5,9 @@ file names or from ``--from``/``--to``. Where several formats share a name's
 ending, a file to read is recognised from its content and a file to write
 gets the default one:
 
-* ``.pt``, ``.pth``: ``llama`` (a ``q_proj.weight`` entry, bare or under a
-  prefix such as ``self_attn.``), ``torch-d2l`` (``W_q.weight``...) or else
+* ``.pt``, ``.pth``: ``llama`` (a ``q_proj.weight`` entry, or a fused
+  ``qkv_proj.weight``, bare or under a prefix such as ``self_attn.``;
+  fused projections are split), ``torch-d2l`` (``W_q.weight``...) or else
   ``torch-mha``; written as ``torch-d2l`` unless ``--to`` says otherwise;
 * ``.safetensors``: ``llama`` (as above) or else ``canonical``; written as
   ``canonical``;

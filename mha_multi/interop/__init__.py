@@ -2,7 +2,10 @@
 
 One module per framework, imported only when used: ``mha_multi.interop.torch``
 (``torch.nn.MultiheadAttention``, d2l's torch layer), ``mha_multi.interop.llama``
-(transformers' Llama-style attention, on PyTorch), ``mha_multi.interop.mxnet``
+(transformers' Llama-style attention, on PyTorch; its state dicts read with
+numpy alone in ``mha_multi.interop.llama_state``, fused projections split by
+``mha_multi.interop.fused_projections``; whole causal LMs run with the layer
+by ``mha_multi.interop.transformers_models``), ``mha_multi.interop.mxnet``
 (d2l's Gluon layer), ``mha_multi.interop.keras`` (``keras.layers.MultiHeadAttention``,
 ``keras.layers.GroupQueryAttention``, d2l's Keras layer) and
 ``mha_multi.interop.jax`` (Flax attention modules, d2l's JAX layer). Every

@@ -40,6 +40,9 @@ KNOWN_BLOCKS: dict[str, str] = {
     "Olmo2Attention": "olmo2",
     # Sinks, biases on all four projections, a window on its sliding layers.
     "GptOssAttention": "gpt_oss",
+    # One fused qkv_proj (mha_multi.interop.fused_projections), split on the way in. Its
+    # config's resid_pdrop and embd_pdrop act outside the block, in the decoder layer.
+    "Phi3Attention": "phi3",
 }
 
 #: The query/key norms of the known blocks that have them, by model type: the

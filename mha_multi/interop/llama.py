@@ -1,13 +1,17 @@
-"""Llama-style attention: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``.
+"""Llama-style attention: ``q_proj``, ``k_proj``, ``v_proj`` (or a fused ``qkv_proj``), ``o_proj``.
 
 The layout of transformers' ``LlamaAttention`` and of the models that copy
-it (Mistral, Qwen2, Gemma 2, Cohere, gpt-oss; with RMSNorms of the projected
-queries and keys, ``q_norm`` and ``k_norm``, Qwen 3, Gemma 3 and OLMo 2): four
-``torch.nn.Linear`` projections, grouped
+it (Mistral, Qwen2, Gemma 2, Cohere, gpt-oss, Phi-3; with RMSNorms of the
+projected queries and keys, ``q_norm`` and ``k_norm``, Qwen 3, Gemma 3 and
+OLMo 2): four ``torch.nn.Linear`` projections, grouped
 query heads (``num_key_value_heads``) and an explicit ``head_dim``. Query head
 ``h`` reads key/value head ``h // (num_heads // num_kv_heads)``
 (transformers' ``repeat_kv``), the rule of the canonical layer, so the
-weights port as they are: ``W_q = q_proj.weight.T`` and so on.
+weights port as they are: ``W_q = q_proj.weight.T`` and so on. Families
+that fuse the query, key and value projections into one module (Phi-3's
+``qkv_proj``, :data:`FUSED_PROJECTIONS`) have them split on the way in,
+wherever a state dict is read, and joined on the way out where the caller
+(``layout=``) or the target module asks for that layout.
 
 :func:`from_llama` reads the module's configuration too and returns the
 constructor arguments under which every backend's layer *is* that
@@ -26,7 +30,9 @@ the queries are normalised after their projection, into ``q_norm``. Models
 with biases on the query, key and value projections only (Qwen2) convert
 with ``b_o = 0``. State dicts and files
 hold weights only: their layers get the positions options from
-:func:`rotary_of` and the model's config.
+:func:`rotary_of` and the model's config. Reading a state dict of numpy
+arrays needs no PyTorch: :func:`from_llama_state` lives in
+:mod:`mha_multi.interop.llama_state`, which imports no framework.
 
 Files (:func:`load_llama`, :func:`save_llama`; the ``llama`` format of
 ``python -m mha_multi convert``) hold one attention block's state dict,
@@ -60,12 +66,20 @@ from mha_multi.interop.families import (
     window_of,
 )
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
+from mha_multi.interop.fused_projections import FUSED_PROJECTIONS, fused_layout_of, join_fused
+from mha_multi.interop.llama_state import (
+    NORMS,
+    PROJECTIONS,
+    _canonical_arrays,
+    _checked,
+    from_llama_state,
+)
 from mha_multi.interop.rotary_config import INTERLEAVED_ROTARY, rotary_of
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
-from mha_multi.torch._facts import host_array
-from mha_multi.weights import SINKS_NAME, WeightsConfig, check_weights
+from mha_multi.weights import SINKS_NAME, check_weights
 
 __all__ = [
+    "FUSED_PROJECTIONS",
     "INTERLEAVED_ROTARY",
     "KNOWN_BLOCKS",
     "from_llama",
@@ -77,110 +91,6 @@ __all__ = [
     "to_llama",
     "to_llama_state",
 ]
-
-#: Canonical projection -> the Llama module's attribute.
-PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
-#: The query/key norms' state-dict entries -> their canonical names.
-NORMS = {"q_norm.weight": "q_norm", "k_norm.weight": "k_norm"}
-
-
-def from_llama_state(
-    state_dict: Mapping[str, Any],
-    *,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    prefix: str = "",
-) -> dict[str, np.ndarray]:
-    """Canonical weights from a Llama-style attention ``state_dict``.
-
-    Args:
-        state_dict: ``q_proj.weight`` ``(num_heads*head_dim, hidden_size)``,
-            ``k_proj.weight``/``v_proj.weight`` ``(num_kv_heads*head_dim,
-            hidden_size)``, ``o_proj.weight`` ``(hidden_size,
-            num_heads*head_dim)``, and biases: all four, or ``q``/``k``/``v``
-            only (then ``b_o`` is zero), or none; and the query/key norms'
-            ``q_norm.weight`` and ``k_norm.weight`` (both or neither).
-        num_heads: ``num_attention_heads`` (the state dict does not say).
-        num_kv_heads: ``num_key_value_heads``; ``None`` reads it from
-            ``k_proj``'s rows.
-        prefix: the attention module's prefix in a model's state dict
-            (``"model.layers.0.self_attn."``); other entries are ignored then.
-
-    Raises:
-        ValueError: a missing, extra or mis-shaped entry, named, or shapes no
-            head layout of ``num_heads`` heads explains.
-    """
-    _, arrays, _ = _checked(_canonical_arrays(state_dict, prefix), num_heads, num_kv_heads)
-    return arrays
-
-
-def _checked(
-    weights: Mapping[str, Any], num_heads: int, num_kv_heads: int | None
-) -> tuple[spec.Heads, dict[str, np.ndarray], WeightsConfig]:
-    """The head layout the shapes give ``num_heads`` heads, and the weights checked against it.
-
-    Raises:
-        ValueError: shapes no head layout of ``num_heads`` heads explains, or
-            weights that are not canonical.
-    """
-    heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=num_kv_heads)
-    arrays, config = check_weights(
-        weights,
-        num_heads=heads.num_heads,
-        num_kv_heads=heads.num_kv_heads,
-        head_dim=heads.head_dim,
-        qk_norm=None,
-        sinks=None,
-    )
-    return heads, arrays, config
-
-
-def _canonical_arrays(
-    state_dict: Mapping[str, Any], prefix: str, *, sinks: bool = True
-) -> dict[str, np.ndarray]:
-    """The canonical arrays of a Llama-style state dict, their shapes not yet checked.
-
-    ``sinks``: the entry ``sinks`` (gpt-oss') is taken; a block of a class
-    without sinks refuses it.
-
-    Raises:
-        ValueError: a missing or extra entry, or biases the canonical layer
-            cannot hold.
-    """
-    entries = {
-        name[len(prefix) :]: value for name, value in state_dict.items() if name.startswith(prefix)
-    }
-    expected = {
-        f"{module}.{kind}" for module in PROJECTIONS.values() for kind in ("weight", "bias")
-    }
-    if sinks:
-        expected.add(SINKS_NAME)  # gpt-oss' sink logit of each head
-    unexpected = sorted(set(entries) - expected - set(NORMS))
-    if unexpected:
-        raise ValueError(f"unexpected Llama attention entries {unexpected}")
-    weights: dict[str, np.ndarray] = {}
-    for name, module in PROJECTIONS.items():
-        key = f"{module}.weight"
-        if key not in entries:
-            raise ValueError(f"the Llama attention state dict is missing {prefix + key!r}")
-        weights[f"W_{name}"] = np.asarray(host_array(entries[key])).T.copy()
-    biases = {name for name, module in PROJECTIONS.items() if f"{module}.bias" in entries}
-    if biases == set("qkv"):
-        biases.add("o")
-        weights["b_o"] = np.zeros(weights["W_o"].shape[1], weights["W_o"].dtype)
-    elif biases and biases != set("qkvo"):
-        raise ValueError(
-            "the canonical layer has biases on all four projections, or on q, k and v (b_o = 0), "
-            f"or none; this state dict has them on {sorted(biases)}"
-        )
-    for name in sorted(biases & set("qkv")) + (["o"] if "o_proj.bias" in entries else []):
-        weights[f"b_{name}"] = np.asarray(host_array(entries[f"{PROJECTIONS[name]}.bias"]))
-    for key, name in NORMS.items():
-        if key in entries:
-            weights[name] = np.asarray(host_array(entries[key]))
-    if SINKS_NAME in entries:
-        weights[SINKS_NAME] = np.asarray(host_array(entries[SINKS_NAME]))
-    return weights
 
 
 def llama_config(
@@ -214,7 +124,11 @@ def llama_config(
 
 
 def to_llama_state(
-    weights: Mapping[str, Any], *, num_heads: int, num_kv_heads: int | None = None
+    weights: Mapping[str, Any],
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    layout: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """A Llama-style attention ``state_dict`` from canonical weights.
 
@@ -222,21 +136,31 @@ def to_llama_state(
     ``q_norm`` and ``k_norm``, when present, are ``q_norm.weight`` and ``k_norm.weight``;
     the heads' sink logits, when present, are the entry ``sinks`` (gpt-oss).
 
+    Args:
+        weights: canonical weights of self-attention.
+        num_heads, num_kv_heads: the head layout (``num_kv_heads`` from the
+            widths when ``None``).
+        layout: ``None`` for separate ``q_proj``, ``k_proj``, ``v_proj``;
+            or a model type of :data:`FUSED_PROJECTIONS` (``"phi3"``) whose
+            fused module (``qkv_proj``) then holds their rows, in its order.
+
     Raises:
-        ValueError: as :func:`llama_config`.
+        ValueError: as :func:`llama_config`, or an unknown ``layout``.
     """
     llama_config(weights, num_heads=num_heads, num_kv_heads=num_kv_heads)
     state = {}
     for name, module in PROJECTIONS.items():
-        state[f"{module}.weight"] = torch.from_numpy(np.array(weights[f"W_{name}"]).T.copy())
+        state[f"{module}.weight"] = np.array(weights[f"W_{name}"]).T.copy()
         if f"b_{name}" in weights:
-            state[f"{module}.bias"] = torch.from_numpy(np.array(weights[f"b_{name}"], copy=True))
+            state[f"{module}.bias"] = np.array(weights[f"b_{name}"], copy=True)
     for key, name in NORMS.items():
         if name in weights:
-            state[key] = torch.from_numpy(np.array(weights[name], copy=True))
+            state[key] = np.array(weights[name], copy=True)
     if SINKS_NAME in weights:
-        state[SINKS_NAME] = torch.from_numpy(np.array(weights[SINKS_NAME], copy=True))
-    return state
+        state[SINKS_NAME] = np.array(weights[SINKS_NAME], copy=True)
+    if layout is not None:
+        state = join_fused(state, PROJECTIONS, layout)
+    return {name: torch.from_numpy(array) for name, array in state.items()}
 
 
 def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -244,8 +168,8 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
 
     The attention blocks of :data:`KNOWN_BLOCKS`: Llama's, Mistral's,
     Qwen2's, Gemma 2's, Cohere's, Qwen 3's, Gemma 3's (a local or a global
-    layer: its own rotary settings and window), OLMo 2's and gpt-oss'.
-    ``MultiHeadAttention(hidden_size,
+    layer: its own rotary settings and window), OLMo 2's, gpt-oss' and
+    Phi-3's (its fused ``qkv_proj`` split). ``MultiHeadAttention(hidden_size,
     **kwargs)`` in any backend, loaded with the weights, computes what the
     block computes for the same inputs and ``positions`` (its
     ``position_ids``), with ``causal=True`` as the block's own mask: rotary
@@ -325,23 +249,45 @@ def _fold_scale(weights: dict[str, np.ndarray], factor: float, qk_norm: Any) -> 
 def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Module:
     """Loads canonical weights into a ``LlamaAttention``-style module (strict) and returns it.
 
+    The module tells its layout: separate ``q_proj``, ``k_proj``, ``v_proj``,
+    or a fused projection of :data:`FUSED_PROJECTIONS` (Phi-3's ``qkv_proj``),
+    which then gets their rows joined.
+
     Raises:
-        ValueError: the module's configuration differs from the weights'.
+        ValueError: the module's configuration, entries or shapes differ
+            from the weights'.
     """
     config = module.config
     num_heads = config.num_attention_heads
     expected = llama_config(weights, num_heads=num_heads, num_kv_heads=config.num_key_value_heads)
     for field, value in expected.items():
+        # A field the config lacks is not the model's setting (Phi-3 has no attention_bias):
+        # the entries and shapes below check what it would.
         actual = getattr(config, field, None)
-        if actual != value:
+        if hasattr(config, field) and actual != value:
             raise ValueError(f"the module's config has {field}={actual}; the weights need {value}")
-    state = to_llama_state(weights, num_heads=num_heads, num_kv_heads=config.num_key_value_heads)
     reference = module.state_dict()
+    state = to_llama_state(
+        weights,
+        num_heads=num_heads,
+        num_kv_heads=config.num_key_value_heads,
+        layout=fused_layout_of(reference),
+    )
     if (SINKS_NAME in state) != (SINKS_NAME in reference):
         has = "has" if SINKS_NAME in reference else "has no"
         raise ValueError(
             f"{type(module).__name__} {has} sink logits ('sinks'); the weights need the other"
         )
+    if set(state) != set(reference):
+        raise ValueError(
+            f"the module has the entries {sorted(reference)}; the weights give {sorted(state)}"
+        )
+    for name, tensor in state.items():
+        if tensor.shape != reference[name].shape:
+            raise ValueError(
+                f"the module's {name} has shape {tuple(reference[name].shape)}; the weights "
+                f"give {tuple(tensor.shape)}"
+            )
     state = {name: tensor.to(reference[name].dtype) for name, tensor in state.items()}
     module.load_state_dict(state, strict=True)
     return module
@@ -427,6 +373,7 @@ def save_llama(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    layout: str | None = None,
 ) -> None:
     """Writes canonical weights as a Llama-style attention block's state dict.
 
@@ -438,6 +385,9 @@ def save_llama(
         weights: canonical weights of self-attention (every size ``hidden_size``).
         num_heads, num_kv_heads, head_dim: the head layout; one is needed,
             the widths give the others, and those given too are checked.
+        layout: ``None`` for separate ``q_proj``, ``k_proj``, ``v_proj``, or
+            a model type of :data:`FUSED_PROJECTIONS` whose fused module
+            holds them (:func:`to_llama_state`).
 
     Raises:
         ValueError: no head option, head options that do not fit the
@@ -450,7 +400,9 @@ def save_llama(
     check_heads_given("llama", reading=False, **options)
     heads = resolve_heads(weights, **options)
     assert heads is not None  # check_heads_given
-    state = to_llama_state(weights, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
+    state = to_llama_state(
+        weights, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, layout=layout
+    )
     if not _is_safetensors(path):
         _save_state_dict(path, state)
         return

@@ -52,9 +52,10 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     parameters.pop("type", None)
     rotary: dict[str, Any] = {
         "theta": float(parameters.pop("rope_theta")),
+        # transformers 5 reads it from rope_parameters (Phi-3's configs hold it there only).
         "fraction": float(
             parameters.pop("partial_rotary_factor", None)
-            or getattr(config, "partial_rotary_factor", 1.0)
+            or getattr(config, "partial_rotary_factor", None)
             or 1.0
         ),
     }

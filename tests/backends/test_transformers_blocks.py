@@ -1,4 +1,4 @@
-"""transformers' Llama, Mistral, Gemma 2 and BLOOM attention blocks, reproduced by every backend.
+"""transformers' Llama, Mistral, Gemma 2, Phi-3 and BLOOM attention blocks, in every backend.
 
 Each block was built small from its model's config (random weights) and
 run in float64 by transformers on a ragged, left-padded batch with its
@@ -9,7 +9,8 @@ arguments and weights (BLOOM's fused projection split in the fixture),
 must give the block's output and input gradient in float32 within the
 parity tolerances: rotary embeddings with Llama 3's
 scaling (Llama), a sliding window (Mistral), soft-capped scores, a window
-and a scale of its own (Gemma 2), ALiBi (BLOOM).
+and a scale of its own (Gemma 2), a fused ``qkv_proj`` with partial rotary
+and a window (Phi-3), ALiBi (BLOOM).
 """
 
 from __future__ import annotations

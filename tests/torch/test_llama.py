@@ -177,8 +177,9 @@ def _with_sinks():
     ("make", "match"),
     [
         (
-            lambda: small_block("Phi3")[1],
-            "Phi3Attention is not an attention block from_llama knows",
+            # Granite's Llama-shaped block scales its scores by attention_multiplier.
+            lambda: small_block("Granite")[1],
+            "GraniteAttention is not an attention block from_llama knows",
         ),
         (_OwnLlamaAttention, "_OwnLlamaAttention is not an attention block from_llama knows"),
         (lambda: small_block("Cohere", use_qk_norm=True)[1], "use_qk_norm=True is not supported"),

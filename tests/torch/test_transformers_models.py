@@ -1,26 +1,33 @@
 """transformers' models with our layer inside: the same logits and the same greedy tokens.
 
 The blocks' fixture that every backend reads is checked here against what
-transformers computes now; then a whole ``LlamaForCausalLM`` whose every
-``self_attn`` is a thin adapter around our layer (converted by
-:func:`mha_multi.interop.llama.from_llama`) must give the model's logits,
-and greedy decoding with our cache the tokens of transformers' own
-``generate``.
+transformers computes now; then tiny random causal LMs of each family in
+:data:`CAUSAL_LMS` get every ``self_attn`` replaced by our layer
+(:func:`mha_multi.interop.transformers_models.replace_attention`) and must
+give the logits of the untouched model, left padding included, and
+``generate`` with our cache the tokens of transformers' own ``generate``.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 import pytest
 import torch
 
-from mha_multi.interop.llama import from_llama
-from mha_multi.torch import MultiHeadAttention, set_weights
+from mha_multi.interop.transformers_models import OurAttention, replace_attention
 
 transformers = pytest.importorskip("transformers")
 from transformers_blocks import MODELS, block_results, converted, llama3_rope, load  # noqa: E402
 
 NEW_TOKENS = 64
+
+#: family -> (transformers model type, class prefix, config options): a family is one line.
+CAUSAL_LMS = {
+    "llama": ("llama", "Llama", {"rope_parameters": llama3_rope(16)}),
+    "phi3": ("phi3", "Phi3", {"partial_rotary_factor": 0.5, "sliding_window": 6}),
+}
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -34,28 +41,11 @@ def test_fixture_holds_what_transformers_computes(model):
         np.testing.assert_allclose(value, stored[name], rtol=0, atol=1e-12)
 
 
-class OurAttention(torch.nn.Module):
-    """A decoder layer's ``self_attn`` computed by our layer, with our cache while generating."""
-
-    def __init__(self, attention: torch.nn.Module, hidden_size: int, max_length: int) -> None:
-        super().__init__()
-        weights, kwargs = from_llama(attention)
-        self.layer = set_weights(MultiHeadAttention(hidden_size, **kwargs), weights)
-        self.max_length = max_length
-        self.cache = None
-
-    def forward(self, hidden_states, position_ids=None, **_):
-        x = hidden_states
-        if self.cache is None:  # a whole sequence, no cache
-            return self.layer(x, x, x, causal=True, positions=position_ids), None
-        output, self.cache = self.layer(x, x, x, causal=True, cache=self.cache)
-        return output, None
-
-
-def llama_model(dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+def causal_lm(family: str, dtype: torch.dtype):
+    """A tiny random causal LM of ``family`` (two layers, grouped heads), eval."""
+    model_type, prefix, options = CAUSAL_LMS[family]
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    config = getattr(module, f"{prefix}Config")(
         vocab_size=97,
         hidden_size=32,
         intermediate_size=64,
@@ -64,48 +54,92 @@ def llama_model(dtype):
         num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=128,
-        rope_parameters=llama3_rope(16),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **options,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(dtype).eval()
+    return getattr(module, f"{prefix}ForCausalLM")(config).to(dtype).eval()
 
 
-def with_our_attention(model, max_length):
-    ours = [OurAttention(layer.self_attn, 32, max_length) for layer in model.model.layers]
-    for layer, attention in zip(model.model.layers, ours, strict=True):
-        layer.self_attn = attention.to(model.dtype)
-    return ours
+def left_padded(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and their 2-D ``attention_mask``: example ``b`` has ``2 b`` pads at the start."""
+    ids = torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = (torch.arange(length)[None, :] >= 2 * torch.arange(batch)[:, None]).long()
+    return ids.masked_fill(mask == 0, 0), mask
 
 
-def test_llama_logits_with_our_attention():
-    model = llama_model(torch.float32)
-    input_ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("family", list(CAUSAL_LMS))
+def test_logits_with_our_attention(family):
+    model = causal_lm(family, torch.float32)
+    ids, mask = left_padded(3, 12, seed=1)
+    real = mask.bool()
     with torch.no_grad():
-        expected = model(input_ids).logits
-        with_our_attention(model, 12)
-        logits = model(input_ids).logits
-    error = (logits - expected).abs().max().item()
-    assert error <= 5e-5, error  # logits of order 1 through two layers, float32
+        expected = model(ids, attention_mask=mask).logits
+        unpadded = model(ids).logits
+        replace_attention(model, max_length=12)
+        logits = model(ids, attention_mask=mask).logits
+        # A prompt, then the rest continuing our cache (past_key_values).
+        first = model(ids[:, :9], attention_mask=mask[:, :9], use_cache=True)
+        rest = model(ids[:, 9:], attention_mask=mask, past_key_values=first.past_key_values)
+        unpadded_ours = model(ids).logits
+    # Logits of order 1 through two layers, float32; padded positions mean nothing.
+    assert (logits - expected)[real].abs().max().item() <= 1e-6
+    chunked = torch.cat([first.logits, rest.logits], dim=1)
+    assert (chunked - expected)[real].abs().max().item() <= 1e-6
+    assert (unpadded_ours - unpadded).abs().max().item() <= 1e-6
 
 
-def test_greedy_generation_with_our_cache_gives_transformers_tokens():
-    model = llama_model(torch.float64)
-    prompt = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("family", list(CAUSAL_LMS))
+def test_greedy_generation_with_our_cache_gives_transformers_tokens(family):
+    model = causal_lm(family, torch.float64)
+    # 64 tokens after ragged prompts; then a new sequence (another batch size), shorter.
+    prompts = [(*left_padded(2, 9, seed=2), NEW_TOKENS), (*left_padded(3, 5, seed=3), 8)]
+
+    def generate(ids, mask, tokens):
+        greedy = {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens}
+        return model.generate(ids, attention_mask=mask, **greedy)
+
     with torch.no_grad():
-        expected = model.generate(
-            prompt, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS
-        )[:, prompt.shape[1] :]
-        ours = with_our_attention(model, prompt.shape[1] + NEW_TOKENS)
-        for attention in ours:
-            attention.cache = attention.layer.init_cache(2, prompt.shape[1] + NEW_TOKENS)
-        tokens, step_input, generated = prompt.shape[1], prompt, []
-        for _ in range(NEW_TOKENS):
-            # Our cache holds the positions: each call rotates at lengths[b] + i.
-            position_ids = torch.arange(tokens - step_input.shape[1], tokens).expand(2, -1)
-            logits = model(step_input, position_ids=position_ids, use_cache=False).logits
-            step_input = logits[:, -1].argmax(-1, keepdim=True)
-            generated.append(step_input)
-            tokens += 1
-    agree = (torch.cat(generated, dim=1) == expected).sum().item()
-    assert agree == expected.numel(), f"{agree} of {expected.numel()} tokens agree"
+        expected = [generate(*prompt) for prompt in prompts]
+        replace_attention(model, max_length=9 + NEW_TOKENS)
+        generated = [generate(*prompt) for prompt in prompts]
+    for ours, theirs in zip(generated, expected, strict=True):
+        agree = (ours == theirs).sum().item()
+        assert agree == theirs.numel(), f"{agree} of {theirs.numel()} tokens agree"
+    # Our caches, emptied when the second sequence began, held its tokens (not its padding):
+    # the prompt and every generated token but the last, which no call read.
+    _, mask, tokens = prompts[-1]
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn, OurAttention)
+        lengths = layer.self_attn.cache.lengths.tolist()
+        assert lengths == (mask.sum(dim=1) + tokens - 1).tolist()
+
+
+def test_what_the_adapter_does_not_support_is_refused():
+    model = causal_lm("llama", torch.float64)
+    blocks = [layer.self_attn for layer in model.model.layers]
+    # An entry from_llama does not know, in the last layer: nothing is swapped.
+    blocks[-1].register_parameter("head_scale", torch.nn.Parameter(torch.ones(4)))
+    with pytest.raises(ValueError, match=r"unexpected Llama attention entries \['head_scale'\]"):
+        replace_attention(model, max_length=16)
+    assert [layer.self_attn for layer in model.model.layers] == blocks
+    model = replace_attention(causal_lm("llama", torch.float64), max_length=16)
+    ids, mask = left_padded(2, 5, seed=4)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="beam search"):
+            model.generate(ids, attention_mask=mask, num_beams=2, max_new_tokens=3)
+        with pytest.raises(ValueError, match="output_attentions is not supported"):
+            model(ids, attention_mask=mask, output_attentions=True)
+        with pytest.raises(ValueError, match="2-D mask of the whole sequence"):
+            model(ids, attention_mask=mask[:, :3])
+        # Only the latest sequence continues: our caches hold no other.
+        earlier = model(ids, attention_mask=mask).past_key_values
+        model(ids, attention_mask=mask)
+        longer = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        with pytest.raises(ValueError, match="stands for an earlier sequence"):
+            model(ids[:, :1], attention_mask=longer, past_key_values=earlier)
+        with pytest.raises(ValueError, match="cannot write|max_length"):
+            model(torch.zeros(1, 17, dtype=torch.long))

@@ -9,16 +9,25 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from mha_multi.interop.fused_projections import FUSED_PROJECTIONS
+
 __all__ = ["llama_prefixes", "safetensors_format"]
 
-#: The last entry name of a Llama-style attention block that every such block has.
-_LLAMA_QUERY = "q_proj.weight"
+#: The entry names of a Llama-style attention block that hold its query
+#: projection: one of them every such block has (separate, or fused).
+_LLAMA_QUERY = (
+    "q_proj.weight",
+    *sorted(
+        {f"{fused.module}.weight" for fused in FUSED_PROJECTIONS.values() if "q" in fused.parts}
+    ),
+)
 
 
 def llama_prefixes(names: Iterable[str]) -> list[str]:
     """The prefixes under which ``names`` hold a Llama-style attention block.
 
-    A block is recognised by its ``q_proj.weight``, bare or under a prefix
+    A block is recognised by its ``q_proj.weight`` (or a fused module's that
+    holds the query, Phi-3's ``qkv_proj.weight``), bare or under a prefix
     ending in ``.`` (``self_attn.``, ``model.layers.0.self_attn.``).
 
     Returns:
@@ -26,10 +35,11 @@ def llama_prefixes(names: Iterable[str]) -> list[str]:
     """
     prefixes = set()
     for name in map(str, names):
-        if name.endswith(_LLAMA_QUERY):
-            prefix = name[: -len(_LLAMA_QUERY)]
-            if prefix == "" or prefix.endswith("."):
-                prefixes.add(prefix)
+        for query in _LLAMA_QUERY:
+            if name.endswith(query):
+                prefix = name[: -len(query)]
+                if prefix == "" or prefix.endswith("."):
+                    prefixes.add(prefix)
     return sorted(prefixes)
 
 

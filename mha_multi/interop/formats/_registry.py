@@ -121,7 +121,8 @@ FORMATS: Mapping[str, Format] = MappingProxyType(
                 "llama",
                 "llama",
                 "state_dict of a Llama-style attention (q_proj, k_proj, v_proj, o_proj; "
-                "transformers' LlamaAttention), by torch.save or safetensors",
+                "transformers' LlamaAttention; read also with Phi-3's fused qkv_proj), "
+                "by torch.save or safetensors",
                 (".pt", ".pth", ".bin", ".safetensors"),
                 heads="required",
                 default=False,

@@ -1,0 +1,143 @@
+"""Llama-style attention state dicts read into canonical weights, with numpy alone.
+
+The reading half of :mod:`mha_multi.interop.llama` that needs no PyTorch:
+a state dict of numpy arrays (``safetensors.numpy.load_file`` of a
+checkpoint, in a JAX, Keras or MXNet environment) converts as one of torch
+tensors does. Fused projections (:data:`~mha_multi.interop.fused_projections.FUSED_PROJECTIONS`)
+are split. :mod:`mha_multi.interop.llama` re-exports :func:`from_llama_state`
+(docs: "Porting weights").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mha_multi import spec
+from mha_multi.interop.fused_projections import split_fused
+from mha_multi.weights import SINKS_NAME, WeightsConfig, check_weights
+
+__all__ = ["NORMS", "PROJECTIONS", "from_llama_state"]
+
+
+def _host(value: Any) -> np.ndarray:
+    """An entry as a numpy array: torch tensors (bfloat16 ones as float32) read on the host."""
+    if hasattr(value, "detach"):  # a torch tensor: PyTorch is installed, since it made one
+        from mha_multi.torch._facts import host_array
+
+        value = host_array(value)
+    return np.asarray(value)
+
+
+#: Canonical projection -> the Llama module's attribute.
+PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+#: The query/key norms' state-dict entries -> their canonical names.
+NORMS = {"q_norm.weight": "q_norm", "k_norm.weight": "k_norm"}
+
+
+def from_llama_state(
+    state_dict: Mapping[str, Any],
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    prefix: str = "",
+) -> dict[str, np.ndarray]:
+    """Canonical weights from a Llama-style attention ``state_dict``.
+
+    Args:
+        state_dict: ``q_proj.weight`` ``(num_heads*head_dim, hidden_size)``,
+            ``k_proj.weight``/``v_proj.weight`` ``(num_kv_heads*head_dim,
+            hidden_size)``, ``o_proj.weight`` ``(hidden_size,
+            num_heads*head_dim)``, and biases: all four, or ``q``/``k``/``v``
+            only (then ``b_o`` is zero), or none. A fused module of
+            :data:`FUSED_PROJECTIONS` (``qkv_proj.weight``, its rows the
+            three projections' in turn) may stand for ``q_proj``, ``k_proj``
+            and ``v_proj``; it is split by ``o_proj``'s columns. The
+            query/key norms' ``q_norm.weight`` and ``k_norm.weight`` (both or
+            neither), and gpt-oss' ``sinks``, where present.
+        num_heads: ``num_attention_heads`` (the state dict does not say).
+        num_kv_heads: ``num_key_value_heads``; ``None`` reads it from
+            ``k_proj``'s rows.
+        prefix: the attention module's prefix in a model's state dict
+            (``"model.layers.0.self_attn."``); other entries are ignored then.
+
+    Raises:
+        ValueError: a missing, extra or mis-shaped entry, named (a fused
+            entry whose rows do not split, or beside a separate one of its
+            parts, included), or shapes no head layout of ``num_heads`` heads
+            explains.
+    """
+    _, arrays, _ = _checked(_canonical_arrays(state_dict, prefix), num_heads, num_kv_heads)
+    return arrays
+
+
+def _checked(
+    weights: Mapping[str, Any], num_heads: int, num_kv_heads: int | None
+) -> tuple[spec.Heads, dict[str, np.ndarray], WeightsConfig]:
+    """The head layout the shapes give ``num_heads`` heads, and the weights checked against it.
+
+    Raises:
+        ValueError: shapes no head layout of ``num_heads`` heads explains, or
+            weights that are not canonical.
+    """
+    heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=num_kv_heads)
+    arrays, config = check_weights(
+        weights,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
+        head_dim=heads.head_dim,
+        qk_norm=None,
+        sinks=None,
+    )
+    return heads, arrays, config
+
+
+def _canonical_arrays(
+    state_dict: Mapping[str, Any], prefix: str, *, sinks: bool = True
+) -> dict[str, np.ndarray]:
+    """The canonical arrays of a Llama-style state dict, their shapes not yet checked.
+
+    ``sinks``: the entry ``sinks`` (gpt-oss') is taken; a block of a class
+    without sinks refuses it.
+
+    Raises:
+        ValueError: a missing or extra entry, or biases the canonical layer
+            cannot hold.
+    """
+    entries = {
+        name[len(prefix) :]: value for name, value in state_dict.items() if name.startswith(prefix)
+    }
+    entries = split_fused(entries, PROJECTIONS, prefix=prefix)
+    expected = {
+        f"{module}.{kind}" for module in PROJECTIONS.values() for kind in ("weight", "bias")
+    }
+    if sinks:
+        expected.add(SINKS_NAME)  # gpt-oss' sink logit of each head
+    unexpected = sorted(set(entries) - expected - set(NORMS))
+    if unexpected:
+        raise ValueError(f"unexpected Llama attention entries {unexpected}")
+    weights: dict[str, np.ndarray] = {}
+    for name, module in PROJECTIONS.items():
+        key = f"{module}.weight"
+        if key not in entries:
+            raise ValueError(f"the Llama attention state dict is missing {prefix + key!r}")
+        weights[f"W_{name}"] = _host(entries[key]).T.copy()
+    biases = {name for name, module in PROJECTIONS.items() if f"{module}.bias" in entries}
+    if biases == set("qkv"):
+        biases.add("o")
+        weights["b_o"] = np.zeros(weights["W_o"].shape[1], weights["W_o"].dtype)
+    elif biases and biases != set("qkvo"):
+        raise ValueError(
+            "the canonical layer has biases on all four projections, or on q, k and v (b_o = 0), "
+            f"or none; this state dict has them on {sorted(biases)}"
+        )
+    for name in sorted(biases & set("qkv")) + (["o"] if "o_proj.bias" in entries else []):
+        weights[f"b_{name}"] = _host(entries[f"{PROJECTIONS[name]}.bias"])
+    for key, name in NORMS.items():
+        if key in entries:
+            weights[name] = _host(entries[key])
+    if SINKS_NAME in entries:
+        weights[SINKS_NAME] = _host(entries[SINKS_NAME])
+    return weights
