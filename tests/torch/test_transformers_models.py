@@ -23,10 +23,40 @@ from transformers_blocks import MODELS, block_results, converted, llama3_rope, l
 
 NEW_TOKENS = 64
 
-#: family -> (transformers model type, class prefix, config options): a family is one line.
+#: Two layers of each kind where a family has kinds (a window of 6 within the 12 tokens).
+TWO_KINDS = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
+#: family -> (transformers model type, config class, model class, config options): a
+#: family is one line.
 CAUSAL_LMS = {
-    "llama": ("llama", "Llama", {"rope_parameters": llama3_rope(16)}),
-    "phi3": ("phi3", "Phi3", {"partial_rotary_factor": 0.5, "sliding_window": 6}),
+    "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {"rope_parameters": llama3_rope(16)}),
+    "phi3": (
+        "phi3",
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"partial_rotary_factor": 0.5, "sliding_window": 6},
+    ),
+    "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma3": ("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", TWO_KINDS),
+    "gpt_oss": (
+        "gpt_oss",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            **TWO_KINDS,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            # Its own YaRN, from a context of 4: the 12 tokens reach past it.
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4,
+            },
+        },
+    ),
 }
 
 
@@ -43,9 +73,9 @@ def test_fixture_holds_what_transformers_computes(model):
 
 def causal_lm(family: str, dtype: torch.dtype):
     """A tiny random causal LM of ``family`` (two layers, grouped heads), eval."""
-    model_type, prefix, options = CAUSAL_LMS[family]
+    model_type, config_class, model_class, options = CAUSAL_LMS[family]
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    config = getattr(module, f"{prefix}Config")(
+    config = getattr(module, config_class)(
         vocab_size=97,
         hidden_size=32,
         intermediate_size=64,
@@ -59,9 +89,13 @@ def causal_lm(family: str, dtype: torch.dtype):
         eos_token_id=2,
         **options,
     )
-    config._attn_implementation = "sdpa"
+    # (transformers' SDPA attention takes no sink: gpt-oss runs its eager one, and its
+    # experts' eager loop, which takes float64 as the grouped products do not.)
+    config._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"
+    if family == "gpt_oss":
+        config._experts_implementation = "eager"
     torch.manual_seed(0)
-    return getattr(module, f"{prefix}ForCausalLM")(config).to(dtype).eval()
+    return getattr(module, model_class)(config).to(dtype).eval()
 
 
 def left_padded(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
