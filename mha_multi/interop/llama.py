@@ -79,6 +79,7 @@ __all__ = [
     "to_llama_state",
 ]
 
+
 def llama_config(
     weights: Mapping[str, Any], *, num_heads: int, num_kv_heads: int | None = None
 ) -> dict[str, Any]:
