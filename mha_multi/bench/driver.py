@@ -20,10 +20,24 @@ from mha_multi.bench.generate import GenerationShape, run_generation
 from mha_multi.bench.memory import measure_memory
 from mha_multi.bench.timing import GEMM_SIZE, gemm_rate, time_layers, time_pruned, time_sharded
 
-__all__ = ["GENERATION", "run"]
+__all__ = ["GENERATION", "LLAMA_ROTARY", "generation_shapes", "run"]
 
 #: What the generation rows generate: 256 tokens after a 256-token prompt.
 GENERATION = GenerationShape()
+#: The rotary positions of the Llama-shaped generation rows: Llama's base,
+#: half-split pairs, the layer's default positions.
+LLAMA_ROTARY = {"theta": 10000.0}
+
+
+def generation_shapes(generation: GenerationShape, num_kv_heads: int) -> list[GenerationShape]:
+    """The generation rows' layers: ``generation``'s heads, ``num_kv_heads`` grouped
+    key/value heads, and those with rotary positions (a Llama-shaped layer)."""
+    grouped = replace(generation, num_kv_heads=num_kv_heads, rotary=None)
+    return [
+        replace(generation, num_kv_heads=None, rotary=None),
+        grouped,
+        replace(grouped, rotary=LLAMA_ROTARY),
+    ]
 
 
 def run(
@@ -54,8 +68,9 @@ def run(
             framework's grouped kernel or layer).
         num_kv_heads: the key/value heads of those rows.
         generation: what :mod:`mha_multi.bench.generate` generates, with
-            ``num_heads`` key/value heads and again with ``num_kv_heads``;
-            ``None`` for no generation rows.
+            ``num_heads`` key/value heads, again with ``num_kv_heads``, and
+            with ``num_kv_heads`` and rotary positions
+            (:func:`generation_shapes`); ``None`` for no generation rows.
         pruned_lengths: sequence lengths at which ``base``'s layer is timed
             pruned to each of ``kept_heads`` heads (forward only).
         kept_heads: the heads each pruned layer keeps, ``base.num_heads``
@@ -109,13 +124,13 @@ def run(
                 )
             if generation is not None:
                 executions = framework.generation_executions or framework.executions[:1]
-                for heads in (None, num_kv_heads):
+                for shape in generation_shapes(generation, num_kv_heads):
                     for execution in executions:
                         measurements[execution] += run_generation(
                             framework,
                             device,
                             dtype,
-                            replace(generation, num_kv_heads=heads),
+                            shape,
                             ITEMSIZE[dtype],
                             execution=execution,
                             ways=generation_ways,

@@ -157,11 +157,12 @@ class Framework:
         """``sequence`` ``(B, N, D)`` with ``token`` ``(B, 1, D)`` appended on axis 1."""
         raise NotImplementedError
 
-    def ours(self, shape: Shape, device: str, dtype: str) -> Any:
-        """Our layer of ``shape``'s self-attention, holding seeded canonical weights."""
+    def ours(self, shape: Shape, device: str, dtype: str, **options: Any) -> Any:
+        """Our layer of ``shape``'s self-attention, holding seeded canonical weights;
+        ``options`` are the layer's (``rotary=``)."""
         d = shape.num_hiddens
         weights = init_weights(d, num_heads=shape.num_heads, num_kv_heads=shape.kv_heads)
-        return self.layer(weights, device, dtype, num_heads=shape.num_heads)
+        return self.layer(weights, device, dtype, num_heads=shape.num_heads, **options)
 
     def layer(
         self,
@@ -171,8 +172,10 @@ class Framework:
         *,
         num_heads: int,
         head_dim: int | None = None,
+        **options: Any,
     ) -> Any:
-        """Our layer holding ``weights``, its configuration read from them."""
+        """Our layer holding ``weights``, its configuration read from them;
+        ``options`` are the layer's other arguments (``rotary=``)."""
         num_kv_heads = weights["W_k"].shape[1] * num_heads // weights["W_q"].shape[1]
         layer = self.backend.make_layer(
             weights["W_o"].shape[1],
@@ -185,6 +188,7 @@ class Framework:
             bias="b_q" in weights,
             device=device,
             dtype=dtype,
+            **options,
         )
         return importlib.import_module(self.package).set_weights(layer, weights)
 
@@ -226,7 +230,7 @@ class Framework:
         decoder is left out: its input grows at every step, so every step
         would compile anew.
         """
-        layer = self.ours(shape.attention_shape(), device, dtype)
+        layer = self.ours(shape.attention_shape(), device, dtype, **shape.layer_options)
         cached, causal = self.cached_call(layer, execution), self.causal_call(layer)
 
         def with_cache() -> Generator:
