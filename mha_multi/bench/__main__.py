@@ -28,8 +28,9 @@ ROWS = {
 }
 
 
-#: Every kind of row ``--only`` takes.
-KINDS = (*ROWS, "generation")
+#: Every kind of row ``--only`` takes: ``host`` the tiny layer's host time,
+#: ``calls`` the Python calls of a call (:mod:`mha_multi.bench.host`).
+KINDS = (*ROWS, "generation", "host", "calls")
 
 
 def kinds_of_rows(text: str) -> tuple[str, ...]:
@@ -125,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "generation": GenerationShape(prompt=32, new_tokens=32),
                     "pruned_lengths": (64,),
                     "sharded_lengths": (64,),
+                    "host_blocks": 5,
                 }
                 if args.quick
                 else {}
@@ -133,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # Every other kind of row is left out.
                 kwargs |= {name: () for kind, name in ROWS.items() if kind not in args.only}
                 kwargs |= {"generation": None} if "generation" not in args.only else {}
+                kwargs |= {"host_blocks": 0} if "host" not in args.only else {}
+                kwargs |= {"calls": False} if "calls" not in args.only else {}
             if args.devices:
                 kwargs["devices"] = args.devices.split(",")
             if args.ways:

@@ -5,7 +5,8 @@ rate, then times each implementation (ours, its variants, the framework's own
 layer) in every execution mode the framework has, forward in evaluation mode
 and forward+backward, on self-attention with key padding
 (:mod:`~mha_multi.bench.timing`); then generation
-(:mod:`~mha_multi.bench.generate`), and peak memory of one float32 forward
+(:mod:`~mha_multi.bench.generate`); on the CPU the host rows and the Python
+calls of a call (:mod:`~mha_multi.bench.host`); and peak memory of one float32 forward
 pass last, each figure in a process of its own (:mod:`~mha_multi.bench.memory`).
 """
 
@@ -17,6 +18,7 @@ from dataclasses import replace
 from mha_multi.bench.common import ITEMSIZE, Measurement, Shape
 from mha_multi.bench.framework import Framework
 from mha_multi.bench.generate import GenerationShape, run_generation
+from mha_multi.bench.host import count_calls, time_host
 from mha_multi.bench.memory import measure_memory
 from mha_multi.bench.timing import GEMM_SIZE, gemm_rate, time_layers, time_pruned, time_sharded
 
@@ -55,6 +57,8 @@ def run(
     small_lengths: Sequence[int] = (1, 16),
     devices: Sequence[str] | None = None,
     generation_ways: Sequence[str] | None = None,
+    host_blocks: int = 40,
+    calls: bool = True,
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -86,6 +90,11 @@ def run(
         generation_ways: the ways of generating to time (``"cached"``,
             ``"recompute"``, ``"hand-written"``, ``"native"``); ``None`` for
             every one the framework has.
+        host_blocks: the blocks of calls each host row's time is the median
+            of (:func:`~mha_multi.bench.host.time_host`; CPU, frameworks with
+            a hand-written one-token call); 0 for no host rows.
+        calls: whether to count the Python calls of a call
+            (:func:`~mha_multi.bench.host.count_calls`, CPU).
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -135,6 +144,11 @@ def run(
                             execution=execution,
                             ways=generation_ways,
                         )
+        first = measurements[framework.executions[0]]
+        if device == "cpu" and host_blocks and framework.hand_written_call is not None:
+            first += time_host(framework, device, blocks=host_blocks)
+        if device == "cpu" and calls:
+            first += count_calls(framework, device)
         if device == "cpu":
             for length in sharded_lengths:
                 shape = replace(base, length=length)

@@ -6,6 +6,7 @@ driver (:func:`mha_multi.bench.driver.run`) does the rest.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from collections.abc import Callable, Mapping
@@ -18,7 +19,10 @@ from mha_multi.bench.common import Shape, peak_rss_mib, reset_peak_rss
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.weights import init_weights
 
-__all__ = ["Framework", "load"]
+__all__ = ["Framework", "Route", "load"]
+
+#: A context the host rows are timed in (:meth:`Framework.host_routes`).
+Route = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 class Framework:
@@ -213,6 +217,38 @@ class Framework:
         """``call(x, cache) -> (output, cache)``: one causal self-attention call
         with a cache, in ``execution`` (compiled where that is its norm)."""
         return lambda x, cache: self.backend.forward(layer, x, x, x, None, causal=True, cache=cache)
+
+    # -- host rows (mha_multi.bench.host) ------------------------------------
+
+    #: The framework's hand-written one-token call, ``hand_written_call(weights,
+    #: shape, device, dtype) -> call(x)`` (a ``staticmethod``): causal
+    #: self-attention without a cache, rotary where ``shape`` is; the anchor of
+    #: the host rows, which are timed where there is one.
+    hand_written_call: Callable[..., Callable[[Any], Any]] | None = None
+
+    def eager_layer_call(self, layer: Any, *, training: bool = False) -> Callable[..., Any]:
+        """``call(x, cache=None)``: our layer called eagerly (nothing compiled) on
+        ``x`` as queries, keys and values: the output, or with a cache, causal,
+        ``(output, cache)``. ``training``: in training mode, recording gradients.
+
+        Raises:
+            NotImplementedError: ``training`` where the framework does not count it.
+        """
+        if training:
+            raise NotImplementedError(f"{self.name} counts no training calls")
+
+        def call(x: Any, cache: Any = None) -> Any:
+            if cache is None:
+                return layer(x, x, x)
+            return layer(x, x, x, causal=True, cache=cache)
+
+        return call
+
+    def host_routes(self, device: str) -> dict[str, Route]:
+        """Route -> the context the host rows are timed in: ``"cpu"``, the route a call
+        on ``device`` takes, and ``"gpu"`` where the framework can take a GPU's route
+        on the CPU."""
+        return {"cpu": contextlib.nullcontext}
 
     def causal_call(self, layer: Any) -> Callable[[Any], Any]:
         """``call(x) -> output``: the causal forward over all of ``x``, no cache."""

@@ -212,6 +212,10 @@ class MXNet(Framework):
         layer.hybridize(active=execution != "imperative")
         return super().cached_call(layer, execution)
 
+    def eager_layer_call(self, layer: Any, *, training: bool = False) -> Callable[..., Any]:
+        layer.hybridize(active=False)  # imperative: MXNet's eager mode
+        return super().eager_layer_call(layer, training=training)
+
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
     ) -> tuple[mx.np.ndarray, mx.np.ndarray]:

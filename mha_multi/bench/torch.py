@@ -7,10 +7,11 @@ are timed against PyTorch's own grouped-query route instead,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import nn
 
 from mha_multi import spec
 from mha_multi.bench.common import Shape, median_seconds, score_bytes
-from mha_multi.bench.framework import Framework
+from mha_multi.bench.framework import Framework, Route
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.bench.torch_decoders import (
     compiled,
@@ -87,6 +88,25 @@ class Torch(Framework):
     def describe(self, device: str, execution: str | None) -> str:
         described = super().describe(device, execution)
         return described if execution is None else f"{described}; torch.compile(fullgraph=True)"
+
+    def eager_layer_call(self, layer: Any, *, training: bool = False) -> Callable[..., Any]:
+        """Under ``torch.inference_mode`` in evaluation mode, as a user decodes;
+        ``training``: ``train()`` mode, recording gradients."""
+        layer.train(training)
+        call = super().eager_layer_call(layer)
+        if training:
+            return call
+
+        def inferring(x: torch.Tensor, cache: Any = None) -> Any:
+            with torch.inference_mode():
+                return call(x, cache)
+
+        return inferring
+
+    def host_routes(self, device: str) -> dict[str, Route]:
+        """One thread; on the CPU's route and, told that every tensor is on a GPU
+        (``as_if_on_a_gpu``), on the route a GPU's call takes."""
+        return {"cpu": _one_thread, "gpu": _gpu_route}
 
     def generators(
         self, shape: GenerationShape, device: str, dtype: str, execution: str | None = None
@@ -193,6 +213,24 @@ class Torch(Framework):
 
 
 FRAMEWORK = Torch()
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One thread for PyTorch's kernels, while active (a tiny call's are serial)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _gpu_route() -> Iterator[None]:
+    """One thread, and a call on the CPU taking the route a GPU's takes."""
+    with _one_thread(), backend.as_if_on_a_gpu():
+        yield
 
 
 def sharded_seconds(shape: Shape, num_shards: int, *, repeats: int = 5) -> float:
