@@ -254,6 +254,23 @@ class Framework:
         """``call(x) -> output``: the causal forward over all of ``x``, no cache."""
         return lambda x: self.backend.forward(layer, x, x, x, None, causal=True)
 
+    def cached_generator(
+        self, layer: Any, cached: Callable[..., Any], shape: GenerationShape
+    ) -> Generator:
+        """Generation by ``cached(x, cache) -> (output, cache)`` of ``layer``, from a new
+        cache of ``shape``'s ``max_length`` positions."""
+
+        def prefill(prompt: Any) -> tuple[Any, Any]:
+            cache = self.backend.init_cache(layer, shape.batch, shape.max_length)
+            output, cache = cached(prompt, cache)
+            return cache, output[:, -1:]
+
+        def step(cache: Any, token: Any) -> tuple[Any, Any]:
+            output, cache = cached(token, cache)
+            return cache, output
+
+        return Generator(prefill, step, self.sync, self.backend.to_numpy)
+
     def generators(
         self, shape: GenerationShape, device: str, dtype: str, execution: str | None = None
     ) -> dict[str, Callable[[], Generator]]:
@@ -270,16 +287,7 @@ class Framework:
         cached, causal = self.cached_call(layer, execution), self.causal_call(layer)
 
         def with_cache() -> Generator:
-            def prefill(prompt: Any) -> tuple[Any, Any]:
-                cache = self.backend.init_cache(layer, shape.batch, shape.max_length)
-                output, cache = cached(prompt, cache)
-                return cache, output[:, -1:]
-
-            def step(cache: Any, token: Any) -> tuple[Any, Any]:
-                output, cache = cached(token, cache)
-                return cache, output
-
-            return Generator(prefill, step, self.sync, self.backend.to_numpy)
+            return self.cached_generator(layer, cached, shape)
 
         def recompute() -> Generator:
             def prefill(prompt: Any) -> tuple[Any, Any]:

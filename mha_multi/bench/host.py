@@ -38,15 +38,8 @@ from mha_multi.bench.generate import GenerationShape, Generator
 __all__ = ["BLOCK", "TINY", "alternating_blocks", "count_calls", "counted", "time_host"]
 
 #: The tiny Llama-shaped layer of the host rows (its prompt: a few tokens).
-TINY = GenerationShape(
-    batch=1,
-    prompt=4,
-    new_tokens=0,
-    num_hiddens=16,
-    num_heads=2,
-    num_kv_heads=1,
-    rotary={"theta": 10000.0},
-)
+_SIZES = {"num_hiddens": 16, "num_heads": 2, "num_kv_heads": 1}
+TINY = GenerationShape(batch=1, prompt=4, new_tokens=0, rotary={"theta": 10000.0}, **_SIZES)
 #: Calls of one way before the other's turn (:func:`alternating_blocks`).
 BLOCK = 20
 #: Calls :func:`counted` profiles, after three.
@@ -80,13 +73,13 @@ def alternating_blocks(
     return times
 
 
-def counted(call: Callable[[], Any]) -> float:
-    """Python function calls per ``call``, over :data:`COUNTED_CALLS` after three."""
+def counted(call: Callable[[], Any], calls: int = COUNTED_CALLS) -> float:
+    """Python function calls per ``call``, over ``calls`` of them after three."""
     for _ in range(3):
         call()
     profile = cProfile.Profile()
     profile.enable()
-    for _ in range(COUNTED_CALLS):
+    for _ in range(calls):
         call()
     profile.disable()
     return pstats.Stats(profile).total_calls / COUNTED_CALLS
@@ -121,16 +114,7 @@ def _ways(framework: Any, shape: GenerationShape, device: str) -> dict[str, dict
     prompt = framework.array(prompt_np.astype(np.float32), device, dtype)
     token = framework.array(prompt_np[:, :1].astype(np.float32), device, dtype)
 
-    def prefill(prompt: Any) -> tuple[Any, Any]:
-        cache = framework.backend.init_cache(layer, shape.batch, shape.max_length)
-        output, cache = call(prompt, cache)
-        return cache, output[:, -1:]
-
-    def step(cache: Any, token: Any) -> tuple[Any, Any]:
-        output, cache = call(token, cache)
-        return cache, output
-
-    ours = Generator(prefill, step, framework.sync, framework.backend.to_numpy)
+    ours = framework.cached_generator(layer, call, shape)
     outputs: dict[str, list] = {"ours": [], "hand-written": []}
     ways: dict[str, dict[str, Any]] = {
         "one token": {"ours": lambda: call(token)},

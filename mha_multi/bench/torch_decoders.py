@@ -64,11 +64,13 @@ def forget_compiled() -> None:
     _compiled_attend.cache_clear()
 
 
+#: Canonical weights, as numpy arrays.
+Arrays = dict[str, np.ndarray]
 Weights = dict[str, torch.Tensor]
 Tables = tuple[torch.Tensor, torch.Tensor] | None
 
 
-def _weights(weights: dict[str, np.ndarray], device: str, dtype: str) -> Weights:
+def _weights(weights: Arrays, device: str, dtype: str) -> Weights:
     """The projections' weights as ``nn.functional.linear`` takes them."""
     return {
         name: backend.to_native(np.ascontiguousarray(weights[name].T), device, dtype)
@@ -117,7 +119,7 @@ def _output(context: torch.Tensor, w: Weights) -> torch.Tensor:
 
 
 def hand_written_call(
-    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
+    weights: Arrays, shape: GenerationShape, device: str, dtype: str
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``call(x)``: causal self-attention of ``x`` at positions ``0..T-1``, no cache,
     under ``torch.inference_mode``."""
@@ -137,11 +139,7 @@ def hand_written_call(
 
 
 def hand_written_decoder(
-    weights: dict[str, np.ndarray],
-    shape: GenerationShape,
-    device: str,
-    dtype: str,
-    execution: str | None = None,
+    weights: Arrays, shape: GenerationShape, device: str, dtype: str, execution: str | None = None
 ) -> Generator:
     """The hand-written decoder of ``shape`` (rotary where it has rotary positions),
     eager or, for ``execution == "compiled"``, compiled."""

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from mha_multi.bench import host
 from mha_multi.bench.generate import GenerationShape
 from mha_multi.bench.host import count_calls, time_host
 from mha_multi.bench.torch import FRAMEWORK
@@ -21,15 +22,7 @@ from mha_multi.spec.reference import reference_forward
 from mha_multi.weights import init_weights
 
 #: A Llama-shaped layer in miniature: rotary positions, 4 query and 2 key/value heads.
-TINY = GenerationShape(
-    batch=2,
-    prompt=5,
-    new_tokens=4,
-    num_hiddens=16,
-    num_heads=4,
-    num_kv_heads=2,
-    rotary={"theta": 10000.0},
-)
+TINY = replace(host.TINY, batch=2, prompt=5, new_tokens=4, num_heads=4, num_kv_heads=2)
 FLOAT32 = 5e-6  # the spec's float32 forward tolerance (docs: "Parity")
 
 
