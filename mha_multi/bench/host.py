@@ -82,7 +82,7 @@ def counted(call: Callable[[], Any], calls: int = COUNTED_CALLS) -> float:
     for _ in range(calls):
         call()
     profile.disable()
-    return pstats.Stats(profile).total_calls / COUNTED_CALLS
+    return pstats.Stats(profile).total_calls / calls
 
 
 def _stepping(generator: Generator, prompt: Any, outputs: list) -> Callable[[], Any]:
