@@ -64,6 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated ways of generating to time, of cached, recompute, hand-written"
         " and native (default: every one the backend has)",
     )
+    run.add_argument(
+        "--layers",
+        help="comma-separated layers to generate with, of plain, grouped (8/2 heads) and llama"
+        " (8/2 heads, rotary) (default: all three)",
+    )
     run.add_argument("backends", nargs="+", choices=sorted(BENCHMARKS))
     report = commands.add_parser("report", help="print and write report.md from results")
     report.add_argument("--results", required=True)
@@ -141,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kwargs["devices"] = args.devices.split(",")
             if args.ways:
                 kwargs["generation_ways"] = args.ways.split(",")
+            if args.layers:
+                kwargs["generation_layers"] = args.layers.split(",")
             # Where the figures come from, for the report and the results page.
             made = provenance("python -m mha_multi.bench", arguments)
             results = [result | made for result in driver.run(load(backend), **kwargs)]

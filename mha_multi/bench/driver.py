@@ -31,15 +31,16 @@ GENERATION = GenerationShape()
 LLAMA_ROTARY = {"theta": 10000.0}
 
 
-def generation_shapes(generation: GenerationShape, num_kv_heads: int) -> list[GenerationShape]:
-    """The generation rows' layers: ``generation``'s heads, ``num_kv_heads`` grouped
-    key/value heads, and those with rotary positions (a Llama-shaped layer)."""
+def generation_shapes(generation: GenerationShape, num_kv_heads: int) -> dict[str, GenerationShape]:
+    """The generation rows' layers: ``"plain"`` (``generation``'s heads), ``"grouped"``
+    (``num_kv_heads`` key/value heads) and ``"llama"`` (grouped, with rotary positions:
+    a Llama-shaped layer)."""
     grouped = replace(generation, num_kv_heads=num_kv_heads, rotary=None)
-    return [
-        replace(generation, num_kv_heads=None, rotary=None),
-        grouped,
-        replace(grouped, rotary=LLAMA_ROTARY),
-    ]
+    return {
+        "plain": replace(generation, num_kv_heads=None, rotary=None),
+        "grouped": grouped,
+        "llama": replace(grouped, rotary=LLAMA_ROTARY),
+    }
 
 
 def run(
@@ -57,6 +58,7 @@ def run(
     small_lengths: Sequence[int] = (1, 16),
     devices: Sequence[str] | None = None,
     generation_ways: Sequence[str] | None = None,
+    generation_layers: Sequence[str] | None = None,
     host_blocks: int = 40,
     calls: bool = True,
 ) -> list[dict[str, object]]:
@@ -90,6 +92,9 @@ def run(
         generation_ways: the ways of generating to time (``"cached"``,
             ``"recompute"``, ``"hand-written"``, ``"native"``); ``None`` for
             every one the framework has.
+        generation_layers: the layers to generate with, of ``"plain"``,
+            ``"grouped"`` and ``"llama"`` (:func:`generation_shapes`); ``None``
+            for all three.
         host_blocks: the blocks of calls each host row's time is the median
             of (:func:`~mha_multi.bench.host.time_host`; CPU, frameworks with
             a hand-written one-token call); 0 for no host rows.
@@ -133,7 +138,10 @@ def run(
                 )
             if generation is not None:
                 executions = framework.generation_executions or framework.executions[:1]
-                for shape in generation_shapes(generation, num_kv_heads):
+                layers = generation_shapes(generation, num_kv_heads)
+                for name, shape in layers.items():
+                    if generation_layers is not None and name not in generation_layers:
+                        continue
                     for execution in executions:
                         measurements[execution] += run_generation(
                             framework,
