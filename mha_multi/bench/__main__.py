@@ -148,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kwargs["generation_ways"] = args.ways.split(",")
             if args.layers:
                 kwargs["generation_layers"] = args.layers.split(",")
+                unknown = set(kwargs["generation_layers"]) - {"plain", "grouped", "llama"}
+                if unknown:
+                    parser.error(f"--layers: unknown layers {sorted(unknown)}")
             # Where the figures come from, for the report and the results page.
             made = provenance("python -m mha_multi.bench", arguments)
             results = [result | made for result in driver.run(load(backend), **kwargs)]
