@@ -7,16 +7,18 @@ change that adds host work shows here before any timer sees it (docs:
 "Results"). Each row runs 100 calls after 3 that warm every memo.
 
     python tools/call_count.py
+
+``python -m mha_multi.bench run --only calls <backend>`` counts the benchmark's
+rows the same way, in every framework.
 """
 
 from __future__ import annotations
 
-import cProfile
-import pstats
 from collections.abc import Callable
 
 import torch
 
+from mha_multi.bench import host
 from mha_multi.torch import MultiHeadAttention, set_weights
 from mha_multi.weights import init_weights
 
@@ -40,14 +42,7 @@ def layer(**options: object) -> MultiHeadAttention:
 
 def counted(step: Callable[[], object]) -> float:
     """Function calls per ``step``, over :data:`CALLS` of them after three."""
-    for _ in range(3):
-        step()
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(CALLS):
-        step()
-    profile.disable()
-    return pstats.Stats(profile).total_calls / CALLS
+    return host.counted(step, CALLS)
 
 
 def rows() -> dict[str, Callable[[], object]]:

@@ -28,8 +28,9 @@ ROWS = {
 }
 
 
-#: Every kind of row ``--only`` takes.
-KINDS = (*ROWS, "generation")
+#: Every kind of row ``--only`` takes: ``host`` the tiny layer's host time,
+#: ``calls`` the Python calls of a call (:mod:`mha_multi.bench.host`).
+KINDS = (*ROWS, "generation", "host", "calls")
 
 
 def kinds_of_rows(text: str) -> tuple[str, ...]:
@@ -62,6 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ways",
         help="comma-separated ways of generating to time, of cached, recompute, hand-written"
         " and native (default: every one the backend has)",
+    )
+    run.add_argument(
+        "--layers",
+        help="comma-separated layers to generate with, of plain, grouped (8/2 heads) and llama"
+        " (8/2 heads, rotary) (default: all three)",
     )
     run.add_argument("backends", nargs="+", choices=sorted(BENCHMARKS))
     report = commands.add_parser("report", help="print and write report.md from results")
@@ -125,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "generation": GenerationShape(prompt=32, new_tokens=32),
                     "pruned_lengths": (64,),
                     "sharded_lengths": (64,),
+                    "host_blocks": 5,
                 }
                 if args.quick
                 else {}
@@ -133,10 +140,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # Every other kind of row is left out.
                 kwargs |= {name: () for kind, name in ROWS.items() if kind not in args.only}
                 kwargs |= {"generation": None} if "generation" not in args.only else {}
+                kwargs |= {"host_blocks": 0} if "host" not in args.only else {}
+                kwargs |= {"calls": False} if "calls" not in args.only else {}
             if args.devices:
                 kwargs["devices"] = args.devices.split(",")
             if args.ways:
                 kwargs["generation_ways"] = args.ways.split(",")
+            if args.layers:
+                kwargs["generation_layers"] = args.layers.split(",")
+                unknown = set(kwargs["generation_layers"]) - {"plain", "grouped", "llama"}
+                if unknown:
+                    parser.error(f"--layers: unknown layers {sorted(unknown)}")
             # Where the figures come from, for the report and the results page.
             made = provenance("python -m mha_multi.bench", arguments)
             results = [result | made for result in driver.run(load(backend), **kwargs)]

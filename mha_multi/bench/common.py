@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -174,8 +175,10 @@ class Measurement:
     peak_mib: float | None = None
     #: Generated tokens per second (mode "generate"), the batch's together.
     tokens_per_s: float | None = None
+    #: Python function calls per call, counted by cProfile (mode "python calls").
+    calls: float | None = None
     note: str = ""
-    shape: dict[str, int] = field(default_factory=dict)
+    shape: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         """The measurement as the result files hold it."""

@@ -5,7 +5,8 @@ rate, then times each implementation (ours, its variants, the framework's own
 layer) in every execution mode the framework has, forward in evaluation mode
 and forward+backward, on self-attention with key padding
 (:mod:`~mha_multi.bench.timing`); then generation
-(:mod:`~mha_multi.bench.generate`), and peak memory of one float32 forward
+(:mod:`~mha_multi.bench.generate`); on the CPU the host rows and the Python
+calls of a call (:mod:`~mha_multi.bench.host`); and peak memory of one float32 forward
 pass last, each figure in a process of its own (:mod:`~mha_multi.bench.memory`).
 """
 
@@ -17,13 +18,29 @@ from dataclasses import replace
 from mha_multi.bench.common import ITEMSIZE, Measurement, Shape
 from mha_multi.bench.framework import Framework
 from mha_multi.bench.generate import GenerationShape, run_generation
+from mha_multi.bench.host import count_calls, time_host
 from mha_multi.bench.memory import measure_memory
 from mha_multi.bench.timing import GEMM_SIZE, gemm_rate, time_layers, time_pruned, time_sharded
 
-__all__ = ["GENERATION", "run"]
+__all__ = ["GENERATION", "LLAMA_ROTARY", "generation_shapes", "run"]
 
 #: What the generation rows generate: 256 tokens after a 256-token prompt.
 GENERATION = GenerationShape()
+#: The rotary positions of the Llama-shaped generation rows: Llama's base,
+#: half-split pairs, the layer's default positions.
+LLAMA_ROTARY = {"theta": 10000.0}
+
+
+def generation_shapes(generation: GenerationShape, num_kv_heads: int) -> dict[str, GenerationShape]:
+    """The generation rows' layers: ``"plain"`` (``generation``'s heads), ``"grouped"``
+    (``num_kv_heads`` key/value heads) and ``"llama"`` (grouped, with rotary positions:
+    a Llama-shaped layer)."""
+    grouped = replace(generation, num_kv_heads=num_kv_heads, rotary=None)
+    return {
+        "plain": replace(generation, num_kv_heads=None, rotary=None),
+        "grouped": grouped,
+        "llama": replace(grouped, rotary=LLAMA_ROTARY),
+    }
 
 
 def run(
@@ -41,6 +58,9 @@ def run(
     small_lengths: Sequence[int] = (1, 16),
     devices: Sequence[str] | None = None,
     generation_ways: Sequence[str] | None = None,
+    generation_layers: Sequence[str] | None = None,
+    host_blocks: int = 40,
+    calls: bool = True,
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -54,8 +74,9 @@ def run(
             framework's grouped kernel or layer).
         num_kv_heads: the key/value heads of those rows.
         generation: what :mod:`mha_multi.bench.generate` generates, with
-            ``num_heads`` key/value heads and again with ``num_kv_heads``;
-            ``None`` for no generation rows.
+            ``num_heads`` key/value heads, again with ``num_kv_heads``, and
+            with ``num_kv_heads`` and rotary positions
+            (:func:`generation_shapes`); ``None`` for no generation rows.
         pruned_lengths: sequence lengths at which ``base``'s layer is timed
             pruned to each of ``kept_heads`` heads (forward only).
         kept_heads: the heads each pruned layer keeps, ``base.num_heads``
@@ -71,6 +92,14 @@ def run(
         generation_ways: the ways of generating to time (``"cached"``,
             ``"recompute"``, ``"hand-written"``, ``"native"``); ``None`` for
             every one the framework has.
+        generation_layers: the layers to generate with, of ``"plain"``,
+            ``"grouped"`` and ``"llama"`` (:func:`generation_shapes`); ``None``
+            for all three.
+        host_blocks: the blocks of calls each host row's time is the median
+            of (:func:`~mha_multi.bench.host.time_host`; CPU, frameworks with
+            a hand-written one-token call); 0 for no host rows.
+        calls: whether to count the Python calls of a call
+            (:func:`~mha_multi.bench.host.count_calls`, CPU).
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -109,17 +138,25 @@ def run(
                 )
             if generation is not None:
                 executions = framework.generation_executions or framework.executions[:1]
-                for heads in (None, num_kv_heads):
+                layers = generation_shapes(generation, num_kv_heads)
+                for name, shape in layers.items():
+                    if generation_layers is not None and name not in generation_layers:
+                        continue
                     for execution in executions:
                         measurements[execution] += run_generation(
                             framework,
                             device,
                             dtype,
-                            replace(generation, num_kv_heads=heads),
+                            shape,
                             ITEMSIZE[dtype],
                             execution=execution,
                             ways=generation_ways,
                         )
+        first = measurements[framework.executions[0]]
+        if device == "cpu" and host_blocks and framework.hand_written_call is not None:
+            first += time_host(framework, device, blocks=host_blocks)
+        if device == "cpu" and calls:
+            first += count_calls(framework, device)
         if device == "cpu":
             for length in sharded_lengths:
                 shape = replace(base, length=length)

@@ -6,6 +6,7 @@ driver (:func:`mha_multi.bench.driver.run`) does the rest.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from collections.abc import Callable, Mapping
@@ -18,7 +19,10 @@ from mha_multi.bench.common import Shape, peak_rss_mib, reset_peak_rss
 from mha_multi.bench.generate import GenerationShape, Generator
 from mha_multi.weights import init_weights
 
-__all__ = ["Framework", "load"]
+__all__ = ["Framework", "Route", "load"]
+
+#: A context the host rows are timed in (:meth:`Framework.host_routes`).
+Route = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 class Framework:
@@ -157,11 +161,12 @@ class Framework:
         """``sequence`` ``(B, N, D)`` with ``token`` ``(B, 1, D)`` appended on axis 1."""
         raise NotImplementedError
 
-    def ours(self, shape: Shape, device: str, dtype: str) -> Any:
-        """Our layer of ``shape``'s self-attention, holding seeded canonical weights."""
+    def ours(self, shape: Shape, device: str, dtype: str, **options: Any) -> Any:
+        """Our layer of ``shape``'s self-attention, holding seeded canonical weights;
+        ``options`` are the layer's (``rotary=``)."""
         d = shape.num_hiddens
         weights = init_weights(d, num_heads=shape.num_heads, num_kv_heads=shape.kv_heads)
-        return self.layer(weights, device, dtype, num_heads=shape.num_heads)
+        return self.layer(weights, device, dtype, num_heads=shape.num_heads, **options)
 
     def layer(
         self,
@@ -171,8 +176,10 @@ class Framework:
         *,
         num_heads: int,
         head_dim: int | None = None,
+        **options: Any,
     ) -> Any:
-        """Our layer holding ``weights``, its configuration read from them."""
+        """Our layer holding ``weights``, its configuration read from them;
+        ``options`` are the layer's other arguments (``rotary=``)."""
         num_kv_heads = weights["W_k"].shape[1] * num_heads // weights["W_q"].shape[1]
         layer = self.backend.make_layer(
             weights["W_o"].shape[1],
@@ -185,6 +192,7 @@ class Framework:
             bias="b_q" in weights,
             device=device,
             dtype=dtype,
+            **options,
         )
         return importlib.import_module(self.package).set_weights(layer, weights)
 
@@ -210,9 +218,58 @@ class Framework:
         with a cache, in ``execution`` (compiled where that is its norm)."""
         return lambda x, cache: self.backend.forward(layer, x, x, x, None, causal=True, cache=cache)
 
+    # -- host rows (mha_multi.bench.host) ------------------------------------
+
+    #: The framework's hand-written one-token call, ``hand_written_call(weights,
+    #: shape, device, dtype) -> call(x)`` (a ``staticmethod``): causal
+    #: self-attention without a cache, rotary where ``shape`` is; the anchor of
+    #: the host rows, which are timed where there is one.
+    hand_written_call: Callable[..., Callable[[Any], Any]] | None = None
+
+    def eager_layer_call(self, layer: Any, *, training: bool = False) -> Callable[..., Any]:
+        """``call(x, cache=None)``: our layer called eagerly (nothing compiled) on
+        ``x`` as queries, keys and values: the output, or with a cache, causal,
+        ``(output, cache)``. ``training``: in training mode, recording gradients.
+
+        Raises:
+            NotImplementedError: ``training`` where the framework does not count it.
+        """
+        if training:
+            raise NotImplementedError(f"{self.name} counts no training calls")
+
+        def call(x: Any, cache: Any = None) -> Any:
+            if cache is None:
+                return layer(x, x, x)
+            return layer(x, x, x, causal=True, cache=cache)
+
+        return call
+
+    def host_routes(self, device: str) -> dict[str, Route]:
+        """Route -> the context the host rows are timed in: ``"cpu"``, the route a call
+        on ``device`` takes, and ``"gpu"`` where the framework can take a GPU's route
+        on the CPU."""
+        return {"cpu": contextlib.nullcontext}
+
     def causal_call(self, layer: Any) -> Callable[[Any], Any]:
         """``call(x) -> output``: the causal forward over all of ``x``, no cache."""
         return lambda x: self.backend.forward(layer, x, x, x, None, causal=True)
+
+    def cached_generator(
+        self, layer: Any, cached: Callable[..., Any], shape: GenerationShape
+    ) -> Generator:
+        """Generation by ``cached(x, cache) -> (output, cache)`` of ``layer``, from a new
+        cache of ``shape``'s ``max_length`` positions."""
+
+        def prefill(prompt: Any) -> tuple[Any, Any]:
+            cache = self.backend.init_cache(layer, shape.batch, shape.max_length)
+            output, cache = cached(prompt, cache)
+            return cache, output[:, -1:]
+
+        def step(cache: Any, token: Any) -> tuple[Any, Any]:
+            output, cache = cached(token, cache)
+            return cache, output
+
+        return Generator(prefill, step, self.sync, self.backend.to_numpy)
 
     def generators(
         self, shape: GenerationShape, device: str, dtype: str, execution: str | None = None
@@ -226,20 +283,11 @@ class Framework:
         decoder is left out: its input grows at every step, so every step
         would compile anew.
         """
-        layer = self.ours(shape.attention_shape(), device, dtype)
+        layer = self.ours(shape.attention_shape(), device, dtype, **shape.layer_options)
         cached, causal = self.cached_call(layer, execution), self.causal_call(layer)
 
         def with_cache() -> Generator:
-            def prefill(prompt: Any) -> tuple[Any, Any]:
-                cache = self.backend.init_cache(layer, shape.batch, shape.max_length)
-                output, cache = cached(prompt, cache)
-                return cache, output[:, -1:]
-
-            def step(cache: Any, token: Any) -> tuple[Any, Any]:
-                output, cache = cached(token, cache)
-                return cache, output
-
-            return Generator(prefill, step, self.sync, self.backend.to_numpy)
+            return self.cached_generator(layer, cached, shape)
 
         def recompute() -> Generator:
             def prefill(prompt: Any) -> tuple[Any, Any]:

@@ -43,6 +43,7 @@ __all__ = [
     "generate",
     "generate_in_turns",
     "generation_peak_mib",
+    "rotary_angles",
     "run_generation",
 ]
 
@@ -57,6 +58,10 @@ class GenerationShape:
     num_hiddens: int = 512
     num_heads: int = 8
     num_kv_heads: int | None = None
+    #: The layer's rotary positions (its ``rotary=`` argument: ``{"theta":
+    #: 10000.0}`` rotates half-split pairs at the default positions, as Llama
+    #: does), ``None`` for none; the hand-written decoder rotates the same way.
+    rotary: dict[str, float] | None = None
 
     @property
     def max_length(self) -> int:
@@ -65,6 +70,17 @@ class GenerationShape:
     @property
     def kv_heads(self) -> int:
         return self.attention_shape().kv_heads
+
+    @property
+    def layer_options(self) -> dict[str, Any]:
+        """Our layer's options beyond its sizes: its rotary positions, if any."""
+        return {} if self.rotary is None else {"rotary": dict(self.rotary)}
+
+    def note_shape(self) -> dict[str, Any]:
+        """The shape a generation row records: the full cache's attention, the
+        prompt, and the rotary setting where there is one."""
+        shape = {**vars(self.attention_shape()), "prompt": self.prompt}
+        return shape if self.rotary is None else {**shape, "rotary": dict(self.rotary)}
 
     def cache_bytes(self, itemsize: int) -> int:
         """Bytes of a cache of ``max_length`` positions: keys and values."""
@@ -75,6 +91,30 @@ class GenerationShape:
         return Shape(
             self.batch, self.max_length, self.num_hiddens, self.num_heads, self.num_kv_heads
         )
+
+
+def rotary_angles(shape: GenerationShape) -> np.ndarray | None:
+    """The rotation angles of every position a generation of ``shape`` reaches.
+
+    ``(max_length, head_dim)`` float32, each half ``position * inv_freq`` with
+    ``inv_freq = 1 / theta ** (arange(0, head_dim, 2) / head_dim)`` computed
+    in float64 and rounded to float32, and the product one float32 rounding,
+    as the spec makes its tables (docs: "Positions and biases"); the two
+    halves repeat, as transformers' ``rotate_half`` pairs entry ``i`` with
+    ``i + head_dim / 2``. ``None`` where ``shape`` has no rotary positions.
+    A hand-written decoder takes their cosines and sines once, in its
+    framework.
+    """
+    if shape.rotary is None:
+        return None
+    if set(shape.rotary) - {"theta"}:
+        raise ValueError(f"the hand-written decoders rotate by theta alone; got {shape.rotary}")
+    head_dim = shape.num_hiddens // shape.num_heads
+    theta = float(shape.rotary.get("theta", 10000.0))
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    positions = np.arange(shape.max_length, dtype=np.float32)[:, None]
+    angles = positions * inv_freq.astype(np.float32)  # float32 x float32: one rounding
+    return np.concatenate([angles, angles], axis=-1)
 
 
 @dataclass
@@ -192,7 +232,7 @@ def run_generation(
     )
     prompt = framework.array(prompt_np, device, dtype)
     label = framework.label(execution)
-    note_shape = {**vars(shape.attention_shape()), "prompt": shape.prompt}
+    note_shape = shape.note_shape()
     makers = framework.generators(shape, device, dtype, execution)
     if ways is not None:
         makers = {name: make for name, make in makers.items() if name in ways}

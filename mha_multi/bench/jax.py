@@ -12,6 +12,7 @@ key lengths (Flax's ``True`` = attend, shape ``(B, 1, 1, N)``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ from flax import nnx
 
 from mha_multi.bench.common import Shape, median_seconds, score_bytes
 from mha_multi.bench.framework import Framework
-from mha_multi.bench.generate import GenerationShape, Generator
+from mha_multi.bench.generate import GenerationShape, Generator, rotary_angles
 from mha_multi.jax import MultiHeadAttention, get_weights
 from mha_multi.jax._facts import batch_pieces
 from mha_multi.parity.harness import jax as backend
@@ -56,37 +57,65 @@ def hand_written_decoder(
 ) -> Generator:
     """What a careful user writes by hand: a static cache of ``(B, max_length, H_kv,
     head_dim)`` updated with ``dynamic_update_slice`` and
-    ``jax.nn.dot_product_attention`` over it with a mask, one jitted step."""
+    ``jax.nn.dot_product_attention`` over it with a mask, one jitted step
+    (:func:`_hand_written_step`); with rotary positions, cosine and sine tables
+    made once for every position and the queries and keys rotated
+    (``rotate_half``) before the keys enter the cache."""
     heads, kv_heads, length = shape.num_heads, shape.kv_heads, shape.max_length
     head_dim = shape.num_hiddens // heads
     w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
-
-    @jax.jit
-    def attend(cache: Any, x: jax.Array, position: jax.Array) -> tuple[Any, jax.Array]:
-        batch, steps, _ = x.shape
-        q = (x @ w["W_q"]).reshape(batch, steps, heads, head_dim)
-        cache = tuple(
-            jax.lax.dynamic_update_slice_in_dim(
-                held, (x @ w[name]).reshape(batch, steps, kv_heads, head_dim), position, axis=1
-            )
-            for held, name in zip(cache, ("W_k", "W_v"), strict=True)
-        )
-        # Query i (at position + i) sees the keys up to itself: causal, and filled.
-        visible = jnp.arange(length)[None, :] <= position + jnp.arange(steps)[:, None]
-        context = jax.nn.dot_product_attention(q, *cache, mask=visible[None, None])
-        return cache, context.reshape(batch, steps, -1) @ w["W_o"]
+    angles = rotary_angles(shape)
+    tables = None
+    if angles is not None:  # once, in float32, then in the inputs' dtype
+        angles = jax.device_put(angles, backend.device(device))
+        tables = tuple(f(angles).astype(backend.DTYPES[dtype]) for f in (jnp.cos, jnp.sin))
 
     def prefill(prompt: jax.Array) -> tuple[Any, jax.Array]:
         empty = jnp.zeros((shape.batch, length, kv_heads, head_dim), prompt.dtype)
-        cache, output = attend((empty, empty), prompt, jnp.int32(0))
+        cache, output = _hand_written_step(w, tables, (empty, empty), prompt, 0, heads=heads)
         return (cache, shape.prompt), output[:, -1:]
 
     def step(state: Any, token: jax.Array) -> tuple[Any, jax.Array]:
         cache, position = state
-        cache, output = attend(cache, token, jnp.int32(position))
+        cache, output = _hand_written_step(w, tables, cache, token, position, heads=heads)
         return (cache, position + 1), output
 
     return Generator(prefill, step, backend.sync, backend.to_numpy)
+
+
+@functools.partial(jax.jit, static_argnames="heads")
+def _hand_written_step(
+    w: dict[str, jax.Array],
+    tables: tuple[jax.Array, jax.Array] | None,
+    cache: tuple[jax.Array, jax.Array],
+    x: jax.Array,
+    position: jax.Array,
+    *,
+    heads: int,
+) -> tuple[Any, jax.Array]:
+    """The hand-written decoder's step: one program per shape, whatever decoder calls it
+    (the weights and tables are arguments, so that each generation compiles nothing)."""
+    batch, steps, _ = x.shape
+    _, length, kv_heads, head_dim = cache[0].shape
+
+    def rotate(t: jax.Array) -> jax.Array:
+        if tables is None:
+            return t
+        cos, sin = (jax.lax.dynamic_slice_in_dim(a, position, steps)[:, None] for a in tables)
+        half = head_dim // 2
+        return t * cos + jnp.concatenate([-t[..., half:], t[..., :half]], axis=-1) * sin
+
+    q = rotate((x @ w["W_q"]).reshape(batch, steps, heads, head_dim))
+    k = rotate((x @ w["W_k"]).reshape(batch, steps, kv_heads, head_dim))
+    v = (x @ w["W_v"]).reshape(batch, steps, kv_heads, head_dim)
+    cache = tuple(
+        jax.lax.dynamic_update_slice_in_dim(held, new, position, axis=1)
+        for held, new in zip(cache, (k, v), strict=True)
+    )
+    # Query i (at position + i) sees the keys up to itself: causal, and filled.
+    visible = jnp.arange(length)[None, :] <= position + jnp.arange(steps)[:, None]
+    context = jax.nn.dot_product_attention(q, *cache, mask=visible[None, None])
+    return cache, context.reshape(batch, steps, -1) @ w["W_o"]
 
 
 class Jax(Framework):
@@ -134,7 +163,7 @@ class Jax(Framework):
         one compiled program serves every step (a growing sequence would compile
         each length); and Flax NNX's own ``decode=True``, one token per call."""
         generators = super().generators(shape, device, dtype, execution)
-        ours = self.ours(shape.attention_shape(), device, dtype)
+        ours = self.ours(shape.attention_shape(), device, dtype, **shape.layer_options)
         batch, length = shape.batch, shape.max_length
 
         @nnx.jit
@@ -180,7 +209,8 @@ class Jax(Framework):
             return Generator(prefill, step, self.sync, backend.to_numpy)
 
         generators["recompute"] = recompute
-        generators["native"] = flax_decode
+        if shape.rotary is None:  # Flax's layer has no rotary positions
+            generators["native"] = flax_decode
         return generators
 
     def convert(

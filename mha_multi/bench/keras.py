@@ -34,7 +34,7 @@ import numpy as np
 from mha_multi import spec
 from mha_multi.bench.common import Shape, median_seconds, score_bytes
 from mha_multi.bench.framework import Framework
-from mha_multi.bench.generate import GenerationShape, Generator
+from mha_multi.bench.generate import GenerationShape, Generator, rotary_angles
 from mha_multi.keras import MultiHeadAttention, layout_map, set_weights
 from mha_multi.parity.harness import keras as backend
 from mha_multi.parity.harness.keras import LayerCall
@@ -62,12 +62,18 @@ def hand_written_decoder(
     "compiled"``, the backend's compiler as for the layers) it keeps static
     shapes: the position is an argument, and attention covers all
     ``max_length`` positions with a mask, so the prompt and the steps are
-    two programs.
+    two programs. With rotary positions, cosine and sine tables are made once
+    for every position (held beside the weights) and the queries and keys
+    rotated (``rotate_half``) before the keys enter the cache.
     """
     ops = keras.ops
     heads, kv_heads, length = shape.num_heads, shape.kv_heads, shape.max_length
     head_dim = shape.num_hiddens // heads
     w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
+    angles = rotary_angles(shape)
+    if angles is not None:  # once, in float32, then in the inputs' dtype
+        angles = backend.to_native(angles, device, "float32")
+        w["cos"], w["sin"] = (ops.cast(f(angles), dtype) for f in (ops.cos, ops.sin))
     compiled = execution == "compiled"
     if compiled:
         run = _compiled_attend(heads, kv_heads, length)
@@ -103,7 +109,15 @@ def _updated(
     head_dim = width // heads
 
     def project(name: str, num: int) -> Any:
-        return ops.reshape(ops.matmul(x, w[f"W_{name}"]), (batch, steps, num, head_dim))
+        projected = ops.reshape(ops.matmul(x, w[f"W_{name}"]), (batch, steps, num, head_dim))
+        if "cos" not in w or name == "v":
+            return projected
+        cos, sin = (
+            ops.slice(w[t], (position, 0), (steps, head_dim))[:, None] for t in ("cos", "sin")
+        )
+        half = head_dim // 2
+        turned = ops.concatenate([-projected[..., half:], projected[..., :half]], axis=-1)
+        return projected * cos + turned * sin
 
     keys = ops.slice_update(keys, (0, position, 0, 0), project("k", kv_heads))
     values = ops.slice_update(values, (0, position, 0, 0), project("v", kv_heads))

@@ -23,7 +23,7 @@ from mxnet.gluon import nn
 
 from mha_multi.bench.common import Shape, score_bytes
 from mha_multi.bench.framework import Framework
-from mha_multi.bench.generate import GenerationShape, Generator
+from mha_multi.bench.generate import GenerationShape, Generator, rotary_angles
 from mha_multi.mxnet import set_weights
 from mha_multi.weights import init_weights
 
@@ -124,22 +124,38 @@ def hand_written_decoder(
 
     Imperative in every ``execution``: slice assignment has no place in a
     hybridized graph, whose static shapes would attend over all ``max_length``.
+    With rotary positions, cosine and sine tables are made once for every
+    position and the queries and keys rotated (``rotate_half``) before the
+    keys enter the cache.
     """
     heads, kv_heads = shape.num_heads, shape.kv_heads
     head_dim = shape.num_hiddens // heads
     w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
+    angles = rotary_angles(shape)
+    tables = None
+    if angles is not None:  # once, in float32, then in the inputs' dtype
+        angles = backend.to_native(angles, device, "float32")
+        tables = (mx.np.cos(angles).astype(dtype), mx.np.sin(angles).astype(dtype))
     cache: dict[str, mx.np.ndarray] = {}
 
     def split(x: mx.np.ndarray, count: int) -> mx.np.ndarray:
         batch, steps = x.shape[:2]
         return x.reshape(batch, steps, count, head_dim).transpose(0, 2, 1, 3)
 
+    def rotate(x: mx.np.ndarray, at: slice) -> mx.np.ndarray:
+        if tables is None:
+            return x
+        cos, sin = (table[at] for table in tables)
+        half = head_dim // 2
+        return x * cos + mx.np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+
     def attend(x: mx.np.ndarray, position: int) -> mx.np.ndarray:
         batch, steps = x.shape[:2]
         end = position + steps
-        q = split(mx.np.dot(x, w["W_q"]), heads).reshape(batch * heads, steps, head_dim)
-        for name in ("k", "v"):
-            cache[name][:, :, position:end] = split(mx.np.dot(x, w[f"W_{name}"]), kv_heads)
+        at = slice(position, end)
+        q = rotate(split(mx.np.dot(x, w["W_q"]), heads), at).reshape(batch * heads, steps, head_dim)
+        cache["k"][:, :, at] = rotate(split(mx.np.dot(x, w["W_k"]), kv_heads), at)
+        cache["v"][:, :, at] = split(mx.np.dot(x, w["W_v"]), kv_heads)
         k, v = (
             mx.np.repeat(cache[name][:, :, :end], heads // kv_heads, axis=1).reshape(
                 batch * heads, end, head_dim
@@ -195,6 +211,10 @@ class MXNet(Framework):
     def cached_call(self, layer: Any, execution: str | None = None) -> Callable[..., Any]:
         layer.hybridize(active=execution != "imperative")
         return super().cached_call(layer, execution)
+
+    def eager_layer_call(self, layer: Any, *, training: bool = False) -> Callable[..., Any]:
+        layer.hybridize(active=False)  # imperative: MXNet's eager mode
+        return super().eager_layer_call(layer, training=training)
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mha_multi.bench.call_tables import calls_table, host_table, llama_table
 from mha_multi.bench.tables import (
     SUMMARIES,
     Table,
@@ -192,6 +193,9 @@ def blocks(results: Results) -> dict[str, list[str]]:
         "speed": _with_sources(speed_table(on_cpu), results),
         "small-calls": _with_sources(small_calls_table(on_cpu), results),
         "decoding": _with_sources(generation_table(on_cpu), results),
+        "llama-decoding": _with_sources(llama_table(on_cpu), results),
+        "host": _with_sources(host_table(on_cpu), results),
+        "calls": _with_sources(calls_table(on_cpu), results),
         "memory": _with_sources(memory_table(on_cpu), results),
         "gpu": _gpu_lines(results),
     }

@@ -9,8 +9,14 @@ shows too (:mod:`mha_multi.bench.page`), then gives each backend's rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
+from mha_multi.bench.call_tables import calls_table, host_table, llama_table
+from mha_multi.bench.cells import Table
+from mha_multi.bench.cells import ms as _ms
+from mha_multi.bench.cells import ratio as _ratio
+from mha_multi.bench.cells import row as _row
+from mha_multi.bench.cells import table as _table
+from mha_multi.bench.cells import table_head as _table_head
 from mha_multi.bench.common import ITEMSIZE, Shape, kv_bytes
 
 __all__ = [
@@ -29,37 +35,9 @@ __all__ = [
 TIMED_MODES = ("forward", "forward+backward")
 
 
-def _ms(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    # Small calls take fractions of a millisecond: three significant digits.
-    return f"{seconds * 1e3:.1f}" if seconds >= 0.01 else f"{seconds * 1e3:.3g}"
-
-
 def _ms_or_note(m: dict) -> str:
     """A row's time in ms, or its note (why it has none)."""
     return _ms(m.get("seconds")) if m.get("seconds") else m["note"]
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}x"
-
-
-def _row(*cells: object) -> str:
-    return "| " + " | ".join(str(cell) for cell in cells) + " |"
-
-
-def _table_head(title: str, columns: Sequence[str]) -> list[str]:
-    """The lines above a table's rows: its title, its column names, the separator."""
-    return ["", title, "", _row(*columns), "|" + "---|" * len(columns)]
-
-
-@dataclass
-class Table:
-    """A table across backends: its Markdown lines and the measurements it shows."""
-
-    lines: list[str]
-    rows: list[dict]
 
 
 def _heads(m: dict) -> tuple[int, int]:
@@ -67,11 +45,6 @@ def _heads(m: dict) -> tuple[int, int]:
     shape = m.get("shape") or {}
     heads = shape.get("num_heads", 0)
     return heads, shape.get("num_kv_heads") or heads
-
-
-def _table(columns: Sequence[str], rows: Sequence[Sequence[object]], shown: list[dict]) -> Table:
-    lines = [_row(*columns), "|" + "---|" * len(columns), *(_row(*cells) for cells in rows)]
-    return Table(lines if rows else [], shown)
 
 
 def ratio_table(measurements: Sequence[dict], select: Callable[[dict], bool]) -> Table:
@@ -123,13 +96,18 @@ def generation_table(measurements: Sequence[dict]) -> Table:
 
     The ratio is ours / hand-written in tokens per second: above 1 when ours
     is faster. The peak memory of our generation stands beside its cache's size.
+    Layers with rotary positions have a table of their own
+    (:func:`~mha_multi.bench.call_tables.llama_table`).
     """
     generated = [
         m
         for m in measurements
-        if (m["mode"], m["implementation"])
-        in {("generate", "cached"), ("generate", "hand-written")}
-        or m["mode"] == "generate memory"
+        if (
+            (m["mode"], m["implementation"])
+            in {("generate", "cached"), ("generate", "hand-written")}
+            or m["mode"] == "generate memory"
+        )
+        and not (m.get("shape") or {}).get("rotary")  # the Llama-shaped rows' table
     ]
 
     def key(m: dict) -> tuple:
@@ -213,6 +191,9 @@ SUMMARIES: dict[str, Callable[[Sequence[dict]], Table]] = {
     "Ours / the native layer, a batch of examples (ms: ours)": speed_table,
     "Ours / the native layer, one example (ms: ours)": small_calls_table,
     "Generation, ours against the hand-written loop": generation_table,
+    "Generation by a Llama-shaped layer (rotary), ours against the hand-written loop": llama_table,
+    "Host time of the tiny layer, per call": host_table,
+    "Python calls per call (cProfile)": calls_table,
     "Peak memory of one forward pass (MiB)": memory_table,
 }
 
@@ -227,6 +208,13 @@ def summary_lines(measurements: Sequence[dict]) -> list[str]:
             if table.lines:
                 lines += ["", f"### {title}, {device}", "", *table.lines]
     return lines
+
+
+#: The tables of what a call costs around its kernels, in each backend's part of the report.
+_CALL_TABLES = {
+    'The tiny layer\'s host time per call (us; docs: "Results")': host_table,
+    "Python calls per call (cProfile)": calls_table,
+}
 
 
 def format_markdown(results: Sequence[dict]) -> str:
@@ -290,6 +278,9 @@ def format_markdown(results: Sequence[dict]) -> str:
         lines += _pruned_lines(measurements)
         lines += _sharded_lines(measurements)
         lines += _generation_lines(measurements)
+        for title, make in _CALL_TABLES.items():
+            made = make(measurements)
+            lines += ["", f"{title}:", "", *made.lines] if made.lines else []
         notes = sorted({m["note"] for m in timed if m.get("note", "").startswith("K/V")})
         if notes:
             lines += ["", *(f"Grouped heads: {note}." for note in notes)]
@@ -358,13 +349,14 @@ def _generation_lines(measurements: Sequence[dict]) -> list[str]:
             m["length"],
             heads,
             shape.get("num_kv_heads") or heads,
+            "rotary" if shape.get("rotary") else "",
         )
 
     for group in sorted({key(m) for m in generated}):
         rows = [m for m in generated if key(m) == group]
         cached = next((m for m in rows if m["implementation"] == "cached"), {})
-        dtype, prompt, length, heads, kv_heads = group
-        sizes = (dtype, f"{prompt} + {length - prompt}", f"{heads}/{kv_heads}")
+        dtype, prompt, length, heads, kv_heads, rotary = group
+        sizes = (dtype, f"{prompt} + {length - prompt}", f"{heads}/{kv_heads} {rotary}".strip())
         for m in rows:
             rate = m.get("tokens_per_s")
             ratio = _ratio(cached.get("tokens_per_s"), rate) if m is not cached else "-"

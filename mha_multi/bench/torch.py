@@ -7,10 +7,11 @@ are timed against PyTorch's own grouped-query route instead,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,14 @@ from torch import nn
 
 from mha_multi import spec
 from mha_multi.bench.common import Shape, median_seconds, score_bytes
-from mha_multi.bench.framework import Framework
+from mha_multi.bench.framework import Framework, Route
 from mha_multi.bench.generate import GenerationShape, Generator
+from mha_multi.bench.torch_decoders import (
+    compiled,
+    forget_compiled,
+    hand_written_call,
+    hand_written_decoder,
+)
 from mha_multi.interop.torch import key_padding_mask, to_torch_d2l
 from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import set_weights
@@ -55,49 +62,6 @@ class GroupedSDPA(nn.Module):
         return self.W_o(context.transpose(1, 2).flatten(2))
 
 
-def hand_written_decoder(
-    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
-) -> Generator:
-    """What a careful user writes by hand: a static cache written in place and
-    ``scaled_dot_product_attention`` over its filled positions (docs: "Generating
-    with a cache")."""
-    batch, heads, kv_heads = shape.batch, shape.num_heads, shape.kv_heads
-    head_dim = shape.num_hiddens // heads
-    w = {
-        name: backend.to_native(np.ascontiguousarray(weights[name].T), device, dtype)
-        for name in ("W_q", "W_k", "W_v", "W_o")
-    }
-    cache = {}
-
-    @torch.inference_mode()
-    def attend(x: torch.Tensor, position: int) -> torch.Tensor:
-        length = x.shape[1]
-        q = nn.functional.linear(x, w["W_q"]).view(batch, length, heads, head_dim).transpose(1, 2)
-        for name in ("k", "v"):
-            new = nn.functional.linear(x, w[f"W_{name}"]).view(batch, length, kv_heads, head_dim)
-            cache[name][:, :, position : position + length] = new.transpose(1, 2)
-        end = position + length
-        context = nn.functional.scaled_dot_product_attention(
-            q,
-            cache["k"][:, :, :end],
-            cache["v"][:, :, :end],
-            is_causal=length > 1,
-            enable_gqa=kv_heads != heads,
-        )
-        return nn.functional.linear(context.transpose(1, 2).flatten(2), w["W_o"])
-
-    def prefill(prompt: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        size = (batch, kv_heads, shape.max_length, head_dim)
-        for name in ("k", "v"):
-            cache[name] = torch.zeros(size, device=prompt.device, dtype=prompt.dtype)
-        return shape.prompt, attend(prompt, 0)[:, -1:]
-
-    def step(position: int, token: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        return position + 1, attend(token, position)
-
-    return Generator(prefill, step, backend.sync, backend.to_numpy)
-
-
 class Torch(Framework):
     """Forward passes under ``torch.inference_mode``; the native layer gets the
     key padding as ``key_padding_mask`` (``True`` = hidden)."""
@@ -116,18 +80,61 @@ class Torch(Framework):
         return torch.cat([sequence, token], dim=1)
 
     hand_written = staticmethod(hand_written_decoder)
+    hand_written_call = staticmethod(hand_written_call)
+    # Eager, and ours and the hand-written step under torch.compile (one graph
+    # each, static shapes; CUDA graphs on a GPU).
+    generation_executions = (None, "compiled")
+
+    def describe(self, device: str, execution: str | None) -> str:
+        described = super().describe(device, execution)
+        return described if execution is None else f"{described}; torch.compile(fullgraph=True)"
+
+    def eager_layer_call(self, layer: Any, *, training: bool = False) -> Callable[..., Any]:
+        """Under ``torch.inference_mode`` in evaluation mode, as a user decodes;
+        ``training``: ``train()`` mode, recording gradients."""
+        layer.train(training)
+        call = super().eager_layer_call(layer)
+        if training:
+            return call
+
+        def inferring(x: torch.Tensor, cache: Any = None) -> Any:
+            with torch.inference_mode():
+                return call(x, cache)
+
+        return inferring
+
+    def host_routes(self, device: str) -> dict[str, Route]:
+        """One thread; on the CPU's route and, told that every tensor is on a GPU
+        (``as_if_on_a_gpu``), on the route a GPU's call takes."""
+        return {"cpu": _one_thread, "gpu": _gpu_route}
+
+    def generators(
+        self, shape: GenerationShape, device: str, dtype: str, execution: str | None = None
+    ) -> dict[str, Callable[[], Generator]]:
+        if execution == "compiled":
+            forget_compiled()  # each configuration's graphs afresh
+        return super().generators(shape, device, dtype, execution)
 
     def cached_call(self, layer: Any, execution: str | None = None) -> Callable[..., Any]:
         """The layer in evaluation mode called under ``torch.inference_mode``, as a user
         decodes and as the hand-written decoder runs (the cache ``init_cache`` makes
-        keeps its versions there; docs: "Generating with a cache")."""
+        keeps its versions there; docs: "Generating with a cache"); ``"compiled"``:
+        the call under :func:`~mha_multi.bench.torch_decoders.compiled`, the cache
+        updated functionally."""
         layer.eval()
 
         def call(x: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-            with torch.inference_mode():
-                return layer(x, x, x, causal=True, cache=cache)
+            return layer(x, x, x, causal=True, cache=cache)
 
-        return call
+        if execution == "compiled":
+            device = "gpu" if next(layer.parameters()).is_cuda else "cpu"
+            call = compiled(call, device)
+
+        def cached(x: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+            with torch.inference_mode():
+                return call(x, cache)
+
+        return cached
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str
@@ -206,6 +213,24 @@ class Torch(Framework):
 
 
 FRAMEWORK = Torch()
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One thread for PyTorch's kernels, while active (a tiny call's are serial)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _gpu_route() -> Iterator[None]:
+    """One thread, and a call on the CPU taking the route a GPU's takes."""
+    with _one_thread(), backend.as_if_on_a_gpu():
+        yield
 
 
 def sharded_seconds(shape: Shape, num_shards: int, *, repeats: int = 5) -> float:

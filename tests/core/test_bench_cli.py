@@ -12,6 +12,7 @@ from mha_multi.bench.__main__ import kinds_of_rows, main
 def test_only_takes_several_kinds_of_row():
     assert kinds_of_rows("timing,generation") == ("timing", "generation")
     assert kinds_of_rows("small-calls,") == ("small-calls",)
+    assert kinds_of_rows("host,calls") == ("host", "calls")
     for text in ("timing,typo", "", ","):
         with pytest.raises(argparse.ArgumentTypeError, match="small-calls"):
             kinds_of_rows(text)

@@ -57,6 +57,20 @@ def generation(implementation, mode, **values):
     return row
 
 
+def llama(implementation, **values):
+    """A generation row of the Llama-shaped layer: rotary positions, 8/2 heads."""
+    row = generation(implementation, "generate", **values)
+    row["shape"]["rotary"] = {"theta": 10000.0}
+    return row
+
+
+def tiny(implementation, mode, route="cpu", **values):
+    """A host or Python-calls row of the tiny rotary layer (16 hiddens, 2/1 heads)."""
+    row = measurement(implementation, mode, 1, batch=1, kv=1, **values)
+    row["shape"] |= {"num_hiddens": 16, "num_heads": 2, "rotary": {"theta": 10000.0}}
+    return {**row, "shape": {**row["shape"], "route": route}}
+
+
 BENCH = bench_file(
     [
         measurement("ours", "forward", 128, seconds=0.020),
@@ -68,6 +82,16 @@ BENCH = bench_file(
         generation("cached", "generate", tokens_per_s=1000.0),
         generation("hand-written", "generate", tokens_per_s=2000.0),
         generation("cached", "generate memory", peak_mib=5.4),
+        llama("cached", tokens_per_s=900.0),
+        llama(
+            "hand-written", tokens_per_s=1000.0, note="prefill 5 ms; max |this - cached| 3.0e-08"
+        ),
+        tiny("ours", "host: decoding step", seconds=300e-6),
+        tiny("hand-written", "host: decoding step", seconds=200e-6),
+        tiny("ours", "host: one token", "gpu", seconds=150e-6),
+        tiny("hand-written", "host: one token", "gpu", seconds=100e-6),
+        tiny("ours", "python calls: decoding step", calls=60.05),
+        tiny("hand-written", "python calls: decoding step", calls=40.05),
         measurement("ours", "peak memory", 1024, peak_mib=83.2),
         measurement("native", "peak memory", 1024, peak_mib=99.0),
     ]
@@ -132,6 +156,32 @@ EXPECTED = {
         "|---|---|---|---|---|---|---|",
         # The cache: keys and values, 8 examples x 512 positions x 2 heads x 64 x 4 bytes.
         "| torch | float32 | 8/2 | 1000 | 2000 | 0.50x | 5 MiB (4.0 MiB) |",
+        "",
+        SOURCE,
+    ],
+    # The rotary rows: a table of their own, the difference read from the note.
+    "llama-decoding": [
+        "| backend | dtype | heads (q/kv) | ours (tokens/s) | hand-written (tokens/s) "
+        "| ours / hand-written | max difference |",
+        "|---|---|---|---|---|---|---|",
+        "| torch | float32 | 8/2 | 900 | 1000 | 0.90x | 3.0e-08 |",
+        "",
+        SOURCE,
+    ],
+    # Microseconds per call; the route a GPU takes after the CPU's.
+    "host": [
+        "| backend | route | call | ours (us) | hand-written (us) | ours / hand-written |",
+        "|---|---|---|---|---|---|",
+        "| torch | CPU's | decoding step | 300 | 200 | 1.50x |",
+        "| torch | a GPU's, on the CPU | one token | 150 | 100 | 1.50x |",
+        "",
+        SOURCE,
+    ],
+    "calls": [
+        "| backend | call | plain: ours | plain: hand-written | rotary: ours "
+        "| rotary: hand-written |",
+        "|---|---|---|---|---|---|",
+        "| torch | decoding step | - | - | 60 | 40 |",
         "",
         SOURCE,
     ],
@@ -207,10 +257,13 @@ def test_the_check_fails_on_one_number_changed(results, tmp_path):
 def test_a_page_without_a_block_is_refused(results):
     generated = page.blocks(page.load(results))
     lacking = blank_page(names=("parity", "speed"))
-    # The two it has hold old text; the four it lacks are named too.
+    # The two it has hold old text; the seven it lacks are named too.
     assert page.stale(lacking, generated) == [
+        "calls",
         "decoding",
         "gpu",
+        "host",
+        "llama-decoding",
         "memory",
         "parity",
         "small-calls",
