@@ -116,6 +116,8 @@ class PlainRoute:
             return None
         if type(queries) is not torch.Tensor:
             return None
+        if rotary is not None and cache is not None and rotary.depends_on_length:
+            return None  # (each step's length changes every angle: no table serves them)
         on_host = self.on_host(queries)
         step = None
         if cache is None:
@@ -347,7 +349,10 @@ class PlainRoute:
             # elementwise: a table's row is that of its position alone).
             ops = self.ops(queries)
             count = queries.shape[1] if cache is None else cache.keys.shape[2]
-            tables = spec.rotary_tables(ops, queries, ops.arange(count), rotary, heads.head_dim)
+            # (A type that depends on the call's length: Q's, as the generic flow has it.)
+            tables = spec.rotary_tables(
+                ops, queries, ops.arange(count), rotary, heads.head_dim, length=count
+            )
             plain = plain._replace(
                 tables=tables, wide_tables=wide_tables(tables, rotary, heads.head_dim)
             )

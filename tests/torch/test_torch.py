@@ -799,8 +799,14 @@ def assert_same_nonfinite_pattern(got, expected):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "num_kv_heads, rotary",
-    [(4, None), (2, None), (2, {"theta": 100.0}), (4, {"interleaved": True})],
-    ids=["mha", "gqa", "gqa-rotary", "mha-interleaved"],
+    [
+        (4, None),
+        (2, None),
+        (2, {"theta": 100.0}),
+        (4, {"interleaved": True}),
+        (2, {"scaling": {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 3}}),
+    ],
+    ids=["mha", "gqa", "gqa-rotary", "mha-interleaved", "gqa-dynamic"],
 )
 def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(
     num_kv_heads, rotary, causal, dtype
