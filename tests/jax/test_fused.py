@@ -119,8 +119,9 @@ def test_every_case_and_its_gradients_match_the_reference_under_jit(kernel_calls
     for key, grad in [*zip(INPUT_NAMES, input_grads, strict=True), *param_grads.items()]:
         np.testing.assert_allclose(grad, case.reference[f"grad.{key}"], atol=5e-5, err_msg=key)
     # Traced once: the fused path, but for the score options (a bias, ALiBi, a
-    # window, a soft cap), which JAX's kernel call does not take.
-    scored = case.bias is not None or set(config.options or {}) - {"rotary"}
+    # window, a soft cap), which JAX's kernel call does not take; rotary and the
+    # query/key norms act on q and k before any path.
+    scored = case.bias is not None or set(config.options or {}) - {"rotary", "qk_norm"}
     assert len(kernel_calls) == (0 if scored else 1)
 
 
