@@ -59,3 +59,35 @@ def test_block_output_and_input_gradient(runner, fixture, model):
     grad_x = sum(runner.to_numpy(grads[name]) for name in ("queries", "keys", "values"))
     error = np.abs(grad_x - block["grad.x"]).max()
     assert error <= GRADIENT, f"{model} input gradient: {error:.3g}"
+
+
+#: Each example's real tokens fed to the cache in calls of 3, 1, 1 and 2 new
+#: positions (examples of 7, 4 and 5 tokens: ragged, some calls append nothing).
+CHUNKS = [(3, [3, 3, 3]), (1, [1, 1, 1]), (1, [1, 0, 1]), (2, [2, 0, 0])]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_cached_decoding_gives_the_block_output(runner, fixture, model):
+    """The real tokens of each example, decoded through the layer's cache call by call,
+    give the block's output of one forward (a rotary type that depends on the call's
+    length is left out: its angles change with each call's length, as transformers'
+    do, docs: "Positions and biases")."""
+    data, block = fixture["batch"], fixture[model]
+    kwargs = dict(block["kwargs"])
+    scaling = (kwargs.get("rotary") or {}).get("scaling") or {}
+    if scaling.get("rope_type") in ("dynamic", "longrope"):
+        pytest.skip(f"{model}: its rotary angles depend on each call's length")
+    layer = runner.set_weights(
+        runner.make_layer(HIDDEN, kwargs.pop("num_heads"), **kwargs), block["weights"]
+    )
+    lengths = data["real"].sum(axis=1)
+    # Left padding removed: each example's real tokens from position 0.
+    x = np.zeros_like(data["x"])
+    expected = np.zeros_like(block["output"])
+    for b, length in enumerate(lengths):
+        x[b, :length] = data["x"][b, -length:]
+        expected[b, :length] = block["output"][b, -length:]
+    inputs = {"queries": x, "keys": x, "values": x}
+    output = runner.decode(layer, inputs, lengths, CHUNKS, max_length=x.shape[1])
+    error = np.abs(output - expected).max()
+    assert error <= FORWARD, f"{model} cached decoding: {error:.3g}"
