@@ -262,7 +262,7 @@ def plain_self_attention(
         and values is queries
         and valid_lens is None
         and (causal is True or causal is False)
-        and (layer_options is None or layer_options.is_default or layer_options.only_rotary)
+        and (layer_options is None or layer_options.at_most_rotary)
     ):
         return False
     # A loop, not all() of a generator: every call of every layer asks.

@@ -287,9 +287,9 @@ class LayerOptions:
         return self.rotary is None and self._others_default
 
     @property
-    def only_rotary(self) -> bool:
-        """Whether ``rotary`` is the one option set: the scores are d2l's, of rotated q and k."""
-        return self.rotary is not None and self._others_default
+    def at_most_rotary(self) -> bool:
+        """Whether no option but ``rotary`` is set: the scores are d2l's (of rotated q and k)."""
+        return self._others_default
 
     def score_options(
         self, *, num_heads: int, bias: Array | None = None, query_positions: Array | None = None
