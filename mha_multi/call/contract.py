@@ -63,9 +63,8 @@ class Result(NamedTuple):
 
     def returned(self, return_attention_weights: bool) -> Any:
         """The layer's return value: the output, then the weights and the cache where given."""
-        outputs: tuple[Any, ...] = (self.output,)
+        if self.cache is None:
+            return (self.output, self.weights) if return_attention_weights else self.output
         if return_attention_weights:
-            outputs += (self.weights,)
-        if self.cache is not None:
-            outputs += (self.cache,)
-        return outputs[0] if len(outputs) == 1 else outputs
+            return self.output, self.weights, self.cache
+        return self.output, self.cache

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -279,17 +279,17 @@ class LayerOptions:
             for field in dataclasses.fields(self)
             if field.name != "rotary"
         )
-        object.__setattr__(self, "_others_default", others_default)
+        object.__setattr__(self, "at_most_rotary", others_default)
+
+    # Set on each instance by __post_init__; not a field, so that
+    # dataclasses.asdict and replace see the options alone.
+    #: Whether no option but ``rotary`` is set: the scores are d2l's (of rotated q and k).
+    at_most_rotary: ClassVar[bool]
 
     @property
     def is_default(self) -> bool:
         """Whether these are d2l's layer (no option set)."""
-        return self.rotary is None and self._others_default
-
-    @property
-    def at_most_rotary(self) -> bool:
-        """Whether no option but ``rotary`` is set: the scores are d2l's (of rotated q and k)."""
-        return self._others_default
+        return self.rotary is None and self.at_most_rotary
 
     def score_options(
         self, *, num_heads: int, bias: Array | None = None, query_positions: Array | None = None

@@ -85,6 +85,9 @@ class CacheCheck:
         #: What the plain step that wrote the cache decided (``PlainRoute.plain_attention``):
         #: ``(layer, key, plan)``, for the next step of that layer and key.
         self.step: tuple[Any, tuple, Any] | None = None
+        #: The lengths of the plain steps to come (:func:`next_lengths`).
+        self.bank: torch.Tensor | None = None
+        self.bank_from = 0
 
     @property
     def lengths(self) -> np.ndarray:
@@ -120,7 +123,10 @@ class CacheCheck:
         and none of them is an inference tensor (this check holds them).
         """
         check = CacheCheck.__new__(CacheCheck)
-        # (Every field of the constructor is set here; written_past sets its own.)
+        # (Every field of the constructor is set here: written_past's inline, a step's
+        # cost is such work.)
+        finite_from = self.finite_from
+        key_upto = self.key_upto if self.key_upto < filled else filled - 1
         check.__dict__ = {
             **self.__dict__,
             "versions": (updated.keys._version, updated.values._version),
@@ -132,8 +138,13 @@ class CacheCheck:
             "lengths_version": updated.lengths._version,
             "_uniform": filled,
             "step": step,
+            # (max and min: builtins' calls, spelled out: a step's cost is such work.)
+            "finite_from": (
+                None if finite_from is None else filled if finite_from < filled else finite_from
+            ),
+            "key_upto": key_upto,
+            "key_max": self.key_max if key_upto else 0.0,  # (a bound of nothing)
         }
-        check.written_past(self, filled - 1, filled)
         setattr(updated.lengths, CHECKED, check)
         return check
 
@@ -303,10 +314,7 @@ def written_step(
     keys.select(2, length).copy_(k.view(rows))
     values.select(2, length).copy_(v.view(rows))
     filled = length + 1
-    # Every example holds ``filled``: filled where the lengths live, no copy from the host.
-    with versioned():
-        lengths = torch.full_like(lengths, filled)
-    updated = spec.KVCache(keys, values, lengths)
+    updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
     if checked:
         check.stepped(updated, filled, step)
     else:
@@ -319,6 +327,33 @@ def written_step(
         check.stepped(updated, filled, step, poison=poison, pending=pending).pending_from = start
     span = filled if span is None else span
     return keys.narrow(2, 0, span), values.narrow(2, 0, span), updated
+
+
+#: How many plain steps' lengths :func:`next_lengths` makes at once.
+_BANKED = 64
+
+
+def next_lengths(check: CacheCheck, lengths: torch.Tensor, filled: int) -> torch.Tensor:
+    """A new lengths tensor like ``lengths`` (the cache's, whose check is ``check``),
+    ``filled`` for every example: the lengths of a plain step's cache.
+
+    A row of :attr:`CacheCheck.bank`, the lengths of the next :data:`_BANKED`
+    steps made at once where the lengths live (no copy from the host), outside
+    inference mode (:func:`versioned`): a view made in inference mode of such a
+    tensor is no inference tensor, so each step's lengths keep a version
+    counter (the bank's, which an edit of any step's lengths moves: the steps
+    after it then check their caches again).
+    """
+    bank = check.bank
+    if bank is not None:
+        row = filled - check.bank_from
+        if 0 <= row < bank.shape[0]:
+            return bank[row]
+    with versioned():
+        steps = torch.arange(filled, filled + _BANKED, dtype=lengths.dtype, device=lengths.device)
+        bank = steps.unsqueeze(1).repeat(1, lengths.shape[0])
+    check.bank, check.bank_from = bank, filled
+    return bank[0]
 
 
 def poison_of(*tensors: torch.Tensor) -> torch.Tensor:

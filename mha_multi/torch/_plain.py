@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import CacheCheck, written_step
+from mha_multi.torch._cache import CHECKED, CacheCheck, next_lengths, written_step
 from mha_multi.torch._ops import OPS, SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
@@ -112,12 +112,10 @@ class PlainRoute:
         position, the generic flow's default positions; the read then sums
         what attention takes, the rotated heads and the values.
         """
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or type(queries) is not torch.Tensor:
             return None
-        if type(queries) is not torch.Tensor:
+        if torch.compiler.is_compiling():
             return None
-        if rotary is not None and cache is not None and rotary.depends_on_length:
-            return None  # (each step's length changes every angle: no table serves them)
         on_host = self.on_host(queries)
         step = None
         if cache is None:
@@ -132,13 +130,16 @@ class PlainRoute:
             key = (dtype, causal, queries.shape, queries.dtype, device)
             step = check.step
             if step is not None and step[0]() is layer and step[1] == key:
-                autocast = torch.is_autocast_enabled("cpu" if on_host else device.type)
-                plan = None if autocast else step[2]
+                if torch.is_autocast_enabled("cpu" if on_host else device.type):
+                    return None
+                plan = step[2]
             else:
                 plan = self._plain_plan(
                     layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary
                 )
                 step = None if plan is None else (weakref.ref(layer), key, plan)
+            if plan is not None and plan.fused:
+                return _fused_step(layer, queries, cache, check, plan, step, rotary is not None)
         if plan is None:
             return None
         heads = layer.heads
@@ -160,23 +161,20 @@ class PlainRoute:
         q, k, v = split_stacked(projected, heads)
         read = (projected,)
         if rotary is not None:
-            q, k, turned = _rotated(
-                projected, plan, rotary, heads, None if cache is None else check
-            )
+            position = None if cache is None else check.uniform
+            q, k, turned = _rotated(projected, plan, rotary, heads, position)
             read = (turned, v)
         if plan.fused and not self._exact(read, q, k, plan, heads.head_dim):
             return None  # (no gradient here)
         lengths = updated = None
         if cache is not None:
-            k, v, updated = written_step(
-                cache, check, k, v, heads, step, span=span, checked=plan.fused
-            )
+            # (A fused plan's step is _fused_step's.)
+            k, v, updated = written_step(cache, check, k, v, heads, step, span=span, checked=False)
             # One query per example: it sees what its example now holds.
             lengths = updated.lengths
         if plan.fused:
-            if cache is None:
-                k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
-                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
             q = q.view(q.shape[0], q.shape[1], heads.num_heads, heads.head_dim).transpose(1, 2)
             context = torch.nn.functional.scaled_dot_product_attention(q, k, v, **plan.arguments)
             context = context.transpose(1, 2).flatten(2)
@@ -227,21 +225,31 @@ class PlainRoute:
         ``checked``: every position below the lengths must be known finite)."""
         if type(cache) is not spec.KVCache:
             return None
-        check = CacheCheck.of(cache)
-        if check is None:
+        keys, values, lengths = cache
+        # CacheCheck.of, inline: every step asks.
+        check = getattr(lengths, CHECKED, None)
+        if (
+            check is None
+            or keys is not check.keys()
+            or values is not check.values()
+            or (keys._version, values._version) != check.versions
+            or lengths._version != check.lengths_version
+            # Inference tensors keep no version counter: nothing would tell an edit.
+            or keys.is_inference()
+            or values.is_inference()
+        ):
             return None
         if checked and (check.pending is not None or check.poison is not None):
             return None
         length = check.uniform
         # (A check may stand for more positions than are filled: those a GPU's span rounded
         # up to and a read checked.)
-        if length is None or length < 1 or check.upto < length or length >= cache.keys.shape[2]:
+        if length is None or length < 1 or check.upto < length or length >= keys.shape[2]:
             return None  # (an overflow among them: the generic flow raises it)
-        if cache.lengths._version != check.lengths_version:
-            return None
         # (Nothing past the filled positions is attended over: the values there must be
         # known finite, call.Facts.finite_past.)
-        if check.finite_from is None or check.finite_from > length + 1:
+        finite_from = check.finite_from
+        if finite_from is None or finite_from > length + 1:
             return None
         return check if queries.shape[:2] == (check.examples, 1) else None
 
@@ -270,6 +278,8 @@ class PlainRoute:
         device = queries.device
         if torch.is_autocast_enabled(device.type):
             return None
+        if rotary is not None and cache is not None and rotary.depends_on_length:
+            return None  # (each step's length changes every angle: no table serves them)
         plans = self._plain_plans.get(layer)
         if plans is None:
             plans = self._plain_plans[layer] = {}
@@ -362,23 +372,79 @@ class PlainRoute:
         return plain
 
 
+def _fused_step(
+    layer: call.Projections,
+    queries: torch.Tensor,
+    cache: spec.KVCache,
+    check: CacheCheck,
+    plan: PlainPlan,
+    step: tuple[Any, tuple, Any],
+    rotates: bool,
+) -> call.Result | None:
+    """:meth:`PlainRoute.plain_attention`'s decoding step on a fused plan (the host's).
+
+    The route's operations for one query per example, written out in one
+    function: a step's cost on the host is its Python as much as its
+    kernels (docs: "Fast paths"). ``rotates``: the layer's ``rotary``, whose
+    tables the plan holds. ``None`` where the values read are not finite,
+    before anything is written.
+    """
+    heads = layer._heads
+    query_width, kv_width = heads.query_features, heads.kv_features
+    num_kv_heads, head_dim = heads.num_kv_heads, heads.head_dim
+    keys, values, lengths = cache
+    length = check.uniform
+    modules = layer._modules
+    # (The layer was called before: its parameters are sized; views of them where packed.)
+    stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
+    projected = torch.nn.functional.linear(queries, *(stacked or layer.stacked_parameters(queries)))
+    if not rotates:
+        q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
+        total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
+    else:
+        q, k, turned = _rotated(projected, plan, layer.options.rotary, heads, length)
+        v = projected.narrow(-1, query_width + kv_width, kv_width)
+        total = turned.sum() + v.sum()
+    # One query sees its keys unmasked (the plan is not bounded): the read is the sum's.
+    if not math.isfinite(total.item()):
+        return None  # (no gradient here)
+    # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
+    keys.select(2, length).copy_(k.view(-1, num_kv_heads, head_dim))
+    values.select(2, length).copy_(v.view(-1, num_kv_heads, head_dim))
+    filled = length + 1
+    updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
+    check.stepped(updated, filled, step)
+    # One query per example: (B, 1, H*dh) is (B, H, 1, dh) as it lies, and back.
+    batch = q.shape[0]
+    context = torch.nn.functional.scaled_dot_product_attention(
+        q.view(batch, heads.num_heads, 1, head_dim),
+        keys.narrow(2, 0, filled),
+        values.narrow(2, 0, filled),
+        **plan.arguments,
+    )
+    parameters = modules["W_o"]._parameters
+    output = torch.nn.functional.linear(
+        context.reshape(batch, 1, query_width), parameters["weight"], parameters["bias"]
+    )
+    return call.Result(output, None, updated)
+
+
 def _rotated(
     projected: torch.Tensor,
     plan: PlainPlan,
     rotary: spec.Rotary,
     heads: spec.Heads,
-    check: CacheCheck | None,
+    position: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The queries and keys of stacked projections rotated together, at ``arange(Q)``
-    (no cache) or at the step's position (``check.uniform``), by the plan's tables:
-    ``(q, k, both)``, the first two views of the third."""
+    (no cache: ``position`` ``None``) or at a step's ``position``, by the plan's
+    tables: ``(q, k, both)``, the first two views of the third."""
     query_width = heads.query_features
     both = projected.narrow(-1, 0, query_width + heads.kv_features)
     all_heads = heads.num_heads + heads.num_kv_heads
     tables = plan.tables if plan.wide_tables is None else plan.wide_tables
-    if check is not None:
-        position = check.uniform
-        tables = tuple(table.narrow(0, position, 1) for table in tables)
+    if position is not None:  # (a row of each table, broadcast over the heads)
+        tables = tables[0][position], tables[1][position]
     if plan.wide_tables is None:
         both = spec.rotate(OPS, both, None, rotary, all_heads, heads.head_dim, tables=tables)
     else:

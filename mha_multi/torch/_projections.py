@@ -153,29 +153,36 @@ class StackedWeights:
         """``(weight, bias)`` of ``modules`` stacked along the output features."""
         if torch.compiler.is_compiling():
             return _stack(modules)
-        # The parameter tables, not nn.Module's attribute lookup: every call asks.
-        tables = [m._parameters for m in modules]
-        try:
-            key = [
-                None if p is None else (p.data_ptr(), p.numel(), p.dtype)
-                for table in tables
-                for p in (table["weight"], table["bias"])
-            ]
-        except RuntimeError:  # a tensor without storage of its own (a DTensor's)
-            return _stack(modules)
-        if key != self._key:
-            weights = [table["weight"] for table in tables]
-            with torch.no_grad():  # (a view of the storage, no part of any graph)
-                self._key, self._views = key, _views(weights, [table["bias"] for table in tables])
-        if self._views is None:
+        views = self.views(modules)
+        if views is None:
             return _stack(modules)
         if not torch.is_grad_enabled():
-            return self._views
-        weight, bias = self._views
+            return views
+        weight, bias = views
+        tables = [m._parameters for m in modules]
         return (
             StackedView.of(weight, [table["weight"] for table in tables]),
             None if bias is None else StackedView.of(bias, [table["bias"] for table in tables]),
         )
+
+    def views(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(weight, bias)`` of ``modules`` as views of their back-to-back parameters, for
+        eager code that records no gradient; ``None`` where they are not back to back."""
+        try:
+            # The parameter tables, not nn.Module's attribute lookup: every call asks.
+            key = [
+                None if p is None else (p.data_ptr(), p.shape, p.dtype)
+                for module in modules
+                for p in (module._parameters["weight"], module._parameters["bias"])
+            ]
+        except RuntimeError:  # a tensor without storage of its own (a DTensor's)
+            return None
+        if key != self._key:
+            tables = [m._parameters for m in modules]
+            weights = [table["weight"] for table in tables]
+            with torch.no_grad():  # (a view of the storage, no part of any graph)
+                self._key, self._views = key, _views(weights, [table["bias"] for table in tables])
+        return self._views
 
     def clear(self) -> None:
         """Forgets the view (the parameters were packed anew: the old memory may go)."""

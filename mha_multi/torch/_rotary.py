@@ -47,7 +47,7 @@ def rotate_wide(
     :func:`wide_tables` (broadcast against ``(B, T, num_heads, head_dim)``)."""
     wide_cos, wide_sin = tables
     dtype = x.dtype
-    heads = x.unflatten(-1, (num_heads, head_dim))
+    heads = x.view(*x.shape[:-1], num_heads, head_dim)
     if wide_cos.dtype != dtype:  # 16-bit heads rotate in float32, rounded once
         heads = heads.to(wide_cos.dtype)
     if rotary.interleaved:
