@@ -51,11 +51,12 @@ def check_call(
             (:func:`mha_multi.spec.check_inputs`); arrays on other devices.
     """
     queries = facts.check_input("queries", queries, like=None, dtype=dtype)
-    keys, values = (
-        # Self-attention's keys and values are the queries, checked already.
-        x if x is queries else facts.check_input(name, x, like=queries, dtype=dtype)
-        for name, x in zip(INPUT_NAMES[1:], (keys, values), strict=True)
-    )
+    # Self-attention's keys and values are the queries, checked already. (Spelled out, not
+    # a generator: a small call's cost is such work.)
+    if keys is not queries:
+        keys = facts.check_input(INPUT_NAMES[1], keys, like=queries, dtype=dtype)
+    if values is not queries:
+        values = facts.check_input(INPUT_NAMES[2], values, like=queries, dtype=dtype)
     lens = facts.as_lens(valid_lens, queries)
     spec.check_inputs(
         queries.shape,

@@ -193,9 +193,10 @@ def _plan_relations(settings: dict[str, Any]) -> dict[str, Any]:
     plan. (A NaN length, or sizes not known, are kept as they are.)
     """
     sizes = settings["sizes"]
-    if not all(type(size) is int for size in sizes):
+    batch, num_queries, num_keys = sizes
+    # (Spelled out, not all() of a generator: every call of every layer asks.)
+    if not (type(batch) is int and type(num_queries) is int and type(num_keys) is int):
         return settings
-    _, num_queries, num_keys = sizes
     if 0 in sizes:
         return {**settings, "sizes": tuple(min(size, 1) for size in sizes)}
     relation = 1 if num_queries < num_keys else 2 if num_queries == num_keys else 3

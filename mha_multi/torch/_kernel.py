@@ -84,11 +84,11 @@ def fused_attention(
         # one rounding at the end.
         q, k, v = q.float(), k.float(), v.float()
     # (B, T, H*dh) -> (B, H, T, dh): the spec's head layout, unflattened.
-    q = q.unflatten(-1, (heads.num_heads, heads.head_dim)).transpose(1, 2)
+    # (view, not unflatten: a Python function around it; spelled out, not a generator.)
+    q = q.view(*q.shape[:-1], heads.num_heads, heads.head_dim).transpose(1, 2)
     if not kv_split:
-        k, v = (
-            x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)).transpose(1, 2) for x in (k, v)
-        )
+        kv_heads = (*k.shape[:-1], heads.num_kv_heads, heads.head_dim)
+        k, v = k.view(kv_heads).transpose(1, 2), v.view(kv_heads).transpose(1, 2)
     if plan.repeat_kv:
         k, v = (x.repeat_interleave(heads.group_size, dim=1) for x in (k, v))
     grouped = heads.grouped and not plan.repeat_kv

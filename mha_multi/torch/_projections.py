@@ -165,7 +165,9 @@ class StackedWeights:
             None if bias is None else StackedView.of(bias, [table["bias"] for table in tables]),
         )
 
-    def views(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def views(
+        self, modules: Sequence[nn.Module]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(weight, bias)`` of ``modules`` as views of their back-to-back parameters, for
         eager code that records no gradient; ``None`` where they are not back to back."""
         try:

@@ -39,14 +39,18 @@ def covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if len(tensors) < 2 or torch.compiler.is_compiling():
         return tensors  # (a traced tensor has no address; the compiler fuses the passes)
     base = first._base
-    if (
-        base is not None
-        and all(x._base is base for x in tensors[1:])
-        and base.numel() <= sum(x.numel() for x in tensors)
-    ):
-        # Views of one tensor that holds no more elements than they do: a
-        # pass over it reads them all (at worst an element twice).
-        return (base,)
+    if base is not None:
+        # (Loops, not generators: every call of a layer asks.)
+        total = 0
+        for x in tensors:
+            if x._base is not base:
+                break
+            total += x.numel()
+        else:
+            if base.numel() <= total:
+                # Views of one tensor that holds no more elements than they do: a
+                # pass over it reads them all (at worst an element twice).
+                return (base,)
     if first.dim() != 3:
         return tensors
     width = sum(x.shape[-1] for x in tensors)
