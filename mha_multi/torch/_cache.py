@@ -86,7 +86,7 @@ class CacheCheck:
         #: ``(layer, key, plan)``, for the next step of that layer and key.
         self.step: tuple[Any, tuple, Any] | None = None
         #: The lengths of the plain steps to come (:func:`next_lengths`).
-        self.bank: torch.Tensor | None = None
+        self.bank: tuple[torch.Tensor, ...] | None = None
         self.bank_from = 0
 
     @property
@@ -347,11 +347,12 @@ def next_lengths(check: CacheCheck, lengths: torch.Tensor, filled: int) -> torch
     bank = check.bank
     if bank is not None:
         row = filled - check.bank_from
-        if 0 <= row < bank.shape[0]:
+        if 0 <= row < _BANKED:
             return bank[row]
     with versioned():
         steps = torch.arange(filled, filled + _BANKED, dtype=lengths.dtype, device=lengths.device)
-        bank = steps.unsqueeze(1).repeat(1, lengths.shape[0])
+        # (The rows as views made at once: a step takes one with no operation.)
+        bank = steps.unsqueeze(1).repeat(1, lengths.shape[0]).unbind(0)
     check.bank, check.bank_from = bank, filled
     return bank[0]
 
