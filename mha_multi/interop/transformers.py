@@ -1,0 +1,213 @@
+"""A transformers checkpoint folder's attention layers as canonical weights and layer arguments.
+
+:func:`attention_layers` reads a folder written by ``save_pretrained``
+(``config.json``, one or several ``.safetensors`` files) one layer at a time
+with numpy alone, and gives each attention layer's canonical weights and the
+constructor arguments :func:`mha_multi.interop.llama.from_llama` would
+return for that layer's block: ``MultiHeadAttention.from_canonical(weights,
+**kwargs)`` builds it in any framework (docs: "Porting weights").
+:func:`attention_state` is the way back, a layer's weights as the entries of
+the checkpoint's state dict.
+
+The config is read as transformers reads it for the model types of
+:data:`~mha_multi.interop.families.KNOWN_BLOCKS`, and refused where it is
+not known: another ``model_type`` or architecture, a field set to what the
+layer does not compute, or a field whose default only transformers' config
+class knows (:data:`REQUIRED_FIELDS`) left out of the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from mha_multi import spec
+from mha_multi.interop.checkpoint_files import CONFIG, CheckpointFolder
+from mha_multi.interop.families import (
+    KNOWN_BLOCKS,
+    QK_NORMS,
+    SINK_BLOCKS,
+    check_config_fields,
+    layer_window,
+)
+from mha_multi.interop.fused_projections import FUSED_PROJECTIONS
+from mha_multi.interop.llama_state import (
+    _canonical_arrays,
+    _checked,
+    block_arguments,
+    fold_scale,
+    llama_arrays,
+)
+
+__all__ = ["REQUIRED_FIELDS", "attention_layers", "attention_state", "model_config"]
+
+#: Config fields read with no default here: every model type's, then each
+#: type's own (a field with ``|`` is any one of those named). A config that
+#: lacks one (one written before transformers 5, whose config classes fill
+#: these in) is refused; ``AutoConfig.from_pretrained(folder).save_pretrained(folder)``
+#: writes them.
+REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "": ("model_type", "hidden_size", "num_attention_heads", "num_hidden_layers"),
+    "gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "layer_types"),
+    "gemma3_text": ("query_pre_attn_scalar", "layer_types", "rope_parameters", "rms_norm_eps"),
+    "gpt_oss": ("layer_types", "rope_parameters|rope_scaling"),
+    "qwen3": ("rms_norm_eps",),
+    "olmo2": ("rms_norm_eps",),
+}
+#: Model types whose scores are scaled by ``field ** -0.5`` rather than ``head_dim ** -0.5``.
+_SCALE_FIELDS = {"gemma2": "query_pre_attn_scalar", "gemma3_text": "query_pre_attn_scalar"}
+#: What follows a known block's class prefix in the architectures whose
+#: attention layers are the decoder's (``LlamaForCausalLM``...).
+_HEADS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification")
+_LAYER = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.")
+
+
+def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNamespace:
+    """A checkpoint's ``config.json`` as the attributes the converters read, checked.
+
+    Raises:
+        ValueError: an unknown ``model_type`` or architecture, a missing
+            field of :data:`REQUIRED_FIELDS`, or a field set to what the
+            layer does not compute; naming it.
+    """
+    model_type = config.get("model_type")
+    blocks = {kind: name for name, kind in KNOWN_BLOCKS.items()}
+    if model_type not in blocks:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not known; the attention converters read "
+            f"{', '.join(map(repr, blocks))}"
+        )
+    for field in REQUIRED_FIELDS[""] + REQUIRED_FIELDS.get(model_type, ()):
+        if all(config.get(name) is None for name in field.split("|")):
+            raise ValueError(
+                f"{source}: model_type {model_type!r} needs the field {field!r}, which only "
+                "transformers' config class can fill in: re-save the config with "
+                "transformers >= 5 (AutoConfig.from_pretrained(...).save_pretrained(...))"
+            )
+    prefix = blocks[model_type][: -len("Attention")]
+    for architecture in config.get("architectures") or ():
+        if architecture not in {prefix + head for head in _HEADS}:
+            raise ValueError(
+                f"{source}: architecture {architecture!r} is not known; a {model_type!r} "
+                f"checkpoint converts as {', '.join(prefix + head for head in _HEADS)}"
+            )
+    namespace = SimpleNamespace(**config)
+    if config.get("use_sliding_window") is False:  # Qwen's: sliding_window is then unused
+        namespace.sliding_window = None
+    check_config_fields(namespace, blocks[model_type])
+    return namespace
+
+
+def attention_layers(
+    model_dir: str | os.PathLike[str], layers: Iterable[int] | None = None
+) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]:
+    """Each attention layer of a transformers checkpoint folder: ``(index, weights, kwargs)``.
+
+    The folder is checked before the first layer is given (config, shards,
+    every layer's entries named); then each layer's tensors, and only those,
+    are read. Weights have the checkpoint's precision (``bfloat16`` read as
+    ``float32``); ``kwargs`` are :func:`mha_multi.interop.llama.from_llama`'s
+    for that layer (its layer type's rotary settings and window included).
+
+    Args:
+        model_dir: the folder (``config.json`` and ``model.safetensors``, or
+            shards and ``model.safetensors.index.json``).
+        layers: the layers' indices, in the order given; every layer by default.
+
+    Raises:
+        FileNotFoundError: no folder, config or weights file; a missing shard.
+        ValueError: an unknown model type, architecture or config field
+            (:func:`model_config`), a layer index out of range, a layer whose
+            entries are missing or are not a known block's; nothing is given
+            then for a folder-wide fault, and no further layer for a layer's.
+    """
+    folder, config, names = _checked_folder(model_dir, layers)
+    return _layers(folder, config, names)
+
+
+def _checked_folder(
+    model_dir: str | os.PathLike[str], layers: Iterable[int] | None
+) -> tuple[CheckpointFolder, SimpleNamespace, dict[int, str]]:
+    """The folder, its config, and each layer asked for -> its entries' prefix."""
+    folder = CheckpointFolder(model_dir)
+    config = model_config(folder.config, source=os.fspath(folder.path / CONFIG))
+    found = {}
+    for name in folder.entries:
+        match = _LAYER.match(name)
+        if match:
+            found.setdefault(int(match.group(2)), match.group(0))
+    count = int(config.num_hidden_layers)
+    indices = list(range(count)) if layers is None else [int(i) for i in layers]
+    for index in indices:
+        if not 0 <= index < count:
+            raise ValueError(f"layer {index} is out of range: the model has {count} layers")
+        if index not in found:
+            raise ValueError(f"the checkpoint has no entries of layer {index}'s attention")
+    return folder, config, {index: found[index] for index in indices}
+
+
+def _layers(
+    folder: CheckpointFolder, config: SimpleNamespace, prefixes: dict[int, str]
+) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]:
+    block = {kind: name for name, kind in KNOWN_BLOCKS.items()}[config.model_type]
+    for index, prefix in prefixes.items():
+        state = {name: folder.tensor(name) for name in folder.entries if name.startswith(prefix)}
+        try:
+            arrays = _canonical_arrays(state, prefix, sinks=block in SINK_BLOCKS)
+            heads, weights, _ = _checked(
+                arrays, config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+            )
+            precision = weights["W_o"].dtype
+            kwargs = block_arguments(weights, config, heads, **_layer_facts(config, index, heads))
+        except ValueError as error:
+            raise ValueError(f"layer {index}: {error}") from error
+        yield index, {name: array.astype(precision) for name, array in weights.items()}, kwargs
+
+
+def _layer_facts(config: SimpleNamespace, index: int, heads: spec.Heads) -> dict[str, Any]:
+    """What a block of layer ``index`` would say of itself: class, norms, window, scale, type."""
+    model_type = config.model_type
+    qk_norm = None
+    if model_type in QK_NORMS:
+        qk_norm = {**QK_NORMS[model_type][1], "eps": float(config.rms_norm_eps)}
+    scale_field = _SCALE_FIELDS.get(model_type)
+    scale = getattr(config, scale_field) if scale_field else heads.head_dim
+    layer_types = getattr(config, "layer_types", None)
+    return {
+        "block": {name: kind for kind, name in KNOWN_BLOCKS.items()}.get(model_type, model_type),
+        "qk_norm": qk_norm,
+        "window": layer_window(config, index),
+        "scaling": float(scale) ** -0.5,
+        "layer_type": layer_types[index] if layer_types else None,
+    }
+
+
+def attention_state(
+    config: SimpleNamespace, index: int, weights: Mapping[str, Any], prefix: str
+) -> dict[str, np.ndarray]:
+    """Layer ``index``'s canonical weights as the checkpoint's entries, under ``prefix``.
+
+    The inverse of :func:`attention_layers` for one layer: the score scale
+    folded in on the way in is taken out, a fused projection (Phi-3's) joined.
+
+    Raises:
+        ValueError: weights that do not fit the config's heads.
+    """
+    weights = {name: np.asarray(array) for name, array in weights.items()}
+    heads, weights, _ = _checked(
+        weights, config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    )
+    facts = _layer_facts(config, index, heads)
+    factor = facts["scaling"] * float(np.sqrt(heads.head_dim))
+    if factor != 1.0:
+        fold_scale(weights, 1.0 / factor, facts["qk_norm"])
+    layout = config.model_type if config.model_type in FUSED_PROJECTIONS else None
+    state = llama_arrays(
+        weights, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, layout=layout
+    )
+    return {prefix + name: array for name, array in state.items()}
