@@ -1,4 +1,4 @@
-"""A transformers checkpoint folder into Flax NNX, without PyTorch: every attention layer of a Qwen 3."""
+"""A transformers checkpoint folder into Flax NNX, without PyTorch: every layer of a Qwen 3."""
 
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""A transformers checkpoint folder into Keras 3 (any backend): every attention layer of a Qwen 3."""
+"""A transformers checkpoint folder into Keras 3 (any backend): every layer of a Qwen 3."""
 
 from pathlib import Path
 

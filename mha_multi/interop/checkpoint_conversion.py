@@ -127,7 +127,7 @@ def _manifest(out: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{os.fspath(out)!r} has no {MANIFEST} (a converted folder's)")
     try:
         manifest = json.loads(path.read_text())
-        manifest["layers"]  # noqa: B018 (a manifest without layers is not one)
+        manifest["layers"]
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{os.fspath(path)!r} is not a converted folder's manifest") from error
     return manifest
@@ -209,4 +209,3 @@ def convert_folder(
         return f"{len(done)} attention layers written into {os.fspath(destination)}"
     done = convert_checkpoint(source, destination, layers=layers)
     return f"{len(done)} attention layers written to {os.fspath(destination)}/{MANIFEST}"
-

@@ -65,10 +65,8 @@ from mha_multi.interop.families import (
     window_of,
 )
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
-from mha_multi.interop.fused_projections import FUSED_PROJECTIONS, fused_layout_of, join_fused
+from mha_multi.interop.fused_projections import FUSED_PROJECTIONS, fused_layout_of
 from mha_multi.interop.llama_state import (
-    NORMS,
-    PROJECTIONS,
     _canonical_arrays,
     _checked,
     block_arguments,
