@@ -127,7 +127,8 @@ def _manifest(out: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{os.fspath(out)!r} has no {MANIFEST} (a converted folder's)")
     try:
         manifest = json.loads(path.read_text())
-        manifest["layers"]
+        if not isinstance(manifest["layers"], list):
+            raise TypeError("layers")
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{os.fspath(path)!r} is not a converted folder's manifest") from error
     return manifest
@@ -139,11 +140,7 @@ def is_converted(path: str | os.PathLike[str]) -> bool:
 
 
 def write_back(
-    converted_dir: str | os.PathLike[str],
-    model_dir: str | os.PathLike[str],
-    *,
-    layers: Iterable[int] | None = None,
-    progress: TextIO | None = None,
+    converted_dir: str | os.PathLike[str], model_dir: str | os.PathLike[str], **options: Any
 ) -> list[int]:
     """Writes a converted folder's layers into a checkpoint's files; returns their indices.
 
@@ -153,8 +150,8 @@ def write_back(
     Args:
         converted_dir: a folder :func:`convert_checkpoint` wrote.
         model_dir: a checkpoint folder of the same model type and shapes.
-        layers: the layers' indices; all the converted folder's by default.
-        progress: where a progress bar goes when it is a terminal.
+        options: ``layers``, the layers' indices (all the converted folder's
+            by default), and ``progress``, as for :func:`convert_checkpoint`.
 
     Raises:
         FileNotFoundError: a folder or a file missing.
@@ -163,6 +160,7 @@ def write_back(
             written then.
     """
     entries = {int(entry["index"]): entry for entry in _manifest(Path(converted_dir))["layers"]}
+    layers = options.get("layers")
     indices = list(entries) if layers is None else [int(i) for i in layers]
     missing = [index for index in indices if index not in entries]
     if missing:
@@ -175,7 +173,7 @@ def write_back(
             f"{config.model_type!r}"
         )
     replacements: dict[str, np.ndarray] = {}
-    bar = Progress("writing layers", len(indices), progress)
+    bar = Progress("writing layers", len(indices), options.get("progress"))
     for index in indices:
         weights = load_weights(Path(converted_dir) / entries[index]["weights"])
         state = attention_state(config, index, weights, prefixes[index])

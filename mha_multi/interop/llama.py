@@ -117,7 +117,7 @@ def to_llama_state(
     Raises:
         ValueError: as :func:`llama_config`, or an unknown ``layout``.
     """
-    state = llama_arrays(weights, num_heads=num_heads, num_kv_heads=num_kv_heads, layout=layout)
+    state = llama_arrays(weights, num_heads, num_kv_heads, layout)
     return {name: torch.from_numpy(array) for name, array in state.items()}
 
 

@@ -112,11 +112,7 @@ def llama_config(
 
 
 def llama_arrays(
-    weights: Mapping[str, Any],
-    *,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    layout: str | None = None,
+    weights: Mapping[str, Any], num_heads: int, num_kv_heads: int | None, layout: str | None
 ) -> dict[str, np.ndarray]:
     """A Llama-style attention state dict of numpy arrays from canonical weights.
 

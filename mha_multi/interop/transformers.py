@@ -207,7 +207,5 @@ def attention_state(
     if factor != 1.0:
         fold_scale(weights, 1.0 / factor, facts["qk_norm"])
     layout = config.model_type if config.model_type in FUSED_PROJECTIONS else None
-    state = llama_arrays(
-        weights, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, layout=layout
-    )
+    state = llama_arrays(weights, heads.num_heads, heads.num_kv_heads, layout)
     return {prefix + name: array for name, array in state.items()}
