@@ -10,6 +10,7 @@ and the command's refusals.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -24,9 +25,10 @@ from transformers_checkpoints import CHECKPOINTS, FOLDERS, results
 
 from mha_multi import spec
 from mha_multi.__main__ import main
-from mha_multi.interop import checkpoint_files
-from mha_multi.interop.checkpoint_conversion import MANIFEST, converted_layers
+from mha_multi.interop import checkpoint_conversion, checkpoint_files
+from mha_multi.interop.checkpoint_conversion import MANIFEST, convert_checkpoint, converted_layers
 from mha_multi.interop.transformers import attention_layers
+from mha_multi.weights import save_weights
 
 #: The layer's options the float64 spec takes (the rest are the layer's construction).
 OPTIONS = ("rotary", "window", "softcap", "sinks", "qk_norm")
@@ -64,20 +66,63 @@ def test_the_layer_types_give_each_layer_its_settings():
     assert [i for i, _, _ in attention_layers(FOLDERS / "gpt_oss", layers=[1])] == [1]
 
 
-def test_a_sharded_checkpoint_is_read_one_layer_at_a_time(monkeypatch):
+def test_a_sharded_checkpoint_is_read_one_layer_at_a_time(monkeypatch, tmp_path):
+    """Before each layer is written, only that layer's tensors have been read since the last."""
     read: list[str] = []
-    original = checkpoint_files.CheckpointFolder.tensor
+    read_before_writing: list[list[str]] = []
+    original_tensor, original_save = checkpoint_files.CheckpointFolder.tensor, save_weights
 
     def counted(self, name):
         read.append(name)
-        return original(self, name)
+        return original_tensor(self, name)
+
+    def saved(path, weights):
+        read_before_writing.append(list(read))
+        read.clear()
+        original_save(path, weights)
 
     monkeypatch.setattr(checkpoint_files.CheckpointFolder, "tensor", counted)
-    for index, weights, _ in attention_layers(FOLDERS / "gpt_oss"):
-        # Only this layer's attention entries (4 weights, 4 biases, sinks) were read since the last.
-        assert len(read) == 9 and all(f"layers.{index}.self_attn." in n for n in read), read
-        assert "sinks" in weights
-        read.clear()
+    monkeypatch.setattr(checkpoint_conversion, "save_weights", saved)
+    assert convert_checkpoint(FOLDERS / "gpt_oss", tmp_path / "out") == [0, 1]
+    assert len(read_before_writing) == 2 and not read
+    for index, names in enumerate(read_before_writing):
+        # 4 weights, 4 biases and the sinks of this layer's attention, nothing else.
+        assert len(names) == 9, names
+        assert all(name.startswith(f"model.layers.{index}.self_attn.") for name in names), names
+
+
+def test_the_progress_bar_shows_on_a_terminal_only(tmp_path):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal, pipe = Terminal(), io.StringIO()
+    convert_checkpoint(FOLDERS / "qwen3", tmp_path / "a", progress=terminal)
+    convert_checkpoint(FOLDERS / "qwen3", tmp_path / "b", progress=pipe)
+    assert terminal.getvalue().endswith("] 2/2\n") and "] 1/2" in terminal.getvalue()
+    assert pipe.getvalue() == ""
+
+
+def test_a_fused_checkpoint_converts_and_writes_back(tmp_path):
+    """Phi-3's qkv_proj (the porting examples' folder holds layer 0 of 32): split and joined."""
+    phi3 = Path(__file__).resolve().parents[2] / "docs" / "examples" / "phi3"
+    ((index, weights, kwargs),) = attention_layers(phi3, layers=[0])
+    assert index == 0 and kwargs["window"] == 4 and kwargs["rotary"]["fraction"] == 0.5
+    expected = np.load(phi3 / "expected.npz")
+    output, _ = spec.reference_forward(
+        weights,
+        *[expected["x"]] * 3,
+        num_heads=kwargs["num_heads"],
+        causal=True,
+        positions=expected["positions"],
+        **{name: kwargs[name] for name in OPTIONS if name in kwargs},
+    )
+    np.testing.assert_allclose(output, expected["output"], rtol=0, atol=2e-5)
+    copy = tmp_path / "phi3"
+    shutil.copytree(phi3, copy)
+    assert main(["convert", str(phi3), str(tmp_path / "out"), "--layers", "0"]) == 0
+    assert main(["convert", str(tmp_path / "out"), str(copy)]) == 0
+    assert (copy / "model.safetensors").read_bytes() == (phi3 / "model.safetensors").read_bytes()
 
 
 def test_writing_back_gives_the_checkpoint(tmp_path):
@@ -144,6 +189,24 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, model, change, messag
     assert message in convert_error(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_options_that_do_not_apply_are_refused(tmp_path):
+    assert "out of range" in convert_error(FOLDERS / "qwen3", tmp_path / "out", "--layers", "2")
+    assert "--num-heads is for files" in convert_error(
+        FOLDERS / "qwen3", tmp_path / "out", "--num-heads", "4"
+    )
+    assert "--layers is for a checkpoint folder" in convert_error(
+        FOLDERS / "qwen3" / "model.safetensors", tmp_path / "out.npz", "--layers", "0"
+    )
+    assert "not a list of layer indices" in convert_error(FOLDERS / "qwen3", "out", "--layers", "a")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "file").write_text("")
+    assert "is not an empty folder" in convert_error(FOLDERS / "qwen3", tmp_path / "full")
+    # Writing back into another model's checkpoint.
+    assert main(["convert", str(FOLDERS / "qwen3"), str(tmp_path / "out")]) == 0
+    assert "model_type 'qwen3'" in convert_error(tmp_path / "out", FOLDERS / "llama3")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "out"]
 
 
 def test_the_command_exits_2_with_one_line(tmp_path):
