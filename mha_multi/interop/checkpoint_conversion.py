@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from mha_multi.interop.transformers import _checked_folder, _layers, attention_state
+from mha_multi.interop.transformers import _SKIPPED, _checked_folder, _layers, attention_state
 from mha_multi.weights import load_weights, save_weights
 
 __all__ = ["MANIFEST", "convert_checkpoint", "converted_layers", "write_back"]
@@ -178,6 +178,7 @@ def write_back(
         weights = load_weights(Path(converted_dir) / entries[index]["weights"])
         state = attention_state(config, index, weights, prefixes[index])
         present = {name for name in folder.entries if name.startswith(prefixes[index])}
+        present = {name for name in present if not name.endswith(_SKIPPED)}
         if set(state) != present:
             raise ValueError(
                 f"layer {index}: the checkpoint has the entries {sorted(present)}; the "

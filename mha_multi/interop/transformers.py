@@ -65,6 +65,14 @@ _SCALE_FIELDS = {"gemma2": "query_pre_attn_scalar", "gemma3_text": "query_pre_at
 #: attention layers are the decoder's (``LlamaForCausalLM``...).
 _HEADS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification")
 _LAYER = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.")
+#: Entries of older checkpoints that transformers skips when it loads them
+#: (the rotary inverse frequencies, computed from the config instead).
+_SKIPPED = ("rotary_emb.inv_freq",)
+
+
+def _block_of(model_type: str) -> str:
+    """The class name of the attention block of a known model type."""
+    return next(name for name, kind in KNOWN_BLOCKS.items() if kind == model_type)
 
 
 def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNamespace:
@@ -76,11 +84,10 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
             layer does not compute; naming it.
     """
     model_type = config.get("model_type")
-    blocks = {kind: name for name, kind in KNOWN_BLOCKS.items()}
-    if model_type not in blocks:
+    if model_type not in KNOWN_BLOCKS.values():
         raise ValueError(
             f"{source}: model_type {model_type!r} is not known; the attention converters read "
-            f"{', '.join(map(repr, blocks))}"
+            f"{', '.join(map(repr, KNOWN_BLOCKS.values()))}"
         )
     for field in REQUIRED_FIELDS[""] + REQUIRED_FIELDS.get(model_type, ()):
         if all(config.get(name) is None for name in field.split("|")):
@@ -89,7 +96,7 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
                 "transformers' config class can fill in: re-save the config with "
                 "transformers >= 5 (AutoConfig.from_pretrained(...).save_pretrained(...))"
             )
-    prefix = blocks[model_type][: -len("Attention")]
+    prefix = _block_of(model_type)[: -len("Attention")]
     for architecture in config.get("architectures") or ():
         if architecture not in {prefix + head for head in _HEADS}:
             raise ValueError(
@@ -99,7 +106,7 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
     namespace = SimpleNamespace(**config)
     if config.get("use_sliding_window") is False:  # Qwen's: sliding_window is then unused
         namespace.sliding_window = None
-    check_config_fields(namespace, blocks[model_type])
+    check_config_fields(namespace, _block_of(model_type))
     return namespace
 
 
@@ -154,9 +161,10 @@ def _checked_folder(
 def _layers(
     folder: CheckpointFolder, config: SimpleNamespace, prefixes: dict[int, str]
 ) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]:
-    block = {kind: name for name, kind in KNOWN_BLOCKS.items()}[config.model_type]
+    block = _block_of(config.model_type)
     for index, prefix in prefixes.items():
-        state = {name: folder.tensor(name) for name in folder.entries if name.startswith(prefix)}
+        names = [name for name in folder.entries if name.startswith(prefix)]
+        state = {name: folder.tensor(name) for name in names if not name.endswith(_SKIPPED)}
         try:
             arrays = _canonical_arrays(state, prefix, sinks=block in SINK_BLOCKS)
             heads, weights, _ = _checked(
@@ -179,7 +187,7 @@ def _layer_facts(config: SimpleNamespace, index: int, heads: spec.Heads) -> dict
     scale = getattr(config, scale_field) if scale_field else heads.head_dim
     layer_types = getattr(config, "layer_types", None)
     return {
-        "block": {name: kind for kind, name in KNOWN_BLOCKS.items()}.get(model_type, model_type),
+        "block": _block_of(model_type),
         "qk_norm": qk_norm,
         "window": layer_window(config, index),
         "scaling": float(scale) ** -0.5,

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli import convert_error
+from safetensors.numpy import load_file
 from transformers_blocks import batch
 from transformers_checkpoints import CHECKPOINTS, FOLDERS, results
 
@@ -146,6 +147,11 @@ def test_writing_back_gives_the_checkpoint(tmp_path):
             np.testing.assert_allclose(
                 restored.tensor(name), original.tensor(name), rtol=2**-8, atol=0, err_msg=name
             )
+    # The shards written are safetensors files to the safetensors library too.
+    for shard in sorted((tmp_path / "gpt_oss").glob("*.safetensors")):
+        theirs, ours = load_file(FOLDERS / "gpt_oss" / shard.name), load_file(shard)
+        assert theirs.keys() == ours.keys()
+        assert all(np.array_equal(theirs[name], ours[name]) for name in theirs)
 
 
 def _broken(tmp_path: Path, model: str, change) -> Path:
@@ -153,6 +159,35 @@ def _broken(tmp_path: Path, model: str, change) -> Path:
     shutil.copytree(FOLDERS / model, folder)
     change(folder)
     return folder
+
+
+def _with_entry(name):
+    """A change adding the float32 entry ``name`` to a single-file checkpoint."""
+
+    def change(folder):
+        path = folder / "model.safetensors"
+        header, start = checkpoint_files.read_header(path)
+        data = path.read_bytes()
+        tensors = {}
+        for key, entry in header.items():
+            begin, end = entry["data_offsets"]
+            tensors[key] = (entry["dtype"], entry["shape"], data[start + begin : start + end])
+        tensors[name] = ("F32", [4], np.ones(4, np.float32).tobytes())
+        checkpoint_files.write_safetensors(path, tensors)
+
+    return change
+
+
+def test_rotary_frequencies_of_older_checkpoints_are_skipped(tmp_path):
+    """transformers skips them too: they are computed from the config."""
+    folder = _broken(
+        tmp_path, "llama3", _with_entry("model.layers.0.self_attn.rotary_emb.inv_freq")
+    )
+    for (_, ours, _), (_, theirs, _) in zip(
+        attention_layers(folder), attention_layers(FOLDERS / "llama3"), strict=True
+    ):
+        assert ours.keys() == theirs.keys()
+        assert all(np.array_equal(ours[name], theirs[name]) for name in ours)
 
 
 def _set(field, value):
@@ -176,6 +211,11 @@ def _set(field, value):
             "llama3",
             _set("rope_parameters", {"rope_type": "su", "rope_theta": 1.0}),
             "layer 0: rope_type 'su' is not supported",
+        ),
+        (
+            "llama3",
+            _with_entry("model.layers.1.self_attn.gate.weight"),
+            "layer 1: unexpected Llama attention entries ['gate.weight']",
         ),
         (
             "gpt_oss",
