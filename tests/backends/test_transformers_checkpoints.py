@@ -18,8 +18,10 @@ import pytest
 from transformers_blocks import HIDDEN, batch
 from transformers_checkpoints import CHECKPOINTS, FOLDERS, results
 
+from mha_multi import spec
 from mha_multi.interop.transformers import attention_layers
 from mha_multi.parity.compare import TOLERANCES
+from mha_multi.weights import init_weights
 
 FORWARD, _ = TOLERANCES["float32"]
 
@@ -45,3 +47,18 @@ def test_each_converted_layer_computes_its_block(runner, model):
         output = np.where(data["real"][..., None], output, 0.0)
         error = np.abs(output - expected[f"{model}.{index}.output"]).max()
         assert error <= FORWARD, f"{model} layer {index}: {error:.3g}"
+
+
+def test_from_canonical_reads_the_layout_from_the_weights(runner):
+    """Sizes, biases, grouped heads and sinks come from the weights; the numbers are the spec's."""
+    if runner.name.endswith("linen"):
+        pytest.skip("a Linen module is built by its runner")
+    sizes = {"query_size": 6, "key_size": 5, "value_size": 4}
+    weights = init_weights(8, **sizes, bias=True, num_heads=4, num_kv_heads=2, sinks=True)
+    layer_class = importlib.import_module(runner.package).MultiHeadAttention
+    layer = layer_class.from_canonical(weights, num_heads=4)
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((2, 3, size)) for size in (6, 5, 4)]
+    output = runner.forward(layer, *map(runner.to_native, inputs), None)
+    expected, _ = spec.reference_forward(weights, *inputs, num_heads=4, sinks=True)
+    np.testing.assert_allclose(runner.to_numpy(output), expected, rtol=0, atol=FORWARD)
