@@ -13,7 +13,9 @@ The config is read as transformers reads it for the model types of
 :data:`~mha_multi.interop.families.KNOWN_BLOCKS`, and refused where it is
 not known: another ``model_type`` or architecture, a field set to what the
 layer does not compute, or a field whose default only transformers' config
-class knows (:data:`REQUIRED_FIELDS`) left out of the file.
+class knows (:data:`REQUIRED_FIELDS`) left out of the file. What those
+classes derive from older configs' fields (layer types, Gemma 3's rotary
+settings by layer type) is derived here as they derive it.
 """
 
 from __future__ import annotations
@@ -46,16 +48,17 @@ from mha_multi.interop.llama_state import (
 
 __all__ = ["REQUIRED_FIELDS", "attention_layers", "attention_state", "model_config"]
 
-#: Config fields read with no default here: every model type's, then each
-#: type's own (a field with ``|`` is any one of those named). A config that
-#: lacks one (one written before transformers 5, whose config classes fill
-#: these in) is refused; ``AutoConfig.from_pretrained(folder).save_pretrained(folder)``
-#: writes them.
+#: Config fields read with no default here, which the file must hold (a
+#: field with ``|`` is any one of those named): every model type's, then each
+#: type's own. transformers' config classes fill in a missing one with their
+#: default, which this reader does not guess: such a config is refused;
+#: ``AutoConfig.from_pretrained(folder).save_pretrained(folder)`` writes them.
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "": ("model_type", "hidden_size", "num_attention_heads", "num_hidden_layers"),
-    "gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "layer_types"),
-    "gemma3_text": ("query_pre_attn_scalar", "layer_types", "rope_parameters", "rms_norm_eps"),
-    "gpt_oss": ("layer_types", "rope_parameters|rope_scaling"),
+    "mistral": ("sliding_window",),
+    "gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "sliding_window"),
+    "gemma3_text": ("query_pre_attn_scalar", "sliding_window", "rms_norm_eps"),
+    "gpt_oss": ("sliding_window", "rope_parameters|rope_scaling"),
     "qwen3": ("rms_norm_eps",),
     "olmo2": ("rms_norm_eps",),
 }
@@ -90,7 +93,7 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
             f"{', '.join(map(repr, KNOWN_BLOCKS.values()))}"
         )
     for field in REQUIRED_FIELDS[""] + REQUIRED_FIELDS.get(model_type, ()):
-        if all(config.get(name) is None for name in field.split("|")):
+        if all(name not in config for name in field.split("|")):
             raise ValueError(
                 f"{source}: model_type {model_type!r} needs the field {field!r}, which only "
                 "transformers' config class can fill in: re-save the config with "
@@ -106,8 +109,43 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
     namespace = SimpleNamespace(**config)
     if config.get("use_sliding_window") is False:  # Qwen's: sliding_window is then unused
         namespace.sliding_window = None
+    if config.get("layer_types") is None:
+        namespace.layer_types = _default_layer_types(namespace)
+    if model_type == "gemma3_text" and config.get("rope_parameters") is None:
+        namespace.rope_parameters = _gemma3_rope(config)
     check_config_fields(namespace, _block_of(model_type))
     return namespace
+
+
+def _default_layer_types(config: SimpleNamespace) -> list[str] | None:
+    """The layer types transformers' config class gives a config without ``layer_types``.
+
+    Gemma 2 and gpt-oss alternate sliding and full layers; Gemma 3 makes
+    every ``sliding_window_pattern``-th layer (6th) full; Qwen's layers from
+    ``max_window_layers`` on slide, where its window is used.
+    """
+    count = int(config.num_hidden_layers)
+    period = {"gemma2": 2, "gpt_oss": 2, "gemma3_text": 6}.get(config.model_type)
+    if period is not None:
+        period = int(getattr(config, "sliding_window_pattern", period))
+        return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(count)]
+    if config.model_type in ("qwen2", "qwen3") and config.sliding_window is not None:
+        first = int(getattr(config, "max_window_layers", 28))
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(count)]
+    return None
+
+
+def _gemma3_rope(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Gemma 3's rotary settings by layer type from a config before ``rope_parameters``.
+
+    As transformers reads them: ``rope_scaling`` and ``rope_theta`` (10^6
+    unless given) for the global layers, ``rope_local_base_freq`` (10^4
+    unless given) for the local ones.
+    """
+    full = {"rope_type": "default", **(config.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+    return {"sliding_attention": local, "full_attention": full}
 
 
 def attention_layers(

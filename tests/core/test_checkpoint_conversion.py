@@ -199,6 +199,15 @@ def _set(field, value):
     return change
 
 
+def _drop(field):
+    def change(folder):
+        config = json.loads((folder / "config.json").read_text())
+        del config[field]
+        (folder / "config.json").write_text(json.dumps(config))
+
+    return change
+
+
 @pytest.mark.parametrize(
     ("model", "change", "message"),
     [
@@ -206,7 +215,7 @@ def _set(field, value):
         ("llama3", _set("model_type", "granite"), "model_type 'granite' is not known"),
         ("llama3", _set("architectures", ["LlamaForVision"]), "'LlamaForVision' is not known"),
         ("gemma3", _set("attn_logit_softcapping", 30.0), "attn_logit_softcapping=30.0"),
-        ("gemma3", _set("layer_types", None), "needs the field 'layer_types'"),
+        ("gemma3", _drop("query_pre_attn_scalar"), "needs the field 'query_pre_attn_scalar'"),
         (
             "llama3",
             _set("rope_parameters", {"rope_type": "su", "rope_theta": 1.0}),
