@@ -125,11 +125,12 @@ def _default_layer_types(config: SimpleNamespace) -> list[str] | None:
     ``max_window_layers`` on slide, where its window is used.
     """
     count = int(config.num_hidden_layers)
-    period = {"gemma2": 2, "gpt_oss": 2, "gemma3_text": 6}.get(config.model_type)
+    period = {"gemma2": 2, "gpt_oss": 2}.get(config.model_type)
+    if config.model_type == "gemma3_text":
+        period = int(getattr(config, "sliding_window_pattern", 6))
     if period is not None:
-        period = int(getattr(config, "sliding_window_pattern", period))
         return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(count)]
-    if config.model_type in ("qwen2", "qwen3") and config.sliding_window is not None:
+    if config.model_type in ("qwen2", "qwen3") and getattr(config, "sliding_window", None):
         first = int(getattr(config, "max_window_layers", 28))
         return ["sliding_attention" if i >= first else "full_attention" for i in range(count)]
     return None
