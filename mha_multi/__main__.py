@@ -23,6 +23,13 @@ state dict does not record its heads, needs one to be read and written.
 Formats with no grouped key/value heads (``torch-mha``, ``keras-mha``)
 refuse grouped weights.
 
+A folder is a transformers checkpoint (``config.json``, one or sharded
+``.safetensors`` files): ``convert MODEL_DIR OUT_DIR`` writes each attention
+layer's canonical weights (``layer_<index>.safetensors``) and their layers'
+arguments (``attention.json``), read from the config; ``--layers 0,5`` picks
+layers. ``convert OUT_DIR MODEL_DIR`` writes such a folder's layers back into
+the checkpoint's files, in place of their attention entries.
+
 A file that cannot be read or does not match its format, a bad argument, or a
 format whose framework is not installed ends the command with one line on
 stderr, ``python -m mha_multi convert: error: ...``, and exit status 2.
@@ -146,6 +153,30 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _layer_list(text: str) -> list[int]:
+    try:
+        layers = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of layer indices: {text!r}") from None
+    if any(index < 0 for index in layers):
+        raise argparse.ArgumentTypeError(f"layer indices are not negative; got {text!r}")
+    return layers
+
+
+def _convert_folder(args: argparse.Namespace) -> str:
+    """A checkpoint folder's conversion (either way), in words; its options checked first."""
+    given = [name for name in ("num_heads", "num_kv_heads", "head_dim") if getattr(args, name)]
+    given += [name for name in ("source_format", "destination_format") if getattr(args, name)]
+    if given:
+        raise ValueError(
+            f"--{given[0].replace('_', '-')} is for files: a checkpoint folder's "
+            "layers are read from its config.json"
+        )
+    from mha_multi.interop.checkpoint_conversion import convert_folder
+
+    return convert_folder(args.source, args.destination, layers=args.layers)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(
         prog="python -m mha_multi",
@@ -177,6 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     command.add_argument("--head-dim", type=_positive_int, help="the size of each head")
     command.add_argument("--from", dest="source_format", choices=FORMATS)
     command.add_argument("--to", dest="destination_format", choices=FORMATS)
+    command.add_argument(
+        "--layers",
+        type=_layer_list,
+        help="a checkpoint folder's layers to convert, as 0,5 (all by default)",
+    )
     args = parser.parse_args(argv)
     options = {
         "num_heads": args.num_heads,
@@ -184,6 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "head_dim": args.head_dim,
     }
     try:
+        if os.path.isdir(args.source):
+            print(_convert_folder(args))
+            return 0
+        if args.layers is not None:
+            raise ValueError("--layers is for a checkpoint folder; the source is a file")
         weights = convert(
             args.source,
             args.destination,

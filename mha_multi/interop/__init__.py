@@ -5,9 +5,12 @@ One module per framework, imported only when used: ``mha_multi.interop.torch``
 (transformers' Llama-style attention, on PyTorch; its state dicts read with
 numpy alone in ``mha_multi.interop.llama_state``, fused projections split by
 ``mha_multi.interop.fused_projections``; whole causal LMs run with the layer
-by ``mha_multi.interop.transformers_models``), ``mha_multi.interop.mxnet``
-(d2l's Gluon layer), ``mha_multi.interop.keras`` (``keras.layers.MultiHeadAttention``,
-``keras.layers.GroupQueryAttention``, d2l's Keras layer) and
+by ``mha_multi.interop.transformers_models``; every attention layer of a
+checkpoint folder read, with numpy alone, by ``mha_multi.interop.transformers``
+and written to a folder and back by ``mha_multi.interop.checkpoint_conversion``),
+``mha_multi.interop.mxnet`` (d2l's Gluon layer), ``mha_multi.interop.keras``
+(``keras.layers.MultiHeadAttention``, ``keras.layers.GroupQueryAttention``,
+d2l's Keras layer) and
 ``mha_multi.interop.jax`` (Flax attention modules, d2l's JAX layer). Every
 converter is strict: what the canonical layer cannot express raises a
 ``ValueError`` that says so.

@@ -8,20 +8,38 @@ layer that computes something else.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the checks of a config (a checkpoint's) need no PyTorch
+    import torch
 
-__all__ = ["KNOWN_BLOCKS", "QK_NORMS", "SINK_BLOCKS", "check_known", "qk_norm_of", "window_of"]
+__all__ = [
+    "KNOWN_BLOCKS",
+    "QK_NORMS",
+    "SINK_BLOCKS",
+    "check_config_fields",
+    "check_known",
+    "layer_window",
+    "qk_norm_of",
+    "window_of",
+]
 
 
 def window_of(module: torch.nn.Module) -> int | None:
     """The block's sliding window: its own (Gemma 2's layers), else its model's (Mistral's)."""
     if hasattr(module, "sliding_window"):
         return module.sliding_window
-    config = module.config
+    return layer_window(module.config, module.layer_idx)
+
+
+def layer_window(config: Any, layer_index: int) -> int | None:
+    """The sliding window of layer ``layer_index`` by its model's config alone.
+
+    None on a layer whose type (``layer_types``) is not ``sliding_attention``;
+    else the config's ``sliding_window`` (every layer's, as Mistral's).
+    """
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer_types[module.layer_idx] != "sliding_attention":
+    if layer_types is not None and layer_types[layer_index] != "sliding_attention":
         return None
     return getattr(config, "sliding_window", None)
 
@@ -127,9 +145,23 @@ def check_known(module: torch.nn.Module) -> None:
             f"{name} with a config of model_type {model_type!r} is not known: "
             f"it reads a {KNOWN_BLOCKS[name]!r} config"
         )
+    check_config_fields(module.config, name)
+
+
+def check_config_fields(config: Any, name: str) -> None:
+    """Raises where a known model type's config sets a field to what the layer does not compute.
+
+    Args:
+        config: the config (attributes) of a model type of :data:`KNOWN_BLOCKS`.
+        name: what the message names (the block's class).
+
+    Raises:
+        ValueError: naming ``name``, the field and its value.
+    """
+    model_type = getattr(config, "model_type", None)
     unsupported = {**_UNSUPPORTED_FIELDS, **_UNSUPPORTED_BY_MODEL.get(model_type, {})}
     for field, supported in unsupported.items():
-        value = getattr(module.config, field, supported)
+        value = getattr(config, field, supported)
         if bool(value) != supported:  # transformers reads them as truth values (None: off)
             raise ValueError(
                 f"{name} with config {field}={value!r} is not supported: the layer computes "

@@ -49,7 +49,6 @@ writing take the head layout (any one of ``num_heads``, ``num_kv_heads``,
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -66,13 +65,14 @@ from mha_multi.interop.families import (
     window_of,
 )
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
-from mha_multi.interop.fused_projections import FUSED_PROJECTIONS, fused_layout_of, join_fused
+from mha_multi.interop.fused_projections import FUSED_PROJECTIONS, fused_layout_of
 from mha_multi.interop.llama_state import (
-    NORMS,
-    PROJECTIONS,
     _canonical_arrays,
     _checked,
+    block_arguments,
     from_llama_state,
+    llama_arrays,
+    llama_config,
 )
 from mha_multi.interop.rotary_config import INTERLEAVED_ROTARY, rotary_of
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
@@ -91,36 +91,6 @@ __all__ = [
     "to_llama",
     "to_llama_state",
 ]
-
-
-def llama_config(
-    weights: Mapping[str, Any], *, num_heads: int, num_kv_heads: int | None = None
-) -> dict[str, Any]:
-    """The ``LlamaConfig`` attention fields that canonical weights describe.
-
-    Returns:
-        ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
-        ``head_dim`` and ``attention_bias``.
-
-    Raises:
-        ValueError: the weights are not self-attention (Llama projects one
-            ``hidden_states`` of ``hidden_size`` features), or do not fit the heads.
-    """
-    heads, _, config = _checked(weights, num_heads, num_kv_heads)
-    sizes = {config.query_size, config.key_size, config.value_size, config.num_hiddens}
-    if len(sizes) != 1:
-        raise ValueError(
-            "Llama attention projects one hidden_states of hidden_size features: "
-            f"query_size, key_size, value_size and num_hiddens must be equal; got "
-            f"{config.query_size}, {config.key_size}, {config.value_size}, {config.num_hiddens}"
-        )
-    return {
-        "hidden_size": config.num_hiddens,
-        "num_attention_heads": heads.num_heads,
-        "num_key_value_heads": heads.num_kv_heads,
-        "head_dim": heads.head_dim,
-        "attention_bias": config.bias,
-    }
 
 
 def to_llama_state(
@@ -147,19 +117,7 @@ def to_llama_state(
     Raises:
         ValueError: as :func:`llama_config`, or an unknown ``layout``.
     """
-    llama_config(weights, num_heads=num_heads, num_kv_heads=num_kv_heads)
-    state = {}
-    for name, module in PROJECTIONS.items():
-        state[f"{module}.weight"] = np.array(weights[f"W_{name}"]).T.copy()
-        if f"b_{name}" in weights:
-            state[f"{module}.bias"] = np.array(weights[f"b_{name}"], copy=True)
-    for key, name in NORMS.items():
-        if name in weights:
-            state[key] = np.array(weights[name], copy=True)
-    if SINKS_NAME in weights:
-        state[SINKS_NAME] = np.array(weights[SINKS_NAME], copy=True)
-    if layout is not None:
-        state = join_fused(state, PROJECTIONS, layout)
+    state = llama_arrays(weights, num_heads, num_kv_heads, layout)
     return {name: torch.from_numpy(array) for name, array in state.items()}
 
 
@@ -193,57 +151,17 @@ def from_llama(module: torch.nn.Module) -> tuple[dict[str, np.ndarray], dict[str
     state = _canonical_arrays(module.state_dict(), "", sinks=type(module).__name__ in SINK_BLOCKS)
     _, weights, _ = _checked(state, num_heads, config.num_key_value_heads)
     heads = spec.heads_of_weights(weights, num_heads, num_kv_heads=config.num_key_value_heads)
-    qk_norm = qk_norm_of(module)
-    if (qk_norm is None) != ("q_norm" not in weights):
-        raise ValueError(
-            f"{type(module).__name__}'s state dict has query/key norms where its model type "
-            f"{config.model_type!r} has none, or none where it has them"
-        )
-    if qk_norm is not None:
-        # The norms' shapes as the model type's scope has them (docs: "Canonical weights").
-        check_weights(weights, qk_norm=qk_norm["scope"], sinks=None, **dataclasses.asdict(heads))
-    # Our scores are scaled by 1/sqrt(head_dim): another scale goes into W_q, or
-    # into the queries' norm where it follows W_q.
-    factor = float(module.scaling) * float(np.sqrt(heads.head_dim))
-    if factor != 1.0:
-        _fold_scale(weights, factor, qk_norm)
-    kwargs: dict[str, Any] = {
-        "num_heads": heads.num_heads,
-        "num_kv_heads": heads.num_kv_heads,
-        "head_dim": heads.head_dim,
-        "rotary": rotary_of(config, getattr(module, "layer_type", None)),
-    }
-    if qk_norm is not None:
-        kwargs["qk_norm"] = qk_norm
-    window = window_of(module)
-    if window is not None:
-        kwargs["window"] = int(window)
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        kwargs["softcap"] = float(softcap)
-    if "b_q" in weights:
-        kwargs["bias"] = True
-    if SINKS_NAME in weights:
-        kwargs["sinks"] = True
-    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
-    if dropout:
-        kwargs["dropout"] = dropout
+    kwargs = block_arguments(
+        weights,
+        config,
+        heads,
+        block=type(module).__name__,
+        qk_norm=qk_norm_of(module),
+        window=window_of(module),
+        scaling=float(module.scaling),
+        layer_type=getattr(module, "layer_type", None),
+    )
     return weights, kwargs
-
-
-def _fold_scale(weights: dict[str, np.ndarray], factor: float, qk_norm: Any) -> None:
-    """Multiplies the queries by ``factor`` through their weights, in float64.
-
-    Without norms ``W_q`` and ``b_q`` scale; with them the norm's gain does:
-    ``factor * w``, or for a ``(1 + w)`` gain ``factor * (1 + w) - 1``.
-    """
-    if qk_norm is None:
-        for name in ("W_q", "b_q"):
-            if name in weights:
-                weights[name] = weights[name].astype(np.float64) * factor
-        return
-    offset = 1.0 if qk_norm["unit_offset"] else 0.0
-    weights["q_norm"] = (weights["q_norm"].astype(np.float64) + offset) * factor - offset
 
 
 def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Module:

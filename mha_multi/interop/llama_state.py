@@ -16,10 +16,18 @@ from typing import Any
 import numpy as np
 
 from mha_multi import spec
-from mha_multi.interop.fused_projections import split_fused
+from mha_multi.interop.fused_projections import join_fused, split_fused
+from mha_multi.interop.rotary_config import rotary_of
 from mha_multi.weights import SINKS_NAME, WeightsConfig, check_weights
 
-__all__ = ["NORMS", "PROJECTIONS", "from_llama_state"]
+__all__ = [
+    "NORMS",
+    "PROJECTIONS",
+    "block_arguments",
+    "from_llama_state",
+    "llama_arrays",
+    "llama_config",
+]
 
 
 def _host(value: Any) -> np.ndarray:
@@ -71,6 +79,152 @@ def from_llama_state(
     """
     _, arrays, _ = _checked(_canonical_arrays(state_dict, prefix), num_heads, num_kv_heads)
     return arrays
+
+
+def llama_config(
+    weights: Mapping[str, Any], *, num_heads: int, num_kv_heads: int | None = None
+) -> dict[str, Any]:
+    """The ``LlamaConfig`` attention fields that canonical weights describe.
+
+    Returns:
+        ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
+        ``head_dim`` and ``attention_bias``.
+
+    Raises:
+        ValueError: the weights are not self-attention (Llama projects one
+            ``hidden_states`` of ``hidden_size`` features), or do not fit the heads.
+    """
+    heads, _, config = _checked(weights, num_heads, num_kv_heads)
+    sizes = {config.query_size, config.key_size, config.value_size, config.num_hiddens}
+    if len(sizes) != 1:
+        raise ValueError(
+            "Llama attention projects one hidden_states of hidden_size features: "
+            f"query_size, key_size, value_size and num_hiddens must be equal; got "
+            f"{config.query_size}, {config.key_size}, {config.value_size}, {config.num_hiddens}"
+        )
+    return {
+        "hidden_size": config.num_hiddens,
+        "num_attention_heads": heads.num_heads,
+        "num_key_value_heads": heads.num_kv_heads,
+        "head_dim": heads.head_dim,
+        "attention_bias": config.bias,
+    }
+
+
+def llama_arrays(
+    weights: Mapping[str, Any], num_heads: int, num_kv_heads: int | None, layout: str | None
+) -> dict[str, np.ndarray]:
+    """A Llama-style attention state dict of numpy arrays from canonical weights.
+
+    What :func:`mha_multi.interop.llama.to_llama_state` gives, before torch
+    holds it (its arguments and errors).
+    """
+    llama_config(weights, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    state = {}
+    for name, module in PROJECTIONS.items():
+        state[f"{module}.weight"] = np.array(weights[f"W_{name}"]).T.copy()
+        if f"b_{name}" in weights:
+            state[f"{module}.bias"] = np.array(weights[f"b_{name}"], copy=True)
+    for key, name in NORMS.items():
+        if name in weights:
+            state[key] = np.array(weights[name], copy=True)
+    if SINKS_NAME in weights:
+        state[SINKS_NAME] = np.array(weights[SINKS_NAME], copy=True)
+    if layout is not None:
+        state = join_fused(state, PROJECTIONS, layout)
+    return state
+
+
+def block_arguments(
+    weights: dict[str, np.ndarray],
+    config: Any,
+    heads: spec.Heads,
+    *,
+    block: str,
+    qk_norm: dict[str, Any] | None,
+    window: int | None,
+    scaling: float,
+    layer_type: str | None,
+) -> dict[str, Any]:
+    """The layer's constructor arguments for a known block; folds its score scale into ``weights``.
+
+    What :func:`mha_multi.interop.llama.from_llama` returns as ``kwargs``,
+    from the block's model config and what the block (or, for a checkpoint,
+    the config alone) says of its layer.
+
+    Args:
+        weights: the block's canonical weights (checked for ``heads``); a
+            score scale other than ``1/sqrt(head_dim)`` is folded into them.
+        config: the model's config (attributes).
+        heads: the block's head layout.
+        block: the block's class name, for messages.
+        qk_norm: the ``qk_norm=`` of its query/key norms, ``None`` without.
+        window: its sliding window, ``None`` without.
+        scaling: the factor of its scores (``head_dim ** -0.5``, or Gemma's
+            ``query_pre_attn_scalar ** -0.5``).
+        layer_type: its layer type, for a config of rotary settings by type.
+
+    Raises:
+        ValueError: norms in the weights where the model type has none, or
+            the other way round, or of the wrong shapes; rotary settings that
+            are not supported (:func:`~mha_multi.interop.rotary_config.rotary_of`).
+    """
+    if (qk_norm is None) != ("q_norm" not in weights):
+        raise ValueError(
+            f"{block}'s state dict has query/key norms where its model type "
+            f"{config.model_type!r} has none, or none where it has them"
+        )
+    if qk_norm is not None:
+        # The norms' shapes as the model type's scope has them (docs: "Canonical weights").
+        check_weights(
+            weights,
+            qk_norm=qk_norm["scope"],
+            sinks=None,
+            num_heads=heads.num_heads,
+            num_kv_heads=heads.num_kv_heads,
+            head_dim=heads.head_dim,
+        )
+    # Our scores are scaled by 1/sqrt(head_dim): another scale goes into W_q, or
+    # into the queries' norm where it follows W_q.
+    factor = scaling * float(np.sqrt(heads.head_dim))
+    if factor != 1.0:
+        fold_scale(weights, factor, qk_norm)
+    kwargs: dict[str, Any] = {
+        "num_heads": heads.num_heads,
+        "num_kv_heads": heads.num_kv_heads,
+        "head_dim": heads.head_dim,
+        "rotary": rotary_of(config, layer_type),
+    }
+    if qk_norm is not None:
+        kwargs["qk_norm"] = qk_norm
+    if window is not None:
+        kwargs["window"] = int(window)
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        kwargs["softcap"] = float(softcap)
+    if "b_q" in weights:
+        kwargs["bias"] = True
+    if SINKS_NAME in weights:
+        kwargs["sinks"] = True
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if dropout:
+        kwargs["dropout"] = dropout
+    return kwargs
+
+
+def fold_scale(weights: dict[str, np.ndarray], factor: float, qk_norm: Any) -> None:
+    """Multiplies the queries by ``factor`` through their weights, in float64.
+
+    Without norms ``W_q`` and ``b_q`` scale; with them the norm's gain does:
+    ``factor * w``, or for a ``(1 + w)`` gain ``factor * (1 + w) - 1``.
+    """
+    if qk_norm is None:
+        for name in ("W_q", "b_q"):
+            if name in weights:
+                weights[name] = weights[name].astype(np.float64) * factor
+        return
+    offset = 1.0 if qk_norm["unit_offset"] else 0.0
+    weights["q_norm"] = (weights["q_norm"].astype(np.float64) + offset) * factor - offset
 
 
 def _checked(

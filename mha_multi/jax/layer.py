@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from mha_multi import _docs, call, spec
+from mha_multi.canonical_layer import FromCanonical
 from mha_multi.jax import functional
 from mha_multi.jax._facts import JaxFacts, host_array
 from mha_multi.jax._kernel import check_implementation
@@ -31,7 +32,7 @@ default_bias_init = nnx.initializers.zeros_init()
 
 
 @_docs.fill
-class MultiHeadAttention(nnx.Module):
+class MultiHeadAttention(FromCanonical, nnx.Module):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
     The projections are ``nnx.Linear`` modules named ``W_q``, ``W_k``, ``W_v``
@@ -396,3 +397,7 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
     numpy floating dtypes only); every other dtype is kept.
     """
     return {name: host_array(value) for name, value in layer.params().items()}
+
+
+# MultiHeadAttention.from_canonical(weights, **kwargs) loads through set_weights.
+MultiHeadAttention._load_canonical = set_weights  # type: ignore[method-assign]

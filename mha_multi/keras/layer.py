@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from mha_multi import _docs, call, spec
+from mha_multi.canonical_layer import FromCanonical
 from mha_multi.keras._facts import (
     FACTS,
     checked_lens,
@@ -33,7 +34,7 @@ __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
 @keras.saving.register_keras_serializable(package="mha_multi")
 @_docs.fill
-class MultiHeadAttention(ProjectionLayer):
+class MultiHeadAttention(FromCanonical, ProjectionLayer):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
     The layer's variables are the canonical weights as they are: kernels
@@ -364,3 +365,7 @@ class MultiHeadAttention(ProjectionLayer):
             **self.input_sizes(),
         )
         return config
+
+
+# MultiHeadAttention.from_canonical(weights, **kwargs) loads through set_weights.
+MultiHeadAttention._load_canonical = set_weights  # type: ignore[method-assign]

@@ -31,6 +31,7 @@ from mxnet import gluon, npx
 from mxnet.gluon import nn
 
 from mha_multi import _docs, call, spec
+from mha_multi.canonical_layer import FromCanonical
 from mha_multi.mxnet._facts import FACTS
 from mha_multi.mxnet._graph import Graphs, run
 from mha_multi.mxnet._projections import PROJECTIONS, get_weights, in_units, set_weights
@@ -44,7 +45,7 @@ npx.set_np()
 
 
 @_docs.fill
-class MultiHeadAttention(gluon.HybridBlock):
+class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
     The projections are ``nn.Dense(..., flatten=False)`` blocks named
@@ -396,3 +397,7 @@ class MultiHeadAttention(gluon.HybridBlock):
             run=run,
         )
         return result.returned(bool(return_attention_weights))
+
+
+# MultiHeadAttention.from_canonical(weights, **kwargs) loads through set_weights.
+MultiHeadAttention._load_canonical = set_weights  # type: ignore[method-assign]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mha_multi import _docs, call, spec
+from mha_multi.canonical_layer import FromCanonical
 from mha_multi.torch._cache import versioned
 from mha_multi.torch._facts import FACTS, host_array
 from mha_multi.torch._projections import (
@@ -33,7 +34,7 @@ __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
 
 @_docs.fill
-class MultiHeadAttention(PackedProjections):
+class MultiHeadAttention(FromCanonical, PackedProjections):
     """d2l's multi-head attention, exact to the spec of :mod:`mha_multi.spec`.
 
     The projections are ``nn.Linear`` modules named ``W_q``, ``W_k``, ``W_v``
@@ -373,3 +374,7 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
     if layer.options.sinks:
         weights[SINKS_NAME] = host_array(whole(layer.sinks))
     return weights
+
+
+# MultiHeadAttention.from_canonical(weights, **kwargs) loads through set_weights.
+MultiHeadAttention._load_canonical = set_weights  # type: ignore[method-assign]

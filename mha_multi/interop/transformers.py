@@ -1,0 +1,258 @@
+"""A transformers checkpoint folder's attention layers as canonical weights and layer arguments.
+
+:func:`attention_layers` reads a folder written by ``save_pretrained``
+(``config.json``, one or several ``.safetensors`` files) one layer at a time
+with numpy alone, and gives each attention layer's canonical weights and the
+constructor arguments :func:`mha_multi.interop.llama.from_llama` would
+return for that layer's block: ``MultiHeadAttention.from_canonical(weights,
+**kwargs)`` builds it in any framework (docs: "Porting weights").
+:func:`attention_state` is the way back, a layer's weights as the entries of
+the checkpoint's state dict.
+
+The config is read as transformers reads it for the model types of
+:data:`~mha_multi.interop.families.KNOWN_BLOCKS`, and refused where it is
+not known: another ``model_type`` or architecture, a field set to what the
+layer does not compute, or a field whose default only transformers' config
+class knows (:data:`REQUIRED_FIELDS`) left out of the file. What those
+classes derive from older configs' fields (layer types, Gemma 3's rotary
+settings by layer type) is derived here as they derive it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from mha_multi import spec
+from mha_multi.interop.checkpoint_files import CONFIG, CheckpointFolder
+from mha_multi.interop.families import (
+    KNOWN_BLOCKS,
+    QK_NORMS,
+    SINK_BLOCKS,
+    check_config_fields,
+    layer_window,
+)
+from mha_multi.interop.fused_projections import FUSED_PROJECTIONS
+from mha_multi.interop.llama_state import (
+    _canonical_arrays,
+    _checked,
+    block_arguments,
+    fold_scale,
+    llama_arrays,
+)
+
+__all__ = ["REQUIRED_FIELDS", "attention_layers", "attention_state", "model_config"]
+
+#: Config fields read with no default here, which the file must hold (a
+#: field with ``|`` is any one of those named): every model type's, then each
+#: type's own. transformers' config classes fill in a missing one with their
+#: default, which this reader does not guess: such a config is refused;
+#: ``AutoConfig.from_pretrained(folder).save_pretrained(folder)`` writes them.
+REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "": ("model_type", "hidden_size", "num_attention_heads", "num_hidden_layers"),
+    "mistral": ("sliding_window",),
+    "gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "sliding_window"),
+    "gemma3_text": ("query_pre_attn_scalar", "sliding_window", "rms_norm_eps"),
+    "gpt_oss": ("sliding_window", "rope_parameters|rope_scaling"),
+    "qwen3": ("rms_norm_eps",),
+    "olmo2": ("rms_norm_eps",),
+}
+#: Model types whose scores are scaled by ``field ** -0.5`` rather than ``head_dim ** -0.5``.
+_SCALE_FIELDS = {"gemma2": "query_pre_attn_scalar", "gemma3_text": "query_pre_attn_scalar"}
+#: What follows a known block's class prefix in the architectures whose
+#: attention layers are the decoder's (``LlamaForCausalLM``...).
+_HEADS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification")
+_LAYER = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.")
+#: Entries of older checkpoints that transformers skips when it loads them
+#: (the rotary inverse frequencies, computed from the config instead).
+_SKIPPED = ("rotary_emb.inv_freq",)
+
+
+def _block_of(model_type: str) -> str:
+    """The class name of the attention block of a known model type."""
+    return next(name for name, kind in KNOWN_BLOCKS.items() if kind == model_type)
+
+
+def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNamespace:
+    """A checkpoint's ``config.json`` as the attributes the converters read, checked.
+
+    Raises:
+        ValueError: an unknown ``model_type`` or architecture, a missing
+            field of :data:`REQUIRED_FIELDS`, or a field set to what the
+            layer does not compute; naming it.
+    """
+    model_type = config.get("model_type")
+    if model_type not in KNOWN_BLOCKS.values():
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not known; the attention converters read "
+            f"{', '.join(map(repr, KNOWN_BLOCKS.values()))}"
+        )
+    for field in REQUIRED_FIELDS[""] + REQUIRED_FIELDS.get(model_type, ()):
+        if all(name not in config for name in field.split("|")):
+            raise ValueError(
+                f"{source}: model_type {model_type!r} needs the field {field!r}, which only "
+                "transformers' config class can fill in: re-save the config with "
+                "transformers >= 5 (AutoConfig.from_pretrained(...).save_pretrained(...))"
+            )
+    prefix = _block_of(model_type)[: -len("Attention")]
+    for architecture in config.get("architectures") or ():
+        if architecture not in {prefix + head for head in _HEADS}:
+            raise ValueError(
+                f"{source}: architecture {architecture!r} is not known; a {model_type!r} "
+                f"checkpoint converts as {', '.join(prefix + head for head in _HEADS)}"
+            )
+    namespace = SimpleNamespace(**config)
+    if config.get("use_sliding_window") is False:  # Qwen's: sliding_window is then unused
+        namespace.sliding_window = None
+    if config.get("layer_types") is None:
+        namespace.layer_types = _default_layer_types(namespace)
+    if model_type == "gemma3_text" and config.get("rope_parameters") is None:
+        namespace.rope_parameters = _gemma3_rope(config)
+    check_config_fields(namespace, _block_of(model_type))
+    return namespace
+
+
+def _default_layer_types(config: SimpleNamespace) -> list[str] | None:
+    """The layer types transformers' config class gives a config without ``layer_types``.
+
+    Gemma 2 and gpt-oss alternate sliding and full layers; Gemma 3 makes
+    every ``sliding_window_pattern``-th layer (6th) full; Qwen's layers from
+    ``max_window_layers`` on slide, where its window is used.
+    """
+    count = int(config.num_hidden_layers)
+    period = {"gemma2": 2, "gpt_oss": 2}.get(config.model_type)
+    if config.model_type == "gemma3_text":
+        period = int(getattr(config, "sliding_window_pattern", 6))
+    if period is not None:
+        return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(count)]
+    if config.model_type in ("qwen2", "qwen3") and getattr(config, "sliding_window", None):
+        first = int(getattr(config, "max_window_layers", 28))
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(count)]
+    return None
+
+
+def _gemma3_rope(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Gemma 3's rotary settings by layer type from a config before ``rope_parameters``.
+
+    As transformers reads them: ``rope_scaling`` and ``rope_theta`` (10^6
+    unless given) for the global layers, ``rope_local_base_freq`` (10^4
+    unless given) for the local ones.
+    """
+    full = {"rope_type": "default", **(config.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+    return {"sliding_attention": local, "full_attention": full}
+
+
+def attention_layers(
+    model_dir: str | os.PathLike[str], layers: Iterable[int] | None = None
+) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]:
+    """Each attention layer of a transformers checkpoint folder: ``(index, weights, kwargs)``.
+
+    The folder is checked before the first layer is given (config, shards,
+    every layer's entries named); then each layer's tensors, and only those,
+    are read. Weights have the checkpoint's precision (``bfloat16`` read as
+    ``float32``); ``kwargs`` are :func:`mha_multi.interop.llama.from_llama`'s
+    for that layer (its layer type's rotary settings and window included).
+
+    Args:
+        model_dir: the folder (``config.json`` and ``model.safetensors``, or
+            shards and ``model.safetensors.index.json``).
+        layers: the layers' indices, in the order given; every layer by default.
+
+    Raises:
+        FileNotFoundError: no folder, config or weights file; a missing shard.
+        ValueError: an unknown model type, architecture or config field
+            (:func:`model_config`), a layer index out of range, a layer whose
+            entries are missing or are not a known block's; nothing is given
+            then for a folder-wide fault, and no further layer for a layer's.
+    """
+    folder, config, names = _checked_folder(model_dir, layers)
+    return _layers(folder, config, names)
+
+
+def _checked_folder(
+    model_dir: str | os.PathLike[str], layers: Iterable[int] | None
+) -> tuple[CheckpointFolder, SimpleNamespace, dict[int, str]]:
+    """The folder, its config, and each layer asked for -> its entries' prefix."""
+    folder = CheckpointFolder(model_dir)
+    config = model_config(folder.config, source=os.fspath(folder.path / CONFIG))
+    found = {}
+    for name in folder.entries:
+        match = _LAYER.match(name)
+        if match:
+            found.setdefault(int(match.group(2)), match.group(0))
+    count = int(config.num_hidden_layers)
+    indices = list(range(count)) if layers is None else [int(i) for i in layers]
+    for index in indices:
+        if not 0 <= index < count:
+            raise ValueError(f"layer {index} is out of range: the model has {count} layers")
+        if index not in found:
+            raise ValueError(f"the checkpoint has no entries of layer {index}'s attention")
+    return folder, config, {index: found[index] for index in indices}
+
+
+def _layers(
+    folder: CheckpointFolder, config: SimpleNamespace, prefixes: dict[int, str]
+) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any]]]:
+    block = _block_of(config.model_type)
+    for index, prefix in prefixes.items():
+        names = [name for name in folder.entries if name.startswith(prefix)]
+        state = {name: folder.tensor(name) for name in names if not name.endswith(_SKIPPED)}
+        try:
+            arrays = _canonical_arrays(state, prefix, sinks=block in SINK_BLOCKS)
+            heads, weights, _ = _checked(
+                arrays, config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+            )
+            precision = weights["W_o"].dtype
+            kwargs = block_arguments(weights, config, heads, **_layer_facts(config, index, heads))
+        except ValueError as error:
+            raise ValueError(f"layer {index}: {error}") from error
+        yield index, {name: array.astype(precision) for name, array in weights.items()}, kwargs
+
+
+def _layer_facts(config: SimpleNamespace, index: int, heads: spec.Heads) -> dict[str, Any]:
+    """What a block of layer ``index`` would say of itself: class, norms, window, scale, type."""
+    model_type = config.model_type
+    qk_norm = None
+    if model_type in QK_NORMS:
+        qk_norm = {**QK_NORMS[model_type][1], "eps": float(config.rms_norm_eps)}
+    scale_field = _SCALE_FIELDS.get(model_type)
+    scale = getattr(config, scale_field) if scale_field else heads.head_dim
+    layer_types = getattr(config, "layer_types", None)
+    return {
+        "block": _block_of(model_type),
+        "qk_norm": qk_norm,
+        "window": layer_window(config, index),
+        "scaling": float(scale) ** -0.5,
+        "layer_type": layer_types[index] if layer_types else None,
+    }
+
+
+def attention_state(
+    config: SimpleNamespace, index: int, weights: Mapping[str, Any], prefix: str
+) -> dict[str, np.ndarray]:
+    """Layer ``index``'s canonical weights as the checkpoint's entries, under ``prefix``.
+
+    The inverse of :func:`attention_layers` for one layer: the score scale
+    folded in on the way in is taken out, a fused projection (Phi-3's) joined.
+
+    Raises:
+        ValueError: weights that do not fit the config's heads.
+    """
+    weights = {name: np.asarray(array) for name, array in weights.items()}
+    heads, weights, _ = _checked(
+        weights, config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    )
+    facts = _layer_facts(config, index, heads)
+    factor = facts["scaling"] * float(np.sqrt(heads.head_dim))
+    if factor != 1.0:
+        fold_scale(weights, 1.0 / factor, facts["qk_norm"])
+    layout = config.model_type if config.model_type in FUSED_PROJECTIONS else None
+    state = llama_arrays(weights, heads.num_heads, heads.num_kv_heads, layout)
+    return {prefix + name: array for name, array in state.items()}

@@ -1,0 +1,78 @@
+"""The checkpoint folders every backend converts hold what transformers computes.
+
+``tests/fixtures/checkpoints/`` and ``transformers_checkpoints.npz`` were
+written by ``tests/fixtures/transformers_checkpoints.py``; here, where
+transformers is installed, each folder loads with ``from_pretrained`` into a
+model whose blocks give the stored outputs, and
+:func:`~mha_multi.interop.transformers.attention_layers` gives, from the
+files alone, the arguments :func:`~mha_multi.interop.llama.from_llama`
+gives of each loaded block, for their configs as transformers 5 writes
+them and as older configs on the Hub hold them (the fields transformers'
+config classes derive layer types and Gemma 3's rotary settings from).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+from transformers_blocks import attention_results  # noqa: E402
+from transformers_checkpoints import CHECKPOINTS, FOLDERS, loaded, results  # noqa: E402
+
+from mha_multi.interop.llama import from_llama  # noqa: E402
+from mha_multi.interop.transformers import attention_layers  # noqa: E402
+
+
+@pytest.mark.parametrize("model", list(CHECKPOINTS))
+def test_folders_hold_what_transformers_computes(model):
+    lm = loaded(FOLDERS / model)
+    stored = results()
+    converted = {index: kwargs for index, _, kwargs in attention_layers(FOLDERS / model)}
+    for index, layer in enumerate(lm.model.layers):
+        computed = attention_results(layer.self_attn, lm.model.rotary_emb)
+        for name, value in computed.items():
+            np.testing.assert_allclose(value, stored[f"{model}.{index}.{name}"], rtol=0, atol=1e-12)
+        assert converted[index] == from_llama(layer.self_attn)[1]
+
+
+def _older(config: dict, **fields) -> dict:
+    """``config`` without the fields transformers 5 derives, with ``fields`` to derive them."""
+    kept = {k: v for k, v in config.items() if k not in ("layer_types", "rope_parameters")}
+    return {**kept, **fields}
+
+
+#: model -> its config as written before transformers 5.
+OLDER_CONFIGS = {
+    "gemma3": lambda config: _older(
+        config,
+        sliding_window_pattern=2,
+        rope_local_base_freq=100.0,
+        rope_theta=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
+    "gpt_oss": lambda config: {k: v for k, v in config.items() if k != "layer_types"},
+    "qwen3": lambda config: _older(
+        config,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,
+        rope_theta=100.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("model", list(OLDER_CONFIGS))
+def test_older_configs_read_as_transformers_reads_them(model, tmp_path):
+    folder = tmp_path / model
+    shutil.copytree(FOLDERS / model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(OLDER_CONFIGS[model](config)))
+    lm = loaded(folder)
+    converted = {index: kwargs for index, _, kwargs in attention_layers(folder)}
+    assert converted == {
+        index: from_llama(layer.self_attn)[1] for index, layer in enumerate(lm.model.layers)
+    }
