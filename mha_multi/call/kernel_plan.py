@@ -51,6 +51,7 @@ def kernel_settings(
         "window": options.window is not None,
         "query_positions": options.query_positions is not None,
         "sinks": options.sinks is not None,
+        "segments": options.segments is not None,
     }
 
 
@@ -108,6 +109,7 @@ def plan(
         or optimistic.mask_causal
         or optimistic.window_flag
         or optimistic.mask_window
+        or optimistic.mask_segments
     )
     total_scores = (
         None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys

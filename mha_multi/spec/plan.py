@@ -99,6 +99,9 @@ class KernelPlan:
         mask_window: the boolean mask holds the window rule.
         fix_window: the window can hide whole rows (with lengths, or query
             positions): :meth:`fix_visibility` includes it.
+        mask_segments: the boolean mask holds the packed sequences' rule
+            (:attr:`ScoreOptions.segments`), which hides padding rows whole:
+            :meth:`fix_visibility` includes it.
         guarded: the values were not read (a compiled graph): the kernel's
             context is taken where the values are exact, as the device finds
             them, and the generic path's elsewhere, one conditional in the
@@ -120,10 +123,11 @@ class KernelPlan:
     mask_window: bool = False
     fix_window: bool = False
     guarded: bool = False
+    mask_segments: bool = False
 
     @property
     def needs_mask(self) -> bool:
-        return self.mask_lens or self.mask_causal or self.mask_window
+        return self.mask_lens or self.mask_causal or self.mask_window or self.mask_segments
 
     def mask(
         self,
@@ -149,6 +153,7 @@ class KernelPlan:
             causal=self.mask_causal,
             window=options.window if self.mask_window else None,
             query_positions=options.query_positions,
+            segments=options.segments if self.mask_segments else None,
         )
 
     def fix_visibility(
@@ -177,6 +182,7 @@ class KernelPlan:
             causal=self.fix_causal,
             window=options.window if self.fix_window else None,
             query_positions=options.query_positions,
+            segments=options.segments if self.mask_segments else None,
         )
 
 
@@ -274,6 +280,7 @@ def plan_kernel(
     query_positions: bool = False,
     values_guard: bool = False,
     sinks: bool = False,
+    segments: bool = False,
 ) -> KernelPlan:
     """Whether a call runs ``kernel``, and what the kernel is given.
 
@@ -315,6 +322,8 @@ def plan_kernel(
         sinks: the layer has attention sinks (:mod:`mha_multi.spec.sinks`).
             No backend's kernel takes a sink column: such a call always
             takes the generic path.
+        segments: the call packs sequences (``segment_ids``): the boolean
+            mask holds their rule, and padding rows are fully hidden.
 
     Returns:
         The plan.
@@ -353,7 +362,7 @@ def plan_kernel(
     # keys after it; with lengths, or own positions, it may leave none.
     window_hides_rows = window and (lens_ndim is not None or query_positions)
     fix_rows = (
-        lens_may_hide_rows or causal_hides_rows or window_hides_rows
+        lens_may_hide_rows or causal_hides_rows or window_hides_rows or segments
     ) and not kernel.hidden_rows_uniform
     if dropout and not kernel.takes_dropout:
         return _generic("the kernel has no dropout")
@@ -371,7 +380,7 @@ def plan_kernel(
         and kernel.causal_flag
         and same_frame
         # A bias reaches a kernel beside its mask, where the causal flag may not go.
-        and (not (mask_lens or mask_window or bias) or kernel.mask_and_causal)
+        and (not (mask_lens or mask_window or bias or segments) or kernel.mask_and_causal)
     )
     return KernelPlan(
         fused=True,
@@ -388,4 +397,5 @@ def plan_kernel(
         mask_window=mask_window,
         fix_window=window and fix_rows,
         guarded=guarded,
+        mask_segments=segments,
     )
