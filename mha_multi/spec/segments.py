@@ -99,12 +99,13 @@ def segment_positions(ops: ArrayOps, ids: Array) -> Array:
     that run contiguously, as every converter writes them). Counted in
     float32, exact for rows of up to ``2**24`` positions.
     """
-    length = ops.size(ids, 1)
-    steps = ops.arange(length)
+    steps = ops.arange(ops.size(ids, 1))
     same = _equal(ops, ops.expand_dims(ids, -1), ops.expand_dims(ids, 1))  # (B, N, N)
     earlier = ops.less(ops.expand_dims(steps, 0), ops.expand_dims(steps, -1))  # j < i
     counted = ops.cast(ops.logical_and(same, earlier), ops.float32())
-    ones = ops.constant(np.ones((length, 1), dtype=np.float32), counted)
+    # A column of ones from the steps themselves: no host constant of a size
+    # that a graph may not know.
+    ones = ops.expand_dims(ops.cast(ops.greater_equal(steps, steps), ops.float32()), -1)
     counts = ops.matmul(counted, ones)  # (B, N, 1)
     return ops.cast(ops.merge_axes(ops.swap_last(counts), 1), ops.dtype(steps))
 
