@@ -202,27 +202,22 @@ def cu_seqlens_from_segment_ids(segment_ids: Any) -> np.ndarray:
 def segment_ids_from_position_ids(position_ids: Any) -> np.ndarray:
     """``(B, N)`` int32 ids from transformers' restarting position ids.
 
-    A sequence starts where its position is 0 (``DataCollatorWithFlattening``
-    writes ``0, 1, ..., 0, 1, ...``); a row's first position starts one
-    whatever its value.
+    transformers' rule (``DataCollatorWithFlattening`` writes ``0, 1, ...,
+    0, 1, ...``): a sequence starts wherever a position is not the one
+    before it plus 1, and at the start of each row.
 
     Raises:
         TypeError: not integers.
-        ValueError: not ``(B, N)``, or a position that does not follow the
-            one before it (``0, 1, 3``).
+        ValueError: not ``(B, N)``.
     """
     positions = np.asarray(position_ids)
     if positions.dtype.kind not in "iu":
         raise TypeError(f"position_ids must be integers; got dtype kind {positions.dtype.kind!r}")
     if positions.ndim != 2:
         raise ValueError(f"position_ids must have shape (batch, length); got {positions.shape}")
-    starts = positions == 0
-    starts[:, :1] = True
-    follows = positions[:, 1:] == positions[:, :-1] + 1
-    if not np.all(follows | starts[:, 1:]):
-        raise ValueError(
-            "position_ids must restart at 0 for each sequence and count up by 1 within it"
-        )
+    positions = positions.astype(np.int64)
+    starts = np.ones(positions.shape, dtype=bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
     return (np.cumsum(starts, axis=1) - 1).astype(np.int32)
 
 

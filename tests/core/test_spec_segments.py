@@ -55,6 +55,10 @@ def test_converters():
     np.testing.assert_array_equal(
         spec.restarting_positions(spec.segment_ids_from_position_ids(position_ids)), position_ids
     )
+    # transformers' rule: a jump starts a sequence, wherever it lands.
+    np.testing.assert_array_equal(
+        spec.segment_ids_from_position_ids([[3, 4, 0, 1, 5]]), [[0, 0, 1, 1, 2]]
+    )
 
 
 @pytest.mark.parametrize(
@@ -62,7 +66,7 @@ def test_converters():
     [
         (lambda: spec.cu_seqlens_from_segment_ids([[0, 1, 0]]), ValueError, "contiguous"),
         (lambda: spec.segment_runs([[0.0, 1.0]]), TypeError, "segment_ids"),
-        (lambda: spec.segment_ids_from_position_ids([[0, 1, 3]]), ValueError, "restart"),
+        (lambda: spec.segment_ids_from_position_ids([[0.0, 1.0]]), TypeError, "position_ids"),
         (lambda: spec.segment_ids_from_cu_seqlens([1, 2]), ValueError, "cu_seqlens"),
         (lambda: spec.segment_ids_from_lengths([[3, 4]], length=5), ValueError, "more than"),
     ],
