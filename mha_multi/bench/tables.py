@@ -277,6 +277,7 @@ def format_markdown(results: Sequence[dict]) -> str:
             lines += memory.lines
         lines += _pruned_lines(measurements)
         lines += _sharded_lines(measurements)
+        lines += _packed_lines(measurements)
         lines += _generation_lines(measurements)
         for title, make in _CALL_TABLES.items():
             made = make(measurements)
@@ -326,6 +327,29 @@ def _sharded_lines(measurements: Sequence[dict]) -> list[str]:
             count = m["implementation"].rsplit(" ", 1)[-1]
             ratio = _ratio(m.get("seconds"), unsharded.get("seconds"))
             lines.append(_row(m["dtype"], length, heads, count, _ms_or_note(m), ratio))
+    return lines
+
+
+def _packed_lines(measurements: Sequence[dict]) -> list[str]:
+    """The packed table: real tokens per second, padded and packed, and their ratio."""
+    packed = [m for m in measurements if m["mode"] == "packed forward+backward"]
+    if not packed:
+        return []
+    lines = _table_head(
+        "Forward+backward over long-tailed lengths, packed into rows against padded "
+        '(causal, rotary; docs: "Packed sequences"):',
+        ["dtype", "N", "layout", "rows", "tokens/s", "packed / padded", "notes"],
+    )
+    for dtype, length in sorted({(m["dtype"], m["length"]) for m in packed}):
+        rows = [m for m in packed if (m["dtype"], m["length"]) == (dtype, length)]
+        padded = next((m for m in rows if m["implementation"].endswith("padded")), {})
+        for m in rows:
+            rate = m.get("tokens_per_s")
+            shown = "-" if rate is None else f"{rate:.0f}"
+            ratio = "-" if m is padded else _ratio(rate, padded.get("tokens_per_s"))
+            layout = m["implementation"].rsplit(" ", 1)[-1]
+            cells = (dtype, length, layout, m["shape"]["batch"], shown, ratio, m["note"])
+            lines.append(_row(*cells))
     return lines
 
 
