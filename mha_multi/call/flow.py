@@ -197,7 +197,8 @@ def attend(
         fused_settings = {
             **settings,
             "dropout_rate": dropout_rate if dropout is not None else 0.0,
-            **({"options": options} if facts.passes_options else {}),
+            # Packed sequences reach any kernel that takes a mask (docs: "Packed sequences").
+            **({"options": options} if facts.passes_options or options.only_segments else {}),
         }
 
         def fused(q: Array, k: Array, v: Array) -> Array | None:

@@ -82,7 +82,7 @@ def plan(
     """
     if facts.kernel is None:
         return spec.KernelPlan(fused=False, reason="the backend has no fused kernel")
-    if options is not spec.NO_OPTIONS and not facts.passes_options:
+    if options is not spec.NO_OPTIONS and not (facts.passes_options or options.only_segments):
         return spec.KernelPlan(
             fused=False, reason="the backend's kernel call passes no positions or biases"
         )

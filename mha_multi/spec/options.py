@@ -186,6 +186,18 @@ class ScoreOptions:
         """These options with the heads' ``(H,)`` sink logits (``None``: none)."""
         return dataclasses.replace(self, sinks=sinks)
 
+    @property
+    def only_segments(self) -> bool:
+        """Whether packed sequences' visibility is all these options hold: a kernel that
+        takes any boolean mask takes them, whether or not it takes the others."""
+        return (
+            self.segments is not None
+            and not self.adjusts_scores
+            and self.window is None
+            and self.query_positions is None
+            and self.sinks is None
+        )
+
     def with_segments(self, segments: Array | None) -> ScoreOptions:
         """These options with the packed sequences' visibility (``None``: none)."""
         return self if segments is None else dataclasses.replace(self, segments=segments)

@@ -59,6 +59,9 @@ class FusedKernel:
             flag, top-left aligned: key ``j`` is hidden from query ``i``
             unless ``i - j < window`` (used only where that is the spec's
             frame; the boolean mask holds the window otherwise).
+        takes_any_mask: takes any boolean mask, not only one whose visible
+            keys are a prefix of each row (lengths and the causal rule):
+            packed sequences' need it.
     """
 
     name: str
@@ -72,6 +75,7 @@ class FusedKernel:
     takes_bias: bool = False
     takes_softcap: bool = False
     takes_window: bool = False
+    takes_any_mask: bool = True
 
 
 @dataclass(frozen=True)
@@ -338,6 +342,8 @@ def plan_kernel(
         return _generic("the kernel has no soft-capping")
     if sinks:
         return _generic("the kernel has no attention sinks")
+    if segments and not kernel.takes_any_mask:
+        return _generic("the kernel takes no mask of packed sequences")
     if not all(isinstance(size, int) for size in sizes):
         return _generic("sizes unknown while tracing")
     batch, num_queries, num_keys = sizes
