@@ -332,24 +332,25 @@ def _sharded_lines(measurements: Sequence[dict]) -> list[str]:
 
 def _packed_lines(measurements: Sequence[dict]) -> list[str]:
     """The packed table: real tokens per second, padded and packed, and their ratio."""
-    packed = [m for m in measurements if m["mode"] == "packed forward+backward"]
-    if not packed:
+    layouts: dict[tuple[str, int], dict[str, dict]] = {}
+    for m in measurements:
+        if m["mode"] == "packed forward+backward":
+            layout = m["implementation"].rsplit(" ", 1)[-1]
+            layouts.setdefault((m["dtype"], m["length"]), {})[layout] = m
+    if not layouts:
         return []
     lines = _table_head(
         "Forward+backward over long-tailed lengths, packed into rows against padded "
         '(causal, rotary; docs: "Packed sequences"):',
         ["dtype", "N", "layout", "rows", "tokens/s", "packed / padded", "notes"],
     )
-    for dtype, length in sorted({(m["dtype"], m["length"]) for m in packed}):
-        rows = [m for m in packed if (m["dtype"], m["length"]) == (dtype, length)]
-        padded = next((m for m in rows if m["implementation"].endswith("padded")), {})
-        for m in rows:
+    for (dtype, length), rows in sorted(layouts.items()):
+        padded = rows.get("padded", {}).get("tokens_per_s")
+        for layout, m in rows.items():
             rate = m.get("tokens_per_s")
+            ratio = _ratio(rate, padded) if layout == "packed" else "-"
             shown = "-" if rate is None else f"{rate:.0f}"
-            ratio = "-" if m is padded else _ratio(rate, padded.get("tokens_per_s"))
-            layout = m["implementation"].rsplit(" ", 1)[-1]
-            cells = (dtype, length, layout, m["shape"]["batch"], shown, ratio, m["note"])
-            lines.append(_row(*cells))
+            lines.append(_row(dtype, length, layout, m["shape"]["batch"], shown, ratio, m["note"]))
     return lines
 
 
