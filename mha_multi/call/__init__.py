@@ -30,7 +30,6 @@ from mha_multi.call.checks import (
     check_call,
     check_gates,
     check_options,
-    check_segment_ids,
 )
 from mha_multi.call.contract import BIAS_SHAPE, GATES_SHAPE, INPUT_NAMES, Projections, Result
 from mha_multi.call.facts import FACTS_MODULE_NAMES, Facts, read_all
@@ -52,7 +51,6 @@ __all__ = [
     "check_call",
     "check_gates",
     "check_options",
-    "check_segment_ids",
     "forward",
     "kernel_settings",
     "plain_self_attention",

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from mha_multi import _docs, call, spec
+from mha_multi.call.checks import check_segment_ids
 from mha_multi.keras._facts import (
     FACTS,
     checked_lens,
@@ -338,7 +339,7 @@ class MultiHeadAttention(ProjectionLayer):
         if batch is not None:  # a symbolic batch: checked when called
             settings = {"num_heads": self.num_heads, "like": queries, "num_keys": num_keys}
             call.check_options(FACTS, positions, bias, **settings, cached=cache is not None)
-            call.check_segment_ids(
+            check_segment_ids(
                 FACTS, segment_ids, like=queries, num_keys=num_keys, cached=cache is not None
             )
         outputs = [

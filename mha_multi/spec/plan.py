@@ -281,10 +281,10 @@ def plan_kernel(
     bias: bool = False,
     softcap: bool = False,
     window: bool = False,
+    segments: bool = False,
     query_positions: bool = False,
     values_guard: bool = False,
     sinks: bool = False,
-    segments: bool = False,
 ) -> KernelPlan:
     """Whether a call runs ``kernel``, and what the kernel is given.
 

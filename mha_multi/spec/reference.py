@@ -181,13 +181,13 @@ def reference_forward(
     values: Any,
     valid_lens: Any = None,
     *,
+    segment_ids: Any = None,
     num_heads: int,
     num_kv_heads: int | None = None,
     causal: bool = False,
     head_mask: Any = None,
     positions: Any = None,
     bias: Any = None,
-    segment_ids: Any = None,
     **options: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The spec evaluated in float64 numpy.
