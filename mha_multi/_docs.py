@@ -62,6 +62,12 @@ positions: ``None``, or integer ``(B, Q)`` positions a ``rotary``
     layer rotates the queries (and the keys of self-attention or a
     cached call) by; default ``arange``, with a cache
     ``lengths[b] + i`` (docs: "Positions and biases").""",
+    "segment_ids_arg": """segment_ids: ``None``, or integer ``(B, Q)`` ids of packed sequences:
+    query ``i`` sees key ``j`` only when their ids are equal, and a
+    negative id is padding, fully hidden; a tuple ``(query_ids,
+    key_ids)`` gives the keys ``(B, K)`` ids of their own. Rotary
+    positions restart at each sequence unless ``positions`` are given.
+    Not with a cache (docs: "Packed sequences").""",
 }
 
 _PLACEHOLDER = re.compile(r"^(\s*)\{(\w+)\}$")

@@ -29,8 +29,9 @@ ROWS = {
 
 
 #: Every kind of row ``--only`` takes: ``host`` the tiny layer's host time,
-#: ``calls`` the Python calls of a call (:mod:`mha_multi.bench.host`).
-KINDS = (*ROWS, "generation", "host", "calls")
+#: ``calls`` the Python calls of a call (:mod:`mha_multi.bench.host`),
+#: ``packed`` packed sequences against padded (:mod:`mha_multi.bench.packed`).
+KINDS = (*ROWS, "generation", "host", "calls", "packed")
 
 
 def kinds_of_rows(text: str) -> tuple[str, ...]:
@@ -132,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "pruned_lengths": (64,),
                     "sharded_lengths": (64,),
                     "host_blocks": 5,
+                    "packed_sequences": 8,
+                    "packed_length": 128,
                 }
                 if args.quick
                 else {}
@@ -142,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kwargs |= {"generation": None} if "generation" not in args.only else {}
                 kwargs |= {"host_blocks": 0} if "host" not in args.only else {}
                 kwargs |= {"calls": False} if "calls" not in args.only else {}
+                kwargs |= {"packed_sequences": 0} if "packed" not in args.only else {}
             if args.devices:
                 kwargs["devices"] = args.devices.split(",")
             if args.ways:

@@ -5,7 +5,8 @@ rate, then times each implementation (ours, its variants, the framework's own
 layer) in every execution mode the framework has, forward in evaluation mode
 and forward+backward, on self-attention with key padding
 (:mod:`~mha_multi.bench.timing`); then generation
-(:mod:`~mha_multi.bench.generate`); on the CPU the host rows and the Python
+(:mod:`~mha_multi.bench.generate`) and the packed row
+(:mod:`~mha_multi.bench.packed`); on the CPU the host rows and the Python
 calls of a call (:mod:`~mha_multi.bench.host`); and peak memory of one float32 forward
 pass last, each figure in a process of its own (:mod:`~mha_multi.bench.memory`).
 """
@@ -20,6 +21,7 @@ from mha_multi.bench.framework import Framework
 from mha_multi.bench.generate import GenerationShape, run_generation
 from mha_multi.bench.host import count_calls, time_host
 from mha_multi.bench.memory import measure_memory
+from mha_multi.bench.packed import time_packed
 from mha_multi.bench.timing import GEMM_SIZE, gemm_rate, time_layers, time_pruned, time_sharded
 
 __all__ = ["GENERATION", "LLAMA_ROTARY", "generation_shapes", "run"]
@@ -61,6 +63,8 @@ def run(
     generation_layers: Sequence[str] | None = None,
     host_blocks: int = 40,
     calls: bool = True,
+    packed_sequences: int = 32,
+    packed_length: int = 512,
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -100,6 +104,10 @@ def run(
             a hand-written one-token call); 0 for no host rows.
         calls: whether to count the Python calls of a call
             (:func:`~mha_multi.bench.host.count_calls`, CPU).
+        packed_sequences: the sequences of the packed row
+            (:func:`~mha_multi.bench.packed.time_packed`: long-tailed lengths up
+            to ``packed_length``, packed against padded); 0 for no packed row.
+        packed_length: the longest sequence of the packed row, and its rows' length.
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -135,6 +143,14 @@ def run(
                 kept = [k for k in kept_heads if k <= base.num_heads]
                 measurements[framework.executions[0]] += time_pruned(
                     framework, device, dtype, shape, kept
+                )
+            if packed_sequences:
+                measurements[framework.executions[0]] += time_packed(
+                    framework,
+                    device,
+                    dtype,
+                    count=packed_sequences,
+                    base=replace(base, length=packed_length),
                 )
             if generation is not None:
                 executions = framework.generation_executions or framework.executions[:1]

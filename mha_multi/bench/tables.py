@@ -277,6 +277,7 @@ def format_markdown(results: Sequence[dict]) -> str:
             lines += memory.lines
         lines += _pruned_lines(measurements)
         lines += _sharded_lines(measurements)
+        lines += _packed_lines(measurements)
         lines += _generation_lines(measurements)
         for title, make in _CALL_TABLES.items():
             made = make(measurements)
@@ -326,6 +327,30 @@ def _sharded_lines(measurements: Sequence[dict]) -> list[str]:
             count = m["implementation"].rsplit(" ", 1)[-1]
             ratio = _ratio(m.get("seconds"), unsharded.get("seconds"))
             lines.append(_row(m["dtype"], length, heads, count, _ms_or_note(m), ratio))
+    return lines
+
+
+def _packed_lines(measurements: Sequence[dict]) -> list[str]:
+    """The packed table: real tokens per second, padded and packed, and their ratio."""
+    layouts: dict[tuple[str, int], dict[str, dict]] = {}
+    for m in measurements:
+        if m["mode"] == "packed forward+backward":
+            layout = m["implementation"].rsplit(" ", 1)[-1]
+            layouts.setdefault((m["dtype"], m["length"]), {})[layout] = m
+    if not layouts:
+        return []
+    lines = _table_head(
+        "Forward+backward over long-tailed lengths, packed into rows against padded "
+        '(causal, rotary; docs: "Packed sequences"):',
+        ["dtype", "N", "layout", "rows", "tokens/s", "packed / padded", "notes"],
+    )
+    for (dtype, length), rows in sorted(layouts.items()):
+        padded = rows.get("padded", {}).get("tokens_per_s")
+        for layout, m in rows.items():
+            rate = m.get("tokens_per_s")
+            ratio = _ratio(rate, padded) if layout == "packed" else "-"
+            shown = "-" if rate is None else f"{rate:.0f}"
+            lines.append(_row(dtype, length, layout, m["shape"]["batch"], shown, ratio, m["note"]))
     return lines
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from mha_multi import spec
 from mha_multi.call.contract import INPUT_NAMES, Array, Projections
 from mha_multi.call.facts import Facts
@@ -194,6 +196,52 @@ def check_options(
             facts, spec.check_bias, bias, like, num_heads=num_heads, num_keys=num_keys
         )
     return positions, bias
+
+
+def check_segment_ids(
+    facts: Facts, segment_ids: Any, *, like: Array, num_keys: int, cached: bool
+) -> tuple[Array, Array] | None:
+    """A call's ``segment_ids`` as the framework's ``(query_ids, key_ids)``, checked.
+
+    One array serves both sides (self-attention); a tuple of two arrays
+    gives the keys their own (docs: "Packed sequences").
+
+    Args:
+        like: the checked queries ``(B, Q, ·)``.
+        num_keys: ``K``.
+        cached: whether the call has a cache (refused: a cache keeps no ids).
+
+    Raises:
+        TypeError: ids that are not integers, or not arrays.
+        ValueError: ids of another shape than ``(B, Q)`` and ``(B, K)``, or
+            a call with a cache.
+    """
+    if segment_ids is None:
+        return None
+    if cached:
+        raise ValueError(
+            "segment_ids are not supported with a cache: a cache keeps no segment ids "
+            "(decode each packed sequence in a row of its own)"
+        )
+    pair: list[Array] = []
+    query_ids, key_ids = spec.split_segment_ids(segment_ids)
+    sides = zip((query_ids, key_ids), (like.shape[1], num_keys), ("queries", "keys"), strict=True)
+    for ids, length, which in sides:
+        if pair and key_ids is query_ids and length == like.shape[1]:
+            pair.append(pair[0])  # self-attention: one array serves both sides
+            break
+        if isinstance(ids, np.ndarray) or not (hasattr(ids, "shape") and hasattr(ids, "dtype")):
+            try:
+                ids = np.asarray(ids)
+            except (TypeError, ValueError) as error:
+                raise TypeError(f"segment_ids must be an integer array; got {ids!r}") from error
+            kind = ids.dtype.kind
+        else:
+            kind = facts.dtype_kind(ids.dtype)
+        sizes = {"batch": like.shape[0], "length": length, "which": which}
+        spec.check_segment_ids(tuple(ids.shape), kind, **sizes)
+        pair.append(facts.as_positions(ids, like))
+    return pair[0], pair[1]
 
 
 def _check_call_array(

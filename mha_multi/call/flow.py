@@ -17,6 +17,7 @@ from mha_multi.call.checks import (
     check_call,
     check_gates,
     check_options,
+    check_segment_ids,
 )
 from mha_multi.call.contract import Array, Projections, Result
 from mha_multi.call.facts import Facts
@@ -33,12 +34,16 @@ def _rotated(
     lengths: Array | None,
     fill: spec.CacheFill | None = None,
 ) -> tuple[Array, Array | None]:
-    """``q`` and ``k`` rotated at the call's positions (:func:`mha_multi.spec.call_positions`)."""
+    """``q`` and ``k`` rotated at the call's positions (:func:`mha_multi.spec.call_positions`;
+    a pair: packed sequences' restarting positions of the queries and the keys)."""
     num_queries = ops.size(q, 1)
     num_keys = None if k is None else ops.size(k, 1)
-    query_positions, key_positions = spec.call_positions(
-        ops, positions, num_queries=num_queries, num_keys=num_keys, lengths=lengths
-    )
+    if isinstance(positions, tuple):
+        query_positions, key_positions = positions
+    else:
+        query_positions, key_positions = spec.call_positions(
+            ops, positions, num_queries=num_queries, num_keys=num_keys, lengths=lengths
+        )
     length = None
     if rotary.depends_on_length:
         # The call's largest position + 1 (docs: "Positions and biases"): from
@@ -88,6 +93,7 @@ def attend(
     positions: Array | None = None,
     bias: Array | None = None,
     fill: spec.CacheFill | None = None,
+    segment_ids: tuple[Array, Array] | None = None,
 ) -> Result:
     """Projections, the cache update, attention, gates and the output of checked arguments.
 
@@ -118,6 +124,10 @@ def attend(
             (:func:`check_cache_values`), for frameworks that write the
             cache in place or attend over its filled positions; ``None``
             keeps the spec's functional update over all ``max_length``.
+        segment_ids: ``None``, or the checked ``(query_ids, key_ids)`` of
+            packed sequences (:func:`check_segment_ids`): their visibility
+            joins the masks, and rotary positions restart at each sequence
+            unless ``positions`` are given (docs: "Packed sequences").
 
     Returns:
         The :class:`Result`.
@@ -131,6 +141,15 @@ def attend(
         # Before the rotation, so keys enter the cache normalised (docs: "Positions and biases").
         q, k = spec.normalize_qk(ops, q, k, layer.qk_norm_weights(), layer_options.qk_norm, heads)
     if layer_options is not None and layer_options.rotary is not None:
+        if segment_ids is not None and positions is None:
+            # Each sequence rotates from 0 (docs: "Packed sequences").
+            query_ids, key_ids = segment_ids
+            query_positions = spec.segment_positions(ops, query_ids)
+            same = key_ids is query_ids
+            positions = (
+                query_positions,
+                query_positions if same else spec.segment_positions(ops, key_ids),
+            )
         # Keys rotate before they enter the cache (docs: "Positions and biases").
         q, k = _rotated(ops, q, k, positions, layer_options.rotary, heads, lengths, fill)
     if cache is not None:
@@ -156,6 +175,8 @@ def attend(
         ).with_sinks(layer.sink_logits() if layer_options.sinks else None)
         if not options.adjusts_scores and options.window is None and options.sinks is None:
             options = spec.NO_OPTIONS  # rotary or norms only: the scores are d2l's
+    if segment_ids is not None:
+        options = options.with_segments(spec.segment_visibility(ops, *segment_ids))
     if kernel_plan is None:
         kernel_plan = plan(
             facts,
@@ -176,7 +197,8 @@ def attend(
         fused_settings = {
             **settings,
             "dropout_rate": dropout_rate if dropout is not None else 0.0,
-            **({"options": options} if facts.passes_options else {}),
+            # Packed sequences reach any kernel that takes a mask (docs: "Packed sequences").
+            **({"options": options} if facts.passes_options or options.only_segments else {}),
         }
 
         def fused(q: Array, k: Array, v: Array) -> Array | None:
@@ -286,6 +308,7 @@ def forward(
     head_mask: Any = None,
     positions: Any = None,
     bias: Any = None,
+    segment_ids: Any = None,
     layer_options: spec.LayerOptions | None = None,
     gate_heads: int | None = None,
     dtype: Any = None,
@@ -303,6 +326,9 @@ def forward(
         queries, keys, values, valid_lens: the layer call's arguments (docs: "The spec").
         causal, return_attention_weights, cache, head_mask: the call's options.
         positions, bias: the call's (docs: "Positions and biases").
+        segment_ids: the call's ids of packed sequences, one integer ``(B,
+            Q)`` array or a tuple ``(query_ids, key_ids)`` (docs: "Packed
+            sequences"); ``None`` for one sequence a row.
         layer_options: the layer's checked constructor options
             (:class:`mha_multi.spec.LayerOptions`); ``None`` for none.
         gate_heads: the heads ``head_mask`` is for; ``None`` for the
@@ -323,7 +349,7 @@ def forward(
             (not supported: each process would need its heads' share).
     """
     # Every other argument of the call: a plain call leaves them unset.
-    others = (return_attention_weights, head_mask, positions, bias)
+    others = (return_attention_weights, head_mask, positions, bias, segment_ids)
     others += (dropout, head_parallel, local_gates)
     if plain_self_attention(
         queries, keys, values, valid_lens, causal=causal, layer_options=layer_options, others=others
@@ -351,6 +377,7 @@ def forward(
     if (
         positions is not None
         or bias is not None
+        or segment_ids is not None
         or (layer_options is not None and not layer_options.is_default)
     ):
         positions, bias = check_options(
@@ -366,6 +393,14 @@ def forward(
         if sharded and (bias is not None or (layer_options and layer_options.alibi)):
             raise ValueError("bias and alibi are not supported on a layer whose heads are sharded")
         extra = {"layer_options": layer_options, "positions": positions, "bias": bias}
+        if segment_ids is not None:
+            extra["segment_ids"] = check_segment_ids(
+                facts,
+                segment_ids,
+                like=queries,
+                num_keys=0 if cache is not None else keys.shape[1],
+                cached=cache is not None,
+            )
     if cache is not None:
         fill = check_cache_values(facts, cache, lens, 0 if keys is None else queries.shape[1])
         if fill is not None and facts.attends_filled:

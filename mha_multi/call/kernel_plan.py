@@ -51,6 +51,7 @@ def kernel_settings(
         "window": options.window is not None,
         "query_positions": options.query_positions is not None,
         "sinks": options.sinks is not None,
+        "segments": options.segments is not None,
     }
 
 
@@ -81,7 +82,7 @@ def plan(
     """
     if facts.kernel is None:
         return spec.KernelPlan(fused=False, reason="the backend has no fused kernel")
-    if options is not spec.NO_OPTIONS and not facts.passes_options:
+    if options is not spec.NO_OPTIONS and not (facts.passes_options or options.only_segments):
         return spec.KernelPlan(
             fused=False, reason="the backend's kernel call passes no positions or biases"
         )
@@ -108,6 +109,7 @@ def plan(
         or optimistic.mask_causal
         or optimistic.window_flag
         or optimistic.mask_window
+        or optimistic.mask_segments
     )
     total_scores = (
         None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys

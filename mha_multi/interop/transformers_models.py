@@ -26,6 +26,12 @@ How a call is read (docs: "Porting weights"):
   positions are zeros (transformers' are meaningless there too).
 * **Positions** are transformers' ``position_ids`` (given, or what the
   model would compute: ``arange`` after the positions the sequence holds).
+* **Packed sequences.** A call without a cache (``use_cache=False``) and
+  without an ``attention_mask``, given ``position_ids`` that restart within a
+  row (``DataCollatorWithFlattening``), packs several sequences into that row,
+  as transformers reads it: a sequence starts wherever a position is not the
+  one before it plus 1. Each attends only within itself (the layer's
+  ``segment_ids``; docs: "Packed sequences").
 
 Not supported, with a ``ValueError`` saying so: ``output_attentions``,
 reordering or cropping the cache (beam search, assisted generation), a 4-D
@@ -66,6 +72,8 @@ class _Sequence:
         self.length = 0
         #: The object the latest call returned as ``past_key_values``.
         self.latest: _SequenceCache | None = None
+        #: ``(B, T)`` ids of packed sequences of this call; ``None``: one sequence a row.
+        self.segments: torch.Tensor | None = None
 
 
 class _SequenceCache(DynamicCache):
@@ -136,6 +144,10 @@ class OurAttention(torch.nn.Module):
             x = torch.gather(x, 1, order[..., None].expand(-1, -1, features))
             positions = torch.gather(positions, 1, order)
         lengths = None if real is None else real.sum(dim=1, dtype=torch.int32)
+        if sequence.segments is not None:
+            return self.layer(
+                x, x, x, causal=True, positions=positions, segment_ids=sequence.segments
+            ), None
         if sequence.use_cache:
             output, self.cache = self.layer(
                 x, x, x, lengths, causal=True, positions=positions, cache=self._cache(batch)
@@ -225,6 +237,9 @@ def _before_call(sequence: _Sequence, decoder: torch.nn.Module):
             sequence.seen, sequence.batch_size = 0, batch
         sequence.use_cache, sequence.length = bool(use_cache), length
         sequence.real = _real_positions(given.get("attention_mask"), sequence, length)
+        sequence.segments = None
+        if given.get("attention_mask") is None and not use_cache and not continuing:
+            sequence.segments = _packed_sequences(given.get("position_ids"), batch)
         if given.get("position_ids") is None:
             start = sequence.seen
             kwargs["position_ids"] = torch.arange(start, start + length, device=inputs.device)[None]
@@ -251,12 +266,27 @@ def _real_positions(
     return None if bool(real.all()) else real
 
 
+def _packed_sequences(position_ids: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """The ``(B, T)`` ids of the sequences packed into the rows of ``position_ids``.
+
+    transformers' rule (``find_packed_sequence_indices``): a sequence starts
+    wherever a position is not the one before it plus 1. ``None`` where every
+    row holds one sequence.
+    """
+    if position_ids is None:
+        return None
+    positions = position_ids.expand(batch, -1)
+    steps = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+    ids = (steps != 1).cumsum(-1)
+    return ids if bool((ids[:, -1] > 0).any()) else None
+
+
 def _after_call(sequence: _Sequence):
     """The decoder's forward hook: the sequence's positions, and what stands for it."""
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         sequence.seen += sequence.length
-        sequence.real = None
+        sequence.real = sequence.segments = None
         if sequence.use_cache and hasattr(output, "past_key_values"):
             sequence.latest = _SequenceCache(sequence)
             output.past_key_values = sequence.latest

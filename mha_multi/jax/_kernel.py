@@ -171,6 +171,7 @@ def fused_attention(
     dropout_rate: float = 0.0,
     precision: PrecisionLike,
     implementation: str,
+    options: spec.ScoreOptions = spec.NO_OPTIONS,
 ) -> jax.Array:
     """:func:`jax.nn.dot_product_attention` with the spec's masking semantics.
 
@@ -188,6 +189,9 @@ def fused_attention(
             (:data:`DOT_PRODUCT_ATTENTION`), so no plan gives it any.
         precision: of the kernel's products.
         implementation: ``"xla"`` or ``"cudnn"``.
+        options: the call's score options where they are packed sequences'
+            alone (:attr:`~mha_multi.spec.ScoreOptions.only_segments`): the
+            mask holds their rule.
 
     Returns:
         The concatenated heads ``(B, Q, num_heads*head_dim)``.
@@ -219,7 +223,7 @@ def fused_attention(
         # row with no key NaN, and NaN would reach the gradients through the
         # replacement).
         seq_lengths = jnp.clip(valid_lens, 1, num_keys).astype(jnp.int32)
-    mask = plan.mask(ops, num_queries, num_keys, valid_lens)
+    mask = plan.mask(ops, num_queries, num_keys, valid_lens, options)
     if implementation == "cudnn" and mask is not None:
         # cuDNN turns the mask into a bias, which must span every query.
         mask = jnp.asarray(mask)
@@ -228,7 +232,7 @@ def fused_attention(
     setting = _precision_setting(precision)
     with contextlib.nullcontext() if setting is None else jax.default_matmul_precision(setting):
         output = _dot_product_attention(q, k, v, mask, plan.is_causal, seq_lengths, implementation)
-    visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
+    visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens, options)
     output = spec.fix_fully_hidden_rows(
         ops, output, v, visible, heads_axis=2, group_size=heads.group_size
     )

@@ -223,7 +223,7 @@ class _Static(NamedTuple):
 
 
 #: :func:`mha_multi.call.attend`'s keyword arguments that are arrays (or a cache of them).
-_ARRAY_ARGUMENTS = ("cache", "gates", "positions", "bias")
+_ARRAY_ARGUMENTS = ("cache", "gates", "positions", "bias", "segment_ids")
 
 
 def _attend(
@@ -348,6 +348,7 @@ def multi_head_attention(
     positions: Any = None,
     bias: Any = None,
     options: spec.LayerOptions | Mapping[str, Any] | None = None,
+    segment_ids: Any = None,
 ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, spec.KVCache]:
     """d2l's multi-head attention, exact to :mod:`mha_multi.spec`, as a pure function.
 
@@ -435,6 +436,11 @@ def multi_head_attention(
         options: ``rotary``, ``alibi``, ``window``, ``softcap``, ``qk_norm``, ``sinks``
             (:class:`mha_multi.spec.LayerOptions`, or a dict of them); static.
             With ``sinks=True``, ``params`` holds ``sinks`` ``(num_heads,)``.
+        segment_ids: ``None``, or integer ``(B, Q)`` ids of packed sequences,
+            or a tuple ``(query_ids, key_ids)`` (docs: "Packed sequences"):
+            query ``i`` sees key ``j`` only when their ids are equal and not
+            negative; rotary positions restart at each sequence unless
+            ``positions`` are given. Not with a cache.
 
     Returns:
         ``(output, attention_weights)``: ``(B, Q, num_hiddens)`` and the
@@ -500,6 +506,7 @@ def multi_head_attention(
         head_parallel=head_parallel,
         positions=positions,
         bias=bias,
+        segment_ids=segment_ids,
         layer_options=layer_options,
         run=attend_compiled,
     )

@@ -255,6 +255,7 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
         head_mask: Any = None,
         positions: Any = None,
         bias: Any = None,
+        segment_ids: Any = None,
     ) -> jax.Array | tuple[jax.Array, ...]:
         """Attends from ``queries`` to ``keys``/``values`` (and, with a ``cache``, to it).
 
@@ -300,6 +301,10 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
                 ``rotary`` rotates by) and additive bias of the scores
                 (broadcastable to ``(B, H, Q, K)``; differentiable); docs:
                 "Positions and biases".
+            segment_ids: ``None``, or integer ``(B, Q)`` ids of packed
+                sequences, or a tuple ``(query_ids, key_ids)``; as in
+                :func:`mha_multi.jax.functional.multi_head_attention` (docs:
+                "Packed sequences").
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
@@ -343,6 +348,7 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
             head_mask=head_mask,
             positions=positions,
             bias=bias,
+            segment_ids=segment_ids,
             layer_options=self.options,
             dropout=functional.flax_dropout(dropout_key, self.dropout),
             dropout_rate=self.dropout,

@@ -183,6 +183,7 @@ class MultiHeadAttention(nn.Module):
         head_mask: Any = None,
         positions: Any = None,
         bias: Any = None,
+        segment_ids: Any = None,
     ) -> jax.Array | tuple[jax.Array, ...]:
         """Attends from ``queries`` to ``keys``/``values`` (and, with a ``cache``, to it).
 
@@ -210,6 +211,7 @@ class MultiHeadAttention(nn.Module):
             head_mask=head_mask,
             positions=positions,
             bias=bias,
+            segment_ids=segment_ids,
             layer_options=self.layer_options(),
             dropout=functional.flax_dropout(
                 (lambda: self.make_rng("dropout")) if use_dropout else None, self.dropout

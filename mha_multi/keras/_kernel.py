@@ -126,6 +126,7 @@ def fused_attention(
     heads: spec.Heads,
     kv_split: bool,
     dropout_rate: float = 0.0,
+    options: spec.ScoreOptions = spec.NO_OPTIONS,
 ) -> Any:
     """``keras.ops.dot_product_attention`` with the spec's masking semantics.
 
@@ -146,6 +147,9 @@ def fused_attention(
         kv_split: keys and values are a cache's.
         dropout_rate: 0: the kernel takes no dropout
             (:data:`DOT_PRODUCT_ATTENTION`), so no plan gives it any.
+        options: the call's score options where they are packed sequences'
+            alone (:attr:`~mha_multi.spec.ScoreOptions.only_segments`): the
+            mask holds their rule.
 
     Returns:
         The concatenated heads ``(B, Q, num_heads * head_dim)``.
@@ -169,13 +173,13 @@ def fused_attention(
         k, v = (keras.ops.repeat(x, heads.group_size, axis=2) for x in (k, v))
     grouped = heads.grouped and not plan.repeat_kv
     num_queries, num_keys = ops.size(q, 1), ops.size(k, 1)
-    mask = plan.mask(ops, num_queries, num_keys, valid_lens)
+    mask = plan.mask(ops, num_queries, num_keys, valid_lens, options)
     if mask is not None and ops.ndim(mask) == 2:  # (Q, K) -> (1, 1, Q, K) for every kernel
         mask = ops.expand_dims(ops.expand_dims(mask, 0), 0)
     output = dot_product_attention(
         q, k, v, mask=mask, scale=1.0 / math.sqrt(heads.head_dim), is_causal=plan.is_causal
     )
-    visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens)
+    visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens, options)
     output = spec.fix_fully_hidden_rows(
         ops, output, v, visible, heads_axis=2, group_size=heads.group_size if grouped else 1
     )

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from mha_multi import _docs, call, spec
+from mha_multi.call.checks import check_segment_ids
 from mha_multi.canonical_layer import FromCanonical
 from mha_multi.keras._facts import (
     FACTS,
@@ -211,6 +212,7 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
         positions: Any = None,
         bias: Any = None,
         training: bool | None = None,
+        segment_ids: Any = None,
     ) -> Any:
         """Attends from ``queries`` to ``keys``/``values``, or to a cache.
 
@@ -250,6 +252,7 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
             bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``,
                 added to the scaled scores before the masks; differentiable.
             training: dropout is active only when ``True``.
+            {segment_ids_arg}
 
         Returns:
             ``(B, Q, num_hiddens)`` in the compute dtype, and with
@@ -283,6 +286,7 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
             head_mask=head_mask,
             positions=positions,
             bias=bias,
+            segment_ids=segment_ids,
             layer_options=self.options,
             dropout=self._drop if dropout else None,
             dropout_rate=self.dropout if dropout else 0.0,
@@ -309,6 +313,7 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
         positions: Any = None,
         bias: Any = None,
         training: bool | None = None,
+        segment_ids: Any = None,
     ) -> Any:
         """Symbolic outputs for the functional API, from shapes alone.
 
@@ -335,6 +340,9 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
         if batch is not None:  # a symbolic batch: checked when called
             settings = {"num_heads": self.num_heads, "like": queries, "num_keys": num_keys}
             call.check_options(FACTS, positions, bias, **settings, cached=cache is not None)
+            check_segment_ids(
+                FACTS, segment_ids, like=queries, num_keys=num_keys, cached=cache is not None
+            )
         outputs = [
             keras.KerasTensor((batch, num_queries, self.num_hiddens), dtype=self.compute_dtype)
         ]

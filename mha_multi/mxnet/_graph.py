@@ -372,6 +372,7 @@ def run(
     positions: Array | None = None,
     bias: Array | None = None,
     fill: spec.CacheFill | None = None,
+    segment_ids: tuple[Array, Array] | None = None,
 ) -> call.Result:
     """A checked call of ``layer``, given as :func:`mha_multi.call.attend` takes it.
 
@@ -408,7 +409,12 @@ def run(
         output, weights = empty_attention(layer, queries, keys, values, num_keys, gates)
         return call.Result(output, weights if return_attention_weights else None, cache)
     in_place = fill is not None and appends and not mx.autograd.is_recording()
-    scored = positions is not None or bias is not None or layer_options is not None
+    scored = (
+        positions is not None
+        or bias is not None
+        or layer_options is not None
+        or segment_ids is not None
+    )
     if in_place and layer._active and not scored:
         flags = {"causal": causal, "return_attention_weights": return_attention_weights}
         return write_in_place(
@@ -439,6 +445,7 @@ def run(
             positions=positions,
             bias=bias,
             fill=fill if in_place else None,
+            segment_ids=segment_ids,
         )
     held = (None,) * 3 if cache is None else tuple(cache)
     inputs = (queries, keys, values, valid_lens, *held, gates)

@@ -43,6 +43,8 @@ SEQUENCE_MASK = spec.FusedKernel(
     replaces_hidden_scores=True,
     hidden_rows_uniform=True,
     takes_grouped_heads=True,
+    # Visible keys must be a prefix of each row: packed sequences' are not.
+    takes_any_mask=False,
 )
 
 

@@ -92,8 +92,9 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
         value_size: last dimension of the values (deferred when ``None``).
         {kv_heads_args}
         {options_args}
-            A call of a layer with any of them, or given ``positions`` or
-            ``bias``, runs on the parameters' arrays, hybridized or not.
+            A call of a layer with any of them, or given ``positions``,
+            ``bias`` or ``segment_ids``, runs on the parameters' arrays,
+            hybridized or not.
         dtype: dtype of the parameters ("float32", "float64" or "float16").
         **kwargs: Gluon's ``prefix`` and ``params``.
     """
@@ -301,6 +302,7 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
         head_mask: Any = None,
         positions: Any = None,
         bias: Any = None,
+        segment_ids: Any = None,
     ) -> Any:
         """Attends from ``queries`` to ``keys``/``values``, or to a key/value cache.
 
@@ -359,6 +361,7 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
             bias: ``None``, or a floating ``mxnet.numpy`` array broadcastable
                 to ``(B, H, Q, K)``, added to the scaled scores before the
                 masks; differentiable.
+            {segment_ids_arg}
 
         Returns:
             ``(B, Q, num_hiddens)``, and with ``return_attention_weights`` the
@@ -390,6 +393,7 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
             head_mask=head_mask,
             positions=positions,
             bias=bias,
+            segment_ids=segment_ids,
             layer_options=None if self.options.is_default else self.options,
             dtype=self.dtype,
             # Dropout is the layer's own, in its computation (npx.dropout acts

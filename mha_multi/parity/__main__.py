@@ -40,9 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "cases":
-        from mha_multi.parity.cases import write_cases
+        from mha_multi.parity.cases import CACHED_CASES, CASES, write_cases
+        from mha_multi.parity.packed_cases import PACKED_CASES
 
-        paths = write_cases(args.directory)
+        paths = write_cases(args.directory, CASES + CACHED_CASES + PACKED_CASES)
         print(f"[parity] wrote {len(paths)} cases to {args.directory}")
         return 0
     if args.command == "clean":

@@ -81,6 +81,8 @@ class CaseConfig:
     #: ``None``, or the shape of a drawn ``bias`` (broadcastable to
     #: ``(B, H, Q, K)``); the case checks its gradient too.
     bias_shape: Any = None
+    #: ``None``, or the call's ``segment_ids`` of packed sequences: ``(B, Q)``.
+    segment_ids: Any = None
 
     @property
     def cached(self) -> bool:
@@ -403,6 +405,12 @@ class Case:
         return None if positions is None else np.asarray(positions, np.int64)
 
     @property
+    def segment_ids(self) -> np.ndarray | None:
+        """The call's ``segment_ids`` as int32, or ``None``."""
+        ids = self.config.segment_ids
+        return None if ids is None else np.asarray(ids, np.int32)
+
+    @property
     def name(self) -> str:
         return self.config.name
 
@@ -489,6 +497,7 @@ def reference_results(case: Case) -> dict[str, np.ndarray]:
         "causal": case.config.causal,
         "positions": case.positions,
         "bias": case.bias,
+        "segment_ids": case.segment_ids,
         **case.config.layer_options(),
     }
     if case.config.head_mask is not None:
@@ -565,7 +574,8 @@ def load_case(path: str | os.PathLike[str]) -> Case:
 
 
 def load_cases(directory: str | os.PathLike[str]) -> list[Case]:
-    """Reads every case of ``directory``, in the order of :data:`CASES` and :data:`CACHED_CASES`."""
+    """Reads every case of ``directory``, in the order of :data:`CASES` and :data:`CACHED_CASES`
+    (others, such as the packed cases, after them by name)."""
     order = {config.name: i for i, config in enumerate(CASES + CACHED_CASES)}
     paths = sorted(Path(directory).glob("*.npz"), key=lambda p: (order.get(p.stem, 1 << 30), p))
     if not paths:

@@ -16,6 +16,7 @@ adapters), :mod:`~mha_multi.spec.checks` (configuration and input checks),
 rotary types), :mod:`~mha_multi.spec.norms`, :mod:`~mha_multi.spec.sinks` and
 :mod:`~mha_multi.spec.options` (the options), :mod:`~mha_multi.spec.layout` (the head layout),
 :mod:`~mha_multi.spec.positions` (masks, positions, position biases),
+:mod:`~mha_multi.spec.segments` (packed sequences),
 :mod:`~mha_multi.spec.attention`, :mod:`~mha_multi.spec.plan` (the kernel
 plan), :mod:`~mha_multi.spec.cache` and :mod:`~mha_multi.spec.cache_checks`,
 and the float64 reference (:mod:`~mha_multi.spec.reference`); :mod:`~mha_multi.spec.memo` makes a
@@ -141,6 +142,20 @@ from mha_multi.spec.rotary_scaling import (
     LongRopeScaling,
     YarnScaling,
 )
+from mha_multi.spec.segments import (
+    PADDING_ID,
+    check_segment_ids,
+    checked_segment_ids,
+    cu_seqlens_from_segment_ids,
+    restarting_positions,
+    segment_ids_from_cu_seqlens,
+    segment_ids_from_lengths,
+    segment_ids_from_position_ids,
+    segment_positions,
+    segment_runs,
+    segment_visibility,
+    split_segment_ids,
+)
 from mha_multi.spec.sinks import (
     check_sinks,
     sink_column,
@@ -247,6 +262,18 @@ __all__ = [
     "refuse_whole_norm",
     "rms_norm",
     "rms_norm_backward",
+    "PADDING_ID",
+    "check_segment_ids",
+    "checked_segment_ids",
+    "cu_seqlens_from_segment_ids",
+    "restarting_positions",
+    "segment_ids_from_cu_seqlens",
+    "segment_ids_from_lengths",
+    "segment_ids_from_position_ids",
+    "segment_positions",
+    "segment_runs",
+    "segment_visibility",
+    "split_segment_ids",
 ]
 
 # The values users keep (a cache, the rotary options) are named by their public

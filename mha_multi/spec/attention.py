@@ -341,6 +341,7 @@ def _option_weights(
         causal=causal,
         window=options.window,
         query_positions=options.query_positions,
+        segments=options.segments,
     )
     return masked_softmax(ops, scores, visible, dtype, sinks=options.sinks)
 

@@ -164,6 +164,9 @@ class ScoreOptions:
         sinks: ``None``, or the ``(H,)`` sink logits of the heads this call
             computes (the layer's parameter, :mod:`mha_multi.spec.sinks`):
             one more column of every row's softmax, dropped from the weights.
+        segments: ``None``, or the boolean ``(B, 1, Q, K)`` visibility of
+            packed sequences (:func:`~mha_multi.spec.segments.segment_visibility`),
+            joined to the other masks.
     """
 
     softcap: float | None = None
@@ -172,6 +175,7 @@ class ScoreOptions:
     window: int | None = None
     query_positions: Array | None = None
     sinks: Array | None = None
+    segments: Array | None = None
 
     @property
     def adjusts_scores(self) -> bool:
@@ -181,6 +185,22 @@ class ScoreOptions:
     def with_sinks(self, sinks: Array | None) -> ScoreOptions:
         """These options with the heads' ``(H,)`` sink logits (``None``: none)."""
         return dataclasses.replace(self, sinks=sinks)
+
+    @property
+    def only_segments(self) -> bool:
+        """Whether packed sequences' visibility is all these options hold: a kernel that
+        takes any boolean mask takes them, whether or not it takes the others."""
+        return (
+            self.segments is not None
+            and not self.adjusts_scores
+            and self.window is None
+            and self.query_positions is None
+            and self.sinks is None
+        )
+
+    def with_segments(self, segments: Array | None) -> ScoreOptions:
+        """These options with the packed sequences' visibility (``None``: none)."""
+        return self if segments is None else dataclasses.replace(self, segments=segments)
 
 
 #: No option: d2l's scores.

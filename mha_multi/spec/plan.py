@@ -59,6 +59,9 @@ class FusedKernel:
             flag, top-left aligned: key ``j`` is hidden from query ``i``
             unless ``i - j < window`` (used only where that is the spec's
             frame; the boolean mask holds the window otherwise).
+        takes_any_mask: takes any boolean mask, not only one whose visible
+            keys are a prefix of each row (lengths and the causal rule):
+            packed sequences' need it.
     """
 
     name: str
@@ -72,6 +75,7 @@ class FusedKernel:
     takes_bias: bool = False
     takes_softcap: bool = False
     takes_window: bool = False
+    takes_any_mask: bool = True
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,9 @@ class KernelPlan:
         mask_window: the boolean mask holds the window rule.
         fix_window: the window can hide whole rows (with lengths, or query
             positions): :meth:`fix_visibility` includes it.
+        mask_segments: the boolean mask holds the packed sequences' rule
+            (:attr:`ScoreOptions.segments`), which hides padding rows whole:
+            :meth:`fix_visibility` includes it.
         guarded: the values were not read (a compiled graph): the kernel's
             context is taken where the values are exact, as the device finds
             them, and the generic path's elsewhere, one conditional in the
@@ -120,10 +127,11 @@ class KernelPlan:
     mask_window: bool = False
     fix_window: bool = False
     guarded: bool = False
+    mask_segments: bool = False
 
     @property
     def needs_mask(self) -> bool:
-        return self.mask_lens or self.mask_causal or self.mask_window
+        return self.mask_lens or self.mask_causal or self.mask_window or self.mask_segments
 
     def mask(
         self,
@@ -149,6 +157,7 @@ class KernelPlan:
             causal=self.mask_causal,
             window=options.window if self.mask_window else None,
             query_positions=options.query_positions,
+            segments=options.segments if self.mask_segments else None,
         )
 
     def fix_visibility(
@@ -177,6 +186,7 @@ class KernelPlan:
             causal=self.fix_causal,
             window=options.window if self.fix_window else None,
             query_positions=options.query_positions,
+            segments=options.segments if self.mask_segments else None,
         )
 
 
@@ -272,6 +282,7 @@ def plan_kernel(
     bias: bool = False,
     softcap: bool = False,
     window: bool = False,
+    segments: bool = False,
     query_positions: bool = False,
     values_guard: bool = False,
     sinks: bool = False,
@@ -316,6 +327,8 @@ def plan_kernel(
         sinks: the layer has attention sinks (:mod:`mha_multi.spec.sinks`).
             No backend's kernel takes a sink column: such a call always
             takes the generic path.
+        segments: the call packs sequences (``segment_ids``): the boolean
+            mask holds their rule, and padding rows are fully hidden.
 
     Returns:
         The plan.
@@ -330,6 +343,8 @@ def plan_kernel(
         return _generic("the kernel has no soft-capping")
     if sinks:
         return _generic("the kernel has no attention sinks")
+    if segments and not kernel.takes_any_mask:
+        return _generic("the kernel takes no mask of packed sequences")
     if not all(isinstance(size, int) for size in sizes):
         return _generic("sizes unknown while tracing")
     batch, num_queries, num_keys = sizes
@@ -354,7 +369,7 @@ def plan_kernel(
     # keys after it; with lengths, or own positions, it may leave none.
     window_hides_rows = window and (lens_ndim is not None or query_positions)
     fix_rows = (
-        lens_may_hide_rows or causal_hides_rows or window_hides_rows
+        lens_may_hide_rows or causal_hides_rows or window_hides_rows or segments
     ) and not kernel.hidden_rows_uniform
     if dropout and not kernel.takes_dropout:
         return _generic("the kernel has no dropout")
@@ -372,7 +387,7 @@ def plan_kernel(
         and kernel.causal_flag
         and same_frame
         # A bias reaches a kernel beside its mask, where the causal flag may not go.
-        and (not (mask_lens or mask_window or bias) or kernel.mask_and_causal)
+        and (not (mask_lens or mask_window or bias or segments) or kernel.mask_and_causal)
     )
     return KernelPlan(
         fused=True,
@@ -389,4 +404,5 @@ def plan_kernel(
         mask_window=mask_window,
         fix_window=window and fix_rows,
         guarded=guarded,
+        mask_segments=segments,
     )

@@ -26,6 +26,7 @@ def visibility(
     causal: bool = False,
     window: int | None = None,
     query_positions: Array | None = None,
+    segments: Array | None = None,
 ) -> Array | None:
     """Which keys each query may see.
 
@@ -46,6 +47,8 @@ def visibility(
         query_positions: ``None``, or integer ``(B, Q)`` positions
             ``i_abs`` of the queries among the keys (a cached call's
             :func:`cache_positions`).
+        segments: ``None``, or the boolean ``(B, 1, Q, K)`` visibility of
+            packed sequences (:func:`mha_multi.spec.segments.segment_visibility`).
 
     Returns:
         ``None`` if every key is visible, else a boolean array broadcastable
@@ -84,6 +87,8 @@ def visibility(
         rules.append(ops.greater_equal(back, back * 0))
     if window is not None:
         rules.append(ops.less(distance_back(ops, num_queries, num_keys, query_positions), window))
+    if segments is not None:
+        rules.append(segments)
     for rule in rules:
         visible = rule if visible is None else ops.logical_and(visible, rule)
     return visible

@@ -35,6 +35,7 @@ from mha_multi.spec.ops import NumpyOps
 from mha_multi.spec.options import LayerOptions, alibi_slopes, check_bias, check_positions
 from mha_multi.spec.positions import adjust_scores, call_positions, visibility
 from mha_multi.spec.rotary import Rotary, rotate
+from mha_multi.spec.segments import checked_segment_ids, reference_segments
 from mha_multi.spec.sinks import sink_logits_of, sink_softmax_backward, sink_weights
 
 
@@ -107,15 +108,29 @@ def checked_bias(
     return array.astype(np.float64)
 
 
-def call_length(positions: np.ndarray | None, num_queries: int, num_keys: int) -> int:
+def call_length(positions: Any, num_queries: int, num_keys: int) -> int:
     """A call's rotary length (docs: "Positions and biases"): its largest position + 1.
 
     Over the whole batch, the queries' and the keys' positions
-    (``arange(Q)`` and ``arange(K)`` without ``positions``); 0 for none.
+    (``arange(Q)`` and ``arange(K)`` without ``positions``; a pair: each
+    side's own); 0 for none.
     """
     if positions is None:
         return max(num_queries, num_keys)
-    return int(positions.max()) + 1 if positions.size else 0
+    every = np.concatenate(
+        [np.ravel(p) for p in (positions if isinstance(positions, tuple) else [positions])]
+    )
+    return int(every.max()) + 1 if every.size else 0
+
+
+def rotary_positions(
+    ops: NumpyOps, positions: Any, num_queries: int, num_keys: int
+) -> tuple[Any, Any]:
+    """The queries' and the keys' rotary positions: a pair as it is (packed sequences'), else
+    :func:`call_positions`."""
+    if isinstance(positions, tuple):
+        return positions
+    return call_positions(ops, positions, num_queries=num_queries, num_keys=num_keys)
 
 
 def projections(
@@ -125,7 +140,7 @@ def projections(
     values: np.ndarray,
     heads: Heads,
     rotary: Rotary | None,
-    positions: np.ndarray | None,
+    positions: Any,
     qk_norm: QKNorm | None = None,
 ) -> dict[str, np.ndarray]:
     """The projected ``q``, ``k``, ``v`` of an uncached call, ``q`` and ``k`` normalised
@@ -137,8 +152,8 @@ def projections(
         projected["k"] = normed(w, projected["k"], "k", qk_norm, heads)
     if rotary is not None:
         ops = NumpyOps()
-        query_positions, key_positions = call_positions(
-            ops, positions, num_queries=queries.shape[1], num_keys=keys.shape[1]
+        query_positions, key_positions = rotary_positions(
+            ops, positions, queries.shape[1], keys.shape[1]
         )
         length = call_length(positions, queries.shape[1], keys.shape[1])
         for name, at, count in (
@@ -166,6 +181,7 @@ def reference_forward(
     values: Any,
     valid_lens: Any = None,
     *,
+    segment_ids: Any = None,
     num_heads: int,
     num_kv_heads: int | None = None,
     causal: bool = False,
@@ -193,6 +209,11 @@ def reference_forward(
         positions: ``None`` or integer ``(B, Q)``: the rotary positions of
             the queries and (``K == Q``) the keys; ``None`` for ``arange``.
         bias: ``None``, or floating, broadcastable to ``(B, H, Q, K)``.
+        segment_ids: ``None``, or integer ``(B, Q)`` ids of packed sequences
+            (a tuple ``(query_ids, key_ids)`` where the keys have their own):
+            query ``i`` sees key ``j`` only when their ids are equal and not
+            negative; rotary positions restart at each sequence unless
+            ``positions`` are given (:mod:`mha_multi.spec.segments`).
         **options: the layer's options, ``rotary``, ``alibi``, ``window``,
             ``softcap``, ``sinks`` and ``qk_norm`` (:class:`LayerOptions`); with
             ``qk_norm``, ``weights`` hold ``q_norm`` and ``k_norm``.
@@ -213,6 +234,8 @@ def reference_forward(
     gates = checked_head_mask(head_mask, heads, batch)
     positions = checked_positions(positions, batch, num_queries, num_keys)
     bias = checked_bias(bias, heads, batch, num_queries, num_keys)
+    ids = checked_segment_ids(segment_ids, batch=batch, num_queries=num_queries, num_keys=num_keys)
+    positions, segments = reference_segments(ids, positions, layer.rotary is not None)
     # Non-finite inputs propagate by design (docs: "Edge cases"); numpy's warnings
     # about them would only be noise.
     with np.errstate(invalid="ignore", over="ignore"):
@@ -229,9 +252,9 @@ def reference_forward(
             head_dim=heads.head_dim,
             num_kv_heads=heads.num_kv_heads,
             causal=causal,
-            options=layer.score_options(num_heads=heads.num_heads, bias=bias).with_sinks(
-                sink_logits_of(w, layer.sinks, heads.num_heads)
-            ),
+            options=layer.score_options(num_heads=heads.num_heads, bias=bias)
+            .with_sinks(sink_logits_of(w, layer.sinks, heads.num_heads))
+            .with_segments(segments),
         )
         context = apply_head_mask(NumpyOps(), context, gates, heads.num_heads)
         return linear(context, w, "o"), attention_weights
@@ -266,6 +289,7 @@ def reference_gradients(
     head_mask: Any = None,
     positions: Any = None,
     bias: Any = None,
+    segment_ids: Any = None,
     **options: Any,
 ) -> dict[str, np.ndarray]:
     """Float64 vector-Jacobian product of :func:`reference_forward`.
@@ -284,8 +308,8 @@ def reference_gradients(
         output_gradient: the cotangent of the output, ``(B, Q, num_hiddens)``.
         head_mask: as in :func:`reference_forward`; its gradient is returned
             too.
-        positions, bias: as in :func:`reference_forward`; the gradient of
-            ``bias`` is returned too, in its shape.
+        positions, bias, segment_ids: as in :func:`reference_forward`; the
+            gradient of ``bias`` is returned too, in its shape.
         **options: as in :func:`reference_forward`.
 
     Returns:
@@ -301,6 +325,8 @@ def reference_gradients(
     num_keys = keys.shape[1]
     positions = checked_positions(positions, batch, num_queries, num_keys)
     bias = checked_bias(bias, heads, batch, num_queries, num_keys)
+    ids = checked_segment_ids(segment_ids, batch=batch, num_queries=num_queries, num_keys=num_keys)
+    positions, segments = reference_segments(ids, positions, layer.rotary is not None)
     head_dim = heads.head_dim
     grad_out = as_float64(output_gradient)
     scale = 1.0 / math.sqrt(head_dim)
@@ -316,7 +342,13 @@ def reference_gradients(
     score_options = layer.score_options(num_heads=heads.num_heads, bias=bias).with_sinks(sinks)
     scores = adjust_scores(ops, raw_scores, score_options)  # (B, H, Q, K)
     visible = visibility(
-        ops, num_queries, num_keys, lens, causal=causal, window=score_options.window
+        ops,
+        num_queries,
+        num_keys,
+        lens,
+        causal=causal,
+        window=score_options.window,
+        segments=segments,
     )
     if sinks is None:
         attn = layout.heads_to_grouped(ops, masked_softmax(ops, scores, visible), kv_heads, group)
@@ -371,9 +403,7 @@ def reference_gradients(
         "v": layout.transpose_output(ops, grad_v, kv_heads),
     }
     if layer.rotary is not None:
-        query_positions, key_positions = call_positions(
-            ops, positions, num_queries=num_queries, num_keys=num_keys
-        )
+        query_positions, key_positions = rotary_positions(ops, positions, num_queries, num_keys)
         for name, at, count in (
             ("q", query_positions, heads.num_heads),
             ("k", key_positions, kv_heads),

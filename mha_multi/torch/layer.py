@@ -191,6 +191,7 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
             lengths = torch.zeros(shape[0], dtype=torch.int32, device=parameter.device)
         return FACTS.empty_cache(spec.KVCache(keys, values, lengths))
 
+    @_docs.fill
     def forward(
         self,
         queries: torch.Tensor,
@@ -204,6 +205,7 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
         head_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Attends from ``queries`` to ``keys``/``values``, or to a cache.
 
@@ -252,6 +254,7 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
             bias: ``None``, or a floating tensor broadcastable to ``(B, H,
                 Q, K)`` (``(B, H, T, max_length)`` with a cache) added to the
                 scaled scores before the masks; differentiable.
+            {segment_ids_arg}
 
         Returns:
             ``(B, Q, num_hiddens)``; with ``return_attention_weights`` the
@@ -292,6 +295,7 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
             head_mask=head_mask,
             positions=positions,
             bias=bias,
+            segment_ids=segment_ids,
             layer_options=self.options,
             gate_heads=None if self._sharding is None else self._sharding.heads.num_heads,
             dtype=modules["W_o"]._parameters["weight"].dtype,

@@ -23,3 +23,18 @@ def test_an_unknown_kind_of_row_is_refused_before_anything_runs(tmp_path, capsys
         main(["run", "--out", str(tmp_path), "--only", "timing,typo", "torch"])
     assert "expected kinds of row among" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_packed_rows_batch_leaves_most_padded_positions_empty():
+    from mha_multi.bench.packed import PackedBatch, long_tailed_lengths, pack
+
+    lengths = long_tailed_lengths(32, 512)
+    assert len(lengths) == 32 and max(lengths) == 512 and min(lengths) >= 1
+    batch = PackedBatch(tuple(lengths), 512)
+    assert batch.empty_share >= 0.5
+    rows = batch.rows
+    assert sorted(n for row in rows for n in row) == sorted(lengths)
+    assert all(sum(row) <= 512 for row in rows) and len(rows) < len(lengths) / 2
+    assert pack([3, 2, 2, 1], 4) == [[3, 1], [2, 2]]
+    ids = batch.segment_ids()
+    assert ids.shape == (len(rows), 512) and (ids >= 0).sum() == sum(lengths)

@@ -388,3 +388,14 @@ def test_xla_layer_with_empty_axes_takes_the_generic_path(
 ):
     edges.test_empty_axes(xla_runner, shape, lens_kind)
     assert len(kernel_calls) == 1  # only the closing call on full shapes is fused
+
+
+def test_packed_sequences_reach_the_kernel_as_a_mask(kernel_calls):
+    from mha_multi.parity.cases import build_case
+    from mha_multi.parity.compare import compare
+    from mha_multi.parity.packed_cases import PACKED_CASES
+
+    case = build_case(PACKED_CASES[1])  # causal, rotary, grouped heads, padding
+    checks = compare(XLA.run(case, device="cpu", dtype="float32"), case.reference, "float32")
+    assert [c.quantity for c in checks if not c.passed] == []
+    assert kernel_calls and all(call.mask for call in kernel_calls)

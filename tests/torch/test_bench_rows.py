@@ -90,3 +90,14 @@ def test_the_host_and_calls_rows_are_measured_on_both_routes():
         for name in ("ours", "hand-written"):
             assert rows[("python calls: decoding step", name, "cpu", rotary)].calls > 10
         assert rows[("python calls: one token, training", "ours", "cpu", rotary)].calls > 10
+
+
+def test_the_packed_row_times_both_layouts():
+    from mha_multi.bench.common import Shape
+    from mha_multi.bench.packed import time_packed
+
+    shape = Shape(length=32, num_hiddens=16, num_heads=2)
+    rows = time_packed(FRAMEWORK, "cpu", "float32", count=6, base=shape)
+    assert [m.implementation for m in rows] == ["ours, padded", "ours, packed"]
+    assert all(m.tokens_per_s > 0 for m in rows)
+    assert rows[1].shape["batch"] < rows[0].shape["batch"] == 6

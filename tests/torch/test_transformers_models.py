@@ -177,3 +177,30 @@ def test_what_the_adapter_does_not_support_is_refused():
             model(ids[:, :1], attention_mask=longer, past_key_values=earlier)
         with pytest.raises(ValueError, match="cannot write|max_length"):
             model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_packed_sequences_give_transformers_logits():
+    """A packed batch (restarting position ids, the block-causal mask) through Llama (eager)."""
+    model = causal_lm("llama", torch.float32)
+    model.config._attn_implementation = "eager"
+    lengths = [[5, 4, 3], [7, 5]]
+    positions = torch.tensor([[i for n in row for i in range(n)] for row in lengths])
+    ids = torch.randint(3, 97, positions.shape, generator=torch.Generator().manual_seed(5))
+    segments = torch.tensor([[s for s, n in enumerate(row) for _ in range(n)] for row in lengths])
+    # The block-causal mask: a sequence's own positions up to the query's.
+    causal = torch.tril(torch.ones(12, 12, dtype=torch.bool))
+    block = (segments[:, :, None] == segments[:, None, :]) & causal
+    additive = torch.zeros(block.shape).masked_fill(~block, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        masked = model(ids, attention_mask=additive[:, None], position_ids=positions).logits
+        packed = model(ids, position_ids=positions, use_cache=False).logits
+        alone = [
+            model(ids[b : b + 1, start : start + n]).logits[0]
+            for b, row in enumerate(lengths)
+            for start, n in zip(np.cumsum([0, *row[:-1]]), row, strict=True)
+        ]
+        replace_attention(model, max_length=12)
+        ours = model(ids, position_ids=positions, use_cache=False).logits
+    assert (ours - masked).abs().max().item() <= 1e-6
+    assert (ours - packed).abs().max().item() <= 1e-6
+    assert (ours.reshape(-1, ours.shape[-1]) - torch.cat(alone)).abs().max().item() <= 1e-6

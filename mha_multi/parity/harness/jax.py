@@ -173,6 +173,7 @@ def vjp(
     head_mask: jax.Array | None = None,
     bias: jax.Array | None = None,
     positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
 
@@ -188,6 +189,8 @@ def vjp(
         dtype), keyed by its name.
     """
     options: dict[str, Any] = {"causal": causal, "positions": positions}
+    if segment_ids is not None:
+        options["segment_ids"] = segment_ids
     if cache is not None:
         options["cache"] = cache
     differentiated = {"head_mask": head_mask, "bias": bias}

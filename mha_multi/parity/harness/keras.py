@@ -111,7 +111,7 @@ def _runner_call(
     ``extras`` names the call's other arguments given: those of
     :data:`DIFFERENTIATED` (``head_mask``, ``bias``) follow the values, in
     that order, and are differentiated with them; the others
-    (``positions``) follow ``valid_lens``. With ``cached`` the last input
+    (``positions``, ``segment_ids``) follow ``valid_lens``. With ``cached`` the last input
     is the cache, passed as ``cache=``; with ``first`` the call gives the
     output alone.
     """
@@ -134,7 +134,7 @@ def _runner_call(
 #: The call's arguments besides the inputs that gradients are taken of, in input order.
 DIFFERENTIATED = ("head_mask", "bias")
 #: Every array argument of the call besides the inputs, the lengths and the cache.
-_EXTRAS = (*DIFFERENTIATED, "positions")
+_EXTRAS = (*DIFFERENTIATED, "positions", "segment_ids")
 
 
 def _split_extras(extras: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:

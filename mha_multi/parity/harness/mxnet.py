@@ -120,6 +120,7 @@ def vjp(
     head_mask: mx.np.ndarray | None = None,
     positions: Any = None,
     bias: mx.np.ndarray | None = None,
+    segment_ids: Any = None,
 ) -> dict[str, mx.np.ndarray]:
     """The gradients of ``sum(output * output_gradient)`` of a call out of training mode.
 
@@ -143,8 +144,9 @@ def vjp(
         array.attach_grad()
     options = {} if cache is None else {"cache": cache}
     options.update({name: inputs[name] for name in ("head_mask", "bias") if name in inputs})
-    if positions is not None:
-        options["positions"] = positions
+    for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
+        if ids is not None:
+            options[name] = ids
     with autograd.record(train_mode=False):
         result = layer(
             *(inputs.get(name) for name in INPUT_NAMES), valid_lens, causal=causal, **options

@@ -123,6 +123,7 @@ def vjp(
     head_mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The gradients of ``sum(output * output_gradient)`` of an ``eval()`` call.
 
@@ -140,6 +141,8 @@ def vjp(
     given = {"head_mask": head_mask, "bias": bias}
     leaves = {n: x.detach().requires_grad_(True) for n, x in given.items() if x is not None}
     options = {**leaves, "positions": positions, "causal": causal}
+    if segment_ids is not None:
+        options["segment_ids"] = segment_ids
     if cache is None:
         output = layer(*inputs, valid_lens, **options)
     else:

@@ -176,6 +176,7 @@ class Runner(abc.ABC):
         head_mask: Any = None,
         positions: Any = None,
         bias: Any = None,
+        segment_ids: Any = None,
     ) -> Mapping[str, Any]:
         """The vector-Jacobian product of an eval-mode call at ``output_gradient``.
 
@@ -183,9 +184,10 @@ class Runner(abc.ABC):
         in the canonical orientation, as framework arrays. With a ``cache``,
         of the output of that cached call, the cache held fixed; with a
         ``head_mask`` or a ``bias``, its gradient too, keyed by its name;
-        ``positions`` are passed on.
+        ``positions`` and ``segment_ids`` are passed on.
         """
         given = {"cache": cache, "head_mask": head_mask, "positions": positions, "bias": bias}
+        given["segment_ids"] = segment_ids
         return self.facts.vjp(
             layer,
             queries,
@@ -260,6 +262,7 @@ class Runner(abc.ABC):
         head_mask: np.ndarray | None = None,
         positions: np.ndarray | None = None,
         bias: np.ndarray | None = None,
+        segment_ids: np.ndarray | None = None,
     ) -> dict[str, np.ndarray]:
         """Gradients of ``sum(output * output_gradient)`` (eval mode).
 
@@ -273,8 +276,9 @@ class Runner(abc.ABC):
             for name, value in (("head_mask", head_mask), ("bias", bias))
             if value is not None
         }
-        if positions is not None:
-            gates["positions"] = self.native_lens(positions, device)
+        for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
+            if ids is not None:
+                gates[name] = self.native_lens(ids, device)
         grads = self.vjp(
             layer,
             *arrays,
@@ -374,7 +378,7 @@ class Runner(abc.ABC):
         bias as native arrays."""
         options: dict[str, Any] = {"causal": case.config.causal}
         for name, value in self._case_arrays(case).items():
-            if name == "positions":
+            if name in ("positions", "segment_ids"):
                 options[name] = self.native_lens(value, device)
             else:
                 options[name] = self.to_native(value, device, dtype)
@@ -382,13 +386,15 @@ class Runner(abc.ABC):
 
     @staticmethod
     def _case_arrays(case: Case) -> dict[str, np.ndarray]:
-        """The case's ``head_mask``, ``positions`` and ``bias``, where it has them."""
+        """The case's ``head_mask``, ``positions``, ``bias`` and ``segment_ids``, where it has
+        them."""
         arrays = {
             "head_mask": None
             if case.config.head_mask is None
             else np.asarray(case.config.head_mask, np.float32),
             "positions": case.positions,
             "bias": case.bias,
+            "segment_ids": case.segment_ids,
         }
         return {name: value for name, value in arrays.items() if value is not None}
 

@@ -1,0 +1,118 @@
+"""Every backend with packed sequences: the parity cases, the defining property, bad ids.
+
+The packed cases against the float64 reference (float32 on the CPU here;
+``nox -s parity`` runs every dtype), then the property that defines packing:
+a row of several sequences gives, for each of them, what that sequence alone
+gives (outputs and input gradients, causal, rotary, padding at the end); and
+ids that are not integer ``(B, N)``, or a cache, refused naming
+``segment_ids`` (docs: "Packed sequences").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from parity_support import checks_within_tolerance
+
+from mha_multi import spec
+from mha_multi.parity.cases import build_case
+from mha_multi.parity.compare import TOLERANCES
+from mha_multi.parity.packed_cases import PACKED_CASES
+from mha_multi.weights import init_weights
+
+FORWARD, GRADIENTS = TOLERANCES["float32"]
+#: Two sequences (alone: one call of two rows) and two positions of padding.
+LENGTHS = [3, 3]
+ROTARY = {"theta": 100.0}
+
+
+@pytest.fixture(scope="module")
+def packed_cases():
+    return {config.name: build_case(config) for config in PACKED_CASES}
+
+
+# One case here (ALiBi, a window, rotary, lengths); `nox -s parity` runs them all in every dtype.
+@pytest.mark.parametrize("case_name", ["packed_alibi_window"])
+def test_packed_case_within_tolerance(runner, packed_cases, case_name):
+    case = packed_cases[case_name]
+    checks = checks_within_tolerance(runner, "cpu", "float32", case)
+    assert {c.quantity.split("[")[0] for c in checks} == set(case.reference)
+
+
+def test_a_packed_row_is_each_sequence_alone(runner):
+    rng = np.random.default_rng(11)
+    weights = init_weights(8, num_heads=4, num_kv_heads=2, seed=12)
+    layer = runner.set_weights(runner.make_layer(8, 4, num_kv_heads=2, rotary=ROTARY), weights)
+    length = sum(LENGTHS) + 2
+    x = [rng.standard_normal((1, length, 8)).astype(np.float32) for _ in range(3)]
+    ids = spec.segment_ids_from_lengths([LENGTHS], length=length)
+    real = ids[0] >= 0
+    output_gradient = rng.standard_normal((1, length, 8)).astype(np.float32) * real[None, :, None]
+    settings = {"causal": True, "device": "cpu", "dtype": "float32"}
+    packed = runner.call(layer, *x, segment_ids=runner.native_lens(ids), **settings)
+    grads = runner.gradients(
+        layer, *x, None, output_gradient=output_gradient, segment_ids=ids, **settings
+    )
+    starts = np.cumsum([0, *LENGTHS[:-1]])
+    for n in sorted(set(LENGTHS)):
+        # The sequences of length n, alone, one a row.
+        rows = [
+            np.arange(start, start + n) for start, m in zip(starts, LENGTHS, strict=True) if m == n
+        ]
+        alone = [a[0, rows] for a in x]
+        np.testing.assert_allclose(
+            packed[0, rows], runner.call(layer, *alone, **settings), rtol=0, atol=FORWARD
+        )
+        grads_alone = runner.gradients(
+            layer, *alone, None, output_gradient=output_gradient[0, rows], **settings
+        )
+        for name in ("queries", "keys", "values"):
+            np.testing.assert_allclose(
+                grads[name][0, rows], grads_alone[name], rtol=0, atol=GRADIENTS, err_msg=name
+            )
+    # Padding is seen by no query: its keys and values get no gradient.
+    for name in ("keys", "values"):
+        np.testing.assert_array_equal(grads[name][:, ~real], 0.0)
+
+
+@pytest.mark.parametrize(
+    ("segment_ids", "error", "match"),
+    [
+        (np.zeros((2, 4), np.float32), TypeError, "segment_ids must be integers"),
+        (np.zeros((2, 3), np.int32), ValueError, "segment_ids of the queries"),
+    ],
+)
+def test_bad_ids_are_named(runner, segment_ids, error, match):
+    layer = runner.set_weights(runner.make_layer(8, 2), init_weights(8, num_heads=2))
+    x = np.zeros((2, 4, 8), np.float32)
+    with pytest.raises(error, match=match):
+        runner.call(layer, x, x, x, segment_ids=runner.native_lens(segment_ids))
+
+
+def test_a_cached_call_refuses_ids(runner):
+    layer = runner.set_weights(runner.make_layer(8, 2), init_weights(8, num_heads=2))
+    x = runner.to_native(np.zeros((1, 2, 8), np.float32))
+    cache = runner.init_cache(layer, 1, 4)
+    ids = runner.native_lens(np.zeros((1, 2), np.int32))
+    with pytest.raises(ValueError, match="segment_ids are not supported with a cache"):
+        runner.forward(layer, x, x, x, None, causal=True, cache=cache, segment_ids=ids)
+
+
+#: The backends whose default call runs a fused kernel on the CPU in float32.
+FUSED_ON_CPU = ("torch", "keras-torch")
+
+
+def test_the_fused_kernel_takes_the_mask(runner):
+    layer = runner.set_weights(runner.make_layer(8, 2), init_weights(8, num_heads=2))
+    x = np.random.default_rng(13).standard_normal((1, 6, 8)).astype(np.float32)
+    ids = spec.segment_ids_from_lengths([[2, 3]], length=6)
+    with runner.kernel_spy() as calls:
+        output = runner.call(layer, x, x, x, causal=True, segment_ids=runner.native_lens(ids))
+    # SDPA (PyTorch's, and Keras' on PyTorch) takes the packed sequences' mask.
+    assert [call.mask for call in calls] == ([True] if runner.name in FUSED_ON_CPU else [])
+    weights = init_weights(8, num_heads=2)
+    expected, _ = spec.reference_forward(
+        weights, x, x, x, num_heads=2, causal=True, segment_ids=ids
+    )
+    # The padding row is fully hidden: the mean of all values, as the spec has it.
+    np.testing.assert_allclose(output, expected, rtol=0, atol=FORWARD)
