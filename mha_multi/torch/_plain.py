@@ -24,10 +24,10 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CHECKED, CacheCheck, next_lengths, written_step
-from mha_multi.torch._ops import OPS, SIXTEEN_BIT
+from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
-from mha_multi.torch._rotary import WideTables, rotate_wide, wide_tables
+from mha_multi.torch._rotary import WideTables, rotate_stacked, wide_tables
 
 __all__ = ["PlainPlan", "PlainRoute"]
 
@@ -162,7 +162,9 @@ class PlainRoute:
         read = (projected,)
         if rotary is not None:
             position = None if cache is None else check.uniform
-            q, k, turned = _rotated(projected, plan, rotary, heads, position)
+            q, k, turned = rotate_stacked(
+                projected, plan.tables, plan.wide_tables, rotary, heads, position
+            )
             read = (turned, v)
         if plan.fused and not self._exact(read, q, k, plan, heads.head_dim):
             return None  # (no gradient here)
@@ -402,7 +404,9 @@ def _fused_step(
         q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
         total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
     else:
-        q, k, turned = _rotated(projected, plan, layer.options.rotary, heads, length)
+        q, k, turned = rotate_stacked(
+            projected, plan.tables, plan.wide_tables, layer.options.rotary, heads, length
+        )
         v = projected.narrow(-1, query_width + kv_width, kv_width)
         total = turned.sum() + v.sum()
     # One query sees its keys unmasked (the plan is not bounded): the read is the sum's.
@@ -427,27 +431,3 @@ def _fused_step(
         context.reshape(batch, 1, query_width), parameters["weight"], parameters["bias"]
     )
     return call.Result(output, None, updated)
-
-
-def _rotated(
-    projected: torch.Tensor,
-    plan: PlainPlan,
-    rotary: spec.Rotary,
-    heads: spec.Heads,
-    position: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The queries and keys of stacked projections rotated together, at ``arange(Q)``
-    (no cache: ``position`` ``None``) or at a step's ``position``, by the plan's
-    tables: ``(q, k, both)``, the first two views of the third."""
-    query_width = heads.query_features
-    both = projected.narrow(-1, 0, query_width + heads.kv_features)
-    all_heads = heads.num_heads + heads.num_kv_heads
-    tables = plan.tables if plan.wide_tables is None else plan.wide_tables
-    if position is not None:  # (a row of each table, broadcast over the heads)
-        tables = tables[0][position], tables[1][position]
-    if plan.wide_tables is None:
-        both = spec.rotate(OPS, both, None, rotary, all_heads, heads.head_dim, tables=tables)
-    else:
-        both = rotate_wide(both, tables, rotary, all_heads, heads.head_dim)
-    q, k = both.split_with_sizes((query_width, heads.kv_features), -1)
-    return q, k, both

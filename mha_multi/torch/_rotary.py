@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from mha_multi import spec
+from mha_multi.torch._ops import OPS
 
-__all__ = ["WideTables", "rotate_wide", "wide_tables"]
+__all__ = ["WideTables", "rotate_stacked", "rotate_wide", "wide_tables"]
 
 #: ``(C, S)``, each ``(..., head_dim)``: every entry's cosine and signed sine.
 WideTables = tuple[torch.Tensor, torch.Tensor]
@@ -56,3 +57,34 @@ def rotate_wide(
         swapped = heads.roll(head_dim // 2, -1)
     turned = (heads * wide_cos + swapped * wide_sin).flatten(-2)
     return turned if turned.dtype == dtype else turned.to(dtype)
+
+
+def rotate_stacked(
+    projected: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    wide: WideTables | None,
+    rotary: spec.Rotary,
+    heads: spec.Heads,
+    position: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries and keys of self-attention's stacked projections rotated together
+    (one tensor of their heads: the rotation acts on each head alone).
+
+    ``tables`` are :func:`mha_multi.spec.rotary_tables` of ``arange(Q)``
+    (``position`` ``None``) or of every position of a cache, whose row at a
+    step's ``position`` is taken; ``wide`` their :func:`wide_tables`
+    (``None`` where part of each head rotates: the spec's own form).
+    Returns ``(q, k, both)``, the first two views of the third.
+    """
+    query_width = heads.query_features
+    both = projected.narrow(-1, 0, query_width + heads.kv_features)
+    all_heads = heads.num_heads + heads.num_kv_heads
+    rows = tables if wide is None else wide
+    if position is not None:  # (a row of each table, broadcast over the heads)
+        rows = rows[0][position], rows[1][position]
+    if wide is None:
+        both = spec.rotate(OPS, both, None, rotary, all_heads, heads.head_dim, tables=rows)
+    else:
+        both = rotate_wide(both, rows, rotary, all_heads, heads.head_dim)
+    q, k = both.split_with_sizes((query_width, heads.kv_features), -1)
+    return q, k, both
