@@ -37,7 +37,7 @@ def write_in_place(
     head_dim: int,
     causal: bool,
 ) -> tuple[spec.KVCache, torch.Tensor]:
-    """:func:`mha_multi.spec.update_cache` with ``cache.keys`` and ``cache.values`` written in place.
+    """:func:`mha_multi.spec.update_cache`, ``cache.keys`` and ``cache.values`` written in place.
 
     Row ``t`` of example ``b`` goes to position ``lengths[b] + t`` where ``t
     < valid_lens[b]`` (clipped into ``[0, T]``) and the position is in
