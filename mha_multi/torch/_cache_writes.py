@@ -55,14 +55,14 @@ class CacheWrites(call.Facts):
         positions in place: the returned cache shares ``keys`` and
         ``values`` with the given one (docs: "Generating with a cache").
         So does a call under ``torch.compile`` that records no gradient
-        through the cache, with one scatter per array and no value read
+        through the cache, with one indexed write per array and no value read
         (:func:`~mha_multi.torch._compiled_cache.write_in_place`). Anything
         else (a cache or projections that require gradients, an inference
         tensor outside inference mode) gets the spec's functional update.
         """
         compiling = torch.compiler.is_compiling()
         if compiling and k is not None and not records_gradient(k, v, cache.keys, cache.values):
-            # Static shapes, no value read: one scatter per array (docs:
+            # Static shapes, no value read: one indexed write per array (docs:
             # "Errors, and what compiled code does").
             return write_in_place(ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal)
         in_place = (

@@ -1,4 +1,4 @@
-"""A compiled PyTorch call's new rows written into a cache's own tensors, one scatter per array.
+"""A compiled PyTorch call's new rows written into a cache's own tensors, one indexed write per array.
 
 Under ``torch.compile``, where no gradient is recorded through the cache,
 a cached call writes its new keys and values in place (docs: "Generating
@@ -69,11 +69,16 @@ def write_in_place(
     steps = torch.arange(num_new, device=k.device)
     at = lengths.to(torch.int64)[:, None] + steps  # (B, T): where each row belongs
     kept = (steps < new[:, None]) & (at >= 0) & (at < max_length)
-    index = at.remainder(max_length)[:, None, :, None]  # (B, 1, T, 1)
+    # (B, 1, 1), (1, H_kv, 1), (B, 1, T): each example's, each head's positions.
+    index = (
+        torch.arange(k.shape[0], device=k.device)[:, None, None],
+        torch.arange(cache.keys.shape[1], device=k.device)[:, None],
+        at.remainder(max_length)[:, None, :],
+    )
     kept = kept[:, None, :, None]
     for held, x in ((cache.keys, k), (cache.values, v)):
         rows = x.unflatten(-1, (held.shape[1], head_dim)).transpose(1, 2)  # (B, H_kv, T, dh)
-        spread = index.expand(rows.shape)
-        held.scatter_(2, spread, torch.where(kept, rows, held.gather(2, spread)))
+        # (index_put_ is written into the cache's buffer by inductor; scatter_ is not.)
+        held.index_put_(index, torch.where(kept, rows, held[index]))
     updated = spec.KVCache(cache.keys, cache.values, lengths + new)
     return updated, spec.cached_visibility(ops, lengths, new, num_new, causal=causal)

@@ -2,7 +2,7 @@
 
 Under ``torch.compile``, with no gradient recorded through the cache, the
 update is the spec's (:func:`mha_multi.spec.update_cache`) for every input,
-made in place by one scatter per array (docs: "Generating with a cache",
+made in place by one indexed write per array (docs: "Generating with a cache",
 "Errors, and what compiled code does"); checked against the spec's update,
 a loop of the docs' rule and the float64 reference.
 """
@@ -116,9 +116,9 @@ def test_a_compiled_call_writes_the_given_cache_with_the_reference_numbers():
 
 
 @pytest.mark.parametrize("rotary", [None, ROTARY], ids=["plain", "rotary"])
-def test_a_compiled_step_is_one_graph_that_scatters_into_the_cache(rotary):
+def test_a_compiled_step_is_one_graph_that_writes_into_the_cache_in_place(rotary):
     """``torch._dynamo.explain``: no graph break, and the step's write is one in-place
-    scatter per array; where a gradient is recorded, the spec's functional update."""
+    indexed write (index_put_) per array; where a gradient is recorded, the spec's functional update."""
     layer = MultiHeadAttention(NUM_HIDDENS, rotary=rotary, **HEADS)
     set_weights(layer, init_weights(NUM_HIDDENS, seed=5, **HEADS)).eval()
     y = torch.ones(2, 1, NUM_HIDDENS)
@@ -128,5 +128,5 @@ def test_a_compiled_step_is_one_graph_that_scatters_into_the_cache(rotary):
             explained = torch._dynamo.explain(layer)(y, y, y, causal=True, cache=cache)
         assert explained.graph_count == 1 and explained.graph_break_count == 0
         graph = explained.graphs[0].graph
-        scatters = [node for node in graph.nodes if node.target == "scatter_"]
-        assert len(scatters) == (0 if recording else 2), graph
+        writes = [node for node in graph.nodes if node.target == "index_put_"]
+        assert len(writes) == (0 if recording else 2), graph
