@@ -10,7 +10,10 @@ place). They take turns of :data:`BLOCK` steps in one process, so a shared
 machine's drift falls on both; the ratio of the median times per step is
 printed, with the largest difference of their outputs.
 
-    python tools/compiled_step.py [llama] [functional] [blocks]     # 12 blocks
+``one-thread``: one thread for PyTorch's kernels (on a machine whose cores
+are busy, a second thread's wait can cost more than the kernel).
+
+    python tools/compiled_step.py [llama] [functional] [one-thread] [blocks]     # 12 blocks
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from mha_multi.torch import get_weights
 ARGS = sys.argv[1:]
 LAYER = "llama" if "llama" in ARGS else "plain"
 BLOCKS = next((int(a) for a in ARGS if a.isdigit()), 12)
+if "one-thread" in ARGS:  # (a loaded machine's second thread waits on the other's work)
+    torch.set_num_threads(1)
 BLOCK = 8
 
 
@@ -65,6 +70,8 @@ def main() -> None:
                 times[name].append((time.perf_counter() - start) / BLOCK)
             tokens[name] = state, token
     medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    if "blocks" in ARGS:
+        print({name: [round(t * 1e3, 2) for t in block] for name, block in times.items()})
     ours, anchor = (torch.cat(outputs[n], 1) for n in runs)
     anchor_kind = "functional" if "functional" in ARGS else "in place"
     print(
