@@ -1,4 +1,4 @@
-"""A compiled PyTorch call's new rows written into a cache's own tensors, one indexed write per array.
+"""A compiled PyTorch call's new rows written into a cache's own tensors, one write per array.
 
 Under ``torch.compile``, where no gradient is recorded through the cache,
 a cached call writes its new keys and values in place (docs: "Generating

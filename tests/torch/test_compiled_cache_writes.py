@@ -118,7 +118,7 @@ def test_a_compiled_call_writes_the_given_cache_with_the_reference_numbers():
 @pytest.mark.parametrize("rotary", [None, ROTARY], ids=["plain", "rotary"])
 def test_a_compiled_step_is_one_graph_that_writes_into_the_cache_in_place(rotary):
     """``torch._dynamo.explain``: no graph break, and the step's write is one in-place
-    indexed write (index_put_) per array; where a gradient is recorded, the spec's functional update."""
+    ``index_put_`` per array; where a gradient is recorded, the functional update."""
     layer = MultiHeadAttention(NUM_HIDDENS, rotary=rotary, **HEADS)
     set_weights(layer, init_weights(NUM_HIDDENS, seed=5, **HEADS)).eval()
     y = torch.ones(2, 1, NUM_HIDDENS)
