@@ -120,7 +120,7 @@ class Torch(Framework):
         decodes and as the hand-written decoder runs (the cache ``init_cache`` makes
         keeps its versions there; docs: "Generating with a cache"); ``"compiled"``:
         the call under :func:`~mha_multi.bench.torch_decoders.compiled`, the cache
-        updated functionally."""
+        written in place (docs: "Errors, and what compiled code does")."""
         layer.eval()
 
         def call(x: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:

@@ -11,9 +11,12 @@ the keys enter the cache.
   its filled positions (``enable_gqa`` for grouped heads);
 * ``compiled``: one step under ``torch.compile(fullgraph=True,
   dynamic=False)`` (``mode="reduce-overhead"`` on a GPU), as ours is
-  compiled: static shapes, the position a tensor, the cache updated
-  functionally (``index_copy``) and attention over all ``max_length``
-  positions with a mask; the prompt and the steps are two graphs.
+  compiled: static shapes, the position a tensor, the new rows written into
+  the cache in place (``index_copy_``, as ours writes a compiled call's
+  rows: CUDA-graph safe) and attention over all ``max_length`` positions
+  with a mask; the prompt and the steps are two graphs. ``in_place=False``
+  updates the cache functionally (``index_copy``, a new cache each step),
+  the anchor's form before ours wrote in place.
 
 :func:`hand_written_call` is the same projections and rotation for one call
 without a cache: the anchor of the host rows (:mod:`mha_multi.bench.host`).
@@ -139,15 +142,23 @@ def hand_written_call(
 
 
 def hand_written_decoder(
-    weights: Arrays, shape: GenerationShape, device: str, dtype: str, execution: str | None = None
+    weights: Arrays,
+    shape: GenerationShape,
+    device: str,
+    dtype: str,
+    execution: str | None = None,
+    *,
+    in_place: bool = True,
 ) -> Generator:
     """The hand-written decoder of ``shape`` (rotary where it has rotary positions),
-    eager or, for ``execution == "compiled"``, compiled."""
+    eager or, for ``execution == "compiled"``, compiled (the cache written in place,
+    or functionally where not ``in_place``)."""
     w, tables = _weights(weights, device, dtype), _tables(shape, device, dtype)
     heads, kv_heads = shape.num_heads, shape.kv_heads
     size = (shape.batch, kv_heads, shape.max_length, shape.num_hiddens // heads)
     if execution == "compiled":
-        return _compiled_decoder(w, tables, shape, size, device)
+        attend = _compiled_attend(heads, kv_heads, device, in_place)
+        return _compiled_decoder(attend, w, tables, shape, size)
     cache = {}
 
     @torch.inference_mode()
@@ -178,10 +189,11 @@ def hand_written_decoder(
 
 
 @functools.cache
-def _compiled_attend(heads: int, kv_heads: int, device: str) -> Callable[..., Any]:
+def _compiled_attend(heads: int, kv_heads: int, device: str, in_place: bool) -> Callable[..., Any]:
     """The compiled step of a configuration: static shapes, the position a tensor, the
-    cache updated functionally. Made once, so that every decoder of the configuration
-    (the warm-up's, the timed ones') shares its graphs: the weights are arguments."""
+    cache written in place (or updated functionally). Made once, so that every decoder
+    of the configuration (the warm-up's, the timed ones') shares its graphs: the
+    weights are arguments."""
 
     def attend(
         x: torch.Tensor,
@@ -193,7 +205,11 @@ def _compiled_attend(heads: int, kv_heads: int, device: str) -> Callable[..., An
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         at = position + torch.arange(x.shape[1], device=x.device)
         q, k, v = _project(x, at, w, tables, heads, kv_heads)
-        keys, values = keys.index_copy(2, at, k), values.index_copy(2, at, v)
+        if in_place:
+            keys.index_copy_(2, at, k)
+            values.index_copy_(2, at, v)
+        else:
+            keys, values = keys.index_copy(2, at, k), values.index_copy(2, at, v)
         # Query i (at position + i) sees the keys up to itself.
         seen = torch.arange(keys.shape[2], device=x.device)[None, :] <= at[:, None]
         context = nn.functional.scaled_dot_product_attention(
@@ -205,16 +221,21 @@ def _compiled_attend(heads: int, kv_heads: int, device: str) -> Callable[..., An
 
 
 def _compiled_decoder(
-    w: Weights, tables: Tables, shape: GenerationShape, size: tuple[int, ...], device: str
+    attend: Callable[..., Any],
+    w: Weights,
+    tables: Tables,
+    shape: GenerationShape,
+    size: tuple[int, ...],
 ) -> Generator:
-    """The hand-written decoder whose every call is :func:`_compiled_attend`'s step."""
-    attend = _compiled_attend(shape.num_heads, shape.kv_heads, device)
+    """The hand-written decoder whose every call is ``attend``, a
+    :func:`_compiled_attend` step."""
 
     @torch.inference_mode()
     def prefill(prompt: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        empty = torch.zeros(size, device=prompt.device, dtype=prompt.dtype)
+        # Two caches: a step may write its rows into them.
+        keys, values = (torch.zeros(size, device=prompt.device, dtype=prompt.dtype) for _ in "kv")
         start = torch.zeros((), dtype=torch.int64, device=prompt.device)
-        output, keys, values = attend(prompt, empty, empty, start, w, tables)
+        output, keys, values = attend(prompt, keys, values, start, w, tables)
         return (keys, values, start + shape.prompt), output[:, -1:]
 
     @torch.inference_mode()

@@ -22,6 +22,7 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, Written, from_host, versioned, writes_in_place
+from mha_multi.torch._compiled_cache import records_gradient, write_in_place
 
 __all__ = ["CacheWrites"]
 
@@ -53,14 +54,21 @@ class CacheWrites(call.Facts):
         gradient through the cache writes each example's rows at its own
         positions in place: the returned cache shares ``keys`` and
         ``values`` with the given one (docs: "Generating with a cache").
-        Anything else (``torch.compile``, a cache or projections that
-        require gradients, an inference tensor outside inference mode) gets
-        the spec's functional update.
+        So does a call under ``torch.compile`` that records no gradient
+        through the cache, with one indexed write per array and no value read
+        (:func:`~mha_multi.torch._compiled_cache.write_in_place`). Anything
+        else (a cache or projections that require gradients, an inference
+        tensor outside inference mode) gets the spec's functional update.
         """
+        compiling = torch.compiler.is_compiling()
+        if compiling and k is not None and not records_gradient(k, v, cache.keys, cache.values):
+            # Static shapes, no value read: one indexed write per array (docs:
+            # "Errors, and what compiled code does").
+            return write_in_place(ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal)
         in_place = (
             fill is not None
             and k is not None
-            and not torch.compiler.is_compiling()
+            and not compiling
             and writes_in_place(k, v, cache.keys, cache.values)
         )
         if not in_place or k.shape[1] == 0:

@@ -187,12 +187,14 @@ def test_compiled_overflow_drops_positions_and_keeps_counting(compiler):
         np.testing.assert_array_equal(kept[2, :, 3], old[2, :, 3])
 
     # A full cache takes nothing more and overwrites nothing; the same graph serves.
+    # (It writes into the given cache's tensors: what they held is copied first.)
+    full = {name: getattr(overflowed, name).clone() for name in ("keys", "values")}
     with torch.no_grad():
         _, after = compiled(*tensors(*new_rows, np.array([1, 1, 1])), causal=True, cache=overflowed)
     assert after.lengths.tolist() == [7, 5, 4]
     assert counter.frame_count == 2  # valid_lens None, then given: two signatures
     for name in ("keys", "values"):
-        kept, old = getattr(after, name), getattr(overflowed, name)
+        kept, old = getattr(after, name), full[name]
         assert torch.equal(kept[:2], old[:2])
         assert torch.equal(kept[2, :, :3], old[2, :, :3])
         assert not torch.equal(kept[2, :, 3], old[2, :, 3])
