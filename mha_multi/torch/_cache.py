@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from mha_multi import spec
+from mha_multi.torch._compiled_cache import records_gradient
 from mha_multi.torch._reads import finite_sum
 
 __all__ = [
@@ -280,7 +281,7 @@ def writes_in_place(
     """Whether an eager call may copy its new rows ``k``, ``v`` into a cache's ``keys``,
     ``values``: no gradient recorded through any of them, and no inference tensor
     written outside inference mode (docs: "Generating with a cache")."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, keys, values)):
+    if records_gradient(k, v, keys, values):
         return False
     return torch.is_inference_mode_enabled() or not (keys.is_inference() or values.is_inference())
 
