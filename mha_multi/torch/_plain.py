@@ -120,7 +120,7 @@ class PlainRoute:
                 return None
             if plan.fused:
                 return fused_step(layer, queries, cache, check, plan, step, rotary is not None)
-            filled = check.uniform + 1
+            filled = check._uniform + 1  # (CacheCheck.uniform, resolved by the check)
             try:
                 span = plan.spans[filled]
             except KeyError:
@@ -138,10 +138,11 @@ class PlainRoute:
             projected = torch.nn.functional.linear(queries, *layer.stacked_parameters(queries))
         else:
             projected = layer.project_stacked(queries)
-        q, k, v = split_stacked(projected, heads)
-        read = (projected,)
-        if rotary is not None:
-            q, k, turned = rotate_stacked(
+        if rotary is None:
+            q, k, v = split_stacked(projected, heads)
+            read: tuple[torch.Tensor, ...] = (projected,)
+        else:
+            q, k, v, turned = rotate_stacked(
                 projected, plan.tables, plan.wide_tables, rotary, heads, None
             )
             read = (turned, v)
@@ -222,9 +223,8 @@ class PlainRoute:
             or values is not check.values()
             or (keys._version, values._version) != check.versions
             or lengths._version != check.lengths_version
-            # Inference tensors keep no version counter: nothing would tell an edit.
-            or keys.is_inference()
-            or values.is_inference()
+            # (No inference tensor, which keeps no version counter: a check holds none of
+            # them, CacheCheck.attach.)
         ):
             return None
         if checked and (check.pending is not None or check.poison is not None):

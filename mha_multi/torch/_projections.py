@@ -172,11 +172,12 @@ class StackedWeights:
         eager code that records no gradient; ``None`` where they are not back to back."""
         try:
             # The parameter tables, not nn.Module's attribute lookup: every call asks.
-            key = [
-                None if p is None else (p.data_ptr(), p.shape, p.dtype)
-                for module in modules
-                for p in (module._parameters["weight"], module._parameters["bias"])
-            ]
+            # (A loop, not a comprehension: a step's cost is such calls.)
+            key: list[Any] = []
+            for module in modules:
+                parameters = module._parameters
+                for p in (parameters["weight"], parameters["bias"]):
+                    key += (None if p is None else (p.data_ptr(), p.shape, p.dtype),)
         except RuntimeError:  # a tensor without storage of its own (a DTensor's)
             return None
         if key != self._key:

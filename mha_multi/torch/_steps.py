@@ -77,7 +77,7 @@ def fused_step(
     query_width, kv_width = heads.query_features, heads.kv_features
     num_kv_heads, head_dim = heads.num_kv_heads, heads.head_dim
     keys, values, lengths = cache
-    length = check.uniform
+    length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
     modules = layer._modules
     # (The layer was called before: its parameters are sized; views of them where packed.)
     stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
@@ -86,13 +86,14 @@ def fused_step(
         q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
         total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
     else:
-        q, k, turned = rotate_stacked(
+        q, k, v, turned = rotate_stacked(
             projected, plan.tables, plan.wide_tables, layer.options.rotary, heads, length
         )
-        v = projected.narrow(-1, query_width + kv_width, kv_width)
         total = turned.sum() + v.sum()
-    # One query sees its keys unmasked (the plan is not bounded): the read is the sum's.
-    if not math.isfinite(total.item()):
+    # One query sees its keys unmasked (the plan is not bounded): the read is the sum's,
+    # finite iff its difference with itself is 0 (inf - inf and NaN are NaN).
+    read = total.item()
+    if read - read != 0.0:
         return None  # (no gradient here)
     # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
     keys.select(2, length).copy_(k.view(-1, num_kv_heads, head_dim))
@@ -135,7 +136,7 @@ def generic_step(
     plan holds.
     """
     heads = layer._heads
-    length = check.uniform
+    length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
     if plan.direct:
         modules = layer._modules
         stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
@@ -148,10 +149,9 @@ def generic_step(
             (heads.query_features, heads.kv_features, heads.kv_features), -1
         )
     else:
-        q, k, _ = rotate_stacked(
+        q, k, v, _ = rotate_stacked(
             projected, plan.tables, plan.wide_tables, layer.options.rotary, heads, length
         )
-        v = projected.narrow(-1, heads.query_features + heads.kv_features, heads.kv_features)
     keys, values, updated = written_step(cache, check, k, v, heads, step, span=span, checked=False)
     # Every example holds length + 1 positions now: the spec's mask of its lengths.
     visible = plan.positions.narrow(0, 0, span) < length + 1
