@@ -375,6 +375,15 @@ class PackedProjections(nn.Module):
     def project_stacked(self, queries: torch.Tensor) -> torch.Tensor:
         """Self-attention's three projections of ``queries`` side by side, one product
         ``(..., query_features + 2 * kv_features)`` (an unsharded layer's)."""
+        if torch.compiler.is_compiling():
+            # A traced parameter has no address to view the packed stack at, and stacking
+            # would copy every weight at every call: three products, side by side.
+            modules = self._modules
+            products = []
+            for name in ("W_q", "W_k", "W_v"):
+                parameters = modules[name]._parameters
+                products.append(linear(queries, parameters["weight"], parameters["bias"]))
+            return torch.cat(products, -1)
         weight, bias = self.stacked_parameters(queries)
         return linear(queries, weight, bias)
 
