@@ -28,7 +28,7 @@ from mha_multi.torch._ops import SIXTEEN_BIT, needs_float32_copies
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked, wide_tables
-from mha_multi.torch._steps import PlainPlan, fused_step, generic_step
+from mha_multi.torch._steps import PlainPlan, fused_step, generic_step, heads_attention
 
 __all__ = ["PlainPlan", "PlainRoute"]
 
@@ -119,7 +119,7 @@ class PlainRoute:
             if plan is None:
                 return None
             if plan.fused:
-                return fused_step(layer, queries, cache, check, plan, step, rotary is not None)
+                return fused_step(layer, queries, cache, check, plan, step, rotary)
             filled = check._uniform + 1  # (CacheCheck.uniform, resolved by the check)
             try:
                 span = plan.spans[filled]
@@ -127,7 +127,7 @@ class PlainRoute:
                 span = plan.spans[filled] = self._step_span(layer, cache, filled)
             if span is None:
                 return None  # (the generic flow reads for it)
-            return generic_step(layer, queries, cache, check, plan, step, rotary is not None, span)
+            return generic_step(layer, queries, cache, check, plan, step, rotary, span)
         if plan is None:
             return None
         heads = layer.heads
@@ -155,19 +155,10 @@ class PlainRoute:
             context = torch.nn.functional.scaled_dot_product_attention(q, k, v, **plan.arguments)
             context = context.transpose(1, 2).flatten(2)
         else:
-            context, _ = self.generic_attention(
-                self.ops(queries),
-                q,
-                k,
-                v,
-                None,
-                heads=heads,
-                causal=causal,
-                dropout=None,
-                kv_split=False,
-                head_parallel=False,
-                return_attention_weights=False,
+            visible = spec.visibility(
+                self.ops(queries), q.shape[1], k.shape[1], None, causal=causal
             )
+            context = heads_attention(q, k, v, visible, heads)
         if plan.fused:
             output = torch.nn.functional.linear(context, *layer.output_parameters())
         else:
