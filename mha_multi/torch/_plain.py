@@ -28,7 +28,13 @@ from mha_multi.torch._ops import SIXTEEN_BIT, needs_float32_copies
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked, wide_tables
-from mha_multi.torch._steps import PlainPlan, fused_step, generic_step, heads_attention
+from mha_multi.torch._steps import (
+    PlainPlan,
+    fused_step,
+    generic_step,
+    heads_attention,
+    project_output,
+)
 
 __all__ = ["PlainPlan", "PlainRoute"]
 
@@ -159,11 +165,7 @@ class PlainRoute:
                 self.ops(queries), q.shape[1], k.shape[1], None, causal=causal
             )
             context = heads_attention(q, k, v, visible, heads)
-        if plan.fused:
-            output = torch.nn.functional.linear(context, *layer.output_parameters())
-        else:
-            output = layer.project_output(context, None)
-        return call.Result(output, None, None)
+        return call.Result(project_output(layer, context, plan.fused), None, None)
 
     def _step_span(self, layer: call.Projections, cache: spec.KVCache, filled: int) -> int | None:
         """The generic flow's span of a step on ``cache`` filled to ``filled`` positions

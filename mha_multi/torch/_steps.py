@@ -24,7 +24,14 @@ from mha_multi.torch._cache import CacheCheck, next_lengths, written_step
 from mha_multi.torch._ops import OPS, SIXTEEN_BIT
 from mha_multi.torch._rotary import WideTables, rotate_stacked
 
-__all__ = ["PlainPlan", "fused_step", "generic_step", "heads_attention", "step_attention"]
+__all__ = [
+    "PlainPlan",
+    "fused_step",
+    "generic_step",
+    "heads_attention",
+    "project_output",
+    "step_attention",
+]
 
 
 class PlainPlan(NamedTuple):
@@ -157,11 +164,16 @@ def generic_step(
     # Every example holds length + 1 positions now: the spec's mask of its lengths.
     visible = plan.positions.narrow(0, 0, span) < length + 1
     context = step_attention(q, keys, values, visible, heads)
-    if plan.direct:
-        output = torch.nn.functional.linear(context, *layer.output_parameters())
-    else:
-        output = layer.project_output(context, None)
-    return call.Result(output, None, updated)
+    return call.Result(project_output(layer, context, plan.direct), None, updated)
+
+
+def project_output(layer: call.Projections, context: torch.Tensor, direct: bool) -> torch.Tensor:
+    """``W_o`` of the heads' ungated context: the product itself where ``direct`` (a
+    plan's products are neither 16-bit off CUDA nor autocast's), else as the layer
+    projects."""
+    if direct:
+        return torch.nn.functional.linear(context, *layer.output_parameters())
+    return layer.project_output(context, None)
 
 
 def step_attention(
