@@ -164,7 +164,9 @@ def attend(
             # bias could make them: it keeps all of them).
             window = None if layer_options is None else layer_options.window
             k, v = attended_positions(facts, k, v, fill, q.shape[1], window=window)
-    if bias is not None or (layer_options is not None and not layer_options.is_default):
+    if bias is not None or (layer_options is not None and layer_options.touches_scores):
+        # (Rotary positions and norms alone leave the scores d2l's: no options made, which
+        # a compiled call would guard on.)
         layer_options = layer_options or spec.LayerOptions()
         # ALiBi and the window see each cached query at its own position.
         frame = lengths is not None and (layer_options.alibi or layer_options.window is not None)

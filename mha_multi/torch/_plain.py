@@ -18,44 +18,28 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import CHECKED, CacheCheck, next_lengths, written_step
-from mha_multi.torch._ops import SIXTEEN_BIT
+from mha_multi.torch._cache import CHECKED, CacheCheck
+from mha_multi.torch._ops import SIXTEEN_BIT, needs_float32_copies
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
-from mha_multi.torch._rotary import WideTables, rotate_stacked, wide_tables
+from mha_multi.torch._rotary import rotate_stacked, wide_tables
+from mha_multi.torch._steps import (
+    PlainPlan,
+    fused_step,
+    generic_step,
+    heads_attention,
+    project_output,
+)
 
 __all__ = ["PlainPlan", "PlainRoute"]
 
 #: How many shapes of a layer's calls :meth:`PlainRoute.plain_attention` keeps plans for.
 _PLAIN_PLANS = 64
-
-
-class PlainPlan(NamedTuple):
-    """How :meth:`PlainRoute.plain_attention` runs the calls of one layer and shapes.
-
-    ``fused``: SDPA with ``arguments`` after the one finiteness read (the
-    generic flow's plan for values read finite). Otherwise the generic
-    path's attention (:meth:`mha_multi.call.Facts.generic_attention`) and no
-    read: the generic flow's plan on a GPU where a head's scores are few
-    (:func:`mha_multi.spec.reads_values`). ``bounded``: SDPA's causal flag
-    hides keys, so the read takes the largest query and key too, whose
-    scores must lie within :data:`mha_multi.spec.FUSED_SCORE_LIMIT`.
-    ``tables``: a rotary layer's :func:`mha_multi.spec.rotary_tables`, made
-    once: of the call's ``arange(Q)`` without a cache, of every position of
-    the cache with one (a step takes its row); ``wide_tables`` the same as
-    :func:`mha_multi.torch._rotary.wide_tables`, where whole heads rotate.
-    """
-
-    fused: bool
-    arguments: dict[str, Any]
-    bounded: bool = False
-    tables: tuple[torch.Tensor, torch.Tensor] | None = None
-    wide_tables: WideTables | None = None
 
 
 class PlainRoute:
@@ -138,19 +122,21 @@ class PlainRoute:
                     layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary
                 )
                 step = None if plan is None else (weakref.ref(layer), key, plan)
-            if plan is not None and plan.fused:
-                return _fused_step(layer, queries, cache, check, plan, step, rotary is not None)
+            if plan is None:
+                return None
+            if plan.fused:
+                return fused_step(layer, queries, cache, check, plan, step, rotary)
+            filled = check._uniform + 1  # (CacheCheck.uniform, resolved by the check)
+            try:
+                span = plan.spans[filled]
+            except KeyError:
+                span = plan.spans[filled] = self._step_span(layer, cache, filled)
+            if span is None:
+                return None  # (the generic flow reads for it)
+            return generic_step(layer, queries, cache, check, plan, step, rotary, span)
         if plan is None:
             return None
         heads = layer.heads
-        span = None  # (the fused route's: the filled positions)
-        if cache is not None and not plan.fused:
-            # The generic flow's span (spec.CacheFill.span), which decides its read too.
-            keys = cache.keys
-            span = spec.rounded_span(check.uniform + 1, keys.shape[2], self.span_bucket_of(keys))
-            total_scores = keys.shape[0] * heads.num_heads * span  # (no gradient here)
-            if spec.reads_values(on_host, 1, span, total_scores=total_scores):
-                return None
         # Self-attention's three projections are one product: one pass reads them all.
         if plan.fused:
             # (A fused plan's products are neither 16-bit nor autocast's: the product
@@ -158,22 +144,16 @@ class PlainRoute:
             projected = torch.nn.functional.linear(queries, *layer.stacked_parameters(queries))
         else:
             projected = layer.project_stacked(queries)
-        q, k, v = split_stacked(projected, heads)
-        read = (projected,)
-        if rotary is not None:
-            position = None if cache is None else check.uniform
-            q, k, turned = rotate_stacked(
-                projected, plan.tables, plan.wide_tables, rotary, heads, position
+        if rotary is None:
+            q, k, v = split_stacked(projected, heads)
+            read: tuple[torch.Tensor, ...] = (projected,)
+        else:
+            q, k, v, turned = rotate_stacked(
+                projected, plan.tables, plan.wide_tables, rotary, heads, None
             )
             read = (turned, v)
         if plan.fused and not self._exact(read, q, k, plan, heads.head_dim):
             return None  # (no gradient here)
-        lengths = updated = None
-        if cache is not None:
-            # (A fused plan's step is _fused_step's.)
-            k, v, updated = written_step(cache, check, k, v, heads, step, span=span, checked=False)
-            # One query per example: it sees what its example now holds.
-            lengths = updated.lengths
         if plan.fused:
             k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
             k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -181,24 +161,24 @@ class PlainRoute:
             context = torch.nn.functional.scaled_dot_product_attention(q, k, v, **plan.arguments)
             context = context.transpose(1, 2).flatten(2)
         else:
-            context, _ = self.generic_attention(
-                self.ops(queries),
-                q,
-                k,
-                v,
-                lengths,
-                heads=heads,
-                causal=causal and cache is None,
-                dropout=None,
-                kv_split=cache is not None,
-                head_parallel=False,
-                return_attention_weights=False,
+            visible = spec.visibility(
+                self.ops(queries), q.shape[1], k.shape[1], None, causal=causal
             )
-        if plan.fused:
-            output = torch.nn.functional.linear(context, *layer.output_parameters())
-        else:
-            output = layer.project_output(context, None)
-        return call.Result(output, None, updated)
+            context = heads_attention(q, k, v, visible, heads)
+        return call.Result(project_output(layer, context, plan.fused), None, None)
+
+    def _step_span(self, layer: call.Projections, cache: spec.KVCache, filled: int) -> int | None:
+        """The generic flow's span of a step on ``cache`` filled to ``filled`` positions
+        (:meth:`mha_multi.spec.CacheFill.span`), or ``None`` where that flow reads for it
+        (:func:`mha_multi.spec.reads_values`)."""
+        keys = cache.keys
+        span = spec.rounded_span(filled, keys.shape[2], self.span_bucket_of(keys))
+        total_scores = keys.shape[0] * layer.heads.num_heads * span  # (no gradient here)
+        return (
+            None
+            if spec.reads_values(self.on_host(keys), 1, span, total_scores=total_scores)
+            else span
+        )
 
     @staticmethod
     def _exact(
@@ -236,9 +216,8 @@ class PlainRoute:
             or values is not check.values()
             or (keys._version, values._version) != check.versions
             or lengths._version != check.lengths_version
-            # Inference tensors keep no version counter: nothing would tell an edit.
-            or keys.is_inference()
-            or values.is_inference()
+            # (No inference tensor, which keeps no version counter: a check holds none of
+            # them, CacheCheck.attach.)
         ):
             return None
         if checked and (check.pending is not None or check.poison is not None):
@@ -356,6 +335,11 @@ class PlainRoute:
             plan = spec.plan_kernel(self.kernel, **settings, values_exact=None)
             if not plan.fused:
                 plain = PlainPlan(False, {})
+                if cache is not None:
+                    # (A step's products: those the layer's linear takes directly.)
+                    direct = not needs_float32_copies(queries, layer.output_parameters()[0])
+                    positions = torch.arange(cache.keys.shape[2], device=cache.keys.device)
+                    plain = plain._replace(positions=positions, spans={}, direct=direct)
         if plain is not None and rotary is not None:
             # The generic flow's tables of the same positions (spec.rotary_tables is
             # elementwise: a table's row is that of its position alone).
@@ -372,62 +356,3 @@ class PlainRoute:
             plans.clear()
         plans[key] = plain
         return plain
-
-
-def _fused_step(
-    layer: call.Projections,
-    queries: torch.Tensor,
-    cache: spec.KVCache,
-    check: CacheCheck,
-    plan: PlainPlan,
-    step: tuple[Any, tuple, Any],
-    rotates: bool,
-) -> call.Result | None:
-    """:meth:`PlainRoute.plain_attention`'s decoding step on a fused plan (the host's).
-
-    The route's operations for one query per example, written out in one
-    function: a step's cost on the host is its Python as much as its
-    kernels (docs: "Fast paths"). ``rotates``: the layer's ``rotary``, whose
-    tables the plan holds. ``None`` where the values read are not finite,
-    before anything is written.
-    """
-    heads = layer._heads
-    query_width, kv_width = heads.query_features, heads.kv_features
-    num_kv_heads, head_dim = heads.num_kv_heads, heads.head_dim
-    keys, values, lengths = cache
-    length = check.uniform
-    modules = layer._modules
-    # (The layer was called before: its parameters are sized; views of them where packed.)
-    stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
-    projected = torch.nn.functional.linear(queries, *(stacked or layer.stacked_parameters(queries)))
-    if not rotates:
-        q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
-        total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
-    else:
-        q, k, turned = rotate_stacked(
-            projected, plan.tables, plan.wide_tables, layer.options.rotary, heads, length
-        )
-        v = projected.narrow(-1, query_width + kv_width, kv_width)
-        total = turned.sum() + v.sum()
-    # One query sees its keys unmasked (the plan is not bounded): the read is the sum's.
-    if not math.isfinite(total.item()):
-        return None  # (no gradient here)
-    # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
-    keys.select(2, length).copy_(k.view(-1, num_kv_heads, head_dim))
-    values.select(2, length).copy_(v.view(-1, num_kv_heads, head_dim))
-    filled = length + 1
-    updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
-    check.stepped(updated, filled, step)
-    # One query per example: (B, 1, H*dh) is (B, H, 1, dh) as it lies, and back.
-    batch = q.shape[0]
-    context = torch.nn.functional.scaled_dot_product_attention(
-        q.view(batch, heads.num_heads, 1, head_dim),
-        keys.narrow(2, 0, filled),
-        values.narrow(2, 0, filled),
-        **plan.arguments,
-    )
-    parameters = modules["W_o"]._parameters
-    output = torch.nn.functional.linear(
-        context.reshape(batch, 1, query_width), parameters["weight"], parameters["bias"]
-    )
-    return call.Result(output, None, updated)

@@ -172,11 +172,12 @@ class StackedWeights:
         eager code that records no gradient; ``None`` where they are not back to back."""
         try:
             # The parameter tables, not nn.Module's attribute lookup: every call asks.
-            key = [
-                None if p is None else (p.data_ptr(), p.shape, p.dtype)
-                for module in modules
-                for p in (module._parameters["weight"], module._parameters["bias"])
-            ]
+            # (A loop, not a comprehension: a step's cost is such calls.)
+            key: list[Any] = []
+            for module in modules:
+                parameters = module._parameters
+                for p in (parameters["weight"], parameters["bias"]):
+                    key += (None if p is None else (p.data_ptr(), p.shape, p.dtype),)
         except RuntimeError:  # a tensor without storage of its own (a DTensor's)
             return None
         if key != self._key:
@@ -374,6 +375,15 @@ class PackedProjections(nn.Module):
     def project_stacked(self, queries: torch.Tensor) -> torch.Tensor:
         """Self-attention's three projections of ``queries`` side by side, one product
         ``(..., query_features + 2 * kv_features)`` (an unsharded layer's)."""
+        if torch.compiler.is_compiling():
+            # A traced parameter has no address to view the packed stack at, and stacking
+            # would copy every weight at every call: three products, side by side.
+            modules = self._modules
+            products = []
+            for name in ("W_q", "W_k", "W_v"):
+                parameters = modules[name]._parameters
+                products.append(linear(queries, parameters["weight"], parameters["bias"]))
+            return torch.cat(products, -1)
         weight, bias = self.stacked_parameters(queries)
         return linear(queries, weight, bias)
 

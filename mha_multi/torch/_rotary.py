@@ -66,7 +66,7 @@ def rotate_stacked(
     rotary: spec.Rotary,
     heads: spec.Heads,
     position: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The queries and keys of self-attention's stacked projections rotated together
     (one tensor of their heads: the rotation acts on each head alone).
 
@@ -74,10 +74,11 @@ def rotate_stacked(
     (``position`` ``None``) or of every position of a cache, whose row at a
     step's ``position`` is taken; ``wide`` their :func:`wide_tables`
     (``None`` where part of each head rotates: the spec's own form).
-    Returns ``(q, k, both)``, the first two views of the third.
+    Returns ``(q, k, v, both)``: ``q`` and ``k`` views of ``both``, the rotated
+    heads, and ``v`` the values' block of ``projected``.
     """
-    query_width = heads.query_features
-    both = projected.narrow(-1, 0, query_width + heads.kv_features)
+    query_width, kv_width = heads.query_features, heads.kv_features
+    both, v = projected.split_with_sizes((query_width + kv_width, kv_width), -1)
     all_heads = heads.num_heads + heads.num_kv_heads
     rows = tables if wide is None else wide
     if position is not None:  # (a row of each table, broadcast over the heads)
@@ -86,5 +87,5 @@ def rotate_stacked(
         both = spec.rotate(OPS, both, None, rotary, all_heads, heads.head_dim, tables=rows)
     else:
         both = rotate_wide(both, rows, rotary, all_heads, heads.head_dim)
-    q, k = both.split_with_sizes((query_width, heads.kv_features), -1)
-    return q, k, both
+    q, k = both.split_with_sizes((query_width, kv_width), -1)
+    return q, k, v, both

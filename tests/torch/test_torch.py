@@ -881,6 +881,32 @@ def test_plain_self_attention_on_a_gpu_reads_only_where_scores_are_many(
     assert_same_nonfinite_pattern(out.numpy(), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "heads", [{"num_heads": 4}, {"num_heads": 4, "num_kv_heads": 1}], ids=["mha", "gqa"]
+)
+def test_plain_calls_on_a_gpu_in_other_dtypes_give_the_generic_flows_numbers(dtype, heads):
+    """A GPU's plain call (the generic path's attention, nothing read) in 16 and 64 bits,
+    rotary and causal: the generic flow's numbers to the bit, and in float64 the
+    reference's."""
+    rotary = {"theta": 100.0}
+    weights = init_weights(16, bias=True, seed=24, **heads)
+    layer = MultiHeadAttention(16, bias=True, dtype=dtype, rotary=rotary, **heads)
+    layer = set_weights(layer, weights).eval()
+    x = np.random.default_rng(24).standard_normal((2, 6, 16))
+    expected, _ = spec.reference_forward(weights, x, x, x, causal=True, rotary=rotary, **heads)
+    x = torch.from_numpy(x).to(dtype)
+    with backend.as_if_on_a_gpu(), torch.no_grad():
+        with answered_calls() as answers:
+            out = layer(x, x, x, causal=True)
+        with generic_only():
+            generic = layer(x, x, x, causal=True)
+    assert answers == [True]
+    assert torch.equal(out, generic)
+    if dtype == torch.float64:
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-10, atol=1e-12)
+
+
 def test_plain_self_attention_leaves_the_rest_to_the_generic_flow():
     """A NaN input, gradients and autocast are not the route's: the reference's numbers,
     NaN rows where it has them; its errors are the generic flow's."""

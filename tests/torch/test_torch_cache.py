@@ -671,6 +671,43 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
     assert moved == []
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+def test_gpu_steps_of_other_dtypes_give_the_generic_flows_numbers(dtype):
+    """The GPU's step in 16 and 64 bits: bfloat16 scores and softmax in float32 and the
+    weights rounded once, float64 throughout; the generic flow's outputs and cache to the
+    bit, and in float64 the reference's numbers."""
+    weights, layer = self_attention(HEADS, seed=19, dtype=dtype, rotary=ROUTE_ROTARY[1])
+    prompt = np.random.default_rng(19).standard_normal((3, 5, NUM_HIDDENS))
+
+    def feed(steps):
+        with torch.no_grad():
+            x = torch.from_numpy(prompt).to(dtype)
+            y, cache = layer(x, x, x, causal=True, cache=layer.init_cache(3, 80))
+            outputs, befores = [y], []
+            y = y[:, -1:]
+            for _ in range(steps):
+                befores.append(spec.KVCache(*(t.double().numpy().copy() for t in cache)))
+                y, cache = layer(y, y, y, causal=True, cache=cache)
+                outputs.append(y)
+        return outputs, cache, befores
+
+    with backend.as_if_on_a_gpu():
+        with answered_calls() as answers:
+            fast, fast_cache, befores = feed(4)
+        with generic_only():
+            generic, generic_cache, _ = feed(4)
+    assert answers == [False] + [True] * 4
+    for ours, theirs in zip([*fast, *fast_cache], [*generic, *generic_cache], strict=True):
+        assert torch.equal(ours, theirs)
+    if dtype == torch.float64:
+        for before, x, output in zip(befores, fast[:-1], fast[1:], strict=True):
+            step_input = x[:, -1:].numpy()
+            expected, _, _ = spec.reference_cached_forward(
+                weights, *(step_input,) * 3, before, **HEADS, causal=True, rotary=ROUTE_ROTARY[1]
+            )
+            np.testing.assert_allclose(output.numpy(), expected, rtol=1e-10, atol=1e-12)
+
+
 def test_the_rows_gpu_steps_write_are_checked_by_the_next_call_that_reads():
     """Steps on a GPU read nothing, a NaN's included (the reference's NaN rows): the rows
     they write stay pending, and the first call that reads (a step on the host) checks

@@ -1,0 +1,265 @@
+"""The plain route's calls written out: a decoding step in one function, on each plan,
+and the generic path's attention for PyTorch.
+
+A small call's cost on the host is its Python as much as its kernels (docs:
+"Fast paths"): :func:`fused_step` (SDPA after the one finiteness read, the
+host's plan) and :func:`generic_step` (the generic path's attention, which
+reads nothing: a GPU's plan) run the operations the generic flow would, on
+the same tensors, with none of its indirection; :func:`heads_attention` and
+:func:`step_attention` are :func:`mha_multi.spec.attention`'s layouts,
+products, mask and softmax on the same shapes, to its numbers.
+:class:`mha_multi.torch._plain.PlainRoute` decides which, once per layer and
+shapes (:class:`PlainPlan`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from mha_multi import call, spec
+from mha_multi.torch._cache import CacheCheck, next_lengths, written_step
+from mha_multi.torch._ops import OPS, SIXTEEN_BIT
+from mha_multi.torch._rotary import WideTables, rotate_stacked
+
+__all__ = [
+    "PlainPlan",
+    "fused_step",
+    "generic_step",
+    "heads_attention",
+    "project_output",
+    "step_attention",
+]
+
+
+class PlainPlan(NamedTuple):
+    """How :meth:`PlainRoute.plain_attention` runs the calls of one layer and shapes.
+
+    ``fused``: SDPA with ``arguments`` after the one finiteness read (the
+    generic flow's plan for values read finite). Otherwise the generic
+    path's attention (:meth:`mha_multi.call.Facts.generic_attention`) and no
+    read: the generic flow's plan on a GPU where a head's scores are few
+    (:func:`mha_multi.spec.reads_values`). ``bounded``: SDPA's causal flag
+    hides keys, so the read takes the largest query and key too, whose
+    scores must lie within :data:`mha_multi.spec.FUSED_SCORE_LIMIT`.
+    ``tables``: a rotary layer's :func:`mha_multi.spec.rotary_tables`, made
+    once: of the call's ``arange(Q)`` without a cache, of every position of
+    the cache with one (a step takes its row); ``wide_tables`` the same as
+    :func:`mha_multi.torch._rotary.wide_tables`, where whole heads rotate.
+    A decoding step's generic plan: ``positions``, the cache's
+    ``arange(max_length)`` where it lies (a step's mask is of them), and
+    ``spans``, each filled length's span (:func:`mha_multi.spec.rounded_span`)
+    as steps meet them, or ``None`` where the generic flow would read
+    (:func:`mha_multi.spec.reads_values`); ``direct``: its products are the
+    product itself (``F.linear``), neither 16-bit off CUDA nor autocast's.
+    """
+
+    fused: bool
+    arguments: dict[str, Any]
+    bounded: bool = False
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    wide_tables: WideTables | None = None
+    positions: torch.Tensor | None = None
+    spans: dict[int, int | None] | None = None
+    direct: bool = False
+
+
+def fused_step(
+    layer: call.Projections,
+    queries: torch.Tensor,
+    cache: spec.KVCache,
+    check: CacheCheck,
+    plan: PlainPlan,
+    step: tuple[Any, tuple, Any],
+    rotary: spec.Rotary | None,
+) -> call.Result | None:
+    """The plain route's decoding step on a fused plan (the host's).
+
+    The route's operations for one query per example, written out in one
+    function: a step's cost on the host is its Python as much as its
+    kernels (docs: "Fast paths"). ``rotary``: the layer's, whose
+    tables the plan holds. ``None`` where the values read are not finite,
+    before anything is written.
+    """
+    heads = layer._heads
+    query_width, kv_width = heads.query_features, heads.kv_features
+    num_kv_heads, head_dim = heads.num_kv_heads, heads.head_dim
+    keys, values, lengths = cache
+    length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
+    modules = layer._modules
+    # (The layer was called before: its parameters are sized; views of them where packed.)
+    stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
+    projected = torch.nn.functional.linear(queries, *(stacked or layer.stacked_parameters(queries)))
+    if rotary is None:
+        q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
+        total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
+    else:
+        q, k, v, turned = rotate_stacked(
+            projected, plan.tables, plan.wide_tables, rotary, heads, length
+        )
+        total = turned.sum() + v.sum()
+    # One query sees its keys unmasked (the plan is not bounded): the read is the sum's,
+    # finite iff its difference with itself is 0 (inf - inf and NaN are NaN).
+    read = total.item()
+    if read - read != 0.0:
+        return None  # (no gradient here)
+    # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
+    keys.select(2, length).copy_(k.view(-1, num_kv_heads, head_dim))
+    values.select(2, length).copy_(v.view(-1, num_kv_heads, head_dim))
+    filled = length + 1
+    updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
+    check.stepped(updated, filled, step)
+    # One query per example: (B, 1, H*dh) is (B, H, 1, dh) as it lies, and back.
+    batch = q.shape[0]
+    context = torch.nn.functional.scaled_dot_product_attention(
+        q.view(batch, heads.num_heads, 1, head_dim),
+        keys.narrow(2, 0, filled),
+        values.narrow(2, 0, filled),
+        **plan.arguments,
+    )
+    parameters = modules["W_o"]._parameters
+    output = torch.nn.functional.linear(
+        context.reshape(batch, 1, query_width), parameters["weight"], parameters["bias"]
+    )
+    return call.Result(output, None, updated)
+
+
+def generic_step(
+    layer: call.Projections,
+    queries: torch.Tensor,
+    cache: spec.KVCache,
+    check: CacheCheck,
+    plan: PlainPlan,
+    step: tuple[Any, tuple, Any] | None,
+    rotary: spec.Rotary | None,
+    span: int,
+) -> call.Result:
+    """The plain route's decoding step on the generic plan (a GPU's): nothing read.
+
+    The rows are written in place and left for a later read to check
+    (:func:`mha_multi.torch._cache.written_step`), and the one query per
+    example attends over the cache's first ``span`` positions by
+    :func:`step_attention`, the generic path's operations, those past the
+    filled ones hidden. ``rotary``: the layer's, whose tables the
+    plan holds.
+    """
+    heads = layer._heads
+    length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
+    if plan.direct:
+        modules = layer._modules
+        stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
+        weight, bias = stacked or layer.stacked_parameters(queries)
+        projected = torch.nn.functional.linear(queries, weight, bias)
+    else:
+        projected = layer.project_stacked(queries)  # (16-bit products accumulate in float32)
+    if rotary is None:
+        q, k, v = projected.split_with_sizes(
+            (heads.query_features, heads.kv_features, heads.kv_features), -1
+        )
+    else:
+        q, k, v, _ = rotate_stacked(projected, plan.tables, plan.wide_tables, rotary, heads, length)
+    keys, values, updated = written_step(cache, check, k, v, heads, step, span=span, checked=False)
+    # Every example holds length + 1 positions now: the spec's mask of its lengths.
+    visible = plan.positions.narrow(0, 0, span) < length + 1
+    context = step_attention(q, keys, values, visible, heads)
+    return call.Result(project_output(layer, context, plan.direct), None, updated)
+
+
+def project_output(layer: call.Projections, context: torch.Tensor, direct: bool) -> torch.Tensor:
+    """``W_o`` of the heads' ungated context: the product itself where ``direct`` (a
+    plan's products are neither 16-bit off CUDA nor autocast's), else as the layer
+    projects."""
+    if direct:
+        return torch.nn.functional.linear(context, *layer.output_parameters())
+    return layer.project_output(context, None)
+
+
+def step_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    heads: spec.Heads,
+) -> torch.Tensor:
+    """:func:`mha_multi.spec.attention` of one query per example over a cache's positions,
+    to its numbers (:func:`heads_attention` of a cache's heads).
+
+    Args:
+        q: the queries ``(B, 1, H*dh)``.
+        keys, values: the positions attended over ``(B, H_kv, S, dh)``.
+        visible: which positions each query sees, booleans broadcastable to ``(B, H, 1, S)``.
+        heads: the layer's heads.
+
+    Returns:
+        The heads' context ``(B, 1, H*dh)``.
+    """
+    batch, num_kv_heads, head_dim = q.shape[0], heads.num_kv_heads, heads.head_dim
+    # One query: the spec's grouped layout (B*H_kv, G*1, dh) is a view of (B, 1, H*dh).
+    grouped_q = q.reshape(batch * num_kv_heads, heads.num_heads // num_kv_heads, head_dim)
+    context = _attend(grouped_q, keys.flatten(0, 1), values.flatten(0, 1), visible, heads, 1)
+    return context.reshape(batch, 1, heads.query_features)
+
+
+def heads_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None,
+    heads: spec.Heads,
+) -> torch.Tensor:
+    """:func:`mha_multi.spec.attention` of projected queries, keys and values with no
+    lengths, to its numbers: its layouts, products, mask and softmax, written for
+    PyTorch.
+
+    Args:
+        q: the queries ``(B, Q, H*dh)``.
+        k, v: the keys and values ``(B, K, H_kv*dh)``.
+        visible: ``None``, or which keys each query sees (:func:`mha_multi.spec.visibility`).
+        heads: the layer's heads.
+
+    Returns:
+        The heads' context ``(B, Q, H*dh)``.
+    """
+    (batch, num_queries, _), num_keys = q.shape, k.shape[1]
+    num_kv_heads, head_dim = heads.num_kv_heads, heads.head_dim
+    group_size = heads.num_heads // num_kv_heads
+    # The spec's grouped layout (B*H_kv, G*Q, dh) (spec.transpose_grouped_queries; with
+    # G = 1, transpose_qkv's (B*H, Q, dh)), and the keys' and values' (B*H_kv, K, dh).
+    grouped_q = q.view(batch, num_queries, num_kv_heads, group_size, head_dim)
+    grouped_q = grouped_q.permute(0, 2, 3, 1, 4).reshape(-1, group_size * num_queries, head_dim)
+    k, v = (
+        x.view(batch, num_keys, num_kv_heads, head_dim)
+        .transpose(1, 2)
+        .reshape(-1, num_keys, head_dim)
+        for x in (k, v)
+    )
+    context = _attend(grouped_q, k, v, visible, heads, num_queries)
+    # (B*H_kv, G*Q, dh) back to the heads side by side, transpose_grouped_output's.
+    context = context.view(batch, num_kv_heads, group_size, num_queries, head_dim)
+    return context.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, heads.query_features)
+
+
+def _attend(
+    grouped_q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None,
+    heads: spec.Heads,
+    num_queries: int,
+) -> torch.Tensor:
+    """The spec's grouped attention of ``(B*H_kv, G*Q, dh)`` queries over ``(B*H_kv, K, dh)``
+    keys and values: scaled scores, the masked softmax of their ``(B, H, Q, K)`` view,
+    and the weights' product with the values ``(B*H_kv, G*Q, dh)``."""
+    num_keys, head_dim = k.shape[1], heads.head_dim
+    low = grouped_q.dtype in SIXTEEN_BIT
+    if low:  # (16-bit heads: float32 scores, spec.scaled_scores)
+        grouped_q, k = grouped_q.float(), k.float()
+    scores = torch.matmul(grouped_q, k.transpose(-1, -2)) / math.sqrt(head_dim)
+    scores = scores.view(-1, heads.num_heads, num_queries, num_keys)
+    if visible is not None:
+        scores = torch.where(visible, scores, spec.MASK_VALUE)
+    weights = torch.softmax(scores, dim=-1).view(k.shape[0], -1, num_keys)
+    # (16-bit weights: rounded once, their product as the spec's adapter takes it.)
+    return OPS.matmul(weights.to(v.dtype), v) if low else torch.matmul(weights, v)
