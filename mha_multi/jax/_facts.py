@@ -23,6 +23,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from mha_multi import call, spec
+from mha_multi.jax._cache import scatter_update
 from mha_multi.jax._kernel import (
     DOT_PRODUCT_ATTENTION,
     chosen_kernel,
@@ -288,6 +289,16 @@ class JaxFacts(call.Facts):
         if any(isinstance(x, jax.core.Tracer) for x in arrays):
             return None
         return list(jax.device_get(arrays))
+
+    def write_cache(
+        self, ops: JaxOps, cache: spec.KVCache, k: Any, v: Any, valid_lens: Any, **flags: Any
+    ) -> tuple[spec.KVCache, jax.Array]:
+        """The spec's update by one scatter of the new rows (:func:`scatter_update`).
+
+        The head size is the cache's; JAX attends over every position, so a
+        call's host lengths (``fill``) play no part.
+        """
+        return scatter_update(cache, k, v, valid_lens, causal=flags["causal"])
 
     def kernel_serves(self, q: jax.Array) -> bool:
         kernel = chosen_kernel(self.implementation, q, self.platform_of(q))
