@@ -342,7 +342,7 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         written = self._take_written(k, v, valid_lens)
         check = None if written is None else written.check
         shortest = None if written is None else written.shortest
-        num_keys = k.shape[2 if k.dim() == 4 else 1]
+        num_keys = k.shape[2 if k.ndim == 4 else 1]
         if not hides_keys and valid_lens is not None and shortest is None and self.on_host(q):
             # On the host a read waits for nothing: the lengths first, so that
             # lengths that hide no key need no magnitudes read.
@@ -354,14 +354,14 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         )
         keys_read = k  # (the keys whose largest magnitude is read)
         if check is None:
-            total = finite_sum(q, k, v)
+            total = finite_sum(q, k, v, eager=True)
         else:
             # A cache written in place this call: its check stands for the
             # positions below ``upto``; the rows written are read with the
             # queries, and the rest of the span on its own.
-            total = finite_sum(q, *check.take_pending())
+            total = finite_sum(q, *check.take_pending(), eager=True)
             if check.upto < num_keys:
-                total = total + finite_sum(*(x[:, :, check.upto :] for x in (k, v)))
+                total = total + finite_sum(*(x[:, :, check.upto :] for x in (k, v)), eager=True)
                 check.upto = num_keys
             if check.poison is not None:
                 total = total + check.poison
