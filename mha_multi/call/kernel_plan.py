@@ -55,6 +55,63 @@ def kernel_settings(
     }
 
 
+#: The part of a call's plan that reads no values, by signature (:func:`plan`).
+_DECIDED: dict[tuple, tuple[dict[str, Any], spec.KernelPlan, bool, bool]] = {}
+
+#: How many signatures :data:`_DECIDED` holds before it starts anew.
+_DECIDED_SIZE = 4096
+
+
+def _decided(
+    facts: Facts,
+    q: Array,
+    k: Array,
+    valid_lens: Array | None,
+    *,
+    heads: spec.Heads,
+    causal: bool,
+    dropout: bool,
+    return_attention_weights: bool,
+    kv_split: bool,
+    options: spec.ScoreOptions,
+) -> tuple[dict[str, Any], spec.KernelPlan, bool, bool]:
+    """What :func:`plan` decides before it reads any value: ``(settings, optimistic,
+    hides_keys, reads)``, the kernel's settings, the plan for values read exact,
+    whether that plan hides keys whatever the lengths, and whether the values are
+    read (``False`` too where the optimistic plan is not fused: nothing to read for)."""
+    lens_kind = None if valid_lens is None else facts.dtype_kind(valid_lens.dtype)
+    settings = kernel_settings(
+        facts,
+        q,
+        sizes=(q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
+        lens_ndim=None if valid_lens is None else len(valid_lens.shape),
+        lens_integer=lens_kind is None or lens_kind in "iu",
+        heads=heads,
+        causal=causal,
+        dropout=dropout,
+        return_attention_weights=return_attention_weights,
+        options=options,
+    )
+    optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
+    if not optimistic.fused:
+        return settings, optimistic, False, False
+    batch, num_queries, num_keys = settings["sizes"]
+    # Keys hidden whatever the lengths.
+    hides_keys = (
+        optimistic.is_causal
+        or optimistic.mask_causal
+        or optimistic.window_flag
+        or optimistic.mask_window
+        or optimistic.mask_segments
+    )
+    total_scores = (
+        None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys
+    )
+    # (Where a read would wait for the device, none is made.)
+    reads = spec.reads_values(facts.on_host(q), num_queries, num_keys, total_scores=total_scores)
+    return settings, optimistic, hides_keys, reads
+
+
 def plan(
     facts: Facts,
     q: Array,
@@ -73,7 +130,9 @@ def plan(
 
     :func:`mha_multi.spec.plan_kernel` decides for every backend; the values
     are read (:meth:`Facts.plan_values`) only where they can still change
-    the decision.
+    the decision. What is decided before any read is made once per
+    signature (:meth:`Facts.plan_signature`) for calls without score
+    options; the read, which depends on values, is made at every call.
 
     Args:
         q: projected queries ``(B, Q, H*dh)``; ``k``, ``v`` ``(B, K,
@@ -86,35 +145,44 @@ def plan(
         return spec.KernelPlan(
             fused=False, reason="the backend's kernel call passes no positions or biases"
         )
-    lens_kind = None if valid_lens is None else facts.dtype_kind(valid_lens.dtype)
-    settings = kernel_settings(
-        facts,
-        q,
-        sizes=(q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
-        lens_ndim=None if valid_lens is None else len(valid_lens.shape),
-        lens_integer=lens_kind is None or lens_kind in "iu",
-        heads=heads,
-        causal=causal,
-        dropout=dropout,
-        return_attention_weights=return_attention_weights,
-        options=options,
-    )
-    optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
+    arguments = {
+        "heads": heads,
+        "causal": causal,
+        "dropout": dropout,
+        "return_attention_weights": return_attention_weights,
+        "kv_split": kv_split,
+        "options": options,
+    }
+    # (Score options hold arrays: such a call is planned anew.)
+    signature = facts.plan_signature(q) if options is spec.NO_OPTIONS else None
+    if signature is None:
+        decided = _decided(facts, q, k, valid_lens, **arguments)
+    else:
+        key = (
+            facts,
+            signature,
+            q.shape,
+            k.shape,
+            None if valid_lens is None else (valid_lens.shape, valid_lens.dtype),
+            heads.num_heads,
+            heads.num_kv_heads,
+            heads.head_dim,
+            causal,
+            dropout,
+            return_attention_weights,
+            kv_split,
+        )
+        try:
+            decided = _DECIDED[key]
+        except KeyError:
+            decided = _decided(facts, q, k, valid_lens, **arguments)
+            if len(_DECIDED) >= _DECIDED_SIZE:
+                _DECIDED.clear()
+            _DECIDED[key] = decided
+    settings, optimistic, hides_keys, reads = decided
     if not optimistic.fused:
         return optimistic
-    batch, num_queries, num_keys = settings["sizes"]
-    # Keys hidden whatever the lengths.
-    hides_keys = (
-        optimistic.is_causal
-        or optimistic.mask_causal
-        or optimistic.window_flag
-        or optimistic.mask_window
-        or optimistic.mask_segments
-    )
-    total_scores = (
-        None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys
-    )
-    if not spec.reads_values(facts.on_host(q), num_queries, num_keys, total_scores=total_scores):
+    if not reads:
         exact, shortest = None, None  # a read would wait for the device
     elif options.bias is None:
         exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, hides_keys=hides_keys)

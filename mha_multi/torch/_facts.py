@@ -202,9 +202,11 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         self, name: str, x: Any, *, like: torch.Tensor | None, dtype: torch.dtype | None
     ) -> torch.Tensor:
         """A floating tensor of the parameters' ``dtype`` (autocast's inputs: any floating)."""
-        if not isinstance(x, torch.Tensor):
+        # (The type and the dtype's flag asked without a function call where they can
+        # be: every call checks its inputs.)
+        if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
-        if not x.is_floating_point():
+        if not x.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating-point tensor; got {x.dtype}")
         if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(
@@ -299,6 +301,14 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
 
     def records_gradient(self, q: torch.Tensor) -> bool:
         return q.requires_grad
+
+    def plan_signature(self, q: torch.Tensor) -> tuple | None:
+        """The tensor type, dtype, device and whether a gradient is recorded: what the
+        plan's questions of ``q`` read; ``None`` under ``torch.compile``, whose tracer
+        plans once anyway."""
+        if torch.compiler.is_compiling():
+            return None
+        return (type(q), q.dtype, q.device, q.requires_grad)
 
     def plan_values(
         self,
