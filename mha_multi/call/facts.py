@@ -176,11 +176,10 @@ class Facts:
         return True
 
     def plan_signature(self, q: Array) -> Any:
-        """What of the projected queries ``q``, besides their shape, decides the part of
-        a call's kernel plan that reads no values (:func:`mha_multi.call.plan`), hashable:
-        :meth:`kernel_serves`, :meth:`kernel_takes_grouped`, :meth:`on_host` and
-        :meth:`records_gradient` answer alike for arrays of one signature and shape, so
-        that part is made once per signature and looked up (docs: "Fast paths").
+        """What of the projected queries ``q``, besides their shape, :meth:`kernel_serves`
+        and :meth:`kernel_takes_grouped` read, hashable: the part of a call's kernel plan
+        that its shapes and flags decide (:func:`mha_multi.call.plan`) is then made once
+        per signature and looked up (docs: "Fast paths").
 
         ``None`` (the default, and what a framework answers while its tracer
         runs) plans every call anew.

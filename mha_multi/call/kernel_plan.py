@@ -55,47 +55,34 @@ def kernel_settings(
     }
 
 
-#: The part of a call's plan that reads no values, by signature (:func:`plan`).
-_DECIDED: dict[tuple, tuple[dict[str, Any], spec.KernelPlan, bool, bool]] = {}
+#: The part of a call's plan that reads nothing, by signature (:func:`plan`): the
+#: kernel it was decided for, and what :func:`_decided` returned.
+_DECIDED: dict[tuple, tuple[Any, dict[str, Any], spec.KernelPlan, bool]] = {}
 
 #: How many signatures :data:`_DECIDED` holds before it starts anew.
 _DECIDED_SIZE = 4096
 
 
 def _decided(
-    facts: Facts,
-    q: Array,
-    k: Array,
-    valid_lens: Array | None,
-    *,
-    heads: spec.Heads,
-    causal: bool,
-    dropout: bool,
-    return_attention_weights: bool,
-    kv_split: bool,
-    options: spec.ScoreOptions,
-) -> tuple[dict[str, Any], spec.KernelPlan, bool, bool]:
-    """What :func:`plan` decides before it reads any value: ``(settings, optimistic,
-    hides_keys, reads)``, the kernel's settings, the plan for values read exact,
-    whether that plan hides keys whatever the lengths, and whether the values are
-    read (``False`` too where the optimistic plan is not fused: nothing to read for)."""
+    facts: Facts, q: Array, k: Array, valid_lens: Array | None, arguments: dict[str, Any]
+) -> tuple[dict[str, Any], spec.KernelPlan, bool]:
+    """What :func:`plan` decides of a call's shapes and flags, ``arguments`` (its keyword
+    arguments): ``(settings, optimistic, hides_keys)``, the kernel's settings, the plan
+    for values read exact, and whether that plan hides keys whatever the lengths."""
     lens_kind = None if valid_lens is None else facts.dtype_kind(valid_lens.dtype)
     settings = kernel_settings(
         facts,
         q,
-        sizes=(q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
+        sizes=(q.shape[0], q.shape[1], k.shape[2 if arguments["kv_split"] else 1]),
         lens_ndim=None if valid_lens is None else len(valid_lens.shape),
         lens_integer=lens_kind is None or lens_kind in "iu",
-        heads=heads,
-        causal=causal,
-        dropout=dropout,
-        return_attention_weights=return_attention_weights,
-        options=options,
+        heads=arguments["heads"],
+        causal=arguments["causal"],
+        dropout=arguments["dropout"],
+        return_attention_weights=arguments["return_attention_weights"],
+        options=arguments["options"],
     )
     optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
-    if not optimistic.fused:
-        return settings, optimistic, False, False
-    batch, num_queries, num_keys = settings["sizes"]
     # Keys hidden whatever the lengths.
     hides_keys = (
         optimistic.is_causal
@@ -104,12 +91,7 @@ def _decided(
         or optimistic.mask_window
         or optimistic.mask_segments
     )
-    total_scores = (
-        None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys
-    )
-    # (Where a read would wait for the device, none is made.)
-    reads = spec.reads_values(facts.on_host(q), num_queries, num_keys, total_scores=total_scores)
-    return settings, optimistic, hides_keys, reads
+    return settings, optimistic, hides_keys
 
 
 def plan(
@@ -130,9 +112,9 @@ def plan(
 
     :func:`mha_multi.spec.plan_kernel` decides for every backend; the values
     are read (:meth:`Facts.plan_values`) only where they can still change
-    the decision. What is decided before any read is made once per
+    the decision. What the shapes and flags decide is made once per
     signature (:meth:`Facts.plan_signature`) for calls without score
-    options; the read, which depends on values, is made at every call.
+    options; whether to read, and the read, are asked at every call.
 
     Args:
         q: projected queries ``(B, Q, H*dh)``; ``k``, ``v`` ``(B, K,
@@ -156,7 +138,7 @@ def plan(
     # (Score options hold arrays: such a call is planned anew.)
     signature = facts.plan_signature(q) if options is spec.NO_OPTIONS else None
     if signature is None:
-        decided = _decided(facts, q, k, valid_lens, **arguments)
+        settings, optimistic, hides_keys = _decided(facts, q, k, valid_lens, arguments)
     else:
         key = (
             facts,
@@ -173,16 +155,21 @@ def plan(
             kv_split,
         )
         try:
-            decided = _DECIDED[key]
+            kernel, settings, optimistic, hides_keys = _DECIDED[key]
         except KeyError:
-            decided = _decided(facts, q, k, valid_lens, **arguments)
+            kernel = None
+        if kernel is not facts.kernel:  # (new, or decided for a kernel since replaced)
+            settings, optimistic, hides_keys = _decided(facts, q, k, valid_lens, arguments)
             if len(_DECIDED) >= _DECIDED_SIZE:
                 _DECIDED.clear()
-            _DECIDED[key] = decided
-    settings, optimistic, hides_keys, reads = decided
+            _DECIDED[key] = (facts.kernel, settings, optimistic, hides_keys)
     if not optimistic.fused:
         return optimistic
-    if not reads:
+    batch, num_queries, num_keys = settings["sizes"]
+    total_scores = (
+        None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys
+    )
+    if not spec.reads_values(facts.on_host(q), num_queries, num_keys, total_scores=total_scores):
         exact, shortest = None, None  # a read would wait for the device
     elif options.bias is None:
         exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, hides_keys=hides_keys)

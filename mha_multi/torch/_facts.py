@@ -303,12 +303,12 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         return q.requires_grad
 
     def plan_signature(self, q: torch.Tensor) -> tuple | None:
-        """The tensor type, dtype, device and whether a gradient is recorded: what the
-        plan's questions of ``q`` read; ``None`` under ``torch.compile``, whose tracer
-        plans once anyway."""
+        """The tensor type, dtype and device (what :meth:`kernel_takes_grouped` reads
+        besides the shape); ``None`` under ``torch.compile``, whose tracer plans once
+        anyway."""
         if torch.compiler.is_compiling():
             return None
-        return (type(q), q.dtype, q.device, q.requires_grad)
+        return (type(q), q.dtype, q.device)
 
     def plan_values(
         self,
