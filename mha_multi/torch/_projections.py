@@ -241,7 +241,11 @@ def _c_apply(function: type[torch.autograd.Function]) -> Any:
     wrapper, which that layer would unwrap.
     """
     apply = vars(torch._C._FunctionBase).get("apply")
-    return function.apply if apply is None else apply.__get__(None, function)
+    if apply is None:
+        # (Another PyTorch, or the documentation build's stand-in for it, which has no
+        # apply at all.)
+        return getattr(function, "apply", None)
+    return apply.__get__(None, function)
 
 
 _apply_stacked_view = _c_apply(StackedView)
