@@ -18,10 +18,6 @@ from mha_multi.call.contract import INPUT_NAMES, Array, Projections
 from mha_multi.call.facts import Facts
 
 
-def _shape(x: Array | None) -> tuple[int, ...] | None:
-    return None if x is None else tuple(x.shape)
-
-
 def check_call(
     facts: Facts,
     layer: Projections,
@@ -64,7 +60,7 @@ def check_call(
         queries.shape,
         keys.shape,
         values.shape,
-        _shape(lens),
+        None if lens is None else tuple(lens.shape),
         **layer.input_sizes(),
         causal=causal,
     )

@@ -175,6 +175,17 @@ class Facts:
         cannot tell."""
         return True
 
+    def plan_signature(self, q: Array) -> Any:
+        """What of the projected queries ``q``, besides their shape, :meth:`kernel_serves`
+        and :meth:`kernel_takes_grouped` read, hashable: the part of a call's kernel plan
+        that its shapes and flags decide (:func:`mha_multi.call.plan`) is then made once
+        per signature and looked up (docs: "Fast paths").
+
+        ``None`` (the default, and what a framework answers while its tracer
+        runs) plans every call anew.
+        """
+        return None
+
     def plan_values(
         self,
         q: Array,

@@ -372,7 +372,12 @@ def forward(
             facts, layer, queries, keys, values, valid_lens, cache, causal=causal, dtype=dtype
         )
     all_heads = heads.num_heads if gate_heads is None else gate_heads
-    gates = check_gates(facts, head_mask, num_heads=all_heads, like=queries)
+    # (Asked here, not inside: a call without gates makes no function call for them.)
+    gates = (
+        None
+        if head_mask is None
+        else check_gates(facts, head_mask, num_heads=all_heads, like=queries)
+    )
     if gates is not None and local_gates is not None:
         gates = local_gates(gates)
     extra: dict[str, Any] = {}

@@ -55,6 +55,45 @@ def kernel_settings(
     }
 
 
+#: The part of a call's plan that reads nothing, by signature (:func:`plan`): the
+#: kernel it was decided for, and what :func:`_decided` returned.
+_DECIDED: dict[tuple, tuple[Any, dict[str, Any], spec.KernelPlan, bool]] = {}
+
+#: How many signatures :data:`_DECIDED` holds before it starts anew.
+_DECIDED_SIZE = 4096
+
+
+def _decided(
+    facts: Facts, q: Array, k: Array, valid_lens: Array | None, arguments: dict[str, Any]
+) -> tuple[dict[str, Any], spec.KernelPlan, bool]:
+    """What :func:`plan` decides of a call's shapes and flags, ``arguments`` (its keyword
+    arguments): ``(settings, optimistic, hides_keys)``, the kernel's settings, the plan
+    for values read exact, and whether that plan hides keys whatever the lengths."""
+    lens_kind = None if valid_lens is None else facts.dtype_kind(valid_lens.dtype)
+    settings = kernel_settings(
+        facts,
+        q,
+        sizes=(q.shape[0], q.shape[1], k.shape[2 if arguments["kv_split"] else 1]),
+        lens_ndim=None if valid_lens is None else len(valid_lens.shape),
+        lens_integer=lens_kind is None or lens_kind in "iu",
+        heads=arguments["heads"],
+        causal=arguments["causal"],
+        dropout=arguments["dropout"],
+        return_attention_weights=arguments["return_attention_weights"],
+        options=arguments["options"],
+    )
+    optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
+    # Keys hidden whatever the lengths.
+    hides_keys = (
+        optimistic.is_causal
+        or optimistic.mask_causal
+        or optimistic.window_flag
+        or optimistic.mask_window
+        or optimistic.mask_segments
+    )
+    return settings, optimistic, hides_keys
+
+
 def plan(
     facts: Facts,
     q: Array,
@@ -73,7 +112,9 @@ def plan(
 
     :func:`mha_multi.spec.plan_kernel` decides for every backend; the values
     are read (:meth:`Facts.plan_values`) only where they can still change
-    the decision.
+    the decision. What the shapes and flags decide is made once per
+    signature (:meth:`Facts.plan_signature`) for calls without score
+    options; whether to read, and the read, are asked at every call.
 
     Args:
         q: projected queries ``(B, Q, H*dh)``; ``k``, ``v`` ``(B, K,
@@ -86,31 +127,45 @@ def plan(
         return spec.KernelPlan(
             fused=False, reason="the backend's kernel call passes no positions or biases"
         )
-    lens_kind = None if valid_lens is None else facts.dtype_kind(valid_lens.dtype)
-    settings = kernel_settings(
-        facts,
-        q,
-        sizes=(q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]),
-        lens_ndim=None if valid_lens is None else len(valid_lens.shape),
-        lens_integer=lens_kind is None or lens_kind in "iu",
-        heads=heads,
-        causal=causal,
-        dropout=dropout,
-        return_attention_weights=return_attention_weights,
-        options=options,
-    )
-    optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
+    arguments = {
+        "heads": heads,
+        "causal": causal,
+        "dropout": dropout,
+        "return_attention_weights": return_attention_weights,
+        "kv_split": kv_split,
+        "options": options,
+    }
+    # (Score options hold arrays: such a call is planned anew.)
+    signature = facts.plan_signature(q) if options is spec.NO_OPTIONS else None
+    if signature is None:
+        settings, optimistic, hides_keys = _decided(facts, q, k, valid_lens, arguments)
+    else:
+        key = (
+            facts,
+            signature,
+            q.shape,
+            k.shape,
+            None if valid_lens is None else (valid_lens.shape, valid_lens.dtype),
+            heads.num_heads,
+            heads.num_kv_heads,
+            heads.head_dim,
+            causal,
+            dropout,
+            return_attention_weights,
+            kv_split,
+        )
+        try:
+            kernel, settings, optimistic, hides_keys = _DECIDED[key]
+        except KeyError:
+            kernel = None
+        if kernel is not facts.kernel:  # (new, or decided for a kernel since replaced)
+            settings, optimistic, hides_keys = _decided(facts, q, k, valid_lens, arguments)
+            if len(_DECIDED) >= _DECIDED_SIZE:
+                _DECIDED.clear()
+            _DECIDED[key] = (facts.kernel, settings, optimistic, hides_keys)
     if not optimistic.fused:
         return optimistic
     batch, num_queries, num_keys = settings["sizes"]
-    # Keys hidden whatever the lengths.
-    hides_keys = (
-        optimistic.is_causal
-        or optimistic.mask_causal
-        or optimistic.window_flag
-        or optimistic.mask_window
-        or optimistic.mask_segments
-    )
     total_scores = (
         None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys
     )

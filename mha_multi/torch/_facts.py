@@ -202,9 +202,11 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         self, name: str, x: Any, *, like: torch.Tensor | None, dtype: torch.dtype | None
     ) -> torch.Tensor:
         """A floating tensor of the parameters' ``dtype`` (autocast's inputs: any floating)."""
-        if not isinstance(x, torch.Tensor):
+        # (The type and the dtype's flag asked without a function call where they can
+        # be: every call checks its inputs.)
+        if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
-        if not x.is_floating_point():
+        if not x.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating-point tensor; got {x.dtype}")
         if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(
@@ -300,6 +302,14 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
     def records_gradient(self, q: torch.Tensor) -> bool:
         return q.requires_grad
 
+    def plan_signature(self, q: torch.Tensor) -> tuple | None:
+        """The tensor type, dtype and device (what :meth:`kernel_takes_grouped` reads
+        besides the shape); ``None`` under ``torch.compile``, whose tracer plans once
+        anyway."""
+        if torch.compiler.is_compiling():
+            return None
+        return (type(q), q.dtype, q.device)
+
     def plan_values(
         self,
         q: torch.Tensor,
@@ -342,7 +352,7 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         written = self._take_written(k, v, valid_lens)
         check = None if written is None else written.check
         shortest = None if written is None else written.shortest
-        num_keys = k.shape[2 if k.dim() == 4 else 1]
+        num_keys = k.shape[2 if k.ndim == 4 else 1]
         if not hides_keys and valid_lens is not None and shortest is None and self.on_host(q):
             # On the host a read waits for nothing: the lengths first, so that
             # lengths that hide no key need no magnitudes read.
@@ -354,14 +364,14 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         )
         keys_read = k  # (the keys whose largest magnitude is read)
         if check is None:
-            total = finite_sum(q, k, v)
+            total = finite_sum(q, k, v, eager=True)
         else:
             # A cache written in place this call: its check stands for the
             # positions below ``upto``; the rows written are read with the
             # queries, and the rest of the span on its own.
-            total = finite_sum(q, *check.take_pending())
+            total = finite_sum(q, *check.take_pending(), eager=True)
             if check.upto < num_keys:
-                total = total + finite_sum(*(x[:, :, check.upto :] for x in (k, v)))
+                total = total + finite_sum(*(x[:, :, check.upto :] for x in (k, v)), eager=True)
                 check.upto = num_keys
             if check.poison is not None:
                 total = total + check.poison

@@ -92,24 +92,24 @@ def fused_attention(
     if plan.repeat_kv:
         k, v = (x.repeat_interleave(heads.group_size, dim=1) for x in (k, v))
     grouped = heads.grouped and not plan.repeat_kv
-    mask = plan.mask(ops, num_queries, num_keys, valid_lens, options)
+    # (The plan's flags asked before its methods: a call that needs no mask, and fixes no
+    # row, makes no function call for them.)
+    mask = plan.mask(ops, num_queries, num_keys, valid_lens, options) if plan.needs_mask else None
     if plan.bias:
         bias = spec.score_bias(ops, options, num_queries, num_keys, q)
         mask = bias if mask is None else torch.where(mask, bias, float("-inf"))
-    with autocast_off(q.device):
-        output = torch.nn.functional.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=dropout_rate,
-            is_causal=plan.is_causal,
-            # Passed only where needed: PyTorch before 2.5 has no such argument.
-            **({"enable_gqa": True} if grouped else {}),
+    arguments = {"attn_mask": mask, "dropout_p": dropout_rate, "is_causal": plan.is_causal}
+    if grouped:
+        arguments["enable_gqa"] = True  # (only where needed: PyTorch before 2.5 has none)
+    if torch.is_autocast_enabled(q.device.type):
+        with autocast_off(q.device):
+            output = torch.nn.functional.scaled_dot_product_attention(q, k, v, **arguments)
+    else:
+        output = torch.nn.functional.scaled_dot_product_attention(q, k, v, **arguments)
+    if plan.fix_rows:
+        visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens, options)
+        output = spec.fix_fully_hidden_rows(
+            ops, output, v, visible, heads_axis=1, group_size=heads.group_size if grouped else 1
         )
-    visible = plan.fix_visibility(ops, num_queries, num_keys, valid_lens, options)
-    output = spec.fix_fully_hidden_rows(
-        ops, output, v, visible, heads_axis=1, group_size=heads.group_size if grouped else 1
-    )
     output = output.transpose(1, 2).flatten(2)
     return output if output.dtype == dtype else output.to(dtype)

@@ -82,6 +82,17 @@ def needs_float32_copies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` whose 16-bit products accumulate in float32 and round once."""
+    dtype = x.dtype
+    if dtype is weight.dtype and (
+        dtype is torch.float64
+        or (
+            dtype is torch.float32
+            and not torch.is_autocast_enabled("cpu" if x.is_cpu else x.device.type)
+        )
+    ):
+        # What needs_float32_copies answers of operands of one wide dtype, spelled out:
+        # every product of a call asks.
+        return torch.nn.functional.linear(x, weight, bias)
     if not needs_float32_copies(x, weight):
         return torch.nn.functional.linear(x, weight, bias)
     dtype = product_dtype(x, weight)

@@ -159,11 +159,10 @@ class StackedWeights:
         if not torch.is_grad_enabled():
             return views
         weight, bias = views
-        tables = [m._parameters for m in modules]
-        return (
-            StackedView.of(weight, [table["weight"] for table in tables]),
-            None if bias is None else StackedView.of(bias, [table["bias"] for table in tables]),
-        )
+        weight = StackedView.of(weight, [m._parameters["weight"] for m in modules])
+        if bias is None:
+            return weight, None
+        return weight, StackedView.of(bias, [m._parameters["bias"] for m in modules])
 
     def views(
         self, modules: Sequence[nn.Module]
@@ -207,7 +206,6 @@ class StackedView(torch.autograd.Function):
     def forward(
         ctx: Any, size: torch.Size, stride: tuple[int, ...], *parameters: torch.Tensor
     ) -> torch.Tensor:
-        ctx.rows = [p.shape[0] for p in parameters]
         ctx.save_for_backward(*parameters)
         # (Made here, of the parameters as they are: a view kept from an earlier call
         # would have seen its base change in place since.)
@@ -215,15 +213,43 @@ class StackedView(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        ctx.saved_tensors  # noqa: B018 (raises where a parameter changed in place since)
-        return (None, None, *gradient.split(ctx.rows, 0))
+        # (Raises where a parameter changed in place since the forward pass.)
+        parameters = ctx.saved_tensors
+        return (None, None, *gradient.split([p.shape[0] for p in parameters], 0))
 
     @classmethod
     def of(cls, view: torch.Tensor, parameters: list[torch.Tensor]) -> torch.Tensor:
         """``view``'s stack of ``parameters``, recorded where one of them requires a gradient."""
-        if any([p.requires_grad for p in parameters]):
-            return cls.apply(view.shape, view.stride(), *parameters)
-        return view
+        # (A loop, not any() of a list: every call that records gradients asks.)
+        for parameter in parameters:
+            if parameter.requires_grad:
+                break
+        else:
+            return view
+        if torch._C._are_functorch_transforms_active():
+            return cls.apply(view.shape, view.stride(), *parameters)  # functorch's own route
+        return _apply_stacked_view(view.shape, view.stride(), *parameters)
+
+
+def _c_apply(function: type[torch.autograd.Function]) -> Any:
+    """``function.apply`` as PyTorch's C implementation runs it, without the Python layer
+    of ``autograd.Function.apply`` (about twenty function calls of functorch's checks,
+    a small call's cost on the host: docs "Results"), which only functorch's transforms
+    need; ``function.apply`` itself where that implementation cannot be reached.
+
+    The parameters a stack views have storage of their own
+    (:meth:`StackedWeights.views` reads their addresses), so none is a functorch
+    wrapper, which that layer would unwrap.
+    """
+    apply = vars(torch._C._FunctionBase).get("apply")
+    if apply is None:
+        # (Another PyTorch, or the documentation build's stand-in for it, which has no
+        # apply at all.)
+        return getattr(function, "apply", None)
+    return apply.__get__(None, function)
+
+
+_apply_stacked_view = _c_apply(StackedView)
 
 
 def _views(
@@ -332,8 +358,14 @@ class PackedProjections(nn.Module):
         if keys is None:
             return project_with(self.W_q, queries), None, None
         if queries is keys and keys is values and self._sharding is None:
-            # Self-attention, every step of a decode: the one product, directly.
-            return split_stacked(self.project_stacked(queries), self._heads)
+            # Self-attention, every step of a decode: the one product, directly
+            # (project_stacked's, spelled out: a small call's cost is its function calls).
+            heads = self._heads
+            product = linear(queries, *self.stacked_parameters(queries))
+            q, k, v = product.split_with_sizes(
+                (heads.query_features, heads.kv_features, heads.kv_features), dim=-1
+            )
+            return q, k, v
         modules = self._modules
         projections = [modules["W_q"], modules["W_k"], modules["W_v"]]
         inputs = [queries, keys, values]

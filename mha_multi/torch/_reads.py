@@ -27,18 +27,32 @@ __all__ = [
 ]
 
 
-def covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def covering(*tensors: torch.Tensor, eager: bool = False) -> tuple[torch.Tensor, ...]:
     """Tensors holding exactly the elements of ``tensors``, as few as can be.
 
     The projections of self-attention are column blocks of one stacked
     product ``(B, T, width)``, side by side in memory: one pass over that
     product reads them all. (Views made under ``torch.inference_mode`` do
     not know their base, so the blocks are matched by their addresses.)
+    ``eager``: the caller knows that no ``torch.compile`` tracer runs (it
+    asked already).
     """
     first = tensors[0]
-    if len(tensors) < 2 or torch.compiler.is_compiling():
+    if not tensors[1:] or (not eager and torch.compiler.is_compiling()):
         return tensors  # (a traced tensor has no address; the compiler fuses the passes)
     base = first._base
+    if base is not None and first.ndim == base.ndim == 3:
+        # Column blocks of one (B, T, width) tensor, read from their shapes (no count
+        # of elements asked: every call of a layer asks).
+        width = 0
+        for x in tensors:
+            if x._base is not base or x.shape[:-1] != base.shape[:-1]:
+                break
+            width += x.shape[-1]
+        else:
+            # As many elements as the tensor holds, or more (none where B * T is 0).
+            if base.shape[-1] <= width or 0 in base.shape[:-1]:
+                return (base,)
     if base is not None:
         # (Loops, not generators: every call of a layer asks.)
         total = 0
@@ -72,14 +86,14 @@ def covering(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (first.as_strided((*first.shape[:-1], width), stride),)
 
 
-def finite_sum(*tensors: torch.Tensor) -> torch.Tensor:
+def finite_sum(*tensors: torch.Tensor, eager: bool = False) -> torch.Tensor:
     """A 0-d float32 on the tensors' device, finite only if every element is.
 
     One pass, nothing allocated (over self-attention's stacked projection
-    once, :func:`covering`). A finite sum that overflows only sends a call
-    to the generic path, which is exact for any values.
+    once, :func:`covering`; ``eager`` as there). A finite sum that overflows
+    only sends a call to the generic path, which is exact for any values.
     """
-    blocks = covering(*tensors)
+    blocks = covering(*tensors, eager=eager)
     total = blocks[0].detach().sum(dtype=torch.float32)
     for x in blocks[1:]:
         total = total + x.detach().sum(dtype=torch.float32)
@@ -119,7 +133,7 @@ def read_together(reads: list[torch.Tensor]) -> list[float]:
     """0-d tensors of any dtypes on one device, read to the host in one transfer as
     float64 (which holds every length a tensor can have exactly): one stack, no cast
     of its own per tensor."""
-    if len(reads) == 1:
+    if not reads[1:]:  # (one: no len() asked, every call reads)
         return [reads[0].item()]
     out = torch.empty(len(reads), dtype=torch.float64, device=reads[0].device)
     return torch.stack(reads, out=out).tolist()

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedParameter
 
 from mha_multi import _docs, call, spec
 from mha_multi.canonical_layer import FromCanonical
@@ -25,7 +26,6 @@ from mha_multi.torch._projections import (
     PackedProjections,
     StackedWeights,
     finish_lazy,
-    in_features,
     projection,
 )
 from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME, check_layer_weights
@@ -148,11 +148,13 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
     def input_sizes(self) -> dict[str, int | None]:
         """``query_size``, ``key_size``, ``value_size``; ``None`` where still lazy."""
         modules = self._modules
-        return {
-            "query_size": in_features(modules["W_q"]),
-            "key_size": in_features(modules["W_k"]),
-            "value_size": in_features(modules["W_v"]),
-        }
+        # (in_features of each, spelled out: every call asks, and a small call's cost on
+        # the host is its function calls.)
+        sizes = {}
+        for size, name in (("query_size", "W_q"), ("key_size", "W_k"), ("value_size", "W_v")):
+            weight = modules[name]._parameters["weight"]
+            sizes[size] = None if type(weight) is UninitializedParameter else int(weight.shape[1])
+        return sizes
 
     def init_cache(
         self, batch_size: int, max_length: int, dtype: torch.dtype | None = None
