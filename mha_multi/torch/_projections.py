@@ -358,11 +358,9 @@ class PackedProjections(nn.Module):
         if keys is None:
             return project_with(self.W_q, queries), None, None
         if queries is keys and keys is values and self._sharding is None:
-            # Self-attention, every step of a decode: the one product, directly
-            # (project_stacked's, spelled out: a small call's cost is its function calls).
+            # Self-attention, every step of a decode: the one product.
             heads = self._heads
-            product = linear(queries, *self.stacked_parameters(queries))
-            q, k, v = product.split_with_sizes(
+            q, k, v = self.project_stacked(queries).split_with_sizes(
                 (heads.query_features, heads.kv_features, heads.kv_features), dim=-1
             )
             return q, k, v
