@@ -55,9 +55,7 @@ def scatter_update(
     batch, num_new = k.shape[:2]
     *_, max_length, head_dim = cache.keys.shape
     new = appended(ops, lengths, lens, num_new)
-    rows = jnp.arange(num_new)[None, :]  # (1, T)
-    positions = lengths[:, None] + rows  # (B, T)
-    kept = (rows < new[:, None]) & (positions >= 0) & (positions < max_length)
+    positions, kept = spec.row_positions(ops, lengths, new, num_new, max_length)  # (B, T)
     # Rows not kept aim past the end, where the scatter drops them.
     positions = jnp.where(kept, positions, max_length)
     examples = jnp.arange(batch)[:, None]  # (B, 1)

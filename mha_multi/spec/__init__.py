@@ -43,6 +43,7 @@ from mha_multi.spec.cache import (
     cache_shape,
     cached_visibility,
     check_cache_dtype,
+    row_positions,
     update_cache,
 )
 from mha_multi.spec.cache_checks import (
@@ -254,6 +255,7 @@ __all__ = [
     "check_cache_dtype",
     "cached_visibility",
     "appended",
+    "row_positions",
     "QK_NORM_NAMES",
     "QKNorm",
     "check_qk_norm",

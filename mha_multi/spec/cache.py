@@ -139,6 +139,25 @@ def appended(ops: ArrayOps, lengths: Array, valid_lens: Array | None, num_new: A
     return new
 
 
+def row_positions(
+    ops: ArrayOps, lengths: Array, new: Array, num_new: int, max_length: int
+) -> tuple[Array, Array]:
+    """Where each new row of a cached call goes, and whether it is kept there.
+
+    Row ``t`` of example ``b`` belongs at position ``lengths[b] + t``; it is
+    kept where ``t < new[b]`` (:func:`appended`) and that position is in
+    ``[0, max_length)``: the rows :func:`update_cache` writes, for frameworks
+    that scatter them rather than gather every position.
+
+    Returns:
+        ``(positions, kept)``, both ``(B, T)``.
+    """
+    rows = ops.expand_dims(ops.arange(num_new), 0)  # (1, T)
+    positions = ops.expand_dims(lengths, -1) + rows  # (B, T)
+    inside = ops.logical_and(ops.less(positions, max_length), ops.greater_equal(positions, 0))
+    return positions, ops.logical_and(ops.less(rows, ops.expand_dims(new, -1)), inside)
+
+
 def cached_visibility(
     ops: ArrayOps, lengths: Array, new: Array, num_new: Any, *, causal: bool
 ) -> Array:

@@ -66,9 +66,7 @@ def write_in_place(
         return spec.KVCache(cache.keys, cache.values, updated.lengths), visible
     spec.check_cache_dtype(ops, cache, k.dtype, v.dtype)
     new = spec.appended(ops, lengths, valid_lens, num_new)
-    steps = torch.arange(num_new, device=k.device)
-    at = lengths.to(torch.int64)[:, None] + steps  # (B, T): where each row belongs
-    kept = (steps < new[:, None]) & (at >= 0) & (at < max_length)
+    at, kept = spec.row_positions(ops, lengths.to(torch.int64), new, num_new, max_length)
     # (B, 1, 1), (1, H_kv, 1), (B, 1, T): each example's, each head's positions.
     index = (
         torch.arange(k.shape[0], device=k.device)[:, None, None],
