@@ -6,8 +6,9 @@ whatever produced the rows into that gather, so each cache position
 recomputes its row's producer: with rotary positions, the rotation and its
 sines and cosines, ``max_length`` times per new row (docs: "Generating with a
 cache"). :func:`scatter_update` writes the same numbers by one scatter of the
-``T`` new rows, as a hand-written static cache's ``dynamic_update_slice``
-does, so their producer runs once per row.
+``T`` new rows (:func:`mha_multi.spec.update_cache` with a scatter), as a hand-written
+static cache's ``dynamic_update_slice`` does, so their producer runs once per
+row.
 """
 
 from __future__ import annotations
@@ -17,14 +18,23 @@ import jax.numpy as jnp
 
 from mha_multi import spec
 from mha_multi.jax._ops import JaxOps
-from mha_multi.spec.cache import appended
 
-__all__ = ["scatter_update"]
+__all__ = ["scatter_rows", "scatter_update"]
 
 Array = jax.Array
 
 #: The spec's helpers taken here multiply no matrices: no precision plays a part.
 _OPS = JaxOps(None)
+
+
+def scatter_rows(held: Array, rows: Array, positions: Array, kept: Array) -> Array:
+    """``held`` ``(B, H_kv, M, dh)`` with the kept ``rows`` ``(B, T, H_kv, dh)`` at their
+    ``positions`` (:data:`mha_multi.spec.cache.Scatter`)."""
+    # Rows not kept aim past the end, where the scatter drops them.
+    positions = jnp.where(kept, positions, held.shape[2])
+    examples = jnp.arange(held.shape[0])[:, None]  # (B, 1)
+    # Two index arrays around a slice: the indexed axes come first, (B, T, H_kv, dh).
+    return held.at[examples, :, positions].set(rows, mode="drop")
 
 
 def scatter_update(
@@ -48,22 +58,7 @@ def scatter_update(
     Returns:
         ``(cache, lens)`` as :func:`mha_multi.spec.update_cache` returns them.
     """
-    ops, lengths = _OPS, cache.lengths
-    if k is None or k.shape[1] == 0:
-        return cache, lengths  # no position to write, and no query
-    spec.check_cache_dtype(ops, cache, k.dtype, v.dtype)
-    batch, num_new = k.shape[:2]
-    *_, max_length, head_dim = cache.keys.shape
-    new = appended(ops, lengths, lens, num_new)
-    positions, kept = spec.row_positions(ops, lengths, new, num_new, max_length)  # (B, T)
-    # Rows not kept aim past the end, where the scatter drops them.
-    positions = jnp.where(kept, positions, max_length)
-    examples = jnp.arange(batch)[:, None]  # (B, 1)
-
-    def write(x: jax.Array, held: jax.Array) -> jax.Array:
-        heads = x.reshape(batch, num_new, -1, head_dim)  # (B, T, H_kv, dh)
-        # Two index arrays around a slice: the indexed axes come first, (B, T, H_kv, dh).
-        return held.at[examples, :, positions].set(heads, mode="drop")
-
-    updated = spec.KVCache(write(k, cache.keys), write(v, cache.values), lengths + new)
-    return updated, spec.cached_visibility(ops, lengths, new, num_new, causal=causal)
+    head_dim = cache.keys.shape[3]
+    return spec.update_cache(
+        _OPS, cache, k, v, lens, head_dim=head_dim, causal=causal, scatter=scatter_rows
+    )

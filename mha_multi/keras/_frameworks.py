@@ -135,6 +135,10 @@ class _Framework:
         """Whether an eager call may write a cache of these arrays in place."""
         return False
 
+    #: How a traced call writes a cache's new rows (``scatter`` of
+    #: :func:`mha_multi.spec.update_cache`), or ``None`` for the spec's gather.
+    scatter: spec.cache.Scatter | None = None
+
     def version(self, x: Tensor) -> int | None:
         """What changes when ``x`` is written in place, or ``None`` where nothing would
         tell. TensorFlow's and JAX's arrays cannot be written: always 0."""
@@ -252,6 +256,14 @@ class _Jax(_Framework):
 
     def sync(self, value: Any) -> None:
         self.jax.block_until_ready(value)
+
+    def scatter(self, held: Tensor, rows: Tensor, positions: Tensor, kept: Tensor) -> Tensor:
+        """JAX's scatter of a cache's new rows, as :mod:`mha_multi.jax`'s cache write: under
+        ``jit`` the spec's gather would recompute the rows' rotation at every position."""
+        jnp = self.jax.numpy
+        positions = jnp.where(kept, positions, held.shape[2])  # (past the end: dropped)
+        examples = jnp.arange(held.shape[0])[:, None]
+        return held.at[examples, :, positions].set(rows, mode="drop")
 
 
 class _Torch(_Framework):

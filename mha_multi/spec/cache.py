@@ -8,6 +8,7 @@ compiled code takes (eager backends write in place where they can).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -47,6 +48,12 @@ def cache_shape(batch_size: Any, max_length: Any, heads: Heads) -> tuple[int, in
     return (int(batch_size), heads.num_kv_heads, int(max_length), heads.head_dim)
 
 
+#: ``scatter(held, rows, positions, kept)``: ``held`` ``(B, H_kv, M, dh)`` with row ``t``
+#: of example ``b`` of ``rows`` ``(B, T, H_kv, dh)`` at position ``positions[b, t]`` where
+#: ``kept[b, t]`` (:func:`row_positions`), every other position as it was.
+Scatter = Callable[[Array, Array, Array, Array], Array]
+
+
 def update_cache(
     ops: ArrayOps,
     cache: KVCache,
@@ -56,6 +63,7 @@ def update_cache(
     *,
     head_dim: int,
     causal: bool,
+    scatter: Scatter | None = None,
 ) -> tuple[KVCache, Array]:
     """Writes a call's new keys and values into the cache, and says what each query sees.
 
@@ -82,6 +90,12 @@ def update_cache(
             Backends whose sizes are not ints (MXNet symbols) pass them.
         head_dim: the size of each head.
         causal: the call's causal flag.
+        scatter: ``None``: each of the ``max_length`` positions is built from
+            the new rows by a gather. Else the framework's scatter of the
+            ``T`` rows (``T`` an int), the same numbers: a compiler that fuses
+            the rows' producer into the gather recomputes it at every
+            position (with rotary positions, the rotation: docs: "Generating
+            with a cache"); a scatter runs it once per row.
 
     Returns:
         ``(cache, lens)``: the cache after the call, and the lengths for
@@ -96,6 +110,14 @@ def update_cache(
         return cache, lengths  # no position to write, and no query
     check_cache_dtype(ops, cache, ops.dtype(k), ops.dtype(v))
     new = appended(ops, lengths, valid_lens, num_new)
+    if scatter is not None:
+        at, kept = row_positions(ops, lengths, new, num_new, ops.size(cache.keys, 2))
+        keys, values = (
+            scatter(held, ops.split_axis(x, 2, (-1, head_dim)), at, kept)
+            for held, x in ((cache.keys, k), (cache.values, v))
+        )
+        updated = KVCache(keys, values, lengths + new)
+        return updated, cached_visibility(ops, lengths, new, num_new, causal=causal)
     positions = ops.arange(ops.size(cache.keys, 2))  # (M,)
     start = ops.expand_dims(lengths, 1)  # (B, 1)
     offsets = ops.expand_dims(positions, 0) - start  # (B, M): p - lengths[b]

@@ -210,15 +210,18 @@ def test_a_cache_made_inside_a_jitted_stateless_call():
 
 
 def functional_updates(monkeypatch):
-    """Records each call of the spec's functional update of a cache."""
+    """Records each call of the spec's functional update of a cache (its gather, or the
+    scatter a traced call on JAX takes)."""
     calls = []
-    original = spec.update_cache
 
-    def recording(*args, **kwargs):
-        calls.append(args[3].shape[1])  # the new positions
-        return original(*args, **kwargs)
+    def recorded(original):
+        def recording(*args, **kwargs):
+            calls.append(args[3].shape[1])  # the new positions
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(spec, "update_cache", recording)
+        return recording
+
+    monkeypatch.setattr(spec, "update_cache", recorded(spec.update_cache))
     return calls
 
 
@@ -530,6 +533,25 @@ def test_compiled_calls_keep_the_functional_update(monkeypatch):
     functional = functional_updates(monkeypatch)
     run_schedule(layer, step)
     assert functional == [shape[1] for shape in traces]
+
+
+@pytest.mark.skipif(backend.BACKEND != "jax", reason="a traced call scatters on JAX only")
+def test_traced_calls_on_jax_scatter_their_rows(monkeypatch):
+    """Under ``jax.jit`` the spec's gather would recompute each new row's producer at every
+    cache position: a traced call writes its rows by one scatter instead (its numbers are
+    the eager call's and the reference's: the compiled step's test above)."""
+    layer = layer_of(grouped_weights(10))
+    step, traces = traced_step(layer, monkeypatch)
+    scatters = []
+    original = spec.update_cache
+
+    def recording(*args, **kwargs):
+        scatters.append(kwargs.get("scatter") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(spec, "update_cache", recording)
+    run_schedule(layer, step)
+    assert scatters == [True] * len(traces)
 
 
 # -- the kernel plan ---------------------------------------------------------------
