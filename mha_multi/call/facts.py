@@ -151,6 +151,24 @@ class Facts:
         """
         raise NotImplementedError
 
+    def constants_key(self, like: Array) -> Any:
+        """Where constants made for an eager call on ``like`` land and are computed,
+        as a hashable (its device, and any mode that limits what they may serve), or
+        ``None``: ``like`` is traced, or the framework keeps nothing between calls
+        (the default).
+
+        What a call makes from constants alone, its rotary tables at the default
+        positions, is then made once per such key and reused by later calls
+        (:mod:`mha_multi.call.rotary_tables`; docs: "Fast paths"). Nothing traced
+        is ever kept.
+        """
+        return None
+
+    def first_rows(self, x: Array, start: int, stop: int) -> Array:
+        """``x[start:stop]``, rows of the first axis of a kept table; only frameworks
+        whose :meth:`constants_key` answers are asked."""
+        raise NotImplementedError
+
     # -- the fused kernel ---------------------------------------------------
 
     def kernel_serves(self, q: Array) -> bool:

@@ -1,0 +1,138 @@
+"""A call's rotary tables at its default positions, made once per signature and reused.
+
+The cosines and sines of :func:`mha_multi.spec.rotary_tables` at a call's
+default positions (``arange(Q)`` and ``arange(K)`` without a cache, a
+cache's rows ``start + arange(T)`` with one) depend on the call's signature
+alone: how many positions, the rotation and the head size, the angles'
+precision and where constants land (:meth:`mha_multi.call.Facts.constants_key`).
+An eager call of a framework that names that place takes them from here,
+made once for the last few signatures (docs: "Fast paths"); a traced call,
+or a framework that names none, makes its own, and nothing traced is kept.
+
+A cached call whose examples all start at one position takes its rows of
+the table of every position of its cache: the angles are elementwise, so a
+table's row is that of its position alone, the numbers the call would make.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from mha_multi import spec
+from mha_multi.call.contract import Array
+from mha_multi.call.facts import Facts
+
+__all__ = ["KEPT_SIGNATURES", "default_tables", "forget", "kept", "kept_tables"]
+
+#: How many signatures' tables are kept, the least recently used dropped
+#: first: a table of a long cache's every position is large.
+KEPT_SIGNATURES = 8
+
+Tables = tuple[Array, Array]
+
+_KEPT: OrderedDict[tuple[Any, ...], Tables] = OrderedDict()
+
+
+def kept() -> list[Tables]:
+    """The tables kept now, the least recently used first."""
+    return list(_KEPT.values())
+
+
+def forget() -> None:
+    """Drops every kept table (their memory goes with the last call holding them)."""
+    _KEPT.clear()
+
+
+def kept_tables(
+    ops: spec.ArrayOps,
+    x: Array,
+    where: Any,
+    rotary: spec.Rotary,
+    head_dim: int,
+    count: int,
+    *,
+    length: int | None = None,
+) -> Tables:
+    """:func:`mha_multi.spec.rotary_tables` of positions ``arange(count)``, made once per signature.
+
+    Args:
+        ops: the array-ops adapter.
+        x: what will be rotated (eager): gives the angles' precision and device.
+        where: :meth:`mha_multi.call.Facts.constants_key` of ``x`` (not ``None``).
+        rotary: the rotation.
+        head_dim: the size of each head.
+        count: how many positions, from 0.
+        length: the call's length, for a rotary type that depends on it; ``None`` otherwise.
+
+    Returns:
+        ``(cos, sin)``, each ``(count, 1, dim / 2)``.
+    """
+    key = (where, ops.dtype(x), rotary, head_dim, count, length)
+    try:
+        tables = _KEPT.get(key)
+    except TypeError:  # a rotation whose fields cannot be hashed: made each time
+        key, tables = None, None
+    if tables is not None:
+        _KEPT.move_to_end(key)
+        return tables
+    # The positions as a constant, not ops.arange(x's size): an array with no
+    # history (MXNet records what arange_like draws from a recorded array).
+    positions = ops.constant(np.arange(count, dtype=np.int32), x)
+    tables = spec.rotary_tables(ops, x, positions, rotary, head_dim, length=length)
+    if key is not None:
+        _KEPT[key] = tables
+        if len(_KEPT) > KEPT_SIGNATURES:
+            _KEPT.popitem(last=False)
+    return tables
+
+
+def default_tables(
+    facts: Facts,
+    ops: spec.ArrayOps,
+    q: Array,
+    k: Array | None,
+    rotary: spec.Rotary,
+    head_dim: int,
+    *,
+    fill: spec.CacheFill | None,
+    held: Array | None,
+) -> tuple[Tables, Tables] | None:
+    """The kept tables of the queries and keys of a call at its default positions.
+
+    Args:
+        facts: the framework's facts.
+        ops: the array-ops adapter.
+        q: the projected queries ``(B, Q, H*dh)``.
+        k: the projected keys ``(B, K, H_kv*dh)``, or ``None``.
+        rotary: the layer's rotation.
+        head_dim: the size of each head.
+        fill: a cached call's lengths as read on the host, or ``None``.
+        held: the cache's keys ``(B, H_kv, max_length, dh)``, or ``None`` without a cache.
+
+    Returns:
+        ``(query_tables, key_tables)``, or ``None`` where the call makes its
+        own: traced, a framework that keeps nothing, a cached call whose
+        lengths are not known on the host or differ between examples, or
+        one whose rotary type depends on its length (each step's own).
+    """
+    where = facts.constants_key(q)
+    if where is None:
+        return None
+    num_queries = q.shape[1]
+    if held is None:
+        num_keys = num_queries if k is None else k.shape[1]
+        # (A length-dependent type: the call's length, Q and K's larger.)
+        length = max(num_queries, num_keys) if rotary.depends_on_length else None
+        tables = kept_tables(ops, q, where, rotary, head_dim, num_queries, length=length)
+        if num_keys == num_queries:
+            return tables, tables
+        return tables, kept_tables(ops, q, where, rotary, head_dim, num_keys, length=length)
+    start = None if fill is None else fill.uniform_start(num_queries)
+    if start is None or rotary.depends_on_length:
+        return None
+    whole = kept_tables(ops, q, where, rotary, head_dim, held.shape[2])
+    rows = tuple(facts.first_rows(table, start, start + num_queries) for table in whole)
+    return rows, rows
