@@ -46,8 +46,11 @@ def _torch_place() -> Callable[[Tensor], Any]:
     import torch
 
     def place(x: Tensor) -> Any:
+        device = x.device
+        if device.type == "meta":  # a symbolic call's (Keras' compute_output_spec)
+            return None
         # Tables made in inference mode cannot be saved for a backward pass.
-        return x.device, torch.is_inference_mode_enabled()
+        return device, torch.is_inference_mode_enabled()
 
     return place
 

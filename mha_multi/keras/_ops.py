@@ -291,7 +291,7 @@ def _slicer() -> Callable[[Tensor, int, int, int], Tensor | None]:
 
         def split(x: Tensor, axis: int, start: int, stop: int) -> Tensor | None:
             size = x.shape[axis]
-            if not isinstance(size, int) or isinstance(x, keras.KerasTensor):
+            if not isinstance(size, int) or stop > size or isinstance(x, keras.KerasTensor):
                 return None
             return tf.split(x, [start, stop - start, size - stop], axis=axis)[1]
 
@@ -300,8 +300,12 @@ def _slicer() -> Callable[[Tensor, int, int, int], Tensor | None]:
         from jax import lax
 
         def slice_in_dim(x: Tensor, axis: int, start: int, stop: int) -> Tensor | None:
-            if isinstance(x, keras.KerasTensor):
+            if isinstance(x, keras.KerasTensor) or stop > x.shape[axis]:
                 return None
+            if axis == 0:
+                # A table's rows from a start that moves call by call: a dynamic
+                # start, as eager JAX compiles an operation anew for each static one.
+                return lax.dynamic_slice_in_dim(x, start, stop - start)
             return lax.slice_in_dim(x, start, stop, axis=axis)
 
         return slice_in_dim
@@ -313,7 +317,8 @@ _SLICE = _slicer()
 
 def _slice_axis(x: Tensor, axis: int, start: int, stop: int) -> Tensor:
     """``x``'s entries ``start`` to ``stop`` of ``axis`` (``0`` or ``-1``)."""
-    sliced = _SLICE(x, axis, start, stop)
+    # (Negative bounds, which some callers give, are indexing's.)
+    sliced = _SLICE(x, axis, start, stop) if 0 <= start <= stop else None
     if sliced is not None:
         return sliced
     return x[start:stop] if axis == 0 else x[..., start:stop]
