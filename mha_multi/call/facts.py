@@ -54,12 +54,18 @@ class Facts:
             positions (:meth:`mha_multi.spec.CacheFill.span`, through
             :meth:`cache_prefix`) rather than all ``max_length``: for
             frameworks whose kernels take any length at no compile cost.
+        rows_of_one_table: the cosine and sine of an angle give the same
+            numbers whatever the array they are in, so that a cached call's
+            rotary tables may be rows of a table kept of every position of its
+            cache (:meth:`first_rows`); ``False`` where a kernel's vectorized
+            and scalar forms differ (TensorFlow's CPU kernels, by an ulp).
     """
 
     kernel: spec.FusedKernel | None = None
     vmap: Callable[..., Callable[..., Any]] | None = None
     passes_options: bool = False
     attends_filled: bool = False
+    rows_of_one_table: bool = False
 
     # -- arrays -----------------------------------------------------------
 
@@ -166,7 +172,7 @@ class Facts:
 
     def first_rows(self, x: Array, start: int, stop: int) -> Array:
         """``x[start:stop]``, rows of the first axis of a kept table; only frameworks
-        whose :meth:`constants_key` answers are asked."""
+        whose :meth:`constants_key` answers and :attr:`rows_of_one_table` holds are asked."""
         raise NotImplementedError
 
     # -- the fused kernel ---------------------------------------------------

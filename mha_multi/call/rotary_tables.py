@@ -10,8 +10,10 @@ made once for the last few signatures (docs: "Fast paths"); a traced call,
 or a framework that names none, makes its own, and nothing traced is kept.
 
 A cached call whose examples all start at one position takes its rows of
-the table of every position of its cache: the angles are elementwise, so a
-table's row is that of its position alone, the numbers the call would make.
+the table of every position of its cache where the framework's cosine and
+sine give each angle's numbers whatever the array
+(:attr:`mha_multi.call.Facts.rows_of_one_table`): a table's row is then that
+of its position alone, the numbers the call would make.
 """
 
 from __future__ import annotations
@@ -116,7 +118,9 @@ def default_tables(
         ``(query_tables, key_tables)``, or ``None`` where the call makes its
         own: traced, a framework that keeps nothing, a cached call whose
         lengths are not known on the host or differ between examples, or
-        one whose rotary type depends on its length (each step's own).
+        one whose rotary type depends on its length (each step's own), or
+        a cached call of a framework whose tables' rows are not those of
+        their positions alone (:attr:`mha_multi.call.Facts.rows_of_one_table`).
     """
     where = facts.constants_key(q)
     if where is None:
@@ -130,8 +134,10 @@ def default_tables(
         if num_keys == num_queries:
             return tables, tables
         return tables, kept_tables(ops, q, where, rotary, head_dim, num_keys, length=length)
-    start = None if fill is None else fill.uniform_start(num_queries)
-    if start is None or rotary.depends_on_length:
+    if fill is None or rotary.depends_on_length or not facts.rows_of_one_table:
+        return None
+    start = fill.uniform_start(num_queries)
+    if start is None:
         return None
     whole = kept_tables(ops, q, where, rotary, head_dim, held.shape[2])
     rows = tuple(facts.first_rows(table, start, start + num_queries) for table in whole)

@@ -174,6 +174,7 @@ class MXNetFacts(call.Facts):
 
     kernel = SEQUENCE_MASK
     attends_filled = True
+    rows_of_one_table = True
 
     def span_bucket_of(self, keys: Any) -> int:
         """1: an imperative call takes any length at no compile cost.
