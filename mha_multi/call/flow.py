@@ -46,7 +46,9 @@ def _rotated(
     """
     kept = None
     if positions is None:
-        kept = default_tables(facts, ops, q, k, rotary, heads.head_dim, fill=fill, held=held)
+        kept = default_tables(
+            facts, ops, q, k, rotary, heads.head_dim, fill=fill, held=held, lengths=lengths
+        )
     if kept is not None:
         tables, key_tables = kept
         if k is not None and key_tables is tables:

@@ -13,7 +13,8 @@ A cached call whose examples all start at one position takes its rows of
 the table of every position of its cache where the framework's cosine and
 sine give each angle's numbers whatever the array
 (:attr:`mha_multi.call.Facts.rows_of_one_table`): a table's row is then that
-of its position alone, the numbers the call would make.
+of its position alone, the numbers the call would make. Elsewhere a cached
+call whose lengths were read makes its own tables, of positions made on the host.
 """
 
 from __future__ import annotations
@@ -101,8 +102,17 @@ def default_tables(
     *,
     fill: spec.CacheFill | None,
     held: Array | None,
+    lengths: Array | None,
 ) -> tuple[Tables, Tables] | None:
-    """The kept tables of the queries and keys of a call at its default positions.
+    """The tables of the queries and keys of an eager call at its default positions.
+
+    Without a cache, the kept tables of ``arange(Q)`` and ``arange(K)``. With
+    one whose lengths were read (``fill``): rows of the kept table of every
+    position of the cache where the examples share one start and the
+    framework's tables allow it (:attr:`mha_multi.call.Facts.rows_of_one_table`);
+    else the call's own tables, of :func:`mha_multi.spec.cache_positions`'
+    positions made on the host from the lengths read (the same array, without
+    its operations).
 
     Args:
         facts: the framework's facts.
@@ -113,14 +123,13 @@ def default_tables(
         head_dim: the size of each head.
         fill: a cached call's lengths as read on the host, or ``None``.
         held: the cache's keys ``(B, H_kv, max_length, dh)``, or ``None`` without a cache.
+        lengths: the cache's lengths before the call, or ``None`` without a cache.
 
     Returns:
         ``(query_tables, key_tables)``, or ``None`` where the call makes its
-        own: traced, a framework that keeps nothing, a cached call whose
-        lengths are not known on the host or differ between examples, or
-        one whose rotary type depends on its length (each step's own), or
-        a cached call of a framework whose tables' rows are not those of
-        their positions alone (:attr:`mha_multi.call.Facts.rows_of_one_table`).
+        own from its positions on the device: traced, a framework that
+        keeps nothing, a cached call whose lengths are not known on the
+        host, or one whose rotary type depends on its length.
     """
     where = facts.constants_key(q)
     if where is None:
@@ -134,11 +143,14 @@ def default_tables(
         if num_keys == num_queries:
             return tables, tables
         return tables, kept_tables(ops, q, where, rotary, head_dim, num_keys, length=length)
-    if fill is None or rotary.depends_on_length or not facts.rows_of_one_table:
+    if fill is None or rotary.depends_on_length:
         return None
-    start = fill.uniform_start(num_queries)
-    if start is None:
-        return None
-    whole = kept_tables(ops, q, where, rotary, head_dim, held.shape[2])
-    rows = tuple(facts.first_rows(table, start, start + num_queries) for table in whole)
-    return rows, rows
+    start = fill.uniform_start(num_queries) if facts.rows_of_one_table else None
+    if start is not None:
+        whole = kept_tables(ops, q, where, rotary, head_dim, held.shape[2])
+        rows = tuple(facts.first_rows(table, start, start + num_queries) for table in whole)
+        return rows, rows
+    steps = np.arange(num_queries, dtype=np.dtype(ops.dtype(lengths)))
+    positions = ops.constant(fill.lengths.astype(steps.dtype)[:, None] + steps, q)
+    tables = spec.rotary_tables(ops, q, positions, rotary, head_dim)
+    return tables, tables
