@@ -184,11 +184,12 @@ class _TensorFlow(_Framework):
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:
         # keras.ops.matmul calls tf.matmul itself for two tensors of one
         # dtype, except a matrix ``b`` after a batch of ``a``, which it
-        # takes through tf.tensordot: those keep Keras' path.
+        # takes through tf.tensordot: those keep Keras' path. (A variable,
+        # a projection's kernel, is read by tf.matmul as by Keras.)
         tf = self.tf
         if (
             isinstance(a, tf.Tensor)
-            and isinstance(b, tf.Tensor)
+            and isinstance(b, (tf.Tensor, tf.Variable))
             and a.dtype == b.dtype
             and a.dtype.is_floating
             and len(a.shape) >= 2
