@@ -11,6 +11,7 @@ and the tensor's own device. Nothing is kept for a traced tensor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -55,10 +56,14 @@ def _torch_place() -> Callable[[Tensor], Any]:
     return place
 
 
-_PLACE = {"tensorflow": _tensorflow_place, "jax": _jax_place, "torch": _torch_place}[BACKEND]()
+@functools.cache
+def _place() -> Callable[[Tensor], Any]:
+    # Made on first use, not at import: the documentation imports this module
+    # against mocked frameworks, where there is no backend to look up.
+    return {"tensorflow": _tensorflow_place, "jax": _jax_place, "torch": _torch_place}[BACKEND]()
 
 
 def constants_key(x: Tensor) -> Any:
     """Where constants made for an eager call on ``x`` land, or ``None`` where ``x``
     is traced (:meth:`mha_multi.call.Facts.constants_key`)."""
-    return _PLACE(x) if values_readable(x) else None
+    return _place()(x) if values_readable(x) else None
