@@ -22,7 +22,7 @@ from mha_multi.call.checks import (
 from mha_multi.call.contract import Array, Projections, Result
 from mha_multi.call.facts import Facts
 from mha_multi.call.kernel_plan import plan
-from mha_multi.call.rotary_tables import default_tables
+from mha_multi.call.rotary_tables import rotated_at_default_positions
 
 
 def _rotated(
@@ -40,31 +40,16 @@ def _rotated(
     """``q`` and ``k`` rotated at the call's positions (:func:`mha_multi.spec.call_positions`;
     a pair: packed sequences' restarting positions of the queries and the keys).
 
-    At the default positions, an eager call's tables are the ones kept for its
-    signature (:func:`mha_multi.call.rotary_tables.default_tables`; ``held``: the
-    cache's keys, ``None`` without a cache).
+    At the default positions, an eager call rotates by the tables kept for its
+    signature (:func:`mha_multi.call.rotary_tables.rotated_at_default_positions`;
+    ``held``: the cache's keys, ``None`` without a cache).
     """
-    kept = None
     if positions is None:
-        kept = default_tables(
-            facts, ops, q, k, rotary, heads.head_dim, fill=fill, held=held, lengths=lengths
+        rotated = rotated_at_default_positions(
+            facts, ops, q, k, rotary, heads, fill=fill, held=held, lengths=lengths
         )
-    if kept is not None:
-        tables, key_tables = kept
-        if k is not None and key_tables is tables:
-            # The queries' and keys' heads side by side, rotated at once: the same
-            # operations on each element, a rotation's fixed cost paid once.
-            width = q.shape[2]
-            both = ops.concat_last([q, k])
-            num_heads = heads.num_heads + heads.num_kv_heads
-            both = spec.rotate(ops, both, None, rotary, num_heads, heads.head_dim, tables=tables)
-            return ops.slice_last(both, 0, width), ops.slice_last(both, width, both.shape[2])
-        q = spec.rotate(ops, q, None, rotary, heads.num_heads, heads.head_dim, tables=tables)
-        if k is not None:
-            k = spec.rotate(
-                ops, k, None, rotary, heads.num_kv_heads, heads.head_dim, tables=key_tables
-            )
-        return q, k
+        if rotated is not None:
+            return rotated
     num_queries = ops.size(q, 1)
     num_keys = None if k is None else ops.size(k, 1)
     if isinstance(positions, tuple):

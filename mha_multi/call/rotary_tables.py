@@ -28,7 +28,14 @@ from mha_multi import spec
 from mha_multi.call.contract import Array
 from mha_multi.call.facts import Facts
 
-__all__ = ["KEPT_SIGNATURES", "default_tables", "forget", "kept", "kept_tables"]
+__all__ = [
+    "KEPT_SIGNATURES",
+    "default_tables",
+    "forget",
+    "kept",
+    "kept_tables",
+    "rotated_at_default_positions",
+]
 
 #: How many signatures' tables are kept, the least recently used dropped
 #: first: a table of a long cache's every position is large.
@@ -154,3 +161,40 @@ def default_tables(
     positions = ops.constant(fill.lengths.astype(steps.dtype)[:, None] + steps, q)
     tables = spec.rotary_tables(ops, q, positions, rotary, head_dim)
     return tables, tables
+
+
+def rotated_at_default_positions(
+    facts: Facts,
+    ops: spec.ArrayOps,
+    q: Array,
+    k: Array | None,
+    rotary: spec.Rotary,
+    heads: spec.Heads,
+    *,
+    fill: spec.CacheFill | None,
+    held: Array | None,
+    lengths: Array | None,
+) -> tuple[Array, Array | None] | None:
+    """``q`` and ``k`` rotated by :func:`default_tables`, or ``None`` where the call
+    makes its own tables (the arguments are :func:`default_tables`'; ``heads``: the
+    layer's).
+
+    Queries and keys at the same positions rotate side by side, in one rotation:
+    the same operations on each element, a rotation's fixed cost paid once.
+    """
+    kept = default_tables(
+        facts, ops, q, k, rotary, heads.head_dim, fill=fill, held=held, lengths=lengths
+    )
+    if kept is None:
+        return None
+    tables, key_tables = kept
+    if k is not None and key_tables is tables:
+        width = q.shape[2]
+        both = ops.concat_last([q, k])
+        num_heads = heads.num_heads + heads.num_kv_heads
+        both = spec.rotate(ops, both, None, rotary, num_heads, heads.head_dim, tables=tables)
+        return ops.slice_last(both, 0, width), ops.slice_last(both, width, both.shape[2])
+    q = spec.rotate(ops, q, None, rotary, heads.num_heads, heads.head_dim, tables=tables)
+    if k is not None:
+        k = spec.rotate(ops, k, None, rotary, heads.num_kv_heads, heads.head_dim, tables=key_tables)
+    return q, k
