@@ -54,12 +54,18 @@ class Facts:
             positions (:meth:`mha_multi.spec.CacheFill.span`, through
             :meth:`cache_prefix`) rather than all ``max_length``: for
             frameworks whose kernels take any length at no compile cost.
+        rows_of_one_table: the cosine and sine of an angle give the same
+            numbers whatever the array they are in, so that a cached call's
+            rotary tables may be rows of a table kept of every position of its
+            cache (:meth:`first_rows`); ``False`` where a kernel's vectorized
+            and scalar forms differ (TensorFlow's CPU kernels, by an ulp).
     """
 
     kernel: spec.FusedKernel | None = None
     vmap: Callable[..., Callable[..., Any]] | None = None
     passes_options: bool = False
     attends_filled: bool = False
+    rows_of_one_table: bool = False
 
     # -- arrays -----------------------------------------------------------
 
@@ -149,6 +155,24 @@ class Facts:
         ``tf.function``) cannot, and then the call does what the docs say
         compiled code does instead. ``None`` entries stay ``None``.
         """
+        raise NotImplementedError
+
+    def constants_key(self, like: Array) -> Any:
+        """Where constants made for an eager call on ``like`` land and are computed,
+        as a hashable (its device, and any mode that limits what they may serve), or
+        ``None``: ``like`` is traced, or the framework keeps nothing between calls
+        (the default).
+
+        What a call makes from constants alone, its rotary tables at the default
+        positions, is then made once per such key and reused by later calls
+        (:mod:`mha_multi.call.rotary_tables`; docs: "Fast paths"). Nothing traced
+        is ever kept.
+        """
+        return None
+
+    def first_rows(self, x: Array, start: int, stop: int) -> Array:
+        """``x[start:stop]``, rows of the first axis of a kept table; only frameworks
+        whose :meth:`constants_key` answers and :attr:`rows_of_one_table` holds are asked."""
         raise NotImplementedError
 
     # -- the fused kernel ---------------------------------------------------

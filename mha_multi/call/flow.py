@@ -22,9 +22,11 @@ from mha_multi.call.checks import (
 from mha_multi.call.contract import Array, Projections, Result
 from mha_multi.call.facts import Facts
 from mha_multi.call.kernel_plan import plan
+from mha_multi.call.rotary_tables import rotated_at_default_positions
 
 
 def _rotated(
+    facts: Facts,
     ops: spec.ArrayOps,
     q: Array,
     k: Array | None,
@@ -33,9 +35,21 @@ def _rotated(
     heads: spec.Heads,
     lengths: Array | None,
     fill: spec.CacheFill | None = None,
+    held: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """``q`` and ``k`` rotated at the call's positions (:func:`mha_multi.spec.call_positions`;
-    a pair: packed sequences' restarting positions of the queries and the keys)."""
+    a pair: packed sequences' restarting positions of the queries and the keys).
+
+    At the default positions, an eager call rotates by the tables kept for its
+    signature (:func:`mha_multi.call.rotary_tables.rotated_at_default_positions`;
+    ``held``: the cache's keys, ``None`` without a cache).
+    """
+    if positions is None:
+        rotated = rotated_at_default_positions(
+            facts, ops, q, k, rotary, heads, fill=fill, held=held, lengths=lengths
+        )
+        if rotated is not None:
+            return rotated
     num_queries = ops.size(q, 1)
     num_keys = None if k is None else ops.size(k, 1)
     if isinstance(positions, tuple):
@@ -151,7 +165,10 @@ def attend(
                 query_positions if same else spec.segment_positions(ops, key_ids),
             )
         # Keys rotate before they enter the cache (docs: "Positions and biases").
-        q, k = _rotated(ops, q, k, positions, layer_options.rotary, heads, lengths, fill)
+        held = None if cache is None else cache.keys
+        q, k = _rotated(
+            facts, ops, q, k, positions, layer_options.rotary, heads, lengths, fill, held
+        )
     if cache is not None:
         spec.check_cache_dtype(ops, cache, ops.dtype(q), ops.dtype(q))
         cache, valid_lens = facts.write_cache(

@@ -27,6 +27,7 @@ import keras
 import numpy as np
 
 from mha_multi import call, spec
+from mha_multi.keras._constants import constants_key
 from mha_multi.keras._frameworks import (
     BACKEND,
     active,
@@ -47,7 +48,7 @@ from mha_multi.keras._kernel import (
     fused_attention,
     serves,
 )
-from mha_multi.keras._ops import OPS, dtype_kind, index_dtype
+from mha_multi.keras._ops import OPS, dtype_kind, first_rows, index_dtype
 from mha_multi.keras.sharding import head_vmap
 
 __all__ = [
@@ -240,6 +241,8 @@ class KerasFacts(call.Facts):
 
     kernel = DOT_PRODUCT_ATTENTION
     attends_filled = True
+    # (Eigen's vectorized and scalar cosines differ by an ulp.)
+    rows_of_one_table = BACKEND != "tensorflow"
 
     @property
     def vmap(self) -> Callable[..., Any]:  # type: ignore[override]
@@ -338,6 +341,8 @@ class KerasFacts(call.Facts):
 
     kernel_serves = staticmethod(serves)
     fused_attention = staticmethod(fused_attention)
+    constants_key = staticmethod(constants_key)
+    first_rows = staticmethod(first_rows)
 
     def kernel_takes_grouped(self, q: Any, num_queries: Any, head_dim: int) -> bool:
         return active().kernel_takes_grouped(q, num_queries, head_dim)

@@ -188,11 +188,12 @@ class _TensorFlow(_Framework):
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:
         # keras.ops.matmul calls tf.matmul itself for two tensors of one
         # dtype, except a matrix ``b`` after a batch of ``a``, which it
-        # takes through tf.tensordot: those keep Keras' path.
+        # takes through tf.tensordot: those keep Keras' path. (A variable,
+        # a projection's kernel, is read by tf.matmul as by Keras.)
         tf = self.tf
         if (
             isinstance(a, tf.Tensor)
-            and isinstance(b, tf.Tensor)
+            and isinstance(b, (tf.Tensor, tf.Variable))
             and a.dtype == b.dtype
             and a.dtype.is_floating
             and len(a.shape) >= 2
@@ -243,6 +244,11 @@ class _Jax(_Framework):
 
     def exact_float32(self) -> None:
         self.jax.config.update("jax_default_matmul_precision", "highest")
+
+    def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
+        # lax's own, which keras.ops' (jnp's) reaches through some 100 Python calls more.
+        native = isinstance(x, self.jax.Array)
+        return self.jax.lax.reshape(x, shape) if native else keras.ops.reshape(x, shape)
 
     def enable_float64(self) -> None:
         self.jax.config.update("jax_enable_x64", True)
@@ -295,6 +301,15 @@ class _Torch(_Framework):
 
     def exact_float32(self) -> None:
         self.plain.exact_float32()
+
+    def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
+        # torch's own, which keras.ops' reaches through some 130 Python calls of dispatch.
+        native = isinstance(x, self.torch.Tensor)
+        return self.torch.reshape(x, shape) if native else keras.ops.reshape(x, shape)
+
+    def transpose(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
+        native = isinstance(x, self.torch.Tensor)
+        return self.torch.permute(x, axes) if native else keras.ops.transpose(x, axes)
 
     def values_readable(self, x: Tensor) -> bool:
         return not self.torch.compiler.is_compiling()

@@ -174,6 +174,7 @@ class MXNetFacts(call.Facts):
 
     kernel = SEQUENCE_MASK
     attends_filled = True
+    rows_of_one_table = True
 
     def span_bucket_of(self, keys: Any) -> int:
         """1: an imperative call takes any length at no compile cost.
@@ -185,6 +186,15 @@ class MXNetFacts(call.Facts):
 
     def ops(self, like: mx.np.ndarray) -> MXNetOps:
         return OPS
+
+    def constants_key(self, like: Any) -> mx.Context | None:
+        """The array's context: every call with positions runs on arrays (docs:
+        "Positions and biases"), and a constant made for it lands there; ``None``
+        for a symbol."""
+        return like.ctx if isinstance(like, mx.np.ndarray) else None
+
+    def first_rows(self, x: mx.np.ndarray, start: int, stop: int) -> mx.np.ndarray:
+        return x[start:stop]
 
     def dtype_kind(self, dtype: Any) -> str:
         return dtype_kind(dtype)

@@ -90,6 +90,9 @@ class Runner(abc.ABC):
     #: Whether the fused kernel's call takes the positions and biases options
     #: (:attr:`mha_multi.call.Facts.passes_options`).
     passes_options: ClassVar[bool] = False
+    #: Whether an eager call's rotary tables at the default positions are made
+    #: once per signature and reused by later calls (docs: "Fast paths").
+    keeps_rotary_tables: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.facts = importlib.import_module(self.harness)

@@ -32,6 +32,7 @@ class KerasRunner(Runner):
 
     package = "mha_multi.keras"
     harness = "mha_multi.parity.harness.keras"
+    keeps_rotary_tables = True
     #: ``keras.backend.backend()`` this runner needs.
     keras_backend: ClassVar[str]
 

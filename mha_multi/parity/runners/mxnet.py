@@ -24,6 +24,7 @@ class MXNetRunner(Runner):
     package = "mha_multi.mxnet"
     harness = "mha_multi.parity.harness.mxnet"
     fused_kernel = SEQUENCE_MASK
+    keeps_rotary_tables = True
     # The plan is made from shapes and flags only: a hybridized graph is
     # built per configuration, not per length.
     reads_shortest_length = False
