@@ -43,12 +43,13 @@ class CacheCheck:
     otherwise (:func:`poison_of`). ``pending`` are the rows this call wrote,
     until the plan checks them together with the queries (one pass over
     self-attention's stacked projection); after plain steps on a GPU, which
-    read nothing, the cache's positions from ``pending_from`` on, which the
-    steps wrote (one pass over all of them, when a call reads or a write
-    settles them). ``finite_from``: every value at that position and past
-    it is known finite (``None``: not known), so that a call may attend over
-    fewer positions (:meth:`mha_multi.call.Facts.finite_past`): 0 for a new
-    cache, and past the rows each call writes. ``key_max`` is ``max|k|`` over
+    read nothing, ``()`` and ``pending_from``: the cache's positions from
+    there up to ``upto``, which the steps wrote (one pass over all of them,
+    when a call reads or a write settles them, :meth:`take_pending`).
+    ``finite_from``: every value at that position and past it is known
+    finite (``None``: not known), so that a call may attend over fewer
+    positions (:meth:`mha_multi.call.Facts.finite_past`): 0 for a new cache,
+    and past the rows each call writes. ``key_max`` is ``max|k|`` over
     the keys below ``key_upto`` (NaN where one is not finite), which bounds
     the scores a masked fused kernel may take
     (:func:`mha_multi.spec.scores_within_limit`): all ``max_length`` of a
@@ -146,7 +147,8 @@ class CacheCheck:
             "key_upto": key_upto,
             "key_max": self.key_max if key_upto else 0.0,  # (a bound of nothing)
         }
-        setattr(updated.lengths, CHECKED, check)
+        # (CHECKED, as an attribute: setattr is a call, and every step makes one.)
+        updated.lengths._mha_multi_checked = check
         return check
 
     @classmethod
@@ -203,9 +205,14 @@ class CacheCheck:
         return self.poison
 
     def take_pending(self) -> tuple[torch.Tensor, ...]:
-        """The pending rows (none: ``()``), which the caller checks."""
-        pending, self.pending, self.pending_from = self.pending or (), None, None
-        return pending
+        """The pending rows (none: ``()``), which the caller checks: those plain steps
+        left (``pending_from`` on, up to ``upto``) made views of only now."""
+        pending, start = self.pending or (), self.pending_from
+        self.pending = self.pending_from = None
+        if start is None:
+            return pending
+        keys, values, count = self.keys(), self.values(), self.upto - start
+        return keys.narrow(2, start, count), values.narrow(2, start, count)
 
     @staticmethod
     def host_lengths(lengths: torch.Tensor) -> np.ndarray | None:
@@ -309,7 +316,7 @@ def written_step(
     call reads it (a write of the generic flow settles it first).
     """
     keys, values, lengths = cache
-    length = check.uniform
+    length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
     # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
     rows = (-1, heads.num_kv_heads, heads.head_dim)
     keys.select(2, length).copy_(k.view(rows))
@@ -324,8 +331,8 @@ def written_step(
             poison, start = check.settled(), length
         else:
             poison = check.poison
-        pending = keys.narrow(2, start, filled - start), values.narrow(2, start, filled - start)
-        check.stepped(updated, filled, step, poison=poison, pending=pending).pending_from = start
+        # (The rows' views are made when they are taken, CacheCheck.take_pending.)
+        check.stepped(updated, filled, step, poison=poison, pending=()).pending_from = start
     span = filled if span is None else span
     return keys.narrow(2, 0, span), values.narrow(2, 0, span), updated
 

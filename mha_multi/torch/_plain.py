@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import CHECKED, CacheCheck
+from mha_multi.torch._cache import CacheCheck
 from mha_multi.torch._ops import SIXTEEN_BIT, needs_float32_copies
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
@@ -127,10 +127,14 @@ class PlainRoute:
             if plan.fused:
                 return fused_step(layer, queries, cache, check, plan, step, rotary)
             filled = check._uniform + 1  # (CacheCheck.uniform, resolved by the check)
-            try:
-                span = plan.spans[filled]
-            except KeyError:
-                span = plan.spans[filled] = self._step_span(layer, cache, filled)
+            spans = plan.spans
+            span = spans.get(filled, 0)
+            if span == 0:
+                span = self._step_span(layer, cache, filled)
+                # The lengths up to it have its span too (spec.rounded_span rounds up):
+                # the steps to come find theirs.
+                for upto in range(filled, filled + 1 if span is None else span + 1):
+                    spans[upto] = span
             if span is None:
                 return None  # (the generic flow reads for it)
             return generic_step(layer, queries, cache, check, plan, step, rotary, span)
@@ -208,11 +212,13 @@ class PlainRoute:
         if type(cache) is not spec.KVCache:
             return None
         keys, values, lengths = cache
-        # CacheCheck.of, inline: every step asks.
-        check = getattr(lengths, CHECKED, None)
+        # CacheCheck.of, inline: every step asks (CHECKED as an attribute: getattr is a call).
+        try:
+            check = lengths._mha_multi_checked
+        except AttributeError:
+            return None
         if (
-            check is None
-            or keys is not check.keys()
+            keys is not check.keys()
             or values is not check.values()
             or (keys._version, values._version) != check.versions
             or lengths._version != check.lengths_version
@@ -222,7 +228,9 @@ class PlainRoute:
             return None
         if checked and (check.pending is not None or check.poison is not None):
             return None
-        length = check.uniform
+        length = check._uniform
+        if length == -1:  # (not known yet: CacheCheck.uniform resolves it)
+            length = check.uniform
         # (A check may stand for more positions than are filled: those a GPU's span rounded
         # up to and a read checked.)
         if length is None or length < 1 or check.upto < length or length >= keys.shape[2]:
@@ -338,8 +346,11 @@ class PlainRoute:
                 if cache is not None:
                     # (A step's products: those the layer's linear takes directly.)
                     direct = not needs_float32_copies(queries, layer.output_parameters()[0])
-                    positions = torch.arange(cache.keys.shape[2], device=cache.keys.device)
-                    plain = plain._replace(positions=positions, spans={}, direct=direct)
+                    max_length, device = cache.keys.shape[2], cache.keys.device
+                    visible = torch.arange(2 * max_length, device=device) < max_length
+                    scores = torch.float32 if queries.dtype in SIXTEEN_BIT else queries.dtype
+                    fill = torch.tensor(spec.MASK_VALUE, dtype=scores, device=device)
+                    plain = plain._replace(visible=visible, fill=fill, spans={}, direct=direct)
         if plain is not None and rotary is not None:
             # The generic flow's tables of the same positions (spec.rotary_tables is
             # elementwise: a table's row is that of its position alone).

@@ -19,7 +19,7 @@ import torch
 from mha_multi import spec
 from mha_multi.torch._ops import OPS
 
-__all__ = ["WideTables", "rotate_stacked", "rotate_wide", "wide_tables"]
+__all__ = ["WideTables", "rotate_heads", "rotate_stacked", "rotate_wide", "wide_tables"]
 
 #: ``(C, S)``, each ``(..., head_dim)``: every entry's cosine and signed sine.
 WideTables = tuple[torch.Tensor, torch.Tensor]
@@ -46,16 +46,22 @@ def rotate_wide(
 ) -> torch.Tensor:
     """:func:`mha_multi.spec.rotate` of ``x`` ``(B, T, num_heads * head_dim)`` by
     :func:`wide_tables` (broadcast against ``(B, T, num_heads, head_dim)``)."""
+    return rotate_heads(x.view(*x.shape[:-1], num_heads, head_dim), tables, rotary).flatten(-2)
+
+
+def rotate_heads(heads: torch.Tensor, tables: WideTables, rotary: spec.Rotary) -> torch.Tensor:
+    """:func:`mha_multi.spec.rotate` of ``heads`` ``(..., head_dim)`` by :func:`wide_tables`
+    (broadcast against them), in their dtype."""
     wide_cos, wide_sin = tables
-    dtype = x.dtype
-    heads = x.view(*x.shape[:-1], num_heads, head_dim)
+    dtype = heads.dtype
     if wide_cos.dtype != dtype:  # 16-bit heads rotate in float32, rounded once
         heads = heads.to(wide_cos.dtype)
+    half = heads.shape[-1] // 2
     if rotary.interleaved:
-        swapped = heads.unflatten(-1, (head_dim // 2, 2)).flip(-1).flatten(-2)
+        swapped = heads.unflatten(-1, (half, 2)).flip(-1).flatten(-2)
     else:
-        swapped = heads.roll(head_dim // 2, -1)
-    turned = (heads * wide_cos + swapped * wide_sin).flatten(-2)
+        swapped = heads.roll(half, -1)
+    turned = heads * wide_cos + swapped * wide_sin
     return turned if turned.dtype == dtype else turned.to(dtype)
 
 

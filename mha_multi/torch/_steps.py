@@ -22,7 +22,7 @@ import torch
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, next_lengths, written_step
 from mha_multi.torch._ops import OPS, SIXTEEN_BIT
-from mha_multi.torch._rotary import WideTables, rotate_stacked
+from mha_multi.torch._rotary import WideTables, rotate_heads, rotate_stacked
 
 __all__ = [
     "PlainPlan",
@@ -48,10 +48,13 @@ class PlainPlan(NamedTuple):
     once: of the call's ``arange(Q)`` without a cache, of every position of
     the cache with one (a step takes its row); ``wide_tables`` the same as
     :func:`mha_multi.torch._rotary.wide_tables`, where whole heads rotate.
-    A decoding step's generic plan: ``positions``, the cache's
-    ``arange(max_length)`` where it lies (a step's mask is of them), and
-    ``spans``, each filled length's span (:func:`mha_multi.spec.rounded_span`)
-    as steps meet them, or ``None`` where the generic flow would read
+    A decoding step's generic plan: ``visible``, ``2 * max_length`` booleans
+    where the cache lies, the first half ``True`` (a step's mask of its
+    filled positions is a view of them, :func:`generic_step`), ``fill`` the
+    spec's :data:`~mha_multi.spec.MASK_VALUE` as a 0-d tensor of the scores'
+    dtype there, and ``spans``, each filled length's span
+    (:func:`mha_multi.spec.rounded_span`) as steps meet them (a bucket's
+    lengths at once), or ``None`` where the generic flow would read
     (:func:`mha_multi.spec.reads_values`); ``direct``: its products are the
     product itself (``F.linear``), neither 16-bit off CUDA nor autocast's.
     """
@@ -61,7 +64,8 @@ class PlainPlan(NamedTuple):
     bounded: bool = False
     tables: tuple[torch.Tensor, torch.Tensor] | None = None
     wide_tables: WideTables | None = None
-    positions: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
+    fill: torch.Tensor | None = None
     spans: dict[int, int | None] | None = None
     direct: bool = False
 
@@ -92,32 +96,41 @@ def fused_step(
     # (The layer was called before: its parameters are sized; views of them where packed.)
     stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
     projected = torch.nn.functional.linear(queries, *(stacked or layer.stacked_parameters(queries)))
+    # One query per example: (B, 1, H*dh) is (B, H, 1, dh) as it lies (the queries SDPA
+    # takes), and (B, 1, H_kv*dh) a position of (B, H_kv, max_length, dh) (the rows).
+    batch, num_heads = queries.shape[0], heads.num_heads
+    wide = plan.wide_tables
     if rotary is None:
         q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
         total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
-    else:
-        q, k, v, turned = rotate_stacked(
-            projected, plan.tables, plan.wide_tables, rotary, heads, length
-        )
+        q, k = q.view(batch, num_heads, 1, head_dim), k.view(-1, num_kv_heads, head_dim)
+    elif wide is not None:
+        # Queries' and keys' heads rotated together, (B, H + H_kv, dh), by the rows of
+        # the step's position (rotate_stacked's, on a step's one query).
+        both, v = projected.split_with_sizes((query_width + kv_width, kv_width), -1)
+        both = both.view(batch, num_heads + num_kv_heads, head_dim)
+        turned = rotate_heads(both, (wide[0][length], wide[1][length]), rotary)
         total = turned.sum() + v.sum()
+        q, k = (
+            turned.narrow(1, 0, num_heads).unsqueeze(2),
+            turned.narrow(1, num_heads, num_kv_heads),
+        )
+    else:
+        q, k, v, turned = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
+        total = turned.sum() + v.sum()
+        q, k = q.view(batch, num_heads, 1, head_dim), k.view(-1, num_kv_heads, head_dim)
     # One query sees its keys unmasked (the plan is not bounded): the read is the sum's,
     # finite iff its difference with itself is 0 (inf - inf and NaN are NaN).
     read = total.item()
     if read - read != 0.0:
         return None  # (no gradient here)
-    # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
-    keys.select(2, length).copy_(k.view(-1, num_kv_heads, head_dim))
+    keys.select(2, length).copy_(k)
     values.select(2, length).copy_(v.view(-1, num_kv_heads, head_dim))
     filled = length + 1
     updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
     check.stepped(updated, filled, step)
-    # One query per example: (B, 1, H*dh) is (B, H, 1, dh) as it lies, and back.
-    batch = q.shape[0]
     context = torch.nn.functional.scaled_dot_product_attention(
-        q.view(batch, heads.num_heads, 1, head_dim),
-        keys.narrow(2, 0, filled),
-        values.narrow(2, 0, filled),
-        **plan.arguments,
+        q, keys.narrow(2, 0, filled), values.narrow(2, 0, filled), **plan.arguments
     )
     parameters = modules["W_o"]._parameters
     output = torch.nn.functional.linear(
@@ -146,6 +159,7 @@ def generic_step(
     plan holds.
     """
     heads = layer._heads
+    num_heads, num_kv_heads = heads.num_heads, heads.num_kv_heads
     length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
     if plan.direct:
         modules = layer._modules
@@ -154,16 +168,25 @@ def generic_step(
         projected = torch.nn.functional.linear(queries, weight, bias)
     else:
         projected = layer.project_stacked(queries)  # (16-bit products accumulate in float32)
+    wide = plan.wide_tables
     if rotary is None:
         q, k, v = projected.split_with_sizes(
             (heads.query_features, heads.kv_features, heads.kv_features), -1
         )
+    elif wide is not None:  # (as fused_step rotates: (B, H + H_kv, dh), one query each)
+        both, v = projected.split_with_sizes(
+            (heads.query_features + heads.kv_features, heads.kv_features), -1
+        )
+        both = both.view(-1, num_heads + num_kv_heads, heads.head_dim)
+        turned = rotate_heads(both, (wide[0][length], wide[1][length]), rotary)
+        q, k = turned.narrow(1, 0, num_heads), turned.narrow(1, num_heads, num_kv_heads)
     else:
-        q, k, v, _ = rotate_stacked(projected, plan.tables, plan.wide_tables, rotary, heads, length)
+        q, k, v, _ = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
     keys, values, updated = written_step(cache, check, k, v, heads, step, span=span, checked=False)
-    # Every example holds length + 1 positions now: the spec's mask of its lengths.
-    visible = plan.positions.narrow(0, 0, span) < length + 1
-    context = step_attention(q, keys, values, visible, heads)
+    # Every example holds length + 1 positions now: the spec's mask of its lengths,
+    # position j visible iff j < length + 1, is the plan's pattern from max_length - j.
+    visible = plan.visible.narrow(0, cache.keys.shape[2] - length - 1, span)
+    context = step_attention(q, keys, values, visible, heads, plan.fill)
     return call.Result(project_output(layer, context, plan.direct), None, updated)
 
 
@@ -182,23 +205,26 @@ def step_attention(
     values: torch.Tensor,
     visible: torch.Tensor,
     heads: spec.Heads,
+    fill: torch.Tensor | float = spec.MASK_VALUE,
 ) -> torch.Tensor:
     """:func:`mha_multi.spec.attention` of one query per example over a cache's positions,
     to its numbers (:func:`heads_attention` of a cache's heads).
 
     Args:
-        q: the queries ``(B, 1, H*dh)``.
+        q: the queries ``(B, 1, H*dh)`` or ``(B, H, dh)``.
         keys, values: the positions attended over ``(B, H_kv, S, dh)``.
         visible: which positions each query sees, booleans broadcastable to ``(B, H, 1, S)``.
         heads: the layer's heads.
+        fill: :data:`mha_multi.spec.MASK_VALUE`, or it as a 0-d tensor of the scores'
+            dtype (made once: a Python number is made a tensor at every call).
 
     Returns:
         The heads' context ``(B, 1, H*dh)``.
     """
     batch, num_kv_heads, head_dim = q.shape[0], heads.num_kv_heads, heads.head_dim
-    # One query: the spec's grouped layout (B*H_kv, G*1, dh) is a view of (B, 1, H*dh).
+    # One query: the spec's grouped layout (B*H_kv, G*1, dh) is the heads in order.
     grouped_q = q.reshape(batch * num_kv_heads, heads.num_heads // num_kv_heads, head_dim)
-    context = _attend(grouped_q, keys.flatten(0, 1), values.flatten(0, 1), visible, heads, 1)
+    context = _attend(grouped_q, keys.flatten(0, 1), values.flatten(0, 1), visible, heads, 1, fill)
     return context.reshape(batch, 1, heads.query_features)
 
 
@@ -248,10 +274,12 @@ def _attend(
     visible: torch.Tensor | None,
     heads: spec.Heads,
     num_queries: int,
+    fill: torch.Tensor | float = spec.MASK_VALUE,
 ) -> torch.Tensor:
     """The spec's grouped attention of ``(B*H_kv, G*Q, dh)`` queries over ``(B*H_kv, K, dh)``
-    keys and values: scaled scores, the masked softmax of their ``(B, H, Q, K)`` view,
-    and the weights' product with the values ``(B*H_kv, G*Q, dh)``."""
+    keys and values: scaled scores, the masked softmax of their ``(B, H, Q, K)`` view
+    (hidden scores replaced by ``fill``), and the weights' product with the values
+    ``(B*H_kv, G*Q, dh)``."""
     num_keys, head_dim = k.shape[1], heads.head_dim
     low = grouped_q.dtype in SIXTEEN_BIT
     if low:  # (16-bit heads: float32 scores, spec.scaled_scores)
@@ -259,7 +287,7 @@ def _attend(
     scores = torch.matmul(grouped_q, k.transpose(-1, -2)) / math.sqrt(head_dim)
     scores = scores.view(-1, heads.num_heads, num_queries, num_keys)
     if visible is not None:
-        scores = torch.where(visible, scores, spec.MASK_VALUE)
+        scores = torch.where(visible, scores, fill)
     weights = torch.softmax(scores, dim=-1).view(k.shape[0], -1, num_keys)
     # (16-bit weights: rounded once, their product as the spec's adapter takes it.)
     return OPS.matmul(weights.to(v.dtype), v) if low else torch.matmul(weights, v)
