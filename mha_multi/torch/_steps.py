@@ -284,10 +284,11 @@ def _attend(
     low = grouped_q.dtype in SIXTEEN_BIT
     if low:  # (16-bit heads: float32 scores, spec.scaled_scores)
         grouped_q, k = grouped_q.float(), k.float()
-    scores = torch.matmul(grouped_q, k.transpose(-1, -2)) / math.sqrt(head_dim)
+    # (bmm: the product torch.matmul makes of two batches alike, without its reshapes.)
+    scores = torch.bmm(grouped_q, k.transpose(-1, -2)) / math.sqrt(head_dim)
     scores = scores.view(-1, heads.num_heads, num_queries, num_keys)
     if visible is not None:
         scores = torch.where(visible, scores, fill)
     weights = torch.softmax(scores, dim=-1).view(k.shape[0], -1, num_keys)
     # (16-bit weights: rounded once, their product as the spec's adapter takes it.)
-    return OPS.matmul(weights.to(v.dtype), v) if low else torch.matmul(weights, v)
+    return OPS.matmul(weights.to(v.dtype), v) if low else torch.bmm(weights, v)
