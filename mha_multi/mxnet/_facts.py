@@ -373,7 +373,8 @@ class MXNetFacts(call.Facts):
         dtype: Any,
         rotary: spec.Rotary | None = None,
     ) -> call.Result | None:
-        """An imperative call's plan for its signature (:func:`mha_multi.mxnet._plain.plain_attention`)."""
+        """An imperative call run by its signature's plan
+        (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``."""
         return plain_attention(
             self, layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary
         )

@@ -50,9 +50,7 @@ Layout = tuple[tuple[Any, tuple[int, ...]], ...]
 PLANS_PER_LAYER = 16
 
 #: Plans by layer, then by signature; ``None`` for a signature the route does not take.
-_PLANS: weakref.WeakKeyDictionary[Any, dict[tuple, PlainPlan | None]] = (
-    weakref.WeakKeyDictionary()
-)
+_PLANS: weakref.WeakKeyDictionary[Any, dict[tuple, PlainPlan | None]] = weakref.WeakKeyDictionary()
 #: What :func:`_plan` answers where a plan cannot be made yet (deferred sizes).
 _NOT_YET = object()
 
@@ -64,7 +62,8 @@ class PlainPlan(NamedTuple):
     #: parameters, their arrays looked up at each call.
     projections: tuple[tuple[Any, Any, int], ...]
     num_heads: int
-    #: ``sqrt(head_dim)``, the queries' divisor (:func:`mha_multi.mxnet._kernel.sequence_mask_attention`).
+    #: ``sqrt(head_dim)``: the queries' divisor, as in
+    #: :func:`mha_multi.mxnet._kernel.sequence_mask_attention`.
     scale: float
     #: ``(B, T, H + H_kv, 2, dh / 2)``: the queries' and keys' heads, halves apart,
     #: rotated side by side; ``None`` without a rotation.
@@ -182,7 +181,7 @@ def _plan(
     causal: bool,
     dtype: np.dtype,
     rotary: spec.Rotary | None,
-) -> PlainPlan | None | object:
+) -> PlainPlan | object | None:
     """The plan of a call's signature after the generic flow's checks (which raise its
     errors); ``None`` for a signature the route does not take, :data:`_NOT_YET`
     while an input size is deferred."""
@@ -272,7 +271,9 @@ def _project(x: Array, projection: tuple[Any, Any, int], ctx: mx.Context) -> Arr
     )
 
 
-def _rotated(plan: PlainPlan, q: Array, k: Array, tables: tuple[Array, Array]) -> tuple[Array, Array]:
+def _rotated(
+    plan: PlainPlan, q: Array, k: Array, tables: tuple[Array, Array]
+) -> tuple[Array, Array]:
     """``q`` and ``k`` rotated side by side (:func:`mha_multi.spec.rotate`'s numbers).
 
     ``x1 cos - x2 sin`` and ``x2 cos + x1 sin`` are the two halves of ``x *
@@ -288,8 +289,11 @@ def _rotated(plan: PlainPlan, q: Array, k: Array, tables: tuple[Array, Array]) -
 
 
 def _context(plan: PlainPlan, q: Array, k: Array, v: Array) -> Array:
-    """The fused route's attention (:func:`mha_multi.mxnet._kernel.sequence_mask_attention`):
-    ``q`` as projected or rotated, ``k`` and ``v`` ``(B*H_kv, K, dh)``; the heads' ``(B, T, H*dh)``."""
+    """The fused route's attention (:func:`mha_multi.mxnet._kernel.sequence_mask_attention`).
+
+    ``q`` as projected or rotated, ``k`` and ``v`` ``(B*H_kv, K, dh)``; returns
+    the heads' context ``(B, T, H*dh)``.
+    """
     q = _relaid(_npi.true_divide_scalar(q, plan.scale), plan.queries)
     scores = mx.npx.batch_dot(q, k, transpose_b=True)
     if plan.mask_lengths is not None:
@@ -344,7 +348,10 @@ def _step(
     if span < max_length:
         held_keys, held_values = facts.cache_prefix(keys, values, span)
     # (B, H_kv, span, dh) -> (B*H_kv, span, dh)
-    held_keys, held_values = mx.npx.reshape(held_keys, (-5, -4)), mx.npx.reshape(held_values, (-5, -4))
+    held_keys, held_values = (
+        mx.npx.reshape(held_keys, (-5, -4)),
+        mx.npx.reshape(held_values, (-5, -4)),
+    )
     output = _project(_context(plan, q, held_keys, held_values), projections[3], ctx)
     new_lengths = _npi.add_scalar(lengths, float(num_new))
     return call.Result(output, None, spec.KVCache(keys, values, new_lengths))
