@@ -130,8 +130,9 @@ def plain_attention(
     """Plain self-attention by the plan of its signature, or ``None`` (the generic flow).
 
     Taken by an imperative layer (not hybridized) for a call that records
-    nothing, of ``mxnet.numpy`` arrays; with a cache, a
-    :class:`mha_multi.spec.KVCache` of them (see the module's docstring).
+    nothing (nor, with dropout, runs in training mode), of ``mxnet.numpy``
+    arrays; with a cache, a :class:`mha_multi.spec.KVCache` of them (see the
+    module's docstring).
 
     Args:
         facts: MXNet's facts (their checks, :meth:`~mha_multi.call.Facts.finite_past`
@@ -145,6 +146,8 @@ def plain_attention(
     """
     if layer._active or type(queries) is not mx.np.ndarray or mx.autograd.is_recording():
         return None
+    if layer.dropout and mx.autograd.is_training():
+        return None  # npx.dropout acts in training mode, recorded or not
     ctx = queries.ctx
     key: tuple[Any, ...] = (queries.shape, queries.dtype, ctx, causal, dtype, rotary)
     if cache is not None:

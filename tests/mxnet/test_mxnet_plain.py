@@ -98,11 +98,17 @@ def test_decoding_steps_run_their_plan_and_still_read_the_lengths():
     np.testing.assert_allclose(output.asnumpy(), expected, rtol=0, atol=ATOL)
 
 
-def test_hybridized_and_recorded_calls_keep_no_plan():
+def test_hybridized_recorded_and_dropping_calls_keep_no_plan():
     layer, weights = layer_and_weights(5)
     rows = native(np.random.default_rng(5).standard_normal((1, 3, 16)))
     with autograd.record():
         layer(rows, rows, rows)
+    dropping = set_weights(MultiHeadAttention(16, 4, 0.5, num_kv_heads=2, bias=True), weights)
+    with autograd.train_mode():  # npx.dropout acts: the generic flow's own
+        dropping(rows, rows, rows)
+    assert plans_of(dropping) == {}
+    dropping(rows, rows, rows)  # in inference mode dropout does nothing: the plan
+    assert len(plans_of(dropping)) == 1
     layer.hybridize()
     output = layer(rows, rows, rows)
     assert plans_of(layer) == {}
