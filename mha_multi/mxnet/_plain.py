@@ -160,7 +160,10 @@ def plain_attention(
     plans = _PLANS.get(layer)
     if plans is None:
         plans = _PLANS[layer] = {}
-    plan = plans.get(key, _NOT_YET)
+    try:
+        plan = plans.get(key, _NOT_YET)
+    except TypeError:  # a rotation whose fields cannot be hashed: the generic flow
+        return None
     if plan is _NOT_YET:
         plan = _plan(facts, layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary)
         if plan is _NOT_YET:
@@ -171,7 +174,7 @@ def plain_attention(
     if plan is None:
         return None
     if cache is None:
-        return call.Result(_attend(plan, queries, ctx, plan.tables), None, None)
+        return call.Result(_attend(plan, queries, ctx), None, None)
     return _step(facts, plan, queries, cache, ctx)
 
 
@@ -312,14 +315,14 @@ def _context(plan: PlainPlan, q: Array, k: Array, v: Array) -> Array:
     return _relaid(mx.npx.batch_dot(weights, v), plan.output)
 
 
-def _attend(plan: PlainPlan, queries: Array, ctx: mx.Context, tables: Any) -> Array:
+def _attend(plan: PlainPlan, queries: Array, ctx: mx.Context) -> Array:
     """The output of a call without a cache."""
     projections = plan.projections
     q = _project(queries, projections[0], ctx)
     k = _project(queries, projections[1], ctx)
     v = _project(queries, projections[2], ctx)
-    if tables is not None:
-        q, k = _rotated(plan, q, k, tables)
+    if plan.tables is not None:
+        q, k = _rotated(plan, q, k, plan.tables)
     context = _context(plan, q, _relaid(k, plan.keys), _relaid(v, plan.values))
     return _project(context, projections[3], ctx)
 
