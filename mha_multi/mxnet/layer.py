@@ -62,7 +62,9 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
     (:mod:`mha_multi.mxnet._graph`); the numbers are those of the imperative
     mode. Dropout acts only in training mode (``autograd.record()``). Calls
     that do not ask for the attention weights take a faster route to the
-    same numbers (:mod:`mha_multi.mxnet._kernel`).
+    same numbers (:mod:`mha_multi.mxnet._kernel`); plain self-attention
+    called imperatively runs it by a plan made once per signature
+    (:mod:`mha_multi.mxnet._plain`; docs: "Fast paths").
 
     float16 products are taken in float32 and rounded once, on every device.
     Inputs with no batch, no queries or no keys are answered without a

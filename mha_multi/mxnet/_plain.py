@@ -1,0 +1,363 @@
+"""MXNet's route for plain self-attention called imperatively: one plan per signature.
+
+A call whose queries are its keys and values and that asks for nothing else
+(:func:`mha_multi.call.plain_self_attention`), made imperatively with nothing
+recorded, is offered to :func:`plain_attention` before any check (docs:
+"Fast paths"). The first call of a signature (the queries' shape, dtype and
+device, ``causal``, the layer's dtype and rotation, a cache's arrays) runs
+the generic flow's checks, which raise its errors, and makes a
+:class:`PlainPlan`: the layouts as concrete reshapes (a transpose that moves
+no data left out), a causal call's mask lengths, the rotary tables. Every
+call of that signature then runs the fused route's operations
+(:mod:`mha_multi.mxnet._kernel`) on the same arrays: the projections, the
+rotation, the scaled queries' ``batch_dot``, ``softmax`` and ``batch_dot``,
+the output projection, so the numbers are the generic flow's to the bit.
+
+A decoding step (new positions appended to a cache, one per example, or
+several without the causal rule) still reads the cache's lengths and the
+values past the filled positions at every call, as the generic flow does: a
+ragged batch, a cache without room, negative lengths or a non-finite value
+past the filled positions return ``None`` before anything is written, and
+the generic flow checks and runs the call. The step writes its rows into the
+cache's arrays and attends over the filled positions, as the generic flow
+does for a call that records nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, NamedTuple
+
+import mxnet as mx
+import numpy as np
+
+# MXNet's registered numpy operators: those ``q / s``, ``a * b``, ``a + b``
+# and ``np.flip`` reach, without the Python dispatch in front of them (some
+# 15 function calls an operation: docs "Results", calls per call).
+from mxnet.ndarray.numpy import _internal as _npi
+
+from mha_multi import call, spec
+from mha_multi.call.rotary_tables import kept_tables
+
+__all__ = ["PLANS_PER_LAYER", "PlainPlan", "layout", "plain_attention", "plans_of"]
+
+Array = Any
+#: A change of layout: ``(operation, shape or axes)`` steps, each ``mx.npx.reshape``
+#: or ``mx.np.transpose``.
+Layout = tuple[tuple[Any, tuple[int, ...]], ...]
+#: How many signatures' plans a layer keeps, the oldest dropped first.
+PLANS_PER_LAYER = 16
+
+#: Plans by layer, then by signature; ``None`` for a signature the route does not take.
+_PLANS: weakref.WeakKeyDictionary[Any, dict[tuple, PlainPlan | None]] = weakref.WeakKeyDictionary()
+#: What :func:`_plan` answers where a plan cannot be made yet (deferred sizes).
+_NOT_YET = object()
+
+
+class PlainPlan(NamedTuple):
+    """What every plain call of one signature runs (:func:`plain_attention`)."""
+
+    #: ``(weight, bias, units)`` of ``W_q``, ``W_k``, ``W_v`` and ``W_o``: Gluon
+    #: parameters, their arrays looked up at each call.
+    projections: tuple[tuple[Any, Any, int], ...]
+    num_heads: int
+    #: ``sqrt(head_dim)``: the queries' divisor, as in
+    #: :func:`mha_multi.mxnet._kernel.sequence_mask_attention`.
+    scale: float
+    #: ``(B, T, H + H_kv, 2, dh / 2)``: the queries' and keys' heads, halves apart,
+    #: rotated side by side; ``None`` without a rotation.
+    rotated: tuple[int, ...] | None
+    #: ``(cos, sign * sin)``, each ``(positions, 1, 2, dh / 2)``: the two halves' factors
+    #: (every position of a cache, else the call's); ``None`` without a rotation.
+    tables: tuple[Array, Array] | None
+    #: The queries (projected or rotated) to ``(B*H_kv, G*T, dh)``, the spec's grouped layout.
+    queries: Layout
+    #: The keys (projected or rotated) to ``(B*H_kv, T, dh)``; with a cache to
+    #: ``(B, H_kv, T, dh)``, the rows written.
+    keys: Layout
+    #: The values, as the keys.
+    values: Layout
+    #: The context ``(B*H_kv, G*T, dh)`` to ``(B, T, H*dh)``.
+    output: Layout
+    #: A causal call's ``sequence_mask`` lengths, one per row of the scores; ``None``
+    #: where nothing is hidden.
+    mask_lengths: Array | None
+    #: The scores' shape ``(B*H_kv, G*T, K)`` (without a cache).
+    scores: tuple[int, ...]
+    #: ``T``: the call's new positions.
+    num_new: int
+    #: With a cache, its ``max_length``; ``None`` without one.
+    max_length: int | None
+
+
+def layout(
+    shape: tuple[int, ...], split: tuple[int, ...], axes: tuple[int, ...], merged: tuple[int, ...]
+) -> Layout:
+    """``shape`` reshaped to ``split``, transposed by ``axes`` and reshaped to ``merged``.
+
+    The transpose is left out where it moves no data (only axes of size 1
+    change places), and so is a reshape that keeps the shape.
+    """
+    moved = [axis for axis in axes if split[axis] != 1]
+    if moved == sorted(moved):
+        return () if merged == shape else ((mx.npx.reshape, merged),)
+    steps = () if split == shape else ((mx.npx.reshape, split),)
+    return (*steps, (mx.np.transpose, axes), (mx.npx.reshape, merged))
+
+
+def _relaid(x: Array, steps: Layout) -> Array:
+    for operation, argument in steps:
+        x = operation(x, argument)
+    return x
+
+
+def plans_of(layer: Any) -> dict[tuple, PlainPlan | None]:
+    """The plans ``layer`` keeps, by signature (``None``: a signature the route does not take)."""
+    return _PLANS.get(layer, {})
+
+
+def plain_attention(
+    facts: call.Facts,
+    layer: Any,
+    queries: Any,
+    cache: Any,
+    *,
+    causal: bool,
+    dtype: np.dtype,
+    rotary: spec.Rotary | None,
+) -> call.Result | None:
+    """Plain self-attention by the plan of its signature, or ``None`` (the generic flow).
+
+    Taken by an imperative layer (not hybridized) for a call that records
+    nothing (nor, with dropout, runs in training mode), of ``mxnet.numpy``
+    arrays; with a cache, a :class:`mha_multi.spec.KVCache` of them (see the
+    module's docstring).
+
+    Args:
+        facts: MXNet's facts (their checks, :meth:`~mha_multi.call.Facts.finite_past`
+            and :meth:`~mha_multi.call.Facts.cache_prefix`).
+        layer: the :class:`mha_multi.mxnet.MultiHeadAttention`.
+        queries: the call's queries, which are its keys and values.
+        cache: the call's cache, unchecked, or ``None``.
+        causal: the call's flag (a bool).
+        dtype: the layer's dtype.
+        rotary: the layer's rotation (its one option), or ``None``.
+    """
+    if layer._active or type(queries) is not mx.np.ndarray or mx.autograd.is_recording():
+        return None
+    if layer.dropout and mx.autograd.is_training():
+        return None  # npx.dropout acts in training mode, recorded or not
+    ctx = queries.ctx
+    key: tuple[Any, ...] = (queries.shape, queries.dtype, ctx, causal, dtype, rotary)
+    if cache is not None:
+        if type(cache) is not spec.KVCache:
+            return None
+        for x in cache:
+            if type(x) is not mx.np.ndarray:
+                return None
+            key += (x.shape, x.dtype, x.ctx)
+    plans = _PLANS.get(layer)
+    if plans is None:
+        plans = _PLANS[layer] = {}
+    try:
+        plan = plans.get(key, _NOT_YET)
+    except TypeError:  # a rotation whose fields cannot be hashed: the generic flow
+        return None
+    if plan is _NOT_YET:
+        plan = _plan(facts, layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary)
+        if plan is _NOT_YET:
+            return None
+        if len(plans) >= PLANS_PER_LAYER:
+            del plans[next(iter(plans))]
+        plans[key] = plan
+    if plan is None:
+        return None
+    if cache is None:
+        return call.Result(_attend(plan, queries, ctx), None, None)
+    return _step(facts, plan, queries, cache, ctx)
+
+
+def _plan(
+    facts: call.Facts,
+    layer: Any,
+    queries: Any,
+    cache: spec.KVCache | None,
+    *,
+    causal: bool,
+    dtype: np.dtype,
+    rotary: spec.Rotary | None,
+) -> PlainPlan | object | None:
+    """The plan of a call's signature after the generic flow's checks (which raise its
+    errors); ``None`` for a signature the route does not take, :data:`_NOT_YET`
+    while an input size is deferred."""
+    if cache is None:
+        call.check_call(facts, layer, queries, queries, queries, None, causal=causal, dtype=dtype)
+    else:
+        call.check_cached_call(
+            facts, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
+        )
+    if None in layer.input_sizes().values():
+        return _NOT_YET  # the generic flow's first call fixes them
+    batch, num_new = queries.shape[:2]
+    heads = layer.heads
+    dh, kv_heads, group = heads.head_dim, heads.num_kv_heads, heads.group_size
+    if dtype.itemsize < 4 or 0 in (batch, num_new):
+        return None  # 16-bit products in float32, or an empty call: the generic flow
+    if rotary is not None and (
+        rotary.interleaved or rotary.depends_on_length or rotary.dim(dh) != dh
+    ):
+        return None
+    max_length = None
+    if cache is not None:
+        if (causal and num_new > 1) or np.dtype(cache.lengths.dtype) != np.int32:
+            return None  # a causal chunk needs a mask per query; lengths are made int32
+        max_length = cache.keys.shape[2]
+    units = {"q": heads.query_features, "k": heads.kv_features, "v": heads.kv_features}
+    units["o"] = layer.num_hiddens
+    projections = []
+    for name, width in units.items():
+        dense = getattr(layer, f"W_{name}")
+        projections.append((dense.weight, dense.bias, width))
+    half = (2, dh // 2)
+    split = (batch, num_new, kv_heads, dh)
+    rotated = tables = None
+    if rotary is not None:
+        rotated = (batch, num_new, heads.num_heads + kv_heads, *half)
+        count = num_new if max_length is None else max_length
+        cos, sin = kept_tables(facts.ops(queries), queries, queries.ctx, rotary, dh, count)
+        tables = (mx.np.stack([cos, cos], axis=2), mx.np.stack([-sin, sin], axis=2))
+    v_shape = (batch, num_new, heads.kv_features)
+    q_shape, k_shape = (batch, num_new, heads.query_features), v_shape
+    if rotary is not None:
+        q_shape, k_shape = (batch, num_new, heads.num_heads, *half), (*split[:3], *half)
+    rows = (batch * kv_heads, num_new, dh) if cache is None else (batch, kv_heads, num_new, dh)
+    mask_lengths = None
+    if causal and num_new > 1:
+        lengths = np.tile(np.arange(1, num_new + 1, dtype=np.int32), batch * heads.num_heads)
+        mask_lengths = mx.np.array(lengths, dtype=np.int32, ctx=queries.ctx)
+    return PlainPlan(
+        projections=tuple(projections),
+        num_heads=heads.num_heads,
+        scale=math.sqrt(dh),
+        rotated=rotated,
+        tables=tables,
+        queries=layout(
+            q_shape,
+            (batch, num_new, kv_heads, group, dh),
+            (0, 2, 3, 1, 4),
+            (batch * kv_heads, group * num_new, dh),
+        ),
+        keys=layout(k_shape, split, (0, 2, 1, 3), rows),
+        values=layout(v_shape, split, (0, 2, 1, 3), rows),
+        output=layout(
+            (batch * kv_heads, group * num_new, dh),
+            (batch, kv_heads, group, num_new, dh),
+            (0, 3, 1, 2, 4),
+            (batch, num_new, heads.query_features),
+        ),
+        mask_lengths=mask_lengths,
+        scores=(batch * kv_heads, group * num_new, num_new),
+        num_new=num_new,
+        max_length=max_length,
+    )
+
+
+def _project(x: Array, projection: tuple[Any, Any, int], ctx: mx.Context) -> Array:
+    """``W x + b`` as :class:`mha_multi.mxnet._projections.Projections` computes it (float32
+    and float64: the plans take no 16-bit layer)."""
+    weight, bias, units = projection
+    return mx.npx.fully_connected(
+        x,
+        weight.data(ctx),
+        None if bias is None else bias.data(ctx),
+        no_bias=bias is None,
+        num_hidden=units,
+        flatten=False,
+    )
+
+
+def _rotated(
+    plan: PlainPlan, q: Array, k: Array, tables: tuple[Array, Array]
+) -> tuple[Array, Array]:
+    """``q`` and ``k`` rotated side by side (:func:`mha_multi.spec.rotate`'s numbers).
+
+    ``x1 cos - x2 sin`` and ``x2 cos + x1 sin`` are the two halves of ``x *
+    [cos, cos] + flip(x) * [-sin, sin]``: the same products, and ``a + (-b)``
+    is ``a - b`` to the bit.
+    """
+    cos, sin = tables
+    both = mx.npx.reshape(_npi.concatenate(q, k, axis=2), plan.rotated)
+    turned = _npi.add(_npi.multiply(both, cos), _npi.multiply(_npi.flip(both, axis=3), sin))
+    heads = plan.num_heads
+    q = mx.npx.slice(turned, (None, None, 0), (None, None, heads))
+    return q, mx.npx.slice(turned, (None, None, heads), (None, None, None))
+
+
+def _context(plan: PlainPlan, q: Array, k: Array, v: Array) -> Array:
+    """The fused route's attention (:func:`mha_multi.mxnet._kernel.sequence_mask_attention`).
+
+    ``q`` as projected or rotated, ``k`` and ``v`` ``(B*H_kv, K, dh)``; returns
+    the heads' context ``(B, T, H*dh)``.
+    """
+    q = _relaid(_npi.true_divide_scalar(q, plan.scale), plan.queries)
+    scores = mx.npx.batch_dot(q, k, transpose_b=True)
+    if plan.mask_lengths is not None:
+        masked = mx.npx.sequence_mask(
+            mx.npx.reshape(scores, (-5, -2)),
+            plan.mask_lengths,
+            use_sequence_length=True,
+            value=spec.MASK_VALUE,
+            axis=1,
+        )
+        scores = mx.npx.reshape(masked, plan.scores)
+    weights = mx.npx.softmax(scores, axis=-1)
+    return _relaid(mx.npx.batch_dot(weights, v), plan.output)
+
+
+def _attend(plan: PlainPlan, queries: Array, ctx: mx.Context) -> Array:
+    """The output of a call without a cache."""
+    projections = plan.projections
+    q = _project(queries, projections[0], ctx)
+    k = _project(queries, projections[1], ctx)
+    v = _project(queries, projections[2], ctx)
+    if plan.tables is not None:
+        q, k = _rotated(plan, q, k, plan.tables)
+    context = _context(plan, q, _relaid(k, plan.keys), _relaid(v, plan.values))
+    return _project(context, projections[3], ctx)
+
+
+def _step(
+    facts: call.Facts, plan: PlainPlan, queries: Array, cache: spec.KVCache, ctx: mx.Context
+) -> call.Result | None:
+    """A decoding step: its rows written into the cache, attention over the filled positions."""
+    keys, values, lengths = cache
+    read = lengths.asnumpy()
+    start, num_new, max_length = int(read[0]), plan.num_new, plan.max_length
+    span = start + num_new
+    if start < 0 or span > max_length or not (read == start).all():
+        return None  # the generic flow refuses it, or writes a ragged batch
+    if span < max_length and not facts.finite_past(keys, values, span):
+        return None  # the generic flow attends over every position
+    projections = plan.projections
+    q = _project(queries, projections[0], ctx)
+    k = _project(queries, projections[1], ctx)
+    v = _project(queries, projections[2], ctx)
+    if plan.tables is not None:
+        cos, sin = plan.tables
+        rows = mx.npx.slice(cos, (start,), (span,)), mx.npx.slice(sin, (start,), (span,))
+        q, k = _rotated(plan, q, k, rows)
+    begin, end, step = (None, None, start, None), (None, None, span, None), (None,) * 4
+    keys.slice_assign(_relaid(k, plan.keys), begin, end, step)
+    values.slice_assign(_relaid(v, plan.values), begin, end, step)
+    held_keys, held_values = keys, values
+    if span < max_length:
+        held_keys, held_values = facts.cache_prefix(keys, values, span)
+    # (B, H_kv, span, dh) -> (B*H_kv, span, dh)
+    held_keys, held_values = (
+        mx.npx.reshape(held_keys, (-5, -4)),
+        mx.npx.reshape(held_values, (-5, -4)),
+    )
+    output = _project(_context(plan, q, held_keys, held_values), projections[3], ctx)
+    new_lengths = _npi.add_scalar(lengths, float(num_new))
+    return call.Result(output, None, spec.KVCache(keys, values, new_lengths))
