@@ -70,6 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated layers to generate with, of plain, grouped (8/2 heads) and llama"
         " (8/2 heads, rotary) (default: all three)",
     )
+    run.add_argument(
+        "--executions",
+        help="comma-separated ways of executing the generation rows, of those the backend"
+        " has (default, eager, compiled, imperative; default: every one)",
+    )
     run.add_argument("backends", nargs="+", choices=sorted(BENCHMARKS))
     report = commands.add_parser("report", help="print and write report.md from results")
     report.add_argument("--results", required=True)
@@ -150,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kwargs["devices"] = args.devices.split(",")
             if args.ways:
                 kwargs["generation_ways"] = args.ways.split(",")
+            if args.executions:
+                kwargs["generation_executions"] = args.executions.split(",")
             if args.layers:
                 kwargs["generation_layers"] = args.layers.split(",")
                 unknown = set(kwargs["generation_layers"]) - {"plain", "grouped", "llama"}

@@ -61,6 +61,7 @@ def run(
     devices: Sequence[str] | None = None,
     generation_ways: Sequence[str] | None = None,
     generation_layers: Sequence[str] | None = None,
+    generation_executions: Sequence[str] | None = None,
     host_blocks: int = 40,
     calls: bool = True,
     packed_sequences: int = 32,
@@ -99,6 +100,11 @@ def run(
         generation_layers: the layers to generate with, of ``"plain"``,
             ``"grouped"`` and ``"llama"`` (:func:`generation_shapes`); ``None``
             for all three.
+        generation_executions: the ways of executing the generation rows, named
+            as the framework's ``generation_executions`` (``"compiled"``, ``"eager"``,
+            ``"imperative"``; ``"default"`` for its first execution, where that is
+            ``None``), ``None`` for every one: a compiled row alone, where the eager
+            one takes long.
         host_blocks: the blocks of calls each host row's time is the median
             of (:func:`~mha_multi.bench.host.time_host`; CPU, frameworks with
             a hand-written one-token call); 0 for no host rows.
@@ -154,6 +160,8 @@ def run(
                 )
             if generation is not None:
                 executions = framework.generation_executions or framework.executions[:1]
+                if generation_executions is not None:
+                    executions = _chosen(framework, executions, generation_executions)
                 layers = generation_shapes(generation, num_kv_heads)
                 for name, shape in layers.items():
                     if generation_layers is not None and name not in generation_layers:
@@ -191,3 +199,17 @@ def run(
             if rows or execution in framework.executions
         ]
     return results
+
+
+def _chosen(
+    framework: Framework, executions: Sequence[str | None], names: Sequence[str]
+) -> list[str | None]:
+    """Those of ``executions`` (the generation rows') that ``names`` name (``None`` as
+    ``"default"``); raises ``ValueError`` for a name the framework has not."""
+    named = {e or "default": e for e in executions}
+    if not set(names) <= set(named):
+        raise ValueError(
+            f"generation_executions: {sorted(names)}, expected some of {sorted(named)}"
+            f" ({framework.label(None)}'s)"
+        )
+    return [named[name] for name in named if name in names]

@@ -38,3 +38,20 @@ def test_the_packed_rows_batch_leaves_most_padded_positions_empty():
     assert pack([3, 2, 2, 1], 4) == [[3, 1], [2, 2]]
     ids = batch.segment_ids()
     assert ids.shape == (len(rows), 512) and (ids >= 0).sum() == sum(lengths)
+
+
+def test_executions_choose_the_generation_rows_the_framework_has():
+    from mha_multi.bench.driver import _chosen
+
+    class Framework:
+        @staticmethod
+        def label(execution):
+            return "keras-jax" if execution is None else f"keras-jax ({execution})"
+
+    assert _chosen(Framework, ("eager", "compiled"), ["compiled"]) == ["compiled"]
+    assert _chosen(Framework, (None, "imperative"), ["imperative", "default"]) == [
+        None,
+        "imperative",
+    ]
+    with pytest.raises(ValueError, match=r"expected some of \['compiled', 'eager'\]"):
+        _chosen(Framework, ("eager", "compiled"), ["hybridized"])
