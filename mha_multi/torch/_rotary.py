@@ -19,7 +19,7 @@ import torch
 from mha_multi import spec
 from mha_multi.torch._ops import OPS
 
-__all__ = ["WideTables", "rotate_heads", "rotate_stacked", "rotate_wide", "wide_tables"]
+__all__ = ["WideTables", "rotate_heads", "rotate_stacked", "wide_tables"]
 
 #: ``(C, S)``, each ``(..., head_dim)``: every entry's cosine and signed sine.
 WideTables = tuple[torch.Tensor, torch.Tensor]
@@ -39,14 +39,6 @@ def wide_tables(
             torch.stack([-sin, sin], -1).flatten(-2),
         )
     return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # pairs (i, i + dim / 2)
-
-
-def rotate_wide(
-    x: torch.Tensor, tables: WideTables, rotary: spec.Rotary, num_heads: int, head_dim: int
-) -> torch.Tensor:
-    """:func:`mha_multi.spec.rotate` of ``x`` ``(B, T, num_heads * head_dim)`` by
-    :func:`wide_tables` (broadcast against ``(B, T, num_heads, head_dim)``)."""
-    return rotate_heads(x.view(*x.shape[:-1], num_heads, head_dim), tables, rotary).flatten(-2)
 
 
 def rotate_heads(heads: torch.Tensor, tables: WideTables, rotary: spec.Rotary) -> torch.Tensor:
@@ -92,6 +84,7 @@ def rotate_stacked(
     if wide is None:
         both = spec.rotate(OPS, both, None, rotary, all_heads, heads.head_dim, tables=rows)
     else:
-        both = rotate_wide(both, rows, rotary, all_heads, heads.head_dim)
+        heads_of = both.view(*both.shape[:-1], all_heads, heads.head_dim)
+        both = rotate_heads(heads_of, rows, rotary).flatten(-2)
     q, k = both.split_with_sizes((query_width, kv_width), -1)
     return q, k, v, both
