@@ -187,6 +187,10 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
         """The head layout (docs: "The spec")."""
         return spec.Heads(self.num_heads, self.num_kv_heads, self.head_dim)
 
+    def _load_canonical(self, weights: Mapping[str, Any]) -> MultiHeadAttention:
+        # (FromCanonical.from_canonical's load: the module's set_weights.)
+        return set_weights(self, weights)
+
     def init_cache(
         self, batch_size: int, max_length: int, dtype: DTypeLike | None = None
     ) -> spec.KVCache:
@@ -403,7 +407,3 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
     numpy floating dtypes only); every other dtype is kept.
     """
     return {name: host_array(value) for name, value in layer.params().items()}
-
-
-# MultiHeadAttention.from_canonical(weights, **kwargs) loads through set_weights.
-MultiHeadAttention._load_canonical = set_weights  # type: ignore[method-assign]

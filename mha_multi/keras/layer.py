@@ -13,6 +13,7 @@ configuration and the cache, placed as a distribution splits the heads.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import keras
@@ -167,6 +168,10 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
             for name, size in zip(PROJECTIONS, sizes, strict=False):
                 if size is not None:
                     self._add_projection(name, int(size))
+
+    def _load_canonical(self, weights: Mapping[str, Any]) -> MultiHeadAttention:
+        # (FromCanonical.from_canonical's load: the module's set_weights.)
+        return set_weights(self, weights)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Keras turns array arguments into tensors (and rejects other
@@ -373,7 +378,3 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
             **self.input_sizes(),
         )
         return config
-
-
-# MultiHeadAttention.from_canonical(weights, **kwargs) loads through set_weights.
-MultiHeadAttention._load_canonical = set_weights  # type: ignore[method-assign]

@@ -23,6 +23,7 @@ behaviour is unchanged, and the parity runs are sure of it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import mxnet as mx
@@ -234,6 +235,10 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
             raise RuntimeError("call hybridize() and then the layer at least once before export()")
         graph.export(path, epoch=epoch, remove_amp_cast=remove_amp_cast)
 
+    def _load_canonical(self, weights: Mapping[str, Any]) -> MultiHeadAttention:
+        # (FromCanonical.from_canonical's load: the module's set_weights.)
+        return set_weights(self, weights)
+
     def init_cache(
         self,
         batch_size: int,
@@ -403,7 +408,3 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
             run=run,
         )
         return result.returned(bool(return_attention_weights))
-
-
-# MultiHeadAttention.from_canonical(weights, **kwargs) loads through set_weights.
-MultiHeadAttention._load_canonical = set_weights  # type: ignore[method-assign]

@@ -156,6 +156,10 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
             sizes[size] = None if type(weight) is UninitializedParameter else int(weight.shape[1])
         return sizes
 
+    def _load_canonical(self, weights: Mapping[str, Any]) -> MultiHeadAttention:
+        # (FromCanonical.from_canonical's load: the module's set_weights.)
+        return set_weights(self, weights)
+
     def init_cache(
         self, batch_size: int, max_length: int, dtype: torch.dtype | None = None
     ) -> spec.KVCache:
@@ -380,7 +384,3 @@ def get_weights(layer: MultiHeadAttention) -> dict[str, np.ndarray]:
     if layer.options.sinks:
         weights[SINKS_NAME] = host_array(whole(layer.sinks))
     return weights
-
-
-# MultiHeadAttention.from_canonical(weights, **kwargs) loads through set_weights.
-MultiHeadAttention._load_canonical = set_weights  # type: ignore[method-assign]
