@@ -147,6 +147,10 @@ class _Framework:
         """:meth:`mha_multi.call.Facts.kernel_takes_grouped` on this backend."""
         return True
 
+    def has_call_hooks(self, layer: Any) -> bool:
+        """Whether calling ``layer`` runs hooks of the framework's own (PyTorch's modules)."""
+        return False
+
 
 class _TensorFlow(_Framework):
     """Keras on TensorFlow: ``tf.GradientTape``."""
@@ -367,6 +371,16 @@ class _Torch(_Framework):
         """PyTorch's own rule for SDPA (:func:`mha_multi.torch._ops.repeats_grouped_heads`),
         in float32, which the kernel runs in (16-bit inputs are cast up)."""
         return not self.plain.repeats_grouped_heads(q, num_queries, head_dim, self.torch.float32)
+
+    def has_call_hooks(self, layer: Any) -> bool:
+        # A Keras layer is a torch.nn.Module, whose __call__ runs its hooks.
+        hooks = self.torch.nn.modules.module
+        return bool(
+            layer._forward_hooks
+            or layer._forward_pre_hooks
+            or hooks._global_forward_hooks
+            or hooks._global_forward_pre_hooks
+        )
 
     def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
         if not in_place:
