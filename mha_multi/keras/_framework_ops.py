@@ -83,6 +83,18 @@ class _KerasOps:
         """A new array: ``held`` with ``rows`` written from ``start`` on."""
         return keras.ops.slice_update(held, start, rows)
 
+    def arange(self, size: Any) -> Tensor:
+        """``0, 1, ..., size - 1`` as int32."""
+        return keras.ops.arange(size, dtype="int32")
+
+    def unary(self, name: str, x: Tensor) -> Tensor:
+        """``keras.ops.<name>(x)`` (``cos``, ``sin``, ``tanh``, ``sqrt``) of a floating ``x``."""
+        return getattr(keras.ops, name)(x)
+
+    def constant(self, value: np.ndarray) -> Tensor:
+        """``value`` as a tensor of its dtype."""
+        return keras.ops.convert_to_tensor(value, dtype=str(value.dtype))
+
 
 class _TensorFlowOps(_KerasOps):
     """TensorFlow's ``tf.raw_ops``, which ``tf.matmul``, ``tf.reshape``... call.
@@ -99,8 +111,13 @@ class _TensorFlowOps(_KerasOps):
     def __init__(self) -> None:
         import tensorflow as tf
 
+        from tensorflow.compiler.tf2xla.python.xla import dynamic_update_slice
+
         self.tf = tf
         self.raw = tf.raw_ops
+        self.update_slice = dynamic_update_slice  # (Keras' slice_update)
+        #: Fills of where(), by value, dtype and device.
+        self._fills: dict[tuple[float, Any, str], Tensor] = {}
         # An eager tensor knows its sizes without a TensorShape (15 Python calls).
         self.eager_tensor = type(tf.constant(0.0))
 
@@ -126,11 +143,9 @@ class _TensorFlowOps(_KerasOps):
         # tf.tensordot: those keep Keras' path. (A variable, a projection's
         # kernel, is read as by Keras.)
         tf = self.tf
-        if isinstance(b, tf.Variable):
-            b = b.value()
         if not (
             isinstance(a, tf.Tensor)
-            and isinstance(b, tf.Tensor)
+            and isinstance(b, (tf.Tensor, tf.Variable))
             and a.dtype == b.dtype
             and a.dtype.is_floating
         ):
@@ -144,15 +159,15 @@ class _TensorFlowOps(_KerasOps):
 
     def cast(self, x: Tensor, dtype: str) -> Tensor:
         tf = self.tf
-        if isinstance(x, tf.Tensor) and x.dtype.is_floating:
+        if isinstance(x, tf.Tensor) and (x.dtype.is_floating or x.dtype.is_integer):
             target = tf.as_dtype(dtype)
-            if target.is_floating:  # tf.cast's own Cast, nothing for the same dtype
+            if target.is_floating or target.is_integer:  # tf.cast's own Cast
                 return x if x.dtype == target else self.raw.Cast(x=x, DstT=target)
         return keras.ops.cast(x, dtype)
 
     def expand_dims(self, x: Tensor, axis: int) -> Tensor:
         if isinstance(x, self.tf.Tensor):
-            return self.raw.ExpandDims(input=x, axis=np.int32(axis))
+            return self.raw.ExpandDims(input=x, axis=axis)
         return keras.ops.expand_dims(x, axis)
 
     def exp(self, x: Tensor) -> Tensor:
@@ -160,13 +175,60 @@ class _TensorFlowOps(_KerasOps):
 
     def sum_last(self, x: Tensor) -> Tensor:
         if isinstance(x, self.tf.Tensor):
-            return self.raw.Sum(input=x, axis=np.int32(-1), keep_dims=True)
+            return self.raw.Sum(input=x, axis=-1, keep_dims=True)
         return keras.ops.sum(x, axis=-1, keepdims=True)
 
     def stop_gradient(self, x: Tensor) -> Tensor:
         if isinstance(x, self.tf.Tensor):
             return self.raw.StopGradient(input=x)
         return keras.ops.stop_gradient(x)
+
+    def row_max(self, x: Tensor) -> Tensor:
+        # tf.reduce_max's own Max: TensorFlow checks no empty reduction (Keras'
+        # initial value is for that), and the axis is not empty (the spec's softmax).
+        if isinstance(x, self.tf.Tensor):
+            return self.raw.Max(input=x, axis=-1, keep_dims=True)
+        return super().row_max(x)
+
+    def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
+        # tf.where's SelectV2, the fill a constant of x's dtype made once: a
+        # number would be made a tensor at every call (100 Python calls).
+        tf = self.tf
+        if (
+            isinstance(fill, (int, float))
+            and isinstance(condition, tf.Tensor)
+            and isinstance(x, tf.Tensor)
+            and tf.executing_eagerly()
+        ):
+            key = (float(fill), x.dtype, x.device)
+            constant = self._fills.get(key)
+            if constant is None:
+                constant = self._fills[key] = super().cast(fill, x.dtype.name)
+            return self.raw.SelectV2(condition=condition, t=x, e=constant)
+        return super().where(condition, x, fill)
+
+    def arange(self, size: Any) -> Tensor:
+        if type(size) is int:  # tf.range's own, int32 from int32 bounds
+            return self.raw.Range(start=0, limit=size, delta=1)
+        return super().arange(size)
+
+    def unary(self, name: str, x: Tensor) -> Tensor:
+        # tf.cos, tf.sin...'s own operation, which Keras calls for a floating x.
+        if isinstance(x, self.tf.Tensor) and x.dtype.is_floating:
+            return getattr(self.raw, name.capitalize())(x=x)
+        return super().unary(name, x)
+
+    def constant(self, value: np.ndarray) -> Tensor:
+        # What Keras' conversion calls for a numpy array of a floating dtype.
+        if value.dtype.kind == "f":
+            return self.tf.convert_to_tensor(value)
+        return super().constant(value)
+
+    def slice_update(self, held: Tensor, start: tuple[int, ...], rows: Tensor) -> Tensor:
+        # Keras' own XLA operation, the start as an array: a tuple would be converted.
+        if isinstance(held, self.tf.Tensor) and isinstance(rows, self.tf.Tensor):
+            return self.update_slice(held, rows, np.asarray(start, np.int32))
+        return super().slice_update(held, start, rows)
 
 
 class _JaxOps(_KerasOps):
@@ -228,6 +290,12 @@ class _JaxOps(_KerasOps):
 
     def exp(self, x: Tensor) -> Tensor:
         return self.jnp.exp(x) if isinstance(x, self.jax.Array) else keras.ops.exp(x)
+
+    def unary(self, name: str, x: Tensor) -> Tensor:
+        # jnp's own, in x's dtype: Keras' computes float64 in float32.
+        if isinstance(x, self.jax.Array) and x.dtype in self.floats:
+            return getattr(self.jnp, name)(x)
+        return super().unary(name, x)
 
     def sum_last(self, x: Tensor) -> Tensor:
         if isinstance(x, self.jax.Array):
@@ -294,6 +362,11 @@ class _TorchOps(_KerasOps):
 
     def exp(self, x: Tensor) -> Tensor:
         return self.torch.exp(x) if isinstance(x, self.torch.Tensor) else keras.ops.exp(x)
+
+    def unary(self, name: str, x: Tensor) -> Tensor:
+        if isinstance(x, self.torch.Tensor) and x.dtype.is_floating_point:
+            return getattr(self.torch, name)(x)
+        return super().unary(name, x)
 
     def sum_last(self, x: Tensor) -> Tensor:
         if isinstance(x, self.torch.Tensor):

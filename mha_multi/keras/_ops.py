@@ -196,7 +196,7 @@ class KerasOps:
         return ops.shape(x)[axis]
 
     def arange(self, size: Any) -> Tensor:
-        return ops.arange(size, dtype="int32")
+        return self.native.arange(size)
 
     def flip(self, x: Tensor) -> Tensor:
         return ops.flip(x, axis=0)
@@ -289,7 +289,7 @@ class KerasOps:
         return 1.0 / _unary("sqrt", x)
 
     def constant(self, value: np.ndarray, like: Tensor) -> Tensor:
-        return ops.convert_to_tensor(value, dtype=str(value.dtype))
+        return self.native.constant(value)
 
 
 def _slicer() -> Callable[[Tensor, int, int, int], Tensor | None]:
@@ -351,13 +351,10 @@ def _unary(name: str, x: Tensor) -> Tensor:
 
     Keras' JAX backend computes these in ``result_type(x, float)``, which is
     float32 for float64 inputs; JAX's own function keeps float64 (the
-    reference's angles and caps are float64 there).
+    reference's angles and caps are float64 there). Each backend's own
+    function (:mod:`mha_multi.keras._framework_ops`).
     """
-    if keras.backend.backend() == "jax" and keras.backend.standardize_dtype(x.dtype) == "float64":
-        import jax.numpy as jnp  # the backend in use: imported already
-
-        return getattr(jnp, name)(x)
-    return getattr(ops, name)(x)
+    return OPS.native.unary(name, x)
 
 
 OPS = KerasOps()
