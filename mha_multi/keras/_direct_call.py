@@ -35,11 +35,7 @@ def _concrete(x: Any) -> bool:
         return True
     if isinstance(x, tuple):
         return all(_concrete(item) for item in x)
-    return (
-        keras.ops.is_tensor(x)
-        and getattr(x, "_keras_mask", None) is None
-        and values_readable(x)
-    )
+    return keras.ops.is_tensor(x) and getattr(x, "_keras_mask", None) is None and values_readable(x)
 
 
 def skips_keras_call(layer: keras.layers.Layer, args: tuple, kwargs: dict[str, Any]) -> bool:

@@ -29,6 +29,14 @@ Tensor = Any
 class _KerasOps:
     """``keras.ops`` itself: the operations of a backend without faster ones."""
 
+    #: The framework's module whose functions of Keras' names (``exp``, ``cos``...)
+    #: Keras calls for the arrays :meth:`owns`.
+    functions: Any = keras.ops
+
+    def owns(self, x: Tensor) -> bool:
+        """Whether ``x`` is a floating array that :attr:`functions` take as Keras' do."""
+        return False
+
     def shape(self, x: Tensor) -> tuple[Any, ...]:
         """``x``'s sizes, Python ints where known (else as ``x.shape`` gives them)."""
         return tuple(x.shape)
@@ -37,39 +45,15 @@ class _KerasOps:
         """``x`` reshaped to ``shape`` (sizes may be unknown: scalar tensors)."""
         return keras.ops.reshape(x, shape)
 
-    def transpose(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
-        """``x`` with its axes in the order ``axes``."""
-        return keras.ops.transpose(x, axes)
-
-    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
-        """``a @ b``, batch axes broadcast."""
-        return keras.ops.matmul(a, b)
-
-    def cast(self, x: Tensor, dtype: str) -> Tensor:
-        """``x`` as ``dtype`` (a Keras dtype name)."""
-        return keras.ops.cast(x, dtype)
-
-    def expand_dims(self, x: Tensor, axis: int) -> Tensor:
-        """``x`` with a new axis of 1 at ``axis``."""
-        return keras.ops.expand_dims(x, axis)
-
-    def exp(self, x: Tensor) -> Tensor:
-        """``e ** x`` of a floating ``x``."""
-        return keras.ops.exp(x)
-
-    def sum_last(self, x: Tensor) -> Tensor:
-        """The sum over the last axis, kept as an axis of 1."""
-        return keras.ops.sum(x, axis=-1, keepdims=True)
-
-    def stop_gradient(self, x: Tensor) -> Tensor:
-        """``x``, carrying no gradient."""
-        return keras.ops.stop_gradient(x)
-
     def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
         """``x`` where ``condition``, else ``fill`` rounded to ``x``'s dtype."""
         # An explicit fill of x's dtype: no backend's promotion rules apply.
         dtype = keras.backend.standardize_dtype(x.dtype)
         return keras.ops.where(condition, x, keras.ops.cast(fill, dtype))
+
+    def transpose(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
+        """``x`` with its axes in the order ``axes``."""
+        return keras.ops.transpose(x, axes)
 
     def row_max(self, x: Tensor) -> Tensor:
         """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1.
@@ -79,21 +63,45 @@ class _KerasOps:
         """
         return keras.ops.max(x, axis=-1, keepdims=True, initial=-float("inf"))
 
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
+        """``a @ b``, batch axes broadcast."""
+        return keras.ops.matmul(a, b)
+
+    def exp(self, x: Tensor) -> Tensor:
+        """``e ** x`` of a floating ``x``."""
+        return (self.functions if self.owns(x) else keras.ops).exp(x)
+
+    def cast(self, x: Tensor, dtype: str) -> Tensor:
+        """``x`` as ``dtype`` (a Keras dtype name)."""
+        return keras.ops.cast(x, dtype)
+
+    def unary(self, name: str, x: Tensor) -> Tensor:
+        """``keras.ops.<name>(x)`` (``cos``, ``sin``, ``tanh``, ``sqrt``) of a floating ``x``."""
+        return getattr(self.functions if self.owns(x) else keras.ops, name)(x)
+
+    def expand_dims(self, x: Tensor, axis: int) -> Tensor:
+        """``x`` with a new axis of 1 at ``axis``."""
+        return keras.ops.expand_dims(x, axis)
+
     def slice_update(self, held: Tensor, start: tuple[int, ...], rows: Tensor) -> Tensor:
         """A new array: ``held`` with ``rows`` written from ``start`` on."""
         return keras.ops.slice_update(held, start, rows)
 
-    def arange(self, size: Any) -> Tensor:
-        """``0, 1, ..., size - 1`` as int32."""
-        return keras.ops.arange(size, dtype="int32")
-
-    def unary(self, name: str, x: Tensor) -> Tensor:
-        """``keras.ops.<name>(x)`` (``cos``, ``sin``, ``tanh``, ``sqrt``) of a floating ``x``."""
-        return getattr(keras.ops, name)(x)
+    def sum_last(self, x: Tensor) -> Tensor:
+        """The sum over the last axis, kept as an axis of 1."""
+        return keras.ops.sum(x, axis=-1, keepdims=True)
 
     def constant(self, value: np.ndarray) -> Tensor:
         """``value`` as a tensor of its dtype."""
         return keras.ops.convert_to_tensor(value, dtype=str(value.dtype))
+
+    def stop_gradient(self, x: Tensor) -> Tensor:
+        """``x``, carrying no gradient."""
+        return keras.ops.stop_gradient(x)
+
+    def arange(self, size: Any) -> Tensor:
+        """``0, 1, ..., size - 1`` as int32."""
+        return keras.ops.arange(size, dtype="int32")
 
 
 class _TensorFlowOps(_KerasOps):
@@ -110,7 +118,6 @@ class _TensorFlowOps(_KerasOps):
 
     def __init__(self) -> None:
         import tensorflow as tf
-
         from tensorflow.compiler.tf2xla.python.xla import dynamic_update_slice
 
         self.tf = tf
@@ -247,6 +254,7 @@ class _JaxOps(_KerasOps):
         import jax.numpy as jnp
 
         self.jax, self.jnp, lax = jax, jnp, jax.lax
+        self.functions = jnp
         self.floats = {jnp.dtype(name) for name in ("float64", "float32", "bfloat16", "float16")}
         self._reshape = jax.jit(lax.reshape, static_argnums=(1,))
         self._transpose = jax.jit(lax.transpose, static_argnums=(1,))
@@ -271,9 +279,9 @@ class _JaxOps(_KerasOps):
         if isinstance(b, keras.Variable):
             b = b.value
         jax = self.jax
-        if isinstance(a, jax.Array) and isinstance(b, jax.Array) and a.dtype == b.dtype:
-            if a.dtype in self.floats:
-                return self.jnp.matmul(a, b)
+        native = isinstance(a, jax.Array) and isinstance(b, jax.Array)
+        if native and a.dtype == b.dtype and a.dtype in self.floats:
+            return self.jnp.matmul(a, b)
         return keras.ops.matmul(a, b)
 
     def cast(self, x: Tensor, dtype: str) -> Tensor:
@@ -288,14 +296,9 @@ class _JaxOps(_KerasOps):
             return self._expand_dims(x, (axis % (x.ndim + 1),))
         return keras.ops.expand_dims(x, axis)
 
-    def exp(self, x: Tensor) -> Tensor:
-        return self.jnp.exp(x) if isinstance(x, self.jax.Array) else keras.ops.exp(x)
-
-    def unary(self, name: str, x: Tensor) -> Tensor:
-        # jnp's own, in x's dtype: Keras' computes float64 in float32.
-        if isinstance(x, self.jax.Array) and x.dtype in self.floats:
-            return getattr(self.jnp, name)(x)
-        return super().unary(name, x)
+    def owns(self, x: Tensor) -> bool:
+        # (jnp's cos, sin... keep float64, which Keras' compute in float32.)
+        return isinstance(x, self.jax.Array) and x.dtype in self.floats
 
     def sum_last(self, x: Tensor) -> Tensor:
         if isinstance(x, self.jax.Array):
@@ -322,7 +325,7 @@ class _TorchOps(_KerasOps):
     def __init__(self) -> None:
         import torch
 
-        self.torch = torch
+        self.torch = self.functions = torch
 
     def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
         # torch's own, which keras.ops' reaches through some 130 Python calls of dispatch.
@@ -360,13 +363,8 @@ class _TorchOps(_KerasOps):
             return self.torch.unsqueeze(x, axis)
         return keras.ops.expand_dims(x, axis)
 
-    def exp(self, x: Tensor) -> Tensor:
-        return self.torch.exp(x) if isinstance(x, self.torch.Tensor) else keras.ops.exp(x)
-
-    def unary(self, name: str, x: Tensor) -> Tensor:
-        if isinstance(x, self.torch.Tensor) and x.dtype.is_floating_point:
-            return getattr(self.torch, name)(x)
-        return super().unary(name, x)
+    def owns(self, x: Tensor) -> bool:
+        return isinstance(x, self.torch.Tensor) and x.dtype.is_floating_point
 
     def sum_last(self, x: Tensor) -> Tensor:
         if isinstance(x, self.torch.Tensor):
