@@ -5,9 +5,9 @@ Keras calls TensorFlow, JAX and PyTorch its backends; each has a class here
 (:mod:`mha_multi.keras._facts`) ask it for devices, GPU detection, the
 settings for exact float32 products, whether values can be read now, and
 how a cache's rows are written (a new array, or in place on PyTorch without
-gradients); the ops adapter (:mod:`mha_multi.keras._ops`) for the fastest
-way to a reshape, a transpose or a product. Only the active backend's class
-is created, so only that framework is ever imported.
+gradients). The fastest way to each array operation is each framework's own,
+in :mod:`mha_multi.keras._framework_ops`. Only the active backend's class is
+created, so only that framework is ever imported.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import numpy as np
 
 from mha_multi import spec
+from mha_multi.keras._framework_ops import framework_ops
 
 #: The Keras backend of this process: ``"tensorflow"``, ``"jax"`` or ``"torch"``.
 BACKEND: str = keras.backend.backend()
@@ -76,32 +76,6 @@ class _Framework:
         where every element is (or, at worst, a large sum overflows)."""
         return keras.ops.isfinite(keras.ops.sum(keras.ops.cast(x, "float32")))
 
-    def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
-        """``x`` reshaped to ``shape`` (sizes may be unknown: scalar tensors)."""
-        return keras.ops.reshape(x, shape)
-
-    def transpose(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
-        """``x`` with its axes in the order ``axes``."""
-        return keras.ops.transpose(x, axes)
-
-    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
-        """``a @ b``, batch axes broadcast."""
-        return keras.ops.matmul(a, b)
-
-    def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
-        """``x`` where ``condition``, else ``fill`` rounded to ``x``'s dtype."""
-        # An explicit fill of x's dtype: no backend's promotion rules apply.
-        dtype = keras.backend.standardize_dtype(x.dtype)
-        return keras.ops.where(condition, x, keras.ops.cast(fill, dtype))
-
-    def row_max(self, x: Tensor) -> Tensor:
-        """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1.
-
-        An explicit initial value: without one TensorFlow's ``max`` checks
-        eagerly for an empty reduction, a device read per call.
-        """
-        return keras.ops.max(x, axis=-1, keepdims=True, initial=-float("inf"))
-
     def sync(self, value: Any) -> None:
         # Reading one element waits for the operation that produced the array.
         for leaf in keras.tree.flatten(value):
@@ -128,7 +102,7 @@ class _Framework:
         A new array (``keras.ops.slice_update``), or with ``in_place`` (where
         :meth:`writes_in_place`) ``held`` itself, written.
         """
-        return keras.ops.slice_update(held, (0, 0, first, 0), rows)
+        return framework_ops().slice_update(held, (0, 0, first, 0), rows)
 
     def writes_in_place(self, *arrays: Tensor) -> bool:
         """Whether an eager call may write a cache of these arrays in place."""
@@ -146,6 +120,10 @@ class _Framework:
     def kernel_takes_grouped(self, q: Tensor, num_queries: Any, head_dim: int) -> bool:
         """:meth:`mha_multi.call.Facts.kernel_takes_grouped` on this backend."""
         return True
+
+    def has_call_hooks(self, layer: Any) -> bool:
+        """Whether calling ``layer`` runs hooks of the framework's own (PyTorch's modules)."""
+        return False
 
 
 class _TensorFlow(_Framework):
@@ -165,42 +143,6 @@ class _TensorFlow(_Framework):
 
     def device_of(self, x: Tensor) -> str:
         return "gpu" if "GPU" in x.device.upper() else "cpu"
-
-    # An eager keras.ops.reshape or transpose costs 150-200 us on the
-    # project's CPU: Keras' dispatch, then TensorFlow's slow path, which
-    # makes a constant of a Python shape at every call. tf.reshape and
-    # tf.transpose given numpy arrays take 20-30 us, and a one-token call
-    # makes about 25 of them; keras.ops.matmul costs about 300 us more than
-    # the tf.matmul it calls (docs: "Results"). The same kernels: the
-    # numbers do not change. Symbolic tensors and unknown sizes take Keras'.
-
-    def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
-        if isinstance(x, self.tf.Tensor) and all(type(size) is int for size in shape):
-            return self.tf.reshape(x, np.asarray(shape, np.int64))
-        return keras.ops.reshape(x, shape)
-
-    def transpose(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
-        if isinstance(x, self.tf.Tensor):
-            return self.tf.transpose(x, np.asarray(axes, np.int32))
-        return keras.ops.transpose(x, axes)
-
-    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
-        # keras.ops.matmul calls tf.matmul itself for two tensors of one
-        # dtype, except a matrix ``b`` after a batch of ``a``, which it
-        # takes through tf.tensordot: those keep Keras' path. (A variable,
-        # a projection's kernel, is read by tf.matmul as by Keras.)
-        tf = self.tf
-        if (
-            isinstance(a, tf.Tensor)
-            and isinstance(b, (tf.Tensor, tf.Variable))
-            and a.dtype == b.dtype
-            and a.dtype.is_floating
-            and len(a.shape) >= 2
-            and len(b.shape) >= 2
-            and (len(b.shape) > 2 or len(a.shape) == 2)
-        ):
-            return tf.matmul(a, b)
-        return keras.ops.matmul(a, b)
 
     def exact_float32(self) -> None:
         self.tf.config.experimental.enable_tensor_float_32_execution(False)
@@ -243,11 +185,6 @@ class _Jax(_Framework):
 
     def exact_float32(self) -> None:
         self.jax.config.update("jax_default_matmul_precision", "highest")
-
-    def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
-        # lax's own, which keras.ops' (jnp's) reaches through some 100 Python calls more.
-        native = isinstance(x, self.jax.Array)
-        return self.jax.lax.reshape(x, shape) if native else keras.ops.reshape(x, shape)
 
     def enable_float64(self) -> None:
         self.jax.config.update("jax_enable_x64", True)
@@ -301,15 +238,6 @@ class _Torch(_Framework):
     def exact_float32(self) -> None:
         self.plain.exact_float32()
 
-    def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
-        # torch's own, which keras.ops' reaches through some 130 Python calls of dispatch.
-        native = isinstance(x, self.torch.Tensor)
-        return self.torch.reshape(x, shape) if native else keras.ops.reshape(x, shape)
-
-    def transpose(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
-        native = isinstance(x, self.torch.Tensor)
-        return self.torch.permute(x, axes) if native else keras.ops.transpose(x, axes)
-
     def values_readable(self, x: Tensor) -> bool:
         return not self.torch.compiler.is_compiling()
 
@@ -337,20 +265,6 @@ class _Torch(_Framework):
     def all_finite(self, x: Tensor) -> Tensor:
         return self.torch.isfinite(self.finite_sum(x))  # one pass, nothing allocated
 
-    def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
-        torch = self.torch
-        if not (isinstance(fill, (int, float)) and isinstance(condition, torch.Tensor)):
-            return super().where(condition, x, fill)
-        # A number, as PyTorch takes one: Keras would make it a tensor on the
-        # device, a copy from the host that waits for a GPU. A number does
-        # not promote a floating tensor: the fill is rounded to x's dtype.
-        return torch.where(condition, x, fill)
-
-    def row_max(self, x: Tensor) -> Tensor:
-        # Keras' max with an initial value makes it a CPU tensor, which a
-        # CUDA one cannot meet; amax checks only the shape.
-        return self.torch.amax(x, dim=-1, keepdim=True)
-
     def span_bucket(self, keys: Tensor) -> int:
         return self.plain.FACTS.span_bucket_of(keys)
 
@@ -367,6 +281,16 @@ class _Torch(_Framework):
         """PyTorch's own rule for SDPA (:func:`mha_multi.torch._ops.repeats_grouped_heads`),
         in float32, which the kernel runs in (16-bit inputs are cast up)."""
         return not self.plain.repeats_grouped_heads(q, num_queries, head_dim, self.torch.float32)
+
+    def has_call_hooks(self, layer: Any) -> bool:
+        # A Keras layer is a torch.nn.Module, whose __call__ runs its hooks.
+        hooks = self.torch.nn.modules.module
+        return bool(
+            layer._forward_hooks
+            or layer._forward_pre_hooks
+            or hooks._global_forward_hooks
+            or hooks._global_forward_pre_hooks
+        )
 
     def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
         if not in_place:

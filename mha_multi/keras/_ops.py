@@ -12,6 +12,7 @@ functional API alike.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -23,53 +24,47 @@ import numpy as np
 from keras import ops
 
 from mha_multi import spec
-from mha_multi.keras._frameworks import active
+from mha_multi.keras._framework_ops import framework_ops
 
 Tensor = Any
 
 
-# -- the active backend's fastest ways to Keras' own numbers ---------------------------
+# -- dtypes, by Keras' names -----------------------------------------------------------
+
+#: Keras' name of each dtype object met so far: ``keras.backend.standardize_dtype``
+#: costs 6 to 25 Python calls, and a call asks for a few dtypes dozens of times.
+_NAMES: dict[Any, str] = {}
 
 
-def reshape(x: Tensor, shape: tuple[Any, ...]) -> Tensor:
-    """``x`` reshaped to ``shape``, the backend's fastest way."""
-    return active().reshape(x, shape)
-
-
-def transpose(x: Tensor, axes: tuple[int, ...]) -> Tensor:
-    """``x`` with its axes in the order ``axes``, the backend's fastest way."""
-    return active().transpose(x, axes)
-
-
-def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b``, the backend's fastest way to Keras' own numbers."""
-    return active().matmul(a, b)
-
-
-def row_max(x: Tensor) -> Tensor:
-    """The maximum over the last axis of ``x`` (not empty), kept as an axis of 1."""
-    return active().row_max(x)
-
-
-def where(condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
-    """``x`` where ``condition``, else ``fill`` rounded to ``x``'s dtype."""
-    return active().where(condition, x, fill)
+def dtype_name(dtype: Any) -> str:
+    """Keras' name of ``dtype`` (``"float32"``...), as ``keras.backend.standardize_dtype``."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):  # (new, or a dtype that cannot be hashed)
+        name = keras.backend.standardize_dtype(dtype)
+    with contextlib.suppress(TypeError):
+        _NAMES[dtype] = name
+    return name
 
 
 _KINDS = (("bfloat", "f"), ("float", "f"), ("uint", "u"), ("int", "i"), ("bool", "b"))
 
 
-def dtype_kind(dtype: Any) -> str:
-    """numpy's ``dtype.kind`` letter for a Keras dtype (``'O'`` for strings and the like)."""
-    name = keras.backend.standardize_dtype(dtype)
+@functools.cache
+def _kind_of(name: str) -> str:
     for prefix, kind in _KINDS:
         if name.startswith(prefix):
             return kind
     return "c" if name.startswith("complex") else "O"
 
 
+def dtype_kind(dtype: Any) -> str:
+    """numpy's ``dtype.kind`` letter for a Keras dtype (``'O'`` for strings and the like)."""
+    return _kind_of(dtype_name(dtype))
+
+
 def _itemsize(dtype: Any) -> int:
-    name = keras.backend.standardize_dtype(dtype)
+    name = dtype_name(dtype)
     if name == "bool":
         return 1
     bits = re.search(r"\d+", name)
@@ -78,9 +73,13 @@ def _itemsize(dtype: Any) -> int:
     return int(bits.group()) // 8
 
 
+#: The 16-bit floats, by Keras' names.
+_16_BIT = frozenset({"float16", "bfloat16"})
+
+
 def is_16_bit(dtype: Any) -> bool:
     """Whether ``dtype`` is a 16-bit float (``float16``, ``bfloat16``)."""
-    return dtype_kind(dtype) == "f" and _itemsize(dtype) == 2
+    return dtype_name(dtype) in _16_BIT
 
 
 def matmul_16_bit(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -116,8 +115,11 @@ def _shape(x: Tensor) -> list[Any]:
     The same sizes: ``keras.ops.shape`` asks the backend for the dynamic shape
     (an operation on TensorFlow) only to fill in the sizes ``x.shape`` lacks.
     """
-    shape = list(x.shape)
-    return shape if all(isinstance(size, int) for size in shape) else list(ops.shape(x))
+    shape = list(framework_ops().shape(x))
+    for size in shape:  # (a loop, not all(): every layout operation asks)
+        if not isinstance(size, int):
+            return list(ops.shape(x))
+    return shape
 
 
 #: Keras' TensorFlow backend computes a ``(..., n, k) @ (k, m)`` product with
@@ -137,13 +139,22 @@ def index_dtype() -> str:
 
 
 class KerasOps:
-    """:class:`mha_multi.spec.ArrayOps` on ``keras.ops`` (any Keras backend)."""
+    """:class:`mha_multi.spec.ArrayOps` on ``keras.ops`` (any Keras backend).
+
+    Operations go through :attr:`native`, the backend's own where
+    ``keras.ops`` is pure overhead (:mod:`mha_multi.keras._framework_ops`).
+    """
+
+    @functools.cached_property
+    def native(self) -> Any:
+        """The active backend's operations (made on first use, not at import)."""
+        return framework_ops()
 
     def split_axis(self, x: Tensor, axis: int, sizes: tuple[int, int]) -> Tensor:
         shape = _shape(x)
         axis %= len(shape)
         sizes = spec.static_split_sizes(shape[axis], sizes)
-        return reshape(x, (*shape[:axis], *sizes, *shape[axis + 1 :]))
+        return self.native.reshape(x, (*shape[:axis], *sizes, *shape[axis + 1 :]))
 
     def merge_axes(self, x: Tensor, axis: int) -> Tensor:
         shape = _shape(x)
@@ -151,13 +162,13 @@ class KerasOps:
         # No -1: a reshape cannot infer it when another axis is empty (B = 0,
         # Q = 0). Unknown sizes are scalar tensors, whose product is one too.
         merged = shape[axis] * shape[axis + 1]
-        return reshape(x, (*shape[:axis], merged, *shape[axis + 2 :]))
+        return self.native.reshape(x, (*shape[:axis], merged, *shape[axis + 2 :]))
 
     def permute(self, x: Tensor, axes: Sequence[int]) -> Tensor:
-        return transpose(x, tuple(axes))
+        return self.native.transpose(x, tuple(axes))
 
     def expand_dims(self, x: Tensor, axis: int) -> Tensor:
-        return ops.expand_dims(x, axis)
+        return self.native.expand_dims(x, axis)
 
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:
         if self.dtype(a) == "float64" and self.dtype(b) == "float64":
@@ -171,20 +182,21 @@ class KerasOps:
             shape = _shape(a)
             if all(isinstance(size, int) for size in shape) and a.dtype == b.dtype:
                 # tf.tensordot's own reshapes, around the same tf.matmul.
-                flat = reshape(a, (math.prod(shape[:-1]), shape[-1]))
-                return reshape(matmul(flat, b), (*shape[:-1], b.shape[1]))
-        return matmul(a, b)
+                native = self.native
+                flat = native.reshape(a, (math.prod(shape[:-1]), shape[-1]))
+                return native.reshape(native.matmul(flat, b), (*shape[:-1], b.shape[1]))
+        return self.native.matmul(a, b)
 
     def swap_last(self, x: Tensor) -> Tensor:
         rank = len(x.shape)
-        return transpose(x, (*range(rank - 2), rank - 1, rank - 2))
+        return self.native.transpose(x, (*range(rank - 2), rank - 1, rank - 2))
 
     def size(self, x: Tensor, axis: int) -> Any:
         # An int, or a scalar tensor where a traced graph does not know it.
         return ops.shape(x)[axis]
 
     def arange(self, size: Any) -> Tensor:
-        return ops.arange(size, dtype="int32")
+        return self.native.arange(size)
 
     def flip(self, x: Tensor) -> Tensor:
         return ops.flip(x, axis=0)
@@ -199,7 +211,7 @@ class KerasOps:
         return ops.logical_and(a, b)
 
     def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
-        return where(condition, x, fill)
+        return self.native.where(condition, x, fill)
 
     def softmax(self, x: Tensor) -> Tensor:
         if x.shape[-1] == 0:  # no keys: nothing to normalise (and max() has no identity)
@@ -210,15 +222,16 @@ class KerasOps:
         # NaN. The shift only guards exp() against overflow: it cancels in
         # the quotient, so it carries no gradient.
         # (The maximum is the backend's: Keras' own reads or fails on some.)
-        shifted = x - ops.stop_gradient(row_max(x))
-        exponentials = ops.exp(shifted)
-        return exponentials / ops.sum(exponentials, axis=-1, keepdims=True)
+        native = self.native
+        shifted = x - native.stop_gradient(native.row_max(x))
+        exponentials = native.exp(shifted)
+        return exponentials / native.sum_last(exponentials)
 
     def cast(self, x: Tensor, dtype: Any) -> Tensor:
-        return ops.cast(x, dtype)
+        return self.native.cast(x, dtype_name(dtype))
 
     def dtype(self, x: Tensor) -> str:
-        return keras.backend.standardize_dtype(x.dtype)
+        return dtype_name(x.dtype)
 
     def dtype_kind(self, dtype: Any) -> str:
         return dtype_kind(dtype)
@@ -239,7 +252,7 @@ class KerasOps:
         return ops.logical_not(x)
 
     def mean(self, x: Tensor, axis: int) -> Tensor:
-        if keras.backend.standardize_dtype(x.dtype) == "float64":
+        if dtype_name(x.dtype) == "float64":
             # Keras' mean accumulates float64 in float32 on its JAX and PyTorch
             # backends; its sum keeps float64 (the norms' mean square, docs:
             # "Positions and biases").
@@ -276,7 +289,7 @@ class KerasOps:
         return 1.0 / _unary("sqrt", x)
 
     def constant(self, value: np.ndarray, like: Tensor) -> Tensor:
-        return ops.convert_to_tensor(value, dtype=str(value.dtype))
+        return self.native.constant(value)
 
 
 def _slicer() -> Callable[[Tensor, int, int, int], Tensor | None]:
@@ -338,13 +351,10 @@ def _unary(name: str, x: Tensor) -> Tensor:
 
     Keras' JAX backend computes these in ``result_type(x, float)``, which is
     float32 for float64 inputs; JAX's own function keeps float64 (the
-    reference's angles and caps are float64 there).
+    reference's angles and caps are float64 there). Each backend's own
+    function (:mod:`mha_multi.keras._framework_ops`).
     """
-    if keras.backend.backend() == "jax" and keras.backend.standardize_dtype(x.dtype) == "float64":
-        import jax.numpy as jnp  # the backend in use: imported already
-
-        return getattr(jnp, name)(x)
-    return getattr(ops, name)(x)
+    return OPS.native.unary(name, x)
 
 
 OPS = KerasOps()

@@ -169,7 +169,7 @@ class ProjectionLayer(keras.layers.Layer):
         # (No cast where the dtype is the compute dtype already: an eager
         # operation each, on TensorFlow a dozen Python calls, for nothing.)
         if OPS.dtype(x) != dtype:
-            x = keras.ops.cast(x, dtype)
+            x = OPS.cast(x, dtype)
         weight = getattr(self, f"W_{name}")
         kernel = weight.value if OPS.dtype(weight) == dtype else keras.ops.cast(weight, dtype)
         bias = getattr(self, f"b_{name}")

@@ -22,6 +22,7 @@ import numpy as np
 from mha_multi import _docs, call, spec
 from mha_multi.call.checks import check_segment_ids
 from mha_multi.canonical_layer import FromCanonical
+from mha_multi.keras._direct_call import skips_keras_call
 from mha_multi.keras._facts import (
     FACTS,
     checked_lens,
@@ -200,6 +201,9 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
             args = (*args[:3], checked_lens(args[3]), *args[4:])
         elif "valid_lens" in kwargs:
             kwargs["valid_lens"] = checked_lens(kwargs["valid_lens"])
+        if skips_keras_call(self, args, kwargs):
+            # Keras' __call__ would pass these on as they are (docs: "Fast paths").
+            return self.call(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     @_docs.fill

@@ -1,0 +1,71 @@
+"""When an eager call of the Keras layer may go straight to its ``call``, past ``Layer.__call__``.
+
+Keras' ``Layer.__call__`` converts arrays, binds the call's 13 arguments to
+its signature (on TensorFlow a slow ``is_tensor`` of each ``None`` and
+``False``), opens name scopes, resolves ``training`` from an outer layer's
+call and sets up mixed precision's autocasting: 900 to 1100 Python calls
+per call, as many as the layer's own work on a one-token call or decoding
+step (docs: "Fast paths"). For a call in which none of that applies, which
+:func:`skips_keras_call` recognises, it would hand ``call`` the arguments
+as they are: the layer then calls ``call`` itself. Anything else, the first
+call included, takes Keras' way.
+
+What it reads of Keras' state (the current call context, the autocast
+scope) has no public accessor: it is read from ``keras.src``, as Keras 3.15
+keeps it (the version the project pins).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras.src.backend.common import global_state
+
+from mha_multi.keras._frameworks import active, values_readable
+
+__all__ = ["skips_keras_call"]
+
+
+def _concrete(x: Any) -> bool:
+    """Whether ``x`` is an argument ``Layer.__call__`` would pass on unchanged:
+    ``None``, a bool or number, or an eager backend tensor (a tuple of them:
+    a cache) without a Keras mask."""
+    if x is None or isinstance(x, (bool, int, float)):
+        return True
+    if isinstance(x, tuple):
+        return all(_concrete(item) for item in x)
+    return keras.ops.is_tensor(x) and getattr(x, "_keras_mask", None) is None and values_readable(x)
+
+
+def skips_keras_call(layer: keras.layers.Layer, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether ``layer(*args, **kwargs)`` may be ``layer.call(*args, **kwargs)``.
+
+    Where ``Layer.__call__`` would do nothing but pass the arguments on: the
+    layer is built and called before (so nothing is built or first-called
+    now), runs eagerly on tensors of the backend (no symbolic call, no trace:
+    ``tf.function``, ``jax.jit`` and ``torch.compile`` take Keras' way), is
+    called from no other layer's call (whose ``training`` it would inherit)
+    and under no autocast scope, distribution, rematerialization,
+    quantization or activity regularizer, its dtype policy is not mixed, and
+    its ``training`` is given or cannot matter (no dropout).
+    """
+    if not (layer.built and layer._called):
+        return False
+    if kwargs.get("training") is None and layer.dropout > 0:
+        return False
+    if (
+        global_state.get_global_attribute("current_call_ctx") is not None
+        or global_state.get_global_attribute("autocast_scope") is not None
+        or keras.distribution.distribution() is not None
+    ):
+        return False
+    if (
+        layer.compute_dtype != layer.variable_dtype
+        or layer.activity_regularizer is not None
+        or getattr(layer, "_remat_mode", None) is not None
+        or layer.dtype_policy.quantization_mode is not None
+        or active().has_call_hooks(layer)
+    ):
+        return False
+    return all(_concrete(x) for x in args) and all(_concrete(x) for x in kwargs.values())
