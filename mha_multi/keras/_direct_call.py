@@ -11,8 +11,10 @@ as they are: the layer then calls ``call`` itself. Anything else, the first
 call included, takes Keras' way.
 
 What it reads of Keras' state (the current call context, the autocast
-scope) has no public accessor: it is read from ``keras.src``, as Keras 3.15
-keeps it (the version the project pins).
+scope, whether the layer was called) has no public accessor: it is read
+from ``keras.src`` as the Keras versions in :data:`CHECKED_KERAS` keep it
+(the project pins one of them). Under any other Keras every call takes
+Keras' way: slower, never wrong.
 """
 
 from __future__ import annotations
@@ -20,11 +22,21 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-from keras.src.backend.common import global_state
 
 from mha_multi.keras._frameworks import active, values_readable
 
-__all__ = ["skips_keras_call"]
+try:
+    from keras.src.backend.common import global_state
+except ImportError:  # (another Keras' layout)
+    global_state = None
+
+__all__ = ["CHECKED_KERAS", "skips_keras_call"]
+
+#: The Keras versions whose ``Layer.__call__`` and state :func:`skips_keras_call` was
+#: checked against (prefixes of ``keras.__version__``).
+CHECKED_KERAS = ("3.15.",)
+#: Whether this Keras is one of them.
+_CHECKED = global_state is not None and keras.__version__.startswith(CHECKED_KERAS)
 
 
 def _concrete(x: Any) -> bool:
@@ -50,7 +62,7 @@ def skips_keras_call(layer: keras.layers.Layer, args: tuple, kwargs: dict[str, A
     quantization or activity regularizer, its dtype policy is not mixed, and
     its ``training`` is given or cannot matter (no dropout).
     """
-    if not (layer.built and layer._called):
+    if not (_CHECKED and layer.built and layer._called):
         return False
     if kwargs.get("training") is None and layer.dropout > 0:
         return False

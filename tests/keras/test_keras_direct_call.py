@@ -86,3 +86,18 @@ def test_a_mixed_precision_layer_takes_keras_call():
     x = _tensor((1, 2, 8))
     layer(x, x, x)
     assert not skips_keras_call(layer, (x, x, x), {})
+
+
+def test_another_keras_takes_keras_way(monkeypatch):
+    """Under a Keras whose state the module was not checked against, every call takes
+    Keras' way (and still gives the reference's numbers)."""
+    layer = _layer()
+    x = _tensor((2, 3, 8))
+    layer(x, x, x)
+    assert skips_keras_call(layer, (x, x, x), {})
+    monkeypatch.setattr("mha_multi.keras._direct_call._CHECKED", False)
+    assert not skips_keras_call(layer, (x, x, x), {})
+    expected, _ = spec.reference_forward(
+        get_weights(layer), *(backend.to_numpy(x),) * 3, num_heads=2
+    )
+    np.testing.assert_allclose(backend.to_numpy(layer(x, x, x)), expected, atol=5e-6)
