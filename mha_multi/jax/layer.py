@@ -16,7 +16,7 @@ from jax.typing import DTypeLike
 
 from mha_multi import _docs, call, spec
 from mha_multi.canonical_layer import FromCanonical
-from mha_multi.jax import functional
+from mha_multi.jax import _plan, functional
 from mha_multi.jax._facts import JaxFacts, host_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
@@ -170,16 +170,22 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
     def params(self) -> dict[str, jax.Array]:
         """The parameters under their canonical names (``W_q``... ``b_o``, ``q_norm``,
         ``k_norm``, ``sinks``), as arrays."""
+        return self._params(stored=False)
+
+    def _params(self, *, stored: bool) -> dict[str, Any]:
+        """:meth:`params`; ``stored``: each variable's stored value as it is (what the call
+        plan passes its program), not NNX's read of it, a few dozen Python calls each."""
         params = {}
         for name in KERNEL_NAMES:
             linear = getattr(self, name)
-            params[name] = linear.kernel[...]
+            params[name] = linear.kernel.get_raw_value() if stored else linear.kernel[...]
             if linear.bias is not None:
-                params[f"b_{name[-1]}"] = linear.bias[...]
-        if self.options.qk_norm is not None:
-            params.update({name: getattr(self, name)[...] for name in NORM_NAMES})
-        if self.options.sinks:
-            params[SINKS_NAME] = self.sinks[...]
+                params[f"b_{name[-1]}"] = linear.bias.get_raw_value() if stored else linear.bias[...]
+        for name in (NORM_NAMES if self.options.qk_norm is not None else ()) + (
+            (SINKS_NAME,) if self.options.sinks else ()
+        ):
+            variable = getattr(self, name)
+            params[name] = variable.get_raw_value() if stored else variable[...]
         return params
 
     @property
@@ -324,7 +330,35 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
         """
         deterministic = self.deterministic if deterministic is None else deterministic
         dropout_key = None
-        if not deterministic and self.dropout > 0:
+        if deterministic or self.dropout == 0:
+            # An eager call's plan (docs: "Fast paths"); None where it does not serve.
+            settings = _plan.LayerSettings(
+                self.options,
+                (self.num_heads, self.num_kv_heads, self.head_dim),
+                self.dtype,
+                self.precision,
+                self.implementation,
+                self.head_parallel,
+                self.dropout,
+            )
+            result = _plan.planned_call(
+                settings,
+                self._params(stored=True),
+                queries,
+                keys,
+                values,
+                valid_lens,
+                causal=causal,
+                return_attention_weights=return_attention_weights,
+                cache=cache,
+                head_mask=head_mask,
+                positions=positions,
+                bias=bias,
+                segment_ids=segment_ids,
+            )
+            if result is not None:
+                return result.returned(return_attention_weights)
+        else:
 
             def dropout_key() -> jax.Array:
                 return _dropout_key(self.rngs if rngs is None else rngs)
