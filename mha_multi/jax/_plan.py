@@ -20,7 +20,7 @@ of :func:`mha_multi.call.forward`, which computes the same numbers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -88,7 +88,7 @@ def _concrete(x: Any) -> bool:
     return type(x) is _ARRAY_TYPE
 
 
-def _all_concrete(arrays: tuple[Any, ...]) -> bool:
+def _all_concrete(arrays: Iterable[Any]) -> bool:
     """Whether each of ``arrays`` is ``None``, a concrete JAX array or a tuple of them."""
     array_type = _ARRAY_TYPE
     for x in arrays:
@@ -109,16 +109,7 @@ def _program(key: PlanKey, on: str) -> Callable[..., call.Result]:
     heads = spec.Heads(*settings.heads)
 
     def flow(
-        params: Mapping[str, jax.Array],
-        queries: jax.Array,
-        keys: jax.Array | None,
-        values: jax.Array | None,
-        valid_lens: jax.Array | None,
-        cache: spec.KVCache | None,
-        head_mask: jax.Array | None,
-        positions: jax.Array | None,
-        bias: jax.Array | None,
-        segment_ids: Any,
+        params: Mapping[str, jax.Array], inputs: tuple[Any, ...], arrays: Mapping[str, Any]
     ) -> call.Result:
         sizes = {
             f"{name}_size": params[f"W_{name[0]}"].shape[0] for name in ("query", "key", "value")
@@ -128,17 +119,10 @@ def _program(key: PlanKey, on: str) -> Callable[..., call.Result]:
             WeightsProjections(
                 params, heads, sizes, dtype=settings.dtype, precision=settings.precision
             ),
-            queries,
-            keys,
-            values,
-            valid_lens,
+            *inputs,
             causal=key.causal,
             return_attention_weights=key.return_attention_weights,
-            cache=cache,
-            head_mask=head_mask,
-            positions=positions,
-            bias=bias,
-            segment_ids=segment_ids,
+            **arrays,
             layer_options=settings.options,
             dropout_rate=settings.dropout_rate,
             head_parallel=settings.head_parallel,
@@ -150,27 +134,21 @@ def _program(key: PlanKey, on: str) -> Callable[..., call.Result]:
 def planned_call(
     settings: LayerSettings,
     params: Mapping[str, Any],
-    queries: Any,
-    keys: Any,
-    values: Any,
-    valid_lens: Any,
+    inputs: tuple[Any, Any, Any, Any],
+    arrays: Mapping[str, Any],
     *,
     causal: Any,
     return_attention_weights: Any,
-    cache: Any,
-    head_mask: Any,
-    positions: Any,
-    bias: Any,
-    segment_ids: Any,
 ) -> call.Result | None:
     """An eager call without dropout by its plan, or ``None`` where the plan does not serve.
 
     Args:
         settings: the layer's.
         params: the layer's parameters' stored arrays, under their canonical names.
-        queries, keys, values, valid_lens: the call's arguments.
-        causal, return_attention_weights, cache, head_mask, positions, bias,
-            segment_ids: the call's options.
+        inputs: the call's ``(queries, keys, values, valid_lens)``.
+        arrays: the call's ``cache``, ``head_mask``, ``positions``, ``bias``
+            and ``segment_ids`` (:func:`mha_multi.call.forward`'s keywords).
+        causal, return_attention_weights: the call's flags.
 
     Returns:
         The :class:`mha_multi.call.Result` of the call, or ``None`` for a call
@@ -181,11 +159,12 @@ def planned_call(
     Raises:
         TypeError, ValueError: as :func:`mha_multi.call.forward`.
     """
+    queries, keys, _, valid_lens = inputs
     if not _concrete(queries):
         return None
-    if not _all_concrete(
-        (keys, values, valid_lens, cache, head_mask, positions, bias, segment_ids)
-    ) or not _all_concrete(tuple(params.values())):
+    if not (
+        _all_concrete(inputs) and _all_concrete(arrays.values()) and _all_concrete(params.values())
+    ):
         return None
     if not (causal is True or causal is False) or not (
         return_attention_weights is True or return_attention_weights is False
@@ -202,9 +181,8 @@ def planned_call(
         program = _PLANS[key] = _program(key, platform(queries))
         if len(_PLANS) > KEPT_PLANS:
             del _PLANS[next(iter(_PLANS))]
-    result = program(
-        params, queries, keys, values, valid_lens, cache, head_mask, positions, bias, segment_ids
-    )
+    result = program(params, inputs, arrays)
+    cache = arrays["cache"]
     if cache is not None:
         # Per call, after the traced checks (as in the eager flow): the lengths are
         # values, which no program can check; the step's result is dropped on an error.

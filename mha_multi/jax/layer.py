@@ -175,18 +175,19 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
     def _params(self, *, stored: bool) -> dict[str, Any]:
         """:meth:`params`; ``stored``: each variable's stored value as it is (what the call
         plan passes its program), not NNX's read of it, a few dozen Python calls each."""
-        params = {}
+        variables = {}
         for name in KERNEL_NAMES:
             linear = getattr(self, name)
-            params[name] = linear.kernel.get_raw_value() if stored else linear.kernel[...]
+            variables[name] = linear.kernel
             if linear.bias is not None:
-                params[f"b_{name[-1]}"] = linear.bias.get_raw_value() if stored else linear.bias[...]
-        for name in (NORM_NAMES if self.options.qk_norm is not None else ()) + (
-            (SINKS_NAME,) if self.options.sinks else ()
-        ):
-            variable = getattr(self, name)
-            params[name] = variable.get_raw_value() if stored else variable[...]
-        return params
+                variables[f"b_{name[-1]}"] = linear.bias
+        if self.options.qk_norm is not None:
+            variables.update({name: getattr(self, name) for name in NORM_NAMES})
+        if self.options.sinks:
+            variables[SINKS_NAME] = self.sinks
+        if stored:
+            return {name: variable.get_raw_value() for name, variable in variables.items()}
+        return {name: variable[...] for name, variable in variables.items()}
 
     @property
     def heads(self) -> spec.Heads:
@@ -329,6 +330,9 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
                 an overflow.
         """
         deterministic = self.deterministic if deterministic is None else deterministic
+        inputs = (queries, keys, values, valid_lens)
+        arrays = {"cache": cache, "head_mask": head_mask, "positions": positions, "bias": bias}
+        arrays["segment_ids"] = segment_ids
         dropout_key = None
         if deterministic or self.dropout == 0:
             # An eager call's plan (docs: "Fast paths"); None where it does not serve.
@@ -344,17 +348,10 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
             result = _plan.planned_call(
                 settings,
                 self._params(stored=True),
-                queries,
-                keys,
-                values,
-                valid_lens,
+                inputs,
+                arrays,
                 causal=causal,
                 return_attention_weights=return_attention_weights,
-                cache=cache,
-                head_mask=head_mask,
-                positions=positions,
-                bias=bias,
-                segment_ids=segment_ids,
             )
             if result is not None:
                 return result.returned(return_attention_weights)
@@ -372,17 +369,10 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
                 dtype=self.dtype,
                 precision=self.precision,
             ),
-            queries,
-            keys,
-            values,
-            valid_lens,
+            *inputs,
             causal=causal,
             return_attention_weights=return_attention_weights,
-            cache=cache,
-            head_mask=head_mask,
-            positions=positions,
-            bias=bias,
-            segment_ids=segment_ids,
+            **arrays,
             layer_options=self.options,
             dropout=functional.flax_dropout(dropout_key, self.dropout),
             dropout_rate=self.dropout,
