@@ -72,11 +72,6 @@ def forget() -> None:
     _PLANS.clear()
 
 
-def kept() -> int:
-    """How many plans are kept now."""
-    return len(_PLANS)
-
-
 def _concrete(x: Any) -> bool:
     """Whether ``x`` is a concrete JAX array (no tracer, no numpy array, no Python number)."""
     global _ARRAY_TYPE
