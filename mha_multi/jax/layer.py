@@ -16,7 +16,7 @@ from jax.typing import DTypeLike
 
 from mha_multi import _docs, call, spec
 from mha_multi.canonical_layer import FromCanonical
-from mha_multi.jax import functional
+from mha_multi.jax import _plan, functional
 from mha_multi.jax._facts import JaxFacts, host_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
@@ -170,17 +170,24 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
     def params(self) -> dict[str, jax.Array]:
         """The parameters under their canonical names (``W_q``... ``b_o``, ``q_norm``,
         ``k_norm``, ``sinks``), as arrays."""
-        params = {}
+        return self._params(stored=False)
+
+    def _params(self, *, stored: bool) -> dict[str, Any]:
+        """:meth:`params`; ``stored``: each variable's stored value as it is (what the call
+        plan passes its program), not NNX's read of it, a few dozen Python calls each."""
+        variables = {}
         for name in KERNEL_NAMES:
             linear = getattr(self, name)
-            params[name] = linear.kernel[...]
+            variables[name] = linear.kernel
             if linear.bias is not None:
-                params[f"b_{name[-1]}"] = linear.bias[...]
+                variables[f"b_{name[-1]}"] = linear.bias
         if self.options.qk_norm is not None:
-            params.update({name: getattr(self, name)[...] for name in NORM_NAMES})
+            variables.update({name: getattr(self, name) for name in NORM_NAMES})
         if self.options.sinks:
-            params[SINKS_NAME] = self.sinks[...]
-        return params
+            variables[SINKS_NAME] = self.sinks
+        if stored:
+            return {name: variable.get_raw_value() for name, variable in variables.items()}
+        return {name: variable[...] for name, variable in variables.items()}
 
     @property
     def heads(self) -> spec.Heads:
@@ -327,8 +334,32 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
                 an overflow.
         """
         deterministic = self.deterministic if deterministic is None else deterministic
+        inputs = (queries, keys, values, valid_lens)
+        arrays = {"cache": cache, "head_mask": head_mask, "positions": positions, "bias": bias}
+        arrays["segment_ids"] = segment_ids
         dropout_key = None
-        if not deterministic and self.dropout > 0:
+        if deterministic or self.dropout == 0:
+            # An eager call's plan (docs: "Fast paths"); None where it does not serve.
+            settings = _plan.LayerSettings(
+                self.options,
+                (self.num_heads, self.num_kv_heads, self.head_dim),
+                self.dtype,
+                self.precision,
+                self.implementation,
+                self.head_parallel,
+                self.dropout,
+            )
+            result = _plan.planned_call(
+                settings,
+                self._params(stored=True),
+                inputs,
+                arrays,
+                causal=causal,
+                return_attention_weights=return_attention_weights,
+            )
+            if result is not None:
+                return result.returned(return_attention_weights)
+        else:
 
             def dropout_key() -> jax.Array:
                 return _dropout_key(self.rngs if rngs is None else rngs)
@@ -342,17 +373,10 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
                 dtype=self.dtype,
                 precision=self.precision,
             ),
-            queries,
-            keys,
-            values,
-            valid_lens,
+            *inputs,
             causal=causal,
             return_attention_weights=return_attention_weights,
-            cache=cache,
-            head_mask=head_mask,
-            positions=positions,
-            bias=bias,
-            segment_ids=segment_ids,
+            **arrays,
             layer_options=self.options,
             dropout=functional.flax_dropout(dropout_key, self.dropout),
             dropout_rate=self.dropout,
