@@ -302,6 +302,7 @@ class LayerOptions:
         object.__setattr__(self, "at_most_rotary", others_default)
         touches = self.alibi or self.window is not None or self.softcap is not None or self.sinks
         object.__setattr__(self, "touches_scores", bool(touches))
+        object.__setattr__(self, "is_default", self.rotary is None and others_default)
 
     # Set on each instance by __post_init__; not a field, so that
     # dataclasses.asdict and replace see the options alone.
@@ -311,11 +312,9 @@ class LayerOptions:
     #: soft-capping, sinks): else a call's :class:`ScoreOptions` are d2l's, of rotated or
     #: normalised queries and keys.
     touches_scores: ClassVar[bool]
-
-    @property
-    def is_default(self) -> bool:
-        """Whether these are d2l's layer (no option set)."""
-        return self.rotary is None and self.at_most_rotary
+    #: Whether these are d2l's layer (no option set; an attribute, not a property: every
+    #: call of the generic flow asks).
+    is_default: ClassVar[bool]
 
     def score_options(
         self, *, num_heads: int, bias: Array | None = None, query_positions: Array | None = None

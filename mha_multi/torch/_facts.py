@@ -345,7 +345,8 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         the rows it wrote pending, and the next write sums them on the
         device (:meth:`CacheCheck.settled`) for a later call that reads.
         """
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            # (torch.func's transforms wrap values no read may take, torch.vmap's batches.)
             return None, None
         # The keys and values a call attends over count, hidden ones too: SDPA
         # adds -inf to a hidden key's score.

@@ -156,8 +156,11 @@ class PlainRoute:
                 projected, plan.tables, plan.wide_tables, rotary, heads, None
             )
             read = (turned, v)
-        if plan.fused and not self._exact(read, q, k, plan, heads.head_dim):
-            return None  # (no gradient here)
+        try:
+            if plan.fused and not self._exact(read, q, k, plan, heads.head_dim):
+                return None  # (no gradient here)
+        except RuntimeError:  # (values torch.vmap batches, which no read may take)
+            return None
         if plan.fused:
             k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
             k, v = k.transpose(1, 2), v.transpose(1, 2)

@@ -151,7 +151,9 @@ class StackedWeights:
 
     def __call__(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight, bias)`` of ``modules`` stacked along the output features."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            # (A compiled graph's parameters have no address to view; under torch.func's
+            # transforms the stack is an ordinary copy, which they differentiate and batch.)
             return _stack(modules)
         views = self.views(modules)
         if views is None:
@@ -226,8 +228,6 @@ class StackedView(torch.autograd.Function):
                 break
         else:
             return view
-        if torch._C._are_functorch_transforms_active():
-            return cls.apply(view.shape, view.stride(), *parameters)  # functorch's own route
         return _apply_stacked_view(view.shape, view.stride(), *parameters)
 
 

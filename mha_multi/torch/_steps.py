@@ -121,7 +121,10 @@ def fused_step(
         q, k = q.view(batch, num_heads, 1, head_dim), k.view(-1, num_kv_heads, head_dim)
     # One query sees its keys unmasked (the plan is not bounded): the read is the sum's,
     # finite iff its difference with itself is 0 (inf - inf and NaN are NaN).
-    read = total.item()
+    try:
+        read = total.item()
+    except RuntimeError:  # (a value torch.vmap batches, which no read may take)
+        return None
     if read - read != 0.0:
         return None  # (no gradient here)
     keys.select(2, length).copy_(k)

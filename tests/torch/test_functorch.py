@@ -1,0 +1,74 @@
+"""torch.func's transforms over the layer: ``vmap`` over examples and per-example gradients.
+
+Under ``torch.vmap`` no value can be read, so a call reads nothing, as a GPU's
+does (the generic path), and the packed projections are stacked by a copy
+that the transforms batch and differentiate (docs: "Fast paths").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.func import functional_call, grad, vmap
+
+from mha_multi import spec
+from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
+from mha_multi.weights import init_weights
+
+LAYERS = {
+    "plain": {},
+    "rotary, grouped": {"rotary": {"theta": 100.0}, "num_kv_heads": 1},
+}
+
+
+def _layer(options):
+    weights = init_weights(16, seed=3, num_heads=2, num_kv_heads=options.get("num_kv_heads"))
+    return set_weights(MultiHeadAttention(16, 2, **options).double(), weights)
+
+
+@pytest.mark.parametrize("options", LAYERS.values(), ids=LAYERS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("recording", [True, False], ids=["recording", "no gradient"])
+def test_vmap_over_examples_gives_the_references_numbers(options, causal, recording):
+    """Without a gradient, self-attention's fast route is asked first: its read of a
+    batched value fails, and the call takes the generic flow."""
+    layer = _layer(options)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 16))
+    lens = np.array([1, 2, 3, 0])
+
+    def one(xi, li):
+        return layer(xi[None], xi[None], xi[None], li[None], causal=causal)[0]
+
+    with torch.set_grad_enabled(recording):
+        out = vmap(one)(torch.from_numpy(x), torch.from_numpy(lens))
+        plain = vmap(lambda xi: layer(*(xi[None],) * 3, causal=causal)[0])(torch.from_numpy(x))
+    expected, _ = spec.reference_forward(
+        get_weights(layer), x, x, x, lens, num_heads=2, causal=causal, **options
+    )
+    np.testing.assert_allclose(out.detach().numpy(), expected, rtol=1e-10, atol=1e-12)
+    expected, _ = spec.reference_forward(
+        get_weights(layer), x, x, x, num_heads=2, causal=causal, **options
+    )
+    np.testing.assert_allclose(plain.detach().numpy(), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", LAYERS.values(), ids=LAYERS)
+def test_per_example_gradients_are_those_of_each_example_alone(options):
+    layer = _layer(options)
+    params = {name: p.detach() for name, p in layer.named_parameters()}
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((3, 2, 16)))
+
+    def loss(p, xi):
+        out = functional_call(layer, p, (xi[None], xi[None], xi[None]), {"causal": True})
+        return (out**2).sum()
+
+    batched = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(3):
+        layer.zero_grad()
+        (layer(x[[i]], x[[i]], x[[i]], causal=True) ** 2).sum().backward()
+        for name, p in layer.named_parameters():
+            np.testing.assert_allclose(
+                batched[name][i].numpy(), p.grad.numpy(), rtol=1e-10, atol=1e-12
+            )
