@@ -112,9 +112,13 @@ def _updated(
         projected = ops.reshape(ops.matmul(x, w[f"W_{name}"]), (batch, steps, num, head_dim))
         if "cos" not in w or name == "v":
             return projected
-        cos, sin = (
-            ops.slice(w[t], (position, 0), (steps, head_dim))[:, None] for t in ("cos", "sin")
-        )
+        if isinstance(position, int):
+            cos, sin = (
+                ops.slice(w[t], (position, 0), (steps, head_dim))[:, None] for t in ("cos", "sin")
+            )
+        else:  # compiled: the rows gathered (Keras' slice at a tensor start reads it on PyTorch)
+            rows = position + ops.arange(steps, dtype="int32")
+            cos, sin = (ops.take(w[t], rows, axis=0)[:, None] for t in ("cos", "sin"))
         half = head_dim // 2
         turned = ops.concatenate([-projected[..., half:], projected[..., :half]], axis=-1)
         return projected * cos + turned * sin
@@ -136,6 +140,20 @@ def _attend_filled(
     return ops.matmul(ops.reshape(context, (batch, steps, -1)), w["W_o"]), keys, values
 
 
+def _masked_attention(q: Any, keys: Any, values: Any, seen: Any, group: int) -> Any:
+    """Attention of ``q`` ``(B, T, H, dh)`` over ``(B, L, H_kv, dh)`` keys and values,
+    ``seen`` ``(T, L)``, written out: Keras' ``dot_product_attention`` on PyTorch asks
+    SDPA's flash check at every call, which ``torch.compile`` cannot trace (a graph
+    break, and a recompilation at every step)."""
+    ops = keras.ops
+    if group > 1:
+        keys, values = (ops.repeat(x, group, axis=2) for x in (keys, values))
+    scale = 1.0 / float(q.shape[-1]) ** 0.5
+    scores = ops.einsum("bqhd,bkhd->bhqk", q, keys) * scale
+    scores = ops.where(seen[None, None], scores, float("-inf"))
+    return ops.einsum("bhqk,bkhd->bqhd", ops.softmax(scores, axis=-1), values)
+
+
 @functools.cache
 def _compiled_attend(heads: int, kv_heads: int, length: int) -> Callable[..., Any]:
     """Compiled, static shapes: all ``length`` positions, the unfilled ones masked.
@@ -152,7 +170,10 @@ def _compiled_attend(heads: int, kv_heads: int, length: int) -> Callable[..., An
         batch, steps = x.shape[0], x.shape[1]
         # Query i (at position + i) sees the keys up to itself.
         seen = ops.arange(length)[None, :] <= position + ops.arange(steps)[:, None]
-        context = ops.dot_product_attention(q, keys, values, mask=seen[None, None])
+        if backend.BACKEND == "torch":
+            context = _masked_attention(q, keys, values, seen, heads // kv_heads)
+        else:
+            context = ops.dot_product_attention(q, keys, values, mask=seen[None, None])
         return ops.matmul(ops.reshape(context, (batch, steps, -1)), w["W_o"]), keys, values
 
     return backend.compile_function(attend)
@@ -191,9 +212,7 @@ class Keras(Framework):
         return keras.ops.matmul(a, b)
 
     hand_written = staticmethod(hand_written_decoder)
-    # torch.compile specializes a cached call on the step (it compiles again at
-    # every token), so generation on Keras' PyTorch backend is timed eagerly.
-    generation_executions = ("eager",) if backend.BACKEND == "torch" else ("eager", "compiled")
+    generation_executions = ("eager", "compiled")
 
     def cached_call(self, layer: Any, execution: str | None = None) -> Callable[..., Any]:
         """Eager, or the backend's compiler over the layer's variables and the cache

@@ -91,8 +91,8 @@ class _KerasOps:
         """The sum over the last axis, kept as an axis of 1."""
         return keras.ops.sum(x, axis=-1, keepdims=True)
 
-    def constant(self, value: np.ndarray) -> Tensor:
-        """``value`` as a tensor of its dtype."""
+    def constant(self, value: np.ndarray, like: Tensor) -> Tensor:
+        """``value`` as a tensor of its dtype (where ``like`` lies)."""
         return keras.ops.convert_to_tensor(value, dtype=str(value.dtype))
 
     def stop_gradient(self, x: Tensor) -> Tensor:
@@ -225,11 +225,11 @@ class _TensorFlowOps(_KerasOps):
             return getattr(self.raw, name.capitalize())(x=x)
         return super().unary(name, x)
 
-    def constant(self, value: np.ndarray) -> Tensor:
+    def constant(self, value: np.ndarray, like: Tensor) -> Tensor:
         # What Keras' conversion calls for a numpy array of a floating dtype.
         if value.dtype.kind == "f":
             return self.tf.convert_to_tensor(value)
-        return super().constant(value)
+        return super().constant(value, like)
 
     def slice_update(self, held: Tensor, start: tuple[int, ...], rows: Tensor) -> Tensor:
         # Keras' own XLA operation, the start as an array: a tuple would be converted.
@@ -349,6 +349,14 @@ class _TorchOps(_KerasOps):
         ):
             return torch.matmul(a, b)
         return keras.ops.matmul(a, b)
+
+    def constant(self, value: np.ndarray, like: Tensor) -> Tensor:
+        # What Keras' conversion calls, on ``like``'s device; and under torch.compile,
+        # which traces numpy arrays as tensors, the one conversion Dynamo takes whole
+        # (Keras' reads the array's dtype: a graph break).
+        if isinstance(like, self.torch.Tensor):
+            return self.torch.as_tensor(value, device=like.device)
+        return super().constant(value, like)
 
     def cast(self, x: Tensor, dtype: str) -> Tensor:
         torch = self.torch

@@ -112,6 +112,22 @@ class _Framework:
     #: :func:`mha_multi.spec.update_cache`), or ``None`` for the spec's gather.
     scatter: spec.cache.Scatter | None = None
 
+    def traced_write(
+        self,
+        ops: Any,
+        cache: spec.KVCache,
+        k: Tensor,
+        v: Tensor,
+        valid_lens: Tensor | None,
+        *,
+        head_dim: int,
+        causal: bool,
+    ) -> tuple[spec.KVCache, Tensor] | None:
+        """A compiled call's write of ``cache`` into its own arrays, as
+        :func:`mha_multi.spec.update_cache` returns it, or ``None`` where it takes
+        the spec's update (every backend but PyTorch)."""
+        return None
+
     def version(self, x: Tensor) -> int | None:
         """What changes when ``x`` is written in place, or ``None`` where nothing would
         tell. TensorFlow's and JAX's arrays cannot be written: always 0."""
@@ -214,16 +230,17 @@ class _Torch(_Framework):
     Devices, precision and PyTorch's own rules for a cache written in place
     and for grouped heads are plain PyTorch's facts
     (:mod:`mha_multi.torch._facts`), the finiteness reads its reads
-    (:mod:`mha_multi.torch._reads`): nothing else of :mod:`mha_multi.torch`.
+    (:mod:`mha_multi.torch._reads`), a compiled call's cache written as its
+    (:mod:`mha_multi.torch._compiled_cache`): nothing else of :mod:`mha_multi.torch`.
     """
 
     def __init__(self) -> None:
         import torch
 
-        from mha_multi.torch import _facts, _reads
+        from mha_multi.torch import _compiled_cache, _facts, _reads
 
         self.torch = torch
-        self.plain = _facts
+        self.plain, self.compiled_cache = _facts, _compiled_cache
         self.finite_sum, self.largest_magnitude = _reads.finite_sum, _reads.largest_magnitude
 
     def gpu_available(self) -> bool:
@@ -297,6 +314,29 @@ class _Torch(_Framework):
             return super().write_rows(held, rows, first, in_place=False)
         held.narrow(2, first, rows.shape[2]).copy_(rows)
         return held
+
+    def traced_write(
+        self,
+        ops: Any,
+        cache: spec.KVCache,
+        k: Tensor,
+        v: Tensor,
+        valid_lens: Tensor | None,
+        *,
+        head_dim: int,
+        causal: bool,
+    ) -> tuple[spec.KVCache, Tensor] | None:
+        """Under ``torch.compile``, where no gradient is recorded through the cache,
+        PyTorch's own layer's write: one indexed write per array into the cache's own
+        tensors, no value read (:func:`mha_multi.torch._compiled_cache.write_in_place`).
+        The spec's update gathers every position of a new cache at every step."""
+        if not self.torch.compiler.is_compiling() or self.compiled_cache.records_gradient(
+            k, v, cache.keys, cache.values
+        ):
+            return None
+        return self.compiled_cache.write_in_place(
+            ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal
+        )
 
 
 @functools.cache

@@ -145,10 +145,17 @@ class KerasOps:
     ``keras.ops`` is pure overhead (:mod:`mha_multi.keras._framework_ops`).
     """
 
-    @functools.cached_property
-    def native(self) -> Any:
-        """The active backend's operations (made on first use, not at import)."""
-        return framework_ops()
+    #: The active backend's operations, made on first use (not at import).
+    native: Any
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what the instance lacks: ``native`` on first use, an attribute from
+        # then on. (Not functools.cached_property, whose lock before Python 3.12 stops
+        # torch.compile's tracing of a first call.)
+        if name != "native":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.native = framework_ops()
+        return self.native
 
     def split_axis(self, x: Tensor, axis: int, sizes: tuple[int, int]) -> Tensor:
         shape = _shape(x)
@@ -289,7 +296,7 @@ class KerasOps:
         return 1.0 / _unary("sqrt", x)
 
     def constant(self, value: np.ndarray, like: Tensor) -> Tensor:
-        return self.native.constant(value)
+        return self.native.constant(value, like)
 
 
 def _slicer() -> Callable[[Tensor, int, int, int], Tensor | None]:

@@ -64,7 +64,7 @@ def write_in_place(
         cache.keys.copy_(updated.keys)
         cache.values.copy_(updated.values)
         return spec.KVCache(cache.keys, cache.values, updated.lengths), visible
-    spec.check_cache_dtype(ops, cache, k.dtype, v.dtype)
+    spec.check_cache_dtype(ops, cache, ops.dtype(k), ops.dtype(v))
     new = spec.appended(ops, lengths, valid_lens, num_new)
     at, kept = spec.row_positions(ops, lengths.to(torch.int64), new, num_new, max_length)
     # (B, 1, 1), (1, H_kv, 1), (B, 1, T): each example's, each head's positions.

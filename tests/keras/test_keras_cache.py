@@ -206,6 +206,49 @@ def test_a_cache_made_inside_a_jitted_stateless_call():
     assert backend.to_numpy(cache.lengths).tolist() == [2, 2, 2]
 
 
+@pytest.mark.skipif(backend.BACKEND != "torch", reason="torch.compile is PyTorch's")
+def test_torch_compile_takes_a_rotary_grouped_step_whole():
+    """Keras on PyTorch: a Llama-shaped layer's cached call (rotary, grouped heads) is one
+    graph under ``torch.compile(fullgraph=True)`` (no break, from the first call on),
+    the prompt and the step one graph each, not one per token; the float64 reference's
+    numbers at every step."""
+    import torch
+    import torch._dynamo
+
+    rotary = {"theta": 100.0}
+    weights = grouped_weights(6, head_dim=4)  # (rotation pairs entries)
+    layer = MultiHeadAttention(**{**CONFIG, "head_dim": 4}, bias=True, rotary=rotary)
+    layer = set_weights(layer, weights)
+    x = sequences(6)["queries"]
+
+    def call(tokens, keys, values, lengths):
+        output, cache = layer(
+            tokens, tokens, tokens, causal=True, cache=KVCache(keys, values, lengths)
+        )
+        return output, tuple(cache)
+
+    prompt, steps = 3, 3
+    cache = tuple(layer.init_cache(3, MAX_LENGTH))
+    torch._dynamo.reset()
+    # (fullgraph: a graph break raises.)
+    compiled = torch.compile(call, fullgraph=True, dynamic=False, backend="eager")
+    graphs = []
+    outputs = []
+    with torch.no_grad():
+        at = 0
+        for width in (prompt,) + (1,) * steps:
+            output, cache = compiled(backend.to_native(x[:, at : at + width]), *cache)
+            outputs.append(backend.to_numpy(output))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+            at += width
+    assert graphs[1] == graphs[-1]  # the steps after the first compile nothing
+    expected, _ = spec.reference_forward(
+        weights, x[:, :at], x[:, :at], x[:, :at], **HEADS, causal=True, rotary=rotary
+    )
+    np.testing.assert_allclose(np.concatenate(outputs, 1), expected, rtol=0, atol=5e-6)
+    assert backend.to_numpy(cache[2]).tolist() == [at] * 3
+
+
 # -- eager writes ------------------------------------------------------------------
 
 
