@@ -210,8 +210,8 @@ def test_a_cache_made_inside_a_jitted_stateless_call():
 def test_torch_compile_takes_a_rotary_grouped_step_whole():
     """Keras on PyTorch: a Llama-shaped layer's cached call (rotary, grouped heads) is one
     graph under ``torch.compile(fullgraph=True)`` (no break, from the first call on),
-    the prompt and the step one graph each, not one per token; the float64 reference's
-    numbers at every step."""
+    the prompt and the step one graph each, not one per token, the rows written into the
+    given cache; the float64 reference's numbers at every step."""
     import torch
     import torch._dynamo
 
@@ -229,6 +229,7 @@ def test_torch_compile_takes_a_rotary_grouped_step_whole():
 
     prompt, steps = 3, 3
     cache = tuple(layer.init_cache(3, MAX_LENGTH))
+    given = [x.data_ptr() for x in cache[:2]]
     torch._dynamo.reset()
     # (fullgraph: a graph break raises.)
     compiled = torch.compile(call, fullgraph=True, dynamic=False, backend="eager")
@@ -242,6 +243,8 @@ def test_torch_compile_takes_a_rotary_grouped_step_whole():
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
             at += width
     assert graphs[1] == graphs[-1]  # the steps after the first compile nothing
+    # Recording no gradient, the rows went into the given cache's own tensors.
+    assert [x.data_ptr() for x in cache[:2]] == given
     expected, _ = spec.reference_forward(
         weights, x[:, :at], x[:, :at], x[:, :at], **HEADS, causal=True, rotary=rotary
     )
