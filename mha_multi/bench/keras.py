@@ -62,9 +62,11 @@ def hand_written_decoder(
     "compiled"``, the backend's compiler as for the layers) it keeps static
     shapes: the position is an argument, and attention covers all
     ``max_length`` positions with a mask, so the prompt and the steps are
-    two programs. With rotary positions, cosine and sine tables are made once
-    for every position (held beside the weights) and the queries and keys
-    rotated (``rotate_half``) before the keys enter the cache.
+    two programs. So does the eager loop on JAX, whose operations compile
+    for each new shape (over the filled positions, at every step). With
+    rotary positions, cosine and sine tables are made once for every position
+    (held beside the weights) and the queries and keys rotated
+    (``rotate_half``) before the keys enter the cache.
     """
     ops = keras.ops
     heads, kv_heads, length = shape.num_heads, shape.kv_heads, shape.max_length
@@ -75,14 +77,17 @@ def hand_written_decoder(
         angles = backend.to_native(angles, device, "float32")
         w["cos"], w["sin"] = (ops.cast(f(angles), dtype) for f in (ops.cos, ops.sin))
     compiled = execution == "compiled"
+    static = compiled or backend.BACKEND == "jax"
     if compiled:
         run = _compiled_attend(heads, kv_heads, length)
+    elif static:
+        run = _static_attend(heads, kv_heads, length)
     else:
         run = functools.partial(_attend_filled, heads=heads, kv_heads=kv_heads)
 
     def call(state: Any, x: Any, position: int) -> tuple[Any, Any]:
         keys, values = state
-        at = ops.convert_to_tensor(position, "int32") if compiled else position
+        at = ops.convert_to_tensor(position, "int32") if static else position
         output, keys, values = run(w, x, keys, values, at)
         return (keys, values), output
 
@@ -156,11 +161,18 @@ def _masked_attention(q: Any, keys: Any, values: Any, seen: Any, group: int) -> 
 
 @functools.cache
 def _compiled_attend(heads: int, kv_heads: int, length: int) -> Callable[..., Any]:
-    """Compiled, static shapes: all ``length`` positions, the unfilled ones masked.
+    """:func:`_static_attend` compiled.
 
     One compiled function per configuration, so that every generator of it
     (the warm-up's, the timed one's) shares its programs.
     """
+    return backend.compile_function(_static_attend(heads, kv_heads, length))
+
+
+def _static_attend(heads: int, kv_heads: int, length: int) -> Callable[..., Any]:
+    """Static shapes: all ``length`` positions, the unfilled ones masked; the position a
+    tensor. Compiled, and the eager loop on JAX, where an operation on a new shape
+    compiles anew (attention over the filled positions would compile at every step)."""
     ops = keras.ops
 
     def attend(
@@ -176,7 +188,7 @@ def _compiled_attend(heads: int, kv_heads: int, length: int) -> Callable[..., An
             context = ops.dot_product_attention(q, keys, values, mask=seen[None, None])
         return ops.matmul(ops.reshape(context, (batch, steps, -1)), w["W_o"]), keys, values
 
-    return backend.compile_function(attend)
+    return attend
 
 
 class Keras(Framework):
