@@ -286,9 +286,11 @@ def writes_in_place(
     k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> bool:
     """Whether an eager call may copy its new rows ``k``, ``v`` into a cache's ``keys``,
-    ``values``: no gradient recorded through any of them, and no inference tensor
-    written outside inference mode (docs: "Generating with a cache")."""
-    if records_gradient(k, v, keys, values):
+    ``values``: no gradient recorded through any of them, no inference tensor
+    written outside inference mode, and no ``torch.func`` transform active (under
+    ``torch.vmap`` each example's rows make its own cache) (docs: "Generating with a
+    cache")."""
+    if records_gradient(k, v, keys, values) or torch._C._are_functorch_transforms_active():
         return False
     return torch.is_inference_mode_enabled() or not (keys.is_inference() or values.is_inference())
 

@@ -154,12 +154,17 @@ class CacheWrites(call.Facts):
         """Known where the check of the cache this call wrote in place knows it
         (:attr:`CacheCheck.finite_from`); otherwise read on the host, one sum (and
         then known to the calls after), and not known on a GPU, where the read
-        would wait for the device."""
+        would wait for the device (nor under ``torch.func``'s transforms, whose values
+        no read may take)."""
         written = self._written_into(keys, values)
         check = None if written is None else written.check
         if check is not None and check.finite_from is not None and check.finite_from <= span:
             return True
-        if torch.compiler.is_compiling() or not self.on_host(values):
+        if (
+            torch.compiler.is_compiling()
+            or not self.on_host(values)
+            or torch._C._are_functorch_transforms_active()
+        ):
             return False
         rest = values.detach().narrow(2, span, values.shape[2] - span)
         if not math.isfinite(rest.sum(dtype=torch.float32).item()):

@@ -276,12 +276,17 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         return _tensor_beside("head_mask", head_mask, like, call.GATES_SHAPE)
 
     def read(self, *arrays: torch.Tensor | None) -> list[np.ndarray | None] | None:
-        """One transfer for integer tensors; nothing under ``torch.compile``.
+        """One transfer for integer tensors; nothing under ``torch.compile``, nor of
+        a tensor ``torch.vmap`` batches (the call then does what compiled code does).
 
         A cache's lengths as an eager call wrote them are known on the host
         already (:class:`CacheCheck`): a decoding step reads nothing for them.
         """
         if torch.compiler.is_compiling():
+            return None
+        if torch._C._are_functorch_transforms_active() and any(
+            x is not None and torch._C._functorch.is_functorch_wrapped_tensor(x) for x in arrays
+        ):
             return None
         known = [None if x is None else CacheCheck.host_lengths(x) for x in arrays]
         rest = [x if held is None else None for x, held in zip(arrays, known, strict=True)]

@@ -72,3 +72,57 @@ def test_per_example_gradients_are_those_of_each_example_alone(options):
             np.testing.assert_allclose(
                 batched[name][i].numpy(), p.grad.numpy(), rtol=1e-10, atol=1e-12
             )
+
+
+@pytest.mark.parametrize("options", LAYERS.values(), ids=LAYERS)
+def test_vmap_over_cached_calls_of_one_cache_makes_each_example_its_own(options):
+    """One cache (not batched) for every example: no example writes into it, and each
+    gets the cache and the output of its call alone (the functional update)."""
+    layer = _layer(options)
+    x = np.random.default_rng(1).standard_normal((3, 2, 4, 16))
+    cache = layer.init_cache(2, 6)
+
+    def one(xi):
+        output, updated = layer(xi, xi, xi, causal=True, cache=cache)
+        return output, updated.keys, updated.lengths
+
+    with torch.no_grad():
+        out, keys, lengths = vmap(one)(torch.from_numpy(x))
+    assert not cache.keys.any() and not cache.lengths.any()  # the given cache as it was
+    assert lengths.tolist() == [[4, 4]] * 3
+    weights = get_weights(layer)
+    for i in range(3):
+        empty = spec.KVCache(np.zeros(cache.keys.shape), np.zeros(cache.keys.shape), np.zeros(2))
+        expected, _, written = spec.reference_cached_forward(
+            weights, x[i], x[i], x[i], empty, num_heads=2, causal=True, **options
+        )
+        np.testing.assert_allclose(out[i].numpy(), expected, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(keys[i].numpy(), written.keys, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", LAYERS.values(), ids=LAYERS)
+def test_vmap_over_decoding_with_a_cache_per_example(options):
+    """Each example's cache batched along with it: a prompt and two steps, whose lengths
+    no read may take (the call does what compiled code does), give the reference's
+    numbers."""
+    layer = _layer(options)
+    x = np.random.default_rng(2).standard_normal((3, 2, 5, 16))
+    caches = [layer.init_cache(2, 6) for _ in range(3)]
+    held = [torch.stack(arrays) for arrays in zip(*caches, strict=True)]
+
+    def one(xi, keys, values, lengths):
+        output, updated = layer(xi, xi, xi, causal=True, cache=spec.KVCache(keys, values, lengths))
+        return output, *updated
+
+    outputs = []
+    with torch.no_grad():
+        for start, stop in ((0, 3), (3, 4), (4, 5)):
+            output, *held = vmap(one)(torch.from_numpy(x[:, :, start:stop]), *held)
+            outputs.append(output.numpy())
+    assert held[2].tolist() == [[5, 5]] * 3
+    for i in range(3):
+        expected, _ = spec.reference_forward(
+            get_weights(layer), x[i], x[i], x[i], num_heads=2, causal=True, **options
+        )
+        generated = np.concatenate([o[i] for o in outputs], axis=1)
+        np.testing.assert_allclose(generated, expected, rtol=1e-10, atol=1e-12)
