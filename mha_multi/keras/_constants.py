@@ -11,10 +11,10 @@ and the tensor's own device. Nothing is kept for a traced tensor
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
+from mha_multi.keras._first_use import made_on_first_use
 from mha_multi.keras._frameworks import BACKEND, values_readable
 
 __all__ = ["constants_key"]
@@ -56,7 +56,7 @@ def _torch_place() -> Callable[[Tensor], Any]:
     return place
 
 
-@functools.cache
+@made_on_first_use
 def _place() -> Callable[[Tensor], Any]:
     # Made on first use, not at import: the documentation imports this module
     # against mocked frameworks, where there is no backend to look up.

@@ -15,11 +15,12 @@ first use, so only that framework is imported.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import keras
 import numpy as np
+
+from mha_multi.keras._first_use import made_on_first_use
 
 __all__ = ["framework_ops"]
 
@@ -406,7 +407,7 @@ class _TorchOps(_KerasOps):
         return updated
 
 
-@functools.cache
+@made_on_first_use
 def framework_ops() -> _KerasOps:
     """The operations of the Keras backend this process runs, made on first use.
 

@@ -12,13 +12,13 @@ created, so only that framework is ever imported.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import keras
 
 from mha_multi import spec
+from mha_multi.keras._first_use import made_on_first_use
 from mha_multi.keras._framework_ops import framework_ops
 
 #: The Keras backend of this process: ``"tensorflow"``, ``"jax"`` or ``"torch"``.
@@ -339,7 +339,7 @@ class _Torch(_Framework):
         )
 
 
-@functools.cache
+@made_on_first_use
 def active() -> _Framework:
     """The facts of the Keras backend this process runs, made on first use.
 

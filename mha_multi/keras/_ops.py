@@ -50,7 +50,10 @@ def dtype_name(dtype: Any) -> str:
 _KINDS = (("bfloat", "f"), ("float", "f"), ("uint", "u"), ("int", "i"), ("bool", "b"))
 
 
-@functools.cache
+#: :func:`dtype_kind` by dtype name, as each is met.
+_KIND_OF: dict[str, str] = {}
+
+
 def _kind_of(name: str) -> str:
     for prefix, kind in _KINDS:
         if name.startswith(prefix):
@@ -60,7 +63,12 @@ def _kind_of(name: str) -> str:
 
 def dtype_kind(dtype: Any) -> str:
     """numpy's ``dtype.kind`` letter for a Keras dtype (``'O'`` for strings and the like)."""
-    return _kind_of(dtype_name(dtype))
+    name = dtype_name(dtype)
+    try:
+        return _KIND_OF[name]
+    except KeyError:
+        kind = _KIND_OF[name] = _kind_of(name)
+        return kind
 
 
 def _itemsize(dtype: Any) -> int:
