@@ -1,0 +1,296 @@
+"""A plain decoding step's fast route in PyTorch: the generic flow's outputs, cache and errors.
+
+Self-attention steps under ``no_grad`` are answered by the facts' route where
+it can, with the generic flow's outputs and cache to the bit and the float64
+reference's numbers; what it declines, and every error, is the generic
+flow's. The GPU's steps are ``test_torch_cache_gpu_steps.py``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from cache_support import (
+    FLOAT32_ATOL,
+    HEADS,
+    NUM_HIDDENS,
+    ROUTE_ROTARY,
+    feed_back,
+    self_attention,
+    tensors,
+)
+from route_support import answered_calls, generic_only
+
+from mha_multi import spec
+from mha_multi.parity.harness import torch as backend
+from mha_multi.torch import _cache
+
+
+@pytest.mark.parametrize("finite_from", [None, 3, 9])
+@pytest.mark.parametrize("key_upto", [0, 2, 9])
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_steps_check_is_the_one_attach_and_written_past_make(finite_from, key_upto, pending):
+    """``CacheCheck.stepped``, a plain step's shortcut, leaves the check that attaching
+    a new one and carrying over what the prior knew (``written_past``) leave, field by
+    field: what the next step and every later call trust."""
+    keys, values = torch.zeros(2, 1, 9, 4), torch.zeros(2, 1, 9, 4)
+    prior = _cache.CacheCheck.attach(
+        spec.KVCache(keys, values, torch.full((2,), 4)), None, 4, np.full(2, 4), pending=None
+    )
+    prior.finite_from, prior.key_upto, prior.key_max = finite_from, key_upto, 2.5
+    prior.step = "the plan before"
+    keys[:, :, 4] = values[:, :, 4] = 1.0  # the step's rows
+    kept = {
+        "poison": torch.zeros(()) if pending else None,
+        "pending": (keys[:, :, 4:5], values[:, :, 4:5]) if pending else None,
+    }
+
+    def updated():
+        return spec.KVCache(keys, values, torch.full((2,), 5))
+
+    slow = _cache.CacheCheck.attach(
+        updated(), kept["poison"], 5, prior.lengths, pending=kept["pending"], added=1
+    )
+    slow.step, slow._uniform = "this plan", 5
+    slow.written_past(prior, 4, 5)
+    fast = prior.stepped(updated(), 5, "this plan", **kept)
+    # (The arrays, poison and pending rows are the same objects in both: compared by identity.)
+    fields = {name: value for name, value in vars(slow).items() if name not in ("keys", "values")}
+    assert {name: value for name, value in vars(fast).items() if name in fields} == fields
+    assert vars(fast).keys() == vars(slow).keys()
+    assert fast.keys() is keys and fast.values() is values
+    assert fast.lengths.tolist() == [5, 5] and fast.uniform == 5
+
+
+@pytest.mark.parametrize("written", ["nan", "finite"])
+def test_a_cache_rewound_past_written_rows_gives_the_spec_numbers(written):
+    """Rows written in place stay past the lengths of an older cache of the same
+    tensors. A call of that cache attends over its filled positions only where the
+    values past them read finite: a NaN row there gives the spec's NaN (a hidden
+    value's weight of 0 times NaN). Finite rows cost the call that one read, and the
+    step after takes the route again."""
+    weights, layer = self_attention(HEADS, 31)
+    rng = np.random.default_rng(31)
+    x, y, z, w = (rng.standard_normal((3, n, NUM_HIDDENS)).astype(np.float32) for n in (3, 1, 1, 1))
+    second = y.copy()
+    if written == "nan":
+        second[0, 0, 0] = np.nan
+
+    def step(inputs, cache):
+        before = spec.KVCache(*(t.numpy().copy() for t in cache))
+        (t,) = tensors(inputs)  # one tensor: self-attention, which the route may take
+        with torch.no_grad():
+            output, cache = layer(t, t, t, causal=True, cache=cache)
+        expected, _, _ = spec.reference_cached_forward(
+            weights, inputs, inputs, inputs, before, **HEADS, causal=True
+        )
+        np.testing.assert_array_equal(np.isnan(output.numpy()), np.isnan(expected))
+        np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+        return expected, cache
+
+    with torch.no_grad():
+        _, rewound = layer(*tensors(x, x, x), causal=True, cache=layer.init_cache(3, 9))
+    _, cache = step(y, rewound)  # position 3
+    _, cache = step(second, cache)  # position 4
+    with answered_calls() as answers:
+        expected, cache = step(z, rewound)  # position 3 again: position 4 is past the span
+        step(w, cache)  # position 4 overwritten
+    assert np.isnan(expected[0]).all() == (written == "nan")
+    assert np.isfinite(expected[1:]).all()
+    # (A chain that met a NaN stays on the generic flow: its check cannot tell when
+    # the row is overwritten.)
+    assert answers == [False, written == "finite"]
+
+
+@pytest.mark.parametrize(
+    "dtype, heads, rotary",
+    [
+        (torch.float32, {"num_heads": 4}, None),
+        (torch.float32, HEADS, None),
+        (torch.float64, HEADS, None),
+        (torch.float32, HEADS, ROUTE_ROTARY[1]),
+        (torch.float64, {"num_heads": 4}, ROUTE_ROTARY[2]),
+    ],
+    ids=["mha", "gqa", "gqa-float64", "gqa-rotary", "mha-interleaved-float64"],
+)
+def test_plain_decoding_steps_take_the_fast_route_to_the_generic_numbers(heads, dtype, rotary):
+    """Self-attention steps under ``no_grad``, all examples at one length: the facts answer
+    every step after the prefill, with the generic flow's outputs and cache to the bit, and
+    the float64 reference's numbers; a layer whose one option is rotary too (its rows
+    rotated at each example's length)."""
+    weights, layer = self_attention(heads, seed=11, dtype=dtype, rotary=rotary)
+    prompt = np.random.default_rng(11).standard_normal((3, 4, NUM_HIDDENS))
+    atol = FLOAT32_ATOL if dtype == torch.float32 else 1e-12
+
+    def against_reference(x, before, output):
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x.double().numpy(),) * 3, before, **heads, causal=True, rotary=rotary
+        )
+        np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=atol)
+
+    with answered_calls() as answers:
+        fast, fast_caches = feed_back(layer, prompt, 6, 12, check=against_reference)
+    assert answers == [False] + [True] * 6  # the prefill of 4 positions is no step
+    with generic_only():
+        generic, generic_caches = feed_back(layer, prompt, 6, 12)
+    for ours, theirs in zip(fast, generic, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(fast_caches[-1], generic_caches[-1], strict=True):
+        assert torch.equal(ours, theirs)
+    assert all(cache.keys is fast_caches[0].keys for cache in fast_caches)
+    assert fast_caches[-1].lengths.tolist() == [10, 10, 10]
+
+
+def test_steps_the_fast_route_declines_take_the_generic_flow():
+    """Ragged lengths, a NaN in a step's input and grouped heads all give the reference's
+    numbers, NaN rows where it has them; a full cache refuses the next step with the
+    generic flow's error and nothing written."""
+    weights, layer = self_attention(HEADS, seed=12)
+    prompt = np.random.default_rng(12).standard_normal((3, 4, NUM_HIDDENS))
+
+    def against_reference(x, before, output):
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True
+        )
+        np.testing.assert_allclose(
+            output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL, equal_nan=True
+        )
+
+    with answered_calls() as answers:
+        _, caches = feed_back(layer, prompt, 3, 8, np.array([4, 2, 3]), check=against_reference)
+    assert answers == [False] * 3  # the examples hold 4, 2 and 3 positions
+    assert caches[-1].lengths.tolist() == [7, 5, 6]
+
+    with answered_calls() as answers, torch.no_grad():
+        _, caches = feed_back(layer, prompt, 1, 7)
+        cache = caches[-1]
+        x = torch.full((3, 1, NUM_HIDDENS), 0.5)
+        x[1, 0, 3] = np.nan
+        before = spec.KVCache(*(t.numpy().copy() for t in cache))
+        output, cache = layer(x, x, x, causal=True, cache=cache)
+        against_reference(x, before, output)
+        assert torch.isnan(output[1]).all() and torch.isfinite(output[[0, 2]]).all()
+        # The NaN row is held now: a later step's keys include it.
+        z = x[[0]].expand(3, 1, -1)
+        output, cache = layer(z, z, z, causal=True, cache=cache)
+    assert answers == [False, True, False, False]  # prefill, step, NaN, NaN held
+    assert torch.isnan(output[1]).all() and torch.isfinite(output[[0, 2]]).all()
+
+    with generic_only(), pytest.raises(ValueError) as generic_error, torch.no_grad():
+        layer(z, z, z, causal=True, cache=cache)
+    full = cache
+    before = [t.clone() for t in full]
+    y = torch.zeros(3, 1, NUM_HIDDENS)
+    overflow = pytest.raises(ValueError, match="overflows: example 0 would hold 8")
+    with overflow as error, torch.no_grad():
+        layer(y, y, y, causal=True, cache=full)
+    assert str(error.value) == str(generic_error.value)
+    for kept, old in zip(full, before, strict=True):
+        torch.testing.assert_close(kept, old, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("on_a_gpu", [False, True], ids=["host", "gpu"])
+def test_a_step_on_a_cache_of_another_dtype_writes_nothing_and_raises_the_generic_error(on_a_gpu):
+    """A float32 layer stepping on a float64 cache another layer wrote (and whose check
+    it carries): the generic flow's ``TypeError`` naming the cache's array, and the cache
+    as it was, whether the facts are told the tensors are on a GPU or not."""
+    _, wide = self_attention(HEADS, seed=17, dtype=torch.float64)
+    _, layer = self_attention(HEADS, seed=18)
+    prompt = np.random.default_rng(17).standard_normal((3, 4, NUM_HIDDENS))
+    told = backend.as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext()
+    with told:
+        outputs, caches = feed_back(wide, prompt, 2, 12)
+        cache, y = caches[-1], outputs[-1].float()
+        before = [t.clone() for t in cache]
+        messages = []
+        for route in (generic_only(), answered_calls()):
+            refused = pytest.raises(TypeError, match="cache.keys dtype")
+            with route, refused as error, torch.no_grad():
+                layer(y, y, y, causal=True, cache=cache)
+            messages.append(str(error.value))
+    assert messages[0] == messages[1]
+    for kept, old in zip(cache, before, strict=True):
+        assert torch.equal(kept, old)
+
+
+def test_the_plan_a_step_carries_serves_only_its_layer_weights_and_mode():
+    """The plan a fast step leaves on the cache it wrote is the next step's only for the
+    same layer, arguments and mode: another layer stepping the cache and weights changed
+    in place give the reference's numbers of what they are, and a step under autocast
+    the generic flow's error."""
+    weights, layer = self_attention(HEADS, seed=15)
+    other_weights, other = self_attention(HEADS, seed=16)
+    prompt = np.random.default_rng(15).standard_normal((3, 4, NUM_HIDDENS))
+    _, caches = feed_back(layer, prompt, 2, 12)
+    cache, y = caches[-1], torch.full((3, 1, NUM_HIDDENS), 0.25)
+
+    def step(of, named):
+        nonlocal cache
+        before = spec.KVCache(*(t.numpy().copy() for t in cache))
+        output, cache = of(y, y, y, causal=True, cache=cache)
+        expected, _, _ = spec.reference_cached_forward(
+            named, *(y.double().numpy(),) * 3, before, **HEADS, causal=True
+        )
+        np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+
+    with answered_calls() as answers, torch.no_grad():
+        step(other, other_weights)
+        step(layer, weights)
+        layer.W_q.weight.mul_(0.5)
+        step(layer, {**weights, "W_q": weights["W_q"] * 0.5})
+        # Autocast projects bfloat16 keys, which a float32 cache does not hold: the
+        # generic flow's error, nothing written, and the next step fast again.
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="cache"):
+            step(layer, weights)
+        step(layer, {**weights, "W_q": weights["W_q"] * 0.5})
+    assert answers == [True, True, True, False, True]
+
+
+def test_a_cache_made_outside_inference_mode_decodes_inside_it():
+    """A step under ``torch.inference_mode()`` makes its cache's lengths ordinary tensors,
+    whose versions carry its check forward: the fast route answers every step, in either
+    mode, each with the reference's numbers."""
+    weights, layer = self_attention(HEADS, seed=14)
+    x = torch.from_numpy(np.random.default_rng(14).standard_normal((3, 4, NUM_HIDDENS)))
+    x = x.float()
+    with torch.no_grad():
+        output, cache = layer(x, x, x, causal=True, cache=layer.init_cache(3, 9))
+    y = output[:, -1:]
+    modes = [torch.inference_mode, torch.inference_mode, torch.no_grad]
+    with answered_calls() as answers:
+        for mode in modes:
+            before = spec.KVCache(*(t.numpy().copy() for t in cache))
+            with mode():
+                output, cache = layer(y, y, y, causal=True, cache=cache)
+            expected, _, _ = spec.reference_cached_forward(
+                weights, *(y.double().numpy(),) * 3, before, **HEADS, causal=True
+            )
+            np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+            y = output
+    assert answers == [True, True, True]
+    assert not cache.lengths.is_inference()
+    assert cache.lengths.tolist() == [7, 7, 7]
+
+
+def test_a_fast_step_raises_the_generic_flows_errors():
+    """Queries that do not fit the layer or the cache are refused as the generic flow
+    refuses them, whether or not an earlier step of the same cache took the fast route."""
+    _, layer = self_attention(HEADS, seed=13)
+    prompt = np.random.default_rng(13).standard_normal((3, 4, NUM_HIDDENS))
+    _, caches = feed_back(layer, prompt, 2, 9)
+    wrong = [
+        (TypeError, torch.zeros(3, 1, NUM_HIDDENS, dtype=torch.float64)),
+        (ValueError, torch.zeros(3, 1, NUM_HIDDENS + 1)),
+        (ValueError, torch.zeros(2, 1, NUM_HIDDENS)),
+    ]
+    for kind, x in wrong:
+        messages = []
+        for route in (generic_only(), answered_calls()):
+            with route, pytest.raises(kind) as error, torch.no_grad():
+                layer(x, x, x, causal=True, cache=caches[-1])
+            messages.append(str(error.value))
+        assert messages[0] == messages[1]
+        assert torch.equal(caches[-1].lengths, torch.tensor([6, 6, 6], dtype=torch.int32))

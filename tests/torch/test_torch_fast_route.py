@@ -1,0 +1,163 @@
+"""Plain self-attention's fast route in PyTorch (docs: "Fast paths"): the generic flow's numbers.
+
+``layer(x, x, x)`` under ``no_grad`` is answered by the facts' route, on the
+host and as on a GPU, with the generic flow's output to the bit and the
+float64 reference's numbers; what the route does not take (NaN inputs,
+gradients, autocast, errors) is the generic flow's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from route_support import answered_calls, generic_only
+from torch_support import assert_same_nonfinite_pattern
+
+from conftest import recording_host_moves
+from mha_multi import spec
+from mha_multi.parity.harness import torch as backend
+from mha_multi.torch import MultiHeadAttention, set_weights
+from mha_multi.weights import init_weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "num_kv_heads, rotary",
+    [
+        (4, None),
+        (2, None),
+        (2, {"theta": 100.0}),
+        (4, {"interleaved": True}),
+        (2, {"scaling": {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 3}}),
+    ],
+    ids=["mha", "gqa", "gqa-rotary", "mha-interleaved", "gqa-dynamic"],
+)
+def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(
+    num_kv_heads, rotary, causal, dtype
+):
+    """``layer(x, x, x)`` under ``no_grad``: one answer of the facts' route, SDPA with the
+    causal flag and no mask, the generic flow's output to the bit and the reference's;
+    a layer whose one option is rotary too (at ``arange(Q)``)."""
+    heads = {"num_heads": 4, "num_kv_heads": num_kv_heads}
+    weights = init_weights(16, bias=True, seed=21, **heads)
+    layer = MultiHeadAttention(16, bias=True, dtype=dtype, rotary=rotary, **heads)
+    layer = set_weights(layer, weights).eval()
+    x = torch.from_numpy(np.random.default_rng(21).standard_normal((3, 5, 16))).to(dtype)
+    expected, _ = spec.reference_forward(
+        weights, *(x.double().numpy(),) * 3, causal=causal, rotary=rotary, **heads
+    )
+    with answered_calls() as answers, backend.kernel_spy() as calls, torch.no_grad():
+        out = layer(x, x, x, causal=causal)
+    assert answers == [True]
+    assert len(calls) == 1 and not calls[0].mask and calls[0].is_causal == causal
+    atol = 5e-6 if dtype == torch.float32 else 1e-12
+    np.testing.assert_allclose(out.double().numpy(), expected, rtol=0, atol=atol)
+    with generic_only(), torch.no_grad():
+        assert torch.equal(out, layer(x, x, x, causal=causal))
+
+
+@pytest.mark.parametrize(
+    "num_queries, nan, many_in_all",
+    [(5, False, True), (5, True, True), (256, False, True), (256, False, False)],
+    ids=["short", "NaN", "long", "long, few in all"],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_self_attention_on_a_gpu_reads_only_where_scores_are_many(
+    num_queries, nan, many_in_all, causal, monkeypatch
+):
+    """On a GPU a call whose heads hold fewer than ``spec.DEVICE_READ_SCORES`` scores,
+    or (recording no gradient) fewer than ``spec.DEVICE_READ_TOTAL_SCORES`` in all,
+    takes the route's generic path, reading nothing and making no tensor of host data
+    (a NaN input too: the reference's NaN rows); a longer one reads once and runs SDPA
+    (``many_in_all``: the scores in all read from set to this call's). The generic
+    flow's output to the bit, and the reference's numbers."""
+    if many_in_all:
+        monkeypatch.setattr("mha_multi.spec.plan.DEVICE_READ_TOTAL_SCORES", 2 * 4 * num_queries**2)
+    heads = {"num_heads": 4, "num_kv_heads": 2}
+    weights = init_weights(16, bias=True, seed=23, **heads)
+    layer = set_weights(MultiHeadAttention(16, bias=True, **heads), weights).eval()
+    x = np.random.default_rng(23).standard_normal((2, num_queries, 16)).astype(np.float32)
+    if nan:
+        x[1, 2, 7] = np.nan
+    expected, _ = spec.reference_forward(
+        weights, *(x.astype(np.float64),) * 3, causal=causal, **heads
+    )
+    x = torch.from_numpy(x)
+    short = not spec.reads_values(
+        False, num_queries, num_queries, total_scores=2 * 4 * num_queries**2
+    )
+    assert short == (num_queries == 5 or not many_in_all)
+    with backend.as_if_on_a_gpu(), torch.no_grad():
+        layer(x, x, x, causal=causal)  # (the first call of a shape runs the checks)
+        spies = answered_calls(), backend.kernel_spy(), recording_host_moves()
+        with spies[0] as answers, spies[1] as calls, spies[2] as moved:
+            out = layer(x, x, x, causal=causal)
+        with generic_only():
+            generic = layer(x, x, x, causal=causal)
+        torch.testing.assert_close(out, generic, rtol=0, atol=0, equal_nan=True)
+    assert answers == [not nan or short]
+    if short:
+        assert calls == [] and moved == []
+    else:
+        # The one read (with the largest query and key where the causal flag hides
+        # keys), then SDPA.
+        assert len(calls) == 1 and moved == ["tolist" if causal else "item"]
+    assert_same_nonfinite_pattern(out.numpy(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "heads", [{"num_heads": 4}, {"num_heads": 4, "num_kv_heads": 1}], ids=["mha", "gqa"]
+)
+def test_plain_calls_on_a_gpu_in_other_dtypes_give_the_generic_flows_numbers(dtype, heads):
+    """A GPU's plain call (the generic path's attention, nothing read) in 16 and 64 bits,
+    rotary and causal: the generic flow's numbers to the bit, and in float64 the
+    reference's."""
+    rotary = {"theta": 100.0}
+    weights = init_weights(16, bias=True, seed=24, **heads)
+    layer = MultiHeadAttention(16, bias=True, dtype=dtype, rotary=rotary, **heads)
+    layer = set_weights(layer, weights).eval()
+    x = np.random.default_rng(24).standard_normal((2, 6, 16))
+    expected, _ = spec.reference_forward(weights, x, x, x, causal=True, rotary=rotary, **heads)
+    x = torch.from_numpy(x).to(dtype)
+    with backend.as_if_on_a_gpu(), torch.no_grad():
+        with answered_calls() as answers:
+            out = layer(x, x, x, causal=True)
+        with generic_only():
+            generic = layer(x, x, x, causal=True)
+    assert answers == [True]
+    assert torch.equal(out, generic)
+    if dtype == torch.float64:
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_plain_self_attention_leaves_the_rest_to_the_generic_flow():
+    """A NaN input, gradients and autocast are not the route's: the reference's numbers,
+    NaN rows where it has them; its errors are the generic flow's."""
+    weights = init_weights(16, bias=True, seed=22, num_heads=4)
+    layer = set_weights(MultiHeadAttention(16, 4, bias=True), weights).eval()
+    x = torch.from_numpy(np.random.default_rng(22).standard_normal((3, 5, 16)).astype(np.float32))
+    x[1, 2, 7] = np.nan
+    expected, _ = spec.reference_forward(weights, *(x.double().numpy(),) * 3, num_heads=4)
+    with answered_calls() as answers, torch.no_grad():
+        out = layer(x, x, x)
+    assert answers == [False]
+    assert_same_nonfinite_pattern(out.numpy(), expected)
+    with answered_calls() as answers:
+        layer(x, x, x)  # records gradients
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            layer(x, x, x)
+    assert answers == [False, False]
+    for kind, wrong in (
+        (TypeError, x.double()),
+        (ValueError, torch.zeros(3, 5, 17)),
+        (TypeError, x.numpy()),
+    ):
+        messages = []
+        for route in (generic_only(), answered_calls()):
+            with route, pytest.raises(kind) as error, torch.no_grad():
+                layer(wrong, wrong, wrong)
+            messages.append(str(error.value))
+        assert messages[0] == messages[1]

@@ -1,0 +1,56 @@
+"""What the PyTorch layer's and cache's test modules share: the runner, ``torch.compile``, spies.
+
+A module takes a fixture by importing it (``from torch_support import runner as
+runner``): pytest finds fixtures among a module's names, and the explicit
+re-export tells the linter that the name is meant. (A ``conftest.py`` here would
+take the name ``conftest`` from the root one, whose helpers the tests import.)
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+from mha_multi.parity.runners import get_runner
+
+
+@pytest.fixture(scope="module")
+def runner():
+    """The PyTorch parity runner alone (the shared ``runner`` takes every selected backend)."""
+    return get_runner("torch")
+
+
+@pytest.fixture
+def compiler():
+    """``torch.compile`` with dynamo's caches emptied.
+
+    Every layer shares ``forward``'s code object, whose compilations are
+    limited per process; the tests compile it for many shapes.
+    """
+    torch._dynamo.reset()
+    yield torch.compile
+    torch._dynamo.reset()
+
+
+def kernel_ran(run):
+    """``run()``, and whether SDPA ran in it, as PyTorch's profiler records its ops."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        result = run()
+    return result, any("scaled_dot_product" in event.key for event in profile.key_averages())
+
+
+def sdpa_spy():
+    """``scaled_dot_product_attention`` wrapped, so that its operands can be read."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", wraps=sdpa)
+
+
+def assert_same_nonfinite_pattern(got, expected):
+    """NaN and infinities where ``expected`` has them, and its finite numbers elsewhere."""
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=0, atol=5e-6)
