@@ -87,7 +87,8 @@ def hand_written_decoder(
 
     def call(state: Any, x: Any, position: int) -> tuple[Any, Any]:
         keys, values = state
-        at = ops.convert_to_tensor(position, "int32") if static else position
+        # (The default integer type, as the start's other indices: int64 under JAX's x64.)
+        at = ops.convert_to_tensor(position) if static else position
         output, keys, values = run(w, x, keys, values, at)
         return (keys, values), output
 
