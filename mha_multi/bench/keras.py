@@ -227,6 +227,19 @@ class Keras(Framework):
     hand_written = staticmethod(hand_written_decoder)
     generation_executions = ("eager", "compiled")
 
+    def generators(
+        self, shape: GenerationShape, device: str, dtype: str, execution: str | None = None
+    ) -> dict[str, Callable[[], Generator]]:
+        if execution == "compiled" and backend.BACKEND == "torch":
+            # Each configuration's graphs afresh, as PyTorch's rows: Dynamo counts the
+            # graphs of one function (ours, the loop's step) against one limit, and
+            # makes their shapes dynamic once a size has changed.
+            import torch
+
+            torch._dynamo.reset()
+            _compiled_attend.cache_clear()
+        return super().generators(shape, device, dtype, execution)
+
     def cached_call(self, layer: Any, execution: str | None = None) -> Callable[..., Any]:
         """Eager, or the backend's compiler over the layer's variables and the cache
         (one program for the prompt's length and one for a token)."""
