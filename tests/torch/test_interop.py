@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch_support import runner as runner
 
 from mha_multi import spec
 from mha_multi.interop.torch import (
@@ -20,14 +21,8 @@ from mha_multi.interop.torch import (
 )
 from mha_multi.parity.cases import INPUT_NAMES
 from mha_multi.parity.harness import torch as backend
-from mha_multi.parity.runners import get_runner
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
 from mha_multi.weights import init_weights
-
-
-@pytest.fixture(scope="module")
-def runner():
-    return get_runner("torch")
 
 
 def native_output(runner, case):

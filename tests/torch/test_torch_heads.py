@@ -11,6 +11,7 @@ import heads_cases as hc
 import numpy as np
 import pytest
 import torch
+from torch_support import compiler as compiler
 
 from conftest import gpu_required
 from mha_multi import spec
@@ -28,14 +29,6 @@ LAYOUT = {"num_hiddens": 16, "num_heads": 4, "num_kv_heads": 2}
 @pytest.fixture(scope="module")
 def cases():
     return {config.name: build_case(config) for config in HEAD_MASK_CASES}
-
-
-@pytest.fixture
-def compiler():
-    """``torch.compile`` with dynamo's caches emptied (``forward``'s compilations are limited)."""
-    torch._dynamo.reset()
-    yield torch.compile
-    torch._dynamo.reset()
 
 
 def tensor(x, dtype=torch.float32):
