@@ -335,7 +335,7 @@ class KerasFacts(call.Facts):
         ``values`` with the given one (docs: "Generating with a cache").
         A call under ``torch.compile`` that records no gradient through the cache
         writes its rows into the cache's own tensors, as PyTorch's layer does
-        (:meth:`~mha_multi.keras._frameworks._Framework.traced_write`).
+        (:attr:`~mha_multi.keras._frameworks._Framework.traced_write`).
         A traced call on JAX scatters its rows (:func:`mha_multi.spec.update_cache`'s ``scatter``:
         under ``jit`` the spec's gather would recompute their rotation at every
         position). Anything else (a ragged batch, another traced call) gets the
@@ -343,10 +343,9 @@ class KerasFacts(call.Facts):
         either way (:data:`WRITTEN_LENGTHS`), so the next step reads none.
         """
         num_new = 0 if k is None else k.shape[1]
-        if k is not None:
-            written = active().traced_write(
-                ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal
-            )
+        traced_write = active().traced_write
+        if traced_write is not None and k is not None:
+            written = traced_write(ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal)
             if written is not None:
                 return written
         scatter = active().scatter

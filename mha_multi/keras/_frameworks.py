@@ -112,21 +112,11 @@ class _Framework:
     #: :func:`mha_multi.spec.update_cache`), or ``None`` for the spec's gather.
     scatter: spec.cache.Scatter | None = None
 
-    def traced_write(
-        self,
-        ops: Any,
-        cache: spec.KVCache,
-        k: Tensor,
-        v: Tensor,
-        valid_lens: Tensor | None,
-        *,
-        head_dim: int,
-        causal: bool,
-    ) -> tuple[spec.KVCache, Tensor] | None:
-        """A compiled call's write of ``cache`` into its own arrays, as
-        :func:`mha_multi.spec.update_cache` returns it, or ``None`` where it takes
-        the spec's update (every backend but PyTorch)."""
-        return None
+    #: A compiled call's write of a cache into its own arrays (``traced_write(ops,
+    #: cache, k, v, valid_lens, head_dim=, causal=)``, what
+    #: :func:`mha_multi.spec.update_cache` returns, or ``None`` where the call takes
+    #: that update), or ``None`` for none (every backend but PyTorch).
+    traced_write: Callable[..., tuple[spec.KVCache, Tensor] | None] | None = None
 
     def version(self, x: Tensor) -> int | None:
         """What changes when ``x`` is written in place, or ``None`` where nothing would

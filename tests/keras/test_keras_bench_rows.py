@@ -13,21 +13,9 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
-from generation_support import assert_spec_generation, generated  # noqa: E402
+from generation_support import TINY, assert_spec_generation, generated  # noqa: E402
 
-from mha_multi.bench.generate import GenerationShape  # noqa: E402
 from mha_multi.bench.keras import FRAMEWORK  # noqa: E402
-
-#: A Llama-shaped layer in miniature: rotary positions, 4 query and 2 key/value heads.
-TINY = GenerationShape(
-    batch=2,
-    prompt=5,
-    new_tokens=4,
-    num_hiddens=16,
-    num_heads=4,
-    num_kv_heads=2,
-    rotary={"theta": 10000.0},
-)
 
 
 @pytest.mark.parametrize("execution", ["eager", "compiled"])

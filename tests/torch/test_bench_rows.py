@@ -10,14 +10,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from generation_support import FLOAT32, assert_spec_generation, generated
+from generation_support import FLOAT32, TINY, assert_spec_generation, generated
 
-from mha_multi.bench import host
 from mha_multi.bench.host import count_calls, time_host
 from mha_multi.bench.torch import FRAMEWORK
-
-#: A Llama-shaped layer in miniature: rotary positions, 4 query and 2 key/value heads.
-TINY = replace(host.TINY, batch=2, prompt=5, new_tokens=4, num_heads=4, num_kv_heads=2)
 
 
 @pytest.mark.parametrize("rotary", [None, {"theta": 10000.0}], ids=["plain", "rotary"])
