@@ -333,13 +333,14 @@ class KerasFacts(call.Facts):
         (``torch.no_grad()``, as PyTorch's own layer), the rows are copied
         into the cache's own tensors: the returned cache shares ``keys`` and
         ``values`` with the given one (docs: "Generating with a cache").
-        A call under ``torch.compile`` that records no gradient through the cache
-        writes its rows into the cache's own tensors, as PyTorch's layer does
-        (:attr:`~mha_multi.keras._frameworks._Framework.traced_write`).
-        A traced call on JAX scatters its rows (:func:`mha_multi.spec.update_cache`'s ``scatter``:
-        under ``jit`` the spec's gather would recompute their rotation at every
-        position). Anything else (a ragged batch, another traced call) gets the
-        spec's functional update. The lengths an eager call returns are remembered
+        A traced call is written as its backend says
+        (:attr:`~mha_multi.keras._frameworks._Framework.traced_write`): under
+        ``torch.compile``, recording no gradient through the cache, into the
+        cache's own tensors, as PyTorch's layer does; on JAX by one scatter
+        (:func:`mha_multi.spec.update_cache`'s ``scatter``: under ``jit`` the
+        spec's gather would recompute their rotation at every position).
+        Anything else (a ragged batch, another traced call) gets the spec's
+        functional update. The lengths an eager call returns are remembered
         either way (:data:`WRITTEN_LENGTHS`), so the next step reads none.
         """
         num_new = 0 if k is None else k.shape[1]
@@ -348,11 +349,6 @@ class KerasFacts(call.Facts):
             written = traced_write(ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal)
             if written is not None:
                 return written
-        scatter = active().scatter
-        if scatter is not None and isinstance(num_new, int) and not values_readable(k):
-            return spec.update_cache(
-                ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal, scatter=scatter
-            )
         first = None if fill is None or not num_new else fill.uniform_start(num_new)
         if first is None or not values_readable(k):
             written, visible = super().write_cache(

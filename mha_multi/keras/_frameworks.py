@@ -108,14 +108,10 @@ class _Framework:
         """Whether an eager call may write a cache of these arrays in place."""
         return False
 
-    #: How a traced call writes a cache's new rows (``scatter`` of
-    #: :func:`mha_multi.spec.update_cache`), or ``None`` for the spec's gather.
-    scatter: spec.cache.Scatter | None = None
-
-    #: A compiled call's write of a cache into its own arrays (``traced_write(ops,
-    #: cache, k, v, valid_lens, head_dim=, causal=)``, what
-    #: :func:`mha_multi.spec.update_cache` returns, or ``None`` where the call takes
-    #: that update), or ``None`` for none (every backend but PyTorch).
+    #: How a traced call writes a cache's new rows, where not as the spec's gather:
+    #: ``traced_write(ops, cache, k, v, valid_lens, head_dim=, causal=)`` returns what
+    #: :func:`mha_multi.spec.update_cache` returns, or ``None`` for a call it leaves
+    #: to the rest of the write (an eager one); ``None`` on TensorFlow.
     traced_write: Callable[..., tuple[spec.KVCache, Tensor] | None] | None = None
 
     def version(self, x: Tensor) -> int | None:
@@ -204,6 +200,15 @@ class _Jax(_Framework):
 
     def sync(self, value: Any) -> None:
         self.jax.block_until_ready(value)
+
+    def traced_write(
+        self, ops: Any, cache: spec.KVCache, k: Tensor, v: Tensor, valid_lens: Any, **sizes: Any
+    ) -> tuple[spec.KVCache, Tensor] | None:
+        """A traced call's rows scattered (:meth:`scatter`), where its length is known;
+        ``sizes``: ``head_dim`` and ``causal``, as :func:`mha_multi.spec.update_cache` takes."""
+        if self.values_readable(k) or not isinstance(k.shape[1], int):
+            return None
+        return spec.update_cache(ops, cache, k, v, valid_lens, scatter=self.scatter, **sizes)
 
     def scatter(self, held: Tensor, rows: Tensor, positions: Tensor, kept: Tensor) -> Tensor:
         """JAX's scatter of a cache's new rows, as :mod:`mha_multi.jax`'s cache write: under
@@ -306,27 +311,18 @@ class _Torch(_Framework):
         return held
 
     def traced_write(
-        self,
-        ops: Any,
-        cache: spec.KVCache,
-        k: Tensor,
-        v: Tensor,
-        valid_lens: Tensor | None,
-        *,
-        head_dim: int,
-        causal: bool,
+        self, ops: Any, cache: spec.KVCache, k: Tensor, v: Tensor, valid_lens: Any, **sizes: Any
     ) -> tuple[spec.KVCache, Tensor] | None:
         """Under ``torch.compile``, where no gradient is recorded through the cache,
         PyTorch's own layer's write: one indexed write per array into the cache's own
         tensors, no value read (:func:`mha_multi.torch._compiled_cache.write_in_place`).
-        The spec's update gathers every position of a new cache at every step."""
+        The spec's update gathers every position of a new cache at every step.
+        ``sizes``: ``head_dim`` and ``causal``."""
         if not self.torch.compiler.is_compiling() or self.compiled_cache.records_gradient(
             k, v, cache.keys, cache.values
         ):
             return None
-        return self.compiled_cache.write_in_place(
-            ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal
-        )
+        return self.compiled_cache.write_in_place(ops, cache, k, v, valid_lens, **sizes)
 
 
 @made_on_first_use
