@@ -341,7 +341,7 @@ class Facts:
         *,
         causal: bool,
         dtype: Any,
-        rotary: spec.Rotary | None = None,
+        options: spec.LayerOptions | None = None,
     ) -> Result | None:
         """Plain self-attention (:func:`plain_self_attention`) run in few operations, or ``None``.
 
@@ -358,8 +358,9 @@ class Facts:
             cache: the call's cache, unchecked, or ``None``.
             causal: the call's flag (a bool).
             dtype: the dtype the inputs must have, or ``None`` for any floating.
-            rotary: the layer's rotary embedding (its one option), or ``None``:
-                queries and keys rotate at the default positions.
+            options: the layer's checked options, or ``None`` for none: a
+                framework answers the layers whose options it takes (rotary
+                positions rotate at their defaults).
         """
         return None
 

@@ -286,24 +286,23 @@ def plain_self_attention(
     valid_lens: Any,
     *,
     causal: Any,
-    layer_options: spec.LayerOptions | None,
     others: Sequence[Any],
 ) -> bool:
     """Whether a call is plain self-attention, which :meth:`Facts.plain_attention` may answer.
 
     The queries are the keys and values (with a cache: the new positions),
-    ``causal`` is a bool, and nothing else is asked: no lengths, no layer
-    option but ``rotary`` (at the default positions), and each of
+    ``causal`` is a bool, and nothing else is asked: no lengths, and each of
     ``others``, the call's every other argument (returned weights, gates,
     positions, bias, dropout, heads mapped over devices or sharded), ``None``
-    or ``False``.
+    or ``False``. The layer's own options are the facts' to take or leave
+    (:meth:`Facts.plain_attention`): rotary positions at their defaults and
+    what a layer does to its scores are fixed with the layer.
     """
     if not (
         keys is queries
         and values is queries
         and valid_lens is None
         and (causal is True or causal is False)
-        and (layer_options is None or layer_options.at_most_rotary)
     ):
         return False
     # A loop, not all() of a generator: every call of every layer asks.
@@ -370,12 +369,9 @@ def forward(
     # Every other argument of the call: a plain call leaves them unset.
     others = (return_attention_weights, head_mask, positions, bias, segment_ids)
     others += (dropout, head_parallel, local_gates)
-    if plain_self_attention(
-        queries, keys, values, valid_lens, causal=causal, layer_options=layer_options, others=others
-    ):
-        rotary = None if layer_options is None else layer_options.rotary
+    if plain_self_attention(queries, keys, values, valid_lens, causal=causal, others=others):
         result = facts.plain_attention(
-            layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary
+            layer, queries, cache, causal=causal, dtype=dtype, options=layer_options
         )
         if result is not None:
             return result

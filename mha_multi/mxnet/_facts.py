@@ -371,10 +371,14 @@ class MXNetFacts(call.Facts):
         *,
         causal: bool,
         dtype: Any,
-        rotary: spec.Rotary | None = None,
+        options: spec.LayerOptions | None = None,
     ) -> call.Result | None:
         """An imperative call run by its signature's plan
-        (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``."""
+        (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``: a layer with no
+        option but ``rotary``."""
+        if options is not None and not options.at_most_rotary:
+            return None
+        rotary = None if options is None else options.rotary
         return plain_attention(
             self, layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary
         )

@@ -64,7 +64,7 @@ class PlainRoute:
         *,
         causal: bool,
         dtype: torch.dtype | None,
-        rotary: spec.Rotary | None = None,
+        options: spec.LayerOptions | None = None,
     ) -> call.Result | None:
         """Plain self-attention (:func:`mha_multi.call.plain_self_attention`) in a dozen operations.
 
@@ -90,28 +90,42 @@ class PlainRoute:
         anything, and the generic flow runs the call (docs: "Fast paths").
         ``layer`` is a PyTorch layer: its self-attention projections are one
         product (``project_stacked``), whose one sum is the finiteness read.
-        A layer whose one option is ``rotary`` rotates its queries and keys
-        together (one tensor of their heads: the rotation acts on each head
-        alone) by the plan's tables, at ``arange(Q)`` or at the step's
+        ``options``: the layer's. Rotary positions rotate the queries and
+        keys together (one tensor of their heads: the rotation acts on each
+        head alone) by the plan's tables, at ``arange(Q)`` or at the step's
         position, the generic flow's default positions; the read then sums
-        what attention takes, the rotated heads and the values.
+        what attention takes, the rotated heads and the values. A decoding
+        step takes ALiBi, the window and soft-capping too, each a pattern
+        the plan made once (:class:`PlainPlan`): the masks and bias the
+        generic flow makes at each step, of the step's one position. Sinks,
+        query/key norms and a call without a cache with any of those take
+        the generic flow.
         """
         if torch.is_grad_enabled() or type(queries) is not torch.Tensor:
             return None
         if torch.compiler.is_compiling():
             return None
+        rotary = None
+        if options is not None:
+            rotary = options.rotary
+            if not options.at_most_rotary and (
+                cache is None or options.sinks or options.qk_norm is not None
+            ):
+                return None
         on_host = self.on_host(queries)
         step = None
         if cache is None:
-            plan = self._plain_plan(layer, queries, None, causal=causal, dtype=dtype, rotary=rotary)
+            plan = self._plain_plan(
+                layer, queries, None, causal=causal, dtype=dtype, options=options
+            )
         else:
-            check = self._plain_step_check(queries, cache, checked=on_host)
+            check = self._plain_step_check(queries, cache)
             if check is None:
                 return None
             # The step before, where it was this layer's with these arguments, planned this
-            # one.
+            # one. (The options compared by identity first: a tuple's items are.)
             device = queries.device
-            key = (dtype, causal, queries.shape, queries.dtype, device)
+            key = (dtype, causal, queries.shape, queries.dtype, device, options)
             step = check.step
             if step is not None and step[0]() is layer and step[1] == key:
                 if torch.is_autocast_enabled("cpu" if on_host else device.type):
@@ -119,18 +133,22 @@ class PlainRoute:
                 plan = step[2]
             else:
                 plan = self._plain_plan(
-                    layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary
+                    layer, queries, cache, causal=causal, dtype=dtype, options=options
                 )
                 step = None if plan is None else (weakref.ref(layer), key, plan)
             if plan is None:
                 return None
+            if (check.pending is not None or check.poison is not None) and (
+                plan.fused or (on_host and plan.may_read)
+            ):
+                return None  # (rows no call has read yet: the generic flow reads them here)
             if plan.fused:
                 return fused_step(layer, queries, cache, check, plan, step, rotary)
             filled = check._uniform + 1  # (CacheCheck.uniform, resolved by the check)
             spans = plan.spans
             span = spans.get(filled, 0)
             if span == 0:
-                span = self._step_span(layer, cache, filled)
+                span = self._step_span(layer, cache, filled, may_read=plan.may_read)
                 # The lengths up to it have its span too (spec.rounded_span rounds up):
                 # the steps to come find theirs.
                 for upto in range(filled, filled + 1 if span is None else span + 1):
@@ -174,12 +192,17 @@ class PlainRoute:
             context = heads_attention(q, k, v, visible, heads)
         return call.Result(project_output(layer, context, plan.fused), None, None)
 
-    def _step_span(self, layer: call.Projections, cache: spec.KVCache, filled: int) -> int | None:
+    def _step_span(
+        self, layer: call.Projections, cache: spec.KVCache, filled: int, *, may_read: bool
+    ) -> int | None:
         """The generic flow's span of a step on ``cache`` filled to ``filled`` positions
         (:meth:`mha_multi.spec.CacheFill.span`), or ``None`` where that flow reads for it
-        (:func:`mha_multi.spec.reads_values`)."""
+        (``may_read``: its plan for values read finite is the fused kernel's, and
+        :func:`mha_multi.spec.reads_values` says a read pays)."""
         keys = cache.keys
         span = spec.rounded_span(filled, keys.shape[2], self.span_bucket_of(keys))
+        if not may_read:
+            return span
         total_scores = keys.shape[0] * layer.heads.num_heads * span  # (no gradient here)
         return (
             None
@@ -208,10 +231,10 @@ class PlainRoute:
         return math.isfinite(total) and spec.scores_within_limit(largest_q, largest_k, head_dim)
 
     @staticmethod
-    def _plain_step_check(queries: torch.Tensor, cache: Any, *, checked: bool) -> CacheCheck | None:
+    def _plain_step_check(queries: torch.Tensor, cache: Any) -> CacheCheck | None:
         """The check of a plain step's cache, whose ``uniform`` length every example
-        holds, or ``None`` where the step is not plain (:meth:`plain_attention`;
-        ``checked``: every position below the lengths must be known finite)."""
+        holds, or ``None`` where the step is not plain (:meth:`plain_attention`; a fused
+        plan asks besides that every position below the lengths be known finite)."""
         if type(cache) is not spec.KVCache:
             return None
         keys, values, lengths = cache
@@ -228,8 +251,6 @@ class PlainRoute:
             # (No inference tensor, which keeps no version counter: a check holds none of
             # them, CacheCheck.attach.)
         ):
-            return None
-        if checked and (check.pending is not None or check.poison is not None):
             return None
         length = check._uniform
         if length == -1:  # (not known yet: CacheCheck.uniform resolves it)
@@ -253,7 +274,7 @@ class PlainRoute:
         *,
         causal: bool,
         dtype: torch.dtype | None,
-        rotary: spec.Rotary | None = None,
+        options: spec.LayerOptions | None = None,
     ) -> PlainPlan | None:
         """:meth:`plain_attention`'s plan for calls of these shapes, or ``None`` where it
         takes none.
@@ -265,16 +286,23 @@ class PlainRoute:
         (:func:`mha_multi.spec.reads_values`) and for values unknown where
         it does not; a step's plan is that of ``length + 1 > 1`` filled
         positions, all visible (the plan depends on no more of the lengths
-        than that).
+        than that). A step's options are planned at the cache's last
+        position (:func:`_step_options`): their masks and bias there, whose
+        positions from ``max_length - length - 1`` on are a step's at
+        ``length`` (the spec's masks and ALiBi depend on the distance from
+        the query alone).
         """
         device = queries.device
         if torch.is_autocast_enabled(device.type):
             return None
+        rotary = None if options is None else options.rotary
         if rotary is not None and cache is not None and rotary.depends_on_length:
             return None  # (each step's length changes every angle: no table serves them)
-        plans = self._plain_plans.get(layer)
-        if plans is None:
-            plans = self._plain_plans[layer] = {}
+        kept = self._plain_plans.get(layer)
+        if kept is None or kept[0] is not options:
+            # (A layer's options are fixed when it is made: others set since get plans anew.)
+            kept = self._plain_plans[layer] = (options, {})
+        plans = kept[1]
         # (The layer's heads and input sizes are fixed once it has been called.)
         key = (dtype, causal, queries.shape, queries.dtype, device)
         if cache is not None:
@@ -294,6 +322,8 @@ class PlainRoute:
             return plans[key]
         heads = layer.heads
         on_host = self.on_host(queries)
+        ops = self.ops(queries)
+        score_options = spec.NO_OPTIONS
         if cache is None:
             call.check_call(
                 self, layer, queries, queries, queries, None, causal=causal, dtype=dtype
@@ -310,11 +340,13 @@ class PlainRoute:
             # The generic flow checks the cache against the projections before writing:
             # so does the route, once (a step's projection costs little).
             projected = layer.project_stacked(queries).dtype
-            spec.check_cache_dtype(self.ops(queries), cache, projected, projected)
+            spec.check_cache_dtype(ops, cache, projected, projected)
             # The causal rule is in the lengths: one query sees every filled position.
             sizes, lens_ndim, shortest, causal = (queries.shape[0], 1, 2), 1, 2, False
             # (A GPU's step whose span reads leaves the route, in plain_attention.)
             reads = on_host
+            if options is not None and options.touches_scores:
+                score_options = _step_options(options, heads, cache.keys)
         settings = call.kernel_settings(
             self,
             queries,
@@ -325,39 +357,47 @@ class PlainRoute:
             causal=causal,
             dropout=False,
             return_attention_weights=False,
+            options=score_options,
+        )
+        optimistic = spec.plan_kernel(
+            self.kernel, **settings, values_exact=True, shortest_length=shortest
         )
         plain = None
-        if reads:
-            plan = spec.plan_kernel(
-                self.kernel, **settings, values_exact=True, shortest_length=shortest
-            )
+        if reads and optimistic.fused:
             if (
-                dataclasses.replace(plan, is_causal=False) == spec.KernelPlan(fused=True)
+                _fused_taken(optimistic, step=cache is not None)
                 and queries.dtype not in SIXTEEN_BIT
                 and (cache is None or self.span_bucket_of(cache.keys) == 1)
             ):
-                arguments = {"is_causal": True} if plan.is_causal else {}
+                arguments = {"is_causal": True} if optimistic.is_causal else {}
                 if heads.grouped:
                     arguments["enable_gqa"] = True
-                # (One query sees its one key: nothing hidden.)
-                plain = PlainPlan(True, arguments, bounded=plan.is_causal and sizes[1] > 1)
-        else:
-            # What call.plan decides of values it does not read: eager, so no guard.
-            plan = spec.plan_kernel(self.kernel, **settings, values_exact=None)
+                if cache is None:
+                    # (One query sees its one key: nothing hidden.)
+                    plain = PlainPlan(
+                        True, arguments, bounded=optimistic.is_causal and sizes[1] > 1
+                    )
+                else:
+                    mask = _step_kernel_mask(ops, optimistic, score_options, queries, cache.keys)
+                    # (A window hides keys: the read bounds the scores, Facts.plan_values.)
+                    plain = PlainPlan(True, arguments, bounded=optimistic.mask_window, mask=mask)
+        elif cache is not None or not reads:
+            # What call.plan decides of values it does not read: eager, so no guard. (On
+            # the host, a step whose options no kernel takes: it reads nothing either.)
+            plan = (
+                optimistic
+                if reads
+                else spec.plan_kernel(self.kernel, **settings, values_exact=None)
+            )
             if not plan.fused:
-                plain = PlainPlan(False, {})
+                plain = PlainPlan(False, {}, may_read=optimistic.fused)
                 if cache is not None:
-                    # (A step's products: those the layer's linear takes directly.)
-                    direct = not needs_float32_copies(queries, layer.output_parameters()[0])
-                    max_length, device = cache.keys.shape[2], cache.keys.device
-                    visible = torch.arange(2 * max_length, device=device) < max_length
-                    scores = torch.float32 if queries.dtype in SIXTEEN_BIT else queries.dtype
-                    fill = torch.tensor(spec.MASK_VALUE, dtype=scores, device=device)
-                    plain = plain._replace(visible=visible, fill=fill, spans={}, direct=direct)
+                    plain = _generic_step_plan(
+                        plain, ops, layer, queries, score_options, cache.keys
+                    )
         if plain is not None and rotary is not None:
             # The generic flow's tables of the same positions (spec.rotary_tables is
             # elementwise: a table's row is that of its position alone).
-            ops = self.ops(queries)
             count = queries.shape[1] if cache is None else cache.keys.shape[2]
             # (A type that depends on the call's length: Q's, as the generic flow has it.)
             tables = spec.rotary_tables(
@@ -370,3 +410,87 @@ class PlainRoute:
             plans.clear()
         plans[key] = plain
         return plain
+
+
+def _fused_taken(plan: spec.KernelPlan, *, step: bool) -> bool:
+    """Whether the route runs SDPA as ``plan`` (fused) says: with no more than its causal
+    flag, or for a decoding ``step`` its window's mask and ALiBi's bias too (the rows'
+    fix is none: the step's query sees its own key)."""
+    plain = dataclasses.replace(plan, is_causal=False)
+    if step:
+        plain = dataclasses.replace(
+            plain, mask_window=False, fix_rows=False, fix_window=False, bias=False
+        )
+    return plain == spec.KernelPlan(fused=True)
+
+
+def _step_options(
+    options: spec.LayerOptions, heads: spec.Heads, keys: torch.Tensor
+) -> spec.ScoreOptions:
+    """The score options of a decoding step at the last position of a cache of ``keys``
+    (the generic flow's, :meth:`mha_multi.spec.LayerOptions.score_options`, whose query
+    positions are the lengths for ALiBi and the window)."""
+    positions = None
+    if options.alibi or options.window is not None:
+        last = keys.shape[2] - 1
+        positions = torch.full((1, 1), last, dtype=torch.int64, device=keys.device)
+    return options.score_options(num_heads=heads.num_heads, query_positions=positions)
+
+
+def _step_lengths(keys: torch.Tensor) -> torch.Tensor:
+    """Lengths ``(1,)`` of a cache of ``keys`` filled to its last position."""
+    return torch.full((1,), keys.shape[2], dtype=torch.int64, device=keys.device)
+
+
+def _step_kernel_mask(
+    ops: Any,
+    plan: spec.KernelPlan,
+    options: spec.ScoreOptions,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+) -> torch.Tensor | None:
+    """SDPA's ``attn_mask`` of a step at the last position of a cache of ``keys``, over
+    ``2 * max_length`` positions (``None``: none): the window's mask and ALiBi's bias as
+    :func:`mha_multi.torch._kernel.fused_attention` makes them for ``plan``."""
+    num_keys = 2 * keys.shape[2]
+    mask = plan.mask(ops, 1, num_keys, _step_lengths(keys), options) if plan.needs_mask else None
+    if plan.bias:
+        like = torch.empty((), dtype=queries.dtype, device=queries.device)
+        bias = spec.score_bias(ops, options, 1, num_keys, like)
+        mask = bias if mask is None else torch.where(mask, bias, float("-inf"))
+    return mask
+
+
+def _generic_step_plan(
+    plan: PlainPlan,
+    ops: Any,
+    layer: call.Projections,
+    queries: torch.Tensor,
+    options: spec.ScoreOptions,
+    keys: torch.Tensor,
+) -> PlainPlan:
+    """``plan`` with what a decoding step on the generic path takes: the visibility and
+    ALiBi's bias of a step at the last position of a cache of ``keys``, over ``2 *
+    max_length`` positions, the soft cap, the scores' fill value and whether the step's
+    products are the layer's own (:class:`PlainPlan`)."""
+    # (A step's products: those the layer's linear takes directly.)
+    direct = not needs_float32_copies(queries, layer.output_parameters()[0])
+    num_keys, device = 2 * keys.shape[2], keys.device
+    visible = spec.visibility(
+        ops,
+        1,
+        num_keys,
+        _step_lengths(keys),
+        window=options.window,
+        query_positions=options.query_positions,
+    )
+    scores = torch.float32 if queries.dtype in SIXTEEN_BIT else queries.dtype
+    like = torch.empty((), dtype=scores, device=device)
+    return plan._replace(
+        visible=visible,
+        bias=spec.score_bias(ops, options, 1, num_keys, like),
+        softcap=options.softcap,
+        fill=torch.tensor(spec.MASK_VALUE, dtype=scores, device=device),
+        spans={},
+        direct=direct,
+    )

@@ -22,6 +22,7 @@ import torch
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, next_lengths, written_step
 from mha_multi.torch._ops import OPS, SIXTEEN_BIT
+from mha_multi.torch._reads import larger, read_together
 from mha_multi.torch._rotary import WideTables, rotate_heads, rotate_stacked
 
 __all__ = [
@@ -48,15 +49,23 @@ class PlainPlan(NamedTuple):
     once: of the call's ``arange(Q)`` without a cache, of every position of
     the cache with one (a step takes its row); ``wide_tables`` the same as
     :func:`mha_multi.torch._rotary.wide_tables`, where whole heads rotate.
-    A decoding step's generic plan: ``visible``, ``2 * max_length`` booleans
-    where the cache lies, the first half ``True`` (a step's mask of its
-    filled positions is a view of them, :func:`generic_step`), ``fill`` the
-    spec's :data:`~mha_multi.spec.MASK_VALUE` as a 0-d tensor of the scores'
-    dtype there, and ``spans``, each filled length's span
+    A decoding step's patterns are those of a step at the cache's last
+    position, ``max_length - 1``, over ``2 * max_length`` positions: the
+    last dimension's positions from ``max_length - length - 1`` on are a
+    step's at ``length`` (a view, :func:`fused_step`, :func:`generic_step`).
+    A fused step's ``mask``: SDPA's ``attn_mask`` there (a window's booleans,
+    ALiBi's bias; ``None``: none), and ``bounded`` its window's read. A
+    generic step's ``visible``, booleans ``(1, 1, 1, 2 * max_length)`` (the
+    lengths, and the window), ``bias`` ALiBi's ``(1, H, 1, 2 * max_length)``
+    in the scores' dtype (``None``: none), ``softcap`` the layer's cap,
+    ``fill`` the spec's :data:`~mha_multi.spec.MASK_VALUE` as a 0-d tensor
+    of the scores' dtype, and ``spans``, each filled length's span
     (:func:`mha_multi.spec.rounded_span`) as steps meet them (a bucket's
     lengths at once), or ``None`` where the generic flow would read
-    (:func:`mha_multi.spec.reads_values`); ``direct``: its products are the
-    product itself (``F.linear``), neither 16-bit off CUDA nor autocast's.
+    (``may_read``: its plan for values read finite is the fused kernel's,
+    and :func:`mha_multi.spec.reads_values` says a read pays); ``direct``:
+    its products are the product itself (``F.linear``), neither 16-bit off
+    CUDA nor autocast's.
     """
 
     fused: bool
@@ -64,9 +73,13 @@ class PlainPlan(NamedTuple):
     bounded: bool = False
     tables: tuple[torch.Tensor, torch.Tensor] | None = None
     wide_tables: WideTables | None = None
+    mask: torch.Tensor | None = None
     visible: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    softcap: float | None = None
     fill: torch.Tensor | None = None
     spans: dict[int, int | None] | None = None
+    may_read: bool = True
     direct: bool = False
 
 
@@ -119,27 +132,83 @@ def fused_step(
         q, k, v, turned = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
         total = turned.sum() + v.sum()
         q, k = q.view(batch, num_heads, 1, head_dim), k.view(-1, num_kv_heads, head_dim)
-    # One query sees its keys unmasked (the plan is not bounded): the read is the sum's,
-    # finite iff its difference with itself is 0 (inf - inf and NaN are NaN).
-    try:
-        read = total.item()
-    except RuntimeError:  # (a value torch.vmap batches, which no read may take)
-        return None
-    if read - read != 0.0:
-        return None  # (no gradient here)
+    filled = length + 1
+    if plan.bounded:
+        largest_key = _bounded_read(total, q, k, keys, check, filled, head_dim)
+        if largest_key is None:
+            return None  # (no gradient here)
+    else:
+        # One query sees its keys unmasked: the read is the sum's, finite iff its
+        # difference with itself is 0 (inf - inf and NaN are NaN).
+        try:
+            read = total.item()
+        except RuntimeError:  # (a value torch.vmap batches, which no read may take)
+            return None
+        if read - read != 0.0:
+            return None  # (no gradient here)
     keys.select(2, length).copy_(k)
     values.select(2, length).copy_(v.view(-1, num_kv_heads, head_dim))
-    filled = length + 1
     updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
-    check.stepped(updated, filled, step)
-    context = torch.nn.functional.scaled_dot_product_attention(
-        q, keys.narrow(2, 0, filled), values.narrow(2, 0, filled), **plan.arguments
-    )
+    stepped = check.stepped(updated, filled, step)
+    if plan.bounded:
+        # (What the generic flow's read leaves: the largest key below the filled
+        # positions, call.Facts.plan_values.)
+        stepped.key_max, stepped.key_upto = largest_key, filled
+    mask = plan.mask
+    if mask is None:
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q, keys.narrow(2, 0, filled), values.narrow(2, 0, filled), **plan.arguments
+        )
+    else:
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q,
+            keys.narrow(2, 0, filled),
+            values.narrow(2, 0, filled),
+            attn_mask=mask.narrow(-1, keys.shape[2] - filled, filled),
+            **plan.arguments,
+        )
     parameters = modules["W_o"]._parameters
     output = torch.nn.functional.linear(
         context.reshape(batch, 1, query_width), parameters["weight"], parameters["bias"]
     )
     return call.Result(output, None, updated)
+
+
+def _bounded_read(
+    total: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    keys: torch.Tensor,
+    check: CacheCheck,
+    filled: int,
+    head_dim: int,
+) -> float | None:
+    """The read of a fused step whose mask hides keys (a window): the largest key of the
+    cache's first ``filled`` positions (``k`` the step's row, the rest ``keys``' below
+    it), or ``None`` where ``total`` is not finite or a score may pass
+    :data:`mha_multi.spec.FUSED_SCORE_LIMIT`. One transfer, of what the generic flow's
+    read (:meth:`mha_multi.torch._facts.TorchFacts.plan_values`) reads: the keys its
+    check bounds already (below ``key_upto``) are not read again."""
+    length = filled - 1
+    # (CacheCheck.stepped's: the step's row is written anew.)
+    key_upto = check.key_upto if check.key_upto < filled else length
+    # (max|x| on the host, where a kernel more costs no launch; finite where the sum
+    # is, and the keys below the lengths are known finite: Python's max compares them.)
+    reads = [total, q.abs().amax(), k.abs().amax()]
+    if key_upto < length:
+        reads.append(keys.narrow(2, key_upto, length - key_upto).abs().amax())
+    try:
+        read = read_together(reads)
+    except RuntimeError:  # (values torch.vmap batches, or no example at all)
+        return None
+    if read[0] - read[0] != 0.0:  # (inf - inf and NaN are NaN)
+        return None
+    largest_key = read[2] if key_upto == length else max(read[2], read[3])
+    # (The bound of the keys below key_upto, NaN where a read met one: larger keeps it.)
+    largest_key = larger(check.key_max if key_upto else 0.0, largest_key)
+    if not spec.scores_within_limit(read[1], largest_key, head_dim):
+        return None
+    return largest_key
 
 
 def generic_step(
@@ -186,10 +255,16 @@ def generic_step(
     else:
         q, k, v, _ = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
     keys, values, updated = written_step(cache, check, k, v, heads, step, span=span, checked=False)
-    # Every example holds length + 1 positions now: the spec's mask of its lengths,
-    # position j visible iff j < length + 1, is the plan's pattern from max_length - j.
-    visible = plan.visible.narrow(0, cache.keys.shape[2] - length - 1, span)
-    context = step_attention(q, keys, values, visible, heads, plan.fill)
+    # Every example holds length + 1 positions now: the spec's masks and bias of a
+    # query at length are the plan's patterns from max_length - length - 1 on.
+    start = cache.keys.shape[2] - length - 1
+    visible = plan.visible.narrow(-1, start, span)
+    bias = plan.bias
+    if bias is not None:
+        bias = bias.narrow(-1, start, span)
+    context = step_attention(
+        q, keys, values, visible, heads, plan.fill, softcap=plan.softcap, bias=bias
+    )
     return call.Result(project_output(layer, context, plan.direct), None, updated)
 
 
@@ -209,6 +284,9 @@ def step_attention(
     visible: torch.Tensor,
     heads: spec.Heads,
     fill: torch.Tensor | float = spec.MASK_VALUE,
+    *,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`mha_multi.spec.attention` of one query per example over a cache's positions,
     to its numbers (:func:`heads_attention` of a cache's heads).
@@ -220,6 +298,9 @@ def step_attention(
         heads: the layer's heads.
         fill: :data:`mha_multi.spec.MASK_VALUE`, or it as a 0-d tensor of the scores'
             dtype (made once: a Python number is made a tensor at every call).
+        softcap: the layer's soft cap of the scaled scores, or ``None``.
+        bias: ``None``, or ALiBi's bias of the scores, broadcastable to ``(B, H, 1, S)``
+            and of their dtype (:func:`mha_multi.spec.score_bias`).
 
     Returns:
         The heads' context ``(B, 1, H*dh)``.
@@ -227,7 +308,17 @@ def step_attention(
     batch, num_kv_heads, head_dim = q.shape[0], heads.num_kv_heads, heads.head_dim
     # One query: the spec's grouped layout (B*H_kv, G*1, dh) is the heads in order.
     grouped_q = q.reshape(batch * num_kv_heads, heads.num_heads // num_kv_heads, head_dim)
-    context = _attend(grouped_q, keys.flatten(0, 1), values.flatten(0, 1), visible, heads, 1, fill)
+    context = _attend(
+        grouped_q,
+        keys.flatten(0, 1),
+        values.flatten(0, 1),
+        visible,
+        heads,
+        1,
+        fill,
+        softcap=softcap,
+        bias=bias,
+    )
     return context.reshape(batch, 1, heads.query_features)
 
 
@@ -278,9 +369,13 @@ def _attend(
     heads: spec.Heads,
     num_queries: int,
     fill: torch.Tensor | float = spec.MASK_VALUE,
+    *,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The spec's grouped attention of ``(B*H_kv, G*Q, dh)`` queries over ``(B*H_kv, K, dh)``
-    keys and values: scaled scores, the masked softmax of their ``(B, H, Q, K)`` view
+    keys and values: scaled scores, their ``(B, H, Q, K)`` view soft-capped and biased
+    (:func:`mha_multi.spec.adjust_scores`, ``softcap``, ``bias``), the masked softmax
     (hidden scores replaced by ``fill``), and the weights' product with the values
     ``(B*H_kv, G*Q, dh)``."""
     num_keys, head_dim = k.shape[1], heads.head_dim
@@ -290,6 +385,10 @@ def _attend(
     # (bmm: the product torch.matmul makes of two batches alike, without its reshapes.)
     scores = torch.bmm(grouped_q, k.transpose(-1, -2)) / math.sqrt(head_dim)
     scores = scores.view(-1, heads.num_heads, num_queries, num_keys)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
     if visible is not None:
         scores = torch.where(visible, scores, fill)
     weights = torch.softmax(scores, dim=-1).view(k.shape[0], -1, num_keys)

@@ -144,6 +144,110 @@ def test_plain_decoding_steps_take_the_fast_route_to_the_generic_numbers(heads, 
     assert fast_caches[-1].lengths.tolist() == [10, 10, 10]
 
 
+#: Layers whose steps the route takes with what they do to the scores.
+SCORE_OPTIONS = {
+    "window": {"window": 3},
+    "alibi": {"alibi": True},
+    "softcap": {"softcap": 2.0},
+    "rotary-window-alibi-softcap": {
+        "rotary": ROUTE_ROTARY[1],
+        "window": 4,
+        "alibi": True,
+        "softcap": 3.0,
+    },
+    "window-alibi": {"window": 2, "alibi": True},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("options", SCORE_OPTIONS.values(), ids=SCORE_OPTIONS.keys())
+def test_steps_of_layers_with_score_options_take_the_route_to_the_generic_numbers(options, dtype):
+    """A window, ALiBi and soft-capping, alone and together with rotary positions: the
+    route answers every step after the prefill (SDPA with the window's mask and ALiBi's
+    bias, or the generic path's operations where a cap keeps the kernel out), with the
+    generic flow's outputs and cache to the bit and the float64 reference's numbers; a
+    window shorter than the filled positions, and longer."""
+    weights, layer = self_attention(HEADS, seed=23, dtype=dtype, **options)
+    prompt = np.random.default_rng(23).standard_normal((3, 4, NUM_HIDDENS))
+    atol = FLOAT32_ATOL if dtype == torch.float32 else 1e-12
+
+    def against_reference(x, before, output):
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True, **options
+        )
+        np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=atol)
+
+    with answered_calls() as answers:
+        fast, fast_caches = feed_back(layer, prompt, 6, 12, check=against_reference)
+    assert answers == [False] + [True] * 6
+    with generic_only():
+        generic, generic_caches = feed_back(layer, prompt, 6, 12)
+    for ours, theirs in zip(fast, generic, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(fast_caches[-1], generic_caches[-1], strict=True):
+        assert torch.equal(ours, theirs)
+    assert all(cache.keys is fast_caches[0].keys for cache in fast_caches)
+
+
+@pytest.mark.parametrize("options", SCORE_OPTIONS.values(), ids=SCORE_OPTIONS.keys())
+def test_16_bit_steps_with_score_options_give_the_generic_flows_numbers(options):
+    """In 16 bits the host's steps take SDPA through float32 copies, which the route does
+    not: soft-capped steps (no kernel) take the route's generic operations, the others the
+    generic flow; the generic flow's outputs and cache to the bit either way."""
+    _, layer = self_attention(HEADS, seed=37, dtype=torch.float16, **options)
+    prompt = np.random.default_rng(37).standard_normal((3, 4, NUM_HIDDENS))
+    with answered_calls() as answers:
+        fast, fast_caches = feed_back(layer, prompt, 4, 12)
+    assert answers == [False] + [options.get("softcap") is not None] * 4
+    with generic_only():
+        generic, generic_caches = feed_back(layer, prompt, 4, 12)
+    for ours, theirs in zip(fast, generic, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(fast_caches[-1], generic_caches[-1], strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_window_step_bounds_the_keys_plain_steps_left_unread_and_declines_large_scores():
+    """A windowed layer's step on a cache a plain layer's steps wrote reads the keys those
+    left unbounded (their route reads no magnitude) with its own, and leaves the check the
+    generic flow leaves (its largest key); scores past the fused limit leave the route
+    before anything is written, for the generic path's numbers. Both steps give the
+    float64 reference's numbers."""
+    weights, plain = self_attention(HEADS, seed=29)
+    _, windowed = self_attention(HEADS, seed=29, window=2)
+    prompt = np.random.default_rng(29).standard_normal((3, 4, NUM_HIDDENS))
+    # Inputs of 3e3: keys and queries near 1e4, scores past the limit.
+    large = torch.full((3, 1, NUM_HIDDENS), 3e3)
+
+    def decode(route):
+        with contextlib.nullcontext() if route else generic_only(), torch.no_grad():
+            outputs, caches = feed_back(plain, prompt, 2, 12)
+            cache, outputs = caches[-1], [outputs[-1]]
+            befores, bounds = [], []
+            with answered_calls() as answers:
+                for x in (outputs[-1], large):
+                    befores.append(spec.KVCache(*(t.numpy().copy() for t in cache)))
+                    y, cache = windowed(x, x, x, causal=True, cache=cache)
+                    outputs.append(y)
+                    check = _cache.CacheCheck.of(cache)
+                    bounds.append((check.key_upto, check.key_max))
+        return outputs, cache, befores, bounds, answers
+
+    outputs, cache, befores, bounds, answers = decode(route=True)
+    assert answers == [True, False]
+    generic_outputs, generic_cache, _, generic_bounds, _ = decode(route=False)
+    for ours, theirs in zip(outputs, generic_outputs, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(cache, generic_cache, strict=True):
+        assert torch.equal(ours, theirs)
+    assert bounds == generic_bounds and bounds[0][0] == 7  # every key read by the first
+    for x, before, output in zip((outputs[0], large), befores, outputs[1:], strict=True):
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True, window=2
+        )
+        np.testing.assert_allclose(output.double().numpy(), expected, rtol=1e-5, atol=FLOAT32_ATOL)
+
+
 def test_steps_the_fast_route_declines_take_the_generic_flow():
     """Ragged lengths, a NaN in a step's input and grouped heads all give the reference's
     numbers, NaN rows where it has them; a full cache refuses the next step with the

@@ -20,17 +20,26 @@ from mha_multi.parity.harness import torch as backend
 
 
 @pytest.mark.parametrize(
-    "heads, prompt_length, max_length, rotary",
+    "heads, prompt_length, max_length, options",
     [
-        ({"num_heads": 4}, 61, 80, None),
-        (HEADS, 61, 80, None),
-        (HEADS, 300, 400, None),
-        (HEADS, 61, 80, ROUTE_ROTARY[1]),
+        ({"num_heads": 4}, 61, 80, {}),
+        (HEADS, 61, 80, {}),
+        (HEADS, 300, 400, {}),
+        (HEADS, 61, 80, {"rotary": ROUTE_ROTARY[1]}),
+        (HEADS, 61, 80, {"rotary": ROUTE_ROTARY[1], "window": 5, "alibi": True}),
+        (HEADS, 61, 80, {"softcap": 2.0, "window": 70}),
     ],
-    ids=["mha", "gqa", "after a prefill that reads", "gqa-rotary"],
+    ids=[
+        "mha",
+        "gqa",
+        "after a prefill that reads",
+        "gqa-rotary",
+        "rotary-window-alibi",
+        "softcap-window",
+    ],
 )
 def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
-    heads, prompt_length, max_length, rotary, monkeypatch
+    heads, prompt_length, max_length, options, monkeypatch
 ):
     """On a GPU a step's finiteness read would wait for the device: the route runs the
     generic path's attention over the filled positions rounded up to the span bucket
@@ -39,16 +48,17 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
     prefill of 300 positions reads (its 300 queries see a span of 320, and the scores
     in all that a call recording no gradient reads from are set to its own): its check
     stands for 20 positions more than are filled, and the steps take the route too. A
-    rotary layer's steps too."""
+    rotary layer's steps too, and steps with a window (shorter than the filled positions,
+    and longer), ALiBi and soft-capping."""
     span = spec.rounded_span(prompt_length, max_length, spec.SPAN_BUCKET)
     prefill_scores = 3 * heads["num_heads"] * prompt_length * span
     monkeypatch.setattr("mha_multi.spec.plan.DEVICE_READ_TOTAL_SCORES", prefill_scores)
-    weights, layer = self_attention(heads, seed=13, rotary=rotary)
+    weights, layer = self_attention(heads, seed=13, **options)
     prompt = np.random.default_rng(13).standard_normal((3, prompt_length, NUM_HIDDENS))
 
     def against_reference(x, before, output):
         expected, _, _ = spec.reference_cached_forward(
-            weights, *(x.double().numpy(),) * 3, before, **heads, causal=True, rotary=rotary
+            weights, *(x.double().numpy(),) * 3, before, **heads, causal=True, **options
         )
         np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
 
