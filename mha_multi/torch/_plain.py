@@ -33,6 +33,7 @@ from mha_multi.torch._steps import (
     fused_step,
     generic_step,
     heads_attention,
+    normalized,
     project_output,
 )
 
@@ -94,12 +95,12 @@ class PlainRoute:
         keys together (one tensor of their heads: the rotation acts on each
         head alone) by the plan's tables, at ``arange(Q)`` or at the step's
         position, the generic flow's default positions; the read then sums
-        what attention takes, the rotated heads and the values. A decoding
-        step takes ALiBi, the window and soft-capping too, each a pattern
-        the plan made once (:class:`PlainPlan`): the masks and bias the
-        generic flow makes at each step, of the step's one position. Sinks,
-        query/key norms and a call without a cache with any of those take
-        the generic flow.
+        what attention takes, the rotated heads and the values; query/key
+        norms act before (:func:`normalized`). A decoding step takes ALiBi,
+        the window, soft-capping and sinks too, the masks and bias each a
+        pattern the plan made once (:class:`PlainPlan`): those the generic
+        flow makes at each step, of the step's one position. A call without
+        a cache with any of those takes the generic flow.
         """
         if torch.is_grad_enabled() or type(queries) is not torch.Tensor:
             return None
@@ -108,9 +109,7 @@ class PlainRoute:
         rotary = None
         if options is not None:
             rotary = options.rotary
-            if not options.at_most_rotary and (
-                cache is None or options.sinks or options.qk_norm is not None
-            ):
+            if cache is None and options.touches_scores:
                 return None
         on_host = self.on_host(queries)
         step = None
@@ -166,6 +165,8 @@ class PlainRoute:
             projected = torch.nn.functional.linear(queries, *layer.stacked_parameters(queries))
         else:
             projected = layer.project_stacked(queries)
+        if plan.norm is not None:
+            projected = normalized(projected, layer, plan.norm)
         if rotary is None:
             q, k, v = split_stacked(projected, heads)
             read: tuple[torch.Tensor, ...] = (projected,)
@@ -346,7 +347,7 @@ class PlainRoute:
             # (A GPU's step whose span reads leaves the route, in plain_attention.)
             reads = on_host
             if options is not None and options.touches_scores:
-                score_options = _step_options(options, heads, cache.keys)
+                score_options = _step_options(options, layer, cache.keys)
         settings = call.kernel_settings(
             self,
             queries,
@@ -395,6 +396,8 @@ class PlainRoute:
                     plain = _generic_step_plan(
                         plain, ops, layer, queries, score_options, cache.keys
                     )
+        if plain is not None and options is not None and options.qk_norm is not None:
+            plain = plain._replace(norm=options.qk_norm)
         if plain is not None and rotary is not None:
             # The generic flow's tables of the same positions (spec.rotary_tables is
             # elementwise: a table's row is that of its position alone).
@@ -425,16 +428,20 @@ def _fused_taken(plan: spec.KernelPlan, *, step: bool) -> bool:
 
 
 def _step_options(
-    options: spec.LayerOptions, heads: spec.Heads, keys: torch.Tensor
+    options: spec.LayerOptions, layer: call.Projections, keys: torch.Tensor
 ) -> spec.ScoreOptions:
     """The score options of a decoding step at the last position of a cache of ``keys``
     (the generic flow's, :meth:`mha_multi.spec.LayerOptions.score_options`, whose query
-    positions are the lengths for ALiBi and the window)."""
+    positions are the lengths for ALiBi and the window; the layer's sink logits, which
+    a step takes anew, :class:`PlainPlan`)."""
     positions = None
     if options.alibi or options.window is not None:
         last = keys.shape[2] - 1
         positions = torch.full((1, 1), last, dtype=torch.int64, device=keys.device)
-    return options.score_options(num_heads=heads.num_heads, query_positions=positions)
+    score_options = options.score_options(
+        num_heads=layer.heads.num_heads, query_positions=positions
+    )
+    return score_options.with_sinks(layer.sink_logits() if options.sinks else None)
 
 
 def _step_lengths(keys: torch.Tensor) -> torch.Tensor:
@@ -490,6 +497,7 @@ def _generic_step_plan(
         visible=visible,
         bias=spec.score_bias(ops, options, 1, num_keys, like),
         softcap=options.softcap,
+        sinks=options.sinks is not None,
         fill=torch.tensor(spec.MASK_VALUE, dtype=scores, device=device),
         spans={},
         direct=direct,

@@ -30,6 +30,7 @@ __all__ = [
     "fused_step",
     "generic_step",
     "heads_attention",
+    "normalized",
     "project_output",
     "step_attention",
 ]
@@ -58,6 +59,7 @@ class PlainPlan(NamedTuple):
     generic step's ``visible``, booleans ``(1, 1, 1, 2 * max_length)`` (the
     lengths, and the window), ``bias`` ALiBi's ``(1, H, 1, 2 * max_length)``
     in the scores' dtype (``None``: none), ``softcap`` the layer's cap,
+    ``sinks`` whether the layer's sink logits join the softmax,
     ``fill`` the spec's :data:`~mha_multi.spec.MASK_VALUE` as a 0-d tensor
     of the scores' dtype, and ``spans``, each filled length's span
     (:func:`mha_multi.spec.rounded_span`) as steps meet them (a bucket's
@@ -65,7 +67,8 @@ class PlainPlan(NamedTuple):
     (``may_read``: its plan for values read finite is the fused kernel's,
     and :func:`mha_multi.spec.reads_values` says a read pays); ``direct``:
     its products are the product itself (``F.linear``), neither 16-bit off
-    CUDA nor autocast's.
+    CUDA nor autocast's. ``norm``: the layer's query/key norms, which every
+    call's queries and keys go through before the rotation (:func:`normalized`).
     """
 
     fused: bool
@@ -81,6 +84,8 @@ class PlainPlan(NamedTuple):
     spans: dict[int, int | None] | None = None
     may_read: bool = True
     direct: bool = False
+    norm: spec.QKNorm | None = None
+    sinks: bool = False
 
 
 def fused_step(
@@ -109,6 +114,8 @@ def fused_step(
     # (The layer was called before: its parameters are sized; views of them where packed.)
     stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
     projected = torch.nn.functional.linear(queries, *(stacked or layer.stacked_parameters(queries)))
+    if plan.norm is not None:
+        projected = normalized(projected, layer, plan.norm)
     # One query per example: (B, 1, H*dh) is (B, H, 1, dh) as it lies (the queries SDPA
     # takes), and (B, 1, H_kv*dh) a position of (B, H_kv, max_length, dh) (the rows).
     batch, num_heads = queries.shape[0], heads.num_heads
@@ -240,6 +247,8 @@ def generic_step(
         projected = torch.nn.functional.linear(queries, weight, bias)
     else:
         projected = layer.project_stacked(queries)  # (16-bit products accumulate in float32)
+    if plan.norm is not None:
+        projected = normalized(projected, layer, plan.norm)
     wide = plan.wide_tables
     if rotary is None:
         q, k, v = projected.split_with_sizes(
@@ -263,9 +272,29 @@ def generic_step(
     if bias is not None:
         bias = bias.narrow(-1, start, span)
     context = step_attention(
-        q, keys, values, visible, heads, plan.fill, softcap=plan.softcap, bias=bias
+        q,
+        keys,
+        values,
+        visible,
+        heads,
+        plan.fill,
+        softcap=plan.softcap,
+        bias=bias,
+        sinks=layer.sink_logits() if plan.sinks else None,
     )
     return call.Result(project_output(layer, context, plan.direct), None, updated)
+
+
+def normalized(projected: torch.Tensor, layer: call.Projections, norm: spec.QKNorm) -> torch.Tensor:
+    """The stacked projections ``(B, T, (H + 2 H_kv) dh)`` with their queries and keys
+    through the layer's norms (:func:`mha_multi.spec.normalize_qk`, the generic flow's
+    function on the same values), stacked again: what the route rotates and reads."""
+    heads = layer.heads
+    q, k, v = projected.split_with_sizes(
+        (heads.query_features, heads.kv_features, heads.kv_features), -1
+    )
+    q, k = spec.normalize_qk(OPS, q, k, layer.qk_norm_weights(), norm, heads)
+    return torch.cat((q, k, v), -1)
 
 
 def project_output(layer: call.Projections, context: torch.Tensor, direct: bool) -> torch.Tensor:
@@ -287,6 +316,7 @@ def step_attention(
     *,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`mha_multi.spec.attention` of one query per example over a cache's positions,
     to its numbers (:func:`heads_attention` of a cache's heads).
@@ -301,6 +331,7 @@ def step_attention(
         softcap: the layer's soft cap of the scaled scores, or ``None``.
         bias: ``None``, or ALiBi's bias of the scores, broadcastable to ``(B, H, 1, S)``
             and of their dtype (:func:`mha_multi.spec.score_bias`).
+        sinks: ``None``, or the heads' sink logits ``(H,)`` (:mod:`mha_multi.spec.sinks`).
 
     Returns:
         The heads' context ``(B, 1, H*dh)``.
@@ -318,6 +349,7 @@ def step_attention(
         fill,
         softcap=softcap,
         bias=bias,
+        sinks=sinks,
     )
     return context.reshape(batch, 1, heads.query_features)
 
@@ -372,12 +404,13 @@ def _attend(
     *,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The spec's grouped attention of ``(B*H_kv, G*Q, dh)`` queries over ``(B*H_kv, K, dh)``
     keys and values: scaled scores, their ``(B, H, Q, K)`` view soft-capped and biased
     (:func:`mha_multi.spec.adjust_scores`, ``softcap``, ``bias``), the masked softmax
-    (hidden scores replaced by ``fill``), and the weights' product with the values
-    ``(B*H_kv, G*Q, dh)``."""
+    (hidden scores replaced by ``fill``; ``sinks``, the heads' logits, join it), and the
+    weights' product with the values ``(B*H_kv, G*Q, dh)``."""
     num_keys, head_dim = k.shape[1], heads.head_dim
     low = grouped_q.dtype in SIXTEEN_BIT
     if low:  # (16-bit heads: float32 scores, spec.scaled_scores)
@@ -391,6 +424,10 @@ def _attend(
         scores = scores + bias
     if visible is not None:
         scores = torch.where(visible, scores, fill)
-    weights = torch.softmax(scores, dim=-1).view(k.shape[0], -1, num_keys)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1).view(k.shape[0], -1, num_keys)
+    else:  # (spec.masked_softmax's: each head's logit a column of its own, dropped after)
+        joined = torch.cat((scores, spec.sink_column(OPS, scores, sinks)), -1)
+        weights = torch.softmax(joined, dim=-1)[..., :-1].reshape(k.shape[0], -1, num_keys)
     # (16-bit weights: rounded once, their product as the spec's adapter takes it.)
     return OPS.matmul(weights.to(v.dtype), v) if low else torch.bmm(weights, v)

@@ -85,9 +85,16 @@ def prefilled(layer, inputs, new_lens, max_length=7):
 
 
 def self_attention(heads, seed, dtype=torch.float32, **options):
-    """A self-attention layer (every input of ``NUM_HIDDENS``) and its float64 weights."""
-    weights = init_weights(NUM_HIDDENS, bias=True, seed=seed, **heads)
+    """A self-attention layer (every input of ``NUM_HIDDENS``) and its float64 weights
+    (with ``qk_norm``, the norms' weights drawn around 1; with ``sinks``, logits drawn)."""
+    sinks = bool(options.get("sinks"))
+    weights = init_weights(NUM_HIDDENS, bias=True, seed=seed, sinks=sinks, **heads)
     layer = MultiHeadAttention(NUM_HIDDENS, bias=True, dtype=dtype, **heads, **options)
+    if options.get("qk_norm") is not None:
+        rng = np.random.default_rng(seed)
+        for name in ("q_norm", "k_norm"):
+            shape = tuple(getattr(layer, name).shape)
+            weights[name] = (1.0 + 0.25 * rng.standard_normal(shape)).astype(np.float32)
     layer = set_weights(layer, {k: v.astype(np.float32) for k, v in weights.items()}).eval()
     return {k: v.astype(np.float32).astype(np.float64) for k, v in weights.items()}, layer
 

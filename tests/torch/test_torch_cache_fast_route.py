@@ -156,17 +156,29 @@ SCORE_OPTIONS = {
         "softcap": 3.0,
     },
     "window-alibi": {"window": 2, "alibi": True},
+    # gpt-oss's sinks (with its window), and sinks alone.
+    "rotary-window-sinks": {"rotary": ROUTE_ROTARY[1], "window": 3, "sinks": True},
+    "sinks": {"sinks": True},
+    # Qwen 3's and OLMo 2's norms (of each head, of the whole projection), Gemma 3's.
+    "rotary-norms": {"rotary": ROUTE_ROTARY[1], "qk_norm": {"eps": 1e-6}},
+    "norms-whole": {"qk_norm": {"scope": "whole", "product": "float32"}},
+    "rotary-window-norms": {
+        "rotary": ROUTE_ROTARY[2],
+        "window": 3,
+        "qk_norm": {"unit_offset": True, "eps": 1e-6},
+    },
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("options", SCORE_OPTIONS.values(), ids=SCORE_OPTIONS.keys())
 def test_steps_of_layers_with_score_options_take_the_route_to_the_generic_numbers(options, dtype):
-    """A window, ALiBi and soft-capping, alone and together with rotary positions: the
-    route answers every step after the prefill (SDPA with the window's mask and ALiBi's
-    bias, or the generic path's operations where a cap keeps the kernel out), with the
-    generic flow's outputs and cache to the bit and the float64 reference's numbers; a
-    window shorter than the filled positions, and longer."""
+    """A window, ALiBi, soft-capping, sinks and query/key norms, alone and together with
+    rotary positions: the route answers every step after the prefill (SDPA with the
+    window's mask and ALiBi's bias, or the generic path's operations where a cap or
+    sinks keep the kernel out), with the generic flow's outputs and cache to the bit and
+    the float64 reference's numbers; a window shorter than the filled positions, and
+    longer."""
     weights, layer = self_attention(HEADS, seed=23, dtype=dtype, **options)
     prompt = np.random.default_rng(23).standard_normal((3, 4, NUM_HIDDENS))
     atol = FLOAT32_ATOL if dtype == torch.float32 else 1e-12
@@ -192,13 +204,15 @@ def test_steps_of_layers_with_score_options_take_the_route_to_the_generic_number
 @pytest.mark.parametrize("options", SCORE_OPTIONS.values(), ids=SCORE_OPTIONS.keys())
 def test_16_bit_steps_with_score_options_give_the_generic_flows_numbers(options):
     """In 16 bits the host's steps take SDPA through float32 copies, which the route does
-    not: soft-capped steps (no kernel) take the route's generic operations, the others the
-    generic flow; the generic flow's outputs and cache to the bit either way."""
+    not: soft-capped steps and those with sinks (no kernel takes them) take the route's
+    generic operations, the others the generic flow; the generic flow's outputs and cache
+    to the bit either way."""
     _, layer = self_attention(HEADS, seed=37, dtype=torch.float16, **options)
     prompt = np.random.default_rng(37).standard_normal((3, 4, NUM_HIDDENS))
     with answered_calls() as answers:
         fast, fast_caches = feed_back(layer, prompt, 4, 12)
-    assert answers == [False] + [options.get("softcap") is not None] * 4
+    takes_16_bit = options.get("softcap") is not None or options.get("sinks", False)
+    assert answers == [False] + [takes_16_bit] * 4
     with generic_only():
         generic, generic_caches = feed_back(layer, prompt, 4, 12)
     for ours, theirs in zip(fast, generic, strict=True):

@@ -24,29 +24,43 @@ from mha_multi.weights import init_weights
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
-    "num_kv_heads, rotary",
+    "num_kv_heads, options",
     [
-        (4, None),
-        (2, None),
-        (2, {"theta": 100.0}),
-        (4, {"interleaved": True}),
-        (2, {"scaling": {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 3}}),
+        (4, {}),
+        (2, {}),
+        (2, {"rotary": {"theta": 100.0}}),
+        (4, {"rotary": {"interleaved": True}}),
+        (
+            2,
+            {
+                "rotary": {
+                    "scaling": {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 3}
+                }
+            },
+        ),
+        (2, {"rotary": {"theta": 100.0}, "qk_norm": {"eps": 1e-6}}),
+        (4, {"qk_norm": {"scope": "whole", "unit_offset": True}}),
     ],
-    ids=["mha", "gqa", "gqa-rotary", "mha-interleaved", "gqa-dynamic"],
+    ids=["mha", "gqa", "gqa-rotary", "mha-interleaved", "gqa-dynamic", "gqa-rotary-norms", "norms"],
 )
 def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(
-    num_kv_heads, rotary, causal, dtype
+    num_kv_heads, options, causal, dtype
 ):
     """``layer(x, x, x)`` under ``no_grad``: one answer of the facts' route, SDPA with the
     causal flag and no mask, the generic flow's output to the bit and the reference's;
-    a layer whose one option is rotary too (at ``arange(Q)``)."""
+    a layer with rotary positions (at ``arange(Q)``) and query/key norms too."""
     heads = {"num_heads": 4, "num_kv_heads": num_kv_heads}
     weights = init_weights(16, bias=True, seed=21, **heads)
-    layer = MultiHeadAttention(16, bias=True, dtype=dtype, rotary=rotary, **heads)
+    layer = MultiHeadAttention(16, bias=True, dtype=dtype, **options, **heads)
+    rng = np.random.default_rng(21)
+    if "qk_norm" in options:
+        for name in ("q_norm", "k_norm"):
+            shape = tuple(getattr(layer, name).shape)
+            weights[name] = (1.0 + 0.25 * rng.standard_normal(shape)).astype(np.float32)
     layer = set_weights(layer, weights).eval()
-    x = torch.from_numpy(np.random.default_rng(21).standard_normal((3, 5, 16))).to(dtype)
+    x = torch.from_numpy(rng.standard_normal((3, 5, 16))).to(dtype)
     expected, _ = spec.reference_forward(
-        weights, *(x.double().numpy(),) * 3, causal=causal, rotary=rotary, **heads
+        weights, *(x.double().numpy(),) * 3, causal=causal, **options, **heads
     )
     with answered_calls() as answers, backend.kernel_spy() as calls, torch.no_grad():
         out = layer(x, x, x, causal=causal)
