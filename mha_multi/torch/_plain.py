@@ -97,20 +97,16 @@ class PlainRoute:
         position, the generic flow's default positions; the read then sums
         what attention takes, the rotated heads and the values; query/key
         norms act before (:func:`normalized`). A decoding step takes ALiBi,
-        the window, soft-capping and sinks too, the masks and bias each a
-        pattern the plan made once (:class:`PlainPlan`): those the generic
-        flow makes at each step, of the step's one position. A call without
-        a cache with any of those takes the generic flow.
+        the window, soft-capping and sinks too, the masks and bias made once
+        by the plan (:class:`PlainPlan`): a call's, or for a step patterns of
+        which each step takes a view, those the generic flow makes at each
+        step, of the step's one position.
         """
         if torch.is_grad_enabled() or type(queries) is not torch.Tensor:
             return None
         if torch.compiler.is_compiling():
             return None
-        rotary = None
-        if options is not None:
-            rotary = options.rotary
-            if cache is None and options.touches_scores:
-                return None
+        rotary = None if options is None else options.rotary
         on_host = self.on_host(queries)
         step = None
         if cache is None:
@@ -184,13 +180,26 @@ class PlainRoute:
             k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
             k, v = k.transpose(1, 2), v.transpose(1, 2)
             q = q.view(q.shape[0], q.shape[1], heads.num_heads, heads.head_dim).transpose(1, 2)
-            context = torch.nn.functional.scaled_dot_product_attention(q, k, v, **plan.arguments)
+            if plan.mask is None:
+                context = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, **plan.arguments
+                )
+            else:
+                context = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=plan.mask, **plan.arguments
+                )
             context = context.transpose(1, 2).flatten(2)
         else:
-            visible = spec.visibility(
-                self.ops(queries), q.shape[1], k.shape[1], None, causal=causal
+            context = heads_attention(
+                q,
+                k,
+                v,
+                plan.visible,
+                heads,
+                softcap=plan.softcap,
+                bias=plan.bias,
+                sinks=layer.sink_logits() if plan.sinks else None,
             )
-            context = heads_attention(q, k, v, visible, heads)
         return call.Result(project_output(layer, context, plan.fused), None, None)
 
     def _step_span(
@@ -288,10 +297,10 @@ class PlainRoute:
         it does not; a step's plan is that of ``length + 1 > 1`` filled
         positions, all visible (the plan depends on no more of the lengths
         than that). A step's options are planned at the cache's last
-        position (:func:`_step_options`): their masks and bias there, whose
-        positions from ``max_length - length - 1`` on are a step's at
-        ``length`` (the spec's masks and ALiBi depend on the distance from
-        the query alone).
+        position (:func:`_call_options`, :func:`_frame`): their masks and
+        bias there, whose positions from ``max_length - length - 1`` on are
+        a step's at ``length`` (the spec's masks and ALiBi depend on the
+        distance from the query alone).
         """
         device = queries.device
         if torch.is_autocast_enabled(device.type):
@@ -334,6 +343,8 @@ class PlainRoute:
             # (The route records no gradient.)
             total_scores = batch * heads.num_heads * num_queries * num_queries
             reads = spec.reads_values(on_host, num_queries, num_queries, total_scores=total_scores)
+            if options is not None and options.touches_scores:
+                score_options = _call_options(options, layer, None)
         else:
             call.check_cached_call(
                 self, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
@@ -347,7 +358,7 @@ class PlainRoute:
             # (A GPU's step whose span reads leaves the route, in plain_attention.)
             reads = on_host
             if options is not None and options.touches_scores:
-                score_options = _step_options(options, layer, cache.keys)
+                score_options = _call_options(options, layer, cache.keys)
         settings = call.kernel_settings(
             self,
             queries,
@@ -366,36 +377,40 @@ class PlainRoute:
         plain = None
         if reads and optimistic.fused:
             if (
-                _fused_taken(optimistic, step=cache is not None)
+                _fused_taken(optimistic)
                 and queries.dtype not in SIXTEEN_BIT
                 and (cache is None or self.span_bucket_of(cache.keys) == 1)
             ):
                 arguments = {"is_causal": True} if optimistic.is_causal else {}
                 if heads.grouped:
                     arguments["enable_gqa"] = True
-                if cache is None:
-                    # (One query sees its one key: nothing hidden.)
-                    plain = PlainPlan(
-                        True, arguments, bounded=optimistic.is_causal and sizes[1] > 1
-                    )
-                else:
-                    mask = _step_kernel_mask(ops, optimistic, score_options, queries, cache.keys)
-                    # (A window hides keys: the read bounds the scores, Facts.plan_values.)
-                    plain = PlainPlan(True, arguments, bounded=optimistic.mask_window, mask=mask)
-        elif cache is not None or not reads:
+                # Where the mask hides keys the read bounds the scores (Facts.plan_values);
+                # one query seeing one key hides nothing (its one weight is 1).
+                hides_keys = optimistic.is_causal or optimistic.needs_mask
+                plain = PlainPlan(
+                    True,
+                    arguments,
+                    bounded=hides_keys and sizes[1] * sizes[2] > 1,
+                    mask=_kernel_mask(ops, optimistic, score_options, queries, cache),
+                )
+        else:
             # What call.plan decides of values it does not read: eager, so no guard. (On
-            # the host, a step whose options no kernel takes: it reads nothing either.)
+            # the host, a call whose options no kernel takes: it reads nothing either.)
             plan = (
                 optimistic
                 if reads
                 else spec.plan_kernel(self.kernel, **settings, values_exact=None)
             )
             if not plan.fused:
-                plain = PlainPlan(False, {}, may_read=optimistic.fused)
-                if cache is not None:
-                    plain = _generic_step_plan(
-                        plain, ops, layer, queries, score_options, cache.keys
-                    )
+                plain = _generic_plan(
+                    PlainPlan(False, {}, may_read=optimistic.fused),
+                    ops,
+                    layer,
+                    queries,
+                    score_options,
+                    cache,
+                    causal=causal,
+                )
         if plain is not None and options is not None and options.qk_norm is not None:
             plain = plain._replace(norm=options.qk_norm)
         if plain is not None and rotary is not None:
@@ -415,27 +430,33 @@ class PlainRoute:
         return plain
 
 
-def _fused_taken(plan: spec.KernelPlan, *, step: bool) -> bool:
-    """Whether the route runs SDPA as ``plan`` (fused) says: with no more than its causal
-    flag, or for a decoding ``step`` its window's mask and ALiBi's bias too (the rows'
-    fix is none: the step's query sees its own key)."""
-    plain = dataclasses.replace(plan, is_causal=False)
-    if step:
-        plain = dataclasses.replace(
-            plain, mask_window=False, fix_rows=False, fix_window=False, bias=False
-        )
+def _fused_taken(plan: spec.KernelPlan) -> bool:
+    """Whether the route runs SDPA as ``plan`` (fused) says: its causal flag, its mask of
+    the causal rule and the window, and ALiBi's bias. The rows' fix is none: every
+    query of self-attention sees its own key (``Q == K``; a step's at its length)."""
+    plain = dataclasses.replace(
+        plan,
+        is_causal=False,
+        mask_causal=False,
+        mask_window=False,
+        fix_rows=False,
+        fix_causal=False,
+        fix_window=False,
+        bias=False,
+    )
     return plain == spec.KernelPlan(fused=True)
 
 
-def _step_options(
-    options: spec.LayerOptions, layer: call.Projections, keys: torch.Tensor
+def _call_options(
+    options: spec.LayerOptions, layer: call.Projections, keys: torch.Tensor | None
 ) -> spec.ScoreOptions:
-    """The score options of a decoding step at the last position of a cache of ``keys``
-    (the generic flow's, :meth:`mha_multi.spec.LayerOptions.score_options`, whose query
-    positions are the lengths for ALiBi and the window; the layer's sink logits, which
-    a step takes anew, :class:`PlainPlan`)."""
+    """The score options of a call without a cache (``keys`` ``None``), or of a decoding
+    step at the last position of a cache of ``keys``: the generic flow's
+    (:meth:`mha_multi.spec.LayerOptions.score_options`, whose query positions are a
+    step's length for ALiBi and the window), with the layer's sink logits (which a call
+    takes anew, :class:`PlainPlan`)."""
     positions = None
-    if options.alibi or options.window is not None:
+    if keys is not None and (options.alibi or options.window is not None):
         last = keys.shape[2] - 1
         positions = torch.full((1, 1), last, dtype=torch.int64, device=keys.device)
     score_options = options.score_options(
@@ -444,61 +465,74 @@ def _step_options(
     return score_options.with_sinks(layer.sink_logits() if options.sinks else None)
 
 
-def _step_lengths(keys: torch.Tensor) -> torch.Tensor:
-    """Lengths ``(1,)`` of a cache of ``keys`` filled to its last position."""
-    return torch.full((1,), keys.shape[2], dtype=torch.int64, device=keys.device)
+def _frame(queries: torch.Tensor, cache: spec.KVCache | None) -> tuple[int, torch.Tensor | None]:
+    """The keys a plan's masks and bias span, and their lengths: a call's own ``Q`` and
+    none, or for a step ``2 * max_length`` and ``(1,)`` lengths of a cache filled to its
+    last position (:class:`PlainPlan`)."""
+    if cache is None:
+        return queries.shape[1], None
+    keys = cache.keys
+    lengths = torch.full((1,), keys.shape[2], dtype=torch.int64, device=keys.device)
+    return 2 * keys.shape[2], lengths
 
 
-def _step_kernel_mask(
+def _kernel_mask(
     ops: Any,
     plan: spec.KernelPlan,
     options: spec.ScoreOptions,
     queries: torch.Tensor,
-    keys: torch.Tensor,
+    cache: spec.KVCache | None,
 ) -> torch.Tensor | None:
-    """SDPA's ``attn_mask`` of a step at the last position of a cache of ``keys``, over
-    ``2 * max_length`` positions (``None``: none): the window's mask and ALiBi's bias as
-    :func:`mha_multi.torch._kernel.fused_attention` makes them for ``plan``."""
-    num_keys = 2 * keys.shape[2]
-    mask = plan.mask(ops, 1, num_keys, _step_lengths(keys), options) if plan.needs_mask else None
+    """SDPA's ``attn_mask`` of the call (``None``: none), as
+    :func:`mha_multi.torch._kernel.fused_attention` makes it for ``plan``: the causal
+    rule's and the window's booleans, ALiBi's bias, ``-inf`` where both; a step's over
+    the keys of :func:`_frame`."""
+    num_keys, lengths = _frame(queries, cache)
+    num_queries = queries.shape[1] if cache is None else 1
+    mask = plan.mask(ops, num_queries, num_keys, lengths, options) if plan.needs_mask else None
     if plan.bias:
         like = torch.empty((), dtype=queries.dtype, device=queries.device)
-        bias = spec.score_bias(ops, options, 1, num_keys, like)
+        bias = spec.score_bias(ops, options, num_queries, num_keys, like)
         mask = bias if mask is None else torch.where(mask, bias, float("-inf"))
     return mask
 
 
-def _generic_step_plan(
+def _generic_plan(
     plan: PlainPlan,
     ops: Any,
     layer: call.Projections,
     queries: torch.Tensor,
     options: spec.ScoreOptions,
-    keys: torch.Tensor,
+    cache: spec.KVCache | None,
+    *,
+    causal: bool,
 ) -> PlainPlan:
-    """``plan`` with what a decoding step on the generic path takes: the visibility and
-    ALiBi's bias of a step at the last position of a cache of ``keys``, over ``2 *
-    max_length`` positions, the soft cap, the scores' fill value and whether the step's
-    products are the layer's own (:class:`PlainPlan`)."""
-    # (A step's products: those the layer's linear takes directly.)
-    direct = not needs_float32_copies(queries, layer.output_parameters()[0])
-    num_keys, device = 2 * keys.shape[2], keys.device
+    """``plan`` with what the generic path's attention takes: the visibility and ALiBi's
+    bias of the call (a step's over the keys of :func:`_frame`), the soft cap and whether
+    sinks join the softmax; for a step, the scores' fill value and whether its products
+    are the layer's own (:class:`PlainPlan`)."""
+    num_keys, lengths = _frame(queries, cache)
+    num_queries = queries.shape[1] if cache is None else 1
     visible = spec.visibility(
         ops,
-        1,
+        num_queries,
         num_keys,
-        _step_lengths(keys),
+        lengths,
+        causal=causal,
         window=options.window,
         query_positions=options.query_positions,
     )
     scores = torch.float32 if queries.dtype in SIXTEEN_BIT else queries.dtype
-    like = torch.empty((), dtype=scores, device=device)
-    return plan._replace(
+    like = torch.empty((), dtype=scores, device=queries.device)
+    plan = plan._replace(
         visible=visible,
-        bias=spec.score_bias(ops, options, 1, num_keys, like),
+        bias=spec.score_bias(ops, options, num_queries, num_keys, like),
         softcap=options.softcap,
         sinks=options.sinks is not None,
-        fill=torch.tensor(spec.MASK_VALUE, dtype=scores, device=device),
-        spans={},
-        direct=direct,
     )
+    if cache is None:
+        return plan
+    # (A step's products: those the layer's linear takes directly.)
+    direct = not needs_float32_copies(queries, layer.output_parameters()[0])
+    fill = torch.tensor(spec.MASK_VALUE, dtype=scores, device=queries.device)
+    return plan._replace(fill=fill, spans={}, direct=direct)

@@ -43,25 +43,27 @@ class PlainPlan(NamedTuple):
     generic flow's plan for values read finite). Otherwise the generic
     path's attention (:meth:`mha_multi.call.Facts.generic_attention`) and no
     read: the generic flow's plan on a GPU where a head's scores are few
-    (:func:`mha_multi.spec.reads_values`). ``bounded``: SDPA's causal flag
-    hides keys, so the read takes the largest query and key too, whose
+    (:func:`mha_multi.spec.reads_values`), or where no kernel takes the
+    layer's options (a soft cap, sinks). ``bounded``: SDPA's causal flag or
+    mask hides keys, so the read takes the largest query and key too, whose
     scores must lie within :data:`mha_multi.spec.FUSED_SCORE_LIMIT`.
     ``tables``: a rotary layer's :func:`mha_multi.spec.rotary_tables`, made
     once: of the call's ``arange(Q)`` without a cache, of every position of
     the cache with one (a step takes its row); ``wide_tables`` the same as
     :func:`mha_multi.torch._rotary.wide_tables`, where whole heads rotate.
-    A decoding step's patterns are those of a step at the cache's last
-    position, ``max_length - 1``, over ``2 * max_length`` positions: the
-    last dimension's positions from ``max_length - length - 1`` on are a
-    step's at ``length`` (a view, :func:`fused_step`, :func:`generic_step`).
-    A fused step's ``mask``: SDPA's ``attn_mask`` there (a window's booleans,
-    ALiBi's bias; ``None``: none), and ``bounded`` its window's read. A
-    generic step's ``visible``, booleans ``(1, 1, 1, 2 * max_length)`` (the
-    lengths, and the window), ``bias`` ALiBi's ``(1, H, 1, 2 * max_length)``
-    in the scores' dtype (``None``: none), ``softcap`` the layer's cap,
-    ``sinks`` whether the layer's sink logits join the softmax,
-    ``fill`` the spec's :data:`~mha_multi.spec.MASK_VALUE` as a 0-d tensor
-    of the scores' dtype, and ``spans``, each filled length's span
+    The masks and bias are the call's, made once: a fused plan's ``mask``,
+    SDPA's ``attn_mask`` (the causal rule's and the window's booleans,
+    ALiBi's bias; ``None``: none); a generic plan's ``visible``, which keys
+    each query sees (:func:`mha_multi.spec.visibility`; ``None``: all), and
+    ``bias`` ALiBi's in the scores' dtype (``None``: none), with
+    ``softcap`` the layer's cap and ``sinks`` whether the layer's sink
+    logits join the softmax. A decoding step's are those of a step at the
+    cache's last position, ``max_length - 1``, over ``2 * max_length``
+    keys: the last dimension's positions from ``max_length - length - 1`` on
+    are a step's at ``length`` (a view, :func:`fused_step`,
+    :func:`generic_step`). A generic step's ``fill`` is the spec's
+    :data:`~mha_multi.spec.MASK_VALUE` as a 0-d tensor of the scores'
+    dtype, and ``spans``, each filled length's span
     (:func:`mha_multi.spec.rounded_span`) as steps meet them (a bucket's
     lengths at once), or ``None`` where the generic flow would read
     (``may_read``: its plan for values read finite is the fused kernel's,
@@ -360,6 +362,10 @@ def heads_attention(
     v: torch.Tensor,
     visible: torch.Tensor | None,
     heads: spec.Heads,
+    *,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`mha_multi.spec.attention` of projected queries, keys and values with no
     lengths, to its numbers: its layouts, products, mask and softmax, written for
@@ -370,6 +376,8 @@ def heads_attention(
         k, v: the keys and values ``(B, K, H_kv*dh)``.
         visible: ``None``, or which keys each query sees (:func:`mha_multi.spec.visibility`).
         heads: the layer's heads.
+        softcap, bias, sinks: as :func:`step_attention` takes them, ``bias``
+            broadcastable to ``(B, H, Q, K)``.
 
     Returns:
         The heads' context ``(B, Q, H*dh)``.
@@ -387,7 +395,9 @@ def heads_attention(
         .reshape(-1, num_keys, head_dim)
         for x in (k, v)
     )
-    context = _attend(grouped_q, k, v, visible, heads, num_queries)
+    context = _attend(
+        grouped_q, k, v, visible, heads, num_queries, softcap=softcap, bias=bias, sinks=sinks
+    )
     # (B*H_kv, G*Q, dh) back to the heads side by side, transpose_grouped_output's.
     context = context.view(batch, num_kv_heads, group_size, num_queries, head_dim)
     return context.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, heads.query_features)

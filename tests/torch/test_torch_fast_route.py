@@ -8,6 +8,8 @@ gradients, autocast, errors) is the generic flow's.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -40,15 +42,28 @@ from mha_multi.weights import init_weights
         ),
         (2, {"rotary": {"theta": 100.0}, "qk_norm": {"eps": 1e-6}}),
         (4, {"qk_norm": {"scope": "whole", "unit_offset": True}}),
+        (2, {"window": 2}),
+        (2, {"rotary": {"theta": 100.0}, "window": 3, "alibi": True}),
     ],
-    ids=["mha", "gqa", "gqa-rotary", "mha-interleaved", "gqa-dynamic", "gqa-rotary-norms", "norms"],
+    ids=[
+        "mha",
+        "gqa",
+        "gqa-rotary",
+        "mha-interleaved",
+        "gqa-dynamic",
+        "gqa-rotary-norms",
+        "norms",
+        "gqa-window",
+        "gqa-rotary-window-alibi",
+    ],
 )
 def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(
     num_kv_heads, options, causal, dtype
 ):
     """``layer(x, x, x)`` under ``no_grad``: one answer of the facts' route, SDPA with the
-    causal flag and no mask, the generic flow's output to the bit and the reference's;
-    a layer with rotary positions (at ``arange(Q)``) and query/key norms too."""
+    causal flag and no mask (a window's and ALiBi's where the layer has them), the
+    generic flow's output to the bit and the reference's; a layer with rotary positions
+    (at ``arange(Q)``) and query/key norms too."""
     heads = {"num_heads": 4, "num_kv_heads": num_kv_heads}
     weights = init_weights(16, bias=True, seed=21, **heads)
     layer = MultiHeadAttention(16, bias=True, dtype=dtype, **options, **heads)
@@ -65,7 +80,9 @@ def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(
     with answered_calls() as answers, backend.kernel_spy() as calls, torch.no_grad():
         out = layer(x, x, x, causal=causal)
     assert answers == [True]
-    assert len(calls) == 1 and not calls[0].mask and calls[0].is_causal == causal
+    masked = "window" in options or "alibi" in options
+    assert len(calls) == 1 and bool(calls[0].mask) == masked
+    assert calls[0].is_causal == (causal and not masked)
     atol = 5e-6 if dtype == torch.float32 else 1e-12
     np.testing.assert_allclose(out.double().numpy(), expected, rtol=0, atol=atol)
     with generic_only(), torch.no_grad():
@@ -145,6 +162,45 @@ def test_plain_calls_on_a_gpu_in_other_dtypes_give_the_generic_flows_numbers(dty
     assert torch.equal(out, generic)
     if dtype == torch.float64:
         np.testing.assert_allclose(out.numpy(), expected, rtol=1e-10, atol=1e-12)
+
+
+#: Options a call without a cache takes on the route: SDPA's mask and bias, or (a cap,
+#: sinks) the generic path's operations.
+CALL_OPTIONS = {
+    "softcap": {"softcap": 2.0},
+    "window-sinks": {"window": 2, "sinks": True},
+    "rotary-window-softcap": {"rotary": {"theta": 100.0}, "window": 3, "softcap": 3.0},
+    "alibi": {"alibi": True},
+}
+
+
+@pytest.mark.parametrize("on_a_gpu", [False, True], ids=["host", "gpu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("options", CALL_OPTIONS.values(), ids=CALL_OPTIONS.keys())
+def test_calls_with_score_options_take_the_route_to_the_generic_numbers(options, dtype, on_a_gpu):
+    """A causal call without a cache of a layer with a soft cap, sinks, a window or ALiBi:
+    the route answers (on the host SDPA where it takes the options, with no 16-bit
+    products; the generic path's operations where it does not, and on a GPU), with the
+    generic flow's output to the bit, and in float32 and float64 the reference's."""
+    heads = {"num_heads": 4, "num_kv_heads": 2}
+    weights = init_weights(16, bias=True, seed=25, sinks=bool(options.get("sinks")), **heads)
+    layer = MultiHeadAttention(16, bias=True, dtype=dtype, **options, **heads)
+    layer = set_weights(layer, weights).eval()
+    x = np.random.default_rng(25).standard_normal((2, 6, 16))
+    expected, _ = spec.reference_forward(weights, x, x, x, causal=True, **options, **heads)
+    x = torch.from_numpy(x).to(dtype)
+    place = backend.as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext()
+    with place, torch.no_grad():
+        with answered_calls() as answers:
+            out = layer(x, x, x, causal=True)
+        with generic_only():
+            generic = layer(x, x, x, causal=True)
+    generic_path = on_a_gpu or "softcap" in options or "sinks" in options
+    assert answers == [generic_path or dtype != torch.bfloat16]
+    assert torch.equal(out, generic)
+    if dtype != torch.bfloat16:
+        atol = 5e-6 if dtype == torch.float32 else 1e-12
+        np.testing.assert_allclose(out.double().numpy(), expected, rtol=0, atol=atol)
 
 
 def test_plain_self_attention_leaves_the_rest_to_the_generic_flow():
