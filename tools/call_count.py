@@ -9,34 +9,61 @@ change that adds host work shows here before any timer sees it (docs:
     python tools/call_count.py
 
 ``python -m mha_multi.bench run --only calls <backend>`` counts the benchmark's
-rows the same way, in every framework.
+rows the same way, in every framework. The rows of layers with options (2
+query heads, 1 key/value head) follow; ``--generic`` counts every row through
+the generic flow, the fast route turned off (docs: "Fast paths").
+
+    python tools/call_count.py --generic
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
 from mha_multi.bench import host
-from mha_multi.torch import MultiHeadAttention, set_weights
+from mha_multi.torch import MultiHeadAttention, _facts, set_weights
 from mha_multi.weights import init_weights
 
 CALLS = 100
 HIDDENS, HEADS = 16, 2
+NORMS = ("q_norm", "k_norm")
+
+
+#: Layers of today's families, by their options (rotary, window, cap, sinks, norms).
+ROTARY = {"theta": 10000.0}
+OPTIONS: dict[str, dict[str, object]] = {
+    "window": {"window": 8},
+    "soft cap": {"softcap": 30.0},
+    "ALiBi": {"alibi": True},
+    "rotary, window": {"rotary": ROTARY, "window": 8},
+    "rotary, norms (Qwen 3)": {"rotary": ROTARY, "qk_norm": {}},
+    "rotary, window, sinks (gpt-oss)": {"rotary": ROTARY, "window": 8, "sinks": True},
+    "rotary, window, soft cap (Gemma 2)": {"rotary": ROTARY, "window": 8, "softcap": 50.0},
+    "rotary, window, norms (Gemma 3)": {
+        "rotary": ROTARY,
+        "window": 8,
+        "qk_norm": {"unit_offset": True},
+    },
+}
 
 
 def layer(**options: object) -> MultiHeadAttention:
     made = MultiHeadAttention(HIDDENS, HEADS, **options)
-    set_weights(
-        made,
-        init_weights(
-            HIDDENS,
-            seed=0,
-            num_heads=HEADS,
-            num_kv_heads=options.get("num_kv_heads"),  # type: ignore[arg-type]
-        ),
+    weights = init_weights(
+        HIDDENS,
+        seed=0,
+        num_heads=HEADS,
+        num_kv_heads=options.get("num_kv_heads"),  # type: ignore[arg-type]
+        sinks=bool(options.get("sinks")),
     )
+    if options.get("qk_norm") is not None:  # (the norms' weights as the layer starts them)
+        weights.update({name: getattr(made, name).detach().numpy() for name in NORMS})
+    set_weights(made, weights)
     return made
 
 
@@ -49,7 +76,7 @@ def rows() -> dict[str, Callable[[], object]]:
     token = torch.randn(1, 1, HIDDENS)
     plain_eval = layer().eval()
     plain_train = layer().train()
-    rotary = layer(num_kv_heads=1, rotary={"theta": 10000.0}).eval()
+    rotary = layer(num_kv_heads=1, rotary=ROTARY).eval()
 
     def no_grad(made: MultiHeadAttention) -> Callable[[], object]:
         def step() -> object:
@@ -76,7 +103,7 @@ def rows() -> dict[str, Callable[[], object]]:
         with torch.no_grad():
             return plain_eval(token, memory, memory, torch.tensor([3]))
 
-    return {
+    counted_rows = {
         "one token, eval, no_grad": no_grad(plain_eval),
         "one token over 4 keys, lengths, no_grad": cross,
         "one token, training": lambda: plain_train(token, token, token),
@@ -84,13 +111,23 @@ def rows() -> dict[str, Callable[[], object]]:
         "one token, rotary 2/1 heads, no_grad": no_grad(rotary),
         "decoding step, rotary 2/1 heads": decode(rotary),
     }
+    for name, options in OPTIONS.items():
+        made = layer(num_kv_heads=1, **options).eval()
+        counted_rows[f"one token, {name}"] = no_grad(made)
+        counted_rows[f"decoding step, {name}"] = decode(made)
+    return counted_rows
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
-    for name, step in rows().items():
-        print(f"{name:40s} {counted(step):7.1f} calls per call")
+    # (The route's offer declined by a plain function, one call as the route's own
+    # first test is: every call takes the generic flow.)
+    generic = "--generic" in argv
+    declined = mock.patch.object(_facts.FACTS, "plain_attention", lambda *_, **__: None)
+    with declined if generic else contextlib.nullcontext():
+        for name, step in rows().items():
+            print(f"{name:50s} {counted(step):7.1f} calls per call")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
