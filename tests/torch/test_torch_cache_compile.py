@@ -63,12 +63,25 @@ def test_compiled_decoding_equals_eager_and_the_reference(compiler):
         )
 
 
-@pytest.mark.parametrize("rotary", [None, {"theta": 100.0}], ids=["plain", "rotary"])
-def test_compiled_self_attention_steps_are_one_graph_of_the_eager_numbers(rotary):
-    """A decoding step of self-attention, plain and Llama-shaped (rotary, grouped heads),
-    traces to one graph without a break (``torch._dynamo.explain``), static shapes; the
-    compiled prefill and steps give the eager numbers."""
-    _, layer = self_attention(HEADS, seed=15, rotary=rotary)
+#: Layers of today's families (grouped heads): plain, Llama's, Gemma 2's window and cap,
+#: gpt-oss's window and sinks, Qwen 3's norms, ALiBi.
+COMPILED_LAYERS = {
+    "plain": {},
+    "rotary": {"rotary": {"theta": 100.0}},
+    "rotary-window-softcap": {"rotary": {"theta": 100.0}, "window": 3, "softcap": 5.0},
+    "rotary-window-sinks": {"rotary": {"theta": 100.0}, "window": 3, "sinks": True},
+    "rotary-norms": {"rotary": {"theta": 100.0}, "qk_norm": {}},
+    "alibi": {"alibi": True},
+}
+
+
+@pytest.mark.parametrize("options", COMPILED_LAYERS.values(), ids=COMPILED_LAYERS.keys())
+def test_compiled_self_attention_steps_are_one_graph_of_the_eager_numbers(options):
+    """A decoding step of self-attention, plain, Llama-shaped (rotary, grouped heads) and
+    with the options of today's families, traces to one graph without a break
+    (``torch._dynamo.explain``), static shapes; the compiled prefill and steps give the
+    eager numbers."""
+    _, layer = self_attention(HEADS, seed=15, **options)
     x = torch.from_numpy(np.random.default_rng(15).standard_normal((3, 4, NUM_HIDDENS)))
     x = x.float()
     with torch.no_grad():
