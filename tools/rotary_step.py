@@ -11,13 +11,17 @@ ratio of the medians printed, with the largest difference of their outputs.
 are busy, a second thread's wait can cost more than the kernel).
 ``tiny``: 16 hiddens, 2 query heads and 1 key/value head, one example, one
 thread: a step's time is its Python (docs: "Results"). ``plain``: no rotary,
-8 key/value heads (the plain layer).
+8 key/value heads (the plain layer). ``window=W``, ``softcap=C``: the layer's
+sliding window and soft cap (Mistral's, Gemma 2's); the hand-written step
+then attends over the window's positions only, and with a cap writes its
+attention out (SDPA has none).
 
-    python tools/rotary_step.py [tiny] [plain] [one-thread] [blocks]     # 40 blocks
+    python tools/rotary_step.py [tiny] [plain] [one-thread] [window=W] [softcap=C] [blocks]
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -34,6 +38,9 @@ TINY, PLAIN = "tiny" in ARGS, "plain" in ARGS
 if "one-thread" in ARGS:  # (a loaded machine's second thread waits on the other's work)
     torch.set_num_threads(1)
 BLOCKS = next((int(a) for a in ARGS if a.isdigit()), 40)
+OPTIONS = dict(a.split("=") for a in ARGS if "=" in a)
+WINDOW = int(OPTIONS["window"]) if "window" in OPTIONS else None
+SOFTCAP = float(OPTIONS["softcap"]) if "softcap" in OPTIONS else None
 if TINY:
     BATCH, HIDDENS, HEADS, KV_HEADS, PROMPT = 1, 16, 2, 1, 4
     torch.set_num_threads(1)
@@ -51,7 +58,9 @@ Step = Callable[[torch.Tensor], torch.Tensor]
 
 
 def ours(weights: dict, prompt: torch.Tensor) -> tuple[Step, torch.Tensor]:
-    layer = MultiHeadAttention(HIDDENS, HEADS, num_kv_heads=KV_HEADS, rotary=ROTARY).eval()
+    layer = MultiHeadAttention(
+        HIDDENS, HEADS, num_kv_heads=KV_HEADS, rotary=ROTARY, window=WINDOW, softcap=SOFTCAP
+    ).eval()
     set_weights(layer, weights)
     state = {"cache": layer.init_cache(BATCH, MAX_LENGTH)}
     out, state["cache"] = layer(prompt, prompt, prompt, causal=True, cache=state["cache"])
@@ -80,6 +89,22 @@ def hand_written(weights: dict, prompt: torch.Tensor) -> tuple[Step, torch.Tenso
         first, second = x[..., :half], x[..., half:]
         return torch.cat([first * c - second * s, second * c + first * s], -1)
 
+    def written_out(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int):
+        # Grouped heads as (B, H_kv, G, n, dh) against (B, H_kv, 1, K, dh); the causal
+        # rule and the window as one mask of positions.
+        n, end = q.shape[2], first + keys.shape[2]
+        grouped = q.view(BATCH, KV_HEADS, HEADS // KV_HEADS, n, HEAD_DIM)
+        scores = grouped @ keys.unsqueeze(2).transpose(-1, -2) / math.sqrt(HEAD_DIM)
+        if SOFTCAP is not None:
+            scores = torch.tanh(scores / SOFTCAP) * SOFTCAP
+        if n > 1:
+            i = torch.arange(end - n, end)[:, None]
+            j = torch.arange(first, end)[None, :]
+            seen = (j <= i) & ((i - j < WINDOW) if WINDOW is not None else True)
+            scores = scores.masked_fill(~seen, float("-inf"))
+        weights = scores.softmax(-1) @ values.unsqueeze(2)
+        return weights.view(BATCH, HEADS, n, HEAD_DIM)
+
     def attend(x: torch.Tensor, start: int, causal: bool) -> torch.Tensor:
         n = x.shape[1]
         at = slice(start, start + n)
@@ -88,10 +113,16 @@ def hand_written(weights: dict, prompt: torch.Tensor) -> tuple[Step, torch.Tenso
         v = functional.linear(x, w["v"]).view(BATCH, n, KV_HEADS, HEAD_DIM)
         cache["k"][:, :, at] = k.transpose(1, 2)
         cache["v"][:, :, at] = v.transpose(1, 2)
-        keys, values = cache["k"][:, :, : start + n], cache["v"][:, :, : start + n]
-        context = functional.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, is_causal=causal, **gqa
-        )
+        # A step sees the window's positions only.
+        first = 0 if WINDOW is None or n > 1 else max(0, start + 1 - WINDOW)
+        end = start + n
+        keys, values = cache["k"][:, :, first:end], cache["v"][:, :, first:end]
+        if SOFTCAP is not None or (n > 1 and WINDOW is not None and n > WINDOW):
+            context = written_out(q.transpose(1, 2), keys, values, first)
+        else:
+            context = functional.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, is_causal=causal, **gqa
+            )
         return functional.linear(context.transpose(1, 2).flatten(2), w["o"])
 
     out = attend(prompt, 0, True)
@@ -131,6 +162,7 @@ def main() -> None:
                 times[name].append(next(run))
     a, b = (torch.cat(outputs[n], 1) for n in ("ours", "hand-written"))
     kind = "plain" if PLAIN else f"rotary, {HEADS}/{KV_HEADS} heads"
+    kind += "".join(f", {name} {value}" for name, value in OPTIONS.items())
     medians = {n: statistics.median(t) for n, t in times.items()}
     print(
         f"{BATCH} x {HIDDENS} hiddens, {kind}: us/step ours {medians['ours']:.1f}, "

@@ -35,7 +35,13 @@ from mha_multi.call.checks import (
 )
 from mha_multi.call.contract import BIAS_SHAPE, GATES_SHAPE, INPUT_NAMES, Projections, Result
 from mha_multi.call.facts import FACTS_MODULE_NAMES, Facts, read_all
-from mha_multi.call.flow import attend, attended_positions, forward, plain_self_attention
+from mha_multi.call.flow import (
+    attend,
+    attended_positions,
+    binding_window,
+    forward,
+    plain_self_attention,
+)
 from mha_multi.call.kernel_plan import kernel_settings, plan
 
 __all__ = [
@@ -48,6 +54,7 @@ __all__ = [
     "Result",
     "attend",
     "attended_positions",
+    "binding_window",
     "check_cache_values",
     "check_cached_call",
     "check_call",

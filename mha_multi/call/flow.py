@@ -6,6 +6,7 @@ call (docs: "Architecture").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -185,13 +186,16 @@ def attend(
         # (Rotary positions and norms alone leave the scores d2l's: no options made, which
         # a compiled call would guard on.)
         layer_options = layer_options or spec.LayerOptions()
+        window = binding_window(layer_options.window, fill, ops.size(q, 1))
         # ALiBi and the window see each cached query at its own position.
-        frame = lengths is not None and (layer_options.alibi or layer_options.window is not None)
+        frame = lengths is not None and (layer_options.alibi or window is not None)
         options = layer_options.score_options(
             num_heads=heads.num_heads,
             bias=bias,
             query_positions=spec.cache_positions(ops, lengths, ops.size(q, 1)) if frame else None,
         ).with_sinks(layer.sink_logits() if layer_options.sinks else None)
+        if window is None and options.window is not None:
+            options = dataclasses.replace(options, window=None)
         if not options.adjusts_scores and options.window is None and options.sinks is None:
             options = spec.NO_OPTIONS  # rotary or norms only: the scores are d2l's
     if segment_ids is not None:
@@ -249,6 +253,22 @@ def attend(
     # Both paths' context is the heads' (B, Q, H*dh): the gates act on it alike.
     output = layer.project_output(context, gates)
     return Result(output, weights if return_attention_weights else None, cache)
+
+
+def binding_window(window: int | None, fill: spec.CacheFill | None, num_queries: Any) -> int | None:
+    """The layer's ``window`` where it may hide a key from a cached call's queries, else
+    ``None``.
+
+    A query at ``i_abs`` sees key ``j <= i_abs`` through the window iff
+    ``i_abs - j < window``: where every query of the call (a padding one
+    included) sits below position ``window`` (``fill``, the lengths read, and
+    ``num_queries`` new positions), the window hides nothing, and the call is
+    planned without it (a kernel needs no mask for it: docs, "Fast paths").
+    A traced call (no ``fill``) keeps it.
+    """
+    if window is None or fill is None or not fill.lengths.size or not isinstance(num_queries, int):
+        return window
+    return None if int(fill.lengths.max()) + num_queries <= window else window
 
 
 def attended_positions(

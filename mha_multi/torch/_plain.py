@@ -133,6 +133,10 @@ class PlainRoute:
                 step = None if plan is None else (weakref.ref(layer), key, plan)
             if plan is None:
                 return None
+            if plan.window is not None and check._uniform < plan.window:
+                plan = plan.within  # (no filled position outside the window)
+                if plan is None:
+                    return None
             if (check.pending is not None or check.poison is not None) and (
                 plan.fused or (on_host and plan.may_read)
             ):
@@ -339,7 +343,7 @@ class PlainRoute:
                 self, layer, queries, queries, queries, None, causal=causal, dtype=dtype
             )
             batch, num_queries = queries.shape[:2]
-            sizes, lens_ndim, shortest = (batch, num_queries, num_queries), None, None
+            sizes = (batch, num_queries, num_queries)
             # (The route records no gradient.)
             total_scores = batch * heads.num_heads * num_queries * num_queries
             reads = spec.reads_values(on_host, num_queries, num_queries, total_scores=total_scores)
@@ -354,63 +358,27 @@ class PlainRoute:
             projected = layer.project_stacked(queries).dtype
             spec.check_cache_dtype(ops, cache, projected, projected)
             # The causal rule is in the lengths: one query sees every filled position.
-            sizes, lens_ndim, shortest, causal = (queries.shape[0], 1, 2), 1, 2, False
+            sizes, causal = (queries.shape[0], 1, 2), False
             # (A GPU's step whose span reads leaves the route, in plain_attention.)
             reads = on_host
             if options is not None and options.touches_scores:
                 score_options = _call_options(options, layer, cache.keys)
-        settings = call.kernel_settings(
-            self,
-            queries,
-            sizes=sizes,
-            lens_ndim=lens_ndim,
-            lens_integer=True,
-            heads=heads,
-            causal=causal,
-            dropout=False,
-            return_attention_weights=False,
-            options=score_options,
+        plain = self._kernel_plan(
+            layer, queries, cache, score_options, causal=causal, reads=reads, sizes=sizes
         )
-        optimistic = spec.plan_kernel(
-            self.kernel, **settings, values_exact=True, shortest_length=shortest
-        )
-        plain = None
-        if reads and optimistic.fused:
-            if (
-                _fused_taken(optimistic)
-                and queries.dtype not in SIXTEEN_BIT
-                and (cache is None or self.span_bucket_of(cache.keys) == 1)
-            ):
-                arguments = {"is_causal": True} if optimistic.is_causal else {}
-                if heads.grouped:
-                    arguments["enable_gqa"] = True
-                # Where the mask hides keys the read bounds the scores (Facts.plan_values);
-                # one query seeing one key hides nothing (its one weight is 1).
-                hides_keys = optimistic.is_causal or optimistic.needs_mask
-                plain = PlainPlan(
-                    True,
-                    arguments,
-                    bounded=hides_keys and sizes[1] * sizes[2] > 1,
-                    mask=_kernel_mask(ops, optimistic, score_options, queries, cache),
-                )
-        else:
-            # What call.plan decides of values it does not read: eager, so no guard. (On
-            # the host, a call whose options no kernel takes: it reads nothing either.)
-            plan = (
-                optimistic
-                if reads
-                else spec.plan_kernel(self.kernel, **settings, values_exact=None)
+        if plain is not None and cache is not None and score_options.window is not None:
+            # Steps the window hides nothing from (every filled position within it) are
+            # planned without it, as the generic flow plans them (call.binding_window).
+            positions = (
+                None if score_options.alibi_slopes is None else score_options.query_positions
             )
-            if not plan.fused:
-                plain = _generic_plan(
-                    PlainPlan(False, {}, may_read=optimistic.fused),
-                    ops,
-                    layer,
-                    queries,
-                    score_options,
-                    cache,
-                    causal=causal,
-                )
+            within = dataclasses.replace(score_options, window=None, query_positions=positions)
+            plain = plain._replace(
+                window=score_options.window,
+                within=self._kernel_plan(
+                    layer, queries, cache, within, causal=causal, reads=reads, sizes=sizes
+                ),
+            )
         if plain is not None and options is not None and options.qk_norm is not None:
             plain = plain._replace(norm=options.qk_norm)
         if plain is not None and rotary is not None:
@@ -424,10 +392,83 @@ class PlainRoute:
             plain = plain._replace(
                 tables=tables, wide_tables=wide_tables(tables, rotary, heads.head_dim)
             )
+        if plain is not None and plain.within is not None:
+            # (What every call of the layer takes: its norms and tables.)
+            plain = plain._replace(
+                within=plain.within._replace(
+                    norm=plain.norm, tables=plain.tables, wide_tables=plain.wide_tables
+                )
+            )
         if len(plans) >= _PLAIN_PLANS:
             plans.clear()
         plans[key] = plain
         return plain
+
+    def _kernel_plan(
+        self,
+        layer: call.Projections,
+        queries: torch.Tensor,
+        cache: spec.KVCache | None,
+        score_options: spec.ScoreOptions,
+        *,
+        causal: bool,
+        reads: bool,
+        sizes: tuple[int, int, int],
+    ) -> PlainPlan | None:
+        """The kernel's part of :meth:`_plain_plan`'s plan for calls of these shapes and
+        ``score_options`` (``sizes``: ``(B, Q, K)``, a step's ``K`` 2; ``reads``: the
+        generic flow reads the values), or ``None`` where the route takes none."""
+        heads = layer.heads
+        ops = self.ops(queries)
+        step = cache is not None
+        settings = call.kernel_settings(
+            self,
+            queries,
+            sizes=sizes,
+            lens_ndim=1 if step else None,
+            lens_integer=True,
+            heads=heads,
+            causal=causal,
+            dropout=False,
+            return_attention_weights=False,
+            options=score_options,
+        )
+        optimistic = spec.plan_kernel(
+            self.kernel, **settings, values_exact=True, shortest_length=2 if step else None
+        )
+        if reads and optimistic.fused:
+            if (
+                not _fused_taken(optimistic)
+                or queries.dtype in SIXTEEN_BIT
+                or (step and self.span_bucket_of(cache.keys) != 1)
+            ):
+                return None
+            arguments = {"is_causal": True} if optimistic.is_causal else {}
+            if heads.grouped:
+                arguments["enable_gqa"] = True
+            # Where the mask hides keys the read bounds the scores (Facts.plan_values);
+            # one query seeing one key hides nothing (its one weight is 1).
+            hides_keys = optimistic.is_causal or optimistic.needs_mask
+            return PlainPlan(
+                True,
+                arguments,
+                bounded=hides_keys and sizes[1] * sizes[2] > 1,
+                mask=_kernel_mask(ops, optimistic, score_options, queries, cache),
+            )
+        # What call.plan decides of values it does not read: eager, so no guard. (On
+        # the host, a call whose options no kernel takes: it reads nothing either.)
+        plan = optimistic if reads else spec.plan_kernel(self.kernel, **settings, values_exact=None)
+        if plan.fused:
+            return None
+        return _generic_plan(
+            PlainPlan(False, {}, may_read=optimistic.fused),
+            ops,
+            layer,
+            queries,
+            score_options,
+            cache,
+            causal=causal,
+        )
 
 
 def _fused_taken(plan: spec.KernelPlan) -> bool:

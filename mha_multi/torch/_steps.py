@@ -71,6 +71,10 @@ class PlainPlan(NamedTuple):
     its products are the product itself (``F.linear``), neither 16-bit off
     CUDA nor autocast's. ``norm``: the layer's query/key norms, which every
     call's queries and keys go through before the rotation (:func:`normalized`).
+    A step's ``window``: the layer's, and ``within`` the plan of the steps it
+    hides nothing from (every filled position within it), made without it as
+    the generic flow makes theirs (:func:`mha_multi.call.binding_window`;
+    ``None``: the route takes none).
     """
 
     fused: bool
@@ -88,6 +92,8 @@ class PlainPlan(NamedTuple):
     direct: bool = False
     norm: spec.QKNorm | None = None
     sinks: bool = False
+    window: int | None = None
+    within: PlainPlan | None = None
 
 
 def fused_step(
@@ -269,7 +275,12 @@ def generic_step(
     # Every example holds length + 1 positions now: the spec's masks and bias of a
     # query at length are the plan's patterns from max_length - length - 1 on.
     start = cache.keys.shape[2] - length - 1
-    visible = plan.visible.narrow(-1, start, span)
+    # (Where the span is the filled positions and no window binds, every key is seen:
+    # the mask would keep every score.)
+    if span == length + 1 and plan.window is None:
+        visible = None
+    else:
+        visible = plan.visible.narrow(-1, start, span)
     bias = plan.bias
     if bias is not None:
         bias = bias.narrow(-1, start, span)

@@ -156,6 +156,9 @@ SCORE_OPTIONS = {
         "softcap": 3.0,
     },
     "window-alibi": {"window": 2, "alibi": True},
+    # Windows the first steps fill (the generic flow plans those without them).
+    "window-crossed-alibi": {"window": 6, "alibi": True},
+    "window-crossed-softcap": {"window": 7, "softcap": 2.0},
     # gpt-oss's sinks (with its window), and sinks alone.
     "rotary-window-sinks": {"rotary": ROUTE_ROTARY[1], "window": 3, "sinks": True},
     "sinks": {"sinks": True},
@@ -177,8 +180,8 @@ def test_steps_of_layers_with_score_options_take_the_route_to_the_generic_number
     rotary positions: the route answers every step after the prefill (SDPA with the
     window's mask and ALiBi's bias, or the generic path's operations where a cap or
     sinks keep the kernel out), with the generic flow's outputs and cache to the bit and
-    the float64 reference's numbers; a window shorter than the filled positions, and
-    longer."""
+    the float64 reference's numbers; a window shorter than the filled positions, and one
+    the steps fill (planned without it until then, as the generic flow plans them)."""
     weights, layer = self_attention(HEADS, seed=23, dtype=dtype, **options)
     prompt = np.random.default_rng(23).standard_normal((3, 4, NUM_HIDDENS))
     atol = FLOAT32_ATOL if dtype == torch.float32 else 1e-12

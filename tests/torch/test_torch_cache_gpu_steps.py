@@ -26,7 +26,7 @@ from mha_multi.parity.harness import torch as backend
         (HEADS, 61, 80, {}),
         (HEADS, 300, 400, {}),
         (HEADS, 61, 80, {"rotary": ROUTE_ROTARY[1]}),
-        (HEADS, 61, 80, {"rotary": ROUTE_ROTARY[1], "window": 5, "alibi": True}),
+        (HEADS, 61, 80, {"rotary": ROUTE_ROTARY[1], "window": 64, "alibi": True}),
         (HEADS, 61, 80, {"softcap": 2.0, "window": 70}),
         (HEADS, 61, 80, {"rotary": ROUTE_ROTARY[1], "qk_norm": {"scope": "whole"}}),
         (HEADS, 61, 80, {"rotary": ROUTE_ROTARY[1], "window": 8, "sinks": True}),
@@ -53,7 +53,7 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
     in all that a call recording no gradient reads from are set to its own): its check
     stands for 20 positions more than are filled, and the steps take the route too. A
     rotary layer's steps too, and steps with a window (shorter than the filled positions,
-    and longer), ALiBi, soft-capping, sinks and query/key norms."""
+    longer, and filled by the steps), ALiBi, soft-capping, sinks and query/key norms."""
     span = spec.rounded_span(prompt_length, max_length, spec.SPAN_BUCKET)
     prefill_scores = 3 * heads["num_heads"] * prompt_length * span
     monkeypatch.setattr("mha_multi.spec.plan.DEVICE_READ_TOTAL_SCORES", prefill_scores)
