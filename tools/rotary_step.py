@@ -90,20 +90,21 @@ def hand_written(weights: dict, prompt: torch.Tensor) -> tuple[Step, torch.Tenso
         return torch.cat([first * c - second * s, second * c + first * s], -1)
 
     def written_out(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int):
-        # Grouped heads as (B, H_kv, G, n, dh) against (B, H_kv, 1, K, dh); the causal
-        # rule and the window as one mask of positions.
+        # Each key/value head's group of query heads as rows of one product,
+        # (B, H_kv, G*n, dh); the causal rule and the window as one mask of positions.
         n, end = q.shape[2], first + keys.shape[2]
-        grouped = q.view(BATCH, KV_HEADS, HEADS // KV_HEADS, n, HEAD_DIM)
-        scores = grouped @ keys.unsqueeze(2).transpose(-1, -2) / math.sqrt(HEAD_DIM)
+        grouped = q.reshape(BATCH, KV_HEADS, HEADS // KV_HEADS * n, HEAD_DIM)
+        scores = grouped @ keys.transpose(-1, -2) / math.sqrt(HEAD_DIM)
         if SOFTCAP is not None:
             scores = torch.tanh(scores / SOFTCAP) * SOFTCAP
         if n > 1:
             i = torch.arange(end - n, end)[:, None]
             j = torch.arange(first, end)[None, :]
             seen = (j <= i) & ((i - j < WINDOW) if WINDOW is not None else True)
-            scores = scores.masked_fill(~seen, float("-inf"))
-        weights = scores.softmax(-1) @ values.unsqueeze(2)
-        return weights.view(BATCH, HEADS, n, HEAD_DIM)
+            scores = scores.view(*scores.shape[:2], -1, n, scores.shape[-1])
+            scores = scores.masked_fill(~seen, float("-inf")).flatten(2, 3)
+        context = scores.softmax(-1) @ values
+        return context.view(BATCH, HEADS, n, HEAD_DIM)
 
     def attend(x: torch.Tensor, start: int, causal: bool) -> torch.Tensor:
         n = x.shape[1]
