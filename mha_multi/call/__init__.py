@@ -38,6 +38,7 @@ from mha_multi.call.facts import FACTS_MODULE_NAMES, Facts, read_all
 from mha_multi.call.flow import (
     attend,
     attended_positions,
+    attended_window,
     binding_window,
     forward,
     plain_self_attention,
@@ -54,6 +55,7 @@ __all__ = [
     "Result",
     "attend",
     "attended_positions",
+    "attended_window",
     "binding_window",
     "check_cache_values",
     "check_cached_call",

@@ -305,12 +305,30 @@ class Facts:
         """
         return spec.update_cache(ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal)
 
-    def cache_prefix(self, keys: Array, values: Array, span: int) -> tuple[Array, Array]:
-        """The first ``span`` positions of a cache's ``(B, H_kv, max_length, dh)`` arrays.
+    def cache_prefix(
+        self, keys: Array, values: Array, span: int, first: int = 0
+    ) -> tuple[Array, Array]:
+        """The first ``span`` positions of a cache's ``(B, H_kv, max_length, dh)`` arrays
+        (from position ``first`` on, where :meth:`finite_before` said so).
 
         Only frameworks that set :attr:`attends_filled` are asked.
         """
         raise NotImplementedError
+
+    def finite_before(self, keys: Array, values: Array, first: int) -> bool:
+        """Whether every value of a cache before position ``first`` is known finite.
+
+        A call may then leave out the positions before its queries' window
+        (:func:`mha_multi.call.flow.attended_window`): a hidden value's weight
+        is 0, and 0 times a NaN is NaN. The default, ``False``, attends from
+        position 0.
+        """
+        return False
+
+    def lengths_from(self, ops: spec.ArrayOps, valid_lens: Array, first: int) -> Array:
+        """A cached call's lengths (what the cache's write returned) counted from cache
+        position ``first``: the visibility of the keys from there on."""
+        return valid_lens - first
 
     def finite_past(self, keys: Array, values: Array, span: int) -> bool:
         """Whether every value of a cache (``keys``, ``values``) past its first ``span``

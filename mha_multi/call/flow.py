@@ -150,6 +150,7 @@ def attend(
     heads = layer.heads
     q, k, v = layer.project_inputs(queries, keys, values)
     kv_split = cache is not None
+    first = 0  # (the first cache position attended over)
     lengths = None if cache is None else cache.lengths  # before the new rows
     options = spec.NO_OPTIONS
     if layer_options is not None and layer_options.qk_norm is not None:
@@ -178,21 +179,25 @@ def attend(
         # The causal rule, each example's own, is in the lengths now.
         k, v, causal = cache.keys, cache.values, False
         if fill is not None and bias is None and not return_attention_weights:
-            # Keys past the filled positions add nothing to any row (a user's
-            # bias could make them: it keeps all of them).
+            # Keys past the filled positions, and before the window of every query, add
+            # nothing to any row (a user's bias could make them: it keeps all of them).
             window = None if layer_options is None else layer_options.window
-            k, v = attended_positions(facts, k, v, fill, q.shape[1], window=window)
+            k, v, first = attended_window(facts, k, v, fill, q.shape[1], window=window)
+            if first:
+                # The keys from ``first`` on: the lengths and query positions count from there.
+                valid_lens = facts.lengths_from(ops, valid_lens, first)
     if bias is not None or (layer_options is not None and layer_options.touches_scores):
         # (Rotary positions and norms alone leave the scores d2l's: no options made, which
         # a compiled call would guard on.)
         layer_options = layer_options or spec.LayerOptions()
-        window = binding_window(layer_options.window, fill, ops.size(q, 1))
+        window = binding_window(layer_options.window, fill, ops.size(q, 1), first=first)
         # ALiBi and the window see each cached query at its own position.
         frame = lengths is not None and (layer_options.alibi or window is not None)
+        query_positions = spec.cache_positions(ops, lengths, ops.size(q, 1)) if frame else None
+        if frame and first:
+            query_positions = query_positions - first
         options = layer_options.score_options(
-            num_heads=heads.num_heads,
-            bias=bias,
-            query_positions=spec.cache_positions(ops, lengths, ops.size(q, 1)) if frame else None,
+            num_heads=heads.num_heads, bias=bias, query_positions=query_positions
         ).with_sinks(layer.sink_logits() if layer_options.sinks else None)
         if window is None and options.window is not None:
             options = dataclasses.replace(options, window=None)
@@ -255,20 +260,54 @@ def attend(
     return Result(output, weights if return_attention_weights else None, cache)
 
 
-def binding_window(window: int | None, fill: spec.CacheFill | None, num_queries: Any) -> int | None:
+def binding_window(
+    window: int | None, fill: spec.CacheFill | None, num_queries: Any, *, first: int = 0
+) -> int | None:
     """The layer's ``window`` where it may hide a key from a cached call's queries, else
     ``None``.
 
     A query at ``i_abs`` sees key ``j <= i_abs`` through the window iff
     ``i_abs - j < window``: where every query of the call (a padding one
-    included) sits below position ``window`` (``fill``, the lengths read, and
-    ``num_queries`` new positions), the window hides nothing, and the call is
-    planned without it (a kernel needs no mask for it: docs, "Fast paths").
-    A traced call (no ``fill``) keeps it.
+    included) sits less than ``window`` positions past the first key attended
+    over, ``first`` (``fill``, the lengths read, and ``num_queries`` new
+    positions), the window hides nothing, and the call is planned without it
+    (a kernel needs no mask for it: docs, "Fast paths"). A traced call (no
+    ``fill``) keeps it.
     """
     if window is None or fill is None or not fill.lengths.size or not isinstance(num_queries, int):
         return window
-    return None if int(fill.lengths.max()) + num_queries <= window else window
+    return None if int(fill.lengths.max()) - first + num_queries <= window else window
+
+
+def attended_window(
+    facts: Facts,
+    keys: Array,
+    values: Array,
+    fill: spec.CacheFill,
+    num_queries: int,
+    *,
+    window: int | None = None,
+) -> tuple[Array, Array, int]:
+    """:func:`attended_positions` from the first position a query sees through the
+    ``window``: ``(keys, values, first)``.
+
+    The keys before :meth:`mha_multi.spec.CacheFill.window_start` are hidden
+    from every query; they are left out where the framework knows every
+    value before them finite (:meth:`Facts.finite_before`: a hidden value's
+    weight is 0, which a NaN turns into NaN), through
+    :meth:`Facts.cache_prefix` from ``first``; else ``first`` is 0.
+    """
+    bucket = facts.span_bucket_of(keys)
+    first = fill.window_start(num_queries, window, bucket=bucket)
+    if first and not facts.finite_before(keys, values, first):
+        first = 0
+    if not first:
+        return (*attended_positions(facts, keys, values, fill, num_queries, window=window), 0)
+    max_length = keys.shape[2]
+    span = fill.span(num_queries, max_length, window=window, bucket=bucket)
+    if span < max_length and not facts.finite_past(keys, values, span):
+        span = max_length
+    return (*facts.cache_prefix(keys, values, span, first), first)
 
 
 def attended_positions(

@@ -243,6 +243,28 @@ class CacheFill(NamedTuple):
             return max_length
         return rounded_span(self.most, max_length, bucket)
 
+    def window_start(
+        self, num_queries: int, window: int | None, *, bucket: int = SPAN_BUCKET
+    ) -> int:
+        """The first cache position a query of the call can see through the ``window``,
+        rounded down to ``bucket``: the keys before it are hidden from every query.
+
+        Query ``i`` of example ``b`` sits at ``lengths[b] + i`` and sees no
+        key ``window`` or more positions behind it. 0 without a window, and
+        where a row may be fully hidden (an example that holds nothing, a
+        padding query further than the window past its example's last key),
+        which the spec makes uniform over all ``max_length`` keys
+        (:meth:`span`). A caller leaves out the positions before it only where
+        their values are known finite (a hidden value's weight is 0, which a
+        NaN or an infinity turns into NaN: :func:`mha_multi.call.attended_window`).
+        """
+        if window is None or self.held.size == 0 or self.least <= 0:
+            return 0
+        if num_queries - int(self.new.min()) >= window:
+            return 0
+        first = int(self.lengths.min()) - window + 1
+        return max(0, first // bucket * bucket)
+
 
 def rounded_span(filled: int, max_length: int, bucket: int) -> int:
     """``filled`` leading cache positions rounded up to a multiple of ``bucket``, at most

@@ -229,17 +229,21 @@ class Written:
     ``check`` is the check the new lengths carry (``None`` for inference
     tensors); ``visible`` the visibility the write returned, and
     ``shortest`` its smallest entry as known on the host; ``attended`` the
-    cache's leading positions the call attends over (:meth:`TorchFacts.cache_prefix`),
-    ``None`` while it attends over the whole cache.
+    cache's positions the call attends over (:meth:`TorchFacts.cache_prefix`),
+    ``None`` while it attends over the whole cache, and ``first`` the first
+    of them (where the call leaves out the positions before its window,
+    ``visible`` and ``shortest`` count from there:
+    :meth:`TorchFacts.lengths_from`).
     """
 
-    __slots__ = ("attended", "check", "shortest", "visible")
+    __slots__ = ("attended", "check", "first", "shortest", "visible")
 
     def __init__(
         self, check: CacheCheck | None, visible: torch.Tensor, shortest: int | None
     ) -> None:
         self.check, self.visible, self.shortest = check, visible, shortest
         self.attended: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.first = 0
 
 
 #: numpy's dtype of the integer torch dtypes lengths may have.

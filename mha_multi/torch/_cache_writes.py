@@ -142,13 +142,38 @@ class CacheWrites(call.Facts):
         return cache
 
     def cache_prefix(
-        self, keys: torch.Tensor, values: torch.Tensor, span: int
+        self, keys: torch.Tensor, values: torch.Tensor, span: int, first: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        prefix = keys.narrow(2, 0, span), values.narrow(2, 0, span)
+        prefix = keys.narrow(2, first, span - first), values.narrow(2, first, span - first)
         written = self._written_into(keys, values)
         if written is not None:
             written.attended = prefix  # what the plan may take the check for
         return prefix
+
+    def finite_before(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> bool:
+        """Known where the check of the cache this call wrote in place holds every position
+        below ``first`` finite: read so by the calls before (no poison, which a
+        NaN read or rows no call read leave), and not among this call's rows, which its
+        plan reads."""
+        written = self._written_into(keys, values)
+        check = None if written is None else written.check
+        return (
+            check is not None
+            and check.poison is None
+            and check.pending_from is None
+            and check.upto >= first
+        )
+
+    def lengths_from(self, ops: Any, valid_lens: torch.Tensor, first: int) -> torch.Tensor:
+        """:meth:`mha_multi.call.Facts.lengths_from`, and what this call's write handed
+        its plan counted from there too (:class:`Written`)."""
+        shifted = valid_lens - first
+        written = getattr(self._written, "call", None)
+        if written is not None and written.visible is valid_lens:
+            written.visible, written.first = shifted, first
+            if written.shortest is not None:
+                written.shortest -= first
+        return shifted
 
     def finite_past(self, keys: torch.Tensor, values: torch.Tensor, span: int) -> bool:
         """Known where the check of the cache this call wrote in place knows it

@@ -359,6 +359,8 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         check = None if written is None else written.check
         shortest = None if written is None else written.shortest
         num_keys = k.shape[2 if k.ndim == 4 else 1]
+        # (The cache position of k's first: the check counts from 0, k from there.)
+        first = 0 if written is None else written.first
         if not hides_keys and valid_lens is not None and shortest is None and self.on_host(q):
             # On the host a read waits for nothing: the lengths first, so that
             # lengths that hide no key need no magnitudes read.
@@ -376,12 +378,13 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
             # positions below ``upto``; the rows written are read with the
             # queries, and the rest of the span on its own.
             total = finite_sum(q, *check.take_pending(), eager=True)
-            if check.upto < num_keys:
-                total = total + finite_sum(*(x[:, :, check.upto :] for x in (k, v)), eager=True)
-                check.upto = num_keys
+            if check.upto < first + num_keys:
+                rest = (x[:, :, check.upto - first :] for x in (k, v))
+                total = total + finite_sum(*rest, eager=True)
+                check.upto = first + num_keys
             if check.poison is not None:
                 total = total + check.poison
-            keys_read = k[:, :, min(check.key_upto, num_keys) :]
+            keys_read = k[:, :, min(max(check.key_upto - first, 0), num_keys) :]
         reads = [total]
         if bounded:
             reads += [*extremes(q), *extremes(keys_read)]
@@ -398,10 +401,12 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         if bounded:
             largest_key = magnitude_of(read[3], read[4])
             if check is not None:
-                # And the largest key below the attended positions.
-                if check.key_upto < num_keys:
+                # And the largest key below the attended positions (where none before
+                # them is left unread: those before the window are not attended over).
+                if check.key_upto < first + num_keys:
                     largest_key = larger(check.key_max, largest_key)
-                    check.key_max, check.key_upto = largest_key, num_keys
+                    if check.key_upto >= first:
+                        check.key_max, check.key_upto = largest_key, first + num_keys
                 else:
                     largest_key = check.key_max
             largest_query = magnitude_of(read[1], read[2])

@@ -133,16 +133,32 @@ class PlainRoute:
                 step = None if plan is None else (weakref.ref(layer), key, plan)
             if plan is None:
                 return None
-            if plan.window is not None and check._uniform < plan.window:
-                plan = plan.within  # (no filled position outside the window)
-                if plan is None:
+            first = 0  # (the first cache position attended over)
+            if plan.window is not None:
+                length, window = check._uniform, plan.window
+                if plan.fused or length < window:
+                    # Every filled position within the window, or (a fused plan's check
+                    # knows every value finite) those before it left out, as the generic
+                    # flow leaves them (call.attended_window): the window hides nothing.
+                    first = length + 1 - window if length >= window else 0
+                    plan = plan.within
+                    if plan is None:
+                        return None
+                elif (
+                    check.pending is None
+                    and check.pending_from is None
+                    and check.poison is None
+                    and (length + 1 - window) // self.span_bucket_of(cache.keys) > 0
+                ):
+                    # (Every value known finite, the generic flow leaves out the positions
+                    # before the window: the generic plan attends over them all.)
                     return None
             if (check.pending is not None or check.poison is not None) and (
                 plan.fused or (on_host and plan.may_read)
             ):
                 return None  # (rows no call has read yet: the generic flow reads them here)
             if plan.fused:
-                return fused_step(layer, queries, cache, check, plan, step, rotary)
+                return fused_step(layer, queries, cache, check, plan, step, rotary, first)
             filled = check._uniform + 1  # (CacheCheck.uniform, resolved by the check)
             spans = plan.spans
             span = spans.get(filled, 0)

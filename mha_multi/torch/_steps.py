@@ -22,7 +22,6 @@ import torch
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, next_lengths, written_step
 from mha_multi.torch._ops import OPS, SIXTEEN_BIT
-from mha_multi.torch._reads import larger, read_together
 from mha_multi.torch._rotary import WideTables, rotate_heads, rotate_stacked
 
 __all__ = [
@@ -104,14 +103,16 @@ def fused_step(
     plan: PlainPlan,
     step: tuple[Any, tuple, Any],
     rotary: spec.Rotary | None,
+    first: int = 0,
 ) -> call.Result | None:
     """The plain route's decoding step on a fused plan (the host's).
 
     The route's operations for one query per example, written out in one
     function: a step's cost on the host is its Python as much as its
     kernels (docs: "Fast paths"). ``rotary``: the layer's, whose
-    tables the plan holds. ``None`` where the values read are not finite,
-    before anything is written.
+    tables the plan holds; ``first``: the first cache position attended
+    over (past it, a window's). ``None`` where the values read are not
+    finite, before anything is written.
     """
     heads = layer._heads
     query_width, kv_width = heads.query_features, heads.kv_features
@@ -147,39 +148,31 @@ def fused_step(
         q, k, v, turned = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
         total = turned.sum() + v.sum()
         q, k = q.view(batch, num_heads, 1, head_dim), k.view(-1, num_kv_heads, head_dim)
-    filled = length + 1
-    if plan.bounded:
-        largest_key = _bounded_read(total, q, k, keys, check, filled, head_dim)
-        if largest_key is None:
-            return None  # (no gradient here)
-    else:
-        # One query sees its keys unmasked: the read is the sum's, finite iff its
-        # difference with itself is 0 (inf - inf and NaN are NaN).
-        try:
-            read = total.item()
-        except RuntimeError:  # (a value torch.vmap batches, which no read may take)
-            return None
-        if read - read != 0.0:
-            return None  # (no gradient here)
+    # One query sees its keys unmasked (a window's plan is that of the positions within
+    # it): the read is the sum's, finite iff its difference with itself is 0 (inf - inf
+    # and NaN are NaN).
+    try:
+        read = total.item()
+    except RuntimeError:  # (a value torch.vmap batches, which no read may take)
+        return None
+    if read - read != 0.0:
+        return None  # (no gradient here)
     keys.select(2, length).copy_(k)
     values.select(2, length).copy_(v.view(-1, num_kv_heads, head_dim))
+    filled = length + 1
     updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
-    stepped = check.stepped(updated, filled, step)
-    if plan.bounded:
-        # (What the generic flow's read leaves: the largest key below the filled
-        # positions, call.Facts.plan_values.)
-        stepped.key_max, stepped.key_upto = largest_key, filled
-    mask = plan.mask
+    check.stepped(updated, filled, step)
+    mask, count = plan.mask, filled - first
     if mask is None:
         context = torch.nn.functional.scaled_dot_product_attention(
-            q, keys.narrow(2, 0, filled), values.narrow(2, 0, filled), **plan.arguments
+            q, keys.narrow(2, first, count), values.narrow(2, first, count), **plan.arguments
         )
     else:
         context = torch.nn.functional.scaled_dot_product_attention(
             q,
-            keys.narrow(2, 0, filled),
-            values.narrow(2, 0, filled),
-            attn_mask=mask.narrow(-1, keys.shape[2] - filled, filled),
+            keys.narrow(2, first, count),
+            values.narrow(2, first, count),
+            attn_mask=mask.narrow(-1, keys.shape[2] - count, count),
             **plan.arguments,
         )
     parameters = modules["W_o"]._parameters
@@ -187,43 +180,6 @@ def fused_step(
         context.reshape(batch, 1, query_width), parameters["weight"], parameters["bias"]
     )
     return call.Result(output, None, updated)
-
-
-def _bounded_read(
-    total: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    keys: torch.Tensor,
-    check: CacheCheck,
-    filled: int,
-    head_dim: int,
-) -> float | None:
-    """The read of a fused step whose mask hides keys (a window): the largest key of the
-    cache's first ``filled`` positions (``k`` the step's row, the rest ``keys``' below
-    it), or ``None`` where ``total`` is not finite or a score may pass
-    :data:`mha_multi.spec.FUSED_SCORE_LIMIT`. One transfer, of what the generic flow's
-    read (:meth:`mha_multi.torch._facts.TorchFacts.plan_values`) reads: the keys its
-    check bounds already (below ``key_upto``) are not read again."""
-    length = filled - 1
-    # (CacheCheck.stepped's: the step's row is written anew.)
-    key_upto = check.key_upto if check.key_upto < filled else length
-    # (max|x| on the host, where a kernel more costs no launch; finite where the sum
-    # is, and the keys below the lengths are known finite: Python's max compares them.)
-    reads = [total, q.abs().amax(), k.abs().amax()]
-    if key_upto < length:
-        reads.append(keys.narrow(2, key_upto, length - key_upto).abs().amax())
-    try:
-        read = read_together(reads)
-    except RuntimeError:  # (values torch.vmap batches, or no example at all)
-        return None
-    if read[0] - read[0] != 0.0:  # (inf - inf and NaN are NaN)
-        return None
-    largest_key = read[2] if key_upto == length else max(read[2], read[3])
-    # (The bound of the keys below key_upto, NaN where a read met one: larger keeps it.)
-    largest_key = larger(check.key_max if key_upto else 0.0, largest_key)
-    if not spec.scores_within_limit(read[1], largest_key, head_dim):
-        return None
-    return largest_key
 
 
 def generic_step(

@@ -9,6 +9,7 @@ flow's. The GPU's steps are ``test_torch_cache_gpu_steps.py``'s.
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from route_support import answered_calls, generic_only
 
 from mha_multi import spec
 from mha_multi.parity.harness import torch as backend
-from mha_multi.torch import _cache
+from mha_multi.torch import _cache, _facts
 
 
 @pytest.mark.parametrize("finite_from", [None, 3, 9])
@@ -224,45 +225,68 @@ def test_16_bit_steps_with_score_options_give_the_generic_flows_numbers(options)
         assert torch.equal(ours, theirs)
 
 
-def test_a_window_step_bounds_the_keys_plain_steps_left_unread_and_declines_large_scores():
-    """A windowed layer's step on a cache a plain layer's steps wrote reads the keys those
-    left unbounded (their route reads no magnitude) with its own, and leaves the check the
-    generic flow leaves (its largest key); scores past the fused limit leave the route
-    before anything is written, for the generic path's numbers. Both steps give the
-    float64 reference's numbers."""
-    weights, plain = self_attention(HEADS, seed=29)
-    _, windowed = self_attention(HEADS, seed=29, window=2)
-    prompt = np.random.default_rng(29).standard_normal((3, 4, NUM_HIDDENS))
-    # Inputs of 3e3: keys and queries near 1e4, scores past the limit.
+def test_window_steps_attend_over_the_window_where_every_value_before_it_is_finite():
+    """Past the window, a step attends over the window's positions alone (SDPA given
+    ``window`` keys and no mask, large scores too: none is hidden) where every value
+    before them is known finite, on the route and in the generic flow alike: their
+    numbers and caches to the bit, and the float64 reference's. A NaN before the window
+    (which the spec's hidden weight of 0 turns into NaN) keeps every position: the
+    reference's NaN rows."""
+    weights, layer = self_attention(HEADS, seed=29, window=3, alibi=True)
+    rng = np.random.default_rng(29)
+    prompt = rng.standard_normal((3, 4, NUM_HIDDENS))
+    # Inputs of 3e3: keys and queries near 1e4, scores past the fused limit.
     large = torch.full((3, 1, NUM_HIDDENS), 3e3)
+    poisoned = prompt.copy()
+    poisoned[1, 0, 2] = np.nan  # a NaN value at position 0 of example 1
+    original = torch.nn.functional.scaled_dot_product_attention
+    generic_attention = _facts.FACTS.generic_attention
 
-    def decode(route):
-        with contextlib.nullcontext() if route else generic_only(), torch.no_grad():
-            outputs, caches = feed_back(plain, prompt, 2, 12)
-            cache, outputs = caches[-1], [outputs[-1]]
-            befores, bounds = [], []
-            with answered_calls() as answers:
-                for x in (outputs[-1], large):
-                    befores.append(spec.KVCache(*(t.numpy().copy() for t in cache)))
-                    y, cache = windowed(x, x, x, causal=True, cache=cache)
-                    outputs.append(y)
-                    check = _cache.CacheCheck.of(cache)
-                    bounds.append((check.key_upto, check.key_max))
-        return outputs, cache, befores, bounds, answers
+    def decode(prompt, route):
+        attended = []  # (keys, with a mask) of each SDPA call; (keys, "generic") else
 
-    outputs, cache, befores, bounds, answers = decode(route=True)
-    assert answers == [True, False]
-    generic_outputs, generic_cache, _, generic_bounds, _ = decode(route=False)
-    for ours, theirs in zip(outputs, generic_outputs, strict=True):
-        assert torch.equal(ours, theirs)
-    for ours, theirs in zip(cache, generic_cache, strict=True):
-        assert torch.equal(ours, theirs)
-    assert bounds == generic_bounds and bounds[0][0] == 7  # every key read by the first
-    for x, before, output in zip((outputs[0], large), befores, outputs[1:], strict=True):
+        def spy(q, k, v, **kwargs):
+            attended.append((k.shape[2], kwargs.get("attn_mask") is not None))
+            return original(q, k, v, **kwargs)
+
+        def generic_spy(ops, q, k, v, valid_lens, **kwargs):
+            attended.append((k.shape[-2], "generic"))
+            return generic_attention(ops, q, k, v, valid_lens, **kwargs)
+
+        with (
+            contextlib.nullcontext() if route else generic_only(),
+            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy),
+            mock.patch.object(_facts.FACTS, "generic_attention", generic_spy),
+            answered_calls() as answers,
+            torch.no_grad(),
+        ):
+            outputs, caches = feed_back(layer, prompt, 3, 12, check=against_reference)
+            befores = [spec.KVCache(*(t.numpy().copy() for t in caches[-1]))]
+            output, cache = layer(large, large, large, causal=True, cache=caches[-1])
+            against_reference(large, befores[0], output)
+        return [*outputs, output], cache, answers, attended
+
+    def against_reference(x, before, output):
         expected, _, _ = spec.reference_cached_forward(
-            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True, window=2
+            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True, window=3, alibi=True
         )
-        np.testing.assert_allclose(output.double().numpy(), expected, rtol=1e-5, atol=FLOAT32_ATOL)
+        np.testing.assert_allclose(
+            output.double().numpy(), expected, rtol=1e-5, atol=FLOAT32_ATOL, equal_nan=True
+        )
+
+    outputs, cache, answers, attended = decode(prompt, route=True)
+    assert answers == [False] + [True] * 4
+    # The prefill's 4 keys masked; each step's 3 (the window) with ALiBi's bias only.
+    assert attended == [(4, True)] + [(3, True)] * 4
+    generic_outputs, generic_cache, _, generic_attended = decode(prompt, route=False)
+    assert generic_attended == attended
+    for ours, theirs in zip([*outputs, *cache], [*generic_outputs, *generic_cache], strict=True):
+        assert torch.equal(ours, theirs)
+
+    outputs, cache, answers, attended = decode(poisoned, route=True)
+    assert answers == [False] * 5
+    assert attended[1:] == [(n, "generic") for n in (5, 6, 7, 8)]  # every filled position
+    assert all(torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all() for y in outputs)
 
 
 def test_steps_the_fast_route_declines_take_the_generic_flow():

@@ -8,6 +8,9 @@ reference's numbers.
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +20,7 @@ from route_support import answered_calls, generic_only
 from conftest import recording_host_moves
 from mha_multi import spec
 from mha_multi.parity.harness import torch as backend
+from mha_multi.torch import _facts
 
 
 @pytest.mark.parametrize(
@@ -83,6 +87,52 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
     assert prefill_reads == (prompt_length == 300)
     assert len(calls) == prefill_reads  # the prefill's
     assert moved == []
+
+
+def test_a_window_step_after_a_read_leaves_out_the_positions_before_the_window(monkeypatch):
+    """After a prefill that reads (every value known finite), a windowed layer's first
+    step on a GPU leaves out the positions before its window, rounded down to the span
+    bucket (256 of 300): the generic flow's step, which the route leaves to it; the rows
+    it writes stay pending, and the steps after it attend over every position on the
+    route. The generic flow's outputs and cache to the bit, and the reference's numbers."""
+    prompt_length, max_length, window = 300, 400, 8
+    span = spec.rounded_span(prompt_length, max_length, spec.SPAN_BUCKET)
+    monkeypatch.setattr("mha_multi.spec.plan.DEVICE_READ_TOTAL_SCORES", 3 * 4 * 300 * span)
+    options = {"rotary": ROUTE_ROTARY[1], "window": window}
+    weights, layer = self_attention(HEADS, seed=18, **options)
+    prompt = np.random.default_rng(18).standard_normal((3, prompt_length, NUM_HIDDENS))
+    generic_attention = _facts.FACTS.generic_attention
+
+    def against_reference(x, before, output):
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True, **options
+        )
+        np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+
+    def decode(route):
+        attended = []
+
+        def spy(ops, q, k, v, valid_lens, **kwargs):
+            attended.append(k.shape[-2])
+            return generic_attention(ops, q, k, v, valid_lens, **kwargs)
+
+        with (
+            contextlib.nullcontext() if route else generic_only(),
+            mock.patch.object(_facts.FACTS, "generic_attention", spy),
+            answered_calls() as answers,
+        ):
+            outputs, caches = feed_back(layer, prompt, 4, max_length, check=against_reference)
+        return outputs, caches[-1], answers, attended
+
+    with backend.as_if_on_a_gpu():
+        fast, fast_cache, answers, attended = decode(route=True)
+        generic, generic_cache, _, generic_attended = decode(route=False)
+    assert answers == [False, False, True, True, True]
+    # The keys of each step's generic path: 320 - 256, then the span of 320 (the route's
+    # steps run it written out).
+    assert generic_attended == [320 - 256, 320, 320, 320] and attended == [320 - 256]
+    for ours, theirs in zip([*fast, *fast_cache], [*generic, *generic_cache], strict=True):
+        assert torch.equal(ours, theirs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
