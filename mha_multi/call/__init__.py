@@ -38,7 +38,6 @@ from mha_multi.call.facts import FACTS_MODULE_NAMES, Facts, read_all
 from mha_multi.call.flow import (
     attend,
     attended_positions,
-    attended_window,
     binding_window,
     forward,
     plain_self_attention,
@@ -55,7 +54,6 @@ __all__ = [
     "Result",
     "attend",
     "attended_positions",
-    "attended_window",
     "binding_window",
     "check_cache_values",
     "check_cached_call",

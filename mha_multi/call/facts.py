@@ -319,7 +319,7 @@ class Facts:
         """Whether every value of a cache before position ``first`` is known finite.
 
         A call may then leave out the positions before its queries' window
-        (:func:`mha_multi.call.flow.attended_window`): a hidden value's weight
+        (:func:`mha_multi.call.attended_positions`): a hidden value's weight
         is 0, and 0 times a NaN is NaN. The default, ``False``, attends from
         position 0.
         """

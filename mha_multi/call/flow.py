@@ -182,7 +182,7 @@ def attend(
             # Keys past the filled positions, and before the window of every query, add
             # nothing to any row (a user's bias could make them: it keeps all of them).
             window = None if layer_options is None else layer_options.window
-            k, v, first = attended_window(facts, k, v, fill, q.shape[1], window=window)
+            k, v, first = attended_positions(facts, k, v, fill, q.shape[1], window=window)
             if first:
                 # The keys from ``first`` on: the lengths and query positions count from there.
                 valid_lens = facts.lengths_from(ops, valid_lens, first)
@@ -279,37 +279,6 @@ def binding_window(
     return None if int(fill.lengths.max()) - first + num_queries <= window else window
 
 
-def attended_window(
-    facts: Facts,
-    keys: Array,
-    values: Array,
-    fill: spec.CacheFill,
-    num_queries: int,
-    *,
-    window: int | None = None,
-) -> tuple[Array, Array, int]:
-    """:func:`attended_positions` from the first position a query sees through the
-    ``window``: ``(keys, values, first)``.
-
-    The keys before :meth:`mha_multi.spec.CacheFill.window_start` are hidden
-    from every query; they are left out where the framework knows every
-    value before them finite (:meth:`Facts.finite_before`: a hidden value's
-    weight is 0, which a NaN turns into NaN), through
-    :meth:`Facts.cache_prefix` from ``first``; else ``first`` is 0.
-    """
-    bucket = facts.span_bucket_of(keys)
-    first = fill.window_start(num_queries, window, bucket=bucket)
-    if first and not facts.finite_before(keys, values, first):
-        first = 0
-    if not first:
-        return (*attended_positions(facts, keys, values, fill, num_queries, window=window), 0)
-    max_length = keys.shape[2]
-    span = fill.span(num_queries, max_length, window=window, bucket=bucket)
-    if span < max_length and not facts.finite_past(keys, values, span):
-        span = max_length
-    return (*facts.cache_prefix(keys, values, span, first), first)
-
-
 def attended_positions(
     facts: Facts,
     keys: Array,
@@ -319,23 +288,32 @@ def attended_positions(
     *,
     window: int | None = None,
     bucket: int | None = None,
-) -> tuple[Array, Array]:
-    """What a cached call attends over of a cache's ``(B, H_kv, max_length, dh)`` arrays.
+) -> tuple[Array, Array, int]:
+    """What a cached call attends over of a cache's ``(B, H_kv, max_length, dh)`` arrays:
+    ``(keys, values, first)``, ``first`` the cache position of their first.
 
     The leading positions :meth:`mha_multi.spec.CacheFill.span` names for a
     call of ``num_queries`` new positions (``window``: the layer's), rounded
     up to ``bucket`` (``None``: :meth:`Facts.span_bucket_of`), through
     :meth:`Facts.cache_prefix`; all of them where the span reaches
     ``max_length``, or where a value past it is not known finite
-    (:meth:`Facts.finite_past`). A fill is read from values: the arrays are
-    concrete and their shapes ints.
+    (:meth:`Facts.finite_past`). With a window, from the first position a
+    query sees through it (:meth:`mha_multi.spec.CacheFill.window_start`)
+    where every value before it is known finite (:meth:`Facts.finite_before`:
+    a hidden value's weight is 0, which a NaN turns into NaN); else from 0.
+    A fill is read from values: the arrays are concrete and their shapes ints.
     """
     max_length = keys.shape[2]
     bucket = facts.span_bucket_of(keys) if bucket is None else bucket
     span = fill.span(num_queries, max_length, window=window, bucket=bucket)
-    if span >= max_length or not facts.finite_past(keys, values, span):
-        return keys, values
-    return facts.cache_prefix(keys, values, span)
+    if span < max_length and not facts.finite_past(keys, values, span):
+        span = max_length
+    first = fill.window_start(num_queries, window, bucket=bucket) if window is not None else 0
+    if first and facts.finite_before(keys, values, first):
+        return (*facts.cache_prefix(keys, values, span, first), first)
+    if span >= max_length:
+        return keys, values, 0
+    return (*facts.cache_prefix(keys, values, span), 0)
 
 
 def plain_self_attention(

@@ -513,7 +513,7 @@ def write_in_place(
     held_keys, held_values = written.keys, written.values
     if not return_attention_weights:
         # The graph's bucket, not an imperative call's (FACTS.span_bucket_of).
-        held_keys, held_values = call.attended_positions(
+        held_keys, held_values, _ = call.attended_positions(
             FACTS, held_keys, held_values, fill, queries.shape[1], bucket=spec.SPAN_BUCKET
         )
     inputs = (queries, None, None, None, held_keys, held_values, visible, gates)

@@ -256,7 +256,7 @@ class CacheFill(NamedTuple):
         which the spec makes uniform over all ``max_length`` keys
         (:meth:`span`). A caller leaves out the positions before it only where
         their values are known finite (a hidden value's weight is 0, which a
-        NaN or an infinity turns into NaN: :func:`mha_multi.call.attended_window`).
+        NaN or an infinity turns into NaN: :func:`mha_multi.call.attended_positions`).
         """
         if window is None or self.held.size == 0 or self.least <= 0:
             return 0

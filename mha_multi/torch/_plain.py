@@ -139,7 +139,7 @@ class PlainRoute:
                 if plan.fused or length < window:
                     # Every filled position within the window, or (a fused plan's check
                     # knows every value finite) those before it left out, as the generic
-                    # flow leaves them (call.attended_window): the window hides nothing.
+                    # flow leaves them (call.attended_positions): the window hides nothing.
                     first = length + 1 - window if length >= window else 0
                     plan = plan.within
                     if plan is None:

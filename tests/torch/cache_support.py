@@ -120,3 +120,10 @@ def feed_back(layer, prompt, steps, max_length, new_lens=None, *, check=None):
             outputs.append(y)
             caches.append(cache)
     return outputs, caches
+
+
+def assert_same_decoding(ours, theirs):
+    """Two :func:`feed_back` runs' outputs and last caches equal to the bit."""
+    (outputs, caches), (other_outputs, other_caches) = ours, theirs
+    for a, b in zip([*outputs, *caches[-1]], [*other_outputs, *other_caches[-1]], strict=True):
+        assert torch.equal(a, b)

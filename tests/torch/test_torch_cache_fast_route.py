@@ -19,6 +19,7 @@ from cache_support import (
     HEADS,
     NUM_HIDDENS,
     ROUTE_ROTARY,
+    assert_same_decoding,
     feed_back,
     self_attention,
     tensors,
@@ -194,15 +195,11 @@ def test_steps_of_layers_with_score_options_take_the_route_to_the_generic_number
         np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=atol)
 
     with answered_calls() as answers:
-        fast, fast_caches = feed_back(layer, prompt, 6, 12, check=against_reference)
+        fast = feed_back(layer, prompt, 6, 12, check=against_reference)
     assert answers == [False] + [True] * 6
     with generic_only():
-        generic, generic_caches = feed_back(layer, prompt, 6, 12)
-    for ours, theirs in zip(fast, generic, strict=True):
-        assert torch.equal(ours, theirs)
-    for ours, theirs in zip(fast_caches[-1], generic_caches[-1], strict=True):
-        assert torch.equal(ours, theirs)
-    assert all(cache.keys is fast_caches[0].keys for cache in fast_caches)
+        assert_same_decoding(fast, feed_back(layer, prompt, 6, 12))
+    assert all(cache.keys is fast[1][0].keys for cache in fast[1])
 
 
 @pytest.mark.parametrize("options", SCORE_OPTIONS.values(), ids=SCORE_OPTIONS.keys())
@@ -214,15 +211,11 @@ def test_16_bit_steps_with_score_options_give_the_generic_flows_numbers(options)
     _, layer = self_attention(HEADS, seed=37, dtype=torch.float16, **options)
     prompt = np.random.default_rng(37).standard_normal((3, 4, NUM_HIDDENS))
     with answered_calls() as answers:
-        fast, fast_caches = feed_back(layer, prompt, 4, 12)
+        fast = feed_back(layer, prompt, 4, 12)
     takes_16_bit = options.get("softcap") is not None or options.get("sinks", False)
     assert answers == [False] + [takes_16_bit] * 4
     with generic_only():
-        generic, generic_caches = feed_back(layer, prompt, 4, 12)
-    for ours, theirs in zip(fast, generic, strict=True):
-        assert torch.equal(ours, theirs)
-    for ours, theirs in zip(fast_caches[-1], generic_caches[-1], strict=True):
-        assert torch.equal(ours, theirs)
+        assert_same_decoding(fast, feed_back(layer, prompt, 4, 12))
 
 
 def test_window_steps_attend_over_the_window_where_every_value_before_it_is_finite():
