@@ -309,10 +309,12 @@ def written_step(
     *,
     span: int | None = None,
     checked: bool = True,
+    first: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, spec.KVCache]:
     """A plain step's rows written in place at the length every example holds
     (``check``, the cache's, :attr:`CacheCheck.uniform`): the cache's first ``span``
-    positions to attend over (``None``: the filled ones), and the cache after the step,
+    positions to attend over (``None``: the filled ones; from position ``first``), and
+    the cache after the step,
     carrying its check as the generic flow leaves it (with the step's plan, ``step``:
     :attr:`CacheCheck.step`).
 
@@ -339,8 +341,8 @@ def written_step(
             poison = check.poison
         # (The rows' views are made when they are taken, CacheCheck.take_pending.)
         check.stepped(updated, filled, step, poison=poison, pending=()).pending_from = start
-    span = filled if span is None else span
-    return keys.narrow(2, 0, span), values.narrow(2, 0, span), updated
+    count = (filled if span is None else span) - first
+    return keys.narrow(2, first, count), values.narrow(2, first, count), updated
 
 
 #: How many plain steps' lengths :func:`next_lengths` makes at once.

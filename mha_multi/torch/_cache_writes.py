@@ -152,17 +152,19 @@ class CacheWrites(call.Facts):
 
     def finite_before(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> bool:
         """Known where the check of the cache this call wrote in place holds every position
-        below ``first`` finite: read so by the calls before (no poison, which a
-        NaN read or rows no call read leave), and not among this call's rows, which its
-        plan reads."""
+        below ``first`` finite (below its ``upto``; this call's own rows, past them, its
+        plan reads): read so by the calls before, or, with rows no call read (the
+        poison its write summed them into), that poison read on the host (and then
+        known to the calls after); not known on a GPU, where the read would wait."""
         written = self._written_into(keys, values)
         check = None if written is None else written.check
-        return (
-            check is not None
-            and check.poison is None
-            and check.pending_from is None
-            and check.upto >= first
-        )
+        if check is None or check.pending_from is not None or check.upto < first:
+            return False
+        if check.poison is not None:
+            if not self.on_host(values) or not math.isfinite(check.poison.item()):
+                return False
+            check.poison = None
+        return True
 
     def lengths_from(self, ops: Any, valid_lens: torch.Tensor, first: int) -> torch.Tensor:
         """:meth:`mha_multi.call.Facts.lengths_from`, and what this call's write handed

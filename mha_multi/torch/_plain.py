@@ -135,24 +135,13 @@ class PlainRoute:
                 return None
             first = 0  # (the first cache position attended over)
             if plan.window is not None:
-                length, window = check._uniform, plan.window
-                if plan.fused or length < window:
-                    # Every filled position within the window, or (a fused plan's check
-                    # knows every value finite) those before it left out, as the generic
-                    # flow leaves them (call.attended_positions): the window hides nothing.
-                    first = length + 1 - window if length >= window else 0
-                    plan = plan.within
+                first = self._window_first(check, plan, cache, on_host=on_host)
+                if first is None:
+                    return None
+                if first == check._uniform + 1 - plan.window or check._uniform < plan.window:
+                    plan = plan.within  # (the window hides none of the keys attended over)
                     if plan is None:
                         return None
-                elif (
-                    check.pending is None
-                    and check.pending_from is None
-                    and check.poison is None
-                    and (length + 1 - window) // self.span_bucket_of(cache.keys) > 0
-                ):
-                    # (Every value known finite, the generic flow leaves out the positions
-                    # before the window: the generic plan attends over them all.)
-                    return None
             if (check.pending is not None or check.poison is not None) and (
                 plan.fused or (on_host and plan.may_read)
             ):
@@ -170,7 +159,7 @@ class PlainRoute:
                     spans[upto] = span
             if span is None:
                 return None  # (the generic flow reads for it)
-            return generic_step(layer, queries, cache, check, plan, step, rotary, span)
+            return generic_step(layer, queries, cache, check, plan, step, rotary, span, first)
         if plan is None:
             return None
         heads = layer.heads
@@ -221,6 +210,36 @@ class PlainRoute:
                 sinks=layer.sink_logits() if plan.sinks else None,
             )
         return call.Result(project_output(layer, context, plan.fused), None, None)
+
+    def _window_first(
+        self, check: CacheCheck, plan: PlainPlan, cache: spec.KVCache, *, on_host: bool
+    ) -> int | None:
+        """The first cache position a step of a windowed layer attends over, as the generic
+        flow leaves out those before its window (:func:`mha_multi.call.attended_positions`),
+        or ``None`` where the route leaves the step to it.
+
+        Past the window, where every value before it is known finite
+        (:meth:`mha_multi.call.Facts.finite_before`): a fused plan's check
+        knows it (its span bucket is 1); on the host, the rows no call has
+        read yet and the poison are read as the generic flow reads them (and
+        then known finite to the calls after); a GPU's check with nothing
+        unread is the generic flow's step (its span bucket rounds the first
+        position, which the route's plans do not).
+        """
+        length, window = check._uniform, plan.window
+        if length < window:
+            return 0
+        if plan.fused:
+            return length + 1 - window
+        bucket = self.span_bucket_of(cache.keys)
+        if on_host:
+            poison = check.settled()  # (the rows no call read, summed with the poison)
+            if poison is not None and not math.isfinite(poison.item()):
+                return 0
+            check.poison = None
+            return (length + 1 - window) // bucket * bucket
+        clean = check.pending is None and check.pending_from is None and check.poison is None
+        return None if clean and (length + 1 - window) // bucket > 0 else 0
 
     def _step_span(
         self, layer: call.Projections, cache: spec.KVCache, filled: int, *, may_read: bool

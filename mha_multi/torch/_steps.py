@@ -191,6 +191,7 @@ def generic_step(
     step: tuple[Any, tuple, Any] | None,
     rotary: spec.Rotary | None,
     span: int,
+    first: int = 0,
 ) -> call.Result:
     """The plain route's decoding step on the generic plan (a GPU's): nothing read.
 
@@ -227,19 +228,21 @@ def generic_step(
         q, k = turned.narrow(1, 0, num_heads), turned.narrow(1, num_heads, num_kv_heads)
     else:
         q, k, v, _ = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
-    keys, values, updated = written_step(cache, check, k, v, heads, step, span=span, checked=False)
+    keys, values, updated = written_step(
+        cache, check, k, v, heads, step, span=span, checked=False, first=first
+    )
     # Every example holds length + 1 positions now: the spec's masks and bias of a
     # query at length are the plan's patterns from max_length - length - 1 on.
-    start = cache.keys.shape[2] - length - 1
+    start, count = cache.keys.shape[2] - length - 1 + first, span - first
     # (Where the span is the filled positions and no window binds, every key is seen:
     # the mask would keep every score.)
     if span == length + 1 and plan.window is None:
         visible = None
     else:
-        visible = plan.visible.narrow(-1, start, span)
+        visible = plan.visible.narrow(-1, start, count)
     bias = plan.bias
     if bias is not None:
-        bias = bias.narrow(-1, start, span)
+        bias = bias.narrow(-1, start, count)
     context = step_attention(
         q,
         keys,

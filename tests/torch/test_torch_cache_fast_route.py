@@ -28,7 +28,7 @@ from route_support import answered_calls, generic_only
 
 from mha_multi import spec
 from mha_multi.parity.harness import torch as backend
-from mha_multi.torch import _cache, _facts
+from mha_multi.torch import _cache, _facts, _steps
 
 
 @pytest.mark.parametrize("finite_from", [None, 3, 9])
@@ -218,67 +218,73 @@ def test_16_bit_steps_with_score_options_give_the_generic_flows_numbers(options)
         assert_same_decoding(fast, feed_back(layer, prompt, 4, 12))
 
 
-def test_window_steps_attend_over_the_window_where_every_value_before_it_is_finite():
-    """Past the window, a step attends over the window's positions alone (SDPA given
-    ``window`` keys and no mask, large scores too: none is hidden) where every value
-    before them is known finite, on the route and in the generic flow alike: their
-    numbers and caches to the bit, and the float64 reference's. A NaN before the window
-    (which the spec's hidden weight of 0 turns into NaN) keeps every position: the
-    reference's NaN rows."""
-    weights, layer = self_attention(HEADS, seed=29, window=3, alibi=True)
+@pytest.mark.parametrize(
+    "options", [{"alibi": True}, {"softcap": 2.0}], ids=["alibi (SDPA)", "softcap (generic)"]
+)
+def test_window_steps_attend_over_the_window_where_every_value_before_it_is_finite(options):
+    """Past the window, a step attends over the window's positions alone (no key hidden,
+    large scores too) where every value before them is known finite (SDPA's steps read
+    so; a soft cap's, which no kernel takes, read the rows no call read), on the route and
+    in the generic flow alike: their numbers and caches to the bit, and the float64
+    reference's. A NaN before the window (which the spec's hidden weight of 0 turns into
+    NaN) keeps every position: the reference's NaN rows."""
+    options = {"window": 3, **options}
+    weights, layer = self_attention(HEADS, seed=29, **options)
     rng = np.random.default_rng(29)
     prompt = rng.standard_normal((3, 4, NUM_HIDDENS))
     # Inputs of 3e3: keys and queries near 1e4, scores past the fused limit.
     large = torch.full((3, 1, NUM_HIDDENS), 3e3)
     poisoned = prompt.copy()
     poisoned[1, 0, 2] = np.nan  # a NaN value at position 0 of example 1
-    original = torch.nn.functional.scaled_dot_product_attention
-    generic_attention = _facts.FACTS.generic_attention
-
-    def decode(prompt, route):
-        attended = []  # (keys, with a mask) of each SDPA call; (keys, "generic") else
-
-        def spy(q, k, v, **kwargs):
-            attended.append((k.shape[2], kwargs.get("attn_mask") is not None))
-            return original(q, k, v, **kwargs)
-
-        def generic_spy(ops, q, k, v, valid_lens, **kwargs):
-            attended.append((k.shape[-2], "generic"))
-            return generic_attention(ops, q, k, v, valid_lens, **kwargs)
-
-        with (
-            contextlib.nullcontext() if route else generic_only(),
-            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy),
-            mock.patch.object(_facts.FACTS, "generic_attention", generic_spy),
-            answered_calls() as answers,
-            torch.no_grad(),
-        ):
-            outputs, caches = feed_back(layer, prompt, 3, 12, check=against_reference)
-            befores = [spec.KVCache(*(t.numpy().copy() for t in caches[-1]))]
-            output, cache = layer(large, large, large, causal=True, cache=caches[-1])
-            against_reference(large, befores[0], output)
-        return [*outputs, output], cache, answers, attended
+    spied = {
+        torch.nn.functional: "scaled_dot_product_attention",
+        _facts.FACTS: "generic_attention",
+        _steps: "step_attention",
+    }
 
     def against_reference(x, before, output):
         expected, _, _ = spec.reference_cached_forward(
-            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True, window=3, alibi=True
+            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True, **options
         )
         np.testing.assert_allclose(
             output.double().numpy(), expected, rtol=1e-5, atol=FLOAT32_ATOL, equal_nan=True
         )
 
+    def decode(prompt, route):
+        attended = []  # the keys of each attention: SDPA's, the generic path's, a step's
+
+        def spy(attention, key_axis):
+            def counted(*args, **kwargs):
+                attended.append(args[key_axis].shape[-2])
+                return attention(*args, **kwargs)
+
+            return counted
+
+        with contextlib.ExitStack() as stack:
+            if not route:
+                stack.enter_context(generic_only())
+            for owner, name in spied.items():
+                key_axis = 2 if name == "generic_attention" else 1
+                counted = spy(getattr(owner, name), key_axis)
+                stack.enter_context(mock.patch.object(owner, name, counted))
+            answers = stack.enter_context(answered_calls())
+            stack.enter_context(torch.no_grad())
+            outputs, caches = feed_back(layer, prompt, 3, 12, check=against_reference)
+            before = spec.KVCache(*(t.numpy().copy() for t in caches[-1]))
+            output, cache = layer(large, large, large, causal=True, cache=caches[-1])
+            against_reference(large, before, output)
+        return [*outputs, output], cache, answers, attended
+
     outputs, cache, answers, attended = decode(prompt, route=True)
     assert answers == [False] + [True] * 4
-    # The prefill's 4 keys masked; each step's 3 (the window) with ALiBi's bias only.
-    assert attended == [(4, True)] + [(3, True)] * 4
+    assert attended == [4] + [3] * 4  # the prefill's keys, then each step's window
     generic_outputs, generic_cache, _, generic_attended = decode(prompt, route=False)
     assert generic_attended == attended
     for ours, theirs in zip([*outputs, *cache], [*generic_outputs, *generic_cache], strict=True):
         assert torch.equal(ours, theirs)
 
     outputs, cache, answers, attended = decode(poisoned, route=True)
-    assert answers == [False] * 5
-    assert attended[1:] == [(n, "generic") for n in (5, 6, 7, 8)]  # every filled position
+    assert attended == [4, 5, 6, 7, 8]  # every filled position
     assert all(torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all() for y in outputs)
 
 
