@@ -157,7 +157,11 @@ def default_tables(
         whole = kept_tables(ops, q, where, rotary, head_dim, held.shape[2])
         rows = tuple(facts.first_rows(table, start, start + num_queries) for table in whole)
         return rows, rows
-    steps = np.arange(num_queries, dtype=np.dtype(ops.dtype(lengths)))
+    # (The lengths' integer type, as numpy names it: each framework's dtype has its kind
+    # and size.)
+    lengths_dtype = ops.dtype(lengths)
+    integer = np.dtype(f"{ops.dtype_kind(lengths_dtype)}{ops.itemsize(lengths_dtype)}")
+    steps = np.arange(num_queries, dtype=integer)
     positions = ops.constant(fill.lengths.astype(steps.dtype)[:, None] + steps, q)
     tables = spec.rotary_tables(ops, q, positions, rotary, head_dim)
     return tables, tables

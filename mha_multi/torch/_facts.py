@@ -171,6 +171,9 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
     kernel = SDPA
     passes_options = True
     attends_filled = True
+    # (Elementwise cosines and sines: a table's row is its position's, as the plain
+    # route's plans take them too.)
+    rows_of_one_table = True
     fused_attention = staticmethod(fused_attention)
 
     def kernel_takes_grouped(self, q: torch.Tensor, num_queries: Any, head_dim: int) -> bool:
@@ -303,6 +306,23 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
 
     def on_host(self, q: torch.Tensor) -> bool:
         return q.is_cpu
+
+    def constants_key(self, like: torch.Tensor) -> tuple | None:
+        """The host, and whether inference mode is on (its tensors serve no autograd), for
+        an eager call there: a call's rotary tables at the default positions are kept
+        (:mod:`mha_multi.call.rotary_tables`). ``None`` on a GPU, where a cached call's
+        positions made on the host would be a copy that waits for the device, under
+        ``torch.compile`` (traced) and under ``torch.func``'s transforms."""
+        if (
+            not self.on_host(like)
+            or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()
+        ):
+            return None
+        return ("host", torch.is_inference_mode_enabled())
+
+    def first_rows(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return x.narrow(0, start, stop - start)
 
     def records_gradient(self, q: torch.Tensor) -> bool:
         return q.requires_grad

@@ -17,3 +17,4 @@ class TorchRunner(Runner):
     # hide nothing need no mask.
     reads_shortest_length = True
     passes_options = True
+    keeps_rotary_tables = True
