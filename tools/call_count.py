@@ -77,6 +77,7 @@ def rows() -> dict[str, Callable[[], object]]:
     plain_eval = layer().eval()
     plain_train = layer().train()
     rotary = layer(num_kv_heads=1, rotary=ROTARY).eval()
+    rotary_train = layer(num_kv_heads=1, rotary=ROTARY).train()
 
     def no_grad(made: MultiHeadAttention) -> Callable[[], object]:
         def step() -> object:
@@ -109,6 +110,7 @@ def rows() -> dict[str, Callable[[], object]]:
         "one token, training": lambda: plain_train(token, token, token),
         "decoding step": decode(layer().eval()),
         "one token, rotary 2/1 heads, no_grad": no_grad(rotary),
+        "one token, rotary 2/1 heads, training": lambda: rotary_train(token, token, token),
         "decoding step, rotary 2/1 heads": decode(rotary),
     }
     for name, options in OPTIONS.items():
