@@ -113,8 +113,9 @@ def plan(
     :func:`mha_multi.spec.plan_kernel` decides for every backend; the values
     are read (:meth:`Facts.plan_values`) only where they can still change
     the decision. What the shapes and flags decide is made once per
-    signature (:meth:`Facts.plan_signature`) for calls without score
-    options; whether to read, and the read, are asked at every call.
+    signature (:meth:`Facts.plan_signature`, and of score options which are
+    given: the plan reads no more of them); whether to read, and the read,
+    are asked at every call.
 
     Args:
         q: projected queries ``(B, Q, H*dh)``; ``k``, ``v`` ``(B, K,
@@ -135,8 +136,19 @@ def plan(
         "kv_split": kv_split,
         "options": options,
     }
-    # (Score options hold arrays: such a call is planned anew.)
-    signature = facts.plan_signature(q) if options is spec.NO_OPTIONS else None
+    signature = facts.plan_signature(q)
+    if signature is not None and options is not spec.NO_OPTIONS:
+        # (Score options hold arrays: the plan reads only which are given.)
+        signature = (
+            signature,
+            options.bias is not None,
+            options.alibi_slopes is not None,
+            options.softcap is not None,
+            options.window is not None,
+            options.query_positions is not None,
+            options.sinks is not None,
+            options.segments is not None,
+        )
     if signature is None:
         settings, optimistic, hides_keys = _decided(facts, q, k, valid_lens, arguments)
     else:
