@@ -233,6 +233,21 @@ class PlainRoute:
             return length + 1 - window
         bucket = self.span_bucket_of(cache.keys)
         if on_host:
+            row = length - 1
+            if (
+                check.poison is None
+                and check.pending == ()
+                and check.pending_from == row
+                and check.upto == length
+            ):
+                # The one row no call read is the step before's: read it alone.
+                keys, values = cache.keys, cache.values
+                total = keys.select(2, row).sum(dtype=torch.float32)
+                total = total + values.select(2, row).sum(dtype=torch.float32)
+                read = total.item()
+                if read - read == 0.0:  # (inf - inf and NaN are NaN)
+                    check.pending = check.pending_from = None
+                    return (length + 1 - window) // bucket * bucket
             poison = check.settled()  # (the rows no call read, summed with the poison)
             if poison is not None and not math.isfinite(poison.item()):
                 return 0

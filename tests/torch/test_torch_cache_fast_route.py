@@ -227,7 +227,8 @@ def test_window_steps_attend_over_the_window_where_every_value_before_it_is_fini
     so; a soft cap's, which no kernel takes, read the rows no call read), on the route and
     in the generic flow alike: their numbers and caches to the bit, and the float64
     reference's. A NaN before the window (which the spec's hidden weight of 0 turns into
-    NaN) keeps every position: the reference's NaN rows."""
+    NaN), in the prompt or a step's row, keeps every position: the reference's NaN
+    rows."""
     options = {"window": 3, **options}
     weights, layer = self_attention(HEADS, seed=29, **options)
     rng = np.random.default_rng(29)
@@ -236,6 +237,8 @@ def test_window_steps_attend_over_the_window_where_every_value_before_it_is_fini
     large = torch.full((3, 1, NUM_HIDDENS), 3e3)
     poisoned = prompt.copy()
     poisoned[1, 0, 2] = np.nan  # a NaN value at position 0 of example 1
+    nan_step = torch.full((3, 1, NUM_HIDDENS), 0.5)
+    nan_step[1, 0, 3] = np.nan
     spied = {
         torch.nn.functional: "scaled_dot_product_attention",
         _facts.FACTS: "generic_attention",
@@ -250,7 +253,7 @@ def test_window_steps_attend_over_the_window_where_every_value_before_it_is_fini
             output.double().numpy(), expected, rtol=1e-5, atol=FLOAT32_ATOL, equal_nan=True
         )
 
-    def decode(prompt, route):
+    def decode(prompt, route, tail):
         attended = []  # the keys of each attention: SDPA's, the generic path's, a step's
 
         def spy(attention, key_axis):
@@ -269,22 +272,35 @@ def test_window_steps_attend_over_the_window_where_every_value_before_it_is_fini
                 stack.enter_context(mock.patch.object(owner, name, counted))
             answers = stack.enter_context(answered_calls())
             stack.enter_context(torch.no_grad())
-            outputs, caches = feed_back(layer, prompt, 3, 12, check=against_reference)
-            before = spec.KVCache(*(t.numpy().copy() for t in caches[-1]))
-            output, cache = layer(large, large, large, causal=True, cache=caches[-1])
-            against_reference(large, before, output)
-        return [*outputs, output], cache, answers, attended
+            outputs, cache = feed_back(layer, prompt, 3, 12, check=against_reference)
+            cache = cache[-1]
+            for x in tail:
+                before = spec.KVCache(*(t.numpy().copy() for t in cache))
+                output, cache = layer(x, x, x, causal=True, cache=cache)
+                against_reference(x, before, output)
+                outputs.append(output)
+        return outputs, cache, answers, attended
 
-    outputs, cache, answers, attended = decode(prompt, route=True)
-    assert answers == [False] + [True] * 4
-    assert attended == [4] + [3] * 4  # the prefill's keys, then each step's window
-    generic_outputs, generic_cache, _, generic_attended = decode(prompt, route=False)
-    assert generic_attended == attended
-    for ours, theirs in zip([*outputs, *cache], [*generic_outputs, *generic_cache], strict=True):
-        assert torch.equal(ours, theirs)
+    # A step of large inputs; a NaN a step writes, which keeps every position after it
+    # (its row past the window still turns example 1's rows into NaN).
+    tails = {"large": [large], "nan": [nan_step, *[nan_step.nan_to_num()] * 4]}
+    for name, tail in tails.items():
+        outputs, cache, answers, attended = decode(prompt, route=True, tail=tail)
+        # (Past a NaN, SDPA's steps are the generic flow's; a soft cap's the route's.)
+        taken = [False] + [True] * (4 if name == "large" else 3)
+        assert answers[: len(taken)] == taken
+        # The prefill's keys, each step's window (the NaN step's too, read with its
+        # rows), then every filled position.
+        assert attended == [4] + [3] * 4 + ([] if name == "large" else [9, 10, 11, 12])
+        generic_outputs, generic_cache, _, generic_attended = decode(prompt, False, tail)
+        assert generic_attended == attended
+        ours_all, theirs_all = [*outputs, *cache], [*generic_outputs, *generic_cache]
+        for ours, theirs in zip(ours_all, theirs_all, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(outputs[-1][1]).all() and torch.isfinite(outputs[-1][[0, 2]]).all()
 
-    outputs, cache, answers, attended = decode(poisoned, route=True)
-    assert attended == [4, 5, 6, 7, 8]  # every filled position
+    outputs, cache, answers, attended = decode(poisoned, route=True, tail=[])
+    assert attended == list(range(4, 8))  # every filled position
     assert all(torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all() for y in outputs)
 
 
