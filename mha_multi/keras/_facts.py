@@ -379,8 +379,10 @@ class KerasFacts(call.Facts):
         )
         return spec.KVCache(keys, values, lengths), visible
 
-    def cache_prefix(self, keys: Tensor, values: Tensor, span: int) -> tuple[Tensor, Tensor]:
-        return keys[:, :, :span], values[:, :, :span]
+    def cache_prefix(
+        self, keys: Tensor, values: Tensor, span: int, first: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        return keys[:, :, first:span], values[:, :, first:span]
 
     def finite_past(self, keys: Tensor, values: Tensor, span: int) -> bool:
         """Read on the host, one sum; not known on a GPU, where the read would wait."""

@@ -352,8 +352,8 @@ class MXNetFacts(call.Facts):
         visible = mx.np.array(fill.visibility(num_new, causal=causal), dtype=np.int32, ctx=ctx)
         return spec.KVCache(cache.keys, cache.values, lengths), visible
 
-    def cache_prefix(self, keys: Any, values: Any, span: int) -> tuple[Any, Any]:
-        return _leading(keys, 2, 0, span), _leading(values, 2, 0, span)
+    def cache_prefix(self, keys: Any, values: Any, span: int, first: int = 0) -> tuple[Any, Any]:
+        return _leading(keys, 2, first, span), _leading(values, 2, first, span)
 
     def finite_past(self, keys: Any, values: Any, span: int) -> bool:
         """Read: the values past ``span`` copied to numpy and summed there in float32
