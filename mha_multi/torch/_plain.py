@@ -24,10 +24,11 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck
-from mha_multi.torch._ops import SIXTEEN_BIT, needs_float32_copies
+from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked, wide_tables
+from mha_multi.torch._route_options import call_options, fused_taken, generic_plan, kernel_mask
 from mha_multi.torch._steps import (
     PlainPlan,
     fused_step,
@@ -351,7 +352,7 @@ class PlainRoute:
         it does not; a step's plan is that of ``length + 1 > 1`` filled
         positions, all visible (the plan depends on no more of the lengths
         than that). A step's options are planned at the cache's last
-        position (:func:`_call_options`, :func:`_frame`): their masks and
+        position (:func:`~mha_multi.torch._route_options.call_options`): their masks and
         bias there, whose positions from ``max_length - length - 1`` on are
         a step's at ``length`` (the spec's masks and ALiBi depend on the
         distance from the query alone).
@@ -398,7 +399,7 @@ class PlainRoute:
             total_scores = batch * heads.num_heads * num_queries * num_queries
             reads = spec.reads_values(on_host, num_queries, num_queries, total_scores=total_scores)
             if options is not None and options.touches_scores:
-                score_options = _call_options(options, layer, None)
+                score_options = call_options(options, layer, None)
         else:
             call.check_cached_call(
                 self, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
@@ -412,7 +413,7 @@ class PlainRoute:
             # (A GPU's step whose span reads leaves the route, in plain_attention.)
             reads = on_host
             if options is not None and options.touches_scores:
-                score_options = _call_options(options, layer, cache.keys)
+                score_options = call_options(options, layer, cache.keys)
         plain = self._kernel_plan(
             layer, queries, cache, score_options, causal=causal, reads=reads, sizes=sizes
         )
@@ -488,7 +489,7 @@ class PlainRoute:
         )
         if reads and optimistic.fused:
             if (
-                not _fused_taken(optimistic)
+                not fused_taken(optimistic)
                 or queries.dtype in SIXTEEN_BIT
                 or (step and self.span_bucket_of(cache.keys) != 1)
             ):
@@ -503,14 +504,14 @@ class PlainRoute:
                 True,
                 arguments,
                 bounded=hides_keys and sizes[1] * sizes[2] > 1,
-                mask=_kernel_mask(ops, optimistic, score_options, queries, cache),
+                mask=kernel_mask(ops, optimistic, score_options, queries, cache),
             )
         # What call.plan decides of values it does not read: eager, so no guard. (On
         # the host, a call whose options no kernel takes: it reads nothing either.)
         plan = optimistic if reads else spec.plan_kernel(self.kernel, **settings, values_exact=None)
         if plan.fused:
             return None
-        return _generic_plan(
+        return generic_plan(
             PlainPlan(False, {}, may_read=optimistic.fused),
             ops,
             layer,
@@ -519,111 +520,3 @@ class PlainRoute:
             cache,
             causal=causal,
         )
-
-
-def _fused_taken(plan: spec.KernelPlan) -> bool:
-    """Whether the route runs SDPA as ``plan`` (fused) says: its causal flag, its mask of
-    the causal rule and the window, and ALiBi's bias. The rows' fix is none: every
-    query of self-attention sees its own key (``Q == K``; a step's at its length)."""
-    plain = dataclasses.replace(
-        plan,
-        is_causal=False,
-        mask_causal=False,
-        mask_window=False,
-        fix_rows=False,
-        fix_causal=False,
-        fix_window=False,
-        bias=False,
-    )
-    return plain == spec.KernelPlan(fused=True)
-
-
-def _call_options(
-    options: spec.LayerOptions, layer: call.Projections, keys: torch.Tensor | None
-) -> spec.ScoreOptions:
-    """The score options of a call without a cache (``keys`` ``None``), or of a decoding
-    step at the last position of a cache of ``keys``: the generic flow's
-    (:meth:`mha_multi.spec.LayerOptions.score_options`, whose query positions are a
-    step's length for ALiBi and the window), with the layer's sink logits (which a call
-    takes anew, :class:`PlainPlan`)."""
-    positions = None
-    if keys is not None and (options.alibi or options.window is not None):
-        last = keys.shape[2] - 1
-        positions = torch.full((1, 1), last, dtype=torch.int64, device=keys.device)
-    score_options = options.score_options(
-        num_heads=layer.heads.num_heads, query_positions=positions
-    )
-    return score_options.with_sinks(layer.sink_logits() if options.sinks else None)
-
-
-def _frame(queries: torch.Tensor, cache: spec.KVCache | None) -> tuple[int, torch.Tensor | None]:
-    """The keys a plan's masks and bias span, and their lengths: a call's own ``Q`` and
-    none, or for a step ``2 * max_length`` and ``(1,)`` lengths of a cache filled to its
-    last position (:class:`PlainPlan`)."""
-    if cache is None:
-        return queries.shape[1], None
-    keys = cache.keys
-    lengths = torch.full((1,), keys.shape[2], dtype=torch.int64, device=keys.device)
-    return 2 * keys.shape[2], lengths
-
-
-def _kernel_mask(
-    ops: Any,
-    plan: spec.KernelPlan,
-    options: spec.ScoreOptions,
-    queries: torch.Tensor,
-    cache: spec.KVCache | None,
-) -> torch.Tensor | None:
-    """SDPA's ``attn_mask`` of the call (``None``: none), as
-    :func:`mha_multi.torch._kernel.fused_attention` makes it for ``plan``: the causal
-    rule's and the window's booleans, ALiBi's bias, ``-inf`` where both; a step's over
-    the keys of :func:`_frame`."""
-    num_keys, lengths = _frame(queries, cache)
-    num_queries = queries.shape[1] if cache is None else 1
-    mask = plan.mask(ops, num_queries, num_keys, lengths, options) if plan.needs_mask else None
-    if plan.bias:
-        like = torch.empty((), dtype=queries.dtype, device=queries.device)
-        bias = spec.score_bias(ops, options, num_queries, num_keys, like)
-        mask = bias if mask is None else torch.where(mask, bias, float("-inf"))
-    return mask
-
-
-def _generic_plan(
-    plan: PlainPlan,
-    ops: Any,
-    layer: call.Projections,
-    queries: torch.Tensor,
-    options: spec.ScoreOptions,
-    cache: spec.KVCache | None,
-    *,
-    causal: bool,
-) -> PlainPlan:
-    """``plan`` with what the generic path's attention takes: the visibility and ALiBi's
-    bias of the call (a step's over the keys of :func:`_frame`), the soft cap and whether
-    sinks join the softmax; for a step, the scores' fill value and whether its products
-    are the layer's own (:class:`PlainPlan`)."""
-    num_keys, lengths = _frame(queries, cache)
-    num_queries = queries.shape[1] if cache is None else 1
-    visible = spec.visibility(
-        ops,
-        num_queries,
-        num_keys,
-        lengths,
-        causal=causal,
-        window=options.window,
-        query_positions=options.query_positions,
-    )
-    scores = torch.float32 if queries.dtype in SIXTEEN_BIT else queries.dtype
-    like = torch.empty((), dtype=scores, device=queries.device)
-    plan = plan._replace(
-        visible=visible,
-        bias=spec.score_bias(ops, options, num_queries, num_keys, like),
-        softcap=options.softcap,
-        sinks=options.sinks is not None,
-    )
-    if cache is None:
-        return plan
-    # (A step's products: those the layer's linear takes directly.)
-    direct = not needs_float32_copies(queries, layer.output_parameters()[0])
-    fill = torch.tensor(spec.MASK_VALUE, dtype=scores, device=queries.device)
-    return plan._replace(fill=fill, spans={}, direct=direct)
