@@ -10,8 +10,10 @@ change that adds host work shows here before any timer sees it (docs:
 
 ``python -m mha_multi.bench run --only calls <backend>`` counts the benchmark's
 rows the same way, in every framework. The rows of layers with options (2
-query heads, 1 key/value head) follow; ``--generic`` counts every row through
-the generic flow, the fast route turned off (docs: "Fast paths").
+query heads, 1 key/value head; a one-token call under ``no_grad`` and in
+``train()`` mode recording gradients, and a decoding step) follow;
+``--generic`` counts every row through the generic flow, the fast route
+turned off (docs: "Fast paths").
 
     python tools/call_count.py --generic
 """
@@ -115,7 +117,11 @@ def rows() -> dict[str, Callable[[], object]]:
     }
     for name, options in OPTIONS.items():
         made = layer(num_kv_heads=1, **options).eval()
+        training = layer(num_kv_heads=1, **options).train()
         counted_rows[f"one token, {name}"] = no_grad(made)
+        counted_rows[f"one token, {name}, training"] = lambda made=training: made(
+            token, token, token
+        )
         counted_rows[f"decoding step, {name}"] = decode(made)
     return counted_rows
 
@@ -128,7 +134,7 @@ def main(argv: list[str]) -> None:
     declined = mock.patch.object(_facts.FACTS, "plain_attention", lambda *_, **__: None)
     with declined if generic else contextlib.nullcontext():
         for name, step in rows().items():
-            print(f"{name:50s} {counted(step):7.1f} calls per call")
+            print(f"{name:60s} {counted(step):7.1f} calls per call")
 
 
 if __name__ == "__main__":

@@ -74,9 +74,11 @@ class PlainRoute:
         as it did for the same shapes before and run SDPA with no mask after
         one finiteness read of the projections, or (on a GPU, where a head's
         scores are too few to read for, :func:`mha_multi.spec.reads_values`)
-        the generic path's attention: an eager call recording no gradient,
-        no autocast, and for SDPA no 16-bit products. Without a cache, the
-        queries attend to themselves (causal: SDPA's own flag, ``Q == K``).
+        the generic path's attention: an eager call, no autocast, and for
+        SDPA no 16-bit products. Without a cache, the queries attend to
+        themselves (causal: SDPA's own flag, ``Q == K``); such a call on the
+        host may record a gradient (its operations are the generic flow's,
+        so are their gradients), outside ``torch.func``'s transforms.
         With one, a decoding step: one query per example, a cache whose
         check (:class:`CacheCheck`) still holds, every example at the same
         length ``>= 1`` with room for one more. Its new rows are written in
@@ -103,12 +105,17 @@ class PlainRoute:
         which each step takes a view, those the generic flow makes at each
         step, of the step's one position.
         """
-        if torch.is_grad_enabled() or type(queries) is not torch.Tensor:
+        if type(queries) is not torch.Tensor or torch.compiler.is_compiling():
             return None
-        if torch.compiler.is_compiling():
+        on_host = self.on_host(queries)
+        if torch.is_grad_enabled() and (
+            # Recording a gradient: a call without a cache on the host (a GPU's reads
+            # depend on it, spec.reads_values), outside torch.func's transforms (whose
+            # values the generic flow does not read).
+            cache is not None or not on_host or torch._C._are_functorch_transforms_active()
+        ):
             return None
         rotary = None if options is None else options.rotary
-        on_host = self.on_host(queries)
         step = None
         if cache is None:
             plan = self._plain_plan(
@@ -183,7 +190,7 @@ class PlainRoute:
             read = (turned, v)
         try:
             if plan.fused and not self._exact(read, q, k, plan, heads.head_dim):
-                return None  # (no gradient here)
+                return None  # (nothing made that the generic flow would not make again)
         except RuntimeError:  # (values torch.vmap batches, which no read may take)
             return None
         if plan.fused:
@@ -291,7 +298,8 @@ class PlainRoute:
             total = total + x.sum(dtype=torch.float32)
         if not plan.bounded:
             return math.isfinite(total.item())
-        total, *q_k = read_together([total, *extremes(q), *extremes(k)])
+        # (Detached: a call recording a gradient reads the sum too, and one stack takes all.)
+        total, *q_k = read_together([total.detach(), *extremes(q), *extremes(k)])
         largest_q, largest_k = magnitude_of(*q_k[:2]), magnitude_of(*q_k[2:])
         return math.isfinite(total) and spec.scores_within_limit(largest_q, largest_k, head_dim)
 
@@ -395,7 +403,8 @@ class PlainRoute:
             )
             batch, num_queries = queries.shape[:2]
             sizes = (batch, num_queries, num_queries)
-            # (The route records no gradient.)
+            # (As recording no gradient: a call that records one is the host's, whose
+            # reads count no scores.)
             total_scores = batch * heads.num_heads * num_queries * num_queries
             reads = spec.reads_values(on_host, num_queries, num_queries, total_scores=total_scores)
             if options is not None and options.touches_scores:

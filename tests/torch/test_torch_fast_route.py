@@ -3,7 +3,7 @@
 ``layer(x, x, x)`` under ``no_grad`` is answered by the facts' route, on the
 host and as on a GPU, with the generic flow's output to the bit and the
 float64 reference's numbers; what the route does not take (NaN inputs,
-gradients, autocast, errors) is the generic flow's.
+autocast, errors) is the generic flow's.
 """
 
 from __future__ import annotations
@@ -204,8 +204,9 @@ def test_calls_with_score_options_take_the_route_to_the_generic_numbers(options,
 
 
 def test_plain_self_attention_leaves_the_rest_to_the_generic_flow():
-    """A NaN input, gradients and autocast are not the route's: the reference's numbers,
-    NaN rows where it has them; its errors are the generic flow's."""
+    """A NaN input (recording gradients or not) and autocast are not the route's: the
+    reference's numbers, NaN rows where it has them; its errors are the generic flow's.
+    (Calls recording gradients: ``test_training_call.py``.)"""
     weights = init_weights(16, bias=True, seed=22, num_heads=4)
     layer = set_weights(MultiHeadAttention(16, 4, bias=True), weights).eval()
     x = torch.from_numpy(np.random.default_rng(22).standard_normal((3, 5, 16)).astype(np.float32))
@@ -215,10 +216,11 @@ def test_plain_self_attention_leaves_the_rest_to_the_generic_flow():
         out = layer(x, x, x)
     assert answers == [False]
     assert_same_nonfinite_pattern(out.numpy(), expected)
+    finite = torch.nan_to_num(x)
     with answered_calls() as answers:
-        layer(x, x, x)  # records gradients
+        layer(x, x, x)  # records gradients, NaN read
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-            layer(x, x, x)
+            layer(finite, finite, finite)
     assert answers == [False, False]
     for kind, wrong in (
         (TypeError, x.double()),

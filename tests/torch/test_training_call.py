@@ -2,7 +2,9 @@
 
 Self-attention in ``train()`` mode projects through the view of the packed
 weights (``StackedView``) and plans once per signature; every call, the
-first and the repeated, must give the spec's output and gradients.
+first and the repeated, must give the spec's output and gradients. On the
+host the fast route answers it, with every option of the layer, to the
+generic flow's output and gradients to the bit (docs: "Fast paths").
 """
 
 from __future__ import annotations
@@ -10,25 +12,62 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from route_support import answered_calls, generic_only
 
 from mha_multi import spec
 from mha_multi.bench.host import counted
+from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import MultiHeadAttention, set_weights
 from mha_multi.weights import init_weights
 
 FORWARD, GRADIENT = 5e-6, 5e-5  # the spec's float32 tolerances (docs: "Parity")
 
 
-def tiny_layer(**options: object) -> tuple[dict[str, np.ndarray], MultiHeadAttention]:
-    """A 16-hidden, 2-head layer with canonical weights, in training mode."""
+def tiny_layer(
+    num_heads: int = 2, **options: object
+) -> tuple[dict[str, np.ndarray], MultiHeadAttention]:
+    """A 16-hidden layer with canonical weights (query/key norms' scales away from 1), in
+    training mode."""
     weights = init_weights(
         16,
         seed=2,
-        num_heads=2,
+        num_heads=num_heads,
         num_kv_heads=options.get("num_kv_heads"),  # type: ignore[arg-type]
         bias=bool(options.get("bias")),
+        sinks=bool(options.get("sinks")),
     )
-    return weights, set_weights(MultiHeadAttention(16, 2, **options), weights).train()
+    layer = MultiHeadAttention(16, num_heads, **options)
+    if "qk_norm" in options:
+        rng = np.random.default_rng(3)
+        for name in ("q_norm", "k_norm"):
+            shape = tuple(getattr(layer, name).shape)
+            weights[name] = (1.0 + 0.25 * rng.standard_normal(shape)).astype(np.float32)
+    return weights, set_weights(layer, weights).train()
+
+
+def assert_reference_gradients(
+    layer: MultiHeadAttention,
+    inputs: torch.Tensor,
+    reference: dict[str, np.ndarray],
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Every parameter's gradient and the input's (self-attention: the sum of the three
+    inputs') are the float64 reference's, within the dtype's tolerance."""
+    gradient = GRADIENT if dtype == torch.float32 else 1e-10
+    queries = reference["queries"] + reference["keys"] + reference["values"]
+    np.testing.assert_allclose(inputs.grad.double().numpy(), queries, atol=gradient, rtol=0)
+    for name, parameter in layer.named_parameters():
+        module, _, kind = name.partition(".")
+        if kind == "weight":
+            key, want = module, reference[module].T
+        elif kind == "bias":
+            key = f"b_{module[-1]}"
+            want = reference[key]
+        else:  # (the norms' scales, the sinks)
+            want = reference[module]
+        np.testing.assert_allclose(
+            parameter.grad.double().numpy(), want, atol=gradient, rtol=0, err_msg=name
+        )
 
 
 @pytest.mark.parametrize(
@@ -53,17 +92,104 @@ def test_a_training_call_gives_the_spec_output_and_gradients(options, length, ca
         output = layer(inputs, inputs, inputs, causal=causal)
         output.backward(torch.from_numpy(output_gradient).float())
         np.testing.assert_allclose(output.detach().numpy(), expected, atol=FORWARD, rtol=0)
-        queries = reference["queries"] + reference["keys"] + reference["values"]
-        np.testing.assert_allclose(inputs.grad.numpy(), queries, atol=GRADIENT, rtol=0)
-        named = dict(layer.named_parameters())
-        assert len(named) == (8 if options.get("bias") else 4)
-        for name, parameter in named.items():
-            module, kind = name.split(".")
-            key = module if kind == "weight" else f"b_{module[-1]}"
-            want = reference[key].T if kind == "weight" else reference[key]
-            np.testing.assert_allclose(
-                parameter.grad.numpy(), want, atol=GRADIENT, rtol=0, err_msg=name
-            )
+        assert len(dict(layer.named_parameters())) == (8 if options.get("bias") else 4)
+        assert_reference_gradients(layer, inputs, reference)
+
+
+#: Layers of today's families without a cache, each option on the route's plans: SDPA's
+#: flag, mask or bias, or the generic path's operations written out (a cap, sinks).
+FAMILY_OPTIONS = {
+    "rotary-gqa": {"rotary": {"theta": 100.0}, "num_kv_heads": 2},
+    "window-sinks": {"window": 2, "sinks": True},
+    "gemma2": {"rotary": {"theta": 100.0}, "window": 3, "softcap": 3.0, "num_kv_heads": 1},
+    "alibi": {"alibi": True, "bias": True},
+    "qwen3": {"rotary": {"theta": 100.0}, "qk_norm": {"eps": 1e-6}, "num_kv_heads": 2},
+    "olmo2": {"qk_norm": {"scope": "whole"}},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("length", [1, 5])
+@pytest.mark.parametrize("options", FAMILY_OPTIONS.values(), ids=FAMILY_OPTIONS.keys())
+def test_a_training_call_on_the_host_takes_the_route_to_the_generic_numbers(options, length, dtype):
+    """A causal call recording gradients, of a layer with any option: the route answers,
+    its output and every gradient the generic flow's to the bit, and the float64
+    reference's."""
+    weights, layer = tiny_layer(num_heads=4, **options)
+    layer = layer.to(dtype)
+    heads = {"num_heads": 4, "num_kv_heads": options.get("num_kv_heads")}
+    layer_options = {k: v for k, v in options.items() if k not in ("num_kv_heads", "bias")}
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, length, 16))
+    output_gradient = rng.standard_normal((2, length, 16))
+    expected, _ = spec.reference_forward(
+        weights, x, x, x, None, **heads, causal=True, **layer_options
+    )
+    reference = spec.reference_gradients(
+        weights,
+        x,
+        x,
+        x,
+        None,
+        **heads,
+        causal=True,
+        output_gradient=output_gradient,
+        **layer_options,
+    )
+    runs = []
+    for route in (answered_calls, generic_only):
+        layer.zero_grad(set_to_none=True)
+        inputs = torch.from_numpy(x).to(dtype).requires_grad_(True)
+        with route() as answers:
+            output = layer(inputs, inputs, inputs, causal=True)
+        output.backward(torch.from_numpy(output_gradient).to(dtype))
+        gradients = [p.grad for p in layer.parameters()]
+        runs.append((answers, output.detach(), inputs.grad, gradients))
+    (answers, output, inputs_gradient, gradients), (_, *generic) = runs
+    assert answers == [True]
+    assert torch.equal(output, generic[0]) and torch.equal(inputs_gradient, generic[1])
+    assert all(torch.equal(a, b) for a, b in zip(gradients, generic[2], strict=True))
+    forward = FORWARD if dtype == torch.float32 else 1e-12
+    np.testing.assert_allclose(output.double().numpy(), expected, atol=forward, rtol=0)
+    inputs.grad = inputs_gradient
+    for parameter, gradient in zip(layer.parameters(), gradients, strict=True):
+        parameter.grad = gradient
+    assert_reference_gradients(layer, inputs, reference, dtype)
+
+
+def test_training_calls_the_route_leaves_to_the_generic_flow():
+    """Recording a gradient, the route takes no call with dropout, with a cache, on a GPU
+    (whose reads depend on it) or under ``torch.func``'s transforms: the reference's
+    outputs and (``torch.func.grad``) gradients all the same."""
+    weights, layer = tiny_layer(dropout=0.5)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((1, 3, 16)).astype(np.float32)
+    expected, _ = spec.reference_forward(weights, x, x, x, None, num_heads=2, causal=True)
+    inputs = torch.from_numpy(x).requires_grad_(True)
+    with answered_calls() as answers:
+        layer(inputs, inputs, inputs, causal=True)  # dropout: not offered to the route
+        layer.eval()
+        cache = layer.init_cache(1, 8)
+        out, _ = layer(inputs, inputs, inputs, causal=True, cache=cache)
+        with backend.as_if_on_a_gpu():
+            on_a_gpu = layer(inputs, inputs, inputs, causal=True)
+        parameters = {name: p.detach() for name, p in layer.named_parameters()}
+
+        def loss(parameters: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(layer, parameters, (x, x, x), {"causal": True}).sum()
+
+        by_parameter, by_input = torch.func.grad(loss, argnums=(0, 1))(parameters, inputs.detach())
+    assert answers == [False, False, False]
+    for output in (out, on_a_gpu):
+        np.testing.assert_allclose(output.detach().numpy(), expected, atol=FORWARD, rtol=0)
+    reference = spec.reference_gradients(
+        weights, x, x, x, None, num_heads=2, causal=True, output_gradient=np.ones_like(x)
+    )
+    for name, gradient in by_parameter.items():
+        parameter = layer.get_parameter(name)
+        parameter.grad = gradient
+    inputs.grad = by_input
+    assert_reference_gradients(layer, inputs, reference)
 
 
 def test_a_one_token_training_call_makes_at_most_90_python_calls():
