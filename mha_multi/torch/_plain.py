@@ -76,9 +76,9 @@ class PlainRoute:
         scores are too few to read for, :func:`mha_multi.spec.reads_values`)
         the generic path's attention: an eager call, no autocast, and for
         SDPA no 16-bit products. Without a cache, the queries attend to
-        themselves (causal: SDPA's own flag, ``Q == K``); such a call on the
-        host may record a gradient (its operations are the generic flow's,
-        so are their gradients), outside ``torch.func``'s transforms.
+        themselves (causal: SDPA's own flag, ``Q == K``); such a call may
+        record a gradient (its operations are the generic flow's, so are
+        their gradients), outside ``torch.func``'s transforms.
         With one, a decoding step: one query per example, a cache whose
         check (:class:`CacheCheck`) still holds, every example at the same
         length ``>= 1`` with room for one more. Its new rows are written in
@@ -108,18 +108,20 @@ class PlainRoute:
         if type(queries) is not torch.Tensor or torch.compiler.is_compiling():
             return None
         on_host = self.on_host(queries)
-        if torch.is_grad_enabled() and (
-            # Recording a gradient: a call without a cache on the host (a GPU's reads
-            # depend on it, spec.reads_values), outside torch.func's transforms (whose
-            # values the generic flow does not read).
-            cache is not None or not on_host or torch._C._are_functorch_transforms_active()
-        ):
-            return None
+        records = False  # (whether the call records a gradient, where it decides the plan)
+        if torch.is_grad_enabled():
+            # A call without a cache, outside torch.func's transforms (whose values the
+            # generic flow does not read).
+            if cache is not None or torch._C._are_functorch_transforms_active():
+                return None
+            # (A GPU's reads count a call's scores only where it records none,
+            # spec.reads_values; the host reads whatever the count.)
+            records = not on_host and layer.stacked_records_gradient(queries)
         rotary = None if options is None else options.rotary
         step = None
         if cache is None:
             plan = self._plain_plan(
-                layer, queries, None, causal=causal, dtype=dtype, options=options
+                layer, queries, None, causal=causal, dtype=dtype, options=options, records=records
             )
         else:
             check = self._plain_step_check(queries, cache)
@@ -348,9 +350,12 @@ class PlainRoute:
         causal: bool,
         dtype: torch.dtype | None,
         options: spec.LayerOptions | None = None,
+        records: bool = False,
     ) -> PlainPlan | None:
         """:meth:`plain_attention`'s plan for calls of these shapes, or ``None`` where it
-        takes none.
+        takes none (``records``: a call without a cache records a gradient, and its
+        plan reads only where :func:`mha_multi.spec.reads_values` says so of a
+        gradient's call).
 
         Decided once for each layer and queries, cache and flags of these
         shapes, dtypes and devices: by the generic flow's own checks (which
@@ -377,7 +382,7 @@ class PlainRoute:
             kept = self._plain_plans[layer] = (options, {})
         plans = kept[1]
         # (The layer's heads and input sizes are fixed once it has been called.)
-        key = (dtype, causal, queries.shape, queries.dtype, device)
+        key = (dtype, causal, queries.shape, queries.dtype, device, records)
         if cache is not None:
             keys, values, lengths = cache
             key += (
@@ -403,9 +408,7 @@ class PlainRoute:
             )
             batch, num_queries = queries.shape[:2]
             sizes = (batch, num_queries, num_queries)
-            # (As recording no gradient: a call that records one is the host's, whose
-            # reads count no scores.)
-            total_scores = batch * heads.num_heads * num_queries * num_queries
+            total_scores = None if records else batch * heads.num_heads * num_queries**2
             reads = spec.reads_values(on_host, num_queries, num_queries, total_scores=total_scores)
             if options is not None and options.touches_scores:
                 score_options = call_options(options, layer, None)

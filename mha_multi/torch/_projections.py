@@ -402,6 +402,20 @@ class PackedProjections(nn.Module):
                 break
         return self._stacks(projections)
 
+    def stacked_records_gradient(self, queries: torch.Tensor) -> bool:
+        """Whether :meth:`project_stacked` of ``queries`` records a gradient (the facts'
+        ``records_gradient`` of the call's queries), asked before the product."""
+        if not torch.is_grad_enabled():
+            return False
+        if queries.requires_grad:
+            return True
+        modules = self._modules
+        for name in ("W_q", "W_k", "W_v"):
+            for parameter in modules[name]._parameters.values():
+                if parameter is not None and parameter.requires_grad:
+                    return True
+        return False
+
     def project_stacked(self, queries: torch.Tensor) -> torch.Tensor:
         """Self-attention's three projections of ``queries`` side by side, one product
         ``(..., query_features + 2 * kv_features)`` (an unsharded layer's)."""

@@ -14,6 +14,7 @@ import pytest
 import torch
 from route_support import answered_calls, generic_only
 
+from conftest import recording_host_moves
 from mha_multi import spec
 from mha_multi.bench.host import counted
 from mha_multi.parity.harness import torch as backend
@@ -157,10 +158,46 @@ def test_a_training_call_on_the_host_takes_the_route_to_the_generic_numbers(opti
     assert_reference_gradients(layer, inputs, reference, dtype)
 
 
+@pytest.mark.parametrize("num_queries", [5, 256], ids=["short", "long"])
+def test_a_training_call_on_a_gpu_reads_only_where_a_heads_scores_are_many(num_queries):
+    """On a GPU (the facts told so) a call recording a gradient takes the route: with
+    fewer than ``spec.DEVICE_READ_SCORES`` scores per head the generic path's
+    operations, reading nothing; with more (however few in all: a gradient's call)
+    one read, then SDPA. Its output and gradients the generic flow's to the bit, and
+    the reference's output."""
+    weights, layer = tiny_layer(num_heads=4, num_kv_heads=2, bias=True)
+    heads = {"num_heads": 4, "num_kv_heads": 2}
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((1, num_queries, 16)).astype(np.float32)
+    expected, _ = spec.reference_forward(weights, x, x, x, None, **heads, causal=True)
+    short = not spec.reads_values(False, num_queries, num_queries, total_scores=None)
+    assert short == (num_queries == 5)
+    # (Recording none, the call would not read: its scores in all are few.)
+    assert not spec.reads_values(False, num_queries, num_queries, total_scores=4 * num_queries**2)
+    runs = []
+    with backend.as_if_on_a_gpu():
+        layer(torch.from_numpy(x), torch.from_numpy(x), torch.from_numpy(x), causal=True)
+        for route in (answered_calls, generic_only):
+            layer.zero_grad(set_to_none=True)
+            inputs = torch.from_numpy(x).requires_grad_(True)
+            spies = backend.kernel_spy(), recording_host_moves()
+            with route() as answers, spies[0] as calls, spies[1] as moved:
+                output = layer(inputs, inputs, inputs, causal=True)
+            output.sum().backward()
+            gradients = [inputs.grad, *(p.grad for p in layer.parameters())]
+            runs.append((answers, calls, moved, output.detach(), gradients))
+    (answers, calls, moved, output, gradients), generic = runs
+    assert answers == [True]
+    assert (len(calls), moved) == ((0, []) if short else (1, ["tolist"]))
+    assert torch.equal(output, generic[3])
+    assert all(torch.equal(a, b) for a, b in zip(gradients, generic[4], strict=True))
+    np.testing.assert_allclose(output.numpy(), expected, atol=FORWARD, rtol=0)
+
+
 def test_training_calls_the_route_leaves_to_the_generic_flow():
-    """Recording a gradient, the route takes no call with dropout, with a cache, on a GPU
-    (whose reads depend on it) or under ``torch.func``'s transforms: the reference's
-    outputs and (``torch.func.grad``) gradients all the same."""
+    """Recording a gradient, the route takes no call with dropout, with a cache or under
+    ``torch.func``'s transforms: the reference's outputs and (``torch.func.grad``)
+    gradients all the same."""
     weights, layer = tiny_layer(dropout=0.5)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((1, 3, 16)).astype(np.float32)
@@ -171,17 +208,14 @@ def test_training_calls_the_route_leaves_to_the_generic_flow():
         layer.eval()
         cache = layer.init_cache(1, 8)
         out, _ = layer(inputs, inputs, inputs, causal=True, cache=cache)
-        with backend.as_if_on_a_gpu():
-            on_a_gpu = layer(inputs, inputs, inputs, causal=True)
         parameters = {name: p.detach() for name, p in layer.named_parameters()}
 
         def loss(parameters: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             return torch.func.functional_call(layer, parameters, (x, x, x), {"causal": True}).sum()
 
         by_parameter, by_input = torch.func.grad(loss, argnums=(0, 1))(parameters, inputs.detach())
-    assert answers == [False, False, False]
-    for output in (out, on_a_gpu):
-        np.testing.assert_allclose(output.detach().numpy(), expected, atol=FORWARD, rtol=0)
+    assert answers == [False, False]
+    np.testing.assert_allclose(out.detach().numpy(), expected, atol=FORWARD, rtol=0)
     reference = spec.reference_gradients(
         weights, x, x, x, None, num_heads=2, causal=True, output_gradient=np.ones_like(x)
     )
