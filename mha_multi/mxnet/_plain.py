@@ -1,9 +1,9 @@
 """MXNet's route for plain self-attention called imperatively: one plan per signature.
 
 A call whose queries are its keys and values and that asks for nothing else
-(:func:`mha_multi.call.plain_self_attention`), made imperatively with nothing
-recorded, is offered to :func:`plain_attention` before any check (docs:
-"Fast paths"). The first call of a signature (the queries' shape, dtype and
+(:func:`mha_multi.call.plain_self_attention`), made imperatively (without a
+cache, recording a gradient or not), is offered to :func:`plain_attention`
+before any check (docs: "Fast paths"). The first call of a signature (the queries' shape, dtype and
 device, ``causal``, the layer's dtype and rotation, a cache's arrays) runs
 the generic flow's checks, which raise its errors, and makes a
 :class:`PlainPlan`: the layouts as concrete reshapes (a transpose that moves
@@ -11,7 +11,8 @@ no data left out), a causal call's mask lengths, the rotary tables. Every
 call of that signature then runs the fused route's operations
 (:mod:`mha_multi.mxnet._kernel`) on the same arrays: the projections, the
 rotation, the scaled queries' ``batch_dot``, ``softmax`` and ``batch_dot``,
-the output projection, so the numbers are the generic flow's to the bit.
+the output projection, so the numbers are the generic flow's to the bit,
+and so are the gradients ``autograd.record()`` takes of them.
 
 A decoding step (new positions appended to a cache, one per example, or
 several without the causal rule) still reads the cache's lengths and the
@@ -129,10 +130,10 @@ def plain_attention(
 ) -> call.Result | None:
     """Plain self-attention by the plan of its signature, or ``None`` (the generic flow).
 
-    Taken by an imperative layer (not hybridized) for a call that records
-    nothing (nor, with dropout, runs in training mode), of ``mxnet.numpy``
-    arrays; with a cache, a :class:`mha_multi.spec.KVCache` of them (see the
-    module's docstring).
+    Taken by an imperative layer (not hybridized) for a call that does not,
+    with dropout, run in training mode, of ``mxnet.numpy`` arrays; with a
+    cache, a :class:`mha_multi.spec.KVCache` of them recording nothing (see
+    the module's docstring).
 
     Args:
         facts: MXNet's facts (their checks, :meth:`~mha_multi.call.Facts.finite_past`
@@ -144,8 +145,10 @@ def plain_attention(
         dtype: the layer's dtype.
         rotary: the layer's rotation (its one option), or ``None``.
     """
-    if layer._active or type(queries) is not mx.np.ndarray or mx.autograd.is_recording():
+    if layer._active or type(queries) is not mx.np.ndarray:
         return None
+    if cache is not None and mx.autograd.is_recording():
+        return None  # (a recorded cached call updates its cache functionally)
     if layer.dropout and mx.autograd.is_training():
         return None  # npx.dropout acts in training mode, recorded or not
     ctx = queries.ctx

@@ -3,11 +3,15 @@
 A call whose queries are its keys and values, and that asks for nothing
 else, of an imperative layer recording nothing runs the plan of its
 signature (docs: "Fast paths"): a second call reuses it, with the float64
-reference's numbers and the generic flow's to the bit; another signature
-makes its own; a decoding step still reads its lengths at every call.
+reference's numbers and the generic flow's to the bit (and, recorded, its
+gradients); another signature makes its own; a decoding step still reads its
+lengths at every call.
 """
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import mxnet as mx
 import numpy as np
@@ -15,7 +19,7 @@ import pytest
 from mxnet import autograd
 
 from mha_multi import spec
-from mha_multi.mxnet import KVCache, MultiHeadAttention, set_weights
+from mha_multi.mxnet import KVCache, MultiHeadAttention, _facts, set_weights
 from mha_multi.mxnet._plain import plans_of
 from mha_multi.weights import init_weights
 
@@ -32,6 +36,11 @@ def layer_and_weights(seed, rotary=None):
 
 def native(x):
     return mx.np.array(x, dtype=np.float32)
+
+
+def generic_only():
+    """No plan answering: every call takes the generic flow."""
+    return mock.patch.object(_facts.MXNetFacts, "plain_attention", lambda *_, **__: None)
 
 
 @pytest.mark.parametrize("rotary", [None, ROTARY], ids=["plain", "rotary"])
@@ -98,11 +107,56 @@ def test_decoding_steps_run_their_plan_and_still_read_the_lengths():
     np.testing.assert_allclose(output.asnumpy(), expected, rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("rotary", [None, ROTARY], ids=["plain", "rotary"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_recorded_call_runs_its_plan_to_the_generic_gradients(causal, rotary):
+    """A call without a cache under ``autograd.record()`` (no dropout) runs its plan: its
+    output and the gradients of the input and of every parameter the generic flow's
+    to the bit, and the float64 reference's."""
+    layer, weights = layer_and_weights(6, rotary)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 5, 16))
+    output_gradient = rng.standard_normal((2, 5, 16))
+    options = {} if rotary is None else {"rotary": rotary}
+    expected, _ = spec.reference_forward(weights, x, x, x, **HEADS, causal=causal, **options)
+    reference = spec.reference_gradients(
+        weights, x, x, x, **HEADS, causal=causal, output_gradient=output_gradient, **options
+    )
+    runs = []
+    for route in (contextlib.nullcontext(), generic_only()):
+        rows = native(x)
+        rows.attach_grad()
+        with route, autograd.record():
+            output = layer(rows, rows, rows, causal=causal)
+        output.backward(native(output_gradient))
+        parameters = layer.collect_params()
+        gradients = {name: p.grad().asnumpy() for name, p in parameters.items()}
+        runs.append((output.asnumpy(), rows.grad.asnumpy(), gradients))
+    assert len(plans_of(layer)) == 1
+    (output, inputs_gradient, gradients), generic = runs
+    np.testing.assert_array_equal(output, generic[0])
+    np.testing.assert_array_equal(inputs_gradient, generic[1])
+    for name, gradient in gradients.items():
+        np.testing.assert_array_equal(gradient, generic[2][name], err_msg=name)
+    np.testing.assert_allclose(output, expected, rtol=0, atol=ATOL)
+    inputs = reference["queries"] + reference["keys"] + reference["values"]
+    np.testing.assert_allclose(inputs_gradient, inputs, rtol=0, atol=5e-5)
+    for name, gradient in gradients.items():
+        # (MXNet's own names: a prefix, then W_q_weight, W_q_bias, ...)
+        which, kind = name.rsplit("_", 2)[1:]
+        want = reference[f"W_{which}"].T if kind == "weight" else reference[f"b_{which}"]
+        np.testing.assert_allclose(gradient, want, rtol=0, atol=5e-5, err_msg=name)
+
+
 def test_hybridized_recorded_and_dropping_calls_keep_no_plan():
+    """A hybridized call, a recorded call with a cache and a dropping call in training
+    mode keep no plan: the generic flow's, with the reference's numbers."""
     layer, weights = layer_and_weights(5)
     rows = native(np.random.default_rng(5).standard_normal((1, 3, 16)))
     with autograd.record():
-        layer(rows, rows, rows)
+        layer(rows, rows, rows, cache=layer.init_cache(1, 4))
+    assert plans_of(layer) == {}
+    expected, _ = spec.reference_forward(weights, *[rows.asnumpy()] * 3, **HEADS)
     dropping = set_weights(MultiHeadAttention(16, 4, 0.5, num_kv_heads=2, bias=True), weights)
     with autograd.train_mode():  # npx.dropout acts: the generic flow's own
         dropping(rows, rows, rows)
@@ -112,5 +166,4 @@ def test_hybridized_recorded_and_dropping_calls_keep_no_plan():
     layer.hybridize()
     output = layer(rows, rows, rows)
     assert plans_of(layer) == {}
-    expected, _ = spec.reference_forward(weights, *[rows.asnumpy()] * 3, **HEADS)
     np.testing.assert_allclose(output.asnumpy(), expected, rtol=0, atol=ATOL)
