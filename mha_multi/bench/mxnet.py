@@ -213,8 +213,18 @@ class MXNet(Framework):
         return super().cached_call(layer, execution)
 
     def eager_layer_call(self, layer: Any, *, training: bool = False) -> Callable[..., Any]:
-        layer.hybridize(active=False)  # imperative: MXNet's eager mode
-        return super().eager_layer_call(layer, training=training)
+        """Imperative, MXNet's eager mode; ``training``: recorded by ``autograd.record()``
+        (which sets training mode)."""
+        layer.hybridize(active=False)
+        call = super().eager_layer_call(layer)
+        if not training:
+            return call
+
+        def recording(x: Any, cache: Any = None) -> Any:
+            with autograd.record():
+                return call(x, cache)
+
+        return recording
 
     def convert(
         self, x: np.ndarray, lens: np.ndarray, visible: np.ndarray, device: str, dtype: str

@@ -19,6 +19,7 @@ import pytest
 from mxnet import autograd
 
 from mha_multi import spec
+from mha_multi.bench.mxnet import FRAMEWORK
 from mha_multi.mxnet import KVCache, MultiHeadAttention, _facts, set_weights
 from mha_multi.mxnet._plain import plans_of
 from mha_multi.weights import init_weights
@@ -166,4 +167,20 @@ def test_hybridized_recorded_and_dropping_calls_keep_no_plan():
     layer.hybridize()
     output = layer(rows, rows, rows)
     assert plans_of(layer) == {}
+    np.testing.assert_allclose(output.asnumpy(), expected, rtol=0, atol=ATOL)
+
+
+def test_the_benchs_training_call_records_its_plan():
+    """The bench's count of a training call (``python -m mha_multi.bench run --only calls
+    mxnet``): an imperative call recorded by ``autograd.record()``, which its plan runs
+    and whose output a gradient flows back through."""
+
+    layer, weights = layer_and_weights(7)
+    layer.hybridize()
+    rows = native(np.random.default_rng(7).standard_normal((1, 1, 16)))
+    rows.attach_grad()
+    output = FRAMEWORK.eager_layer_call(layer, training=True)(rows)
+    output.backward()
+    assert len(plans_of(layer)) == 1 and float(abs(rows.grad).sum()) > 0
+    expected, _ = spec.reference_forward(weights, *[rows.asnumpy()] * 3, **HEADS)
     np.testing.assert_allclose(output.asnumpy(), expected, rtol=0, atol=ATOL)
