@@ -402,6 +402,7 @@ class PlainRoute:
         on_host = self.on_host(queries)
         ops = self.ops(queries)
         score_options = spec.NO_OPTIONS
+        plain: PlainPlan | None = None
         if cache is None:
             call.check_call(
                 self, layer, queries, queries, queries, None, causal=causal, dtype=dtype
@@ -426,9 +427,10 @@ class PlainRoute:
             reads = on_host
             if options is not None and options.touches_scores:
                 score_options = call_options(options, layer, cache.keys)
-        plain = self._kernel_plan(
-            layer, queries, cache, score_options, causal=causal, reads=reads, sizes=sizes
-        )
+        if 0 not in queries.shape[:2]:  # (an empty batch or call: the generic flow's)
+            plain = self._kernel_plan(
+                layer, queries, cache, score_options, causal=causal, reads=reads, sizes=sizes
+            )
         if plain is not None and cache is not None and score_options.window is not None:
             # Steps the window hides nothing from (every filled position within it) are
             # planned without it, as the generic flow plans them (call.binding_window).

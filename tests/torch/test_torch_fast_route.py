@@ -233,3 +233,24 @@ def test_plain_self_attention_leaves_the_rest_to_the_generic_flow():
                 layer(wrong, wrong, wrong)
             messages.append(str(error.value))
         assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("recording", [False, True], ids=["no_grad", "gradients"])
+@pytest.mark.parametrize("on_a_gpu", [False, True], ids=["host", "gpu"])
+@pytest.mark.parametrize("options", [{}, *CALL_OPTIONS.values()], ids=["plain", *CALL_OPTIONS])
+@pytest.mark.parametrize("shape", [(0, 3, 16), (2, 0, 16)], ids=["no examples", "no positions"])
+def test_calls_with_an_empty_axis_are_the_generic_flows(shape, options, on_a_gpu, recording):
+    """An empty batch or an empty call, recording gradients or not, is left to the generic
+    flow (whose empty axes are the spec's): an empty output, and an empty gradient."""
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2, **options)
+    x = torch.zeros(2, 3, 16)
+    layer(x, x, x)  # (sizes the lazy projections)
+    x = torch.zeros(shape, requires_grad=recording)
+    place = backend.as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext()
+    grad = contextlib.nullcontext() if recording else torch.no_grad()
+    with place, grad, answered_calls() as answers:
+        out = layer(x, x, x, causal=True)
+    assert answers == [False] and out.shape == shape
+    if recording:
+        out.sum().backward()
+        assert x.grad.shape == shape
