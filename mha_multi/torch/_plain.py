@@ -146,8 +146,6 @@ class PlainRoute:
             first = 0  # (the first cache position attended over)
             if plan.window is not None:
                 first = self._window_first(check, plan, cache, on_host=on_host)
-                if first is None:
-                    return None
                 if first == check._uniform + 1 - plan.window or check._uniform < plan.window:
                     plan = plan.within  # (the window hides none of the keys attended over)
                     if plan is None:
@@ -223,18 +221,19 @@ class PlainRoute:
 
     def _window_first(
         self, check: CacheCheck, plan: PlainPlan, cache: spec.KVCache, *, on_host: bool
-    ) -> int | None:
+    ) -> int:
         """The first cache position a step of a windowed layer attends over, as the generic
-        flow leaves out those before its window (:func:`mha_multi.call.attended_positions`),
-        or ``None`` where the route leaves the step to it.
+        flow leaves out those before its window (:func:`mha_multi.call.attended_positions`);
+        0 where it keeps every position.
 
         Past the window, where every value before it is known finite
         (:meth:`mha_multi.call.Facts.finite_before`): a fused plan's check
         knows it (its span bucket is 1); on the host, the rows no call has
         read yet and the poison are read as the generic flow reads them (and
-        then known finite to the calls after); a GPU's check with nothing
-        unread is the generic flow's step (its span bucket rounds the first
-        position, which the route's plans do not).
+        then known finite to the calls after); a GPU's check knows it where
+        nothing is unread (right after a call that read every value). The
+        position is rounded down to the span bucket, as the generic flow's:
+        the plan's patterns are viewed from there.
         """
         length, window = check._uniform, plan.window
         if length < window:
@@ -264,7 +263,7 @@ class PlainRoute:
             check.poison = None
             return (length + 1 - window) // bucket * bucket
         clean = check.pending is None and check.pending_from is None and check.poison is None
-        return None if clean and (length + 1 - window) // bucket > 0 else 0
+        return (length + 1 - window) // bucket * bucket if clean else 0
 
     def _step_span(
         self, layer: call.Projections, cache: spec.KVCache, filled: int, *, may_read: bool

@@ -20,7 +20,7 @@ from route_support import answered_calls, generic_only
 from conftest import recording_host_moves
 from mha_multi import spec
 from mha_multi.parity.harness import torch as backend
-from mha_multi.torch import _facts
+from mha_multi.torch import _facts, _steps
 
 
 @pytest.mark.parametrize(
@@ -92,9 +92,9 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
 def test_a_window_step_after_a_read_leaves_out_the_positions_before_the_window(monkeypatch):
     """After a prefill that reads (every value known finite), a windowed layer's first
     step on a GPU leaves out the positions before its window, rounded down to the span
-    bucket (256 of 300): the generic flow's step, which the route leaves to it; the rows
-    it writes stay pending, and the steps after it attend over every position on the
-    route. The generic flow's outputs and cache to the bit, and the reference's numbers."""
+    bucket (256 of 300), on the route as in the generic flow; the rows it writes stay
+    pending, and the steps after it attend over every position. The generic flow's
+    outputs and cache to the bit, and the reference's numbers."""
     prompt_length, max_length, window = 300, 400, 8
     span = spec.rounded_span(prompt_length, max_length, spec.SPAN_BUCKET)
     monkeypatch.setattr("mha_multi.spec.plan.DEVICE_READ_TOTAL_SCORES", 3 * 4 * 300 * span)
@@ -109,6 +109,8 @@ def test_a_window_step_after_a_read_leaves_out_the_positions_before_the_window(m
         )
         np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
 
+    step_attention = _steps.step_attention
+
     def decode(route):
         attended = []
 
@@ -116,9 +118,14 @@ def test_a_window_step_after_a_read_leaves_out_the_positions_before_the_window(m
             attended.append(k.shape[-2])
             return generic_attention(ops, q, k, v, valid_lens, **kwargs)
 
+        def route_spy(q, keys, *args, **kwargs):
+            attended.append(keys.shape[-2])
+            return step_attention(q, keys, *args, **kwargs)
+
         with (
             contextlib.nullcontext() if route else generic_only(),
             mock.patch.object(_facts.FACTS, "generic_attention", spy),
+            mock.patch.object(_steps, "step_attention", route_spy),
             answered_calls() as answers,
         ):
             outputs, caches = feed_back(layer, prompt, 4, max_length, check=against_reference)
@@ -127,10 +134,10 @@ def test_a_window_step_after_a_read_leaves_out_the_positions_before_the_window(m
     with backend.as_if_on_a_gpu():
         fast, fast_cache, answers, attended = decode(route=True)
         generic, generic_cache, _, generic_attended = decode(route=False)
-    assert answers == [False, False, True, True, True]
-    # The keys of each step's generic path: 320 - 256, then the span of 320 (the route's
-    # steps run it written out).
-    assert generic_attended == [320 - 256, 320, 320, 320] and attended == [320 - 256]
+    assert answers == [False, True, True, True, True]
+    # The keys of each step's generic path, the generic flow's or the route's written
+    # out: 320 - 256, then the span of 320.
+    assert attended == generic_attended == [320 - 256, 320, 320, 320]
     for ours, theirs in zip([*fast, *fast_cache], [*generic, *generic_cache], strict=True):
         assert torch.equal(ours, theirs)
 
