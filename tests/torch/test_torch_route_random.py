@@ -1,0 +1,173 @@
+"""Randomised calls and decodings: PyTorch's fast route gives the generic flow's numbers.
+
+Every configuration is run twice, once offered to the facts' route and once
+through the generic flow alone (docs: "Fast paths"): the outputs (and, where
+gradients are recorded, the input's gradient; with a cache, the cache) are
+the same to the bit, NaN where the generic flow's are, or both raise the
+same error. Layers with every option, grouped heads, 16 to 64 bits, empty
+axes, non-finite and large inputs, on the host and as on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from route_support import answered_calls, generic_only
+
+from mha_multi.parity.harness import torch as backend
+from mha_multi.torch import MultiHeadAttention
+
+RANDOMISED = settings(
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+ROTARY = {"theta": 100.0}
+OPTIONS = [
+    {},
+    {"rotary": ROTARY},
+    {"softcap": 2.0},
+    {"window": 2},
+    {"alibi": True},
+    {"sinks": True},
+    {"qk_norm": {}},
+    {"rotary": ROTARY, "window": 3, "softcap": 3.0},
+    {"window": 1, "alibi": True, "sinks": True},
+    {"rotary": {"interleaved": True}, "qk_norm": {"scope": "whole"}},
+    {"rotary": ROTARY, "window": 4, "qk_norm": {"unit_offset": True}},
+]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def layer_of(options: dict, num_kv_heads: int, dtype: torch.dtype) -> MultiHeadAttention:
+    made = MultiHeadAttention(16, 4, num_kv_heads=num_kv_heads, dtype=dtype, **options)
+    x = torch.zeros(1, 2, 16, dtype=dtype)
+    made(x, x, x)  # (sizes the lazy projections)
+    return made
+
+
+def poisoned(x: torch.Tensor, poison: str | None, where: tuple[int, ...]) -> torch.Tensor:
+    if x.numel() and poison in ("nan", "inf"):
+        x[tuple(i % n for i, n in zip(where, x.shape, strict=True))] = (
+            math.nan if poison == "nan" else math.inf
+        )
+    return x * 1e3 if poison == "large" else x
+
+
+def run(function) -> tuple:
+    """``function()``'s tensors, or the error it raised (its type and message)."""
+    try:
+        return tuple(x.detach() for x in function())
+    except (TypeError, ValueError, RuntimeError) as error:
+        return (type(error).__name__, str(error))
+
+
+def assert_same(route: tuple, generic: tuple) -> None:
+    assert len(route) == len(generic)
+    for ours, theirs in zip(route, generic, strict=True):
+        if isinstance(ours, str) or isinstance(theirs, str):
+            assert ours == theirs
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+
+
+@RANDOMISED
+@given(
+    options=st.sampled_from(OPTIONS),
+    num_kv_heads=st.sampled_from([1, 2, 4]),
+    dtype=st.sampled_from(DTYPES),
+    on_a_gpu=st.booleans(),
+    recording=st.booleans(),
+    causal=st.booleans(),
+    shape=st.tuples(st.integers(0, 3), st.integers(0, 6)),
+    poison=st.sampled_from([None, "nan", "inf", "large"]),
+    where=st.tuples(*[st.integers(0, 15)] * 3),
+    seed=st.integers(0, 2**16),
+)
+def test_a_call_without_a_cache_is_the_generic_flows(
+    options, num_kv_heads, dtype, on_a_gpu, recording, causal, shape, poison, where, seed
+):
+    torch.manual_seed(seed)
+    layer = layer_of(options, num_kv_heads, dtype).train(recording)
+    x = poisoned(torch.randn(*shape, 16, dtype=torch.float64), poison, where).to(dtype)
+
+    def call():
+        queries = x.clone().requires_grad_(recording)
+        with contextlib.nullcontext() if recording else torch.no_grad():
+            out = layer(queries, queries, queries, causal=causal)
+        if not recording:
+            return (out,)
+        out.sum().backward()
+        return out, queries.grad
+
+    place = backend.as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext()
+    with place:
+        with answered_calls():
+            route = run(call)
+        with generic_only():
+            generic = run(call)
+    assert_same(route, generic)
+
+
+@RANDOMISED
+@given(
+    options=st.sampled_from(OPTIONS),
+    num_kv_heads=st.sampled_from([1, 2, 4]),
+    dtype=st.sampled_from(DTYPES[:3]),
+    on_a_gpu=st.booleans(),
+    batch=st.integers(1, 3),
+    prompt=st.integers(1, 6),
+    steps=st.integers(1, 8),
+    max_length=st.sampled_from([10, 16]),
+    poison=st.sampled_from([None, "nan", "large"]),
+    where=st.tuples(*[st.integers(0, 15)] * 3),
+    seed=st.integers(0, 2**16),
+)
+def test_a_decoding_is_the_generic_flows(
+    options, num_kv_heads, dtype, on_a_gpu, batch, prompt, steps, max_length, poison, where, seed
+):
+    """A prompt, then one token a step (past ``max_length``: the overflow's error), a
+    step's token poisoned where ``where`` says: outputs and the cache the same."""
+    torch.manual_seed(seed)
+    layer = layer_of(options, num_kv_heads, dtype).eval()
+    first = torch.randn(batch, prompt, 16, dtype=torch.float64).to(dtype)
+    tokens = [torch.randn(batch, 1, 16, dtype=torch.float64) for _ in range(steps)]
+    tokens[where[0] % steps] = poisoned(tokens[where[0] % steps], poison, where)
+    tokens = [token.to(dtype) for token in tokens]
+
+    def decode():
+        outputs = []
+        with torch.no_grad():
+            out, cache = layer(
+                first, first, first, causal=True, cache=layer.init_cache(batch, max_length)
+            )
+            outputs.append(out)
+            for token in tokens:
+                out, cache = layer(token, token, token, causal=True, cache=cache)
+                outputs.append(out)
+        return (*outputs, cache.keys, cache.values, cache.lengths)
+
+    place = backend.as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext()
+    with place:
+        with answered_calls():
+            route = run(decode)
+        with generic_only():
+            generic = run(decode)
+    assert_same(route, generic)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_randomised_layers_reach_the_route(dtype):
+    """The route answers the randomised tests' plain calls in every dtype (so that they
+    compare it, not the generic flow with itself)."""
+    layer = layer_of({"rotary": ROTARY, "softcap": 2.0}, 2, dtype).eval()
+    x = torch.randn(2, 3, 16, dtype=dtype)
+    with answered_calls() as answers, torch.no_grad():
+        layer(x, x, x, causal=True)
+    assert answers == [True]
