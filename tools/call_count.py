@@ -13,9 +13,10 @@ rows the same way, in every framework. The rows of layers with options (2
 query heads, 1 key/value head; a one-token call under ``no_grad`` and in
 ``train()`` mode recording gradients, and a decoding step) follow;
 ``--generic`` counts every row through the generic flow, the fast route
-turned off (docs: "Fast paths").
+turned off (docs: "Fast paths"); ``--gpu`` counts the route a GPU's calls
+take, on the CPU told its tensors are on a GPU.
 
-    python tools/call_count.py --generic
+    python tools/call_count.py [--generic] [--gpu]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from unittest import mock
 import torch
 
 from mha_multi.bench import host
+from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import MultiHeadAttention, _facts, set_weights
 from mha_multi.weights import init_weights
 
@@ -132,7 +134,8 @@ def main(argv: list[str]) -> None:
     # first test is: every call takes the generic flow.)
     generic = "--generic" in argv
     declined = mock.patch.object(_facts.FACTS, "plain_attention", lambda *_, **__: None)
-    with declined if generic else contextlib.nullcontext():
+    on_a_gpu = backend.as_if_on_a_gpu() if "--gpu" in argv else contextlib.nullcontext()
+    with declined if generic else contextlib.nullcontext(), on_a_gpu:
         for name, step in rows().items():
             print(f"{name:60s} {counted(step):7.1f} calls per call")
 
