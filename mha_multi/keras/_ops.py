@@ -278,9 +278,14 @@ class KerasOps:
         # Whole rows of x as (B*T, F), one gather: take_along_axis would take
         # (B, M, F) indices, which TensorFlow gathers element by element (30
         # times slower for a decoding step of 8 x 288 positions of 512).
-        starts = self.arange(self.size(x, 0)) * self.size(x, 1)  # (B,): b*T
+        batch = self.size(x, 0)
+        starts = self.arange(batch) * self.size(x, 1)  # (B,): b*T
         rows = positions + ops.expand_dims(starts, 1)
-        return ops.take(self.merge_axes(x, 0), rows, axis=0)
+        taken = ops.take(self.merge_axes(x, 0), rows, axis=0)
+        if type(batch) is int and batch == 0:
+            # (JAX takes no rows of an empty axis as (0, F), the indices' axes lost.)
+            return self.native.reshape(taken, (0, self.size(positions, 1), self.size(x, 2)))
+        return taken
 
     def slice_last(self, x: Tensor, start: int, stop: int) -> Tensor:
         return _slice_axis(x, -1, start, stop)

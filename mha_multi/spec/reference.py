@@ -521,11 +521,10 @@ def reference_cached_forward(
                 projected_k = rotate(
                     ops, projected_k, positions, layer.rotary, heads.num_kv_heads, dh, length=length
                 )
-            projected_k = projected_k.reshape(
-                batch, num_new, -1 if num_new else heads.num_kv_heads, dh
-            )
+            # (Sizes spelled out: no -1 is inferred for an empty batch or call.)
+            projected_k = projected_k.reshape(batch, num_new, heads.num_kv_heads, dh)
             projected_v = linear(as_float64(values), w, "v").reshape(
-                batch, num_new, -1 if num_new else heads.num_kv_heads, dh
+                batch, num_new, heads.num_kv_heads, dh
             )
             for b in range(batch):
                 start, stop = lengths[b], lengths[b] + new[b]

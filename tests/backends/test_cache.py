@@ -291,6 +291,39 @@ def test_a_call_without_keys_attends_to_the_cache_as_it_is(runner):
     np.testing.assert_allclose(runner.to_numpy(output), expected, atol=5e-6, rtol=0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch, length", [(0, 3), (3, 0)], ids=["no examples", "no positions"])
+def test_cached_calls_with_an_empty_axis(runner, batch, length, causal):
+    """A cached call of an empty batch, or of no new positions, twice: the reference's
+    empty output, and a cache of the same shapes whose lengths grow by the positions."""
+    config, weights, inputs, _ = setup("gqa_bias", 7, batch=batch, length=length)
+    layer = layer_of(runner, weights, config)
+    cache = runner.init_cache(layer, batch, 8)
+    for call in range(2):
+        before = cache_as_numpy(runner, cache)
+        output, cache = runner.forward(
+            layer,
+            *(runner.to_native(inputs[name]) for name in ("queries", "keys", "values")),
+            None,
+            causal=causal,
+            cache=cache,
+        )
+        expected, _, _ = spec.reference_cached_forward(
+            weights,
+            inputs["queries"],
+            inputs["keys"],
+            inputs["values"],
+            before,
+            **reference_heads(config),
+            causal=causal,
+        )
+        output = runner.to_numpy(output)
+        assert output.shape == expected.shape == (batch, length, config["num_hiddens"])
+        after = cache_as_numpy(runner, cache)
+        assert after.keys.shape == (batch, 2, 8, 4)
+        assert np.asarray(after.lengths).tolist() == [length * (call + 1)] * batch
+
+
 def test_init_cache_is_empty_and_of_the_layers_dtype(runner):
     config, weights, _, _ = setup("gqa_bias", 0)
     for dtype in ("float32", "float64"):

@@ -400,6 +400,29 @@ def test_a_ragged_eager_call_takes_the_functional_update(monkeypatch, lengths, n
     assert_cache_is(after, expected_cache)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_eager_cached_calls_of_an_empty_batch(causal):
+    """Eager cached calls of no examples (the first through Keras' call, the second
+    past it): the reference's empty output and a cache of the same shapes. (JAX's
+    ``take`` of no rows drops the indices' axes: the layer's gather says them.)"""
+    weights = grouped_weights(9)
+    layer = layer_of(weights)
+    x = {name: values[:0] for name, values in sequences(9).items()}
+    cache = layer.init_cache(0, MAX_LENGTH)
+    for _ in range(2):
+        before = native_cache(cache)
+        output, cache = layer(
+            *(backend.to_native(x[name]) for name in backend.INPUT_NAMES),
+            causal=causal,
+            cache=cache,
+        )
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x[name] for name in backend.INPUT_NAMES), before, **HEADS, causal=causal
+        )
+        assert backend.to_numpy(output).shape == expected.shape == (0, 6, 8)
+        assert native_cache(cache)[0].shape == (0, 2, MAX_LENGTH, 3)
+
+
 @pytest.mark.parametrize("recorded", [True, False], ids=["gradients", "no gradients"])
 def test_an_overflow_at_one_position_is_refused_and_writes_nothing(recorded):
     layer = layer_of(grouped_weights(8))
