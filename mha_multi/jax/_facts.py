@@ -261,11 +261,7 @@ class JaxFacts(call.Facts):
         return as_valid_lens(valid_lens)
 
     def as_cache(self, cache: Any, like: Any) -> spec.KVCache:
-        if not isinstance(cache, spec.KVCache):
-            raise TypeError(
-                f"cache must be a KVCache (from the layer's init_cache); got {type(cache).__name__}"
-            )
-        return spec.KVCache(*(jnp.asarray(x) for x in cache))
+        return spec.KVCache(*(jnp.asarray(x) for x in spec.as_kv_cache(cache)))
 
     def as_positions(self, positions: Any, like: Any) -> Any:
         """A JAX array (or tracer) as it is; numpy arrays and sequences as JAX arrays."""

@@ -181,6 +181,7 @@ def planned_call(
     if cache is not None:
         # Per call, after the traced checks (as in the eager flow): the lengths are
         # values, which no program can check; the step's result is dropped on an error.
+        cache = spec.as_kv_cache(cache)  # (a plain tuple of the three is a cache too)
         lengths = np.asarray(cache.lengths)
         new = None if valid_lens is None else np.asarray(valid_lens)
         num_new = 0 if keys is None else queries.shape[1]

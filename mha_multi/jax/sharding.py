@@ -185,8 +185,7 @@ def shard_cache(
             it splits.
     """
     num_shards = _check_axis(mesh, axis)
-    if not isinstance(cache, spec.KVCache):
-        raise TypeError(f"cache must be a KVCache; got {type(cache).__name__}")
+    cache = spec.as_kv_cache(cache)
     batch, num_kv_heads = cache.keys.shape[:2]
     if num_kv_heads % num_shards:
         raise ValueError(

@@ -233,13 +233,8 @@ class KerasFacts(call.Facts):
 
     def as_cache(self, cache: Any, like: Tensor | None) -> spec.KVCache:
         """A ``KVCache`` of tensors, numpy arrays converted (the layer's ``__call__`` too)."""
-        if not (isinstance(cache, tuple) and len(cache) == 3):
-            raise TypeError(
-                "cache must be a KVCache (keys, values, lengths), as init_cache makes it; "
-                f"got {type(cache).__name__}"
-            )
         fields = []
-        for name, x in zip(spec.KVCache._fields, cache, strict=True):
+        for name, x in zip(spec.KVCache._fields, spec.as_kv_cache(cache), strict=True):
             if isinstance(x, np.ndarray):
                 x = keras.ops.convert_to_tensor(x)
             elif not is_tensor(x):

@@ -268,12 +268,7 @@ class MXNetFacts(call.Facts):
                 values of another dtype.
             ValueError: an array on another device.
         """
-        if not isinstance(cache, tuple) or len(cache) != 3:
-            raise TypeError(
-                "cache must be a KVCache(keys, values, lengths), as layer.init_cache makes it; "
-                f"got {type(cache).__name__}"
-            )
-        cache = spec.KVCache(*cache)
+        cache = spec.as_kv_cache(cache)
         for name, array in zip(spec.KVCache._fields, cache, strict=True):
             if not isinstance(array, mx.np.ndarray):
                 raise TypeError(

@@ -49,6 +49,7 @@ from mha_multi.spec.cache import (
 from mha_multi.spec.cache_checks import (
     SPAN_BUCKET,
     CacheFill,
+    as_kv_cache,
     check_cache_dtypes,
     check_cache_values,
     check_cached_call,
@@ -182,6 +183,7 @@ __all__ = [
     "NumpyDtypes",
     "NumpyOps",
     "apply_head_mask",
+    "as_kv_cache",
     "attention",
     "attention_by_kv_heads",
     "cache_shape",

@@ -108,6 +108,23 @@ def check_cached_inputs(
         raise ValueError(f"cache.lengths must have shape (batch,) = ({batch},); got {lengths}")
 
 
+def as_kv_cache(cache: Any) -> KVCache:
+    """``cache`` as a :class:`KVCache`: the layer's own, or any tuple of its three arrays
+    (a framework may hand a named tuple on as a plain one).
+
+    Raises:
+        TypeError: anything else, named (every backend's message).
+    """
+    if type(cache) is KVCache:
+        return cache
+    if not isinstance(cache, tuple) or len(cache) != 3:
+        raise TypeError(
+            "cache must be a KVCache(keys, values, lengths), as the layer's init_cache "
+            f"makes it; got {type(cache).__name__}"
+        )
+    return KVCache(*cache)
+
+
 def check_cache_dtypes(lengths_kind: str, valid_lens_kind: str | None) -> None:
     """Raises ``TypeError`` unless the cache's lengths and the new lengths are integers.
 

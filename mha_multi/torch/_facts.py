@@ -241,12 +241,7 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         return torch.from_numpy(np.array(array, copy=True)).to(like.device)
 
     def as_cache(self, cache: Any, like: torch.Tensor) -> spec.KVCache:
-        if not isinstance(cache, tuple) or len(cache) != 3:
-            raise TypeError(
-                f"cache must be a KVCache(keys, values, lengths), as layer.init_cache makes; "
-                f"got {type(cache).__name__}"
-            )
-        cache = spec.KVCache(*cache)
+        cache = spec.as_kv_cache(cache)
         for name, tensor in zip(cache._fields, cache, strict=True):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"cache.{name} must be a torch.Tensor; got {type(tensor).__name__}")

@@ -370,6 +370,32 @@ def test_bad_cached_calls_raise_naming_the_argument(
         runner.forward(layer, queries, keys, values, lens, causal=True, cache=cache)
 
 
+def test_a_cache_is_any_tuple_of_its_three_arrays(runner):
+    """A cache handed on as a plain tuple is the cache (the same output and lengths); a
+    list, or a tuple of two, is refused with the same message in every backend."""
+    config, weights, inputs, _ = setup("gqa_bias", 0)
+    layer = layer_of(runner, weights, config)
+    rows = [runner.to_native(inputs[name][:, :2]) for name in ("queries", "keys", "values")]
+    outputs = []
+    for given in (lambda cache: cache, tuple):
+        output, cache = runner.call_as_given(
+            layer, *rows, causal=True, cache=given(runner.init_cache(layer, 3, 4))
+        )
+        assert isinstance(cache, spec.KVCache)
+        assert np.asarray(runner.to_numpy(cache.lengths)).tolist() == [2, 2, 2]
+        outputs.append(runner.to_numpy(output))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    for wrong, name in ((list, "list"), (lambda cache: tuple(cache)[:2], "tuple")):
+        message = (
+            r"cache must be a KVCache\(keys, values, lengths\), as the layer's init_cache "
+            f"makes it; got {name}"
+        )
+        with pytest.raises(TypeError, match=message):
+            runner.call_as_given(
+                layer, *rows, causal=True, cache=wrong(runner.init_cache(layer, 3, 4))
+            )
+
+
 def test_a_cache_of_another_layout_is_rejected(runner):
     config, weights, inputs, _ = setup("gqa_bias", 0)
     layer = layer_of(runner, weights, config)

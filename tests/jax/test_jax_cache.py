@@ -363,7 +363,7 @@ def test_cached_call_errors_are_raised_while_tracing():
     with pytest.raises(ValueError, match="cache.keys must have shape"):
         step(q, k, v, module.init_cache(3, 4))
     with pytest.raises(TypeError, match="cache must be a KVCache"):
-        step(q, k, v, tuple(module.init_cache(2, 4)))
+        step(q, k, v, list(module.init_cache(2, 4)))
     with pytest.raises(TypeError, match="cache.keys dtype float16 differs"):
         module.apply(variables, q, None, None, cache=module.init_cache(2, 4, jnp.float16))
     # A module that never saw keys cannot make W_k from a call without them.
