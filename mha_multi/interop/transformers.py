@@ -62,6 +62,9 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "qwen3": ("rms_norm_eps",),
     "olmo2": ("rms_norm_eps",),
 }
+#: Model types whose ``sliding_window`` applies only where ``use_sliding_window`` is set
+#: (Qwen's: the flag's default is ``False``).
+_WINDOW_FLAGGED = ("qwen2", "qwen3")
 #: Model types whose scores are scaled by ``field ** -0.5`` rather than ``head_dim ** -0.5``.
 _SCALE_FIELDS = {"gemma2": "query_pre_attn_scalar", "gemma3_text": "query_pre_attn_scalar"}
 #: What follows a known block's class prefix in the architectures whose
@@ -107,8 +110,8 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
                 f"checkpoint converts as {', '.join(prefix + head for head in _HEADS)}"
             )
     namespace = SimpleNamespace(**config)
-    if config.get("use_sliding_window") is False:  # Qwen's: sliding_window is then unused
-        namespace.sliding_window = None
+    if model_type in _WINDOW_FLAGGED and not config.get("use_sliding_window", False):
+        namespace.sliding_window = None  # (the window is then unused, the flag off unless set)
     if config.get("layer_types") is None:
         namespace.layer_types = _default_layer_types(namespace)
     if model_type == "gemma3_text" and config.get("rope_parameters") is None:

@@ -45,32 +45,52 @@ def _older(config: dict, **fields) -> dict:
     return {**kept, **fields}
 
 
-#: model -> its config as written before transformers 5.
+def _without(config: dict, name: str) -> dict:
+    return {k: v for k, v in config.items() if k != name}
+
+
+#: name -> (model, its config as written before transformers 5, or with a field left
+#: out whose default transformers' config class applies).
 OLDER_CONFIGS = {
-    "gemma3": lambda config: _older(
-        config,
-        sliding_window_pattern=2,
-        rope_local_base_freq=100.0,
-        rope_theta=10000.0,
-        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    "gemma3": (
+        "gemma3",
+        lambda config: _older(
+            config,
+            sliding_window_pattern=2,
+            rope_local_base_freq=100.0,
+            rope_theta=10000.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
     ),
-    "gpt_oss": lambda config: {k: v for k, v in config.items() if k != "layer_types"},
-    "qwen3": lambda config: _older(
-        config,
-        use_sliding_window=True,
-        sliding_window=3,
-        max_window_layers=1,
-        rope_theta=100.0,
+    "gpt_oss": ("gpt_oss", lambda config: _without(config, "layer_types")),
+    "qwen3": (
+        "qwen3",
+        lambda config: _older(
+            config,
+            use_sliding_window=True,
+            sliding_window=3,
+            max_window_layers=1,
+            rope_theta=100.0,
+        ),
+    ),
+    # Qwen's window is off unless use_sliding_window says so (its default: False).
+    "qwen3, window without use_sliding_window": (
+        "qwen3",
+        lambda config: _without(
+            _older(config, sliding_window=3, max_window_layers=1, rope_theta=100.0),
+            "use_sliding_window",
+        ),
     ),
 }
 
 
-@pytest.mark.parametrize("model", list(OLDER_CONFIGS))
-def test_older_configs_read_as_transformers_reads_them(model, tmp_path):
+@pytest.mark.parametrize("name", list(OLDER_CONFIGS))
+def test_older_configs_read_as_transformers_reads_them(name, tmp_path):
+    model, older = OLDER_CONFIGS[name]
     folder = tmp_path / model
     shutil.copytree(FOLDERS / model, folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(OLDER_CONFIGS[model](config)))
+    (folder / "config.json").write_text(json.dumps(older(config)))
     lm = loaded(folder)
     converted = {index: kwargs for index, _, kwargs in attention_layers(folder)}
     assert converted == {
