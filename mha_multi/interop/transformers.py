@@ -65,6 +65,22 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
 #: Model types whose ``sliding_window`` applies only where ``use_sliding_window`` is set
 #: (Qwen's: the flag's default is ``False``).
 _WINDOW_FLAGGED = ("qwen2", "qwen3")
+#: Model types whose blocks have projection biases or not whatever the config says, and
+#: those whose ``attention_bias`` decides (its default where the config leaves it out),
+#: as transformers builds them (Qwen 2's query, key and value biases without an output
+#: one are the canonical arrays' to check).
+_BIASES_FIXED = {"mistral": False, "phi3": False}
+_BIASES_FIELD_DEFAULT = {
+    "llama": False,
+    "gemma2": False,
+    "gemma3_text": False,
+    "cohere": False,
+    "qwen3": False,
+    "olmo2": False,
+    "gpt_oss": True,
+}
+#: Gemma 3's layer types, by which its config's ``rope_parameters`` are given.
+_GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
 #: Model types whose scores are scaled by ``field ** -0.5`` rather than ``head_dim ** -0.5``.
 _SCALE_FIELDS = {"gemma2": "query_pre_attn_scalar", "gemma3_text": "query_pre_attn_scalar"}
 #: What follows a known block's class prefix in the architectures whose
@@ -109,6 +125,21 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
                 f"{source}: architecture {architecture!r} is not known; a {model_type!r} "
                 f"checkpoint converts as {', '.join(prefix + head for head in _HEADS)}"
             )
+    if config.get("rope_parameters") is not None and config.get("rope_scaling") is not None:
+        raise ValueError(
+            f"{source}: rope_parameters and rope_scaling are both set; transformers then reads "
+            "rope_scaling (and rope_theta) alone: keep one of them"
+        )
+    parameters = config.get("rope_parameters")
+    if (
+        model_type == "gemma3_text"
+        and parameters is not None
+        and not (isinstance(parameters, Mapping) and set(parameters) <= set(_GEMMA3_LAYER_TYPES))
+    ):
+        raise ValueError(
+            f"{source}: a gemma3_text config's rope_parameters are given by layer type "
+            f"({', '.join(_GEMMA3_LAYER_TYPES)}); got {parameters!r}"
+        )
     namespace = SimpleNamespace(**config)
     if model_type in _WINDOW_FLAGGED and not config.get("use_sliding_window", False):
         namespace.sliding_window = None  # (the window is then unused, the flag off unless set)
@@ -212,11 +243,47 @@ def _layers(
             heads, weights, _ = _checked(
                 arrays, config.num_attention_heads, getattr(config, "num_key_value_heads", None)
             )
+            _check_fits(config, heads, weights)
             precision = weights["W_o"].dtype
             kwargs = block_arguments(weights, config, heads, **_layer_facts(config, index, heads))
         except ValueError as error:
             raise ValueError(f"layer {index}: {error}") from error
         yield index, {name: array.astype(precision) for name, array in weights.items()}, kwargs
+
+
+def _check_fits(config: SimpleNamespace, heads: spec.Heads, weights: Mapping[str, Any]) -> None:
+    """Raises where the config says of a layer what its tensors do not hold.
+
+    transformers builds the block from the config and fails on tensors of
+    other sizes, or initialises biases the checkpoint lacks and leaves out
+    those its block does not have: the layer read from the tensors would
+    compute something else (docs: "Porting weights").
+    """
+    stated = {
+        "hidden_size": (getattr(config, "hidden_size", None), weights["W_q"].shape[0]),
+        "head_dim": (getattr(config, "head_dim", None), heads.head_dim),
+    }
+    for field, (value, held) in stated.items():
+        if value is not None and int(value) != held:
+            raise ValueError(
+                f"config {field}={value!r} does not fit the checkpoint's tensors, "
+                f"which hold {field} {held}"
+            )
+    model_type = config.model_type
+    if model_type in _BIASES_FIXED:
+        biased = _BIASES_FIXED[model_type]
+        said = f"a {model_type!r} block has {'' if biased else 'no '}projection biases"
+    elif model_type in _BIASES_FIELD_DEFAULT:
+        biased = bool(getattr(config, "attention_bias", _BIASES_FIELD_DEFAULT[model_type]))
+        said = f"config attention_bias={biased!r}"
+    else:
+        return
+    if biased != ("b_q" in weights):
+        held = "holds" if "b_q" in weights else "holds no"
+        raise ValueError(
+            f"{said}, but the checkpoint {held} projection biases: transformers' block "
+            "would compute without them or with biases of its own"
+        )
 
 
 def _layer_facts(config: SimpleNamespace, index: int, heads: spec.Heads) -> dict[str, Any]:

@@ -14,7 +14,9 @@ config classes derive layer types and Gemma 3's rotary settings from).
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,8 +25,10 @@ transformers = pytest.importorskip("transformers")
 from transformers_blocks import attention_results  # noqa: E402
 from transformers_checkpoints import CHECKPOINTS, FOLDERS, loaded, results  # noqa: E402
 
+from mha_multi import spec  # noqa: E402
 from mha_multi.interop.llama import from_llama  # noqa: E402
-from mha_multi.interop.transformers import attention_layers  # noqa: E402
+from mha_multi.interop.transformers import _check_fits, attention_layers  # noqa: E402
+from mha_multi.weights import init_weights  # noqa: E402
 
 
 @pytest.mark.parametrize("model", list(CHECKPOINTS))
@@ -96,3 +100,61 @@ def test_older_configs_read_as_transformers_reads_them(name, tmp_path):
     assert converted == {
         index: from_llama(layer.self_attn)[1] for index, layer in enumerate(lm.model.layers)
     }
+
+
+#: (model, config field, value, the refusal): a config that says of the layers what the
+#: tensors do not hold, or that transformers reads otherwise than its fields say.
+CONTRADICTED = {
+    "head_dim": ("llama3", "head_dim", 16, "head_dim=16 does not fit the checkpoint's tensors"),
+    "hidden_size": ("qwen3", "hidden_size", 16, "hidden_size=16 does not fit"),
+    "biases said, none held": (
+        "llama3",
+        "attention_bias",
+        True,
+        "attention_bias=True, but the checkpoint holds no projection biases",
+    ),
+    "biases held, none said": (
+        "gpt_oss",
+        "attention_bias",
+        False,
+        "attention_bias=False, but the checkpoint holds projection biases",
+    ),
+    "rope_scaling beside rope_parameters": (
+        "qwen3",
+        "rope_scaling",
+        {"rope_type": "linear", "factor": 2.0},
+        "rope_parameters and rope_scaling are both set",
+    ),
+    "gemma3's rope_parameters not by layer type": (
+        "gemma3",
+        "rope_parameters",
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 50.0},
+        "given by layer type",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTRADICTED))
+def test_configs_the_tensors_contradict_are_refused(name, tmp_path):
+    """transformers fails on such a folder, or computes with biases the checkpoint does
+    not hold, or without those it holds, or with other rotary settings: nothing is
+    converted."""
+    model, field, value, match = CONTRADICTED[name]
+    folder = tmp_path / model
+    shutil.copytree(FOLDERS / model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        list(attention_layers(folder))
+
+
+def test_blocks_with_fixed_biases_refuse_tensors_that_differ():
+    """A Mistral or Phi-3 block has no projection biases whatever its config says: a
+    checkpoint that holds them is refused."""
+    weights = init_weights(16, seed=0, num_heads=2, bias=True)
+    heads = spec.heads_of_weights(weights, 2)
+    for model_type in ("mistral", "phi3"):
+        config = SimpleNamespace(model_type=model_type, hidden_size=16, attention_bias=True)
+        with pytest.raises(ValueError, match=f"a '{model_type}' block has no projection biases"):
+            _check_fits(config, heads, weights)
+        _check_fits(config, heads, {k: v for k, v in weights.items() if not k.startswith("b_")})
