@@ -130,6 +130,13 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
             f"{source}: rope_parameters and rope_scaling are both set; transformers then reads "
             "rope_scaling (and rope_theta) alone: keep one of them"
         )
+    layer_types = config.get("layer_types")
+    if model_type == "mistral" and layer_types and set(layer_types) != {"sliding_attention"}:
+        raise ValueError(
+            f"{source}: a mistral config with layer_types {sorted(set(layer_types))}: "
+            "transformers' Mistral blocks slide on every layer whatever they say, its "
+            "Ministral blocks as they say; which one the checkpoint is for is not known"
+        )
     parameters = config.get("rope_parameters")
     if (
         model_type == "gemma3_text"

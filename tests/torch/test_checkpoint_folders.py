@@ -26,8 +26,9 @@ from transformers_blocks import attention_results  # noqa: E402
 from transformers_checkpoints import CHECKPOINTS, FOLDERS, loaded, results  # noqa: E402
 
 from mha_multi import spec  # noqa: E402
+from mha_multi.interop.families import layer_window  # noqa: E402
 from mha_multi.interop.llama import from_llama  # noqa: E402
-from mha_multi.interop.transformers import _check_fits, attention_layers  # noqa: E402
+from mha_multi.interop.transformers import _check_fits, attention_layers, model_config  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
 
@@ -146,6 +147,24 @@ def test_configs_the_tensors_contradict_are_refused(name, tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(ValueError, match=re.escape(match)):
         list(attention_layers(folder))
+
+
+def test_a_mistral_config_with_layer_types_is_refused():
+    """transformers' Mistral blocks slide on every layer, its Ministral blocks (which
+    ``AutoModel`` makes of such a config) by layer type: not knowing which the
+    checkpoint is for, the reader refuses layer types other than all sliding."""
+    config = {
+        "model_type": "mistral",
+        "hidden_size": 16,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "sliding_window": 3,
+    }
+    mixed = {**config, "layer_types": ["sliding_attention", "full_attention"]}
+    with pytest.raises(ValueError, match="slide on every layer"):
+        model_config(mixed)
+    sliding = model_config({**config, "layer_types": ["sliding_attention"] * 2})
+    assert [layer_window(sliding, index) for index in range(2)] == [3, 3]
 
 
 def test_blocks_with_fixed_biases_refuse_tensors_that_differ():
