@@ -75,7 +75,9 @@ def prune_heads(
     ``num_heads * head_dim != num_hiddens``, which its configuration states.
     The ``(head_dim,)`` weights of a per-head ``qk_norm`` stay as they are
     (the pruned layer takes the same ``qk_norm``); a norm of the whole
-    projection spans every head, and is refused.
+    projection spans every head, and is refused. ALiBi's slopes depend on
+    each head's place among all heads: a layer with ``alibi=True`` pruned
+    would not compute what its gated heads do (docs: "Heads").
 
     Args:
         weights: canonical weights of the full layer.
