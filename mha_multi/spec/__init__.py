@@ -55,6 +55,7 @@ from mha_multi.spec.cache_checks import (
     check_cached_call,
     check_cached_inputs,
     rounded_span,
+    window_first,
 )
 from mha_multi.spec.checks import (
     Heads,
@@ -213,6 +214,7 @@ __all__ = [
     "reference_forward",
     "reference_gradients",
     "rounded_span",
+    "window_first",
     "scaled_scores",
     "shard_heads",
     "static_split_sizes",

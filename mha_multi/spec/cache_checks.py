@@ -279,8 +279,14 @@ class CacheFill(NamedTuple):
             return 0
         if num_queries - int(self.new.min()) >= window:
             return 0
-        first = int(self.lengths.min()) - window + 1
-        return max(0, first // bucket * bucket)
+        return window_first(int(self.lengths.min()), window, bucket)
+
+
+def window_first(length: int, window: int, bucket: int) -> int:
+    """The first cache position a query at ``length`` (the fewest positions an example
+    held before the call) sees through ``window``, rounded down to ``bucket``; 0 while
+    the window reaches the first position."""
+    return max(0, (length - window + 1) // bucket * bucket)
 
 
 def rounded_span(filled: int, max_length: int, bucket: int) -> int:

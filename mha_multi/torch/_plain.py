@@ -239,8 +239,8 @@ class PlainRoute:
         if length < window:
             return 0
         if plan.fused:
-            return length + 1 - window
-        bucket = self.span_bucket_of(cache.keys)
+            return length + 1 - window  # (spec.window_first's, its span bucket 1)
+        first = spec.window_first(length, window, self.span_bucket_of(cache.keys))
         if on_host:
             row = length - 1
             if (
@@ -256,14 +256,14 @@ class PlainRoute:
                 read = total.item()
                 if read - read == 0.0:  # (inf - inf and NaN are NaN)
                     check.pending = check.pending_from = None
-                    return (length + 1 - window) // bucket * bucket
+                    return first
             poison = check.settled()  # (the rows no call read, summed with the poison)
             if poison is not None and not math.isfinite(poison.item()):
                 return 0
             check.poison = None
-            return (length + 1 - window) // bucket * bucket
+            return first
         clean = check.pending is None and check.pending_from is None and check.poison is None
-        return (length + 1 - window) // bucket * bucket if clean else 0
+        return first if clean else 0
 
     def _step_span(
         self, layer: call.Projections, cache: spec.KVCache, filled: int, *, may_read: bool
