@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch_support import draw_norm_weights
 
 from mha_multi import spec
 from mha_multi.torch import MultiHeadAttention, set_weights
@@ -91,10 +92,7 @@ def self_attention(heads, seed, dtype=torch.float32, **options):
     weights = init_weights(NUM_HIDDENS, bias=True, seed=seed, sinks=sinks, **heads)
     layer = MultiHeadAttention(NUM_HIDDENS, bias=True, dtype=dtype, **heads, **options)
     if options.get("qk_norm") is not None:
-        rng = np.random.default_rng(seed)
-        for name in ("q_norm", "k_norm"):
-            shape = tuple(getattr(layer, name).shape)
-            weights[name] = (1.0 + 0.25 * rng.standard_normal(shape)).astype(np.float32)
+        draw_norm_weights(weights, layer, np.random.default_rng(seed))
     layer = set_weights(layer, {k: v.astype(np.float32) for k, v in weights.items()}).eval()
     return {k: v.astype(np.float32).astype(np.float64) for k, v in weights.items()}, layer
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from route_support import answered_calls, generic_only
-from torch_support import assert_same_nonfinite_pattern
+from torch_support import assert_same_nonfinite_pattern, draw_norm_weights
 
 from conftest import recording_host_moves
 from mha_multi import spec
@@ -69,9 +69,7 @@ def test_plain_self_attention_takes_the_fast_route_to_the_generic_numbers(
     layer = MultiHeadAttention(16, bias=True, dtype=dtype, **options, **heads)
     rng = np.random.default_rng(21)
     if "qk_norm" in options:
-        for name in ("q_norm", "k_norm"):
-            shape = tuple(getattr(layer, name).shape)
-            weights[name] = (1.0 + 0.25 * rng.standard_normal(shape)).astype(np.float32)
+        draw_norm_weights(weights, layer, rng)
     layer = set_weights(layer, weights).eval()
     x = torch.from_numpy(rng.standard_normal((3, 5, 16))).to(dtype)
     expected, _ = spec.reference_forward(

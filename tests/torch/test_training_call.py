@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from route_support import answered_calls, generic_only
+from torch_support import draw_norm_weights
 
 from conftest import recording_host_moves
 from mha_multi import spec
@@ -39,10 +40,7 @@ def tiny_layer(
     )
     layer = MultiHeadAttention(16, num_heads, **options)
     if "qk_norm" in options:
-        rng = np.random.default_rng(3)
-        for name in ("q_norm", "k_norm"):
-            shape = tuple(getattr(layer, name).shape)
-            weights[name] = (1.0 + 0.25 * rng.standard_normal(shape)).astype(np.float32)
+        draw_norm_weights(weights, layer, np.random.default_rng(3))
     return weights, set_weights(layer, weights).train()
 
 

@@ -54,3 +54,11 @@ def assert_same_nonfinite_pattern(got, expected):
         np.testing.assert_array_equal(test(got), test(expected))
     finite = np.isfinite(expected)
     np.testing.assert_allclose(got[finite], expected[finite], rtol=0, atol=5e-6)
+
+
+def draw_norm_weights(weights, layer, rng):
+    """``layer``'s query/key norms' weights drawn around 1 into ``weights`` (a scale of
+    ones would hide one applied twice or left out), from ``rng``."""
+    for name in ("q_norm", "k_norm"):
+        shape = tuple(getattr(layer, name).shape)
+        weights[name] = (1.0 + 0.25 * rng.standard_normal(shape)).astype(np.float32)
