@@ -12,6 +12,7 @@ from typing import Any
 from mha_multi import spec
 from mha_multi.call.contract import Array
 from mha_multi.call.facts import Facts
+from mha_multi.spec.memo import Kept
 
 
 def kernel_settings(
@@ -57,10 +58,7 @@ def kernel_settings(
 
 #: The part of a call's plan that reads nothing, by signature (:func:`plan`): the
 #: kernel it was decided for, and what :func:`_decided` returned.
-_DECIDED: dict[tuple, tuple[Any, dict[str, Any], spec.KernelPlan, bool]] = {}
-
-#: How many signatures :data:`_DECIDED` holds before it starts anew.
-_DECIDED_SIZE = 4096
+_DECIDED: Kept[tuple[Any, dict[str, Any], spec.KernelPlan, bool]] = Kept(4096)
 
 
 def _decided(
@@ -172,9 +170,7 @@ def plan(
             kernel = None
         if kernel is not facts.kernel:  # (new, or decided for a kernel since replaced)
             settings, optimistic, hides_keys = _decided(facts, q, k, valid_lens, arguments)
-            if len(_DECIDED) >= _DECIDED_SIZE:
-                _DECIDED.clear()
-            _DECIDED[key] = (facts.kernel, settings, optimistic, hides_keys)
+            _DECIDED.keep(key, (facts.kernel, settings, optimistic, hides_keys))
     if not optimistic.fused:
         return optimistic
     batch, num_queries, num_keys = settings["sizes"]

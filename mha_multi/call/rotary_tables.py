@@ -19,7 +19,6 @@ call whose lengths were read makes its own tables, of positions made on the host
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ import numpy as np
 from mha_multi import spec
 from mha_multi.call.contract import Array
 from mha_multi.call.facts import Facts
+from mha_multi.spec.memo import Kept
 
 __all__ = [
     "KEPT_SIGNATURES",
@@ -43,7 +43,7 @@ KEPT_SIGNATURES = 8
 
 Tables = tuple[Array, Array]
 
-_KEPT: OrderedDict[tuple[Any, ...], Tables] = OrderedDict()
+_KEPT: Kept[Tables] = Kept(KEPT_SIGNATURES)
 
 
 def kept() -> list[Tables]:
@@ -93,9 +93,7 @@ def kept_tables(
     positions = ops.constant(np.arange(count, dtype=np.int32), x)
     tables = spec.rotary_tables(ops, x, positions, rotary, head_dim, length=length)
     if key is not None:
-        _KEPT[key] = tables
-        if len(_KEPT) > KEPT_SIGNATURES:
-            _KEPT.popitem(last=False)
+        _KEPT.keep(key, tables)
     return tables
 
 

@@ -32,6 +32,7 @@ from mha_multi.jax import _facts
 from mha_multi.jax._facts import JaxFacts
 from mha_multi.jax._kernel import platform
 from mha_multi.jax._projections import WeightsProjections
+from mha_multi.spec.memo import Kept
 
 __all__ = ["KEPT_PLANS", "LayerSettings", "PlanKey", "forget", "planned_call"]
 
@@ -63,7 +64,7 @@ class PlanKey(NamedTuple):
     piece_bytes: int
 
 
-_PLANS: dict[PlanKey, Callable[..., call.Result]] = {}
+_PLANS: Kept[Callable[..., call.Result]] = Kept(KEPT_PLANS)
 _ARRAY_TYPE: type | None = None
 
 
@@ -173,9 +174,7 @@ def planned_call(
     except TypeError:  # a precision or an option that cannot be hashed
         return None
     if program is None:
-        program = _PLANS[key] = _program(key, platform(queries))
-        if len(_PLANS) > KEPT_PLANS:
-            del _PLANS[next(iter(_PLANS))]
+        program = _PLANS.keep(key, _program(key, platform(queries)))
     result = program(params, inputs, arrays)
     cache = arrays["cache"]
     if cache is not None:

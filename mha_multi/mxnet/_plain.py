@@ -27,7 +27,6 @@ does for a call that records nothing.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any, NamedTuple
 
 import mxnet as mx
@@ -40,6 +39,7 @@ from mxnet.ndarray.numpy import _internal as _npi
 
 from mha_multi import call, spec
 from mha_multi.call.rotary_tables import kept_tables
+from mha_multi.spec.memo import KeptBy
 
 __all__ = ["PLANS_PER_LAYER", "PlainPlan", "layout", "plain_attention", "plans_of"]
 
@@ -51,7 +51,7 @@ Layout = tuple[tuple[Any, tuple[int, ...]], ...]
 PLANS_PER_LAYER = 16
 
 #: Plans by layer, then by signature; ``None`` for a signature the route does not take.
-_PLANS: weakref.WeakKeyDictionary[Any, dict[tuple, PlainPlan | None]] = weakref.WeakKeyDictionary()
+_PLANS = KeptBy(PLANS_PER_LAYER)
 #: What :func:`_plan` answers where a plan cannot be made yet (deferred sizes).
 _NOT_YET = object()
 
@@ -160,9 +160,7 @@ def plain_attention(
             if type(x) is not mx.np.ndarray:
                 return None
             key += (x.shape, x.dtype, x.ctx)
-    plans = _PLANS.get(layer)
-    if plans is None:
-        plans = _PLANS[layer] = {}
+    plans = _PLANS.of(layer)
     try:
         plan = plans.get(key, _NOT_YET)
     except TypeError:  # a rotation whose fields cannot be hashed: the generic flow
@@ -171,9 +169,7 @@ def plain_attention(
         plan = _plan(facts, layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary)
         if plan is _NOT_YET:
             return None
-        if len(plans) >= PLANS_PER_LAYER:
-            del plans[next(iter(plans))]
-        plans[key] = plan
+        plans.keep(key, plan)
     if plan is None:
         return None
     if cache is None:

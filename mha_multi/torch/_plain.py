@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mha_multi import call, spec
+from mha_multi.spec.memo import KeptBy
 from mha_multi.torch._cache import CacheCheck
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
@@ -54,9 +55,7 @@ class PlainRoute:
 
     def __init__(self) -> None:
         # Plain self-attention's plans, by layer and shapes.
-        self._plain_plans: weakref.WeakKeyDictionary[Any, dict[tuple, PlainPlan | None]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._plain_plans: KeptBy = KeptBy(_PLAIN_PLANS)
 
     def plain_attention(
         self,
@@ -375,11 +374,8 @@ class PlainRoute:
         rotary = None if options is None else options.rotary
         if rotary is not None and cache is not None and rotary.depends_on_length:
             return None  # (each step's length changes every angle: no table serves them)
-        kept = self._plain_plans.get(layer)
-        if kept is None or kept[0] is not options:
-            # (A layer's options are fixed when it is made: others set since get plans anew.)
-            kept = self._plain_plans[layer] = (options, {})
-        plans = kept[1]
+        # (A layer's options are fixed when it is made: others set since get plans anew.)
+        plans = self._plain_plans.of(layer, made_for=options)
         # (The layer's heads and input sizes are fixed once it has been called.)
         key = (dtype, causal, queries.shape, queries.dtype, device, records)
         if cache is not None:
@@ -463,10 +459,7 @@ class PlainRoute:
                     norm=plain.norm, tables=plain.tables, wide_tables=plain.wide_tables
                 )
             )
-        if len(plans) >= _PLAIN_PLANS:
-            plans.clear()
-        plans[key] = plain
-        return plain
+        return plans.keep(key, plain)
 
     def _kernel_plan(
         self,
