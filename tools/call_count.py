@@ -108,8 +108,15 @@ def rows() -> dict[str, Callable[[], object]]:
         with torch.no_grad():
             return plain_eval(token, memory, memory, torch.tensor([3]))
 
+    lengths = torch.tensor([1])
+
+    def with_lengths() -> object:
+        with torch.no_grad():
+            return plain_eval(token, token, token, lengths)
+
     counted_rows = {
         "one token, eval, no_grad": no_grad(plain_eval),
+        "one token, lengths, no_grad": with_lengths,
         "one token over 4 keys, lengths, no_grad": cross,
         "one token, training": lambda: plain_train(token, token, token),
         "decoding step": decode(layer().eval()),

@@ -42,7 +42,7 @@ from mha_multi.call.flow import (
     forward,
     plain_self_attention,
 )
-from mha_multi.call.kernel_plan import kernel_settings, plan
+from mha_multi.call.kernel_plan import hides_keys, kernel_settings, plan
 
 __all__ = [
     "BIAS_SHAPE",
@@ -61,6 +61,7 @@ __all__ = [
     "check_gates",
     "check_options",
     "forward",
+    "hides_keys",
     "kernel_settings",
     "plain_self_attention",
     "plan",

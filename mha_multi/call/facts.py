@@ -360,6 +360,7 @@ class Facts:
         causal: bool,
         dtype: Any,
         options: spec.LayerOptions | None = None,
+        valid_lens: Any = None,
     ) -> Result | None:
         """Plain self-attention (:func:`plain_self_attention`) run in few operations, or ``None``.
 
@@ -379,6 +380,8 @@ class Facts:
             options: the layer's checked options, or ``None`` for none: a
                 framework answers the layers whose options it takes (rotary
                 positions rotate at their defaults).
+            valid_lens: the call's lengths, unchecked, or ``None``: a
+                framework answers the lengths it takes.
         """
         return None
 

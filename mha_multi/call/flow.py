@@ -328,19 +328,14 @@ def plain_self_attention(
     """Whether a call is plain self-attention, which :meth:`Facts.plain_attention` may answer.
 
     The queries are the keys and values (with a cache: the new positions),
-    ``causal`` is a bool, and nothing else is asked: no lengths, and each of
-    ``others``, the call's every other argument (returned weights, gates,
-    positions, bias, dropout, heads mapped over devices or sharded), ``None``
-    or ``False``. The layer's own options are the facts' to take or leave
-    (:meth:`Facts.plain_attention`): rotary positions at their defaults and
-    what a layer does to its scores are fixed with the layer.
+    ``causal`` is a bool, and nothing else is asked: each of ``others``, the
+    call's every other argument (returned weights, gates, positions, bias,
+    dropout, heads mapped over devices or sharded), ``None`` or ``False``.
+    The lengths (``valid_lens``) and the layer's own options are the facts' to
+    take or leave (:meth:`Facts.plain_attention`): rotary positions at their
+    defaults and what a layer does to its scores are fixed with the layer.
     """
-    if not (
-        keys is queries
-        and values is queries
-        and valid_lens is None
-        and (causal is True or causal is False)
-    ):
+    if not (keys is queries and values is queries and (causal is True or causal is False)):
         return False
     # A loop, not all() of a generator: every call of every layer asks.
     for x in others:  # noqa: SIM110
@@ -408,7 +403,13 @@ def forward(
     others += (dropout, head_parallel, local_gates)
     if plain_self_attention(queries, keys, values, valid_lens, causal=causal, others=others):
         result = facts.plain_attention(
-            layer, queries, cache, causal=causal, dtype=dtype, options=layer_options
+            layer,
+            queries,
+            cache,
+            causal=causal,
+            dtype=dtype,
+            options=layer_options,
+            valid_lens=valid_lens,
         )
         if result is not None:
             return result

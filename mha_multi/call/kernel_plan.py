@@ -81,15 +81,20 @@ def _decided(
         options=arguments["options"],
     )
     optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
-    # Keys hidden whatever the lengths.
-    hides_keys = (
-        optimistic.is_causal
-        or optimistic.mask_causal
-        or optimistic.window_flag
-        or optimistic.mask_window
-        or optimistic.mask_segments
+    return settings, optimistic, hides_keys(optimistic)
+
+
+def hides_keys(plan: spec.KernelPlan) -> bool:
+    """Whether the kernel ``plan`` hides keys whatever the lengths (its causal rule, window
+    or packed sequences): the values read must then bound the scores
+    (:meth:`~mha_multi.call.facts.Facts.plan_values`)."""
+    return (
+        plan.is_causal
+        or plan.mask_causal
+        or plan.window_flag
+        or plan.mask_window
+        or plan.mask_segments
     )
-    return settings, optimistic, hides_keys
 
 
 def plan(

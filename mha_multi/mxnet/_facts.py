@@ -367,11 +367,12 @@ class MXNetFacts(call.Facts):
         causal: bool,
         dtype: Any,
         options: spec.LayerOptions | None = None,
+        valid_lens: Any = None,
     ) -> call.Result | None:
         """An imperative call run by its signature's plan
         (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``: a layer with no
-        option but ``rotary``."""
-        if options is not None and not options.at_most_rotary:
+        option but ``rotary``, called without lengths."""
+        if valid_lens is not None or (options is not None and not options.at_most_rotary):
             return None
         rotary = None if options is None else options.rotary
         return plain_attention(

@@ -25,6 +25,7 @@ import torch
 from mha_multi import call, spec
 from mha_multi.spec.memo import KeptBy
 from mha_multi.torch._cache import CacheCheck
+from mha_multi.torch._lengths_route import LengthsRoute
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
@@ -45,7 +46,7 @@ __all__ = ["PlainPlan", "PlainRoute"]
 _PLAIN_PLANS = 64
 
 
-class PlainRoute:
+class PlainRoute(LengthsRoute):
     """Plain self-attention's fast route, a part of the PyTorch facts
     (:class:`mha_multi.torch._facts.TorchFacts`, whose kernel, span bucket and
     ``on_host`` it reads)."""
@@ -66,6 +67,7 @@ class PlainRoute:
         causal: bool,
         dtype: torch.dtype | None,
         options: spec.LayerOptions | None = None,
+        valid_lens: Any = None,
     ) -> call.Result | None:
         """Plain self-attention (:func:`mha_multi.call.plain_self_attention`) in a dozen operations.
 
@@ -118,9 +120,20 @@ class PlainRoute:
             records = not on_host and layer.stacked_records_gradient(queries)
         rotary = None if options is None else options.rotary
         step = None
+        if valid_lens is not None and (
+            cache is not None or type(valid_lens) is not torch.Tensor or not on_host
+        ):
+            return None
         if cache is None:
             plan = self._plain_plan(
-                layer, queries, None, causal=causal, dtype=dtype, options=options, records=records
+                layer,
+                queries,
+                None,
+                causal=causal,
+                dtype=dtype,
+                options=options,
+                records=records,
+                valid_lens=valid_lens,
             )
         else:
             check = self._plain_step_check(queries, cache)
@@ -187,6 +200,8 @@ class PlainRoute:
                 projected, plan.tables, plan.wide_tables, rotary, heads, None
             )
             read = (turned, v)
+        if plan.settings is not None:
+            return self._with_lengths(layer, plan, q, k, v, valid_lens)
         try:
             if plan.fused and not self._exact(read, q, k, plan, heads.head_dim):
                 return None  # (nothing made that the generic flow would not make again)
@@ -349,11 +364,13 @@ class PlainRoute:
         dtype: torch.dtype | None,
         options: spec.LayerOptions | None = None,
         records: bool = False,
+        valid_lens: torch.Tensor | None = None,
     ) -> PlainPlan | None:
         """:meth:`plain_attention`'s plan for calls of these shapes, or ``None`` where it
         takes none (``records``: a call without a cache records a gradient, and its
         plan reads only where :func:`mha_multi.spec.reads_values` says so of a
-        gradient's call).
+        gradient's call; ``valid_lens``: the call's lengths, unchecked, of a call
+        without a cache).
 
         Decided once for each layer and queries, cache and flags of these
         shapes, dtypes and devices: by the generic flow's own checks (which
@@ -378,6 +395,8 @@ class PlainRoute:
         plans = self._plain_plans.of(layer, made_for=options)
         # (The layer's heads and input sizes are fixed once it has been called.)
         key = (dtype, causal, queries.shape, queries.dtype, device, records)
+        if valid_lens is not None:
+            key += (valid_lens.shape, valid_lens.dtype, valid_lens.device)
         if cache is not None:
             keys, values, lengths = cache
             key += (
@@ -399,9 +418,9 @@ class PlainRoute:
         score_options = spec.NO_OPTIONS
         plain: PlainPlan | None = None
         if cache is None:
-            call.check_call(
-                self, layer, queries, queries, queries, None, causal=causal, dtype=dtype
-            )
+            lens = call.check_call(
+                self, layer, queries, queries, queries, valid_lens, causal=causal, dtype=dtype
+            )[3]
             batch, num_queries = queries.shape[:2]
             sizes = (batch, num_queries, num_queries)
             total_scores = None if records else batch * heads.num_heads * num_queries**2
@@ -422,7 +441,13 @@ class PlainRoute:
             reads = on_host
             if options is not None and options.touches_scores:
                 score_options = call_options(options, layer, cache.keys)
-        if 0 not in queries.shape[:2]:  # (an empty batch or call: the generic flow's)
+        if valid_lens is not None:
+            # Lengths with options that touch the scores, or on a GPU (whose reads a call's
+            # size decides): the generic flow's.
+            if score_options is not spec.NO_OPTIONS or not on_host or 0 in queries.shape[:2]:
+                return plans.keep(key, None)
+            plain = self._lengths_plan(layer, queries, lens, causal=causal, sizes=sizes)
+        elif 0 not in queries.shape[:2]:  # (an empty batch or call: the generic flow's)
             plain = self._kernel_plan(
                 layer, queries, cache, score_options, causal=causal, reads=reads, sizes=sizes
             )

@@ -321,7 +321,8 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
 
     with answered_calls() as answers:
         _, caches = feed_back(layer, prompt, 3, 8, np.array([4, 2, 3]), check=against_reference)
-    assert answers == [False] * 3  # the examples hold 4, 2 and 3 positions
+    # A cached call's lengths (the prompt's), then steps of examples holding 4, 2 and 3.
+    assert answers == [False] * 4
     assert caches[-1].lengths.tolist() == [7, 5, 6]
 
     with answered_calls() as answers, torch.no_grad():

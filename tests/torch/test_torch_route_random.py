@@ -5,7 +5,8 @@ through the generic flow alone (docs: "Fast paths"): the outputs (and, where
 gradients are recorded, the input's gradient; with a cache, the cache) are
 the same to the bit, NaN where the generic flow's are, or both raise the
 same error. Layers with every option, grouped heads, 16 to 64 bits, empty
-axes, non-finite and large inputs, on the host and as on a GPU.
+axes, non-finite and large inputs, lengths of every kind (hiding every key,
+none, or some), on the host and as on a GPU.
 """
 
 from __future__ import annotations
@@ -43,6 +44,21 @@ OPTIONS = [
     {"rotary": ROTARY, "window": 4, "qk_norm": {"unit_offset": True}},
 ]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+#: The kinds of ``valid_lens`` a call without a cache is given.
+LENGTHS = [None, "(B,)", "(B,) int32", "(B,) float", "(B, Q)", "list"]
+
+
+def lengths_of(kind: str | None, batch: int, num_queries: int) -> object:
+    """``valid_lens`` of ``kind``, from -1 (as 0) to past the keys (as all of them)."""
+    if kind is None:
+        return None
+    shape = (batch, num_queries) if kind == "(B, Q)" else (batch,)
+    lengths = torch.randint(-1, num_queries + 2, shape)
+    if kind == "list":
+        return lengths.tolist()
+    return lengths.to(
+        {"(B,) int32": torch.int32, "(B,) float": torch.float32}.get(kind, torch.int64)
+    )
 
 
 def layer_of(options: dict, num_kv_heads: int, dtype: torch.dtype) -> MultiHeadAttention:
@@ -93,21 +109,23 @@ def assert_route_is_generic(function, on_a_gpu: bool) -> None:
     recording=st.booleans(),
     causal=st.booleans(),
     shape=st.tuples(st.integers(0, 3), st.integers(0, 6)),
+    lengths=st.sampled_from(LENGTHS),
     poison=st.sampled_from([None, "nan", "inf", "large"]),
     where=st.tuples(*[st.integers(0, 15)] * 3),
     seed=st.integers(0, 2**16),
 )
 def test_a_call_without_a_cache_is_the_generic_flows(
-    options, num_kv_heads, dtype, on_a_gpu, recording, causal, shape, poison, where, seed
+    options, num_kv_heads, dtype, on_a_gpu, recording, causal, shape, lengths, poison, where, seed
 ):
     torch.manual_seed(seed)
     layer = layer_of(options, num_kv_heads, dtype).train(recording)
     x = poisoned(torch.randn(*shape, 16, dtype=torch.float64), poison, where).to(dtype)
+    valid_lens = lengths_of(lengths, *shape)
 
     def call():
         queries = x.clone().requires_grad_(recording)
         with contextlib.nullcontext() if recording else torch.no_grad():
-            out = layer(queries, queries, queries, causal=causal)
+            out = layer(queries, queries, queries, valid_lens, causal=causal)
         if not recording:
             return (out,)
         out.sum().backward()
@@ -166,3 +184,22 @@ def test_the_randomised_layers_reach_the_route(dtype):
     with answered_calls() as answers, torch.no_grad():
         layer(x, x, x, causal=True)
     assert answers == [True]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", LENGTHS[1:-1])
+def test_calls_with_lengths_reach_the_route(lengths, causal):
+    """A call with lengths (a tensor) on the host takes the route, recording a gradient
+    or not, lengths that hide every key of a row included (the randomised tests then
+    compare it with the generic flow); those on a GPU, and lengths not a tensor, do not."""
+    layer = layer_of({"rotary": ROTARY}, 2, torch.float32)
+    x = torch.randn(3, 4, 16)
+    valid_lens = lengths_of(lengths, 3, 4)
+    with answered_calls() as answers:
+        layer(x, x, x, valid_lens, causal=causal)
+        with torch.no_grad():
+            layer(x, x, x, valid_lens * 0, causal=causal)
+        layer(x, x, x, [4, 1, 0], causal=causal)
+        with backend.as_if_on_a_gpu():
+            layer(x, x, x, valid_lens, causal=causal)
+    assert answers == [True, True, False, False]
