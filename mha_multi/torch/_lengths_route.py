@@ -82,6 +82,8 @@ class LengthsRoute:
             exact, shortest = self.plan_values(q, k, v, lengths, heads, hides_keys=plan.bounded)
         except RuntimeError:  # (values torch.vmap batches, which no read may take)
             return None
+        if exact is None:  # (nothing read: torch.func's transforms, whose plan is the flow's)
+            return None
         kernel_plan = spec.plan_kernel(
             self.kernel,
             **plan.settings,

@@ -49,16 +49,19 @@ LENGTHS = [None, "(B,)", "(B,) int32", "(B,) float", "(B, Q)", "list"]
 
 
 def lengths_of(kind: str | None, batch: int, num_queries: int) -> object:
-    """``valid_lens`` of ``kind``, from -1 (as 0) to past the keys (as all of them)."""
+    """``valid_lens`` of ``kind``, from -1 (as 0) to past the keys (as all of them); a
+    floating one's first may be NaN (hiding every key) or infinite."""
     if kind is None:
         return None
     shape = (batch, num_queries) if kind == "(B, Q)" else (batch,)
     lengths = torch.randint(-1, num_queries + 2, shape)
     if kind == "list":
         return lengths.tolist()
-    return lengths.to(
-        {"(B,) int32": torch.int32, "(B,) float": torch.float32}.get(kind, torch.int64)
-    )
+    if kind == "(B,) float":
+        lengths = lengths.float()
+        if batch:
+            lengths[0] = [lengths[0], math.nan, math.inf, -math.inf][int(torch.randint(0, 4, ()))]
+    return lengths.to(torch.int32) if kind == "(B,) int32" else lengths
 
 
 def layer_of(options: dict, num_kv_heads: int, dtype: torch.dtype) -> MultiHeadAttention:
@@ -192,6 +195,7 @@ def test_calls_with_lengths_reach_the_route(lengths, causal):
     """A call with lengths (a tensor) on the host takes the route, recording a gradient
     or not, lengths that hide every key of a row included (the randomised tests then
     compare it with the generic flow); those on a GPU, and lengths not a tensor, do not."""
+    torch.manual_seed(0)
     layer = layer_of({"rotary": ROTARY}, 2, torch.float32)
     x = torch.randn(3, 4, 16)
     valid_lens = lengths_of(lengths, 3, 4)
