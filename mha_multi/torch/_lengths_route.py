@@ -1,8 +1,9 @@
 """The fast route's calls with lengths: self-attention with ``valid_lens`` (docs: "Fast paths").
 
 A call without a cache whose queries are its keys and values, given lengths
-as a tensor, on the host, by a layer whose options leave the scores d2l's
-(rotary positions and query/key norms act before), is planned once per
+as a tensor, on the host, by a layer whose options the fused kernel takes
+(rotary positions, query/key norms, a window, ALiBi; not a soft cap or
+sinks), is planned once per
 signature by :class:`~mha_multi.torch._plain.PlainRoute` (the generic flow's
 checks, the kernel's settings): each call then makes the generic flow's one
 read of its values and lengths, the kernel plan that read decides, and the
@@ -38,14 +39,16 @@ class LengthsRoute:
         layer: call.Projections,
         queries: torch.Tensor,
         lengths: torch.Tensor,
+        options: spec.ScoreOptions,
         *,
         causal: bool,
         sizes: tuple[int, int, int],
     ) -> PlainPlan | None:
-        """The plan of calls with ``lengths`` (checked), on the host, whose options leave
-        the scores d2l's: the kernel's settings, from which each call plans its kernel
-        by its values read (:meth:`_with_lengths`), or ``None`` where the fused kernel
-        serves no values of them (the generic flow's path)."""
+        """The plan of calls with ``lengths`` (checked) on the host and the layer's score
+        ``options`` (the generic flow's, :func:`~mha_multi.torch._route_options.call_options`):
+        the kernel's settings, from which each call plans its kernel by its values read
+        (:meth:`_with_lengths`), and the kernel call's ``options``; or ``None`` where the
+        fused kernel serves no values of them (the generic flow's path)."""
         settings = call.kernel_settings(
             self,
             queries,
@@ -56,11 +59,14 @@ class LengthsRoute:
             causal=causal,
             dropout=False,
             return_attention_weights=False,
+            options=options,
         )
         optimistic = spec.plan_kernel(self.kernel, **settings, values_exact=True)
         if not optimistic.fused or queries.dtype in SIXTEEN_BIT:
             return None
-        return PlainPlan(True, {}, bounded=call.hides_keys(optimistic), settings=settings)
+        return PlainPlan(
+            True, {"options": options}, bounded=call.hides_keys(optimistic), settings=settings
+        )
 
     def _with_lengths(
         self,
@@ -103,5 +109,6 @@ class LengthsRoute:
             heads=heads,
             kv_split=False,
             dropout_rate=0.0,
+            **plan.arguments,
         )
         return call.Result(project_output(layer, context, True), None, None)

@@ -442,11 +442,12 @@ class PlainRoute(LengthsRoute):
             if options is not None and options.touches_scores:
                 score_options = call_options(options, layer, cache.keys)
         if valid_lens is not None:
-            # Lengths with options that touch the scores, or on a GPU (whose reads a call's
-            # size decides): the generic flow's.
-            if score_options is not spec.NO_OPTIONS or not on_host or 0 in queries.shape[:2]:
+            # Lengths on a GPU (whose reads a call's size decides): the generic flow's.
+            if not on_host or 0 in queries.shape[:2]:
                 return plans.keep(key, None)
-            plain = self._lengths_plan(layer, queries, lens, causal=causal, sizes=sizes)
+            plain = self._lengths_plan(
+                layer, queries, lens, score_options, causal=causal, sizes=sizes
+            )
         elif 0 not in queries.shape[:2]:  # (an empty batch or call: the generic flow's)
             plain = self._kernel_plan(
                 layer, queries, cache, score_options, causal=causal, reads=reads, sizes=sizes

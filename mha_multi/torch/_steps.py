@@ -78,7 +78,8 @@ class PlainPlan(NamedTuple):
     (:func:`mha_multi.call.kernel_settings`): each call decides its kernel
     plan from them and its values read, as the generic flow does
     (:meth:`PlainRoute.plain_attention`); ``bounded``, whether that plan may
-    hide keys whatever the lengths.
+    hide keys whatever the lengths; ``arguments``, the kernel call's score
+    ``options``.
     """
 
     fused: bool

@@ -207,3 +207,22 @@ def test_calls_with_lengths_reach_the_route(lengths, causal):
         with backend.as_if_on_a_gpu():
             layer(x, x, x, valid_lens, causal=causal)
     assert answers == [True, True, False, False]
+
+
+@pytest.mark.parametrize(
+    ("options", "taken"),
+    [
+        ({"window": 2}, True),
+        ({"alibi": True}, True),
+        ({"softcap": 2.0}, False),
+        ({"sinks": True}, False),
+    ],
+)
+def test_calls_with_lengths_reach_the_route_where_the_kernel_takes_the_options(options, taken):
+    """A window and ALiBi reach SDPA (a mask, a bias), so their calls with lengths take the
+    route; a soft cap and sinks, which no kernel takes, the generic flow."""
+    layer = layer_of(options, 2, torch.float32).eval()
+    x = torch.randn(3, 4, 16)
+    with answered_calls() as answers, torch.no_grad():
+        layer(x, x, x, torch.tensor([4, 2, 0]), causal=True)
+    assert answers == [taken]
