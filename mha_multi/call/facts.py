@@ -359,8 +359,8 @@ class Facts:
         *,
         causal: bool,
         dtype: Any,
-        options: spec.LayerOptions | None = None,
         valid_lens: Any = None,
+        options: spec.LayerOptions | None = None,
     ) -> Result | None:
         """Plain self-attention (:func:`plain_self_attention`) run in few operations, or ``None``.
 

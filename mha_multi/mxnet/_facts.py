@@ -366,8 +366,8 @@ class MXNetFacts(call.Facts):
         *,
         causal: bool,
         dtype: Any,
-        options: spec.LayerOptions | None = None,
         valid_lens: Any = None,
+        options: spec.LayerOptions | None = None,
     ) -> call.Result | None:
         """An imperative call run by its signature's plan
         (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``: a layer with no

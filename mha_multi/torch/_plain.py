@@ -66,8 +66,8 @@ class PlainRoute(LengthsRoute):
         *,
         causal: bool,
         dtype: torch.dtype | None,
-        options: spec.LayerOptions | None = None,
         valid_lens: Any = None,
+        options: spec.LayerOptions | None = None,
     ) -> call.Result | None:
         """Plain self-attention (:func:`mha_multi.call.plain_self_attention`) in a dozen operations.
 
