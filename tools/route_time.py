@@ -1,0 +1,61 @@
+"""Host time of a PyTorch call on the fast route against the generic flow, in turns.
+
+The same layer and inputs, the route refused by a patch on every other call
+(docs: "Fast paths"): each pair of calls meets the same moment of a shared
+machine, and the median of the pairs' differences is what the route saves.
+One thread, under ``torch.inference_mode``; self-attention of one example of
+``N`` positions and ``D`` hiddens (8 heads from 64 hiddens on, else 2), with
+lengths (``valid_lens``, all of them) or without.
+
+    python tools/route_time.py D N [--lengths] [--pairs P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from unittest import mock
+
+import torch
+
+from mha_multi.torch import MultiHeadAttention, _facts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("hiddens", type=int)
+    parser.add_argument("positions", type=int)
+    parser.add_argument("--lengths", action="store_true")
+    parser.add_argument("--pairs", type=int, default=3000)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    layer = MultiHeadAttention(args.hiddens, 8 if args.hiddens >= 64 else 2).eval()
+    x = torch.randn(1, args.positions, args.hiddens)
+    lengths = torch.tensor([args.positions]) if args.lengths else None
+    route = _facts.FACTS.plain_attention
+    refused = [False]
+
+    def offered(*given: object, **named: object) -> object:
+        return None if refused[0] else route(*given, **named)
+
+    times: dict[bool, list[int]] = {False: [], True: []}
+    with mock.patch.object(_facts.FACTS, "plain_attention", offered), torch.inference_mode():
+        for _ in range(20):
+            layer(x, x, x, lengths)
+        for pair in range(args.pairs):
+            for generic in (pair % 2 == 0, pair % 2 == 1):  # (who goes first alternates)
+                refused[0] = generic
+                start = time.perf_counter_ns()
+                layer(x, x, x, lengths)
+                times[generic].append(time.perf_counter_ns() - start)
+    saved = statistics.median(g - r for r, g in zip(times[False], times[True], strict=True))
+    ours, generic = (statistics.median(times[k]) / 1e3 for k in (False, True))
+    print(
+        f"D={args.hiddens} N={args.positions} lengths={args.lengths}: route {ours:.0f} us, "
+        f"generic flow {generic:.0f} us, median saving {saved / 1e3:.1f} us per call"
+    )
+
+
+if __name__ == "__main__":
+    main()
