@@ -104,7 +104,9 @@ class PlainRoute(LengthsRoute):
         the window, soft-capping and sinks too, the masks and bias made once
         by the plan (:class:`PlainPlan`): a call's, or for a step patterns of
         which each step takes a view, those the generic flow makes at each
-        step, of the step's one position.
+        step, of the step's one position. ``valid_lens``: a call's lengths,
+        which the route takes as a tensor on the host, without a cache
+        (:mod:`mha_multi.torch._lengths_route`).
         """
         if type(queries) is not torch.Tensor or torch.compiler.is_compiling():
             return None
@@ -441,9 +443,8 @@ class PlainRoute(LengthsRoute):
             reads = on_host
             if options is not None and options.touches_scores:
                 score_options = call_options(options, layer, cache.keys)
-        if valid_lens is not None:
-            # Lengths on a GPU (whose reads a call's size decides): the generic flow's.
-            if not on_host or 0 in queries.shape[:2]:
+        if valid_lens is not None:  # (on the host: plain_attention asked)
+            if 0 in queries.shape[:2]:  # (an empty batch or call: the generic flow's)
                 return plans.keep(key, None)
             plain = self._lengths_plan(
                 layer, queries, lens, score_options, causal=causal, sizes=sizes
