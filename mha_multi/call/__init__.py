@@ -42,7 +42,11 @@ from mha_multi.call.flow import (
     forward,
     plain_self_attention,
 )
-from mha_multi.call.kernel_plan import hides_keys, kernel_settings, plan
+from mha_multi.call.kernel_plan import (
+    decided,
+    kernel_settings,
+    plan,
+)
 
 __all__ = [
     "BIAS_SHAPE",
@@ -60,8 +64,8 @@ __all__ = [
     "check_call",
     "check_gates",
     "check_options",
+    "decided",
     "forward",
-    "hides_keys",
     "kernel_settings",
     "plain_self_attention",
     "plan",

@@ -56,17 +56,23 @@ def kernel_settings(
     }
 
 
+#: What a call's shapes and flags decide of its kernel plan (:func:`decided`).
+Decision = tuple[dict[str, Any], spec.KernelPlan, bool]
+
+
 #: The part of a call's plan that reads nothing, by signature (:func:`plan`): the
-#: kernel it was decided for, and what :func:`_decided` returned.
-_DECIDED: Kept[tuple[Any, dict[str, Any], spec.KernelPlan, bool]] = Kept(4096)
+#: kernel it was decided for, and what :func:`decided` returned.
+_DECIDED: Kept[tuple[Any, Decision]] = Kept(4096)
 
 
-def _decided(
+def decided(
     facts: Facts, q: Array, k: Array, valid_lens: Array | None, arguments: dict[str, Any]
-) -> tuple[dict[str, Any], spec.KernelPlan, bool]:
+) -> Decision:
     """What :func:`plan` decides of a call's shapes and flags, ``arguments`` (its keyword
     arguments): ``(settings, optimistic, hides_keys)``, the kernel's settings, the plan
-    for values read exact, and whether that plan hides keys whatever the lengths."""
+    for values read exact, and whether that plan hides keys whatever the lengths. A
+    plan made before its calls asks it whether the kernel can serve them at all
+    (PyTorch's route)."""
     lens_kind = None if valid_lens is None else facts.dtype_kind(valid_lens.dtype)
     settings = kernel_settings(
         facts,
@@ -153,7 +159,7 @@ def plan(
             options.segments is not None,
         )
     if signature is None:
-        settings, optimistic, hides_keys = _decided(facts, q, k, valid_lens, arguments)
+        decision = decided(facts, q, k, valid_lens, arguments)
     else:
         key = (
             facts,
@@ -170,12 +176,13 @@ def plan(
             kv_split,
         )
         try:
-            kernel, settings, optimistic, hides_keys = _DECIDED[key]
+            kernel, decision = _DECIDED[key]
         except KeyError:
             kernel = None
         if kernel is not facts.kernel:  # (new, or decided for a kernel since replaced)
-            settings, optimistic, hides_keys = _decided(facts, q, k, valid_lens, arguments)
-            _DECIDED.keep(key, (facts.kernel, settings, optimistic, hides_keys))
+            decision = decided(facts, q, k, valid_lens, arguments)
+            _DECIDED.keep(key, (facts.kernel, decision))
+    settings, optimistic, hides_keys = decision
     if not optimistic.fused:
         return optimistic
     batch, num_queries, num_keys = settings["sizes"]

@@ -3,11 +3,13 @@
 A call without a cache whose queries are its keys and values, given lengths
 as a tensor, on the host, by a layer whose options the fused kernel takes
 (rotary positions, query/key norms, a window, ALiBi; not a soft cap or
-sinks), is planned once per
-signature by :class:`~mha_multi.torch._plain.PlainRoute` (the generic flow's
-checks, the kernel's settings): each call then makes the generic flow's one
-read of its values and lengths, the kernel plan that read decides, and the
-generic flow's kernel call, so its numbers are the generic flow's to the bit.
+sinks), is planned once per signature by
+:class:`~mha_multi.torch._plain.PlainRoute` (the generic flow's checks, and
+what its kernel plan decides of the shapes and flags,
+:func:`mha_multi.call.decided`): each call then makes the generic flow's one
+read of its values and lengths and the kernel plan that read decides (its
+kernel plan itself, :func:`mha_multi.call.plan`), and the generic flow's
+kernel call, so its numbers are the generic flow's to the bit.
 """
 
 from __future__ import annotations
@@ -46,27 +48,22 @@ class LengthsRoute:
     ) -> PlainPlan | None:
         """The plan of calls with ``lengths`` (checked) on the host and the layer's score
         ``options`` (the generic flow's, :func:`~mha_multi.torch._route_options.call_options`):
-        the kernel's settings, from which each call plans its kernel by its values read
-        (:meth:`_with_lengths`), and the kernel call's ``options``; or ``None`` where the
-        fused kernel serves no values of them (the generic flow's path)."""
-        settings = call.kernel_settings(
-            self,
-            queries,
-            sizes=sizes,
-            lens_ndim=lengths.ndim,
-            lens_integer=not lengths.is_floating_point(),
-            heads=layer.heads,
-            causal=causal,
-            dropout=False,
-            return_attention_weights=False,
-            options=options,
-        )
-        optimistic = spec.plan_kernel(self.kernel, **settings, values_exact=True)
+        the arguments of their kernel plan (:func:`mha_multi.call.plan`), which each call
+        makes by its values read (:meth:`_with_lengths`), and the kernel call's
+        ``options``; or ``None`` where the fused kernel serves no values of them
+        (:func:`mha_multi.call.decided`: the generic flow's path)."""
+        arguments = {
+            "heads": layer.heads,
+            "causal": causal,
+            "dropout": False,
+            "return_attention_weights": False,
+            "kv_split": False,
+            "options": options,
+        }
+        optimistic = call.decided(self, queries, queries, lengths, arguments)[1]
         if not optimistic.fused or queries.dtype in SIXTEEN_BIT:
             return None
-        return PlainPlan(
-            True, {"options": options}, bounded=call.hides_keys(optimistic), settings=settings
-        )
+        return PlainPlan(True, {"options": options}, planned=arguments)
 
     def _with_lengths(
         self,
@@ -78,26 +75,17 @@ class LengthsRoute:
         valid_lens: torch.Tensor,
     ) -> call.Result | None:
         """A call with lengths on ``plan`` (:meth:`_lengths_plan`), of its projections
-        ``(B, Q, ·)``: the generic flow's read (:meth:`plan_values`, the lengths' too),
-        its kernel plan for what was read (:func:`mha_multi.call.plan`'s) and its kernel
-        call, or ``None`` where that plan is not the fused kernel's (the generic flow,
-        which reads again, runs the call)."""
+        ``(B, Q, ·)``: the generic flow's kernel plan (:func:`mha_multi.call.plan`: its
+        read, and the plan for what was read) and its kernel call, or ``None`` where
+        that plan is not the fused kernel's alone (the generic flow, which reads again,
+        runs the call)."""
         lengths = self.as_lens(valid_lens, q)
         heads = layer.heads
         try:
-            exact, shortest = self.plan_values(q, k, v, lengths, heads, hides_keys=plan.bounded)
+            kernel_plan = call.plan(self, q, k, v, lengths, **plan.planned)
         except RuntimeError:  # (values torch.vmap batches, which no read may take)
             return None
-        if exact is None:  # (nothing read: torch.func's transforms, whose plan is the flow's)
-            return None
-        kernel_plan = spec.plan_kernel(
-            self.kernel,
-            **plan.settings,
-            values_exact=exact,
-            shortest_length=shortest,
-            values_guard=False,  # (the host reads: call.plan guards none)
-        )
-        if not kernel_plan.fused:
+        if not kernel_plan.fused or kernel_plan.guarded:  # (guarded: nothing read)
             return None
         context = self.fused_attention(
             self.ops(q),

@@ -202,7 +202,7 @@ class PlainRoute(LengthsRoute):
                 projected, plan.tables, plan.wide_tables, rotary, heads, None
             )
             read = (turned, v)
-        if plan.settings is not None:
+        if plan.planned is not None:
             return self._with_lengths(layer, plan, q, k, v, valid_lens)
         try:
             if plan.fused and not self._exact(read, q, k, plan, heads.head_dim):

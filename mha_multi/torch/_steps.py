@@ -74,12 +74,10 @@ class PlainPlan(NamedTuple):
     hides nothing from (every filled position within it), made without it as
     the generic flow makes theirs (:func:`mha_multi.call.binding_window`;
     ``None``: the route takes none).
-    A plan of calls with lengths holds the kernel's ``settings``
-    (:func:`mha_multi.call.kernel_settings`): each call decides its kernel
-    plan from them and its values read, as the generic flow does
-    (:meth:`PlainRoute.plain_attention`); ``bounded``, whether that plan may
-    hide keys whatever the lengths; ``arguments``, the kernel call's score
-    ``options``.
+    A plan of calls with lengths holds what the generic flow's kernel plan is
+    ``planned`` with (:func:`mha_multi.call.plan`'s keyword arguments), which
+    each call makes by its values read as the generic flow does, and in
+    ``arguments`` the kernel call's score ``options``.
     """
 
     fused: bool
@@ -99,7 +97,7 @@ class PlainPlan(NamedTuple):
     sinks: bool = False
     window: int | None = None
     within: PlainPlan | None = None
-    settings: dict[str, Any] | None = None
+    planned: dict[str, Any] | None = None
 
 
 def fused_step(
