@@ -42,11 +42,7 @@ from mha_multi.call.flow import (
     forward,
     plain_self_attention,
 )
-from mha_multi.call.kernel_plan import (
-    decided,
-    kernel_settings,
-    plan,
-)
+from mha_multi.call.kernel_plan import decided, kernel_settings, plan
 
 __all__ = [
     "BIAS_SHAPE",

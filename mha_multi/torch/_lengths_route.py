@@ -27,12 +27,10 @@ __all__ = ["LengthsRoute"]
 
 class LengthsRoute:
     """The route's part for lengths, a part of the PyTorch facts
-    (:class:`mha_multi.torch._facts.TorchFacts`, whose kernel, read, conversions and
+    (:class:`mha_multi.torch._facts.TorchFacts`, whose kernel plan, conversions and
     kernel call it takes)."""
 
-    kernel: spec.FusedKernel
     as_lens: Any
-    plan_values: Any
     fused_attention: Any
     ops: Any
 
@@ -44,7 +42,6 @@ class LengthsRoute:
         options: spec.ScoreOptions,
         *,
         causal: bool,
-        sizes: tuple[int, int, int],
     ) -> PlainPlan | None:
         """The plan of calls with ``lengths`` (checked) on the host and the layer's score
         ``options`` (the generic flow's, :func:`~mha_multi.torch._route_options.call_options`):

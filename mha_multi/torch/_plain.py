@@ -446,9 +446,7 @@ class PlainRoute(LengthsRoute):
         if valid_lens is not None:  # (on the host: plain_attention asked)
             if 0 in queries.shape[:2]:  # (an empty batch or call: the generic flow's)
                 return plans.keep(key, None)
-            plain = self._lengths_plan(
-                layer, queries, lens, score_options, causal=causal, sizes=sizes
-            )
+            plain = self._lengths_plan(layer, queries, lens, score_options, causal=causal)
         elif 0 not in queries.shape[:2]:  # (an empty batch or call: the generic flow's)
             plain = self._kernel_plan(
                 layer, queries, cache, score_options, causal=causal, reads=reads, sizes=sizes
