@@ -25,6 +25,7 @@ import torch
 from mha_multi import call, spec
 from mha_multi.spec.memo import KeptBy
 from mha_multi.torch._cache import CacheCheck
+from mha_multi.torch._kernel import folded_mask, folds_groups
 from mha_multi.torch._lengths_route import LengthsRoute
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
@@ -212,7 +213,11 @@ class PlainRoute(LengthsRoute):
         if plan.fused:
             k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-            q = q.view(q.shape[0], q.shape[1], heads.num_heads, heads.head_dim).transpose(1, 2)
+            if plan.folded:  # (one query: folds_groups)
+                q = q.view(q.shape[0], heads.num_kv_heads, heads.group_size, heads.head_dim)
+            else:
+                q = q.view(q.shape[0], q.shape[1], heads.num_heads, heads.head_dim)
+                q = q.transpose(1, 2)
             if plan.mask is None:
                 context = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, **plan.arguments
@@ -221,7 +226,10 @@ class PlainRoute(LengthsRoute):
                 context = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, attn_mask=plan.mask, **plan.arguments
                 )
-            context = context.transpose(1, 2).flatten(2)
+            if plan.folded:
+                context = context.reshape(context.shape[0], 1, heads.query_features)
+            else:
+                context = context.transpose(1, 2).flatten(2)
         else:
             context = heads_attention(
                 q,
@@ -526,8 +534,11 @@ class PlainRoute(LengthsRoute):
             ):
                 return None
             arguments = {"is_causal": True} if optimistic.is_causal else {}
-            if heads.grouped:
+            # (As fused_attention calls SDPA: a plan of calls with lengths makes its call.)
+            folded = heads.grouped and folds_groups(heads, sizes[1], is_causal=optimistic.is_causal)
+            if heads.grouped and not folded:
                 arguments["enable_gqa"] = True
+            mask = kernel_mask(ops, optimistic, score_options, queries, cache)
             # Where the mask hides keys the read bounds the scores (Facts.plan_values);
             # one query seeing one key hides nothing (its one weight is 1).
             hides_keys = optimistic.is_causal or optimistic.needs_mask
@@ -535,7 +546,8 @@ class PlainRoute(LengthsRoute):
                 True,
                 arguments,
                 bounded=hides_keys and sizes[1] * sizes[2] > 1,
-                mask=kernel_mask(ops, optimistic, score_options, queries, cache),
+                mask=folded_mask(mask, heads) if folded else mask,
+                folded=folded,
             )
         # What call.plan decides of values it does not read: eager, so no guard. (On
         # the host, a call whose options no kernel takes: it reads nothing either.)

@@ -77,7 +77,10 @@ class PlainPlan(NamedTuple):
     A plan of calls with lengths holds what the generic flow's kernel plan is
     ``planned`` with (:func:`mha_multi.call.plan`'s keyword arguments), which
     each call makes by its values read as the generic flow does, and in
-    ``arguments`` the kernel call's score ``options``.
+    ``arguments`` the kernel call's score ``options``. ``folded``: a fused
+    plan of one query whose grouped heads SDPA takes as the queries of their
+    key/value head (:func:`mha_multi.torch._kernel.folds_groups`; its ``mask``
+    folded too).
     """
 
     fused: bool
@@ -98,6 +101,7 @@ class PlainPlan(NamedTuple):
     window: int | None = None
     within: PlainPlan | None = None
     planned: dict[str, Any] | None = None
+    folded: bool = False
 
 
 def fused_step(
@@ -133,11 +137,16 @@ def fused_step(
     # One query per example: (B, 1, H*dh) is (B, H, 1, dh) as it lies (the queries SDPA
     # takes), and (B, 1, H_kv*dh) a position of (B, H_kv, max_length, dh) (the rows).
     batch, num_heads = queries.shape[0], heads.num_heads
+    if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
+        query_heads, per_head = num_kv_heads, heads.group_size
+    else:
+        query_heads, per_head = num_heads, 1
     wide = plan.wide_tables
     if rotary is None:
         q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
         total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
-        q, k = q.view(batch, num_heads, 1, head_dim), k.view(-1, num_kv_heads, head_dim)
+        q = q.view(batch, query_heads, per_head, head_dim)
+        k = k.view(-1, num_kv_heads, head_dim)
     elif wide is not None:
         # Queries' and keys' heads rotated together, (B, H + H_kv, dh), by the rows of
         # the step's position (rotate_stacked's, on a step's one query).
@@ -146,13 +155,14 @@ def fused_step(
         turned = rotate_heads(both, (wide[0][length], wide[1][length]), rotary)
         total = turned.sum() + v.sum()
         q, k = (
-            turned.narrow(1, 0, num_heads).unsqueeze(2),
+            turned.narrow(1, 0, num_heads).view(batch, query_heads, per_head, head_dim),
             turned.narrow(1, num_heads, num_kv_heads),
         )
     else:
         q, k, v, turned = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
         total = turned.sum() + v.sum()
-        q, k = q.view(batch, num_heads, 1, head_dim), k.view(-1, num_kv_heads, head_dim)
+        q = q.view(batch, query_heads, per_head, head_dim)
+        k = k.view(-1, num_kv_heads, head_dim)
     # One query sees its keys unmasked (a window's plan is that of the positions within
     # it): the read is the sum's, finite iff its difference with itself is 0 (inf - inf
     # and NaN are NaN).

@@ -124,7 +124,8 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(monkeypatch, call):
     """On CUDA the one SDPA kernel that takes float32 grouped heads holds every score:
     grouped heads of more queries than ``head_dim`` reach SDPA repeated
     (``repeats_grouped_heads``, told here that the CPU is CUDA), a decoding step's
-    as they are; the numbers are the float64 reference's either way."""
+    as they are, its query heads the queries of their key/value head (no
+    ``enable_gqa``); the numbers are the float64 reference's either way."""
     import mha_multi.torch._facts as facts_module
 
     def as_on_cuda(q, num_queries, head_dim, dtype=None):
@@ -164,6 +165,65 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(monkeypatch, call):
                 expected, _, _ = spec.reference_cached_forward(
                     weights, row, row, row, held, **heads, causal=True
                 )
-    # Six queries of four dimensions: repeated to the query heads; one query: grouped.
-    assert seen == ([(2, True)] if call == "step" else [(4, False)])
+    # Six queries of four dimensions: repeated to the query heads; one query: folded.
+    assert seen == ([(2, False)] if call == "step" else [(4, False)])
     np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=5e-6)
+
+
+def _recording_sdpa(monkeypatch) -> list[tuple[tuple[int, ...], tuple[int, ...] | None, bool]]:
+    """Each SDPA call's query shape, ``attn_mask`` shape and ``enable_gqa``."""
+    seen = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, **kwargs):
+        mask = None if attn_mask is None else tuple(attn_mask.shape)
+        seen.append((tuple(q.shape), mask, kwargs.get("enable_gqa", False)))
+        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "call", ["lengths", "bias", "step", "ALiBi step", "rotary step", "one token"]
+)
+def test_one_querys_grouped_heads_reach_sdpa_as_their_key_heads_queries(monkeypatch, call):
+    """One query's 4 heads of 2 key/value heads reach SDPA as 2 heads of 2 queries each
+    (``folds_groups``: no ``enable_gqa``), a mask of each head's folded alike, in the
+    generic flow (lengths, a bias per head) and on the route (a decoding step, with
+    ALiBi's bias per head or rotary positions; a token with no cache): the float64
+    reference's numbers."""
+    heads = {"num_heads": 4, "num_kv_heads": 2}
+    options = {"ALiBi step": {"alibi": True}, "rotary step": {"rotary": {"theta": 10000.0}}}
+    options = options.get(call, {})
+    weights = init_weights(16, **heads, seed=33)
+    layer = set_weights(MultiHeadAttention(16, 4, num_kv_heads=2, **options), weights).eval()
+    rng = np.random.default_rng(33)
+    x, memory = rng.standard_normal((2, 1, 16)), rng.standard_normal((2, 5, 16))
+    x, memory = x.astype(np.float32), memory.astype(np.float32)
+    lens, bias = np.array([5, 2]), rng.standard_normal((2, 4, 1, 5)).astype(np.float32)
+    with torch.no_grad():
+        if call.endswith("step"):
+            prompt = torch.from_numpy(memory)
+            _, cache = layer(prompt, prompt, prompt, causal=True, cache=layer.init_cache(2, 8))
+            held = spec.KVCache(*(t.numpy().astype(np.float64) for t in cache))
+        seen = _recording_sdpa(monkeypatch)
+        token = torch.from_numpy(x)
+        if call == "lengths":
+            out = layer(token, torch.from_numpy(memory), torch.from_numpy(memory), torch.tensor(lens))
+            expected, _ = spec.reference_forward(weights, x, memory, memory, lens, **heads)
+        elif call == "bias":
+            tensors = (token, torch.from_numpy(memory), torch.from_numpy(memory))
+            out = layer(*tensors, bias=torch.from_numpy(bias))
+            expected, _ = spec.reference_forward(weights, x, memory, memory, bias=bias, **heads)
+        elif call == "one token":
+            out = layer(token, token, token)
+            expected, _ = spec.reference_forward(weights, x, x, x, **heads)
+        else:
+            out, _ = layer(token, token, token, causal=True, cache=cache)
+            expected, _, _ = spec.reference_cached_forward(
+                weights, x, x, x, held, **heads, causal=True, **options
+            )
+    mask = {"lengths": (2, 1, 1, 5), "bias": (2, 2, 2, 5), "ALiBi step": (1, 2, 2, 6)}
+    assert seen == [((2, 2, 2, 4), mask.get(call), False)]
+    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=5e-6)
