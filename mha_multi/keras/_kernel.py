@@ -77,7 +77,9 @@ def dot_product_attention(
     positions (a view) is a cache-sized copy at every decoding step; PyTorch
     takes grouped heads (``enable_gqa``) and strided arrays itself (the plan
     repeats those it serves better repeated:
-    :meth:`~mha_multi.keras._facts.KerasFacts.kernel_takes_grouped`).
+    :meth:`~mha_multi.keras._facts.KerasFacts.kernel_takes_grouped`); one
+    query's grouped heads reach it as the queries of their key/value head
+    (:func:`mha_multi.torch._kernel.folds_groups`).
     """
     if keras.backend.backend() != "torch" or (mask is not None and is_causal):
         return keras.ops.dot_product_attention(
@@ -93,7 +95,21 @@ def dot_product_attention(
         visible = torch.as_tensor(mask, dtype=torch.bool)
         mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
         mask.masked_fill_(~visible, largest * -0.7)
-    grouped = {"enable_gqa": True} if key.shape[2] != query.shape[2] else {}
+    kv_heads = key.shape[2]
+    if (
+        kv_heads != query.shape[2]
+        and query.shape[1] == 1
+        and not is_causal
+        and (mask is None or mask.dim() < 3 or mask.shape[-3] == 1)
+    ):
+        # One query's grouped heads as the queries of their key/value head, (B, H_kv, G,
+        # dh): no enable_gqa (docs: "Fast paths"), as PyTorch's own layer calls SDPA.
+        folded = query.view(query.shape[0], kv_heads, query.shape[2] // kv_heads, -1)
+        output = torch.nn.functional.scaled_dot_product_attention(
+            folded, key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask, scale=scale
+        )
+        return output.reshape(query.shape)
+    grouped = {"enable_gqa": True} if kv_heads != query.shape[2] else {}
     output = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),

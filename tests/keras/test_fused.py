@@ -441,8 +441,8 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(
 ):
     """On Keras' PyTorch backend the plan follows PyTorch's rule for grouped heads
     (``repeats_grouped_heads``, told here that the CPU is CUDA): repeated for more
-    queries than ``head_dim``, ``enable_gqa`` otherwise; both give the float64
-    reference's numbers."""
+    queries than ``head_dim``; one query's heads the queries of their key/value head
+    (no ``enable_gqa``); both give the float64 reference's numbers."""
     import mha_multi.torch._facts as torch_facts
 
     monkeypatch.setattr(
@@ -459,5 +459,5 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(
     out = eager(layer, x, x, x, lens)
     expected, _ = spec.reference_forward(weights, x, x, x, lens, **heads)
     # Four dimensions a head: six queries get the heads repeated, one query grouped.
-    assert seen == ([(4, False)] if num_queries > 4 else [(2, True)])
+    assert seen == ([(4, False)] if num_queries > 4 else [(2, False)])
     np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
