@@ -208,13 +208,12 @@ def test_one_querys_grouped_heads_reach_sdpa_as_their_key_heads_queries(monkeypa
             _, cache = layer(prompt, prompt, prompt, causal=True, cache=layer.init_cache(2, 8))
             held = spec.KVCache(*(t.numpy().astype(np.float64) for t in cache))
         seen = _recording_sdpa(monkeypatch)
-        token = torch.from_numpy(x)
+        token, keys = torch.from_numpy(x), torch.from_numpy(memory)
         if call == "lengths":
-            out = layer(token, torch.from_numpy(memory), torch.from_numpy(memory), torch.tensor(lens))
+            out = layer(token, keys, keys, torch.tensor(lens))
             expected, _ = spec.reference_forward(weights, x, memory, memory, lens, **heads)
         elif call == "bias":
-            tensors = (token, torch.from_numpy(memory), torch.from_numpy(memory))
-            out = layer(*tensors, bias=torch.from_numpy(bias))
+            out = layer(token, keys, keys, bias=torch.from_numpy(bias))
             expected, _ = spec.reference_forward(weights, x, memory, memory, bias=bias, **heads)
         elif call == "one token":
             out = layer(token, token, token)
