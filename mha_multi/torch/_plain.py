@@ -535,7 +535,7 @@ class PlainRoute(LengthsRoute):
                 return None
             arguments = {"is_causal": True} if optimistic.is_causal else {}
             # (As fused_attention calls SDPA: a plan of calls with lengths makes its call.)
-            folded = heads.grouped and folds_groups(heads, sizes[1], is_causal=optimistic.is_causal)
+            folded = folds_groups(heads, sizes[1], is_causal=optimistic.is_causal)
             if heads.grouped and not folded:
                 arguments["enable_gqa"] = True
             mask = kernel_mask(ops, optimistic, score_options, queries, cache)
