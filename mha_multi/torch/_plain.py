@@ -534,7 +534,7 @@ class PlainRoute(LengthsRoute):
             ):
                 return None
             arguments = {"is_causal": True} if optimistic.is_causal else {}
-            # (As fused_attention calls SDPA: a plan of calls with lengths makes its call.)
+            # (SDPA called as the generic flow's fused_attention calls it, folded alike.)
             folded = folds_groups(heads, sizes[1], is_causal=optimistic.is_causal)
             if heads.grouped and not folded:
                 arguments["enable_gqa"] = True

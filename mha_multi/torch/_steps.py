@@ -135,7 +135,8 @@ def fused_step(
     if plan.norm is not None:
         projected = normalized(projected, layer, plan.norm)
     # One query per example: (B, 1, H*dh) is (B, H, 1, dh) as it lies (the queries SDPA
-    # takes), and (B, 1, H_kv*dh) a position of (B, H_kv, max_length, dh) (the rows).
+    # takes; folded, (B, H_kv, G, dh)), and (B, 1, H_kv*dh) a position of (B, H_kv,
+    # max_length, dh) (the rows).
     batch, num_heads = queries.shape[0], heads.num_heads
     if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
         query_heads, per_head = num_kv_heads, heads.group_size
