@@ -458,6 +458,6 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(
     lens = np.array([num_queries, max(num_queries - 2, 1)])
     out = eager(layer, x, x, x, lens)
     expected, _ = spec.reference_forward(weights, x, x, x, lens, **heads)
-    # Four dimensions a head: six queries get the heads repeated, one query grouped.
+    # Four dimensions a head: six queries get the heads repeated, one query folded.
     assert seen == ([(4, False)] if num_queries > 4 else [(2, False)])
     np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
