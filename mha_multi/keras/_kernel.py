@@ -95,21 +95,22 @@ def dot_product_attention(
         visible = torch.as_tensor(mask, dtype=torch.bool)
         mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
         mask.masked_fill_(~visible, largest * -0.7)
-    kv_heads = key.shape[2]
-    if (
-        kv_heads != query.shape[2]
-        and query.shape[1] == 1
-        and not is_causal
-        and (mask is None or mask.dim() < 3 or mask.shape[-3] == 1)
-    ):
+    from mha_multi.torch._kernel import folded_mask, folds_groups
+
+    num_heads, kv_heads = query.shape[2], key.shape[2]
+    if folds_groups(num_heads, kv_heads, query.shape[1], is_causal=is_causal):
         # One query's grouped heads as the queries of their key/value head, (B, H_kv, G,
         # dh): no enable_gqa (docs: "Fast paths"), as PyTorch's own layer calls SDPA.
-        folded = query.view(query.shape[0], kv_heads, query.shape[2] // kv_heads, -1)
+        group_size = num_heads // kv_heads
         output = torch.nn.functional.scaled_dot_product_attention(
-            folded, key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask, scale=scale
+            query.view(query.shape[0], kv_heads, group_size, -1),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=folded_mask(mask, kv_heads, group_size),
+            scale=scale,
         )
         return output.reshape(query.shape)
-    grouped = {"enable_gqa": True} if kv_heads != query.shape[2] else {}
+    grouped = {"enable_gqa": True} if kv_heads != num_heads else {}
     output = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),

@@ -41,7 +41,12 @@ BIAS_LIMIT = 1e5
 
 
 def folds_groups(
-    heads: spec.Heads, num_queries: int, *, is_causal: bool, dropout_rate: float = 0.0
+    num_heads: int,
+    num_kv_heads: int,
+    num_queries: int,
+    *,
+    is_causal: bool,
+    dropout_rate: float = 0.0,
 ) -> bool:
     """Whether SDPA takes one query's grouped heads as the queries of their key/value head.
 
@@ -54,16 +59,18 @@ def folds_groups(
     with SDPA's causal flag (top-left, which would hide keys from all but the
     first of them) nor dropout, which draws its randomness by the kernel's rows.
     """
-    return heads.grouped and num_queries == 1 and not is_causal and not dropout_rate
+    return num_kv_heads != num_heads and num_queries == 1 and not is_causal and not dropout_rate
 
 
-def folded_mask(mask: torch.Tensor | None, heads: spec.Heads) -> torch.Tensor | None:
+def folded_mask(
+    mask: torch.Tensor | None, num_kv_heads: int, group_size: int
+) -> torch.Tensor | None:
     """SDPA's ``attn_mask`` of one query's heads, ``(..., H, 1, K)``, as that of the
     queries :func:`folds_groups` makes of them, ``(..., H_kv, G, K)`` (a view); a mask
     the same for every head, as it is."""
     if mask is None or mask.dim() < 3 or mask.shape[-3] == 1:
         return mask
-    return mask.view(*mask.shape[:-3], heads.num_kv_heads, heads.group_size, mask.shape[-1])
+    return mask.view(*mask.shape[:-3], num_kv_heads, group_size, mask.shape[-1])
 
 
 def fused_attention(
@@ -127,12 +134,16 @@ def fused_attention(
         bias = spec.score_bias(ops, options, num_queries, num_keys, q)
         mask = bias if mask is None else torch.where(mask, bias, float("-inf"))
     folded = grouped and folds_groups(
-        heads, num_queries, is_causal=plan.is_causal, dropout_rate=dropout_rate
+        heads.num_heads,
+        heads.num_kv_heads,
+        num_queries,
+        is_causal=plan.is_causal,
+        dropout_rate=dropout_rate,
     )
     if folded:
         q, mask = (
             q.view(q.shape[0], heads.num_kv_heads, heads.group_size, -1),
-            folded_mask(mask, heads),
+            folded_mask(mask, heads.num_kv_heads, heads.group_size),
         )
     arguments = {"attn_mask": mask, "dropout_p": dropout_rate, "is_causal": plan.is_causal}
     if grouped and not folded:

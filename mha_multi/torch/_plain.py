@@ -535,7 +535,9 @@ class PlainRoute(LengthsRoute):
                 return None
             arguments = {"is_causal": True} if optimistic.is_causal else {}
             # (SDPA called as the generic flow's fused_attention calls it, folded alike.)
-            folded = folds_groups(heads, sizes[1], is_causal=optimistic.is_causal)
+            folded = folds_groups(
+                heads.num_heads, heads.num_kv_heads, sizes[1], is_causal=optimistic.is_causal
+            )
             if heads.grouped and not folded:
                 arguments["enable_gqa"] = True
             mask = kernel_mask(ops, optimistic, score_options, queries, cache)
@@ -546,7 +548,7 @@ class PlainRoute(LengthsRoute):
                 True,
                 arguments,
                 bounded=hides_keys and sizes[1] * sizes[2] > 1,
-                mask=folded_mask(mask, heads) if folded else mask,
+                mask=folded_mask(mask, heads.num_kv_heads, heads.group_size) if folded else mask,
                 folded=folded,
             )
         # What call.plan decides of values it does not read: eager, so no guard. (On
