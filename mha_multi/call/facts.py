@@ -57,7 +57,8 @@ class Facts:
         rows_of_one_table: the cosine and sine of an angle give the same
             numbers whatever the array they are in, so that a cached call's
             rotary tables may be rows of a table kept of every position of its
-            cache (:meth:`first_rows`); ``False`` where a kernel's vectorized
+            cache (:meth:`first_rows`, and for a ragged batch :meth:`rows_at`);
+            ``False`` where a kernel's vectorized
             and scalar forms differ (TensorFlow's CPU kernels, by an ulp).
     """
 
@@ -174,6 +175,12 @@ class Facts:
         """``x[start:stop]``, rows of the first axis of a kept table; only frameworks
         whose :meth:`constants_key` answers and :attr:`rows_of_one_table` holds are asked."""
         raise NotImplementedError
+
+    def rows_at(self, x: Array, index: np.ndarray) -> Array | None:
+        """``x[index]``: rows of the first axis of a kept table picked by integers on the
+        host (any shape, each below ``x``'s first size), or ``None`` where the framework
+        picks none (the call then makes its own tables); asked as :meth:`first_rows` is."""
+        return None
 
     # -- the fused kernel ---------------------------------------------------
 

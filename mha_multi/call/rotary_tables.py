@@ -9,12 +9,13 @@ An eager call of a framework that names that place takes them from here,
 made once for the last few signatures (docs: "Fast paths"); a traced call,
 or a framework that names none, makes its own, and nothing traced is kept.
 
-A cached call whose examples all start at one position takes its rows of
-the table of every position of its cache where the framework's cosine and
-sine give each angle's numbers whatever the array
-(:attr:`mha_multi.call.Facts.rows_of_one_table`): a table's row is then that
-of its position alone, the numbers the call would make. Elsewhere a cached
-call whose lengths were read makes its own tables, of positions made on the host.
+A cached call takes its rows of the table of every position of its cache
+where the framework's cosine and sine give each angle's numbers whatever the
+array (:attr:`mha_multi.call.Facts.rows_of_one_table`): a table's row is then
+that of its position alone, the numbers the call would make. Rows from one
+start are a slice; a ragged batch's are picked where the framework picks
+them (:meth:`mha_multi.call.Facts.rows_at`). Elsewhere a cached call whose
+lengths were read makes its own tables, of positions made on the host.
 """
 
 from __future__ import annotations
@@ -113,9 +114,10 @@ def default_tables(
 
     Without a cache, the kept tables of ``arange(Q)`` and ``arange(K)``. With
     one whose lengths were read (``fill``): rows of the kept table of every
-    position of the cache where the examples share one start and the
-    framework's tables allow it (:attr:`mha_multi.call.Facts.rows_of_one_table`);
-    else the call's own tables, of :func:`mha_multi.spec.cache_positions`'
+    position of the cache where the framework's tables allow it
+    (:attr:`mha_multi.call.Facts.rows_of_one_table`): the examples' shared
+    start's, or each example's (:meth:`mha_multi.call.Facts.rows_at`) where
+    their positions lie in the cache; else the call's own tables, of :func:`mha_multi.spec.cache_positions`'
     positions made on the host from the lengths read (the same array, without
     its operations).
 
@@ -155,6 +157,16 @@ def default_tables(
         whole = kept_tables(ops, q, where, rotary, head_dim, held.shape[2])
         rows = tuple(facts.first_rows(table, start, start + num_queries) for table in whole)
         return rows, rows
+    if facts.rows_of_one_table and fill.lengths.size:
+        # A ragged batch: each example's rows of that table, where every position is one
+        # of the cache's (a padding row's may lie past it).
+        max_length = held.shape[2]
+        if int(fill.lengths.max()) + num_queries <= max_length:
+            whole = kept_tables(ops, q, where, rotary, head_dim, max_length)
+            index = fill.lengths[:, None] + np.arange(num_queries)
+            rows = tuple(facts.rows_at(table, index) for table in whole)
+            if rows[0] is not None:
+                return rows, rows
     # (The lengths' integer type, as numpy names it: each framework's dtype has its kind
     # and size.)
     lengths_dtype = ops.dtype(lengths)

@@ -78,7 +78,18 @@ class CacheWrites(call.Facts):
         # (The driver has checked the cache's dtypes against the projections'.)
         num_new = k.shape[1]
         first = fill.uniform_start(num_new)
-        if first is None:
+        # Whether every example appends all its num_new rows (a ragged decoding step).
+        appends_all = fill.new.size > 0 and int(fill.new.min()) == num_new
+        if first is None and appends_all:
+            # Rows (B, T) at positions lengths[b] + t: one index of both, no gather of
+            # the rows (advanced indices around a slice put their (B, T) axes first).
+            steps = np.arange(num_new)
+            index = from_host(
+                np.stack(np.broadcast_arrays(np.arange(fill.new.size)[:, None], fill.lengths[:, None] + steps)),
+                k.device,
+                None,
+            )
+        elif first is None:
             # Each example's rows at its own positions, one index for both arrays.
             examples, steps = np.nonzero(np.arange(num_new)[None, :] < fill.new[:, None])
             index = [
@@ -94,6 +105,8 @@ class CacheWrites(call.Facts):
             rows = x.unflatten(-1, (held.shape[1], head_dim))  # (B, T, H_kv, dh)
             if first is not None:
                 held.narrow(2, first, num_new).copy_(rows.transpose(1, 2))
+            elif appends_all:
+                held[index[0], :, index[1]] = rows
             elif index[0].numel():
                 # Advanced indices around a slice put the rows' axis first: (N, H_kv, dh).
                 held[index[0], :, index[2]] = rows[index[0], index[1]]
@@ -120,8 +133,12 @@ class CacheWrites(call.Facts):
         check = CacheCheck.attach(updated, poison, upto, held, pending=(k, v))
         if check is not None:
             # (Rows are written from each example's length on, where it appends any.)
-            below = int(fill.lengths[fill.new > 0].min(initial=cache.keys.shape[2]))
-            check.written_past(prior, below, int(held.max(initial=0)))
+            if appends_all:  # (the lengths' least and most, known: no reductions)
+                below, filled = fill.least - num_new, fill.most
+            else:
+                below = int(fill.lengths[fill.new > 0].min(initial=cache.keys.shape[2]))
+                filled = int(held.max(initial=0))
+            check.written_past(prior, below, filled)
         # What the queries see: the lengths held, or causal (B, T) at least as many.
         shortest = fill.least if seen.ndim == 1 else int(seen.min()) if seen.size else None
         self._written.call = Written(check, visible, shortest)

@@ -22,7 +22,7 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.spec import memo
-from mha_multi.torch._cache import CacheCheck, writes_in_place
+from mha_multi.torch._cache import CacheCheck, from_host, writes_in_place
 from mha_multi.torch._cache_writes import CacheWrites
 from mha_multi.torch._guard import GuardedKernel
 from mha_multi.torch._kernel import BIAS_LIMIT, SDPA, fused_attention
@@ -318,6 +318,9 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
 
     def first_rows(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return x.narrow(0, start, stop - start)
+
+    def rows_at(self, x: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+        return x[from_host(index, x.device, torch.int64)]
 
     def records_gradient(self, q: torch.Tensor) -> bool:
         return q.requires_grad

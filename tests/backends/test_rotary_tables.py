@@ -13,7 +13,7 @@ import importlib
 import numpy as np
 import pytest
 
-from mha_multi import spec
+from mha_multi import call, spec
 from mha_multi.call import rotary_tables
 from mha_multi.parity.compare import tolerance
 from mha_multi.weights import init_weights
@@ -98,3 +98,44 @@ def test_decoding_steps_take_rows_of_one_table(runner, made):
             weights, *[x[:, start:stop]] * 3, expected_cache, **HEADS, causal=True, rotary=ROTARY
         )
         assert np.abs(runner.to_numpy(output) - expected).max() <= 5e-6, stop
+
+
+def test_ragged_steps_take_rows_of_one_table_where_the_framework_picks_them(runner, made):
+    """A ragged batch's steps (examples at different lengths) take each example's rows
+    of the table where the framework picks rows (:meth:`mha_multi.call.Facts.rows_at`);
+    a call whose padding row would lie past the cache makes its own: the float64
+    reference's numbers either way, and elsewhere (own tables, or a compiled call)."""
+    facts = importlib.import_module(f"{runner.package}._facts").FACTS
+    picks = facts.rows_of_one_table and type(facts).rows_at is not call.Facts.rows_at
+    weights = {k: v.astype(np.float32) for k, v in init_weights(16, seed=13, **HEADS).items()}
+    layer = rotary_layer(runner, weights, "float32")
+    x = np.random.default_rng(13).standard_normal((2, 8, 16)).astype(np.float32)
+    cache = runner.init_cache(layer, 2, 7)
+    expected_cache = spec.KVCache(np.zeros((2, 2, 7, 4)), np.zeros((2, 2, 7, 4)), np.zeros(2))
+    # Lengths 3 and 1, steps to 6 and 4, then two positions of which the first
+    # example's second is a padding row, at position 7: past the cache.
+    calls = ((0, 3, [3, 1]), (3, 4, None), (4, 5, None), (5, 6, None), (6, 8, [1, 2]))
+    for number, (start, stop, lens) in enumerate(calls):
+        made.clear()
+        rows = runner.to_native(x[:, start:stop])
+        valid_lens = None if lens is None else runner.native_lens(np.array(lens, np.int32))
+        output, cache = runner.forward(
+            layer, rows, rows, rows, valid_lens, causal=True, cache=cache
+        )
+        if picks and number in (2, 3):  # (ragged steps after the first)
+            assert not made, f"a ragged step made its tables ({start})"
+        if picks and number == 4:
+            assert made, "a padding row past the cache took a row of its table"
+        expected, _, expected_cache = spec.reference_cached_forward(
+            weights,
+            *[x[:, start:stop]] * 3,
+            expected_cache,
+            None if lens is None else np.array(lens),
+            **HEADS,
+            causal=True,
+            rotary=ROTARY,
+        )
+        got = runner.to_numpy(output)
+        if lens is not None:  # (padding rows' outputs are unspecified)
+            got, expected = (a[np.arange(stop - start) < np.array(lens)[:, None]] for a in (got, expected))
+        assert np.abs(got - expected).max() <= 5e-6, stop
