@@ -117,9 +117,9 @@ def default_tables(
     position of the cache where the framework's tables allow it
     (:attr:`mha_multi.call.Facts.rows_of_one_table`): the examples' shared
     start's, or each example's (:meth:`mha_multi.call.Facts.rows_at`) where
-    their positions lie in the cache; else the call's own tables, of :func:`mha_multi.spec.cache_positions`'
-    positions made on the host from the lengths read (the same array, without
-    its operations).
+    their positions lie in the cache; else the call's own tables, of
+    :func:`mha_multi.spec.cache_positions`' positions made on the host from the
+    lengths read (the same array, without its operations).
 
     Args:
         facts: the framework's facts.

@@ -151,6 +151,45 @@ class CacheCheck:
         updated.lengths._mha_multi_checked = check
         return check
 
+    def ragged_stepped(
+        self,
+        updated: spec.KVCache,
+        held: np.ndarray,
+        span: int,
+        key_max: float,
+        poison: torch.Tensor | None,
+        step: tuple[Any, tuple, Any] | None,
+    ) -> CacheCheck:
+        """The check of ``updated``, which a ragged step made from this check's cache by
+        writing one row at each example's own length, ``held`` the lengths now, and
+        reading the rows and the positions up to ``span`` as the generic flow's write
+        and plan leave the check they make (:meth:`attach`, :meth:`written_past`,
+        :meth:`mha_multi.torch._facts.TorchFacts.plan_values`: the rows read, every
+        position below ``span`` checked, ``poison`` where they were not finite, the
+        keys below ``span`` at most ``key_max``); this check knew every position from
+        ``span`` on finite (:func:`mha_multi.torch._ragged.ragged_step`)."""
+        check = CacheCheck.__new__(CacheCheck)
+        check.__dict__ = {
+            **self.__dict__,
+            "versions": (updated.keys._version, updated.values._version),
+            "poison": poison,
+            "upto": self.upto if self.upto > span else span,
+            "pending": None,
+            "pending_from": None,
+            "_held": held,
+            "_added": 0,
+            "lengths_version": updated.lengths._version,
+            "_uniform": None,  # (one added to lengths that differ)
+            "step": step,
+            "bank": None,
+            "bank_from": 0,
+            "finite_from": span,
+            "key_upto": span,
+            "key_max": key_max,
+        }
+        updated.lengths._mha_multi_checked = check
+        return check
+
     @classmethod
     def attach(
         cls, cache: spec.KVCache, *state: Any, uniform: int | None = -1, **named: Any

@@ -85,7 +85,11 @@ class CacheWrites(call.Facts):
             # the rows (advanced indices around a slice put their (B, T) axes first).
             steps = np.arange(num_new)
             index = from_host(
-                np.stack(np.broadcast_arrays(np.arange(fill.new.size)[:, None], fill.lengths[:, None] + steps)),
+                np.stack(
+                    np.broadcast_arrays(
+                        np.arange(fill.new.size)[:, None], fill.lengths[:, None] + steps
+                    )
+                ),
                 k.device,
                 None,
             )

@@ -29,6 +29,7 @@ from mha_multi.torch._kernel import folded_mask, folds_groups
 from mha_multi.torch._lengths_route import LengthsRoute
 from mha_multi.torch._ops import SIXTEEN_BIT
 from mha_multi.torch._projections import split_stacked
+from mha_multi.torch._ragged import ragged_step
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked, wide_tables
 from mha_multi.torch._route_options import call_options, fused_taken, generic_plan, kernel_mask
@@ -158,6 +159,10 @@ class PlainRoute(LengthsRoute):
                 step = None if plan is None else (weakref.ref(layer), key, plan)
             if plan is None:
                 return None
+            if check._uniform is None:  # (examples at different lengths)
+                if not plan.ragged or check.pending is not None or check.poison is not None:
+                    return None  # (the generic flow's: plans of options, rows to read)
+                return ragged_step(self, layer, queries, cache, check, plan, step, rotary)
             first = 0  # (the first cache position attended over)
             if plan.window is not None:
                 first = self._window_first(check, plan, cache, on_host=on_host)
@@ -353,6 +358,9 @@ class PlainRoute(LengthsRoute):
         length = check._uniform
         if length == -1:  # (not known yet: CacheCheck.uniform resolves it)
             length = check.uniform
+        if length is None and check.examples:
+            # Examples at different lengths: a ragged step (ragged_step checks the rest).
+            return check if queries.shape[:2] == (check.examples, 1) else None
         # (A check may stand for more positions than are filled: those a GPU's span rounded
         # up to and a read checked.)
         if length is None or length < 1 or check.upto < length or length >= keys.shape[2]:
@@ -540,6 +548,15 @@ class PlainRoute(LengthsRoute):
             )
             if heads.grouped and not folded:
                 arguments["enable_gqa"] = True
+            # A step of examples at different lengths: what the generic flow plans for
+            # lengths that hide keys (spec.plan_kernel's plan depends on how the sizes
+            # compare: one query, more keys).
+            ragged = step and spec.plan_kernel(
+                self.kernel,
+                **{**settings, "sizes": (sizes[0], 1, 3)},
+                values_exact=True,
+                shortest_length=1,
+            ) == spec.KernelPlan(fused=True, mask_lens=True)
             mask = kernel_mask(ops, optimistic, score_options, queries, cache)
             # Where the mask hides keys the read bounds the scores (Facts.plan_values);
             # one query seeing one key hides nothing (its one weight is 1).
@@ -550,6 +567,7 @@ class PlainRoute(LengthsRoute):
                 bounded=hides_keys and sizes[1] * sizes[2] > 1,
                 mask=folded_mask(mask, heads.num_kv_heads, heads.group_size) if folded else mask,
                 folded=folded,
+                ragged=ragged,
             )
         # What call.plan decides of values it does not read: eager, so no guard. (On
         # the host, a call whose options no kernel takes: it reads nothing either.)

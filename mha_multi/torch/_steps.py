@@ -80,7 +80,10 @@ class PlainPlan(NamedTuple):
     ``arguments`` the kernel call's score ``options``. ``folded``: a fused
     plan of one query whose grouped heads SDPA takes as the queries of their
     key/value head (:func:`mha_multi.torch._kernel.folds_groups`; its ``mask``
-    folded too).
+    folded too). ``ragged``: a fused step's plan that a step of examples at
+    different lengths takes too (:func:`mha_multi.torch._ragged.ragged_step`):
+    the generic flow's kernel plan of lengths that hide keys is then SDPA
+    with their mask alone.
     """
 
     fused: bool
@@ -102,6 +105,7 @@ class PlainPlan(NamedTuple):
     within: PlainPlan | None = None
     planned: dict[str, Any] | None = None
     folded: bool = False
+    ragged: bool = False
 
 
 def fused_step(

@@ -137,5 +137,7 @@ def test_ragged_steps_take_rows_of_one_table_where_the_framework_picks_them(runn
         )
         got = runner.to_numpy(output)
         if lens is not None:  # (padding rows' outputs are unspecified)
-            got, expected = (a[np.arange(stop - start) < np.array(lens)[:, None]] for a in (got, expected))
+            got, expected = (
+                a[np.arange(stop - start) < np.array(lens)[:, None]] for a in (got, expected)
+            )
         assert np.abs(got - expected).max() <= 5e-6, stop

@@ -305,9 +305,9 @@ def test_window_steps_attend_over_the_window_where_every_value_before_it_is_fini
 
 
 def test_steps_the_fast_route_declines_take_the_generic_flow():
-    """Ragged lengths, a NaN in a step's input and grouped heads all give the reference's
-    numbers, NaN rows where it has them; a full cache refuses the next step with the
-    generic flow's error and nothing written."""
+    """Ragged lengths (whose steps take the route's ragged step), a NaN in a step's input
+    and grouped heads all give the reference's numbers, NaN rows where it has them; a
+    full cache refuses the next step with the generic flow's error and nothing written."""
     weights, layer = self_attention(HEADS, seed=12)
     prompt = np.random.default_rng(12).standard_normal((3, 4, NUM_HIDDENS))
 
@@ -321,8 +321,9 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
 
     with answered_calls() as answers:
         _, caches = feed_back(layer, prompt, 3, 8, np.array([4, 2, 3]), check=against_reference)
-    # A cached call's lengths (the prompt's), then steps of examples holding 4, 2 and 3.
-    assert answers == [False] * 4
+    # A cached call's lengths (the prompt's), then steps of examples holding 4, 2 and 3
+    # (mha_multi.torch._ragged).
+    assert answers == [False] + [True] * 3
     assert caches[-1].lengths.tolist() == [7, 5, 6]
 
     with answered_calls() as answers, torch.no_grad():

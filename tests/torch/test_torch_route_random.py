@@ -22,6 +22,7 @@ from route_support import answered_calls, generic_only
 
 from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import MultiHeadAttention
+from mha_multi.torch._cache import CHECKED
 
 RANDOMISED = settings(
     deadline=None,
@@ -176,6 +177,113 @@ def test_a_decoding_is_the_generic_flows(
         return (*outputs, cache.keys, cache.values, cache.lengths)
 
     assert_route_is_generic(decode, on_a_gpu)
+
+
+@RANDOMISED
+@given(
+    options=st.sampled_from(OPTIONS),
+    num_kv_heads=st.sampled_from([1, 2, 4]),
+    dtype=st.sampled_from(DTYPES[:3]),
+    on_a_gpu=st.booleans(),
+    prompts=st.lists(st.integers(0, 6), min_size=2, max_size=3),
+    steps=st.integers(1, 8),
+    max_length=st.sampled_from([10, 16]),
+    stale=st.sampled_from([None, "nan", "large", "huge"]),
+    poison=st.sampled_from([None, "nan", "inf", "large"]),
+    where=st.tuples(*[st.integers(0, 15)] * 3),
+    seed=st.integers(0, 2**16),
+)
+def test_a_ragged_decoding_is_the_generic_flows(
+    options, num_kv_heads, dtype, on_a_gpu, prompts, steps, max_length, stale, poison, where, seed
+):
+    """Prompts of different lengths (``prompts``, padding past each), then one token a
+    step for every example, each at its own position (past ``max_length``: the
+    overflow's error), a step's token poisoned where ``where`` says, and the cache's
+    positions past the prompts ``stale`` (NaN, large values, or values so large that
+    the scores they would make pass the fused kernel's bound: hidden from every
+    query, the generic flow's read counts them): outputs, the cache and what its check
+    knows the same."""
+    torch.manual_seed(seed)
+    layer = layer_of(options, num_kv_heads, dtype).eval()
+    batch = len(prompts)
+    first = torch.randn(batch, max(prompts), 16, dtype=torch.float64).to(dtype)
+    tokens = [torch.randn(batch, 1, 16, dtype=torch.float64) for _ in range(steps)]
+    tokens[where[0] % steps] = poisoned(tokens[where[0] % steps], poison, where)
+    tokens = [token.to(dtype) for token in tokens]
+    shape = layer.init_cache(batch, max_length).keys.shape
+    stale_rows = [
+        poisoned(torch.randn(shape, dtype=torch.float64), stale, (*where, where[1])) for _ in "kv"
+    ]
+    if stale == "huge":
+        stale_rows = [torch.randn(shape, dtype=torch.float64) * 1e7 for _ in "kv"]
+
+    def decode():
+        outputs = []
+        cache = layer.init_cache(batch, max_length)
+        if stale is not None:
+            for held, rows in zip((cache.keys, cache.values), stale_rows, strict=True):
+                held.copy_(rows)
+        with torch.no_grad():
+            out, cache = layer(first, first, first, torch.tensor(prompts), causal=True, cache=cache)
+            outputs.append(out)
+            for token in tokens:
+                out, cache = layer(token, token, token, causal=True, cache=cache)
+                outputs += (out, known_of(cache))
+        return (*outputs, cache.keys, cache.values, cache.lengths)
+
+    assert_route_is_generic(decode, on_a_gpu)
+
+
+def known_of(cache) -> torch.Tensor:
+    """What a cache's check knows (:class:`mha_multi.torch._cache.CacheCheck`), as numbers:
+    the positions checked and known finite, the keys' bound, and whether a poison or
+    rows are left to read (-1: nothing known)."""
+    check = getattr(cache.lengths, CHECKED, None)
+    if check is None:
+        return torch.tensor([-1.0])
+    finite_from = -1 if check.finite_from is None else check.finite_from
+    pending = bool(check.pending) or check.pending_from is not None
+    return torch.tensor(
+        [
+            check.upto,
+            finite_from,
+            check.key_upto,
+            check.key_max,
+            check.poison is not None,
+            pending,
+            *check.lengths.tolist(),
+        ],
+        dtype=torch.float64,
+    )
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"rotary": ROTARY}, {"qk_norm": {}}, {"window": 2}, {"softcap": 2.0}]
+)
+@pytest.mark.parametrize("num_kv_heads", [1, 4])
+def test_ragged_steps_reach_the_route_where_the_kernel_takes_them(options, num_kv_heads):
+    """A step of examples at different lengths takes the route on the host where no
+    option touches the scores (rotary positions and norms leave them alone), and the
+    generic flow elsewhere (a window's mask, a soft cap) and on a GPU."""
+    torch.manual_seed(0)
+    layer = layer_of(options, num_kv_heads, torch.float32).eval()
+    prompt, token = torch.randn(3, 4, 16), torch.randn(3, 1, 16)
+    taken = "window" not in options and "softcap" not in options
+    for on_a_gpu in (False, True):
+        with torch.no_grad(), backend.as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext():
+            _, cache = layer(
+                prompt,
+                prompt,
+                prompt,
+                torch.tensor([4, 2, 3]),
+                causal=True,
+                cache=layer.init_cache(3, 8),
+            )
+            with answered_calls() as answers:
+                for _ in range(3):
+                    _, cache = layer(token, token, token, causal=True, cache=cache)
+        # (The first step's cache is the prompt's: its rows are read by the generic flow.)
+        assert answers[1:] == [taken and not on_a_gpu] * 2, (on_a_gpu, answers)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
