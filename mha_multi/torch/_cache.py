@@ -181,8 +181,6 @@ class CacheCheck:
             "lengths_version": updated.lengths._version,
             "_uniform": None,  # (one added to lengths that differ)
             "step": step,
-            "bank": None,
-            "bank_from": 0,
             "finite_from": span,
             "key_upto": span,
             "key_max": key_max,
@@ -388,16 +386,21 @@ def written_step(
 _BANKED = 64
 
 
-def next_lengths(check: CacheCheck, lengths: torch.Tensor, filled: int) -> torch.Tensor:
+def next_lengths(
+    check: CacheCheck, lengths: torch.Tensor, filled: int, held: np.ndarray | None = None
+) -> torch.Tensor:
     """A new lengths tensor like ``lengths`` (the cache's, whose check is ``check``),
-    ``filled`` for every example: the lengths of a plain step's cache.
+    ``filled`` for every example: the lengths of a plain step's cache; with ``held``,
+    the new lengths of a ragged step (:func:`mha_multi.torch._ragged.ragged_step`),
+    whose first is ``filled``.
 
     A row of :attr:`CacheCheck.bank`, the lengths of the next :data:`_BANKED`
-    steps made at once where the lengths live (no copy from the host), outside
-    inference mode (:func:`versioned`): a view made in inference mode of such a
-    tensor is no inference tensor, so each step's lengths keep a version
-    counter (the bank's, which an edit of any step's lengths moves: the steps
-    after it then check their caches again).
+    steps made at once where the lengths live (no copy from the host for a plain
+    step's), outside inference mode (:func:`versioned`): a view made in
+    inference mode of such a tensor is no inference tensor, so each step's
+    lengths keep a version counter (the bank's, which an edit of any step's
+    lengths moves: the steps after it then check their caches again). Each step
+    adds one to every example's length, so a step's row is found by its first.
     """
     bank = check.bank
     if bank is not None:
@@ -405,9 +408,15 @@ def next_lengths(check: CacheCheck, lengths: torch.Tensor, filled: int) -> torch
         if 0 <= row < _BANKED:
             return bank[row]
     with versioned():
-        steps = torch.arange(filled, filled + _BANKED, dtype=lengths.dtype, device=lengths.device)
-        # (The rows as views made at once: a step takes one with no operation.)
-        bank = steps.unsqueeze(1).repeat(1, lengths.shape[0]).unbind(0)
+        if held is None:
+            steps = torch.arange(
+                filled, filled + _BANKED, dtype=lengths.dtype, device=lengths.device
+            )
+            # (The rows as views made at once: a step takes one with no operation.)
+            bank = steps.unsqueeze(1).repeat(1, lengths.shape[0]).unbind(0)
+        else:
+            steps = torch.arange(_BANKED, dtype=lengths.dtype, device=lengths.device)
+            bank = (from_host(held, lengths.device, lengths.dtype) + steps.unsqueeze(1)).unbind(0)
     check.bank, check.bank_from = bank, filled
     return bank[0]
 

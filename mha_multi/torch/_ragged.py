@@ -19,11 +19,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import CacheCheck, from_host, versioned
+from mha_multi.torch._cache import CacheCheck, from_host, next_lengths
 from mha_multi.torch._ops import OPS
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked
@@ -54,7 +53,9 @@ def ragged_step(
     """
     keys, values, lengths = cache
     held = check.lengths  # (B,) int64, on the host
-    span = int(held.max()) + 1  # (the positions attended over: the longest's, and its new one)
+    # (Python's max and min of a few lengths: numpy's reductions cost more.)
+    listed = held.tolist()
+    span = max(listed) + 1  # (the positions attended over: the longest's, and its new one)
     finite_from = check.finite_from
     if span > keys.shape[2] or finite_from is None or finite_from > span:
         return None
@@ -67,18 +68,20 @@ def ragged_step(
     projected = torch.nn.functional.linear(queries, *(stacked or layer.stacked_parameters(queries)))
     if plan.norm is not None:
         projected = normalized(projected, layer, plan.norm)
-    # Each example's index and position: the write's, and the rows of the rotary tables.
-    index = from_host(np.stack((np.arange(batch), held)), queries.device, None)
+    # Each example's position (on the host, as the route's steps are): the write's, and
+    # the rows of the rotary tables.
+    positions = torch.from_numpy(held)
     if rotary is None:
         q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
         total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
     else:
         q, k, v, turned = rotate_stacked(
-            projected, plan.tables, plan.wide_tables, rotary, heads, index[1].unsqueeze(1)
+            projected, plan.tables, plan.wide_tables, rotary, heads, positions.unsqueeze(1)
         )
         total = turned.sum() + v.sum()
-    keys[index[0], :, index[1]] = k.view(batch, num_kv_heads, head_dim)
-    values[index[0], :, index[1]] = v.view(batch, num_kv_heads, head_dim)
+    examples = torch.arange(batch)
+    keys[examples, :, positions] = k.view(batch, num_kv_heads, head_dim)
+    values[examples, :, positions] = v.view(batch, num_kv_heads, head_dim)
     attended = keys.narrow(2, 0, span), values.narrow(2, 0, span)
     # The generic flow's read (Facts.plan_values): the positions up to the span that no
     # call has checked, and the keys from the shortest example's length on, whose
@@ -86,7 +89,7 @@ def ragged_step(
     upto = check.upto
     if upto < span:
         total = total + finite_sum(*(x.narrow(2, upto, span - upto) for x in attended), eager=True)
-    least = int(held.min())
+    least = min(listed)
     key_upto = check.key_upto if check.key_upto < least else least
     read = read_together(
         [total, *extremes(q), *extremes(attended[0].narrow(2, key_upto, span - key_upto))]
@@ -96,9 +99,7 @@ def ragged_step(
         largest_key = larger(check.key_max, largest_key)
     finite = math.isfinite(read[0])
     filled = held + 1
-    with versioned():
-        lengths = from_host(filled, lengths.device, lengths.dtype)
-    updated = spec.KVCache(keys, values, lengths)
+    updated = spec.KVCache(keys, values, next_lengths(check, lengths, listed[0] + 1, filled))
     check.ragged_stepped(updated, filled, span, largest_key, None if finite else total * 0.0, step)
     visible = from_host(filled, queries.device, None)
     if finite and spec.scores_within_limit(magnitude_of(read[1], read[2]), largest_key, head_dim):
