@@ -1,0 +1,186 @@
+"""A ragged batch's eager PyTorch decoding step against the hand-written loop, on the CPU.
+
+A batch of 8 prompts of different lengths (256 down to 217 tokens, the
+bench's generation shape otherwise: 512 hiddens, 8 query heads) decodes one
+token per step, each example at its own position (docs: "Generating with a
+cache"). Three decoders take turns of 40 steps in one process: the layer
+with its cache (a ragged step's route, docs: "Fast paths"), the same layer
+through the generic flow alone (the route turned off), and the loop a
+careful user writes for a ragged batch (three products, rows written at each
+example's position by advanced indexing, SDPA over the positions up to the
+longest with the lengths' mask, the output product; a rotary layer's rows of
+its tables picked by position). The median turn's time per step is printed
+in microseconds, with the ratio ours / hand-written in speed (above 1 when
+ours is faster), the largest difference between ours and the loop's
+outputs, and the Python function calls per step (cProfile) of the route and
+of the generic flow.
+
+    python tools/ragged_step.py [num_kv_heads] [rounds] [rotary]   # 2 12
+"""
+
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from unittest import mock
+
+import torch
+from torch.nn import functional
+
+from mha_multi.torch import MultiHeadAttention, _facts, set_weights
+from mha_multi.weights import init_weights
+
+BATCH, HIDDENS, HEADS, PROMPT, MAX_LENGTH, TURN = 8, 512, 8, 256, 1024, 40
+HEAD_DIM = HIDDENS // HEADS
+ROTARY = {"theta": 10000.0}
+
+
+def prompt_lengths() -> torch.Tensor:
+    return torch.tensor([PROMPT - (7 * b) % 40 for b in range(BATCH)])
+
+
+def layer_steps(layer: MultiHeadAttention, prompt: torch.Tensor, token: torch.Tensor):
+    """A step function of the layer after its prompt."""
+    with torch.inference_mode():
+        _, cache = layer(
+            prompt,
+            prompt,
+            prompt,
+            prompt_lengths(),
+            causal=True,
+            cache=layer.init_cache(BATCH, MAX_LENGTH),
+        )
+    held = [cache]
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            output, held[0] = layer(token, token, token, causal=True, cache=held[0])
+        return output
+
+    return step
+
+
+def hand_steps(weights: dict, kv_heads: int, rotary: bool, prompt: torch.Tensor, token):
+    """The hand-written loop's step function after its prompt (the layer's weights)."""
+    w_q, w_k, w_v, w_o = (
+        torch.from_numpy(weights[n]).float().T for n in ("W_q", "W_k", "W_v", "W_o")
+    )
+    keys = torch.zeros(BATCH, kv_heads, MAX_LENGTH, HEAD_DIM)
+    values = torch.zeros_like(keys)
+    examples, key_positions = torch.arange(BATCH), torch.arange(MAX_LENGTH)
+    inverse = 1.0 / (
+        ROTARY["theta"] ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    )
+    angles = torch.arange(MAX_LENGTH).float()[:, None] * inverse.float()
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos(), angles.sin()
+
+    def project(x: torch.Tensor):
+        length = x.shape[1]
+        q, k, v = (
+            functional.linear(x, w).view(BATCH, length, n, HEAD_DIM).transpose(1, 2)
+            for w, n in ((w_q, HEADS), (w_k, kv_heads), (w_v, kv_heads))
+        )
+        return q, k, v
+
+    def rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        half = HEAD_DIM // 2
+        return x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
+
+    lengths = prompt_lengths()
+    with torch.inference_mode():
+        _, k, v = project(prompt)
+        if rotary:
+            k = rotate(k, cos[:PROMPT], sin[:PROMPT])
+        keys[:, :, :PROMPT], values[:, :, :PROMPT] = k, v
+    longest = [int(lengths.max())]
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            q, k, v = project(token)
+            if rotary:
+                c, s = cos[lengths].view(BATCH, 1, 1, -1), sin[lengths].view(BATCH, 1, 1, -1)
+                q, k = rotate(q, c, s), rotate(k, c, s)
+            keys[examples, :, lengths] = k.squeeze(2)
+            values[examples, :, lengths] = v.squeeze(2)
+            end = longest[0] + 1
+            mask = (key_positions[:end] <= lengths[:, None]).view(BATCH, 1, 1, end)
+            context = functional.scaled_dot_product_attention(
+                q,
+                keys[:, :, :end],
+                values[:, :, :end],
+                attn_mask=mask,
+                enable_gqa=kv_heads != HEADS,
+            )
+            lengths.add_(1)
+            longest[0] += 1
+            return functional.linear(context.transpose(1, 2).reshape(BATCH, 1, HIDDENS), w_o)
+
+    return step
+
+
+def calls_per_step(step: Callable[[], torch.Tensor]) -> float:
+    for _ in range(3):
+        step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(20):
+        step()
+    profile.disable()
+    return sum(row[1] for row in pstats.Stats(profile).stats.values()) / 20
+
+
+def main() -> None:
+    arguments = [a for a in sys.argv[1:] if a != "rotary"]
+    kv_heads = int(arguments[0]) if arguments else 2
+    rounds = int(arguments[1]) if len(arguments) > 1 else 12
+    rotary = "rotary" in sys.argv[1:]
+    torch.manual_seed(0)
+    weights = init_weights(HIDDENS, seed=0, num_heads=HEADS, num_kv_heads=kv_heads)
+    layer = MultiHeadAttention(
+        HIDDENS, HEADS, num_kv_heads=kv_heads, **({"rotary": ROTARY} if rotary else {})
+    )
+    layer = set_weights(layer, weights).eval()
+    prompt, token = torch.randn(BATCH, PROMPT, HIDDENS), torch.randn(BATCH, 1, HIDDENS)
+
+    def generic():  # (the route answering no call)
+        return mock.patch.object(_facts.FACTS, "plain_attention", return_value=None)
+
+    ours, theirs = (
+        layer_steps(layer, prompt, token),
+        hand_steps(weights, kv_heads, rotary, prompt, token),
+    )
+    difference = max(float((ours() - theirs()).abs().max()) for _ in range(TURN))
+    makers = {
+        "ours": lambda: layer_steps(layer, prompt, token),
+        "generic flow": lambda: layer_steps(layer, prompt, token),
+        "hand-written": lambda: hand_steps(weights, kv_heads, rotary, prompt, token),
+    }
+    times: dict[str, list[float]] = {name: [] for name in makers}
+    for _ in range(rounds):
+        for name, make in makers.items():
+            with generic() if name == "generic flow" else contextlib.nullcontext():
+                step = make()
+                step()
+                start = time.perf_counter()
+                for _ in range(TURN):
+                    step()
+                times[name].append((time.perf_counter() - start) / TURN * 1e6)
+    hand = statistics.median(times["hand-written"])
+    for name, measured in times.items():
+        median = statistics.median(measured)
+        print(f"{name:>13}: {median:7.0f} us a step, {hand / median:.2f}x hand-written")
+    print(f"largest difference, ours and the loop's outputs: {difference:.1e}")
+    route_calls = calls_per_step(layer_steps(layer, prompt, token))
+    with generic():
+        generic_calls = calls_per_step(layer_steps(layer, prompt, token))
+    print(f"Python calls a step: {route_calls:.0f} (the generic flow's {generic_calls:.0f})")
+
+
+if __name__ == "__main__":
+    main()
