@@ -44,12 +44,12 @@ def ragged_step(
     """The plain route's decoding step of examples at different lengths, on a fused plan
     that takes them (``plan.ragged``; the host's).
 
-    ``check``: the cache's, which holds, with nothing pending and every
-    position below the lengths known finite; ``None`` where it does not know
-    the positions past the longest example's finite (the generic flow reads
-    them), or where that example has no room left (the generic flow raises),
-    before anything is written. ``rotary``: the layer's, whose tables of every
-    cache position the plan holds.
+    ``check``: the cache's, which holds, with no rows left to read and no
+    poison (:meth:`mha_multi.torch._plain.PlainRoute.plain_attention` asked);
+    ``None`` where it does not know the positions past the longest example's
+    finite (the generic flow reads them), or where that example has no room
+    left (the generic flow raises), before anything is written. ``rotary``:
+    the layer's, whose tables of every cache position the plan holds.
     """
     keys, values, lengths = cache
     held = check.lengths  # (B,) int64, on the host
