@@ -11,7 +11,8 @@
 #   tests   each backend's tests that take the GPU (-k gpu), in parallel
 #   parity  every parity case on the GPU in every dtype, then the report
 #   bench   the benchmark rows on the GPU (BENCH_ROWS: --only choices), then
-#           tools/gpu_step.py's decoding steps and tools/grouped_sdpa.py's SDPA
+#           tools/gpu_step.py's decoding steps, tools/ragged_step.py's ragged ones
+#           and tools/grouped_sdpa.py's SDPA
 #
 # Every stage's log and result lands in OUT; OUT.tar.gz holds them all.
 set -u
@@ -100,6 +101,10 @@ EOF
         # A decoding step's host time: the route, the generic flow, hand-written.
         for kv in 2 8; do
             step "gpu-step-$kv" 300 "$py" tools/gpu_step.py gpu 8 512 8 "$kv"
+        done
+        # A ragged batch's step: the route (nothing read), the generic flow, hand-written.
+        for kv in 2 8; do
+            step "ragged-step-$kv" 300 "$py" tools/ragged_step.py "$kv" 8 rotary cuda
         done
         # SDPA for a step's grouped heads: enable_gqa against the heads folded.
         for dtype in float32 bfloat16; do

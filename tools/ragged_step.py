@@ -13,9 +13,10 @@ its tables picked by position). The median turn's time per step is printed
 in microseconds, with the ratio ours / hand-written in speed (above 1 when
 ours is faster), the largest difference between ours and the loop's
 outputs, and the Python function calls per step (cProfile) of the route and
-of the generic flow.
+of the generic flow. ``cuda``: on a GPU (the route's generic path, which reads
+nothing; each turn ends with a synchronisation).
 
-    python tools/ragged_step.py [num_kv_heads] [rounds] [rotary]   # 2 12
+    python tools/ragged_step.py [num_kv_heads] [rounds] [rotary] [cuda]   # 2 12
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from mha_multi.torch import MultiHeadAttention, _facts, set_weights
 from mha_multi.weights import init_weights
 
 BATCH, HIDDENS, HEADS, PROMPT, MAX_LENGTH, TURN = 8, 512, 8, 256, 1024, 40
+DEVICE = torch.device("cuda" if "cuda" in sys.argv[1:] else "cpu")
 HEAD_DIM = HIDDENS // HEADS
 ROTARY = {"theta": 10000.0}
 
 
 def prompt_lengths() -> torch.Tensor:
-    return torch.tensor([PROMPT - (7 * b) % 40 for b in range(BATCH)])
+    return torch.tensor([PROMPT - (7 * b) % 40 for b in range(BATCH)], device=DEVICE)
 
 
 def layer_steps(layer: MultiHeadAttention, prompt: torch.Tensor, token: torch.Tensor):
@@ -68,16 +70,17 @@ def layer_steps(layer: MultiHeadAttention, prompt: torch.Tensor, token: torch.Te
 def hand_steps(weights: dict, kv_heads: int, rotary: bool, prompt: torch.Tensor, token):
     """The hand-written loop's step function after its prompt (the layer's weights)."""
     w_q, w_k, w_v, w_o = (
-        torch.from_numpy(weights[n]).float().T for n in ("W_q", "W_k", "W_v", "W_o")
+        torch.from_numpy(weights[n]).float().T.to(DEVICE) for n in ("W_q", "W_k", "W_v", "W_o")
     )
-    keys = torch.zeros(BATCH, kv_heads, MAX_LENGTH, HEAD_DIM)
+    keys = torch.zeros(BATCH, kv_heads, MAX_LENGTH, HEAD_DIM, device=DEVICE)
     values = torch.zeros_like(keys)
-    examples, key_positions = torch.arange(BATCH), torch.arange(MAX_LENGTH)
+    examples = torch.arange(BATCH, device=DEVICE)
+    key_positions = torch.arange(MAX_LENGTH, device=DEVICE)
     inverse = 1.0 / (
         ROTARY["theta"] ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
     )
     angles = torch.arange(MAX_LENGTH).float()[:, None] * inverse.float()
-    angles = torch.cat([angles, angles], -1)
+    angles = torch.cat([angles, angles], -1).to(DEVICE)
     cos, sin = angles.cos(), angles.sin()
 
     def project(x: torch.Tensor):
@@ -124,6 +127,11 @@ def hand_steps(weights: dict, kv_heads: int, rotary: bool, prompt: torch.Tensor,
     return step
 
 
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def calls_per_step(step: Callable[[], torch.Tensor]) -> float:
     for _ in range(3):
         step()
@@ -136,7 +144,7 @@ def calls_per_step(step: Callable[[], torch.Tensor]) -> float:
 
 
 def main() -> None:
-    arguments = [a for a in sys.argv[1:] if a != "rotary"]
+    arguments = [a for a in sys.argv[1:] if a not in ("rotary", "cuda")]
     kv_heads = int(arguments[0]) if arguments else 2
     rounds = int(arguments[1]) if len(arguments) > 1 else 12
     rotary = "rotary" in sys.argv[1:]
@@ -145,8 +153,9 @@ def main() -> None:
     layer = MultiHeadAttention(
         HIDDENS, HEADS, num_kv_heads=kv_heads, **({"rotary": ROTARY} if rotary else {})
     )
-    layer = set_weights(layer, weights).eval()
-    prompt, token = torch.randn(BATCH, PROMPT, HIDDENS), torch.randn(BATCH, 1, HIDDENS)
+    layer = set_weights(layer.to(DEVICE), weights).eval()
+    prompt = torch.randn(BATCH, PROMPT, HIDDENS, device=DEVICE)
+    token = torch.randn(BATCH, 1, HIDDENS, device=DEVICE)
 
     def generic():  # (the route answering no call, in one Python call)
         return mock.patch.object(_facts.FACTS, "plain_attention", lambda *_, **__: None)
@@ -167,9 +176,11 @@ def main() -> None:
             with generic() if name == "generic flow" else contextlib.nullcontext():
                 step = make()
                 step()
+                sync()
                 start = time.perf_counter()
                 for _ in range(TURN):
                     step()
+                sync()
                 times[name].append((time.perf_counter() - start) / TURN * 1e6)
     hand = statistics.median(times["hand-written"])
     for name, measured in times.items():

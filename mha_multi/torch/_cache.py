@@ -155,34 +155,39 @@ class CacheCheck:
         self,
         updated: spec.KVCache,
         held: np.ndarray,
-        span: int,
+        step: tuple[Any, tuple, Any] | None,
+        *,
+        upto: int,
+        finite_from: int | None,
+        key_upto: int,
         key_max: float,
         poison: torch.Tensor | None,
-        step: tuple[Any, tuple, Any] | None,
+        pending: tuple[torch.Tensor, ...] | None,
     ) -> CacheCheck:
         """The check of ``updated``, which a ragged step made from this check's cache by
-        writing one row at each example's own length, ``held`` the lengths now, and
-        reading the rows and the positions up to ``span`` as the generic flow's write
-        and plan leave the check they make (:meth:`attach`, :meth:`written_past`,
-        :meth:`mha_multi.torch._facts.TorchFacts.plan_values`: the rows read, every
-        position below ``span`` checked, ``poison`` where they were not finite, the
-        keys below ``span`` at most ``key_max``); this check knew every position from
-        ``span`` on finite (:func:`mha_multi.torch._ragged.ragged_step`)."""
+        writing one row at each example's own length (``held``: the lengths now), with
+        what the generic flow's write and plan leave in the check they make for such a
+        step (:meth:`attach`, :meth:`written_past`,
+        :meth:`mha_multi.torch._facts.TorchFacts.plan_values`): the positions below
+        ``upto`` and the rows written finite (NaN ``poison`` where not), those from
+        ``finite_from`` on finite, the keys below ``key_upto`` at most ``key_max``, and
+        the rows left ``pending`` (a step that reads nothing), as
+        :func:`mha_multi.torch._ragged.ragged_step` says."""
         check = CacheCheck.__new__(CacheCheck)
         check.__dict__ = {
             **self.__dict__,
             "versions": (updated.keys._version, updated.values._version),
             "poison": poison,
-            "upto": self.upto if self.upto > span else span,
-            "pending": None,
+            "upto": upto,
+            "pending": pending,
             "pending_from": None,
             "_held": held,
             "_added": 0,
             "lengths_version": updated.lengths._version,
             "_uniform": None,  # (one added to lengths that differ)
             "step": step,
-            "finite_from": span,
-            "key_upto": span,
+            "finite_from": finite_from,
+            "key_upto": key_upto,
             "key_max": key_max,
         }
         updated.lengths._mha_multi_checked = check

@@ -160,7 +160,9 @@ class PlainRoute(LengthsRoute):
             if plan is None:
                 return None
             if check._uniform is None:  # (examples at different lengths)
-                if not plan.ragged or check.pending is not None or check.poison is not None:
+                if not plan.ragged or (
+                    plan.fused and (check.pending is not None or check.poison is not None)
+                ):
                     return None  # (the generic flow's: plans of options, rows to read)
                 return ragged_step(self, layer, queries, cache, check, plan, step, rotary)
             first = 0  # (the first cache position attended over)
@@ -575,7 +577,13 @@ class PlainRoute(LengthsRoute):
         if plan.fused:
             return None
         return generic_plan(
-            PlainPlan(False, {}, may_read=optimistic.fused),
+            # (A ragged step's generic path: the lengths' mask, where no option adds one.)
+            PlainPlan(
+                False,
+                {},
+                may_read=optimistic.fused,
+                ragged=step and score_options is spec.NO_OPTIONS,
+            ),
             ops,
             layer,
             queries,

@@ -1,14 +1,16 @@
 """The plain route's decoding step of a ragged batch: examples at different lengths.
 
 A batch of prompts of different lengths decodes with each example at its own
-position (docs: "Generating with a cache"). Such a step, on the host, by a
-layer whose options leave the scores alone (rotary positions, query/key
-norms, grouped heads), runs here in a dozen operations: each example's row
-written at its own length, the generic flow's read of the new rows, and of
-the keys the lengths may now hide, and one query per example attending over
-the positions up to the longest's, by SDPA with the lengths' mask, or by the
-generic path where the read says so. These are the operations of the
-generic flow's write, kernel plan and kernel call for the same call
+position (docs: "Generating with a cache"). Such a step, by a layer whose
+options leave the scores alone (rotary positions, query/key norms, grouped
+heads), runs here in a dozen operations: each example's row written at its
+own length, and one query per example attending over the positions up to the
+longest's, the others' hidden by the lengths. On the host, after the generic
+flow's read of the new rows and of the keys the lengths may now hide, by SDPA
+with the lengths' mask, or by the generic path where the read says so; on a
+GPU, where a step reads nothing, by the generic path over the generic flow's
+span, the rows left for a later read to check. These are the operations of
+the generic flow's write, kernel plan and kernel call for the same call
 (:func:`mha_multi.call.attend`, :func:`mha_multi.call.plan`), on the same
 tensors: the numbers are its numbers to the bit, and the cache's check is
 left as it leaves it. This module imports nothing of the facts.
@@ -23,16 +25,15 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, from_host, next_lengths
-from mha_multi.torch._ops import OPS
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked
-from mha_multi.torch._steps import PlainPlan, normalized
+from mha_multi.torch._steps import PlainPlan, normalized, project_output, step_attention
 
 __all__ = ["ragged_step"]
 
 
 def ragged_step(
-    facts: call.Facts,
+    route: Any,
     layer: call.Projections,
     queries: torch.Tensor,
     cache: spec.KVCache,
@@ -41,90 +42,125 @@ def ragged_step(
     step: tuple[Any, tuple, Any] | None,
     rotary: spec.Rotary | None,
 ) -> call.Result | None:
-    """The plain route's decoding step of examples at different lengths, on a fused plan
-    that takes them (``plan.ragged``; the host's).
+    """The plain route's decoding step of examples at different lengths, on a plan that
+    takes them (``plan.ragged``): a fused plan's (the host's) or a generic one's (a
+    GPU's).
 
-    ``check``: the cache's, which holds, with no rows left to read and no
-    poison (:meth:`mha_multi.torch._plain.PlainRoute.plain_attention` asked);
-    ``None`` where it does not know the positions past the longest example's
-    finite (the generic flow reads them), or where that example has no room
-    left (the generic flow raises), before anything is written. ``rotary``:
-    the layer's, whose tables of every cache position the plan holds.
+    ``route``: the :class:`mha_multi.torch._plain.PlainRoute` (its span of a
+    step). ``check``: the cache's, which holds; with a fused plan it holds no
+    rows left to read and no poison (the route asked). ``None`` where the
+    longest example has no room left (the generic flow raises), or where the
+    generic flow reads for the span (a GPU's span whose scores are many, or on
+    the host positions past the longest example not known finite), before
+    anything is written. ``rotary``: the layer's, whose tables of every cache
+    position the plan holds.
     """
     keys, values, lengths = cache
     held = check.lengths  # (B,) int64, on the host
     # (Python's max and min of a few lengths: numpy's reductions cost more.)
     listed = held.tolist()
-    span = max(listed) + 1  # (the positions attended over: the longest's, and its new one)
-    finite_from = check.finite_from
-    if span > keys.shape[2] or finite_from is None or finite_from > span:
+    filled, least = max(listed) + 1, min(listed)  # (the longest example's new length)
+    max_length, finite_from = keys.shape[2], check.finite_from
+    if filled > max_length:
         return None
+    if plan.fused:
+        span = filled  # (the positions attended over: the host's kernels take any count)
+        if finite_from is None or finite_from > span:
+            return None
+    else:
+        span = route._step_span(layer, cache, filled, may_read=False)
+        # The write's knowledge of the positions past the longest (CacheCheck.written_past);
+        # not known on a device, the generic flow attends over every position.
+        finite_from = None if finite_from is None else max(finite_from, filled)
+        if span < max_length and (finite_from is None or finite_from > span):
+            span = max_length
+        if route._step_span(layer, cache, span, may_read=plan.may_read) is None:
+            return None  # (the generic flow reads for that span)
     heads = layer._heads
     query_width, kv_width = heads.query_features, heads.kv_features
     num_kv_heads, head_dim = heads.num_kv_heads, heads.head_dim
-    batch = queries.shape[0]
-    modules = layer._modules
-    stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
-    projected = torch.nn.functional.linear(queries, *(stacked or layer.stacked_parameters(queries)))
+    batch, device = queries.shape[0], queries.device
+    if plan.fused or plan.direct:  # (the product itself: neither 16-bit off CUDA nor autocast's)
+        modules = layer._modules
+        stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
+        weight, bias = stacked or layer.stacked_parameters(queries)
+        projected = torch.nn.functional.linear(queries, weight, bias)
+    else:
+        projected = layer.project_stacked(queries)  # (16-bit products accumulate in float32)
     if plan.norm is not None:
         projected = normalized(projected, layer, plan.norm)
-    # Each example's position (on the host, as the route's steps are): the write's, and
-    # the rows of the rotary tables.
-    positions = torch.from_numpy(held)
+    # Each example's position: the write's, and the rows of the rotary tables.
+    positions = from_host(held, device, None)
     if rotary is None:
         q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
-        total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
+        total = projected.sum() if plan.fused else None  # (float32 or float64: a fused plan's)
     else:
         q, k, v, turned = rotate_stacked(
             projected, plan.tables, plan.wide_tables, rotary, heads, positions.unsqueeze(1)
         )
-        total = turned.sum() + v.sum()
-    examples = torch.arange(batch)
+        total = turned.sum() + v.sum() if plan.fused else None
+    # Before writing, as the generic flow's write: the rows the calls before left pending.
+    poison = None if plan.fused else check.settled()
+    examples = torch.arange(batch, device=device)
     keys[examples, :, positions] = k.view(batch, num_kv_heads, head_dim)
     values[examples, :, positions] = v.view(batch, num_kv_heads, head_dim)
     attended = keys.narrow(2, 0, span), values.narrow(2, 0, span)
-    # The generic flow's read (Facts.plan_values): the positions up to the span that no
-    # call has checked, and the keys from the shortest example's length on, whose
-    # largest magnitude, with those below it, bounds the scores its mask may hide.
-    upto = check.upto
-    if upto < span:
-        total = total + finite_sum(*(x.narrow(2, upto, span - upto) for x in attended), eager=True)
-    least = min(listed)
+    new_held = held + 1
+    updated = spec.KVCache(keys, values, next_lengths(check, lengths, listed[0] + 1, new_held))
+    # The rows written from the shortest example's length on: the keys' bound holds below.
     key_upto = check.key_upto if check.key_upto < least else least
-    read = read_together(
-        [total, *extremes(q), *extremes(attended[0].narrow(2, key_upto, span - key_upto))]
-    )
-    largest_key = magnitude_of(read[3], read[4])
-    if key_upto:
-        largest_key = larger(check.key_max, largest_key)
-    finite = math.isfinite(read[0])
-    filled = held + 1
-    updated = spec.KVCache(keys, values, next_lengths(check, lengths, listed[0] + 1, filled))
-    check.ragged_stepped(updated, filled, span, largest_key, None if finite else total * 0.0, step)
-    visible = from_host(filled, queries.device, None)
-    if finite and spec.scores_within_limit(magnitude_of(read[1], read[2]), largest_key, head_dim):
+    key_max = check.key_max if key_upto else 0.0  # (a bound of nothing)
+    exact = False
+    if plan.fused:
+        # The generic flow's read (Facts.plan_values): the new rows, the positions up to
+        # the span no call has checked, and the largest query and key (from key_upto on;
+        # with the bound below it) for the scores the mask may hide.
+        upto = check.upto
+        if upto < span:
+            rest = (x.narrow(2, upto, span - upto) for x in attended)
+            total = total + finite_sum(*rest, eager=True)
+        read = read_together(
+            [total, *extremes(q), *extremes(attended[0].narrow(2, key_upto, span - key_upto))]
+        )
+        key_max = larger(key_max, magnitude_of(read[3], read[4]))
+        finite = math.isfinite(read[0])
+        exact = finite and spec.scores_within_limit(
+            magnitude_of(read[1], read[2]), key_max, head_dim
+        )
+        check.ragged_stepped(
+            updated,
+            new_held,
+            step,
+            upto=upto if upto > span else span,
+            finite_from=span,
+            key_upto=span,
+            key_max=key_max,
+            poison=None if finite else total * 0.0,
+            pending=None,
+        )
+    else:
+        check.ragged_stepped(
+            updated,
+            new_held,
+            step,
+            upto=check.upto,
+            finite_from=finite_from,
+            key_upto=key_upto,
+            key_max=key_max,
+            poison=poison,
+            pending=(k, v),
+        )
+    # (The lengths' mask, (B, 1, 1, span), as spec.visibility makes it.)
+    visible = torch.arange(span, device=device) < updated.lengths.view(batch, 1, 1, 1)
+    if exact:
         if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
             q = q.view(batch, num_kv_heads, heads.group_size, head_dim)
         else:
             q = q.view(batch, heads.num_heads, 1, head_dim)
-        # (The lengths' mask, (B, 1, 1, span), as spec.visibility makes it.)
-        mask = torch.arange(span, device=queries.device) < visible.view(batch, 1, 1, 1)
         context = torch.nn.functional.scaled_dot_product_attention(
-            q, *attended, attn_mask=mask, **plan.arguments
+            q, *attended, attn_mask=visible, **plan.arguments
         ).reshape(batch, 1, query_width)
     else:
-        context = facts.generic_attention(
-            OPS,
-            q,
-            *attended,
-            visible,
-            heads=heads,
-            causal=False,
-            dropout=None,
-            kv_split=True,
-            head_parallel=False,
-            return_attention_weights=False,
-        )[0]
-    parameters = modules["W_o"]._parameters
-    output = torch.nn.functional.linear(context, parameters["weight"], parameters["bias"])
-    return call.Result(output, None, updated)
+        fill = spec.MASK_VALUE if plan.fill is None else plan.fill
+        context = step_attention(q, *attended, visible, heads, fill)
+    return call.Result(project_output(layer, context, plan.fused or plan.direct), None, updated)

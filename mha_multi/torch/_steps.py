@@ -80,10 +80,11 @@ class PlainPlan(NamedTuple):
     ``arguments`` the kernel call's score ``options``. ``folded``: a fused
     plan of one query whose grouped heads SDPA takes as the queries of their
     key/value head (:func:`mha_multi.torch._kernel.folds_groups`; its ``mask``
-    folded too). ``ragged``: a fused step's plan that a step of examples at
+    folded too). ``ragged``: a step's plan that a step of examples at
     different lengths takes too (:func:`mha_multi.torch._ragged.ragged_step`):
-    the generic flow's kernel plan of lengths that hide keys is then SDPA
-    with their mask alone.
+    a fused plan where the generic flow's kernel plan of lengths that hide
+    keys is SDPA with their mask alone, a generic one where no option touches
+    the scores.
     """
 
     fused: bool
