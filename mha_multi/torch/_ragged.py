@@ -119,9 +119,24 @@ def ragged_step(
         if upto < span:
             rest = (x.narrow(2, upto, span - upto) for x in attended)
             total = total + finite_sum(*rest, eager=True)
-        read = read_together(
-            [total, *extremes(q), *extremes(attended[0].narrow(2, key_upto, span - key_upto))]
-        )
+        bounded = check.key_upto  # (the positions the check's bound holds for)
+        if 0 < key_upto < bounded:
+            # The same bound, read from less: a key below the check's bound unchanged
+            # since is within it, so the largest key from key_upto on is the bound's,
+            # the new rows' or one past the bound's positions (NaN where one is).
+            bounded = min(bounded, span)
+            read = read_together(
+                [
+                    total,
+                    *extremes(q),
+                    *extremes(k),
+                    *extremes(attended[0].narrow(2, bounded, span - bounded)),
+                ]
+            )
+            key_max = larger(key_max, magnitude_of(read[5], read[6]))
+        else:
+            rows = attended[0].narrow(2, key_upto, span - key_upto)
+            read = read_together([total, *extremes(q), *extremes(rows)])
         key_max = larger(key_max, magnitude_of(read[3], read[4]))
         finite = math.isfinite(read[0])
         exact = finite and spec.scores_within_limit(
