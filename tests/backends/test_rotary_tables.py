@@ -102,9 +102,10 @@ def test_decoding_steps_take_rows_of_one_table(runner, made):
 
 def test_ragged_steps_take_rows_of_one_table_where_the_framework_picks_them(runner, made):
     """A ragged batch's steps (examples at different lengths) take each example's rows
-    of the table where the framework picks rows (:meth:`mha_multi.call.Facts.rows_at`);
-    a call whose padding row would lie past the cache makes its own: the float64
-    reference's numbers either way, and elsewhere (own tables, or a compiled call)."""
+    of the table where the framework picks rows (:meth:`mha_multi.call.Facts.rows_at`),
+    and a call whose padding row would lie past the cache makes its own; every backend
+    gives the float64 reference's numbers (those that pick no rows make their own
+    tables, or compile the call)."""
     facts = importlib.import_module(f"{runner.package}._facts").FACTS
     picks = facts.rows_of_one_table and type(facts).rows_at is not call.Facts.rows_at
     weights = {k: v.astype(np.float32) for k, v in init_weights(16, seed=13, **HEADS).items()}
