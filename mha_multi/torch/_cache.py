@@ -173,24 +173,18 @@ class CacheCheck:
         ``finite_from`` on finite, the keys below ``key_upto`` at most ``key_max``, and
         the rows left ``pending`` (a step that reads nothing), as
         :func:`mha_multi.torch._ragged.ragged_step` says."""
-        check = CacheCheck.__new__(CacheCheck)
-        check.__dict__ = {
-            **self.__dict__,
-            "versions": (updated.keys._version, updated.values._version),
-            "poison": poison,
-            "upto": upto,
-            "pending": pending,
-            "pending_from": None,
-            "_held": held,
-            "_added": 0,
-            "lengths_version": updated.lengths._version,
-            "_uniform": None,  # (one added to lengths that differ)
-            "step": step,
-            "finite_from": finite_from,
-            "key_upto": key_upto,
-            "key_max": key_max,
-        }
-        updated.lengths._mha_multi_checked = check
+        # A plain step's check (of no one length: 0) but for its lengths and what it
+        # knows of the positions.
+        check = self.stepped(updated, 0, step, poison=poison, pending=pending)
+        check.__dict__.update(
+            _held=held,
+            _added=0,
+            _uniform=None,  # (one added to lengths that differ)
+            upto=upto,
+            finite_from=finite_from,
+            key_upto=key_upto,
+            key_max=key_max,
+        )
         return check
 
     @classmethod

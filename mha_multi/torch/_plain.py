@@ -164,7 +164,7 @@ class PlainRoute(LengthsRoute):
                     plan.fused and (check.pending is not None or check.poison is not None)
                 ):
                     return None  # (the generic flow's: plans of options, rows to read)
-                return ragged_step(self, layer, queries, cache, check, plan, step, rotary)
+                return ragged_step(self, plan, layer, queries, cache, check, step, rotary)
             first = 0  # (the first cache position attended over)
             if plan.window is not None:
                 first = self._window_first(check, plan, cache, on_host=on_host)

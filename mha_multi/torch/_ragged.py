@@ -27,18 +27,18 @@ from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, from_host, next_lengths
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked
-from mha_multi.torch._steps import PlainPlan, normalized, project_output, step_attention
+from mha_multi.torch._steps import PlainPlan, project_output, step_attention, step_projections
 
 __all__ = ["ragged_step"]
 
 
 def ragged_step(
     route: Any,
+    plan: PlainPlan,
     layer: call.Projections,
     queries: torch.Tensor,
     cache: spec.KVCache,
     check: CacheCheck,
-    plan: PlainPlan,
     step: tuple[Any, tuple, Any] | None,
     rotary: spec.Rotary | None,
 ) -> call.Result | None:
@@ -47,13 +47,13 @@ def ragged_step(
     GPU's).
 
     ``route``: the :class:`mha_multi.torch._plain.PlainRoute` (its span of a
-    step). ``check``: the cache's, which holds; with a fused plan it holds no
-    rows left to read and no poison (the route asked). ``None`` where the
-    longest example has no room left (the generic flow raises), or where the
-    generic flow reads for the span (a GPU's span whose scores are many, or on
-    the host positions past the longest example not known finite), before
-    anything is written. ``rotary``: the layer's, whose tables of every cache
-    position the plan holds.
+    step), whose ``plan`` this is. ``check``: the cache's, which holds; with a
+    fused plan it holds no rows left to read and no poison (the route asked).
+    ``None`` where the longest example has no room left (the generic flow
+    raises), or where the generic flow reads for the span (a GPU's span whose
+    scores are many, or on the host positions past the longest example not
+    known finite), before anything is written. ``rotary``: the layer's, whose
+    tables of every cache position the plan holds.
     """
     keys, values, lengths = cache
     held = check.lengths  # (B,) int64, on the host
@@ -80,15 +80,8 @@ def ragged_step(
     query_width, kv_width = heads.query_features, heads.kv_features
     num_kv_heads, head_dim = heads.num_kv_heads, heads.head_dim
     batch, device = queries.shape[0], queries.device
-    if plan.fused or plan.direct:  # (the product itself: neither 16-bit off CUDA nor autocast's)
-        modules = layer._modules
-        stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
-        weight, bias = stacked or layer.stacked_parameters(queries)
-        projected = torch.nn.functional.linear(queries, weight, bias)
-    else:
-        projected = layer.project_stacked(queries)  # (16-bit products accumulate in float32)
-    if plan.norm is not None:
-        projected = normalized(projected, layer, plan.norm)
+    # (A fused plan's products are the product itself: 32 or 64 bits, no autocast.)
+    projected = step_projections(layer, queries, plan.fused or plan.direct, plan.norm)
     # Each example's position: the write's, and the rows of the rotary tables.
     positions = from_host(held, device, None)
     if rotary is None:

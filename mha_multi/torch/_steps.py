@@ -32,6 +32,7 @@ __all__ = [
     "normalized",
     "project_output",
     "step_attention",
+    "step_projections",
 ]
 
 
@@ -226,15 +227,7 @@ def generic_step(
     heads = layer._heads
     num_heads, num_kv_heads = heads.num_heads, heads.num_kv_heads
     length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
-    if plan.direct:
-        modules = layer._modules
-        stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
-        weight, bias = stacked or layer.stacked_parameters(queries)
-        projected = torch.nn.functional.linear(queries, weight, bias)
-    else:
-        projected = layer.project_stacked(queries)  # (16-bit products accumulate in float32)
-    if plan.norm is not None:
-        projected = normalized(projected, layer, plan.norm)
+    projected = step_projections(layer, queries, plan.direct, plan.norm)
     wide = plan.wide_tables
     if rotary is None:
         q, k, v = projected.split_with_sizes(
@@ -276,6 +269,23 @@ def generic_step(
         sinks=layer.sink_logits() if plan.sinks else None,
     )
     return call.Result(project_output(layer, context, plan.direct), None, updated)
+
+
+def step_projections(
+    layer: call.Projections, queries: torch.Tensor, direct: bool, norm: spec.QKNorm | None
+) -> torch.Tensor:
+    """A step's stacked projections ``(B, 1, (H + 2 H_kv) dh)``: the product itself where
+    ``direct`` (a plan's products are neither 16-bit off CUDA nor autocast's), else as the
+    layer projects (16-bit products accumulate in float32); through the layer's query/key
+    ``norm`` where it has one (:func:`normalized`)."""
+    if direct:
+        modules = layer._modules
+        stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
+        weight, bias = stacked or layer.stacked_parameters(queries)
+        projected = torch.nn.functional.linear(queries, weight, bias)
+    else:
+        projected = layer.project_stacked(queries)
+    return projected if norm is None else normalized(projected, layer, norm)
 
 
 def normalized(projected: torch.Tensor, layer: call.Projections, norm: spec.QKNorm) -> torch.Tensor:

@@ -138,19 +138,26 @@ def test_a_call_without_a_cache_is_the_generic_flows(
     assert_route_is_generic(call, on_a_gpu)
 
 
+#: What every randomised decoding draws: the layer, where it runs, its steps, the
+#: position a poisoned token is poisoned at and the seed of its values.
+DECODING = {
+    "options": st.sampled_from(OPTIONS),
+    "num_kv_heads": st.sampled_from([1, 2, 4]),
+    "dtype": st.sampled_from(DTYPES[:3]),
+    "on_a_gpu": st.booleans(),
+    "steps": st.integers(1, 8),
+    "where": st.tuples(*[st.integers(0, 15)] * 3),
+    "seed": st.integers(0, 2**16),
+}
+
+
 @RANDOMISED
 @given(
-    options=st.sampled_from(OPTIONS),
-    num_kv_heads=st.sampled_from([1, 2, 4]),
-    dtype=st.sampled_from(DTYPES[:3]),
-    on_a_gpu=st.booleans(),
+    **DECODING,
     batch=st.integers(1, 3),
     prompt=st.integers(1, 6),
-    steps=st.integers(1, 8),
     max_length=st.sampled_from([10, 16]),
     poison=st.sampled_from([None, "nan", "large"]),
-    where=st.tuples(*[st.integers(0, 15)] * 3),
-    seed=st.integers(0, 2**16),
 )
 def test_a_decoding_is_the_generic_flows(
     options, num_kv_heads, dtype, on_a_gpu, batch, prompt, steps, max_length, poison, where, seed
@@ -181,17 +188,11 @@ def test_a_decoding_is_the_generic_flows(
 
 @RANDOMISED
 @given(
-    options=st.sampled_from(OPTIONS),
-    num_kv_heads=st.sampled_from([1, 2, 4]),
-    dtype=st.sampled_from(DTYPES[:3]),
-    on_a_gpu=st.booleans(),
+    **DECODING,
     prompts=st.lists(st.integers(0, 6), min_size=2, max_size=3),
-    steps=st.integers(1, 8),
     max_length=st.sampled_from([10, 16, 80]),  # (80: past a GPU's span bucket)
     stale=st.sampled_from([None, "nan", "large", "huge"]),
     poison=st.sampled_from([None, "nan", "inf", "large"]),
-    where=st.tuples(*[st.integers(0, 15)] * 3),
-    seed=st.integers(0, 2**16),
 )
 def test_a_ragged_decoding_is_the_generic_flows(
     options, num_kv_heads, dtype, on_a_gpu, prompts, steps, max_length, stale, poison, where, seed
