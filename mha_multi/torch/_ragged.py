@@ -25,6 +25,7 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, from_host, next_lengths
+from mha_multi.torch._ops import OPS
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked
 from mha_multi.torch._steps import PlainPlan, project_output, step_attention, step_projections
@@ -158,8 +159,9 @@ def ragged_step(
             poison=poison,
             pending=(k, v),
         )
-    # (The lengths' mask, (B, 1, 1, span), as spec.visibility makes it.)
-    visible = torch.arange(span, device=device) < updated.lengths.view(batch, 1, 1, 1)
+    # The lengths' mask, (B, 1, 1, span): key j visible to example b's query iff j < its
+    # new length.
+    visible = spec.visibility(OPS, 1, span, updated.lengths)
     if exact:
         if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
             q = q.view(batch, num_kv_heads, heads.group_size, head_dim)
