@@ -25,7 +25,6 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, from_host, next_lengths
-from mha_multi.torch._ops import OPS
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked
 from mha_multi.torch._steps import PlainPlan, project_output, step_attention, step_projections
@@ -160,8 +159,10 @@ def ragged_step(
             pending=(k, v),
         )
     # The lengths' mask, (B, 1, 1, span): key j visible to example b's query iff j < its
-    # new length.
-    visible = spec.visibility(OPS, 1, span, updated.lengths)
+    # new length, spec.visibility's rule and shape for integer lengths, spelled out: its
+    # dtype handling for lengths of any kind cost a step 23 Python calls (the randomised
+    # tests hold this mask's numbers to the generic flow's, which spec.visibility makes).
+    visible = torch.arange(span, device=device) < updated.lengths.view(batch, 1, 1, 1)
     if exact:
         if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
             q = q.view(batch, num_kv_heads, heads.group_size, head_dim)
