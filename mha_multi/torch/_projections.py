@@ -327,9 +327,10 @@ _apply_input_major_linear = _c_apply(InputMajorLinear)
 def stacked_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x`` by stacked weights (:class:`StackedWeights`) that record a gradient (those that
-    record none, their views made without one included: :func:`mha_multi.torch._ops.linear`): input-major weights of a wide
-    dtype by :class:`InputMajorLinear`, else as :func:`~mha_multi.torch._ops.linear`."""
+    """``x`` by stacked weights (:class:`StackedWeights`) that record a gradient: input-major
+    weights of a wide dtype by :class:`InputMajorLinear`, else as
+    :func:`~mha_multi.torch._ops.linear`, which takes those that record none (their views
+    made without a gradient included)."""
     if weight.stride(0) == 1 and x.dtype is weight.dtype:
         # (torch.func's transforms differentiate the product itself: the C apply of an
         # autograd function is not theirs.)
