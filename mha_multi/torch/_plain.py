@@ -28,7 +28,7 @@ from mha_multi.torch._cache import CacheCheck
 from mha_multi.torch._kernel import folded_mask, folds_groups
 from mha_multi.torch._lengths_route import LengthsRoute
 from mha_multi.torch._ops import SIXTEEN_BIT
-from mha_multi.torch._projections import split_stacked, stacked_linear
+from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._ragged import ragged_step
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked, wide_tables
@@ -114,8 +114,7 @@ class PlainRoute(LengthsRoute):
             return None
         on_host = self.on_host(queries)
         records = False  # (whether the call records a gradient, where it decides the plan)
-        grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
+        if torch.is_grad_enabled():
             # A call without a cache, outside torch.func's transforms (whose values the
             # generic flow does not read).
             if cache is not None or torch._C._are_functorch_transforms_active():
@@ -198,11 +197,7 @@ class PlainRoute(LengthsRoute):
         if plan.fused:
             # (A fused plan's products are neither 16-bit nor autocast's: the product
             # itself, as the layer's ``linear`` takes it.)
-            weight, bias = layer.stacked_parameters(queries)
-            if grad_enabled and weight.requires_grad:  # (a stack that records a gradient)
-                projected = stacked_linear(queries, weight, bias)
-            else:
-                projected = torch.nn.functional.linear(queries, weight, bias)
+            projected = torch.nn.functional.linear(queries, *layer.stacked_parameters(queries))
         else:
             projected = layer.project_stacked(queries)
         if plan.norm is not None:

@@ -21,12 +21,10 @@ __all__ = [
     "finish_lazy",
     "in_features",
     "infer_size",
-    "lay_out",
     "pack",
     "project_with",
     "projection",
     "split_stacked",
-    "stacked_linear",
 ]
 
 
@@ -127,47 +125,11 @@ def pack(modules: Sequence[nn.Module]) -> None:
         ):
             continue
         with torch.no_grad():
-            if name == "weight" and input_major(first.device):
-                # The stack's transpose is one (in_features, rows) matrix: each weight is
-                # a block of its columns, transposed.
-                buffer = torch.cat([p.detach().t() for p in params], 1)
-                offset = 0
-                for p in params:
-                    p.data = buffer[:, offset : offset + p.shape[0]].t()
-                    offset += p.shape[0]
-                continue
             buffer = torch.cat([p.detach().reshape(-1) for p in params])
         offset = 0
         for p in params:
             p.data = buffer[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
-
-
-def lay_out(module: nn.Module) -> None:
-    """Lays ``module``'s weight out as a packed stack's (:func:`input_major`): its
-    transpose contiguous, or ``nn.Linear``'s layout. Its gradient takes the same layout,
-    PyTorch's rule for a dense parameter, so training copies nothing for it."""
-    weight = module._parameters.get("weight")
-    if type(weight) is not nn.Parameter or type(weight.data) is not torch.Tensor:
-        return  # (lazy, or not a plain tensor)
-    wanted, transposed = input_major(weight.device), weight.t().is_contiguous()
-    if wanted == transposed or (transposed and weight.is_contiguous()):
-        return  # (laid out so; a single row or column is both)
-    with torch.no_grad():
-        data = weight.detach()
-        weight.data = data.t().contiguous().t() if wanted else data.contiguous()
-
-
-def input_major(device: torch.device) -> bool:
-    """Whether stacked weights on ``device`` lie input-major: the stack's transpose, ``(in,
-    out)``, contiguous.
-
-    On the CPU a product of few rows (a decoding step's, a short call's) by
-    a ``(1536, 512)`` stack runs faster by its transpose laid out
-    contiguously than by ``nn.Linear``'s ``(out, in)`` layout (docs: "Fast
-    paths"); elsewhere, unmeasured, the weights keep ``nn.Linear``'s layout.
-    """
-    return device.type == "cpu"
 
 
 class StackedWeights:
@@ -290,58 +252,6 @@ def _c_apply(function: type[torch.autograd.Function]) -> Any:
 _apply_stacked_view = _c_apply(StackedView)
 
 
-class InputMajorLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` of an input-major ``weight`` (:func:`input_major`)
-    whose weight gradient is laid out as ``nn.Linear``'s, ``(out, in)`` contiguous.
-
-    PyTorch's own backward lays a weight's gradient out as the weight is, so each
-    packed parameter's block of it (:class:`StackedView`) would be a strided
-    block that every accumulation copies; here it is ``grad.T @ x``, the product
-    ``nn.Linear``'s backward makes, whose blocks are rows. The backward is made
-    of differentiable operations (a second derivative goes through them).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.with_bias = bias is not None
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        needs_x, needs_weight, needs_bias = ctx.needs_input_grad
-        rows = gradient.reshape(-1, gradient.shape[-1])
-        return (
-            gradient.matmul(weight) if needs_x else None,
-            rows.t().mm(x.reshape(-1, x.shape[-1])) if needs_weight else None,
-            rows.sum(0) if ctx.with_bias and needs_bias else None,
-        )
-
-
-_apply_input_major_linear = _c_apply(InputMajorLinear)
-
-
-def stacked_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``x`` by stacked weights (:class:`StackedWeights`) that record a gradient: input-major
-    weights of a wide dtype by :class:`InputMajorLinear`, else as
-    :func:`~mha_multi.torch._ops.linear`, which takes those that record none (their views
-    made without a gradient included)."""
-    if weight.stride(0) == 1 and x.dtype is weight.dtype:
-        # (torch.func's transforms differentiate the product itself: the C apply of an
-        # autograd function is not theirs.)
-        wide = x.dtype is torch.float64 or (
-            x.dtype is torch.float32 and not torch.is_autocast_enabled(x.device.type)
-        )
-        if wide and not torch._C._are_functorch_transforms_active():
-            return _apply_input_major_linear(x, weight, bias)
-    return linear(x, weight, bias)
-
-
 def _views(
     weights: list[torch.Tensor], biases: list[torch.Tensor | None]
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -366,8 +276,6 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     address = first.data_ptr()
     if address % 64:
         return None
-    if first.dim() == 2 and first.stride(0) == 1 and first.stride(1) != 1:
-        return _adjacent_columns(tensors)
     rows = 0
     for x in tensors:
         if x.data_ptr() != address or not x.is_contiguous() or x.shape[1:] != first.shape[1:]:
@@ -383,29 +291,6 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
-def _adjacent_columns(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """:func:`_adjacent` of input-major weights (:func:`pack`): each a block of columns of
-    one ``(in_features, N)`` matrix, back to back; their stack is that block's transpose."""
-    first = tensors[0]
-    address, stride = first.data_ptr(), first.stride()
-    rows = 0
-    for x in tensors:
-        if x.data_ptr() != address or x.stride() != stride or x.shape[1:] != first.shape[1:]:
-            return None
-        if x.dtype != first.dtype:
-            return None
-        address += x.shape[0] * x.element_size()
-        rows += x.shape[0]
-    # (Keys and values after queries: a block of the matrix's columns, its rows strided.)
-    if stride[1] < rows:
-        return None
-    storage = first.untyped_storage()
-    end = first.data_ptr() + ((first.shape[1] - 1) * stride[1] + rows) * first.element_size()
-    if end > storage.data_ptr() + storage.nbytes():
-        return None
-    return first.as_strided((rows, first.shape[1]), stride)
-
-
 def split_stacked(
     product: torch.Tensor, heads: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -417,12 +302,7 @@ def split_stacked(
 
 
 def _stack(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weights = [m.weight for m in modules]
-    if input_major(weights[0].device):
-        # (Laid out as packed weights are, so that its products are a view's to the bit.)
-        weight = torch.cat([w.t() for w in weights], 1).t()
-    else:
-        weight = torch.cat(weights)
+    weight = torch.cat([m.weight for m in modules])
     biases = [m.bias for m in modules]
     return weight, None if biases[0] is None else torch.cat(biases)
 
@@ -448,7 +328,6 @@ class PackedProjections(nn.Module):
         """The input projections' parameters back to back (:func:`pack`), unless sharded."""
         if self._sharding is None:
             pack([self.W_q, self.W_k, self.W_v])
-            lay_out(self.W_o)
             self._stacks.clear()
 
     def _apply(self, fn: Any, recurse: bool = True) -> PackedProjections:
@@ -502,8 +381,7 @@ class PackedProjections(nn.Module):
         weight, bias = self._stacks([projections[i] for i in shared])
         # Grouped heads project queries wider than keys and values.
         widths = [projections[i].out_features for i in shared]
-        product = stacked_linear if torch.is_grad_enabled() and weight.requires_grad else linear
-        packed = product(inputs[first], weight, bias).split_with_sizes(widths, dim=-1)
+        packed = linear(inputs[first], weight, bias).split_with_sizes(widths, dim=-1)
         outputs = dict(zip(shared, packed, strict=True))
         return tuple(
             outputs[i] if i in outputs else project_with(projections[i], inputs[i])
@@ -551,8 +429,6 @@ class PackedProjections(nn.Module):
                 products.append(linear(queries, parameters["weight"], parameters["bias"]))
             return torch.cat(products, -1)
         weight, bias = self.stacked_parameters(queries)
-        if torch.is_grad_enabled() and weight.requires_grad:
-            return stacked_linear(queries, weight, bias)
         return linear(queries, weight, bias)
 
     def output_parameters(self) -> tuple[torch.Tensor, torch.Tensor | None]:

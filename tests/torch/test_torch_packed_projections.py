@@ -88,9 +88,9 @@ def test_stacked_weights_follow_every_change_of_the_parameters(runner, cases, ch
 
 
 def test_the_input_projections_are_packed_and_stay_packed(runner, cases):
-    """W_q, W_k and W_v lie back to back (their stack a view, no copy), input-major on
-    the CPU, from the constructor, after a conversion, and after share_memory(), which
-    keeps them in the shared memory it moved them to."""
+    """W_q, W_k and W_v lie back to back (their stack a view, no copy) from the
+    constructor, after a conversion, and after share_memory(), which keeps them
+    in the shared memory it moved them to."""
     layer = runner.layer_for(cases["bias"]).eval()
     modules = [layer.W_q, layer.W_k, layer.W_v]
 
@@ -101,18 +101,11 @@ def test_the_input_projections_are_packed_and_stay_packed(runner, cases):
             bias.data_ptr() == layer.W_q.bias.data_ptr()
         )
 
-    def input_major():
-        # On the CPU the stack's transpose is one contiguous (in, out) matrix, and
-        # W_o's weight is laid out alike (its own transpose contiguous).
-        with torch.no_grad():
-            weight, _ = layer._stacks(modules)
-        return weight.t().is_contiguous() and layer.W_o.weight.t().is_contiguous()
-
-    assert packed() and input_major()
+    assert packed()
     layer.double()
-    assert packed() and input_major() and layer.W_k.weight.dtype == torch.float64
+    assert packed() and layer.W_k.weight.dtype == torch.float64
     layer.float().share_memory()
-    assert packed() and input_major() and all(m.weight.is_shared() for m in modules)
+    assert packed() and all(m.weight.is_shared() for m in modules)
     layer.W_k.weight = torch.nn.Parameter(layer.W_k.weight.detach().clone())
     assert not packed()  # stacked at every call instead
 
@@ -196,55 +189,3 @@ def test_training_steps_with_the_packed_weights_are_those_with_a_stack_made_anew
     packed, anew = (dict(layer.named_parameters()) for layer in layers)
     assert all(torch.equal(packed[name], anew[name]) for name in packed)
     assert not torch.equal(packed["W_v.weight"], initial)  # (trained)
-
-
-def test_the_input_major_product_has_linears_derivatives_and_layout():
-    """A recorded product of input-major weights (``InputMajorLinear``): its first and
-    second derivatives those of finite differences (float64), and the weight's gradient
-    laid out as ``nn.Linear``'s, ``(out, in)`` contiguous, so that each packed
-    parameter's block of it is taken without a copy."""
-    generator = torch.Generator().manual_seed(7)
-    x = torch.randn(2, 3, 4, dtype=torch.float64, generator=generator, requires_grad=True)
-    weight = torch.randn(4, 5, dtype=torch.float64, generator=generator).t()  # input-major
-    weight.requires_grad_(True)
-    bias = torch.randn(5, dtype=torch.float64, generator=generator, requires_grad=True)
-    product = _projections.InputMajorLinear.apply
-    assert torch.autograd.gradcheck(product, (x, weight, bias))
-    assert torch.autograd.gradgradcheck(product, (x, weight, bias))
-    assert torch.autograd.gradcheck(product, (x, weight, None))
-    (gradient,) = torch.autograd.grad(product(x, weight, bias).sum(), weight)
-    assert gradient.is_contiguous() and gradient.shape == (5, 4)
-
-
-def test_training_lays_each_packed_gradient_out_as_its_parameter():
-    """A training call on the CPU, where the weights lie input-major: the stack's
-    gradient reaches the packed parameters laid out as ``nn.Linear``'s (each
-    parameter's block of it contiguous, which PyTorch takes without a copy), ``W_o``'s
-    gradient as its weight, and every gradient the float64 reference's."""
-    layer = MultiHeadAttention(8, 2, num_kv_heads=1, bias=True)
-    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(4))
-    layouts = []
-    backward = _projections.StackedView.backward
-
-    def recorded(ctx, gradient):
-        layouts.append(gradient.is_contiguous())
-        return backward(ctx, gradient)
-
-    with mock.patch.object(_projections.StackedView, "backward", staticmethod(recorded)):
-        output = layer(x, x, x, causal=True)
-        output_gradient = np.random.default_rng(4).standard_normal(output.shape)
-        output.backward(torch.from_numpy(output_gradient).float())
-    assert layouts == [True, True]  # (the weights' stack and the biases')
-    reference = spec.reference_gradients(
-        get_weights(layer),
-        *(x.numpy(),) * 3,
-        None,
-        num_heads=2,
-        num_kv_heads=1,
-        causal=True,
-        output_gradient=output_gradient,
-    )
-    for name in ("W_q", "W_k", "W_v", "W_o"):
-        gradient = getattr(layer, name).weight.grad
-        np.testing.assert_allclose(gradient.T.numpy(), reference[name], atol=5e-5)
-    assert layer.W_o.weight.grad.stride() == layer.W_o.weight.stride()
