@@ -49,7 +49,7 @@ from mha_multi.keras._kernel import (
     fused_attention,
     serves,
 )
-from mha_multi.keras._ops import OPS, dtype_kind, first_rows, index_dtype
+from mha_multi.keras._ops import OPS, dtype_kind, first_rows, index_dtype, rows_at
 from mha_multi.keras._written_lengths import WRITTEN_LENGTHS, WrittenLengths
 from mha_multi.keras.sharding import head_vmap
 
@@ -300,6 +300,7 @@ class KerasFacts(call.Facts):
     fused_attention = staticmethod(fused_attention)
     constants_key = staticmethod(constants_key)
     first_rows = staticmethod(first_rows)
+    rows_at = staticmethod(rows_at)
 
     def kernel_takes_grouped(self, q: Any, num_queries: Any, head_dim: int) -> bool:
         return active().kernel_takes_grouped(q, num_queries, head_dim)

@@ -96,6 +96,10 @@ class _KerasOps:
         """``value`` as a tensor of its dtype (where ``like`` lies)."""
         return keras.ops.convert_to_tensor(value, dtype=str(value.dtype))
 
+    def rows_at(self, x: Tensor, index: np.ndarray) -> Tensor:
+        """``x[index]``: rows of the first axis picked by integers on the host."""
+        return keras.ops.take(x, self.constant(index.astype(np.int32), x), axis=0)
+
     def stop_gradient(self, x: Tensor) -> Tensor:
         """``x``, carrying no gradient."""
         return keras.ops.stop_gradient(x)
@@ -374,6 +378,12 @@ class _TorchOps(_KerasOps):
 
     def owns(self, x: Tensor) -> bool:
         return isinstance(x, self.torch.Tensor) and x.dtype.is_floating_point
+
+    def rows_at(self, x: Tensor, index: np.ndarray) -> Tensor:
+        if isinstance(x, self.torch.Tensor):
+            # (Keras' take checks and wraps negative indices: these lie in the table.)
+            return x[self.torch.as_tensor(index, device=x.device)]
+        return super().rows_at(x, index)
 
     def sum_last(self, x: Tensor) -> Tensor:
         if isinstance(x, self.torch.Tensor):

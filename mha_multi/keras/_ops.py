@@ -366,6 +366,12 @@ def first_rows(x: Tensor, start: int, stop: int) -> Tensor:
     return _slice_axis(x, 0, start, stop)
 
 
+def rows_at(x: Tensor, index: np.ndarray) -> Tensor:
+    """``x[index]``: rows of the first axis picked by integers on the host, one gather
+    (:meth:`mha_multi.call.Facts.rows_at`)."""
+    return OPS.native.rows_at(x, index)
+
+
 def _unary(name: str, x: Tensor) -> Tensor:
     """``keras.ops.<name>(x)`` in ``x``'s dtype.
 

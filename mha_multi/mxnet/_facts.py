@@ -205,6 +205,10 @@ class MXNetFacts(call.Facts):
     def first_rows(self, x: mx.np.ndarray, start: int, stop: int) -> mx.np.ndarray:
         return _leading(x, 0, start, stop)
 
+    def rows_at(self, x: mx.np.ndarray, index: np.ndarray) -> mx.np.ndarray:
+        # (One gather of whole rows, the index made where the table lies.)
+        return mx.np.take(x, mx.np.array(index, dtype=np.int64, ctx=x.ctx), axis=0)
+
     def dtype_kind(self, dtype: Any) -> str:
         return dtype_kind(dtype)
 
