@@ -101,6 +101,8 @@ EOF
         # A decoding step's host time: the route, the generic flow, hand-written.
         for kv in 2 8; do
             step "gpu-step-$kv" 300 "$py" tools/gpu_step.py gpu 8 512 8 "$kv"
+            # One sequence: the step's kernels are shortest, its host work the most of it.
+            step "gpu-step-1-$kv" 300 "$py" tools/gpu_step.py gpu 1 512 8 "$kv"
         done
         # A ragged batch's step: the route (nothing read), the generic flow, hand-written.
         for kv in 2 8; do
