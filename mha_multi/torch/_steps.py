@@ -135,7 +135,10 @@ def fused_step(
     keys, values, lengths = cache
     length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
     modules = layer._modules
-    # (The layer was called before: its parameters are sized; views of them where packed.)
+    # step_projections' direct product, inline: the host's uniform step is the route's
+    # most frequent call, and a function call is a measurable part of it (docs: "Results",
+    # Python calls per call). (The layer was called before: its parameters are sized;
+    # views of them where packed.)
     stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
     projected = torch.nn.functional.linear(queries, *(stacked or layer.stacked_parameters(queries)))
     if plan.norm is not None:
