@@ -14,9 +14,15 @@ in microseconds, with the ratio ours / hand-written in speed (above 1 when
 ours is faster), the largest difference between ours and the loop's
 outputs, and the Python function calls per step (cProfile) of the route and
 of the generic flow. ``cuda``: on a GPU (the route's generic path, which reads
-nothing; each turn ends with a synchronisation).
+nothing; each turn ends with a synchronisation). ``window``: the layer's window
+holds every position of the cache (Mistral's and Gemma 3's local layers while a
+context is shorter than their window: it hides nothing, and the loop is the
+same). ``softcap``: the layer soft-caps its scores at 50 (Gemma 2's), which no
+kernel takes: ours takes the generic path's attention, and the loop writes
+its attention out (scores, ``50 * tanh(scores / 50)``, the lengths' mask, the
+softmax and its product with the values).
 
-    python tools/ragged_step.py [num_kv_heads] [rounds] [rotary] [cuda]   # 2 12
+    python tools/ragged_step.py [num_kv_heads] [rounds] [rotary] [window] [softcap] [cuda]
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ BATCH, HIDDENS, HEADS, PROMPT, MAX_LENGTH, TURN = 8, 512, 8, 256, 1024, 40
 DEVICE = torch.device("cuda" if "cuda" in sys.argv[1:] else "cpu")
 HEAD_DIM = HIDDENS // HEADS
 ROTARY = {"theta": 10000.0}
+SOFTCAP = 50.0
+FLAGS = ("rotary", "window", "softcap", "cuda")
 
 
 def prompt_lengths() -> torch.Tensor:
@@ -67,7 +75,23 @@ def layer_steps(layer: MultiHeadAttention, prompt: torch.Tensor, token: torch.Te
     return step
 
 
-def hand_steps(weights: dict, kv_heads: int, rotary: bool, prompt: torch.Tensor, token):
+def capped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention of one query per head with Gemma 2's soft cap of the scores, written out
+    (no kernel takes it): each key/value head's query heads as its queries, no copy of
+    the keys and values for grouped heads."""
+    batch, num_heads = q.shape[:2]
+    grouped = q.reshape(batch, keys.shape[1], -1, HEAD_DIM)
+    scores = grouped @ keys.transpose(-1, -2) / HEAD_DIM**0.5
+    scores = torch.tanh(scores / SOFTCAP) * SOFTCAP
+    weights = torch.softmax(scores.masked_fill(~mask, -1e6), -1)
+    return (weights @ values).reshape(batch, num_heads, 1, HEAD_DIM)
+
+
+def hand_steps(
+    weights: dict, kv_heads: int, rotary: bool, softcap: bool, prompt: torch.Tensor, token
+):
     """The hand-written loop's step function after its prompt (the layer's weights)."""
     w_q, w_k, w_v, w_o = (
         torch.from_numpy(weights[n]).float().T.to(DEVICE) for n in ("W_q", "W_k", "W_v", "W_o")
@@ -113,13 +137,16 @@ def hand_steps(weights: dict, kv_heads: int, rotary: bool, prompt: torch.Tensor,
             values[examples, :, lengths] = v.squeeze(2)
             end = longest[0] + 1
             mask = (key_positions[:end] <= lengths[:, None]).view(BATCH, 1, 1, end)
-            context = functional.scaled_dot_product_attention(
-                q,
-                keys[:, :, :end],
-                values[:, :, :end],
-                attn_mask=mask,
-                enable_gqa=kv_heads != HEADS,
-            )
+            if softcap:
+                context = capped_attention(q, keys[:, :, :end], values[:, :, :end], mask)
+            else:
+                context = functional.scaled_dot_product_attention(
+                    q,
+                    keys[:, :, :end],
+                    values[:, :, :end],
+                    attn_mask=mask,
+                    enable_gqa=kv_heads != HEADS,
+                )
             lengths.add_(1)
             longest[0] += 1
             return functional.linear(context.transpose(1, 2).reshape(BATCH, 1, HIDDENS), w_o)
@@ -144,15 +171,18 @@ def calls_per_step(step: Callable[[], torch.Tensor]) -> float:
 
 
 def main() -> None:
-    arguments = [a for a in sys.argv[1:] if a not in ("rotary", "cuda")]
+    arguments = [a for a in sys.argv[1:] if a not in FLAGS]
     kv_heads = int(arguments[0]) if arguments else 2
     rounds = int(arguments[1]) if len(arguments) > 1 else 12
-    rotary = "rotary" in sys.argv[1:]
+    rotary, window, softcap = (flag in sys.argv[1:] for flag in FLAGS[:3])
     torch.manual_seed(0)
     weights = init_weights(HIDDENS, seed=0, num_heads=HEADS, num_kv_heads=kv_heads)
-    layer = MultiHeadAttention(
-        HIDDENS, HEADS, num_kv_heads=kv_heads, **({"rotary": ROTARY} if rotary else {})
-    )
+    options = {
+        **({"rotary": ROTARY} if rotary else {}),
+        **({"window": MAX_LENGTH} if window else {}),
+        **({"softcap": SOFTCAP} if softcap else {}),
+    }
+    layer = MultiHeadAttention(HIDDENS, HEADS, num_kv_heads=kv_heads, **options)
     layer = set_weights(layer.to(DEVICE), weights).eval()
     prompt = torch.randn(BATCH, PROMPT, HIDDENS, device=DEVICE)
     token = torch.randn(BATCH, 1, HIDDENS, device=DEVICE)
@@ -162,13 +192,13 @@ def main() -> None:
 
     ours, theirs = (
         layer_steps(layer, prompt, token),
-        hand_steps(weights, kv_heads, rotary, prompt, token),
+        hand_steps(weights, kv_heads, rotary, softcap, prompt, token),
     )
     difference = max(float((ours() - theirs()).abs().max()) for _ in range(TURN))
     makers = {
         "ours": lambda: layer_steps(layer, prompt, token),
         "generic flow": lambda: layer_steps(layer, prompt, token),
-        "hand-written": lambda: hand_steps(weights, kv_heads, rotary, prompt, token),
+        "hand-written": lambda: hand_steps(weights, kv_heads, rotary, softcap, prompt, token),
     }
     times: dict[str, list[float]] = {name: [] for name in makers}
     for _ in range(rounds):

@@ -32,7 +32,13 @@ from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._ragged import ragged_step
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked, wide_tables
-from mha_multi.torch._route_options import call_options, fused_taken, generic_plan, kernel_mask
+from mha_multi.torch._route_options import (
+    call_options,
+    fused_taken,
+    generic_plan,
+    kernel_mask,
+    lengths_alone,
+)
 from mha_multi.torch._steps import (
     PlainPlan,
     fused_step,
@@ -160,10 +166,6 @@ class PlainRoute(LengthsRoute):
             if plan is None:
                 return None
             if check._uniform is None:  # (examples at different lengths)
-                if not plan.ragged or (
-                    plan.fused and (check.pending is not None or check.poison is not None)
-                ):
-                    return None  # (the generic flow's: plans of options, rows to read)
                 return ragged_step(self, plan, layer, queries, cache, check, step, rotary)
             first = 0  # (the first cache position attended over)
             if plan.window is not None:
@@ -582,7 +584,7 @@ class PlainRoute(LengthsRoute):
                 False,
                 {},
                 may_read=optimistic.fused,
-                ragged=step and score_options is spec.NO_OPTIONS,
+                ragged=step and lengths_alone(score_options),
             ),
             ops,
             layer,

@@ -2,14 +2,16 @@
 
 A batch of prompts of different lengths decodes with each example at its own
 position (docs: "Generating with a cache"). Such a step, by a layer whose
-options leave the scores alone (rotary positions, query/key norms, grouped
-heads), runs here in a dozen operations: each example's row written at its
-own length, and one query per example attending over the positions up to the
+options hide no key but by the lengths (rotary positions, query/key norms,
+grouped heads, a soft cap, sinks, a window while every example lies within
+it), runs here in a dozen operations: each example's row written at its own
+length, and one query per example attending over the positions up to the
 longest's, the others' hidden by the lengths. On the host, after the generic
 flow's read of the new rows and of the keys the lengths may now hide, by SDPA
-with the lengths' mask, or by the generic path where the read says so; on a
-GPU, where a step reads nothing, by the generic path over the generic flow's
-span, the rows left for a later read to check. These are the operations of
+with the lengths' mask, or by the generic path where the read says so; where
+no kernel takes the options (a soft cap, sinks), and on a GPU, where a step
+reads nothing, by the generic path over the generic flow's span, the rows
+left for a later read to check. These are the operations of
 the generic flow's write, kernel plan and kernel call for the same call
 (:func:`mha_multi.call.attend`, :func:`mha_multi.call.plan`), on the same
 tensors: the numbers are its numbers to the bit, and the cache's check is
@@ -47,12 +49,13 @@ def ragged_step(
     GPU's).
 
     ``route``: the :class:`mha_multi.torch._plain.PlainRoute` (its span of a
-    step), whose ``plan`` this is. ``check``: the cache's, which holds; with a
-    fused plan it holds no rows left to read and no poison (the route asked).
-    ``None`` where the longest example has no room left (the generic flow
-    raises), or where the generic flow reads for the span (a GPU's span whose
-    scores are many, or on the host positions past the longest example not
-    known finite), before anything is written. ``rotary``: the layer's, whose
+    step), whose step ``plan`` this is (a window's: its plan ``within`` the window
+    where the longest example's keys are). ``check``: the cache's, which holds.
+    ``None`` where the plan takes no ragged step, where a fused plan would have
+    rows or a poison to read, where the longest example has no room left (the
+    generic flow raises), or where the generic flow reads for the span (a GPU's
+    span whose scores are many, or on the host positions past the longest example
+    not known finite), before anything is written. ``rotary``: the layer's, whose
     tables of every cache position the plan holds.
     """
     keys, values, lengths = cache
@@ -60,6 +63,16 @@ def ragged_step(
     # (Python's max and min of a few lengths: numpy's reductions cost more.)
     listed = held.tolist()
     filled, least = max(listed) + 1, min(listed)  # (the longest example's new length)
+    if plan.window is not None:
+        # The generic flow plans without the window where it hides no key from any
+        # example's query (call.binding_window): every example within it.
+        if filled > plan.window:
+            return None
+        plan = plan.within
+        if plan is None:
+            return None
+    if not plan.ragged or (plan.fused and (check.pending is not None or check.poison is not None)):
+        return None  # (the generic flow's: plans of options, rows to read)
     max_length, finite_from = keys.shape[2], check.finite_from
     if filled > max_length:
         return None
@@ -70,9 +83,12 @@ def ragged_step(
     else:
         span = route._step_span(layer, cache, filled, may_read=False)
         # The write's knowledge of the positions past the longest (CacheCheck.written_past);
-        # not known on a device, the generic flow attends over every position.
+        # not known, the generic flow reads them on the host (Facts.finite_past) and
+        # attends over every position on a device.
         finite_from = None if finite_from is None else max(finite_from, filled)
         if span < max_length and (finite_from is None or finite_from > span):
+            if route.on_host(keys):
+                return None
             span = max_length
         if route._step_span(layer, cache, span, may_read=plan.may_read) is None:
             return None  # (the generic flow reads for that span)
@@ -173,5 +189,13 @@ def ragged_step(
         ).reshape(batch, 1, query_width)
     else:
         fill = spec.MASK_VALUE if plan.fill is None else plan.fill
-        context = step_attention(q, *attended, visible, heads, fill)
+        context = step_attention(
+            q,
+            *attended,
+            visible,
+            heads,
+            fill,
+            softcap=plan.softcap,
+            sinks=layer.sink_logits() if plan.sinks else None,
+        )
     return call.Result(project_output(layer, context, plan.fused or plan.direct), None, updated)

@@ -261,16 +261,34 @@ def known_of(cache) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"rotary": ROTARY}, {"qk_norm": {}}, {"window": 2}, {"softcap": 2.0}]
+    ("options", "taken"),
+    [
+        ({}, True),
+        ({"rotary": ROTARY}, True),
+        ({"qk_norm": {}}, True),
+        ({"softcap": 2.0}, True),
+        ({"sinks": True}, True),
+        ({"window": 8}, True),
+        ({"window": 8, "softcap": 2.0, "sinks": True}, True),
+        ({"window": 4}, False),
+        ({"window": 6}, [True, True, False]),
+        ({"window": 2, "softcap": 2.0}, False),
+        ({"alibi": True}, False),
+    ],
 )
 @pytest.mark.parametrize("num_kv_heads", [1, 4])
-def test_ragged_steps_reach_the_route_where_the_kernel_takes_them(options, num_kv_heads):
+def test_ragged_steps_reach_the_route_where_the_lengths_alone_hide_keys(
+    options, taken, num_kv_heads
+):
     """A step of examples at different lengths takes the route, on the host and on a GPU,
-    where no option touches the scores (rotary positions and norms leave them alone),
-    and the generic flow elsewhere (a window's mask, a soft cap)."""
+    where only the lengths hide keys: no option but a soft cap and sinks, which act on
+    each score and row alike (rotary positions and norms leave the scores alone), and a
+    window while every example lies within it (the prompts hold 4, 2 and 3 positions:
+    the steps fill up to 5, 6, 7, which a window of 8 holds, one of 6 the first two);
+    the generic flow elsewhere (a window that hides keys, ALiBi's bias of each example's
+    own position)."""
     torch.manual_seed(0)
     prompt, token = torch.randn(3, 4, 16), torch.randn(3, 1, 16)
-    taken = "window" not in options and "softcap" not in options
     for on_a_gpu in (False, True):
         # (A layer of its own: its plans are kept by device, which the GPU's pretends.)
         layer = layer_of(options, num_kv_heads, torch.float32).eval()
@@ -286,7 +304,7 @@ def test_ragged_steps_reach_the_route_where_the_kernel_takes_them(options, num_k
             with answered_calls() as answers:
                 for _ in range(3):
                     _, cache = layer(token, token, token, causal=True, cache=cache)
-        assert answers == [taken] * 3, (on_a_gpu, answers)
+        assert answers == (taken if isinstance(taken, list) else [taken] * 3), (on_a_gpu, answers)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
