@@ -26,12 +26,26 @@ from typing import Any
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import CacheCheck, from_host, next_lengths
+from mha_multi.spec.memo import Kept
+from mha_multi.torch._cache import CacheCheck, from_host, next_lengths, versioned
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked
 from mha_multi.torch._steps import PlainPlan, project_output, step_attention, step_projections
 
 __all__ = ["ragged_step"]
+
+#: ``arange(n)`` on a device, made once for each ``(n, device)``: a ragged step's
+#: examples, and the key positions its lengths' mask compares.
+_COUNTS: Kept = Kept(16)
+
+
+def _counting(count: int, device: torch.device) -> torch.Tensor:
+    """``arange(count)`` on ``device`` (int64), kept (an ordinary tensor: :func:`versioned`)."""
+    made = _COUNTS.get((count, device))
+    if made is None:
+        with versioned():
+            made = _COUNTS.keep((count, device), torch.arange(count, device=device))
+    return made
 
 
 def ragged_step(
@@ -99,7 +113,9 @@ def ragged_step(
     # (A fused plan's products are the product itself: 32 or 64 bits, no autocast.)
     projected = step_projections(layer, queries, plan.fused or plan.direct, plan.norm)
     # Each example's position: the write's, and the rows of the rotary tables.
-    positions = from_host(held, device, None)
+    # (The cache's lengths tensor where it lies on the device: the check holds it to
+    # the lengths read.)
+    positions = lengths if lengths.device == device else from_host(held, device, None)
     if rotary is None:
         q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
         total = projected.sum() if plan.fused else None  # (float32 or float64: a fused plan's)
@@ -110,7 +126,7 @@ def ragged_step(
         total = turned.sum() + v.sum() if plan.fused else None
     # Before writing, as the generic flow's write: the rows the calls before left pending.
     poison = None if plan.fused else check.settled()
-    examples = torch.arange(batch, device=device)
+    examples = _counting(batch, device)
     keys[examples, :, positions] = k.view(batch, num_kv_heads, head_dim)
     values[examples, :, positions] = v.view(batch, num_kv_heads, head_dim)
     attended = keys.narrow(2, 0, span), values.narrow(2, 0, span)
@@ -178,7 +194,9 @@ def ragged_step(
     # new length, spec.visibility's rule and shape for integer lengths, spelled out: its
     # dtype handling for lengths of any kind cost a step 23 Python calls (the randomised
     # tests hold this mask's numbers to the generic flow's, which spec.visibility makes).
-    visible = torch.arange(span, device=device) < updated.lengths.view(batch, 1, 1, 1)
+    visible = _counting(max_length, device).narrow(0, 0, span) < updated.lengths.view(
+        batch, 1, 1, 1
+    )
     if exact:
         if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
             q = q.view(batch, num_kv_heads, heads.group_size, head_dim)
