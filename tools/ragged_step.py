@@ -17,12 +17,17 @@ of the generic flow. ``cuda``: on a GPU (the route's generic path, which reads
 nothing; each turn ends with a synchronisation). ``window``: the layer's window
 holds every position of the cache (Mistral's and Gemma 3's local layers while a
 context is shorter than their window: it hides nothing, and the loop is the
-same). ``softcap``: the layer soft-caps its scores at 50 (Gemma 2's), which no
-kernel takes: ours takes the generic path's attention, and the loop writes
-its attention out (scores, ``50 * tanh(scores / 50)``, the lengths' mask, the
-softmax and its product with the values).
+same). ``sliding``: a window of 128 positions, which hides keys at every
+step (gpt-oss's; Mistral's and Gemma 3's past theirs), the loop's mask the
+window's too. ``softcap``: the layer soft-caps its scores at 50 (Gemma 2's),
+and ``sinks``: the layer's sink logits join each head's softmax (gpt-oss's):
+no kernel takes either, so ours takes the generic path's attention and the
+loop writes its attention out (each key/value head's query heads as its
+queries: the scores, ``50 * tanh(scores / 50)``, the mask, the softmax with
+the sinks' column and its product with the values).
 
-    python tools/ragged_step.py [num_kv_heads] [rounds] [rotary] [window] [softcap] [cuda]
+    python tools/ragged_step.py [num_kv_heads] [rounds] [rotary] [window] [sliding]
+        [softcap] [sinks] [cuda]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import time
 from collections.abc import Callable
 from unittest import mock
 
+import numpy as np
 import torch
 from torch.nn import functional
 
@@ -47,7 +53,8 @@ DEVICE = torch.device("cuda" if "cuda" in sys.argv[1:] else "cpu")
 HEAD_DIM = HIDDENS // HEADS
 ROTARY = {"theta": 10000.0}
 SOFTCAP = 50.0
-FLAGS = ("rotary", "window", "softcap", "cuda")
+SLIDING = 128
+FLAGS = ("rotary", "window", "sliding", "softcap", "sinks", "cuda")
 
 
 def prompt_lengths() -> torch.Tensor:
@@ -75,24 +82,43 @@ def layer_steps(layer: MultiHeadAttention, prompt: torch.Tensor, token: torch.Te
     return step
 
 
-def capped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+def written_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    softcap: bool,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention of one query per head with Gemma 2's soft cap of the scores, written out
-    (no kernel takes it): each key/value head's query heads as its queries, no copy of
-    the keys and values for grouped heads."""
+    """Attention of one query per head written out, for what no kernel takes (Gemma 2's
+    soft cap of the scores, gpt-oss's sinks): each key/value head's query heads as its
+    queries, no copy of the keys and values for grouped heads."""
     batch, num_heads = q.shape[:2]
     grouped = q.reshape(batch, keys.shape[1], -1, HEAD_DIM)
     scores = grouped @ keys.transpose(-1, -2) / HEAD_DIM**0.5
-    scores = torch.tanh(scores / SOFTCAP) * SOFTCAP
-    weights = torch.softmax(scores.masked_fill(~mask, -1e6), -1)
+    if softcap:
+        scores = torch.tanh(scores / SOFTCAP) * SOFTCAP
+    scores = scores.masked_fill(~mask, -1e6)
+    if sinks is None:
+        weights = torch.softmax(scores, -1)
+    else:  # (each head's logit a column of its own, dropped after the softmax)
+        column = sinks.view(1, keys.shape[1], -1, 1).expand(batch, -1, -1, 1)
+        weights = torch.softmax(torch.cat((scores, column), -1), -1)[..., :-1]
     return (weights @ values).reshape(batch, num_heads, 1, HEAD_DIM)
 
 
 def hand_steps(
-    weights: dict, kv_heads: int, rotary: bool, softcap: bool, prompt: torch.Tensor, token
+    weights: dict,
+    kv_heads: int,
+    options: dict,
+    sinks: torch.Tensor | None,
+    prompt: torch.Tensor,
+    token: torch.Tensor,
 ):
-    """The hand-written loop's step function after its prompt (the layer's weights)."""
+    """The hand-written loop's step function after its prompt (the layer's weights and
+    ``options``, its ``sinks`` logits)."""
+    rotary, softcap = "rotary" in options, "softcap" in options
+    window = options.get("window", MAX_LENGTH)
     w_q, w_k, w_v, w_o = (
         torch.from_numpy(weights[n]).float().T.to(DEVICE) for n in ("W_q", "W_k", "W_v", "W_o")
     )
@@ -136,9 +162,13 @@ def hand_steps(
             keys[examples, :, lengths] = k.squeeze(2)
             values[examples, :, lengths] = v.squeeze(2)
             end = longest[0] + 1
-            mask = (key_positions[:end] <= lengths[:, None]).view(BATCH, 1, 1, end)
-            if softcap:
-                context = capped_attention(q, keys[:, :, :end], values[:, :, :end], mask)
+            seen = key_positions[:end]
+            mask = (seen <= lengths[:, None]) & (seen > lengths[:, None] - window)
+            mask = mask.view(BATCH, 1, 1, end)
+            if softcap or sinks is not None:
+                context = written_attention(
+                    q, keys[:, :, :end], values[:, :, :end], mask, softcap, sinks
+                )
             else:
                 context = functional.scaled_dot_product_attention(
                     q,
@@ -174,16 +204,21 @@ def main() -> None:
     arguments = [a for a in sys.argv[1:] if a not in FLAGS]
     kv_heads = int(arguments[0]) if arguments else 2
     rounds = int(arguments[1]) if len(arguments) > 1 else 12
-    rotary, window, softcap = (flag in sys.argv[1:] for flag in FLAGS[:3])
+    flags = {flag for flag in FLAGS if flag in sys.argv[1:]}
     torch.manual_seed(0)
     weights = init_weights(HIDDENS, seed=0, num_heads=HEADS, num_kv_heads=kv_heads)
     options = {
-        **({"rotary": ROTARY} if rotary else {}),
-        **({"window": MAX_LENGTH} if window else {}),
-        **({"softcap": SOFTCAP} if softcap else {}),
+        **({"rotary": ROTARY} if "rotary" in flags else {}),
+        **({"window": MAX_LENGTH} if "window" in flags else {}),
+        **({"window": SLIDING} if "sliding" in flags else {}),
+        **({"softcap": SOFTCAP} if "softcap" in flags else {}),
+        **({"sinks": True} if "sinks" in flags else {}),
     }
+    if "sinks" in flags:
+        weights["sinks"] = np.random.default_rng(0).standard_normal(HEADS).astype(np.float32)
     layer = MultiHeadAttention(HIDDENS, HEADS, num_kv_heads=kv_heads, **options)
     layer = set_weights(layer.to(DEVICE), weights).eval()
+    sinks = layer.sink_logits().detach() if "sinks" in flags else None
     prompt = torch.randn(BATCH, PROMPT, HIDDENS, device=DEVICE)
     token = torch.randn(BATCH, 1, HIDDENS, device=DEVICE)
 
@@ -192,13 +227,13 @@ def main() -> None:
 
     ours, theirs = (
         layer_steps(layer, prompt, token),
-        hand_steps(weights, kv_heads, rotary, softcap, prompt, token),
+        hand_steps(weights, kv_heads, options, sinks, prompt, token),
     )
     difference = max(float((ours() - theirs()).abs().max()) for _ in range(TURN))
     makers = {
         "ours": lambda: layer_steps(layer, prompt, token),
         "generic flow": lambda: layer_steps(layer, prompt, token),
-        "hand-written": lambda: hand_steps(weights, kv_heads, rotary, softcap, prompt, token),
+        "hand-written": lambda: hand_steps(weights, kv_heads, options, sinks, prompt, token),
     }
     times: dict[str, list[float]] = {name: [] for name in makers}
     for _ in range(rounds):

@@ -32,13 +32,7 @@ from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._ragged import ragged_step
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked, wide_tables
-from mha_multi.torch._route_options import (
-    call_options,
-    fused_taken,
-    generic_plan,
-    kernel_mask,
-    lengths_alone,
-)
+from mha_multi.torch._route_options import call_options, fused_taken, generic_plan, kernel_mask
 from mha_multi.torch._steps import (
     PlainPlan,
     fused_step,
@@ -166,7 +160,7 @@ class PlainRoute(LengthsRoute):
             if plan is None:
                 return None
             if check._uniform is None:  # (examples at different lengths)
-                return ragged_step(self, plan, layer, queries, cache, check, step, rotary)
+                return ragged_step(self, plan, layer, queries, cache, check, step, options)
             first = 0  # (the first cache position attended over)
             if plan.window is not None:
                 first = self._window_first(check, plan, cache, on_host=on_host)
@@ -579,13 +573,8 @@ class PlainRoute(LengthsRoute):
         if plan.fused:
             return None
         return generic_plan(
-            # (A ragged step's generic path: the lengths' mask, where no option adds one.)
-            PlainPlan(
-                False,
-                {},
-                may_read=optimistic.fused,
-                ragged=step and lengths_alone(score_options),
-            ),
+            # (A ragged step's generic path: its options of each example's position.)
+            PlainPlan(False, {}, may_read=optimistic.fused, ragged=step),
             ops,
             layer,
             queries,

@@ -1,17 +1,19 @@
 """The plain route's decoding step of a ragged batch: examples at different lengths.
 
 A batch of prompts of different lengths decodes with each example at its own
-position (docs: "Generating with a cache"). Such a step, by a layer whose
-options hide no key but by the lengths (rotary positions, query/key norms,
-grouped heads, a soft cap, sinks, a window while every example lies within
-it), runs here in a dozen operations: each example's row written at its own
-length, and one query per example attending over the positions up to the
-longest's, the others' hidden by the lengths. On the host, after the generic
-flow's read of the new rows and of the keys the lengths may now hide, by SDPA
-with the lengths' mask, or by the generic path where the read says so; where
-no kernel takes the options (a soft cap, sinks), and on a GPU, where a step
-reads nothing, by the generic path over the generic flow's span, the rows
-left for a later read to check. These are the operations of
+position (docs: "Generating with a cache"). Such a step runs here in a dozen
+operations: each example's row written at its own length, and one query per
+example attending over the positions up to the longest's, the others' hidden
+by the lengths. On the host, where the layer's options hide no key but by the
+lengths (rotary positions, query/key norms, grouped heads, a window while
+every example lies within it), after the generic flow's read of the new rows
+and of the keys the lengths may now hide, by SDPA with the lengths' mask, or
+by the generic path where the read says so. Where no kernel takes the
+options (a soft cap, sinks), and on a GPU, where a step reads nothing, by the
+generic path over the generic flow's span, the rows left for a later read to
+check, with every option: a window that hides keys and ALiBi as they see each
+example's position (from the first position the window shows every example,
+where the generic flow leaves those before it out). These are the operations of
 the generic flow's write, kernel plan and kernel call for the same call
 (:func:`mha_multi.call.attend`, :func:`mha_multi.call.plan`), on the same
 tensors: the numbers are its numbers to the bit, and the cache's check is
@@ -20,6 +22,7 @@ left as it leaves it. This module imports nothing of the facts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -28,6 +31,7 @@ import torch
 from mha_multi import call, spec
 from mha_multi.spec.memo import Kept
 from mha_multi.torch._cache import CacheCheck, from_host, next_lengths, versioned
+from mha_multi.torch._ops import OPS
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked
 from mha_multi.torch._steps import PlainPlan, project_output, step_attention, step_projections
@@ -56,11 +60,11 @@ def ragged_step(
     cache: spec.KVCache,
     check: CacheCheck,
     step: tuple[Any, tuple, Any] | None,
-    rotary: spec.Rotary | None,
+    options: spec.LayerOptions | None,
 ) -> call.Result | None:
     """The plain route's decoding step of examples at different lengths, on a plan that
-    takes them (``plan.ragged``): a fused plan's (the host's) or a generic one's (a
-    GPU's).
+    takes them (``plan.ragged``): a fused plan whose kernel's only mask is the lengths'
+    (the host's), or a generic one (a GPU's, or one of options no kernel takes).
 
     ``route``: the :class:`mha_multi.torch._plain.PlainRoute` (its span of a
     step), whose step ``plan`` this is (a window's: its plan ``within`` the window
@@ -69,20 +73,19 @@ def ragged_step(
     rows or a poison to read, where the longest example has no room left (the
     generic flow raises), or where the generic flow reads for the span (a GPU's
     span whose scores are many, or on the host positions past the longest example
-    not known finite), before anything is written. ``rotary``: the layer's, whose
-    tables of every cache position the plan holds.
+    not known finite), before anything is written. ``options``: the layer's (its
+    rotary positions, whose tables of every cache position the plan holds).
     """
     keys, values, lengths = cache
     held = check.lengths  # (B,) int64, on the host
     # (Python's max and min of a few lengths: numpy's reductions cost more.)
     listed = held.tolist()
     filled, least = max(listed) + 1, min(listed)  # (the longest example's new length)
-    if plan.window is not None:
+    window = plan.window  # (the layer's, where it hides keys from a query)
+    if window is not None and filled <= window:
         # The generic flow plans without the window where it hides no key from any
         # example's query (call.binding_window): every example within it.
-        if filled > plan.window:
-            return None
-        plan = plan.within
+        plan, window = plan.within, None
         if plan is None:
             return None
     if not plan.ragged or (plan.fused and (check.pending is not None or check.poison is not None)):
@@ -116,6 +119,7 @@ def ragged_step(
     # (The cache's lengths tensor where it lies on the device: the check holds it to
     # the lengths read.)
     positions = lengths if lengths.device == device else from_host(held, device, None)
+    rotary = None if options is None else options.rotary
     if rotary is None:
         q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
         total = projected.sum() if plan.fused else None  # (float32 or float64: a fused plan's)
@@ -126,10 +130,13 @@ def ragged_step(
         total = turned.sum() + v.sum() if plan.fused else None
     # Before writing, as the generic flow's write: the rows the calls before left pending.
     poison = None if plan.fused else check.settled()
+    first = 0  # (the first cache position attended over: a window's, on a generic plan)
+    if window is not None:
+        first, poison = _window_first(route, check, least, window, keys, poison)
     examples = _counting(batch, device)
     keys[examples, :, positions] = k.view(batch, num_kv_heads, head_dim)
     values[examples, :, positions] = v.view(batch, num_kv_heads, head_dim)
-    attended = keys.narrow(2, 0, span), values.narrow(2, 0, span)
+    attended = keys.narrow(2, first, span - first), values.narrow(2, first, span - first)
     new_held = held + 1
     updated = spec.KVCache(keys, values, next_lengths(check, lengths, listed[0] + 1, new_held))
     # The rows written from the shortest example's length on: the keys' bound holds below.
@@ -190,6 +197,14 @@ def ragged_step(
             poison=poison,
             pending=(k, v),
         )
+    if first or window is not None or plan.bias is not None:
+        # A window that hides keys, or ALiBi: what they make of each example's position.
+        # (The window's, counted from the first position attended over: call.binding_window.)
+        hides = window if window is not None and filled - first > window else None
+        context = _positioned_attention(
+            q, attended, layer, options, plan, lengths, updated.lengths, hides, first
+        )
+        return call.Result(project_output(layer, context, plan.direct), None, updated)
     # The lengths' mask, (B, 1, 1, span): key j visible to example b's query iff j < its
     # new length, spec.visibility's rule and shape for integer lengths, spelled out: its
     # dtype handling for lengths of any kind cost a step 23 Python calls (the randomised
@@ -217,3 +232,72 @@ def ragged_step(
             sinks=layer.sink_logits() if plan.sinks else None,
         )
     return call.Result(project_output(layer, context, plan.fused or plan.direct), None, updated)
+
+
+def _window_first(
+    route: Any,
+    check: CacheCheck,
+    least: int,
+    window: int,
+    keys: torch.Tensor,
+    poison: torch.Tensor | None,
+) -> tuple[int, torch.Tensor | None]:
+    """The first cache position a ragged step of a windowed layer attends over, and the
+    poison its write leaves, as the generic flow leaves them out and reads it
+    (:func:`mha_multi.call.attended_positions`, :meth:`mha_multi.call.Facts.finite_before`).
+
+    The first position the shortest example's query (at ``least``) sees through the
+    window, rounded down to the span bucket, where every value before it is known
+    finite: the check's positions reach it, and the write's ``poison`` (the rows no
+    call read) is none, or on the host read finite (then none); else 0.
+    """
+    first = spec.window_first(least, window, route.span_bucket_of(keys))
+    if not first or check.upto < first:
+        return 0, poison
+    if poison is not None and (not route.on_host(keys) or not math.isfinite(poison.item())):
+        return 0, poison
+    return first, None
+
+
+def _positioned_attention(
+    q: torch.Tensor,
+    attended: tuple[torch.Tensor, torch.Tensor],
+    layer: call.Projections,
+    options: spec.LayerOptions,
+    plan: PlainPlan,
+    lengths: torch.Tensor,
+    new_lengths: torch.Tensor,
+    window: int | None,
+    first: int,
+) -> torch.Tensor:
+    """The generic path's attention of a ragged step whose options depend on each
+    example's position (a window that hides keys, ALiBi), over the cache positions
+    ``attended`` (from ``first``), as the generic flow makes it
+    (:func:`mha_multi.call.attend`): the score options of the queries at ``lengths``
+    (the cache's before the step; ``window``: the layer's where it hides keys from
+    one, else ``None``), counted from ``first``, and the spec's visibility and bias of
+    them, with the lengths ``new_lengths``."""
+    heads, count = layer.heads, attended[0].shape[2]
+    positions = None
+    if options.alibi or window is not None:
+        positions = spec.cache_positions(OPS, lengths, 1)
+        if first:
+            positions = positions - first
+    if first:
+        new_lengths = new_lengths - first
+    scores = options.score_options(num_heads=heads.num_heads, query_positions=positions)
+    if window is None:
+        scores = dataclasses.replace(scores, window=None)
+    visible = spec.visibility(
+        OPS, 1, count, new_lengths, window=scores.window, query_positions=positions
+    )
+    return step_attention(
+        q,
+        *attended,
+        visible,
+        heads,
+        plan.fill,
+        softcap=scores.softcap,
+        bias=spec.score_bias(OPS, scores, 1, count, plan.fill),
+        sinks=layer.sink_logits() if plan.sinks else None,
+    )

@@ -19,7 +19,7 @@ from mha_multi import call, spec
 from mha_multi.torch._ops import SIXTEEN_BIT, needs_float32_copies
 from mha_multi.torch._steps import PlainPlan
 
-__all__ = ["call_options", "fused_taken", "generic_plan", "kernel_mask", "lengths_alone"]
+__all__ = ["call_options", "fused_taken", "generic_plan", "kernel_mask"]
 
 
 def fused_taken(plan: spec.KernelPlan) -> bool:
@@ -87,19 +87,6 @@ def kernel_mask(
         bias = spec.score_bias(ops, options, num_queries, num_keys, like)
         mask = bias if mask is None else torch.where(mask, bias, float("-inf"))
     return mask
-
-
-def lengths_alone(options: spec.ScoreOptions) -> bool:
-    """Whether a ragged step of a layer with these score options hides keys by its
-    lengths alone, with the generic path's attention: no bias (ALiBi's included, which
-    counts from each query's own position), no window and no segments; a soft cap and
-    sinks act on each score and each row alike, whatever the example's length."""
-    return (
-        options.bias is None
-        and options.alibi_slopes is None
-        and options.window is None
-        and options.segments is None
-    )
 
 
 def generic_plan(

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from route_support import answered_calls, generic_only
 
 from mha_multi.parity.harness import torch as backend
-from mha_multi.torch import MultiHeadAttention
+from mha_multi.spec import plan as spec_plan
+from mha_multi.torch import MultiHeadAttention, _ragged
 from mha_multi.torch._cache import CHECKED
 
 RANDOMISED = settings(
@@ -237,6 +238,51 @@ def test_a_ragged_decoding_is_the_generic_flows(
     assert_route_is_generic(decode, on_a_gpu)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window": 3},
+        {"window": 2, "alibi": True},
+        {"rotary": ROTARY, "window": 3, "qk_norm": {}},
+    ],
+)
+def test_a_ragged_step_past_a_window_after_a_read_is_the_generic_flows(options, monkeypatch):
+    """On a GPU, the ragged step right after a call that read every value (a prompt whose
+    scores are many: the thresholds lowered here) attends from the first position the
+    window shows the shortest example, rounded down to the span bucket (64 of 70
+    positions), as the generic flow does; the steps after it, with rows no call read,
+    from 0. Outputs, cache and what its check knows the same. (A layer whose options
+    no kernel takes, a soft cap or sinks, reads no prompt: its steps start at 0.)"""
+    monkeypatch.setattr(spec_plan, "DEVICE_READ_SCORES", 1 << 10)
+    monkeypatch.setattr(spec_plan, "DEVICE_READ_TOTAL_SCORES", 1 << 12)
+    torch.manual_seed(0)
+    layer = layer_of(options, 2, torch.float32).eval()
+    prompts = torch.tensor([80, 70, 75])
+    first = torch.randn(3, 80, 16)
+    tokens = [torch.randn(3, 1, 16) for _ in range(3)]
+    firsts = []
+    attend = _ragged._positioned_attention
+    monkeypatch.setattr(
+        _ragged,
+        "_positioned_attention",
+        lambda *args: firsts.append(args[-1]) or attend(*args),
+    )
+
+    def decode():
+        outputs = []
+        with torch.no_grad():
+            out, cache = layer(
+                first, first, first, prompts, causal=True, cache=layer.init_cache(3, 160)
+            )
+            for token in tokens:
+                out, cache = layer(token, token, token, causal=True, cache=cache)
+                outputs += (out, known_of(cache))
+        return (*outputs, cache.keys, cache.values, cache.lengths)
+
+    assert_route_is_generic(decode, on_a_gpu=True)
+    assert firsts == [64, 0, 0]
+
+
 def known_of(cache) -> torch.Tensor:
     """What a cache's check knows (:class:`mha_multi.torch._cache.CacheCheck`), as numbers:
     the positions checked and known finite, the keys' bound, and whether a poison or
@@ -261,38 +307,40 @@ def known_of(cache) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("options", "taken"),
+    ("options", "on_the_host", "on_a_gpu"),
     [
-        ({}, True),
-        ({"rotary": ROTARY}, True),
-        ({"qk_norm": {}}, True),
-        ({"softcap": 2.0}, True),
-        ({"sinks": True}, True),
-        ({"window": 8}, True),
-        ({"window": 8, "softcap": 2.0, "sinks": True}, True),
-        ({"window": 4}, False),
-        ({"window": 6}, [True, True, False]),
-        ({"window": 2, "softcap": 2.0}, False),
-        ({"alibi": True}, False),
+        ({}, True, True),
+        ({"rotary": ROTARY}, True, True),
+        ({"qk_norm": {}}, True, True),
+        ({"softcap": 2.0}, True, True),
+        ({"sinks": True}, True, True),
+        ({"window": 8}, True, True),
+        ({"window": 8, "softcap": 2.0, "sinks": True}, True, True),
+        ({"window": 4}, False, True),
+        ({"window": 6}, [True, True, False], True),
+        ({"window": 2, "softcap": 2.0}, True, True),
+        ({"window": 2, "sinks": True, "alibi": True}, True, True),
+        ({"alibi": True}, False, True),
     ],
 )
 @pytest.mark.parametrize("num_kv_heads", [1, 4])
-def test_ragged_steps_reach_the_route_where_the_lengths_alone_hide_keys(
-    options, taken, num_kv_heads
+def test_ragged_steps_reach_the_route_but_for_a_kernels_mask_of_positions(
+    options, on_the_host, on_a_gpu, num_kv_heads
 ):
-    """A step of examples at different lengths takes the route, on the host and on a GPU,
-    where only the lengths hide keys: no option but a soft cap and sinks, which act on
-    each score and row alike (rotary positions and norms leave the scores alone), and a
-    window while every example lies within it (the prompts hold 4, 2 and 3 positions:
-    the steps fill up to 5, 6, 7, which a window of 8 holds, one of 6 the first two);
-    the generic flow elsewhere (a window that hides keys, ALiBi's bias of each example's
-    own position)."""
+    """A step of examples at different lengths takes the route where the generic path
+    runs it (on a GPU, where a step reads nothing; on the host, where no kernel takes
+    a soft cap or sinks), whatever the options, and on the host where the kernel's
+    only mask is the lengths': no option but rotary positions and norms (which leave
+    the scores alone), or a window while every example lies within it (the prompts
+    hold 4, 2 and 3 positions: the steps fill up to 5, 6, 7, which a window of 8
+    holds, one of 6 the first two). The host's SDPA with a window that hides keys or
+    ALiBi's bias (of each example's own position) takes the generic flow."""
     torch.manual_seed(0)
     prompt, token = torch.randn(3, 4, 16), torch.randn(3, 1, 16)
-    for on_a_gpu in (False, True):
+    for gpu, taken in ((False, on_the_host), (True, on_a_gpu)):
         # (A layer of its own: its plans are kept by device, which the GPU's pretends.)
         layer = layer_of(options, num_kv_heads, torch.float32).eval()
-        with torch.no_grad(), backend.as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext():
+        with torch.no_grad(), backend.as_if_on_a_gpu() if gpu else contextlib.nullcontext():
             _, cache = layer(
                 prompt,
                 prompt,
@@ -304,7 +352,7 @@ def test_ragged_steps_reach_the_route_where_the_lengths_alone_hide_keys(
             with answered_calls() as answers:
                 for _ in range(3):
                     _, cache = layer(token, token, token, causal=True, cache=cache)
-        assert answers == (taken if isinstance(taken, list) else [taken] * 3), (on_a_gpu, answers)
+        assert answers == (taken if isinstance(taken, list) else [taken] * 3), (gpu, answers)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
