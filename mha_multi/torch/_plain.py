@@ -48,6 +48,15 @@ __all__ = ["PlainPlan", "PlainRoute"]
 _PLAIN_PLANS = 64
 
 
+#: The generic flow's kernel plans of a ragged step that the route's takes: SDPA with the
+#: lengths' mask, and with the window's too (whose fix of rows hidden whole changes
+#: nothing: every query sees its own new key).
+_RAGGED_KERNEL_PLANS = (
+    spec.KernelPlan(fused=True, mask_lens=True),
+    spec.KernelPlan(fused=True, mask_lens=True, fix_rows=True, mask_window=True, fix_window=True),
+)
+
+
 class PlainRoute(LengthsRoute):
     """Plain self-attention's fast route, a part of the PyTorch facts
     (:class:`mha_multi.torch._facts.TorchFacts`, whose kernel, span bucket and
@@ -549,12 +558,16 @@ class PlainRoute(LengthsRoute):
             # A step of examples at different lengths: what the generic flow plans for
             # lengths that hide keys (spec.plan_kernel's plan depends on how the sizes
             # compare: one query, more keys).
-            ragged = step and spec.plan_kernel(
-                self.kernel,
-                **{**settings, "sizes": (sizes[0], 1, 3)},
-                values_exact=True,
-                shortest_length=1,
-            ) == spec.KernelPlan(fused=True, mask_lens=True)
+            ragged = (
+                step
+                and spec.plan_kernel(
+                    self.kernel,
+                    **{**settings, "sizes": (sizes[0], 1, 3)},
+                    values_exact=True,
+                    shortest_length=1,
+                )
+                in _RAGGED_KERNEL_PLANS
+            )
             mask = kernel_mask(ops, optimistic, score_options, queries, cache)
             # Where the mask hides keys the read bounds the scores (Facts.plan_values);
             # one query seeing one key hides nothing (its one weight is 1).

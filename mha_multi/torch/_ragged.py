@@ -130,7 +130,7 @@ def ragged_step(
         total = turned.sum() + v.sum() if plan.fused else None
     # Before writing, as the generic flow's write: the rows the calls before left pending.
     poison = None if plan.fused else check.settled()
-    first = 0  # (the first cache position attended over: a window's, on a generic plan)
+    first = 0  # (the first cache position attended over: past a window's start)
     if window is not None:
         first, poison = _window_first(route, check, least, window, keys, poison)
     examples = _counting(batch, device)
@@ -144,83 +144,62 @@ def ragged_step(
     key_max = check.key_max if key_upto else 0.0  # (a bound of nothing)
     exact = False
     if plan.fused:
-        # The generic flow's read (Facts.plan_values): the new rows, the positions up to
-        # the span no call has checked, and the largest query and key (from key_upto on;
-        # with the bound below it) for the scores the mask may hide.
         upto = check.upto
-        if upto < span:
-            rest = (x.narrow(2, upto, span - upto) for x in attended)
-            total = total + finite_sum(*rest, eager=True)
-        bounded = check.key_upto  # (the positions the check's bound holds for)
-        if 0 < key_upto < bounded:
-            # The same bound, read from less: a key below the check's bound unchanged
-            # since is within it, so the largest key from key_upto on is the bound's,
-            # the new rows' or one past the bound's positions (NaN where one is).
-            bounded = min(bounded, span)
-            read = read_together(
-                [
-                    total,
-                    *extremes(q),
-                    *extremes(k),
-                    *extremes(attended[0].narrow(2, bounded, span - bounded)),
-                ]
-            )
-            key_max = larger(key_max, magnitude_of(read[5], read[6]))
-        else:
-            rows = attended[0].narrow(2, key_upto, span - key_upto)
-            read = read_together([total, *extremes(q), *extremes(rows)])
-        key_max = larger(key_max, magnitude_of(read[3], read[4]))
-        finite = math.isfinite(read[0])
-        exact = finite and spec.scores_within_limit(
-            magnitude_of(read[1], read[2]), key_max, head_dim
+        exact, poison, key_upto, key_max = _fused_read(
+            check, q, k, keys, values, total, span, first, key_upto, key_max, head_dim
         )
-        check.ragged_stepped(
-            updated,
-            new_held,
-            step,
-            upto=upto if upto > span else span,
-            finite_from=span,
-            key_upto=span,
-            key_max=key_max,
-            poison=None if finite else total * 0.0,
-            pending=None,
-        )
+        upto, finite_from, pending = max(upto, span), span, None
     else:
-        check.ragged_stepped(
-            updated,
-            new_held,
-            step,
-            upto=check.upto,
-            finite_from=finite_from,
-            key_upto=key_upto,
-            key_max=key_max,
-            poison=poison,
-            pending=(k, v),
-        )
-    if first or window is not None or plan.bias is not None:
-        # A window that hides keys, or ALiBi: what they make of each example's position.
-        # (The window's, counted from the first position attended over: call.binding_window.)
-        hides = window if window is not None and filled - first > window else None
-        context = _positioned_attention(
-            q, attended, layer, options, plan, lengths, updated.lengths, hides, first
-        )
-        return call.Result(project_output(layer, context, plan.direct), None, updated)
-    # The lengths' mask, (B, 1, 1, span): key j visible to example b's query iff j < its
-    # new length, spec.visibility's rule and shape for integer lengths, spelled out: its
-    # dtype handling for lengths of any kind cost a step 23 Python calls (the randomised
-    # tests hold this mask's numbers to the generic flow's, which spec.visibility makes).
-    visible = _counting(max_length, device).narrow(0, 0, span) < updated.lengths.view(
-        batch, 1, 1, 1
+        upto, pending = check.upto, (k, v)
+    check.ragged_stepped(
+        updated,
+        new_held,
+        step,
+        upto=upto,
+        finite_from=finite_from,
+        key_upto=key_upto,
+        key_max=key_max,
+        poison=poison,
+        pending=pending,
     )
+    # The window where it hides keys, counted from the first position attended over
+    # (call.binding_window).
+    hides = window if window is not None and filled - first > window else None
     if exact:
+        if first or hides is not None:
+            # Which keys each query sees: spec.visibility's rule of the lengths and the
+            # window, spelled out as below.
+            seen = _counting(max_length, device).narrow(0, first, span - first)
+            visible = seen < updated.lengths.view(batch, 1, 1, 1)
+            if hides is not None:
+                visible = visible & (seen > lengths.view(batch, 1, 1, 1) - hides)
+        else:
+            # The lengths' mask, (B, 1, 1, span): key j visible to example b's query iff
+            # j < its new length, spec.visibility's rule and shape for integer lengths,
+            # spelled out: its dtype handling for lengths of any kind cost a step 23 Python
+            # calls (the randomised tests hold this mask's numbers to the generic flow's,
+            # which spec.visibility makes).
+            visible = _counting(max_length, device).narrow(0, 0, span) < updated.lengths.view(
+                batch, 1, 1, 1
+            )
         if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
             q = q.view(batch, num_kv_heads, heads.group_size, head_dim)
         else:
             q = q.view(batch, heads.num_heads, 1, head_dim)
+        # (A window's plan fixes rows the window and lengths hide whole: here every query
+        # sees its own new key, so none is.)
         context = torch.nn.functional.scaled_dot_product_attention(
             q, *attended, attn_mask=visible, **plan.arguments
         ).reshape(batch, 1, query_width)
+    elif first or hides is not None or plan.bias is not None:
+        # A window that hides keys, or ALiBi: what they make of each example's position.
+        context = _positioned_attention(
+            q, attended, layer, options, plan, lengths, updated.lengths, hides, first
+        )
     else:
+        visible = _counting(max_length, device).narrow(0, 0, span) < updated.lengths.view(
+            batch, 1, 1, 1
+        )
         fill = spec.MASK_VALUE if plan.fill is None else plan.fill
         context = step_attention(
             q,
@@ -232,6 +211,63 @@ def ragged_step(
             sinks=layer.sink_logits() if plan.sinks else None,
         )
     return call.Result(project_output(layer, context, plan.fused or plan.direct), None, updated)
+
+
+def _fused_read(
+    check: CacheCheck,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    total: torch.Tensor,
+    span: int,
+    first: int,
+    key_upto: int,
+    key_max: float,
+    head_dim: int,
+) -> tuple[bool, torch.Tensor | None, int, float]:
+    """The generic flow's read of a ragged step on a fused plan (:meth:`Facts.plan_values
+    <mha_multi.torch._facts.TorchFacts.plan_values>`), over the cache positions ``first``
+    to ``span``: the new rows (``total``, their sum, with ``q`` and ``k``), the positions
+    up to the span no call has checked, and the largest query and key (from ``key_upto``,
+    the bound of the write's check, ``key_max``, below it) for the scores the mask may
+    hide. Returns whether the kernel gives the spec's numbers, and the poison, keys'
+    bound and its positions the check keeps."""
+    upto = check.upto
+    if upto < span:
+        rest = (x.narrow(2, upto, span - upto) for x in (keys, values))
+        total = total + finite_sum(*rest, eager=True)
+    bounded = check.key_upto  # (the positions the check's bound holds for)
+    if first:
+        # The keys attended over from the bound on (those before the window are not).
+        start = key_upto if key_upto > first else first
+        read = read_together([total, *extremes(q), *extremes(keys.narrow(2, start, span - start))])
+        largest = larger(key_max, magnitude_of(read[3], read[4]))
+        if key_upto >= first:
+            key_upto, key_max = span, largest
+    else:
+        if 0 < key_upto < bounded:
+            # The same bound, read from less: a key below the check's bound unchanged
+            # since is within it, so the largest key from key_upto on is the bound's,
+            # the new rows' or one past the bound's positions (NaN where one is).
+            bounded = min(bounded, span)
+            read = read_together(
+                [
+                    total,
+                    *extremes(q),
+                    *extremes(k),
+                    *extremes(keys.narrow(2, bounded, span - bounded)),
+                ]
+            )
+            key_max = larger(key_max, magnitude_of(read[5], read[6]))
+        else:
+            rows = keys.narrow(2, key_upto, span - key_upto)
+            read = read_together([total, *extremes(q), *extremes(rows)])
+        largest = key_max = larger(key_max, magnitude_of(read[3], read[4]))
+        key_upto = span
+    finite = math.isfinite(read[0])
+    exact = finite and spec.scores_within_limit(magnitude_of(read[1], read[2]), largest, head_dim)
+    return exact, None if finite else total * 0.0, key_upto, key_max
 
 
 def _window_first(
@@ -291,13 +327,15 @@ def _positioned_attention(
     visible = spec.visibility(
         OPS, 1, count, new_lengths, window=scores.window, query_positions=positions
     )
+    # (A fused plan's, whose read said no: its scores' dtype is the queries'.)
+    fill = spec.MASK_VALUE if plan.fill is None else plan.fill
     return step_attention(
         q,
         *attended,
         visible,
         heads,
-        plan.fill,
+        fill,
         softcap=scores.softcap,
-        bias=spec.score_bias(OPS, scores, 1, count, plan.fill),
+        bias=spec.score_bias(OPS, scores, 1, count, q if plan.fill is None else plan.fill),
         sinks=layer.sink_logits() if plan.sinks else None,
     )

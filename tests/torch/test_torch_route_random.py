@@ -283,6 +283,37 @@ def test_a_ragged_step_past_a_window_after_a_read_is_the_generic_flows(options, 
     assert firsts == [64, 0, 0]
 
 
+def test_a_ragged_step_past_a_window_with_no_bound_of_the_keys_before_it(monkeypatch):
+    """On the host, a ragged step whose window starts past the positions the check's
+    bound of the keys holds for (a prompt as long as the window, which hides no key and
+    so reads no key's magnitude, then one token for the first example alone) reads the
+    keys it attends over and keeps the bound it had, as the generic flow does: outputs,
+    cache and what its check knows the same."""
+    torch.manual_seed(0)
+    layer = layer_of({"rotary": ROTARY, "window": 4}, 2, torch.float32).eval()
+    prompt, more = torch.randn(3, 4, 16), torch.randn(3, 1, 16)
+    tokens = [torch.randn(3, 1, 16) for _ in range(3)]
+    reads = []
+    read = _ragged._fused_read
+    monkeypatch.setattr(
+        _ragged, "_fused_read", lambda *args: reads.append(args[8] < args[7]) or read(*args)
+    )
+
+    def decode():
+        outputs = []
+        with torch.no_grad():
+            out, cache = layer(prompt, prompt, prompt, cache=layer.init_cache(3, 16))
+            out, cache = layer(more, more, more, torch.tensor([1, 0, 0]), cache=cache)
+            outputs += (out, known_of(cache))
+            for token in tokens:
+                out, cache = layer(token, token, token, causal=True, cache=cache)
+                outputs += (out, known_of(cache))
+        return (*outputs, cache.keys, cache.values, cache.lengths)
+
+    assert_route_is_generic(decode, on_a_gpu=False)
+    assert reads and all(reads), reads
+
+
 def known_of(cache) -> torch.Tensor:
     """What a cache's check knows (:class:`mha_multi.torch._cache.CacheCheck`), as numbers:
     the positions checked and known finite, the keys' bound, and whether a poison or
@@ -316,25 +347,24 @@ def known_of(cache) -> torch.Tensor:
         ({"sinks": True}, True, True),
         ({"window": 8}, True, True),
         ({"window": 8, "softcap": 2.0, "sinks": True}, True, True),
-        ({"window": 4}, False, True),
-        ({"window": 6}, [True, True, False], True),
+        ({"window": 4}, True, True),
+        ({"window": 6}, True, True),
         ({"window": 2, "softcap": 2.0}, True, True),
         ({"window": 2, "sinks": True, "alibi": True}, True, True),
         ({"alibi": True}, False, True),
     ],
 )
 @pytest.mark.parametrize("num_kv_heads", [1, 4])
-def test_ragged_steps_reach_the_route_but_for_a_kernels_mask_of_positions(
+def test_ragged_steps_reach_the_route_but_for_alibis_kernel(
     options, on_the_host, on_a_gpu, num_kv_heads
 ):
     """A step of examples at different lengths takes the route where the generic path
     runs it (on a GPU, where a step reads nothing; on the host, where no kernel takes
     a soft cap or sinks), whatever the options, and on the host where the kernel's
-    only mask is the lengths': no option but rotary positions and norms (which leave
-    the scores alone), or a window while every example lies within it (the prompts
-    hold 4, 2 and 3 positions: the steps fill up to 5, 6, 7, which a window of 8
-    holds, one of 6 the first two). The host's SDPA with a window that hides keys or
-    ALiBi's bias (of each example's own position) takes the generic flow."""
+    masks are the lengths' and the window's (the prompts hold 4, 2 and 3 positions:
+    the steps fill up to 5, 6, 7, which a window of 8 holds, one of 4 none, one of 6
+    the first two). The host's SDPA with ALiBi's bias (of each example's own
+    position) takes the generic flow."""
     torch.manual_seed(0)
     prompt, token = torch.randn(3, 4, 16), torch.randn(3, 1, 16)
     for gpu, taken in ((False, on_the_host), (True, on_a_gpu)):
