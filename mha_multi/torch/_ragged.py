@@ -22,7 +22,6 @@ left as it leaves it. This module imports nothing of the facts.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -162,26 +161,17 @@ def ragged_step(
         poison=poison,
         pending=pending,
     )
-    # The window where it hides keys, counted from the first position attended over
-    # (call.binding_window).
-    hides = window if window is not None and filled - first > window else None
+    # Which keys each query sees, (B, 1, 1, span - first): key j iff j < its example's
+    # new length and, where the window hides keys (counted from the first position
+    # attended over: call.binding_window), j > its length - window: spec.visibility's
+    # rule and shape for integer lengths, spelled out (its dtype handling for lengths of
+    # any kind cost a step 23 Python calls; the randomised tests hold these masks'
+    # numbers to the generic flow's, which spec.visibility makes).
+    seen = _counting(max_length, device).narrow(0, first, span - first)
+    visible = seen < updated.lengths.view(batch, 1, 1, 1)
+    if window is not None and filled - first > window:
+        visible = visible & (seen > lengths.view(batch, 1, 1, 1) - window)
     if exact:
-        if first or hides is not None:
-            # Which keys each query sees: spec.visibility's rule of the lengths and the
-            # window, spelled out as below.
-            seen = _counting(max_length, device).narrow(0, first, span - first)
-            visible = seen < updated.lengths.view(batch, 1, 1, 1)
-            if hides is not None:
-                visible = visible & (seen > lengths.view(batch, 1, 1, 1) - hides)
-        else:
-            # The lengths' mask, (B, 1, 1, span): key j visible to example b's query iff
-            # j < its new length, spec.visibility's rule and shape for integer lengths,
-            # spelled out: its dtype handling for lengths of any kind cost a step 23 Python
-            # calls (the randomised tests hold this mask's numbers to the generic flow's,
-            # which spec.visibility makes).
-            visible = _counting(max_length, device).narrow(0, 0, span) < updated.lengths.view(
-                batch, 1, 1, 1
-            )
         if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
             q = q.view(batch, num_kv_heads, heads.group_size, head_dim)
         else:
@@ -191,16 +181,12 @@ def ragged_step(
         context = torch.nn.functional.scaled_dot_product_attention(
             q, *attended, attn_mask=visible, **plan.arguments
         ).reshape(batch, 1, query_width)
-    elif first or hides is not None or plan.bias is not None:
-        # A window that hides keys, or ALiBi: what they make of each example's position.
-        context = _positioned_attention(
-            q, attended, layer, options, plan, lengths, updated.lengths, hides, first
-        )
     else:
-        visible = _counting(max_length, device).narrow(0, 0, span) < updated.lengths.view(
-            batch, 1, 1, 1
-        )
+        # (A fused plan's, whose read said no: its scores' dtype is the queries'.)
         fill = spec.MASK_VALUE if plan.fill is None else plan.fill
+        bias = None
+        if plan.bias is not None:  # (ALiBi's, of each example's position)
+            bias = _alibi_bias(options, heads, lengths, first, span - first, plan.fill)
         context = step_attention(
             q,
             *attended,
@@ -208,6 +194,7 @@ def ragged_step(
             heads,
             fill,
             softcap=plan.softcap,
+            bias=bias,
             sinks=layer.sink_logits() if plan.sinks else None,
         )
     return call.Result(project_output(layer, context, plan.fused or plan.direct), None, updated)
@@ -295,47 +282,20 @@ def _window_first(
     return first, None
 
 
-def _positioned_attention(
-    q: torch.Tensor,
-    attended: tuple[torch.Tensor, torch.Tensor],
-    layer: call.Projections,
+def _alibi_bias(
     options: spec.LayerOptions,
-    plan: PlainPlan,
+    heads: spec.Heads,
     lengths: torch.Tensor,
-    new_lengths: torch.Tensor,
-    window: int | None,
     first: int,
+    count: int,
+    like: torch.Tensor,
 ) -> torch.Tensor:
-    """The generic path's attention of a ragged step whose options depend on each
-    example's position (a window that hides keys, ALiBi), over the cache positions
-    ``attended`` (from ``first``), as the generic flow makes it
-    (:func:`mha_multi.call.attend`): the score options of the queries at ``lengths``
-    (the cache's before the step; ``window``: the layer's where it hides keys from
-    one, else ``None``), counted from ``first``, and the spec's visibility and bias of
-    them, with the lengths ``new_lengths``."""
-    heads, count = layer.heads, attended[0].shape[2]
-    positions = None
-    if options.alibi or window is not None:
-        positions = spec.cache_positions(OPS, lengths, 1)
-        if first:
-            positions = positions - first
+    """ALiBi's bias of a ragged step's one query per example over ``count`` cache
+    positions from ``first``, as the generic flow makes it (:func:`mha_multi.call.attend`):
+    of the queries at ``lengths`` (the cache's before the step), counted from ``first``
+    (:func:`mha_multi.spec.score_bias`, of ``like``'s dtype)."""
+    positions = spec.cache_positions(OPS, lengths, 1)
     if first:
-        new_lengths = new_lengths - first
+        positions = positions - first
     scores = options.score_options(num_heads=heads.num_heads, query_positions=positions)
-    if window is None:
-        scores = dataclasses.replace(scores, window=None)
-    visible = spec.visibility(
-        OPS, 1, count, new_lengths, window=scores.window, query_positions=positions
-    )
-    # (A fused plan's, whose read said no: its scores' dtype is the queries'.)
-    fill = spec.MASK_VALUE if plan.fill is None else plan.fill
-    return step_attention(
-        q,
-        *attended,
-        visible,
-        heads,
-        fill,
-        softcap=scores.softcap,
-        bias=spec.score_bias(OPS, scores, 1, count, q if plan.fill is None else plan.fill),
-        sinks=layer.sink_logits() if plan.sinks else None,
-    )
+    return spec.score_bias(OPS, scores, 1, count, like)

@@ -261,12 +261,14 @@ def test_a_ragged_step_past_a_window_after_a_read_is_the_generic_flows(options, 
     first = torch.randn(3, 80, 16)
     tokens = [torch.randn(3, 1, 16) for _ in range(3)]
     firsts = []
-    attend = _ragged._positioned_attention
-    monkeypatch.setattr(
-        _ragged,
-        "_positioned_attention",
-        lambda *args: firsts.append(args[-1]) or attend(*args),
-    )
+    window_first = _ragged._window_first
+
+    def spy(*args):
+        found = window_first(*args)
+        firsts.append(found[0])
+        return found
+
+    monkeypatch.setattr(_ragged, "_window_first", spy)
 
     def decode():
         outputs = []
