@@ -24,10 +24,11 @@ and ``sinks``: the layer's sink logits join each head's softmax (gpt-oss's):
 no kernel takes either, so ours takes the generic path's attention and the
 loop writes its attention out (each key/value head's query heads as its
 queries: the scores, ``50 * tanh(scores / 50)``, the mask, the softmax with
-the sinks' column and its product with the values).
+the sinks' column and its product with the values). ``alibi``: ALiBi's bias
+(BLOOM's), which the loop gives SDPA as its float mask.
 
     python tools/ragged_step.py [num_kv_heads] [rounds] [rotary] [window] [sliding]
-        [softcap] [sinks] [cuda]
+        [softcap] [sinks] [alibi] [cuda]
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 from torch.nn import functional
 
+from mha_multi.spec import alibi_slopes
 from mha_multi.torch import MultiHeadAttention, _facts, set_weights
 from mha_multi.weights import init_weights
 
@@ -54,7 +56,7 @@ HEAD_DIM = HIDDENS // HEADS
 ROTARY = {"theta": 10000.0}
 SOFTCAP = 50.0
 SLIDING = 128
-FLAGS = ("rotary", "window", "sliding", "softcap", "sinks", "cuda")
+FLAGS = ("rotary", "window", "sliding", "softcap", "sinks", "alibi", "cuda")
 
 
 def prompt_lengths() -> torch.Tensor:
@@ -119,6 +121,9 @@ def hand_steps(
     ``options``, its ``sinks`` logits)."""
     rotary, softcap = "rotary" in options, "softcap" in options
     window = options.get("window", MAX_LENGTH)
+    slopes = None
+    if options.get("alibi"):  # (the layer's slopes, (H, 1, 1))
+        slopes = torch.from_numpy(alibi_slopes(HEADS)).float().to(DEVICE).view(HEADS, 1, 1)
     w_q, w_k, w_v, w_o = (
         torch.from_numpy(weights[n]).float().T.to(DEVICE) for n in ("W_q", "W_k", "W_v", "W_o")
     )
@@ -165,6 +170,9 @@ def hand_steps(
             seen = key_positions[:end]
             mask = (seen <= lengths[:, None]) & (seen > lengths[:, None] - window)
             mask = mask.view(BATCH, 1, 1, end)
+            if slopes is not None:  # (ALiBi's bias, slope * (j - position), where seen)
+                distance = (seen - lengths[:, None]).view(BATCH, 1, 1, end)
+                mask = torch.where(mask, slopes * distance, float("-inf"))
             if softcap or sinks is not None:
                 context = written_attention(
                     q, keys[:, :, :end], values[:, :, :end], mask, softcap, sinks
@@ -213,6 +221,7 @@ def main() -> None:
         **({"window": SLIDING} if "sliding" in flags else {}),
         **({"softcap": SOFTCAP} if "softcap" in flags else {}),
         **({"sinks": True} if "sinks" in flags else {}),
+        **({"alibi": True} if "alibi" in flags else {}),
     }
     if "sinks" in flags:
         weights["sinks"] = np.random.default_rng(0).standard_normal(HEADS).astype(np.float32)

@@ -49,11 +49,12 @@ _PLAIN_PLANS = 64
 
 
 #: The generic flow's kernel plans of a ragged step that the route's takes: SDPA with the
-#: lengths' mask, and with the window's too (whose fix of rows hidden whole changes
-#: nothing: every query sees its own new key).
-_RAGGED_KERNEL_PLANS = (
-    spec.KernelPlan(fused=True, mask_lens=True),
-    spec.KernelPlan(fused=True, mask_lens=True, fix_rows=True, mask_window=True, fix_window=True),
+#: lengths' mask, the window's too (whose fix of rows hidden whole changes nothing: every
+#: query sees its own new key), and either with ALiBi's bias.
+_RAGGED_KERNEL_PLANS = tuple(
+    spec.KernelPlan(fused=True, mask_lens=True, bias=bias, **window)
+    for bias in (False, True)
+    for window in ({}, {"fix_rows": True, "mask_window": True, "fix_window": True})
 )
 
 

@@ -30,6 +30,7 @@ import torch
 from mha_multi import call, spec
 from mha_multi.spec.memo import Kept
 from mha_multi.torch._cache import CacheCheck, from_host, next_lengths, versioned
+from mha_multi.torch._kernel import folded_mask
 from mha_multi.torch._ops import OPS
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked
@@ -171,22 +172,26 @@ def ragged_step(
     visible = seen < updated.lengths.view(batch, 1, 1, 1)
     if window is not None and filled - first > window:
         visible = visible & (seen > lengths.view(batch, 1, 1, 1) - window)
+    bias = None
+    if options is not None and options.alibi:  # (ALiBi's, of each example's position)
+        # (A fused plan's scores are of the queries' dtype, 32 or 64 bits.)
+        like = q if plan.fill is None else plan.fill
+        bias = _alibi_bias(options, heads, lengths, first, span - first, like)
     if exact:
+        mask = visible if bias is None else torch.where(visible, bias, float("-inf"))
         if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
             q = q.view(batch, num_kv_heads, heads.group_size, head_dim)
+            mask = folded_mask(mask, num_kv_heads, heads.group_size)
         else:
             q = q.view(batch, heads.num_heads, 1, head_dim)
         # (A window's plan fixes rows the window and lengths hide whole: here every query
         # sees its own new key, so none is.)
         context = torch.nn.functional.scaled_dot_product_attention(
-            q, *attended, attn_mask=visible, **plan.arguments
+            q, *attended, attn_mask=mask, **plan.arguments
         ).reshape(batch, 1, query_width)
     else:
         # (A fused plan's, whose read said no: its scores' dtype is the queries'.)
         fill = spec.MASK_VALUE if plan.fill is None else plan.fill
-        bias = None
-        if plan.bias is not None:  # (ALiBi's, of each example's position)
-            bias = _alibi_bias(options, heads, lengths, first, span - first, plan.fill)
         context = step_attention(
             q,
             *attended,

@@ -285,6 +285,52 @@ def test_a_ragged_step_past_a_window_after_a_read_is_the_generic_flows(options, 
     assert firsts == [64, 0, 0]
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"alibi": True}, {"alibi": True, "window": 3}, {"rotary": ROTARY, "alibi": True, "window": 2}],
+)
+@pytest.mark.parametrize("num_kv_heads", [1, 4])
+def test_a_ragged_alibi_step_on_the_host_is_the_generic_flows(options, num_kv_heads, monkeypatch):
+    """On the host, a ragged step of an ALiBi layer gives SDPA the bias of each example's
+    own position where the lengths and a window hide keys (as the queries of their
+    key/value head, where heads are grouped), and a step whose scores pass the kernel's
+    limit (a token a thousand times larger) the generic path with that bias: outputs,
+    cache and what its check knows the generic flow's."""
+    torch.manual_seed(0)
+    layer = layer_of(options, num_kv_heads, torch.float32).eval()
+    prompt = torch.randn(3, 6, 16)
+    tokens = [torch.randn(3, 1, 16) for _ in range(4)]
+    tokens[2] = tokens[2] * 1e3
+    likes, exact = [], []
+    alibi_bias, fused_read = _ragged._alibi_bias, _ragged._fused_read
+    monkeypatch.setattr(
+        _ragged, "_alibi_bias", lambda *args: likes.append(args[-1].dim()) or alibi_bias(*args)
+    )
+    monkeypatch.setattr(
+        _ragged, "_fused_read", lambda *args: exact.append((read := fused_read(*args))[0]) or read
+    )
+
+    def decode():
+        outputs = []
+        with torch.no_grad():
+            out, cache = layer(
+                prompt,
+                prompt,
+                prompt,
+                torch.tensor([6, 2, 4]),
+                causal=True,
+                cache=layer.init_cache(3, 16),
+            )
+            for token in tokens:
+                out, cache = layer(token, token, token, causal=True, cache=cache)
+                outputs += (out, known_of(cache))
+        return (*outputs, cache.keys, cache.values, cache.lengths)
+
+    assert_route_is_generic(decode, on_a_gpu=False)
+    assert likes == [3] * 4  # (each step's bias of the queries' dtype: a fused plan's)
+    assert exact == [True, True, False, True], exact  # (SDPA's, the generic path's, SDPA's)
+
+
 def test_a_ragged_step_past_a_window_with_no_bound_of_the_keys_before_it(monkeypatch):
     """On the host, a ragged step whose window starts past the positions the check's
     bound of the keys holds for (a prompt as long as the window, which hides no key and
@@ -353,20 +399,21 @@ def known_of(cache) -> torch.Tensor:
         ({"window": 6}, True, True),
         ({"window": 2, "softcap": 2.0}, True, True),
         ({"window": 2, "sinks": True, "alibi": True}, True, True),
-        ({"alibi": True}, False, True),
+        ({"alibi": True}, True, True),
+        ({"window": 4, "alibi": True}, True, True),
     ],
 )
 @pytest.mark.parametrize("num_kv_heads", [1, 4])
-def test_ragged_steps_reach_the_route_but_for_alibis_kernel(
+def test_ragged_steps_reach_the_route_with_every_option(
     options, on_the_host, on_a_gpu, num_kv_heads
 ):
-    """A step of examples at different lengths takes the route where the generic path
-    runs it (on a GPU, where a step reads nothing; on the host, where no kernel takes
-    a soft cap or sinks), whatever the options, and on the host where the kernel's
-    masks are the lengths' and the window's (the prompts hold 4, 2 and 3 positions:
-    the steps fill up to 5, 6, 7, which a window of 8 holds, one of 4 none, one of 6
-    the first two). The host's SDPA with ALiBi's bias (of each example's own
-    position) takes the generic flow."""
+    """A step of examples at different lengths takes the route, on the host and on a GPU,
+    with every option: on the host SDPA with the lengths' mask, the window's where it
+    hides keys (the prompts hold 4, 2 and 3 positions: the steps fill up to 5, 6, 7,
+    which a window of 8 holds, one of 4 none, one of 6 the first two) and ALiBi's bias
+    of each example's own position, or the generic path where no kernel takes the
+    options (a soft cap, sinks); on a GPU, where a step reads nothing, the generic
+    path."""
     torch.manual_seed(0)
     prompt, token = torch.randn(3, 4, 16), torch.randn(3, 1, 16)
     for gpu, taken in ((False, on_the_host), (True, on_a_gpu)):
