@@ -310,17 +310,12 @@ def test_a_ragged_alibi_step_on_the_host_is_the_generic_flows(options, num_kv_he
         _ragged, "_fused_read", lambda *args: exact.append((read := fused_read(*args))[0]) or read
     )
 
+    lengths = torch.tensor([6, 2, 4])
+
     def decode():
-        outputs = []
+        outputs, cache = [], layer.init_cache(3, 16)
         with torch.no_grad():
-            out, cache = layer(
-                prompt,
-                prompt,
-                prompt,
-                torch.tensor([6, 2, 4]),
-                causal=True,
-                cache=layer.init_cache(3, 16),
-            )
+            out, cache = layer(prompt, prompt, prompt, lengths, causal=True, cache=cache)
             for token in tokens:
                 out, cache = layer(token, token, token, causal=True, cache=cache)
                 outputs += (out, known_of(cache))
