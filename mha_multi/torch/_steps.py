@@ -84,8 +84,8 @@ class PlainPlan(NamedTuple):
     folded too). ``ragged``: a step's plan that a step of examples at
     different lengths takes too (:func:`mha_multi.torch._ragged.ragged_step`):
     a fused plan where the generic flow's kernel plan of lengths that hide
-    keys is SDPA with their mask alone, and every generic one (its options
-    made of each example's position at each step).
+    keys is SDPA with their mask (a window's too, ALiBi's bias: those of each
+    example's position, made at each step), and every generic one.
     """
 
     fused: bool
