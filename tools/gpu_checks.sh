@@ -108,6 +108,10 @@ EOF
         for kv in 2 8; do
             step "ragged-step-$kv" 300 "$py" tools/ragged_step.py "$kv" 8 rotary cuda
         done
+        # ... with a window that hides keys, and with it sinks (gpt-oss's): on a GPU every
+        # option takes the generic path's attention, which reads nothing.
+        step "ragged-step-sliding" 300 "$py" tools/ragged_step.py 2 8 rotary sliding cuda
+        step "ragged-step-sinks" 300 "$py" tools/ragged_step.py 2 8 rotary sliding sinks cuda
         # SDPA for a step's grouped heads: enable_gqa against the heads folded.
         for dtype in float32 bfloat16; do
             step "grouped-sdpa-$dtype" 120 "$py" tools/grouped_sdpa.py --device cuda \
