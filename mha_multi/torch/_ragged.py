@@ -4,16 +4,16 @@ A batch of prompts of different lengths decodes with each example at its own
 position (docs: "Generating with a cache"). Such a step runs here in a dozen
 operations: each example's row written at its own length, and one query per
 example attending over the positions up to the longest's, the others' hidden
-by the lengths. On the host, where the layer's options hide no key but by the
-lengths (rotary positions, query/key norms, grouped heads, a window while
-every example lies within it), after the generic flow's read of the new rows
-and of the keys the lengths may now hide, by SDPA with the lengths' mask, or
-by the generic path where the read says so. Where no kernel takes the
-options (a soft cap, sinks), and on a GPU, where a step reads nothing, by the
-generic path over the generic flow's span, the rows left for a later read to
-check, with every option: a window that hides keys and ALiBi as they see each
-example's position (from the first position the window shows every example,
-where the generic flow leaves those before it out). These are the operations of
+by the lengths. On the host, after the generic flow's read of the new rows and
+of the keys the lengths may now hide, by SDPA with the lengths' mask (with a
+window's where it hides keys, and ALiBi's bias), or by the generic path where
+the read says so. Where no kernel takes the options (a soft cap, sinks), and
+on a GPU, where a step reads nothing, by the generic path over the generic
+flow's span, the rows left for a later read to check. Every option joins as
+the generic flow makes it of each example's position: a window that hides no
+key is left out, one that hides keys joins the mask, from the first position
+it shows every example where the generic flow leaves those before it out,
+and ALiBi's bias counts from there. These are the operations of
 the generic flow's write, kernel plan and kernel call for the same call
 (:func:`mha_multi.call.attend`, :func:`mha_multi.call.plan`), on the same
 tensors: the numbers are its numbers to the bit, and the cache's check is
@@ -63,8 +63,9 @@ def ragged_step(
     options: spec.LayerOptions | None,
 ) -> call.Result | None:
     """The plain route's decoding step of examples at different lengths, on a plan that
-    takes them (``plan.ragged``): a fused plan whose kernel's only mask is the lengths'
-    (the host's), or a generic one (a GPU's, or one of options no kernel takes).
+    takes them (``plan.ragged``): a fused plan whose kernel is SDPA with the lengths'
+    mask, a window's and ALiBi's bias (the host's), or a generic one (a GPU's, or one of
+    options no kernel takes).
 
     ``route``: the :class:`mha_multi.torch._plain.PlainRoute` (its span of a
     step), whose step ``plan`` this is (a window's: its plan ``within`` the window
@@ -144,11 +145,10 @@ def ragged_step(
     key_max = check.key_max if key_upto else 0.0  # (a bound of nothing)
     exact = False
     if plan.fused:
-        upto = check.upto
+        upto, finite_from, pending = max(check.upto, span), span, None
         exact, poison, key_upto, key_max = _fused_read(
             check, q, k, keys, values, total, span, first, key_upto, key_max, head_dim
         )
-        upto, finite_from, pending = max(upto, span), span, None
     else:
         upto, pending = check.upto, (k, v)
     check.ragged_stepped(
@@ -229,7 +229,6 @@ def _fused_read(
     if upto < span:
         rest = (x.narrow(2, upto, span - upto) for x in (keys, values))
         total = total + finite_sum(*rest, eager=True)
-    bounded = check.key_upto  # (the positions the check's bound holds for)
     if first:
         # The keys attended over from the bound on (those before the window are not).
         start = key_upto if key_upto > first else first
@@ -238,6 +237,7 @@ def _fused_read(
         if key_upto >= first:
             key_upto, key_max = span, largest
     else:
+        bounded = check.key_upto  # (the positions the check's bound holds for)
         if 0 < key_upto < bounded:
             # The same bound, read from less: a key below the check's bound unchanged
             # since is within it, so the largest key from key_upto on is the bound's,
