@@ -31,7 +31,7 @@ from mha_multi import call, spec
 from mha_multi.spec.memo import Kept
 from mha_multi.torch._cache import CacheCheck, from_host, next_lengths, versioned
 from mha_multi.torch._kernel import folded_mask
-from mha_multi.torch._ops import OPS
+from mha_multi.torch._ops import ops_on
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked
 from mha_multi.torch._steps import PlainPlan, project_output, step_attention, step_projections
@@ -298,9 +298,10 @@ def _alibi_bias(
     """ALiBi's bias of a ragged step's one query per example over ``count`` cache
     positions from ``first``, as the generic flow makes it (:func:`mha_multi.call.attend`):
     of the queries at ``lengths`` (the cache's before the step), counted from ``first``
-    (:func:`mha_multi.spec.score_bias`, of ``like``'s dtype)."""
-    positions = spec.cache_positions(OPS, lengths, 1)
+    (:func:`mha_multi.spec.score_bias`, of ``like``'s dtype and on its device)."""
+    ops = ops_on(like.device)  # (the adapter the generic flow's call has: its aranges there)
+    positions = spec.cache_positions(ops, lengths, 1)
     if first:
         positions = positions - first
     scores = options.score_options(num_heads=heads.num_heads, query_positions=positions)
-    return spec.score_bias(OPS, scores, 1, count, like)
+    return spec.score_bias(ops, scores, 1, count, like)
