@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from route_support import answered_calls, generic_only
 from torch_support import kernel_ran
 from torch_support import runner as runner
 
@@ -230,3 +231,45 @@ def test_rows_written_by_a_call_that_reads_nothing_reach_a_later_read(monkeypatc
             assert not ran, (first, end)
             np.testing.assert_array_equal(np.isnan(out.numpy()), np.isnan(expected))
             np.testing.assert_allclose(out.numpy(), expected, atol=5e-6)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window": 3, "alibi": True},
+        {"rotary": {"theta": 100.0}, "window": 2, "softcap": 5.0, "sinks": True},
+    ],
+)
+def test_a_ragged_step_with_options_on_gpu_is_the_generic_flows(gpu, options):
+    """A ragged step whose window hides keys, with ALiBi, a soft cap or sinks, takes the
+    route on a GPU (the generic path's attention, its mask and bias made on the device)
+    and synchronises nothing: the generic flow's outputs and cache to the bit."""
+    device = backend.device(gpu)
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2, device=device, **options).eval()
+    prompt = torch.randn(3, 6, 16, device=device)
+    tokens = [torch.randn(3, 1, 16, device=device) for _ in range(4)]
+    lengths = torch.tensor([6, 2, 4], device=device)
+
+    def decode(step):
+        outputs = []
+        with torch.no_grad():
+            _, cache = layer(
+                prompt, prompt, prompt, lengths, causal=True, cache=layer.init_cache(3, 16)
+            )
+            for token in tokens:
+                out, cache = step(
+                    lambda token=token, cache=cache: layer(
+                        token, token, token, causal=True, cache=cache
+                    )
+                )
+                outputs.append(out)
+        return (*outputs, cache.keys, cache.values, cache.lengths)
+
+    with answered_calls() as answers:
+        route = decode(without_synchronisation)
+    with generic_only():
+        generic = decode(lambda call: call())
+    assert answers[-4:] == [True] * 4, answers
+    for ours, theirs in zip(route, generic, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
