@@ -86,15 +86,17 @@ def layer_steps(layer: MultiHeadAttention, prompt: torch.Tensor, token: torch.Te
 
 def written_attention(
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    attended: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor,
+    *,
     softcap: bool,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention of one query per head written out, for what no kernel takes (Gemma 2's
-    soft cap of the scores, gpt-oss's sinks): each key/value head's query heads as its
-    queries, no copy of the keys and values for grouped heads."""
+    """Attention of one query per head over the ``attended`` keys and values written out,
+    for what no kernel takes (Gemma 2's ``softcap`` of the scores, gpt-oss's ``sinks``):
+    each key/value head's query heads as its queries, no copy of the keys and values for
+    grouped heads."""
+    keys, values = attended
     batch, num_heads = q.shape[:2]
     grouped = q.reshape(batch, keys.shape[1], -1, HEAD_DIM)
     scores = grouped @ keys.transpose(-1, -2) / HEAD_DIM**0.5
@@ -174,9 +176,8 @@ def hand_steps(
                 distance = (seen - lengths[:, None]).view(BATCH, 1, 1, end)
                 mask = torch.where(mask, slopes * distance, float("-inf"))
             if softcap or sinks is not None:
-                context = written_attention(
-                    q, keys[:, :, :end], values[:, :, :end], mask, softcap, sinks
-                )
+                attended = keys[:, :, :end], values[:, :, :end]
+                context = written_attention(q, attended, mask, softcap=softcap, sinks=sinks)
             else:
                 context = functional.scaled_dot_product_attention(
                     q,
