@@ -56,7 +56,7 @@ import mxnet as mx  # noqa: E402  (after the environment it reads)
 from mxnet import gluon  # noqa: E402
 
 from mha_multi.mxnet._kernel import SEQUENCE_MASK, sequence_mask_attention  # noqa: E402
-from mha_multi.mxnet._ops import MXNetOps, dtype_kind  # noqa: E402
+from mha_multi.mxnet._ops import MXNetOps, copied_to, dtype_kind  # noqa: E402
 from mha_multi.mxnet._plain import plain_attention  # noqa: E402
 
 #: dtype name -> MXNet (numpy-interface) dtype; MXNet 1.9 has no bfloat16.
@@ -164,6 +164,20 @@ def _leading(x: mx.np.ndarray, axis: int, start: int, stop: int) -> mx.np.ndarra
     return mx.npx.slice(x, (None,) * axis + (start,), (None,) * axis + (stop,))
 
 
+class _HostView:
+    """A host array's memory for numpy's ``from_dlpack``: no copy (MXNet's
+    ``to_dlpack_for_read`` waits for the writes queued before it)."""
+
+    def __init__(self, array: mx.np.ndarray) -> None:
+        self._array = array
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        return mx.nd.to_dlpack_for_read(self._array)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # (DLPack's CPU)
+
+
 def _beside(name: str, x: Any, like: mx.np.ndarray) -> mx.np.ndarray:
     """``x`` as it is, if it is an ``mxnet.numpy`` array on ``like``'s device."""
     if not isinstance(x, mx.np.ndarray):
@@ -207,7 +221,7 @@ class MXNetFacts(call.Facts):
 
     def rows_at(self, x: mx.np.ndarray, index: np.ndarray) -> mx.np.ndarray:
         # (One gather of whole rows, the index made where the table lies.)
-        return mx.np.take(x, mx.np.array(index, dtype=np.int64, ctx=x.ctx), axis=0)
+        return mx.np.take(x, copied_to(x.ctx, index, np.int64), axis=0)
 
     def dtype_kind(self, dtype: Any) -> str:
         return dtype_kind(dtype)
@@ -347,18 +361,26 @@ class MXNetFacts(call.Facts):
                 start, count = int(fill.lengths[b]), int(fill.new[b])
                 held[b, :, start : start + count] = rows[b, :, :count]
         ctx = k.ctx
-        lengths = mx.np.array(fill.held, dtype=np.int32, ctx=ctx)
-        visible = mx.np.array(fill.visibility(num_new, causal=causal), dtype=np.int32, ctx=ctx)
+        lengths = copied_to(ctx, fill.held, np.int32)
+        visible = copied_to(ctx, fill.visibility(num_new, causal=causal), np.int32)
         return spec.KVCache(cache.keys, cache.values, lengths), visible
 
     def cache_prefix(self, keys: Any, values: Any, span: int, first: int = 0) -> tuple[Any, Any]:
         return _leading(keys, 2, first, span), _leading(values, 2, first, span)
 
     def finite_past(self, keys: Any, values: Any, span: int) -> bool:
-        """Read: the values past ``span`` copied to numpy and summed there in float32
-        (finite only where every value is, or a large sum overflows). MXNet's own
-        reduction took 5.4 ms over half of an 8/8 cache's values, the copy and
-        numpy's sum 0.57 ms."""
+        """Read: the values past ``span`` on the host.
+
+        A host array is read where it lies (numpy's view of it through DLPack,
+        once the writes queued before are done), every value tested: over the
+        767 positions past 257 of an 8/8 cache of 1024 (8 examples, 64 per
+        head) 1.1 ms, against 3.4 ms for the slice copied to numpy and summed
+        there, and 5.4 ms for MXNet's own reduction over half the cache.
+        Elsewhere the slice is copied and summed in float32 (finite only
+        where every value is, or a large sum overflows)."""
+        if values.ctx.device_type == "cpu":
+            held = np.from_dlpack(_HostView(values))
+            return bool(np.isfinite(held[:, :, span:]).all())
         rest = _leading(values, 2, span, values.shape[2]).asnumpy()
         return bool(np.isfinite(rest.sum(dtype=np.float32)))
 

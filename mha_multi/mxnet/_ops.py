@@ -45,7 +45,7 @@ import numpy as np
 
 from mha_multi import spec
 
-__all__ = ["MXNetOps", "dtype_kind"]
+__all__ = ["MXNetOps", "copied_to", "dtype_kind"]
 
 Array = Any
 
@@ -53,6 +53,20 @@ Array = Any
 def dtype_kind(dtype: Any) -> str:
     """numpy's ``dtype.kind`` letter for an MXNet (numpy-interface) dtype."""
     return np.dtype(dtype).kind
+
+
+def copied_to(ctx: mx.Context, values: np.ndarray, dtype: Any) -> mx.np.ndarray:
+    """``values`` made on the host (an index, lengths, a constant) as an array of ``dtype``
+    on ``ctx``.
+
+    An empty array filled by one copy: ``mx.np.array`` takes the same copy
+    through ``__setitem__``, some 50 us more a call on the CPU, which a
+    decoding step pays for each index it makes.
+    """
+    values = np.ascontiguousarray(values, dtype=dtype)
+    array = mx.np.empty(values.shape, dtype=values.dtype, ctx=ctx)
+    array._sync_copyfrom(values)
+    return array
 
 
 def _is_array(x: Any) -> bool:
@@ -187,7 +201,7 @@ class MXNetOps(spec.NumpyDtypes):
     def constant(self, value: np.ndarray, like: Array) -> Array:
         # Arrays only: graphs take no host constants (a call with positions
         # or biases runs on the parameters' arrays, docs: "Positions and biases").
-        return mx.np.array(value, dtype=value.dtype, ctx=like.ctx)
+        return copied_to(like.ctx, value, value.dtype)
 
     def softmax(self, x: Array) -> Array:
         # MXNet's kernel gives 0 to the other keys of a row holding a NaN or
