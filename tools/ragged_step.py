@@ -33,19 +33,15 @@ the sinks' column and its product with the values). ``alibi``: ALiBi's bias
 
 from __future__ import annotations
 
-import contextlib
-import cProfile
-import pstats
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from unittest import mock
 
 import numpy as np
 import torch
 from torch.nn import functional
+from turns import report, timed_turns
 
+from mha_multi.bench.host import counted
 from mha_multi.spec import alibi_slopes
 from mha_multi.torch import MultiHeadAttention, _facts, set_weights
 from mha_multi.weights import init_weights
@@ -198,17 +194,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def calls_per_step(step: Callable[[], torch.Tensor]) -> float:
-    for _ in range(3):
-        step()
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(20):
-        step()
-    profile.disable()
-    return sum(row[1] for row in pstats.Stats(profile).stats.values()) / 20
-
-
 def main() -> None:
     arguments = [a for a in sys.argv[1:] if a not in FLAGS]
     kv_heads = int(arguments[0]) if arguments else 2
@@ -245,26 +230,13 @@ def main() -> None:
         "generic flow": lambda: layer_steps(layer, prompt, token),
         "hand-written": lambda: hand_steps(weights, kv_heads, options, sinks, prompt, token),
     }
-    times: dict[str, list[float]] = {name: [] for name in makers}
-    for _ in range(rounds):
-        for name, make in makers.items():
-            with generic() if name == "generic flow" else contextlib.nullcontext():
-                step = make()
-                step()
-                sync()
-                start = time.perf_counter()
-                for _ in range(TURN):
-                    step()
-                sync()
-                times[name].append((time.perf_counter() - start) / TURN * 1e6)
-    hand = statistics.median(times["hand-written"])
-    for name, measured in times.items():
-        median = statistics.median(measured)
-        print(f"{name:>13}: {median:7.0f} us a step, {hand / median:.2f}x hand-written")
-    print(f"largest difference, ours and the loop's outputs: {difference:.1e}")
-    route_calls = calls_per_step(layer_steps(layer, prompt, token))
+    times = timed_turns(
+        makers, rounds=rounds, turn=TURN, done=lambda _: sync(), around={"generic flow": generic}
+    )
+    report(times, difference)
+    route_calls = counted(layer_steps(layer, prompt, token))
     with generic():
-        generic_calls = calls_per_step(layer_steps(layer, prompt, token))
+        generic_calls = counted(layer_steps(layer, prompt, token))
     print(f"Python calls a step: {route_calls:.0f} (the generic flow's {generic_calls:.0f})")
 
 

@@ -39,6 +39,7 @@ from mxnet.ndarray.numpy import _internal as _npi
 
 from mha_multi import call, spec
 from mha_multi.call.rotary_tables import kept_tables
+from mha_multi.mxnet._ops import copied_to
 from mha_multi.spec.memo import KeptBy
 
 __all__ = ["PLANS_PER_LAYER", "PlainPlan", "layout", "plain_attention", "plans_of"]
@@ -293,23 +294,28 @@ def _rotated(
     return q, mx.npx.slice(turned, (None, None, heads), (None, None, None))
 
 
-def _context(plan: PlainPlan, q: Array, k: Array, v: Array) -> Array:
+def _context(
+    plan: PlainPlan, q: Array, k: Array, v: Array, mask_lengths: Array | None = None
+) -> Array:
     """The fused route's attention (:func:`mha_multi.mxnet._kernel.sequence_mask_attention`).
 
     ``q`` as projected or rotated, ``k`` and ``v`` ``(B*H_kv, K, dh)``; returns
-    the heads' context ``(B, T, H*dh)``.
+    the heads' context ``(B, T, H*dh)``. ``mask_lengths``: the visible keys of
+    each row of the scores, the plan's (a causal call's) where not given.
     """
+    if mask_lengths is None:
+        mask_lengths = plan.mask_lengths
     q = _relaid(_npi.true_divide_scalar(q, plan.scale), plan.queries)
     scores = mx.npx.batch_dot(q, k, transpose_b=True)
-    if plan.mask_lengths is not None:
+    if mask_lengths is not None:
         masked = mx.npx.sequence_mask(
             mx.npx.reshape(scores, (-5, -2)),
-            plan.mask_lengths,
+            mask_lengths,
             use_sequence_length=True,
             value=spec.MASK_VALUE,
             axis=1,
         )
-        scores = mx.npx.reshape(masked, plan.scores)
+        scores = mx.npx.reshape(masked, (*plan.scores[:2], -1))
     weights = mx.npx.softmax(scores, axis=-1)
     return _relaid(mx.npx.batch_dot(weights, v), plan.output)
 
@@ -329,26 +335,61 @@ def _attend(plan: PlainPlan, queries: Array, ctx: mx.Context) -> Array:
 def _step(
     facts: call.Facts, plan: PlainPlan, queries: Array, cache: spec.KVCache, ctx: mx.Context
 ) -> call.Result | None:
-    """A decoding step: its rows written into the cache, attention over the filled positions."""
+    """A decoding step: its rows written into the cache, attention over the filled positions.
+
+    A ragged batch (examples that hold different lengths) writes each
+    example's rows at its own position in one scatter and hides the keys
+    past each example's by the scores' mask, as the generic flow's kernel
+    call does (its ``sequence_mask`` lengths, one per row of the scores).
+    """
     keys, values, lengths = cache
     read = lengths.asnumpy()
-    start, num_new, max_length = int(read[0]), plan.num_new, plan.max_length
-    span = start + num_new
-    if start < 0 or span > max_length or not (read == start).all():
-        return None  # the generic flow refuses it, or writes a ragged batch
+    num_new, max_length = plan.num_new, plan.max_length
+    start = int(read[0])
+    ragged = not (read == start).all()
+    if ragged:
+        start, most = int(read.min()), int(read.max())
+    else:
+        most = start
+    span = most + num_new
+    if start < 0 or span > max_length:
+        return None  # the generic flow refuses it
     if span < max_length and not facts.finite_past(keys, values, span):
         return None  # the generic flow attends over every position
     projections = plan.projections
     q = _project(queries, projections[0], ctx)
     k = _project(queries, projections[1], ctx)
     v = _project(queries, projections[2], ctx)
+    if ragged:
+        # Each new row's position, (B, T), on the host: the lengths were read.
+        positions = read.astype(np.int64)[:, None] + np.arange(num_new)
     if plan.tables is not None:
         cos, sin = plan.tables
-        rows = mx.npx.slice(cos, (start,), (span,)), mx.npx.slice(sin, (start,), (span,))
+        if ragged:
+            index = copied_to(ctx, positions, np.int64)
+            rows = mx.np.take(cos, index, axis=0), mx.np.take(sin, index, axis=0)
+        else:
+            rows = mx.npx.slice(cos, (start,), (span,)), mx.npx.slice(sin, (start,), (span,))
         q, k = _rotated(plan, q, k, rows)
-    begin, end, step = (None, None, start, None), (None, None, span, None), (None,) * 4
-    keys.slice_assign(_relaid(k, plan.keys), begin, end, step)
-    values.slice_assign(_relaid(v, plan.values), begin, end, step)
+    k, v = _relaid(k, plan.keys), _relaid(v, plan.values)  # (B, H_kv, T, dh)
+    mask_lengths = None
+    if ragged:
+        batch, kv_heads, _, head_dim = keys.shape
+        # keys[b, j, positions[b, t]] = k[b, j, t]: one scatter of (B*H_kv*T) rows.
+        example, head, _ = np.indices((batch, kv_heads, num_new))
+        where = np.broadcast_to(positions[:, None, :], example.shape)
+        index = copied_to(ctx, np.stack([example, head, where]).reshape(3, -1), np.int64)
+        for held, rows_of in ((keys, k), (values, v)):
+            rows_of = mx.npx.reshape(rows_of, (-1, head_dim))
+            _npi.scatter_set_nd(lhs=held, rhs=rows_of, indices=index, shape=held.shape, out=held)
+        # Each example's keys past its own are hidden (one query per new position, the
+        # rows of the scores in their order: example, head, query).
+        visible = np.repeat(read.astype(np.int32) + num_new, plan.num_heads * num_new)
+        mask_lengths = copied_to(ctx, visible, np.int32)
+    else:
+        begin, end, step = (None, None, start, None), (None, None, span, None), (None,) * 4
+        keys.slice_assign(k, begin, end, step)
+        values.slice_assign(v, begin, end, step)
     held_keys, held_values = keys, values
     if span < max_length:
         held_keys, held_values = facts.cache_prefix(keys, values, span)
@@ -357,6 +398,6 @@ def _step(
         mx.npx.reshape(held_keys, (-5, -4)),
         mx.npx.reshape(held_values, (-5, -4)),
     )
-    output = _project(_context(plan, q, held_keys, held_values), projections[3], ctx)
+    output = _project(_context(plan, q, held_keys, held_values, mask_lengths), projections[3], ctx)
     new_lengths = _npi.add_scalar(lengths, float(num_new))
     return call.Result(output, None, spec.KVCache(keys, values, new_lengths))

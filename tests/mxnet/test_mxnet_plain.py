@@ -92,7 +92,7 @@ def test_decoding_steps_run_their_plan_and_still_read_the_lengths():
     assert cache.lengths.asnumpy().tolist() == [5, 5]
 
     # Lengths of the same signature are read again: a full cache is refused,
-    # nothing written; ragged lengths take the generic flow, with the reference's numbers.
+    # nothing written; ragged lengths take the plan too, with the reference's numbers.
     rows = native(x[:, 5:6])
     before = [array.asnumpy() for array in cache]
     full = KVCache(cache.keys, cache.values, mx.np.array([6, 5], dtype=np.int32))
@@ -147,6 +147,56 @@ def test_a_recorded_call_runs_its_plan_to_the_generic_gradients(causal, rotary):
         which, kind = name.rsplit("_", 2)[1:]
         want = reference[f"W_{which}"].T if kind == "weight" else reference[f"b_{which}"]
         np.testing.assert_allclose(gradient, want, rtol=0, atol=5e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("rotary", [None, ROTARY], ids=["plain", "rotary"])
+@pytest.mark.parametrize("num_new", [1, 2])
+def test_a_ragged_batchs_steps_run_their_plan_to_the_generic_flows_bits(num_new, rotary):
+    """Examples holding different lengths each write their rows at their own position
+    and attend over their own keys: the plan's output and cache are the generic
+    flow's to the bit, the float64 reference's within float32 rounding, and a stale
+    NaN or infinity past an example's length reaches its output as in both
+    (a hidden value's weight is 0). Several new positions a step: without the
+    causal rule, as the plan takes them."""
+    layer, weights = layer_and_weights(8, rotary)
+    rng = np.random.default_rng(8)
+    options = {} if rotary is None else {"rotary": rotary}
+    causal = num_new == 1
+    max_length = 24
+    keys, values = (rng.standard_normal((3, 2, max_length, 4)) for _ in range(2))
+    keys[2, 1, 9], values[2, 0, 10] = np.inf, np.nan  # stale rows past example 2's length
+    lengths = np.array([6, 11, 3])
+    steps = [rng.standard_normal((3, num_new, 16)) for _ in range(4)]
+    caches = {}
+    # The plan writes no row through the generic flow's write.
+    no_generic_write = mock.patch.object(
+        _facts.MXNetFacts, "write_cache", side_effect=AssertionError("the generic flow's write")
+    )
+    for name, route in (("plan", no_generic_write), ("generic", generic_only())):
+        cache = KVCache(native(keys), native(values), mx.np.array(lengths, dtype=np.int32))
+        expected_cache = spec.KVCache(keys, values, lengths)
+        outputs = []
+        for x in steps:
+            rows = native(x)
+            with route:
+                output, written = layer(rows, rows, rows, causal=causal, cache=cache)
+            assert written.keys is cache.keys and written.values is cache.values  # in place
+            expected, _, expected_cache = spec.reference_cached_forward(
+                weights, x, x, x, expected_cache, **HEADS, causal=causal, **options
+            )
+            got = output.asnumpy()  # (NaN where the reference has NaN: allclose's equal_nan)
+            np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+            outputs.append(got)
+            cache = written
+        caches[name] = (outputs, [a.asnumpy() for a in cache])
+    assert np.isnan(caches["plan"][0][0][2]).all()  # the stale NaN reached example 2
+    plans = [p for p in plans_of(layer).values() if p is not None and p.max_length == max_length]
+    assert len(plans) == 1
+    for got, want in zip(caches["plan"][0], caches["generic"][0], strict=True):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(caches["plan"][1], caches["generic"][1], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert caches["plan"][1][2].tolist() == (lengths + 4 * num_new).tolist()
 
 
 def test_hybridized_recorded_and_dropping_calls_keep_no_plan():

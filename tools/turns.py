@@ -1,0 +1,54 @@
+"""Decoders timed in turns in one process (the tools' own).
+
+A machine's speed drifts within seconds, so ratios of separate runs mislead:
+each decoder runs ``turn`` steps in its turn, round after round, and a
+decoder's time is its median turn's (docs: "Results").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+#: A decoder's maker: a step function of a fresh decoder after its prompt.
+Maker = Callable[[], Callable[[], Any]]
+
+
+def timed_turns(
+    makers: dict[str, Maker],
+    *,
+    rounds: int,
+    turn: int,
+    done: Callable[[Any], None],
+    around: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
+) -> dict[str, list[float]]:
+    """Microseconds a step of each decoder, one entry a turn.
+
+    ``done(output)`` waits until a step's output is computed (the device's
+    queue drained); ``around[name]()`` is entered for that decoder's turns
+    (the route turned off, say)."""
+    around = around or {}
+    times: dict[str, list[float]] = {name: [] for name in makers}
+    for _ in range(rounds):
+        for name, make in makers.items():
+            with around.get(name, contextlib.nullcontext)():
+                step = make()
+                done(step())
+                start = time.perf_counter()
+                for _ in range(turn):
+                    output = step()
+                done(output)
+                times[name].append((time.perf_counter() - start) / turn * 1e6)
+    return times
+
+
+def report(times: dict[str, list[float]], difference: float) -> None:
+    """Each decoder's median step and its speed against ``hand-written``'s."""
+    hand = statistics.median(times["hand-written"])
+    for name, measured in times.items():
+        median = statistics.median(measured)
+        print(f"{name:>13}: {median:7.0f} us a step, {hand / median:.2f}x hand-written")
+    print(f"largest difference, ours and the loop's outputs: {difference:.1e}")
