@@ -120,7 +120,9 @@ def hand_written_decoder(
 ) -> Generator:
     """What a careful user writes by hand in MXNet's ``np``/``npx``: a static cache
     of ``(B, H_kv, max_length, head_dim)`` written in place by slice assignment,
-    and d2l's scaled dot product over its filled positions.
+    and d2l's scaled dot product over its filled positions, each key/value
+    head's query heads scored as its queries in one ``batch_dot`` (no key or
+    value repeated for grouped heads).
 
     Imperative in every ``execution``: slice assignment has no place in a
     hybridized graph, whose static shapes would attend over all ``max_length``.
@@ -129,7 +131,7 @@ def hand_written_decoder(
     keys enter the cache.
     """
     heads, kv_heads = shape.num_heads, shape.kv_heads
-    head_dim = shape.num_hiddens // heads
+    head_dim, group = shape.num_hiddens // heads, heads // kv_heads
     w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
     angles = rotary_angles(shape)
     tables = None
@@ -153,19 +155,16 @@ def hand_written_decoder(
         batch, steps = x.shape[:2]
         end = position + steps
         at = slice(position, end)
-        q = rotate(split(mx.np.dot(x, w["W_q"]), heads), at).reshape(batch * heads, steps, head_dim)
+        # Each key/value head's query heads are its queries: (B*H_kv, G*T, dh).
+        q = rotate(split(mx.np.dot(x, w["W_q"]), heads), at)
+        q = q.reshape(batch * kv_heads, group * steps, head_dim)
         cache["k"][:, :, at] = rotate(split(mx.np.dot(x, w["W_k"]), kv_heads), at)
         cache["v"][:, :, at] = split(mx.np.dot(x, w["W_v"]), kv_heads)
-        k, v = (
-            mx.np.repeat(cache[name][:, :, :end], heads // kv_heads, axis=1).reshape(
-                batch * heads, end, head_dim
-            )
-            for name in ("k", "v")
-        )
+        k, v = (cache[name][:, :, :end].reshape(batch * kv_heads, end, head_dim) for name in "kv")
         scores = npx.batch_dot(q, k, transpose_b=True) / math.sqrt(head_dim)
         if steps > 1:  # query i sees the keys up to position + i
             seen = mx.np.arange(end)[None, :] <= position + mx.np.arange(steps)[:, None]
-            scores = mx.np.where(seen[None], scores, -1e6)
+            scores = mx.np.where(mx.np.tile(seen, (group, 1))[None], scores, -1e6)
         context = npx.batch_dot(npx.softmax(scores, axis=-1), v)
         context = context.reshape(batch, heads, steps, head_dim).transpose(0, 2, 1, 3)
         return mx.np.dot(context.reshape(batch, steps, -1), w["W_o"])
