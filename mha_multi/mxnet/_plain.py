@@ -2,8 +2,9 @@
 
 A call whose queries are its keys and values and that asks for nothing else
 (:func:`mha_multi.call.plain_self_attention`), made imperatively (without a
-cache, recording a gradient or not), is offered to :func:`plain_attention`
-before any check (docs: "Fast paths"). The first call of a signature (the queries' shape, dtype and
+cache, recording a gradient or not; a hybridized layer with rotary positions
+runs its calls so too), is offered to :func:`plain_attention` before any
+check (docs: "Fast paths"). The first call of a signature (the queries' shape, dtype and
 device, ``causal``, the layer's dtype and rotation, a cache's arrays) runs
 the generic flow's checks, which raise its errors, and makes a
 :class:`PlainPlan`: the layouts as concrete reshapes (a transpose that moves
@@ -131,7 +132,8 @@ def plain_attention(
 ) -> call.Result | None:
     """Plain self-attention by the plan of its signature, or ``None`` (the generic flow).
 
-    Taken by an imperative layer (not hybridized) for a call that does not,
+    Taken by an imperative layer, or a hybridized one with rotary positions
+    (whose calls run on its arrays, not in a graph), for a call that does not,
     with dropout, run in training mode, of ``mxnet.numpy`` arrays; with a
     cache, a :class:`mha_multi.spec.KVCache` of them recording nothing (see
     the module's docstring).
@@ -146,7 +148,10 @@ def plain_attention(
         dtype: the layer's dtype.
         rotary: the layer's rotation (its one option), or ``None``.
     """
-    if layer._active or type(queries) is not mx.np.ndarray:
+    if (layer._active and rotary is None) or type(queries) is not mx.np.ndarray:
+        # (A hybridized layer runs its graphs; with rotary positions, which a graph
+        # takes as no host constant, it runs the generic flow on its arrays, whose
+        # numbers the plan gives.)
         return None
     if cache is not None and mx.autograd.is_recording():
         return None  # (a recorded cached call updates its cache functionally)

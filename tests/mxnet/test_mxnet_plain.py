@@ -220,6 +220,34 @@ def test_hybridized_recorded_and_dropping_calls_keep_no_plan():
     np.testing.assert_allclose(output.asnumpy(), expected, rtol=0, atol=ATOL)
 
 
+def test_a_hybridized_rotary_layer_runs_its_plan_to_the_generic_flows_bits():
+    """A hybridized layer with rotary positions runs its calls on its arrays (a graph
+    takes no host constant): its plan's, the generic flow's to the bit, a call without
+    a cache and a ragged batch's decoding steps alike."""
+    layer, weights = layer_and_weights(9, ROTARY)
+    layer.hybridize()
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 5, 16))
+    lengths = mx.np.array([5, 2], dtype=np.int32)
+    runs = []
+    for route in (contextlib.nullcontext(), generic_only()):
+        with route:
+            rows = native(x)
+            outputs = [layer(rows, rows, rows, causal=True).asnumpy()]
+            cache = KVCache(layer.init_cache(2, 8).keys, layer.init_cache(2, 8).values, lengths)
+            for position in range(2):
+                step = native(x[:, position : position + 1])
+                output, cache = layer(step, step, step, causal=True, cache=cache)
+                outputs.append(output.asnumpy())
+        runs.append((outputs, [a.asnumpy() for a in cache]))
+    assert len([p for p in plans_of(layer).values() if p is not None]) == 2
+    (outputs, cache), (generic_outputs, generic_cache) = runs
+    for got, want in zip(outputs + cache, generic_outputs + generic_cache, strict=True):
+        np.testing.assert_array_equal(got, want)
+    expected, _ = spec.reference_forward(weights, x, x, x, **HEADS, causal=True, rotary=ROTARY)
+    np.testing.assert_allclose(outputs[0], expected, rtol=0, atol=ATOL)
+
+
 def test_the_benchs_training_call_records_its_plan():
     """The bench's count of a training call (``python -m mha_multi.bench run --only calls
     mxnet``): an imperative call recorded by ``autograd.record()``, which its plan runs
