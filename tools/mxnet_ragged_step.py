@@ -15,8 +15,12 @@ output product). The median turn's time per step is printed in microseconds,
 with the ratio ours / hand-written in speed (above 1 when ours is faster), the
 largest difference between ours and the loop's outputs, and the Python
 function calls per step (cProfile) of the plan and of the generic flow.
+``norms``: Qwen 3's RMSNorm of each head's query and key (weights drawn about
+1; the loop's ``x / sqrt(mean(x ** 2) + eps) * w`` before the rotation).
+``window``: a window of 4096 positions, which holds the whole cache
+(Mistral's while a context is shorter: the loop is the same).
 
-    python tools/mxnet_ragged_step.py [num_kv_heads] [rounds] [rotary]
+    python tools/mxnet_ragged_step.py [num_kv_heads] [rounds] [rotary] [norms] [window]
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from mha_multi.weights import init_weights
 BATCH, HIDDENS, HEADS, PROMPT, MAX_LENGTH, TURN = 8, 512, 8, 256, 1024, 20
 HEAD_DIM = HIDDENS // HEADS
 ROTARY = {"theta": 10000.0}
+EPS = 1e-6  # (the norms' own)
+FLAGS = ("rotary", "norms", "window")
 
 
 def prompt_lengths() -> np.ndarray:
@@ -60,10 +66,11 @@ def layer_steps(layer: MultiHeadAttention, prompt: mx.np.ndarray, token: mx.np.n
 
 
 def hand_steps(
-    weights: dict, kv_heads: int, rotary: bool, prompt: mx.np.ndarray, token: mx.np.ndarray
+    weights: dict, kv_heads: int, flags: set, prompt: mx.np.ndarray, token: mx.np.ndarray
 ):
     """The hand-written loop's step function after its prompt (the layer's weights)."""
-    w = {name: mx.np.array(weights[name]) for name in ("W_q", "W_k", "W_v", "W_o")}
+    rotary, norms = "rotary" in flags, "norms" in flags
+    w = {name: mx.np.array(array) for name, array in weights.items()}
     group = HEADS // kv_heads
     keys = mx.np.zeros((BATCH, kv_heads, MAX_LENGTH, HEAD_DIM))
     values = mx.np.zeros_like(keys)
@@ -75,10 +82,18 @@ def hand_steps(
 
     def project(x: mx.np.ndarray) -> tuple[mx.np.ndarray, ...]:
         length = x.shape[1]
-        return tuple(
-            mx.np.dot(x, w[name]).reshape(BATCH, length, n, HEAD_DIM).transpose(0, 2, 1, 3)
-            for name, n in (("W_q", HEADS), ("W_k", kv_heads), ("W_v", kv_heads))
-        )
+        heads = []
+        for name, n, norm in (
+            ("W_q", HEADS, "q_norm"),
+            ("W_k", kv_heads, "k_norm"),
+            ("W_v", kv_heads, None),
+        ):
+            projected = mx.np.dot(x, w[name]).reshape(BATCH, length, n, HEAD_DIM)
+            if norms and norm is not None:
+                scale = 1.0 / mx.np.sqrt((projected * projected).mean(-1, keepdims=True) + EPS)
+                projected = projected * scale * w[norm]
+            heads.append(projected.transpose(0, 2, 1, 3))
+        return tuple(heads)
 
     def rotate(x: mx.np.ndarray, c: mx.np.ndarray, s: mx.np.ndarray) -> mx.np.ndarray:
         return x * c + mx.np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * s
@@ -123,17 +138,23 @@ def hand_steps(
 
 
 def main() -> None:
-    arguments = [a for a in sys.argv[1:] if a != "rotary"]
+    arguments = [a for a in sys.argv[1:] if a not in FLAGS]
     kv_heads = int(arguments[0]) if arguments else 2
     rounds = int(arguments[1]) if len(arguments) > 1 else 8
-    rotary = "rotary" in sys.argv[1:]
+    flags = {flag for flag in FLAGS if flag in sys.argv[1:]}
     weights = init_weights(HIDDENS, seed=0, num_heads=HEADS, num_kv_heads=kv_heads)
+    rng = np.random.default_rng(0)
+    if "norms" in flags:
+        weights |= {name: rng.uniform(0.5, 1.5, HEAD_DIM) for name in ("q_norm", "k_norm")}
     weights = {name: array.astype(np.float32) for name, array in weights.items()}
-    options = {"rotary": ROTARY} if rotary else {}
+    options = {
+        **({"rotary": ROTARY} if "rotary" in flags else {}),
+        **({"qk_norm": {"eps": EPS}} if "norms" in flags else {}),
+        **({"window": 4096} if "window" in flags else {}),
+    }
     layer = set_weights(
         MultiHeadAttention(HIDDENS, HEADS, num_kv_heads=kv_heads, **options), weights
     )
-    rng = np.random.default_rng(0)
     prompt = mx.np.array(rng.standard_normal((BATCH, PROMPT, HIDDENS)).astype(np.float32))
     token = mx.np.array(rng.standard_normal((BATCH, 1, HIDDENS)).astype(np.float32))
 
@@ -142,13 +163,13 @@ def main() -> None:
 
     ours, theirs = (
         layer_steps(layer, prompt, token),
-        hand_steps(weights, kv_heads, rotary, prompt, token),
+        hand_steps(weights, kv_heads, flags, prompt, token),
     )
     difference = max(float(abs(ours() - theirs()).max()) for _ in range(TURN))
     makers = {
         "ours": lambda: layer_steps(layer, prompt, token),
         "generic flow": lambda: layer_steps(layer, prompt, token),
-        "hand-written": lambda: hand_steps(weights, kv_heads, rotary, prompt, token),
+        "hand-written": lambda: hand_steps(weights, kv_heads, flags, prompt, token),
     }
     times = timed_turns(
         makers,

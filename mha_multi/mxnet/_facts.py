@@ -397,12 +397,13 @@ class MXNetFacts(call.Facts):
     ) -> call.Result | None:
         """An imperative call run by its signature's plan
         (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``: a layer with no
-        option but ``rotary``, called without lengths."""
-        if valid_lens is not None or (options is not None and not options.at_most_rotary):
+        option but ``rotary``, query/key norms and a window, called without lengths."""
+        if valid_lens is not None:
             return None
-        rotary = None if options is None else options.rotary
+        if options is not None and (options.alibi or options.softcap or options.sinks):
+            return None
         return plain_attention(
-            self, layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary
+            self, layer, queries, cache, causal=causal, dtype=dtype, options=options
         )
 
     def fused_attention(self, ops: MXNetOps, *args: Any, **kwargs: Any) -> Any:

@@ -1,28 +1,33 @@
 """MXNet's route for plain self-attention called imperatively: one plan per signature.
 
 A call whose queries are its keys and values and that asks for nothing else
-(:func:`mha_multi.call.plain_self_attention`), made imperatively (without a
-cache, recording a gradient or not; a hybridized layer with rotary positions
-runs its calls so too), is offered to :func:`plain_attention` before any
-check (docs: "Fast paths"). The first call of a signature (the queries' shape, dtype and
-device, ``causal``, the layer's dtype and rotation, a cache's arrays) runs
-the generic flow's checks, which raise its errors, and makes a
+(:func:`mha_multi.call.plain_self_attention`), of a layer with no option but
+rotary positions, query/key norms and a window, made imperatively (without a
+cache, recording a gradient or not; a hybridized layer with options runs its
+calls so too), is offered to :func:`plain_attention` before any check (docs:
+"Fast paths"). The first call of a signature (the queries' shape, dtype and
+device, ``causal``, a cache's arrays; a layer keeps a table of them for its
+options) runs the generic flow's checks, which raise its errors, and makes a
 :class:`PlainPlan`: the layouts as concrete reshapes (a transpose that moves
 no data left out), a causal call's mask lengths, the rotary tables. Every
 call of that signature then runs the fused route's operations
 (:mod:`mha_multi.mxnet._kernel`) on the same arrays: the projections, the
-rotation, the scaled queries' ``batch_dot``, ``softmax`` and ``batch_dot``,
+query/key norms (:func:`mha_multi.spec.normalize_qk`, the generic flow's own),
+the rotation, the scaled queries' ``batch_dot``, ``softmax`` and ``batch_dot``,
 the output projection, so the numbers are the generic flow's to the bit,
 and so are the gradients ``autograd.record()`` takes of them.
 
 A decoding step (new positions appended to a cache, one per example, or
 several without the causal rule) still reads the cache's lengths and the
 values past the filled positions at every call, as the generic flow does: a
-ragged batch, a cache without room, negative lengths or a non-finite value
-past the filled positions return ``None`` before anything is written, and
-the generic flow checks and runs the call. The step writes its rows into the
-cache's arrays and attends over the filled positions, as the generic flow
-does for a call that records nothing.
+cache without room, negative lengths, a non-finite value past the filled
+positions or a window that hides keys (a layer's window is taken where it
+holds every position, as the generic flow plans such a step without it; a
+call without a cache takes its mask) return ``None`` before anything is
+written, and the generic flow checks and runs the call. The step writes its
+rows into the cache's arrays (a ragged batch's, each example's at its own
+position) and attends over the filled positions, as the generic flow does
+for a call that records nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from mxnet.ndarray.numpy import _internal as _npi
 
 from mha_multi import call, spec
 from mha_multi.call.rotary_tables import kept_tables
-from mha_multi.mxnet._ops import copied_to
+from mha_multi.mxnet._ops import MXNetOps, copied_to
 from mha_multi.spec.memo import KeptBy
 
 __all__ = ["PLANS_PER_LAYER", "PlainPlan", "layout", "plain_attention", "plans_of"]
@@ -64,6 +69,16 @@ class PlainPlan(NamedTuple):
     #: ``(weight, bias, units)`` of ``W_q``, ``W_k``, ``W_v`` and ``W_o``: Gluon
     #: parameters, their arrays looked up at each call.
     projections: tuple[tuple[Any, Any, int], ...]
+    heads: spec.Heads
+    #: The spec's operations on these arrays (MXNet's facts' adapter).
+    ops: MXNetOps
+    #: The layer's query/key norms (:func:`mha_multi.spec.normalize_qk`) and their
+    #: Gluon parameters ``(q_norm, k_norm)``; ``None`` without.
+    norm: spec.QKNorm | None
+    norms: tuple[Any, Any] | None
+    #: The layer's window (a cached call's plan: a step runs it only where the
+    #: window holds every position, as the generic flow plans such a step without it).
+    window: int | None
     num_heads: int
     #: ``sqrt(head_dim)``: the queries' divisor, as in
     #: :func:`mha_multi.mxnet._kernel.sequence_mask_attention`.
@@ -128,12 +143,12 @@ def plain_attention(
     *,
     causal: bool,
     dtype: np.dtype,
-    rotary: spec.Rotary | None,
+    options: spec.LayerOptions | None,
 ) -> call.Result | None:
     """Plain self-attention by the plan of its signature, or ``None`` (the generic flow).
 
-    Taken by an imperative layer, or a hybridized one with rotary positions
-    (whose calls run on its arrays, not in a graph), for a call that does not,
+    Taken by an imperative layer, or a hybridized one with options (whose
+    calls run on its arrays, not in a graph), for a call that does not,
     with dropout, run in training mode, of ``mxnet.numpy`` arrays; with a
     cache, a :class:`mha_multi.spec.KVCache` of them recording nothing (see
     the module's docstring).
@@ -146,19 +161,22 @@ def plain_attention(
         cache: the call's cache, unchecked, or ``None``.
         causal: the call's flag (a bool).
         dtype: the layer's dtype.
-        rotary: the layer's rotation (its one option), or ``None``.
+        options: the layer's checked options (rotary positions, query/key norms, a
+            window; none that acts on the scores but a window that hides nothing),
+            or ``None``.
     """
-    if (layer._active and rotary is None) or type(queries) is not mx.np.ndarray:
-        # (A hybridized layer runs its graphs; with rotary positions, which a graph
-        # takes as no host constant, it runs the generic flow on its arrays, whose
-        # numbers the plan gives.)
+    default = options is None or options.is_default
+    if (layer._active and default) or type(queries) is not mx.np.ndarray:
+        # (A hybridized layer runs its graphs; with options, which a graph takes as no
+        # host constants, it runs the generic flow on its arrays, whose numbers the plan
+        # gives.)
         return None
     if cache is not None and mx.autograd.is_recording():
         return None  # (a recorded cached call updates its cache functionally)
     if layer.dropout and mx.autograd.is_training():
         return None  # npx.dropout acts in training mode, recorded or not
     ctx = queries.ctx
-    key: tuple[Any, ...] = (queries.shape, queries.dtype, ctx, causal, dtype, rotary)
+    key: tuple[Any, ...] = (queries.shape, queries.dtype, ctx, causal, dtype)
     if cache is not None:
         if type(cache) is not spec.KVCache:
             return None
@@ -166,13 +184,10 @@ def plain_attention(
             if type(x) is not mx.np.ndarray:
                 return None
             key += (x.shape, x.dtype, x.ctx)
-    plans = _PLANS.of(layer)
-    try:
-        plan = plans.get(key, _NOT_YET)
-    except TypeError:  # a rotation whose fields cannot be hashed: the generic flow
-        return None
+    plans = _PLANS.of(layer, options)  # (the layer's options, set anew, make a new table)
+    plan = plans.get(key, _NOT_YET)
     if plan is _NOT_YET:
-        plan = _plan(facts, layer, queries, cache, causal=causal, dtype=dtype, rotary=rotary)
+        plan = _plan(facts, layer, queries, cache, causal=causal, dtype=dtype, options=options)
         if plan is _NOT_YET:
             return None
         plans.keep(key, plan)
@@ -191,7 +206,7 @@ def _plan(
     *,
     causal: bool,
     dtype: np.dtype,
-    rotary: spec.Rotary | None,
+    options: spec.LayerOptions | None,
 ) -> PlainPlan | object | None:
     """The plan of a call's signature after the generic flow's checks (which raise its
     errors); ``None`` for a signature the route does not take, :data:`_NOT_YET`
@@ -209,6 +224,12 @@ def _plan(
     dh, kv_heads, group = heads.head_dim, heads.num_kv_heads, heads.group_size
     if dtype.itemsize < 4 or 0 in (batch, num_new):
         return None  # 16-bit products in float32, or an empty call: the generic flow
+    options = options or spec.LayerOptions()
+    rotary, norm, window = options.rotary, options.qk_norm, options.window
+    if window is not None and cache is None:
+        # (The generic flow gives a call without a cache its window's mask, which
+        # MXNet's kernel does not take: the generic path, with its own numbers.)
+        return None
     if rotary is not None and (
         rotary.interleaved or rotary.depends_on_length or rotary.dim(dh) != dh
     ):
@@ -243,6 +264,11 @@ def _plan(
         mask_lengths = mx.np.array(lengths, dtype=np.int32, ctx=queries.ctx)
     return PlainPlan(
         projections=tuple(projections),
+        heads=heads,
+        ops=facts.ops(queries),
+        norm=norm,
+        norms=None if norm is None else (layer.q_norm, layer.k_norm),
+        window=window,
         num_heads=heads.num_heads,
         scale=math.sqrt(dh),
         rotated=rotated,
@@ -280,6 +306,19 @@ def _project(x: Array, projection: tuple[Any, Any, int], ctx: mx.Context) -> Arr
         num_hidden=units,
         flatten=False,
     )
+
+
+def _projected(plan: PlainPlan, queries: Array, ctx: mx.Context) -> tuple[Array, Array, Array]:
+    """The queries, keys and values projected, the queries and keys normalised where
+    the layer has norms (before any rotation, as the generic flow)."""
+    projections = plan.projections
+    q = _project(queries, projections[0], ctx)
+    k = _project(queries, projections[1], ctx)
+    v = _project(queries, projections[2], ctx)
+    if plan.norm is not None:
+        weights = tuple(parameter.data(ctx) for parameter in plan.norms)
+        q, k = spec.normalize_qk(plan.ops, q, k, weights, plan.norm, plan.heads)
+    return q, k, v
 
 
 def _rotated(
@@ -327,14 +366,11 @@ def _context(
 
 def _attend(plan: PlainPlan, queries: Array, ctx: mx.Context) -> Array:
     """The output of a call without a cache."""
-    projections = plan.projections
-    q = _project(queries, projections[0], ctx)
-    k = _project(queries, projections[1], ctx)
-    v = _project(queries, projections[2], ctx)
+    q, k, v = _projected(plan, queries, ctx)
     if plan.tables is not None:
         q, k = _rotated(plan, q, k, plan.tables)
     context = _context(plan, q, _relaid(k, plan.keys), _relaid(v, plan.values))
-    return _project(context, projections[3], ctx)
+    return _project(context, plan.projections[3], ctx)
 
 
 def _step(
@@ -359,12 +395,11 @@ def _step(
     span = most + num_new
     if start < 0 or span > max_length:
         return None  # the generic flow refuses it
+    if plan.window is not None and span > plan.window:
+        return None  # the window hides keys: the generic flow's mask
     if span < max_length and not facts.finite_past(keys, values, span):
         return None  # the generic flow attends over every position
-    projections = plan.projections
-    q = _project(queries, projections[0], ctx)
-    k = _project(queries, projections[1], ctx)
-    v = _project(queries, projections[2], ctx)
+    q, k, v = _projected(plan, queries, ctx)
     if ragged:
         # Each new row's position, (B, T), on the host: the lengths were read.
         positions = read.astype(np.int64)[:, None] + np.arange(num_new)
@@ -403,6 +438,7 @@ def _step(
         mx.npx.reshape(held_keys, (-5, -4)),
         mx.npx.reshape(held_values, (-5, -4)),
     )
-    output = _project(_context(plan, q, held_keys, held_values, mask_lengths), projections[3], ctx)
+    context = _context(plan, q, held_keys, held_values, mask_lengths)
+    output = _project(context, plan.projections[3], ctx)
     new_lengths = _npi.add_scalar(lengths, float(num_new))
     return call.Result(output, None, spec.KVCache(keys, values, new_lengths))

@@ -199,6 +199,66 @@ def test_a_ragged_batchs_steps_run_their_plan_to_the_generic_flows_bits(num_new,
     assert caches["plan"][1][2].tolist() == (lengths + 4 * num_new).tolist()
 
 
+#: Layers whose options the plans take: query/key norms (Qwen 3's per head, Gemma 3's
+#: ``1 + w``, OLMo 2's of the whole projection) and a window, with and without rotary.
+OPTIONS = {
+    "norms": {"qk_norm": {}},
+    "rotary, norms 1 + w": {"rotary": ROTARY, "qk_norm": {"unit_offset": True}},
+    "whole norms": {"qk_norm": {"scope": "whole"}},
+    "rotary, window": {"rotary": ROTARY, "window": 7},
+    "rotary, window, norms": {"rotary": ROTARY, "window": 7, "qk_norm": {}},
+}
+
+
+@pytest.mark.parametrize("options", list(OPTIONS.values()), ids=list(OPTIONS))
+def test_a_layer_with_norms_or_a_window_runs_its_plan_to_the_generic_flows_bits(options):
+    """A call without a cache (a window's takes the generic flow: its mask), recorded
+    or not, and decoding steps, uniform and ragged, on the plan: the generic flow's
+    outputs, gradients and caches to the bit, the float64 reference's within float32
+    rounding; a step whose keys the window hides takes the generic flow."""
+    rng = np.random.default_rng(10)
+    weights = init_weights(16, seed=10, bias=True, **HEADS)
+    norm = spec.QKNorm(**options["qk_norm"]) if "qk_norm" in options else None
+    if norm is not None:  # (norms away from their start, so that they act)
+        shapes = norm.shapes(spec.Heads(4, 2, 4))
+        weights |= {n: rng.uniform(0.5, 1.5, shape) for n, shape in shapes.items()}
+    layer = set_weights(MultiHeadAttention(16, 4, num_kv_heads=2, bias=True, **options), weights)
+    x = rng.standard_normal((2, 5, 16))
+    grad = rng.standard_normal((2, 5, 16))
+    steps = [rng.standard_normal((2, 1, 16)) for _ in range(5)]
+    runs = []
+    # The generic flow's writes of the cache, counted: the steps the plan leaves to it.
+    counted = mock.patch.object(
+        _facts.MXNetFacts, "write_cache", autospec=True, side_effect=_facts.MXNetFacts.write_cache
+    )
+    for route in (counted, generic_only()):
+        with route as spy:
+            rows = native(x)
+            rows.attach_grad()
+            with autograd.record():
+                recorded = layer(rows, rows, rows, causal=True)
+            recorded.backward(native(grad))
+            outputs = [recorded.asnumpy(), rows.grad.asnumpy()]
+            for lengths in ([3, 3], [4, 1]):  # uniform, then ragged
+                cache = layer.init_cache(2, 9)
+                cache = KVCache(cache.keys, cache.values, mx.np.array(lengths, dtype=np.int32))
+                for step in steps:  # the window of 7 holds the first 3 steps' keys, then hides
+                    step_rows = native(step)
+                    output, cache = layer(step_rows, step_rows, step_rows, causal=True, cache=cache)
+                    outputs.append(output.asnumpy())
+                outputs += [a.asnumpy() for a in cache]
+            if not runs:  # (a window of 7: the last step of the uniform batch, the last two
+                # of the ragged one, see keys it hides)
+                assert spy.call_count == (3 if "window" in options else 0)
+        runs.append(outputs)
+    plans = [p for p in plans_of(layer).values() if p is not None]
+    assert len(plans) == (1 if "window" in options else 2)  # (no plan of a window's call)
+    for got, want in zip(*runs, strict=True):
+        np.testing.assert_array_equal(got, want)
+    expected, _ = spec.reference_forward(weights, x, x, x, **HEADS, causal=True, **options)
+    np.testing.assert_allclose(runs[0][0], expected, rtol=0, atol=ATOL)
+
+
 def test_hybridized_recorded_and_dropping_calls_keep_no_plan():
     """A hybridized call, a recorded call with a cache and a dropping call in training
     mode keep no plan: the generic flow's, with the reference's numbers."""
