@@ -63,7 +63,7 @@ def copied_to(ctx: mx.Context, values: np.ndarray, dtype: Any) -> mx.np.ndarray:
     through ``__setitem__``, some 50 us more a call on the CPU, which a
     decoding step pays for each index it makes.
     """
-    values = np.ascontiguousarray(values, dtype=dtype)
+    values = np.asarray(values, dtype=dtype, order="C")  # (a 0-d constant keeps its shape)
     array = mx.np.empty(values.shape, dtype=values.dtype, ctx=ctx)
     array._sync_copyfrom(values)
     return array
