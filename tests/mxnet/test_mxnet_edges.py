@@ -183,3 +183,13 @@ def test_softmax_rows_with_non_finite_scores_are_nan_as_in_numpy(dtype):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
     finite = np.isfinite(expected)
     np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-6)
+
+
+@pytest.mark.parametrize("value", [np.float32(2.5), np.arange(12.0).reshape(3, 4)[:, ::2]])
+def test_host_constants_reach_the_device_as_they_are(value):
+    """A constant made on the host (a 0-d fill, a strided block) keeps its shape, values
+    and the adapter's dtype on the device (one copy into an empty array)."""
+    like = mx.np.zeros((2, 3), dtype=np.float64)
+    made = MXNetOps(mx.nd).constant(np.asarray(value), like)
+    assert made.shape == np.shape(value) and made.dtype == np.asarray(value).dtype
+    np.testing.assert_array_equal(made.asnumpy(), value)
