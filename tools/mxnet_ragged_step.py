@@ -18,9 +18,14 @@ function calls per step (cProfile) of the plan and of the generic flow.
 ``norms``: Qwen 3's RMSNorm of each head's query and key (weights drawn about
 1; the loop's ``x / sqrt(mean(x ** 2) + eps) * w`` before the rotation).
 ``window``: a window of 4096 positions, which holds the whole cache
-(Mistral's while a context is shorter: the loop is the same).
+(Mistral's while a context is shorter: the loop is the same). ``softcap``:
+the scores soft-capped at 50 (Gemma 2's), and ``sinks``: each head's sink
+logit joins its softmax (gpt-oss'): ours takes the generic path's attention,
+and the loop caps its scores (``50 * tanh(scores / 50)``) and gives its
+softmax the sinks' column.
 
     python tools/mxnet_ragged_step.py [num_kv_heads] [rounds] [rotary] [norms] [window]
+        [softcap] [sinks]
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ BATCH, HIDDENS, HEADS, PROMPT, MAX_LENGTH, TURN = 8, 512, 8, 256, 1024, 20
 HEAD_DIM = HIDDENS // HEADS
 ROTARY = {"theta": 10000.0}
 EPS = 1e-6  # (the norms' own)
-FLAGS = ("rotary", "norms", "window")
+SOFTCAP = 50.0
+FLAGS = ("rotary", "norms", "window", "softcap", "sinks")
 
 
 def prompt_lengths() -> np.ndarray:
@@ -124,10 +130,19 @@ def hand_steps(
             transpose_b=True,
         )
         seen = mx.np.array(np.repeat(lengths + 1, HEADS), dtype=np.int32)
+        if "softcap" in flags:
+            scores = mx.np.tanh(scores / SOFTCAP) * SOFTCAP
         masked = npx.sequence_mask(
             scores.reshape(-1, end), seen, use_sequence_length=True, value=-1e6, axis=1
-        )
-        weights = npx.softmax(masked.reshape(BATCH * kv_heads, group, end), axis=-1)
+        ).reshape(BATCH * kv_heads, group, end)
+        if "sinks" in flags:  # (each head's logit a column of its own, dropped after)
+            column = mx.np.broadcast_to(
+                w["sinks"].reshape(1, kv_heads, group, 1), (BATCH, kv_heads, group, 1)
+            )
+            both = mx.np.concatenate([masked, column.reshape(BATCH * kv_heads, group, 1)], axis=-1)
+            weights = npx.softmax(both, axis=-1)[:, :, :end]
+        else:
+            weights = npx.softmax(masked, axis=-1)
         context = npx.batch_dot(
             weights, values[:, :, :end].reshape(BATCH * kv_heads, end, HEAD_DIM)
         )
@@ -146,11 +161,15 @@ def main() -> None:
     rng = np.random.default_rng(0)
     if "norms" in flags:
         weights |= {name: rng.uniform(0.5, 1.5, HEAD_DIM) for name in ("q_norm", "k_norm")}
+    if "sinks" in flags:
+        weights["sinks"] = rng.standard_normal(HEADS)
     weights = {name: array.astype(np.float32) for name, array in weights.items()}
     options = {
         **({"rotary": ROTARY} if "rotary" in flags else {}),
         **({"qk_norm": {"eps": EPS}} if "norms" in flags else {}),
         **({"window": 4096} if "window" in flags else {}),
+        **({"softcap": SOFTCAP} if "softcap" in flags else {}),
+        **({"sinks": True} if "sinks" in flags else {}),
     }
     layer = set_weights(
         MultiHeadAttention(HIDDENS, HEADS, num_kv_heads=kv_heads, **options), weights

@@ -1,8 +1,8 @@
 """MXNet's route for plain self-attention called imperatively: one plan per signature.
 
 A call whose queries are its keys and values and that asks for nothing else
-(:func:`mha_multi.call.plain_self_attention`), of a layer with no option but
-rotary positions, query/key norms and a window, made imperatively (without a
+(:func:`mha_multi.call.plain_self_attention`), of a layer with any option but
+ALiBi, made imperatively (without a
 cache, recording a gradient or not; a hybridized layer with options runs its
 calls so too), is offered to :func:`plain_attention` before any check (docs:
 "Fast paths"). The first call of a signature (the queries' shape, dtype and
@@ -13,9 +13,11 @@ no data left out), a causal call's mask lengths, the rotary tables. Every
 call of that signature then runs the fused route's operations
 (:mod:`mha_multi.mxnet._kernel`) on the same arrays: the projections, the
 query/key norms (:func:`mha_multi.spec.normalize_qk`, the generic flow's own),
-the rotation, the scaled queries' ``batch_dot``, ``softmax`` and ``batch_dot``,
-the output projection, so the numbers are the generic flow's to the bit,
-and so are the gradients ``autograd.record()`` takes of them.
+the rotation, the scaled queries' ``batch_dot``, ``softmax`` and ``batch_dot``
+(with a soft cap or sinks, which no kernel takes, the generic path's attention,
+:meth:`mha_multi.call.Facts.generic_attention`, called as the generic flow
+calls it), the output projection, so the numbers are the generic flow's to
+the bit, and so are the gradients ``autograd.record()`` takes of them.
 
 A decoding step (new positions appended to a cache, one per example, or
 several without the causal rule) still reads the cache's lengths and the
@@ -70,8 +72,12 @@ class PlainPlan(NamedTuple):
     #: parameters, their arrays looked up at each call.
     projections: tuple[tuple[Any, Any, int], ...]
     heads: spec.Heads
-    #: The spec's operations on these arrays (MXNet's facts' adapter).
+    #: MXNet's facts (their generic path's attention) and the spec's operations on
+    #: these arrays (the facts' adapter).
+    facts: call.Facts
     ops: MXNetOps
+    #: The call's ``causal`` flag.
+    causal: bool
     #: The layer's query/key norms (:func:`mha_multi.spec.normalize_qk`) and their
     #: Gluon parameters ``(q_norm, k_norm)``; ``None`` without.
     norm: spec.QKNorm | None
@@ -79,6 +85,10 @@ class PlainPlan(NamedTuple):
     #: The layer's window (a cached call's plan: a step runs it only where the
     #: window holds every position, as the generic flow plans such a step without it).
     window: int | None
+    #: A soft cap's or sinks' score options (the window's left out: it hides nothing
+    #: where the plan runs), with the sinks' Gluon parameter: the generic path's
+    #: attention, which no kernel of MXNet takes; ``None`` for the fused route's.
+    scored: tuple[spec.ScoreOptions, Any] | None
     num_heads: int
     #: ``sqrt(head_dim)``: the queries' divisor, as in
     #: :func:`mha_multi.mxnet._kernel.sequence_mask_attention`.
@@ -161,9 +171,7 @@ def plain_attention(
         cache: the call's cache, unchecked, or ``None``.
         causal: the call's flag (a bool).
         dtype: the layer's dtype.
-        options: the layer's checked options (rotary positions, query/key norms, a
-            window; none that acts on the scores but a window that hides nothing),
-            or ``None``.
+        options: the layer's checked options (any but ALiBi), or ``None``.
     """
     default = options is None or options.is_default
     if (layer._active and default) or type(queries) is not mx.np.ndarray:
@@ -226,6 +234,10 @@ def _plan(
         return None  # 16-bit products in float32, or an empty call: the generic flow
     options = options or spec.LayerOptions()
     rotary, norm, window = options.rotary, options.qk_norm, options.window
+    scored = None
+    if options.softcap is not None or options.sinks:
+        sinks = layer.sinks if options.sinks else None
+        scored = (spec.ScoreOptions(softcap=options.softcap), sinks)
     if window is not None and cache is None:
         # (The generic flow gives a call without a cache its window's mask, which
         # MXNet's kernel does not take: the generic path, with its own numbers.)
@@ -265,10 +277,13 @@ def _plan(
     return PlainPlan(
         projections=tuple(projections),
         heads=heads,
+        facts=facts,
         ops=facts.ops(queries),
+        causal=causal,
         norm=norm,
         norms=None if norm is None else (layer.q_norm, layer.k_norm),
         window=window,
+        scored=scored,
         num_heads=heads.num_heads,
         scale=math.sqrt(dh),
         rotated=rotated,
@@ -369,8 +384,47 @@ def _attend(plan: PlainPlan, queries: Array, ctx: mx.Context) -> Array:
     q, k, v = _projected(plan, queries, ctx)
     if plan.tables is not None:
         q, k = _rotated(plan, q, k, plan.tables)
-    context = _context(plan, q, _relaid(k, plan.keys), _relaid(v, plan.values))
+    if plan.scored is None:
+        context = _context(plan, q, _relaid(k, plan.keys), _relaid(v, plan.values))
+    else:
+        if plan.tables is not None:  # (B, T, H*dh), as projected
+            q, k = (mx.npx.reshape(x, (-2, -2, -1)) for x in (q, k))
+        context = _scored(plan, q, k, v, None, ctx, causal=plan.causal)
     return _project(context, plan.projections[3], ctx)
+
+
+def _scored(
+    plan: PlainPlan,
+    q: Array,
+    k: Array,
+    v: Array,
+    valid_lens: Array | None,
+    ctx: mx.Context,
+    *,
+    causal: bool,
+) -> Array:
+    """The generic path's attention (:meth:`mha_multi.call.Facts.generic_attention`) with
+    the plan's soft cap and sinks, as the generic flow calls it: ``q`` ``(B, T, H*dh)``,
+    ``k`` and ``v`` ``(B, K, H_kv*dh)``, or a cache's ``(B, H_kv, K, dh)`` with
+    ``valid_lens``."""
+    options, sinks = plan.scored
+    if sinks is not None:
+        options = options.with_sinks(sinks.data(ctx))
+    context, _ = plan.facts.generic_attention(
+        plan.ops,
+        q,
+        k,
+        v,
+        valid_lens,
+        heads=plan.heads,
+        causal=causal,
+        dropout=None,
+        kv_split=valid_lens is not None,
+        head_parallel=False,
+        return_attention_weights=False,
+        options=options,
+    )
+    return context
 
 
 def _step(
@@ -412,7 +466,6 @@ def _step(
             rows = mx.npx.slice(cos, (start,), (span,)), mx.npx.slice(sin, (start,), (span,))
         q, k = _rotated(plan, q, k, rows)
     k, v = _relaid(k, plan.keys), _relaid(v, plan.values)  # (B, H_kv, T, dh)
-    mask_lengths = None
     if ragged:
         batch, kv_heads, _, head_dim = keys.shape
         # keys[b, j, positions[b, t]] = k[b, j, t]: one scatter of (B*H_kv*T) rows.
@@ -422,10 +475,6 @@ def _step(
         for held, rows_of in ((keys, k), (values, v)):
             rows_of = mx.npx.reshape(rows_of, (-1, head_dim))
             _npi.scatter_set_nd(lhs=held, rhs=rows_of, indices=index, shape=held.shape, out=held)
-        # Each example's keys past its own are hidden (one query per new position, the
-        # rows of the scores in their order: example, head, query).
-        visible = np.repeat(read.astype(np.int32) + num_new, plan.num_heads * num_new)
-        mask_lengths = copied_to(ctx, visible, np.int32)
     else:
         begin, end, step = (None, None, start, None), (None, None, span, None), (None,) * 4
         keys.slice_assign(k, begin, end, step)
@@ -433,12 +482,24 @@ def _step(
     held_keys, held_values = keys, values
     if span < max_length:
         held_keys, held_values = facts.cache_prefix(keys, values, span)
-    # (B, H_kv, span, dh) -> (B*H_kv, span, dh)
-    held_keys, held_values = (
-        mx.npx.reshape(held_keys, (-5, -4)),
-        mx.npx.reshape(held_values, (-5, -4)),
-    )
-    context = _context(plan, q, held_keys, held_values, mask_lengths)
+    if plan.scored is None:
+        mask_lengths = None
+        if ragged:
+            # Each example's keys past its own are hidden (one query per new position,
+            # the rows of the scores in their order: example, head, query).
+            visible = np.repeat(read.astype(np.int32) + num_new, plan.num_heads * num_new)
+            mask_lengths = copied_to(ctx, visible, np.int32)
+        # (B, H_kv, span, dh) -> (B*H_kv, span, dh)
+        held_keys, held_values = (
+            mx.npx.reshape(held_keys, (-5, -4)),
+            mx.npx.reshape(held_values, (-5, -4)),
+        )
+        context = _context(plan, q, held_keys, held_values, mask_lengths)
+    else:  # (the cache's (B, H_kv, span, dh), each example's lengths after the step)
+        held = copied_to(ctx, read.astype(np.int32) + num_new, np.int32)
+        if plan.tables is not None:
+            q = mx.npx.reshape(q, (-2, -2, -1))
+        context = _scored(plan, q, held_keys, held_values, held, ctx, causal=False)
     output = _project(context, plan.projections[3], ctx)
     new_lengths = _npi.add_scalar(lengths, float(num_new))
     return call.Result(output, None, spec.KVCache(keys, values, new_lengths))

@@ -200,24 +200,30 @@ def test_a_ragged_batchs_steps_run_their_plan_to_the_generic_flows_bits(num_new,
 
 
 #: Layers whose options the plans take: query/key norms (Qwen 3's per head, Gemma 3's
-#: ``1 + w``, OLMo 2's of the whole projection) and a window, with and without rotary.
+#: ``1 + w``, OLMo 2's of the whole projection), a window, a soft cap (Gemma 2's, small
+#: enough to act) and sinks (gpt-oss'), with and without rotary.
 OPTIONS = {
     "norms": {"qk_norm": {}},
     "rotary, norms 1 + w": {"rotary": ROTARY, "qk_norm": {"unit_offset": True}},
     "whole norms": {"qk_norm": {"scope": "whole"}},
     "rotary, window": {"rotary": ROTARY, "window": 7},
     "rotary, window, norms": {"rotary": ROTARY, "window": 7, "qk_norm": {}},
+    "soft cap": {"softcap": 3.0},
+    "rotary, window, soft cap": {"rotary": ROTARY, "window": 7, "softcap": 3.0},
+    "rotary, sinks": {"rotary": ROTARY, "sinks": True},
+    "window, sinks": {"window": 7, "sinks": True},
 }
 
 
 @pytest.mark.parametrize("options", list(OPTIONS.values()), ids=list(OPTIONS))
-def test_a_layer_with_norms_or_a_window_runs_its_plan_to_the_generic_flows_bits(options):
+def test_a_layer_with_options_runs_its_plan_to_the_generic_flows_bits(options):
     """A call without a cache (a window's takes the generic flow: its mask), recorded
     or not, and decoding steps, uniform and ragged, on the plan: the generic flow's
     outputs, gradients and caches to the bit, the float64 reference's within float32
-    rounding; a step whose keys the window hides takes the generic flow."""
+    rounding; a step whose keys the window hides takes the generic flow. A soft cap
+    and sinks take the generic path's attention, called as the generic flow calls it."""
     rng = np.random.default_rng(10)
-    weights = init_weights(16, seed=10, bias=True, **HEADS)
+    weights = init_weights(16, seed=10, bias=True, sinks=options.get("sinks", False), **HEADS)
     norm = spec.QKNorm(**options["qk_norm"]) if "qk_norm" in options else None
     if norm is not None:  # (norms away from their start, so that they act)
         shapes = norm.shapes(spec.Heads(4, 2, 4))
