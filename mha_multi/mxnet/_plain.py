@@ -61,6 +61,8 @@ PLANS_PER_LAYER = 16
 
 #: Plans by layer, then by signature; ``None`` for a signature the route does not take.
 _PLANS = KeptBy(PLANS_PER_LAYER)
+#: The generic path's settings of a call the plans take (:func:`_scored`).
+_GENERIC = {"dropout": None, "head_parallel": False, "return_attention_weights": False}
 #: What :func:`_plan` answers where a plan cannot be made yet (deferred sizes).
 _NOT_YET = object()
 
@@ -410,20 +412,9 @@ def _scored(
     options, sinks = plan.scored
     if sinks is not None:
         options = options.with_sinks(sinks.data(ctx))
-    context, _ = plan.facts.generic_attention(
-        plan.ops,
-        q,
-        k,
-        v,
-        valid_lens,
-        heads=plan.heads,
-        causal=causal,
-        dropout=None,
-        kv_split=valid_lens is not None,
-        head_parallel=False,
-        return_attention_weights=False,
-        options=options,
-    )
+    settings = {"heads": plan.heads, "causal": causal, "kv_split": valid_lens is not None}
+    attend = plan.facts.generic_attention
+    context, _ = attend(plan.ops, q, k, v, valid_lens, options=options, **settings, **_GENERIC)
     return context
 
 
