@@ -112,6 +112,12 @@ class MXNetOps(spec.NumpyDtypes):
         return self.np.expand_dims(x, axis)
 
     def swap_last(self, x: Array) -> Array:
+        if _is_array(x):
+            # The same values and layout as swapaxes, whose kernel took 2.9 ms over an
+            # (8, 2, 257, 64) array where transpose's took 0.74 ms (a symbol has no rank
+            # to spell the axes with).
+            last = x.ndim - 1
+            return self.np.transpose(x, (*range(last - 1), last, last - 1))
         return self.np.swapaxes(x, -1, -2)
 
     def flip(self, x: Array) -> Array:
