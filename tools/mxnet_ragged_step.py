@@ -22,10 +22,11 @@ function calls per step (cProfile) of the plan and of the generic flow.
 the scores soft-capped at 50 (Gemma 2's), and ``sinks``: each head's sink
 logit joins its softmax (gpt-oss'): ours takes the generic path's attention,
 and the loop caps its scores (``50 * tanh(scores / 50)``) and gives its
-softmax the sinks' column.
+softmax the sinks' column. ``alibi``: ALiBi's bias (BLOOM's), which the
+loop adds to its scores, ``slope * (j - position)``.
 
     python tools/mxnet_ragged_step.py [num_kv_heads] [rounds] [rotary] [norms] [window]
-        [softcap] [sinks]
+        [softcap] [sinks] [alibi]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from turns import report, timed_turns
 
 from mha_multi.bench.host import counted
 from mha_multi.mxnet import MultiHeadAttention, _facts, set_weights
+from mha_multi.spec import alibi_slopes
 from mha_multi.weights import init_weights
 
 BATCH, HIDDENS, HEADS, PROMPT, MAX_LENGTH, TURN = 8, 512, 8, 256, 1024, 20
@@ -49,7 +51,7 @@ HEAD_DIM = HIDDENS // HEADS
 ROTARY = {"theta": 10000.0}
 EPS = 1e-6  # (the norms' own)
 SOFTCAP = 50.0
-FLAGS = ("rotary", "norms", "window", "softcap", "sinks")
+FLAGS = ("rotary", "norms", "window", "softcap", "sinks", "alibi")
 
 
 def prompt_lengths() -> np.ndarray:
@@ -85,6 +87,9 @@ def hand_steps(
     angles = mx.np.array(np.concatenate([angles, angles], -1))
     cos, sin = mx.np.cos(angles), mx.np.sin(angles)
     half = HEAD_DIM // 2
+    slopes = None
+    if "alibi" in flags:  # (the layer's, (1, H_kv, G, 1))
+        slopes = mx.np.array(alibi_slopes(HEADS).reshape(1, kv_heads, group, 1), dtype=np.float32)
 
     def project(x: mx.np.ndarray) -> tuple[mx.np.ndarray, ...]:
         length = x.shape[1]
@@ -132,6 +137,10 @@ def hand_steps(
         seen = mx.np.array(np.repeat(lengths + 1, HEADS), dtype=np.int32)
         if "softcap" in flags:
             scores = mx.np.tanh(scores / SOFTCAP) * SOFTCAP
+        if slopes is not None:  # slope * (j - position), each example's, each head's
+            distance = mx.np.array(np.arange(end)[None, :] - lengths[:, None], dtype=np.float32)
+            bias = slopes * distance.reshape(BATCH, 1, 1, end)
+            scores = scores + bias.reshape(BATCH * kv_heads, group, end)
         masked = npx.sequence_mask(
             scores.reshape(-1, end), seen, use_sequence_length=True, value=-1e6, axis=1
         ).reshape(BATCH * kv_heads, group, end)
@@ -170,6 +179,7 @@ def main() -> None:
         **({"window": 4096} if "window" in flags else {}),
         **({"softcap": SOFTCAP} if "softcap" in flags else {}),
         **({"sinks": True} if "sinks" in flags else {}),
+        **({"alibi": True} if "alibi" in flags else {}),
     }
     layer = set_weights(
         MultiHeadAttention(HIDDENS, HEADS, num_kv_heads=kv_heads, **options), weights

@@ -396,10 +396,9 @@ class MXNetFacts(call.Facts):
         options: spec.LayerOptions | None = None,
     ) -> call.Result | None:
         """An imperative call run by its signature's plan
-        (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``: a layer with no
-        option but ``rotary``, query/key norms, a window, a soft cap and sinks, called
-        without lengths."""
-        if valid_lens is not None or (options is not None and options.alibi):
+        (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``: a call without
+        lengths, of a layer with any options."""
+        if valid_lens is not None:
             return None
         return plain_attention(
             self, layer, queries, cache, causal=causal, dtype=dtype, options=options

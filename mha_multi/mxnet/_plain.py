@@ -1,23 +1,23 @@
 """MXNet's route for plain self-attention called imperatively: one plan per signature.
 
 A call whose queries are its keys and values and that asks for nothing else
-(:func:`mha_multi.call.plain_self_attention`), of a layer with any option but
-ALiBi, made imperatively (without a
-cache, recording a gradient or not; a hybridized layer with options runs its
-calls so too), is offered to :func:`plain_attention` before any check (docs:
-"Fast paths"). The first call of a signature (the queries' shape, dtype and
-device, ``causal``, a cache's arrays; a layer keeps a table of them for its
-options) runs the generic flow's checks, which raise its errors, and makes a
-:class:`PlainPlan`: the layouts as concrete reshapes (a transpose that moves
-no data left out), a causal call's mask lengths, the rotary tables. Every
-call of that signature then runs the fused route's operations
-(:mod:`mha_multi.mxnet._kernel`) on the same arrays: the projections, the
-query/key norms (:func:`mha_multi.spec.normalize_qk`, the generic flow's own),
-the rotation, the scaled queries' ``batch_dot``, ``softmax`` and ``batch_dot``
-(with a soft cap or sinks, which no kernel takes, the generic path's attention,
+(:func:`mha_multi.call.plain_self_attention`), of a layer with any options,
+made imperatively (without a cache, recording a gradient or not; a hybridized
+layer with options runs its calls so too), is offered to
+:func:`plain_attention` before any check (docs: "Fast paths"). The first call
+of a signature (the queries' shape, dtype and device, ``causal``, a cache's
+arrays; a layer keeps a table of them for its options) runs the generic flow's
+checks, which raise its errors, and makes a :class:`PlainPlan`: the layouts as
+concrete reshapes (a transpose that moves no data left out), a causal call's
+mask lengths, the rotary tables. Every call of that signature then runs the
+fused route's operations (:mod:`mha_multi.mxnet._kernel`) on the same arrays:
+the projections, the query/key norms (:func:`mha_multi.spec.normalize_qk`, the
+generic flow's own), the rotation, the scaled queries' ``batch_dot``,
+``softmax`` and ``batch_dot`` (with a soft cap, sinks or ALiBi, which no kernel
+of MXNet takes, the generic path's attention,
 :meth:`mha_multi.call.Facts.generic_attention`, called as the generic flow
-calls it), the output projection, so the numbers are the generic flow's to
-the bit, and so are the gradients ``autograd.record()`` takes of them.
+calls it), the output projection, so the numbers are the generic flow's to the
+bit, and so are the gradients ``autograd.record()`` takes of them.
 
 A decoding step (new positions appended to a cache, one per example, or
 several without the causal rule) still reads the cache's lengths and the
@@ -34,6 +34,7 @@ for a call that records nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -87,9 +88,9 @@ class PlainPlan(NamedTuple):
     #: The layer's window (a cached call's plan: a step runs it only where the
     #: window holds every position, as the generic flow plans such a step without it).
     window: int | None
-    #: A soft cap's or sinks' score options (the window's left out: it hides nothing
-    #: where the plan runs), with the sinks' Gluon parameter: the generic path's
-    #: attention, which no kernel of MXNet takes; ``None`` for the fused route's.
+    #: A soft cap's, sinks' or ALiBi's score options (the window's left out: it hides
+    #: nothing where the plan runs), with the sinks' Gluon parameter: the generic
+    #: path's attention, which no kernel of MXNet takes; ``None`` for the fused route's.
     scored: tuple[spec.ScoreOptions, Any] | None
     num_heads: int
     #: ``sqrt(head_dim)``: the queries' divisor, as in
@@ -173,7 +174,7 @@ def plain_attention(
         cache: the call's cache, unchecked, or ``None``.
         causal: the call's flag (a bool).
         dtype: the layer's dtype.
-        options: the layer's checked options (any but ALiBi), or ``None``.
+        options: the layer's checked options, or ``None``.
     """
     default = options is None or options.is_default
     if (layer._active and default) or type(queries) is not mx.np.ndarray:
@@ -237,9 +238,12 @@ def _plan(
     options = options or spec.LayerOptions()
     rotary, norm, window = options.rotary, options.qk_norm, options.window
     scored = None
-    if options.softcap is not None or options.sinks:
+    if options.touches_scores and (options.softcap is not None or options.sinks or options.alibi):
+        # (The generic flow's score options but the window, which hides nothing where the
+        # plan runs, and a step's query positions, made at each step.)
+        slopes = spec.alibi_slopes(heads.num_heads) if options.alibi else None
         sinks = layer.sinks if options.sinks else None
-        scored = (spec.ScoreOptions(softcap=options.softcap), sinks)
+        scored = (spec.ScoreOptions(softcap=options.softcap, alibi_slopes=slopes), sinks)
     if window is not None and cache is None:
         # (The generic flow gives a call without a cache its window's mask, which
         # MXNet's kernel does not take: the generic path, with its own numbers.)
@@ -403,13 +407,16 @@ def _scored(
     valid_lens: Array | None,
     ctx: mx.Context,
     *,
-    causal: bool,
+    causal: bool = False,
+    positions: Array | None = None,
 ) -> Array:
     """The generic path's attention (:meth:`mha_multi.call.Facts.generic_attention`) with
     the plan's soft cap and sinks, as the generic flow calls it: ``q`` ``(B, T, H*dh)``,
     ``k`` and ``v`` ``(B, K, H_kv*dh)``, or a cache's ``(B, H_kv, K, dh)`` with
-    ``valid_lens``."""
+    ``valid_lens`` and, with ALiBi, the new rows' ``positions`` ``(B, T)``."""
     options, sinks = plan.scored
+    if positions is not None:
+        options = dataclasses.replace(options, query_positions=positions)
     if sinks is not None:
         options = options.with_sinks(sinks.data(ctx))
     settings = {"heads": plan.heads, "causal": causal, "kv_split": valid_lens is not None}
@@ -490,7 +497,10 @@ def _step(
         held = copied_to(ctx, read.astype(np.int32) + num_new, np.int32)
         if plan.tables is not None:
             q = mx.npx.reshape(q, (-2, -2, -1))
-        context = _scored(plan, q, held_keys, held_values, held, ctx, causal=False)
+        positions = None
+        if plan.scored[0].alibi_slopes is not None:  # (ALiBi sees each query at its position)
+            positions = spec.cache_positions(plan.ops, lengths, plan.ops.size(q, 1))
+        context = _scored(plan, q, held_keys, held_values, held, ctx, positions=positions)
     output = _project(context, plan.projections[3], ctx)
     new_lengths = _npi.add_scalar(lengths, float(num_new))
     return call.Result(output, None, spec.KVCache(keys, values, new_lengths))

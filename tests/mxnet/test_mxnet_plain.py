@@ -201,7 +201,7 @@ def test_a_ragged_batchs_steps_run_their_plan_to_the_generic_flows_bits(num_new,
 
 #: Layers whose options the plans take: query/key norms (Qwen 3's per head, Gemma 3's
 #: ``1 + w``, OLMo 2's of the whole projection), a window, a soft cap (Gemma 2's, small
-#: enough to act) and sinks (gpt-oss'), with and without rotary.
+#: enough to act), sinks (gpt-oss') and ALiBi (BLOOM's), with and without rotary.
 OPTIONS = {
     "norms": {"qk_norm": {}},
     "rotary, norms 1 + w": {"rotary": ROTARY, "qk_norm": {"unit_offset": True}},
@@ -212,6 +212,8 @@ OPTIONS = {
     "rotary, window, soft cap": {"rotary": ROTARY, "window": 7, "softcap": 3.0},
     "rotary, sinks": {"rotary": ROTARY, "sinks": True},
     "window, sinks": {"window": 7, "sinks": True},
+    "ALiBi": {"alibi": True},
+    "ALiBi, window, soft cap": {"alibi": True, "window": 7, "softcap": 3.0},
 }
 
 
@@ -220,8 +222,9 @@ def test_a_layer_with_options_runs_its_plan_to_the_generic_flows_bits(options):
     """A call without a cache (a window's takes the generic flow: its mask), recorded
     or not, and decoding steps, uniform and ragged, on the plan: the generic flow's
     outputs, gradients and caches to the bit, the float64 reference's within float32
-    rounding; a step whose keys the window hides takes the generic flow. A soft cap
-    and sinks take the generic path's attention, called as the generic flow calls it."""
+    rounding; a step whose keys the window hides takes the generic flow. A soft cap,
+    sinks and ALiBi take the generic path's attention, called as the generic flow
+    calls it (ALiBi's query positions a step's own)."""
     rng = np.random.default_rng(10)
     weights = init_weights(16, seed=10, bias=True, sinks=options.get("sinks", False), **HEADS)
     norm = spec.QKNorm(**options["qk_norm"]) if "qk_norm" in options else None
