@@ -299,15 +299,12 @@ class LayerOptions:
             for field in dataclasses.fields(self)
             if field.name != "rotary"
         )
-        object.__setattr__(self, "at_most_rotary", others_default)
         touches = self.alibi or self.window is not None or self.softcap is not None or self.sinks
         object.__setattr__(self, "touches_scores", bool(touches))
         object.__setattr__(self, "is_default", self.rotary is None and others_default)
 
     # Set on each instance by __post_init__; not a field, so that
     # dataclasses.asdict and replace see the options alone.
-    #: Whether no option but ``rotary`` is set: the scores are d2l's (of rotated q and k).
-    at_most_rotary: ClassVar[bool]
     #: Whether an option acts on the scores or their softmax (ALiBi, the window,
     #: soft-capping, sinks): else a call's :class:`ScoreOptions` are d2l's, of rotated or
     #: normalised queries and keys.
