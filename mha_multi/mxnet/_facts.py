@@ -396,12 +396,16 @@ class MXNetFacts(call.Facts):
         options: spec.LayerOptions | None = None,
     ) -> call.Result | None:
         """An imperative call run by its signature's plan
-        (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``: a call without
-        lengths, of a layer with any options."""
-        if valid_lens is not None:
-            return None
+        (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``."""
         return plain_attention(
-            self, layer, queries, cache, causal=causal, dtype=dtype, options=options
+            self,
+            layer,
+            queries,
+            cache,
+            causal=causal,
+            dtype=dtype,
+            options=options,
+            valid_lens=valid_lens,
         )
 
     def fused_attention(self, ops: MXNetOps, *args: Any, **kwargs: Any) -> Any:

@@ -64,6 +64,8 @@ PLANS_PER_LAYER = 16
 _PLANS = KeptBy(PLANS_PER_LAYER)
 #: The generic path's settings of a call the plans take (:func:`_scored`).
 _GENERIC = {"dropout": None, "head_parallel": False, "return_attention_weights": False}
+#: The spec's operations on the host (a call's mask lengths, :func:`_mask_lengths`).
+_HOST = spec.NumpyOps()
 #: What :func:`_plan` answers where a plan cannot be made yet (deferred sizes).
 _NOT_YET = object()
 
@@ -92,6 +94,9 @@ class PlainPlan(NamedTuple):
     #: nothing where the plan runs), with the sinks' Gluon parameter: the generic
     #: path's attention, which no kernel of MXNet takes; ``None`` for the fused route's.
     scored: tuple[spec.ScoreOptions, Any] | None
+    #: A call with lengths (without a cache, nor ``scored``): the generic flow's kernel
+    #: plan for it, whose mask (or generic path) the plan's call takes.
+    kernel: spec.KernelPlan | None
     num_heads: int
     #: ``sqrt(head_dim)``: the queries' divisor, as in
     #: :func:`mha_multi.mxnet._kernel.sequence_mask_attention`.
@@ -157,6 +162,7 @@ def plain_attention(
     causal: bool,
     dtype: np.dtype,
     options: spec.LayerOptions | None,
+    valid_lens: Any = None,
 ) -> call.Result | None:
     """Plain self-attention by the plan of its signature, or ``None`` (the generic flow).
 
@@ -175,6 +181,8 @@ def plain_attention(
         causal: the call's flag (a bool).
         dtype: the layer's dtype.
         options: the layer's checked options, or ``None``.
+        valid_lens: the call's lengths, unchecked: an ``mxnet.numpy`` array on the
+            queries' device, of a call without a cache (else the generic flow).
     """
     default = options is None or options.is_default
     if (layer._active and default) or type(queries) is not mx.np.ndarray:
@@ -188,6 +196,10 @@ def plain_attention(
         return None  # npx.dropout acts in training mode, recorded or not
     ctx = queries.ctx
     key: tuple[Any, ...] = (queries.shape, queries.dtype, ctx, causal, dtype)
+    if valid_lens is not None:
+        if cache is not None or type(valid_lens) is not mx.np.ndarray or valid_lens.ctx != ctx:
+            return None  # (the generic flow's conversions, or a cached call's new lengths)
+        key += (valid_lens.shape, valid_lens.dtype)
     if cache is not None:
         if type(cache) is not spec.KVCache:
             return None
@@ -198,14 +210,16 @@ def plain_attention(
     plans = _PLANS.of(layer, options)  # (the layer's options, set anew, make a new table)
     plan = plans.get(key, _NOT_YET)
     if plan is _NOT_YET:
-        plan = _plan(facts, layer, queries, cache, causal=causal, dtype=dtype, options=options)
+        plan = _plan(
+            facts, layer, queries, cache, valid_lens, causal=causal, dtype=dtype, options=options
+        )
         if plan is _NOT_YET:
             return None
         plans.keep(key, plan)
     if plan is None:
         return None
     if cache is None:
-        return call.Result(_attend(plan, queries, ctx), None, None)
+        return call.Result(_attend(plan, queries, valid_lens, ctx), None, None)
     return _step(facts, plan, queries, cache, ctx)
 
 
@@ -214,6 +228,7 @@ def _plan(
     layer: Any,
     queries: Any,
     cache: spec.KVCache | None,
+    valid_lens: Any,
     *,
     causal: bool,
     dtype: np.dtype,
@@ -223,7 +238,9 @@ def _plan(
     errors); ``None`` for a signature the route does not take, :data:`_NOT_YET`
     while an input size is deferred."""
     if cache is None:
-        call.check_call(facts, layer, queries, queries, queries, None, causal=causal, dtype=dtype)
+        call.check_call(
+            facts, layer, queries, queries, queries, valid_lens, causal=causal, dtype=dtype
+        )
     else:
         call.check_cached_call(
             facts, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
@@ -273,6 +290,15 @@ def _plan(
         tables = (mx.np.stack([cos, cos], axis=2), mx.np.stack([-sin, sin], axis=2))
     v_shape = (batch, num_new, heads.kv_features)
     q_shape, k_shape = (batch, num_new, heads.query_features), v_shape
+    kernel = None
+    if valid_lens is not None and scored is None:
+        # The generic flow's kernel plan for these shapes and lengths, which reads no
+        # value on MXNet (call.Facts.plan_values): decided once.
+        q, k = (mx.np.zeros(shape, dtype=dtype, ctx=queries.ctx) for shape in (q_shape, v_shape))
+        flags = {"causal": causal, "dropout": layer.dropout > 0, "kv_split": False}
+        kernel = call.plan(
+            facts, q, k, k, valid_lens, heads=heads, return_attention_weights=False, **flags
+        )
     if rotary is not None:
         q_shape, k_shape = (batch, num_new, heads.num_heads, *half), (*split[:3], *half)
     rows = (batch * kv_heads, num_new, dh) if cache is None else (batch, kv_heads, num_new, dh)
@@ -290,6 +316,7 @@ def _plan(
         norms=None if norm is None else (layer.q_norm, layer.k_norm),
         window=window,
         scored=scored,
+        kernel=kernel,
         num_heads=heads.num_heads,
         scale=math.sqrt(dh),
         rotated=rotated,
@@ -385,18 +412,35 @@ def _context(
     return _relaid(mx.npx.batch_dot(weights, v), plan.output)
 
 
-def _attend(plan: PlainPlan, queries: Array, ctx: mx.Context) -> Array:
-    """The output of a call without a cache."""
+def _attend(plan: PlainPlan, queries: Array, valid_lens: Array | None, ctx: mx.Context) -> Array:
+    """The output of a call without a cache (``valid_lens``: its lengths, or ``None``)."""
     q, k, v = _projected(plan, queries, ctx)
     if plan.tables is not None:
         q, k = _rotated(plan, q, k, plan.tables)
-    if plan.scored is None:
-        context = _context(plan, q, _relaid(k, plan.keys), _relaid(v, plan.values))
+    if plan.scored is None and (valid_lens is None or plan.kernel.fused):
+        lengths = None if valid_lens is None else _mask_lengths(plan, valid_lens, len(queries))
+        context = _context(plan, q, _relaid(k, plan.keys), _relaid(v, plan.values), lengths)
     else:
         if plan.tables is not None:  # (B, T, H*dh), as projected
             q, k = (mx.npx.reshape(x, (-2, -2, -1)) for x in (q, k))
-        context = _scored(plan, q, k, v, None, ctx, causal=plan.causal)
+        context = _scored(plan, q, k, v, valid_lens, ctx, causal=plan.causal)
     return _project(context, plan.projections[3], ctx)
+
+
+def _mask_lengths(plan: PlainPlan, valid_lens: Array, batch: int) -> Array:
+    """The kernel's ``sequence_mask`` lengths of a call with lengths, one per row of the
+    scores (example, head, query), counted on the host from the lengths read.
+
+    The generic flow's kernel call counts the same mask on the device
+    (:func:`mha_multi.mxnet._kernel.sequence_mask_attention`): the spec's
+    visibility of integer positions against the lengths, the same integers
+    on either side (the comparisons are exact), so the same scores are hidden.
+    """
+    num = plan.num_new
+    seen = plan.kernel.mask(_HOST, num, num, valid_lens.asnumpy())
+    counts = seen.sum(axis=-1, dtype=np.int32)  # (B, 1, 1|Q) or (Q,)
+    rows = np.broadcast_to(counts, (batch, plan.num_heads, num)).reshape(-1)
+    return copied_to(valid_lens.ctx, rows, np.int32)
 
 
 def _scored(
@@ -409,17 +453,18 @@ def _scored(
     *,
     causal: bool = False,
     positions: Array | None = None,
+    kv_split: bool = False,
 ) -> Array:
     """The generic path's attention (:meth:`mha_multi.call.Facts.generic_attention`) with
     the plan's soft cap and sinks, as the generic flow calls it: ``q`` ``(B, T, H*dh)``,
     ``k`` and ``v`` ``(B, K, H_kv*dh)``, or a cache's ``(B, H_kv, K, dh)`` with
     ``valid_lens`` and, with ALiBi, the new rows' ``positions`` ``(B, T)``."""
-    options, sinks = plan.scored
+    options, sinks = plan.scored or (spec.NO_OPTIONS, None)
     if positions is not None:
         options = dataclasses.replace(options, query_positions=positions)
     if sinks is not None:
         options = options.with_sinks(sinks.data(ctx))
-    settings = {"heads": plan.heads, "causal": causal, "kv_split": valid_lens is not None}
+    settings = {"heads": plan.heads, "causal": causal, "kv_split": kv_split}
     attend = plan.facts.generic_attention
     context, _ = attend(plan.ops, q, k, v, valid_lens, options=options, **settings, **_GENERIC)
     return context
@@ -500,7 +545,9 @@ def _step(
         positions = None
         if plan.scored[0].alibi_slopes is not None:  # (ALiBi sees each query at its position)
             positions = spec.cache_positions(plan.ops, lengths, plan.ops.size(q, 1))
-        context = _scored(plan, q, held_keys, held_values, held, ctx, positions=positions)
+        context = _scored(
+            plan, q, held_keys, held_values, held, ctx, positions=positions, kv_split=True
+        )
     output = _project(context, plan.projections[3], ctx)
     new_lengths = _npi.add_scalar(lengths, float(num_new))
     return call.Result(output, None, spec.KVCache(keys, values, new_lengths))

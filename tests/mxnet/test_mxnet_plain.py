@@ -268,6 +268,48 @@ def test_a_layer_with_options_runs_its_plan_to_the_generic_flows_bits(options):
     np.testing.assert_allclose(runs[0][0], expected, rtol=0, atol=ATOL)
 
 
+#: Lengths of three examples of 5 positions: integers (one example fully hidden, one
+#: past its positions), fractional floats, and one length a query.
+LENGTHS = {
+    "int32": np.array([3, 0, 7], dtype=np.int32),
+    "float32": np.array([2.5, 5.0, 0.0], dtype=np.float32),
+    "per query": np.array([[1, 2, 3, 4, 5], [0, 0, 1, 1, 5], [5, 4, 3, 2, 1]], dtype=np.int32),
+}
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
+@pytest.mark.parametrize("options", [{}, {"rotary": ROTARY}, {"softcap": 3.0}], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_call_with_lengths_runs_its_plan_to_the_generic_flows_bits(lengths, options, causal):
+    """d2l's call, self-attention with ``valid_lens``, recorded or not: the plan's output
+    and gradients are the generic flow's to the bit (its kernel call, or with a soft cap
+    its generic path, given the same lengths), the float64 reference's within float32
+    rounding (a fully hidden row uniform over its keys, as the spec has it)."""
+    rng = np.random.default_rng(11)
+    weights = init_weights(16, seed=11, bias=True, **HEADS)
+    layer = set_weights(MultiHeadAttention(16, 4, num_kv_heads=2, bias=True, **options), weights)
+    x = rng.standard_normal((3, 5, 16))
+    grad = rng.standard_normal((3, 5, 16))
+    lens = mx.np.array(LENGTHS[lengths], dtype=LENGTHS[lengths].dtype)
+    runs = []
+    for route in (contextlib.nullcontext(), generic_only()):
+        with route:
+            rows = native(x)
+            plain = layer(rows, rows, rows, lens, causal=causal).asnumpy()
+            rows.attach_grad()
+            with autograd.record():
+                recorded = layer(rows, rows, rows, lens, causal=causal)
+            recorded.backward(native(grad))
+        runs.append([plain, recorded.asnumpy(), rows.grad.asnumpy()])
+    assert len([p for p in plans_of(layer).values() if p is not None]) == 1
+    for got, want in zip(*runs, strict=True):
+        np.testing.assert_array_equal(got, want)
+    expected, _ = spec.reference_forward(
+        weights, x, x, x, LENGTHS[lengths], **HEADS, causal=causal, **options
+    )
+    np.testing.assert_allclose(runs[0][0], expected, rtol=0, atol=ATOL)
+
+
 def test_hybridized_recorded_and_dropping_calls_keep_no_plan():
     """A hybridized call, a recorded call with a cache and a dropping call in training
     mode keep no plan: the generic flow's, with the reference's numbers."""
