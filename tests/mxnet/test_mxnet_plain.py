@@ -269,10 +269,12 @@ def test_a_layer_with_options_runs_its_plan_to_the_generic_flows_bits(options):
 
 
 #: Lengths of three examples of 5 positions: integers (one example fully hidden, one
-#: past its positions), fractional floats, and one length a query.
+#: past its positions), fractional floats, floats that hide every key or none, and one
+#: length a query.
 LENGTHS = {
     "int32": np.array([3, 0, 7], dtype=np.int32),
     "float32": np.array([2.5, 5.0, 0.0], dtype=np.float32),
+    "NaN, inf, negative": np.array([np.nan, np.inf, -1.0], dtype=np.float32),
     "per query": np.array([[1, 2, 3, 4, 5], [0, 0, 1, 1, 5], [5, 4, 3, 2, 1]], dtype=np.int32),
 }
 
