@@ -39,9 +39,8 @@ import mxnet as mx
 import numpy as np
 from mxnet import npx
 from mxnet.ndarray.numpy import _internal as _npi
-from turns import report, timed_turns
+from turns import compare
 
-from mha_multi.bench.host import counted
 from mha_multi.mxnet import MultiHeadAttention, _facts, set_weights
 from mha_multi.spec import alibi_slopes
 from mha_multi.weights import init_weights
@@ -195,23 +194,16 @@ def main() -> None:
         hand_steps(weights, kv_heads, flags, prompt, token),
     )
     difference = max(float(abs(ours() - theirs()).max()) for _ in range(TURN))
-    makers = {
-        "ours": lambda: layer_steps(layer, prompt, token),
-        "generic flow": lambda: layer_steps(layer, prompt, token),
-        "hand-written": lambda: hand_steps(weights, kv_heads, flags, prompt, token),
-    }
-    times = timed_turns(
-        makers,
+    compare(
+        lambda: layer_steps(layer, prompt, token),
+        lambda: hand_steps(weights, kv_heads, flags, prompt, token),
+        generic=generic,
+        difference=difference,
         rounds=rounds,
         turn=TURN,
         done=lambda output: output.wait_to_read(),
-        around={"generic flow": generic},
+        counted_calls=10,
     )
-    report(times, difference)
-    plan_calls = counted(layer_steps(layer, prompt, token), 10)
-    with generic():
-        generic_calls = counted(layer_steps(layer, prompt, token), 10)
-    print(f"Python calls a step: {plan_calls:.0f} (the generic flow's {generic_calls:.0f})")
 
 
 if __name__ == "__main__":

@@ -39,9 +39,8 @@ from unittest import mock
 import numpy as np
 import torch
 from torch.nn import functional
-from turns import report, timed_turns
+from turns import compare
 
-from mha_multi.bench.host import counted
 from mha_multi.spec import alibi_slopes
 from mha_multi.torch import MultiHeadAttention, _facts, set_weights
 from mha_multi.weights import init_weights
@@ -225,19 +224,15 @@ def main() -> None:
         hand_steps(weights, kv_heads, options, sinks, prompt, token),
     )
     difference = max(float((ours() - theirs()).abs().max()) for _ in range(TURN))
-    makers = {
-        "ours": lambda: layer_steps(layer, prompt, token),
-        "generic flow": lambda: layer_steps(layer, prompt, token),
-        "hand-written": lambda: hand_steps(weights, kv_heads, options, sinks, prompt, token),
-    }
-    times = timed_turns(
-        makers, rounds=rounds, turn=TURN, done=lambda _: sync(), around={"generic flow": generic}
+    compare(
+        lambda: layer_steps(layer, prompt, token),
+        lambda: hand_steps(weights, kv_heads, options, sinks, prompt, token),
+        generic=generic,
+        difference=difference,
+        rounds=rounds,
+        turn=TURN,
+        done=lambda _: sync(),
     )
-    report(times, difference)
-    route_calls = counted(layer_steps(layer, prompt, token))
-    with generic():
-        generic_calls = counted(layer_steps(layer, prompt, token))
-    print(f"Python calls a step: {route_calls:.0f} (the generic flow's {generic_calls:.0f})")
 
 
 if __name__ == "__main__":

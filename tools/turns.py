@@ -1,4 +1,4 @@
-"""Decoders timed in turns in one process (the tools' own).
+"""Decoders (and calls) timed in turns in one process, and their Python calls (the tools' own).
 
 A machine's speed drifts within seconds, so ratios of separate runs mislead:
 each decoder runs ``turn`` steps in its turn, round after round, and a
@@ -12,6 +12,8 @@ import statistics
 import time
 from collections.abc import Callable
 from typing import Any
+
+from mha_multi.bench.host import counted
 
 #: A decoder's maker: a step function of a fresh decoder after its prompt.
 Maker = Callable[[], Callable[[], Any]]
@@ -45,10 +47,36 @@ def timed_turns(
     return times
 
 
-def report(times: dict[str, list[float]], difference: float) -> None:
-    """Each decoder's median step and its speed against ``hand-written``'s."""
+def report(times: dict[str, list[float]], difference: float, *, per: str = "step") -> None:
+    """Each decoder's median ``per`` (a step, a call) and its speed against
+    ``hand-written``'s."""
     hand = statistics.median(times["hand-written"])
     for name, measured in times.items():
         median = statistics.median(measured)
-        print(f"{name:>13}: {median:7.0f} us a step, {hand / median:.2f}x hand-written")
-    print(f"largest difference, ours and the loop's outputs: {difference:.1e}")
+        print(f"{name:>13}: {median:7.0f} us a {per}, {hand / median:.2f}x hand-written")
+    print(f"largest difference, ours and the hand-written outputs: {difference:.1e}")
+
+
+def compare(
+    ours: Maker,
+    hand: Maker,
+    *,
+    generic: Callable[[], contextlib.AbstractContextManager],
+    difference: float,
+    rounds: int,
+    turn: int,
+    done: Callable[[Any], None],
+    per: str = "step",
+    counted_calls: int = 20,
+) -> None:
+    """Ours, ours through the generic flow alone (inside ``generic()``) and the
+    hand-written way timed in turns and reported, then the Python calls of ours and of
+    the generic flow (cProfile, over ``counted_calls``)."""
+    makers = {"ours": ours, "generic flow": ours, "hand-written": hand}
+    around = {"generic flow": generic}
+    times = timed_turns(makers, rounds=rounds, turn=turn, done=done, around=around)
+    report(times, difference, per=per)
+    route_calls = counted(ours(), counted_calls)
+    with generic():
+        generic_calls = counted(ours(), counted_calls)
+    print(f"Python calls a {per}: {route_calls:.0f} (the generic flow's {generic_calls:.0f})")
