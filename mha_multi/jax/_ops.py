@@ -90,6 +90,9 @@ class JaxOps(spec.NumpyDtypes, spec.NamespaceOps):
     def swap_last(self, x: jax.Array) -> jax.Array:
         return jnp.swapaxes(x, -1, -2)
 
+    def matmul_swapped(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        return matmul(a, jnp.swapaxes(b, -1, -2), self.precision)  # (XLA fuses the swap)
+
     def size(self, x: jax.Array, axis: int) -> int:
         return x.shape[axis]
 

@@ -206,6 +206,9 @@ class KerasOps:
         rank = len(x.shape)
         return self.native.transpose(x, (*range(rank - 2), rank - 1, rank - 2))
 
+    def matmul_swapped(self, a: Tensor, b: Tensor) -> Tensor:
+        return self.matmul(a, self.swap_last(b))
+
     def size(self, x: Tensor, axis: int) -> Any:
         # An int, or a scalar tensor where a traced graph does not know it.
         return ops.shape(x)[axis]

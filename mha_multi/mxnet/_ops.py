@@ -111,6 +111,14 @@ class MXNetOps(spec.NumpyDtypes):
     def expand_dims(self, x: Array, axis: int) -> Array:
         return self.np.expand_dims(x, axis)
 
+    def matmul_swapped(self, a: Array, b: Array) -> Array:
+        if _is_array(a) and _is_array(b) and a.ndim == b.ndim == 3:
+            a_dtype, b_dtype = self.dtype(a), self.dtype(b)
+            if a_dtype == b_dtype and a_dtype.itemsize >= 4:
+                # b as it lies: its swapped copy took 2.7 ms of an (64, 259, 64) step's keys.
+                return self.npx.batch_dot(a, b, transpose_b=True)
+        return self.matmul(a, self.swap_last(b))
+
     def swap_last(self, x: Array) -> Array:
         if _is_array(x):
             # The same values and layout as swapaxes, whose kernel took 2.9 ms over an

@@ -136,7 +136,7 @@ def scaled_scores(ops: ArrayOps, q: Array, k: Array, head_dim: int) -> Array:
     """
     if is_low_precision(ops, ops.dtype(q)):
         q, k = ops.cast(q, ops.float32()), ops.cast(k, ops.float32())
-    return ops.matmul(q, ops.swap_last(k)) / math.sqrt(head_dim)
+    return ops.matmul_swapped(q, k) / math.sqrt(head_dim)
 
 
 def attention(

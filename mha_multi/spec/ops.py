@@ -58,6 +58,10 @@ class ArrayOps(Protocol):
     def swap_last(self, x: Array) -> Array:
         """Transposes the last two axes."""
 
+    def matmul_swapped(self, a: Array, b: Array) -> Array:
+        """``matmul(a, swap_last(b))``: the scores' product, which a framework may take
+        without moving ``b`` (MXNet's ``batch_dot(..., transpose_b=True)``)."""
+
     def size(self, x: Array, axis: int) -> Any:
         """The size of ``axis`` of ``x``.
 
@@ -233,6 +237,9 @@ class NumpyOps(NumpyDtypes, NamespaceOps):
 
     def swap_last(self, x: np.ndarray) -> np.ndarray:
         return np.swapaxes(x, -1, -2)
+
+    def matmul_swapped(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.matmul(a, np.swapaxes(b, -1, -2))
 
     def size(self, x: np.ndarray, axis: int) -> int:
         return np.shape(x)[axis]

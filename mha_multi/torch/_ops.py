@@ -154,6 +154,9 @@ class TorchOps(spec.NamespaceOps):
     def swap_last(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(-1, -2)
 
+    def matmul_swapped(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.matmul(a, b.transpose(-1, -2))  # (a view: matmul reads it as it lies)
+
     def size(self, x: torch.Tensor, axis: int) -> int:
         return x.shape[axis]
 
