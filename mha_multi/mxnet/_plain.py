@@ -255,7 +255,7 @@ def _plan(
     options = options or spec.LayerOptions()
     rotary, norm, window = options.rotary, options.qk_norm, options.window
     scored = None
-    if options.touches_scores and (options.softcap is not None or options.sinks or options.alibi):
+    if options.softcap is not None or options.sinks or options.alibi:
         # (The generic flow's score options but the window, which hides nothing where the
         # plan runs, and a step's query positions, made at each step.)
         slopes = spec.alibi_slopes(heads.num_heads) if options.alibi else None
@@ -456,9 +456,11 @@ def _scored(
     kv_split: bool = False,
 ) -> Array:
     """The generic path's attention (:meth:`mha_multi.call.Facts.generic_attention`) with
-    the plan's soft cap and sinks, as the generic flow calls it: ``q`` ``(B, T, H*dh)``,
-    ``k`` and ``v`` ``(B, K, H_kv*dh)``, or a cache's ``(B, H_kv, K, dh)`` with
-    ``valid_lens`` and, with ALiBi, the new rows' ``positions`` ``(B, T)``."""
+    the plan's score options (a soft cap, sinks, ALiBi; none for a call with lengths
+    whose kernel plan is the generic path's), as the generic flow calls it: ``q``
+    ``(B, T, H*dh)``, ``k`` and ``v`` ``(B, K, H_kv*dh)``, or with ``kv_split`` a
+    cache's ``(B, H_kv, K, dh)``; ``valid_lens`` the call's or the cache's lengths
+    and, with ALiBi, the new rows' ``positions`` ``(B, T)``."""
     options, sinks = plan.scored or (spec.NO_OPTIONS, None)
     if positions is not None:
         options = dataclasses.replace(options, query_positions=positions)
@@ -542,11 +544,11 @@ def _step(
         held = copied_to(ctx, read.astype(np.int32) + num_new, np.int32)
         if plan.tables is not None:
             q = mx.npx.reshape(q, (-2, -2, -1))
-        positions = None
+        query_positions = None
         if plan.scored[0].alibi_slopes is not None:  # (ALiBi sees each query at its position)
-            positions = spec.cache_positions(plan.ops, lengths, plan.ops.size(q, 1))
+            query_positions = spec.cache_positions(plan.ops, lengths, plan.ops.size(q, 1))
         context = _scored(
-            plan, q, held_keys, held_values, held, ctx, positions=positions, kv_split=True
+            plan, q, held_keys, held_values, held, ctx, positions=query_positions, kv_split=True
         )
     output = _project(context, plan.projections[3], ctx)
     new_lengths = _npi.add_scalar(lengths, float(num_new))
