@@ -72,6 +72,7 @@ __all__ = [
     "is_tensor",
     "lens_to_native",
     "scalar_gradient",
+    "shortest_known",
     "sync",
     "to_native",
     "to_numpy",
@@ -182,6 +183,19 @@ def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:
     if not values_readable(q):
         return None
     return bool(as_numpy(values_within(q, k, v, spec.magnitude_limit(head_dim))))
+
+
+def shortest_known(valid_lens: Any) -> float | None:
+    """The shortest of ``valid_lens`` where its values are on the host without a read:
+    numpy lengths, or the lengths an eager cached call returned
+    (:data:`WRITTEN_LENGTHS`); ``None`` otherwise, or for none. (A NaN length is the
+    shortest: the plan keeps it as it is.)"""
+    if valid_lens is None:
+        return None
+    held = valid_lens if isinstance(valid_lens, np.ndarray) else WRITTEN_LENGTHS.known(valid_lens)
+    if held is None or held.size == 0:
+        return None
+    return held.min().item()
 
 
 def _host(x: Any) -> np.ndarray | None:
@@ -403,10 +417,12 @@ class KerasFacts(call.Facts):
         *,
         hides_keys: bool = True,
     ) -> tuple[bool | None, float | None]:
-        """:func:`values_exact`; the lengths are not read (the kernel takes none, so
-        they may hide keys at any call: the scores' bound is read whatever
-        ``hides_keys`` says)."""
-        return values_exact(q, k, v, heads.head_dim), None
+        """:func:`values_exact`, and the shortest length where the lengths are known on
+        the host (:func:`shortest_known`): lengths that hide no key need no mask, and
+        lengths > 0 leave no row fully hidden. Lengths on a device are not read (the
+        kernel takes none, so they may hide keys at any call); the scores' bound is
+        read whatever ``hides_keys`` says."""
+        return values_exact(q, k, v, heads.head_dim), shortest_known(valid_lens)
 
     def on_host(self, q: Tensor) -> bool:
         # A traced tensor is read nowhere (values_exact answers None).

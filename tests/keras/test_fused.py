@@ -461,3 +461,35 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(
     # Four dimensions a head: six queries get the heads repeated, one query folded.
     assert seen == ([(4, False)] if num_queries > 4 else [(2, False)])
     np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
+
+
+def test_lengths_known_on_the_host_that_hide_no_key_give_the_kernel_no_mask(runner):
+    """Numpy lengths (``stateless_call`` passes them as they are), and a decoding
+    step's lengths that the call before returned, are known on the host without a
+    read: where they hide no key the kernel takes no mask (and no row is fixed),
+    where they hide some it takes one; every output against the float64 reference."""
+    weights = init_weights(16, num_heads=4, num_kv_heads=2, seed=41)
+    layer = runner.set_weights(runner.make_layer(16, 4, num_kv_heads=2), weights)
+    x = np.random.default_rng(41).standard_normal((2, 7, 16)).astype(np.float32)
+    variables = ([v.value for v in layer.trainable_variables], [])
+    for lens, masked in ((np.array([7, 9]), False), (np.array([7, 4]), True)):
+        q = backend.to_native(x)
+        with runner.kernel_spy() as calls:
+            out = backend.to_numpy(layer.stateless_call(*variables, q, q, q, lens)[0])
+        assert [call.mask for call in calls] == ([masked] if FUSED else [])
+        expected, _ = spec.reference_forward(weights, x, x, x, lens, num_heads=4, num_kv_heads=2)
+        np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
+    cache = layer.init_cache(2, 12)
+    tensors = [backend.to_native(x[:, i : i + 1]) for i in range(7)]
+    prompt = backend.to_native(x[:, :4])
+    _, cache = layer(prompt, prompt, prompt, causal=True, cache=cache)
+    expected, _ = spec.reference_forward(weights, x, x, x, num_heads=4, num_kv_heads=2, causal=True)
+    for position in range(4, 7):
+        token = tensors[position]
+        with runner.kernel_spy() as calls:
+            out, cache = layer(token, token, token, causal=True, cache=cache)
+        # (Every example at one length, all of it attended over: nothing is hidden.)
+        assert [call.mask for call in calls] == ([False] if FUSED else [])
+        np.testing.assert_allclose(
+            backend.to_numpy(out), expected[:, position : position + 1], rtol=0, atol=5e-6
+        )
