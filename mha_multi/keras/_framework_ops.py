@@ -268,6 +268,10 @@ class _JaxOps(_KerasOps):
         self._stop_gradient = jax.jit(lax.stop_gradient)
         # The start an argument: a position that moves at every decoding step compiles nothing new.
         self._slice_update = jax.jit(lax.dynamic_update_slice)
+        # jnp's where and arange, which cost some 130 and 110 Python calls eagerly.
+        self._where = jax.jit(jnp.where)
+        self._where_number = jax.jit(_where_number, static_argnums=(2,))
+        self._arange = jax.jit(jnp.arange, static_argnums=(0,), static_argnames=("dtype",))
 
     def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
         if isinstance(x, self.jax.Array) and all(type(size) is int for size in shape):
@@ -319,6 +323,37 @@ class _JaxOps(_KerasOps):
         if isinstance(held, self.jax.Array) and isinstance(rows, self.jax.Array):
             return self._slice_update(held, rows, start)
         return keras.ops.slice_update(held, start, rows)
+
+    def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
+        jax = self.jax
+        if not (isinstance(condition, jax.Array) and isinstance(x, jax.Array)):
+            return super().where(condition, x, fill)
+        if isinstance(fill, (int, float)) and fill == fill:  # (a NaN is no key of a program)
+            return self._where_number(condition, x, fill)
+        if not isinstance(fill, jax.Array):
+            return super().where(condition, x, fill)
+        if fill.dtype != x.dtype:
+            fill = self._cast(fill, x.dtype)
+        return self._where(condition, x, fill)
+
+    def arange(self, size: Any) -> Tensor:
+        if type(size) is int:
+            return self._arange(size, dtype="int32")
+        return super().arange(size)
+
+
+def _where_number(condition: Tensor, x: Tensor, fill: float) -> Tensor:
+    """``jnp.where`` of ``x`` and the number ``fill`` as Keras' cast makes it of ``x``'s
+    dtype (its ``convert_to_tensor``: straight to that dtype, to bfloat16 through the
+    number's own); compiled with ``fill`` a constant (:meth:`_JaxOps.where`)."""
+    import jax.numpy as jnp
+
+    dtype = x.dtype
+    if dtype == jnp.bfloat16:
+        number = jnp.asarray(fill).astype(dtype)
+    else:
+        number = jnp.asarray(fill, dtype=dtype)
+    return jnp.where(condition, x, number)
 
 
 class _TorchOps(_KerasOps):

@@ -101,3 +101,32 @@ def test_another_keras_takes_keras_way(monkeypatch):
         get_weights(layer), *(backend.to_numpy(x),) * 3, num_heads=2
     )
     np.testing.assert_allclose(backend.to_numpy(layer(x, x, x)), expected, atol=5e-6)
+
+
+# (-1e6 overflows float16; JAX without 64-bit arrays makes float64 float32, both ways alike.)
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning")
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
+def test_the_frameworks_own_where_and_arange_are_keras_ops_to_the_bit(dtype):
+    """The backend's own ``where`` (numbers and arrays as fills, rounded to the
+    array's dtype) and ``arange`` give the arrays ``keras.ops`` gives: the same
+    dtype and the same bits."""
+    from mha_multi.keras._framework_ops import framework_ops
+
+    own = framework_ops()
+    rng = np.random.default_rng(3)
+    x = keras.ops.cast(
+        backend.to_native(rng.standard_normal((2, 3, 5)) * 1e3, dtype="float64"), dtype
+    )
+    condition = keras.ops.convert_to_tensor(rng.standard_normal((2, 3, 5)) > 0)
+    other = backend.to_native(rng.standard_normal((2, 3, 5)), dtype="float64")
+    for fill in (-1e6, 0.0, 1e-8, 0.1, float("nan"), -float("inf"), 3, other):
+        for _ in range(2):  # (a number's array is kept after its first use)
+            expected = keras.ops.where(condition, x, keras.ops.cast(fill, dtype))
+            got = own.where(condition, x, fill)
+            assert got.dtype == expected.dtype
+            np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(expected))
+    for size in (0, 1, 7):
+        got, expected = own.arange(size), keras.ops.arange(size, dtype="int32")
+        assert got.dtype == expected.dtype
+        np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(expected))
