@@ -26,6 +26,10 @@ __all__ = ["framework_ops"]
 
 Tensor = Any
 
+#: The elementwise comparisons of :meth:`_KerasOps.compare`, which every backend's
+#: framework names as Keras does.
+COMPARISONS = ("less", "greater_equal", "logical_and")
+
 
 class _KerasOps:
     """``keras.ops`` itself: the operations of a backend without faster ones."""
@@ -107,6 +111,11 @@ class _KerasOps:
     def arange(self, size: Any) -> Tensor:
         """``0, 1, ..., size - 1`` as int32."""
         return keras.ops.arange(size, dtype="int32")
+
+    def compare(self, name: str, a: Tensor, b: Tensor) -> Tensor:
+        """``keras.ops.<name>(a, b)``, a boolean array: ``name`` is ``less``,
+        ``greater_equal`` or ``logical_and`` (:data:`COMPARISONS`)."""
+        return getattr(keras.ops, name)(a, b)
 
 
 class _TensorFlowOps(_KerasOps):
@@ -272,6 +281,7 @@ class _JaxOps(_KerasOps):
         self._where = jax.jit(jnp.where)
         self._where_number = jax.jit(_where_number, static_argnums=(2,))
         self._arange = jax.jit(jnp.arange, static_argnums=(0,), static_argnames=("dtype",))
+        self._comparisons = {name: jax.jit(getattr(jnp, name)) for name in COMPARISONS}
 
     def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
         if isinstance(x, self.jax.Array) and all(type(size) is int for size in shape):
@@ -340,6 +350,11 @@ class _JaxOps(_KerasOps):
         if type(size) is int:
             return self._arange(size, dtype="int32")
         return super().arange(size)
+
+    def compare(self, name: str, a: Tensor, b: Tensor) -> Tensor:
+        if isinstance(a, self.jax.Array) and isinstance(b, self.jax.Array):
+            return self._comparisons[name](a, b)  # (Keras' jnp.<name>)
+        return super().compare(name, a, b)
 
 
 def _where_number(condition: Tensor, x: Tensor, fill: float) -> Tensor:
@@ -428,8 +443,23 @@ class _TorchOps(_KerasOps):
     def stop_gradient(self, x: Tensor) -> Tensor:
         return x.detach() if isinstance(x, self.torch.Tensor) else keras.ops.stop_gradient(x)
 
+    def compare(self, name: str, a: Tensor, b: Tensor) -> Tensor:
+        torch = self.torch
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device:
+            return getattr(torch, name)(a, b)  # (Keras' torch.<name>)
+        return super().compare(name, a, b)
+
     def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
         torch = self.torch
+        if (
+            isinstance(fill, torch.Tensor)
+            and isinstance(condition, torch.Tensor)
+            and isinstance(x, torch.Tensor)
+            and condition.dtype == torch.bool
+            and condition.device == x.device == fill.device
+        ):
+            # Keras' own: the fill cast to x's dtype, then torch.where.
+            return torch.where(condition, x, fill if fill.dtype == x.dtype else fill.to(x.dtype))
         if not (isinstance(fill, (int, float)) and isinstance(condition, torch.Tensor)):
             return super().where(condition, x, fill)
         # A number, as PyTorch takes one: Keras would make it a tensor on the

@@ -220,13 +220,13 @@ class KerasOps:
         return ops.flip(x, axis=0)
 
     def less(self, a: Tensor, b: Tensor) -> Tensor:
-        return ops.less(a, b)
+        return self.native.compare("less", a, b)
 
     def greater_equal(self, a: Tensor, b: Tensor) -> Tensor:
-        return ops.greater_equal(a, b)
+        return self.native.compare("greater_equal", a, b)
 
     def logical_and(self, a: Tensor, b: Tensor) -> Tensor:
-        return ops.logical_and(a, b)
+        return self.native.compare("logical_and", a, b)
 
     def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
         return self.native.where(condition, x, fill)

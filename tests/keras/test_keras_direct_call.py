@@ -107,11 +107,11 @@ def test_another_keras_takes_keras_way(monkeypatch):
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning")
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
-def test_the_frameworks_own_where_and_arange_are_keras_ops_to_the_bit(dtype):
+def test_the_frameworks_own_operations_are_keras_ops_to_the_bit(dtype):
     """The backend's own ``where`` (numbers and arrays as fills, rounded to the
-    array's dtype) and ``arange`` give the arrays ``keras.ops`` gives: the same
-    dtype and the same bits."""
-    from mha_multi.keras._framework_ops import framework_ops
+    array's dtype), ``arange`` and comparisons give the arrays ``keras.ops`` gives:
+    the same dtype and the same bits."""
+    from mha_multi.keras._framework_ops import COMPARISONS, framework_ops
 
     own = framework_ops()
     rng = np.random.default_rng(3)
@@ -128,5 +128,12 @@ def test_the_frameworks_own_where_and_arange_are_keras_ops_to_the_bit(dtype):
             np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(expected))
     for size in (0, 1, 7):
         got, expected = own.arange(size), keras.ops.arange(size, dtype="int32")
+        assert got.dtype == expected.dtype
+        np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(expected))
+    positions = keras.ops.arange(6, dtype="int32")
+    lengths = keras.ops.convert_to_tensor(np.array([[[0]], [[3]], [[7]]], np.int32))
+    pairs = [(positions, lengths), (lengths, positions), (condition, condition[:1])]
+    for name, (a, b) in zip(COMPARISONS, pairs, strict=True):
+        got, expected = own.compare(name, a, b), getattr(keras.ops, name)(a, b)
         assert got.dtype == expected.dtype
         np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(expected))
