@@ -182,7 +182,8 @@ def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:
     """
     if not values_readable(q):
         return None
-    return bool(as_numpy(values_within(q, k, v, spec.magnitude_limit(head_dim))))
+    # (bool of an eager scalar reads it on every backend, without numpy's conversion.)
+    return bool(values_within(q, k, v, spec.magnitude_limit(head_dim)))
 
 
 def shortest_known(valid_lens: Any) -> float | None:
@@ -398,7 +399,7 @@ class KerasFacts(call.Facts):
         """Read on the host, one sum; not known on a GPU, where the read would wait."""
         if not values_readable(values) or device_of(values) != "cpu":
             return False
-        return bool(as_numpy(all_finite(values[:, :, span:])))
+        return bool(all_finite(values[:, :, span:]))  # (values_exact's read)
 
     def span_bucket_of(self, keys: Tensor) -> int:
         """1 where the backend's eager kernels take any length at no cost (PyTorch's
