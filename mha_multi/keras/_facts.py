@@ -350,9 +350,14 @@ class KerasFacts(call.Facts):
         cache's own tensors, as PyTorch's layer does; on JAX by one scatter
         (:func:`mha_multi.spec.update_cache`'s ``scatter``: under ``jit`` the
         spec's gather would recompute their rotation at every position).
-        Anything else (a ragged batch, another traced call) gets the spec's
-        functional update. The lengths an eager call returns are remembered
-        either way (:data:`WRITTEN_LENGTHS`), so the next step reads none.
+        An eager call of examples at different lengths (or appending different
+        counts) on Keras' PyTorch backend, recording no gradient, writes each
+        example's rows where it is into the cache's own tensors (PyTorch's
+        layer's compiled write, whose result is the spec's update for any
+        lengths). Anything else (such a call elsewhere, or recording gradients,
+        another traced call) gets the spec's functional update. The lengths an
+        eager call returns are remembered either way (:data:`WRITTEN_LENGTHS`),
+        so the next step reads none.
         """
         num_new = 0 if k is None else k.shape[1]
         traced_write = active().traced_write
@@ -362,7 +367,14 @@ class KerasFacts(call.Facts):
                 return written
         first = None if fill is None or not num_new else fill.uniform_start(num_new)
         if first is None or not values_readable(k):
-            written, visible = super().write_cache(
+            in_place = None
+            if num_new and values_readable(k):
+                # Examples at different lengths, written where each is (PyTorch's
+                # backend, recording no gradient through the cache).
+                in_place = active().write_in_place(
+                    ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal
+                )
+            written, visible = in_place or super().write_cache(
                 ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal, fill=fill
             )
             if fill is not None and values_readable(written.lengths):

@@ -443,9 +443,14 @@ class _TorchOps(_KerasOps):
     def stop_gradient(self, x: Tensor) -> Tensor:
         return x.detach() if isinstance(x, self.torch.Tensor) else keras.ops.stop_gradient(x)
 
-    def compare(self, name: str, a: Tensor, b: Tensor) -> Tensor:
+    def compare(self, name: str, a: Tensor, b: Tensor | int) -> Tensor:
         torch = self.torch
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device:
+        if isinstance(a, torch.Tensor) and (
+            (isinstance(b, torch.Tensor) and a.device == b.device)
+            # An integer as PyTorch takes one (the same answer as Keras' tensor of it,
+            # which a GPU's call would copy from the host).
+            or (type(b) is int and name != "logical_and")
+        ):
             return getattr(torch, name)(a, b)  # (Keras' torch.<name>)
         return super().compare(name, a, b)
 

@@ -108,6 +108,15 @@ class _Framework:
         """Whether an eager call may write a cache of these arrays in place."""
         return False
 
+    def write_in_place(
+        self, ops: Any, cache: spec.KVCache, k: Tensor, v: Tensor, valid_lens: Any, **sizes: Any
+    ) -> tuple[spec.KVCache, Tensor] | None:
+        """:func:`mha_multi.spec.update_cache` written into the cache's own arrays, for
+        any lengths (an eager call's, where :meth:`writes_in_place`); ``None`` where
+        this backend writes no array in place (TensorFlow's and JAX's cannot be).
+        ``sizes``: ``head_dim`` and ``causal``."""
+        return None
+
     #: How a traced call writes a cache's new rows, where not as the spec's gather:
     #: ``traced_write(ops, cache, k, v, valid_lens, head_dim=, causal=)`` returns what
     #: :func:`mha_multi.spec.update_cache` returns, or ``None`` for a call it leaves
@@ -309,6 +318,15 @@ class _Torch(_Framework):
             return super().write_rows(held, rows, first, in_place=False)
         held.narrow(2, first, rows.shape[2]).copy_(rows)
         return held
+
+    def write_in_place(
+        self, ops: Any, cache: spec.KVCache, k: Tensor, v: Tensor, valid_lens: Any, **sizes: Any
+    ) -> tuple[spec.KVCache, Tensor] | None:
+        # PyTorch's own layer's compiled write, one indexed write per array, which
+        # writes the spec's update for any lengths; the spec's gathers every position.
+        if not self.writes_in_place(k, v, cache.keys, cache.values):
+            return None
+        return self.compiled_cache.write_in_place(ops, cache, k, v, valid_lens, **sizes)
 
     def traced_write(
         self, ops: Any, cache: spec.KVCache, k: Tensor, v: Tensor, valid_lens: Any, **sizes: Any

@@ -132,8 +132,19 @@ def test_the_frameworks_own_operations_are_keras_ops_to_the_bit(dtype):
         np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(expected))
     positions = keras.ops.arange(6, dtype="int32")
     lengths = keras.ops.convert_to_tensor(np.array([[[0]], [[3]], [[7]]], np.int32))
-    pairs = [(positions, lengths), (lengths, positions), (condition, condition[:1])]
-    for name, (a, b) in zip(COMPARISONS, pairs, strict=True):
+    cases = list(
+        zip(
+            COMPARISONS,
+            [(positions, lengths), (lengths, positions), (condition, condition[:1])],
+            strict=True,
+        )
+    )
+    cases += [
+        ("less", (positions, 4)),
+        ("less", (positions, 2**30)),
+        ("greater_equal", (lengths, -1)),
+    ]
+    for name, (a, b) in cases:
         got, expected = own.compare(name, a, b), getattr(keras.ops, name)(a, b)
         assert got.dtype == expected.dtype
         np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(expected))
