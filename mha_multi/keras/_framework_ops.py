@@ -338,8 +338,11 @@ class _JaxOps(_KerasOps):
         jax = self.jax
         if not (isinstance(condition, jax.Array) and isinstance(x, jax.Array)):
             return super().where(condition, x, fill)
-        if isinstance(fill, (int, float)) and fill == fill:  # (a NaN is no key of a program)
-            return self._where_number(condition, x, fill)
+        if isinstance(fill, float):
+            # (A program's key: a float by its bits, so that -0.0 is not 0.0 and NaN is one.)
+            return self._where_number(condition, x, fill.hex())
+        if isinstance(fill, int):
+            return self._where_number(condition, x, int(fill))
         if not isinstance(fill, jax.Array):
             return super().where(condition, x, fill)
         if fill.dtype != x.dtype:
@@ -357,12 +360,15 @@ class _JaxOps(_KerasOps):
         return super().compare(name, a, b)
 
 
-def _where_number(condition: Tensor, x: Tensor, fill: float) -> Tensor:
-    """``jnp.where`` of ``x`` and the number ``fill`` as Keras' cast makes it of ``x``'s
-    dtype (its ``convert_to_tensor``: straight to that dtype, to bfloat16 through the
-    number's own); compiled with ``fill`` a constant (:meth:`_JaxOps.where`)."""
+def _where_number(condition: Tensor, x: Tensor, fill: int | str) -> Tensor:
+    """``jnp.where`` of ``x`` and the number ``fill`` (an int, or a float's ``hex()``)
+    as Keras' cast makes it of ``x``'s dtype (its ``convert_to_tensor``: straight to
+    that dtype, to bfloat16 through the number's own); compiled with ``fill`` a
+    constant (:meth:`_JaxOps.where`)."""
     import jax.numpy as jnp
 
+    if isinstance(fill, str):
+        fill = float.fromhex(fill)
     dtype = x.dtype
     if dtype == jnp.bfloat16:
         number = jnp.asarray(fill).astype(dtype)
