@@ -199,6 +199,15 @@ class Facts:
         (elsewhere the plan reads only where :func:`mha_multi.spec.reads_values` says)."""
         return True
 
+    def reads_values(
+        self, q: Array, num_queries: Any, num_keys: Any, *, total_scores: int | None
+    ) -> bool:
+        """Whether :func:`~mha_multi.call.plan` reads a call's values (:meth:`plan_values`),
+        to take the kernel where they allow it: :func:`mha_multi.spec.reads_values`
+        (on a device only where the wait pays). ``total_scores``: the call's scores
+        in all, or ``None`` where it records a gradient."""
+        return spec.reads_values(self.on_host(q), num_queries, num_keys, total_scores=total_scores)
+
     def records_gradient(self, q: Array) -> bool:
         """Whether a gradient is recorded through the projection ``q``, so that the
         generic path keeps its ``(B, H, Q, K)`` weights for the backward pass

@@ -151,6 +151,7 @@ def attend(
     q, k, v = layer.project_inputs(queries, keys, values)
     kv_split = cache is not None
     first = 0  # (the first cache position attended over)
+    unmasked = False  # (where a cached call's lengths hide no key attended over)
     lengths = None if cache is None else cache.lengths  # before the new rows
     options = spec.NO_OPTIONS
     if layer_options is not None and layer_options.qk_norm is not None:
@@ -173,6 +174,9 @@ def attend(
         )
     if cache is not None:
         spec.check_cache_dtype(ops, cache, ops.dtype(q), ops.dtype(q))
+        # (What each query sees is each example's length after the call, but for a
+        # causal call of several new positions.)
+        sees_held = fill is not None and (not causal or k is None or k.shape[1] <= 1)
         cache, valid_lens = facts.write_cache(
             ops, cache, k, v, valid_lens, head_dim=heads.head_dim, causal=causal, fill=fill
         )
@@ -183,6 +187,10 @@ def attend(
             # nothing to any row (a user's bias could make them: it keeps all of them).
             window = None if layer_options is None else layer_options.window
             k, v, first = attended_positions(facts, k, v, fill, q.shape[1], window=window)
+            # Every query sees every key attended over: the generic path's mask of the
+            # lengths would replace no score, so it is not made (the same numbers to the
+            # bit; the kernel plan still reads the lengths, which tell it more).
+            unmasked = sees_held and fill.least - first >= k.shape[2]
             if first:
                 # The keys from ``first`` on: the lengths and query positions count from there.
                 valid_lens = facts.lengths_from(ops, valid_lens, first)
@@ -235,7 +243,7 @@ def attend(
     generic = functools.partial(
         facts.generic_attention,
         ops,
-        valid_lens=valid_lens,
+        valid_lens=None if unmasked else valid_lens,
         **settings,
         causal=causal,
         dropout=dropout,

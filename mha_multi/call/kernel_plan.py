@@ -2,7 +2,7 @@
 
 The values are read (:meth:`~mha_multi.call.facts.Facts.plan_values`) only
 where they can still change the decision, and off the host only where
-:func:`mha_multi.spec.reads_values` says the wait pays (docs: "Fast paths").
+:meth:`~mha_multi.call.facts.Facts.reads_values` says the read pays (docs: "Fast paths").
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ def plan(
     total_scores = (
         None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys
     )
-    if not spec.reads_values(facts.on_host(q), num_queries, num_keys, total_scores=total_scores):
-        exact, shortest = None, None  # a read would wait for the device
+    if not facts.reads_values(q, num_queries, num_keys, total_scores=total_scores):
+        exact, shortest = None, None  # a read would wait for the device, or cost too much
     elif options.bias is None:
         exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, hides_keys=hides_keys)
     else:

@@ -437,6 +437,18 @@ class KerasFacts(call.Facts):
         read whatever ``hides_keys`` says."""
         return values_exact(q, k, v, heads.head_dim), shortest_known(valid_lens)
 
+    def reads_values(
+        self, q: Tensor, num_queries: Any, num_keys: Any, *, total_scores: int | None
+    ) -> bool:
+        """Never on the host for one query per example (a decoding step, a one-token
+        call): the read passes over the keys and values once more than the attention
+        of one query does (a step's are the cache's filled positions), so the generic
+        path, which reads nothing, runs as fast or faster (docs: "Fast paths");
+        otherwise the spec's rule (on a GPU, a long call's read pays)."""
+        if num_queries == 1 and self.on_host(q):
+            return False
+        return super().reads_values(q, num_queries, num_keys, total_scores=total_scores)
+
     def on_host(self, q: Tensor) -> bool:
         # A traced tensor is read nowhere (values_exact answers None).
         return not values_readable(q) or device_of(q) == "cpu"

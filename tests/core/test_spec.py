@@ -761,3 +761,27 @@ def test_fix_fully_hidden_rows_of_grouped_heads_is_the_repeated_heads_fix(causal
     for heads_axis, layout in ((1, (0, 1, 2, 3)), (2, (0, 2, 1, 3))):
         got = fixed(values, layout, heads_axis, group_size=group)
         np.testing.assert_array_equal(got, fixed(repeated, layout, heads_axis))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (inf - inf)
+@pytest.mark.parametrize("kv_split", [False, True])
+def test_lengths_that_hide_no_key_change_no_bit(kv_split):
+    """Lengths of at least ``K`` (or ``(B, Q)`` lengths each at least ``K``) give the
+    numbers of no lengths to the bit, non-finite values included: the mask replaces
+    no score (what a cached call's generic path counts on where the lengths it was
+    read to hold hide nothing: docs "Generating with a cache")."""
+    ops = spec.NumpyOps()
+    rng = np.random.default_rng(7)
+    batch, num_queries, num_keys, num_heads, num_kv_heads, head_dim = 3, 2, 5, 4, 2, 3
+    q = rng.standard_normal((batch, num_queries, num_heads * head_dim))
+    if kv_split:
+        k, v = (rng.standard_normal((batch, num_kv_heads, num_keys, head_dim)) for _ in "kv")
+    else:
+        k, v = (rng.standard_normal((batch, num_keys, num_kv_heads * head_dim)) for _ in "kv")
+    q[0, 0, 0], k[1, ..., 1, 0], v[2, ..., 2, 1] = np.nan, np.inf, -np.inf
+    settings = {"num_heads": num_heads, "head_dim": head_dim, "num_kv_heads": num_kv_heads}
+    plain = spec.attention(ops, q, k, v, None, kv_split=kv_split, **settings)
+    for lens in (np.array([5, 7, 5]), np.full((batch, num_queries), 5.5)):
+        masked = spec.attention(ops, q, k, v, lens, kv_split=kv_split, **settings)
+        for got, expected in zip(masked, plain, strict=True):
+            np.testing.assert_array_equal(got.view(np.int64), expected.view(np.int64))

@@ -442,8 +442,12 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(
     """On Keras' PyTorch backend the plan follows PyTorch's rule for grouped heads
     (``repeats_grouped_heads``, told here that the CPU is CUDA): repeated for more
     queries than ``head_dim``; one query's heads the queries of their key/value head
-    (no ``enable_gqa``); both give the float64 reference's numbers."""
+    (no ``enable_gqa``), where the plan reads one query's values (a GPU's long
+    call: the host's takes the generic path); both give the float64 reference's
+    numbers."""
     import mha_multi.torch._facts as torch_facts
+
+    monkeypatch.setattr(type(FACTS), "reads_values", lambda *args, **kwargs: True)
 
     monkeypatch.setattr(
         torch_facts,
@@ -464,10 +468,11 @@ def test_float32_grouped_heads_on_cuda_reach_sdpa_repeated(
 
 
 def test_lengths_known_on_the_host_that_hide_no_key_give_the_kernel_no_mask(runner):
-    """Numpy lengths (``stateless_call`` passes them as they are), and a decoding
-    step's lengths that the call before returned, are known on the host without a
+    """Numpy lengths (``stateless_call`` passes them as they are), and a cached
+    call's lengths that the call before returned, are known on the host without a
     read: where they hide no key the kernel takes no mask (and no row is fixed),
-    where they hide some it takes one; every output against the float64 reference."""
+    where they hide some it takes one; a decoding step (one query) takes the
+    generic path on the host; every output against the float64 reference."""
     weights = init_weights(16, num_heads=4, num_kv_heads=2, seed=41)
     layer = runner.set_weights(runner.make_layer(16, 4, num_kv_heads=2), weights)
     x = np.random.default_rng(41).standard_normal((2, 7, 16)).astype(np.float32)
@@ -480,16 +485,28 @@ def test_lengths_known_on_the_host_that_hide_no_key_give_the_kernel_no_mask(runn
         expected, _ = spec.reference_forward(weights, x, x, x, lens, num_heads=4, num_kv_heads=2)
         np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
     cache = layer.init_cache(2, 12)
-    tensors = [backend.to_native(x[:, i : i + 1]) for i in range(7)]
-    prompt = backend.to_native(x[:, :4])
+    prompt = backend.to_native(x[:, :3])
     _, cache = layer(prompt, prompt, prompt, causal=True, cache=cache)
     expected, _ = spec.reference_forward(weights, x, x, x, num_heads=4, num_kv_heads=2, causal=True)
-    for position in range(4, 7):
-        token = tensors[position]
+    # Two new positions, not causal: every example at one length, all of it attended
+    # over, nothing hidden. Then a causal pair (the causal rule hides keys), and a step.
+    for start, stop, causal, masked in (
+        (3, 5, False, [False]),
+        (5, 7, True, [True]),
+        (7, 8, True, []),
+    ):
+        chunk = backend.to_native(x[:, start:stop])
         with runner.kernel_spy() as calls:
-            out, cache = layer(token, token, token, causal=True, cache=cache)
-        # (Every example at one length, all of it attended over: nothing is hidden.)
-        assert [call.mask for call in calls] == ([False] if FUSED else [])
-        np.testing.assert_allclose(
-            backend.to_numpy(out), expected[:, position : position + 1], rtol=0, atol=5e-6
+            out, cache = layer(chunk, chunk, chunk, causal=causal, cache=cache)
+        assert [call.mask for call in calls] == (masked if FUSED else [])
+        whole = x[:, :stop]
+        reference, _ = spec.reference_forward(
+            weights,
+            whole[:, start:],
+            whole,
+            whole,
+            num_heads=4,
+            num_kv_heads=2,
+            causal=causal,
         )
+        np.testing.assert_allclose(backend.to_numpy(out), reference, rtol=0, atol=5e-6)

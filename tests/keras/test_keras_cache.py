@@ -759,3 +759,31 @@ def test_the_cache_takes_the_compute_dtype(dtype):
     for keys in (queries, None):
         with pytest.raises(TypeError, match="cache.keys dtype float32 differs"):
             layer(queries, keys, keys, causal=True, cache=float32_cache)
+
+
+def test_a_step_whose_lengths_hide_no_key_makes_no_mask_on_the_generic_path(monkeypatch):
+    """A step of examples at one length, attending over exactly its filled positions
+    (Keras on PyTorch's CPU, whose span bucket is 1), gives the generic path no
+    lengths: they would hide no key. Where the span is rounded up past them (the
+    spec's bucket on TensorFlow and JAX) or the examples differ, it gets them. The
+    reference's numbers either way."""
+    from mha_multi.keras._facts import FACTS
+
+    weights = grouped_weights(13)
+    layer = layer_of(weights)
+    x = sequences(13)
+    seen = []
+    original = type(FACTS).generic_attention
+
+    def recording(self, ops, q, k, v, valid_lens, **kwargs):
+        seen.append(valid_lens is None)
+        return original(self, ops, q, k, v, valid_lens, **kwargs)
+
+    monkeypatch.setattr(type(FACTS), "generic_attention", recording)
+    bucket_of_one = backend.BACKEND == "torch"
+    for held in ([3, 3, 3], [3, 1, 2]):
+        cache = prefilled(layer, x, held, MAX_LENGTH)
+        seen.clear()
+        cache, expected_cache = checked_step(layer, weights, x, cache, 3)
+        assert_cache_is(cache, expected_cache)
+        assert seen == [bucket_of_one and held == [3, 3, 3]]

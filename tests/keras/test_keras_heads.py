@@ -127,7 +127,8 @@ def test_gates_with_a_cache():
                 cache=cache,
                 head_mask=backend.to_native(gates),
             )
-        assert len(calls) == int(FUSED)
+        # (One query per example: the generic path on the host.)
+        assert len(calls) == int(FUSED and chunk[0].shape[1] > 1)
         real = np.arange(chunk[0].shape[1]) < new[:, None]
         np.testing.assert_allclose(
             backend.to_numpy(output)[real], expected[real], rtol=0, atol=ATOL
