@@ -768,8 +768,8 @@ def test_fix_fully_hidden_rows_of_grouped_heads_is_the_repeated_heads_fix(causal
 def test_lengths_that_hide_no_key_change_no_bit(kv_split):
     """Lengths of at least ``K`` (or ``(B, Q)`` lengths each at least ``K``) give the
     numbers of no lengths to the bit, non-finite values included: the mask replaces
-    no score (what a cached call's generic path counts on where the lengths it was
-    read to hold hide nothing: docs "Generating with a cache")."""
+    no score (what a cached call's generic path counts on where the lengths read on
+    the host hide no key it attends over: docs "Fast paths")."""
     ops = spec.NumpyOps()
     rng = np.random.default_rng(7)
     batch, num_queries, num_keys, num_heads, num_kv_heads, head_dim = 3, 2, 5, 4, 2, 3

@@ -121,7 +121,7 @@ def test_the_frameworks_own_operations_are_keras_ops_to_the_bit(dtype):
     condition = keras.ops.convert_to_tensor(rng.standard_normal((2, 3, 5)) > 0)
     other = backend.to_native(rng.standard_normal((2, 3, 5)), dtype="float64")
     for fill in (-1e6, 0.0, -0.0, 1e-8, 0.1, float("nan"), -float("inf"), 3, True, other):
-        for _ in range(2):  # (a number's array is kept after its first use)
+        for _ in range(2):  # (a number's program is compiled at its first use)
             expected = keras.ops.where(condition, x, keras.ops.cast(fill, dtype))
             got = own.where(condition, x, fill)
             assert got.dtype == expected.dtype
