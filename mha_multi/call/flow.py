@@ -174,9 +174,8 @@ def attend(
         )
     if cache is not None:
         spec.check_cache_dtype(ops, cache, ops.dtype(q), ops.dtype(q))
-        # (What each query sees is each example's length after the call, but for a
-        # causal call of several new positions.)
-        sees_held = fill is not None and (not causal or k is None or k.shape[1] <= 1)
+        # (A fill is read from values: then the new rows' count is an int.)
+        asked_causal, num_new = causal, 0 if k is None or fill is None else k.shape[1]
         cache, valid_lens = facts.write_cache(
             ops, cache, k, v, valid_lens, head_dim=heads.head_dim, causal=causal, fill=fill
         )
@@ -187,10 +186,10 @@ def attend(
             # nothing to any row (a user's bias could make them: it keeps all of them).
             window = None if layer_options is None else layer_options.window
             k, v, first = attended_positions(facts, k, v, fill, q.shape[1], window=window)
-            # Every query sees every key attended over: the generic path's mask of the
-            # lengths would replace no score, so it is not made (the same numbers to the
-            # bit; the kernel plan still reads the lengths, which tell it more).
-            unmasked = sees_held and fill.least - first >= k.shape[2]
+            # Where every query sees every key attended over, the generic path's mask of
+            # the lengths would replace no score, so it is not made (the same numbers to
+            # the bit; the kernel plan still reads the lengths, which tell it more).
+            unmasked = fill.hides_none(num_new, k.shape[2], causal=asked_causal, first=first)
             if first:
                 # The keys from ``first`` on: the lengths and query positions count from there.
                 valid_lens = facts.lengths_from(ops, valid_lens, first)

@@ -215,6 +215,15 @@ class CacheFill(NamedTuple):
             causal = False
         return cached_visibility(NumpyOps(), self.lengths, self.new, num_new, causal=causal)
 
+    def hides_none(self, num_new: int, num_keys: int, *, causal: bool, first: int = 0) -> bool:
+        """Whether every query of the call sees all ``num_keys`` keys from cache position
+        ``first`` on (:meth:`visibility`, not computed): each sees its example's length
+        after the call, but for a causal call of several new positions, whose first
+        queries see fewer."""
+        if causal and num_new > 1:
+            return False
+        return self.least - first >= num_keys
+
     def uniform_start(self, num_new: int) -> int | None:
         """The position every example writes its ``num_new`` rows from, where they share one.
 
