@@ -30,7 +30,7 @@ try:
 except ImportError:  # (another Keras' layout)
     global_state = None
 
-__all__ = ["CHECKED_KERAS", "skips_keras_call"]
+__all__ = ["CHECKED_KERAS", "keras_state_is_plain", "skips_keras_call"]
 
 #: The Keras versions whose ``Layer.__call__`` and state :func:`skips_keras_call` was
 #: checked against (prefixes of ``keras.__version__``).
@@ -50,6 +50,33 @@ def _concrete(x: Any) -> bool:
     return keras.ops.is_tensor(x) and getattr(x, "_keras_mask", None) is None and values_readable(x)
 
 
+def keras_state_is_plain(layer: keras.layers.Layer, *, traced: bool = False) -> bool:
+    """Whether nothing of Keras' state changes what ``layer``'s ``call`` computes: no
+    autocast scope or distribution, a dtype policy that is not mixed, and no
+    quantization, rematerialization, activity regularizer or framework hooks.
+
+    ``traced``: for a call traced into a program of its own
+    (:mod:`mha_multi.keras._call_plan`), which reads the variables' values
+    once, outside it: no stateless scope either (whose values the program
+    would not see). Under a Keras other than :data:`CHECKED_KERAS`, never.
+    """
+    if not _CHECKED:
+        return False
+    if (
+        global_state.get_global_attribute("autocast_scope") is not None
+        or keras.distribution.distribution() is not None
+        or (traced and global_state.get_global_attribute("stateless_scope") is not None)
+    ):
+        return False
+    return not (
+        layer.compute_dtype != layer.variable_dtype
+        or layer.activity_regularizer is not None
+        or getattr(layer, "_remat_mode", None) is not None
+        or layer.dtype_policy.quantization_mode is not None
+        or active().has_call_hooks(layer)
+    )
+
+
 def skips_keras_call(layer: keras.layers.Layer, args: tuple, kwargs: dict[str, Any]) -> bool:
     """Whether ``layer(*args, **kwargs)`` may be ``layer.call(*args, **kwargs)``.
 
@@ -57,27 +84,16 @@ def skips_keras_call(layer: keras.layers.Layer, args: tuple, kwargs: dict[str, A
     layer is built and called before (so nothing is built or first-called
     now), runs eagerly on tensors of the backend (no symbolic call, no trace:
     ``tf.function``, ``jax.jit`` and ``torch.compile`` take Keras' way), is
-    called from no other layer's call (whose ``training`` it would inherit)
-    and under no autocast scope, distribution, rematerialization,
-    quantization or activity regularizer, its dtype policy is not mixed, and
-    its ``training`` is given or cannot matter (no dropout).
+    called from no other layer's call (whose ``training`` it would inherit),
+    Keras' state is plain (:func:`keras_state_is_plain`) and its
+    ``training`` is given or cannot matter (no dropout).
     """
     if not (_CHECKED and layer.built and layer._called):
         return False
     if kwargs.get("training") is None and layer.dropout > 0:
         return False
-    if (
-        global_state.get_global_attribute("current_call_ctx") is not None
-        or global_state.get_global_attribute("autocast_scope") is not None
-        or keras.distribution.distribution() is not None
-    ):
+    if global_state.get_global_attribute("current_call_ctx") is not None:
         return False
-    if (
-        layer.compute_dtype != layer.variable_dtype
-        or layer.activity_regularizer is not None
-        or getattr(layer, "_remat_mode", None) is not None
-        or layer.dtype_policy.quantization_mode is not None
-        or active().has_call_hooks(layer)
-    ):
+    if not keras_state_is_plain(layer):
         return False
     return all(_concrete(x) for x in args) and all(_concrete(x) for x in kwargs.values())

@@ -136,6 +136,21 @@ class _Framework:
         """Whether calling ``layer`` runs hooks of the framework's own (PyTorch's modules)."""
         return False
 
+    #: How an eager call is compiled into one program of its own, the layer's call plan
+    #: (:mod:`mha_multi.keras._call_plan`): ``compile_call(function)``, or ``None`` where
+    #: eager calls run the flow's operations one by one (TensorFlow's and PyTorch's eager
+    #: operations are compiled once, not for each shape, and dispatched in C++).
+    compile_call: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+
+    def plan_arrays(self, arrays: Any) -> bool:
+        """Whether each of ``arrays`` is ``None``, or a concrete array of the framework (a
+        tuple of them: a cache, segment ids) that :attr:`compile_call`'s program takes."""
+        return False
+
+    def plan_place(self, x: Tensor) -> Any:
+        """Where ``x`` lives, as a call plan's key tells programs apart."""
+        return None
+
 
 class _TensorFlow(_Framework):
     """Keras on TensorFlow: ``tf.GradientTape``."""
@@ -209,6 +224,36 @@ class _Jax(_Framework):
 
     def sync(self, value: Any) -> None:
         self.jax.block_until_ready(value)
+
+    @property
+    def compile_call(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        return self.jax.jit
+
+    def plan_arrays(self, arrays: Any) -> bool:
+        array_type = self._array_type()
+        for x in arrays:
+            if x is None or type(x) is array_type:
+                continue
+            if type(x) is tuple or type(x) is spec.KVCache:
+                for y in x:
+                    if type(y) is not array_type:
+                        return False
+                continue
+            return False
+        return True
+
+    def plan_place(self, x: Tensor) -> Any:
+        # The kernel a call takes depends on the platform, its pieces on the devices.
+        return x.sharding
+
+    def _array_type(self) -> type:
+        """The type of JAX's concrete arrays, made at the first call (an array initialises
+        JAX's backend), outside any trace."""
+        array_type = self.__dict__.get("array_type")
+        if array_type is None:
+            with self.jax.ensure_compile_time_eval():
+                array_type = self.__dict__["array_type"] = type(self.jax.numpy.zeros(()))
+        return array_type
 
     def traced_write(
         self, ops: Any, cache: spec.KVCache, k: Tensor, v: Tensor, valid_lens: Any, **sizes: Any

@@ -22,6 +22,7 @@ import numpy as np
 from mha_multi import _docs, call, spec
 from mha_multi.call.checks import check_segment_ids
 from mha_multi.canonical_layer import FromCanonical
+from mha_multi.keras._call_plan import planned_call
 from mha_multi.keras._direct_call import skips_keras_call
 from mha_multi.keras._facts import (
     FACTS,
@@ -279,6 +280,20 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
                 included), or, in
                 eager mode, a cached call's lengths out of range.
         """
+        keywords = {
+            "causal": causal,
+            "return_attention_weights": return_attention_weights,
+            "cache": cache,
+            "head_mask": head_mask,
+            "positions": positions,
+            "bias": bias,
+            "training": training,
+            "segment_ids": segment_ids,
+        }
+        # An eager call on JAX: one compiled program per signature (docs: "Fast paths").
+        planned = planned_call(self, (queries, keys, values, valid_lens), keywords)
+        if planned is not None:
+            return planned[0]
         # Lengths and caches of numpy arrays are converted by the facts:
         # stateless_call does not pass __call__.
         dropout = training and self.dropout > 0

@@ -27,6 +27,16 @@ COPY_KEYWORD_WARNING = pytest.mark.filterwarnings(
 )
 
 
+@pytest.fixture
+def eager_flow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager calls run the eager flow, operation by operation, on every backend: no
+    call plan compiles them (Keras on JAX's, :mod:`mha_multi.keras._call_plan`), so
+    that a test may watch what that flow does."""
+    from mha_multi.keras._frameworks import active
+
+    monkeypatch.setattr(type(active()), "compile_call", None)
+
+
 @pytest.fixture(scope="session", name="runner")
 def keras_runner() -> Runner:
     """The parity runner of the Keras backend this process runs (``KERAS_BACKEND``).

@@ -18,6 +18,7 @@ import pytest
 keras = pytest.importorskip("keras")
 
 from keras_testing import (  # noqa: E402, F401
+    eager_flow,
     fused_kernel_here,
     inputs,
     keras_runner,
@@ -375,6 +376,7 @@ def test_keras_kernel_takes_grouped_heads_where_the_layer_says(num_kv_heads):
     assert DOT_PRODUCT_ATTENTION.takes_grouped_heads == (backend.BACKEND != "tensorflow")
 
 
+@pytest.mark.usefixtures("eager_flow")
 @pytest.mark.parametrize("name", ["gqa", "mqa", "head_dim"])
 def test_grouped_heads_reach_the_kernel_as_the_plan_says(
     runner, cases, name, fused_here, monkeypatch
@@ -387,6 +389,7 @@ def test_grouped_heads_reach_the_kernel_as_the_plan_says(
     np.testing.assert_allclose(out, case.reference["output"], rtol=0, atol=5e-6)
 
 
+@pytest.mark.usefixtures("eager_flow")
 @pytest.mark.parametrize("name", ["gqa", "mqa"])
 def test_a_kernel_without_groups_gets_the_heads_repeated_once(
     runner, cases, name, fused_here, monkeypatch

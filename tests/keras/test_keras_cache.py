@@ -19,7 +19,12 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
-from keras_testing import fused_kernel_here, keras_runner, kernel_key_heads  # noqa: E402, F401
+from keras_testing import (  # noqa: E402, F401
+    eager_flow,
+    fused_kernel_here,
+    keras_runner,
+    kernel_key_heads,
+)
 
 import mha_multi.keras._kernel as kernel_module  # noqa: E402
 from conftest import device_or_skip, recording_host_moves, without_synchronisation  # noqa: E402
@@ -315,6 +320,7 @@ def assert_cache_is(cache, expected):
             )
 
 
+@pytest.mark.usefixtures("eager_flow")
 @pytest.mark.parametrize("recorded", [True, False], ids=["gradients", "no gradients"])
 @pytest.mark.parametrize("room", [0, 1], ids=["fills the cache", "leaves room"])
 @pytest.mark.parametrize("chunk", [1, 2])
@@ -344,6 +350,7 @@ def test_an_eager_call_at_one_position_writes_its_rows_as_a_slice(
         np.testing.assert_array_equal(native_cache(cache).keys, before.keys)
 
 
+@pytest.mark.usefixtures("eager_flow")
 def test_eager_steps_attend_over_the_filled_positions_rounded_to_the_bucket(monkeypatch):
     """Steps at one position attend over the positions filled, rounded up to the
     backend's bucket (the spec's on TensorFlow and JAX, 1 on PyTorch's CPU) and never
@@ -454,6 +461,7 @@ def test_an_overflow_at_one_position_is_refused_and_writes_nothing(recorded):
         np.testing.assert_array_equal(held, kept)
 
 
+@pytest.mark.usefixtures("eager_flow")
 @pytest.mark.parametrize("recorded", [True, False], ids=["gradients", "no gradients"])
 def test_non_finite_rows_at_one_position_give_the_references_numbers(monkeypatch, recorded):
     # Example 0's new query is NaN, example 1's new key +inf; the next call
@@ -643,6 +651,7 @@ def test_traced_calls_on_jax_scatter_their_rows(monkeypatch):
 # -- the kernel plan ---------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("eager_flow")
 @pytest.mark.parametrize("num_kv_heads", [2, 1])
 def test_cached_calls_take_the_kernel_where_the_plan_says(
     runner, num_kv_heads, fused_here, monkeypatch
@@ -761,6 +770,7 @@ def test_the_cache_takes_the_compute_dtype(dtype):
             layer(queries, keys, keys, causal=True, cache=float32_cache)
 
 
+@pytest.mark.usefixtures("eager_flow")
 def test_a_step_whose_lengths_hide_no_key_makes_no_mask_on_the_generic_path(monkeypatch):
     """A step of examples at one length, attending over exactly its filled positions
     (Keras on PyTorch's CPU, whose span bucket is 1), gives the generic path no

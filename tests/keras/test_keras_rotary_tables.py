@@ -12,6 +12,8 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
+from keras_testing import eager_flow  # noqa: E402, F401
+
 from mha_multi import spec  # noqa: E402
 from mha_multi.call import rotary_tables  # noqa: E402
 from mha_multi.keras import MultiHeadAttention, set_weights  # noqa: E402
@@ -35,6 +37,7 @@ def _traced(layer):
     return None
 
 
+@pytest.mark.usefixtures("eager_flow")
 def test_traced_and_symbolic_calls_keep_nothing():
     weights = init_weights(16, num_heads=2, num_kv_heads=1, seed=13)
     weights = {name: array.astype(np.float32) for name, array in weights.items()}

@@ -1,0 +1,148 @@
+"""Keras' call plan on JAX: an eager call as one compiled program per signature.
+
+An eager call of the Keras layer on JAX (concrete JAX arrays, no dropout
+applied) runs its whole flow, :func:`mha_multi.call.forward` with its checks,
+projections, positions, kernel, output and cache update, as one ``jax.jit``
+program of the layer's ``stateless_call`` (docs: "Fast paths"), as the NNX
+layer's eager calls do. Eager JAX would otherwise dispatch each of the
+flow's operations apart, and compile each of them for every new shape: a
+one-token call took 0.64 ms eagerly and 0.16 ms as one program, a call of a
+new shape 1.4 to 1.9 s against 0.2 s (512 and 8 hiddens, 2026-11-30).
+
+The program is made once per :func:`plan_key` (what decides the route
+besides the arrays: the layer's settings, the call's flags, where the
+queries live) and ``jax.jit`` traces it once per shapes, dtypes and given
+arguments. The layer's variables are its arguments, never closed over, so a
+changed weight is seen by the next call. The checks of shapes and dtypes run
+while it is traced and raise there; the check that reads values, a cached
+call's lengths against its capacity, runs on every call
+(:func:`mha_multi.call.check_cache_values`, the lengths an eager call
+returned known without a read), and the lengths a planned call returns are
+remembered as an eager call's are. The program computes what a caller's
+own ``jax.jit`` of the layer computes: a traced flow reads no value, so it
+attends over every cached position, the unfilled ones hidden.
+
+Anything the plan does not serve (another backend, tracers, numpy
+arguments, dropout applied, a mixed dtype policy, settings that cannot be
+hashed) takes the eager flow, which computes the same numbers to within the
+tolerance of docs: "Testing".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mha_multi import call, spec
+from mha_multi.keras._direct_call import keras_state_is_plain
+from mha_multi.keras._facts import FACTS
+from mha_multi.keras._frameworks import active
+from mha_multi.keras._written_lengths import WRITTEN_LENGTHS
+from mha_multi.spec.memo import KeptBy
+
+__all__ = ["PLANS_PER_LAYER", "forget", "planned_call"]
+
+#: How many signatures' programs a layer keeps, the oldest dropped first (each holds
+#: its compilations).
+PLANS_PER_LAYER = 16
+
+#: Programs by layer, then by :func:`plan_key`.
+_PLANS = KeptBy(PLANS_PER_LAYER)
+
+#: The call's keyword arguments that are arrays (or ``None``): the program's arguments.
+ARRAY_KEYWORDS = ("cache", "head_mask", "positions", "bias", "segment_ids")
+
+
+def forget() -> None:
+    """Drops every layer's programs (and so their compilations)."""
+    _PLANS.clear()
+
+
+def plan_key(layer: Any, queries: Any, flags: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What decides a planned call's program besides its arrays' shapes, dtypes and which
+    are given (``jax.jit``'s own key): the call's ``flags``, the layer's settings
+    read while tracing, and where the queries live (the kernel a call takes depends
+    on the platform)."""
+    return (
+        flags,
+        layer.compute_dtype,
+        layer.dropout,
+        layer._head_parallel,
+        active().plan_place(queries),
+    )
+
+
+def planned_call(
+    layer: Any, inputs: tuple[Any, Any, Any, Any], keywords: dict[str, Any]
+) -> tuple[Any] | None:
+    """An eager call by its plan: ``(returned,)``, the layer's return value, or ``None``
+    where the plan does not serve it and the eager flow runs it.
+
+    Args:
+        layer: the Keras layer, built.
+        inputs: the call's ``(queries, keys, values, valid_lens)``.
+        keywords: its other arguments, as :meth:`MultiHeadAttention.call` takes them.
+
+    Raises:
+        TypeError, ValueError: as the eager flow (:func:`mha_multi.call.forward`).
+    """
+    compile_call = active().compile_call
+    if compile_call is None:
+        return None
+    arrays = {name: keywords.get(name) for name in ARRAY_KEYWORDS}
+    concrete = active().plan_arrays
+    if not concrete(inputs) or not concrete(arrays.values()):
+        return None
+    causal = keywords.get("causal", False)
+    weights = keywords.get("return_attention_weights", False)
+    training = keywords.get("training")
+    if not (causal is True or causal is False) or not (weights is True or weights is False):
+        return None  # (the eager flow raises on a causal that is no bool)
+    if (training and layer.dropout > 0) or not keras_state_is_plain(layer, traced=True):
+        return None
+    try:
+        # (A layer's options are fixed when it is made: others set since get programs anew.)
+        plans = _PLANS.of(layer, made_for=layer.options)
+        key = plan_key(layer, inputs[0], (causal, weights, bool(training)))
+        program = plans.get(key)
+    except TypeError:  # (a setting that cannot be hashed)
+        return None
+    if program is None:
+        program = plans.keep(key, _program(layer, compile_call, causal, weights, bool(training)))
+    returned = program(
+        [v.value for v in layer.trainable_variables],
+        [v.value for v in layer.non_trainable_variables],
+        inputs,
+        arrays,
+    )
+    cache = arrays["cache"]
+    if cache is not None:
+        # Per call, after the traced checks (as in the eager flow): the lengths are
+        # values, which no program can check; the call's result is dropped on an error.
+        queries, keys, _, valid_lens = inputs
+        num_new = 0 if keys is None else queries.shape[1]
+        fill = call.check_cache_values(FACTS, spec.as_kv_cache(cache), valid_lens, num_new)
+        if fill is not None:
+            # (The next step's check and plan read nothing: docs, "Generating with a cache".)
+            WRITTEN_LENGTHS.remember(returned[-1].lengths, fill.held)
+    return (returned,)
+
+
+def _program(
+    layer: Any, compile_call: Callable[..., Any], causal: bool, weights: bool, training: bool
+) -> Callable[..., Any]:
+    """The compiled flow of ``layer``'s calls with these flags."""
+
+    def flow(trainable: list[Any], non_trainable: list[Any], inputs: tuple, arrays: dict) -> Any:
+        returned, _ = layer.stateless_call(
+            trainable,
+            non_trainable,
+            *inputs,
+            causal=causal,
+            return_attention_weights=weights,
+            training=training,
+            **arrays,
+        )
+        return returned
+
+    return compile_call(flow)
