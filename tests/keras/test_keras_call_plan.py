@@ -1,0 +1,185 @@
+"""Keras' call plan: on JAX, an eager call runs one compiled program per signature.
+
+Numbers are checked against the float64 reference
+(:func:`mha_multi.spec.reference_forward`,
+:func:`mha_multi.spec.reference_cached_forward`); the traces are counted by
+:func:`mha_multi.call.forward`, which a planned call runs only while its
+program is traced (docs: "Fast paths"). On the backends without a plan every
+eager call runs the flow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+
+from keras_testing import COPY_KEYWORD_WARNING  # noqa: E402
+
+from mha_multi import call, spec  # noqa: E402
+from mha_multi.keras import MultiHeadAttention, set_weights  # noqa: E402
+from mha_multi.keras import _call_plan  # noqa: E402
+from mha_multi.keras._frameworks import active  # noqa: E402
+from mha_multi.keras._written_lengths import WRITTEN_LENGTHS  # noqa: E402
+from mha_multi.parity.compare import TOLERANCES  # noqa: E402
+from mha_multi.parity.harness import keras as backend  # noqa: E402
+from mha_multi.weights import init_weights  # noqa: E402
+
+pytestmark = COPY_KEYWORD_WARNING
+
+HEADS = {"num_heads": 2, "num_kv_heads": 1}
+ROTARY = {"theta": 10000.0}
+FORWARD = TOLERANCES["float32"][0]
+#: Whether this backend's eager calls are planned.
+PLANNED = active().compile_call is not None
+
+
+@pytest.fixture
+def traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per run of the call flow; the programs made anew (none traced yet)."""
+    runs: list[int] = []
+    forward = call.forward
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(call, "forward", counted)
+    _call_plan.forget()
+    yield runs
+    _call_plan.forget()
+
+
+def _weights(seed: int) -> dict[str, np.ndarray]:
+    weights = init_weights(8, **HEADS, seed=seed)
+    return {name: array.astype(np.float32) for name, array in weights.items()}
+
+
+def _layer(weights: dict[str, np.ndarray], **options) -> MultiHeadAttention:
+    return set_weights(MultiHeadAttention(8, 2, num_kv_heads=1, rotary=ROTARY, **options), weights)
+
+
+def _reference(weights, x, **kwargs):
+    return spec.reference_forward(weights, x, x, x, **HEADS, rotary=ROTARY, **kwargs)[0]
+
+
+def _native(*arrays):
+    return [backend.to_native(x) for x in arrays]
+
+
+def test_a_repeated_call_is_traced_once_and_sees_new_weights(traces):
+    weights = _weights(0)
+    layer = _layer(weights)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    (x_native,) = _native(x)
+    lens = np.array([3, 2], np.int32)
+    for _ in range(3):
+        output = layer(x_native, x_native, x_native, backend.lens_to_native(lens), causal=True)
+        expected = _reference(weights, x, valid_lens=lens, causal=True)
+        np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
+    assert len(traces) == (1 if PLANNED else 3)
+    # The variables are the program's arguments: a new value is seen, with no new trace.
+    changed = _weights(1)
+    set_weights(layer, changed)
+    output = layer(x_native, x_native, x_native, backend.lens_to_native(lens), causal=True)
+    expected = _reference(changed, x, valid_lens=lens, causal=True)
+    np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
+    assert len(traces) == (1 if PLANNED else 4)
+
+
+def test_decoding_steps_share_one_trace_and_check_lengths_each_call(traces):
+    weights = _weights(2)
+    layer = _layer(weights)
+    x = np.random.default_rng(1).standard_normal((2, 5, 8)).astype(np.float32)
+    expected = _reference(weights, x, causal=True)
+    cache = layer.init_cache(2, 5)
+    output, cache = layer(*_native(x[:, :2], x[:, :2], x[:, :2]), causal=True, cache=cache)
+    np.testing.assert_allclose(backend.to_numpy(output), expected[:, :2], atol=FORWARD, rtol=0)
+    for t in range(2, 5):
+        token = _native(x[:, t : t + 1])[0]
+        output, cache = layer(token, token, token, causal=True, cache=cache)
+        np.testing.assert_allclose(
+            backend.to_numpy(output), expected[:, t : t + 1], atol=FORWARD, rtol=0
+        )
+        # The lengths a planned step returns are known on the host, as an eager step's.
+        np.testing.assert_array_equal(WRITTEN_LENGTHS.known(cache.lengths), [t + 1, t + 1])
+    assert len(traces) == (2 if PLANNED else 4)  # the prompt's length and 1
+    # The lengths are values: checked on every call, the planned ones included.
+    with pytest.raises(ValueError, match="the cache overflows: example 0 would hold 6"):
+        layer(token, token, token, causal=True, cache=cache)
+
+
+def test_a_ragged_step_of_a_planned_call_matches_the_reference(traces):
+    weights = _weights(3)
+    layer = _layer(weights)
+    rng = np.random.default_rng(2)
+    prompt = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    cache = layer.init_cache(2, 6)
+    _, cache = layer(*_native(prompt, prompt, prompt), causal=True, cache=cache)
+    rows = rng.standard_normal((2, 2, 8)).astype(np.float32)
+    lens = np.array([2, 1], np.int32)
+    before = [backend.to_numpy(a) for a in cache]
+    for _ in range(2):  # (the second call runs the program the first traced)
+        output, after = layer(
+            *_native(rows, rows, rows), backend.lens_to_native(lens), causal=True, cache=cache
+        )
+        expected, _, expected_cache = spec.reference_cached_forward(
+            weights, rows, rows, rows, spec.KVCache(*before), lens, **HEADS, causal=True,
+            rotary=ROTARY,
+        )
+        np.testing.assert_allclose(backend.to_numpy(output)[0], expected[0], atol=FORWARD, rtol=0)
+        np.testing.assert_allclose(
+            backend.to_numpy(output)[1, :1], expected[1, :1], atol=FORWARD, rtol=0
+        )
+        np.testing.assert_array_equal(backend.to_numpy(after.lengths), [5, 4])
+        np.testing.assert_array_equal(WRITTEN_LENGTHS.known(after.lengths), [5, 4])
+        for held, reference in zip(after[:2], expected_cache[:2], strict=True):
+            np.testing.assert_allclose(
+                backend.to_numpy(held)[:, :, :5], reference[:, :, :5], atol=FORWARD, rtol=0
+            )
+    assert len(traces) == (2 if PLANNED else 3)
+
+
+def test_non_finite_inputs_give_the_references_pattern(traces):
+    weights = _weights(4)
+    layer = _layer(weights)
+    x = np.random.default_rng(3).standard_normal((3, 4, 8)).astype(np.float32)
+    x[0, 1, 2] = np.nan
+    x[1, 2, 0] = np.inf
+    x[2, 0, 5] = -np.inf
+    expected = _reference(weights, x, causal=True)
+    for _ in range(2):
+        output = backend.to_numpy(layer(*_native(x, x, x), causal=True))
+        np.testing.assert_array_equal(np.isnan(output), np.isnan(expected))
+        np.testing.assert_array_equal(np.isinf(output), np.isinf(expected))
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(output[finite], expected[finite], atol=FORWARD, rtol=0)
+
+
+def test_a_planned_signatures_new_shapes_raise_the_flows_errors(traces):
+    layer = _layer(_weights(5))
+    x = _native(np.ones((1, 3, 8), np.float32))[0]
+    layer(x, x, x)
+    wide = _native(np.ones((1, 3, 9), np.float32))[0]
+    with pytest.raises(ValueError, match="keys"):
+        layer(x, wide, x)
+    with pytest.raises(TypeError, match="causal"):
+        layer(x, x, x, causal="yes")
+
+
+def test_calls_that_apply_dropout_are_not_planned(traces):
+    weights = _weights(6)
+    layer = _layer(weights, dropout=0.5)
+    x = np.random.default_rng(4).standard_normal((1, 3, 8)).astype(np.float32)
+    (x_native,) = _native(x)
+    for _ in range(2):  # without dropout applied: planned (where this backend plans)
+        output = layer(x_native, x_native, x_native, training=False)
+        np.testing.assert_allclose(
+            backend.to_numpy(output), _reference(weights, x), atol=FORWARD, rtol=0
+        )
+    assert len(traces) == (1 if PLANNED else 2)
+    traces.clear()
+    for _ in range(2):
+        layer(x_native, x_native, x_native, training=True)
+    assert len(traces) == 2  # the eager flow, with its dropout, each time
