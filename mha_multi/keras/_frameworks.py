@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 
 from mha_multi import spec
 from mha_multi.keras._first_use import made_on_first_use
@@ -230,9 +231,11 @@ class _Jax(_Framework):
         return self.jax.jit
 
     def plan_arrays(self, arrays: Any) -> bool:
+        # (numpy arrays too: lengths, which the layer passes on as numpy, enter the
+        # program as JAX arrays, as in any jax.jit.)
         array_type = self._array_type()
         for x in arrays:
-            if x is None or type(x) is array_type:
+            if x is None or type(x) is array_type or type(x) is np.ndarray:
                 continue
             if type(x) is tuple or type(x) is spec.KVCache:
                 for y in x:

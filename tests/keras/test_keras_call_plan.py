@@ -79,13 +79,19 @@ def test_a_repeated_call_is_traced_once_and_sees_new_weights(traces):
         expected = _reference(weights, x, valid_lens=lens, causal=True)
         np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
     assert len(traces) == (1 if PLANNED else 3)
+    # Lengths as numpy, which the layer passes on as they are, take the same program.
+    np.testing.assert_array_equal(
+        backend.to_numpy(layer(x_native, x_native, x_native, lens, causal=True)),
+        backend.to_numpy(output),
+    )
+    assert len(traces) == (1 if PLANNED else 4)
     # The variables are the program's arguments: a new value is seen, with no new trace.
     changed = _weights(1)
     set_weights(layer, changed)
     output = layer(x_native, x_native, x_native, backend.lens_to_native(lens), causal=True)
     expected = _reference(changed, x, valid_lens=lens, causal=True)
     np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
-    assert len(traces) == (1 if PLANNED else 4)
+    assert len(traces) == (1 if PLANNED else 5)
 
 
 def test_decoding_steps_share_one_trace_and_check_lengths_each_call(traces):
