@@ -84,6 +84,26 @@ def record_sdpa_key_heads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bo
     return seen
 
 
+def counted_flow_runs(monkeypatch: pytest.MonkeyPatch, forget) -> Iterator[list[int]]:
+    """Yields a list that gets an entry per run of the call flow
+    (:func:`mha_multi.call.forward`), which a call plan's call runs only while its
+    program is traced; the plans ``forget()`` drops are made anew before and after.
+    A fixture's body: ``yield from counted_flow_runs(monkeypatch, forget)``."""
+    from mha_multi import call
+
+    runs: list[int] = []
+    forward = call.forward
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(call, "forward", counted)
+    forget()
+    yield runs
+    forget()
+
+
 @contextlib.contextmanager
 def recording_host_moves() -> Iterator[list[str]]:
     """Yields a list that gets the name of every PyTorch call that would wait for a GPU:

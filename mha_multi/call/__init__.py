@@ -33,7 +33,14 @@ from mha_multi.call.checks import (
     check_gates,
     check_options,
 )
-from mha_multi.call.contract import BIAS_SHAPE, GATES_SHAPE, INPUT_NAMES, Projections, Result
+from mha_multi.call.contract import (
+    BIAS_SHAPE,
+    GATES_SHAPE,
+    INPUT_NAMES,
+    Projections,
+    Result,
+    all_arrays_of,
+)
 from mha_multi.call.facts import FACTS_MODULE_NAMES, Facts, read_all
 from mha_multi.call.flow import (
     attend,
@@ -52,6 +59,7 @@ __all__ = [
     "Facts",
     "Projections",
     "Result",
+    "all_arrays_of",
     "attend",
     "attended_positions",
     "binding_window",

@@ -7,6 +7,7 @@ of the contract is :class:`~mha_multi.call.facts.Facts`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, NamedTuple, Protocol
 
 from mha_multi import spec
@@ -68,3 +69,19 @@ class Result(NamedTuple):
         if return_attention_weights:
             return self.output, self.weights, self.cache
         return self.output, self.cache
+
+
+def all_arrays_of(arrays: Iterable[Any], array_types: tuple[type, ...]) -> bool:
+    """Whether each of ``arrays`` is ``None``, of one of ``array_types`` (the exact type:
+    no subclass, no tracer), or a tuple of them (a cache, segment ids' pair): the
+    arguments a call plan's compiled program takes."""
+    for x in arrays:
+        if x is None or type(x) in array_types:
+            continue
+        if type(x) is tuple or type(x) is spec.KVCache:
+            for y in x:
+                if type(y) not in array_types:
+                    return False
+            continue
+        return False
+    return True

@@ -20,7 +20,7 @@ of :func:`mha_multi.call.forward`, which computes the same numbers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -84,21 +84,6 @@ def _concrete(x: Any) -> bool:
     return type(x) is _ARRAY_TYPE
 
 
-def _all_concrete(arrays: Iterable[Any]) -> bool:
-    """Whether each of ``arrays`` is ``None``, a concrete JAX array or a tuple of them."""
-    array_type = _ARRAY_TYPE
-    for x in arrays:
-        if x is None or type(x) is array_type:
-            continue
-        if type(x) is tuple or type(x) is spec.KVCache:  # segment ids' pair, a cache
-            for y in x:
-                if type(y) is not array_type:
-                    return False
-            continue
-        return False
-    return True
-
-
 def _program(key: PlanKey, on: str) -> Callable[..., call.Result]:
     """The compiled flow of calls of ``key``'s signature on platform ``on``."""
     settings = key.settings
@@ -158,8 +143,11 @@ def planned_call(
     queries, keys, _, valid_lens = inputs
     if not _concrete(queries):
         return None
+    array_types = (_ARRAY_TYPE,)
     if not (
-        _all_concrete(inputs) and _all_concrete(arrays.values()) and _all_concrete(params.values())
+        call.all_arrays_of(inputs, array_types)
+        and call.all_arrays_of(arrays.values(), array_types)
+        and call.all_arrays_of(params.values(), array_types)
     ):
         return None
     if not (causal is True or causal is False) or not (

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from mha_multi import spec
+from mha_multi.call.contract import all_arrays_of
 from mha_multi.keras._first_use import made_on_first_use
 from mha_multi.keras._framework_ops import framework_ops
 
@@ -233,17 +234,7 @@ class _Jax(_Framework):
     def plan_arrays(self, arrays: Any) -> bool:
         # (numpy arrays too: lengths, which the layer passes on as numpy, enter the
         # program as JAX arrays, as in any jax.jit.)
-        array_type = self._array_type()
-        for x in arrays:
-            if x is None or type(x) is array_type or type(x) is np.ndarray:
-                continue
-            if type(x) is tuple or type(x) is spec.KVCache:
-                for y in x:
-                    if type(y) is not array_type:
-                        return False
-                continue
-            return False
-        return True
+        return all_arrays_of(arrays, (self._array_type(), np.ndarray))
 
     def plan_place(self, x: Tensor) -> Any:
         # The kernel a call takes depends on the platform, its pieces on the devices.

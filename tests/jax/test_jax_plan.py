@@ -8,11 +8,14 @@ while its program is traced (docs: "Fast paths").
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mha_multi import call, spec
+from conftest import counted_flow_runs
+from mha_multi import spec
 from mha_multi.jax import MultiHeadAttention, _plan, set_weights
 from mha_multi.parity.compare import TOLERANCES
 from mha_multi.weights import init_weights
@@ -23,19 +26,9 @@ FORWARD = TOLERANCES["float32"][0]
 
 
 @pytest.fixture
-def traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def traces(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """One entry per run of the call flow; the plans made anew (none traced yet)."""
-    runs: list[int] = []
-    forward = call.forward
-
-    def counted(*args, **kwargs):
-        runs.append(1)
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(call, "forward", counted)
-    _plan.forget()
-    yield runs
-    _plan.forget()
+    yield from counted_flow_runs(monkeypatch, _plan.forget)
 
 
 def reference(weights, x, **kwargs):
