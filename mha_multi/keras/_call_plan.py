@@ -30,6 +30,7 @@ tolerance of docs: "Testing".
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -91,7 +92,8 @@ def planned_call(
         return None
     arrays = {name: keywords.get(name) for name in ARRAY_KEYWORDS}
     concrete = active().plan_arrays
-    if not concrete(inputs) or not concrete(arrays.values()):
+    # (The inputs as arrays of the framework: the eager flow's TypeError for others.)
+    if not concrete(inputs[:3], numpy=False) or not concrete((inputs[3], *arrays.values())):
         return None
     causal = keywords.get("causal", False)
     weights = keywords.get("return_attention_weights", False)
@@ -131,10 +133,16 @@ def planned_call(
 def _program(
     layer: Any, compile_call: Callable[..., Any], causal: bool, weights: bool, training: bool
 ) -> Callable[..., Any]:
-    """The compiled flow of ``layer``'s calls with these flags."""
+    """The compiled flow of ``layer``'s calls with these flags.
+
+    The program holds its layer weakly: the table of programs is the layer's
+    own (weakly keyed), and a program holding its key would keep the layer
+    alive. (A call traces it while the caller holds the layer.)
+    """
+    held = weakref.ref(layer)
 
     def flow(trainable: list[Any], non_trainable: list[Any], inputs: tuple, arrays: dict) -> Any:
-        returned, _ = layer.stateless_call(
+        returned, _ = held().stateless_call(
             trainable,
             non_trainable,
             *inputs,

@@ -144,9 +144,10 @@ class _Framework:
     #: operations are compiled once, not for each shape, and dispatched in C++).
     compile_call: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
 
-    def plan_arrays(self, arrays: Any) -> bool:
+    def plan_arrays(self, arrays: Any, *, numpy: bool = True) -> bool:
         """Whether each of ``arrays`` is ``None``, or a concrete array of the framework (a
-        tuple of them: a cache, segment ids) that :attr:`compile_call`'s program takes."""
+        tuple of them: a cache, segment ids) that :attr:`compile_call`'s program takes;
+        with ``numpy``, a numpy array too."""
         return False
 
     def plan_place(self, x: Tensor) -> Any:
@@ -231,10 +232,12 @@ class _Jax(_Framework):
     def compile_call(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return self.jax.jit
 
-    def plan_arrays(self, arrays: Any) -> bool:
-        # (numpy arrays too: lengths, which the layer passes on as numpy, enter the
-        # program as JAX arrays, as in any jax.jit.)
-        return all_arrays_of(arrays, (self._array_type(), np.ndarray))
+    def plan_arrays(self, arrays: Any, *, numpy: bool = True) -> bool:
+        # (numpy arrays too, where the eager flow takes them: lengths, which the layer
+        # passes on as numpy, enter the program as JAX arrays, as in any jax.jit.)
+        return all_arrays_of(
+            arrays, (self._array_type(), np.ndarray) if numpy else (self._array_type(),)
+        )
 
     def plan_place(self, x: Tensor) -> Any:
         # The kernel a call takes depends on the platform, its pieces on the devices.

@@ -10,6 +10,8 @@ eager call runs the flow.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -189,3 +191,25 @@ def test_calls_that_apply_dropout_are_not_planned(traces):
     for _ in range(2):
         layer(x_native, x_native, x_native, training=True)
     assert len(traces) == 2  # the eager flow, with its dropout, each time
+
+
+def test_a_planned_layer_is_freed_with_its_programs(traces):
+    layer = _layer(_weights(7))
+    (x,) = _native(np.ones((1, 2, 8), np.float32))
+    for _ in range(2):
+        layer(x, x, x)
+    held = weakref.ref(layer)
+    del layer
+    gc.collect()
+    assert held() is None
+
+
+def test_a_direct_call_of_numpy_inputs_raises_the_flows_error(traces):
+    layer = _layer(_weights(8))
+    x = np.ones((2, 3, 8), np.float32)
+    layer(*_native(x, x, x))  # (built and called)
+    trainable = [v.value for v in layer.trainable_variables]
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+    # stateless_call passes its arguments to call as they are: no plan takes numpy inputs.
+    with pytest.raises(TypeError, match="queries must be a tensor; got ndarray"):
+        layer.stateless_call(trainable, non_trainable, x, x, x)
