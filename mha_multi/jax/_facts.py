@@ -13,6 +13,7 @@ layers (docs: "Architecture").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,6 +41,7 @@ __all__ = [
     "as_valid_lens",
     "batch_pieces",
     "device",
+    "map_pieces",
 ]
 
 #: Dtype name -> JAX dtype. float64 needs :func:`exact_float32`'s x64.
@@ -169,33 +171,21 @@ def as_valid_lens(valid_lens: Any) -> jax.Array | None:
 # -- the generic path on a CPU ----------------------------------------------------
 
 #: The most bytes of float32 scores ``(b, H, Q, K)`` that one piece of the
-#: batch holds on a CPU (see :func:`batch_pieces`).
-CPU_PIECE_BYTES = 8 << 20
+#: batch holds on a CPU (:func:`mha_multi.spec.batch_pieces`).
+CPU_PIECE_BYTES = spec.CPU_PIECE_BYTES
 
 
 def batch_pieces(batch: int, example_bytes: int) -> int:
-    """How many pieces of the batch the generic path takes one after another on a CPU.
+    """:func:`mha_multi.spec.batch_pieces` within :data:`CPU_PIECE_BYTES`: how many pieces
+    of the batch the generic path takes one after another on a CPU."""
+    return spec.batch_pieces(batch, example_bytes, CPU_PIECE_BYTES)
 
-    There the generic path is bound by memory once its ``(B, H, Q, K)``
-    arrays (scores, masked scores, weights) outgrow the caches: each kernel
-    writes them out and the next reads them back. Pieces whose scores stay
-    within :data:`CPU_PIECE_BYTES` are read back from the cache. (A GPU runs
-    one large batched kernel best: there the batch is one piece.)
 
-    Args:
-        batch: ``B``.
-        example_bytes: the bytes of one example's float32 scores, ``H*Q*K*4``.
-
-    Returns:
-        1 where the whole batch fits, else the smallest divisor of ``B``
-        whose pieces fit (``B`` where none does).
-    """
-    if batch * example_bytes <= CPU_PIECE_BYTES:
-        return 1
-    for pieces in range(2, batch):
-        if batch % pieces == 0 and batch // pieces * example_bytes <= CPU_PIECE_BYTES:
-            return pieces
-    return batch
+def map_pieces(function: Callable[[Any], Any], stacked: Any) -> Any:
+    """``function`` of each piece in turn (:func:`mha_multi.spec.in_pieces`): a piece's
+    backward pass computes its scores and weights again rather than storing them for
+    every piece. (lax.map already keeps XLA from merging the pieces: no CSE barrier.)"""
+    return lax.map(jax.checkpoint(function, prevent_cse=False), stacked)
 
 
 # -- the call's facts ----------------------------------------------------------------
@@ -362,14 +352,4 @@ class JaxFacts(call.Facts):
             pieces = batch_pieces(batch, scores)
         if pieces == 1:
             return attention(q, k, v, valid_lens)
-
-        def split(x: jax.Array | None) -> jax.Array | None:
-            return None if x is None else x.reshape(pieces, batch // pieces, *x.shape[1:])
-
-        def merge(x: jax.Array | None) -> jax.Array | None:
-            return None if x is None else x.reshape(batch, *x.shape[2:])
-
-        # lax.map already keeps XLA from merging the pieces: no CSE barrier needed.
-        piece = jax.checkpoint(lambda args: attention(*args), prevent_cse=False)
-        context, weights = lax.map(piece, tuple(map(split, (q, k, v, valid_lens))))
-        return merge(context), merge(weights)
+        return spec.in_pieces(attention, (q, k, v, valid_lens), pieces, map_pieces)

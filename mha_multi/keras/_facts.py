@@ -320,6 +320,33 @@ class KerasFacts(call.Facts):
     def kernel_takes_grouped(self, q: Any, num_queries: Any, head_dim: int) -> bool:
         return active().kernel_takes_grouped(q, num_queries, head_dim)
 
+    def generic_attention(
+        self, ops: Any, q: Tensor, k: Tensor, v: Tensor, valid_lens: Any, **settings: Any
+    ) -> tuple[Tensor, Tensor | None]:
+        """:meth:`mha_multi.call.Facts.generic_attention` (its ``settings``), on the whole
+        batch or in pieces of it where the framework takes them (a program on JAX's CPU:
+        :func:`mha_multi.spec.in_pieces`). Dropout draws one mask for the whole batch,
+        score options may hold arrays with a batch axis of their own, and heads split
+        over devices are mapped already: their batch is one piece.
+        """
+        whole = super().generic_attention
+        backend = active()
+        pieces = 1
+        plain = settings.get("options", spec.NO_OPTIONS) is spec.NO_OPTIONS
+        if settings["dropout"] is None and plain and not settings["head_parallel"]:
+            num_keys = k.shape[2 if settings["kv_split"] else 1]
+            example_bytes = settings["heads"].num_heads * q.shape[1] * num_keys * 4
+            pieces = backend.batch_pieces(q, example_bytes)
+        if pieces == 1:
+            return whole(ops, q, k, v, valid_lens, **settings)
+        weighted = settings["return_attention_weights"]
+
+        def attention(q: Tensor, k: Tensor, v: Tensor, lens: Any) -> tuple[Tensor, Any]:
+            context, weights = whole(ops, q, k, v, lens, **settings)
+            return context, weights if weighted else None  # (pieces stack what they return)
+
+        return spec.in_pieces(attention, (q, k, v, valid_lens), pieces, backend.map_pieces)
+
     # -- the cache ------------------------------------------------------------
 
     def write_cache(

@@ -154,6 +154,17 @@ class _Framework:
         """Where ``x`` lives, as a call plan's key tells programs apart."""
         return None
 
+    def batch_pieces(self, q: Tensor, example_bytes: int) -> int:
+        """How many pieces of the batch the generic path of a call of queries ``q`` takes
+        one after another (:func:`mha_multi.spec.batch_pieces`; ``example_bytes``: one
+        example's float32 scores): 1, the whole batch, but in a program on JAX's CPU."""
+        return 1
+
+    def map_pieces(self, function: Callable[[Any], Any], stacked: Any) -> Any:
+        """``function`` of each piece of ``stacked`` in turn (:func:`mha_multi.spec.in_pieces`),
+        where :meth:`batch_pieces` answers more than 1."""
+        raise NotImplementedError
+
 
 class _TensorFlow(_Framework):
     """Keras on TensorFlow: ``tf.GradientTape``."""
@@ -242,6 +253,19 @@ class _Jax(_Framework):
     def plan_place(self, x: Tensor) -> Any:
         # The kernel a call takes depends on the platform, its pieces on the devices.
         return x.sharding
+
+    def batch_pieces(self, q: Tensor, example_bytes: int) -> int:
+        # A traced call's (a call plan's, a caller's jax.jit): XLA's program on a CPU holds
+        # several (B, H, Q, K) arrays at once (docs: "Fast paths"). An eager call's
+        # operations run as they are.
+        if not isinstance(q, self.jax.core.Tracer) or self.jax.default_backend() != "cpu":
+            return 1
+        return spec.batch_pieces(q.shape[0], example_bytes, spec.CPU_PIECE_BYTES)
+
+    def map_pieces(self, function: Callable[[Any], Any], stacked: Any) -> Any:
+        # As mha_multi.jax's generic path: a piece's backward pass computes its scores
+        # and weights again rather than storing them for every piece.
+        return self.jax.lax.map(self.jax.checkpoint(function, prevent_cse=False), stacked)
 
     def _array_type(self) -> type:
         """The type of JAX's concrete arrays, made at the first call (an array initialises

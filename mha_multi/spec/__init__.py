@@ -107,6 +107,7 @@ from mha_multi.spec.options import (
     check_softcap,
     check_window,
 )
+from mha_multi.spec.pieces import CPU_PIECE_BYTES, batch_pieces, in_pieces
 from mha_multi.spec.plan import (
     DEVICE_READ_SCORES,
     DEVICE_READ_TOTAL_SCORES,
@@ -169,6 +170,7 @@ from mha_multi.spec.sinks import (
 )
 
 __all__ = [
+    "CPU_PIECE_BYTES",
     "MASK_VALUE",
     "FUSED_SCORE_LIMIT",
     "ArrayOps",
@@ -280,6 +282,8 @@ __all__ = [
     "segment_runs",
     "segment_visibility",
     "split_segment_ids",
+    "batch_pieces",
+    "in_pieces",
 ]
 
 # The values users keep (a cache, the rotary options) are named by their public

@@ -213,3 +213,25 @@ def test_a_direct_call_of_numpy_inputs_raises_the_flows_error(traces):
     # stateless_call passes its arguments to call as they are: no plan takes numpy inputs.
     with pytest.raises(TypeError, match="queries must be a tensor; got ndarray"):
         layer.stateless_call(trainable, non_trainable, x, x, x)
+
+
+def test_a_traced_call_on_a_cpu_takes_the_batch_in_pieces(traces, monkeypatch):
+    # Every example a piece on JAX's CPU, where the call plan's program is traced.
+    monkeypatch.setattr(spec, "CPU_PIECE_BYTES", 1)
+    pieced = []
+    in_pieces = spec.in_pieces
+
+    def recorded(function, arrays, pieces, map_pieces):
+        pieced.append(pieces)
+        return in_pieces(function, arrays, pieces, map_pieces)
+
+    monkeypatch.setattr(spec, "in_pieces", recorded)
+    weights = _weights(9)
+    layer = _layer(weights)
+    x = np.random.default_rng(6).standard_normal((4, 3, 8)).astype(np.float32)
+    lens = np.array([3, 1, 2, 3], np.int32)
+    for _ in range(2):
+        output = layer(*_native(x, x, x), backend.lens_to_native(lens), causal=True)
+        expected = _reference(weights, x, valid_lens=lens, causal=True)
+        np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
+    assert pieced == ([4] if PLANNED else [])  # (traced once)
