@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -82,6 +83,22 @@ def record_sdpa_key_heads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bo
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     return seen
+
+
+def recorded_calls(
+    monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, record: Callable[..., Any]
+) -> list[Any]:
+    """Returns a list that gets ``record(*args, **kwargs)`` at each call of
+    ``owner.name``, which then runs as it did."""
+    recorded: list[Any] = []
+    original = getattr(owner, name)
+
+    def recording(*args, **kwargs):
+        recorded.append(record(*args, **kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return recorded
 
 
 def counted_flow_runs(monkeypatch: pytest.MonkeyPatch, forget) -> Iterator[list[int]]:

@@ -21,7 +21,7 @@ keras = pytest.importorskip("keras")
 
 from keras_testing import COPY_KEYWORD_WARNING  # noqa: E402
 
-from conftest import counted_flow_runs  # noqa: E402
+from conftest import counted_flow_runs, recorded_calls  # noqa: E402
 from mha_multi import spec  # noqa: E402
 from mha_multi.keras import MultiHeadAttention, _call_plan, set_weights  # noqa: E402
 from mha_multi.keras._frameworks import active  # noqa: E402
@@ -218,14 +218,7 @@ def test_a_direct_call_of_numpy_inputs_raises_the_flows_error(traces):
 def test_a_traced_call_on_a_cpu_takes_the_batch_in_pieces(traces, monkeypatch):
     # Every example a piece on JAX's CPU, where the call plan's program is traced.
     monkeypatch.setattr(spec, "CPU_PIECE_BYTES", 1)
-    pieced = []
-    in_pieces = spec.in_pieces
-
-    def recorded(function, arrays, pieces, map_pieces):
-        pieced.append(pieces)
-        return in_pieces(function, arrays, pieces, map_pieces)
-
-    monkeypatch.setattr(spec, "in_pieces", recorded)
+    pieced = recorded_calls(monkeypatch, spec, "in_pieces", lambda *args: args[2])
     weights = _weights(9)
     layer = _layer(weights)
     x = np.random.default_rng(6).standard_normal((4, 3, 8)).astype(np.float32)
