@@ -333,9 +333,11 @@ class KerasFacts(call.Facts):
         backend = active()
         pieces = 1
         plain = settings.get("options", spec.NO_OPTIONS) is spec.NO_OPTIONS
-        if settings["dropout"] is None and plain and not settings["head_parallel"]:
-            num_keys = k.shape[2 if settings["kv_split"] else 1]
-            example_bytes = settings["heads"].num_heads * q.shape[1] * num_keys * 4
+        sizes = (q.shape[1], k.shape[2 if settings["kv_split"] else 1])
+        # (Sizes a trace leaves unknown or symbolic: one piece.)
+        known = type(sizes[0]) is int and type(sizes[1]) is int
+        if settings["dropout"] is None and plain and not settings["head_parallel"] and known:
+            example_bytes = settings["heads"].num_heads * sizes[0] * sizes[1] * 4
             pieces = backend.batch_pieces(q, example_bytes)
         if pieces == 1:
             return whole(ops, q, k, v, valid_lens, **settings)

@@ -258,11 +258,10 @@ class _Jax(_Framework):
         # A traced call's (a call plan's, a caller's jax.jit): XLA's program on a CPU holds
         # several (B, H, Q, K) arrays at once (docs: "Fast paths"). An eager call's
         # operations run as they are; a distribution's batch stays as it splits it, and
-        # sizes a trace leaves symbolic (jax.export's) are one piece.
+        # a batch a trace leaves symbolic (jax.export's) is one piece.
         if (
             not isinstance(q, self.jax.core.Tracer)
             or type(q.shape[0]) is not int
-            or type(example_bytes) is not int
             or self.jax.default_backend() != "cpu"
             or keras.distribution.distribution() is not None
         ):
