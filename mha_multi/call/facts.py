@@ -60,6 +60,10 @@ class Facts:
             cache (:meth:`first_rows`, and for a ragged batch :meth:`rows_at`);
             ``False`` where a kernel's vectorized
             and scalar forms differ (TensorFlow's CPU kernels, by an ulp).
+        map_pieces: ``map_pieces(function, stacked)``, ``function`` of each
+            piece of a batch in turn (:func:`mha_multi.spec.in_pieces`), for a
+            framework whose generic path may take its batch in pieces
+            (:meth:`batch_pieces`); ``None`` where it takes the whole batch.
     """
 
     kernel: spec.FusedKernel | None = None
@@ -67,6 +71,7 @@ class Facts:
     passes_options: bool = False
     attends_filled: bool = False
     rows_of_one_table: bool = False
+    map_pieces: Callable[[Callable[[Any], Any], Any], Any] | None = None
 
     # -- arrays -----------------------------------------------------------
 
@@ -403,6 +408,13 @@ class Facts:
 
     # -- the generic path ---------------------------------------------------
 
+    def batch_pieces(self, q: Array, example_bytes: int) -> int:
+        """How many pieces of the batch the generic path of a call of queries ``q``
+        takes one after another (:func:`mha_multi.spec.batch_pieces`;
+        ``example_bytes``: one example's float32 scores ``(H, Q, K)``), asked only
+        where there is :attr:`map_pieces`. The default, 1: the whole batch."""
+        return 1
+
     def generic_attention(
         self,
         ops: spec.ArrayOps,
@@ -419,13 +431,23 @@ class Facts:
         return_attention_weights: bool,
         options: spec.ScoreOptions = spec.NO_OPTIONS,
     ) -> tuple[Array, Array | None]:
-        """:func:`mha_multi.spec.attention`, or head by head where the heads are split.
+        """:func:`mha_multi.spec.attention`, head by head where the heads are split, or
+        in pieces of the batch where the framework takes them.
 
         With ``head_parallel`` (and no dropout, whose mask is drawn for the
         whole ``(B*H, Q, K)`` weights, nor score options) the attention is
         mapped over the key/value heads
         (:func:`mha_multi.spec.attention_by_kv_heads`), so that sharded heads
-        are computed where they live.
+        are computed where they live. Otherwise, where the framework has
+        :attr:`map_pieces` and :meth:`batch_pieces` answers more than 1, the
+        batch is taken in pieces (:func:`mha_multi.spec.in_pieces`): examples
+        never mix, so the pieces compute the function of the whole batch, and
+        every argument has the batch first (a cache's split keys and values
+        ``(B, H_kv, M, dh)``, ``kv_split``, included). Dropout draws one mask
+        for the whole batch and score options may hold arrays with a batch
+        axis of their own, so with either the batch is one piece; so is a batch
+        whose sizes a trace leaves unknown or symbolic (TensorFlow's graphs,
+        ``jax.export``).
         """
         settings: dict[str, Any] = {
             "num_heads": heads.num_heads,
@@ -439,7 +461,20 @@ class Facts:
             return spec.attention_by_kv_heads(ops, q, k, v, valid_lens, vmap=self.vmap, **settings)
         if not plain:
             settings["options"] = options
-        return spec.attention(ops, q, k, v, valid_lens, dropout=dropout, **settings)
+        pieces = 1
+        if self.map_pieces is not None and dropout is None and plain and not head_parallel:
+            # (Sizes asked only here: MXNet's hybridized symbols have none.)
+            sizes = (q.shape[1], k.shape[2 if kv_split else 1])
+            if type(sizes[0]) is int and type(sizes[1]) is int:
+                pieces = self.batch_pieces(q, heads.num_heads * sizes[0] * sizes[1] * 4)
+        if pieces == 1:
+            return spec.attention(ops, q, k, v, valid_lens, dropout=dropout, **settings)
+
+        def attention(q: Array, k: Array, v: Array, lens: Any) -> tuple[Array, Any]:
+            context, weights = spec.attention(ops, q, k, v, lens, **settings)
+            return context, weights if return_attention_weights else None  # (pieces stack both)
+
+        return spec.in_pieces(attention, (q, k, v, valid_lens), pieces, self.map_pieces)
 
 
 def read_all(arrays: Sequence[Any], read_one: Callable[[Any], np.ndarray]) -> list[Any]:

@@ -308,48 +308,15 @@ class JaxFacts(call.Facts):
                 raise
             return None
 
-    def generic_attention(
-        self,
-        ops: JaxOps,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        valid_lens: jax.Array | None,
-        **settings: Any,
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """:meth:`mha_multi.call.Facts.generic_attention` (its ``settings``), on the whole
-        batch or piece by piece.
+    map_pieces = staticmethod(map_pieces)
 
-        Examples never mix, so the pieces (:func:`batch_pieces`) compute the
-        same function as the whole batch; every argument has the batch
-        first, a cache's split keys and values ``(B, H_kv, M, dh)``
-        (``kv_split``) included, so cached calls are taken in pieces alike.
-        A piece's backward pass computes its scores and weights again rather
-        than storing them for every piece: it reads them from the cache
-        instead of memory, and training holds one piece's ``(b, H, Q, K)``
-        arrays rather than the batch's. Dropout draws one mask for the whole
-        batch, as Flax's does, so with dropout the batch is one piece.
-
-        Returns:
-            ``(context, weights)``, the weights ``None`` unless asked for.
-        """
-        whole = super().generic_attention
-        weighted = settings["return_attention_weights"]
-
-        def attention(
-            q: jax.Array, k: jax.Array, v: jax.Array, lens: jax.Array | None
-        ) -> tuple[jax.Array, jax.Array | None]:
-            context, weights = whole(ops, q, k, v, lens, **settings)
-            return context, weights if weighted else None
-
-        batch = q.shape[0]
-        pieces = 1
-        # Score options may hold arrays with a batch axis of their own: one piece.
-        plain = settings.get("options", spec.NO_OPTIONS) is spec.NO_OPTIONS
-        if settings["dropout"] is None and plain and self.platform_of(q) == "cpu":
-            num_keys = k.shape[2 if settings["kv_split"] else 1]
-            scores = settings["heads"].num_heads * q.shape[1] * num_keys * 4
-            pieces = batch_pieces(batch, scores)
-        if pieces == 1:
-            return attention(q, k, v, valid_lens)
-        return spec.in_pieces(attention, (q, k, v, valid_lens), pieces, map_pieces)
+    def batch_pieces(self, q: jax.Array, example_bytes: int) -> int:
+        """:meth:`mha_multi.call.Facts.batch_pieces`: on a CPU, the fewest pieces within
+        :data:`CPU_PIECE_BYTES` (:func:`batch_pieces`). A piece's backward pass computes
+        its scores and weights again rather than storing them for every piece (it reads
+        them from the cache instead of memory), so training holds one piece's
+        ``(b, H, Q, K)`` arrays rather than the batch's. A batch a trace leaves symbolic
+        (``jax.export``'s) is one piece."""
+        if type(q.shape[0]) is not int or self.platform_of(q) != "cpu":
+            return 1
+        return batch_pieces(q.shape[0], example_bytes)

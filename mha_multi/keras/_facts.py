@@ -320,34 +320,13 @@ class KerasFacts(call.Facts):
     def kernel_takes_grouped(self, q: Any, num_queries: Any, head_dim: int) -> bool:
         return active().kernel_takes_grouped(q, num_queries, head_dim)
 
-    def generic_attention(
-        self, ops: Any, q: Tensor, k: Tensor, v: Tensor, valid_lens: Any, **settings: Any
-    ) -> tuple[Tensor, Tensor | None]:
-        """:meth:`mha_multi.call.Facts.generic_attention` (its ``settings``), on the whole
-        batch or in pieces of it where the framework takes them (a program on JAX's CPU:
-        :func:`mha_multi.spec.in_pieces`). Dropout draws one mask for the whole batch,
-        score options may hold arrays with a batch axis of their own, and heads split
-        over devices are mapped already: their batch is one piece.
-        """
-        whole = super().generic_attention
-        backend = active()
-        pieces = 1
-        plain = settings.get("options", spec.NO_OPTIONS) is spec.NO_OPTIONS
-        sizes = (q.shape[1], k.shape[2 if settings["kv_split"] else 1])
-        # (Sizes a trace leaves unknown or symbolic: one piece.)
-        known = type(sizes[0]) is int and type(sizes[1]) is int
-        if settings["dropout"] is None and plain and not settings["head_parallel"] and known:
-            example_bytes = settings["heads"].num_heads * sizes[0] * sizes[1] * 4
-            pieces = backend.batch_pieces(q, example_bytes)
-        if pieces == 1:
-            return whole(ops, q, k, v, valid_lens, **settings)
-        weighted = settings["return_attention_weights"]
+    def batch_pieces(self, q: Tensor, example_bytes: int) -> int:
+        """:meth:`mha_multi.call.Facts.batch_pieces`: more than 1 only for a program on
+        JAX's CPU (the framework's ``batch_pieces``)."""
+        return active().batch_pieces(q, example_bytes)
 
-        def attention(q: Tensor, k: Tensor, v: Tensor, lens: Any) -> tuple[Tensor, Any]:
-            context, weights = whole(ops, q, k, v, lens, **settings)
-            return context, weights if weighted else None  # (pieces stack what they return)
-
-        return spec.in_pieces(attention, (q, k, v, valid_lens), pieces, backend.map_pieces)
+    def map_pieces(self, function: Callable[[Any], Any], stacked: Any) -> Any:  # type: ignore[override]
+        return active().map_pieces(function, stacked)
 
     # -- the cache ------------------------------------------------------------
 
