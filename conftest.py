@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -216,3 +217,15 @@ def cases():
     from mha_multi.parity.cases import CASES, build_case
 
     return {config.name: build_case(config) for config in CASES}
+
+
+@pytest.fixture(autouse=True)
+def _programs_of_each_test() -> Iterator[None]:
+    """Each test's Keras layers trace their own programs: layers of the same settings
+    share their call plan's programs (docs: "Fast paths"), which would carry one
+    test's traces into whichever test a worker runs next, and a test that watches
+    the flow run would see none. (Asked only where the module was imported.)"""
+    yield
+    plans = sys.modules.get("mha_multi.keras._call_plan")
+    if plans is not None:
+        plans.forget()

@@ -13,11 +13,14 @@ The program is made once per :func:`plan_key` (what decides the route
 besides the arrays: the layer's settings, the call's flags, where the
 queries live) and ``jax.jit`` traces it once per shapes, dtypes and given
 arguments. The layer's variables are its arguments, never closed over, so a
-changed weight is seen by the next call. The checks of shapes and dtypes run
-while it is traced and raise there; the check that reads values, a cached
-call's lengths against its capacity, runs on every call
-(:func:`mha_multi.call.check_cache_values`, the lengths an eager call
-returned known without a read), and the lengths a planned call returns are
+changed weight is seen by the next call; and layers of the same settings
+(:func:`layer_settings`) share their programs, as the NNX layer's do: a
+model of many such layers compiles each signature once, not once a layer
+(the eager flow's operations, too, were compiled once for every layer).
+The checks of shapes and dtypes run while it is traced and raise there;
+the check that reads values, a cached call's lengths against its capacity,
+runs on every call (:func:`mha_multi.call.check_cache_values`, the lengths
+an eager call returned known without a read), and the lengths a planned call returns are
 remembered as an eager call's are. The program computes what a caller's
 own ``jax.jit`` of the layer computes: a traced flow reads no value, so it
 attends over every cached position, the unfilled ones hidden.
@@ -30,7 +33,7 @@ the last bits, within float32 rounding (docs: "Reading the parity report").
 
 from __future__ import annotations
 
-import weakref
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -39,16 +42,22 @@ from mha_multi.keras._direct_call import keras_state_is_plain
 from mha_multi.keras._facts import FACTS
 from mha_multi.keras._frameworks import active
 from mha_multi.keras._written_lengths import WRITTEN_LENGTHS
-from mha_multi.spec.memo import KeptBy
+from mha_multi.spec.memo import Kept, KeptBy
 
-__all__ = ["PLANS_PER_LAYER", "forget", "planned_call"]
+__all__ = ["KEPT_PROGRAMS", "PLANS_PER_LAYER", "forget", "layer_settings", "planned_call"]
 
-#: How many signatures' programs a layer keeps, the oldest dropped first (each holds
-#: its compilations).
+#: How many signatures' programs a layer keeps at hand, the oldest dropped first.
 PLANS_PER_LAYER = 16
 
-#: Programs by layer, then by :func:`plan_key`.
+#: How many programs layers share, the oldest dropped first (each holds its compilations).
+KEPT_PROGRAMS = 32
+
+#: Programs by layer, then by :func:`plan_key`: a layer's own table, which finds its
+#: programs without asking its settings at every call.
 _PLANS = KeptBy(PLANS_PER_LAYER)
+
+#: Programs by :func:`layer_settings` and :func:`plan_key`, shared by layers.
+_SHARED: Kept[Any] = Kept(KEPT_PROGRAMS)
 
 #: The call's keyword arguments that are arrays (or ``None``): the program's arguments.
 ARRAY_KEYWORDS = ("cache", "head_mask", "positions", "bias", "segment_ids")
@@ -57,6 +66,22 @@ ARRAY_KEYWORDS = ("cache", "head_mask", "positions", "bias", "segment_ids")
 def forget() -> None:
     """Drops every layer's programs (and so their compilations)."""
     _PLANS.clear()
+    _SHARED.clear()
+
+
+def layer_settings(layer: Any) -> tuple[Any, ...]:
+    """What a trace reads of ``layer`` besides its variables (whose shapes, dtypes and
+    structure ``jax.jit`` keys): its class (whose ``call`` it runs), options, heads,
+    dropout rate, autocast and dtype policy. Layers that answer the same run the same
+    program: a traced call reads nothing else of its layer."""
+    return (
+        type(layer),
+        layer.options,
+        layer._heads,
+        layer.dropout,
+        layer.autocast,
+        layer.dtype_policy.name,
+    )
 
 
 def plan_key(layer: Any, queries: Any, flags: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -110,8 +135,16 @@ def planned_call(
     except TypeError:  # (a setting that cannot be hashed)
         return None
     if program is None:
-        program = plans.keep(key, _program(layer, compile_call, causal, weights, bool(training)))
+        try:
+            shared = (layer_settings(layer), key)
+            program = _SHARED.get(shared)
+        except TypeError:  # (a setting that cannot be hashed)
+            return None
+        if program is None:
+            program = _SHARED.keep(shared, _Program(compile_call, causal, weights, bool(training)))
+        plans.keep(key, program)
     returned = program(
+        layer,
         [v.value for v in layer.trainable_variables],
         [v.value for v in layer.non_trainable_variables],
         inputs,
@@ -130,27 +163,42 @@ def planned_call(
     return (returned,)
 
 
-def _program(
-    layer: Any, compile_call: Callable[..., Any], causal: bool, weights: bool, training: bool
-) -> Callable[..., Any]:
-    """The compiled flow of ``layer``'s calls with these flags.
+class _Program:
+    """The compiled flow of calls with these flags, for layers of one settings.
 
-    The program holds its layer weakly: the table of programs is the layer's
-    own (weakly keyed), and a program holding its key would keep the layer
-    alive. (A call traces it while the caller holds the layer.)
+    The flow runs the ``stateless_call`` of the layer it is called for (each
+    thread's own, held only while its call runs: a program holding a layer
+    would keep it alive). A trace, the first call of a signature, reads that
+    layer's settings, which every layer sharing the program has
+    (:func:`layer_settings`); its variables are the program's arguments.
     """
-    held = weakref.ref(layer)
 
-    def flow(trainable: list[Any], non_trainable: list[Any], inputs: tuple, arrays: dict) -> Any:
-        returned, _ = held().stateless_call(
-            trainable,
-            non_trainable,
-            *inputs,
-            causal=causal,
-            return_attention_weights=weights,
-            training=training,
-            **arrays,
-        )
-        return returned
+    def __init__(
+        self, compile_call: Callable[..., Any], causal: bool, weights: bool, training: bool
+    ) -> None:
+        calling = self._calling = threading.local()
 
-    return compile_call(flow)
+        def flow(
+            trainable: list[Any], non_trainable: list[Any], inputs: tuple, arrays: dict
+        ) -> Any:
+            returned, _ = calling.layer.stateless_call(
+                trainable,
+                non_trainable,
+                *inputs,
+                causal=causal,
+                return_attention_weights=weights,
+                training=training,
+                **arrays,
+            )
+            return returned
+
+        self._compiled = compile_call(flow)
+
+    def __call__(self, layer: Any, *arguments: Any) -> Any:
+        """The program of ``arguments``, run for ``layer``."""
+        calling = self._calling
+        calling.layer = layer
+        try:
+            return self._compiled(*arguments)
+        finally:
+            calling.layer = None

@@ -204,6 +204,36 @@ def test_a_planned_layer_is_freed_with_its_programs(traces):
     assert held() is None
 
 
+def test_layers_of_the_same_settings_share_their_programs(traces):
+    # Each layer's own weights and the reference's numbers for each; one trace in all.
+    x = np.random.default_rng(9).standard_normal((2, 3, 8)).astype(np.float32)
+    (x_native,) = _native(x)
+    for seed in (10, 11, 12):
+        weights = _weights(seed)
+        layer = _layer(weights)
+        output = layer(x_native, x_native, x_native, causal=True)
+        expected = _reference(weights, x, causal=True)
+        np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
+    assert len(traces) == (1 if PLANNED else 3)
+    # Settings a trace reads (the rotary base here) are a program of their own.
+    weights = _weights(13)
+    other = set_weights(MultiHeadAttention(8, 2, num_kv_heads=1, rotary={"theta": 500.0}), weights)
+    output = other(x_native, x_native, x_native, causal=True)
+    expected = spec.reference_forward(
+        weights, x, x, x, **HEADS, rotary={"theta": 500.0}, causal=True
+    )[0]
+    np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
+    assert len(traces) == (2 if PLANNED else 4)
+
+    # And so is a layer of another class, whose call may differ.
+    class Subclass(MultiHeadAttention):
+        pass
+
+    sub = set_weights(Subclass(8, 2, num_kv_heads=1, rotary=ROTARY), _weights(10))
+    sub(x_native, x_native, x_native, causal=True)
+    assert len(traces) == (3 if PLANNED else 5)
+
+
 def test_a_direct_call_of_numpy_inputs_raises_the_flows_error(traces):
     layer = _layer(_weights(8))
     x = np.ones((2, 3, 8), np.float32)
