@@ -326,6 +326,8 @@ class KerasFacts(call.Facts):
         return active().batch_pieces(q, example_bytes)
 
     def map_pieces(self, function: Callable[[Any], Any], stacked: Any) -> Any:  # type: ignore[override]
+        """:attr:`mha_multi.call.Facts.map_pieces`: the framework's loop over the pieces
+        (on JAX, ``lax.map`` of a checkpointed piece)."""
         return active().map_pieces(function, stacked)
 
     # -- the cache ------------------------------------------------------------
