@@ -59,6 +59,10 @@ _PLANS = KeptBy(PLANS_PER_LAYER)
 #: Programs by :func:`layer_settings` and :func:`plan_key`, shared by layers.
 _SHARED: Kept[Any] = Kept(KEPT_PROGRAMS)
 
+#: The layer each thread's planned call runs for, while it runs: the layer a program's
+#: trace reads (:func:`_program`).
+_CALLING = threading.local()
+
 #: The call's keyword arguments that are arrays (or ``None``): the program's arguments.
 ARRAY_KEYWORDS = ("cache", "head_mask", "positions", "bias", "segment_ids")
 
@@ -141,15 +145,18 @@ def planned_call(
         except TypeError:  # (a setting that cannot be hashed)
             return None
         if program is None:
-            program = _SHARED.keep(shared, _Program(compile_call, causal, weights, bool(training)))
+            program = _SHARED.keep(shared, _program(compile_call, causal, weights, bool(training)))
         plans.keep(key, program)
-    returned = program(
-        layer,
-        [v.value for v in layer.trainable_variables],
-        [v.value for v in layer.non_trainable_variables],
-        inputs,
-        arrays,
-    )
+    _CALLING.layer = layer
+    try:
+        returned = program(
+            [v.value for v in layer.trainable_variables],
+            [v.value for v in layer.non_trainable_variables],
+            inputs,
+            arrays,
+        )
+    finally:
+        _CALLING.layer = None
     cache = arrays["cache"]
     if cache is not None:
         # Per call, after the traced checks (as in the eager flow): the lengths are
@@ -163,42 +170,28 @@ def planned_call(
     return (returned,)
 
 
-class _Program:
+def _program(
+    compile_call: Callable[..., Any], causal: bool, weights: bool, training: bool
+) -> Callable[..., Any]:
     """The compiled flow of calls with these flags, for layers of one settings.
 
-    The flow runs the ``stateless_call`` of the layer it is called for (each
-    thread's own, held only while its call runs: a program holding a layer
-    would keep it alive). A trace, the first call of a signature, reads that
-    layer's settings, which every layer sharing the program has
+    The flow runs the ``stateless_call`` of the layer its thread's call is
+    for (:data:`_CALLING`, held only while that call runs: a program holding
+    a layer would keep it alive). A trace, the first call of a signature,
+    reads that layer's settings, which every layer sharing the program has
     (:func:`layer_settings`); its variables are the program's arguments.
     """
 
-    def __init__(
-        self, compile_call: Callable[..., Any], causal: bool, weights: bool, training: bool
-    ) -> None:
-        calling = self._calling = threading.local()
+    def flow(trainable: list[Any], non_trainable: list[Any], inputs: tuple, arrays: dict) -> Any:
+        returned, _ = _CALLING.layer.stateless_call(
+            trainable,
+            non_trainable,
+            *inputs,
+            causal=causal,
+            return_attention_weights=weights,
+            training=training,
+            **arrays,
+        )
+        return returned
 
-        def flow(
-            trainable: list[Any], non_trainable: list[Any], inputs: tuple, arrays: dict
-        ) -> Any:
-            returned, _ = calling.layer.stateless_call(
-                trainable,
-                non_trainable,
-                *inputs,
-                causal=causal,
-                return_attention_weights=weights,
-                training=training,
-                **arrays,
-            )
-            return returned
-
-        self._compiled = compile_call(flow)
-
-    def __call__(self, layer: Any, *arguments: Any) -> Any:
-        """The program of ``arguments``, run for ``layer``."""
-        calling = self._calling
-        calling.layer = layer
-        try:
-            return self._compiled(*arguments)
-        finally:
-            calling.layer = None
+    return compile_call(flow)
