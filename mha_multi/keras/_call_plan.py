@@ -20,8 +20,8 @@ model of many such layers compiles each signature once, not once a layer
 The checks of shapes and dtypes run while it is traced and raise there;
 the check that reads values, a cached call's lengths against its capacity,
 runs on every call (:func:`mha_multi.call.check_cache_values`, the lengths
-an eager call returned known without a read), and the lengths a planned call returns are
-remembered as an eager call's are. The program computes what a caller's
+an eager call returned known without a read), and the lengths a planned
+call returns are remembered as an eager call's are. The program computes what a caller's
 own ``jax.jit`` of the layer computes: a traced flow reads no value, so it
 attends over every cached position, the unfilled ones hidden.
 
