@@ -412,7 +412,8 @@ class Facts:
         """How many pieces of the batch the generic path of a call of queries ``q``
         takes one after another (:func:`mha_multi.spec.batch_pieces`;
         ``example_bytes``: one example's float32 scores ``(H, Q, K)``), asked only
-        where there is :attr:`map_pieces`. The default, 1: the whole batch."""
+        where there is :attr:`map_pieces` and the sizes are known ints. The default,
+        1: the whole batch."""
         return 1
 
     def generic_attention(
@@ -464,9 +465,9 @@ class Facts:
         pieces = 1
         if self.map_pieces is not None and dropout is None and plain and not head_parallel:
             # (Sizes asked only here: MXNet's hybridized symbols have none.)
-            sizes = (q.shape[1], k.shape[2 if kv_split else 1])
-            if type(sizes[0]) is int and type(sizes[1]) is int:
-                pieces = self.batch_pieces(q, heads.num_heads * sizes[0] * sizes[1] * 4)
+            batch, num_queries, num_keys = q.shape[0], q.shape[1], k.shape[2 if kv_split else 1]
+            if type(batch) is int and type(num_queries) is int and type(num_keys) is int:
+                pieces = self.batch_pieces(q, heads.num_heads * num_queries * num_keys * 4)
         if pieces == 1:
             return spec.attention(ops, q, k, v, valid_lens, dropout=dropout, **settings)
 

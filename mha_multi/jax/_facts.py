@@ -315,8 +315,7 @@ class JaxFacts(call.Facts):
         :data:`CPU_PIECE_BYTES` (:func:`batch_pieces`). A piece's backward pass computes
         its scores and weights again rather than storing them for every piece (it reads
         them from the cache instead of memory), so training holds one piece's
-        ``(b, H, Q, K)`` arrays rather than the batch's. A batch a trace leaves symbolic
-        (``jax.export``'s) is one piece."""
-        if type(q.shape[0]) is not int or self.platform_of(q) != "cpu":
+        ``(b, H, Q, K)`` arrays rather than the batch's."""
+        if self.platform_of(q) != "cpu":
             return 1
         return batch_pieces(q.shape[0], example_bytes)

@@ -136,17 +136,15 @@ def planned_call(
         plans = _PLANS.of(layer, made_for=layer.options)
         key = plan_key(layer, inputs[0], (causal, weights, bool(training)))
         program = plans.get(key)
+        if program is None:
+            # (Another layer of the same settings may have made it.)
+            shared = (layer_settings(layer), key)
+            program = _SHARED.get(shared) or _SHARED.keep(
+                shared, _program(compile_call, causal, weights, bool(training))
+            )
+            plans.keep(key, program)
     except TypeError:  # (a setting that cannot be hashed)
         return None
-    if program is None:
-        try:
-            shared = (layer_settings(layer), key)
-            program = _SHARED.get(shared)
-        except TypeError:  # (a setting that cannot be hashed)
-            return None
-        if program is None:
-            program = _SHARED.keep(shared, _program(compile_call, causal, weights, bool(training)))
-        plans.keep(key, program)
     _CALLING.layer = layer
     try:
         returned = program(

@@ -257,11 +257,9 @@ class _Jax(_Framework):
     def batch_pieces(self, q: Tensor, example_bytes: int) -> int:
         # A traced call's (a call plan's, a caller's jax.jit): XLA's program on a CPU holds
         # several (B, H, Q, K) arrays at once (docs: "Fast paths"). An eager call's
-        # operations run as they are; a distribution's batch stays as it splits it, and
-        # a batch a trace leaves symbolic (jax.export's) is one piece.
+        # operations run as they are, and a distribution's batch stays as it splits it.
         if (
             not isinstance(q, self.jax.core.Tracer)
-            or type(q.shape[0]) is not int
             or self.jax.default_backend() != "cpu"
             or keras.distribution.distribution() is not None
         ):
