@@ -1,34 +1,42 @@
-"""Keras' call plan on JAX: an eager call as one compiled program per signature.
+"""Keras' call plan on JAX and TensorFlow: an eager call as one compiled program per signature.
 
-An eager call of the Keras layer on JAX (concrete JAX arrays, no dropout
-applied) runs its whole flow, :func:`mha_multi.call.forward` with its checks,
-projections, positions, kernel, output and cache update, as one ``jax.jit``
-program of the layer's ``stateless_call`` (docs: "Fast paths"), as the NNX
-layer's eager calls do. Eager JAX would otherwise dispatch each of the
-flow's operations apart, and compile each of them for every new shape: a
-one-token call of 512 hiddens took 0.90 ms eagerly and 0.30 ms by its plan,
-a call of a new shape 1.4 to 1.9 s against 0.2 to 0.3 s (docs: "Results").
+An eager call of the Keras layer on JAX or TensorFlow (concrete arrays, no
+dropout applied) runs its whole flow, :func:`mha_multi.call.forward` with its
+checks, projections, positions, kernel, output and cache update, as one
+program of the layer's ``stateless_call`` (docs: "Fast paths"): a
+``jax.jit`` program, as the NNX layer's eager calls run, or a ``tf.function``
+graph. Eager JAX would otherwise dispatch each of the flow's operations
+apart, and compile each of them for every new shape: a one-token call of 512
+hiddens took 0.90 ms eagerly and 0.30 ms by its plan, a call of a new shape
+1.4 to 1.9 s against 0.2 to 0.3 s (docs: "Results"). Eager TensorFlow runs
+each operation from Python: a decoding step of the bench's shape took 9 ms
+eagerly and 3 ms by its plan; but a trace costs some 80 ms, so a signature is
+planned from its third call (``eager_calls_before_plan`` of
+:mod:`mha_multi.keras._frameworks`), and a shape met once, a prompt's length,
+runs the eager flow.
 
 The program is made once per :func:`plan_key` (what decides the route
 besides the arrays: the layer's settings, the call's flags, where the
-queries live) and ``jax.jit`` traces it once per shapes, dtypes and given
-arguments. The layer's variables are its arguments, never closed over, so a
-changed weight is seen by the next call; and layers of the same settings
-(:func:`layer_settings`) share their programs, as the NNX layer's do: a
-model of many such layers compiles each signature once, not once a layer
-(the eager flow's operations, too, were compiled once for every layer).
+queries live) and traced once per shapes, dtypes and given arguments
+(``jax.jit``'s and ``tf.function``'s own keys). The layer's variables are
+its arguments, never closed over, so a changed weight is seen by the next
+call; and layers of the same settings (:func:`layer_settings`) share their
+programs, as the NNX layer's do: a model of many such layers compiles each
+signature once, not once a layer (the eager flow's operations, too, were
+compiled once for every layer).
 The checks of shapes and dtypes run while it is traced and raise there;
 the check that reads values, a cached call's lengths against its capacity,
 runs on every call (:func:`mha_multi.call.check_cache_values`, the lengths
 an eager call returned known without a read), and the lengths a planned
 call returns are remembered as an eager call's are. The program computes what a caller's
-own ``jax.jit`` of the layer computes: a traced flow reads no value, so it
-attends over every cached position, the unfilled ones hidden.
+own ``jax.jit`` or ``tf.function`` of the layer computes: a traced flow reads
+no value, so it attends over every cached position, the unfilled ones hidden.
 
-Anything the plan does not serve (another backend, tracers, numpy queries,
-keys or values, dropout applied, a mixed dtype policy, settings that cannot
-be hashed) takes the eager flow, whose numbers differ from the program's in
-the last bits, within float32 rounding (docs: "Reading the parity report").
+Anything the plan does not serve (Keras on PyTorch, tracers and symbolic
+tensors, numpy queries, keys or values (on TensorFlow, any numpy argument),
+dropout applied, a mixed dtype policy, settings that cannot be hashed) takes
+the eager flow, whose numbers differ from the program's in the last bits,
+within float32 rounding (docs: "Reading the parity report").
 """
 
 from __future__ import annotations
@@ -59,6 +67,10 @@ _PLANS = KeptBy(PLANS_PER_LAYER)
 #: Programs by :func:`layer_settings` and :func:`plan_key`, shared by layers.
 _SHARED: Kept[Any] = Kept(KEPT_PROGRAMS)
 
+#: How many eager calls of each signature a layer ran, by layer (for the frameworks that
+#: count them before a program serves a signature), the oldest signature dropped first.
+_SEEN = KeptBy(4 * PLANS_PER_LAYER)
+
 #: The layer each thread's planned call runs for, while it runs: the layer a program's
 #: trace reads (:func:`_program`).
 _CALLING = threading.local()
@@ -68,9 +80,35 @@ ARRAY_KEYWORDS = ("cache", "head_mask", "positions", "bias", "segment_ids")
 
 
 def forget() -> None:
-    """Drops every layer's programs (and so their compilations)."""
+    """Drops every layer's programs (and so their compilations) and counts of signatures."""
     _PLANS.clear()
     _SHARED.clear()
+    _SEEN.clear()
+
+
+def array_signature(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The shapes and dtypes of ``arrays`` (``None``, arrays, tuples of them): what a
+    program's trace is made for besides its :func:`plan_key`."""
+    return tuple(
+        None
+        if x is None
+        else array_signature(x)
+        if type(x) is tuple or type(x) is spec.KVCache
+        else (tuple(x.shape), x.dtype)
+        for x in arrays
+    )
+
+
+def _seen_before(layer: Any, signature: tuple[Any, ...], before: int) -> bool:
+    """Whether ``layer`` was called ``before`` times with ``signature`` already (each call
+    counted until then), where a framework's trace costs many eager calls
+    (:attr:`~mha_multi.keras._frameworks._Framework.eager_calls_before_plan`)."""
+    seen = _SEEN.of(layer, made_for=layer.options)
+    count = seen.get(signature, 0)
+    if count >= before:
+        return True
+    seen.keep(signature, count + 1)
+    return False
 
 
 def layer_settings(layer: Any) -> tuple[Any, ...]:
@@ -116,11 +154,12 @@ def planned_call(
     Raises:
         TypeError, ValueError: as the eager flow (:func:`mha_multi.call.forward`).
     """
-    compile_call = active().compile_call
+    framework = active()
+    compile_call = framework.compile_call
     if compile_call is None:
         return None
     arrays = {name: keywords.get(name) for name in ARRAY_KEYWORDS}
-    concrete = active().plan_arrays
+    concrete = framework.plan_arrays
     # (The inputs as arrays of the framework: the eager flow's TypeError for others.)
     if not concrete(inputs[:3], numpy=False) or not concrete((inputs[3], *arrays.values())):
         return None
@@ -135,6 +174,11 @@ def planned_call(
         # (A layer's options are fixed when it is made: others set since get programs anew.)
         plans = _PLANS.of(layer, made_for=layer.options)
         key = plan_key(layer, inputs[0], (causal, weights, bool(training)))
+        before = framework.eager_calls_before_plan
+        if before and not _seen_before(
+            layer, (key, *array_signature((*inputs, *arrays.values()))), before
+        ):
+            return None
         program = plans.get(key)
         if program is None:
             # (Another layer of the same settings may have made it.)

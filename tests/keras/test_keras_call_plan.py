@@ -1,11 +1,12 @@
-"""Keras' call plan: on JAX, an eager call runs one compiled program per signature.
+"""Keras' call plan: on JAX and TensorFlow, an eager call runs one compiled program per signature.
 
 Numbers are checked against the float64 reference
 (:func:`mha_multi.spec.reference_forward`,
 :func:`mha_multi.spec.reference_cached_forward`); the traces are counted by
 :func:`mha_multi.call.forward`, which a planned call runs only while its
 program is traced (docs: "Fast paths"). On the backends without a plan every
-eager call runs the flow.
+eager call runs the flow. The tests plan a signature at its first call; a
+framework whose trace costs many eager calls plans it later (one test).
 """
 
 from __future__ import annotations
@@ -34,14 +35,18 @@ pytestmark = COPY_KEYWORD_WARNING
 
 HEADS = {"num_heads": 2, "num_kv_heads": 1}
 ROTARY = {"theta": 10000.0}
-FORWARD = TOLERANCES["float32"][0]
+FORWARD, GRADIENT = TOLERANCES["float32"]
 #: Whether this backend's eager calls are planned.
 PLANNED = active().compile_call is not None
+#: How many eager calls of a signature run the flow before its program serves it.
+EAGER_CALLS = active().eager_calls_before_plan
 
 
 @pytest.fixture
 def traces(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """One entry per run of the call flow; the programs made anew (none traced yet)."""
+    """One entry per run of the call flow; the programs made anew (none traced yet), and
+    a signature planned at its first call."""
+    monkeypatch.setattr(type(active()), "eager_calls_before_plan", 0)
     yield from counted_flow_runs(monkeypatch, _call_plan.forget)
 
 
@@ -257,4 +262,60 @@ def test_a_traced_call_on_a_cpu_takes_the_batch_in_pieces(traces, monkeypatch):
         output = layer(*_native(x, x, x), backend.lens_to_native(lens), causal=True)
         expected = _reference(weights, x, valid_lens=lens, causal=True)
         np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
-    assert pieced == ([4] if PLANNED else [])  # (traced once)
+    # (Traced once; a TensorFlow graph takes the whole batch.)
+    assert pieced == ([4] if keras.backend.backend() == "jax" else [])
+
+
+def test_a_signature_is_planned_after_the_eager_calls_its_framework_names(traces, monkeypatch):
+    monkeypatch.setattr(type(active()), "eager_calls_before_plan", EAGER_CALLS)
+    weights = _weights(14)
+    layer = _layer(weights)
+    x = np.random.default_rng(7).standard_normal((2, 3, 8)).astype(np.float32)
+    (x_native,) = _native(x)
+    expected = _reference(weights, x, causal=True)
+    for call in range(EAGER_CALLS + 3):
+        output = layer(x_native, x_native, x_native, causal=True)
+        np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
+        # The eager flow's calls first, then one trace, which the calls after it run.
+        assert len(traces) == (min(call + 1, EAGER_CALLS + 1) if PLANNED else call + 1)
+    # A shape met once runs the eager flow; so does each call of it until it is planned.
+    (longer,) = _native(np.ones((2, 4, 8), np.float32))
+    traces.clear()
+    for _ in range(EAGER_CALLS + 2):
+        layer(longer, longer, longer, causal=True)
+    assert len(traces) == (EAGER_CALLS + 1 if PLANNED else EAGER_CALLS + 2)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="TensorFlow's planned calls alone record a gradient: JAX's gradients trace "
+    "the call (no plan takes a tracer), and Keras on PyTorch plans no call",
+)
+def test_a_planned_call_records_the_references_gradients(traces):
+    import tensorflow as tf
+
+    weights = _weights(15)
+    layer = _layer(weights)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    cotangent = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    expected = spec.reference_gradients(
+        weights, x, x, x, **HEADS, rotary=ROTARY, causal=True, output_gradient=cotangent
+    )
+    variables = layer.canonical_variables()
+    names = sorted(variables)
+    for _ in range(2):  # (the first call traces the program, the second runs it)
+        x_native = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x_native)
+            output = layer(x_native, x_native, x_native, causal=True)
+        grads = tape.gradient(
+            output,
+            [x_native, *(variables[name] for name in names)],
+            output_gradients=tf.constant(cotangent),
+        )
+        inputs = expected["queries"] + expected["keys"] + expected["values"]
+        np.testing.assert_allclose(grads[0].numpy(), inputs, atol=GRADIENT, rtol=0)
+        for name, grad in zip(names, grads[1:], strict=True):
+            np.testing.assert_allclose(grad.numpy(), expected[name], atol=GRADIENT, rtol=0)
+    assert len(traces) == 1
