@@ -40,6 +40,7 @@ from mha_multi.call.contract import (
     Projections,
     Result,
     all_arrays_of,
+    array_signature,
 )
 from mha_multi.call.facts import FACTS_MODULE_NAMES, Facts, read_all
 from mha_multi.call.flow import (
@@ -60,6 +61,7 @@ __all__ = [
     "Projections",
     "Result",
     "all_arrays_of",
+    "array_signature",
     "attend",
     "attended_positions",
     "binding_window",

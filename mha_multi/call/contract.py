@@ -85,3 +85,23 @@ def all_arrays_of(arrays: Iterable[Any], array_types: tuple[type, ...]) -> bool:
             continue
         return False
     return True
+
+
+def array_signature(arrays: Iterable[Any]) -> tuple[Any, ...]:
+    """The shapes and dtypes of ``arrays``, each ``None``, an array (a variable) or a
+    tuple, list or dict of them: what a call plan's program is traced for besides the
+    call's flags (``jax.jit``'s and ``tf.function``'s own keys)."""
+    # (A loop, not a generator: each of a generator's items is a Python call, and a
+    # planned call asks at every call.)
+    signature: list[Any] = []
+    for x in arrays:
+        kind = type(x)
+        if x is None:
+            signature.append(None)
+        elif kind is tuple or kind is list or kind is spec.KVCache:
+            signature.append(array_signature(x))
+        elif kind is dict:
+            signature.append(array_signature(x.values()))
+        else:
+            signature.append((tuple(x.shape), x.dtype))
+    return tuple(signature)

@@ -67,9 +67,9 @@ _PLANS = KeptBy(PLANS_PER_LAYER)
 #: Programs by :func:`layer_settings` and :func:`plan_key`, shared by layers.
 _SHARED: Kept[Any] = Kept(KEPT_PROGRAMS)
 
-#: How many eager calls of each signature a layer ran, by layer (for the frameworks that
-#: count them before a program serves a signature), the oldest signature dropped first.
-_SEEN = KeptBy(4 * PLANS_PER_LAYER)
+#: How many eager calls of each signature layers of one settings ran (for the frameworks
+#: that count them before a program serves a signature), the oldest dropped first.
+_SEEN: Kept[int] = Kept(8 * KEPT_PROGRAMS)
 
 #: The layer each thread's planned call runs for, while it runs: the layer a program's
 #: trace reads (:func:`_program`).
@@ -86,28 +86,16 @@ def forget() -> None:
     _SEEN.clear()
 
 
-def array_signature(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The shapes and dtypes of ``arrays`` (``None``, arrays, tuples of them): what a
-    program's trace is made for besides its :func:`plan_key`."""
-    return tuple(
-        None
-        if x is None
-        else array_signature(x)
-        if type(x) is tuple or type(x) is spec.KVCache
-        else (tuple(x.shape), x.dtype)
-        for x in arrays
-    )
-
-
-def _seen_before(layer: Any, signature: tuple[Any, ...], before: int) -> bool:
-    """Whether ``layer`` was called ``before`` times with ``signature`` already (each call
-    counted until then), where a framework's trace costs many eager calls
-    (:attr:`~mha_multi.keras._frameworks._Framework.eager_calls_before_plan`)."""
-    seen = _SEEN.of(layer, made_for=layer.options)
-    count = seen.get(signature, 0)
+def _seen_before(signature: tuple[Any, ...], before: int) -> bool:
+    """Whether layers of one settings were called ``before`` times with ``signature``
+    already (each call counted until then), where a framework's trace costs many eager
+    calls (:attr:`~mha_multi.keras._frameworks._Framework.eager_calls_before_plan`): the
+    layers of a deep model of one configuration share the count, as they share the
+    programs."""
+    count = _SEEN.get(signature, 0)
     if count >= before:
         return True
-    seen.keep(signature, count + 1)
+    _SEEN.keep(signature, count + 1)
     return False
 
 
@@ -175,10 +163,10 @@ def planned_call(
         plans = _PLANS.of(layer, made_for=layer.options)
         key = plan_key(layer, inputs[0], (causal, weights, bool(training)))
         before = framework.eager_calls_before_plan
-        if before and not _seen_before(
-            layer, (key, *array_signature((*inputs, *arrays.values()))), before
-        ):
-            return None
+        if before:
+            signature = call.array_signature((*inputs, *arrays.values()))
+            if not _seen_before((layer_settings(layer), key, signature), before):
+                return None
         program = plans.get(key)
         if program is None:
             # (Another layer of the same settings may have made it.)

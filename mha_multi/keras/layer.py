@@ -290,7 +290,8 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
             "training": training,
             "segment_ids": segment_ids,
         }
-        # An eager call on JAX: one compiled program per signature (docs: "Fast paths").
+        # An eager call on JAX or TensorFlow: one compiled program per signature (docs:
+        # "Fast paths").
         planned = planned_call(self, (queries, keys, values, valid_lens), keywords)
         if planned is not None:
             return planned[0]

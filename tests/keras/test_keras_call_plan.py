@@ -278,6 +278,13 @@ def test_a_signature_is_planned_after_the_eager_calls_its_framework_names(traces
         np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
         # The eager flow's calls first, then one trace, which the calls after it run.
         assert len(traces) == (min(call + 1, EAGER_CALLS + 1) if PLANNED else call + 1)
+    # A layer of the same settings finds the signature counted and its program traced.
+    weights = _weights(16)
+    output = _layer(weights)(x_native, x_native, x_native, causal=True)
+    np.testing.assert_allclose(
+        backend.to_numpy(output), _reference(weights, x, causal=True), atol=FORWARD, rtol=0
+    )
+    assert len(traces) == (EAGER_CALLS + 1 if PLANNED else EAGER_CALLS + 4)
     # A shape met once runs the eager flow; so does each call of it until it is planned.
     (longer,) = _native(np.ones((2, 4, 8), np.float32))
     traces.clear()
