@@ -40,12 +40,16 @@ def refusable(stack: contextlib.ExitStack) -> list[bool]:
     """A flag that, while true, has the plain route refuse every call (a patch entered
     once: entering one at every step would cost more than a step)."""
     refusing = [False]
-    route = _facts.FACTS.plain_attention
+    route, step = _facts.FACTS.plain_attention, _facts.FACTS.plain_step
 
     def plain_attention(*args, **kwargs):
         return None if refusing[0] else route(*args, **kwargs)
 
+    def plain_step(*args, **kwargs):
+        return None if refusing[0] else step(*args, **kwargs)
+
     stack.enter_context(mock.patch.object(_facts.FACTS, "plain_attention", plain_attention))
+    stack.enter_context(mock.patch.object(_facts.FACTS, "plain_step", plain_step))
     return refusing
 
 

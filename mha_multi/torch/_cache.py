@@ -112,50 +112,50 @@ class CacheCheck:
         updated: spec.KVCache,
         filled: int,
         step: tuple[Any, tuple, Any] | None,
+        previous: torch.Tensor,
         *,
         poison: torch.Tensor | None = None,
         pending: tuple[torch.Tensor, ...] | None = None,
     ) -> CacheCheck:
-        """The check of ``updated``, which a plain step made from this check's cache by
-        writing one row at every example's length into the same arrays, attached to its
-        new lengths (a tensor made outside inference mode, :func:`versioned`).
+        """This check moved on to ``updated``, which a plain step made from its cache (of
+        lengths ``previous``) by writing one row at every example's length into the same
+        arrays, and carried by its new lengths (a tensor made outside inference mode,
+        :func:`versioned`).
 
         :meth:`attach` and :meth:`written_past` in one, made at every plain decoding
-        step: the arrays are this check's, so their weak references and sizes are kept,
-        and none of them is an inference tensor (this check holds them).
+        step in place: the arrays are this check's, so their weak references and sizes
+        are kept, and none of them is an inference tensor (this check holds them). The
+        write moved the arrays' versions, so the check no longer held for ``previous``,
+        which it leaves: a call given those lengths again reads them, as it reads a
+        cache's that carries no check.
         """
-        check = CacheCheck.__new__(CacheCheck)
-        # (Every field of the constructor is set here: written_past's inline, a step's
-        # cost is such work.)
-        finite_from = self.finite_from
-        key_upto = self.key_upto if self.key_upto < filled else filled - 1
-        check.__dict__ = {
-            **self.__dict__,
-            "versions": (updated.keys._version, updated.values._version),
-            "poison": poison,
-            "upto": filled,
-            "pending": pending,
-            "pending_from": None,
-            "_added": self._added + 1,
-            "lengths_version": updated.lengths._version,
-            "_uniform": filled,
-            "step": step,
-            # (max and min: builtins' calls, spelled out: a step's cost is such work.)
-            "finite_from": (
-                None if finite_from is None else filled if finite_from < filled else finite_from
-            ),
-            "key_upto": key_upto,
-            "key_max": self.key_max if key_upto else 0.0,  # (a bound of nothing)
-        }
-        # (CHECKED, as an attribute: setattr is a call, and every step makes one.)
-        updated.lengths._mha_multi_checked = check
-        return check
+        # (Every field a step changes, set here: written_past's inline, a step's cost is
+        # such work.)
+        finite_from, key_upto = self.finite_from, self.key_upto
+        if key_upto >= filled:
+            key_upto = filled - 1
+        lengths = updated.lengths
+        self.versions = (updated.keys._version, updated.values._version)
+        self.poison, self.upto, self.pending, self.pending_from = poison, filled, pending, None
+        self._added += 1
+        self.lengths_version, self._uniform, self.step = lengths._version, filled, step
+        # (max and min: builtins' calls, spelled out: a step's cost is such work.)
+        if finite_from is not None and finite_from < filled:
+            self.finite_from = filled
+        self.key_upto = key_upto
+        if not key_upto:
+            self.key_max = 0.0  # (a bound of nothing)
+        # (CHECKED, as an attribute: getattr and setattr are calls, and every step asks.)
+        del previous._mha_multi_checked
+        lengths._mha_multi_checked = self
+        return self
 
     def ragged_stepped(
         self,
         updated: spec.KVCache,
         held: np.ndarray,
         step: tuple[Any, tuple, Any] | None,
+        previous: torch.Tensor,
         *,
         upto: int,
         finite_from: int | None,
@@ -164,8 +164,9 @@ class CacheCheck:
         poison: torch.Tensor | None,
         pending: tuple[torch.Tensor, ...] | None,
     ) -> CacheCheck:
-        """The check of ``updated``, which a ragged step made from this check's cache by
-        writing one row at each example's own length (``held``: the lengths now), with
+        """This check moved on to ``updated``, which a ragged step made from its cache (of
+        lengths ``previous``, which it leaves: :meth:`stepped`) by writing one row at
+        each example's own length (``held``: the lengths now), with
         what the generic flow's write and plan leave in the check they make for such a
         step (:meth:`attach`, :meth:`written_past`,
         :meth:`mha_multi.torch._facts.TorchFacts.plan_values`): the positions below
@@ -175,7 +176,7 @@ class CacheCheck:
         :func:`mha_multi.torch._ragged.ragged_step` says."""
         # A plain step's check (of no one length: 0) but for its lengths and what it
         # knows of the positions.
-        check = self.stepped(updated, 0, step, poison=poison, pending=pending)
+        check = self.stepped(updated, 0, step, previous, poison=poison, pending=pending)
         check.__dict__.update(
             _held=held,
             _added=0,
@@ -368,7 +369,7 @@ def written_step(
     filled = length + 1
     updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
     if checked:
-        check.stepped(updated, filled, step)
+        check.stepped(updated, filled, step, lengths)
     else:
         start = check.pending_from
         if start is None:
@@ -376,7 +377,9 @@ def written_step(
         else:
             poison = check.poison
         # (The rows' views are made when they are taken, CacheCheck.take_pending.)
-        check.stepped(updated, filled, step, poison=poison, pending=()).pending_from = start
+        check.stepped(
+            updated, filled, step, lengths, poison=poison, pending=()
+        ).pending_from = start
     count = (filled if span is None else span) - first
     return keys.narrow(2, first, count), values.narrow(2, first, count), updated
 

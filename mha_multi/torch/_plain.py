@@ -120,82 +120,34 @@ class PlainRoute(LengthsRoute):
         which the route takes as a tensor on the host, without a cache
         (:mod:`mha_multi.torch._lengths_route`).
         """
+        if cache is not None:
+            # A decoding step is offered at the layer's door, before its flow (plain_step):
+            # one the door declined, the route declines too.
+            return None
         if type(queries) is not torch.Tensor or torch.compiler.is_compiling():
             return None
         on_host = self.on_host(queries)
         records = False  # (whether the call records a gradient, where it decides the plan)
         if torch.is_grad_enabled():
-            # A call without a cache, outside torch.func's transforms (whose values the
-            # generic flow does not read).
-            if cache is not None or torch._C._are_functorch_transforms_active():
+            # Outside torch.func's transforms (whose values the generic flow does not read).
+            if torch._C._are_functorch_transforms_active():
                 return None
             # (A GPU's reads count a call's scores only where it records none,
             # spec.reads_values; the host reads whatever the count.)
             records = not on_host and layer.stacked_records_gradient(queries)
         rotary = None if options is None else options.rotary
-        step = None
-        if valid_lens is not None and (
-            cache is not None or type(valid_lens) is not torch.Tensor or not on_host
-        ):
+        if valid_lens is not None and (type(valid_lens) is not torch.Tensor or not on_host):
             return None
-        if cache is None:
-            plan = self._plain_plan(
-                layer,
-                queries,
-                None,
-                causal=causal,
-                dtype=dtype,
-                options=options,
-                records=records,
-                valid_lens=valid_lens,
-            )
-        else:
-            check = self._plain_step_check(queries, cache)
-            if check is None:
-                return None
-            # The step before, where it was this layer's with these arguments, planned this
-            # one. (The options compared by identity first: a tuple's items are.)
-            device = queries.device
-            key = (dtype, causal, queries.shape, queries.dtype, device, options)
-            step = check.step
-            if step is not None and step[0]() is layer and step[1] == key:
-                if torch.is_autocast_enabled("cpu" if on_host else device.type):
-                    return None
-                plan = step[2]
-            else:
-                plan = self._plain_plan(
-                    layer, queries, cache, causal=causal, dtype=dtype, options=options
-                )
-                step = None if plan is None else (weakref.ref(layer), key, plan)
-            if plan is None:
-                return None
-            if check._uniform is None:  # (examples at different lengths)
-                return ragged_step(self, plan, layer, queries, cache, check, step, options)
-            first = 0  # (the first cache position attended over)
-            if plan.window is not None:
-                first = self._window_first(check, plan, cache, on_host=on_host)
-                if first == check._uniform + 1 - plan.window or check._uniform < plan.window:
-                    plan = plan.within  # (the window hides none of the keys attended over)
-                    if plan is None:
-                        return None
-            if (check.pending is not None or check.poison is not None) and (
-                plan.fused or (on_host and plan.may_read)
-            ):
-                return None  # (rows no call has read yet: the generic flow reads them here)
-            if plan.fused:
-                return fused_step(layer, queries, cache, check, plan, step, rotary, first)
-            filled = check._uniform + 1  # (CacheCheck.uniform, resolved by the check)
-            spans = plan.spans
-            span = spans.get(filled, 0)
-            if span == 0:
-                span = self._step_span(layer, cache, filled, may_read=plan.may_read)
-                # The lengths up to it have its span too (spec.rounded_span rounds up):
-                # the steps to come find theirs.
-                for upto in range(filled, filled + 1 if span is None else span + 1):
-                    spans[upto] = span
-            if span is None:
-                return None  # (the generic flow reads for it)
-            return generic_step(layer, queries, cache, check, plan, step, rotary, span, first)
+        plan = self._plain_plan(
+            layer,
+            queries,
+            None,
+            causal=causal,
+            dtype=dtype,
+            options=options,
+            records=records,
+            valid_lens=valid_lens,
+        )
         if plan is None:
             return None
         heads = layer.heads
@@ -255,6 +207,83 @@ class PlainRoute(LengthsRoute):
                 sinks=layer.sink_logits() if plan.sinks else None,
             )
         return call.Result(project_output(layer, context, plan.fused), None, None)
+
+    def plain_step(
+        self,
+        layer: call.Projections,
+        queries: Any,
+        cache: Any,
+        *,
+        causal: bool,
+        dtype: torch.dtype | None,
+        options: spec.LayerOptions | None,
+    ) -> call.Result | None:
+        """A plain decoding step (:meth:`plain_attention` with a cache and no lengths), or
+        ``None`` where the route takes none.
+
+        What the generic flow's checks, plan and span decided for the step before,
+        of this layer and these arguments, the cache's check carries
+        (:attr:`mha_multi.torch._cache.CacheCheck.step`): a step of the same
+        signature on a cache that check still holds runs straight through to
+        :func:`fused_step` or :func:`generic_step`. The PyTorch layer asks here
+        first, before its call's flow, where its call is a plain step
+        (:meth:`mha_multi.torch.MultiHeadAttention.forward`).
+        """
+        # (No step records a gradient: a cached call that does takes the generic flow.)
+        if (
+            type(queries) is not torch.Tensor
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        check = self._plain_step_check(queries, cache)
+        if check is None:
+            return None
+        # The step before, where it was this layer's with these arguments, planned this
+        # one. (The options compared by identity first: a tuple's items are.)
+        device = queries.device
+        key = (dtype, causal, queries.shape, queries.dtype, device, options)
+        step = check.step
+        on_host = self.on_host(queries)
+        if step is not None and step[0]() is layer and step[1] == key:
+            if torch.is_autocast_enabled("cpu" if on_host else device.type):
+                return None
+            plan = step[2]
+        else:
+            plan = self._plain_plan(
+                layer, queries, cache, causal=causal, dtype=dtype, options=options
+            )
+            step = None if plan is None else (weakref.ref(layer), key, plan)
+        if plan is None:
+            return None
+        rotary = None if options is None else options.rotary
+        if check._uniform is None:  # (examples at different lengths)
+            return ragged_step(self, plan, layer, queries, cache, check, step, options)
+        first = 0  # (the first cache position attended over)
+        if plan.window is not None:
+            first = self._window_first(check, plan, cache, on_host=on_host)
+            if first == check._uniform + 1 - plan.window or check._uniform < plan.window:
+                plan = plan.within  # (the window hides none of the keys attended over)
+                if plan is None:
+                    return None
+        if (check.pending is not None or check.poison is not None) and (
+            plan.fused or (on_host and plan.may_read)
+        ):
+            return None  # (rows no call has read yet: the generic flow reads them here)
+        if plan.fused:
+            return fused_step(layer, queries, cache, check, plan, step, rotary, first)
+        filled = check._uniform + 1  # (CacheCheck.uniform, resolved by the check)
+        spans = plan.spans
+        span = spans.get(filled, 0)
+        if span == 0:
+            span = self._step_span(layer, cache, filled, may_read=plan.may_read)
+            # The lengths up to it have its span too (spec.rounded_span rounds up):
+            # the steps to come find theirs.
+            for upto in range(filled, filled + 1 if span is None else span + 1):
+                spans[upto] = span
+        if span is None:
+            return None  # (the generic flow reads for it)
+        return generic_step(layer, queries, cache, check, plan, step, rotary, span, first)
 
     def _window_first(
         self, check: CacheCheck, plan: PlainPlan, cache: spec.KVCache, *, on_host: bool

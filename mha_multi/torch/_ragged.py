@@ -155,6 +155,7 @@ def ragged_step(
         updated,
         new_held,
         step,
+        lengths,
         upto=upto,
         finite_from=finite_from,
         key_upto=key_upto,

@@ -186,7 +186,7 @@ def fused_step(
     values.select(2, length).copy_(v.view(-1, num_kv_heads, head_dim))
     filled = length + 1
     updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
-    check.stepped(updated, filled, step)
+    check.stepped(updated, filled, step, lengths)
     mask, count = plan.mask, filled - first
     if mask is None:
         context = torch.nn.functional.scaled_dot_product_attention(

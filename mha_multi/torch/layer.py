@@ -283,11 +283,38 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
                 holds, and lets ``lengths`` count on, so ``lengths >
                 max_length`` tells it happened.
         """
-        if self._sharding is not None and isinstance(queries, torch.Tensor):
-            self._sharding.check_inputs(queries, self)
         # The module tables, not nn.Module's attribute lookup: a small call's cost is such work.
         modules = self._modules
         dropout_p = modules["dropout"].p if self.training else 0.0
+        # A plain decoding step runs straight through where the step before planned it
+        # (docs: "Fast paths"); anything else, that route's other cases included, takes
+        # the call's flow. (Each argument compared here: a step's cost is such work.)
+        if (
+            cache is not None
+            and keys is queries
+            and values is queries
+            and valid_lens is None
+            and return_attention_weights is False
+            and head_mask is None
+            and positions is None
+            and bias is None
+            and segment_ids is None
+            and dropout_p == 0
+            and self._sharding is None
+            and (causal is True or causal is False)
+        ):
+            result = FACTS.plain_step(
+                self,
+                queries,
+                cache,
+                causal=causal,
+                dtype=modules["W_o"]._parameters["weight"].dtype,
+                options=self.options,
+            )
+            if result is not None:
+                return result.output, result.cache
+        if self._sharding is not None and isinstance(queries, torch.Tensor):
+            self._sharding.check_inputs(queries, self)
         result = call.forward(
             FACTS,
             self,

@@ -12,19 +12,34 @@ from mha_multi.torch import _facts
 @contextlib.contextmanager
 def answered_calls() -> Iterator[list[bool]]:
     """Yields a list that gets, for each call the driver offers the fast route, whether
-    the route answered it."""
+    the route answered it: a decoding step at the layer's door (``plain_step``), a call
+    without a cache in its flow (``plain_attention``, which declines every step)."""
     answers: list[bool] = []
-    route = _facts.FACTS.plain_attention
+    route, step = _facts.FACTS.plain_attention, _facts.FACTS.plain_step
 
     def spy(*args, **kwargs):
         result = route(*args, **kwargs)
+        if args[2] is None:  # (a step's offer is the door's)
+            answers.append(result is not None)
+        return result
+
+    def step_spy(*args, **kwargs):
+        result = step(*args, **kwargs)
         answers.append(result is not None)
         return result
 
-    with mock.patch.object(_facts.FACTS, "plain_attention", spy):
+    with (
+        mock.patch.object(_facts.FACTS, "plain_attention", spy),
+        mock.patch.object(_facts.FACTS, "plain_step", step_spy),
+    ):
         yield answers
 
 
-def generic_only() -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def generic_only() -> Iterator[None]:
     """The fast route answering no call: every call takes the generic flow."""
-    return mock.patch.object(_facts.FACTS, "plain_attention", return_value=None)
+    with (
+        mock.patch.object(_facts.FACTS, "plain_attention", return_value=None),
+        mock.patch.object(_facts.FACTS, "plain_step", return_value=None),
+    ):
+        yield

@@ -38,9 +38,9 @@ def test_a_steps_check_is_the_one_attach_and_written_past_make(finite_from, key_
     """``CacheCheck.stepped``, a plain step's shortcut, leaves the check that attaching
     a new one and carrying over what the prior knew (``written_past``) leave, field by
     field: what the next step and every later call trust."""
-    keys, values = torch.zeros(2, 1, 9, 4), torch.zeros(2, 1, 9, 4)
+    keys, values, before = torch.zeros(2, 1, 9, 4), torch.zeros(2, 1, 9, 4), torch.full((2,), 4)
     prior = _cache.CacheCheck.attach(
-        spec.KVCache(keys, values, torch.full((2,), 4)), None, 4, np.full(2, 4), pending=None
+        spec.KVCache(keys, values, before), None, 4, np.full(2, 4), pending=None
     )
     prior.finite_from, prior.key_upto, prior.key_max = finite_from, key_upto, 2.5
     prior.step = "the plan before"
@@ -58,13 +58,16 @@ def test_a_steps_check_is_the_one_attach_and_written_past_make(finite_from, key_
     )
     slow.step, slow._uniform = "this plan", 5
     slow.written_past(prior, 4, 5)
-    fast = prior.stepped(updated(), 5, "this plan", **kept)
+    fast = prior.stepped(updated(), 5, "this plan", before, **kept)
     # (The arrays, poison and pending rows are the same objects in both: compared by identity.)
     fields = {name: value for name, value in vars(slow).items() if name not in ("keys", "values")}
     assert {name: value for name, value in vars(fast).items() if name in fields} == fields
     assert vars(fast).keys() == vars(slow).keys()
     assert fast.keys() is keys and fast.values() is values
     assert fast.lengths.tolist() == [5, 5] and fast.uniform == 5
+    # The lengths before carry no check: a call given them again reads them.
+    assert _cache.CacheCheck.of(spec.KVCache(keys, values, before)) is None
+    assert _cache.CacheCheck.host_lengths(before) is None
 
 
 @pytest.mark.parametrize("written", ["nan", "finite"])
@@ -321,9 +324,9 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
 
     with answered_calls() as answers:
         _, caches = feed_back(layer, prompt, 3, 8, np.array([4, 2, 3]), check=against_reference)
-    # A cached call's lengths (the prompt's), then steps of examples holding 4, 2 and 3
-    # (mha_multi.torch._ragged).
-    assert answers == [False] + [True] * 3
+    # Steps of examples holding 4, 2 and 3 (mha_multi.torch._ragged); the prompt's call,
+    # a cached call with lengths, is no step the route is offered.
+    assert answers == [True] * 3
     assert caches[-1].lengths.tolist() == [7, 5, 6]
 
     with answered_calls() as answers, torch.no_grad():
