@@ -84,7 +84,7 @@ class CacheCheck:
         self.examples: int = lengths.size
         self.lengths_version = cache.lengths._version
         self._uniform: int | None = -1  # not known yet
-        #: What the plain step that wrote the cache decided (``PlainRoute.plain_attention``):
+        #: What the plain step that wrote the cache decided (``StepRoute.plain_step``):
         #: ``(layer, key, plan)``, for the next step of that layer and key.
         self.step: tuple[Any, tuple, Any] | None = None
         #: The lengths of the plain steps to come (:func:`next_lengths`).

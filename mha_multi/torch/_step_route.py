@@ -1,0 +1,219 @@
+"""The PyTorch facts' fast route for a plain decoding step (docs: "Fast paths").
+
+A decoding step whose queries are its keys and values and that asks for
+nothing else is offered to :meth:`StepRoute.plain_step` at the layer's door,
+before its flow (:meth:`mha_multi.torch.MultiHeadAttention.forward`): one
+query per example, a cache whose check (:class:`CacheCheck`) still holds,
+every example at a length with room for one more. The plan the step before
+made for the same layer and arguments, which the cache's check carries, runs
+it straight through (:func:`~mha_multi.torch._steps.fused_step`, and
+:func:`~mha_multi.torch._steps.generic_step` where a GPU reads nothing;
+examples at different lengths, :func:`~mha_multi.torch._ragged.ragged_step`);
+the first step of a signature is planned by
+:class:`~mha_multi.torch._plain.PlainRoute`, of which this is a part.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+
+from mha_multi import call, spec
+from mha_multi.torch._cache import CacheCheck
+from mha_multi.torch._ragged import ragged_step
+from mha_multi.torch._steps import PlainPlan, fused_step, generic_step
+
+__all__ = ["StepRoute"]
+
+
+class StepRoute:
+    """The route's part for decoding steps, a part of the PyTorch facts
+    (:class:`mha_multi.torch._facts.TorchFacts`, whose span bucket and ``on_host`` it
+    reads, and of :class:`~mha_multi.torch._plain.PlainRoute`, whose plans it takes)."""
+
+    on_host: Any
+    span_bucket_of: Any
+    _plain_plan: Any
+
+    def plain_step(
+        self,
+        layer: call.Projections,
+        queries: torch.Tensor,
+        cache: spec.KVCache,
+        *,
+        causal: bool,
+        dtype: torch.dtype | None,
+        options: spec.LayerOptions | None,
+    ) -> call.Result | None:
+        """A plain decoding step (:meth:`plain_attention` with a cache and no lengths), or
+        ``None`` where the route takes none.
+
+        What the generic flow's checks, plan and span decided for the step before,
+        of this layer and these arguments, the cache's check carries
+        (:attr:`mha_multi.torch._cache.CacheCheck.step`): a step of the same
+        signature on a cache that check still holds runs straight through to
+        :func:`fused_step` or :func:`generic_step`. The PyTorch layer asks here
+        first, before its call's flow, where its call is a plain step
+        (:meth:`mha_multi.torch.MultiHeadAttention.forward`).
+        """
+        # (No step records a gradient: a cached call that does takes the generic flow.)
+        if (
+            type(queries) is not torch.Tensor
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        check = self._plain_step_check(queries, cache)
+        if check is None:
+            return None
+        # The step before, where it was this layer's with these arguments, planned this
+        # one. (The options compared by identity first: a tuple's items are.)
+        device = queries.device
+        key = (dtype, causal, queries.shape, queries.dtype, device, options)
+        step = check.step
+        on_host = self.on_host(queries)
+        if step is not None and step[0]() is layer and step[1] == key:
+            if torch.is_autocast_enabled("cpu" if on_host else device.type):
+                return None
+            plan = step[2]
+        else:
+            plan = self._plain_plan(
+                layer, queries, cache, causal=causal, dtype=dtype, options=options
+            )
+            step = None if plan is None else (weakref.ref(layer), key, plan)
+        if plan is None:
+            return None
+        rotary = None if options is None else options.rotary
+        if check._uniform is None:  # (examples at different lengths)
+            return ragged_step(self, plan, layer, queries, cache, check, step, options)
+        first = 0  # (the first cache position attended over)
+        if plan.window is not None:
+            first = self._window_first(check, plan, cache, on_host=on_host)
+            if first == check._uniform + 1 - plan.window or check._uniform < plan.window:
+                plan = plan.within  # (the window hides none of the keys attended over)
+                if plan is None:
+                    return None
+        if (check.pending is not None or check.poison is not None) and (
+            plan.fused or (on_host and plan.may_read)
+        ):
+            return None  # (rows no call has read yet: the generic flow reads them here)
+        if plan.fused:
+            return fused_step(layer, queries, cache, check, plan, step, rotary, first)
+        filled = check._uniform + 1  # (CacheCheck.uniform, resolved by the check)
+        spans = plan.spans
+        span = spans.get(filled, 0)
+        if span == 0:
+            span = self._step_span(layer, cache, filled, may_read=plan.may_read)
+            # The lengths up to it have its span too (spec.rounded_span rounds up):
+            # the steps to come find theirs.
+            for upto in range(filled, filled + 1 if span is None else span + 1):
+                spans[upto] = span
+        if span is None:
+            return None  # (the generic flow reads for it)
+        return generic_step(layer, queries, cache, check, plan, step, rotary, span, first)
+
+    def _window_first(
+        self, check: CacheCheck, plan: PlainPlan, cache: spec.KVCache, *, on_host: bool
+    ) -> int:
+        """The first cache position a step of a windowed layer attends over, as the generic
+        flow leaves out those before its window (:func:`mha_multi.call.attended_positions`);
+        0 where it keeps every position.
+
+        Past the window, where every value before it is known finite
+        (:meth:`mha_multi.call.Facts.finite_before`): a fused plan's check
+        knows it (its span bucket is 1); on the host, the rows no call has
+        read yet and the poison are read as the generic flow reads them (and
+        then known finite to the calls after); a GPU's check knows it where
+        nothing is unread (right after a call that read every value). The
+        position is rounded down to the span bucket, as the generic flow's:
+        the plan's patterns are viewed from there.
+        """
+        length, window = check._uniform, plan.window
+        if length < window:
+            return 0
+        if plan.fused:
+            return length + 1 - window  # (spec.window_first's, its span bucket 1)
+        first = spec.window_first(length, window, self.span_bucket_of(cache.keys))
+        if on_host:
+            row = length - 1
+            if (
+                check.poison is None
+                and check.pending == ()
+                and check.pending_from == row
+                and check.upto == length
+            ):
+                # The one row no call read is the step before's: read it alone.
+                keys, values = cache.keys, cache.values
+                total = keys.select(2, row).sum(dtype=torch.float32)
+                total = total + values.select(2, row).sum(dtype=torch.float32)
+                read = total.item()
+                if read - read == 0.0:  # (inf - inf and NaN are NaN)
+                    check.pending = check.pending_from = None
+                    return first
+            poison = check.settled()  # (the rows no call read, summed with the poison)
+            if poison is not None and not math.isfinite(poison.item()):
+                return 0
+            check.poison = None
+            return first
+        clean = check.pending is None and check.pending_from is None and check.poison is None
+        return first if clean else 0
+
+    def _step_span(
+        self, layer: call.Projections, cache: spec.KVCache, filled: int, *, may_read: bool
+    ) -> int | None:
+        """The generic flow's span of a step on ``cache`` filled to ``filled`` positions
+        (:meth:`mha_multi.spec.CacheFill.span`), or ``None`` where that flow reads for it
+        (``may_read``: its plan for values read finite is the fused kernel's, and
+        :func:`mha_multi.spec.reads_values` says a read pays)."""
+        keys = cache.keys
+        span = spec.rounded_span(filled, keys.shape[2], self.span_bucket_of(keys))
+        if not may_read:
+            return span
+        total_scores = keys.shape[0] * layer.heads.num_heads * span  # (no gradient here)
+        return (
+            None
+            if spec.reads_values(self.on_host(keys), 1, span, total_scores=total_scores)
+            else span
+        )
+
+    @staticmethod
+    def _plain_step_check(queries: torch.Tensor, cache: Any) -> CacheCheck | None:
+        """The check of a plain step's cache, whose ``uniform`` length every example
+        holds, or ``None`` where the step is not plain (:meth:`plain_attention`; a fused
+        plan asks besides that every position below the lengths be known finite)."""
+        if type(cache) is not spec.KVCache:
+            return None
+        keys, values, lengths = cache
+        # CacheCheck.of, inline: every step asks (CHECKED as an attribute: getattr is a call).
+        try:
+            check = lengths._mha_multi_checked
+        except AttributeError:
+            return None
+        if (
+            keys is not check.keys()
+            or values is not check.values()
+            or (keys._version, values._version) != check.versions
+            or lengths._version != check.lengths_version
+            # (No inference tensor, which keeps no version counter: a check holds none of
+            # them, CacheCheck.attach.)
+        ):
+            return None
+        length = check._uniform
+        if length == -1:  # (not known yet: CacheCheck.uniform resolves it)
+            length = check.uniform
+        if length is None and check.examples:
+            # Examples at different lengths: a ragged step (ragged_step checks the rest).
+            return check if queries.shape[:2] == (check.examples, 1) else None
+        # (A check may stand for more positions than are filled: those a GPU's span rounded
+        # up to and a read checked.)
+        if length is None or length < 1 or check.upto < length or length >= keys.shape[2]:
+            return None  # (an overflow among them: the generic flow raises it)
+        # (Nothing past the filled positions is attended over: the values there must be
+        # known finite, call.Facts.finite_past.)
+        finite_from = check.finite_from
+        if finite_from is None or finite_from > length + 1:
+            return None
+        return check if queries.shape[:2] == (check.examples, 1) else None
