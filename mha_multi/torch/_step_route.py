@@ -48,8 +48,8 @@ class StepRoute:
         dtype: torch.dtype | None,
         options: spec.LayerOptions | None,
     ) -> call.Result | None:
-        """A plain decoding step (:meth:`plain_attention` with a cache and no lengths), or
-        ``None`` where the route takes none.
+        """A plain decoding step (a call :func:`mha_multi.call.plain_self_attention` names,
+        with a cache and no lengths), or ``None`` where the route takes none.
 
         What the generic flow's checks, plan and span decided for the step before,
         of this layer and these arguments, the cache's check carries
@@ -182,7 +182,7 @@ class StepRoute:
     @staticmethod
     def _plain_step_check(queries: torch.Tensor, cache: Any) -> CacheCheck | None:
         """The check of a plain step's cache, whose ``uniform`` length every example
-        holds, or ``None`` where the step is not plain (:meth:`plain_attention`; a fused
+        holds, or ``None`` where the step is not plain (:meth:`plain_step`; a fused
         plan asks besides that every position below the lengths be known finite)."""
         if type(cache) is not spec.KVCache:
             return None

@@ -37,7 +37,7 @@ __all__ = [
 
 
 class PlainPlan(NamedTuple):
-    """How :meth:`PlainRoute.plain_attention` runs the calls of one layer and shapes.
+    """How :meth:`PlainRoute.plain_attention` and :meth:`StepRoute.plain_step` run a layer's calls.
 
     ``fused``: SDPA with ``arguments`` after the one finiteness read (the
     generic flow's plan for values read finite). Otherwise the generic
