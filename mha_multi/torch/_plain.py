@@ -89,32 +89,20 @@ class PlainRoute(StepRoute, LengthsRoute):
         record a gradient (its operations are the generic flow's, so are
         their gradients), outside ``torch.func``'s transforms.
         With one, ``None``: a decoding step is offered at the layer's door
-        instead (:meth:`~mha_multi.torch._step_route.StepRoute.plain_step`, the
-        route's step): one query per example, a cache whose
-        check (:class:`CacheCheck`) still holds, every example at the same
-        length ``>= 1`` with room for one more. Its new rows are written in
-        place at that position, and it attends over the filled positions
-        (rounded up to the span bucket, :meth:`span_bucket_of`, for the
-        generic path). On the host the check must know every position below
-        the lengths finite and kernels must take any span (the CPU); on a
-        GPU the step's rows are left for a later read to check, as the
-        generic flow leaves them. The operations are the generic flow's, on
-        the same tensors: the numbers are its numbers to the bit, and a
-        cache and its check are left as it leaves them. Anything else,
-        non-finite values read included, returns ``None`` before writing
-        anything, and the generic flow runs the call (docs: "Fast paths").
+        instead (:meth:`~mha_multi.torch._step_route.StepRoute.plain_step`).
+        The operations are the generic flow's, on the same tensors: the
+        numbers are its numbers to the bit. Anything else, non-finite values
+        read included, returns ``None``, and the generic flow runs the call
+        (docs: "Fast paths").
         ``layer`` is a PyTorch layer: its self-attention projections are one
         product (``project_stacked``), whose one sum is the finiteness read.
         ``options``: the layer's. Rotary positions rotate the queries and
         keys together (one tensor of their heads: the rotation acts on each
-        head alone) by the plan's tables, at ``arange(Q)`` or at the step's
-        position, the generic flow's default positions; the read then sums
-        what attention takes, the rotated heads and the values; query/key
-        norms act before (:func:`normalized`). A decoding step takes ALiBi,
-        the window, soft-capping and sinks too, the masks and bias made once
-        by the plan (:class:`PlainPlan`): a call's, or for a step patterns of
-        which each step takes a view, those the generic flow makes at each
-        step, of the step's one position. ``valid_lens``: a call's lengths,
+        head alone) by the plan's tables, at ``arange(Q)``, the generic
+        flow's default positions; the read then sums what attention takes,
+        the rotated heads and the values; query/key norms act before
+        (:func:`normalized`); a call's masks and bias are made once by the
+        plan (:class:`PlainPlan`). ``valid_lens``: a call's lengths,
         which the route takes as a tensor on the host, without a cache
         (:mod:`mha_multi.torch._lengths_route`).
         """

@@ -58,6 +58,30 @@ class StepRoute:
         :func:`fused_step` or :func:`generic_step`. The PyTorch layer asks here
         first, before its call's flow, where its call is a plain step
         (:meth:`mha_multi.torch.MultiHeadAttention.forward`).
+
+        Taken where the generic flow would, at this step, check its arguments
+        as it did for the same shapes before and run SDPA after one
+        finiteness read (or, on a GPU, the generic path's attention, which
+        reads nothing): an eager step recording no gradient, no autocast, one
+        query per example, a cache whose check (:class:`CacheCheck`) still
+        holds, every example at a length ``>= 1`` with room for one more
+        (examples at different lengths: :func:`ragged_step`). Its new rows
+        are written in place at that position, and it attends over the
+        filled positions (rounded up to the span bucket, ``span_bucket_of``,
+        for the generic path). On the host the check must know every
+        position below the lengths finite and kernels must take any span
+        (the CPU); on a GPU the step's rows are left for a later read to
+        check, as the generic flow leaves them. The operations are the
+        generic flow's, on the same tensors: the numbers are its numbers to
+        the bit, and a cache and its check are left as it leaves them.
+        Rotary positions rotate the step's query and key by the plan's table
+        row of its position, the generic flow's default one; ALiBi, the
+        window, soft-capping and sinks are taken too, their masks and bias
+        patterns the plan made once, of which each step takes a view (those
+        the generic flow makes at each step, of the step's one position).
+        Anything else, non-finite values read included, returns ``None``
+        before writing anything, and the generic flow runs the step (docs:
+        "Fast paths").
         """
         # (No step records a gradient: a cached call that does takes the generic flow.)
         if (
