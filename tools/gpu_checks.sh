@@ -10,7 +10,8 @@
 #   info    the device and the packages' versions
 #   tests   each backend's tests that take the GPU (-k gpu), in parallel
 #   parity  every parity case on the GPU in every dtype, then the report
-#   bench   the benchmark rows on the GPU (BENCH_ROWS: --only choices), then
+#   bench   the benchmark rows on the GPU (BENCH_ROWS: --only choices; long: the long
+#           bfloat16 training pass, ours against SDPA's layer, PyTorch's alone), then
 #           tools/gpu_step.py's decoding steps, tools/ragged_step.py's ragged ones
 #           and tools/grouped_sdpa.py's SDPA
 #
@@ -93,7 +94,7 @@ EOF
     bench)
         # One process at a time: the GPU is timed alone.
         for backend in torch jax; do
-            for rows in ${BENCH_ROWS:-timing small-calls generation}; do
+            for rows in ${BENCH_ROWS:-timing small-calls generation long}; do
                 step "bench-$backend-$rows" "${BENCH_SECONDS:-300}" "$py" -m mha_multi.bench run --devices gpu \
                     --only "$rows" --out "$out/bench-$rows" "$backend"
             done

@@ -30,8 +30,9 @@ ROWS = {
 
 #: Every kind of row ``--only`` takes: ``host`` the tiny layer's host time,
 #: ``calls`` the Python calls of a call (:mod:`mha_multi.bench.host`),
-#: ``packed`` packed sequences against padded (:mod:`mha_multi.bench.packed`).
-KINDS = (*ROWS, "generation", "host", "calls", "packed")
+#: ``packed`` packed sequences against padded (:mod:`mha_multi.bench.packed`),
+#: ``long`` the long training pass on a GPU (:mod:`mha_multi.bench.long`).
+KINDS = (*ROWS, "generation", "host", "calls", "packed", "long")
 
 
 def kinds_of_rows(text: str) -> tuple[str, ...]:
@@ -140,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "host_blocks": 5,
                     "packed_sequences": 8,
                     "packed_length": 128,
+                    "long": Shape(batch=1, length=128, num_hiddens=64, num_heads=2),
+                    "long_on_cpu": True,
                 }
                 if args.quick
                 else {}
@@ -151,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kwargs |= {"host_blocks": 0} if "host" not in args.only else {}
                 kwargs |= {"calls": False} if "calls" not in args.only else {}
                 kwargs |= {"packed_sequences": 0} if "packed" not in args.only else {}
+                kwargs |= {"long": None} if "long" not in args.only else {}
             if args.devices:
                 kwargs["devices"] = args.devices.split(",")
             if args.ways:

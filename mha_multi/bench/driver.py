@@ -6,7 +6,8 @@ layer) in every execution mode the framework has, forward in evaluation mode
 and forward+backward, on self-attention with key padding
 (:mod:`~mha_multi.bench.timing`); then generation
 (:mod:`~mha_multi.bench.generate`) and the packed row
-(:mod:`~mha_multi.bench.packed`); on the CPU the host rows and the Python
+(:mod:`~mha_multi.bench.packed`); on a GPU the long training pass
+(:mod:`~mha_multi.bench.long`); on the CPU the host rows and the Python
 calls of a call (:mod:`~mha_multi.bench.host`); and peak memory of one float32 forward
 pass last, each figure in a process of its own (:mod:`~mha_multi.bench.memory`).
 """
@@ -20,6 +21,7 @@ from mha_multi.bench.common import ITEMSIZE, Measurement, Shape
 from mha_multi.bench.framework import Framework
 from mha_multi.bench.generate import GenerationShape, run_generation
 from mha_multi.bench.host import count_calls, time_host
+from mha_multi.bench.long import LONG, time_long
 from mha_multi.bench.memory import measure_memory
 from mha_multi.bench.packed import time_packed
 from mha_multi.bench.timing import GEMM_SIZE, gemm_rate, time_layers, time_pruned, time_sharded
@@ -66,6 +68,8 @@ def run(
     calls: bool = True,
     packed_sequences: int = 32,
     packed_length: int = 512,
+    long: Shape | None = LONG,
+    long_on_cpu: bool = False,
 ) -> list[dict[str, object]]:
     """The whole benchmark of ``framework``.
 
@@ -114,6 +118,10 @@ def run(
             (:func:`~mha_multi.bench.packed.time_packed`: long-tailed lengths up
             to ``packed_length``, packed against padded); 0 for no packed row.
         packed_length: the longest sequence of the packed row, and its rows' length.
+        long: the shape of the long training pass (:mod:`~mha_multi.bench.long`:
+            bfloat16, causal, forward and backward, ours against the framework's
+            own kernel in a layer), on a GPU; ``None`` for no such row.
+        long_on_cpu: that row on the CPU too (a small ``long`` shape: a smoke run).
 
     Returns:
         One result per device and execution mode: ``backend``, ``device``,
@@ -177,6 +185,8 @@ def run(
                             ways=generation_ways,
                         )
         first = measurements[framework.executions[0]]
+        if long is not None and (device == "gpu" or long_on_cpu):
+            first += time_long(framework, device, "bfloat16", long)
         if device == "cpu" and host_blocks and framework.hand_written_call is not None:
             first += time_host(framework, device, blocks=host_blocks)
         if device == "cpu" and calls:

@@ -98,6 +98,13 @@ class Framework:
         :meth:`convert`'s arguments, in evaluation mode."""
         raise NotImplementedError
 
+    def long_pair(self, shape: Shape, device: str, dtype: str) -> dict[str, Any] | None:
+        """``"ours"`` and ``"SDPA"``, the framework's own attention kernel in a layer of
+        the same weights, each as :meth:`step` takes it and calling causal
+        self-attention on one input (:mod:`~mha_multi.bench.long`); ``None`` where
+        the framework has no such kernel of its own to hold ours to."""
+        return None
+
     def step(self, impl: Any, args: Any, mode: str, execution: str | None) -> Callable[[], Any]:
         """One pass of ``mode`` as a function of nothing.
 

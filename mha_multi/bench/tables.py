@@ -18,6 +18,7 @@ from mha_multi.bench.cells import row as _row
 from mha_multi.bench.cells import table as _table
 from mha_multi.bench.cells import table_head as _table_head
 from mha_multi.bench.common import ITEMSIZE, Shape, kv_bytes
+from mha_multi.bench.long import long_table
 
 __all__ = [
     "TIMED_MODES",
@@ -195,6 +196,7 @@ SUMMARIES: dict[str, Callable[[Sequence[dict]], Table]] = {
     "Host time of the tiny layer, per call": host_table,
     "Python calls per call (cProfile)": calls_table,
     "Peak memory of one forward pass (MiB)": memory_table,
+    "A long causal pass with its backward, ours against SDPA's layer": long_table,
 }
 
 
@@ -210,10 +212,12 @@ def summary_lines(measurements: Sequence[dict]) -> list[str]:
     return lines
 
 
-#: The tables of what a call costs around its kernels, in each backend's part of the report.
+#: The tables of what a call costs around its kernels, and the long pass's, in each
+#: backend's part of the report.
 _CALL_TABLES = {
     'The tiny layer\'s host time per call (us; docs: "Results")': host_table,
     "Python calls per call (cProfile)": calls_table,
+    "A long causal pass with its backward, ours against SDPA's layer": long_table,
 }
 
 

@@ -2,7 +2,8 @@
 
 ``torch.nn.MultiheadAttention`` has no grouped key/value heads; grouped rows
 are timed against PyTorch's own grouped-query route instead,
-:class:`GroupedSDPA`.
+:class:`SDPALayer`, which is also the long training pass's anchor
+(:mod:`mha_multi.bench.long`).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from mha_multi.torch import set_weights
 from mha_multi.weights import init_weights
 
 
-class GroupedSDPA(nn.Module):
-    """Grouped-query self-attention as PyTorch offers it: ``nn.Linear``
-    projections named as d2l's, and ``scaled_dot_product_attention`` with
-    ``enable_gqa=True`` given the key padding as a boolean mask."""
+class SDPALayer(nn.Module):
+    """Self-attention as PyTorch offers it: ``nn.Linear`` projections named as d2l's,
+    and ``scaled_dot_product_attention`` given the key padding as a boolean mask (or
+    none) and its own causal flag; ``enable_gqa=True`` for grouped heads."""
 
     def __init__(self, num_hiddens: int, num_heads: int, num_kv_heads: int) -> None:
         super().__init__()
@@ -49,15 +50,22 @@ class GroupedSDPA(nn.Module):
         self.W_v = nn.Linear(num_hiddens, kv_features, bias=False)
         self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=False)
 
-    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, padding: torch.Tensor | None = None, *, causal: bool = False
+    ) -> torch.Tensor:
         q = self.W_q(x).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
         k, v = (
             linear(x).unflatten(-1, (self.num_kv_heads, -1)).transpose(1, 2)
             for linear in (self.W_k, self.W_v)
         )
-        visible = ~padding[:, None, None, :]
+        visible = None if padding is None else ~padding[:, None, None, :]
         context = nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=visible, enable_gqa=True
+            q,
+            k,
+            v,
+            attn_mask=visible,
+            is_causal=causal,
+            enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return self.W_o(context.transpose(1, 2).flatten(2))
 
@@ -156,7 +164,7 @@ class Torch(Framework):
                 return native(x, x, x, key_padding_mask=padding, need_weights=False)[0]
 
         else:
-            native = to_torch_d2l(weights, GroupedSDPA(d, h, kv_heads))
+            native = to_torch_d2l(weights, SDPALayer(d, h, kv_heads))
             native = native.to(backend.device(device), backend.DTYPES[dtype]).eval()
 
             def native_call(x: torch.Tensor, lens: Any, padding: torch.Tensor) -> torch.Tensor:
@@ -169,6 +177,20 @@ class Torch(Framework):
                 lambda x, lens, padding: ours(x, x, x, lens, return_attention_weights=True)[0],
             ),
             "native": (native, native_call),
+        }
+
+    def long_pair(self, shape: Shape, device: str, dtype: str) -> dict[str, Any]:
+        """Ours and :class:`SDPALayer`, holding the same weights, in training mode (no
+        dropout), each calling causal self-attention."""
+        d, h, kv_heads = shape.num_hiddens, shape.num_heads, shape.kv_heads
+        weights = init_weights(d, num_heads=h, num_kv_heads=kv_heads)
+        ours = backend.make_layer(d, h, num_kv_heads=kv_heads, device=device, dtype=dtype)
+        ours = set_weights(ours, weights).train()
+        sdpa = to_torch_d2l(weights, SDPALayer(d, h, kv_heads))
+        sdpa = sdpa.to(backend.device(device), backend.DTYPES[dtype]).train()
+        return {
+            "ours": (ours, lambda x: ours(x, x, x, causal=True)),
+            "SDPA": (sdpa, lambda x: sdpa(x, causal=True)),
         }
 
     def step(self, impl: Any, args: Any, mode: str, execution: str | None) -> Callable[[], Any]:

@@ -157,10 +157,10 @@ def test_grouped_torch_d2l_state_loads_with_the_widths_of_its_weights(cases):
 
 
 def test_the_benchmarks_grouped_baseline_holds_canonical_weights(runner):
-    from mha_multi.bench.torch import GroupedSDPA
+    from mha_multi.bench.torch import SDPALayer
 
     weights = init_weights(16, num_heads=4, num_kv_heads=2, seed=5)
-    module = to_torch_d2l(weights, GroupedSDPA(16, 4, 2)).eval()
+    module = to_torch_d2l(weights, SDPALayer(16, 4, 2)).eval()
     x = np.random.default_rng(5).standard_normal((2, 6, 16)).astype(np.float32)
     lens = np.array([6, 3])
     expected, _ = spec.reference_forward(weights, x, x, x, lens, num_heads=4)
