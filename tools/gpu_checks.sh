@@ -14,6 +14,8 @@
 #           bfloat16 training pass, ours against SDPA's layer, PyTorch's alone), then
 #           tools/gpu_step.py's decoding steps, tools/ragged_step.py's ragged ones
 #           and tools/grouped_sdpa.py's SDPA
+#   rows    PyTorch's speed rows alone, in about ten minutes: small calls, generation
+#           (ours and the hand-written loop, eager and compiled) and the long pass
 #
 # Every stage's log and result lands in OUT; OUT.tar.gz holds them all.
 set -u
@@ -117,6 +119,18 @@ EOF
         for dtype in float32 bfloat16; do
             step "grouped-sdpa-$dtype" 120 "$py" tools/grouped_sdpa.py --device cuda \
                 --dtype "$dtype" --keys 4096
+        done
+        ;;
+    rows)
+        # The speed rows a GPU answers (docs: "Results"), one process at a time: small
+        # calls against nn.MultiheadAttention, generation against the hand-written loop
+        # (eager, and compiled with CUDA graphs; float32 and bfloat16; plain, grouped and
+        # Llama-shaped layers) and the long training pass against SDPA's layer.
+        for rows in small-calls generation long; do
+            ways=()
+            [ "$rows" = generation ] && ways=(--ways cached,hand-written)
+            step "rows-torch-$rows" "${BENCH_SECONDS:-300}" "$py" -m mha_multi.bench run \
+                --devices gpu --only "$rows" ${ways[@]+"${ways[@]}"} --out "$out/rows-$rows" torch
         done
         ;;
     *)
