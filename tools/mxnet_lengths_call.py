@@ -1,4 +1,4 @@
-"""d2l's call on MXNet, self-attention with ``valid_lens``: ours against d2l's own layer.
+"""d2l's call on MXNet, attention with ``valid_lens``: ours against d2l's own layer.
 
 A batch of 64 sequences of 10 positions (32 hiddens, 4 heads by default: the
 shapes of d2l's Transformer chapter), float lengths from 1 to 10, called
@@ -10,9 +10,12 @@ The median turn's time per call is printed in microseconds, with the ratio
 ours / hand-written in speed (above 1 when ours is faster), the largest
 difference between ours and d2l's outputs, and the Python function calls
 per call (cProfile) of the plan and of the generic flow. ``train``: each call
-recorded by ``autograd.record()`` and its backward run.
+recorded by ``autograd.record()`` and its backward run. ``cross``: the
+queries attend to keys and values of their own, 12 positions (d2l's
+``attention(X, Y, Y, valid_lens)``, a decoder attending to its encoder; the
+lengths from 1 to 12), by the plan of cross-attention (docs: "Fast paths").
 
-    python tools/mxnet_lengths_call.py [num_hiddens] [num_heads] [rounds] [train]
+    python tools/mxnet_lengths_call.py [num_hiddens] [num_heads] [rounds] [train] [cross]
 """
 
 from __future__ import annotations
@@ -30,19 +33,19 @@ from mha_multi.bench.mxnet import D2LMultiHeadAttention
 from mha_multi.mxnet import MultiHeadAttention, _facts, set_weights
 from mha_multi.weights import init_weights
 
-BATCH, LENGTH, TURN = 64, 10, 20
+BATCH, LENGTH, KEYS, TURN = 64, 10, 12, 20
 
 
-def caller(layer: Callable, x: mx.np.ndarray, lens: mx.np.ndarray, train: bool):
-    """A call of ``layer`` as self-attention with ``lens``, recorded with its backward
-    where ``train``."""
+def caller(layer: Callable, x: mx.np.ndarray, y: mx.np.ndarray, lens: mx.np.ndarray, train: bool):
+    """A call of ``layer`` from ``x`` to ``y`` (keys and values) with ``lens``, recorded
+    with its backward where ``train``."""
 
     def call() -> mx.np.ndarray:
         if not train:
-            return layer(x, x, x, lens)
+            return layer(x, y, y, lens)
         x.attach_grad()
         with autograd.record():
-            output = layer(x, x, x, lens)
+            output = layer(x, y, y, lens)
         output.backward()
         return x.grad
 
@@ -50,11 +53,11 @@ def caller(layer: Callable, x: mx.np.ndarray, lens: mx.np.ndarray, train: bool):
 
 
 def main() -> None:
-    arguments = [a for a in sys.argv[1:] if a != "train"]
+    arguments = [a for a in sys.argv[1:] if a not in ("train", "cross")]
     hiddens = int(arguments[0]) if arguments else 32
     heads = int(arguments[1]) if len(arguments) > 1 else 4
     rounds = int(arguments[2]) if len(arguments) > 2 else 15
-    train = "train" in sys.argv[1:]
+    train, cross = "train" in sys.argv[1:], "cross" in sys.argv[1:]
     weights = init_weights(hiddens, seed=0, num_heads=heads)
     weights = {name: array.astype(np.float32) for name, array in weights.items()}
     ours = set_weights(MultiHeadAttention(hiddens, heads), weights)
@@ -64,15 +67,19 @@ def main() -> None:
         getattr(d2l, name).weight.set_data(mx.np.array(weights[name].T))
     rng = np.random.default_rng(0)
     x = mx.np.array(rng.standard_normal((BATCH, LENGTH, hiddens)).astype(np.float32))
-    lens = mx.np.array(rng.integers(1, LENGTH + 1, BATCH).astype(np.float32))
+    y = x
+    if cross:
+        y = mx.np.array(rng.standard_normal((BATCH, KEYS, hiddens)).astype(np.float32))
+    lens = mx.np.array(rng.integers(1, y.shape[1] + 1, BATCH).astype(np.float32))
+    plan = "cross_attention" if cross else "plain_attention"
 
     def generic():  # (the plan answering no call)
-        return mock.patch.object(_facts.MXNetFacts, "plain_attention", lambda *_, **__: None)
+        return mock.patch.object(_facts.MXNetFacts, plan, lambda *_, **__: None)
 
-    difference = float(abs(ours(x, x, x, lens) - d2l(x, x, x, lens)).max())
+    difference = float(abs(ours(x, y, y, lens) - d2l(x, y, y, lens)).max())
     compare(
-        lambda: caller(ours, x, lens, train),
-        lambda: caller(d2l, x, lens, train),
+        lambda: caller(ours, x, y, lens, train),
+        lambda: caller(d2l, x, y, lens, train),
         generic=generic,
         difference=difference,
         rounds=rounds,

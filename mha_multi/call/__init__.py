@@ -48,6 +48,7 @@ from mha_multi.call.flow import (
     attended_positions,
     binding_window,
     forward,
+    plain_cross_attention,
     plain_self_attention,
 )
 from mha_multi.call.kernel_plan import decided, kernel_settings, plan
@@ -73,6 +74,7 @@ __all__ = [
     "decided",
     "forward",
     "kernel_settings",
+    "plain_cross_attention",
     "plain_self_attention",
     "plan",
     "read_all",

@@ -406,6 +406,25 @@ class Facts:
         """
         return None
 
+    def cross_attention(
+        self,
+        layer: Projections,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        *,
+        causal: bool,
+        dtype: Any,
+        options: spec.LayerOptions | None = None,
+        valid_lens: Any = None,
+    ) -> Result | None:
+        """Plain attention to keys and values of the call's own
+        (:func:`plain_cross_attention`, without a cache) run in few operations, or
+        ``None``: as :meth:`plain_attention`, the generic flow's operations on the
+        same arrays or ``None``. The default answers none.
+        """
+        return None
+
     # -- the generic path ---------------------------------------------------
 
     def batch_pieces(self, q: Array, example_bytes: int) -> int:

@@ -342,7 +342,29 @@ def plain_self_attention(
     take or leave (:meth:`Facts.plain_attention`): rotary positions at their
     defaults and what a layer does to its scores are fixed with the layer.
     """
-    if not (keys is queries and values is queries and (causal is True or causal is False)):
+    if not (keys is queries and values is queries):
+        return False
+    return _nothing_else(causal, others)
+
+
+def plain_cross_attention(
+    queries: Any, keys: Any, values: Any, *, causal: Any, others: Sequence[Any]
+) -> bool:
+    """Whether a call is plain attention to keys and values of its own, which
+    :meth:`Facts.cross_attention` may answer: d2l's ``attention(X, Y, Y, valid_lens)``.
+
+    Keys and values are given and are not both the queries (that is
+    :func:`plain_self_attention`), ``causal`` is a bool, and nothing else is
+    asked (``others`` as there). Asked of calls without a cache.
+    """
+    if keys is None or values is None or (keys is queries and values is queries):
+        return False
+    return _nothing_else(causal, others)
+
+
+def _nothing_else(causal: Any, others: Sequence[Any]) -> bool:
+    """Whether ``causal`` is a bool and each of ``others`` is ``None`` or ``False``."""
+    if not (causal is True or causal is False):
         return False
     # A loop, not all() of a generator: every call of every layer asks.
     for x in others:  # noqa: SIM110
@@ -413,6 +435,21 @@ def forward(
             layer,
             queries,
             cache,
+            causal=causal,
+            dtype=dtype,
+            options=layer_options,
+            valid_lens=valid_lens,
+        )
+        if result is not None:
+            return result
+    elif cache is None and plain_cross_attention(
+        queries, keys, values, causal=causal, others=others
+    ):
+        result = facts.cross_attention(
+            layer,
+            queries,
+            keys,
+            values,
             causal=causal,
             dtype=dtype,
             options=layer_options,

@@ -55,6 +55,7 @@ exact_float32()
 import mxnet as mx  # noqa: E402  (after the environment it reads)
 from mxnet import gluon  # noqa: E402
 
+from mha_multi.mxnet._cross import cross_attention  # noqa: E402
 from mha_multi.mxnet._kernel import SEQUENCE_MASK, sequence_mask_attention  # noqa: E402
 from mha_multi.mxnet._ops import MXNetOps, copied_to, dtype_kind  # noqa: E402
 from mha_multi.mxnet._plain import plain_attention  # noqa: E402
@@ -402,6 +403,32 @@ class MXNetFacts(call.Facts):
             layer,
             queries,
             cache,
+            causal=causal,
+            dtype=dtype,
+            options=options,
+            valid_lens=valid_lens,
+        )
+
+    def cross_attention(
+        self,
+        layer: Any,
+        queries: Any,
+        keys: Any,
+        values: Any,
+        *,
+        causal: bool,
+        dtype: Any,
+        options: spec.LayerOptions | None = None,
+        valid_lens: Any = None,
+    ) -> call.Result | None:
+        """An imperative call of cross-attention run by its signature's plan
+        (:func:`mha_multi.mxnet._cross.cross_attention`), or ``None``."""
+        return cross_attention(
+            self,
+            layer,
+            queries,
+            keys,
+            values,
             causal=causal,
             dtype=dtype,
             options=options,

@@ -51,7 +51,15 @@ from mha_multi.call.rotary_tables import kept_tables
 from mha_multi.mxnet._ops import MXNetOps, copied_to
 from mha_multi.spec.memo import KeptBy
 
-__all__ = ["PLANS_PER_LAYER", "PlainPlan", "layout", "plain_attention", "plans_of"]
+__all__ = [
+    "PLANS_PER_LAYER",
+    "PlainPlan",
+    "attend_projected",
+    "layout",
+    "plain_attention",
+    "plans_of",
+    "project",
+]
 
 Array = Any
 #: A change of layout: ``(operation, shape or axes)`` steps, each ``mx.npx.reshape``
@@ -119,7 +127,8 @@ class PlainPlan(NamedTuple):
     #: A causal call's ``sequence_mask`` lengths, one per row of the scores; ``None``
     #: where nothing is hidden.
     mask_lengths: Array | None
-    #: The scores' shape ``(B*H_kv, G*T, K)`` (without a cache).
+    #: The scores' shape ``(B*H_kv, G*T, K)`` (without a cache; ``K`` the keys' own
+    #: length in a cross-attention plan, :mod:`mha_multi.mxnet._cross`).
     scores: tuple[int, ...]
     #: ``T``: the call's new positions.
     num_new: int
@@ -342,7 +351,7 @@ def _plan(
     )
 
 
-def _project(x: Array, projection: tuple[Any, Any, int], ctx: mx.Context) -> Array:
+def project(x: Array, projection: tuple[Any, Any, int], ctx: mx.Context) -> Array:
     """``W x + b`` as :class:`mha_multi.mxnet._projections.Projections` computes it (float32
     and float64: the plans take no 16-bit layer)."""
     weight, bias, units = projection
@@ -360,9 +369,9 @@ def _projected(plan: PlainPlan, queries: Array, ctx: mx.Context) -> tuple[Array,
     """The queries, keys and values projected, the queries and keys normalised where
     the layer has norms (before any rotation, as the generic flow)."""
     projections = plan.projections
-    q = _project(queries, projections[0], ctx)
-    k = _project(queries, projections[1], ctx)
-    v = _project(queries, projections[2], ctx)
+    q = project(queries, projections[0], ctx)
+    k = project(queries, projections[1], ctx)
+    v = project(queries, projections[2], ctx)
     if plan.norm is not None:
         weights = tuple(parameter.data(ctx) for parameter in plan.norms)
         q, k = spec.normalize_qk(plan.ops, q, k, weights, plan.norm, plan.heads)
@@ -417,14 +426,23 @@ def _attend(plan: PlainPlan, queries: Array, valid_lens: Array | None, ctx: mx.C
     q, k, v = _projected(plan, queries, ctx)
     if plan.tables is not None:
         q, k = _rotated(plan, q, k, plan.tables)
+    return attend_projected(plan, q, k, v, valid_lens, ctx)
+
+
+def attend_projected(
+    plan: PlainPlan, q: Array, k: Array, v: Array, valid_lens: Array | None, ctx: mx.Context
+) -> Array:
+    """The output of a call without a cache from its projections (rotated where the
+    plan rotates): ``q`` ``(B, Q, ·)``, ``k`` and ``v`` ``(B, K, ·)``; ``valid_lens``
+    its lengths, or ``None``."""
     if plan.scored is None and (valid_lens is None or plan.kernel.fused):
-        lengths = None if valid_lens is None else _mask_lengths(plan, valid_lens, len(queries))
+        lengths = None if valid_lens is None else _mask_lengths(plan, valid_lens, len(q))
         context = _context(plan, q, _relaid(k, plan.keys), _relaid(v, plan.values), lengths)
     else:
         if plan.tables is not None:  # (B, T, H*dh), as projected
             q, k = (mx.npx.reshape(x, (-2, -2, -1)) for x in (q, k))
         context = _scored(plan, q, k, v, valid_lens, ctx, causal=plan.causal)
-    return _project(context, plan.projections[3], ctx)
+    return project(context, plan.projections[3], ctx)
 
 
 def _mask_lengths(plan: PlainPlan, valid_lens: Array, batch: int) -> Array:
@@ -437,7 +455,7 @@ def _mask_lengths(plan: PlainPlan, valid_lens: Array, batch: int) -> Array:
     on either side (the comparisons are exact), so the same scores are hidden.
     """
     num = plan.num_new
-    seen = plan.kernel.mask(_HOST, num, num, valid_lens.asnumpy())
+    seen = plan.kernel.mask(_HOST, num, plan.scores[-1], valid_lens.asnumpy())
     counts = seen.sum(axis=-1, dtype=np.int32)  # (B, 1, 1|Q) or (Q,)
     rows = np.broadcast_to(counts, (batch, plan.num_heads, num)).reshape(-1)
     return copied_to(valid_lens.ctx, rows, np.int32)
@@ -550,6 +568,6 @@ def _step(
         context = _scored(
             plan, q, held_keys, held_values, held, ctx, positions=query_positions, kv_split=True
         )
-    output = _project(context, plan.projections[3], ctx)
+    output = project(context, plan.projections[3], ctx)
     new_lengths = _npi.add_scalar(lengths, float(num_new))
     return call.Result(output, None, spec.KVCache(keys, values, new_lengths))

@@ -26,6 +26,7 @@ from mxnet import autograd
 
 from mha_multi import _docs
 from mha_multi.call import INPUT_NAMES
+from mha_multi.mxnet import _plain
 from mha_multi.mxnet._facts import MXNetFacts
 from mha_multi.mxnet.importance import head_mask_gradient
 from mha_multi.mxnet.layer import MultiHeadAttention
@@ -179,7 +180,8 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
     The fast route's kernel is ``npx.sequence_mask``; a route whose mask
     hides nothing runs without it. A hybridized layer runs the route while
     it traces a configuration's graph (its first call), an imperative one on
-    every call.
+    every call, the plain calls' by their plans
+    (:mod:`mha_multi.mxnet._plain`, :mod:`mha_multi.mxnet._cross`).
 
     Yields:
         A list that gets one :class:`~mha_multi.parity.harness.KernelCall`
@@ -191,11 +193,11 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
     running: list[bool] = []  # non-empty while a fast route runs
 
     def route(original: Callable[..., Any]) -> Callable[..., Any]:
-        def recording(facts: MXNetFacts, *args: Any, **kwargs: Any) -> Any:
+        def recording(*args: Any, **kwargs: Any) -> Any:
             calls.append(KernelCall(mask=False, is_causal=False))
             running.append(True)
             try:
-                return original(facts, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 running.pop()
 
@@ -214,8 +216,10 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
 
         return wrap
 
-    patches = [(MXNetFacts, "fused_attention", route)]
-    for module in (mx.ndarray.numpy_extension, mx.symbol.numpy_extension):
+    # The generic flow's kernel, and the same attention as the plans of plain calls run it.
+    patches = [(MXNetFacts, "fused_attention", route), (_plain, "_context", route)]
+    # (mx.npx, which the plans call, holds the operators as its own names.)
+    for module in (mx.ndarray.numpy_extension, mx.symbol.numpy_extension, mx.npx):
         patches.append((module, "sequence_mask", noting(lambda kwargs: {"mask": True})))
         # 0.5: MXNet's default rate.
         patches.append(

@@ -1,0 +1,178 @@
+"""MXNet's route for plain cross-attention called imperatively: one plan per signature.
+
+A call without a cache whose keys and values are its own (not both its
+queries) and that asks for nothing else
+(:func:`mha_multi.call.plain_cross_attention`), d2l's ``attention(X, Y, Y,
+valid_lens)`` of a decoder attending to its encoder, of an imperative layer
+without options, recording a gradient or not, is offered to
+:func:`cross_attention` before any check (docs: "Fast paths"). The first
+call of a signature (the queries', keys', values' and lengths' shapes,
+dtypes and device) runs the generic flow's checks, which raise its errors,
+and makes a :class:`~mha_multi.mxnet._plain.PlainPlan` as self-attention's
+route does (:mod:`mha_multi.mxnet._plain`), the keys' own length in its
+layouts: every call of that signature then projects the queries, keys and
+values and runs that route's attention and output projection, the generic
+flow's operations on the same arrays, so its numbers and gradients to the
+bit. A causal call takes the generic flow.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+
+from mha_multi import call, spec
+from mha_multi.mxnet._plain import PLANS_PER_LAYER, PlainPlan, attend_projected, layout, project
+from mha_multi.spec.memo import KeptBy
+
+__all__ = ["cross_attention", "plans_of"]
+
+#: Plans by layer, then by signature; ``None`` for a signature the route does not take.
+_PLANS = KeptBy(PLANS_PER_LAYER)
+#: What :func:`_plan` answers where a plan cannot be made yet (deferred sizes).
+_NOT_YET = object()
+
+
+def plans_of(layer: Any) -> dict[tuple, PlainPlan | None]:
+    """The cross-attention plans ``layer`` keeps, by signature (``None``: a signature
+    the route does not take)."""
+    return _PLANS.get(layer, {})
+
+
+def cross_attention(
+    facts: call.Facts,
+    layer: Any,
+    queries: Any,
+    keys: Any,
+    values: Any,
+    *,
+    causal: bool,
+    dtype: np.dtype,
+    options: spec.LayerOptions | None,
+    valid_lens: Any = None,
+) -> call.Result | None:
+    """Plain cross-attention by the plan of its signature, or ``None`` (the generic flow).
+
+    Taken by an imperative layer without options, for a call that is not
+    causal, does not, with dropout, run in training mode, and whose arrays
+    are ``mxnet.numpy`` arrays on one device (the lengths too, where given).
+
+    Args:
+        facts: MXNet's facts (their checks and kernel plan).
+        layer: the :class:`mha_multi.mxnet.MultiHeadAttention`.
+        queries, keys, values: the call's, unchecked.
+        causal: the call's flag (a bool).
+        dtype: the layer's dtype.
+        options: the layer's checked options, or ``None``.
+        valid_lens: the call's lengths, unchecked, or ``None``.
+    """
+    if layer._active or causal or not (options is None or options.is_default):
+        return None  # (a hybridized layer runs its graphs)
+    if layer.dropout and mx.autograd.is_training():
+        return None  # npx.dropout acts in training mode, recorded or not
+    ndarray = mx.np.ndarray
+    if type(queries) is not ndarray or type(keys) is not ndarray or type(values) is not ndarray:
+        return None  # (the generic flow's conversions)
+    ctx = queries.ctx
+    if keys.ctx != ctx or values.ctx != ctx:
+        return None  # (the generic flow's error)
+    key: tuple[Any, ...] = (queries.shape, keys.shape, values.shape, ctx, dtype)
+    key += (queries.dtype, keys.dtype, values.dtype)
+    if valid_lens is not None:
+        if type(valid_lens) is not ndarray or valid_lens.ctx != ctx:
+            return None  # (the generic flow's conversions)
+        key += (valid_lens.shape, valid_lens.dtype)
+    plans = _PLANS.of(layer, options)
+    plan = plans.get(key, _NOT_YET)
+    if plan is _NOT_YET:
+        plan = _plan(facts, layer, queries, keys, values, valid_lens, dtype=dtype)
+        if plan is _NOT_YET:
+            return None
+        plans.keep(key, plan)
+    if plan is None:
+        return None
+    projections = plan.projections
+    q = project(queries, projections[0], ctx)
+    k = project(keys, projections[1], ctx)
+    v = project(values, projections[2], ctx)
+    return call.Result(attend_projected(plan, q, k, v, valid_lens, ctx), None, None)
+
+
+def _plan(
+    facts: call.Facts,
+    layer: Any,
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any,
+    *,
+    dtype: np.dtype,
+) -> PlainPlan | object | None:
+    """The plan of a call's signature after the generic flow's checks (which raise its
+    errors); ``None`` for a signature the route does not take, :data:`_NOT_YET`
+    while an input size is deferred."""
+    call.check_call(facts, layer, queries, keys, values, valid_lens, causal=False, dtype=dtype)
+    if None in layer.input_sizes().values():
+        return _NOT_YET  # the generic flow's first call fixes them
+    batch, num_queries = queries.shape[:2]
+    num_keys = keys.shape[1]
+    if dtype.itemsize < 4 or 0 in (batch, num_queries, num_keys):
+        return None  # 16-bit products in float32, or an empty call: the generic flow
+    heads = layer.heads
+    dh, kv_heads, group = heads.head_dim, heads.num_kv_heads, heads.group_size
+    units = {"q": heads.query_features, "k": heads.kv_features, "v": heads.kv_features}
+    units["o"] = layer.num_hiddens
+    projections = []
+    for name, width in units.items():
+        dense = getattr(layer, f"W_{name}")
+        projections.append((dense.weight, dense.bias, width))
+    q_shape = (batch, num_queries, heads.query_features)
+    kv_shape = (batch, num_keys, heads.kv_features)
+    kernel = None
+    if valid_lens is not None:
+        # The generic flow's kernel plan for these shapes and lengths, which reads no
+        # value on MXNet (call.Facts.plan_values): decided once.
+        q, k = (mx.np.zeros(shape, dtype=dtype, ctx=queries.ctx) for shape in (q_shape, kv_shape))
+        flags = {"causal": False, "dropout": layer.dropout > 0, "kv_split": False}
+        kernel = call.plan(
+            facts, q, k, k, valid_lens, heads=heads, return_attention_weights=False, **flags
+        )
+    split = (batch, num_keys, kv_heads, dh)
+    rows = (batch * kv_heads, num_keys, dh)
+    return PlainPlan(
+        projections=tuple(projections),
+        heads=heads,
+        facts=facts,
+        ops=facts.ops(queries),
+        causal=False,
+        norm=None,
+        norms=None,
+        window=None,
+        scored=None,
+        kernel=kernel,
+        num_heads=heads.num_heads,
+        scale=math.sqrt(dh),
+        rotated=None,
+        tables=None,
+        queries=layout(
+            q_shape,
+            (batch, num_queries, kv_heads, group, dh),
+            (0, 2, 3, 1, 4),
+            (batch * kv_heads, group * num_queries, dh),
+        ),
+        keys=layout(kv_shape, split, (0, 2, 1, 3), rows),
+        values=layout(kv_shape, split, (0, 2, 1, 3), rows),
+        output=layout(
+            (batch * kv_heads, group * num_queries, dh),
+            (batch, kv_heads, group, num_queries, dh),
+            (0, 3, 1, 2, 4),
+            (batch, num_queries, heads.query_features),
+        ),
+        mask_lengths=None,
+        scores=(batch * kv_heads, group * num_queries, num_keys),
+        num_new=num_queries,
+        max_length=None,
+    )
