@@ -112,9 +112,9 @@ def time_long(
 
 
 def long_table(measurements: Sequence[dict]) -> Table:
-    """The long pass of ours against SDPA's layer, per backend, device model and dtype
-    (:func:`time_long`'s rows): milliseconds, ours / SDPA in speed (above 1 where
-    ours is faster), and ours' rate and share of the peak."""
+    """The long pass of ours against SDPA's layer, per backend, dtype and length
+    (:func:`time_long`'s rows, of one device): milliseconds, ours / SDPA in speed
+    (above 1 where ours is faster), and ours' rate and share of the peak."""
     passes = [m for m in measurements if m["mode"] == MODE]
     rows, shown = [], []
     for key in sorted({(m["backend"], m["dtype"], m["length"]) for m in passes}):
