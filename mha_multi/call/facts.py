@@ -407,21 +407,14 @@ class Facts:
         return None
 
     def cross_attention(
-        self,
-        layer: Projections,
-        queries: Any,
-        keys: Any,
-        values: Any,
-        *,
-        causal: bool,
-        dtype: Any,
-        options: spec.LayerOptions | None = None,
-        valid_lens: Any = None,
+        self, layer: Projections, queries: Any, keys: Any, values: Any, **flags: Any
     ) -> Result | None:
         """Plain attention to keys and values of the call's own
         (:func:`plain_cross_attention`, without a cache) run in few operations, or
         ``None``: as :meth:`plain_attention`, the generic flow's operations on the
-        same arrays or ``None``. The default answers none.
+        same arrays or ``None``. ``flags``: ``causal``, ``dtype``, ``options`` and
+        ``valid_lens``, as :meth:`plain_attention` takes them. The default answers
+        none.
         """
         return None
 

@@ -342,9 +342,7 @@ def plain_self_attention(
     take or leave (:meth:`Facts.plain_attention`): rotary positions at their
     defaults and what a layer does to its scores are fixed with the layer.
     """
-    if not (keys is queries and values is queries):
-        return False
-    return _nothing_else(causal, others)
+    return _plain_kind(queries, keys, values, causal, others) == "self"
 
 
 def plain_cross_attention(
@@ -357,20 +355,24 @@ def plain_cross_attention(
     :func:`plain_self_attention`), ``causal`` is a bool, and nothing else is
     asked (``others`` as there). Asked of calls without a cache.
     """
-    if keys is None or values is None or (keys is queries and values is queries):
-        return False
-    return _nothing_else(causal, others)
+    return _plain_kind(queries, keys, values, causal, others) == "cross"
 
 
-def _nothing_else(causal: Any, others: Sequence[Any]) -> bool:
-    """Whether ``causal`` is a bool and each of ``others`` is ``None`` or ``False``."""
+def _plain_kind(
+    queries: Any, keys: Any, values: Any, causal: Any, others: Sequence[Any]
+) -> str | None:
+    """``"self"`` for :func:`plain_self_attention`, ``"cross"`` for
+    :func:`plain_cross_attention`, else ``None``: one call that :func:`forward`
+    makes for every call of every layer."""
     if not (causal is True or causal is False):
-        return False
+        return None
     # A loop, not all() of a generator: every call of every layer asks.
-    for x in others:  # noqa: SIM110
+    for x in others:
         if x is not None and x is not False:
-            return False
-    return True
+            return None
+    if keys is queries and values is queries:
+        return "self"
+    return None if keys is None or values is None else "cross"
 
 
 def forward(
@@ -430,26 +432,18 @@ def forward(
     # Every other argument of the call: a plain call leaves them unset.
     others = (return_attention_weights, head_mask, positions, bias, segment_ids)
     others += (dropout, head_parallel, local_gates)
-    if plain_self_attention(queries, keys, values, valid_lens, causal=causal, others=others):
-        result = facts.plain_attention(
-            layer,
-            queries,
-            cache,
-            causal=causal,
-            dtype=dtype,
-            options=layer_options,
-            valid_lens=valid_lens,
-        )
-        if result is not None:
-            return result
-    elif cache is None and plain_cross_attention(
-        queries, keys, values, causal=causal, others=others
-    ):
-        result = facts.cross_attention(
-            layer,
-            queries,
-            keys,
-            values,
+    # A plain call is offered first to the facts' plan of it (the function and its
+    # arguments, not a partial: every call of every layer asks).
+    offered: tuple[Callable[..., Result | None], tuple[Any, ...]] | None = None
+    kind = _plain_kind(queries, keys, values, causal, others)
+    if kind == "self":
+        offered = facts.plain_attention, (layer, queries, cache)
+    elif kind == "cross" and cache is None:
+        offered = facts.cross_attention, (layer, queries, keys, values)
+    if offered is not None:
+        answer, arguments = offered
+        result = answer(
+            *arguments,
             causal=causal,
             dtype=dtype,
             options=layer_options,

@@ -18,14 +18,19 @@ bit. A causal call takes the generic flow.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import mxnet as mx
 import numpy as np
 
 from mha_multi import call, spec
-from mha_multi.mxnet._plain import PLANS_PER_LAYER, PlainPlan, attend_projected, layout, project
+from mha_multi.mxnet._plain import (
+    PLANS_PER_LAYER,
+    PlainPlan,
+    attend_projected,
+    project,
+    shaped_plan,
+)
 from mha_multi.spec.memo import KeptBy
 
 __all__ = ["cross_attention", "plans_of"]
@@ -122,57 +127,21 @@ def _plan(
     if dtype.itemsize < 4 or 0 in (batch, num_queries, num_keys):
         return None  # 16-bit products in float32, or an empty call: the generic flow
     heads = layer.heads
-    dh, kv_heads, group = heads.head_dim, heads.num_kv_heads, heads.group_size
-    units = {"q": heads.query_features, "k": heads.kv_features, "v": heads.kv_features}
-    units["o"] = layer.num_hiddens
-    projections = []
-    for name, width in units.items():
-        dense = getattr(layer, f"W_{name}")
-        projections.append((dense.weight, dense.bias, width))
-    q_shape = (batch, num_queries, heads.query_features)
-    kv_shape = (batch, num_keys, heads.kv_features)
-    kernel = None
-    if valid_lens is not None:
-        # The generic flow's kernel plan for these shapes and lengths, which reads no
-        # value on MXNet (call.Facts.plan_values): decided once.
-        q, k = (mx.np.zeros(shape, dtype=dtype, ctx=queries.ctx) for shape in (q_shape, kv_shape))
-        flags = {"causal": False, "dropout": layer.dropout > 0, "kv_split": False}
-        kernel = call.plan(
-            facts, q, k, k, valid_lens, heads=heads, return_attention_weights=False, **flags
-        )
-    split = (batch, num_keys, kv_heads, dh)
-    rows = (batch * kv_heads, num_keys, dh)
-    return PlainPlan(
-        projections=tuple(projections),
-        heads=heads,
-        facts=facts,
-        ops=facts.ops(queries),
+    return shaped_plan(
+        facts,
+        layer,
+        queries,
+        valid_lens,
+        num_keys=num_keys,
+        rows=(batch * heads.num_kv_heads, num_keys, heads.head_dim),
+        dtype=dtype,
         causal=False,
         norm=None,
         norms=None,
         window=None,
         scored=None,
-        kernel=kernel,
-        num_heads=heads.num_heads,
-        scale=math.sqrt(dh),
         rotated=None,
         tables=None,
-        queries=layout(
-            q_shape,
-            (batch, num_queries, kv_heads, group, dh),
-            (0, 2, 3, 1, 4),
-            (batch * kv_heads, group * num_queries, dh),
-        ),
-        keys=layout(kv_shape, split, (0, 2, 1, 3), rows),
-        values=layout(kv_shape, split, (0, 2, 1, 3), rows),
-        output=layout(
-            (batch * kv_heads, group * num_queries, dh),
-            (batch, kv_heads, group, num_queries, dh),
-            (0, 3, 1, 2, 4),
-            (batch, num_queries, heads.query_features),
-        ),
         mask_lengths=None,
-        scores=(batch * kv_heads, group * num_queries, num_keys),
-        num_new=num_queries,
         max_length=None,
     )

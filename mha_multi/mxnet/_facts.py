@@ -385,55 +385,12 @@ class MXNetFacts(call.Facts):
         rest = _leading(values, 2, span, values.shape[2]).asnumpy()
         return bool(np.isfinite(rest.sum(dtype=np.float32)))
 
-    def plain_attention(
-        self,
-        layer: Any,
-        queries: Any,
-        cache: Any,
-        *,
-        causal: bool,
-        dtype: Any,
-        valid_lens: Any = None,
-        options: spec.LayerOptions | None = None,
-    ) -> call.Result | None:
-        """An imperative call run by its signature's plan
-        (:func:`mha_multi.mxnet._plain.plain_attention`), or ``None``."""
-        return plain_attention(
-            self,
-            layer,
-            queries,
-            cache,
-            causal=causal,
-            dtype=dtype,
-            options=options,
-            valid_lens=valid_lens,
-        )
-
-    def cross_attention(
-        self,
-        layer: Any,
-        queries: Any,
-        keys: Any,
-        values: Any,
-        *,
-        causal: bool,
-        dtype: Any,
-        options: spec.LayerOptions | None = None,
-        valid_lens: Any = None,
-    ) -> call.Result | None:
-        """An imperative call of cross-attention run by its signature's plan
-        (:func:`mha_multi.mxnet._cross.cross_attention`), or ``None``."""
-        return cross_attention(
-            self,
-            layer,
-            queries,
-            keys,
-            values,
-            causal=causal,
-            dtype=dtype,
-            options=options,
-            valid_lens=valid_lens,
-        )
+    # Plain self- and cross-attention by their signature's plan, or ``None`` (the generic
+    # flow): the plans' own functions, whose first argument is these facts
+    # (:func:`mha_multi.mxnet._plain.plain_attention`,
+    # :func:`mha_multi.mxnet._cross.cross_attention`).
+    plain_attention = plain_attention
+    cross_attention = cross_attention
 
     def fused_attention(self, ops: MXNetOps, *args: Any, **kwargs: Any) -> Any:
         """:func:`mha_multi.mxnet._kernel.sequence_mask_attention`, on arrays or in a graph."""

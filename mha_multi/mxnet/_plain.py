@@ -59,6 +59,7 @@ __all__ = [
     "plain_attention",
     "plans_of",
     "project",
+    "shaped_plan",
 ]
 
 Array = Any
@@ -258,7 +259,7 @@ def _plan(
         return _NOT_YET  # the generic flow's first call fixes them
     batch, num_new = queries.shape[:2]
     heads = layer.heads
-    dh, kv_heads, group = heads.head_dim, heads.num_kv_heads, heads.group_size
+    dh, kv_heads = heads.head_dim, heads.num_kv_heads
     if dtype.itemsize < 4 or 0 in (batch, num_new):
         return None  # 16-bit products in float32, or an empty call: the generic flow
     options = options or spec.LayerOptions()
@@ -283,71 +284,111 @@ def _plan(
         if (causal and num_new > 1) or np.dtype(cache.lengths.dtype) != np.int32:
             return None  # a causal chunk needs a mask per query; lengths are made int32
         max_length = cache.keys.shape[2]
+    rotated = tables = shapes = None
+    if rotary is not None:
+        half = (2, dh // 2)
+        rotated = (batch, num_new, heads.num_heads + kv_heads, *half)
+        count = num_new if max_length is None else max_length
+        cos, sin = kept_tables(facts.ops(queries), queries, queries.ctx, rotary, dh, count)
+        tables = (mx.np.stack([cos, cos], axis=2), mx.np.stack([-sin, sin], axis=2))
+        shapes = (batch, num_new, heads.num_heads, *half), (batch, num_new, kv_heads, *half)
+    rows = (batch * kv_heads, num_new, dh) if cache is None else (batch, kv_heads, num_new, dh)
+    mask_lengths = None
+    if causal and num_new > 1:
+        lengths = np.tile(np.arange(1, num_new + 1, dtype=np.int32), batch * heads.num_heads)
+        mask_lengths = mx.np.array(lengths, dtype=np.int32, ctx=queries.ctx)
+    return shaped_plan(
+        facts,
+        layer,
+        queries,
+        valid_lens if scored is None else None,
+        num_keys=num_new,
+        rows=rows,
+        dtype=dtype,
+        causal=causal,
+        rotated_shapes=shapes,
+        norm=norm,
+        norms=None if norm is None else (layer.q_norm, layer.k_norm),
+        window=window,
+        scored=scored,
+        rotated=rotated,
+        tables=tables,
+        mask_lengths=mask_lengths,
+        max_length=max_length,
+    )
+
+
+def shaped_plan(
+    facts: call.Facts,
+    layer: Any,
+    queries: Array,
+    valid_lens: Array | None,
+    *,
+    num_keys: int,
+    rows: tuple[int, ...],
+    dtype: np.dtype,
+    causal: bool,
+    rotated_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    **fields: Any,
+) -> PlainPlan:
+    """A plan of a call of ``queries`` ``(B, Q, ·)`` and ``num_keys`` keys: what depends
+    on their shapes (the projections, the layouts, the scores' shape) and, where
+    ``valid_lens`` are given, the generic flow's kernel plan for them, which reads no
+    value on MXNet (:meth:`mha_multi.call.Facts.plan_values`): decided once.
+
+    ``rows``: the keys' and values' layout, ``(B*H_kv, K, dh)`` or a cache's rows
+    ``(B, H_kv, T, dh)``; ``rotated_shapes``: the queries' and keys' shapes as
+    rotated, where they are; ``fields``: the plan's others (norms, window,
+    score options, rotation, mask lengths, ``max_length``).
+    """
+    heads = layer.heads
+    batch, num_queries = queries.shape[:2]
+    dh, kv_heads, group = heads.head_dim, heads.num_kv_heads, heads.group_size
     units = {"q": heads.query_features, "k": heads.kv_features, "v": heads.kv_features}
     units["o"] = layer.num_hiddens
     projections = []
     for name, width in units.items():
         dense = getattr(layer, f"W_{name}")
         projections.append((dense.weight, dense.bias, width))
-    half = (2, dh // 2)
-    split = (batch, num_new, kv_heads, dh)
-    rotated = tables = None
-    if rotary is not None:
-        rotated = (batch, num_new, heads.num_heads + kv_heads, *half)
-        count = num_new if max_length is None else max_length
-        cos, sin = kept_tables(facts.ops(queries), queries, queries.ctx, rotary, dh, count)
-        tables = (mx.np.stack([cos, cos], axis=2), mx.np.stack([-sin, sin], axis=2))
-    v_shape = (batch, num_new, heads.kv_features)
-    q_shape, k_shape = (batch, num_new, heads.query_features), v_shape
+    q_shape = (batch, num_queries, heads.query_features)
+    v_shape = (batch, num_keys, heads.kv_features)
     kernel = None
-    if valid_lens is not None and scored is None:
-        # The generic flow's kernel plan for these shapes and lengths, which reads no
-        # value on MXNet (call.Facts.plan_values): decided once.
+    if valid_lens is not None:
         q, k = (mx.np.zeros(shape, dtype=dtype, ctx=queries.ctx) for shape in (q_shape, v_shape))
         flags = {"causal": causal, "dropout": layer.dropout > 0, "kv_split": False}
         kernel = call.plan(
             facts, q, k, k, valid_lens, heads=heads, return_attention_weights=False, **flags
         )
-    if rotary is not None:
-        q_shape, k_shape = (batch, num_new, heads.num_heads, *half), (*split[:3], *half)
-    rows = (batch * kv_heads, num_new, dh) if cache is None else (batch, kv_heads, num_new, dh)
-    mask_lengths = None
-    if causal and num_new > 1:
-        lengths = np.tile(np.arange(1, num_new + 1, dtype=np.int32), batch * heads.num_heads)
-        mask_lengths = mx.np.array(lengths, dtype=np.int32, ctx=queries.ctx)
+    k_shape = v_shape
+    if rotated_shapes is not None:
+        q_shape, k_shape = rotated_shapes
+    split = (batch, num_keys, kv_heads, dh)
     return PlainPlan(
         projections=tuple(projections),
         heads=heads,
         facts=facts,
         ops=facts.ops(queries),
         causal=causal,
-        norm=norm,
-        norms=None if norm is None else (layer.q_norm, layer.k_norm),
-        window=window,
-        scored=scored,
         kernel=kernel,
         num_heads=heads.num_heads,
         scale=math.sqrt(dh),
-        rotated=rotated,
-        tables=tables,
         queries=layout(
             q_shape,
-            (batch, num_new, kv_heads, group, dh),
+            (batch, num_queries, kv_heads, group, dh),
             (0, 2, 3, 1, 4),
-            (batch * kv_heads, group * num_new, dh),
+            (batch * kv_heads, group * num_queries, dh),
         ),
         keys=layout(k_shape, split, (0, 2, 1, 3), rows),
         values=layout(v_shape, split, (0, 2, 1, 3), rows),
         output=layout(
-            (batch * kv_heads, group * num_new, dh),
-            (batch, kv_heads, group, num_new, dh),
+            (batch * kv_heads, group * num_queries, dh),
+            (batch, kv_heads, group, num_queries, dh),
             (0, 3, 1, 2, 4),
-            (batch, num_new, heads.query_features),
+            (batch, num_queries, heads.query_features),
         ),
-        mask_lengths=mask_lengths,
-        scores=(batch * kv_heads, group * num_new, num_new),
-        num_new=num_new,
-        max_length=max_length,
+        scores=(batch * kv_heads, group * num_queries, num_keys),
+        num_new=num_queries,
+        **fields,
     )
 
 
