@@ -8,7 +8,7 @@ without options, recording a gradient or not, is offered to
 :func:`cross_attention` before any check (docs: "Fast paths"). The first
 call of a signature (the queries', keys', values' and lengths' shapes,
 dtypes and device) runs the generic flow's checks, which raise its errors,
-and makes a :class:`~mha_multi.mxnet._plain.PlainPlan` as self-attention's
+and makes a :class:`~mha_multi.mxnet._plain_plan.PlainPlan` as self-attention's
 route does (:mod:`mha_multi.mxnet._plain`), the keys' own length in its
 layouts: every call of that signature then projects the queries, keys and
 values and runs that route's attention and output projection, the generic
@@ -24,13 +24,8 @@ import mxnet as mx
 import numpy as np
 
 from mha_multi import call, spec
-from mha_multi.mxnet._plain import (
-    PLANS_PER_LAYER,
-    PlainPlan,
-    attend_projected,
-    project,
-    shaped_plan,
-)
+from mha_multi.mxnet._plain import PLANS_PER_LAYER, attend_projected, project
+from mha_multi.mxnet._plain_plan import PlainPlan, shaped_plan
 from mha_multi.spec.memo import KeptBy
 
 __all__ = ["cross_attention", "plans_of"]

@@ -7,9 +7,10 @@ layer with options runs its calls so too), is offered to
 :func:`plain_attention` before any check (docs: "Fast paths"). The first call
 of a signature (the queries' shape, dtype and device, ``causal``, a cache's
 arrays; a layer keeps a table of them for its options) runs the generic flow's
-checks, which raise its errors, and makes a :class:`PlainPlan`: the layouts as
-concrete reshapes (a transpose that moves no data left out), a causal call's
-mask lengths, the rotary tables. Every call of that signature then runs the
+checks, which raise its errors, and makes a
+:class:`~mha_multi.mxnet._plain_plan.PlainPlan`: the layouts as concrete
+reshapes (a transpose that moves no data left out), a causal call's mask
+lengths, the rotary tables. Every call of that signature then runs the
 fused route's operations (:mod:`mha_multi.mxnet._kernel`) on the same arrays:
 the projections, the query/key norms (:func:`mha_multi.spec.normalize_qk`, the
 generic flow's own), the rotation, the scaled queries' ``batch_dot``,
@@ -35,8 +36,7 @@ for a call that records nothing.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import mxnet as mx
 import numpy as np
@@ -48,24 +48,13 @@ from mxnet.ndarray.numpy import _internal as _npi
 
 from mha_multi import call, spec
 from mha_multi.call.rotary_tables import kept_tables
-from mha_multi.mxnet._ops import MXNetOps, copied_to
+from mha_multi.mxnet._ops import copied_to
+from mha_multi.mxnet._plain_plan import PlainPlan, relaid, shaped_plan
 from mha_multi.spec.memo import KeptBy
 
-__all__ = [
-    "PLANS_PER_LAYER",
-    "PlainPlan",
-    "attend_projected",
-    "layout",
-    "plain_attention",
-    "plans_of",
-    "project",
-    "shaped_plan",
-]
+__all__ = ["PLANS_PER_LAYER", "attend_projected", "plain_attention", "plans_of", "project"]
 
 Array = Any
-#: A change of layout: ``(operation, shape or axes)`` steps, each ``mx.npx.reshape``
-#: or ``mx.np.transpose``.
-Layout = tuple[tuple[Any, tuple[int, ...]], ...]
 #: How many signatures' plans a layer keeps, the oldest dropped first.
 PLANS_PER_LAYER = 16
 
@@ -77,85 +66,6 @@ _GENERIC = {"dropout": None, "head_parallel": False, "return_attention_weights":
 _HOST = spec.NumpyOps()
 #: What :func:`_plan` answers where a plan cannot be made yet (deferred sizes).
 _NOT_YET = object()
-
-
-class PlainPlan(NamedTuple):
-    """What every plain call of one signature runs (:func:`plain_attention`)."""
-
-    #: ``(weight, bias, units)`` of ``W_q``, ``W_k``, ``W_v`` and ``W_o``: Gluon
-    #: parameters, their arrays looked up at each call.
-    projections: tuple[tuple[Any, Any, int], ...]
-    heads: spec.Heads
-    #: MXNet's facts (their generic path's attention) and the spec's operations on
-    #: these arrays (the facts' adapter).
-    facts: call.Facts
-    ops: MXNetOps
-    #: The call's ``causal`` flag.
-    causal: bool
-    #: The layer's query/key norms (:func:`mha_multi.spec.normalize_qk`) and their
-    #: Gluon parameters ``(q_norm, k_norm)``; ``None`` without.
-    norm: spec.QKNorm | None
-    norms: tuple[Any, Any] | None
-    #: The layer's window (a cached call's plan: a step runs it only where the
-    #: window holds every position, as the generic flow plans such a step without it).
-    window: int | None
-    #: A soft cap's, sinks' or ALiBi's score options (the window's left out: it hides
-    #: nothing where the plan runs), with the sinks' Gluon parameter: the generic
-    #: path's attention, which no kernel of MXNet takes; ``None`` for the fused route's.
-    scored: tuple[spec.ScoreOptions, Any] | None
-    #: A call with lengths (without a cache, nor ``scored``): the generic flow's kernel
-    #: plan for it, whose mask (or generic path) the plan's call takes.
-    kernel: spec.KernelPlan | None
-    num_heads: int
-    #: ``sqrt(head_dim)``: the queries' divisor, as in
-    #: :func:`mha_multi.mxnet._kernel.sequence_mask_attention`.
-    scale: float
-    #: ``(B, T, H + H_kv, 2, dh / 2)``: the queries' and keys' heads, halves apart,
-    #: rotated side by side; ``None`` without a rotation.
-    rotated: tuple[int, ...] | None
-    #: ``(cos, sign * sin)``, each ``(positions, 1, 2, dh / 2)``: the two halves' factors
-    #: (every position of a cache, else the call's); ``None`` without a rotation.
-    tables: tuple[Array, Array] | None
-    #: The queries (projected or rotated) to ``(B*H_kv, G*T, dh)``, the spec's grouped layout.
-    queries: Layout
-    #: The keys (projected or rotated) to ``(B*H_kv, T, dh)``; with a cache to
-    #: ``(B, H_kv, T, dh)``, the rows written.
-    keys: Layout
-    #: The values, as the keys.
-    values: Layout
-    #: The context ``(B*H_kv, G*T, dh)`` to ``(B, T, H*dh)``.
-    output: Layout
-    #: A causal call's ``sequence_mask`` lengths, one per row of the scores; ``None``
-    #: where nothing is hidden.
-    mask_lengths: Array | None
-    #: The scores' shape ``(B*H_kv, G*T, K)`` (without a cache; ``K`` the keys' own
-    #: length in a cross-attention plan, :mod:`mha_multi.mxnet._cross`).
-    scores: tuple[int, ...]
-    #: ``T``: the call's new positions.
-    num_new: int
-    #: With a cache, its ``max_length``; ``None`` without one.
-    max_length: int | None
-
-
-def layout(
-    shape: tuple[int, ...], split: tuple[int, ...], axes: tuple[int, ...], merged: tuple[int, ...]
-) -> Layout:
-    """``shape`` reshaped to ``split``, transposed by ``axes`` and reshaped to ``merged``.
-
-    The transpose is left out where it moves no data (only axes of size 1
-    change places), and so is a reshape that keeps the shape.
-    """
-    moved = [axis for axis in axes if split[axis] != 1]
-    if moved == sorted(moved):
-        return () if merged == shape else ((mx.npx.reshape, merged),)
-    steps = () if split == shape else ((mx.npx.reshape, split),)
-    return (*steps, (mx.np.transpose, axes), (mx.npx.reshape, merged))
-
-
-def _relaid(x: Array, steps: Layout) -> Array:
-    for operation, argument in steps:
-        x = operation(x, argument)
-    return x
 
 
 def plans_of(layer: Any) -> dict[tuple, PlainPlan | None]:
@@ -318,80 +228,6 @@ def _plan(
     )
 
 
-def shaped_plan(
-    facts: call.Facts,
-    layer: Any,
-    queries: Array,
-    valid_lens: Array | None,
-    *,
-    num_keys: int,
-    rows: tuple[int, ...],
-    dtype: np.dtype,
-    causal: bool,
-    rotated_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-    **fields: Any,
-) -> PlainPlan:
-    """A plan of a call of ``queries`` ``(B, Q, ·)`` and ``num_keys`` keys: what depends
-    on their shapes (the projections, the layouts, the scores' shape) and, where
-    ``valid_lens`` are given, the generic flow's kernel plan for them, which reads no
-    value on MXNet (:meth:`mha_multi.call.Facts.plan_values`): decided once.
-
-    ``rows``: the keys' and values' layout, ``(B*H_kv, K, dh)`` or a cache's rows
-    ``(B, H_kv, T, dh)``; ``rotated_shapes``: the queries' and keys' shapes as
-    rotated, where they are; ``fields``: the plan's others (norms, window,
-    score options, rotation, mask lengths, ``max_length``).
-    """
-    heads = layer.heads
-    batch, num_queries = queries.shape[:2]
-    dh, kv_heads, group = heads.head_dim, heads.num_kv_heads, heads.group_size
-    units = {"q": heads.query_features, "k": heads.kv_features, "v": heads.kv_features}
-    units["o"] = layer.num_hiddens
-    projections = []
-    for name, width in units.items():
-        dense = getattr(layer, f"W_{name}")
-        projections.append((dense.weight, dense.bias, width))
-    q_shape = (batch, num_queries, heads.query_features)
-    v_shape = (batch, num_keys, heads.kv_features)
-    kernel = None
-    if valid_lens is not None:
-        q, k = (mx.np.zeros(shape, dtype=dtype, ctx=queries.ctx) for shape in (q_shape, v_shape))
-        flags = {"causal": causal, "dropout": layer.dropout > 0, "kv_split": False}
-        kernel = call.plan(
-            facts, q, k, k, valid_lens, heads=heads, return_attention_weights=False, **flags
-        )
-    k_shape = v_shape
-    if rotated_shapes is not None:
-        q_shape, k_shape = rotated_shapes
-    split = (batch, num_keys, kv_heads, dh)
-    return PlainPlan(
-        projections=tuple(projections),
-        heads=heads,
-        facts=facts,
-        ops=facts.ops(queries),
-        causal=causal,
-        kernel=kernel,
-        num_heads=heads.num_heads,
-        scale=math.sqrt(dh),
-        queries=layout(
-            q_shape,
-            (batch, num_queries, kv_heads, group, dh),
-            (0, 2, 3, 1, 4),
-            (batch * kv_heads, group * num_queries, dh),
-        ),
-        keys=layout(k_shape, split, (0, 2, 1, 3), rows),
-        values=layout(v_shape, split, (0, 2, 1, 3), rows),
-        output=layout(
-            (batch * kv_heads, group * num_queries, dh),
-            (batch, kv_heads, group, num_queries, dh),
-            (0, 3, 1, 2, 4),
-            (batch, num_queries, heads.query_features),
-        ),
-        scores=(batch * kv_heads, group * num_queries, num_keys),
-        num_new=num_queries,
-        **fields,
-    )
-
-
 def project(x: Array, projection: tuple[Any, Any, int], ctx: mx.Context) -> Array:
     """``W x + b`` as :class:`mha_multi.mxnet._projections.Projections` computes it (float32
     and float64: the plans take no 16-bit layer)."""
@@ -447,7 +283,7 @@ def _context(
     """
     if mask_lengths is None:
         mask_lengths = plan.mask_lengths
-    q = _relaid(_npi.true_divide_scalar(q, plan.scale), plan.queries)
+    q = relaid(_npi.true_divide_scalar(q, plan.scale), plan.queries)
     scores = mx.npx.batch_dot(q, k, transpose_b=True)
     if mask_lengths is not None:
         masked = mx.npx.sequence_mask(
@@ -459,7 +295,7 @@ def _context(
         )
         scores = mx.npx.reshape(masked, (*plan.scores[:2], -1))
     weights = mx.npx.softmax(scores, axis=-1)
-    return _relaid(mx.npx.batch_dot(weights, v), plan.output)
+    return relaid(mx.npx.batch_dot(weights, v), plan.output)
 
 
 def _attend(plan: PlainPlan, queries: Array, valid_lens: Array | None, ctx: mx.Context) -> Array:
@@ -478,7 +314,7 @@ def attend_projected(
     its lengths, or ``None``."""
     if plan.scored is None and (valid_lens is None or plan.kernel.fused):
         lengths = None if valid_lens is None else _mask_lengths(plan, valid_lens, len(q))
-        context = _context(plan, q, _relaid(k, plan.keys), _relaid(v, plan.values), lengths)
+        context = _context(plan, q, relaid(k, plan.keys), relaid(v, plan.values), lengths)
     else:
         if plan.tables is not None:  # (B, T, H*dh), as projected
             q, k = (mx.npx.reshape(x, (-2, -2, -1)) for x in (q, k))
@@ -569,7 +405,7 @@ def _step(
         else:
             rows = mx.npx.slice(cos, (start,), (span,)), mx.npx.slice(sin, (start,), (span,))
         q, k = _rotated(plan, q, k, rows)
-    k, v = _relaid(k, plan.keys), _relaid(v, plan.values)  # (B, H_kv, T, dh)
+    k, v = relaid(k, plan.keys), relaid(v, plan.values)  # (B, H_kv, T, dh)
     if ragged:
         batch, kv_heads, _, head_dim = keys.shape
         # keys[b, j, positions[b, t]] = k[b, j, t]: one scatter of (B*H_kv*T) rows.
