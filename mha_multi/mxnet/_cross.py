@@ -25,15 +25,13 @@ import numpy as np
 
 from mha_multi import call, spec
 from mha_multi.mxnet._plain import PLANS_PER_LAYER, attend_projected, project
-from mha_multi.mxnet._plain_plan import PlainPlan, shaped_plan
+from mha_multi.mxnet._plain_plan import NOT_YET, PlainPlan, kept, shaped_plan
 from mha_multi.spec.memo import KeptBy
 
 __all__ = ["cross_attention", "plans_of"]
 
 #: Plans by layer, then by signature; ``None`` for a signature the route does not take.
 _PLANS = KeptBy(PLANS_PER_LAYER)
-#: What :func:`_plan` answers where a plan cannot be made yet (deferred sizes).
-_NOT_YET = object()
 
 
 def plans_of(layer: Any) -> dict[tuple, PlainPlan | None]:
@@ -86,12 +84,9 @@ def cross_attention(
             return None  # (the generic flow's conversions)
         key += (valid_lens.shape, valid_lens.dtype)
     plans = _PLANS.of(layer, options)
-    plan = plans.get(key, _NOT_YET)
-    if plan is _NOT_YET:
-        plan = _plan(facts, layer, queries, keys, values, valid_lens, dtype=dtype)
-        if plan is _NOT_YET:
-            return None
-        plans.keep(key, plan)
+    plan = plans.get(key, NOT_YET)
+    if plan is NOT_YET:
+        plan = kept(plans, key, _plan(facts, layer, queries, keys, values, valid_lens, dtype=dtype))
     if plan is None:
         return None
     projections = plan.projections
@@ -112,11 +107,11 @@ def _plan(
     dtype: np.dtype,
 ) -> PlainPlan | object | None:
     """The plan of a call's signature after the generic flow's checks (which raise its
-    errors); ``None`` for a signature the route does not take, :data:`_NOT_YET`
-    while an input size is deferred."""
+    errors); ``None`` for a signature the route does not take,
+    :data:`~mha_multi.mxnet._plain_plan.NOT_YET` while an input size is deferred."""
     call.check_call(facts, layer, queries, keys, values, valid_lens, causal=False, dtype=dtype)
     if None in layer.input_sizes().values():
-        return _NOT_YET  # the generic flow's first call fixes them
+        return NOT_YET  # the generic flow's first call fixes them
     batch, num_queries = queries.shape[:2]
     num_keys = keys.shape[1]
     if dtype.itemsize < 4 or 0 in (batch, num_queries, num_keys):

@@ -49,7 +49,7 @@ from mxnet.ndarray.numpy import _internal as _npi
 from mha_multi import call, spec
 from mha_multi.call.rotary_tables import kept_tables
 from mha_multi.mxnet._ops import copied_to
-from mha_multi.mxnet._plain_plan import PlainPlan, relaid, shaped_plan
+from mha_multi.mxnet._plain_plan import NOT_YET, PlainPlan, kept, relaid, shaped_plan
 from mha_multi.spec.memo import KeptBy
 
 __all__ = ["PLANS_PER_LAYER", "attend_projected", "plain_attention", "plans_of", "project"]
@@ -64,8 +64,6 @@ _PLANS = KeptBy(PLANS_PER_LAYER)
 _GENERIC = {"dropout": None, "head_parallel": False, "return_attention_weights": False}
 #: The spec's operations on the host (a call's mask lengths, :func:`_mask_lengths`).
 _HOST = spec.NumpyOps()
-#: What :func:`_plan` answers where a plan cannot be made yet (deferred sizes).
-_NOT_YET = object()
 
 
 def plans_of(layer: Any) -> dict[tuple, PlainPlan | None]:
@@ -128,14 +126,12 @@ def plain_attention(
                 return None
             key += (x.shape, x.dtype, x.ctx)
     plans = _PLANS.of(layer, options)  # (the layer's options, set anew, make a new table)
-    plan = plans.get(key, _NOT_YET)
-    if plan is _NOT_YET:
-        plan = _plan(
+    plan = plans.get(key, NOT_YET)
+    if plan is NOT_YET:
+        made = _plan(
             facts, layer, queries, cache, valid_lens, causal=causal, dtype=dtype, options=options
         )
-        if plan is _NOT_YET:
-            return None
-        plans.keep(key, plan)
+        plan = kept(plans, key, made)
     if plan is None:
         return None
     if cache is None:
@@ -155,8 +151,8 @@ def _plan(
     options: spec.LayerOptions | None,
 ) -> PlainPlan | object | None:
     """The plan of a call's signature after the generic flow's checks (which raise its
-    errors); ``None`` for a signature the route does not take, :data:`_NOT_YET`
-    while an input size is deferred."""
+    errors); ``None`` for a signature the route does not take,
+    :data:`~mha_multi.mxnet._plain_plan.NOT_YET` while an input size is deferred."""
     if cache is None:
         call.check_call(
             facts, layer, queries, queries, queries, valid_lens, causal=causal, dtype=dtype
@@ -166,7 +162,7 @@ def _plan(
             facts, layer, queries, queries, queries, None, cache, causal=causal, dtype=dtype
         )
     if None in layer.input_sizes().values():
-        return _NOT_YET  # the generic flow's first call fixes them
+        return NOT_YET  # the generic flow's first call fixes them
     batch, num_new = queries.shape[:2]
     heads = layer.heads
     dh, kv_heads = heads.head_dim, heads.num_kv_heads

@@ -19,10 +19,14 @@ import numpy as np
 
 from mha_multi import call, spec
 from mha_multi.mxnet._ops import MXNetOps
+from mha_multi.spec.memo import Kept
 
-__all__ = ["Layout", "PlainPlan", "layout", "relaid", "shaped_plan"]
+__all__ = ["NOT_YET", "Layout", "PlainPlan", "kept", "layout", "relaid", "shaped_plan"]
 
 Array = Any
+#: What a plan's maker answers where a plan cannot be made yet (an input size deferred:
+#: the generic flow's first call fixes it), and what a table answers for no plan yet.
+NOT_YET = object()
 #: A change of layout: ``(operation, shape or axes)`` steps, each ``mx.npx.reshape``
 #: or ``mx.np.transpose``.
 Layout = tuple[tuple[Any, tuple[int, ...]], ...]
@@ -182,3 +186,13 @@ def shaped_plan(
         num_new=num_queries,
         **fields,
     )
+
+
+def kept(plans: Kept, key: tuple, made: PlainPlan | object | None) -> PlainPlan | None:
+    """``made`` (a signature's first plan, ``None`` where the route takes none) kept in
+    ``plans`` for ``key`` and returned; ``None``, and nothing kept, where it is
+    :data:`NOT_YET`. Asked only where ``plans.get(key, NOT_YET)`` found no plan:
+    a signature's later calls find theirs with that lookup alone."""
+    if made is NOT_YET:
+        return None
+    return plans.keep(key, made)
