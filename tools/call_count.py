@@ -117,6 +117,7 @@ def rows() -> dict[str, Callable[[], object]]:
     counted_rows = {
         "one token, eval, no_grad": no_grad(plain_eval),
         "one token, lengths, no_grad": with_lengths,
+        "one token, lengths, training": lambda: plain_train(token, token, token, lengths),
         "one token over 4 keys, lengths, no_grad": cross,
         "one token, training": lambda: plain_train(token, token, token),
         "decoding step": decode(layer().eval()),

@@ -5,20 +5,24 @@ The same layer and inputs, the route refused by a patch on every other call
 machine, and the median of the pairs' differences is what the route saves.
 One thread, under ``torch.inference_mode``; self-attention of one example of
 ``N`` positions and ``D`` hiddens (8 heads from 64 hiddens on, else 2), with
-lengths (``valid_lens``, all of them) or without.
+lengths (``valid_lens``, all of them) or without. ``--gpu``: on the route a
+GPU's call takes, on the CPU (the facts told that every tensor is on a GPU:
+nothing read), whose host time is a GPU's call's.
 
-    python tools/route_time.py D N [--lengths] [--pairs P]
+    python tools/route_time.py D N [--lengths] [--gpu] [--pairs P]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from unittest import mock
 
 import torch
 
+from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import MultiHeadAttention, _facts
 
 
@@ -27,6 +31,7 @@ def main() -> None:
     parser.add_argument("hiddens", type=int)
     parser.add_argument("positions", type=int)
     parser.add_argument("--lengths", action="store_true")
+    parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--pairs", type=int, default=3000)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -40,7 +45,12 @@ def main() -> None:
         return None if refused[0] else route(*given, **named)
 
     times: dict[bool, list[int]] = {False: [], True: []}
-    with mock.patch.object(_facts.FACTS, "plain_attention", offered), torch.inference_mode():
+    on_a_gpu = backend.as_if_on_a_gpu() if args.gpu else contextlib.nullcontext()
+    with (
+        mock.patch.object(_facts.FACTS, "plain_attention", offered),
+        on_a_gpu,
+        torch.inference_mode(),
+    ):
         for _ in range(20):
             layer(x, x, x, lengths)
         for pair in range(args.pairs):
@@ -52,7 +62,8 @@ def main() -> None:
     saved = statistics.median(g - r for r, g in zip(times[False], times[True], strict=True))
     ours, generic = (statistics.median(times[k]) / 1e3 for k in (False, True))
     print(
-        f"D={args.hiddens} N={args.positions} lengths={args.lengths}: route {ours:.0f} us, "
+        f"D={args.hiddens} N={args.positions} lengths={args.lengths} gpu={args.gpu}: "
+        f"route {ours:.0f} us, "
         f"generic flow {generic:.0f} us, median saving {saved / 1e3:.1f} us per call"
     )
 

@@ -103,8 +103,11 @@ class PlainRoute(StepRoute, LengthsRoute):
         the rotated heads and the values; query/key norms act before
         (:func:`normalized`); a call's masks and bias are made once by the
         plan (:class:`PlainPlan`). ``valid_lens``: a call's lengths,
-        which the route takes as a tensor on the host, without a cache
-        (:mod:`mha_multi.torch._lengths_route`).
+        which the route takes as a tensor, without a cache: on the host
+        with the generic flow's read where the kernel may take them, and
+        wherever that flow's plan is the generic path's, which reads
+        nothing (a GPU's call whose scores are too few to read for), with
+        their mask made at each call (:mod:`mha_multi.torch._lengths_route`).
         """
         if cache is not None:
             # A decoding step is offered at the layer's door, before its flow (plain_step):
@@ -122,7 +125,7 @@ class PlainRoute(StepRoute, LengthsRoute):
             # spec.reads_values; the host reads whatever the count.)
             records = not on_host and layer.stacked_records_gradient(queries)
         rotary = None if options is None else options.rotary
-        if valid_lens is not None and (type(valid_lens) is not torch.Tensor or not on_host):
+        if valid_lens is not None and type(valid_lens) is not torch.Tensor:
             return None
         plan = self._plain_plan(
             layer,
@@ -182,11 +185,14 @@ class PlainRoute(StepRoute, LengthsRoute):
             else:
                 context = context.transpose(1, 2).flatten(2)
         else:
+            visible = plan.visible
+            if valid_lens is not None:  # (the lengths' mask, made at each call: _lengths_plan)
+                visible = self._visible_within(valid_lens, q, visible)
             context = heads_attention(
                 q,
                 k,
                 v,
-                plan.visible,
+                visible,
                 heads,
                 softcap=plan.softcap,
                 bias=plan.bias,
@@ -302,10 +308,12 @@ class PlainRoute(StepRoute, LengthsRoute):
             reads = on_host
             if options is not None and options.touches_scores:
                 score_options = call_options(options, layer, cache.keys)
-        if valid_lens is not None:  # (on the host: plain_attention asked)
+        if valid_lens is not None:
             if 0 in queries.shape[:2]:  # (an empty batch or call: the generic flow's)
                 return plans.keep(key, None)
-            plain = self._lengths_plan(layer, queries, lens, score_options, causal=causal)
+            plain = self._lengths_plan(
+                layer, queries, lens, score_options, causal=causal, reads=reads
+            )
         elif 0 not in queries.shape[:2]:  # (an empty batch or call: the generic flow's)
             plain = self._kernel_plan(
                 layer, queries, cache, score_options, causal=causal, reads=reads, sizes=sizes

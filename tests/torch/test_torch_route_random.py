@@ -20,9 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from route_support import answered_calls, generic_only
 
+from mha_multi import spec
 from mha_multi.parity.harness import torch as backend
 from mha_multi.spec import plan as spec_plan
-from mha_multi.torch import MultiHeadAttention, _ragged
+from mha_multi.torch import MultiHeadAttention, _ragged, get_weights
 from mha_multi.torch._cache import CHECKED
 
 RANDOMISED = settings(
@@ -440,37 +441,58 @@ def test_the_randomised_layers_reach_the_route(dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lengths", LENGTHS[1:-1])
 def test_calls_with_lengths_reach_the_route(lengths, causal):
-    """A call with lengths (a tensor) on the host takes the route, recording a gradient
-    or not, lengths that hide every key of a row included (the randomised tests then
-    compare it with the generic flow); those on a GPU, and lengths not a tensor, do not."""
+    """A call with lengths (a tensor) takes the route, on the host and on a GPU, recording
+    a gradient or not, lengths that hide every key of a row included (the randomised
+    tests then compare it with the generic flow); lengths not a tensor do not."""
     torch.manual_seed(0)
     layer = layer_of({"rotary": ROTARY}, 2, torch.float32)
     x = torch.randn(3, 4, 16)
     valid_lens = lengths_of(lengths, 3, 4)
+    # (A layer of its own: a plan is kept by device, which the host's and a GPU's told
+    # apart share here.)
+    on_a_gpu = layer_of({"rotary": ROTARY}, 2, torch.float32)
     with answered_calls() as answers:
         layer(x, x, x, valid_lens, causal=causal)
         with torch.no_grad():
             layer(x, x, x, valid_lens * 0, causal=causal)
         layer(x, x, x, [4, 1, 0], causal=causal)
         with backend.as_if_on_a_gpu():
-            layer(x, x, x, valid_lens, causal=causal)
-    assert answers == [True, True, False, False]
+            on_a_gpu(x, x, x, valid_lens, causal=causal)
+            with torch.no_grad():
+                on_a_gpu(x, x, x, valid_lens * 0, causal=causal)
+    assert answers == [True, True, False, True, True]
+
+
+def test_a_gpus_call_with_lengths_that_reads_is_the_generic_flows():
+    """On a GPU, a call with lengths whose scores are many enough for the generic flow to
+    read its values (a head's 65536 with a gradient, spec.reads_values) is left to that
+    flow, which reads them and may take the kernel; one with fewer takes the route, and
+    SDPA is called for neither (the route's attention is the generic path's)."""
+    layer = layer_of({}, 2, torch.float32)
+    lengths = torch.tensor([200, 0])
+    with backend.as_if_on_a_gpu(), answered_calls() as answers:
+        for length in (255, 256):
+            x = torch.randn(2, length, 16)
+            with backend.kernel_spy() as sdpa:
+                layer(x, x, x, lengths)
+            assert len(sdpa) == (0 if length == 255 else 1), length
+    assert answers == [True, False]
 
 
 @pytest.mark.parametrize(
-    ("options", "taken"),
-    [
-        ({"window": 2}, True),
-        ({"alibi": True}, True),
-        ({"softcap": 2.0}, False),
-        ({"sinks": True}, False),
-    ],
+    "options", [{"window": 2}, {"alibi": True}, {"softcap": 2.0}, {"sinks": True}]
 )
-def test_calls_with_lengths_reach_the_route_where_the_kernel_takes_the_options(options, taken):
-    """A window and ALiBi reach SDPA (a mask, a bias), so their calls with lengths take the
-    route; a soft cap and sinks, which no kernel takes, the generic flow."""
-    layer = layer_of(options, 2, torch.float32).eval()
-    x = torch.randn(3, 4, 16)
+def test_calls_with_lengths_reach_the_route_with_every_option(options):
+    """A window and ALiBi reach SDPA (a mask, a bias) and a soft cap and sinks, which no
+    kernel takes, the generic path: their calls with lengths take the route either way,
+    and give the float64 reference's numbers."""
+    layer = layer_of(options, 2, torch.float64).eval()
+    x = torch.randn(3, 4, 16, dtype=torch.float64)
+    lengths = torch.tensor([4, 2, 0])
     with answered_calls() as answers, torch.no_grad():
-        layer(x, x, x, torch.tensor([4, 2, 0]), causal=True)
-    assert answers == [taken]
+        out = layer(x, x, x, lengths, causal=True)
+    assert answers == [True]
+    expected, _ = spec.reference_forward(
+        get_weights(layer), *[x.numpy()] * 3, lengths.numpy(), num_heads=4, causal=True, **options
+    )
+    torch.testing.assert_close(out, torch.from_numpy(expected), rtol=1e-12, atol=1e-12)
