@@ -95,15 +95,22 @@ class LengthsRoute:
         return generic_plan(PlainPlan(False, {}), ops, layer, queries, options, None, causal=causal)
 
     def _visible_within(
-        self, valid_lens: torch.Tensor, q: torch.Tensor, visible: torch.Tensor | None
+        self,
+        valid_lens: torch.Tensor,
+        q: torch.Tensor,
+        visible: torch.Tensor | None,
+        num_keys: int | None = None,
     ) -> torch.Tensor:
-        """Which keys each query of a call with ``valid_lens`` sees, of those ``visible``
-        (a generic plan's, ``None``: all): the lengths' mask
-        (:func:`mha_multi.spec.visibility`, the generic flow's, of the lengths as it
-        takes them) and the plan's, both as the generic flow's one mask has them."""
+        """Which of ``num_keys`` keys (``None``: as many as queries) each query of a call
+        with ``valid_lens`` sees, of those ``visible`` (a generic plan's, ``None``: all):
+        the lengths' mask (:func:`mha_multi.spec.visibility`, the generic flow's, of
+        the lengths as it takes them) and the plan's, both as the generic flow's one
+        mask has them."""
         lengths = self.as_lens(valid_lens, q)
-        num_keys = q.shape[1]
-        seen = spec.visibility(OPS, num_keys, num_keys, lengths)
+        num_queries = q.shape[1]
+        seen = spec.visibility(
+            OPS, num_queries, num_queries if num_keys is None else num_keys, lengths
+        )
         return seen if visible is None else seen & visible
 
     def _with_lengths(

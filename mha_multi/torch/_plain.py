@@ -23,6 +23,7 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.spec.memo import KeptBy
+from mha_multi.torch._cross import CrossRoute
 from mha_multi.torch._kernel import folded_mask, folds_groups
 from mha_multi.torch._lengths_route import LengthsRoute
 from mha_multi.torch._ops import SIXTEEN_BIT
@@ -54,7 +55,7 @@ _RAGGED_KERNEL_PLANS = tuple(
 )
 
 
-class PlainRoute(StepRoute, LengthsRoute):
+class PlainRoute(StepRoute, LengthsRoute, CrossRoute):
     """Plain self-attention's fast route, a part of the PyTorch facts
     (:class:`mha_multi.torch._facts.TorchFacts`, whose kernel, span bucket and
     ``on_host`` it reads)."""

@@ -41,5 +41,22 @@ def generic_only() -> Iterator[None]:
     with (
         mock.patch.object(_facts.FACTS, "plain_attention", return_value=None),
         mock.patch.object(_facts.FACTS, "plain_step", return_value=None),
+        mock.patch.object(_facts.FACTS, "cross_attention", return_value=None),
     ):
         yield
+
+
+@contextlib.contextmanager
+def answered_cross_calls() -> Iterator[list[bool]]:
+    """Yields a list that gets, for each plain cross-attention call the driver offers the
+    route (``cross_attention``), whether the route answered it."""
+    answers: list[bool] = []
+    route = _facts.FACTS.cross_attention
+
+    def spy(*args, **kwargs):
+        result = route(*args, **kwargs)
+        answers.append(result is not None)
+        return result
+
+    with mock.patch.object(_facts.FACTS, "cross_attention", spy):
+        yield answers
