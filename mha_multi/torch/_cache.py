@@ -30,7 +30,6 @@ __all__ = [
     "poison_of",
     "versioned",
     "writes_in_place",
-    "written_step",
 ]
 
 
@@ -334,54 +333,6 @@ def writes_in_place(
     if records_gradient(k, v, keys, values) or torch._C._are_functorch_transforms_active():
         return False
     return torch.is_inference_mode_enabled() or not (keys.is_inference() or values.is_inference())
-
-
-def written_step(
-    cache: spec.KVCache,
-    check: CacheCheck,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    heads: spec.Heads,
-    step: tuple[Any, tuple, Any] | None = None,
-    *,
-    span: int | None = None,
-    checked: bool = True,
-    first: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, spec.KVCache]:
-    """A plain step's rows written in place at the length every example holds
-    (``check``, the cache's, :attr:`CacheCheck.uniform`): the cache's first ``span``
-    positions to attend over (``None``: the filled ones; from position ``first``), and
-    the cache after the step,
-    carrying its check as the generic flow leaves it (with the step's plan, ``step``:
-    :attr:`CacheCheck.step`).
-
-    ``checked``: the step read its rows finite. Otherwise (a GPU's step, which reads
-    nothing) they are left pending, as the generic flow's write leaves them, with the
-    rows the plain steps before wrote: one region of the cache, summed once when a
-    call reads it (a write of the generic flow settles it first).
-    """
-    keys, values, lengths = cache
-    length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
-    # One position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
-    rows = (-1, heads.num_kv_heads, heads.head_dim)
-    keys.select(2, length).copy_(k.view(rows))
-    values.select(2, length).copy_(v.view(rows))
-    filled = length + 1
-    updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
-    if checked:
-        check.stepped(updated, filled, step, lengths)
-    else:
-        start = check.pending_from
-        if start is None:
-            poison, start = check.settled(), length
-        else:
-            poison = check.poison
-        # (The rows' views are made when they are taken, CacheCheck.take_pending.)
-        check.stepped(
-            updated, filled, step, lengths, poison=poison, pending=()
-        ).pending_from = start
-    count = (filled if span is None else span) - first
-    return keys.narrow(2, first, count), values.narrow(2, first, count), updated
 
 
 #: How many plain steps' lengths :func:`next_lengths` makes at once.

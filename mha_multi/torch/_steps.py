@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import CacheCheck, next_lengths, written_step
+from mha_multi.torch._cache import CacheCheck, next_lengths
 from mha_multi.torch._ops import OPS, SIXTEEN_BIT
 from mha_multi.torch._rotary import WideTables, rotate_heads, rotate_stacked
 
@@ -220,17 +220,29 @@ def generic_step(
 ) -> call.Result:
     """The plain route's decoding step on the generic plan (a GPU's): nothing read.
 
-    The rows are written in place and left for a later read to check
-    (:func:`mha_multi.torch._cache.written_step`), and the one query per
-    example attends over the cache's first ``span`` positions by
-    :func:`step_attention`, the generic path's operations, those past the
-    filled ones hidden. ``rotary``: the layer's, whose tables the
-    plan holds.
+    The rows are written in place at the length every example holds, and
+    left for a later read to check, as the generic flow's write leaves them,
+    with the rows the plain steps before wrote: one region of the cache,
+    summed once when a call reads it (a write of the generic flow settles it
+    first; :meth:`~mha_multi.torch._cache.CacheCheck.take_pending` makes the
+    rows' views). The one query per example then attends over the cache's
+    positions ``first`` to ``span`` by :func:`step_attention`, the generic
+    path's operations, those past the filled ones hidden.
+    ``rotary``: the layer's, whose tables the plan holds. Written out in one
+    function, as :func:`fused_step` is: a GPU's step is host time.
     """
     heads = layer._heads
-    num_heads, num_kv_heads = heads.num_heads, heads.num_kv_heads
+    num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
     length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
-    projected = step_projections(layer, queries, plan.direct, plan.norm)
+    modules = layer._modules
+    if plan.direct:  # (step_projections' direct product, inline)
+        stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
+        weight, bias = stacked or layer.stacked_parameters(queries)
+        projected = torch.nn.functional.linear(queries, weight, bias)
+        if plan.norm is not None:
+            projected = normalized(projected, layer, plan.norm)
+    else:
+        projected = step_projections(layer, queries, False, plan.norm)
     wide = plan.wide_tables
     if rotary is None:
         q, k, v = projected.split_with_sizes(
@@ -240,20 +252,31 @@ def generic_step(
         both, v = projected.split_with_sizes(
             (heads.query_features + heads.kv_features, heads.kv_features), -1
         )
-        both = both.view(-1, num_heads + num_kv_heads, heads.head_dim)
+        both = both.view(-1, num_heads + num_kv_heads, head_dim)
         turned = rotate_heads(both, (wide[0][length], wide[1][length]), rotary)
         q, k = turned.narrow(1, 0, num_heads), turned.narrow(1, num_heads, num_kv_heads)
     else:
         q, k, v, _ = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
-    keys, values, updated = written_step(
-        cache, check, k, v, heads, step, span=span, checked=False, first=first
-    )
+    # The rows: one position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
+    keys, values, lengths = cache
+    keys.select(2, length).copy_(k.view(-1, num_kv_heads, head_dim))
+    values.select(2, length).copy_(v.view(-1, num_kv_heads, head_dim))
+    filled = length + 1
+    updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
+    pending_from = check.pending_from
+    if pending_from is None:
+        poison, pending_from = check.settled(), length
+    else:
+        poison = check.poison
+    check.stepped(
+        updated, filled, step, lengths, poison=poison, pending=()
+    ).pending_from = pending_from
     # Every example holds length + 1 positions now: the spec's masks and bias of a
     # query at length are the plan's patterns from max_length - length - 1 on.
-    start, count = cache.keys.shape[2] - length - 1 + first, span - first
+    start, count = keys.shape[2] - filled + first, span - first
     # (Where the span is the filled positions and no window binds, every key is seen:
     # the mask would keep every score.)
-    if span == length + 1 and plan.window is None:
+    if span == filled and plan.window is None:
         visible = None
     else:
         visible = plan.visible.narrow(-1, start, count)
@@ -262,8 +285,8 @@ def generic_step(
         bias = bias.narrow(-1, start, count)
     context = step_attention(
         q,
-        keys,
-        values,
+        keys.narrow(2, first, count),
+        values.narrow(2, first, count),
         visible,
         heads,
         plan.fill,
@@ -271,7 +294,12 @@ def generic_step(
         bias=bias,
         sinks=layer.sink_logits() if plan.sinks else None,
     )
-    return call.Result(project_output(layer, context, plan.direct), None, updated)
+    if plan.direct:
+        parameters = modules["W_o"]._parameters
+        output = torch.nn.functional.linear(context, parameters["weight"], parameters["bias"])
+    else:
+        output = layer.project_output(context, None)
+    return call.Result(output, None, updated)
 
 
 def step_projections(
