@@ -14,8 +14,12 @@ recorded by ``autograd.record()`` and its backward run. ``cross``: the
 queries attend to keys and values of their own, 12 positions (d2l's
 ``attention(X, Y, Y, valid_lens)``, a decoder attending to its encoder; the
 lengths from 1 to 12), by the plan of cross-attention (docs: "Fast paths").
+``dropout``: both layers drop their attention weights at 0.1 (d2l's training
+of its Transformer; with ``train`` the dropout acts, and the largest
+difference is that of a call in inference mode).
 
     python tools/mxnet_lengths_call.py [num_hiddens] [num_heads] [rounds] [train] [cross]
+        [dropout]
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from mha_multi.mxnet import MultiHeadAttention, _facts, set_weights
 from mha_multi.weights import init_weights
 
 BATCH, LENGTH, KEYS, TURN = 64, 10, 12, 20
+#: The attention weights' dropout rate with ``dropout``.
+DROPOUT = 0.1
 
 
 def caller(layer: Callable, x: mx.np.ndarray, y: mx.np.ndarray, lens: mx.np.ndarray, train: bool):
@@ -53,15 +59,17 @@ def caller(layer: Callable, x: mx.np.ndarray, y: mx.np.ndarray, lens: mx.np.ndar
 
 
 def main() -> None:
-    arguments = [a for a in sys.argv[1:] if a not in ("train", "cross")]
+    flags = ("train", "cross", "dropout")
+    arguments = [a for a in sys.argv[1:] if a not in flags]
     hiddens = int(arguments[0]) if arguments else 32
     heads = int(arguments[1]) if len(arguments) > 1 else 4
     rounds = int(arguments[2]) if len(arguments) > 2 else 15
     train, cross = "train" in sys.argv[1:], "cross" in sys.argv[1:]
+    dropout = DROPOUT if "dropout" in sys.argv[1:] else 0.0
     weights = init_weights(hiddens, seed=0, num_heads=heads)
     weights = {name: array.astype(np.float32) for name, array in weights.items()}
-    ours = set_weights(MultiHeadAttention(hiddens, heads), weights)
-    d2l = D2LMultiHeadAttention(hiddens, heads)
+    ours = set_weights(MultiHeadAttention(hiddens, heads, dropout), weights)
+    d2l = D2LMultiHeadAttention(hiddens, heads, dropout)
     d2l.initialize()
     for name in ("W_q", "W_k", "W_v", "W_o"):  # (Dense holds (out, in): the canonical's T)
         getattr(d2l, name).weight.set_data(mx.np.array(weights[name].T))

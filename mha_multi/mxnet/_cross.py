@@ -55,8 +55,8 @@ def cross_attention(
     """Plain cross-attention by the plan of its signature, or ``None`` (the generic flow).
 
     Taken by an imperative layer without options, for a call that is not
-    causal, does not, with dropout, run in training mode, and whose arrays
-    are ``mxnet.numpy`` arrays on one device (the lengths too, where given).
+    causal and whose arrays are ``mxnet.numpy`` arrays on one device (the
+    lengths too, where given); dropout as the self-attention plan's.
 
     Args:
         facts: MXNet's facts (their checks and kernel plan).
@@ -69,8 +69,6 @@ def cross_attention(
     """
     if layer._active or causal or not (options is None or options.is_default):
         return None  # (a hybridized layer runs its graphs)
-    if layer.dropout and mx.autograd.is_training():
-        return None  # npx.dropout acts in training mode, recorded or not
     ndarray = mx.np.ndarray
     if type(queries) is not ndarray or type(keys) is not ndarray or type(values) is not ndarray:
         return None  # (the generic flow's conversions)

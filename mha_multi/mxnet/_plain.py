@@ -14,11 +14,13 @@ lengths, the rotary tables. Every call of that signature then runs the
 fused route's operations (:mod:`mha_multi.mxnet._kernel`) on the same arrays:
 the projections, the query/key norms (:func:`mha_multi.spec.normalize_qk`, the
 generic flow's own), the rotation, the scaled queries' ``batch_dot``,
-``softmax`` and ``batch_dot`` (with a soft cap, sinks or ALiBi, which no kernel
-of MXNet takes, the generic path's attention,
+``softmax``, the weights' dropout and ``batch_dot`` (with a soft cap, sinks or
+ALiBi, which no kernel of MXNet takes, the generic path's attention,
 :meth:`mha_multi.call.Facts.generic_attention`, called as the generic flow
 calls it), the output projection, so the numbers are the generic flow's to the
-bit, and so are the gradients ``autograd.record()`` takes of them.
+bit, and so are the gradients ``autograd.record()`` takes of them (with
+dropout in training mode, the same mask: one draw of MXNet's random state of
+the same shape, where the generic flow draws it).
 
 A decoding step (new positions appended to a cache, one per example, or
 several without the causal rule) still reads the cache's lengths and the
@@ -48,6 +50,7 @@ from mxnet.ndarray.numpy import _internal as _npi
 
 from mha_multi import call, spec
 from mha_multi.call.rotary_tables import kept_tables
+from mha_multi.mxnet._kernel import weights_dropout
 from mha_multi.mxnet._ops import copied_to
 from mha_multi.mxnet._plain_plan import NOT_YET, PlainPlan, kept, relaid, shaped_plan
 from mha_multi.spec.memo import KeptBy
@@ -61,7 +64,7 @@ PLANS_PER_LAYER = 16
 #: Plans by layer, then by signature; ``None`` for a signature the route does not take.
 _PLANS = KeptBy(PLANS_PER_LAYER)
 #: The generic path's settings of a call the plans take (:func:`_scored`).
-_GENERIC = {"dropout": None, "head_parallel": False, "return_attention_weights": False}
+_GENERIC = {"head_parallel": False, "return_attention_weights": False}
 #: The spec's operations on the host (a call's mask lengths, :func:`_mask_lengths`).
 _HOST = spec.NumpyOps()
 
@@ -85,10 +88,11 @@ def plain_attention(
     """Plain self-attention by the plan of its signature, or ``None`` (the generic flow).
 
     Taken by an imperative layer, or a hybridized one with options (whose
-    calls run on its arrays, not in a graph), for a call that does not,
-    with dropout, run in training mode, of ``mxnet.numpy`` arrays; with a
-    cache, a :class:`mha_multi.spec.KVCache` of them recording nothing (see
-    the module's docstring).
+    calls run on its arrays, not in a graph), for a call of ``mxnet.numpy``
+    arrays; with a cache, a :class:`mha_multi.spec.KVCache` of them recording
+    nothing (see the module's docstring). A layer's dropout acts on the
+    weights where the generic flow's does (``npx.dropout``, in training mode
+    only), drawing the same mask from MXNet's random state.
 
     Args:
         facts: MXNet's facts (their checks, :meth:`~mha_multi.call.Facts.finite_past`
@@ -110,8 +114,6 @@ def plain_attention(
         return None
     if cache is not None and mx.autograd.is_recording():
         return None  # (a recorded cached call updates its cache functionally)
-    if layer.dropout and mx.autograd.is_training():
-        return None  # npx.dropout acts in training mode, recorded or not
     ctx = queries.ctx
     key: tuple[Any, ...] = (queries.shape, queries.dtype, ctx, causal, dtype)
     if valid_lens is not None:
@@ -291,6 +293,8 @@ def _context(
         )
         scores = mx.npx.reshape(masked, (*plan.scores[:2], -1))
     weights = mx.npx.softmax(scores, axis=-1)
+    if plan.dropout:  # (the kernel call's: npx.dropout acts in training mode only)
+        weights = mx.npx.dropout(weights, p=plan.dropout)
     return relaid(mx.npx.batch_dot(weights, v), plan.output)
 
 
@@ -358,6 +362,7 @@ def _scored(
     if sinks is not None:
         options = options.with_sinks(sinks.data(ctx))
     settings = {"heads": plan.heads, "causal": causal, "kv_split": kv_split}
+    settings["dropout"] = weights_dropout(plan.ops, plan.dropout)
     attend = plan.facts.generic_attention
     context, _ = attend(plan.ops, q, k, v, valid_lens, options=options, **settings, **_GENERIC)
     return context

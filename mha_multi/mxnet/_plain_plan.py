@@ -90,6 +90,9 @@ class PlainPlan(NamedTuple):
     num_new: int
     #: With a cache, its ``max_length``; ``None`` without one.
     max_length: int | None
+    #: The layer's dropout rate on the weights (``npx.dropout``, which acts in training
+    #: mode only), as the generic flow's kernel call and generic path apply it.
+    dropout: float = 0.0
 
 
 def layout(
@@ -184,6 +187,7 @@ def shaped_plan(
         ),
         scores=(batch * kv_heads, group * num_queries, num_keys),
         num_new=num_queries,
+        dropout=layer.dropout,
         **fields,
     )
 
