@@ -73,15 +73,10 @@ class CrossRoute:
         Taken by a layer without options, for a call that is not causal, of
         tensors (the lengths too, where given), eager, outside ``torch.func``'s
         transforms and autocast, whose signature's plan is the generic path's
-        with nothing read (:meth:`_taken`).
-
-        Args:
-            layer: the :class:`mha_multi.torch.MultiHeadAttention`.
-            queries, keys, values: the call's, unchecked.
-            causal: the call's flag (a bool).
-            dtype: the layer's dtype.
-            options: the layer's checked options, or ``None``.
-            valid_lens: the call's lengths, unchecked, or ``None``.
+        with nothing read (:meth:`_taken`). The arguments are those
+        :meth:`mha_multi.call.Facts.cross_attention` is given: ``layer`` a
+        :class:`mha_multi.torch.MultiHeadAttention`, its checked options and
+        dtype; the call's inputs and lengths unchecked, its ``causal`` a bool.
         """
         if causal or not (options is None or options.is_default):
             return None
@@ -116,7 +111,8 @@ class CrossRoute:
         plans = _PLANS.of(layer)
         taken = plans.get(key)
         if taken is None:
-            taken = self._taken(layer, queries, keys, values, valid_lens, records, dtype=dtype)
+            inputs = (queries, keys, values, valid_lens)
+            taken = self._taken(layer, inputs, records=records, dtype=dtype)
             if taken is None:
                 return None  # (an input size not known yet: the generic flow learns it)
             plans.keep(key, taken)
@@ -130,18 +126,11 @@ class CrossRoute:
         return call.Result(layer.project_output(context, None), None, None)
 
     def _taken(
-        self,
-        layer: call.Projections,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        valid_lens: torch.Tensor | None,
-        records: bool,
-        *,
-        dtype: torch.dtype | None,
+        self, layer: call.Projections, inputs: tuple, *, records: bool, dtype: torch.dtype | None
     ) -> bool | None:
         """Whether the route takes the calls of a signature, after the generic flow's
         checks (which raise its errors); ``None`` while an input size is not known.
+        ``inputs``: the call's queries, keys, values and lengths (or ``None``).
 
         Taken where the generic flow's kernel plan (:func:`mha_multi.call.plan`)
         of a call off the host is the generic path's and reads nothing: where
@@ -150,6 +139,7 @@ class CrossRoute:
         (``records``: the call may record a gradient, whose reads count a
         head's scores), for values it does not read.
         """
+        queries, keys, values, valid_lens = inputs
         lengths = call.check_call(
             self, layer, queries, keys, values, valid_lens, causal=False, dtype=dtype
         )[3]
