@@ -24,13 +24,12 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable
-from unittest import mock
 
 import torch
 
 from mha_multi.bench import host
 from mha_multi.parity.harness import torch as backend
-from mha_multi.torch import MultiHeadAttention, _facts, set_weights
+from mha_multi.torch import MultiHeadAttention, set_weights
 from mha_multi.weights import init_weights
 
 CALLS = 100
@@ -138,12 +137,12 @@ def rows() -> dict[str, Callable[[], object]]:
 
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
-    # (The route's offer declined by a plain function, one call as the route's own
+    # (The route's offers declined by a plain function, one call as the route's own
     # first test is: every call takes the generic flow.)
     generic = "--generic" in argv
-    declined = mock.patch.object(_facts.FACTS, "plain_attention", lambda *_, **__: None)
+    declined = backend.generic_flow_only() if generic else contextlib.nullcontext()
     on_a_gpu = backend.as_if_on_a_gpu() if "--gpu" in argv else contextlib.nullcontext()
-    with declined if generic else contextlib.nullcontext(), on_a_gpu:
+    with declined, on_a_gpu:
         for name, step in rows().items():
             print(f"{name:60s} {counted(step):7.1f} calls per call")
 

@@ -37,6 +37,7 @@ from unittest import mock
 import numpy as np
 import torch
 
+from mha_multi.parity.harness.torch import generic_flow_only
 from mha_multi.torch import MultiHeadAttention, _facts
 from mha_multi.torch._facts import FACTS
 
@@ -91,7 +92,7 @@ def ways() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
         ),
         "generic": lambda: _stacked(
             mock.patch.object(FACTS, "kernel", None),
-            mock.patch.object(FACTS, "plain_attention", return_value=None),
+            generic_flow_only(),
         ),
     }
 

@@ -34,15 +34,15 @@ the sinks' column and its product with the values). ``alibi``: ALiBi's bias
 from __future__ import annotations
 
 import sys
-from unittest import mock
 
 import numpy as np
 import torch
 from torch.nn import functional
 from turns import compare
 
+from mha_multi.parity.harness import torch as backend
 from mha_multi.spec import alibi_slopes
-from mha_multi.torch import MultiHeadAttention, _facts, set_weights
+from mha_multi.torch import MultiHeadAttention, set_weights
 from mha_multi.weights import init_weights
 
 BATCH, HIDDENS, HEADS, PROMPT, MAX_LENGTH, TURN = 8, 512, 8, 256, 1024, 40
@@ -216,8 +216,7 @@ def main() -> None:
     prompt = torch.randn(BATCH, PROMPT, HIDDENS, device=DEVICE)
     token = torch.randn(BATCH, 1, HIDDENS, device=DEVICE)
 
-    def generic():  # (the route answering no call, in one Python call)
-        return mock.patch.object(_facts.FACTS, "plain_attention", lambda *_, **__: None)
+    generic = backend.generic_flow_only  # (the route answering no call)
 
     ours, theirs = (
         layer_steps(layer, prompt, token),

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from unittest import mock
 
+from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import _facts
 
 
@@ -35,15 +36,8 @@ def answered_calls() -> Iterator[list[bool]]:
         yield answers
 
 
-@contextlib.contextmanager
-def generic_only() -> Iterator[None]:
-    """The fast route answering no call: every call takes the generic flow."""
-    with (
-        mock.patch.object(_facts.FACTS, "plain_attention", return_value=None),
-        mock.patch.object(_facts.FACTS, "plain_step", return_value=None),
-        mock.patch.object(_facts.FACTS, "cross_attention", return_value=None),
-    ):
-        yield
+#: The fast route answering no call: every call takes the generic flow.
+generic_only = backend.generic_flow_only
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME
 __all__ = [
     "as_if_on_a_gpu",
     "forward",
+    "generic_flow_only",
     "head_mask_gradient",
     "init_cache",
     "kernel_spy",
@@ -195,6 +196,30 @@ def kernel_spy() -> Iterator[list[KernelCall]]:
         yield calls
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def generic_flow_only() -> Iterator[None]:
+    """PyTorch's fast route answering no call while active: every call takes the
+    generic flow (docs: "Fast paths").
+
+    The route's three offers, a call without a cache (``plain_attention``), a
+    decoding step at the layer's door (``plain_step``) and cross-attention
+    (``cross_attention``), each answered ``None`` by one plain function, as
+    the route's own first test answers: a count of the Python calls a call
+    makes counts the offers the route takes.
+    """
+    facts = _facts.FACTS
+
+    def declined(*_: Any, **__: Any) -> None:
+        return None
+
+    with (
+        mock.patch.object(facts, "plain_attention", declined),
+        mock.patch.object(facts, "plain_step", declined),
+        mock.patch.object(facts, "cross_attention", declined),
+    ):
+        yield
 
 
 @contextlib.contextmanager
