@@ -466,8 +466,8 @@ def test_calls_with_lengths_reach_the_route(lengths, causal):
 def test_a_gpus_call_with_lengths_that_reads_is_the_generic_flows():
     """On a GPU, a call with lengths whose scores are many enough for the generic flow to
     read its values (a head's 65536 with a gradient, spec.reads_values) is left to that
-    flow, which reads them and may take the kernel; one with fewer takes the route, and
-    SDPA is called for neither (the route's attention is the generic path's)."""
+    flow, which reads them and runs SDPA (the example of length 0 fixed after it); one
+    with fewer takes the route, whose attention is the generic path's: no SDPA."""
     layer = layer_of({}, 2, torch.float32)
     lengths = torch.tensor([200, 0])
     with backend.as_if_on_a_gpu(), answered_calls() as answers:
