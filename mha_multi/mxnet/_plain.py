@@ -293,7 +293,9 @@ def _context(
         )
         scores = mx.npx.reshape(masked, (*plan.scores[:2], -1))
     weights = mx.npx.softmax(scores, axis=-1)
-    if plan.dropout:  # (the kernel call's: npx.dropout acts in training mode only)
+    if plan.dropout and mx.autograd.is_training():
+        # (The kernel call's. Outside training mode npx.dropout returns the weights and
+        # draws nothing: the generic flow's numbers without the call.)
         weights = mx.npx.dropout(weights, p=plan.dropout)
     return relaid(mx.npx.batch_dot(weights, v), plan.output)
 
@@ -362,7 +364,8 @@ def _scored(
     if sinks is not None:
         options = options.with_sinks(sinks.data(ctx))
     settings = {"heads": plan.heads, "causal": causal, "kv_split": kv_split}
-    settings["dropout"] = weights_dropout(plan.ops, plan.dropout)
+    dropout = plan.dropout if mx.autograd.is_training() else 0.0  # (as _context's)
+    settings["dropout"] = weights_dropout(plan.ops, dropout)
     attend = plan.facts.generic_attention
     context, _ = attend(plan.ops, q, k, v, valid_lens, options=options, **settings, **_GENERIC)
     return context

@@ -7,7 +7,8 @@ runs the plan of its call's signature: ``npx.dropout`` draws its mask from
 MXNet's random state where the generic flow draws it, so with the same seed
 the output and every gradient are the generic flow's to the bit (docs: "Fast
 paths"); the dropout acts (the output is not the inference call's), and not
-in inference mode, where the output is the float64 reference's.
+in inference mode, where the output is the generic flow's to the bit and the
+float64 reference's.
 """
 
 from __future__ import annotations
@@ -111,6 +112,10 @@ def test_a_training_call_with_dropout_runs_its_plan_to_the_generic_flows_bits(
     keys = queries if keys is None else keys
     inferred = layer(queries, keys, keys, valid_lens, causal=causal).asnumpy()
     assert not np.allclose(planned[0], inferred, atol=1e-3)
+    with generic_only():  # (outside training mode the plan calls no dropout: the same bits)
+        np.testing.assert_array_equal(
+            inferred, layer(queries, keys, keys, valid_lens, causal=causal).asnumpy()
+        )
     expected, _ = spec.reference_forward(
         weights,
         x,
