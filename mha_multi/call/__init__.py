@@ -51,7 +51,7 @@ from mha_multi.call.flow import (
     plain_cross_attention,
     plain_self_attention,
 )
-from mha_multi.call.kernel_plan import decided, kernel_settings, plan
+from mha_multi.call.kernel_plan import decided, kernel_settings, plan, unread_plan
 
 __all__ = [
     "BIAS_SHAPE",
@@ -78,4 +78,5 @@ __all__ = [
     "plain_self_attention",
     "plan",
     "read_all",
+    "unread_plan",
 ]

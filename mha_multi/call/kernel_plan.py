@@ -90,6 +90,21 @@ def decided(
     return settings, optimistic, hides_keys(optimistic)
 
 
+def unread_plan(facts: Facts, q: Array, settings: dict[str, Any]) -> spec.KernelPlan:
+    """What :func:`plan` decides of a call whose values it does not read (a read that
+    would wait for the device or cost too much), from the call's kernel ``settings``
+    (:func:`decided`'s): values unknown, the kernel guarded where
+    :meth:`Facts.values_guard` says so. A plan made before its calls asks it where it
+    reads nothing (PyTorch's route)."""
+    return spec.plan_kernel(
+        facts.kernel,
+        **settings,
+        values_exact=None,
+        shortest_length=None,
+        values_guard=facts.values_guard(q, settings["sizes"]),
+    )
+
+
 def hides_keys(plan: spec.KernelPlan) -> bool:
     """Whether the kernel ``plan`` hides keys whatever the lengths (its causal rule, window
     or packed sequences): the values read must then bound the scores
@@ -190,8 +205,8 @@ def plan(
         None if facts.records_gradient(q) else batch * heads.num_heads * num_queries * num_keys
     )
     if not facts.reads_values(q, num_queries, num_keys, total_scores=total_scores):
-        exact, shortest = None, None  # a read would wait for the device, or cost too much
-    elif options.bias is None:
+        return unread_plan(facts, q, settings)  # a read would wait, or cost too much
+    if options.bias is None:
         exact, shortest = facts.plan_values(q, k, v, valid_lens, heads, hides_keys=hides_keys)
     else:
         exact, shortest = facts.plan_values(

@@ -51,9 +51,7 @@ class CrossRoute:
     (:class:`mha_multi.torch._facts.TorchFacts`, whose checks, kernel facts and
     lengths' mask it takes)."""
 
-    kernel: spec.FusedKernel
     on_host: Any
-    values_guard: Any
     _visible_within: Any
 
     def cross_attention(
@@ -157,11 +155,4 @@ class CrossRoute:
         total_scores = None if records else batch * heads.num_heads * num_queries * num_keys
         if spec.reads_values(False, num_queries, num_keys, total_scores=total_scores):
             return False  # (a long call: the generic flow reads it)
-        unread = spec.plan_kernel(
-            self.kernel,
-            **settings,
-            values_exact=None,
-            shortest_length=None,
-            values_guard=self.values_guard(queries, settings["sizes"]),
-        )
-        return not unread.fused
+        return not call.unread_plan(self, queries, settings).fused

@@ -36,10 +36,8 @@ class LengthsRoute:
 
     as_lens: Any
     fused_attention: Any
-    kernel: spec.FusedKernel
     on_host: Any
     ops: Any
-    values_guard: Any
 
     def _lengths_plan(
         self,
@@ -81,16 +79,8 @@ class LengthsRoute:
                 return PlainPlan(True, {"options": options}, planned=arguments)
             if reads:
                 return None  # (a GPU's long call: the generic flow reads it)
-            # What call.plan decides of values it does not read.
-            unread = spec.plan_kernel(
-                self.kernel,
-                **settings,
-                values_exact=None,
-                shortest_length=None,
-                values_guard=self.values_guard(queries, settings["sizes"]),
-            )
-            if unread.fused:
-                return None
+            if call.unread_plan(self, queries, settings).fused:
+                return None  # (what call.plan decides of values it does not read)
         ops = self.ops(queries)
         return generic_plan(PlainPlan(False, {}), ops, layer, queries, options, None, causal=causal)
 

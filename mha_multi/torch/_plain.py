@@ -425,9 +425,9 @@ class PlainRoute(StepRoute, LengthsRoute, CrossRoute):
                 folded=folded,
                 ragged=ragged,
             )
-        # What call.plan decides of values it does not read: eager, so no guard. (On
-        # the host, a call whose options no kernel takes: it reads nothing either.)
-        plan = optimistic if reads else spec.plan_kernel(self.kernel, **settings, values_exact=None)
+        # What call.plan decides of values it does not read (eager: no guard). (On the
+        # host, a call whose options no kernel takes: it reads nothing either.)
+        plan = optimistic if reads else call.unread_plan(self, queries, settings)
         if plan.fused:
             return None
         return generic_plan(
