@@ -21,7 +21,7 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, next_lengths
-from mha_multi.torch._ops import OPS, SIXTEEN_BIT
+from mha_multi.torch._ops import OPS, SIXTEEN_BIT, softmax
 from mha_multi.torch._rotary import WideTables, rotate_heads, rotate_stacked
 
 __all__ = [
@@ -467,9 +467,9 @@ def _attend(
     if visible is not None:
         scores = torch.where(visible, scores, fill)
     if sinks is None:
-        weights = torch.softmax(scores, dim=-1).view(k.shape[0], -1, num_keys)
+        weights = softmax(scores).view(k.shape[0], -1, num_keys)
     else:  # (spec.masked_softmax's: each head's logit a column of its own, dropped after)
         joined = torch.cat((scores, spec.sink_column(OPS, scores, sinks)), -1)
-        weights = torch.softmax(joined, dim=-1)[..., :-1].reshape(k.shape[0], -1, num_keys)
+        weights = softmax(joined)[..., :-1].reshape(k.shape[0], -1, num_keys)
     # (16-bit weights: rounded once, their product as the spec's adapter takes it.)
     return OPS.matmul(weights.to(v.dtype), v) if low else torch.bmm(weights, v)

@@ -1,0 +1,100 @@
+"""PyTorch's generic path over few keys on a CPU: the softmax by its formula, or ``torch.softmax``.
+
+PyTorch's CPU softmax takes a scalar path for rows shorter than its vector
+width; the generic path softmaxes rows shorter than ``SHORT_ROWS`` by the
+formula's own operations instead (docs: "Fast paths"). This times calls of
+d2l's sizes that run the generic path (64 sequences of 10 positions, 32
+hiddens, 4 heads, float lengths from 1 to 10), the softmax the formula's
+and, in turns of ``TURN`` calls in one process, ``torch.softmax`` patched
+in: the attention weights asked for (``weights``), a soft-capped layer
+(``softcap``), a training call with dropout on the weights, forward and
+backward (``dropout``), and a call on the route a GPU's takes, on the CPU
+(``gpu-route``: the facts told the tensors are on a GPU). One thread. The
+median turn's time per call is printed in microseconds, with the speed-up.
+
+    python tools/torch_short_rows.py [rounds] [case ...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+from collections.abc import Callable
+from unittest import mock
+
+import torch
+from turns import timed_turns
+
+from mha_multi.parity.harness import torch as backend
+from mha_multi.torch import MultiHeadAttention, _ops, _steps
+
+BATCH, LENGTH, HIDDENS, HEADS, TURN = 64, 10, 32, 4, 10
+
+
+def calls() -> dict[str, Callable[[], torch.Tensor]]:
+    """Each case's call, by name."""
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, LENGTH, HIDDENS)
+    lens = torch.randint(1, LENGTH + 1, (BATCH,)).float()
+    plain = MultiHeadAttention(HIDDENS, HEADS).eval()
+    capped = MultiHeadAttention(HIDDENS, HEADS, softcap=30.0).eval()
+    dropping = MultiHeadAttention(HIDDENS, HEADS, dropout=0.1).train()
+
+    @torch.no_grad()
+    def weights() -> torch.Tensor:
+        return plain(x, x, x, lens, return_attention_weights=True)[1]
+
+    @torch.no_grad()
+    def softcap() -> torch.Tensor:
+        return capped(x, x, x, lens)
+
+    def dropout() -> torch.Tensor:
+        queries = x.clone().requires_grad_()
+        dropping(queries, queries, queries, lens).sum().backward()
+        return queries.grad
+
+    @torch.no_grad()
+    def gpu_route() -> torch.Tensor:
+        with backend.as_if_on_a_gpu():
+            return plain(x, x, x, lens)
+
+    return {"weights": weights, "softcap": softcap, "dropout": dropout, "gpu-route": gpu_route}
+
+
+def library_softmax() -> contextlib.AbstractContextManager:
+    """The generic path's softmax replaced by ``torch.softmax`` at every row length."""
+
+    def softmax(x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, dim=-1)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(_ops, "softmax", softmax))
+    stack.enter_context(mock.patch.object(_steps, "softmax", softmax))
+    return stack
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    arguments = sys.argv[1:]
+    rounds = int(arguments.pop(0)) if arguments and arguments[0].isdigit() else 30
+    every = calls()
+    for name in arguments or list(every):
+        call = every[name]
+        makers = {"formula": lambda call=call: call, "torch.softmax": lambda call=call: call}
+        times = timed_turns(
+            makers,
+            rounds=rounds,
+            turn=TURN,
+            done=lambda _: None,
+            around={"torch.softmax": library_softmax},
+        )
+        formula, library = (statistics.median(times[way]) for way in makers)
+        print(
+            f"{name:>9}: {formula:6.0f} us a call (torch.softmax: {library:6.0f} us), "
+            f"{library / formula:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
