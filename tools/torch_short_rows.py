@@ -4,13 +4,14 @@ PyTorch's CPU softmax takes a scalar path for rows shorter than its vector
 width; the generic path softmaxes rows shorter than ``SHORT_ROWS`` by the
 formula's own operations instead (docs: "Fast paths"). This times calls of
 d2l's sizes that run the generic path (64 sequences of 10 positions, 32
-hiddens, 4 heads, float lengths from 1 to 10), the softmax the formula's
-and, in turns of ``TURN`` calls in one process, ``torch.softmax`` patched
-in: the attention weights asked for (``weights``), a soft-capped layer
-(``softcap``), a training call with dropout on the weights, forward and
-backward (``dropout``), and a call on the route a GPU's takes, on the CPU
+hiddens, 4 heads, float lengths from 1 to 10), the softmax the formula's,
+and, in turns of ``TURN`` calls in one process, the formula without its
+floor on the shifted scores and ``torch.softmax`` patched in: the attention
+weights asked for (``weights``), a soft-capped layer (``softcap``), a
+training call with dropout on the weights, forward and backward
+(``dropout``), and a call on the route a GPU's takes, on the CPU
 (``gpu-route``: the facts told the tensors are on a GPU). One thread. The
-median turn's time per call is printed in microseconds, with the speed-up.
+median turn's time per call is printed in microseconds, with the speed-ups.
 
     python tools/torch_short_rows.py [rounds] [case ...]
 """
@@ -74,6 +75,11 @@ def library_softmax() -> contextlib.AbstractContextManager:
     return stack
 
 
+def no_floor() -> contextlib.AbstractContextManager:
+    """The formula without its floor on the shifted scores (every dtype as float16's)."""
+    return mock.patch.dict(_ops._FLOORS, clear=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     arguments = sys.argv[1:]
@@ -81,18 +87,19 @@ def main() -> None:
     every = calls()
     for name in arguments or list(every):
         call = every[name]
-        makers = {"formula": lambda call=call: call, "torch.softmax": lambda call=call: call}
+        makers = {way: lambda call=call: call for way in ("formula", "no floor", "torch.softmax")}
         times = timed_turns(
             makers,
             rounds=rounds,
             turn=TURN,
             done=lambda _: None,
-            around={"torch.softmax": library_softmax},
+            around={"no floor": no_floor, "torch.softmax": library_softmax},
         )
-        formula, library = (statistics.median(times[way]) for way in makers)
+        formula, unfloored, library = (statistics.median(times[way]) for way in makers)
         print(
-            f"{name:>9}: {formula:6.0f} us a call (torch.softmax: {library:6.0f} us), "
-            f"{library / formula:.2f}x"
+            f"{name:>9}: {formula:6.0f} us a call (no floor: {unfloored:6.0f} us, "
+            f"{unfloored / formula:.2f}x; torch.softmax: {library:6.0f} us, "
+            f"{library / formula:.2f}x)"
         )
 
 

@@ -33,13 +33,10 @@ def reference(scores: np.ndarray) -> np.ndarray:
         return exps / exps.sum(axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("num_keys", LENGTHS)
-@pytest.mark.parametrize("scale", [1.0, 30.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_short_and_long_rows_are_the_float64_softmax(num_keys, scale, dtype):
-    torch.manual_seed(num_keys)
-    scores = torch.randn(3, 4, 5, num_keys, dtype=torch.float64) * scale
-    given = scores.to(dtype).requires_grad_()
+def assert_the_float64_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Checks the weights of ``scores`` and their gradient against the float64 softmax's,
+    within the parity tolerances of ``scores``' dtype; returns the weights."""
+    given = scores.detach().requires_grad_()
     weights = softmax(given)
     upstream = torch.randn_like(weights)
     weights.backward(upstream)
@@ -47,9 +44,19 @@ def test_short_and_long_rows_are_the_float64_softmax(num_keys, scale, dtype):
     # The softmax's gradient, y * (g - sum(g * y)), from the float64 weights.
     g = upstream.double().numpy()
     exact_gradient = exact * (g - (g * exact).sum(axis=-1, keepdims=True))
-    forward, backward = TOLERANCES["float32" if dtype == torch.float32 else "float64"]
+    forward, backward = TOLERANCES["float32" if scores.dtype == torch.float32 else "float64"]
     np.testing.assert_allclose(weights.detach().double().numpy(), exact, rtol=0, atol=forward)
     np.testing.assert_allclose(given.grad.double().numpy(), exact_gradient, rtol=0, atol=backward)
+    return weights.detach()
+
+
+@pytest.mark.parametrize("num_keys", LENGTHS)
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_short_and_long_rows_are_the_float64_softmax(num_keys, scale, dtype):
+    torch.manual_seed(num_keys)
+    scores = torch.randn(3, 4, 5, num_keys, dtype=torch.float64) * scale
+    assert_the_float64_softmax(scores.to(dtype))
 
 
 @pytest.mark.parametrize("num_keys", LENGTHS)
@@ -68,6 +75,37 @@ def test_non_finite_rows_are_nan_where_the_float64_softmaxs_are(num_keys):
         weights = softmax(scores.to(dtype)).double().numpy()
         np.testing.assert_array_equal(np.isnan(weights), np.isnan(exact))
         np.testing.assert_allclose(weights, exact, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_far_and_hidden_scores_weigh_what_the_float64_softmaxs_do(dtype):
+    """Scores far below a row's maximum, about each dtype's floor and past it, and the
+    spec's hidden score: the float64 softmax's weights and gradients, a hidden key's
+    weight exactly 0, with a gradient recorded or not."""
+    offsets = [0.0, -1.0, -80.0, -86.5, -87.0, -88.0, -100.0, -707.0, -709.0, -800.0]
+    scores = torch.tensor([*offsets, spec.MASK_VALUE], dtype=torch.float64) + 3.0
+    scores = torch.stack([scores, scores.flip(0), scores - 1e4])
+    given = scores.to(dtype)
+    weights = assert_the_float64_softmax(given)
+    hidden = given == given.amin(-1, keepdim=True)
+    assert (weights[hidden] == 0).all()
+    # Without a gradient the floor is taken another way, to the same bits.
+    assert torch.equal(softmax(given), weights)
+
+
+def test_non_finite_rows_have_nan_gradients():
+    """A NaN score makes its row's gradient NaN, as the float64 softmax's; a +inf score's
+    own gradient is NaN; finite rows keep finite gradients."""
+    scores = torch.randn(4, 10, dtype=torch.float64)
+    scores[0, 3] = math.nan
+    scores[1, 2] = math.inf
+    scores[2, :] = -math.inf
+    for dtype in (torch.float32, torch.float64):
+        given = scores.to(dtype).requires_grad_()
+        softmax(given).backward(torch.ones(4, 10, dtype=dtype))
+        grad = given.grad
+        assert grad[0].isnan().all() and grad[2].isnan().all() and grad[1, 2].isnan()
+        assert grad[3].isfinite().all()
 
 
 def test_no_keys_give_no_weights():
