@@ -199,6 +199,13 @@ class Facts:
         ``False`` has the plan repeat them once (:attr:`mha_multi.spec.KernelPlan.repeat_kv`)."""
         return True
 
+    def kernel_takes_mask(self, q: Array, num_queries: Any, num_keys: Any) -> bool:
+        """Whether :attr:`kernel` is to take an explicit mask or bias for ``num_queries``
+        queries ``q`` over ``num_keys`` keys, where a call needs one; ``False`` has such a
+        call take the generic path, the faster there (:func:`mha_multi.spec.plan_kernel`'s
+        ``mask_taken``)."""
+        return True
+
     def on_host(self, q: Array) -> bool:
         """Whether ``q`` lives on the host, where :meth:`plan_values` waits for nothing
         (elsewhere the plan reads only where :func:`mha_multi.spec.reads_values` says)."""
@@ -221,10 +228,11 @@ class Facts:
         return True
 
     def plan_signature(self, q: Array) -> Any:
-        """What of the projected queries ``q``, besides their shape, :meth:`kernel_serves`
-        and :meth:`kernel_takes_grouped` read, hashable: the part of a call's kernel plan
-        that its shapes and flags decide (:func:`mha_multi.call.plan`) is then made once
-        per signature and looked up (docs: "Fast paths").
+        """What of the projected queries ``q``, besides their shape, :meth:`kernel_serves`,
+        :meth:`kernel_takes_grouped` and :meth:`kernel_takes_mask` read, hashable: the
+        part of a call's kernel plan that its shapes and flags decide
+        (:func:`mha_multi.call.plan`) is then made once per signature and looked up
+        (docs: "Fast paths").
 
         ``None`` (the default, and what a framework answers while its tracer
         runs) plans every call anew.

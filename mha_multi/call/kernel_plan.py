@@ -46,6 +46,7 @@ def kernel_settings(
         "grouped": heads.grouped,
         "grouped_taken": not heads.grouped
         or facts.kernel_takes_grouped(q, sizes[1], heads.head_dim),
+        "mask_taken": facts.kernel_takes_mask(q, sizes[1], sizes[2]),
         "dtype_supported": facts.kernel_serves(q),
         "bias": options.bias is not None or options.alibi_slopes is not None,
         "softcap": options.softcap is not None,

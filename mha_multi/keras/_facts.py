@@ -320,6 +320,9 @@ class KerasFacts(call.Facts):
     def kernel_takes_grouped(self, q: Any, num_queries: Any, head_dim: int) -> bool:
         return active().kernel_takes_grouped(q, num_queries, head_dim)
 
+    def kernel_takes_mask(self, q: Any, num_queries: Any, num_keys: Any) -> bool:
+        return active().kernel_takes_mask(q, num_queries, num_keys)
+
     def batch_pieces(self, q: Tensor, example_bytes: int) -> int:
         """:meth:`mha_multi.call.Facts.batch_pieces`: more than 1 only for a program on
         JAX's CPU (the framework's ``batch_pieces``)."""

@@ -135,6 +135,10 @@ class _Framework:
         """:meth:`mha_multi.call.Facts.kernel_takes_grouped` on this backend."""
         return True
 
+    def kernel_takes_mask(self, q: Tensor, num_queries: Any, num_keys: Any) -> bool:
+        """:meth:`mha_multi.call.Facts.kernel_takes_mask` on this backend."""
+        return True
+
     def has_call_hooks(self, layer: Any) -> bool:
         """Whether calling ``layer`` runs hooks of the framework's own (PyTorch's modules)."""
         return False
@@ -427,6 +431,14 @@ class _Torch(_Framework):
         """PyTorch's own rule for SDPA (:func:`mha_multi.torch._ops.repeats_grouped_heads`),
         in float32, which the kernel runs in (16-bit inputs are cast up)."""
         return not self.plain.repeats_grouped_heads(q, num_queries, head_dim, self.torch.float32)
+
+    def kernel_takes_mask(self, q: Tensor, num_queries: Any, num_keys: Any) -> bool:
+        """PyTorch's own rule for SDPA's masks over few keys on a CPU
+        (:func:`mha_multi.torch._ops.masks_few_keys_slowly`)."""
+        return not (
+            isinstance(q, self.torch.Tensor)
+            and self.plain.masks_few_keys_slowly(q, num_queries, num_keys)
+        )
 
     def has_call_hooks(self, layer: Any) -> bool:
         # A Keras layer is a torch.nn.Module, whose __call__ runs its hooks.

@@ -286,6 +286,7 @@ def plan_kernel(
     query_positions: bool = False,
     values_guard: bool = False,
     sinks: bool = False,
+    mask_taken: bool = True,
 ) -> KernelPlan:
     """Whether a call runs ``kernel``, and what the kernel is given.
 
@@ -329,6 +330,12 @@ def plan_kernel(
             takes the generic path.
         segments: the call packs sequences (``segment_ids``): the boolean
             mask holds their rule, and padding rows are fully hidden.
+        mask_taken: whether the kernel is to take this call's explicit mask
+            or bias, where it needs one (the lengths', the causal rule's
+            without the kernel's flag, a window's, packed sequences', an
+            additive bias); ``False`` where the framework's kernel runs such
+            a mask over these sizes slower than the generic path, which the
+            call then takes (the same numbers: docs: "Fast paths").
 
     Returns:
         The plan.
@@ -389,12 +396,15 @@ def plan_kernel(
         # A bias reaches a kernel beside its mask, where the causal flag may not go.
         and (not (mask_lens or mask_window or bias or segments) or kernel.mask_and_causal)
     )
+    mask_causal = causal and not is_causal
+    if not mask_taken and (mask_lens or mask_causal or mask_window or bias or segments):
+        return _generic("the kernel takes a mask over so few keys slower than the generic path")
     return KernelPlan(
         fused=True,
         is_causal=is_causal,
         key_lengths=key_lengths,
         mask_lens=mask_lens,
-        mask_causal=causal and not is_causal,
+        mask_causal=mask_causal,
         fix_rows=fix_rows,
         fix_causal=causal_hides_rows,
         repeat_kv=grouped and not (kernel.takes_grouped_heads and grouped_taken),

@@ -26,7 +26,13 @@ from mha_multi.torch._cache import CacheCheck, from_host, writes_in_place
 from mha_multi.torch._cache_writes import CacheWrites
 from mha_multi.torch._guard import GuardedKernel
 from mha_multi.torch._kernel import BIAS_LIMIT, SDPA, fused_attention
-from mha_multi.torch._ops import TorchOps, dtype_kind, ops_on, repeats_grouped_heads
+from mha_multi.torch._ops import (
+    TorchOps,
+    dtype_kind,
+    masks_few_keys_slowly,
+    ops_on,
+    repeats_grouped_heads,
+)
 from mha_multi.torch._plain import PlainRoute
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 
@@ -35,12 +41,14 @@ __all__ = [
     "FACTS",
     "TorchFacts",
     "device",
+    "masks_few_keys_slowly",
     "repeats_grouped_heads",
     "writes_in_place",
 ]
 
-# ``repeats_grouped_heads`` and ``writes_in_place`` are PyTorch's own rules for
-# grouped heads in SDPA and for writing a cache in place, which Keras on
+# ``repeats_grouped_heads``, ``masks_few_keys_slowly`` and ``writes_in_place`` are
+# PyTorch's own rules for grouped heads in SDPA, for its masks over few keys and for
+# writing a cache in place, which Keras on
 # PyTorch follows too: it reaches PyTorch through this module (and the
 # finiteness reads, mha_multi.torch._reads) rather than the package's other
 # private modules (docs: "Fast paths", "Generating with a cache").
@@ -178,6 +186,9 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
 
     def kernel_takes_grouped(self, q: torch.Tensor, num_queries: Any, head_dim: int) -> bool:
         return not repeats_grouped_heads(q, num_queries, head_dim)
+
+    def kernel_takes_mask(self, q: torch.Tensor, num_queries: Any, num_keys: Any) -> bool:
+        return not masks_few_keys_slowly(q, num_queries, num_keys)
 
     def span_bucket_of(self, keys: torch.Tensor) -> int:
         """1 on the CPU, whose eager kernels take any length at no cost; on a GPU the spec's bucket.
@@ -326,9 +337,9 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
         return q.requires_grad
 
     def plan_signature(self, q: torch.Tensor) -> tuple | None:
-        """The tensor type, dtype and device (what :meth:`kernel_takes_grouped` reads
-        besides the shape); ``None`` under ``torch.compile``, whose tracer plans once
-        anyway."""
+        """The tensor type, dtype and device (what :meth:`kernel_takes_grouped` and
+        :meth:`kernel_takes_mask` read besides the shape); ``None`` under
+        ``torch.compile``, whose tracer plans once anyway."""
         if torch.compiler.is_compiling():
             return None
         return (type(q), q.dtype, q.device)

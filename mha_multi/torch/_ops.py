@@ -6,6 +6,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,6 +49,37 @@ def repeats_grouped_heads(
     step) holds less without the copy; elsewhere ``enable_gqa`` copies nothing.
     """
     return q.is_cuda and (dtype or q.dtype) == torch.float32 and num_queries > head_dim
+
+
+#: The key counts over which SDPA's CPU kernel takes an explicit mask slower than the
+#: generic path computes the same attention (:func:`masks_few_keys_slowly`).
+CPU_SLOW_MASK_KEYS = range(8, 16)
+
+
+def masks_few_keys_slowly(q: torch.Tensor, num_queries: Any, num_keys: Any) -> bool:
+    """Whether SDPA, given an explicit mask or bias, runs slower than the generic path:
+    on a CPU, eagerly, more than one query over 8 to 15 keys (:data:`CPU_SLOW_MASK_KEYS`).
+
+    The CPU kernel applies a mask over rows shorter than its vector width on
+    a slow path: at d2l's sizes (64 examples of 10 positions, 4 heads of 8,
+    lengths) it took 841 us a call where the generic path took 585, and 1.2x
+    to 1.7x the generic path's time over 8 to 15 keys for heads of 8 to 32
+    (1.06x for heads of 64), forward and backward 1.0x to 1.3x (one thread,
+    an AMD EPYC; docs: "Fast paths"). Over fewer keys the generic path's
+    fixed cost decides (forward and backward 0.8x to 0.9x); from 16 keys on
+    the kernel's vectors serve, and without a mask (its causal flag, or
+    none) it is as fast. One query per example keeps the kernel: a decoding
+    step's plan serves every length of its cache.
+    """
+    # (Compiling first: a tracer's sizes are symbols, which no test of them may read.)
+    return (
+        not torch.compiler.is_compiling()
+        and type(num_keys) is int
+        and num_keys in CPU_SLOW_MASK_KEYS
+        and type(num_queries) is int
+        and num_queries > 1
+        and q.device.type == "cpu"
+    )
 
 
 #: A context manager that does nothing (reusable: it holds no state).

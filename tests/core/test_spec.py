@@ -471,6 +471,39 @@ def test_kernel_plan_repeats_grouped_heads_only_for_kernels_without_groups():
     ).repeat_kv
 
 
+def test_kernel_plan_leaves_a_mask_its_kernel_takes_slowly_to_the_generic_path():
+    """``mask_taken=False`` (the framework's kernel runs such a mask over these sizes
+    slower than the generic path): a call that needs a mask or bias takes the generic
+    path; one that needs none keeps the kernel."""
+    kernel = spec.FusedKernel("takes masks and biases", takes_bias=True)
+    facts = {"sizes": (2, 4, 4), "values_exact": True, "mask_taken": False}
+    needing = {
+        "lengths": {"lens_ndim": 1},
+        "lengths that may hide a row": {"lens_ndim": 2, "shortest_length": 0},
+        "the causal rule off the kernel's frame": {
+            "lens_ndim": None,
+            "causal": True,
+            "sizes": (2, 4, 6),
+        },
+        "the causal rule beside lengths": {"lens_ndim": 1, "causal": True},
+        "a window": {"lens_ndim": None, "window": True, "sizes": (2, 4, 6)},
+        "a bias": {"lens_ndim": None, "bias": True},
+        "packed sequences": {"lens_ndim": None, "segments": True},
+    }
+    for name, settings in needing.items():
+        plan = spec.plan_kernel(kernel, **{**facts, **settings})
+        assert not plan.fused, name
+        assert "mask" in plan.reason, name
+        assert spec.plan_kernel(kernel, **{**facts, **settings, "mask_taken": True}).fused, name
+    needing_none = {
+        "no lengths": {"lens_ndim": None},
+        "lengths that hide nothing": {"lens_ndim": 1, "shortest_length": 4},
+        "the kernel's causal flag": {"lens_ndim": None, "causal": True},
+    }
+    for name, settings in needing_none.items():
+        assert spec.plan_kernel(kernel, **{**facts, **settings}).fused, name
+
+
 def test_kernel_plan_masks_are_the_spec_visibility():
     lens = np.array([3, 0])
     plan = spec.plan_kernel(SDPA_LIKE, sizes=(2, 4, 3), lens_ndim=1, causal=True, values_exact=True)

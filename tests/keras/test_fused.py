@@ -512,3 +512,25 @@ def test_lengths_known_on_the_host_that_hide_no_key_give_the_kernel_no_mask(runn
             causal=causal,
         )
         np.testing.assert_allclose(backend.to_numpy(out), reference, rtol=0, atol=5e-6)
+
+
+@pytest.mark.parametrize("num_keys", [7, 8, 15, 16])
+def test_a_mask_over_few_keys_on_a_cpu_follows_pytorchs_rule(runner, num_keys):
+    """On PyTorch's CPU a call of more than one query over 8 to 15 keys that needs a
+    mask takes the generic path, as PyTorch's layer's does (SDPA's CPU kernel takes
+    such a mask on a slow path: docs: "Fast paths"); 7 or 16 keys keep the kernel.
+    Every output against the float64 reference."""
+    weights = init_weights(16, num_heads=4, seed=43)
+    layer = runner.set_weights(runner.make_layer(16, 4), weights)
+    x = np.random.default_rng(43).standard_normal((2, num_keys, 16)).astype(np.float32)
+    lens = np.array([num_keys, 3])
+    with runner.kernel_spy() as calls:
+        out = eager(layer, x, x, x, lens)
+    few = (
+        backend.BACKEND == "torch"
+        and backend.to_native(x).device.type == "cpu"
+        and 8 <= num_keys < 16
+    )
+    assert [call.mask for call in calls] == ([True] if FUSED and not few else [])
+    expected, _ = spec.reference_forward(weights, x, x, x, lens, num_heads=4)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=5e-6)
