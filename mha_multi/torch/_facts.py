@@ -48,10 +48,9 @@ __all__ = [
 
 # ``repeats_grouped_heads``, ``masks_few_keys_slowly`` and ``writes_in_place`` are
 # PyTorch's own rules for grouped heads in SDPA, for its masks over few keys and for
-# writing a cache in place, which Keras on
-# PyTorch follows too: it reaches PyTorch through this module (and the
-# finiteness reads, mha_multi.torch._reads) rather than the package's other
-# private modules (docs: "Fast paths", "Generating with a cache").
+# writing a cache in place, which Keras on PyTorch follows too: it reaches PyTorch
+# through this module (and the finiteness reads, mha_multi.torch._reads) rather than
+# the package's other private modules (docs: "Fast paths", "Generating with a cache").
 
 #: dtype name -> torch dtype.
 DTYPES: dict[str, torch.dtype] = {

@@ -60,16 +60,17 @@ def masks_few_keys_slowly(q: torch.Tensor, num_queries: Any, num_keys: Any) -> b
     """Whether SDPA, given an explicit mask or bias, runs slower than the generic path:
     on a CPU, eagerly, more than one query over 8 to 15 keys (:data:`CPU_SLOW_MASK_KEYS`).
 
-    The CPU kernel applies a mask over rows shorter than its vector width on
-    a slow path: at d2l's sizes (64 examples of 10 positions, 4 heads of 8,
-    lengths) it took 841 us a call where the generic path took 585, and 1.2x
-    to 1.7x the generic path's time over 8 to 15 keys for heads of 8 to 32
-    (1.06x for heads of 64), forward and backward 1.0x to 1.3x (one thread,
-    an AMD EPYC; docs: "Fast paths"). Over fewer keys the generic path's
-    fixed cost decides (forward and backward 0.8x to 0.9x); from 16 keys on
-    the kernel's vectors serve, and without a mask (its causal flag, or
-    none) it is as fast. One query per example keeps the kernel: a decoding
-    step's plan serves every length of its cache.
+    The CPU kernel takes a mask over rows of fewer keys than its vector holds
+    on a slower path (64 examples of 14 positions, 4 heads of 8, lengths:
+    1288 us a call, and 613 us over 16): at d2l's sizes (10 positions) it
+    took 841 us where the generic path took 585, and 1.2x to 1.7x the
+    generic path's time over 8 to 15 keys for heads of 8 to 32 (1.06x for
+    heads of 64), forward and backward 0.99x to 1.3x (one thread, an AMD
+    EPYC; docs: "Fast paths"). Over fewer keys the generic path's fixed cost
+    decides (forward and backward 0.8x to 0.9x); from 16 keys on the
+    kernel's vectors serve, and without a mask (its causal flag, or none) it
+    is as fast. One query per example keeps the kernel: a decoding step's
+    plan serves every length of its cache.
     """
     # (Compiling first: a tracer's sizes are symbols, which no test of them may read.)
     return (
