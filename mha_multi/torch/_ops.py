@@ -51,9 +51,17 @@ def repeats_grouped_heads(
     return q.is_cuda and (dtype or q.dtype) == torch.float32 and num_queries > head_dim
 
 
+#: Rows of fewer entries than this are softmaxed on a CPU by the formula itself:
+#: PyTorch's CPU softmax takes a scalar path for rows shorter than its vector
+#: width (16 float32 lanes with AVX-512), four to six times slower than the
+#: formula's own operations there (docs: "Fast paths"). One threshold for every
+#: CPU, so that the numbers depend on the shapes alone.
+SHORT_ROWS = 16
+
 #: The key counts over which SDPA's CPU kernel takes an explicit mask slower than the
-#: generic path computes the same attention (:func:`masks_few_keys_slowly`).
-CPU_SLOW_MASK_KEYS = range(8, 16)
+#: generic path computes the same attention (:func:`masks_few_keys_slowly`): up to the
+#: vector width, as :data:`SHORT_ROWS`.
+CPU_SLOW_MASK_KEYS = range(8, SHORT_ROWS)
 
 
 def masks_few_keys_slowly(q: torch.Tensor, num_queries: Any, num_keys: Any) -> bool:
@@ -253,13 +261,6 @@ class TorchOps(spec.NamespaceOps):
 
 
 OPS = TorchOps()
-
-#: Rows of fewer entries than this are softmaxed on a CPU by the formula itself:
-#: PyTorch's CPU softmax takes a scalar path for rows shorter than its vector
-#: width (16 float32 lanes with AVX-512), four to six times slower than the
-#: formula's own operations there (docs: "Fast paths"). One threshold for every
-#: CPU, so that the numbers depend on the shapes alone.
-SHORT_ROWS = 16
 
 #: The formula's floor on a shifted score, by dtype: ``exp`` of anything lower is
 #: below the dtype's smallest normal number, which the CPU's vectorized ``exp``
