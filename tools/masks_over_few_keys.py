@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
 import torch
-from turns import timed_turns
+from turns import median_calls
 
 from mha_multi.call import kernel_plan
 from mha_multi.torch import _ops
@@ -93,15 +92,10 @@ def main() -> None:
     rounds = int(arguments[1]) if len(arguments) > 1 else 20
     make = layer_maker("keras" in sys.argv[1:])
     for name, maker in calls(make, length).items():
-        makers = {"plan": maker(), "kernel": maker()}
-        times = timed_turns(
-            {way: lambda call=call: call for way, call in makers.items()},
-            rounds=rounds,
-            turn=TURN,
-            done=lambda _: None,
-            around={"kernel": kernel_taken},
-        )
-        plan, kernel = (statistics.median(times[way]) for way in makers)
+        ways = {"plan": maker(), "kernel": maker()}
+        plan, kernel = median_calls(
+            ways, rounds=rounds, turn=TURN, around={"kernel": kernel_taken}
+        ).values()
         print(
             f"{name:>5} (N = {length}): {plan:6.0f} us a call (SDPA with the mask: "
             f"{kernel:6.0f} us), {kernel / plan:.2f}x"

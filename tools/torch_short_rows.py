@@ -19,13 +19,12 @@ median turn's time per call is printed in microseconds, with the speed-ups.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import sys
 from collections.abc import Callable
 from unittest import mock
 
 import torch
-from turns import timed_turns
+from turns import median_calls
 
 from mha_multi.parity.harness import torch as backend
 from mha_multi.torch import MultiHeadAttention, _ops, _steps
@@ -87,15 +86,12 @@ def main() -> None:
     every = calls()
     for name in arguments or list(every):
         call = every[name]
-        makers = {way: lambda call=call: call for way in ("formula", "no floor", "torch.softmax")}
-        times = timed_turns(
-            makers,
+        formula, unfloored, library = median_calls(
+            dict.fromkeys(("formula", "no floor", "torch.softmax"), call),
             rounds=rounds,
             turn=TURN,
-            done=lambda _: None,
             around={"no floor": no_floor, "torch.softmax": library_softmax},
-        )
-        formula, unfloored, library = (statistics.median(times[way]) for way in makers)
+        ).values()
         print(
             f"{name:>9}: {formula:6.0f} us a call (no floor: {unfloored:6.0f} us, "
             f"{unfloored / formula:.2f}x; torch.softmax: {library:6.0f} us, "

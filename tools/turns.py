@@ -47,6 +47,20 @@ def timed_turns(
     return times
 
 
+def median_calls(
+    calls: dict[str, Callable[[], Any]],
+    *,
+    rounds: int,
+    turn: int,
+    around: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
+) -> dict[str, float]:
+    """Each way's median turn's microseconds a call, ``calls`` (on the host, nothing
+    to wait for) taking turns (:func:`timed_turns`)."""
+    makers = {way: lambda call=call: call for way, call in calls.items()}
+    times = timed_turns(makers, rounds=rounds, turn=turn, done=lambda _: None, around=around)
+    return {way: statistics.median(measured) for way, measured in times.items()}
+
+
 def report(times: dict[str, list[float]], difference: float, *, per: str = "step") -> None:
     """Each decoder's median ``per`` (a step, a call) and its speed against
     ``hand-written``'s."""

@@ -76,6 +76,11 @@ class _KerasOps:
         """``e ** x`` of a floating ``x``."""
         return (self.functions if self.owns(x) else keras.ops).exp(x)
 
+    def softmax_exp(self, shifted: Tensor) -> Tensor:
+        """``e ** shifted`` of a softmax's shifted scores (each row's maximum subtracted),
+        some of them hidden keys' (:meth:`mha_multi.spec.ArrayOps.softmax`'s ``hides``)."""
+        return self.exp(shifted)
+
     def cast(self, x: Tensor, dtype: str) -> Tensor:
         """``x`` as ``dtype`` (a Keras dtype name)."""
         return keras.ops.cast(x, dtype)
@@ -386,7 +391,10 @@ class _TorchOps(_KerasOps):
     def __init__(self) -> None:
         import torch
 
+        from mha_multi.torch._ops import floored_exp
+
         self.torch = self.functions = torch
+        self.floored_exp = floored_exp
 
     def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
         # torch's own, which keras.ops' reaches through some 130 Python calls of dispatch.
@@ -440,6 +448,14 @@ class _TorchOps(_KerasOps):
             # (Keras' take checks and wraps negative indices: these lie in the table.)
             return x[self.torch.as_tensor(index, device=x.device)]
         return super().rows_at(x, index)
+
+    def softmax_exp(self, shifted: Tensor) -> Tensor:
+        # PyTorch's CPU exp is six times slower where its result is below the smallest
+        # normal number, as a hidden score's is: PyTorch's generic path floors such
+        # scores first, and so does Keras' here (docs: "Fast paths").
+        if self.owns(shifted) and shifted.device.type == "cpu":
+            return self.floored_exp(shifted)
+        return super().softmax_exp(shifted)
 
     def sum_last(self, x: Tensor) -> Tensor:
         if isinstance(x, self.torch.Tensor):

@@ -231,7 +231,7 @@ class KerasOps:
     def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
         return self.native.where(condition, x, fill)
 
-    def softmax(self, x: Tensor) -> Tensor:
+    def softmax(self, x: Tensor, *, hides: bool = False) -> Tensor:
         if x.shape[-1] == 0:  # no keys: nothing to normalise (and max() has no identity)
             return x
         # Written out rather than ops.softmax: TensorFlow's float32 softmax
@@ -242,7 +242,7 @@ class KerasOps:
         # (The maximum is the backend's: Keras' own reads or fails on some.)
         native = self.native
         shifted = x - native.stop_gradient(native.row_max(x))
-        exponentials = native.exp(shifted)
+        exponentials = native.softmax_exp(shifted) if hides else native.exp(shifted)
         return exponentials / native.sum_last(exponentials)
 
     def cast(self, x: Tensor, dtype: Any) -> Tensor:

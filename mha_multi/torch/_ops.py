@@ -214,7 +214,8 @@ class TorchOps(spec.NamespaceOps):
     ) -> torch.Tensor:
         return torch.where(condition, x, fill)
 
-    def softmax(self, x: torch.Tensor) -> torch.Tensor:
+    def softmax(self, x: torch.Tensor, *, hides: bool = False) -> torch.Tensor:
+        # (The formula's rows are floored, hidden or not; torch.softmax has its own exp.)
         return softmax(x)
 
     def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -286,22 +287,29 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     accuracy. Any other: ``torch.softmax``.
     """
     if 0 < x.shape[-1] < SHORT_ROWS and x.device.type == "cpu":
-        shifted = x - x.amax(-1, keepdim=True).detach()
-        floor = _FLOORS.get(x.dtype)
-        if floor is None:
-            exps = shifted.exp()
-        else:
-            # Two ways to the same numbers, each keeping a NaN forward and backward:
-            # ``maximum``'s forward is the faster, ``where``'s backward (one select
-            # where ``maximum``'s takes five operations).
-            lowest, zeroed = floor
-            if x.requires_grad:
-                floored = torch.where(shifted < lowest, lowest, shifted)
-            else:
-                floored = torch.maximum(shifted, lowest)
-            exps = functional.hardshrink(floored.exp(), zeroed)
+        exps = floored_exp(x - x.amax(-1, keepdim=True).detach())
         return exps / exps.sum(-1, keepdim=True)
     return torch.softmax(x, dim=-1)
+
+
+def floored_exp(shifted: torch.Tensor) -> torch.Tensor:
+    """``exp`` of a softmax's shifted scores (each row's maximum subtracted), on a CPU:
+    floored first (:data:`_FLOORS`), so that no result is below the dtype's smallest
+    normal number. The same numbers as ``exp`` but those up to ``e`` times the floor's,
+    which are 0; a NaN kept forward and backward. Keras' written-out softmax on
+    PyTorch takes it too (:mod:`mha_multi.keras._framework_ops`).
+    """
+    floor = _FLOORS.get(shifted.dtype)
+    if floor is None:
+        return shifted.exp()
+    # Two ways to the same numbers: ``maximum``'s forward is the faster, ``where``'s
+    # backward (one select where ``maximum``'s takes five operations).
+    lowest, zeroed = floor
+    if shifted.requires_grad:
+        floored = torch.where(shifted < lowest, lowest, shifted)
+    else:
+        floored = torch.maximum(shifted, lowest)
+    return functional.hardshrink(floored.exp(), zeroed)
 
 
 @functools.lru_cache(maxsize=256)
