@@ -131,8 +131,11 @@ def medians_in_turns(
     A shared machine's speed drifts over seconds: steps timed one after the
     other differ by that drift too, while steps timed in turns meet the same
     moments, so their ratios hold. A step shorter than :data:`SAMPLE_S` is
-    timed in runs of as many calls as fill it (the median is per call); the
-    order of the steps reverses at every turn. Each ``step`` must block
+    timed in runs of as many calls as fill it (the median is per call). The
+    steps take their turns in the same order every time, so that no step's
+    turn follows its own: in an order reversed at every turn, the steps at
+    its ends would run two turns in a row, the second on caches warm with
+    their own arrays, and a step between them never. Each ``step`` must block
     until its result is ready (synchronise devices). Stops early, after at
     least three samples of each, once ``budget_s`` per step is spent.
     """
@@ -144,18 +147,16 @@ def medians_in_turns(
         step()
         runs[name] = max(1, min(1000, int(SAMPLE_S / max(time.perf_counter() - start, 1e-7))))
     times: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
     start = time.perf_counter()
     while min(map(len, times.values()), default=repeats) < repeats:
-        for name in order:
-            step, calls = steps[name], runs[name]
+        for name, step in steps.items():
+            calls = runs[name]
             t0 = time.perf_counter()
             for _ in range(calls):
                 step()
             times[name].append((time.perf_counter() - t0) / calls)
-        order.reverse()
         spent = time.perf_counter() - start
-        if len(times[order[0]]) >= 3 and spent > budget_s * len(steps):
+        if min(map(len, times.values())) >= 3 and spent > budget_s * len(steps):
             break
     return {name: statistics.median(samples) for name, samples in times.items()}
 

@@ -171,7 +171,8 @@ def generate_in_turns(
     A shared machine's speed drifts over seconds: ways timed one after the
     other can differ by that drift alone, while ways that alternate every
     few steps meet the same minutes. Each turn ends with a sync; the order
-    of the ways reverses at every turn.
+    of the ways is the same at every turn, so that no way's turn follows its
+    own (:func:`~mha_multi.bench.common.medians_in_turns`).
 
     Returns:
         Name -> ``(prefill seconds, generation seconds, outputs (B, new_tokens, D))``.
@@ -182,10 +183,8 @@ def generate_in_turns(
         states[name] = generator.prefill(prompt)
         generator.sync(states[name][1])
         prefill_s[name], seconds[name], outputs[name] = time.perf_counter() - start, 0.0, []
-    order = list(generators)
     for first in range(0, new_tokens, TURN):
-        for name in order:
-            generator = generators[name]
+        for name, generator in generators.items():
             start = time.perf_counter()
             state, token = states[name]
             for _ in range(min(TURN, new_tokens - first)):
@@ -194,7 +193,6 @@ def generate_in_turns(
             generator.sync(token)
             seconds[name] += time.perf_counter() - start
             states[name] = (state, token)
-        order.reverse()
     return {
         name: (
             prefill_s[name],

@@ -51,8 +51,10 @@ def alternating_blocks(
 ) -> dict[str, list[float]]:
     """Seconds per call of each of :data:`BLOCK` calls, every way taking turns.
 
-    A warm-up block each first; then ``blocks`` rounds, the order reversing
-    every round. Each block ends with ``sync`` of its last result.
+    A warm-up block each first; then ``blocks`` rounds, the ways in the same
+    order every round (:func:`~mha_multi.bench.common.medians_in_turns`: no
+    block follows its own way's). Each block ends with ``sync`` of its last
+    result.
 
     Returns:
         Name -> the seconds per call of each timed block.
@@ -60,16 +62,13 @@ def alternating_blocks(
     for call in calls.values():
         sync([call() for _ in range(BLOCK)][-1])
     times: dict[str, list[float]] = {name: [] for name in calls}
-    order = list(calls)
     for _ in range(blocks):
-        for name in order:
-            call = calls[name]
+        for name, call in calls.items():
             start = time.perf_counter()
             for _ in range(BLOCK - 1):
                 call()
             sync(call())
             times[name].append((time.perf_counter() - start) / BLOCK)
-        order.reverse()
     return times
 
 

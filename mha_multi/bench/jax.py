@@ -7,7 +7,9 @@ figures behind the default's choice of kernel. Every implementation runs
 under ``nnx.jit``; forward+backward is ``nnx.grad`` of the summed output with
 respect to the parameters and the input, under ``nnx.jit``. The native
 layer holds our layer's weights and gets the boolean mask equivalent to the
-key lengths (Flax's ``True`` = attend, shape ``(B, 1, 1, N)``).
+key lengths (Flax's ``True`` = attend, shape ``(B, 1, 1, N)``). Generation
+is timed so too and, as ``jax (eager)``, with ours called as it is (its call
+plan), against the same jitted hand-written step.
 """
 
 from __future__ import annotations
@@ -53,14 +55,19 @@ def _native(
 
 
 def hand_written_decoder(
-    weights: dict[str, np.ndarray], shape: GenerationShape, device: str, dtype: str
+    weights: dict[str, np.ndarray],
+    shape: GenerationShape,
+    device: str,
+    dtype: str,
+    execution: str | None = None,
 ) -> Generator:
     """What a careful user writes by hand: a static cache of ``(B, max_length, H_kv,
     head_dim)`` updated with ``dynamic_update_slice`` and
     ``jax.nn.dot_product_attention`` over it with a mask, one jitted step
     (:func:`_hand_written_step`); with rotary positions, cosine and sine tables
     made once for every position and the queries and keys rotated
-    (``rotate_half``) before the keys enter the cache."""
+    (``rotate_half``) before the keys enter the cache. The same jitted step in
+    every ``execution``: a JAX loop is compiled by whoever writes it."""
     heads, kv_heads, length = shape.num_heads, shape.kv_heads, shape.max_length
     head_dim = shape.num_hiddens // heads
     w = {name: backend.to_native(weights[name], device, dtype) for name in weights}
@@ -145,9 +152,17 @@ class Jax(Framework):
     def append(self, sequence: jax.Array, token: jax.Array) -> jax.Array:
         return jnp.concatenate([sequence, token], axis=1)
 
+    #: Ours under ``nnx.jit`` (the timing rows' mode), and called as it is
+    #: (``"eager"``): its call plan compiles its whole flow once per signature
+    #: (docs: "Fast paths"), where ``nnx.jit`` walks the layer's graph of
+    #: modules and variables at every call.
+    generation_executions = (None, "eager")
+
     def cached_call(
         self, layer: MultiHeadAttention, execution: str | None = None
     ) -> Callable[..., Any]:
+        if execution == "eager":
+            return lambda x, cache: layer(x, x, x, causal=True, cache=cache)
         # One compilation per length of the call: the prefill's, and 1.
         call = nnx.jit(lambda layer, x, cache: layer(x, x, x, causal=True, cache=cache))
         return lambda x, cache: call(layer, x, cache)
@@ -208,8 +223,9 @@ class Jax(Framework):
 
             return Generator(prefill, step, self.sync, backend.to_numpy)
 
-        generators["recompute"] = recompute
-        if shape.rotary is None:  # Flax's layer has no rotary positions
+        if "recompute" in generators:  # (the first execution's: its rows are the same)
+            generators["recompute"] = recompute
+        if shape.rotary is None and execution is None:  # Flax's has no rotary positions
             generators["native"] = flax_decode
         return generators
 
