@@ -1,4 +1,5 @@
-"""Flax: generating with a key/value cache under jit, checked against one full causal forward."""
+"""Flax: generating with a key/value cache, called as it is and under jit, checked against
+one full causal forward."""
 
 import jax
 import jax.numpy as jnp
@@ -22,25 +23,40 @@ tokens = rng.standard_normal((3, 5 + steps, num_hiddens), dtype=np.float32)
 
 
 # [decode]
+cache = layer.init_cache(batch_size=3, max_length=16)  # KVCache(keys, values, lengths)
+# Called as it is, each call runs one program compiled per signature (the layer's
+# call plan: the prefill's, then every step's), and checks the lengths it is given.
+# Prefill: the prompts in one padded call; example b keeps prompt_lengths[b] positions.
+prompts = jnp.asarray(tokens[:, :5])
+out, cache = layer(prompts, prompts, prompts, jnp.asarray(prompt_lengths), causal=True, cache=cache)
+outputs = [out]
+for step in range(steps):
+    # One new position per example, each at its own place: prompt_lengths[b] + step.
+    x = jnp.asarray(tokens[np.arange(3), prompt_lengths + step][:, None])  # (B, 1, num_hiddens)
+    out, cache = layer(x, x, x, causal=True, cache=cache)
+    outputs.append(out)
+# [/decode]
+print(cache.keys.shape, cache.lengths)  # (3, 2, 16, 8) [9 6 7]
+assert cache.lengths.tolist() == (prompt_lengths + steps).tolist()
+
+
+# Inside nnx.jit (a model's jitted step, say) the same generation, to float32 rounding.
+# Compiled code cannot raise on values: a step past max_length would drop what
+# does not fit, never overwrite a kept position, and leave lengths > max_length.
+# (A function that only calls the layer gains nothing from nnx.jit: it walks the
+# layer's graph of modules and variables at every call, which the plan does not.)
 @nnx.jit  # compiled once for the prefill's length, once for the steps' length 1
 def attend(layer, x, new_lens, cache):
     return layer(x, x, x, new_lens, causal=True, cache=cache)
 
 
-cache = layer.init_cache(batch_size=3, max_length=16)  # KVCache(keys, values, lengths)
-# Prefill: the prompts in one padded call; example b keeps prompt_lengths[b] positions.
-out, cache = attend(layer, jnp.asarray(tokens[:, :5]), jnp.asarray(prompt_lengths), cache)
-outputs = [out]
+cache = layer.init_cache(batch_size=3, max_length=16)
+out, cache = attend(layer, prompts, jnp.asarray(prompt_lengths), cache)
+jitted_outputs = [out]
 for step in range(steps):
-    # One new position per example, each at its own place: prompt_lengths[b] + step.
-    x = jnp.asarray(tokens[np.arange(3), prompt_lengths + step][:, None])  # (B, 1, num_hiddens)
+    x = jnp.asarray(tokens[np.arange(3), prompt_lengths + step][:, None])
     out, cache = attend(layer, x, None, cache)
-    outputs.append(out)
-# [/decode]
-print(cache.keys.shape, cache.lengths)  # (3, 2, 16, 8) [9 6 7]
-assert cache.lengths.tolist() == (prompt_lengths + steps).tolist()
-# Compiled code cannot raise on values: a step past max_length would drop what
-# does not fit, never overwrite a kept position, and leave lengths > max_length.
+    jitted_outputs.append(out)
 
 # One full causal forward over each example's whole sequence gives the same numbers.
 lengths = prompt_lengths + steps
@@ -60,6 +76,8 @@ for b in range(3):
     cached = cached_rows(outputs, b)
     np.testing.assert_allclose(cached, np.asarray(full[b, : lengths[b]]), rtol=0, atol=5e-6)
     np.testing.assert_allclose(cached, expected[b, : lengths[b]], rtol=0, atol=5e-6)
+    jitted = cached_rows(jitted_outputs, b)
+    np.testing.assert_allclose(jitted, expected[b, : lengths[b]], rtol=0, atol=5e-6)
 
 # Flax Linen: init_cache needs no variables; the cache goes in and out of apply.
 module = linen.MultiHeadAttention(num_hiddens, num_heads, num_kv_heads=num_kv_heads)

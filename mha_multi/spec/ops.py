@@ -89,10 +89,11 @@ class ArrayOps(Protocol):
 
         A row holding a NaN or ``+inf`` score, or only ``-inf`` scores, is all
         NaN (kernels that skip non-finite entries drift from the reference).
-        ``hides``: some scores may be hidden keys' (:data:`~mha_multi.spec.MASK_VALUE`), whose
-        exponentials fall below the dtype's smallest normal number; a framework
-        whose ``exp`` is slow there may floor the shifted scores first, which
-        changes no weight by more than that number (Keras on PyTorch's CPU).
+        ``hides``: some scores may be hidden keys'
+        (:data:`~mha_multi.spec.MASK_VALUE`), whose exponentials fall below the
+        dtype's smallest normal number; a framework whose ``exp`` is slow there
+        may floor the shifted scores first, which changes no weight by more
+        than that number (Keras on PyTorch's CPU).
         """
 
     def cast(self, x: Array, dtype: Any) -> Array: ...
