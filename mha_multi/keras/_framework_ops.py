@@ -391,7 +391,7 @@ class _TorchOps(_KerasOps):
     def __init__(self) -> None:
         import torch
 
-        from mha_multi.torch._ops import floored_exp
+        from mha_multi.torch._facts import floored_exp
 
         self.torch = self.functions = torch
         self.floored_exp = floored_exp
