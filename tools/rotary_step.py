@@ -14,9 +14,14 @@ thread: a step's time is its Python (docs: "Results"). ``plain``: no rotary,
 8 key/value heads (the plain layer). ``window=W``, ``softcap=C``: the layer's
 sliding window and soft cap (Mistral's, Gemma 2's); the hand-written step
 then attends over the window's positions only, and with a cap writes its
-attention out (SDPA has none).
+attention out (SDPA has none). ``norms``: Qwen 3's RMSNorm of each query and
+key head (``qk_norm={}``), which the hand-written step computes in float32
+as ``x * rsqrt(mean(x * x) + eps) * w``. ``sinks``: gpt-oss's learned sink
+logit of each head, a column of the softmax that no value follows, which the
+hand-written step writes out (SDPA has none).
 
-    python tools/rotary_step.py [tiny] [plain] [one-thread] [window=W] [softcap=C] [blocks]
+    python tools/rotary_step.py [tiny] [plain] [one-thread] [norms] [sinks] [window=W]
+        [softcap=C] [blocks]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from torch.nn import functional
 
@@ -34,7 +40,7 @@ from mha_multi.torch import MultiHeadAttention, set_weights
 from mha_multi.weights import init_weights
 
 ARGS = sys.argv[1:]
-TINY, PLAIN = "tiny" in ARGS, "plain" in ARGS
+TINY, PLAIN, NORMS, SINKS = (name in ARGS for name in ("tiny", "plain", "norms", "sinks"))
 if "one-thread" in ARGS:  # (a loaded machine's second thread waits on the other's work)
     torch.set_num_threads(1)
 BLOCKS = next((int(a) for a in ARGS if a.isdigit()), 40)
@@ -53,13 +59,21 @@ BLOCK = 20
 MAX_LENGTH = PROMPT + BLOCK * (2 * BLOCKS + 4) + 1
 THETA = 10000.0
 ROTARY = None if PLAIN else {"theta": THETA}
+EPS = 1e-6  # (the layer's default qk_norm eps)
 
 Step = Callable[[torch.Tensor], torch.Tensor]
 
 
 def ours(weights: dict, prompt: torch.Tensor) -> tuple[Step, torch.Tensor]:
     layer = MultiHeadAttention(
-        HIDDENS, HEADS, num_kv_heads=KV_HEADS, rotary=ROTARY, window=WINDOW, softcap=SOFTCAP
+        HIDDENS,
+        HEADS,
+        num_kv_heads=KV_HEADS,
+        rotary=ROTARY,
+        window=WINDOW,
+        softcap=SOFTCAP,
+        qk_norm={} if NORMS else None,
+        sinks=SINKS,
     ).eval()
     set_weights(layer, weights)
     state = {"cache": layer.init_cache(BATCH, MAX_LENGTH)}
@@ -81,6 +95,14 @@ def hand_written(weights: dict, prompt: torch.Tensor) -> tuple[Step, torch.Tenso
     shape = (BATCH, KV_HEADS, MAX_LENGTH, HEAD_DIM)
     cache = {"k": torch.zeros(shape), "v": torch.zeros(shape)}
     gqa = {"enable_gqa": True} if KV_HEADS != HEADS else {}
+    norms = {n: torch.tensor(weights[f"{n}_norm"]) for n in "qk"} if NORMS else None
+    # (Each key/value head's group of query heads' sink logits, as the grouped scores lie.)
+    sinks = torch.tensor(weights["sinks"]).view(KV_HEADS, -1, 1, 1) if SINKS else None
+
+    def normed(x: torch.Tensor, name: str) -> torch.Tensor:
+        if norms is None:
+            return x
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * norms[name]
 
     def rotate(x: torch.Tensor, at: slice) -> torch.Tensor:
         if PLAIN:
@@ -97,20 +119,26 @@ def hand_written(weights: dict, prompt: torch.Tensor) -> tuple[Step, torch.Tenso
         scores = grouped @ keys.transpose(-1, -2) / math.sqrt(HEAD_DIM)
         if SOFTCAP is not None:
             scores = torch.tanh(scores / SOFTCAP) * SOFTCAP
+        scores = scores.view(*scores.shape[:2], -1, n, scores.shape[-1])  # (B, H_kv, G, n, K)
         if n > 1:
             i = torch.arange(end - n, end)[:, None]
             j = torch.arange(first, end)[None, :]
             seen = (j <= i) & ((i - j < WINDOW) if WINDOW is not None else True)
-            scores = scores.view(*scores.shape[:2], -1, n, scores.shape[-1])
-            scores = scores.masked_fill(~seen, float("-inf")).flatten(2, 3)
-        context = scores.softmax(-1) @ values
+            scores = scores.masked_fill(~seen, float("-inf"))
+        if sinks is None:
+            weights = scores.softmax(-1)
+        else:
+            column = sinks.expand(*scores.shape[:-1], 1)
+            weights = torch.cat((scores, column), -1).softmax(-1)[..., :-1]
+        context = weights.flatten(2, 3) @ values
         return context.view(BATCH, HEADS, n, HEAD_DIM)
 
     def attend(x: torch.Tensor, start: int, causal: bool) -> torch.Tensor:
         n = x.shape[1]
         at = slice(start, start + n)
-        q = rotate(functional.linear(x, w["q"]).view(BATCH, n, HEADS, HEAD_DIM), at)
-        k = rotate(functional.linear(x, w["k"]).view(BATCH, n, KV_HEADS, HEAD_DIM), at)
+        q = functional.linear(x, w["q"]).view(BATCH, n, HEADS, HEAD_DIM)
+        k = functional.linear(x, w["k"]).view(BATCH, n, KV_HEADS, HEAD_DIM)
+        q, k = rotate(normed(q, "q"), at), rotate(normed(k, "k"), at)
         v = functional.linear(x, w["v"]).view(BATCH, n, KV_HEADS, HEAD_DIM)
         cache["k"][:, :, at] = k.transpose(1, 2)
         cache["v"][:, :, at] = v.transpose(1, 2)
@@ -118,7 +146,7 @@ def hand_written(weights: dict, prompt: torch.Tensor) -> tuple[Step, torch.Tenso
         first = 0 if WINDOW is None or n > 1 else max(0, start + 1 - WINDOW)
         end = start + n
         keys, values = cache["k"][:, :, first:end], cache["v"][:, :, first:end]
-        if SOFTCAP is not None or (n > 1 and WINDOW is not None and n > WINDOW):
+        if SOFTCAP is not None or SINKS or (n > 1 and WINDOW is not None and n > WINDOW):
             context = written_out(q.transpose(1, 2), keys, values, first)
         else:
             context = functional.scaled_dot_product_attention(
@@ -147,7 +175,11 @@ def blocks(step: Step, token: torch.Tensor, outputs: list) -> Iterator[float]:
 
 
 def main() -> None:
-    weights = init_weights(HIDDENS, num_heads=HEADS, num_kv_heads=KV_HEADS, seed=0)
+    weights = init_weights(HIDDENS, num_heads=HEADS, num_kv_heads=KV_HEADS, seed=0, sinks=SINKS)
+    if NORMS:  # (norms' weights about 1, as trained ones are)
+        rng = np.random.default_rng(1)
+        for name in ("q_norm", "k_norm"):
+            weights[name] = (1.0 + 0.1 * rng.standard_normal(HEAD_DIM)).astype(np.float32)
     prompt = torch.randn(BATCH, PROMPT, HIDDENS, generator=torch.Generator().manual_seed(0))
     outputs: dict[str, list] = {"ours": [], "hand-written": []}
     times: dict[str, list[float]] = {"ours": [], "hand-written": []}
@@ -163,6 +195,8 @@ def main() -> None:
                 times[name].append(next(run))
     a, b = (torch.cat(outputs[n], 1) for n in ("ours", "hand-written"))
     kind = "plain" if PLAIN else f"rotary, {HEADS}/{KV_HEADS} heads"
+    kind += ", norms" if NORMS else ""
+    kind += ", sinks" if SINKS else ""
     kind += "".join(f", {name} {value}" for name, value in OPTIONS.items())
     medians = {n: statistics.median(t) for n, t in times.items()}
     print(

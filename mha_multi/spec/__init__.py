@@ -86,8 +86,10 @@ from mha_multi.spec.norms import (
     normalize_qk,
     qk_norm_shapes,
     refuse_whole_norm,
+    rms_gain,
     rms_norm,
     rms_norm_backward,
+    rms_normalized,
 )
 from mha_multi.spec.ops import (
     ArrayOps,
@@ -268,8 +270,10 @@ __all__ = [
     "normalize_qk",
     "qk_norm_shapes",
     "refuse_whole_norm",
+    "rms_gain",
     "rms_norm",
     "rms_norm_backward",
+    "rms_normalized",
     "PADDING_ID",
     "check_segment_ids",
     "checked_segment_ids",

@@ -174,7 +174,7 @@ def rms_norm(
 
     In the families' order of operations: ``x`` in float32 (float64 stays
     float64), ``x * rsqrt(mean(x * x) + eps)``, then the weight's product as
-    :attr:`QKNorm.product` says.
+    :attr:`QKNorm.product` says: :func:`rms_normalized`, then :func:`rms_gain`.
 
     Args:
         ops: the array-ops adapter.
@@ -185,22 +185,35 @@ def rms_norm(
         num_heads: the heads of ``x`` (key/value heads for keys).
         head_dim: the size of each head.
     """
-    dtype = ops.dtype(x)
-    wide = ops.itemsize(dtype) >= 4
-    per_head = norm.scope == "heads"
-    values = ops.split_axis(x, 2, (num_heads, head_dim)) if per_head else x
+    normed = rms_normalized(ops, x, norm, num_heads, head_dim)
+    out = rms_gain(ops, normed, weight, norm, ops.dtype(x))
+    return ops.merge_axes(out, 2) if norm.scope == "heads" else out
+
+
+def rms_normalized(ops: ArrayOps, x: Array, norm: QKNorm, num_heads: int, head_dim: int) -> Array:
+    """``x * rsqrt(mean(x * x) + eps)`` of projected ``(B, T, F)``, in float32 (float64
+    stays float64): ``(B, T, num_heads, head_dim)`` for scope ``"heads"`` (each head's
+    own mean: heads of queries and keys stacked on that axis are normalised in one
+    pass, each as :func:`rms_norm` alone), else ``(B, T, F)``."""
+    values = ops.split_axis(x, 2, (num_heads, head_dim)) if norm.scope == "heads" else x
+    wide = ops.itemsize(ops.dtype(x)) >= 4
     computed = values if wide else ops.cast(values, ops.float32())
-    normed = computed * ops.rsqrt(ops.mean(computed * computed, -1) + norm.eps)
+    return computed * ops.rsqrt(ops.mean(computed * computed, -1) + norm.eps)
+
+
+def rms_gain(ops: ArrayOps, normed: Array, weight: Array, norm: QKNorm, dtype: Any) -> Array:
+    """:func:`rms_normalized`'s ``normed`` times the norm's gain (``weight``, or ``1 +
+    weight`` with :attr:`QKNorm.unit_offset`), in ``dtype`` (the projections'), the
+    product taken as :attr:`QKNorm.product` says."""
+    wide = ops.itemsize(dtype) >= 4
     if norm.product == "input":
         normed = normed if wide else ops.cast(normed, dtype)
         gain = weight + 1.0 if norm.unit_offset else weight
-        out = normed * gain
-    else:
-        gain = weight if wide else ops.cast(weight, ops.dtype(computed))
-        gain = gain + 1.0 if norm.unit_offset else gain
-        out = normed * gain
-        out = out if wide else ops.cast(out, dtype)
-    return ops.merge_axes(out, 2) if per_head else out
+        return normed * gain
+    gain = weight if wide else ops.cast(weight, ops.dtype(normed))
+    gain = gain + 1.0 if norm.unit_offset else gain
+    out = normed * gain
+    return out if wide else ops.cast(out, dtype)
 
 
 def normalize_qk(

@@ -321,14 +321,31 @@ def step_projections(
 
 def normalized(projected: torch.Tensor, layer: call.Projections, norm: spec.QKNorm) -> torch.Tensor:
     """The stacked projections ``(B, T, (H + 2 H_kv) dh)`` with their queries and keys
-    through the layer's norms (:func:`mha_multi.spec.normalize_qk`, the generic flow's
-    function on the same values), stacked again: what the route rotates and reads."""
+    through the layer's norms (:func:`mha_multi.spec.normalize_qk`'s numbers on the same
+    values), stacked again: what the route rotates and reads.
+
+    A norm of each head (Qwen 3's, Gemma 3's) normalises the query and key heads
+    together, as they lie stacked (:func:`mha_multi.spec.rms_normalized`: each head's
+    own mean, the same operations on each head's entries), then gives each its weight
+    (:func:`mha_multi.spec.rms_gain`): half the operations of two norms, for a step's
+    few values a measurable part of its time (docs: "Results", host time)."""
     heads = layer.heads
-    q, k, v = projected.split_with_sizes(
-        (heads.query_features, heads.kv_features, heads.kv_features), -1
+    num_heads, head_dim = heads.num_heads, heads.head_dim
+    if norm.scope != "heads":
+        q, k, v = projected.split_with_sizes(
+            (heads.query_features, heads.kv_features, heads.kv_features), -1
+        )
+        q, k = spec.normalize_qk(OPS, q, k, layer.qk_norm_weights(), norm, heads)
+        return torch.cat((q, k, v), -1)
+    both, v = projected.split_with_sizes(
+        (heads.query_features + heads.kv_features, heads.kv_features), -1
     )
-    q, k = spec.normalize_qk(OPS, q, k, layer.qk_norm_weights(), norm, heads)
-    return torch.cat((q, k, v), -1)
+    normed = spec.rms_normalized(OPS, both, norm, num_heads + heads.num_kv_heads, head_dim)
+    q_weight, k_weight = layer.qk_norm_weights()
+    dtype = projected.dtype
+    q = spec.rms_gain(OPS, normed.narrow(2, 0, num_heads), q_weight, norm, dtype)
+    k = spec.rms_gain(OPS, normed.narrow(2, num_heads, heads.num_kv_heads), k_weight, norm, dtype)
+    return torch.cat((q.flatten(2), k.flatten(2), v), -1)
 
 
 def project_output(layer: call.Projections, context: torch.Tensor, direct: bool) -> torch.Tensor:
@@ -469,7 +486,11 @@ def _attend(
     if sinks is None:
         weights = softmax(scores).view(k.shape[0], -1, num_keys)
     else:  # (spec.masked_softmax's: each head's logit a column of its own, dropped after)
-        joined = torch.cat((scores, spec.sink_column(OPS, scores, sinks)), -1)
+        # The logits expanded to the rows: spec.sink_column's values (its zeros plus the
+        # logits; -0.0 becomes 0.0 there, the same weights), which builds the column from
+        # zeros where a traced call's sizes are unknown; here they are known.
+        column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        joined = torch.cat((scores, column), -1)
         weights = softmax(joined)[..., :-1].reshape(k.shape[0], -1, num_keys)
     # (16-bit weights: rounded once, their product as the spec's adapter takes it.)
     return OPS.matmul(weights.to(v.dtype), v) if low else torch.bmm(weights, v)

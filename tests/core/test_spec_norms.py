@@ -116,6 +116,36 @@ def test_norms_run_in_float32_and_round_once():
         np.testing.assert_allclose(got.astype(np.float32), expected, rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_query_and_key_heads_normalised_in_one_pass_are_each_norms_numbers(name, dtype):
+    """The query and key heads stacked, normalised at once (``rms_normalized``) and each
+    given its weight (``rms_gain``): the families' formula, and each norm's numbers alone
+    (``rms_norm``) to the bit, which PyTorch's fast route relies on."""
+    rng = np.random.default_rng(5)
+    norm = spec.QKNorm(**NORMS[name])
+    ops = spec.NumpyOps()
+    q = (3 * rng.standard_normal((2, 3, 4 * 8))).astype(dtype)
+    k = (3 * rng.standard_normal((2, 3, 2 * 8))).astype(dtype)
+    q_weight, k_weight = (
+        (norm.initial_value + 0.5 * rng.standard_normal(8)).astype(dtype) for _ in "qk"
+    )
+    normed = spec.rms_normalized(ops, np.concatenate([q, k], -1), norm, 6, 8)
+    got = [
+        spec.rms_gain(ops, part, weight, norm, dtype).reshape(2, 3, -1)
+        for part, weight in ((normed[:, :, :4], q_weight), (normed[:, :, 4:], k_weight))
+    ]
+    for part, x, weight, heads in zip(got, (q, k), (q_weight, k_weight), (4, 2), strict=True):
+        assert part.dtype == dtype
+        np.testing.assert_array_equal(part, spec.rms_norm(ops, x, weight, norm, heads, 8))
+        wide = x.astype(np.float64).reshape(2, 3, heads, 8)
+        formula = wide / np.sqrt((wide * wide).mean(-1, keepdims=True) + norm.eps)
+        gain = weight.astype(np.float64) + (1.0 if norm.unit_offset else 0.0)
+        tol = {np.float16: 4e-3, np.float32: 2e-6, np.float64: 1e-12}[dtype]
+        expected = (formula * gain).reshape(2, 3, -1)
+        np.testing.assert_allclose(part.astype(np.float64), expected, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [
