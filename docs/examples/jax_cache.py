@@ -40,22 +40,26 @@ print(cache.keys.shape, cache.lengths)  # (3, 2, 16, 8) [9 6 7]
 assert cache.lengths.tolist() == (prompt_lengths + steps).tolist()
 
 
-# Inside nnx.jit (a model's jitted step, say) the same generation, to float32 rounding.
-# Compiled code cannot raise on values: a step past max_length would drop what
-# does not fit, never overwrite a kept position, and leave lengths > max_length.
-# (A function that only calls the layer gains nothing from nnx.jit: it walks the
-# layer's graph of modules and variables at every call, which the plan does not.)
-@nnx.jit  # compiled once for the prefill's length, once for the steps' length 1
-def attend(layer, x, new_lens, cache):
-    return layer(x, x, x, new_lens, causal=True, cache=cache)
+# Compiled (a model's jitted step, say) the same generation, to float32 rounding,
+# as Flax's guide writes a fast loop: the layer split once, and jax.jit of a
+# function that merges it (nnx.jit would walk the layer's graph of modules and
+# variables at every call). Compiled code cannot raise on values: a step past
+# max_length would drop what does not fit, never overwrite a kept position, and
+# leave lengths > max_length.
+graphdef, state = nnx.split(layer)
+
+
+@jax.jit  # compiled once for the prefill's length, once for the steps' length 1
+def attend(state, x, new_lens, cache):
+    return nnx.merge(graphdef, state)(x, x, x, new_lens, causal=True, cache=cache)
 
 
 cache = layer.init_cache(batch_size=3, max_length=16)
-out, cache = attend(layer, prompts, jnp.asarray(prompt_lengths), cache)
+out, cache = attend(state, prompts, jnp.asarray(prompt_lengths), cache)
 jitted_outputs = [out]
 for step in range(steps):
     x = jnp.asarray(tokens[np.arange(3), prompt_lengths + step][:, None])
-    out, cache = attend(layer, x, None, cache)
+    out, cache = attend(state, x, None, cache)
     jitted_outputs.append(out)
 
 # One full causal forward over each example's whole sequence gives the same numbers.
