@@ -15,7 +15,6 @@ import numpy as np
 
 from mha_multi import spec
 from mha_multi.call.contract import INPUT_NAMES, Array, Projections
-from mha_multi.call.decisions import once_per_signature
 from mha_multi.call.facts import Facts
 
 
@@ -57,19 +56,12 @@ def check_call(
     if values is not queries:
         values = facts.check_input(INPUT_NAMES[2], values, like=queries, dtype=dtype)
     lens = facts.as_lens(valid_lens, queries)
-    sizes = layer.input_sizes()
-    lens_shape = None if lens is None else tuple(lens.shape)
-    # (Kept by what it reads; the flag's type too: 1 is no bool, though it hashes as True.)
-    key = (queries.shape, keys.shape, values.shape, lens_shape, *sizes.values(), causal)
-    once_per_signature(
-        facts,
-        spec.check_inputs,
-        (*key, type(causal)),
+    spec.check_inputs(
         queries.shape,
         keys.shape,
         values.shape,
-        lens_shape,
-        **sizes,
+        None if lens is None else tuple(lens.shape),
+        **layer.input_sizes(),
         causal=causal,
     )
     return queries, keys, values, lens
@@ -108,25 +100,16 @@ def check_cached_call(
     )
     cache = facts.as_cache(cache, queries)
     lens = facts.as_lens(valid_lens, queries)
-    heads, sizes = layer.heads, layer.input_sizes()
-    # (What its shapes and dtypes checks read: the arrays' shapes and the lengths' dtypes.)
-    key = [facts, heads, *sizes.values(), causal, type(causal)]
-    for x in (queries, keys, values, lens, *cache):
-        key.append(None if x is None else x.shape)
-    key += (cache.lengths.dtype, None if lens is None else lens.dtype)
-    once_per_signature(
-        facts,
-        spec.check_cached_call,
-        tuple(key),
+    spec.check_cached_call(
         queries,
         keys,
         values,
         lens,
         cache,
-        heads=heads,
+        heads=layer.heads,
         dtype_kind=facts.dtype_kind,
         causal=causal,
-        **sizes,
+        **layer.input_sizes(),
     )
     return queries, keys, values, lens, cache
 
