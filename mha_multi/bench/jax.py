@@ -139,8 +139,8 @@ def staged(
 
     ``changes``: a filter of the variables ``function`` changes (Flax's own
     decoder's cache), returned by the program and kept for the next call; ``None``:
-    it changes none. The module's state is taken once: split it after any change of
-    its structure (a new cache).
+    it changes none. The module's state is taken once: a change of the module since
+    (new weights, a new cache) needs a new ``staged``.
     """
     if changes is None:
         graphdef, state = nnx.split(module)
