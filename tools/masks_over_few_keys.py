@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 from turns import median_calls
 
-from mha_multi.call import kernel_plan
+from mha_multi.call import decisions
 from mha_multi.torch import _ops
 
 HIDDENS, HEADS, BATCH, TURN = 32, 4, 64, 8
@@ -37,12 +37,12 @@ HIDDENS, HEADS, BATCH, TURN = 32, 4, 64, 8
 @contextlib.contextmanager
 def kernel_taken() -> Iterator[None]:
     """The rule turned off: SDPA takes every mask, the kernel plans made anew."""
-    kernel_plan._DECIDED.clear()
+    decisions.forget()
     try:
         with mock.patch.object(_ops, "CPU_SLOW_MASK_KEYS", range(0)):
             yield
     finally:
-        kernel_plan._DECIDED.clear()
+        decisions.forget()
 
 
 def layer_maker(keras: bool) -> Callable[[], Any]:

@@ -17,9 +17,10 @@ else, so a new option of the attention is added to the spec, to this package,
 and to those fused kernels that can take it. One job per module:
 :mod:`~mha_multi.call.contract` (the layer's side and the result),
 :mod:`~mha_multi.call.facts` (the framework's side), :mod:`~mha_multi.call.checks`,
-:mod:`~mha_multi.call.kernel_plan`, :mod:`~mha_multi.call.rotary_tables` (a call's
-tables at the default positions, kept for later eager calls) and
-:mod:`~mha_multi.call.flow`.
+:mod:`~mha_multi.call.kernel_plan`, :mod:`~mha_multi.call.decisions` (what the
+checks and the plan decide, kept per signature),
+:mod:`~mha_multi.call.rotary_tables` (a call's tables at the default positions,
+kept for later eager calls) and :mod:`~mha_multi.call.flow`.
 
 Nothing here imports a framework.
 """

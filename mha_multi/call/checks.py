@@ -15,6 +15,7 @@ import numpy as np
 
 from mha_multi import spec
 from mha_multi.call.contract import INPUT_NAMES, Array, Projections
+from mha_multi.call.decisions import once_per_signature
 from mha_multi.call.facts import Facts
 
 
@@ -56,12 +57,19 @@ def check_call(
     if values is not queries:
         values = facts.check_input(INPUT_NAMES[2], values, like=queries, dtype=dtype)
     lens = facts.as_lens(valid_lens, queries)
-    spec.check_inputs(
+    sizes = layer.input_sizes()
+    lens_shape = None if lens is None else tuple(lens.shape)
+    # (Kept by what it reads; the flag's type too: 1 is no bool, though it hashes as True.)
+    key = (queries.shape, keys.shape, values.shape, lens_shape, *sizes.values(), causal)
+    once_per_signature(
+        facts,
+        spec.check_inputs,
+        (*key, type(causal)),
         queries.shape,
         keys.shape,
         values.shape,
-        None if lens is None else tuple(lens.shape),
-        **layer.input_sizes(),
+        lens_shape,
+        **sizes,
         causal=causal,
     )
     return queries, keys, values, lens
@@ -100,16 +108,25 @@ def check_cached_call(
     )
     cache = facts.as_cache(cache, queries)
     lens = facts.as_lens(valid_lens, queries)
-    spec.check_cached_call(
+    heads, sizes = layer.heads, layer.input_sizes()
+    # (What its shapes and dtypes checks read: the arrays' shapes and the lengths' dtypes.)
+    key = [facts, heads, *sizes.values(), causal, type(causal)]
+    for x in (queries, keys, values, lens, *cache):
+        key.append(None if x is None else x.shape)
+    key += (cache.lengths.dtype, None if lens is None else lens.dtype)
+    once_per_signature(
+        facts,
+        spec.check_cached_call,
+        tuple(key),
         queries,
         keys,
         values,
         lens,
         cache,
-        heads=layer.heads,
+        heads=heads,
         dtype_kind=facts.dtype_kind,
         causal=causal,
-        **layer.input_sizes(),
+        **sizes,
     )
     return queries, keys, values, lens, cache
 

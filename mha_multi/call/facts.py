@@ -64,6 +64,12 @@ class Facts:
             piece of a batch in turn (:func:`mha_multi.spec.in_pieces`), for a
             framework whose generic path may take its batch in pieces
             (:meth:`batch_pieces`); ``None`` where it takes the whole batch.
+        tracing: ``None``, or a function telling whether a tracer that must
+            see a call's checks and plan run is tracing now (``torch.compile``'s
+            would guard on the table of decisions): they are then made anew,
+            never looked up as their signature's first call made them
+            (:mod:`mha_multi.call.decisions`). ``None``: the framework's traces
+            run Python as it is.
     """
 
     kernel: spec.FusedKernel | None = None
@@ -72,6 +78,7 @@ class Facts:
     attends_filled: bool = False
     rows_of_one_table: bool = False
     map_pieces: Callable[[Callable[[Any], Any], Any], Any] | None = None
+    tracing: Callable[[], bool] | None = None
 
     # -- arrays -----------------------------------------------------------
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from mha_multi import spec
 from mha_multi.call.contract import Array
+from mha_multi.call.decisions import DECISIONS, once_per_signature
 from mha_multi.call.facts import Facts
-from mha_multi.spec.memo import Kept
 
 
 def kernel_settings(
@@ -61,9 +61,17 @@ def kernel_settings(
 Decision = tuple[dict[str, Any], spec.KernelPlan, bool]
 
 
-#: The part of a call's plan that reads nothing, by signature (:func:`plan`): the
-#: kernel it was decided for, and what :func:`decided` returned.
-_DECIDED: Kept[tuple[Any, Decision]] = Kept(4096)
+def planned(facts: Facts, settings: dict[str, Any], **values: Any) -> spec.KernelPlan:
+    """:func:`mha_multi.spec.plan_kernel` of the facts' kernel for a call's kernel
+    ``settings`` (:func:`kernel_settings`) and what its ``values`` tell
+    (``values_exact``, ``shortest_length``, ``values_guard``), made once per signature
+    (:func:`~mha_multi.call.decisions.once_per_signature`): the settings as the plan
+    compares them (:func:`mha_multi.spec.plan_relations`), so that a decoding step's
+    growing sizes find the plan of the step before."""
+    arguments = {**settings, **values}
+    relations = spec.plan_relations(arguments)
+    key = (facts.kernel, *relations.items())
+    return once_per_signature(facts, spec.plan_kernel, key, facts.kernel, **arguments)
 
 
 def decided(
@@ -87,7 +95,7 @@ def decided(
         return_attention_weights=arguments["return_attention_weights"],
         options=arguments["options"],
     )
-    optimistic = spec.plan_kernel(facts.kernel, **settings, values_exact=True)
+    optimistic = planned(facts, settings, values_exact=True)
     return settings, optimistic, hides_keys(optimistic)
 
 
@@ -97,9 +105,9 @@ def unread_plan(facts: Facts, q: Array, settings: dict[str, Any]) -> spec.Kernel
     (:func:`decided`'s): values unknown, the kernel guarded where
     :meth:`Facts.values_guard` says so. A plan made before its calls asks it where it
     reads nothing (PyTorch's route)."""
-    return spec.plan_kernel(
-        facts.kernel,
-        **settings,
+    return planned(
+        facts,
+        settings,
         values_exact=None,
         shortest_length=None,
         values_guard=facts.values_guard(q, settings["sizes"]),
@@ -191,13 +199,15 @@ def plan(
             return_attention_weights,
             kv_split,
         )
+        # (The table of the call's decisions, looked up inline: every call asks. The
+        # signature is None while a tracer must see the plan made: Facts.tracing.)
         try:
-            kernel, decision = _DECIDED[key]
+            kernel, decision = DECISIONS[key]
         except KeyError:
             kernel = None
         if kernel is not facts.kernel:  # (new, or decided for a kernel since replaced)
             decision = decided(facts, q, k, valid_lens, arguments)
-            _DECIDED.keep(key, (facts.kernel, decision))
+            DECISIONS.keep(key, (facts.kernel, decision))
     settings, optimistic, hides_keys = decision
     if not optimistic.fused:
         return optimistic
@@ -215,9 +225,9 @@ def plan(
         )
     if exact is True and shortest is None:
         return optimistic  # what the values were assumed to be
-    return spec.plan_kernel(
-        facts.kernel,
-        **settings,
+    return planned(
+        facts,
+        settings,
         values_exact=exact,
         shortest_length=shortest,
         values_guard=exact is None and facts.values_guard(q, settings["sizes"]),

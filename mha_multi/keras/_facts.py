@@ -206,6 +206,13 @@ def _host(x: Any) -> np.ndarray | None:
 # -- the call's facts ----------------------------------------------------------------------
 
 
+def _torch_compiling() -> Callable[[], bool]:
+    """``torch.compiler.is_compiling``, on Keras' PyTorch backend."""
+    import torch
+
+    return torch.compiler.is_compiling
+
+
 class KerasFacts(call.Facts):
     """What a call of the Keras layer asks of Keras (:class:`mha_multi.call.Facts`).
 
@@ -220,6 +227,9 @@ class KerasFacts(call.Facts):
     attends_filled = True
     # (Eigen's vectorized and scalar cosines differ by an ulp.)
     rows_of_one_table = BACKEND != "tensorflow"
+    # torch.compile must see a call's checks run; TensorFlow's and JAX's traces run
+    # Python as it is.
+    tracing = staticmethod(_torch_compiling()) if BACKEND == "torch" else None
 
     @property
     def vmap(self) -> Callable[..., Any]:  # type: ignore[override]

@@ -19,8 +19,9 @@ rotary types), :mod:`~mha_multi.spec.norms`, :mod:`~mha_multi.spec.sinks` and
 :mod:`~mha_multi.spec.segments` (packed sequences),
 :mod:`~mha_multi.spec.attention`, :mod:`~mha_multi.spec.plan` (the kernel
 plan), :mod:`~mha_multi.spec.cache` and :mod:`~mha_multi.spec.cache_checks`,
-and the float64 reference (:mod:`~mha_multi.spec.reference`); :mod:`~mha_multi.spec.memo` makes a
-call's pure verdicts lookups. Every public name is read from here
+and the float64 reference (:mod:`~mha_multi.spec.reference`): pure functions,
+whose verdicts the layers above keep per signature in :mod:`~mha_multi.spec.memo`'s
+tables. Every public name is read from here
 (``mha_multi.spec.X``).
 """
 
@@ -118,6 +119,7 @@ from mha_multi.spec.plan import (
     KernelPlan,
     magnitude_limit,
     plan_kernel,
+    plan_relations,
     reads_values,
     scores_within_limit,
 )
@@ -212,6 +214,7 @@ __all__ = [
     "magnitude_limit",
     "masked_softmax",
     "plan_kernel",
+    "plan_relations",
     "reads_values",
     "scores_within_limit",
     "reference_cached_forward",

@@ -13,11 +13,9 @@ import numpy as np
 
 from mha_multi.spec.cache import KVCache, cached_visibility
 from mha_multi.spec.checks import Heads, check_causal, check_inputs
-from mha_multi.spec.memo import decided_once
 from mha_multi.spec.ops import NumpyOps
 
 
-@decided_once
 def check_cached_inputs(
     queries_shape: Sequence[int],
     keys_shape: Sequence[int] | None,

@@ -13,8 +13,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mha_multi.spec.memo import decided_once
-
 
 @dataclass(frozen=True)
 class Heads:
@@ -177,7 +175,6 @@ def check_causal(causal: Any) -> None:
         raise TypeError(f"causal must be a bool; got {causal!r} of type {type(causal).__name__}")
 
 
-@decided_once
 def check_inputs(
     queries_shape: Sequence[int],
     keys_shape: Sequence[int],

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from mha_multi.spec.attention import MASK_VALUE
-from mha_multi.spec.memo import decided_once
 from mha_multi.spec.ops import Array, ArrayOps
 from mha_multi.spec.options import NO_OPTIONS, ScoreOptions
 from mha_multi.spec.positions import visibility
@@ -194,7 +193,7 @@ def _generic(reason: str) -> KernelPlan:
     return KernelPlan(fused=False, reason=reason)
 
 
-def _plan_relations(settings: dict[str, Any]) -> dict[str, Any]:
+def plan_relations(settings: dict[str, Any]) -> dict[str, Any]:
     """:func:`plan_kernel`'s settings with the sizes and the shortest length as it compares them.
 
     A plan reads of ``(B, Q, K)`` and ``shortest_length`` only which are 0,
@@ -264,7 +263,6 @@ def scores_within_limit(query_max: float, key_max: float, head_dim: int) -> bool
     return query_max * key_max < magnitude_limit(head_dim)
 
 
-@decided_once(canonical=_plan_relations)
 def plan_kernel(
     kernel: FusedKernel,
     *,

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from mha_multi import call, spec
-from mha_multi.spec import memo
 from mha_multi.torch._cache import CacheCheck, from_host, writes_in_place
 from mha_multi.torch._cache_writes import CacheWrites
 from mha_multi.torch._guard import GuardedKernel
@@ -62,15 +61,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-def compiling() -> bool:
-    """Whether ``torch.compile`` is tracing: the spec's memos then compute anew, as its
-    tracer warns about every ``functools.lru_cache`` it passes through."""
-    return torch.compiler.is_compiling()  # looked up at each call, so a stand-in takes effect
-
-
-memo.skip_while(compiling)
 
 
 # -- devices and precision -----------------------------------------------------
@@ -184,6 +174,8 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
     # (Elementwise cosines and sines: a table's row is its position's, as the plain
     # route's plans take them too.)
     rows_of_one_table = True
+    # (torch.compile must see a call's checks run: it would guard on the table.)
+    tracing = staticmethod(torch.compiler.is_compiling)
     fused_attention = staticmethod(fused_attention)
 
     def kernel_takes_grouped(self, q: torch.Tensor, num_queries: Any, head_dim: int) -> bool:

@@ -7,7 +7,7 @@ import gc
 import numpy as np
 import pytest
 
-from mha_multi.spec.memo import Kept, KeptBy, decided_once
+from mha_multi.spec.memo import Kept, KeptBy
 
 
 def test_kept_drops_the_oldest_once_full() -> None:
@@ -53,26 +53,3 @@ def test_kept_by_owner_goes_with_it_and_starts_anew_for_another_setting() -> Non
     del owner
     gc.collect()
     assert len(tables) == 0
-
-
-def test_decided_once_remembers_results_not_errors_and_computes_unhashables_each_time() -> None:
-    calls: list[object] = []
-
-    @decided_once
-    def half(n: object) -> float:
-        calls.append(n)
-        if isinstance(n, int) and n == 0:
-            raise ValueError("n: expected a number other than 0")
-        return float(np.sum(n)) / 2
-
-    assert half(4) == half(4) == 2.0
-    assert calls == [4]
-    counts = []
-    for _ in range(2):
-        with pytest.raises(ValueError, match="n: expected"):
-            half(0)
-        counts.append(calls.count(0))
-    assert 0 < counts[0] < counts[1]  # (the second call computed again: nothing kept)
-    before = len(calls)
-    assert half(np.array([2, 4])) == half(np.array([2, 4])) == 3.0
-    assert len(calls) == before + 2
