@@ -59,6 +59,22 @@ class _Framework:
         cannot tell (TensorFlow's tapes and JAX's traces record outside it)."""
         return True
 
+    def dot_product_attention(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        *,
+        mask: Tensor | None,
+        scale: float | None,
+        is_causal: bool,
+    ) -> Tensor:
+        """``keras.ops.dot_product_attention`` of ``(B, T, H, dh)`` arrays
+        (:func:`mha_multi.keras._kernel.dot_product_attention`)."""
+        return keras.ops.dot_product_attention(
+            query, key, value, mask=mask, scale=scale, is_causal=is_causal
+        )
+
     def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         """The gradient of the scalar ``function(x)`` with respect to ``x``, eagerly."""
         raise NotImplementedError
@@ -364,16 +380,17 @@ class _Torch(_Framework):
     and for grouped heads are plain PyTorch's facts
     (:mod:`mha_multi.torch._facts`), the finiteness reads its reads
     (:mod:`mha_multi.torch._reads`), a compiled call's cache written as its
-    (:mod:`mha_multi.torch._compiled_cache`): nothing else of :mod:`mha_multi.torch`.
+    (:mod:`mha_multi.torch._compiled_cache`), SDPA called as its kernel calls it
+    (:mod:`mha_multi.torch._kernel`): nothing else of :mod:`mha_multi.torch`.
     """
 
     def __init__(self) -> None:
         import torch
 
-        from mha_multi.torch import _compiled_cache, _facts, _reads
+        from mha_multi.torch import _compiled_cache, _facts, _kernel, _reads
 
         self.torch = torch
-        self.plain, self.compiled_cache = _facts, _compiled_cache
+        self.plain, self.compiled_cache, self.kernel = _facts, _compiled_cache, _kernel
         self.finite_sum, self.largest_magnitude = _reads.finite_sum, _reads.largest_magnitude
 
     def gpu_available(self) -> bool:
@@ -426,6 +443,60 @@ class _Torch(_Framework):
     def version(self, x: Tensor) -> int | None:
         # Inference tensors keep no version counter.
         return None if x.is_inference() else x._version
+
+    def dot_product_attention(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        *,
+        mask: Tensor | None,
+        scale: float | None,
+        is_causal: bool,
+    ) -> Tensor:
+        """PyTorch's ``scaled_dot_product_attention`` called as Keras calls it (the
+        same additive mask), on the arrays as they are: Keras repeats grouped
+        key/value heads and copies every argument into a contiguous array first
+        (docs: "Fast paths"). One query's grouped heads reach it as the queries of
+        their key/value head (:func:`mha_multi.torch._kernel.folds_groups`)."""
+        torch = self.torch
+        if mask is not None and is_causal:
+            return super().dot_product_attention(
+                query, key, value, mask=mask, scale=scale, is_causal=is_causal
+            )
+        if mask is not None:
+            # Keras' mask: 0 where visible, -0.7 times the dtype's largest value where hidden.
+            largest = 65500.0 if query.dtype == torch.float16 else 3.38953e38
+            # The hidden value as a Python number: a tensor made of one would be
+            # copied to the device, which waits for the GPU.
+            visible = torch.as_tensor(mask, dtype=torch.bool)
+            mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+            mask.masked_fill_(~visible, largest * -0.7)
+        attention = torch.nn.functional.scaled_dot_product_attention
+        num_heads, kv_heads = query.shape[2], key.shape[2]
+        if self.kernel.folds_groups(num_heads, kv_heads, query.shape[1], is_causal=is_causal):
+            # One query's grouped heads as the queries of their key/value head, (B, H_kv,
+            # G, dh): no enable_gqa (docs: "Fast paths"), as PyTorch's own layer calls SDPA.
+            group_size = num_heads // kv_heads
+            output = attention(
+                query.view(query.shape[0], kv_heads, group_size, -1),
+                key.transpose(1, 2),
+                value.transpose(1, 2),
+                attn_mask=self.kernel.folded_mask(mask, kv_heads, group_size),
+                scale=scale,
+            )
+            return output.reshape(query.shape)
+        grouped = {"enable_gqa": True} if kv_heads != num_heads else {}
+        output = attention(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            **grouped,
+        )
+        return output.transpose(1, 2)
 
     def kernel_takes_grouped(self, q: Tensor, num_queries: Any, head_dim: int) -> bool:
         """PyTorch's own rule for SDPA (:func:`mha_multi.torch._ops.repeats_grouped_heads`),

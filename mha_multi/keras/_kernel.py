@@ -15,6 +15,7 @@ from typing import Any
 import keras
 
 from mha_multi import spec
+from mha_multi.keras._frameworks import active
 from mha_multi.keras._ops import OPS, is_16_bit
 
 __all__ = [
@@ -81,46 +82,9 @@ def dot_product_attention(
     query's grouped heads reach it as the queries of their key/value head
     (:func:`mha_multi.torch._kernel.folds_groups`).
     """
-    if keras.backend.backend() != "torch" or (mask is not None and is_causal):
-        return keras.ops.dot_product_attention(
-            query, key, value, mask=mask, scale=scale, is_causal=is_causal
-        )
-    import torch
-
-    if mask is not None:
-        # Keras' mask: 0 where visible, -0.7 times the dtype's largest value where hidden.
-        largest = 65500.0 if query.dtype == torch.float16 else 3.38953e38
-        # The hidden value as a Python number: a tensor made of one would be
-        # copied to the device, which waits for the GPU.
-        visible = torch.as_tensor(mask, dtype=torch.bool)
-        mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
-        mask.masked_fill_(~visible, largest * -0.7)
-    from mha_multi.torch._kernel import folded_mask, folds_groups
-
-    num_heads, kv_heads = query.shape[2], key.shape[2]
-    if folds_groups(num_heads, kv_heads, query.shape[1], is_causal=is_causal):
-        # One query's grouped heads as the queries of their key/value head, (B, H_kv, G,
-        # dh): no enable_gqa (docs: "Fast paths"), as PyTorch's own layer calls SDPA.
-        group_size = num_heads // kv_heads
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query.view(query.shape[0], kv_heads, group_size, -1),
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            attn_mask=folded_mask(mask, kv_heads, group_size),
-            scale=scale,
-        )
-        return output.reshape(query.shape)
-    grouped = {"enable_gqa": True} if kv_heads != num_heads else {}
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        attn_mask=mask,
-        is_causal=is_causal,
-        scale=scale,
-        **grouped,
+    return active().dot_product_attention(
+        query, key, value, mask=mask, scale=scale, is_causal=is_causal
     )
-    return output.transpose(1, 2)
 
 
 def serves(q: Any) -> bool:
