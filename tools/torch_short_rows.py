@@ -12,8 +12,11 @@ training call with dropout on the weights, forward and backward
 (``dropout``), and a call on the route a GPU's takes, on the CPU
 (``gpu-route``: the facts told the tensors are on a GPU). One thread. The
 median turn's time per call is printed in microseconds, with the speed-ups.
+``sizes`` times the softmax alone, the formula's against ``torch.softmax``,
+over 1 to 512 rows of 3, 9 and 15 keys: below ``FEW_SCORES`` scores in all the
+generic path takes ``torch.softmax``.
 
-    python tools/torch_short_rows.py [rounds] [case ...]
+    python tools/torch_short_rows.py [rounds] [case ... | sizes]
 """
 
 from __future__ import annotations
@@ -79,10 +82,34 @@ def no_floor() -> contextlib.AbstractContextManager:
     return mock.patch.dict(_ops._FLOORS, clear=True)
 
 
+def sizes(rounds: int) -> None:
+    """The softmax alone over scores of a few rows of few keys: the formula's
+    (:data:`_ops.FEW_SCORES` patched to 0) against ``torch.softmax``."""
+    for keys in (3, 9, 15):
+        for rows in (1, 8, 32, 128, 512):
+            x = torch.randn(rows, keys)
+            formula, library = median_calls(
+                {
+                    "formula": lambda x=x: _ops.softmax(x),
+                    "torch.softmax": lambda x=x: torch.softmax(x, -1),
+                },
+                rounds=rounds,
+                turn=TURN * 10,
+                around={"formula": lambda: mock.patch.object(_ops, "FEW_SCORES", 0)},
+            ).values()
+            print(
+                f"{rows:4d} rows of {keys:2d} keys ({rows * keys:5d} scores): formula "
+                f"{formula:5.1f} us, torch.softmax {library:5.1f} us ({library / formula:.2f}x)"
+            )
+
+
 def main() -> None:
     torch.set_num_threads(1)
     arguments = sys.argv[1:]
     rounds = int(arguments.pop(0)) if arguments and arguments[0].isdigit() else 30
+    if arguments == ["sizes"]:
+        sizes(rounds)
+        return
     every = calls()
     for name in arguments or list(every):
         call = every[name]

@@ -58,6 +58,15 @@ def repeats_grouped_heads(
 #: CPU, so that the numbers depend on the shapes alone.
 SHORT_ROWS = 16
 
+#: Fewer scores than this in all take ``torch.softmax`` whatever their rows' length:
+#: its scalar path costs less there than the host time of the formula's six
+#: operations (a decoding step's one query over a few keys). On an AMD EPYC, one
+#: thread (``python tools/torch_short_rows.py sizes``): 1 to 32 rows of 3 to 15
+#: keys took 1.3 to 10 us by ``torch.softmax`` against 14 to 18 us by the formula;
+#: the two cross between 480 and 1536 scores; at 4608 and 7680 the formula took a
+#: third of ``torch.softmax``'s time. One threshold for every CPU, as :data:`SHORT_ROWS`.
+FEW_SCORES = 1024
+
 #: The key counts over which SDPA's CPU kernel takes an explicit mask slower than the
 #: generic path computes the same attention (:func:`masks_few_keys_slowly`): up to the
 #: vector width, as :data:`SHORT_ROWS`.
@@ -279,14 +288,14 @@ _FLOORS = {
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """The softmax over the last axis of the scores, as the generic path takes it.
 
-    Rows shorter than :data:`SHORT_ROWS` on a CPU: ``exp(x - max) / sum``,
-    the maximum held constant (the softmax does not change with it, and its
-    gradient is then the formula's alone), the shifted scores floored
-    (:data:`_FLOORS`); the same non-finite pattern as ``torch.softmax`` (a
-    row holding NaN or +inf, or hidden whole by -inf, is NaN) and its
-    accuracy. Any other: ``torch.softmax``.
+    Rows shorter than :data:`SHORT_ROWS` on a CPU, :data:`FEW_SCORES` or more
+    scores in all: ``exp(x - max) / sum``, the maximum held constant (the
+    softmax does not change with it, and its gradient is then the formula's
+    alone), the shifted scores floored (:data:`_FLOORS`); the same non-finite
+    pattern as ``torch.softmax`` (a row holding NaN or +inf, or hidden whole
+    by -inf, is NaN) and its accuracy. Any other: ``torch.softmax``.
     """
-    if 0 < x.shape[-1] < SHORT_ROWS and x.device.type == "cpu":
+    if 0 < x.shape[-1] < SHORT_ROWS and x.device.type == "cpu" and x.numel() >= FEW_SCORES:
         exps = floored_exp(x - x.amax(-1, keepdim=True).detach())
         return exps / exps.sum(-1, keepdim=True)
     return torch.softmax(x, dim=-1)

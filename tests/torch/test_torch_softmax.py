@@ -1,10 +1,11 @@
 """The generic path's softmax in PyTorch (docs: "Fast paths").
 
-Rows shorter than ``SHORT_ROWS`` on a CPU are softmaxed by the formula's own
-operations: the float64 softmax's numbers and gradients (computed here in
-numpy, apart from the code under test), NaN exactly where it is NaN, for rows
-on both sides of the threshold; and a layer's attention weights over so few
-keys are the float64 reference's.
+Rows shorter than ``SHORT_ROWS`` on a CPU, ``FEW_SCORES`` scores or more in
+all, are softmaxed by the formula's own operations, fewer scores by
+``torch.softmax``: the float64 softmax's numbers and gradients (computed here
+in numpy, apart from the code under test), NaN exactly where it is NaN, for
+rows on both sides of each threshold; and a layer's attention weights over so
+few keys are the float64 reference's.
 """
 
 from __future__ import annotations
@@ -18,10 +19,24 @@ import torch
 from mha_multi import spec
 from mha_multi.parity.compare import TOLERANCES
 from mha_multi.torch import MultiHeadAttention, get_weights
-from mha_multi.torch._ops import SHORT_ROWS, softmax
+from mha_multi.torch._ops import FEW_SCORES, SHORT_ROWS, softmax
 
 #: Row lengths about the threshold, and far from it.
 LENGTHS = [1, 2, 7, SHORT_ROWS - 1, SHORT_ROWS, SHORT_ROWS + 1, 40]
+
+
+#: Few scores (``torch.softmax``), or their rows repeated to ``FEW_SCORES`` or more
+#: (the formula's, where the rows are short).
+MANY = [False, True]
+
+
+def tiled(scores: torch.Tensor, many: bool) -> torch.Tensor:
+    """``scores``, or where ``many`` its rows repeated along the first axis until there
+    are ``FEW_SCORES`` or more."""
+    if not many:
+        return scores
+    copies = -(-FEW_SCORES // scores.numel())
+    return scores.repeat(copies, *([1] * (scores.dim() - 1)))
 
 
 def reference(scores: np.ndarray) -> np.ndarray:
@@ -50,17 +65,19 @@ def assert_the_float64_softmax(scores: torch.Tensor) -> torch.Tensor:
     return weights.detach()
 
 
+@pytest.mark.parametrize("many", MANY)
 @pytest.mark.parametrize("num_keys", LENGTHS)
 @pytest.mark.parametrize("scale", [1.0, 30.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_short_and_long_rows_are_the_float64_softmax(num_keys, scale, dtype):
+def test_short_and_long_rows_are_the_float64_softmax(num_keys, scale, dtype, many):
     torch.manual_seed(num_keys)
     scores = torch.randn(3, 4, 5, num_keys, dtype=torch.float64) * scale
-    assert_the_float64_softmax(scores.to(dtype))
+    assert_the_float64_softmax(tiled(scores, many).to(dtype))
 
 
+@pytest.mark.parametrize("many", MANY)
 @pytest.mark.parametrize("num_keys", LENGTHS)
-def test_non_finite_rows_are_nan_where_the_float64_softmaxs_are(num_keys):
+def test_non_finite_rows_are_nan_where_the_float64_softmaxs_are(num_keys, many):
     """A NaN or +inf score makes its row NaN; -inf scores weigh nothing, and a row hidden
     whole by them is NaN; the other rows keep their numbers."""
     scores = torch.randn(7, num_keys, dtype=torch.float64)
@@ -70,6 +87,7 @@ def test_non_finite_rows_are_nan_where_the_float64_softmaxs_are(num_keys):
     scores[3, 0] = -math.inf
     scores[4, -1] = -math.inf
     scores[5, :] = 3e38  # (the float32 maximum's neighbours: the shift keeps them finite)
+    scores = tiled(scores, many)
     exact = reference(scores.numpy())
     for dtype in (torch.float32, torch.float64):
         weights = softmax(scores.to(dtype)).double().numpy()
@@ -77,14 +95,15 @@ def test_non_finite_rows_are_nan_where_the_float64_softmaxs_are(num_keys):
         np.testing.assert_allclose(weights, exact, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("many", MANY)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_far_and_hidden_scores_weigh_what_the_float64_softmaxs_do(dtype):
+def test_far_and_hidden_scores_weigh_what_the_float64_softmaxs_do(dtype, many):
     """Scores far below a row's maximum, about each dtype's floor and past it, and the
     spec's hidden score: the float64 softmax's weights and gradients, a hidden key's
     weight exactly 0, with a gradient recorded or not."""
     offsets = [0.0, -1.0, -80.0, -86.5, -87.0, -88.0, -100.0, -707.0, -709.0, -800.0]
     scores = torch.tensor([*offsets, spec.MASK_VALUE], dtype=torch.float64) + 3.0
-    scores = torch.stack([scores, scores.flip(0), scores - 1e4])
+    scores = tiled(torch.stack([scores, scores.flip(0), scores - 1e4]), many)
     given = scores.to(dtype)
     weights = assert_the_float64_softmax(given)
     hidden = given == given.amin(-1, keepdim=True)
@@ -93,16 +112,18 @@ def test_far_and_hidden_scores_weigh_what_the_float64_softmaxs_do(dtype):
     assert torch.equal(softmax(given), weights)
 
 
-def test_non_finite_rows_have_nan_gradients():
+@pytest.mark.parametrize("many", MANY)
+def test_non_finite_rows_have_nan_gradients(many):
     """A NaN score makes its row's gradient NaN, as the float64 softmax's; a +inf score's
     own gradient is NaN; finite rows keep finite gradients."""
     scores = torch.randn(4, 10, dtype=torch.float64)
     scores[0, 3] = math.nan
     scores[1, 2] = math.inf
     scores[2, :] = -math.inf
+    scores = tiled(scores, many)
     for dtype in (torch.float32, torch.float64):
         given = scores.to(dtype).requires_grad_()
-        softmax(given).backward(torch.ones(4, 10, dtype=dtype))
+        softmax(given).backward(torch.ones_like(given))
         grad = given.grad
         assert grad[0].isnan().all() and grad[2].isnan().all() and grad[1, 2].isnan()
         assert grad[3].isfinite().all()
