@@ -1,18 +1,20 @@
-"""Keras on PyTorch's generic path over hidden keys: the floored ``exp`` or the plain one.
+"""Keras on PyTorch's generic path: PyTorch's softmax or Keras' written-out one.
 
-PyTorch's CPU ``exp`` is six times slower where its result is below the
-dtype's smallest normal number, as every hidden key's score is; Keras'
-written-out softmax floors scores that may hide keys first on PyTorch's CPU,
-as PyTorch's generic path does (docs: "Fast paths"). This times Keras' layer
-on its PyTorch backend (``KERAS_BACKEND=torch``, one thread) in turns of
-``TURN`` calls in one process, the floor's way and ``exp``'s: calls of the
-generic path at d2l's sizes (64 sequences of ``N`` positions, default 10,
-32 hiddens, 4 heads, integer lengths: self-attention, the same recording its
+Keras' layer softmaxes by ``exp(x - max) / sum`` written out on every backend
+(TensorFlow's softmax kernel misses the spec's non-finite pattern); on PyTorch
+it takes PyTorch's generic path's softmax instead (docs: "Fast paths"):
+``torch.softmax``, one kernel, and on a CPU short rows of many scores by the
+formula floored before ``exp`` (PyTorch's CPU ``exp`` is six times slower
+where its result is below the dtype's smallest normal number, as every
+hidden key's score is). This times Keras' layer on its PyTorch backend
+(``KERAS_BACKEND=torch``, one thread) in turns of ``TURN`` calls in one
+process, PyTorch's softmax and the written-out one: calls of the generic
+path at d2l's sizes (64 sequences of ``N`` positions, default 10, 32
+hiddens, 4 heads, integer lengths: self-attention, the same recording its
 backward, cross-attention over ``N + 2`` keys; ``masks_over_few_keys.py``'s
 calls), one asking for the attention weights over 32 keys, and a decoding
 step that hides no key (8 examples, 512 hiddens, 8 heads, a cache of 512
-filled to 256), which takes no floor: both ways are the same code there.
-The median turn's time per call is printed in microseconds.
+filled to 256). The median turn's time per call is printed in microseconds.
 
     python tools/keras_hidden_scores.py [N] [rounds]
 """
@@ -33,16 +35,16 @@ import torch
 from turns import median_calls
 
 from mha_multi.keras import MultiHeadAttention
-from mha_multi.keras._framework_ops import framework_ops
+from mha_multi.keras._framework_ops import _KerasOps, framework_ops
 
 TURN = 8
 
 
 @contextlib.contextmanager
-def plain_exp() -> Iterator[None]:
-    """Scores that may hide keys taken by ``exp`` itself, as before the floor."""
+def written_out() -> Iterator[None]:
+    """Keras' written-out softmax, as on its other backends."""
     native = framework_ops()
-    with mock.patch.object(native, "softmax_exp", native.exp):
+    with mock.patch.object(native, "softmax", lambda x: _KerasOps.softmax(native, x)):
         yield
 
 
@@ -68,11 +70,14 @@ def main() -> None:
     cases = masks_over_few_keys.calls(masks_over_few_keys.layer_maker(True), length)
     cases |= {"weights over 32 keys": weights_over_32_keys, "a step hiding none": decoding_step}
     for name, maker in cases.items():
-        ways = {"floor": maker(), "exp": maker()}
-        floor, plain = median_calls(
-            ways, rounds=rounds, turn=TURN, around={"exp": plain_exp}
+        ways = {"PyTorch's": maker(), "written out": maker()}
+        torch_way, written = median_calls(
+            ways, rounds=rounds, turn=TURN, around={"written out": written_out}
         ).values()
-        print(f"{name:>20}: {floor:6.0f} us a call ({plain:6.0f} with exp), {plain / floor:.2f}x")
+        print(
+            f"{name:>20}: {torch_way:6.0f} us a call ({written:6.0f} written out), "
+            f"{written / torch_way:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ class JaxOps(spec.NumpyDtypes, spec.NamespaceOps):
         # The fill takes x's dtype: a Python float must not promote 16-bit x.
         return jnp.where(condition, x, jnp.asarray(fill, dtype=x.dtype))
 
-    def softmax(self, x: jax.Array, *, hides: bool = False) -> jax.Array:
+    def softmax(self, x: jax.Array) -> jax.Array:
         return jax.nn.softmax(x, axis=-1)
 
     def cast(self, x: jax.Array, dtype: DTypeLike) -> jax.Array:

@@ -76,10 +76,19 @@ class _KerasOps:
         """``e ** x`` of a floating ``x``."""
         return (self.functions if self.owns(x) else keras.ops).exp(x)
 
-    def softmax_exp(self, shifted: Tensor) -> Tensor:
-        """``e ** shifted`` of a softmax's shifted scores (each row's maximum subtracted),
-        some of them hidden keys' (:meth:`mha_multi.spec.ArrayOps.softmax`'s ``hides``)."""
-        return self.exp(shifted)
+    def softmax(self, x: Tensor) -> Tensor:
+        """The spec's softmax over the last axis of ``x`` (not empty), written out.
+
+        Not ``keras.ops.softmax``: TensorFlow's float32 softmax kernel gives 0
+        instead of NaN to the other entries of a row holding a NaN or +inf,
+        where the spec (IEEE arithmetic) makes the whole row NaN. The shift
+        only guards ``exp`` against overflow: it cancels in the quotient, so it
+        carries no gradient. (The maximum is the backend's: Keras' own reads or
+        fails on some.)
+        """
+        shifted = x - self.stop_gradient(self.row_max(x))
+        exponentials = self.exp(shifted)
+        return exponentials / self.sum_last(exponentials)
 
     def cast(self, x: Tensor, dtype: str) -> Tensor:
         """``x`` as ``dtype`` (a Keras dtype name)."""
@@ -391,10 +400,10 @@ class _TorchOps(_KerasOps):
     def __init__(self) -> None:
         import torch
 
-        from mha_multi.torch._facts import floored_exp
+        from mha_multi.torch._facts import softmax
 
         self.torch = self.functions = torch
-        self.floored_exp = floored_exp
+        self.torch_softmax = softmax
 
     def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
         # torch's own, which keras.ops' reaches through some 130 Python calls of dispatch.
@@ -449,13 +458,15 @@ class _TorchOps(_KerasOps):
             return x[self.torch.as_tensor(index, device=x.device)]
         return super().rows_at(x, index)
 
-    def softmax_exp(self, shifted: Tensor) -> Tensor:
-        # PyTorch's CPU exp is six times slower where its result is below the smallest
-        # normal number, as a hidden score's is: PyTorch's generic path floors such
-        # scores first, and so does Keras' here (docs: "Fast paths").
-        if self.owns(shifted) and shifted.device.type == "cpu":
-            return self.floored_exp(shifted)
-        return super().softmax_exp(shifted)
+    def softmax(self, x: Tensor) -> Tensor:
+        # PyTorch's generic path's softmax, whose non-finite pattern is the spec's:
+        # torch.softmax (one kernel where the formula takes four), and on a CPU rows
+        # shorter than its vector width by the formula, floored (PyTorch's CPU exp
+        # is six times slower where its result is below the smallest normal number,
+        # as a hidden key's is; docs: "Fast paths").
+        if self.owns(x):
+            return self.torch_softmax(x)
+        return super().softmax(x)
 
     def sum_last(self, x: Tensor) -> Tensor:
         if isinstance(x, self.torch.Tensor):

@@ -231,19 +231,10 @@ class KerasOps:
     def where(self, condition: Tensor, x: Tensor, fill: float | Tensor) -> Tensor:
         return self.native.where(condition, x, fill)
 
-    def softmax(self, x: Tensor, *, hides: bool = False) -> Tensor:
+    def softmax(self, x: Tensor) -> Tensor:
         if x.shape[-1] == 0:  # no keys: nothing to normalise (and max() has no identity)
             return x
-        # Written out rather than ops.softmax: TensorFlow's float32 softmax
-        # kernel gives 0 instead of NaN to the other entries of a row holding
-        # a NaN or +inf, where the spec (IEEE arithmetic) makes the whole row
-        # NaN. The shift only guards exp() against overflow: it cancels in
-        # the quotient, so it carries no gradient.
-        # (The maximum is the backend's: Keras' own reads or fails on some.)
-        native = self.native
-        shifted = x - native.stop_gradient(native.row_max(x))
-        exponentials = native.softmax_exp(shifted) if hides else native.exp(shifted)
-        return exponentials / native.sum_last(exponentials)
+        return self.native.softmax(x)
 
     def cast(self, x: Tensor, dtype: Any) -> Tensor:
         return self.native.cast(x, dtype_name(dtype))

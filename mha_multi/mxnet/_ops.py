@@ -217,7 +217,7 @@ class MXNetOps(spec.NumpyDtypes):
         # or biases runs on the parameters' arrays, docs: "Positions and biases").
         return copied_to(like.ctx, value, value.dtype)
 
-    def softmax(self, x: Array, *, hides: bool = False) -> Array:
+    def softmax(self, x: Array) -> Array:
         # MXNet's kernel gives 0 to the other keys of a row holding a NaN or
         # inf score; the reference (exp(x - max) / sum) makes the whole row
         # NaN. 0 * max is NaN exactly for those rows (MXNet's max keeps NaN)

@@ -61,10 +61,10 @@ def masked_softmax(
     if visible is not None:
         scores = ops.where(visible, scores, MASK_VALUE)
     if sinks is None:
-        weights = ops.softmax(scores, hides=visible is not None)
+        weights = ops.softmax(scores)
     else:
         joined = ops.concat_last([scores, sink_column(ops, scores, sinks)])
-        weights = ops.slice_last(ops.softmax(joined, hides=visible is not None), 0, -1)
+        weights = ops.slice_last(ops.softmax(joined), 0, -1)
     return weights if ops.dtype(weights) == dtype else ops.cast(weights, dtype)
 
 

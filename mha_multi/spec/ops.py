@@ -84,16 +84,15 @@ class ArrayOps(Protocol):
 
     def where(self, condition: Array, x: Array, fill: float | Array) -> Array: ...
 
-    def softmax(self, x: Array, *, hides: bool = False) -> Array:
+    def softmax(self, x: Array) -> Array:
         """Softmax over the last axis, as numpy's ``exp(x - max) / sum``.
 
         A row holding a NaN or ``+inf`` score, or only ``-inf`` scores, is all
         NaN (kernels that skip non-finite entries drift from the reference).
-        ``hides``: some scores may be hidden keys'
-        (:data:`~mha_multi.spec.MASK_VALUE`), whose exponentials fall below the
-        dtype's smallest normal number; a framework whose ``exp`` is slow there
-        may floor the shifted scores first, which changes no weight by more
-        than that number (Keras on PyTorch's CPU).
+        Hidden keys' scores (:data:`~mha_multi.spec.MASK_VALUE`) have
+        exponentials below the dtype's smallest normal number: a framework
+        whose ``exp`` is slow there may floor the shifted scores first, which
+        changes no weight by more than that number (PyTorch's CPU).
         """
 
     def cast(self, x: Array, dtype: Any) -> Array: ...
@@ -258,7 +257,7 @@ class NumpyOps(NumpyDtypes, NamespaceOps):
     def where(self, condition: np.ndarray, x: np.ndarray, fill: Any) -> np.ndarray:
         return np.where(condition, x, np.asarray(fill, dtype=x.dtype))
 
-    def softmax(self, x: np.ndarray, *, hides: bool = False) -> np.ndarray:
+    def softmax(self, x: np.ndarray) -> np.ndarray:
         if x.shape[-1] == 0:  # no keys: nothing to normalise (and max() has no identity)
             return x.copy()
         shifted = np.exp(x - x.max(axis=-1, keepdims=True))

@@ -28,10 +28,10 @@ from mha_multi.torch._kernel import BIAS_LIMIT, SDPA, fused_attention
 from mha_multi.torch._ops import (
     TorchOps,
     dtype_kind,
-    floored_exp,
     masks_few_keys_slowly,
     ops_on,
     repeats_grouped_heads,
+    softmax,
 )
 from mha_multi.torch._plain import PlainRoute
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
@@ -41,18 +41,19 @@ __all__ = [
     "FACTS",
     "TorchFacts",
     "device",
-    "floored_exp",
     "masks_few_keys_slowly",
     "repeats_grouped_heads",
+    "softmax",
     "writes_in_place",
 ]
 
 # ``repeats_grouped_heads``, ``masks_few_keys_slowly`` and ``writes_in_place`` are
 # PyTorch's own rules for grouped heads in SDPA, for its masks over few keys and for
-# writing a cache in place, and ``floored_exp`` its softmax's exponential on a CPU,
-# which Keras on PyTorch follows too: it reaches PyTorch through this module (and the
-# finiteness reads, mha_multi.torch._reads) rather than the package's other private
-# modules (docs: "Fast paths", "Generating with a cache").
+# writing a cache in place, and ``softmax`` its generic path's softmax (on a CPU,
+# short rows of many scores by the formula, floored), which Keras on PyTorch follows
+# too: it reaches PyTorch through this module (and the finiteness reads,
+# mha_multi.torch._reads) rather than the package's other private modules (docs:
+# "Fast paths", "Generating with a cache").
 
 #: dtype name -> torch dtype.
 DTYPES: dict[str, torch.dtype] = {

@@ -223,7 +223,7 @@ class TorchOps(spec.NamespaceOps):
     ) -> torch.Tensor:
         return torch.where(condition, x, fill)
 
-    def softmax(self, x: torch.Tensor, *, hides: bool = False) -> torch.Tensor:
+    def softmax(self, x: torch.Tensor) -> torch.Tensor:
         # (The formula's rows are floored, hidden or not; torch.softmax has its own exp.)
         return softmax(x)
 

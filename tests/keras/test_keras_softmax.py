@@ -1,10 +1,10 @@
 """The generic path's softmax in Keras, on each backend (docs: "Fast paths").
 
 Its weights are the float64 softmax's (the spec's numpy formula, apart from the
-code under test), NaN exactly where it is NaN, whether or not the scores may
-hold hidden keys' (``hides``). On PyTorch's CPU, scores that may hide keys
-are floored before ``exp`` (PyTorch's generic path's floor, whose gradients
-its own tests hold to the float64 softmax's): a hidden key weighs exactly 0,
+code under test), NaN exactly where it is NaN, for few scores and for many. On
+PyTorch, Keras' layer softmaxes as PyTorch's generic path does (``torch.softmax``,
+or on a CPU short rows of many scores by the floored formula, whose gradients
+PyTorch's own tests hold to the float64 softmax's): a hidden key weighs exactly 0,
 and a layer's call with lengths takes that way.
 """
 
@@ -43,14 +43,15 @@ def scores_of_every_kind() -> np.ndarray:
 
 
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning")
-@pytest.mark.parametrize("hides", [False, True])
+@pytest.mark.parametrize("copies", [1, 11])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_weights_are_the_float64_softmaxs(dtype, hides):
-    scores = scores_of_every_kind()
+def test_weights_are_the_float64_softmaxs(dtype, copies):
+    """Few scores, and (``copies``) their rows repeated past PyTorch's ``FEW_SCORES``."""
+    scores = np.tile(scores_of_every_kind(), (copies, 1))
     with np.errstate(invalid="ignore", over="ignore"):
         exact = spec.NumpyOps().softmax(scores)
     given = keras.ops.cast(backend.to_native(scores, dtype="float64"), dtype)
-    weights = OPS.softmax(given, hides=hides)
+    weights = OPS.softmax(given)
     got = backend.to_numpy(weights).astype(np.float64)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(exact))
     forward, _ = TOLERANCES[keras.backend.standardize_dtype(weights.dtype)]
@@ -58,37 +59,35 @@ def test_weights_are_the_float64_softmaxs(dtype, hides):
     assert (got[[0, 1, 2], [-1, 0, -1]] == 0).all()  # (the hidden key's)
 
 
-@pytest.mark.skipif(not ON_TORCH, reason="the floor is PyTorch's (its CPU exp)")
-def test_scores_that_may_hide_keys_are_floored_on_pytorchs_cpu(monkeypatch):
-    """``hides`` takes the floor; so does a layer's call whose lengths hide keys (the
-    float64 reference's output), and a call that hides none does not."""
+@pytest.mark.skipif(not ON_TORCH, reason="PyTorch's generic path's softmax")
+def test_a_layer_on_pytorch_softmaxes_as_pytorchs_generic_path(monkeypatch):
+    """A call with lengths that hide keys softmaxes its scores by PyTorch's own
+    generic path's softmax (the float64 reference's output), to its bits."""
     import torch
 
+    from mha_multi.torch._ops import FEW_SCORES, softmax
+
     native = framework_ops()
-    floored, floor = [], native.floored_exp
+    taken = []
 
-    def watched(shifted):
-        floored.append(tuple(shifted.shape))
-        return floor(shifted)
+    def watched(scores):
+        taken.append(tuple(scores.shape))
+        return softmax(scores)
 
-    monkeypatch.setattr(native, "floored_exp", watched)
-    scores = torch.randn(2, 3, 5)
-    OPS.softmax(scores)
-    assert floored == []
-    OPS.softmax(scores, hides=True)
-    assert floored == [(2, 3, 5)]
+    monkeypatch.setattr(native, "torch_softmax", watched)
+    for rows in (2, FEW_SCORES):
+        scores = torch.randn(rows, 5, dtype=torch.float64)
+        assert torch.equal(OPS.softmax(scores), softmax(scores))
+    assert taken == [(2, 5), (FEW_SCORES, 5)]
 
-    floored.clear()
+    taken.clear()
     layer = MultiHeadAttention(16, 2)
     x, lengths = torch.randn(3, 4, 16), torch.tensor([4, 2, 1])
     out, _ = layer(x, x, x, lengths, return_attention_weights=True)
-    assert floored == [(3, 2, 4, 4)]
+    assert taken == [(3, 2, 4, 4)]
     expected, _ = spec.reference_forward(
         get_weights(layer), *(x.double().numpy(),) * 3, lengths.numpy(), num_heads=2
     )
     np.testing.assert_allclose(
         out.detach().double().numpy(), expected, rtol=0, atol=TOLERANCES["float32"][0]
     )
-    floored.clear()
-    layer(x, x, x, return_attention_weights=True)
-    assert floored == []
