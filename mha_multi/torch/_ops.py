@@ -305,8 +305,7 @@ def floored_exp(shifted: torch.Tensor) -> torch.Tensor:
     """``exp`` of a softmax's shifted scores (each row's maximum subtracted), on a CPU:
     floored first (:data:`_FLOORS`), so that no result is below the dtype's smallest
     normal number. The same numbers as ``exp`` but those up to ``e`` times the floor's,
-    which are 0; a NaN kept forward and backward. Keras' written-out softmax on
-    PyTorch takes it too (:mod:`mha_multi.keras._framework_ops`).
+    which are 0; a NaN kept forward and backward.
     """
     floor = _FLOORS.get(shifted.dtype)
     if floor is None:
