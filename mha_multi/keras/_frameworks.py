@@ -59,21 +59,10 @@ class _Framework:
         cannot tell (TensorFlow's tapes and JAX's traces record outside it)."""
         return True
 
-    def dot_product_attention(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        *,
-        mask: Tensor | None,
-        scale: float | None,
-        is_causal: bool,
-    ) -> Tensor:
-        """``keras.ops.dot_product_attention`` of ``(B, T, H, dh)`` arrays
-        (:func:`mha_multi.keras._kernel.dot_product_attention`)."""
-        return keras.ops.dot_product_attention(
-            query, key, value, mask=mask, scale=scale, is_causal=is_causal
-        )
+    #: The fused kernel's call of ``(B, T, H, dh)`` arrays
+    #: (:func:`mha_multi.keras._kernel.dot_product_attention`): Keras' own, but where a
+    #: framework calls its kernel itself.
+    dot_product_attention = staticmethod(keras.ops.dot_product_attention)
 
     def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         """The gradient of the scalar ``function(x)`` with respect to ``x``, eagerly."""
