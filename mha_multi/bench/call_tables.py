@@ -68,18 +68,25 @@ ROUTES = {"cpu": "CPU's", "gpu": "a GPU's, on the CPU"}
 
 
 def host_table(measurements: Sequence[dict]) -> Table:
-    """The tiny layer's host time per call, ours against the hand-written call and
-    step, per backend, route and call (:func:`~mha_multi.bench.host.time_host`).
+    """The tiny layers' host time per call, ours against the hand-written call and
+    step, per backend, layer, route and call (:func:`~mha_multi.bench.host.time_host`):
+    the rotary layer's rows first, then the plain layer's.
 
     The ratio is ours / hand-written in time: below 1 when ours is faster.
     """
     timed = [m for m in measurements if m["mode"].startswith("host: ")]
 
-    def key(m: dict) -> tuple[str, str, str]:
-        return m["backend"], _shape(m).get("route", "cpu"), m["mode"].removeprefix("host: ")
+    def key(m: dict) -> tuple[str, str, str, str]:
+        layer = f"{'rotary' if _shape(m).get('rotary') else 'plain'}, {_heads(m)} heads"
+        route = _shape(m).get("route", "cpu")
+        return m["backend"], layer, route, m["mode"].removeprefix("host: ")
+
+    def order(group: tuple[str, str, str, str]) -> tuple:
+        backend, layer, route, what = group
+        return backend, not layer.startswith("rotary"), route, what != "one token"
 
     rows, shown = [], []
-    for group in sorted({key(m) for m in timed}, key=lambda g: (g[0], g[1], g[2] != "one token")):
+    for group in sorted({key(m) for m in timed}, key=order):
         ways = {m["implementation"]: m for m in timed if key(m) == group}
         shown += ways.values()
         ours, hand = ways.get("ours", {}), ways.get("hand-written", {})
@@ -87,10 +94,10 @@ def host_table(measurements: Sequence[dict]) -> Table:
             "-" if m.get("seconds") is None else f"{m['seconds'] * 1e6:.0f}" for m in (ours, hand)
         ]
         speed = ratio(ours.get("seconds"), hand.get("seconds"))
-        backend, route, what = group
-        rows.append((backend, ROUTES.get(route, route), what, *micros, speed))
+        backend, layer, route, what = group
+        rows.append((backend, layer, ROUTES.get(route, route), what, *micros, speed))
     ways = ("ours (us)", "hand-written (us)", "ours / hand-written")
-    return table(("backend", "route", "call", *ways), rows, shown)
+    return table(("backend", "layer", "route", "call", *ways), rows, shown)
 
 
 def calls_table(measurements: Sequence[dict]) -> Table:

@@ -1,7 +1,8 @@
 """The host rows: a tiny layer's call and decoding step (the time is Python's), and its calls.
 
-The tiny layer (:data:`TINY`: 16 hiddens, 2 query heads and 1 key/value
-head, rotary positions, one example, one thread) computes next to nothing,
+The tiny layers (:data:`TINY`: 16 hiddens, 2 query heads and 1 key/value
+head, rotary positions, one example, one thread; :data:`TINY_PLAIN`: the
+same sizes with 2 key/value heads and no option) compute next to nothing,
 so a call's time is the host's work around its kernels: the checks, the plan,
 the flow. Two kinds of row:
 
@@ -9,9 +10,9 @@ the flow. Two kinds of row:
   (:func:`time_host`): ours against the hand-written call and decoding step
   (the generation rows' anchor) in alternating blocks of :data:`BLOCK` calls
   in one process, a shared machine's drift falling on both; a row's time is
-  the median block's per call. Each route a framework offers is timed: the
-  CPU's, and where the framework can take it on the CPU, the one a GPU's
-  call takes (PyTorch: ``as_if_on_a_gpu``).
+  the median block's per call, for each tiny layer. Each route a framework
+  offers is timed: the CPU's, and where the framework can take it on the
+  CPU, the one a GPU's call takes (PyTorch: ``as_if_on_a_gpu``).
 * ``python calls: ...`` (:func:`count_calls`): the Python function calls one
   call makes, counted by cProfile (builtins included): the same on every
   machine for the same code, plain and rotary, in the framework's eager mode.
@@ -35,11 +36,21 @@ import numpy as np
 from mha_multi.bench.common import Measurement
 from mha_multi.bench.generate import GenerationShape, Generator
 
-__all__ = ["BLOCK", "TINY", "alternating_blocks", "count_calls", "counted", "time_host"]
+__all__ = [
+    "BLOCK",
+    "TINY",
+    "TINY_PLAIN",
+    "alternating_blocks",
+    "count_calls",
+    "counted",
+    "time_host",
+]
 
 #: The tiny Llama-shaped layer of the host rows (its prompt: a few tokens).
 _SIZES = {"num_hiddens": 16, "num_heads": 2, "num_kv_heads": 1}
 TINY = GenerationShape(batch=1, prompt=4, new_tokens=0, rotary={"theta": 10000.0}, **_SIZES)
+#: The tiny plain layer of the host rows: as many key/value heads as query heads, no option.
+TINY_PLAIN = replace(TINY, num_kv_heads=None, rotary=None)
 #: Calls of one way before the other's turn (:func:`alternating_blocks`).
 BLOCK = 20
 #: Calls :func:`counted` profiles, after three.
@@ -130,32 +141,43 @@ def _ways(framework: Any, shape: GenerationShape, device: str) -> dict[str, dict
 
 
 def time_host(framework: Any, device: str, *, blocks: int = 40) -> list[Measurement]:
-    """The host rows of ``framework`` on each of its routes (``framework.host_routes``).
+    """The host rows of ``framework``, :data:`TINY`'s and :data:`TINY_PLAIN`'s, on each
+    of its routes (``framework.host_routes``).
 
     Each way's decoding steps feed it its own last output, from the same
     prompt: the note gives how far ours is from the hand-written steps.
     """
-    shape = replace(TINY, new_tokens=(blocks + 1) * BLOCK)
     rows = []
     for route, context in framework.host_routes(device).items():
-        with context():
-            ways = _ways(framework, shape, device)
-            outputs = ways.pop("outputs")
-            for what, calls in ways.items():
-                times = alternating_blocks(calls, framework.sync, blocks)
-                note = f"{route} route; median of {blocks} blocks of {BLOCK} calls"
-                if what == "decoding step":
-                    ours, hand = (
-                        np.concatenate([framework.backend.to_numpy(o) for o in outputs[n]], 1)
-                        for n in ("ours", "hand-written")
-                    )
-                    note += f"; max |hand-written - ours| {np.abs(ours - hand).max():.1e}"
-                for name, seconds in times.items():
-                    rows.append(
-                        _row(framework, name, f"host: {what}", device, shape, route)
-                        | {"seconds": statistics.median(seconds), "note": note}
-                    )
+        for layer in (TINY, TINY_PLAIN):
+            shape = replace(layer, new_tokens=(blocks + 1) * BLOCK)
+            with context():
+                rows += _host_rows(framework, shape, device, route, blocks)
     return [Measurement(**row) for row in rows]
+
+
+def _host_rows(
+    framework: Any, shape: GenerationShape, device: str, route: str, blocks: int
+) -> list[dict[str, Any]]:
+    """:func:`time_host`'s rows of one tiny layer (``shape``) on one route."""
+    rows = []
+    ways = _ways(framework, shape, device)
+    outputs = ways.pop("outputs")
+    for what, calls in ways.items():
+        times = alternating_blocks(calls, framework.sync, blocks)
+        note = f"{route} route; median of {blocks} blocks of {BLOCK} calls"
+        if what == "decoding step":
+            ours, hand = (
+                np.concatenate([framework.backend.to_numpy(o) for o in outputs[n]], 1)
+                for n in ("ours", "hand-written")
+            )
+            note += f"; max |hand-written - ours| {np.abs(ours - hand).max():.1e}"
+        for name, seconds in times.items():
+            rows.append(
+                _row(framework, name, f"host: {what}", device, shape, route)
+                | {"seconds": statistics.median(seconds), "note": note}
+            )
+    return rows
 
 
 def _row(

@@ -71,6 +71,13 @@ def tiny(implementation, mode, route="cpu", **values):
     return {**row, "shape": {**row["shape"], "route": route}}
 
 
+def plain_tiny(implementation, mode, route="cpu", **values):
+    """A host row of the tiny plain layer (16 hiddens, 2/2 heads, no option)."""
+    row = measurement(implementation, mode, 1, batch=1, kv=None, **values)
+    row["shape"] |= {"num_hiddens": 16, "num_heads": 2, "rotary": None}
+    return {**row, "shape": {**row["shape"], "route": route}}
+
+
 BENCH = bench_file(
     [
         measurement("ours", "forward", 128, seconds=0.020),
@@ -90,6 +97,8 @@ BENCH = bench_file(
         tiny("hand-written", "host: decoding step", seconds=200e-6),
         tiny("ours", "host: one token", "gpu", seconds=150e-6),
         tiny("hand-written", "host: one token", "gpu", seconds=100e-6),
+        plain_tiny("ours", "host: decoding step", seconds=120e-6),
+        plain_tiny("hand-written", "host: decoding step", seconds=100e-6),
         tiny("ours", "python calls: decoding step", calls=60.05),
         tiny("hand-written", "python calls: decoding step", calls=40.05),
         measurement("ours", "peak memory", 1024, peak_mib=83.2),
@@ -170,10 +179,11 @@ EXPECTED = {
     ],
     # Microseconds per call; the route a GPU takes after the CPU's.
     "host": [
-        "| backend | route | call | ours (us) | hand-written (us) | ours / hand-written |",
-        "|---|---|---|---|---|---|",
-        "| torch | CPU's | decoding step | 300 | 200 | 1.50x |",
-        "| torch | a GPU's, on the CPU | one token | 150 | 100 | 1.50x |",
+        "| backend | layer | route | call | ours (us) | hand-written (us) | ours / hand-written |",
+        "|---|---|---|---|---|---|---|",
+        "| torch | rotary, 2/1 heads | CPU's | decoding step | 300 | 200 | 1.50x |",
+        "| torch | rotary, 2/1 heads | a GPU's, on the CPU | one token | 150 | 100 | 1.50x |",
+        "| torch | plain, 2/2 heads | CPU's | decoding step | 120 | 100 | 1.20x |",
         "",
         SOURCE,
     ],

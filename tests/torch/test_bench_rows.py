@@ -40,13 +40,17 @@ def test_the_host_and_calls_rows_are_measured_on_both_routes():
         (m.mode, m.implementation, m.shape["route"], bool(m.shape["rotary"])): m
         for m in time_host(FRAMEWORK, "cpu", blocks=2) + count_calls(FRAMEWORK, "cpu")
     }
+    # The host rows: the tiny rotary layer (2/1 heads) and the tiny plain one (2/2).
+    heads = {True: 1, False: None}
     for route in ("cpu", "gpu"):
-        for what in ("one token", "decoding step"):
-            for name in ("ours", "hand-written"):
-                assert rows[(f"host: {what}", name, route, True)].seconds > 0
-        # Ours and the hand-written steps, each fed its own outputs, agree.
-        note = rows[("host: decoding step", "ours", route, True)].note
-        assert float(note.rsplit(" ", 1)[-1]) < FLOAT32
+        for rotary in (True, False):
+            for what in ("one token", "decoding step"):
+                for name in ("ours", "hand-written"):
+                    row = rows[(f"host: {what}", name, route, rotary)]
+                    assert row.seconds > 0 and row.shape["num_kv_heads"] == heads[rotary]
+            # Ours and the hand-written steps, each fed its own outputs, agree.
+            note = rows[("host: decoding step", "ours", route, rotary)].note
+            assert float(note.rsplit(" ", 1)[-1]) < FLOAT32
     for rotary in (False, True):
         for name in ("ours", "hand-written"):
             assert rows[("python calls: decoding step", name, "cpu", rotary)].calls > 10
