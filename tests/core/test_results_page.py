@@ -64,17 +64,12 @@ def llama(implementation, **values):
     return row
 
 
-def tiny(implementation, mode, route="cpu", **values):
-    """A host or Python-calls row of the tiny rotary layer (16 hiddens, 2/1 heads)."""
-    row = measurement(implementation, mode, 1, batch=1, kv=1, **values)
-    row["shape"] |= {"num_hiddens": 16, "num_heads": 2, "rotary": {"theta": 10000.0}}
-    return {**row, "shape": {**row["shape"], "route": route}}
-
-
-def plain_tiny(implementation, mode, route="cpu", **values):
-    """A host row of the tiny plain layer (16 hiddens, 2/2 heads, no option)."""
-    row = measurement(implementation, mode, 1, batch=1, kv=None, **values)
-    row["shape"] |= {"num_hiddens": 16, "num_heads": 2, "rotary": None}
+def tiny(implementation, mode, route="cpu", *, plain=False, **values):
+    """A host or Python-calls row of the tiny rotary layer (16 hiddens, 2/1 heads), or
+    where ``plain`` of the tiny plain one (2/2 heads, no option)."""
+    row = measurement(implementation, mode, 1, batch=1, kv=None if plain else 1, **values)
+    rotary = None if plain else {"theta": 10000.0}
+    row["shape"] |= {"num_hiddens": 16, "num_heads": 2, "rotary": rotary}
     return {**row, "shape": {**row["shape"], "route": route}}
 
 
@@ -97,8 +92,8 @@ BENCH = bench_file(
         tiny("hand-written", "host: decoding step", seconds=200e-6),
         tiny("ours", "host: one token", "gpu", seconds=150e-6),
         tiny("hand-written", "host: one token", "gpu", seconds=100e-6),
-        plain_tiny("ours", "host: decoding step", seconds=120e-6),
-        plain_tiny("hand-written", "host: decoding step", seconds=100e-6),
+        tiny("ours", "host: decoding step", plain=True, seconds=120e-6),
+        tiny("hand-written", "host: decoding step", plain=True, seconds=100e-6),
         tiny("ours", "python calls: decoding step", calls=60.05),
         tiny("hand-written", "python calls: decoding step", calls=40.05),
         measurement("ours", "peak memory", 1024, peak_mib=83.2),
