@@ -14,9 +14,11 @@ if TYPE_CHECKING:  # the checks of a config (a checkpoint's) need no PyTorch
     import torch
 
 __all__ = [
+    "EVERY_LAYER_SLIDES",
     "KNOWN_BLOCKS",
     "QK_NORMS",
     "SINK_BLOCKS",
+    "WINDOWLESS",
     "check_config_fields",
     "check_known",
     "layer_window",
@@ -32,14 +34,32 @@ def window_of(module: torch.nn.Module) -> int | None:
     return layer_window(module.config, module.layer_idx)
 
 
+#: Model types whose blocks and masks have no window, whatever the config's
+#: ``sliding_window`` says.
+WINDOWLESS = frozenset({"llama", "cohere", "olmo2"})
+#: Model types whose every layer slides where the config has a ``sliding_window``,
+#: whatever its ``layer_types`` say (Mistral's and Phi-3's masks and blocks).
+EVERY_LAYER_SLIDES = frozenset({"mistral", "phi3"})
+
+
 def layer_window(config: Any, layer_index: int) -> int | None:
     """The sliding window of layer ``layer_index`` by its model's config alone.
 
-    None on a layer whose type (``layer_types``) is not ``sliding_attention``;
-    else the config's ``sliding_window`` (every layer's, as Mistral's).
+    None for a model type without windows (:data:`WINDOWLESS`); the
+    config's ``sliding_window`` on every layer of a model type whose
+    layers all slide (:data:`EVERY_LAYER_SLIDES`); else None on a layer
+    whose type (``layer_types``) is not ``sliding_attention``, and the
+    config's ``sliding_window`` on the others.
     """
+    model_type = getattr(config, "model_type", None)
+    if model_type in WINDOWLESS:
+        return None
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer_types[layer_index] != "sliding_attention":
+    if (
+        model_type not in EVERY_LAYER_SLIDES
+        and layer_types is not None
+        and layer_types[layer_index] != "sliding_attention"
+    ):
         return None
     return getattr(config, "sliding_window", None)
 

@@ -11,11 +11,22 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["INTERLEAVED_ROTARY", "rotary_of"]
+__all__ = ["INTERLEAVED_ROTARY", "OWN_CONTEXT_LENGTH", "PARTIAL_ROTARY", "rotary_of"]
 
 #: Model types whose rotary embedding pairs entry ``2 i`` with ``2 i + 1``
 #: (Cohere's ``rotate_half``); the others pair ``i`` with ``i + dim / 2``.
 INTERLEAVED_ROTARY = frozenset({"cohere"})
+#: Model types whose blocks rotate the first ``partial_rotary_factor`` of each head
+#: (Phi-3's). The other known blocks rotate whole heads: their default rotary type
+#: does not read the factor, and a scaled one that does gives fewer frequencies
+#: than their rotation takes (transformers' forward fails).
+PARTIAL_ROTARY = frozenset({"phi3"})
+#: Model types whose config class has an ``original_max_position_embeddings`` of its
+#: own (Phi-3's, 4096 unless given), which a scaled rotary type takes over its
+#: parameters'; other configs' field of that name is not read.
+OWN_CONTEXT_LENGTH = frozenset({"phi3"})
+#: Model types whose config class reads these rotary types as another (Phi-3's).
+_RENAMED_TYPES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
 
 
 def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -31,7 +42,14 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     config's ``max_position_embeddings``), ``yarn``, ``longrope`` (its
     ``factor``, where not given, the ratio of ``max_position_embeddings`` to
     ``original_max_position_embeddings``, as transformers takes it) and
-    ``llama3``, in the ``scaling`` of :class:`mha_multi.spec.Rotary`.
+    ``llama3``, in the ``scaling`` of :class:`mha_multi.spec.Rotary`. Their
+    ``original_max_position_embeddings`` is Phi-3's own field
+    (:data:`OWN_CONTEXT_LENGTH`), else the parameters', else
+    ``max_position_embeddings``. Phi-3's ``su``
+    and ``yarn`` are its ``longrope``. ``partial_rotary_factor`` is read
+    where the model type's blocks rotate part of each head
+    (:data:`PARTIAL_ROTARY`); the others' default rotary type rotates whole
+    heads whatever it says.
 
     Args:
         config: the model's config.
@@ -42,14 +60,25 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
         ValueError: another rotary type, or a field of a rotary type's
             parameters that transformers' type does not define (named):
             nothing is converted then; a config of settings by layer type
-            without a ``layer_type`` it has settings for.
+            without a ``layer_type`` it has settings for; a
+            ``partial_rotary_factor`` other than 1 with a scaled rotary type
+            where the blocks rotate whole heads; a layer type's YaRN
+            ``truncate`` of false, which transformers does not read; a
+            ``max_position_embeddings`` that the rotary type reads and the
+            config lacks.
     """
-    parameters = _layer_parameters(config, layer_type)
+    parameters, by_layer_type = _layer_parameters(config, layer_type)
     if not parameters:  # transformers before rope_parameters
         parameters = dict(getattr(config, "rope_scaling", None) or {})
-        parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    # (transformers' standardize_rope_params: the config's own rope_theta where the
+    # parameters have none, else its config class's default, 10^4 for the types that
+    # reach here without one: a checkpoint's config must give the others', REQUIRED_FIELDS.)
+    if parameters.get("rope_theta") is None:
+        parameters["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    model_type = getattr(config, "model_type", None)
     kind = parameters.pop("rope_type", None) or parameters.pop("type", None) or "default"
     parameters.pop("type", None)
+    kind = _RENAMED_TYPES.get(model_type, {}).get(kind, kind)
     rotary: dict[str, Any] = {
         "theta": float(parameters.pop("rope_theta")),
         # transformers 5 reads it from rope_parameters (Phi-3's configs hold it there only).
@@ -71,9 +100,27 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
             f"its fields are {', '.join(_ROPE_KEYS[kind]) or 'none'} (with rope_type, "
             "rope_theta and partial_rotary_factor)"
         )
+    if rotary["fraction"] != 1.0 and model_type not in PARTIAL_ROTARY:
+        if kind != "default":
+            raise ValueError(
+                f"partial_rotary_factor {rotary['fraction']} with rope_type {kind!r} is not "
+                f"supported for model_type {model_type!r}: its blocks rotate whole heads, and "
+                "transformers' scaled rotary types then give fewer frequencies than they take"
+            )
+        rotary["fraction"] = 1.0  # (its default rotary type does not read the factor)
+    if by_layer_type and "truncate" in parameters:
+        # transformers' YaRN reads truncate from the config's rope_parameters themselves,
+        # which by layer type hold none: it truncates whatever a layer type's say.
+        truncate = parameters.pop("truncate")
+        if truncate is not None and not truncate:
+            raise ValueError(
+                f"rope_parameters[{layer_type!r}] sets truncate={truncate!r}, which "
+                "transformers does not read for rotary settings by layer type (it truncates): "
+                "leave it out"
+            )
     if kind != "default":
-        rotary["scaling"] = _scaling_of(kind, parameters, config)
-    if getattr(config, "model_type", None) in INTERLEAVED_ROTARY:
+        rotary["scaling"] = _scaling_of(kind, parameters, config, by_layer_type=by_layer_type)
+    if model_type in INTERLEAVED_ROTARY:
         rotary["interleaved"] = True
     return rotary
 
@@ -110,8 +157,11 @@ _ROPE_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _scaling_of(kind: str, parameters: dict[str, Any], config: Any) -> dict[str, Any]:
-    """The ``scaling`` of a type's checked ``rope_parameters``, read as transformers reads it."""
+def _scaling_of(
+    kind: str, parameters: dict[str, Any], config: Any, *, by_layer_type: bool
+) -> dict[str, Any]:
+    """The ``scaling`` of a type's checked ``rope_parameters``, read as transformers reads
+    it (``by_layer_type``: those of a layer type, of settings given by layer type)."""
     # transformers treats these as unset where None (and YaRN's betas and
     # mscales where 0: ``or`` and truthiness in its code).
     falsy_unset = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -120,15 +170,22 @@ def _scaling_of(kind: str, parameters: dict[str, Any], config: Any) -> dict[str,
         for name, value in parameters.items()
         if value is not None and not (name in falsy_unset and not value)
     }
-    longest = getattr(config, "max_position_embeddings", None)
-    if kind in ("llama3", "yarn", "longrope") and "original_max_position_embeddings" not in scaling:
-        # transformers' standardize_rope_params: the config's own field, else its context length.
-        original = getattr(config, "original_max_position_embeddings", None) or longest
-        scaling["original_max_position_embeddings"] = original
+    if kind in ("llama3", "yarn", "longrope"):
+        # transformers' standardize_rope_params: Phi-3's own original_max_position_embeddings
+        # over the parameters' (but in settings by layer type), else the parameters', else
+        # the config's context length.
+        own = None
+        if getattr(config, "model_type", None) in OWN_CONTEXT_LENGTH and not by_layer_type:
+            own = getattr(config, "original_max_position_embeddings", None)
+        if own is not None:
+            scaling["original_max_position_embeddings"] = own
+        elif "original_max_position_embeddings" not in scaling:
+            scaling["original_max_position_embeddings"] = _context_length(config, kind)
     if kind == "dynamic":
-        scaling["max_position_embeddings"] = longest
+        scaling["max_position_embeddings"] = _context_length(config, kind)
     if kind == "longrope" and "factor" not in scaling:
         # transformers: the ratio of the context lengths, where the config has no factor.
+        longest = _context_length(config, kind)
         scaling["factor"] = longest / scaling["original_max_position_embeddings"]
     if kind == "longrope":
         for name in ("short_factor", "long_factor"):
@@ -136,15 +193,33 @@ def _scaling_of(kind: str, parameters: dict[str, Any], config: Any) -> dict[str,
     return {"rope_type": kind, **scaling}
 
 
-def _layer_parameters(config: Any, layer_type: str | None) -> dict[str, Any]:
-    """``config.rope_parameters``, those of ``layer_type`` where they are keyed by layer type."""
+def _context_length(config: Any, kind: str) -> int:
+    """The config's ``max_position_embeddings``, which rotary type ``kind`` reads.
+
+    Raises:
+        ValueError: the config has none (its config class's default, which a checkpoint's
+            config without it would take, is not known here).
+    """
+    longest = getattr(config, "max_position_embeddings", None)
+    if longest is None:
+        raise ValueError(
+            f"rope_type {kind!r} reads the config's max_position_embeddings, which it lacks: "
+            "only transformers' config class knows its default (re-save the config with "
+            "transformers >= 5)"
+        )
+    return longest
+
+
+def _layer_parameters(config: Any, layer_type: str | None) -> tuple[dict[str, Any], bool]:
+    """``config.rope_parameters``, those of ``layer_type`` where they are keyed by layer type,
+    and whether they are."""
     parameters = dict(getattr(config, "rope_parameters", None) or {})
     layer_types = set(getattr(config, "layer_types", None) or ())
     if not (parameters and set(parameters) <= layer_types):
-        return parameters
+        return parameters, False
     if layer_type not in parameters or parameters[layer_type] is None:
         raise ValueError(
             f"the config's rope_parameters are given by layer type ({sorted(parameters)}); "
             f"layer_type {layer_type!r} has none: pass the block's own layer type"
         )
-    return dict(parameters[layer_type])
+    return dict(parameters[layer_type]), True

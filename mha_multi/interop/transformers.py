@@ -45,6 +45,7 @@ from mha_multi.interop.llama_state import (
     fold_scale,
     llama_arrays,
 )
+from mha_multi.interop.rotary_config import OWN_CONTEXT_LENGTH
 
 __all__ = ["REQUIRED_FIELDS", "attention_layers", "attention_state", "model_config"]
 
@@ -62,6 +63,12 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "qwen3": ("rms_norm_eps",),
     "olmo2": ("rms_norm_eps",),
 }
+#: Model types whose config class's default ``rope_theta`` is not transformers' 10^4
+#: (Cohere's 5 * 10^5, gpt-oss' 1.5 * 10^5): their configs must give it.
+_OWN_THETA = ("cohere", "gpt_oss")
+#: The rotary types that read ``original_max_position_embeddings`` (with Phi-3's names
+#: for its ``longrope``).
+_ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope", "su")
 #: Model types whose ``sliding_window`` applies only where ``use_sliding_window`` is set
 #: (Qwen's: the flag's default is ``False``).
 _WINDOW_FLAGGED = ("qwen2", "qwen3")
@@ -118,6 +125,13 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
                 "transformers' config class can fill in: re-save the config with "
                 "transformers >= 5 (AutoConfig.from_pretrained(...).save_pretrained(...))"
             )
+    missing = _class_defaults(config, model_type)
+    if missing:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} needs the field {missing[0]!r} here, whose "
+            "default only transformers' config class knows: re-save the config with "
+            "transformers >= 5 (AutoConfig.from_pretrained(...).save_pretrained(...))"
+        )
     prefix = _block_of(model_type)[: -len("Attention")]
     for architecture in config.get("architectures") or ():
         if architecture not in {prefix + head for head in _HEADS}:
@@ -156,6 +170,24 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
         namespace.rope_parameters = _gemma3_rope(config)
     check_config_fields(namespace, _block_of(model_type))
     return namespace
+
+
+def _class_defaults(config: Mapping[str, Any], model_type: str) -> list[str]:
+    """The rotary fields ``config`` leaves to its config class's own default: ``rope_theta``
+    (:data:`_OWN_THETA`), and with a scaled rotary type ``original_max_position_embeddings``
+    (:data:`~mha_multi.interop.rotary_config.OWN_CONTEXT_LENGTH`)."""
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    missing = []
+    if model_type in _OWN_THETA and "rope_theta" not in config and "rope_theta" not in parameters:
+        missing.append("rope_theta")
+    kind = parameters.get("rope_type") or parameters.get("type")
+    if (
+        model_type in OWN_CONTEXT_LENGTH
+        and kind in _ORIGINAL_LENGTH_TYPES
+        and config.get("original_max_position_embeddings") is None
+    ):
+        missing.append("original_max_position_embeddings")
+    return missing
 
 
 def _default_layer_types(config: SimpleNamespace) -> list[str] | None:

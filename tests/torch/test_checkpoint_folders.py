@@ -28,6 +28,7 @@ from transformers_checkpoints import CHECKPOINTS, FOLDERS, loaded, results  # no
 from mha_multi import spec  # noqa: E402
 from mha_multi.interop.families import layer_window  # noqa: E402
 from mha_multi.interop.llama import from_llama  # noqa: E402
+from mha_multi.interop.rotary_config import PARTIAL_ROTARY, rotary_of  # noqa: E402
 from mha_multi.interop.transformers import _check_fits, attention_layers, model_config  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
@@ -177,3 +178,120 @@ def test_blocks_with_fixed_biases_refuse_tensors_that_differ():
         with pytest.raises(ValueError, match=f"a '{model_type}' block has no projection biases"):
             _check_fits(config, heads, weights)
         _check_fits(config, heads, {k: v for k, v in weights.items() if not k.startswith("b_")})
+
+
+#: The fields every config below holds (two layers of 2 heads of 8).
+_SIZES = {"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 2}
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+#: name -> a config whose rotary settings transformers' config class reads otherwise
+#: than at first sight: its own fields over the parameters', or its own defaults.
+ROTARY_READINGS = {
+    # Phi-3's own original_max_position_embeddings over its parameters'.
+    "phi3, its own context length": {
+        "model_type": "phi3",
+        "max_position_embeddings": 64,
+        "original_max_position_embeddings": 8,
+        "rope_parameters": {
+            **_LONGROPE,
+            "rope_theta": 100.0,
+            "original_max_position_embeddings": 16,
+        },
+    },
+    # Not a config's own field (but Phi-3's): the parameters'.
+    "llama, its own context length": {
+        "model_type": "llama",
+        "max_position_embeddings": 64,
+        "original_max_position_embeddings": 32,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 100.0,
+            "factor": 2.0,
+            "original_max_position_embeddings": 16,
+        },
+    },
+    "llama, its own context length unread": {
+        "model_type": "llama",
+        "max_position_embeddings": 64,
+        "original_max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 2.0},
+    },
+    "llama, the context length for yarn": {
+        "model_type": "llama",
+        "max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 2.0},
+    },
+    # Only Phi-3's blocks rotate part of each head.
+    "qwen3, partial_rotary_factor": {
+        "model_type": "qwen3",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100.0},
+        "partial_rotary_factor": 0.5,
+    },
+    "phi3, partial_rotary_factor": {
+        "model_type": "phi3",
+        "rope_theta": 100.0,
+        "partial_rotary_factor": 0.5,
+    },
+    "cohere, rope_theta": {"model_type": "cohere", "rope_theta": 300.0},
+}
+
+
+@pytest.mark.parametrize("name", list(ROTARY_READINGS))
+def test_rotary_settings_read_as_the_config_class_reads_them(name):
+    fields = {**_SIZES, **ROTARY_READINGS[name]}
+    theirs = transformers.AutoConfig.for_model(**fields)
+    parameters = theirs.rope_parameters
+    rotary = rotary_of(model_config(fields))
+    assert rotary["theta"] == parameters["rope_theta"]
+    partial = fields["model_type"] in PARTIAL_ROTARY
+    assert rotary["fraction"] == (parameters.get("partial_rotary_factor", 1.0) if partial else 1.0)
+    if "original_max_position_embeddings" in parameters:
+        original = parameters["original_max_position_embeddings"]
+        assert rotary["scaling"]["original_max_position_embeddings"] == original
+
+
+#: name -> (a config leaving out a field its rotary settings read, the refusal).
+ROTARY_DEFAULTS_UNKNOWN = {
+    # Cohere's and gpt-oss' config classes' rope_theta is not transformers' 10^4.
+    "cohere without rope_theta": ({"model_type": "cohere"}, "needs the field 'rope_theta'"),
+    "gpt_oss, rope_scaling without rope_theta": (
+        {
+            "model_type": "gpt_oss",
+            "sliding_window": 4,
+            "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
+        },
+        "needs the field 'rope_theta'",
+    ),
+    # Phi-3's config class has its own original_max_position_embeddings (4096).
+    "phi3's longrope without its context length": (
+        {
+            "model_type": "phi3",
+            "rope_scaling": {**_LONGROPE, "original_max_position_embeddings": 8},
+        },
+        "needs the field 'original_max_position_embeddings'",
+    ),
+    # The config classes' max_position_embeddings differ by model type.
+    "dynamic without max_position_embeddings": (
+        {"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+        "reads the config's max_position_embeddings, which it lacks",
+    ),
+    "llama3 without either context length": (
+        {
+            "model_type": "llama",
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 2.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
+        },
+        "reads the config's max_position_embeddings, which it lacks",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ROTARY_DEFAULTS_UNKNOWN))
+def test_rotary_fields_only_a_config_class_knows_are_refused(name):
+    fields, match = ROTARY_DEFAULTS_UNKNOWN[name]
+    with pytest.raises(ValueError, match=re.escape(match)):
+        rotary_of(model_config({**_SIZES, **fields}))

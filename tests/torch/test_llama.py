@@ -106,6 +106,10 @@ def test_cross_attention_weights_have_no_llama_form():
         llama_config(weights, num_heads=4)
 
 
+#: The sizes of :func:`small_block`'s blocks.
+SMALL = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4}
+
+
 def small_block(family: str, **options):
     """transformers' attention block of ``family`` (layer 0), small, random, float64, eval."""
     import importlib
@@ -113,9 +117,7 @@ def small_block(family: str, **options):
     module = importlib.import_module(
         f"transformers.models.{family.lower()}.modeling_{family.lower()}"
     )
-    config = getattr(module, f"{family}Config")(
-        hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, **options
-    )
+    config = getattr(module, f"{family}Config")(**SMALL, **options)
     # SDPA: the eager implementation takes no causal rule without a mask.
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -173,6 +175,36 @@ def _with_sinks():
     return block
 
 
+def _gemma3_yarn_by_layer_type(truncate: bool):
+    """Gemma 3's global block whose YaRN (its rotary settings by layer type) says
+    ``truncate``, which transformers reads from the settings' top level alone."""
+    from transformers.models.gemma3 import modeling_gemma3
+
+    yarn = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0}
+    config = modeling_gemma3.Gemma3TextConfig(
+        **SMALL,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {
+                **yarn,
+                "original_max_position_embeddings": 64,
+                "truncate": truncate,
+            },
+        },
+    )
+    return modeling_gemma3.Gemma3Attention(config, layer_idx=1).double()
+
+
+def test_a_layer_types_yarn_truncate_transformers_reads_converts():
+    """A layer type's ``truncate=True`` is what transformers computes anyway."""
+    _, kwargs = from_llama(_gemma3_yarn_by_layer_type(True))
+    assert kwargs["rotary"]["scaling"]["rope_type"] == "yarn"
+    assert "truncate" not in kwargs["rotary"]["scaling"]
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [
@@ -203,6 +235,24 @@ def _with_sinks():
             )[1],
             r"rope_parameters field\(s\) \['ramp_power'\] of rope_type 'yarn'",
         ),
+        (
+            # Llama's block rotates whole heads: a scaled rotary type's fewer frequencies
+            # fail its forward.
+            lambda: small_block(
+                "Llama",
+                rope_parameters={
+                    "rope_type": "linear",
+                    "factor": 2.0,
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                },
+            )[1],
+            "partial_rotary_factor 0.5 with rope_type 'linear' is not supported",
+        ),
+        (
+            lambda: _gemma3_yarn_by_layer_type(False),
+            r"rope_parameters\['full_attention'\] sets truncate=False",
+        ),
         (_with_sinks, r"unexpected Llama attention entries \['sinks'\]"),
         (_llama_block_of_cohere_config, "LlamaAttention with a config of model_type 'cohere'"),
     ],
@@ -212,6 +262,8 @@ def _with_sinks():
         "qk norm",
         "unknown rotary type",
         "unknown field of a rotary type",
+        "part of whole heads, scaled",
+        "a layer type's truncate",
         "extra entry",
         "another model's config",
     ],

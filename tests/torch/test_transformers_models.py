@@ -60,6 +60,54 @@ CAUSAL_LMS = {
 }
 
 
+#: Families whose config fields below their models do not read as they say, beside
+#: :data:`CAUSAL_LMS`: each model type's causal LM class.
+FIELD_LMS = {
+    "mistral": ("mistral", "MistralConfig", "MistralForCausalLM", {}),
+    "olmo2": ("olmo2", "Olmo2Config", "Olmo2ForCausalLM", {}),
+    "cohere": ("cohere", "CohereConfig", "CohereForCausalLM", {}),
+}
+#: (family, config options): fields a family's model reads otherwise than they say.
+#: Llama's, OLMo 2's and Cohere's models have no window whatever sliding_window says;
+#: Mistral's and Phi-3's slide on every layer whatever layer_types say; the default
+#: rotary type of every family but Phi-3 rotates whole heads whatever
+#: partial_rotary_factor says.
+UNREAD_FIELDS = {
+    "llama, sliding_window": ("llama", {"sliding_window": 4}),
+    "olmo2, sliding_window": ("olmo2", {"sliding_window": 4}),
+    "cohere, sliding_window": ("cohere", {"sliding_window": 4}),
+    "mistral, layer_types": (
+        "mistral",
+        {"sliding_window": 4, "layer_types": ["full_attention"] * 2},
+    ),
+    "phi3, layer_types": ("phi3", {"sliding_window": 4, "layer_types": ["full_attention"] * 2}),
+    "qwen3, partial_rotary_factor": (
+        "qwen3",
+        {
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+            }
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(UNREAD_FIELDS))
+def test_fields_a_model_does_not_read_convert_as_it_reads_them(name):
+    family, options = UNREAD_FIELDS[name]
+    model = causal_lm(family, torch.float64, **options)
+    ids, mask = left_padded(3, 12, seed=1)
+    real = mask.bool()
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        replace_attention(model, max_length=12)
+        logits = model(ids, attention_mask=mask).logits
+    # (Rotary angles in float32, as transformers computes them.)
+    assert (logits - expected)[real].abs().max().item() <= 1e-6
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_fixture_holds_what_transformers_computes(model):
     stored = load()[model]
@@ -71,9 +119,11 @@ def test_fixture_holds_what_transformers_computes(model):
         np.testing.assert_allclose(value, stored[name], rtol=0, atol=1e-12)
 
 
-def causal_lm(family: str, dtype: torch.dtype):
-    """A tiny random causal LM of ``family`` (two layers, grouped heads), eval."""
-    model_type, config_class, model_class, options = CAUSAL_LMS[family]
+def causal_lm(family: str, dtype: torch.dtype, **extra):
+    """A tiny random causal LM of ``family`` (two layers, grouped heads), eval, with
+    the config options ``extra`` beside the family's."""
+    model_type, config_class, model_class, options = CAUSAL_LMS.get(family) or FIELD_LMS[family]
+    options = {**options, **extra}
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     config = getattr(module, config_class)(
         vocab_size=97,
