@@ -62,8 +62,8 @@ class StepRoute:
         Taken where the generic flow would, at this step, check its arguments
         as it did for the same shapes before and run SDPA after one
         finiteness read (or, on a GPU, the generic path's attention, which
-        reads nothing): an eager step recording no gradient, no autocast, one
-        query per example, a cache whose check (:class:`CacheCheck`) still
+        reads nothing): an eager step recording no gradient, no autocast, outside
+        ``torch.func``'s transforms, one query per example, a cache whose check (:class:`CacheCheck`) still
         holds, every example at a length ``>= 1`` with room for one more
         (examples at different lengths: :func:`ragged_step`). Its new rows
         are written in place at that position, and it attends over the
@@ -83,11 +83,14 @@ class StepRoute:
         before writing anything, and the generic flow runs the step (docs:
         "Fast paths").
         """
-        # (No step records a gradient: a cached call that does takes the generic flow.)
+        # (No step records a gradient: a cached call that does takes the generic flow; nor
+        # writes in place under torch.func's transforms: torch.vmap's examples each make
+        # a cache of their own there.)
         if (
             type(queries) is not torch.Tensor
             or torch.is_grad_enabled()
             or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()
         ):
             return None
         check = self._plain_step_check(queries, cache)

@@ -7,12 +7,15 @@ that the transforms batch and differentiate (docs: "Fast paths").
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 from torch.func import functional_call, grad, vmap
 
 from mha_multi import spec
+from mha_multi.parity.harness.torch import as_if_on_a_gpu
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
 from mha_multi.weights import init_weights
 
@@ -126,3 +129,41 @@ def test_vmap_over_decoding_with_a_cache_per_example(options):
         )
         generated = np.concatenate([o[i] for o in outputs], axis=1)
         np.testing.assert_allclose(generated, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "options", {**LAYERS, "soft-capped": {"softcap": 30.0}}.values(), ids=[*LAYERS, "soft-capped"]
+)
+@pytest.mark.parametrize("gpu", [False, True], ids=["host", "as on a GPU"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+def test_vmap_over_decoding_steps_of_one_cache_leaves_it_as_it_was(options, gpu, ragged):
+    """A prompt written in place, then one decoding step of several candidate tokens
+    under ``vmap`` over that one cache: the steps the route would take eagerly (its
+    check holds the cache) write nothing in place there, and each candidate gets the
+    reference's output and a cache of its own."""
+    layer = _layer(options).eval()
+    rng = np.random.default_rng(4)
+    prompt, tokens = rng.standard_normal((2, 3, 16)), rng.standard_normal((3, 2, 1, 16))
+    lens = np.array([3, 2]) if ragged else None
+    with as_if_on_a_gpu() if gpu else contextlib.nullcontext(), torch.no_grad():
+        x = torch.from_numpy(prompt)
+        valid_lens = None if lens is None else torch.from_numpy(lens)
+        _, cache = layer(x, x, x, valid_lens, causal=True, cache=layer.init_cache(2, 6))
+        before = [array.clone() for array in cache]
+
+        def one(token):
+            output, updated = layer(token, token, token, causal=True, cache=cache)
+            return output, updated.lengths
+
+        out, lengths = vmap(one)(torch.from_numpy(tokens))
+    for array, kept in zip(cache, before, strict=True):
+        assert torch.equal(array, kept)
+    filled = np.array([3, 2] if ragged else [3, 3])
+    assert lengths.tolist() == [(filled + 1).tolist()] * 3
+    weights = get_weights(layer)
+    held = spec.KVCache(*(array.numpy() for array in before))
+    for i in range(3):
+        expected, _, _ = spec.reference_cached_forward(
+            weights, tokens[i], tokens[i], tokens[i], held, num_heads=2, causal=True, **options
+        )
+        np.testing.assert_allclose(out[i].numpy(), expected, rtol=1e-10, atol=1e-12)
