@@ -63,8 +63,9 @@ class StepRoute:
         as it did for the same shapes before and run SDPA after one
         finiteness read (or, on a GPU, the generic path's attention, which
         reads nothing): an eager step recording no gradient, no autocast, outside
-        ``torch.func``'s transforms, one query per example, a cache whose check (:class:`CacheCheck`) still
-        holds, every example at a length ``>= 1`` with room for one more
+        ``torch.func``'s transforms, one query per example, a cache whose check
+        (:class:`CacheCheck`) still holds, every example at a length ``>= 1``
+        with room for one more
         (examples at different lengths: :func:`ragged_step`). Its new rows
         are written in place at that position, and it attends over the
         filled positions (rounded up to the span bucket, ``span_bucket_of``,
