@@ -255,11 +255,21 @@ class ProjectionLayer(keras.layers.Layer):
             (:func:`mha_multi.keras.sharding.cache_layout`).
 
         Raises:
-            TypeError: ``batch_size`` or ``max_length`` is not an int.
+            TypeError: ``batch_size`` or ``max_length`` is not an int, or
+                ``dtype`` is not floating.
             ValueError: either is negative.
         """
         shape = spec.cache_shape(batch_size, max_length, self._heads)
-        dtype = self.compute_dtype if dtype is None else keras.backend.standardize_dtype(dtype)
+        if dtype is None:
+            dtype = self.compute_dtype
+        else:
+            try:
+                standard = keras.backend.standardize_dtype(dtype)
+            except ValueError:  # (no dtype Keras knows)
+                standard = None
+            floating = standard is not None and keras.backend.is_float_dtype(standard)
+            spec.check_new_cache_dtype("f" if floating else None, dtype)
+            dtype = standard
         variable = self.W_o.value
         # A traced value (stateless_call under jax.jit) has no device to ask;
         # the trace places the cache.

@@ -264,11 +264,20 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
             head_dim)`` and zero ``lengths`` ``(batch_size,)`` int32.
 
         Raises:
-            TypeError: ``batch_size`` or ``max_length`` is not an int.
+            TypeError: ``batch_size`` or ``max_length`` is not an int, or
+                ``dtype`` is not floating.
             ValueError: either is negative.
         """
         shape = spec.cache_shape(batch_size, max_length, self._heads)
-        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        if dtype is None:
+            dtype = self.dtype
+        else:
+            try:
+                kind = np.dtype(dtype).kind
+            except TypeError:  # (no dtype numpy knows)
+                kind = None
+            spec.check_new_cache_dtype(kind, dtype)
+            dtype = np.dtype(dtype)
         if ctx is None:
             try:
                 ctx = self.W_o.weight.list_ctx()[0]

@@ -44,6 +44,7 @@ from mha_multi.spec.cache import (
     cache_shape,
     cached_visibility,
     check_cache_dtype,
+    check_new_cache_dtype,
     row_positions,
     update_cache,
 )
@@ -195,6 +196,7 @@ __all__ = [
     "attention_by_kv_heads",
     "cache_shape",
     "check_cache_dtypes",
+    "check_new_cache_dtype",
     "check_cache_values",
     "check_cached_call",
     "check_cached_inputs",

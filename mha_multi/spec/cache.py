@@ -48,6 +48,24 @@ def cache_shape(batch_size: Any, max_length: Any, heads: Heads) -> tuple[int, in
     return (int(batch_size), heads.num_kv_heads, int(max_length), heads.head_dim)
 
 
+def check_new_cache_dtype(kind: str | None, dtype: Any) -> None:
+    """Raises unless a new cache's keys and values are of a floating dtype (every
+    backend's ``init_cache``).
+
+    Args:
+        kind: the dtype's kind, ``"f"`` for floating (``None`` for what is no dtype).
+        dtype: the dtype as the caller gave it, for the message.
+
+    Raises:
+        TypeError: naming ``dtype``.
+    """
+    if kind != "f":
+        raise TypeError(
+            "init_cache's dtype must be a floating dtype of the layer's framework or None; "
+            f"got {dtype!r}"
+        )
+
+
 #: ``scatter(held, rows, positions, kept)``: ``held`` ``(B, H_kv, M, dh)`` with row ``t``
 #: of example ``b`` of ``rows`` ``(B, T, H_kv, dh)`` at position ``positions[b, t]`` where
 #: ``kept[b, t]`` (:func:`row_positions`), every other position as it was.

@@ -188,8 +188,8 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
         shape = spec.cache_shape(batch_size, max_length, self._heads)
         parameter = self.W_o.weight
         dtype = parameter.dtype if dtype is None else dtype
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point torch.dtype or None; got {dtype!r}")
+        floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
+        spec.check_new_cache_dtype("f" if floating else None, dtype)
         # Ordinary tensors even under torch.inference_mode(): their versions
         # are what lets a decoding step trust the last step's check.
         with versioned():

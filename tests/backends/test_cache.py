@@ -11,6 +11,8 @@ for the gradients of a cached call.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from parity_support import checks_within_tolerance
@@ -338,6 +340,18 @@ def test_init_cache_is_empty_and_of_the_layers_dtype(runner):
         # The cache's dtype is the layer's.
         assert dtype in str(cache.keys.dtype) and dtype in str(cache.values.dtype)
         assert "int32" in str(cache.lengths.dtype)
+
+
+def test_init_cache_refuses_a_dtype_that_is_not_floating(runner):
+    """An integer cache is refused where it is made, with the same message everywhere
+    (a call would refuse it later, as of another dtype than the projections')."""
+    config, weights, _, _ = setup("gqa_bias", 0)
+    layer = layer_of(runner, weights, config)
+    layer = getattr(layer, "module", layer)  # (Linen's module, beside its variables)
+    integer = runner.native_lens(np.array([1])).dtype  # (the framework's own integer dtype)
+    message = "init_cache's dtype must be a floating dtype of the layer's framework or None"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        layer.init_cache(2, 5, dtype=integer)
 
 
 @pytest.mark.parametrize(

@@ -144,7 +144,7 @@ def test_init_cache_takes_a_floating_dtype():
     assert cache.lengths.dtype == torch.int32
     assert layer.double().init_cache(1, 2).keys.dtype == torch.float64
     for dtype in (torch.int64, "float32"):
-        with pytest.raises(TypeError, match="floating-point torch.dtype"):
+        with pytest.raises(TypeError, match="must be a floating dtype of the layer.s framework"):
             layer.init_cache(2, 5, dtype=dtype)
 
 
