@@ -451,6 +451,11 @@ def forward(
         )
         if result is not None:
             return result
+    if return_attention_weights is not False and return_attention_weights is not True:
+        # (Asked here, not inside: a call of a bool makes no function call for it.)
+        return_attention_weights = spec.check_flag(
+            "return_attention_weights", return_attention_weights
+        )
     heads = layer.heads
     if cache is None:
         queries, keys, values, lens = check_call(

@@ -123,7 +123,7 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
         self.num_hiddens = int(num_hiddens)
         self.num_heads = int(num_heads)
         self.dropout = float(dropout)
-        self.bias = bool(bias)
+        self.bias = spec.check_flag("bias", bias)
         self.deterministic = bool(deterministic)
         self.dtype = dtype
         self.param_dtype = param_dtype

@@ -109,6 +109,7 @@ class MultiHeadAttention(nn.Module):
             query_size=self.query_size, key_size=self.key_size, value_size=self.value_size
         )
         check_implementation(self.implementation)
+        spec.check_flag("bias", self.bias)
         self.layer_options()
         super().__post_init__()
 

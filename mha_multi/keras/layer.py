@@ -148,7 +148,7 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
         self.dropout = float(dropout)
         # Set where a distribution splits the heads over devices (docs: "Sharding heads").
         self._head_parallel = False
-        self.bias = bool(bias)
+        self.bias = spec.check_flag("bias", bias)
         self.seed = seed
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
@@ -194,6 +194,11 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
                 # Keras would cast it to the layer's dtype without a word.
                 raise TypeError(f"{name} must be a floating-point array; got {value.dtype}")
         spec.check_causal(kwargs.get("causal", False))
+        weights = kwargs.get("return_attention_weights", False)
+        if weights is not False and weights is not True:  # (Keras would make it a tensor)
+            kwargs["return_attention_weights"] = spec.check_flag(
+                "return_attention_weights", weights
+            )
         if kwargs.get("head_mask") is not None:  # Keras would pass a list on as it is
             FACTS.as_gates(kwargs["head_mask"], None)
         if cached:

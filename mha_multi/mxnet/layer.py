@@ -136,7 +136,7 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
         self.num_kv_heads = self._heads.num_kv_heads
         self.head_dim = self._heads.head_dim
         self.dropout = float(dropout)
-        self.bias = bool(bias)
+        self.bias = spec.check_flag("bias", bias)
         query_features, kv_features = self._heads.query_features, self._heads.kv_features
         in_units = {"q": query_size, "k": key_size, "v": value_size, "o": query_features}
         units = {"q": query_features, "k": kv_features, "v": kv_features, "o": self.num_hiddens}
@@ -396,6 +396,10 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
                 included); with a cache, lengths out of range or a cache that
                 would overflow.
         """
+        if return_attention_weights is not False and return_attention_weights is not True:
+            return_attention_weights = spec.check_flag(
+                "return_attention_weights", return_attention_weights
+            )
         result = call.forward(
             FACTS,
             self,
@@ -404,7 +408,7 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
             values,
             valid_lens,
             causal=causal,
-            return_attention_weights=bool(return_attention_weights),
+            return_attention_weights=return_attention_weights,
             cache=cache,
             head_mask=head_mask,
             positions=positions,
@@ -416,4 +420,4 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
             # only while autograd records in training mode).
             run=run,
         )
-        return result.returned(bool(return_attention_weights))
+        return result.returned(return_attention_weights)

@@ -164,15 +164,21 @@ def check_sizes_known(sizes: Mapping[str, int | None]) -> None:
         )
 
 
-def check_causal(causal: Any) -> None:
-    """Raises ``TypeError`` unless ``causal`` is a bool.
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool; raises ``TypeError`` naming ``name`` unless it is one.
 
     A string such as ``"False"`` is truthy and an array has no single truth
-    value, so anything but a bool would silently turn the mask on or fail
-    deep inside a framework.
+    value, so anything but a bool would silently switch the flag on (a mask,
+    biases, the weights returned) or fail deep inside a framework.
     """
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool; got {causal!r} of type {type(causal).__name__}")
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r} of type {type(value).__name__}")
+    return bool(value)
+
+
+def check_causal(causal: Any) -> None:
+    """Raises ``TypeError`` unless ``causal`` is a bool (:func:`check_flag`)."""
+    check_flag("causal", causal)
 
 
 def check_inputs(

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mha_multi.spec.checks import check_positive_int, check_positive_real, one_of
+from mha_multi.spec.checks import check_flag, check_positive_int, check_positive_real, one_of
 from mha_multi.spec.norms import QKNorm, check_qk_norm
 from mha_multi.spec.ops import Array
 from mha_multi.spec.rotary import Rotary, check_rotary
@@ -23,10 +23,8 @@ from mha_multi.spec.sinks import check_sinks
 
 
 def check_alibi(alibi: Any) -> bool:
-    """Raises ``TypeError`` unless ``alibi`` is a bool (as :func:`check_causal`)."""
-    if not isinstance(alibi, (bool, np.bool_)):
-        raise TypeError(f"alibi must be a bool; got {alibi!r} of type {type(alibi).__name__}")
-    return bool(alibi)
+    """Raises ``TypeError`` unless ``alibi`` is a bool (:func:`check_flag`)."""
+    return check_flag("alibi", alibi)
 
 
 def check_window(window: Any) -> int | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from mha_multi.spec.checks import check_flag
 from mha_multi.spec.ops import Array, ArrayOps
 
 
@@ -75,10 +76,8 @@ def sink_softmax_backward(
 
 
 def check_sinks(sinks: Any) -> bool:
-    """Raises ``TypeError`` unless ``sinks`` is a bool (as :func:`check_alibi`)."""
-    if not isinstance(sinks, (bool, np.bool_)):
-        raise TypeError(f"sinks must be a bool; got {sinks!r} of type {type(sinks).__name__}")
-    return bool(sinks)
+    """Raises ``TypeError`` unless ``sinks`` is a bool (:func:`check_flag`)."""
+    return check_flag("sinks", sinks)
 
 
 def sink_logits_of(weights: Mapping[str, Any], sinks: bool, num_heads: int) -> Array | None:

@@ -103,7 +103,7 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
         self.num_heads = self._heads.num_heads
         self.num_kv_heads = self._heads.num_kv_heads
         self.head_dim = self._heads.head_dim
-        self.bias = bool(bias)
+        self.bias = spec.check_flag("bias", bias)
         #: The positions and biases options (docs: "Positions and biases").
         self.options = options
         query_features, kv_features = self._heads.query_features, self._heads.kv_features

@@ -407,6 +407,24 @@ def test_causal_must_be_a_bool(runner, causal):
             )
 
 
+@pytest.mark.parametrize("flag", ["False", 1, np.array(True)])
+def test_the_other_flags_must_be_bools(runner, flag):
+    """``bias`` and ``return_attention_weights`` as ``causal``: a string would switch
+    the biases on, or return the weights; a NumPy bool is a bool."""
+    weights = init_weights(8, seed=7)
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        runner.make_layer(8, 2, bias=flag, query_size=8, key_size=8, value_size=8)
+    layer = layer_with(runner, weights, 2)
+    rng = np.random.default_rng(7)
+    f32 = [rng.standard_normal((2, n, 8)).astype(np.float32) for n in (3, 4, 4)]
+    with pytest.raises(TypeError, match="return_attention_weights must be a bool"):
+        runner.call(layer, *f32, return_attention_weights=flag)
+    output, weights_given = runner.call(layer, *f32, return_attention_weights=np.bool_(True))
+    expected, expected_weights = spec.reference_forward(weights, *f32, num_heads=2)
+    np.testing.assert_allclose(output, expected, atol=5e-6)
+    np.testing.assert_allclose(weights_given, expected_weights, atol=5e-6)
+
+
 @pytest.mark.parametrize("position", [0, 1, 2])
 def test_python_lists_are_not_arrays(runner, position):
     weights = init_weights(8, seed=8)
