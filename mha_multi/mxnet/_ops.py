@@ -95,6 +95,9 @@ class MXNetOps(spec.NumpyDtypes):
         self._input_dtypes = {k: np.dtype(v).name for k, v in (input_dtypes or {}).items()}
         self._input_shapes = dict(input_shapes or {})
 
+    def flushed_positive(self, x: Array) -> None:
+        return None  # (MXNet's comparisons take subnormal numbers as they are; nor views bits)
+
     # -- layout -------------------------------------------------------------
 
     def split_axis(self, x: Array, axis: int, sizes: tuple[int, int]) -> Array:

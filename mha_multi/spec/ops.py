@@ -108,6 +108,13 @@ class ArrayOps(Protocol):
 
     def ndim(self, x: Array) -> int: ...
 
+    def flushed_positive(self, x: Array) -> Array | None:
+        """Where floating ``x`` (float32 or float64) is positive and below the dtype's
+        smallest normal number, which the framework's comparisons take as 0 (XLA's
+        and TensorFlow's CPU kernels flush such numbers to zero): booleans of ``x``'s
+        shape, found by its bits; ``None`` where the framework compares them as they
+        are."""
+
     # Used only by fused paths (:func:`fix_fully_hidden_rows`).
 
     def any_last(self, x: Array) -> Array:
@@ -211,6 +218,9 @@ class NamespaceOps:
 
     def largest(self, x: Array) -> Array:
         return self.xp.max(x)
+
+    def flushed_positive(self, x: Array) -> Array | None:
+        return None  # (numpy's comparisons take subnormal numbers as they are)
 
 
 class NumpyOps(NumpyDtypes, NamespaceOps):

@@ -36,7 +36,9 @@ def visibility(
         num_keys: ``K``, likewise.
         valid_lens: ``None``, ``(B,)`` or ``(B, Q)``, integer or floating.
             Key ``j`` is visible to query ``i`` of example ``b`` iff
-            ``j < valid_lens[b]`` (or ``valid_lens[b, i]``).
+            ``j < valid_lens[b]`` (or ``valid_lens[b, i]``), subnormal
+            floating lengths included where the framework flushes them to
+            zero (:meth:`ArrayOps.flushed_positive`).
         causal: additionally hide key ``j`` from query ``i`` when
             ``j > i_abs``, where ``i_abs = i + (K - Q)`` (bottom-right
             aligned) or ``query_positions[b, i]``.
@@ -74,7 +76,15 @@ def visibility(
         lens = ops.expand_dims(valid_lens, -1)  # (B, 1) or (B, Q, 1)
         if ops.ndim(valid_lens) == 1:
             lens = ops.expand_dims(lens, -1)  # (B, 1, 1)
-        visible = ops.expand_dims(ops.less(key_positions, lens), 1)  # (B, 1, 1|Q, K)
+        visible = ops.less(key_positions, lens)
+        flushed = None if kind != "f" else ops.flushed_positive(lens)
+        if flushed is not None:
+            # A positive length below the smallest normal number shows key 0 (0 < len),
+            # which a framework that flushes it to zero compares as 0: its bits tell.
+            shown = ops.logical_and(flushed, ops.less(key_positions, 1))
+            hidden = ops.logical_and(ops.logical_not(visible), ops.logical_not(shown))
+            visible = ops.logical_not(hidden)
+        visible = ops.expand_dims(visible, 1)  # (B, 1, 1|Q, K)
     rules = []
     if causal and query_positions is None:
         # j <= i + (K - Q)  <=>  K - 1 - j >= Q - 1 - i: distances from the end

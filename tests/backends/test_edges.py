@@ -307,8 +307,23 @@ def test_visible_scores_below_the_mask_value_lose_to_hidden_keys_on_every_path(r
         np.array([2**31, 1], np.int64),
         np.array([2**63 + 5, 3], np.uint64),
         np.array([[2**40, 0, -(2**40)], [1, 2**33, 3]], np.int64),
+        # Below the smallest normal number: key 0 shown (0 < len), where XLA's and
+        # TensorFlow's kernels flush such numbers to zero before comparing.
+        np.array([[1e-45, 1e-40, -1e-45], [0.0, 2.0, 1e-38]], np.float32),
+        np.array([5e-324, 1e-310]),
     ],
-    ids=["nan_zero", "nan_f32", "nan_inf_2d", "2^62", "maxsize", "2^31", "uint64", "2d_large"],
+    ids=[
+        "nan_zero",
+        "nan_f32",
+        "nan_inf_2d",
+        "2^62",
+        "maxsize",
+        "2^31",
+        "uint64",
+        "2d_large",
+        "subnormal_f32",
+        "subnormal_f64",
+    ],
 )
 def test_extreme_lengths_mean_what_they_say(runner, available_device, lens):
     rng = np.random.default_rng(5)
