@@ -11,16 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["INTERLEAVED_ROTARY", "OWN_CONTEXT_LENGTH", "PARTIAL_ROTARY", "rotary_of"]
+__all__ = ["INTERLEAVED_ROTARY", "OWN_CONTEXT_LENGTH", "WHOLE_HEAD_ROTARY", "rotary_of"]
 
 #: Model types whose rotary embedding pairs entry ``2 i`` with ``2 i + 1``
 #: (Cohere's ``rotate_half``); the others pair ``i`` with ``i + dim / 2``.
 INTERLEAVED_ROTARY = frozenset({"cohere"})
-#: Model types whose blocks rotate the first ``partial_rotary_factor`` of each head
-#: (Phi-3's). The other known blocks rotate whole heads: their default rotary type
-#: does not read the factor, and a scaled one that does gives fewer frequencies
-#: than their rotation takes (transformers' forward fails).
-PARTIAL_ROTARY = frozenset({"phi3"})
+#: Known model types whose blocks rotate whole heads: their default rotary type does
+#: not read ``partial_rotary_factor``, and a scaled one that does gives fewer
+#: frequencies than their rotation takes (transformers' forward fails). Phi-3's
+#: blocks, and configs of no known model type, rotate the first fraction of each head.
+WHOLE_HEAD_ROTARY = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "cohere", "olmo2", "gpt_oss"}
+)
 #: Model types whose config class has an ``original_max_position_embeddings`` of its
 #: own (Phi-3's, 4096 unless given), which a scaled rotary type takes over its
 #: parameters'; other configs' field of that name is not read.
@@ -46,9 +48,9 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     ``original_max_position_embeddings`` is Phi-3's own field
     (:data:`OWN_CONTEXT_LENGTH`), else the parameters', else
     ``max_position_embeddings``. Phi-3's ``su``
-    and ``yarn`` are its ``longrope``. ``partial_rotary_factor`` is read
-    where the model type's blocks rotate part of each head
-    (:data:`PARTIAL_ROTARY`); the others' default rotary type rotates whole
+    and ``yarn`` are its ``longrope``. ``partial_rotary_factor`` is read but
+    where the model type's blocks rotate whole heads
+    (:data:`WHOLE_HEAD_ROTARY`), whose default rotary type rotates whole
     heads whatever it says.
 
     Args:
@@ -100,7 +102,7 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
             f"its fields are {', '.join(_ROPE_KEYS[kind]) or 'none'} (with rope_type, "
             "rope_theta and partial_rotary_factor)"
         )
-    if rotary["fraction"] != 1.0 and model_type not in PARTIAL_ROTARY:
+    if rotary["fraction"] != 1.0 and model_type in WHOLE_HEAD_ROTARY:
         if kind != "default":
             raise ValueError(
                 f"partial_rotary_factor {rotary['fraction']} with rope_type {kind!r} is not "

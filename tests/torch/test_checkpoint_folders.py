@@ -28,7 +28,8 @@ from transformers_checkpoints import CHECKPOINTS, FOLDERS, loaded, results  # no
 from mha_multi import spec  # noqa: E402
 from mha_multi.interop.families import layer_window  # noqa: E402
 from mha_multi.interop.llama import from_llama  # noqa: E402
-from mha_multi.interop.rotary_config import PARTIAL_ROTARY, rotary_of  # noqa: E402
+from mha_multi.interop.families import KNOWN_BLOCKS  # noqa: E402
+from mha_multi.interop.rotary_config import WHOLE_HEAD_ROTARY, rotary_of  # noqa: E402
 from mha_multi.interop.transformers import _check_fits, attention_layers, model_config  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
 
@@ -243,7 +244,7 @@ def test_rotary_settings_read_as_the_config_class_reads_them(name):
     parameters = theirs.rope_parameters
     rotary = rotary_of(model_config(fields))
     assert rotary["theta"] == parameters["rope_theta"]
-    partial = fields["model_type"] in PARTIAL_ROTARY
+    partial = fields["model_type"] not in WHOLE_HEAD_ROTARY
     assert rotary["fraction"] == (parameters.get("partial_rotary_factor", 1.0) if partial else 1.0)
     if "original_max_position_embeddings" in parameters:
         original = parameters["original_max_position_embeddings"]
@@ -295,3 +296,10 @@ def test_rotary_fields_only_a_config_class_knows_are_refused(name):
     fields, match = ROTARY_DEFAULTS_UNKNOWN[name]
     with pytest.raises(ValueError, match=re.escape(match)):
         rotary_of(model_config({**_SIZES, **fields}))
+
+
+def test_every_known_model_type_says_whether_its_blocks_rotate_whole_heads():
+    """A family added to the known blocks is classified: Phi-3's blocks alone rotate
+    part of each head (``apply_rotary_pos_emb`` with a pass-through part)."""
+    assert set(KNOWN_BLOCKS.values()) - WHOLE_HEAD_ROTARY == {"phi3"}
+    assert WHOLE_HEAD_ROTARY <= set(KNOWN_BLOCKS.values())
