@@ -26,9 +26,11 @@ from transformers_blocks import attention_results  # noqa: E402
 from transformers_checkpoints import CHECKPOINTS, FOLDERS, loaded, results  # noqa: E402
 
 from mha_multi import spec  # noqa: E402
-from mha_multi.interop.families import layer_window  # noqa: E402
+from mha_multi.interop.families import (
+    KNOWN_BLOCKS,
+    layer_window,
+)
 from mha_multi.interop.llama import from_llama  # noqa: E402
-from mha_multi.interop.families import KNOWN_BLOCKS  # noqa: E402
 from mha_multi.interop.rotary_config import WHOLE_HEAD_ROTARY, rotary_of  # noqa: E402
 from mha_multi.interop.transformers import _check_fits, attention_layers, model_config  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
@@ -302,4 +304,4 @@ def test_every_known_model_type_says_whether_its_blocks_rotate_whole_heads():
     """A family added to the known blocks is classified: Phi-3's blocks alone rotate
     part of each head (``apply_rotary_pos_emb`` with a pass-through part)."""
     assert set(KNOWN_BLOCKS.values()) - WHOLE_HEAD_ROTARY == {"phi3"}
-    assert WHOLE_HEAD_ROTARY <= set(KNOWN_BLOCKS.values())
+    assert set(KNOWN_BLOCKS.values()) >= WHOLE_HEAD_ROTARY
