@@ -26,10 +26,7 @@ from transformers_blocks import attention_results  # noqa: E402
 from transformers_checkpoints import CHECKPOINTS, FOLDERS, loaded, results  # noqa: E402
 
 from mha_multi import spec  # noqa: E402
-from mha_multi.interop.families import (
-    KNOWN_BLOCKS,
-    layer_window,
-)
+from mha_multi.interop.families import KNOWN_BLOCKS, layer_window  # noqa: E402
 from mha_multi.interop.llama import from_llama  # noqa: E402
 from mha_multi.interop.rotary_config import WHOLE_HEAD_ROTARY, rotary_of  # noqa: E402
 from mha_multi.interop.transformers import _check_fits, attention_layers, model_config  # noqa: E402
