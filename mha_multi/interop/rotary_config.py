@@ -48,7 +48,7 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     ``original_max_position_embeddings`` is Phi-3's own field
     (:data:`OWN_CONTEXT_LENGTH`), else the parameters', else
     ``max_position_embeddings``. Phi-3's ``su``
-    and ``yarn`` are its ``longrope``. ``partial_rotary_factor`` is read but
+    and ``yarn`` are its ``longrope``. ``partial_rotary_factor`` is read except
     where the model type's blocks rotate whole heads
     (:data:`WHOLE_HEAD_ROTARY`), whose default rotary type rotates whole
     heads whatever it says.
@@ -74,7 +74,8 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
         parameters = dict(getattr(config, "rope_scaling", None) or {})
     # (transformers' standardize_rope_params: the config's own rope_theta where the
     # parameters have none, else its config class's default, 10^4 for the types that
-    # reach here without one: a checkpoint's config must give the others', REQUIRED_FIELDS.)
+    # reach here without one: a checkpoint folder's config must give the others',
+    # mha_multi.interop.transformers.model_config.)
     if parameters.get("rope_theta") is None:
         parameters["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
     model_type = getattr(config, "model_type", None)

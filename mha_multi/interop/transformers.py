@@ -177,6 +177,8 @@ def _class_defaults(config: Mapping[str, Any], model_type: str) -> list[str]:
     (:data:`_OWN_THETA`), and with a scaled rotary type ``original_max_position_embeddings``
     (:data:`~mha_multi.interop.rotary_config.OWN_CONTEXT_LENGTH`)."""
     parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(parameters, Mapping):
+        parameters = {}  # (refused where it is read)
     missing = []
     if model_type in _OWN_THETA and "rope_theta" not in config and "rope_theta" not in parameters:
         missing.append("rope_theta")

@@ -175,11 +175,7 @@ def init_cache(
         ValueError: ``batch_size`` or ``max_length`` negative.
     """
     shape = spec.cache_shape(batch_size, max_length, heads)
-    try:
-        kind = dtype_kind(dtype)
-    except TypeError:  # (no dtype numpy knows)
-        kind = None
-    spec.check_new_cache_dtype(kind, dtype)
+    spec.check_new_cache_dtype(dtype, dtype_kind)
     # Two buffers, not one shared: a jit step may donate keys and values.
     keys, values = (jnp.zeros(shape, dtype, device=device) for _ in range(2))
     return spec.KVCache(keys, values, jnp.zeros(shape[:1], jnp.int32, device=device))

@@ -263,13 +263,8 @@ class ProjectionLayer(keras.layers.Layer):
         if dtype is None:
             dtype = self.compute_dtype
         else:
-            try:
-                standard = keras.backend.standardize_dtype(dtype)
-            except ValueError:  # (no dtype Keras knows)
-                standard = None
-            floating = standard is not None and keras.backend.is_float_dtype(standard)
-            spec.check_new_cache_dtype("f" if floating else None, dtype)
-            dtype = standard
+            spec.check_new_cache_dtype(dtype, _dtype_kind)
+            dtype = keras.backend.standardize_dtype(dtype)
         variable = self.W_o.value
         # A traced value (stateless_call under jax.jit) has no device to ask;
         # the trace places the cache.
@@ -339,3 +334,8 @@ def get_weights(layer: ProjectionLayer) -> dict[str, np.ndarray]:
     return {
         name: host_array(variable.value) for name, variable in layer.canonical_variables().items()
     }
+
+
+def _dtype_kind(dtype: Any) -> str:
+    """``"f"`` for a floating dtype Keras knows, ``"o"`` for another one."""
+    return "f" if keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype)) else "o"

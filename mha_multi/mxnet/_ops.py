@@ -96,7 +96,7 @@ class MXNetOps(spec.NumpyDtypes):
         self._input_shapes = dict(input_shapes or {})
 
     def flushed_positive(self, x: Array) -> None:
-        return None  # (MXNet's comparisons take subnormal numbers as they are; nor views bits)
+        return None  # (MXNet's comparisons take subnormal numbers as they are)
 
     # -- layout -------------------------------------------------------------
 

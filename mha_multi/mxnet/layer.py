@@ -272,11 +272,7 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
         if dtype is None:
             dtype = self.dtype
         else:
-            try:
-                kind = np.dtype(dtype).kind
-            except TypeError:  # (no dtype numpy knows)
-                kind = None
-            spec.check_new_cache_dtype(kind, dtype)
+            spec.check_new_cache_dtype(dtype, lambda given: np.dtype(given).kind)
             dtype = np.dtype(dtype)
         if ctx is None:
             try:

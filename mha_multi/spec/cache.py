@@ -48,17 +48,22 @@ def cache_shape(batch_size: Any, max_length: Any, heads: Heads) -> tuple[int, in
     return (int(batch_size), heads.num_kv_heads, int(max_length), heads.head_dim)
 
 
-def check_new_cache_dtype(kind: str | None, dtype: Any) -> None:
+def check_new_cache_dtype(dtype: Any, kind_of: Callable[[Any], str]) -> None:
     """Raises unless a new cache's keys and values are of a floating dtype (every
     backend's ``init_cache``).
 
     Args:
-        kind: the dtype's kind, ``"f"`` for floating (``None`` for what is no dtype).
-        dtype: the dtype as the caller gave it, for the message.
+        dtype: the dtype as the caller gave it.
+        kind_of: the framework's kind of a dtype, numpy's letter (``"f"`` for
+            floating); it may raise for what is no dtype of the framework.
 
     Raises:
         TypeError: naming ``dtype``.
     """
+    try:
+        kind = kind_of(dtype)
+    except (TypeError, ValueError, AttributeError):  # (no dtype of the framework)
+        kind = None
     if kind != "f":
         raise TypeError(
             "init_cache's dtype must be a floating dtype of the layer's framework or None; "

@@ -22,6 +22,7 @@ from mha_multi import _docs, call, spec
 from mha_multi.canonical_layer import FromCanonical
 from mha_multi.torch._cache import versioned
 from mha_multi.torch._facts import FACTS, host_array
+from mha_multi.torch._ops import dtype_kind
 from mha_multi.torch._projections import (
     PackedProjections,
     StackedWeights,
@@ -188,8 +189,7 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
         shape = spec.cache_shape(batch_size, max_length, self._heads)
         parameter = self.W_o.weight
         dtype = parameter.dtype if dtype is None else dtype
-        floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
-        spec.check_new_cache_dtype("f" if floating else None, dtype)
+        spec.check_new_cache_dtype(dtype, dtype_kind)
         # Ordinary tensors even under torch.inference_mode(): their versions
         # are what lets a decoding step trust the last step's check.
         with versioned():
