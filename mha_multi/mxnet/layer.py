@@ -392,10 +392,6 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
                 included); with a cache, lengths out of range or a cache that
                 would overflow.
         """
-        if return_attention_weights is not False and return_attention_weights is not True:
-            return_attention_weights = spec.check_flag(
-                "return_attention_weights", return_attention_weights
-            )
         result = call.forward(
             FACTS,
             self,
