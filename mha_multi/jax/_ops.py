@@ -67,11 +67,8 @@ class JaxOps(spec.NumpyDtypes, spec.NamespaceOps):
     def __init__(self, precision: PrecisionLike = None) -> None:
         self.precision = precision
 
-    def flushed_positive(self, x: jax.Array) -> jax.Array:
-        # (The bits of a positive number are a positive integer; a subnormal one
-        # compares as 0 where XLA flushes it.)
-        bits = jax.lax.bitcast_convert_type(x, jnp.int64 if x.dtype.itemsize == 8 else jnp.int32)
-        return (bits > 0) & (x <= 0)
+    def float_bits(self, x: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(x, jnp.int64 if x.dtype.itemsize == 8 else jnp.int32)
 
     def split_axis(self, x: jax.Array, axis: int, sizes: tuple[int, int]) -> jax.Array:
         axis = axis % x.ndim

@@ -165,11 +165,9 @@ class KerasOps:
         self.native = framework_ops()
         return self.native
 
-    def flushed_positive(self, x: Tensor) -> Tensor:
-        # (TensorFlow's and XLA's CPU kernels flush subnormal numbers to zero.)
+    def float_bits(self, x: Tensor) -> Tensor:
         wide = keras.backend.standardize_dtype(x.dtype) == "float64"
-        bits = ops.view(x, "int64" if wide else "int32")
-        return ops.logical_and(ops.greater(bits, 0), ops.less_equal(x, 0))
+        return ops.view(x, "int64" if wide else "int32")
 
     def split_axis(self, x: Tensor, axis: int, sizes: tuple[int, int]) -> Tensor:
         shape = _shape(x)

@@ -95,7 +95,7 @@ class MXNetOps(spec.NumpyDtypes):
         self._input_dtypes = {k: np.dtype(v).name for k, v in (input_dtypes or {}).items()}
         self._input_shapes = dict(input_shapes or {})
 
-    def flushed_positive(self, x: Array) -> None:
+    def float_bits(self, x: Array) -> None:
         return None  # (MXNet's comparisons take subnormal numbers as they are)
 
     # -- layout -------------------------------------------------------------

@@ -108,12 +108,12 @@ class ArrayOps(Protocol):
 
     def ndim(self, x: Array) -> int: ...
 
-    def flushed_positive(self, x: Array) -> Array | None:
-        """Where floating ``x`` (float32 or float64) is positive and below the dtype's
-        smallest normal number, which the framework's comparisons take as 0 (XLA's
-        and TensorFlow's CPU kernels flush such numbers to zero): booleans of ``x``'s
-        shape, found by its bits; ``None`` where the framework compares them as they
-        are."""
+    def float_bits(self, x: Array) -> Array | None:
+        """The bits of floating ``x`` (float32 or float64) as signed integers of its
+        width, where the framework's comparisons may take numbers below the dtype's
+        smallest normal one as 0 (XLA's and TensorFlow's CPU kernels flush them to
+        zero; PyTorch's where ``torch.set_flush_denormal`` says so); ``None`` where
+        they compare them as they are."""
 
     # Used only by fused paths (:func:`fix_fully_hidden_rows`).
 
@@ -219,7 +219,7 @@ class NamespaceOps:
     def largest(self, x: Array) -> Array:
         return self.xp.max(x)
 
-    def flushed_positive(self, x: Array) -> Array | None:
+    def float_bits(self, x: Array) -> Array | None:
         return None  # (numpy's comparisons take subnormal numbers as they are)
 
 

@@ -38,7 +38,7 @@ def visibility(
             Key ``j`` is visible to query ``i`` of example ``b`` iff
             ``j < valid_lens[b]`` (or ``valid_lens[b, i]``), subnormal
             floating lengths included where the framework flushes them to
-            zero (:meth:`ArrayOps.flushed_positive`).
+            zero (:meth:`ArrayOps.float_bits`).
         causal: additionally hide key ``j`` from query ``i`` when
             ``j > i_abs``, where ``i_abs = i + (K - Q)`` (bottom-right
             aligned) or ``query_positions[b, i]``.
@@ -77,10 +77,12 @@ def visibility(
         if ops.ndim(valid_lens) == 1:
             lens = ops.expand_dims(lens, -1)  # (B, 1, 1)
         visible = ops.less(key_positions, lens)
-        flushed = None if kind != "f" else ops.flushed_positive(lens)
-        if flushed is not None:
+        bits = None if kind != "f" else ops.float_bits(lens)
+        if bits is not None:
             # A positive length below the smallest normal number shows key 0 (0 < len),
-            # which a framework that flushes it to zero compares as 0: its bits tell.
+            # which a framework that flushes it to zero compares as 0: its bits are
+            # positive where it compares as at most 0 (NaN and inf compare as neither).
+            flushed = ops.logical_and(ops.less(bits * 0, bits), ops.greater_equal(lens * 0, lens))
             shown = ops.logical_and(flushed, ops.less(key_positions, 1))
             hidden = ops.logical_and(ops.logical_not(visible), ops.logical_not(shown))
             visible = ops.logical_not(hidden)

@@ -178,10 +178,8 @@ class TorchOps(spec.NamespaceOps):
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
 
-    def flushed_positive(self, x: torch.Tensor) -> torch.Tensor:
-        # (Where torch.set_flush_denormal(True) flushes subnormal numbers to zero.)
-        bits = x.view(torch.int64 if x.element_size() == 8 else torch.int32)
-        return (bits > 0) & (x <= 0)
+    def float_bits(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(torch.int64 if x.element_size() == 8 else torch.int32)
 
     def split_axis(self, x: torch.Tensor, axis: int, sizes: tuple[int, int]) -> torch.Tensor:
         # unflatten cannot infer -1 when the tensor has no elements.
