@@ -89,6 +89,9 @@ class CacheCheck:
         #: The lengths of the plain steps to come (:func:`next_lengths`).
         self.bank: tuple[torch.Tensor, ...] | None = None
         self.bank_from = 0
+        #: The arrays in the layouts a step's products take (:meth:`attended`); ``()``
+        #: where they are no views.
+        self._flat: tuple[torch.Tensor, ...] | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -249,6 +252,36 @@ class CacheCheck:
             return pending
         keys, values, count = self.keys(), self.values(), self.upto - start
         return keys.narrow(2, start, count), values.narrow(2, start, count)
+
+    def attended(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's positions ``first`` to ``first + count`` as a step's products take
+        them (:func:`mha_multi.torch._steps.step_attention`): the keys ``(B*H_kv, dh,
+        count)`` and the values ``(B*H_kv, count, dh)``.
+
+        Views of views of the arrays made once for this check (a step's host time is
+        counted in operations: docs, "Results"), which the check holds while it
+        lives. Arrays whose examples and heads do not lie as one dimension (each
+        head's examples together) have no such views: their positions are copied at
+        each call instead.
+        """
+        flat = self._flat
+        if flat is None:
+            keys, values = self.keys(), self.values()
+            try:
+                flat = (
+                    keys.view(-1, *keys.shape[2:]).transpose(1, 2),
+                    values.view(-1, *values.shape[2:]),
+                )
+            except RuntimeError:  # (view's refusal: no view of those strides)
+                flat = ()
+            self._flat = flat
+        if not flat:
+            keys, values = self.keys(), self.values()
+            return (
+                keys.narrow(2, first, count).flatten(0, 1).transpose(1, 2),
+                values.narrow(2, first, count).flatten(0, 1),
+            )
+        return flat[0].narrow(2, first, count), flat[1].narrow(1, first, count)
 
     @staticmethod
     def host_lengths(lengths: torch.Tensor) -> np.ndarray | None:

@@ -137,7 +137,6 @@ def ragged_step(
     examples = _counting(batch, device)
     keys[examples, :, positions] = k.view(batch, num_kv_heads, head_dim)
     values[examples, :, positions] = v.view(batch, num_kv_heads, head_dim)
-    attended = keys.narrow(2, first, span - first), values.narrow(2, first, span - first)
     new_held = held + 1
     updated = spec.KVCache(keys, values, next_lengths(check, lengths, listed[0] + 1, new_held))
     # The rows written from the shortest example's length on: the keys' bound holds below.
@@ -188,17 +187,22 @@ def ragged_step(
         # (A window's plan fixes rows the window and lengths hide whole: here every query
         # sees its own new key, so none is.)
         context = torch.nn.functional.scaled_dot_product_attention(
-            q, *attended, attn_mask=mask, **plan.arguments
+            q,
+            keys.narrow(2, first, span - first),
+            values.narrow(2, first, span - first),
+            attn_mask=mask,
+            **plan.arguments,
         ).reshape(batch, 1, query_width)
     else:
         # (A fused plan's, whose read said no: its scores' dtype is the queries'.)
         fill = spec.MASK_VALUE if plan.fill is None else plan.fill
         context = step_attention(
             q,
-            *attended,
+            *check.attended(first, span - first),
             visible,
             heads,
             fill,
+            plan.root,
             softcap=plan.softcap,
             bias=bias,
             sinks=layer.sink_logits() if plan.sinks else None,

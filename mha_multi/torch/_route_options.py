@@ -11,6 +11,7 @@ cache's last position, of which each step takes a view (docs: "Fast paths").
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -119,7 +120,10 @@ def generic_plan(
     )
     if cache is None:
         return plan
+    if visible is not None:  # (one query, the same for every example and head)
+        plan = plan._replace(visible=visible.reshape(1, 1, num_keys))
     # (A step's products: those the layer's linear takes directly.)
     direct = not needs_float32_copies(queries, layer.output_parameters()[0])
     fill = torch.tensor(spec.MASK_VALUE, dtype=scores, device=queries.device)
-    return plan._replace(fill=fill, spans={}, direct=direct)
+    root = torch.tensor(math.sqrt(layer.heads.head_dim), dtype=scores)  # (on the CPU)
+    return plan._replace(fill=fill, root=root, spans={}, direct=direct)

@@ -54,7 +54,8 @@ class PlainPlan(NamedTuple):
     The masks and bias are the call's, made once: a fused plan's ``mask``,
     SDPA's ``attn_mask`` (the causal rule's and the window's booleans,
     ALiBi's bias; ``None``: none); a generic plan's ``visible``, which keys
-    each query sees (:func:`mha_multi.spec.visibility`; ``None``: all), and
+    each query sees (:func:`mha_multi.spec.visibility`; ``None``: all; a
+    decoding step's ``(1, 1, 2 * max_length)``, :func:`step_attention`), and
     ``bias`` ALiBi's in the scores' dtype (``None``: none), with
     ``softcap`` the layer's cap and ``sinks`` whether the layer's sink
     logits join the softmax. A decoding step's are those of a step at the
@@ -63,7 +64,8 @@ class PlainPlan(NamedTuple):
     are a step's at ``length`` (a view, :func:`fused_step`,
     :func:`generic_step`). A generic step's ``fill`` is the spec's
     :data:`~mha_multi.spec.MASK_VALUE` as a 0-d tensor of the scores'
-    dtype, and ``spans``, each filled length's span
+    dtype, ``root`` the scores' divisor ``sqrt(head_dim)`` as one on the CPU
+    (:func:`step_attention`), and ``spans``, each filled length's span
     (:func:`mha_multi.spec.rounded_span`) as steps meet them (a bucket's
     lengths at once), or ``None`` where the generic flow would read
     (``may_read``: its plan for values read finite is the fused kernel's,
@@ -98,6 +100,7 @@ class PlainPlan(NamedTuple):
     bias: torch.Tensor | None = None
     softcap: float | None = None
     fill: torch.Tensor | None = None
+    root: torch.Tensor | None = None
     spans: dict[int, int | None] | None = None
     may_read: bool = True
     direct: bool = False
@@ -282,11 +285,11 @@ def generic_step(
         bias = bias.narrow(-1, start, count)
     context = step_attention(
         q,
-        keys.narrow(2, first, count),
-        values.narrow(2, first, count),
+        *check.attended(first, count),
         visible,
         heads,
         plan.fill,
+        plan.root,
         softcap=plan.softcap,
         bias=bias,
         sinks=layer.sink_logits() if plan.sinks else None,
@@ -358,9 +361,10 @@ def step_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    visible: torch.Tensor,
+    visible: torch.Tensor | None,
     heads: spec.Heads,
     fill: torch.Tensor | float = spec.MASK_VALUE,
+    root: torch.Tensor | None = None,
     *,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,
@@ -371,11 +375,19 @@ def step_attention(
 
     Args:
         q: the queries ``(B, 1, H*dh)`` or ``(B, H, dh)``.
-        keys, values: the positions attended over ``(B, H_kv, S, dh)``.
-        visible: which positions each query sees, booleans broadcastable to ``(B, H, 1, S)``.
+        keys: the keys attended over, each key/value head's transposed ``(B*H_kv, dh, S)``;
+            ``values`` theirs ``(B*H_kv, S, dh)`` (:meth:`CacheCheck.attended
+            <mha_multi.torch._cache.CacheCheck.attended>`).
+        visible: ``None`` (every position), or which positions each query sees:
+            booleans broadcastable to ``(B, H, 1, S)``, or ``(1, 1, S)`` where every
+            query sees the same.
         heads: the layer's heads.
         fill: :data:`mha_multi.spec.MASK_VALUE`, or it as a 0-d tensor of the scores'
             dtype (made once: a Python number is made a tensor at every call).
+        root: ``None``, or the scores' divisor ``sqrt(head_dim)`` as a 0-d tensor of
+            their dtype on the CPU, made once: the spec's Python number is the same
+            operand there, on any device (a kernel takes a 0-d tensor of the CPU as it
+            takes a number), without its cast at every call.
         softcap: the layer's soft cap of the scaled scores, or ``None``.
         bias: ``None``, or ALiBi's bias of the scores, broadcastable to ``(B, H, 1, S)``
             and of their dtype (:func:`mha_multi.spec.score_bias`).
@@ -389,12 +401,13 @@ def step_attention(
     grouped_q = q.reshape(batch * num_kv_heads, heads.num_heads // num_kv_heads, head_dim)
     context = _attend(
         grouped_q,
-        keys.flatten(0, 1),
-        values.flatten(0, 1),
+        keys,
+        values,
         visible,
         heads,
         1,
         fill,
+        root,
         softcap=softcap,
         bias=bias,
         sinks=sinks,
@@ -442,7 +455,15 @@ def heads_attention(
         for x in (k, v)
     )
     context = _attend(
-        grouped_q, k, v, visible, heads, num_queries, softcap=softcap, bias=bias, sinks=sinks
+        grouped_q,
+        k.transpose(-1, -2),
+        v,
+        visible,
+        heads,
+        num_queries,
+        softcap=softcap,
+        bias=bias,
+        sinks=sinks,
     )
     # (B*H_kv, G*Q, dh) back to the heads side by side, transpose_grouped_output's.
     context = context.view(batch, num_kv_heads, group_size, num_queries, head_dim)
@@ -451,43 +472,53 @@ def heads_attention(
 
 def _attend(
     grouped_q: torch.Tensor,
-    k: torch.Tensor,
+    keys: torch.Tensor,
     v: torch.Tensor,
     visible: torch.Tensor | None,
     heads: spec.Heads,
     num_queries: int,
     fill: torch.Tensor | float = spec.MASK_VALUE,
+    root: torch.Tensor | None = None,
     *,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The spec's grouped attention of ``(B*H_kv, G*Q, dh)`` queries over ``(B*H_kv, K, dh)``
-    keys and values: scaled scores, their ``(B, H, Q, K)`` view soft-capped and biased
-    (:func:`mha_multi.spec.adjust_scores`, ``softcap``, ``bias``), the masked softmax
-    (hidden scores replaced by ``fill``; ``sinks``, the heads' logits, join it), and the
-    weights' product with the values ``(B*H_kv, G*Q, dh)``."""
-    num_keys, head_dim = k.shape[1], heads.head_dim
+    """The spec's grouped attention of ``(B*H_kv, G*Q, dh)`` queries over ``(B*H_kv, dh, K)``
+    transposed keys and ``(B*H_kv, K, dh)`` values: scaled scores, soft-capped
+    (:func:`mha_multi.spec.adjust_scores`, ``softcap``), their ``(B, H, Q, K)`` view
+    biased (``bias``), the masked softmax (hidden scores replaced by ``fill``;
+    ``sinks``, the heads' logits, join it), and the weights' product with the values
+    ``(B*H_kv, G*Q, dh)``. ``visible``: as :func:`step_attention` takes it, or
+    broadcastable to ``(B, H, Q, K)``; ``root``: as :func:`step_attention` takes it."""
+    num_keys, head_dim = keys.shape[2], heads.head_dim
     low = grouped_q.dtype in SIXTEEN_BIT
     if low:  # (16-bit heads: float32 scores, spec.scaled_scores)
-        grouped_q, k = grouped_q.float(), k.float()
+        # (The keys cast as they lie untransposed: a copy's layout is the product's.)
+        grouped_q, keys = grouped_q.float(), keys.transpose(1, 2).float().transpose(1, 2)
     # (bmm: the product torch.matmul makes of two batches alike, without its reshapes.)
-    scores = torch.bmm(grouped_q, k.transpose(-1, -2)) / math.sqrt(head_dim)
-    scores = scores.view(-1, heads.num_heads, num_queries, num_keys)
+    scores = torch.bmm(grouped_q, keys) / (math.sqrt(head_dim) if root is None else root)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    # The heads' view where a bias, the sinks or the visibility differ by head or query;
+    # the softmax of the grouped layout's rows is the same numbers, two views fewer.
+    by_head = (visible is not None and visible.dim() != 3) or bias is not None or sinks is not None
+    if by_head:
+        scores = scores.view(-1, heads.num_heads, num_queries, num_keys)
     if bias is not None:
         scores = scores + bias
     if visible is not None:
         scores = torch.where(visible, scores, fill)
     if sinks is None:
-        weights = softmax(scores).view(k.shape[0], -1, num_keys)
+        weights = softmax(scores)
+        if by_head:
+            weights = weights.view(v.shape[0], -1, num_keys)
     else:  # (spec.masked_softmax's: each head's logit a column of its own, dropped after)
         # The logits expanded to the rows: spec.sink_column's values (its zeros plus the
         # logits; -0.0 becomes 0.0 there, the same weights), which builds the column from
         # zeros where a traced call's sizes are unknown; here they are known.
         column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         joined = torch.cat((scores, column), -1)
-        weights = softmax(joined)[..., :-1].reshape(k.shape[0], -1, num_keys)
+        weights = softmax(joined)[..., :-1].reshape(v.shape[0], -1, num_keys)
     # (16-bit weights: rounded once, their product as the spec's adapter takes it.)
     return OPS.matmul(weights.to(v.dtype), v) if low else torch.bmm(weights, v)

@@ -97,17 +97,20 @@ def self_attention(heads, seed, dtype=torch.float32, **options):
     return {k: v.astype(np.float32).astype(np.float64) for k, v in weights.items()}, layer
 
 
-def feed_back(layer, prompt, steps, max_length, new_lens=None, *, check=None):
+def feed_back(layer, prompt, steps, max_length, new_lens=None, *, check=None, cache=None):
     """Decodes ``steps`` tokens, each step's input the last output; returns outputs and caches.
 
     ``check(step_input, cache_before, output)`` is called at every step,
     with the cache before the step as numpy (the step writes in place).
+    ``cache``: the cache the prompt is written into (``None``: ``layer.init_cache``'s).
     """
     dtype = layer.W_o.weight.dtype
+    if cache is None:
+        cache = layer.init_cache(3, max_length)
     with torch.no_grad():
         x = torch.from_numpy(prompt).to(dtype)
         lens = None if new_lens is None else torch.from_numpy(new_lens)
-        output, cache = layer(x, x, x, lens, causal=True, cache=layer.init_cache(3, max_length))
+        output, cache = layer(x, x, x, lens, causal=True, cache=cache)
         outputs, caches = [output], [cache]
         y = output[:, -1:]
         for _ in range(steps):

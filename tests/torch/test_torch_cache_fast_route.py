@@ -221,6 +221,16 @@ def test_16_bit_steps_with_score_options_give_the_generic_flows_numbers(options)
         assert_same_decoding(fast, feed_back(layer, prompt, 4, 12))
 
 
+#: How many keys each attention a test spies on attends over, of its arguments: the
+#: generic path's ``(ops, q, k, ...)``, SDPA's ``(q, k, ...)``, and a step's transposed
+#: keys (:func:`mha_multi.torch._steps.step_attention`).
+KEY_COUNTS = {
+    "generic_attention": lambda args: args[2].shape[-2],
+    "scaled_dot_product_attention": lambda args: args[1].shape[-2],
+    "step_attention": lambda args: args[1].shape[-1],
+}
+
+
 @pytest.mark.parametrize(
     "options", [{"alibi": True}, {"softcap": 2.0}], ids=["alibi (SDPA)", "softcap (generic)"]
 )
@@ -242,7 +252,7 @@ def test_window_steps_attend_over_the_window_where_every_value_before_it_is_fini
     poisoned[1, 0, 2] = np.nan  # a NaN value at position 0 of example 1
     nan_step = torch.full((3, 1, NUM_HIDDENS), 0.5)
     nan_step[1, 0, 3] = np.nan
-    spied = {
+    spied = {  # (KEY_COUNTS: how many keys each attends over)
         torch.nn.functional: "scaled_dot_product_attention",
         _facts.FACTS: "generic_attention",
         _steps: "step_attention",
@@ -259,9 +269,9 @@ def test_window_steps_attend_over_the_window_where_every_value_before_it_is_fini
     def decode(prompt, route, tail):
         attended = []  # the keys of each attention: SDPA's, the generic path's, a step's
 
-        def spy(attention, key_axis):
+        def spy(attention, keys_of):
             def counted(*args, **kwargs):
-                attended.append(args[key_axis].shape[-2])
+                attended.append(keys_of(args))
                 return attention(*args, **kwargs)
 
             return counted
@@ -270,8 +280,7 @@ def test_window_steps_attend_over_the_window_where_every_value_before_it_is_fini
             if not route:
                 stack.enter_context(generic_only())
             for owner, name in spied.items():
-                key_axis = 2 if name == "generic_attention" else 1
-                counted = spy(getattr(owner, name), key_axis)
+                counted = spy(getattr(owner, name), KEY_COUNTS[name])
                 stack.enter_context(mock.patch.object(owner, name, counted))
             answers = stack.enter_context(answered_calls())
             stack.enter_context(torch.no_grad())

@@ -14,7 +14,16 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from cache_support import FLOAT32_ATOL, HEADS, NUM_HIDDENS, ROUTE_ROTARY, feed_back, self_attention
+from cache_support import (
+    FLOAT32_ATOL,
+    HEAD_DIM,
+    HEADS,
+    NUM_HIDDENS,
+    ROUTE_ROTARY,
+    assert_same_decoding,
+    feed_back,
+    self_attention,
+)
 from route_support import answered_calls, generic_only
 
 from conftest import recording_host_moves
@@ -89,6 +98,37 @@ def test_plain_steps_on_a_gpu_run_the_generic_path_and_read_nothing(
     assert moved == []
 
 
+@pytest.mark.parametrize("new_lens", [None, np.array([61, 50, 7])], ids=["uniform", "ragged"])
+def test_steps_on_a_cache_whose_examples_and_heads_lie_apart(new_lens):
+    """A cache whose arrays hold each head's examples together (``(H_kv, B, ...)`` in
+    memory, transposed) has no view of its examples and heads as one dimension, the
+    layout a GPU's step attends in (``CacheCheck.attended``): its steps copy the
+    positions they attend over instead, on the route the generic flow's numbers to the
+    bit, and the reference's."""
+    weights, layer = self_attention(HEADS, seed=21)
+    prompt = np.random.default_rng(21).standard_normal((3, 61, NUM_HIDDENS))
+
+    def apart():  # (zeros, known finite as init_cache's are: FACTS.empty_cache)
+        keys, values = (torch.zeros(2, 3, 80, HEAD_DIM).transpose(0, 1) for _ in "kv")
+        return _facts.FACTS.empty_cache(spec.KVCache(keys, values, torch.zeros(3, dtype=int)))
+
+    def against_reference(x, before, output):
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True
+        )
+        np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+
+    with backend.as_if_on_a_gpu():
+        with answered_calls() as answers:
+            fast = feed_back(layer, prompt, 4, 80, new_lens, check=against_reference, cache=apart())
+        with generic_only():
+            generic = feed_back(layer, prompt, 4, 80, new_lens, cache=apart())
+    assert answers == ([] if new_lens is not None else [False]) + [True] * 4  # (lengths: no door)
+    with pytest.raises(RuntimeError):  # (no such view: what the steps copy for)
+        fast[1][-1].keys.view(-1, 80, HEAD_DIM)
+    assert_same_decoding(fast, generic)
+
+
 def test_a_window_step_after_a_read_leaves_out_the_positions_before_the_window(monkeypatch):
     """After a prefill that reads (every value known finite), a windowed layer's first
     step on a GPU leaves out the positions before its window, rounded down to the span
@@ -119,7 +159,7 @@ def test_a_window_step_after_a_read_leaves_out_the_positions_before_the_window(m
             return generic_attention(ops, q, k, v, valid_lens, **kwargs)
 
         def route_spy(q, keys, *args, **kwargs):
-            attended.append(keys.shape[-2])
+            attended.append(keys.shape[-1])  # (transposed: step_attention)
             return step_attention(q, keys, *args, **kwargs)
 
         with (
