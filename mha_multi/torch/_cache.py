@@ -87,7 +87,7 @@ class CacheCheck:
         #: ``(layer, key, plan)``, for the next step of that layer and key.
         self.step: tuple[Any, tuple, Any] | None = None
         #: The lengths of the plain steps to come (:func:`next_lengths`).
-        self.bank: tuple[torch.Tensor, ...] | None = None
+        self.bank: list[torch.Tensor | None] | None = None
         self.bank_from = 0
         #: The arrays in the layouts a step's products take (:meth:`attended`); ``()``
         #: where they are no views.
@@ -305,14 +305,30 @@ class Written:
     :meth:`TorchFacts.lengths_from`).
     """
 
-    __slots__ = ("attended", "check", "first", "shortest", "visible")
+    __slots__ = ("_attended", "_check", "first", "shortest", "visible")
 
     def __init__(
         self, check: CacheCheck | None, visible: torch.Tensor, shortest: int | None
     ) -> None:
-        self.check, self.visible, self.shortest = check, visible, shortest
-        self.attended: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The check and the positions held weakly: a call whose plan took none of this
+        # leaves it to the next write, and a cache its caller drops must go at once.
+        self._check = None if check is None else weakref.ref(check)
+        self.visible, self.shortest = visible, shortest
+        self._attended: tuple[weakref.ref, weakref.ref] | None = None
         self.first = 0
+
+    @property
+    def check(self) -> CacheCheck | None:
+        return None if self._check is None else self._check()
+
+    @property
+    def attended(self) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        attended = self._attended
+        return None if attended is None else (attended[0](), attended[1]())
+
+    @attended.setter
+    def attended(self, prefix: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._attended = weakref.ref(prefix[0]), weakref.ref(prefix[1])
 
 
 #: numpy's dtype of the integer torch dtypes lengths may have.
@@ -388,11 +404,16 @@ def next_lengths(
     lengths moves: the steps after it then check their caches again). Each step
     adds one to every example's length, so a step's row is found by its first.
     """
+    # A row handed out leaves the bank: the check it carries then holds no reference to
+    # it, and a cache its caller drops goes at once, with no cycle for the collector.
     bank = check.bank
     if bank is not None:
         row = filled - check.bank_from
         if 0 <= row < _BANKED:
-            return bank[row]
+            taken = bank[row]
+            if taken is not None:
+                bank[row] = None
+                return taken
     with versioned():
         if held is None:
             steps = torch.arange(
@@ -403,7 +424,7 @@ def next_lengths(
         else:
             steps = torch.arange(_BANKED, dtype=lengths.dtype, device=lengths.device)
             bank = (from_host(held, lengths.device, lengths.dtype) + steps.unsqueeze(1)).unbind(0)
-    check.bank, check.bank_from = bank, filled
+    check.bank, check.bank_from = [None, *bank[1:]], filled
     return bank[0]
 
 

@@ -9,6 +9,8 @@ flow's. The GPU's steps are ``test_torch_cache_gpu_steps.py``'s.
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from unittest import mock
 
 import numpy as np
@@ -468,3 +470,32 @@ def test_a_fast_step_raises_the_generic_flows_errors():
             messages.append(str(error.value))
         assert messages[0] == messages[1]
         assert torch.equal(caches[-1].lengths, torch.tensor([6, 6, 6], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("new_lens", [None, np.array([5, 3, 4])], ids=["uniform", "ragged"])
+@pytest.mark.parametrize("route", ["host", "gpu", "generic"])
+def test_a_cache_its_caller_drops_goes_at_once(route, new_lens):
+    """What a call knows of the cache it wrote (its check, the views a step attends over,
+    what the write told the plan) keeps none of the cache's tensors alive: dropped after
+    steps on the host's route, a GPU's or the generic flow, they go at once, with no
+    cycle left for the garbage collector (on a GPU, memory a caller frees to make the
+    next cache)."""
+    _, layer = self_attention(HEADS, seed=22, rotary=ROUTE_ROTARY[1])
+    prompt = np.random.default_rng(22).standard_normal((3, 5, NUM_HIDDENS))
+    context = {
+        "host": contextlib.nullcontext(),
+        "gpu": backend.as_if_on_a_gpu(),
+        "generic": generic_only(),
+    }[route]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with context, answered_calls() as answers:
+            outputs, caches = feed_back(layer, prompt, 70, 80, new_lens)
+        held = [weakref.ref(t) for cache in caches for t in cache]
+        del outputs, caches
+        assert [ref() for ref in held] == [None] * len(held)
+    finally:
+        if collecting:
+            gc.enable()
+    assert (True in answers) == (route != "generic")  # (the route took steps)
