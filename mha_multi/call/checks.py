@@ -125,6 +125,7 @@ def check_cached_call(
         cache,
         heads=heads,
         dtype_kind=facts.dtype_kind,
+        itemsize=facts.ops(queries).itemsize,
         causal=causal,
         **sizes,
     )

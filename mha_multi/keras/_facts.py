@@ -265,6 +265,7 @@ class KerasFacts(call.Facts):
             elif not is_tensor(x):
                 raise TypeError(f"cache.{name} must be a tensor; got {type(x).__name__}")
             fields.append(x)
+        fields[2] = active().cache_lengths(fields[2])
         return spec.KVCache(*fields)
 
     def as_positions(self, positions: Any, like: Tensor | None) -> Any:

@@ -104,6 +104,10 @@ class _Framework:
         """
         return spec.SPAN_BUCKET
 
+    def cache_lengths(self, lengths: Tensor) -> Tensor:
+        """A cache's ``lengths`` as the spec's arithmetic takes them: as they are."""
+        return lengths
+
     def write_rows(self, held: Tensor, rows: Tensor, first: int, *, in_place: bool) -> Tensor:
         """``held`` ``(B, H_kv, M, dh)`` with ``rows`` ``(B, H_kv, T, dh)`` at ``first``.
 
@@ -202,6 +206,11 @@ class _TensorFlow(_Framework):
 
     def device_of(self, x: Tensor) -> str:
         return "gpu" if "GPU" in x.device.upper() else "cpu"
+
+    def cache_lengths(self, lengths: Tensor) -> Tensor:
+        # TensorFlow's integers of two widths do not meet in one operation: int64 lengths
+        # as the int32 positions the spec counts (JAX makes them int32 too).
+        return self.tf.cast(lengths, "int32") if lengths.dtype == self.tf.int64 else lengths
 
     def exact_float32(self) -> None:
         self.tf.config.experimental.enable_tensor_float_32_execution(False)

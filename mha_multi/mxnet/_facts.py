@@ -57,7 +57,7 @@ from mxnet import gluon  # noqa: E402
 
 from mha_multi.mxnet._cross import cross_attention  # noqa: E402
 from mha_multi.mxnet._kernel import SEQUENCE_MASK, sequence_mask_attention  # noqa: E402
-from mha_multi.mxnet._ops import MXNetOps, copied_to, dtype_kind  # noqa: E402
+from mha_multi.mxnet._ops import MXNetOps, apart, copied_to, dtype_kind  # noqa: E402
 from mha_multi.mxnet._plain import plain_attention  # noqa: E402
 
 #: dtype name -> MXNet (numpy-interface) dtype; MXNet 1.9 has no bfloat16.
@@ -345,9 +345,10 @@ class MXNetFacts(call.Facts):
         record no gradient (:func:`mha_multi.mxnet._graph.run`).
         The returned cache shares ``keys`` and ``values`` with the given
         one, with new int32 ``lengths``. Every other call gets the spec's
-        functional update.
+        functional update, and so does a cache whose keys and values are one
+        array (or share memory): a row written into one would change the other.
         """
-        if fill is None or k is None or k.shape[1] == 0:
+        if fill is None or k is None or k.shape[1] == 0 or not apart(cache.keys, cache.values):
             return super().write_cache(
                 ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal, fill=fill
             )

@@ -36,6 +36,7 @@ themselves is worked around here:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +46,35 @@ import numpy as np
 
 from mha_multi import spec
 
-__all__ = ["MXNetOps", "copied_to", "dtype_kind"]
+__all__ = ["MXNetOps", "apart", "copied_to", "dtype_kind"]
 
 Array = Any
+
+
+class _Apart:
+    """Whether a cache's keys and values share no memory, so that a row written into one
+    in place changes nothing of the other (docs: "Generating with a cache").
+
+    ``mx.np.shares_memory`` is an operator whose answer is read (some 50 us): the
+    last pair found apart is remembered (weakly), which every decoding step of
+    one cache asks about again.
+    """
+
+    def __init__(self) -> None:
+        self._pair: tuple[Any, Any] | None = None
+
+    def __call__(self, keys: Array, values: Array) -> bool:
+        pair = self._pair
+        if pair is not None and pair[0]() is keys and pair[1]() is values:
+            return True
+        if keys is values or mx.np.shares_memory(keys, values):
+            return False
+        self._pair = weakref.ref(keys), weakref.ref(values)
+        return True
+
+
+#: :class:`_Apart`'s one instance.
+apart = _Apart()
 
 
 def dtype_kind(dtype: Any) -> str:

@@ -51,7 +51,7 @@ from mxnet.ndarray.numpy import _internal as _npi
 from mha_multi import call, spec
 from mha_multi.call.rotary_tables import kept_tables
 from mha_multi.mxnet._kernel import weights_dropout
-from mha_multi.mxnet._ops import copied_to
+from mha_multi.mxnet._ops import apart, copied_to
 from mha_multi.mxnet._plain_plan import NOT_YET, PlainPlan, kept, relaid, shaped_plan
 from mha_multi.spec.memo import KeptBy
 
@@ -382,6 +382,8 @@ def _step(
     call does (its ``sequence_mask`` lengths, one per row of the scores).
     """
     keys, values, lengths = cache
+    if not apart(keys, values):
+        return None  # (shared memory: the generic flow writes new arrays, FACTS.write_cache)
     read = lengths.asnumpy()
     num_new, max_length = plan.num_new, plan.max_length
     start = int(read[0])

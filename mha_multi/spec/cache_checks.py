@@ -123,16 +123,29 @@ def as_kv_cache(cache: Any) -> KVCache:
     return KVCache(*cache)
 
 
-def check_cache_dtypes(lengths_kind: str, valid_lens_kind: str | None) -> None:
-    """Raises ``TypeError`` unless the cache's lengths and the new lengths are integers.
+def check_cache_dtypes(
+    lengths_kind: str, valid_lens_kind: str | None, lengths_itemsize: int = 4
+) -> None:
+    """Raises ``TypeError`` unless the cache's lengths are int32 or int64 and the new
+    lengths integers.
+
+    Narrower lengths would wrap around before they count a cache's positions (an
+    int8's 127), and the returned lengths would then name positions a call
+    overwrites; unsigned ones mix with no framework's signed positions alike.
 
     Args:
         lengths_kind: numpy dtype kind of ``cache.lengths``.
         valid_lens_kind: numpy dtype kind of the call's ``valid_lens``, or
             ``None`` without them.
+        lengths_itemsize: the bytes of each of ``cache.lengths``.
     """
     if lengths_kind not in "iu":
         raise TypeError(f"cache.lengths must be integers; got dtype kind {lengths_kind!r}")
+    if lengths_kind != "i" or lengths_itemsize not in (4, 8):
+        name = f"{'u' if lengths_kind == 'u' else ''}int{8 * lengths_itemsize}"
+        raise TypeError(
+            f"cache.lengths must be int32 or int64 (init_cache makes int32); got {name}"
+        )
     if valid_lens_kind is not None and valid_lens_kind not in "iu":
         raise TypeError(
             "valid_lens of a cached call counts new positions and must be integers; "
@@ -149,6 +162,7 @@ def check_cached_call(
     *,
     heads: Heads,
     dtype_kind: Callable[[Any], str],
+    itemsize: Callable[[Any], int],
     causal: Any = False,
     query_size: int | None = None,
     key_size: int | None = None,
@@ -159,7 +173,7 @@ def check_cached_call(
     :func:`check_cached_inputs` on the arrays' shapes and
     :func:`check_cache_dtypes` on their dtypes, for any framework's arrays
     (each has ``.shape`` and ``.dtype``); ``dtype_kind`` maps the framework's
-    dtypes to numpy kinds (``"f"``, ``"i"``...).
+    dtypes to numpy kinds (``"f"``, ``"i"``...), ``itemsize`` to their bytes.
     """
 
     def shape(x: Any) -> tuple[int, ...] | None:
@@ -180,6 +194,7 @@ def check_cached_call(
     check_cache_dtypes(
         dtype_kind(cache.lengths.dtype),
         None if valid_lens is None else dtype_kind(valid_lens.dtype),
+        itemsize(cache.lengths.dtype),
     )
 
 

@@ -376,12 +376,39 @@ def writes_in_place(
 ) -> bool:
     """Whether an eager call may copy its new rows ``k``, ``v`` into a cache's ``keys``,
     ``values``: no gradient recorded through any of them, no inference tensor
-    written outside inference mode, and no ``torch.func`` transform active (under
-    ``torch.vmap`` each example's rows make its own cache) (docs: "Generating with a
-    cache")."""
+    written outside inference mode, no ``torch.func`` transform active (under
+    ``torch.vmap`` each example's rows make its own cache), and no two of the cache's
+    elements in the same memory (:func:`_apart`) (docs: "Generating with a cache")."""
     if records_gradient(k, v, keys, values) or torch._C._are_functorch_transforms_active():
         return False
-    return torch.is_inference_mode_enabled() or not (keys.is_inference() or values.is_inference())
+    if not torch.is_inference_mode_enabled() and (keys.is_inference() or values.is_inference()):
+        return False
+    return _apart(keys, values)
+
+
+def _apart(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether no element of a cache's arrays shares memory with another: a row written
+    in place then changes no other. An expanded view's examples share theirs, and one
+    array given as both keys and values shares all (docs: "Generating with a cache").
+
+    Sufficient, not necessary: each array's dimensions, by stride, each step past
+    all the smaller ones reach, and the two arrays' memory ranges apart (arrays
+    interleaved in one buffer are taken for overlapping, and written as new ones).
+    """
+    ranges = []
+    for array in (keys, values):
+        reach = 0  # (the farthest element the smaller strides reach, in elements)
+        for stride, size in sorted(zip(array.stride(), array.shape, strict=True)):
+            if size == 0:
+                return True  # (no element at all)
+            if size > 1:
+                if stride <= reach:
+                    return False
+                reach += stride * (size - 1)
+        start = array.data_ptr()
+        ranges.append((start, start + (reach + 1) * array.element_size()))
+    (keys_start, keys_end), (values_start, values_end) = ranges
+    return keys_end <= values_start or values_end <= keys_start
 
 
 #: How many plain steps' lengths :func:`next_lengths` makes at once.

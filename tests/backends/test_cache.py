@@ -326,6 +326,60 @@ def test_cached_calls_with_an_empty_axis(runner, batch, length, causal):
         assert np.asarray(after.lengths).tolist() == [length * (call + 1)] * batch
 
 
+def test_cache_lengths_are_int32_or_int64(runner):
+    """int64 lengths (numpy's integers) count a cache's positions as init_cache's int32
+    do: the reference's output and lengths. Narrower integers would wrap around before
+    they count its positions (uint8's 255), unsigned ones mix with no framework's
+    positions alike: refused with one TypeError everywhere, before anything is written."""
+    config, weights, inputs, _ = setup("gqa_bias", 3)
+    layer = layer_of(runner, weights, config)
+    cache = prefilled(runner, layer, inputs, np.array([3, 2, 1]), 6)
+    before = cache_as_numpy(runner, cache)
+    rows = [x[:, 3:5] for x in inputs.values()]
+    for dtype in ("int8", "uint8"):
+        given = spec.KVCache(
+            cache.keys, cache.values, runner.native_lens(before.lengths.astype(dtype))
+        )
+        with pytest.raises(
+            TypeError, match=f"cache.lengths must be int32 or int64 .*; got {dtype}"
+        ):
+            runner.forward(layer, *native(runner, rows), causal=True, cache=given)
+    np.testing.assert_array_equal(cache_as_numpy(runner, cache).keys, before.keys)
+    given = spec.KVCache(
+        cache.keys, cache.values, runner.native_lens(before.lengths.astype("int64"))
+    )
+    output, after = runner.forward(layer, *native(runner, rows), causal=True, cache=given)
+    expected, _, _ = spec.reference_cached_forward(
+        weights, *rows, before, **reference_heads(config), causal=True
+    )
+    np.testing.assert_allclose(runner.to_numpy(output), expected, atol=5e-6, rtol=0)
+    assert np.asarray(runner.to_numpy(after.lengths)).tolist() == [5, 4, 3]
+
+
+def test_a_cache_whose_keys_and_values_are_one_array(runner):
+    """One array given as both the keys and the values of a cache (its rows would be
+    written over each other in place) is read as the two the spec's update makes of it:
+    a prefill and two steps give the reference's outputs, and the given array is left
+    as it was."""
+    config, weights, inputs, _ = setup("gqa_bias", 6)
+    layer = layer_of(runner, weights, config)
+    made = runner.init_cache(layer, 3, 8)
+    cache = spec.KVCache(made.keys, made.keys, made.lengths)
+    held = cache_as_numpy(runner, cache)
+    for start, stop, new_lens in ((0, 3, np.array([3, 2, 1])), (3, 4, None), (4, 5, None)):
+        rows = [x[:, start:stop] for x in inputs.values()]
+        before = cache_as_numpy(runner, cache)
+        output, cache = runner.forward(
+            layer, *native(runner, rows, new_lens), causal=True, cache=cache
+        )
+        expected, _, _ = spec.reference_cached_forward(
+            weights, *rows, before, new_lens, **reference_heads(config), causal=True
+        )
+        np.testing.assert_allclose(runner.to_numpy(output), expected, atol=5e-6, rtol=0)
+    assert np.asarray(runner.to_numpy(cache.lengths)).tolist() == [5, 4, 3]
+    np.testing.assert_array_equal(runner.to_numpy(made.keys), held.keys)
+
+
 def test_init_cache_is_empty_and_of_the_layers_dtype(runner):
     config, weights, _, _ = setup("gqa_bias", 0)
     for dtype in ("float32", "float64"):

@@ -221,6 +221,10 @@ def test_cache_value_and_type_errors():
         spec.check_cache_dtypes("f", None)
     with pytest.raises(TypeError, match="valid_lens of a cached call .* integers"):
         spec.check_cache_dtypes("i", "f")
+    for kind, itemsize, name in (("i", 1, "int8"), ("i", 2, "int16"), ("u", 4, "uint32")):
+        with pytest.raises(TypeError, match=f"must be int32 or int64 .*; got {name}$"):
+            spec.check_cache_dtypes(kind, "i", itemsize)
+    spec.check_cache_dtypes("i", "u", 8)  # int64 lengths, unsigned new lengths
     with pytest.raises(TypeError, match="max_length"):
         spec.cache_shape(2, 3.0, spec.Heads(1, 1, 1))
     with pytest.raises(ValueError, match="batch_size"):

@@ -70,6 +70,33 @@ def test_calls_recording_gradients_leave_the_given_cache_as_it_was():
     assert cache.lengths.tolist() == [0, 0, 0] and updated.lengths.tolist() == [2, 2, 2]
 
 
+@pytest.mark.parametrize("layout", ["expanded", "interleaved", "stacked"])
+def test_a_cache_whose_elements_share_memory_is_written_as_new_arrays(layout):
+    """A cache whose elements share memory (one example's arrays expanded to every
+    example, as sampling several continuations of one prompt makes them; keys and
+    values interleaved in one buffer) would have its rows written over each other in
+    place: its first call writes new arrays instead, with the spec's numbers, and
+    leaves the given ones as they were. Keys and values stacked apart in one buffer
+    are written in place."""
+    weights, layer, inputs = make(5)
+    if layout == "expanded":
+        keys, values = (x.expand(3, -1, -1, -1) for x in layer.init_cache(1, 9)[:2])
+    elif layout == "interleaved":
+        buffer = torch.zeros(3, 2, 9, HEAD_DIM, 2)  # (B, H_kv, max_length, dh, keys|values)
+        keys, values = buffer[..., 0], buffer[..., 1]
+    else:
+        keys, values = torch.zeros(2, 3, 2, 9, HEAD_DIM)
+    step, caches = stepper(layer, KVCache(keys, values, torch.zeros(3, dtype=torch.int32)))
+    output = decode(step, inputs, LENGTHS, CHUNKS)
+
+    np.testing.assert_allclose(
+        output, full_reference(weights, inputs, LENGTHS, **HEADS), rtol=0, atol=FLOAT32_ATOL
+    )
+    in_place = layout == "stacked"
+    assert (caches[1].keys is keys and caches[1].values is values) == in_place
+    assert keys.any() == values.any() == in_place
+
+
 # -- autograd through the cache ------------------------------------------------
 
 
