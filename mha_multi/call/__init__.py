@@ -33,6 +33,7 @@ from mha_multi.call.checks import (
     check_call,
     check_gates,
     check_options,
+    host_segment_ids,
 )
 from mha_multi.call.contract import (
     BIAS_SHAPE,
@@ -72,6 +73,7 @@ __all__ = [
     "check_call",
     "check_gates",
     "check_options",
+    "host_segment_ids",
     "decided",
     "forward",
     "kernel_settings",

@@ -227,8 +227,8 @@ def check_segment_ids(
 
     Raises:
         TypeError: ids that are not integers, or not arrays.
-        ValueError: ids of another shape than ``(B, Q)`` and ``(B, K)``, or
-            a call with a cache.
+        ValueError: ids of another shape than ``(B, Q)`` and ``(B, K)``, a
+            call with a cache, or as :func:`host_segment_ids`.
     """
     if segment_ids is None:
         return None
@@ -237,14 +237,13 @@ def check_segment_ids(
             "segment_ids are not supported with a cache: a cache keeps no segment ids "
             "(decode each packed sequence in a row of its own)"
         )
-    pair: list[Array] = []
-    query_ids, key_ids = spec.split_segment_ids(segment_ids)
-    sides = zip((query_ids, key_ids), (like.shape[1], num_keys), ("queries", "keys"), strict=True)
-    for ids, length, which in sides:
-        if pair and key_ids is query_ids and length == like.shape[1]:
-            pair.append(pair[0])  # self-attention: one array serves both sides
-            break
-        if isinstance(ids, np.ndarray) or not (hasattr(ids, "shape") and hasattr(ids, "dtype")):
+    sides: list[Any] = []
+    query_ids, key_ids = spec.split_segment_ids(host_segment_ids(segment_ids))
+    given = zip((query_ids, key_ids), (like.shape[1], num_keys), ("queries", "keys"), strict=True)
+    for ids, length, which in given:
+        if sides and key_ids is query_ids and length == like.shape[1]:
+            break  # self-attention: one array serves both sides
+        if _on_host(ids):
             try:
                 ids = np.asarray(ids)
             except (TypeError, ValueError) as error:
@@ -254,8 +253,47 @@ def check_segment_ids(
             kind = facts.dtype_kind(ids.dtype)
         sizes = {"batch": like.shape[0], "length": length, "which": which}
         spec.check_segment_ids(tuple(ids.shape), kind, **sizes)
-        pair.append(facts.as_positions(ids, like))
-    return pair[0], pair[1]
+        sides.append(facts.as_positions(ids, like))
+    return sides[0], sides[-1]
+
+
+def host_segment_ids(segment_ids: Any) -> Any:
+    """``segment_ids`` whose integer ids given on the host (numpy arrays, lists) are int32
+    arrays of the same segments (:func:`mha_multi.spec.int32_segment_ids`: both sides
+    together, whose ids are compared), which every framework holds as they are; the
+    framework's own arrays, and anything that is no integer array (which
+    :func:`check_segment_ids` refuses), as they are.
+
+    Raises:
+        ValueError: ids beyond int32 on the host beside the other side's tensor.
+    """
+    query_ids, key_ids = spec.split_segment_ids(segment_ids)
+    sides = [query_ids] if key_ids is query_ids else [query_ids, key_ids]
+    host = {}
+    for index, ids in enumerate(sides):
+        if _on_host(ids):
+            try:
+                ids = np.asarray(ids)
+            except (TypeError, ValueError):
+                return segment_ids
+            if ids.dtype.kind not in "iu":
+                return segment_ids
+            host[index] = ids
+    if not host:
+        return segment_ids
+    converted = dict(zip(host, spec.int32_segment_ids(list(host.values())), strict=True))
+    if len(host) < len(sides) and any(not np.array_equal(converted[i], host[i]) for i in host):
+        raise ValueError(
+            "segment_ids beyond int32 on the host beside a tensor of the other side's: "
+            "give both sides as numpy arrays"
+        )
+    sides = [converted.get(index, ids) for index, ids in enumerate(sides)]
+    return sides[0] if len(sides) == 1 else (sides[0], sides[1])
+
+
+def _on_host(ids: Any) -> bool:
+    """Whether ``ids`` were given on the host: a numpy array, or what numpy makes one of."""
+    return isinstance(ids, np.ndarray) or not (hasattr(ids, "shape") and hasattr(ids, "dtype"))
 
 
 def _check_call_array(

@@ -201,6 +201,9 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
             )
         if kwargs.get("head_mask") is not None:  # Keras would pass a list on as it is
             FACTS.as_gates(kwargs["head_mask"], None)
+        if kwargs.get("segment_ids") is not None:
+            # (Keras would make int64 ids int32 on JAX, and has no uint64 on PyTorch.)
+            kwargs["segment_ids"] = call.host_segment_ids(kwargs["segment_ids"])
         if cached:
             kwargs["cache"] = FACTS.as_cache(kwargs["cache"], None)
         if len(args) > 3:

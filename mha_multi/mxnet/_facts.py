@@ -312,7 +312,10 @@ class MXNetFacts(call.Facts):
                 raise TypeError(
                     f"positions must be integers; got dtype kind {positions.dtype.kind!r}"
                 )
-            positions = mx.np.array(positions, dtype=positions.dtype, ctx=like.ctx)
+            dtype = positions.dtype
+            if dtype.kind in "iu" and dtype.type not in (np.int8, np.uint8, np.int32, np.int64):
+                dtype = np.dtype(np.int64)  # (MXNet has no int16, uint16, uint32 or uint64 arrays)
+            positions = mx.np.array(positions, dtype=dtype, ctx=like.ctx)
         return positions.as_in_ctx(like.ctx)
 
     def as_bias(self, bias: Any, like: mx.np.ndarray) -> mx.np.ndarray:

@@ -157,6 +157,7 @@ from mha_multi.spec.segments import (
     check_segment_ids,
     checked_segment_ids,
     cu_seqlens_from_segment_ids,
+    int32_segment_ids,
     restarting_positions,
     segment_ids_from_cu_seqlens,
     segment_ids_from_lengths,
@@ -293,6 +294,7 @@ __all__ = [
     "segment_runs",
     "segment_visibility",
     "split_segment_ids",
+    "int32_segment_ids",
     "batch_pieces",
     "in_pieces",
 ]

@@ -96,8 +96,11 @@ def segment_positions(ops: ArrayOps, ids: Array) -> Array:
 
     Position ``i`` counts the earlier positions of its row with its id, so
     a sequence's positions are ``0, 1, ...`` wherever it starts (for ids
-    that run contiguously, as every converter writes them). Counted in
-    float32, exact for rows of up to ``2**24`` positions.
+    that run contiguously, as every converter writes them); padding's
+    (negative ids) are 0, as :func:`restarting_positions` gives them, so that
+    a call's length is its longest sequence's, however long its padding
+    (a rotary type of the call's length reads it). Counted in float32, exact
+    for rows of up to ``2**24`` positions.
     """
     steps = ops.arange(ops.size(ids, 1))
     same = _equal(ops, ops.expand_dims(ids, -1), ops.expand_dims(ids, 1))  # (B, N, N)
@@ -106,8 +109,9 @@ def segment_positions(ops: ArrayOps, ids: Array) -> Array:
     # A column of ones from the steps themselves: no host constant of a size
     # that a graph may not know.
     ones = ops.expand_dims(ops.cast(ops.greater_equal(steps, steps), ops.float32()), -1)
-    counts = ops.matmul(counted, ones)  # (B, N, 1)
-    return ops.cast(ops.merge_axes(ops.swap_last(counts), 1), ops.dtype(steps))
+    counts = ops.merge_axes(ops.swap_last(ops.matmul(counted, ones)), 1)  # (B, N)
+    real = ops.greater_equal(ids, ids * 0)
+    return ops.cast(ops.where(real, counts, counts * 0.0), ops.dtype(steps))
 
 
 def segment_runs(segment_ids: Any) -> list[list[tuple[int, int]]]:
@@ -237,10 +241,44 @@ def restarting_positions(segment_ids: Any) -> np.ndarray:
     return positions
 
 
+#: The range of int32 ids, which :func:`int32_segment_ids` keeps as they are.
+_INT32 = np.iinfo(np.int32)
+
+
+def int32_segment_ids(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Integer ids given on the host (every array of one call's ids: the queries' and
+    the keys' where given apart) as int32 arrays of the same segments.
+
+    What every framework's integers hold (JAX's are int32 without x64, MXNet
+    has no int16 or uint32 arrays), with the same meaning: ids within int32
+    as they are; otherwise padding (negative ids) as -1 and every other id as
+    its rank among the call's ids, so that ids equal before are equal after
+    and others differ (uint64's ``2**64 - 1`` is an id, not padding; int64's
+    ``2**32`` stays apart from 0).
+    """
+    if all(array.dtype == np.int32 for array in arrays):
+        return list(arrays)
+    filled = [array for array in arrays if array.size]
+    if all(_INT32.min <= array.min() and array.max() <= _INT32.max for array in filled):
+        return [array.astype(np.int32) for array in arrays]
+    # (Python integers: numpy would compare uint64 with int64 as float64.)
+    exact = [array.astype(object) for array in arrays]
+    ranks = {
+        value: rank
+        for rank, value in enumerate(sorted({v for a in exact for v in a.ravel() if v >= 0}))
+    }
+    return [
+        np.array([ranks.get(v, PADDING_ID) for v in a.ravel()], np.int32).reshape(a.shape)
+        for a in exact
+    ]
+
+
 def checked_segment_ids(
     segment_ids: Any, *, batch: int, num_queries: int, num_keys: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """A call's ``segment_ids`` as int64 numpy ``(query_ids, key_ids)``, checked.
+    """A call's ``segment_ids`` as numpy ``(query_ids, key_ids)`` of Python integers,
+    checked: every integer dtype's ids compared exactly (uint64's ``2**64 - 1`` is an
+    id, not padding).
 
     Raises:
         TypeError, ValueError: as :func:`check_segment_ids`.
@@ -253,15 +291,17 @@ def checked_segment_ids(
     ):
         array = np.asarray(ids)
         check_segment_ids(array.shape, array.dtype.kind, batch=batch, length=length, which=which)
-        pair.append(array.astype(np.int64))
+        pair.append(array.astype(object))
     return pair[0], pair[1]
 
 
 def counted_positions(ids: np.ndarray) -> np.ndarray:
-    """Restarting positions counted one by one: the earlier positions of each id's row with it."""
+    """Restarting positions counted one by one: the earlier positions of each id's row with
+    it; padding's 0."""
     positions = np.zeros(ids.shape, dtype=np.int64)
     for b, i in np.ndindex(*ids.shape):
-        positions[b, i] = np.count_nonzero(ids[b, :i] == ids[b, i])
+        if ids[b, i] >= 0:
+            positions[b, i] = np.count_nonzero(ids[b, :i] == ids[b, i])
     return positions
 
 
@@ -282,5 +322,5 @@ def reference_segments(
     query_ids, key_ids = ids
     if positions is None and rotated:
         positions = (counted_positions(query_ids), counted_positions(key_ids))
-    same = query_ids[:, :, None] == key_ids[:, None, :]
-    return positions, (same & (query_ids[:, :, None] >= 0))[:, None]
+    same = (query_ids[:, :, None] == key_ids[:, None, :]).astype(bool)
+    return positions, (same & (query_ids[:, :, None] >= 0).astype(bool))[:, None]

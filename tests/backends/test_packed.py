@@ -75,6 +75,60 @@ def test_a_packed_row_is_each_sequence_alone(runner):
         np.testing.assert_array_equal(grads[name][:, ~real], 0.0)
 
 
+def test_padding_longer_than_the_sequences_leaves_a_rotary_of_the_calls_length_alone(runner):
+    """A rotary type of the call's length (dynamic NTK scaling past a context of 2) reads
+    the longest sequence's, however long the padding after it (padding's positions are
+    0): a sequence of 2 before 6 positions of padding gives what it gives alone."""
+    rotary = {
+        "theta": 100.0,
+        "scaling": {"rope_type": "dynamic", "factor": 4.0, "max_position_embeddings": 2},
+    }
+    weights = init_weights(8, num_heads=2, seed=7)
+    layer = runner.set_weights(runner.make_layer(8, 2, rotary=rotary), weights)
+    x = np.random.default_rng(7).standard_normal((1, 8, 8)).astype(np.float32)
+    ids = spec.segment_ids_from_lengths([[2]], length=8)  # [[0, 0, -1, ..., -1]]
+    settings = {"causal": True, "device": "cpu", "dtype": "float32"}
+    packed = runner.call(layer, x, x, x, segment_ids=ids, **settings)
+    alone = runner.call(layer, *(x[:, :2],) * 3, **settings)
+    np.testing.assert_allclose(packed[:, :2], alone, rtol=0, atol=FORWARD)
+    expected, _ = spec.reference_forward(
+        weights, x, x, x, num_heads=2, rotary=rotary, segment_ids=ids, causal=True
+    )
+    reference_alone, _ = spec.reference_forward(
+        weights, *(x[:, :2],) * 3, num_heads=2, rotary=rotary, causal=True
+    )
+    np.testing.assert_allclose(expected[:, :2], reference_alone, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(packed, expected, rtol=0, atol=FORWARD)
+
+
+@pytest.mark.parametrize(
+    ("ids", "segments"),
+    [
+        (np.array([[2**32] * 3 + [0, 0, -(2**32) + 1]], np.int64), [[0, 0, 0, 1, 1, -1]]),
+        (np.array([[2**64 - 1] * 3 + [5] * 3], np.uint64), [[0, 0, 0, 1, 1, 1]]),
+        (np.array([[7, 7, 7, 3, 3, -1]], np.int16), [[0, 0, 0, 1, 1, -1]]),
+    ],
+    ids=["int64 beyond int32", "uint64 beyond int64", "int16"],
+)
+def test_ids_of_any_integer_dtype_on_the_host_mean_their_segments(runner, ids, segments):
+    """Numpy ids of any integer dtype mean their segments: ids beyond int32 stay apart
+    (JAX without x64 would wrap 2**32 onto 0, and -2**32 + 1 onto a real id), a uint64
+    beyond int64 is an id (no unsigned id is padding), int16 ids (MXNet has no such
+    arrays) are ids. The reference's outputs, which are those of the segments numbered
+    from 0, rotary positions restarting at each."""
+    weights = init_weights(8, num_heads=2, seed=3)
+    layer = runner.set_weights(runner.make_layer(8, 2, rotary=ROTARY), weights)
+    x = np.random.default_rng(3).standard_normal((1, 6, 8)).astype(np.float32)
+    settings = {"num_heads": 2, "rotary": ROTARY, "causal": True}
+    expected, _ = spec.reference_forward(weights, x, x, x, segment_ids=ids, **settings)
+    numbered, _ = spec.reference_forward(
+        weights, x, x, x, segment_ids=np.array(segments), **settings
+    )
+    np.testing.assert_allclose(expected, numbered, rtol=0, atol=1e-12)
+    got = runner.call(layer, x, x, x, segment_ids=ids, causal=True, device="cpu", dtype="float32")
+    np.testing.assert_allclose(got, expected, rtol=0, atol=FORWARD)
+
+
 @pytest.mark.parametrize(
     ("segment_ids", "error", "match"),
     [
