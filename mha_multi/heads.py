@@ -1,4 +1,5 @@
-"""Pruning heads from canonical weights (numpy only; docs: "Heads").
+"""Pruning heads from canonical weights, and what every backend's head importance
+shares (numpy only; docs: "Heads").
 
 A pruned layer is a smaller layer: the heads' columns of ``W_q`` (and of
 ``W_k``/``W_v`` where a key/value head goes with them) and rows of ``W_o``
@@ -9,6 +10,8 @@ heads' ``head_mask`` entries at 0, in every framework, with fewer FLOPs.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -17,7 +20,14 @@ import numpy as np
 from mha_multi import spec
 from mha_multi.weights import check_weights
 
-__all__ = ["LayerConfig", "Pruned", "importance", "importance_over", "prune_heads"]
+__all__ = [
+    "LayerConfig",
+    "Pruned",
+    "check_loss",
+    "importance",
+    "importance_over",
+    "prune_heads",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,9 +208,53 @@ def importance_over(
         normalize: divide by the L2 norm over the heads.
 
     Raises:
-        ValueError: ``batches`` yields nothing.
+        ValueError: ``batches`` yields nothing, or a batch of other than four items.
+        TypeError: a batch that is no tuple or list.
     """
-    gradients = [batch_gradient(batch) for batch in batches]
+    gradients = [
+        batch_gradient(_checked_batch(batch, index)) for index, batch in enumerate(batches)
+    ]
     if not gradients:
         raise ValueError("batches yielded no batch: head importance needs at least one")
     return importance(gradients, normalize=normalize)
+
+
+def _checked_batch(batch: Any, index: int) -> tuple[Any, Any, Any, Any]:
+    expected = "each batch must be (queries, keys, values, valid_lens), valid_lens None for none"
+    if not isinstance(batch, (tuple, list)):
+        raise TypeError(f"{expected}; batch {index} is a {type(batch).__name__}")
+    if len(batch) != 4:
+        raise ValueError(f"{expected}; batch {index} has {len(batch)} items")
+    return tuple(batch)  # type: ignore[return-value]
+
+
+def check_loss(value: Any, is_tensor: Callable[[Any], bool]) -> bool:
+    """Checks what a ``head_importance`` ``loss_fn`` returned: one number, as a tensor
+    of the framework (``is_tensor``) or as a Python or numpy number.
+
+    Every backend refuses the same losses with the same message; a number that
+    is no tensor of the framework does not depend on the output, and its
+    gradient is zero.
+
+    Returns:
+        Whether ``value`` is a tensor of the framework (else a number, of zero gradient).
+
+    Raises:
+        TypeError: ``value`` is neither (``None``, a string, a list, a bool).
+        ValueError: it holds other than one number.
+    """
+    if is_tensor(value):
+        shape = tuple(value.shape)
+        if math.prod(shape) != 1:
+            raise ValueError(f"loss_fn must return a scalar; got shape {shape}")
+        return True
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "iuf":
+        if value.size != 1:
+            raise ValueError(f"loss_fn must return a scalar; got shape {value.shape}")
+        return False
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return False
+    raise TypeError(
+        "loss_fn must return a scalar (a tensor of one element, or a number); "
+        f"got {type(value).__name__}"
+    )

@@ -261,10 +261,13 @@ def host_segment_ids(segment_ids: Any) -> Any:
     """``segment_ids`` whose integer ids given on the host (numpy arrays, lists) are int32
     arrays of the same segments (:func:`mha_multi.spec.int32_segment_ids`: both sides
     together, whose ids are compared), which every framework holds as they are; the
-    framework's own arrays, and anything that is no integer array (which
-    :func:`check_segment_ids` refuses), as they are.
+    framework's own arrays, and what is no array (which :func:`check_segment_ids`
+    refuses), as they are.
 
     Raises:
+        TypeError: ids on the host that are not integers, refused here as
+            :func:`check_segment_ids` refuses them, before a framework's
+            conversion (Keras') meets them.
         ValueError: ids beyond int32 on the host beside the other side's tensor.
     """
     query_ids, key_ids = spec.split_segment_ids(segment_ids)
@@ -276,8 +279,7 @@ def host_segment_ids(segment_ids: Any) -> Any:
                 ids = np.asarray(ids)
             except (TypeError, ValueError):
                 return segment_ids
-            if ids.dtype.kind not in "iu":
-                return segment_ids
+            spec.check_segment_ids_kind(ids.dtype.kind, ("queries", "keys")[index])
             host[index] = ids
     if not host:
         return segment_ids

@@ -11,7 +11,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from mha_multi.heads import importance_over
+from mha_multi.heads import check_loss, importance_over
 from mha_multi.jax import linen
 from mha_multi.jax._facts import as_valid_lens, host_array
 from mha_multi.jax.layer import MultiHeadAttention
@@ -44,8 +44,8 @@ def head_mask_gradient(
         depend on the output.
 
     Raises (when the returned function is called):
-        ValueError: ``loss_fn`` returned more than one number.
-        TypeError: ``loss_fn`` returned something that is not a number.
+        ValueError: ``loss_fn`` returned other than one number.
+        TypeError: ``loss_fn`` returned neither an array nor a number.
     """
     if isinstance(layer, MultiHeadAttention):
         graphdef, state = nnx.split(layer)
@@ -65,11 +65,9 @@ def head_mask_gradient(
 
     def loss(gates: jax.Array, state: Any, *args: Any) -> jax.Array:
         value = loss_fn(output(state, gates, *args))
-        if not (hasattr(value, "shape") or isinstance(value, (int, float))):
-            raise TypeError(f"loss_fn must return a scalar; got {type(value).__name__}")
-        if np.size(value) != 1:
-            raise ValueError(f"loss_fn must return a scalar; got shape {tuple(np.shape(value))}")
-        return jnp.reshape(value, ())
+        check_loss(value, lambda value: isinstance(value, jax.Array))
+        # (In the gates' dtype: a number, or an integer array, has a zero gradient.)
+        return jnp.reshape(jnp.asarray(value).astype(gates.dtype), ())
 
     gradient = jax.jit(jax.grad(loss))
     ones = jnp.ones(num_heads, jnp.promote_types(param_dtype, jnp.float32))
@@ -117,9 +115,11 @@ def head_importance(
 
     Raises:
         TypeError: ``layer`` is none of the above (a Linen module without
-            variables, say), or ``loss_fn`` returns no number.
-        ValueError: ``batches`` yields nothing, or ``loss_fn`` returns more
-            than one number.
+            variables, say), ``loss_fn`` returns neither an array nor a
+            number (:func:`mha_multi.heads.check_loss`), or a batch is no
+            tuple or list.
+        ValueError: ``batches`` yields nothing or a batch of other than four
+            items, or ``loss_fn`` returns other than one number.
     """
     gradient = head_mask_gradient(_as_layer(layer), loss_fn)
     return importance_over(lambda batch: host_array(gradient(*batch)), batches, normalize=normalize)

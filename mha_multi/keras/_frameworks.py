@@ -222,7 +222,8 @@ class _TensorFlow(_Framework):
         with self.tf.GradientTape() as tape:
             tape.watch(x)
             y = function(x)
-        return tape.gradient(y, x)
+        gradient = tape.gradient(y, x)
+        return self.tf.zeros_like(x) if gradient is None else gradient  # (y apart from x)
 
     # A traced call runs as one graph (``tf.function``, without AutoGraph: the flow's
     # Python branches stay Python's), dispatched once instead of operation by operation:
@@ -411,7 +412,10 @@ class _Torch(_Framework):
 
     def scalar_gradient(self, function: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         x = x.detach().requires_grad_(True)
-        (grad,) = self.torch.autograd.grad(function(x), [x], allow_unused=True)
+        y = function(x)
+        if not y.requires_grad:  # (y apart from x)
+            return self.torch.zeros_like(x)
+        (grad,) = self.torch.autograd.grad(y, [x], allow_unused=True)
         return self.torch.zeros_like(x) if grad is None else grad
 
     def sync(self, value: Any) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from mha_multi.heads import importance_over
+from mha_multi.heads import check_loss, importance_over
 from mha_multi.keras._facts import device_of, device_scope, host_array, scalar_gradient
 from mha_multi.keras.layer import MultiHeadAttention
 
@@ -35,7 +35,12 @@ def head_mask_gradient(
     gradient in float32.
 
     Returns:
-        ``(num_heads,)`` numpy, in the gates' dtype.
+        ``(num_heads,)`` numpy, in the gates' dtype; zeros where the loss does
+        not depend on the output.
+
+    Raises:
+        TypeError: ``loss_fn`` returned neither a tensor nor a number.
+        ValueError: it returned other than one number.
     """
     dtype = "float64" if layer.compute_dtype == "float64" else "float32"
     with device_scope(device_of(queries)):
@@ -43,7 +48,11 @@ def head_mask_gradient(
 
         def loss(gates: Tensor) -> Tensor:
             output = layer(queries, keys, values, valid_lens, head_mask=gates, training=False)
-            return loss_fn(output)
+            value = loss_fn(output)
+            if not check_loss(value, keras.ops.is_tensor):
+                value = np.asarray(value)  # (a number: no gradient)
+            # (In the gates' dtype: a number, or an integer tensor, has a zero gradient.)
+            return keras.ops.reshape(keras.ops.cast(value, dtype), ())
 
         return host_array(scalar_gradient(loss, gates))
 
@@ -68,7 +77,8 @@ def head_importance(
         batches: yields ``(queries, keys, values, valid_lens)`` of tensors
             (``valid_lens`` may be ``None``).
         loss_fn: ``output -> scalar`` tensor of the active Keras backend
-            (``keras.ops`` works on every one).
+            (``keras.ops`` works on every one); a number, or a tensor made
+            apart from the output, has a zero gradient.
         normalize: divide by the L2 norm over the heads (all-zero gradients
             stay zero).
 
@@ -76,7 +86,10 @@ def head_importance(
         ``(num_heads,)`` float64 numpy.
 
     Raises:
-        ValueError: no batches.
+        ValueError: ``batches`` yields nothing or a batch of other than four
+            items, or ``loss_fn`` returns other than one number.
+        TypeError: ``loss_fn`` returns neither a tensor nor a number
+            (:func:`mha_multi.heads.check_loss`), or a batch is no tuple or list.
     """
     return importance_over(
         lambda batch: head_mask_gradient(layer, *batch, loss_fn), batches, normalize=normalize

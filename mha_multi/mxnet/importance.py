@@ -9,7 +9,7 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd
 
-from mha_multi.heads import importance_over
+from mha_multi.heads import check_loss, importance_over
 from mha_multi.mxnet._facts import to_numpy
 from mha_multi.mxnet.layer import MultiHeadAttention
 
@@ -34,17 +34,18 @@ def head_mask_gradient(
         The gradient as float64 numpy ``(num_heads,)``.
 
     Raises:
-        TypeError: ``loss_fn`` did not return an ``mxnet.numpy`` array of one element.
+        TypeError: ``loss_fn`` returned neither an ``mxnet.numpy`` array nor a number.
+        ValueError: it returned other than one number.
     """
     gates = mx.np.ones((layer.num_heads,), dtype=layer.dtype, ctx=queries.ctx)
     gates.attach_grad()
     with autograd.record(train_mode=False):
         loss = loss_fn(layer(queries, keys, values, valid_lens, head_mask=gates))
-        if not isinstance(loss, mx.np.ndarray) or loss.size != 1:
-            raise TypeError(
-                "loss_fn must return a scalar mxnet.numpy array; got "
-                f"{type(loss).__name__}{getattr(loss, 'shape', '')}"
-            )
+        if not check_loss(loss, lambda value: isinstance(value, mx.np.ndarray)):
+            return np.zeros(layer.num_heads)  # (a number: no gradient)
+        # Zero times the gates: a loss the graph did not record (made apart from the
+        # output) has a zero gradient, where autograd.grad would refuse it.
+        loss = loss.reshape(()) + (gates * 0).sum().astype(loss.dtype)
     (gradient,) = autograd.grad(loss, [gates], train_mode=False)
     return to_numpy(gradient)
 
@@ -70,16 +71,20 @@ def head_importance(
         batches: yields ``(queries, keys, values, valid_lens)``, as the
             layer's call takes them.
         loss_fn: ``output -> loss``, a scalar ``mxnet.numpy`` array built
-            from the output with MXNet operations.
+            from the output with MXNet operations (a number, or an array
+            made apart from the output, has a zero gradient).
         normalize: divide by the L2 norm over the heads.
 
     Returns:
         float64 numpy ``(num_heads,)``.
 
     Raises:
-        ValueError: ``batches`` yields nothing.
-        TypeError: ``loss_fn`` does not return a scalar ``mxnet.numpy`` array;
-            and the layer's errors for the batches.
+        ValueError: ``batches`` yields nothing or a batch of other than four
+            items, or ``loss_fn`` returns other than one number; and the
+            layer's errors for the batches.
+        TypeError: ``loss_fn`` returns neither an ``mxnet.numpy`` array nor a
+            number (:func:`mha_multi.heads.check_loss`), or a batch is no tuple
+            or list.
     """
     return importance_over(
         lambda batch: head_mask_gradient(layer, *batch, loss_fn), batches, normalize=normalize

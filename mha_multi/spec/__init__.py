@@ -155,6 +155,7 @@ from mha_multi.spec.rotary_scaling import (
 from mha_multi.spec.segments import (
     PADDING_ID,
     check_segment_ids,
+    check_segment_ids_kind,
     checked_segment_ids,
     cu_seqlens_from_segment_ids,
     int32_segment_ids,
@@ -284,6 +285,7 @@ __all__ = [
     "rms_normalized",
     "PADDING_ID",
     "check_segment_ids",
+    "check_segment_ids_kind",
     "checked_segment_ids",
     "cu_seqlens_from_segment_ids",
     "restarting_positions",

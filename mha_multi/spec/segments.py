@@ -59,11 +59,7 @@ def check_segment_ids(
         TypeError: the ids are not integers (floating or boolean ids).
         ValueError: another shape.
     """
-    if ids_kind not in "iu":
-        raise TypeError(
-            f"segment_ids must be integers (an id per position, negative for padding); "
-            f"got dtype kind {ids_kind!r} for the {which}"
-        )
+    check_segment_ids_kind(ids_kind, which)
     shape = tuple(ids_shape)
     if shape != (batch, length):
         hint = ""
@@ -72,6 +68,16 @@ def check_segment_ids(
         raise ValueError(
             f"segment_ids of the {which} must have shape (batch, {which}) = "
             f"({batch}, {length}); got {shape}{hint}"
+        )
+
+
+def check_segment_ids_kind(ids_kind: str, which: str = "queries") -> None:
+    """Raises ``TypeError`` unless one side's ids (``which``) are integers, whose numpy
+    dtype kind is ``ids_kind`` (:func:`check_segment_ids`' first check)."""
+    if ids_kind not in "iu":
+        raise TypeError(
+            f"segment_ids must be integers (an id per position, negative for padding); "
+            f"got dtype kind {ids_kind!r} for the {which}"
         )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mha_multi.heads import importance_over
+from mha_multi.heads import check_loss, importance_over
 from mha_multi.torch._facts import host_array
 from mha_multi.torch.layer import MultiHeadAttention
 
@@ -37,8 +37,8 @@ def head_mask_gradient(
         on the output.
 
     Raises:
-        TypeError: ``loss_fn`` did not return a tensor.
-        ValueError: it returned more than one number.
+        TypeError: ``loss_fn`` returned neither a tensor nor a number.
+        ValueError: it returned other than one number.
     """
     parameter = layer.W_o.weight
     dtype = torch.promote_types(parameter.dtype, torch.float32)
@@ -47,11 +47,7 @@ def head_mask_gradient(
     gates = torch.ones(num_heads, dtype=dtype, device=parameter.device, requires_grad=True)
     with torch.enable_grad():
         loss = loss_fn(layer(queries, keys, values, valid_lens, head_mask=gates))
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss_fn must return a scalar tensor; got {type(loss).__name__}")
-        if loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar tensor; got shape {tuple(loss.shape)}")
-        if not loss.requires_grad:
+        if not check_loss(loss, torch.is_tensor) or not loss.requires_grad:
             return torch.zeros_like(gates, requires_grad=False)
         (grad,) = torch.autograd.grad(loss.reshape(()), gates, allow_unused=True)
     return torch.zeros_like(gates, requires_grad=False) if grad is None else grad
@@ -85,9 +81,10 @@ def head_importance(
         float64 numpy ``(num_heads,)``.
 
     Raises:
-        ValueError: ``batches`` yields nothing, or ``loss_fn`` returns more
-            than one number.
-        TypeError: ``loss_fn`` returns no tensor.
+        ValueError: ``batches`` yields nothing or a batch of other than four
+            items, or ``loss_fn`` returns other than one number.
+        TypeError: ``loss_fn`` returns neither a tensor nor a number
+            (:func:`mha_multi.heads.check_loss`), or a batch is no tuple or list.
     """
     training = layer.training
     layer.eval()

@@ -10,6 +10,8 @@ ids that are not integer ``(B, N)``, or a cache, refused naming
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from parity_support import checks_within_tolerance
@@ -141,6 +143,27 @@ def test_bad_ids_are_named(runner, segment_ids, error, match):
     x = np.zeros((2, 4, 8), np.float32)
     with pytest.raises(error, match=match):
         runner.call(layer, x, x, x, segment_ids=runner.native_lens(segment_ids))
+
+
+_GOOD_IDS = np.array([[0, 0, 1, 1], [0, 1, 1, -1]], np.int32)
+
+
+@pytest.mark.parametrize(
+    ("segment_ids", "match"),
+    [
+        (np.array([[0, 0, 1, None], [0, 1, 1, 1]], object), "got dtype kind 'O' for the queries"),
+        ([[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, -1.0]], "got dtype kind 'f' for the queries"),
+        ((_GOOD_IDS, _GOOD_IDS.astype(bool)), "got dtype kind 'b' for the keys"),
+    ],
+    ids=["object", "float list", "bool keys"],
+)
+def test_ids_on_the_host_that_are_no_integers_are_named(runner, segment_ids, match):
+    """Numpy arrays and lists, as given: refused before any framework converts them
+    (Keras' conversion refused object arrays in words of its own)."""
+    layer = runner.set_weights(runner.make_layer(8, 2), init_weights(8, num_heads=2))
+    x = runner.to_native(np.zeros((2, 4, 8), np.float32))
+    with pytest.raises(TypeError, match="segment_ids must be integers .*" + re.escape(match)):
+        runner.call_as_given(layer, x, x, x, segment_ids=segment_ids)
 
 
 def test_a_cached_call_refuses_ids(runner):
