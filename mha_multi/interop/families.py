@@ -18,6 +18,7 @@ __all__ = [
     "KNOWN_BLOCKS",
     "QK_NORMS",
     "SINK_BLOCKS",
+    "SOFTCAPPED",
     "WINDOWLESS",
     "check_config_fields",
     "check_known",
@@ -110,12 +111,14 @@ _UNSUPPORTED_FIELDS = {
     # Gemma 2 and 3 without the causal rule (the window then looks both ways).
     "use_bidirectional_attention": False,
 }
-#: Fields set otherwise than the layer computes them for one model type only.
-_UNSUPPORTED_BY_MODEL = {
-    # transformers' Gemma3Attention does not soft-cap its scores whatever the
-    # config says: a checkpoint that sets it would be read one way or the other.
-    "gemma3_text": {"attn_logit_softcapping": False},
-}
+#: The model types whose blocks soft-cap their scores by the config's
+#: ``attn_logit_softcapping`` (Gemma 2's).
+SOFTCAPPED = frozenset({"gemma2"})
+#: Fields some model types' blocks read, by those model types: the other known blocks
+#: ignore the field whatever the config says (transformers' Gemma3Attention and
+#: LlamaAttention do not soft-cap), so a config of theirs that sets it would be read one
+#: way or the other, and is refused.
+_READ_ONLY_BY = {"attn_logit_softcapping": SOFTCAPPED}
 
 
 def qk_norm_of(module: torch.nn.Module) -> dict[str, Any] | None:
@@ -178,12 +181,20 @@ def check_config_fields(config: Any, name: str) -> None:
     Raises:
         ValueError: naming ``name``, the field and its value.
     """
-    model_type = getattr(config, "model_type", None)
-    unsupported = {**_UNSUPPORTED_FIELDS, **_UNSUPPORTED_BY_MODEL.get(model_type, {})}
-    for field, supported in unsupported.items():
+    for field, supported in _UNSUPPORTED_FIELDS.items():
         value = getattr(config, field, supported)
         if bool(value) != supported:  # transformers reads them as truth values (None: off)
             raise ValueError(
                 f"{name} with config {field}={value!r} is not supported: the layer computes "
                 f"the block with {field}={supported!r} only"
+            )
+    model_type = getattr(config, "model_type", None)
+    for field, readers in _READ_ONLY_BY.items():
+        value = getattr(config, field, None)
+        if value and model_type not in readers:
+            raise ValueError(
+                f"{name} with config {field}={value!r} is not supported: transformers' "
+                f"{model_type!r} blocks do not read it (those of {', '.join(sorted(readers))} "
+                "do), so the config means one thing to it and another to its writer; leave "
+                "it out"
             )

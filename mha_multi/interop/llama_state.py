@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from mha_multi import spec
+from mha_multi.interop.families import SOFTCAPPED
 from mha_multi.interop.fused_projections import join_fused, split_fused
 from mha_multi.interop.rotary_config import rotary_of
 from mha_multi.weights import SINKS_NAME, WeightsConfig, check_weights
@@ -167,7 +168,8 @@ def block_arguments(
     Raises:
         ValueError: norms in the weights where the model type has none, or
             the other way round, or of the wrong shapes; rotary settings that
-            are not supported (:func:`~mha_multi.interop.rotary_config.rotary_of`).
+            are not supported (:func:`~mha_multi.interop.rotary_config.rotary_of`),
+            or that rotate an odd number of each head's entries.
     """
     if (qk_norm is None) != ("q_norm" not in weights):
         raise ValueError(
@@ -189,18 +191,28 @@ def block_arguments(
     factor = scaling * float(np.sqrt(heads.head_dim))
     if factor != 1.0:
         fold_scale(weights, factor, qk_norm)
+    rotary = rotary_of(config, layer_type)
+    rotated = int(heads.head_dim * rotary["fraction"])  # (transformers' and the spec's count)
+    if rotated % 2:
+        raise ValueError(
+            f"{block}'s partial_rotary_factor {rotary['fraction']} of head_dim "
+            f"{heads.head_dim} rotates {rotated} entries, an odd number: transformers then "
+            f"rotates {rotated + 1} entries by the frequencies of {rotated}, which the layer "
+            "does not compute"
+        )
     kwargs: dict[str, Any] = {
         "num_heads": heads.num_heads,
         "num_kv_heads": heads.num_kv_heads,
         "head_dim": heads.head_dim,
-        "rotary": rotary_of(config, layer_type),
+        "rotary": rotary,
     }
     if qk_norm is not None:
         kwargs["qk_norm"] = qk_norm
     if window is not None:
         kwargs["window"] = int(window)
+    # (Another model type's config sets none: check_config_fields refuses it.)
     softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
+    if softcap is not None and config.model_type in SOFTCAPPED:
         kwargs["softcap"] = float(softcap)
     if "b_q" in weights:
         kwargs["bias"] = True

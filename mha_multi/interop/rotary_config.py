@@ -24,8 +24,8 @@ WHOLE_HEAD_ROTARY = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "cohere", "olmo2", "gpt_oss"}
 )
 #: Model types whose config class has an ``original_max_position_embeddings`` of its
-#: own (Phi-3's, 4096 unless given), which a scaled rotary type takes over its
-#: parameters'; other configs' field of that name is not read.
+#: own (Phi-3's, 4096 unless given): a config of theirs always has the field, which a
+#: scaled rotary type takes over its parameters' (as any config's field of that name).
 OWN_CONTEXT_LENGTH = frozenset({"phi3"})
 #: Model types whose config class reads these rotary types as another (Phi-3's).
 _RENAMED_TYPES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
@@ -45,9 +45,14 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     ``factor``, where not given, the ratio of ``max_position_embeddings`` to
     ``original_max_position_embeddings``, as transformers takes it) and
     ``llama3``, in the ``scaling`` of :class:`mha_multi.spec.Rotary`. Their
-    ``original_max_position_embeddings`` is Phi-3's own field
-    (:data:`OWN_CONTEXT_LENGTH`), else the parameters', else
-    ``max_position_embeddings``. Phi-3's ``su``
+    ``original_max_position_embeddings`` is the config's own field of that
+    name where it has one (Phi-3's always, :data:`OWN_CONTEXT_LENGTH`), as
+    transformers' rotary embedding takes it when it computes its
+    frequencies, else the parameters', else ``max_position_embeddings``
+    (settings by layer type: the parameters', else
+    ``max_position_embeddings``). A YaRN ``factor`` of ``None`` is the ratio
+    of ``max_position_embeddings`` to ``original_max_position_embeddings``,
+    as transformers takes it. Phi-3's ``su``
     and ``yarn`` are its ``longrope``. ``partial_rotary_factor`` is read except
     where the model type's blocks rotate whole heads
     (:data:`WHOLE_HEAD_ROTARY`), whose default rotary type rotates whole
@@ -67,7 +72,9 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
             where the blocks rotate whole heads; a layer type's YaRN
             ``truncate`` of false, which transformers does not read; a
             ``max_position_embeddings`` that the rotary type reads and the
-            config lacks.
+            config lacks; an ``original_max_position_embeddings`` of ``None``
+            that it reads; settings by layer type beside fields of no layer
+            type.
     """
     parameters, by_layer_type = _layer_parameters(config, layer_type)
     if not parameters:  # transformers before rope_parameters
@@ -174,16 +181,25 @@ def _scaling_of(
         if value is not None and not (name in falsy_unset and not value)
     }
     if kind in ("llama3", "yarn", "longrope"):
-        # transformers' standardize_rope_params: Phi-3's own original_max_position_embeddings
-        # over the parameters' (but in settings by layer type), else the parameters', else
-        # the config's context length.
-        own = None
-        if getattr(config, "model_type", None) in OWN_CONTEXT_LENGTH and not by_layer_type:
-            own = getattr(config, "original_max_position_embeddings", None)
-        if own is not None:
+        # transformers' standardize_rope_params, which its rotary embedding runs again as
+        # it computes the frequencies (when every field of a config is its attribute): the
+        # config's own original_max_position_embeddings over the parameters' (but in
+        # settings by layer type), else the parameters', else the config's context length.
+        if not by_layer_type and hasattr(config, "original_max_position_embeddings"):
+            own = config.original_max_position_embeddings
+            if own is None:
+                raise ValueError(
+                    f"rope_type {kind!r} reads the config's original_max_position_embeddings "
+                    "over its parameters', and the config's is null: give a length, or leave "
+                    "the field out"
+                )
             scaling["original_max_position_embeddings"] = own
         elif "original_max_position_embeddings" not in scaling:
             scaling["original_max_position_embeddings"] = _context_length(config, kind)
+    if kind == "yarn" and "factor" not in scaling and "factor" in parameters:
+        # transformers: the ratio of the context lengths, where the factor is None.
+        longest = _context_length(config, kind)
+        scaling["factor"] = longest / scaling["original_max_position_embeddings"]
     if kind == "dynamic":
         scaling["max_position_embeddings"] = _context_length(config, kind)
     if kind == "longrope" and "factor" not in scaling:
@@ -218,8 +234,19 @@ def _layer_parameters(config: Any, layer_type: str | None) -> tuple[dict[str, An
     and whether they are."""
     parameters = dict(getattr(config, "rope_parameters", None) or {})
     layer_types = set(getattr(config, "layer_types", None) or ())
-    if not (parameters and set(parameters) <= layer_types):
+    # (transformers' nested_rope_parameter_keys: given by layer type where any key is a
+    # layer type of the config's layers; another layer type's settings are not read.)
+    if not set(parameters) & layer_types:
         return parameters, False
+    stray = sorted(
+        key for key, value in parameters.items() if not (value is None or isinstance(value, dict))
+    )
+    if stray:
+        raise ValueError(
+            f"the config's rope_parameters are given by layer type ({sorted(layer_types)}), "
+            f"beside field(s) {stray} of no layer type, which transformers does not read: "
+            "leave them out, or give them in each layer type's settings"
+        )
     if layer_type not in parameters or parameters[layer_type] is None:
         raise ValueError(
             f"the config's rope_parameters are given by layer type ({sorted(parameters)}); "

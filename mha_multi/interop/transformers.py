@@ -72,11 +72,11 @@ _ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope", "su")
 #: Model types whose ``sliding_window`` applies only where ``use_sliding_window`` is set
 #: (Qwen's: the flag's default is ``False``).
 _WINDOW_FLAGGED = ("qwen2", "qwen3")
-#: Model types whose blocks have projection biases or not whatever the config says, and
-#: those whose ``attention_bias`` decides (its default where the config leaves it out),
-#: as transformers builds them (Qwen 2's query, key and value biases without an output
-#: one are the canonical arrays' to check).
-_BIASES_FIXED = {"mistral": False, "phi3": False}
+#: Model types whose blocks have projection biases or not whatever the config says (the
+#: projections that have them: Qwen 2's query, key and value, not its output), and
+#: those whose ``attention_bias`` decides for all four (its default where the config
+#: leaves it out), as transformers builds them.
+_BIASES_FIXED = {"mistral": "", "phi3": "", "qwen2": "qkv"}
 _BIASES_FIELD_DEFAULT = {
     "llama": False,
     "gemma2": False,
@@ -284,7 +284,7 @@ def _layers(
             heads, weights, _ = _checked(
                 arrays, config.num_attention_heads, getattr(config, "num_key_value_heads", None)
             )
-            _check_fits(config, heads, weights)
+            _check_fits(config, heads, weights, output_bias=f"{prefix}o_proj.bias" in state)
             precision = weights["W_o"].dtype
             kwargs = block_arguments(weights, config, heads, **_layer_facts(config, index, heads))
         except ValueError as error:
@@ -292,13 +292,22 @@ def _layers(
         yield index, {name: array.astype(precision) for name, array in weights.items()}, kwargs
 
 
-def _check_fits(config: SimpleNamespace, heads: spec.Heads, weights: Mapping[str, Any]) -> None:
+def _check_fits(
+    config: SimpleNamespace,
+    heads: spec.Heads,
+    weights: Mapping[str, Any],
+    *,
+    output_bias: bool | None = None,
+) -> None:
     """Raises where the config says of a layer what its tensors do not hold.
 
     transformers builds the block from the config and fails on tensors of
     other sizes, or initialises biases the checkpoint lacks and leaves out
     those its block does not have: the layer read from the tensors would
-    compute something else (docs: "Porting weights").
+    compute something else (docs: "Porting weights"). ``output_bias``:
+    whether the checkpoint holds ``o_proj``'s bias (canonical weights hold a
+    zero ``b_o`` where it holds the others' alone); ``None``: where
+    ``weights`` hold ``b_o``.
     """
     stated = {
         "hidden_size": (getattr(config, "hidden_size", None), weights["W_q"].shape[0]),
@@ -313,18 +322,29 @@ def _check_fits(config: SimpleNamespace, heads: spec.Heads, weights: Mapping[str
     model_type = config.model_type
     if model_type in _BIASES_FIXED:
         biased = _BIASES_FIXED[model_type]
-        said = f"a {model_type!r} block has {'' if biased else 'no '}projection biases"
+        said = f"a {model_type!r} block has {_BIASES[biased]}"
     elif model_type in _BIASES_FIELD_DEFAULT:
-        biased = bool(getattr(config, "attention_bias", _BIASES_FIELD_DEFAULT[model_type]))
-        said = f"config attention_bias={biased!r}"
+        field = bool(getattr(config, "attention_bias", _BIASES_FIELD_DEFAULT[model_type]))
+        biased, said = ("qkvo" if field else ""), f"config attention_bias={field!r}"
     else:
         return
-    if biased != ("b_q" in weights):
-        held = "holds" if "b_q" in weights else "holds no"
+    held = "qkv" if "b_q" in weights else ""
+    if "b_o" in weights if output_bias is None else output_bias:
+        held += "o"
+    if biased != held:
         raise ValueError(
-            f"{said}, but the checkpoint {held} projection biases: transformers' block "
+            f"{said}, but the checkpoint holds {_BIASES[held]}: transformers' block "
             "would compute without them or with biases of its own"
         )
+
+
+#: The projections with biases (canonical weights hold none, those of q, k and v, or all
+#: four), in words.
+_BIASES = {
+    "": "no projection biases",
+    "qkv": "biases on q_proj, k_proj and v_proj only",
+    "qkvo": "biases on all four projections",
+}
 
 
 def _layer_facts(config: SimpleNamespace, index: int, heads: spec.Heads) -> dict[str, Any]:

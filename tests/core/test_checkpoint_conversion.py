@@ -215,6 +215,11 @@ def _drop(field):
         ("llama3", _set("model_type", "granite"), "model_type 'granite' is not known"),
         ("llama3", _set("architectures", ["LlamaForVision"]), "'LlamaForVision' is not known"),
         ("gemma3", _set("attn_logit_softcapping", 30.0), "attn_logit_softcapping=30.0"),
+        (
+            "llama3",
+            _set("attn_logit_softcapping", 0.5),
+            "attn_logit_softcapping=0.5 is not supported: transformers' 'llama' blocks",
+        ),
         ("gemma3", _drop("query_pre_attn_scalar"), "needs the field 'query_pre_attn_scalar'"),
         (
             "llama3",

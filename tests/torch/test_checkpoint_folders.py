@@ -13,6 +13,7 @@ config classes derive layer types and Gemma 3's rotary settings from).
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
-from transformers_blocks import attention_results  # noqa: E402
+from transformers_blocks import attention_results, batch  # noqa: E402
 from transformers_checkpoints import CHECKPOINTS, FOLDERS, loaded, results  # noqa: E402
 
 from mha_multi import spec  # noqa: E402
@@ -104,6 +105,63 @@ def test_older_configs_read_as_transformers_reads_them(name, tmp_path):
     }
 
 
+#: name -> (model, the config's fields changed): configs whose rotary settings or layer
+#: types transformers' model reads otherwise than its config's first reading says.
+EDITED_CONFIGS = {
+    # The rotary embedding takes the config's own field over its parameters' (llama3's 4).
+    "llama3, its own original_max_position_embeddings": (
+        "llama3",
+        {"original_max_position_embeddings": 4096},
+    ),
+    # A YaRN factor of None: the ratio of the context lengths (16 / 4).
+    "llama3, yarn without a factor": (
+        "llama3",
+        {
+            "max_position_embeddings": 16,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 100.0,
+                "factor": None,
+                "original_max_position_embeddings": 4,
+            },
+        },
+    ),
+    # Settings by layer type where one of the two types has no layer.
+    "gemma3, every layer sliding": (
+        "gemma3",
+        {"layer_types": ["sliding_attention", "sliding_attention"]},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EDITED_CONFIGS))
+def test_edited_configs_convert_to_what_the_loaded_model_computes(name, tmp_path):
+    """Each layer read from the folder gives, through the float64 spec, its block's output
+    in the model transformers loads from the folder."""
+    model, fields = EDITED_CONFIGS[name]
+    folder = tmp_path / model
+    shutil.copytree(FOLDERS / model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    lm, data = loaded(folder), batch()
+    options = ("rotary", "window", "softcap", "sinks", "qk_norm")
+    for index, weights, kwargs in attention_layers(folder):
+        expected = attention_results(lm.model.layers[index].self_attn, lm.model.rotary_emb)
+        output, _ = spec.reference_forward(
+            weights,
+            *[data["x"]] * 3,
+            num_heads=kwargs["num_heads"],
+            num_kv_heads=kwargs["num_kv_heads"],
+            causal=True,
+            positions=data["positions"],
+            bias=data["bias"],
+            **{option: kwargs[option] for option in options if option in kwargs},
+        )
+        output = np.where(data["real"][..., None], output, 0.0)
+        # (Gemma 3's scale folded into float32 weights.)
+        np.testing.assert_allclose(output, expected["output"], rtol=0, atol=2e-5, err_msg=name)
+
+
 #: (model, config field, value, the refusal): a config that says of the layers what the
 #: tensors do not hold, or that transformers reads otherwise than its fields say.
 CONTRADICTED = {
@@ -119,7 +177,7 @@ CONTRADICTED = {
         "gpt_oss",
         "attention_bias",
         False,
-        "attention_bias=False, but the checkpoint holds projection biases",
+        "attention_bias=False, but the checkpoint holds biases on all four projections",
     ),
     "rope_scaling beside rope_parameters": (
         "qwen3",
@@ -173,11 +231,20 @@ def test_blocks_with_fixed_biases_refuse_tensors_that_differ():
     checkpoint that holds them is refused."""
     weights = init_weights(16, seed=0, num_heads=2, bias=True)
     heads = spec.heads_of_weights(weights, 2)
+    unbiased = {k: v for k, v in weights.items() if not k.startswith("b_")}
     for model_type in ("mistral", "phi3"):
         config = SimpleNamespace(model_type=model_type, hidden_size=16, attention_bias=True)
         with pytest.raises(ValueError, match=f"a '{model_type}' block has no projection biases"):
             _check_fits(config, heads, weights)
-        _check_fits(config, heads, {k: v for k, v in weights.items() if not k.startswith("b_")})
+        _check_fits(config, heads, unbiased)
+    # Qwen 2's query, key and value projections have biases, its output projection none.
+    config = SimpleNamespace(model_type="qwen2", hidden_size=16, attention_bias=False)
+    said = "a 'qwen2' block has biases on q_proj, k_proj and v_proj only, but the checkpoint"
+    with pytest.raises(ValueError, match=f"{said} holds biases on all four projections"):
+        _check_fits(config, heads, weights, output_bias=True)
+    with pytest.raises(ValueError, match=f"{said} holds no projection biases"):
+        _check_fits(config, heads, unbiased)
+    _check_fits(config, heads, {**weights, "b_o": np.zeros(16)}, output_bias=False)
 
 
 #: The fields every config below holds (two layers of 2 heads of 8).
@@ -197,7 +264,7 @@ ROTARY_READINGS = {
             "original_max_position_embeddings": 16,
         },
     },
-    # Not a config's own field (but Phi-3's): the parameters'.
+    # Any config's own field over its parameters', as the rotary embedding reads it.
     "llama, its own context length": {
         "model_type": "llama",
         "max_position_embeddings": 64,
@@ -209,7 +276,7 @@ ROTARY_READINGS = {
             "original_max_position_embeddings": 16,
         },
     },
-    "llama, its own context length unread": {
+    "llama, its own context length alone": {
         "model_type": "llama",
         "max_position_embeddings": 64,
         "original_max_position_embeddings": 32,
@@ -239,7 +306,11 @@ ROTARY_READINGS = {
 @pytest.mark.parametrize("name", list(ROTARY_READINGS))
 def test_rotary_settings_read_as_the_config_class_reads_them(name):
     fields = {**_SIZES, **ROTARY_READINGS[name]}
-    theirs = transformers.AutoConfig.for_model(**fields)
+    # (A copy: transformers' config changes the parameters it is given.)
+    theirs = transformers.AutoConfig.for_model(**copy.deepcopy(fields))
+    # As a rotary embedding reads them when it computes its frequencies (the config's
+    # fields then its attributes).
+    theirs.standardize_rope_params()
     parameters = theirs.rope_parameters
     rotary = rotary_of(model_config(fields))
     assert rotary["theta"] == parameters["rope_theta"]
@@ -295,6 +366,23 @@ def test_rotary_fields_only_a_config_class_knows_are_refused(name):
     fields, match = ROTARY_DEFAULTS_UNKNOWN[name]
     with pytest.raises(ValueError, match=re.escape(match)):
         rotary_of(model_config({**_SIZES, **fields}))
+
+
+def test_settings_by_layer_type_beside_other_fields_are_refused():
+    """transformers reads the layer types' settings alone: a field beside them is unread."""
+    config = SimpleNamespace(
+        model_type="gemma3_text",
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "rope_theta": 5.0,
+        },
+    )
+    with pytest.raises(ValueError, match=re.escape("beside field(s) ['rope_theta'] of no layer")):
+        rotary_of(config, "sliding_attention")
+    del config.rope_parameters["rope_theta"]
+    assert rotary_of(config, "sliding_attention")["theta"] == 10.0
 
 
 def test_every_known_model_type_says_whether_its_blocks_rotate_whole_heads():

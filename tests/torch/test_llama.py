@@ -254,6 +254,17 @@ def test_a_layer_types_yarn_truncate_transformers_reads_converts():
             r"rope_parameters\['full_attention'\] sets truncate=False",
         ),
         (_with_sinks, r"unexpected Llama attention entries \['sinks'\]"),
+        (
+            # Only Gemma 2's blocks soft-cap: Llama's ignores the field.
+            lambda: small_block("Llama", attn_logit_softcapping=0.5)[1],
+            "attn_logit_softcapping=0.5 is not supported: transformers' 'llama' blocks do not "
+            "read it",
+        ),
+        (
+            # transformers rotates 4 entries by the frequencies of 3.
+            lambda: small_block("Phi3", partial_rotary_factor=0.75)[1],
+            "partial_rotary_factor 0.75 of head_dim 4 rotates 3 entries, an odd number",
+        ),
         (_llama_block_of_cohere_config, "LlamaAttention with a config of model_type 'cohere'"),
     ],
     ids=[
@@ -265,6 +276,8 @@ def test_a_layer_types_yarn_truncate_transformers_reads_converts():
         "part of whole heads, scaled",
         "a layer type's truncate",
         "extra entry",
+        "a field its block ignores",
+        "odd rotated entries",
         "another model's config",
     ],
 )
