@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 from cli import convert_error
 from safetensors.numpy import load_file
-from transformers_blocks import batch
-from transformers_checkpoints import CHECKPOINTS, FOLDERS, results
+from transformers_checkpoints import CHECKPOINTS, FOLDERS, SPEC_OPTIONS, results, spec_output
 
 from mha_multi import spec
 from mha_multi.__main__ import main
@@ -31,30 +30,15 @@ from mha_multi.interop.checkpoint_conversion import MANIFEST, convert_checkpoint
 from mha_multi.interop.transformers import attention_layers
 from mha_multi.weights import save_weights
 
-#: The layer's options the float64 spec takes (the rest are the layer's construction).
-OPTIONS = ("rotary", "window", "softcap", "sinks", "qk_norm")
-
 
 @pytest.mark.parametrize("model", list(CHECKPOINTS))
 def test_converted_layers_compute_the_blocks(model, tmp_path):
     assert main(["convert", str(FOLDERS / model), str(tmp_path / "out")]) == 0
-    expected, data = results(), batch()
+    expected = results()
     layers = list(converted_layers(tmp_path / "out"))
     assert [index for index, _, _ in layers] == [0, 1]
     for index, weights, kwargs in layers:
-        output, _ = spec.reference_forward(
-            weights,
-            data["x"],
-            data["x"],
-            data["x"],
-            num_heads=kwargs["num_heads"],
-            num_kv_heads=kwargs["num_kv_heads"],
-            causal=True,
-            positions=data["positions"],
-            bias=data["bias"],
-            **{name: kwargs[name] for name in OPTIONS if name in kwargs},
-        )
-        output = np.where(data["real"][..., None], output, 0.0)
+        output = spec_output(weights, kwargs)
         # float32 weights (Gemma 3's folded scale rounded to them)
         error = np.abs(output - expected[f"{model}.{index}.output"]).max()
         assert error <= 2e-5, f"{model} layer {index}: {error:.3g}"
@@ -116,7 +100,7 @@ def test_a_fused_checkpoint_converts_and_writes_back(tmp_path):
         num_heads=kwargs["num_heads"],
         causal=True,
         positions=expected["positions"],
-        **{name: kwargs[name] for name in OPTIONS if name in kwargs},
+        **{name: kwargs[name] for name in SPEC_OPTIONS if name in kwargs},
     )
     np.testing.assert_allclose(output, expected["output"], rtol=0, atol=2e-5)
     copy = tmp_path / "phi3"
