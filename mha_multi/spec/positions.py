@@ -76,16 +76,17 @@ def visibility(
         lens = ops.expand_dims(valid_lens, -1)  # (B, 1) or (B, Q, 1)
         if ops.ndim(valid_lens) == 1:
             lens = ops.expand_dims(lens, -1)  # (B, 1, 1)
-        visible = ops.less(key_positions, lens)
         bits = None if kind != "f" else ops.float_bits(lens)
         if bits is not None:
             # A positive length below the smallest normal number shows key 0 (0 < len),
             # which a framework that flushes it to zero compares as 0: its bits are
             # positive where it compares as at most 0 (NaN and inf compare as neither).
+            # Such a length is 0.5 then, which shows key 0 alone. (No logical_not of a
+            # comparison: TensorFlow's graph optimizer makes not(j < len) j >= len, false
+            # for a NaN length, which hides every key.)
             flushed = ops.logical_and(ops.less(bits * 0, bits), ops.greater_equal(lens * 0, lens))
-            shown = ops.logical_and(flushed, ops.less(key_positions, 1))
-            hidden = ops.logical_and(ops.logical_not(visible), ops.logical_not(shown))
-            visible = ops.logical_not(hidden)
+            lens = ops.where(flushed, lens * 0 + 0.5, lens)
+        visible = ops.less(key_positions, lens)
         visible = ops.expand_dims(visible, 1)  # (B, 1, 1|Q, K)
     rules = []
     if causal and query_positions is None:

@@ -132,6 +132,8 @@ def fused_attention(
     mask = plan.mask(ops, num_queries, num_keys, valid_lens, options) if plan.needs_mask else None
     if plan.bias:
         bias = spec.score_bias(ops, options, num_queries, num_keys, q)
+        if bias.dim() < 2:  # (SDPA's mask has a query and a key axis: (K,), (1,), () broadcast)
+            bias = bias.reshape(1, -1)
         mask = bias if mask is None else torch.where(mask, bias, float("-inf"))
     folded = grouped and folds_groups(
         heads.num_heads,

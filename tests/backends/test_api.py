@@ -146,6 +146,17 @@ def test_bad_positions_and_bias(runner, case):
         runner.call(layer, *inputs(), **native)
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (4,), (1, 4)], ids=str)
+def test_a_bias_of_fewer_axes_broadcasts(runner, shape):
+    """Broadcastable to (B, H, Q, K) as numpy broadcasts: a key's bias alone, or one number
+    (the fused kernel's mask, where no other mask joins it, included)."""
+    layer, weights = built_layer(runner)
+    bias = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    expected, _ = spec.reference_forward(weights, *inputs(), num_heads=2, bias=bias)
+    output = runner.call(layer, *inputs(), bias=runner.to_native(bias))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("edit", "match"),
     [

@@ -383,6 +383,31 @@ def test_tf_function_jit_compile_matches_reference(runner, cases, name):
 
 
 @pytest.mark.skipif(backend.BACKEND != "tensorflow", reason="tf.function is TensorFlow's")
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_tf_function_lengths_nan_infinite_or_subnormal_mean_what_they_say(jit_compile):
+    """A NaN length hides every key, a subnormal one shows key 0, in a graph too (whose
+    optimizer rewrites not(j < len) as j >= len, false for NaN)."""
+    import tensorflow as tf
+
+    weights = init_weights(8, num_heads=2, seed=5)
+    layer = MultiHeadAttention(8, 2)
+    set_weights(layer, weights)
+    x = np.random.default_rng(5).standard_normal((2, 3, 8)).astype(np.float32)
+    attend = tf.function(
+        lambda x, lens: layer(x, x, x, lens, return_attention_weights=True),
+        jit_compile=jit_compile,
+    )
+    for lens in (
+        np.array([[np.nan, 1, 2], [0, np.inf, -np.inf]], np.float32),
+        np.array([[1e-45, 1e-40, -1e-45], [0.0, np.nan, 1e-38]], np.float32),
+    ):
+        expected, expected_weights = spec.reference_forward(weights, x, x, x, lens, num_heads=2)
+        output, got_weights = attend(tf.constant(x), tf.constant(lens))
+        np.testing.assert_allclose(backend.to_numpy(output), expected, atol=5e-6)
+        np.testing.assert_allclose(backend.to_numpy(got_weights), expected_weights, atol=5e-6)
+
+
+@pytest.mark.skipif(backend.BACKEND != "tensorflow", reason="tf.function is TensorFlow's")
 def test_tf_function_with_unknown_batch_and_lengths(runner, cases):
     import tensorflow as tf
 
