@@ -33,6 +33,8 @@ from mha_multi.call.checks import (
     check_call,
     check_gates,
     check_options,
+    host_bias,
+    host_positions,
     host_segment_ids,
 )
 from mha_multi.call.contract import (
@@ -73,6 +75,8 @@ __all__ = [
     "check_call",
     "check_gates",
     "check_options",
+    "host_bias",
+    "host_positions",
     "host_segment_ids",
     "decided",
     "forward",

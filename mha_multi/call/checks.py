@@ -293,6 +293,43 @@ def host_segment_ids(segment_ids: Any) -> Any:
     return sides[0] if len(sides) == 1 else (sides[0], sides[1])
 
 
+def host_positions(positions: Any) -> Any:
+    """``positions`` given on the host (numpy arrays, lists) as an integer numpy array that
+    every framework holds (unsigned 64-bit ones as int64, which PyTorch has); the
+    framework's own arrays, and what is no array, as they are.
+
+    Raises:
+        TypeError: positions on the host that are not integers, refused as
+            :func:`mha_multi.spec.check_positions` refuses them, before a framework's
+            conversion (Keras') meets them.
+        ValueError: unsigned positions of 2**63 or more.
+    """
+    if not _on_host(positions):
+        return positions
+    try:
+        array = np.asarray(positions)
+    except (TypeError, ValueError):
+        return positions
+    spec.check_positions_kind(array.dtype.kind)
+    if array.dtype == np.uint64:
+        if array.size and int(array.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"positions must be below 2**63; got {int(array.max())}")
+        array = array.astype(np.int64)
+    return array
+
+
+def host_bias(bias: Any) -> None:
+    """Refuses a ``bias`` numpy array that is not floating-point, as
+    :func:`mha_multi.spec.check_bias` refuses it, before a framework's conversion
+    (Keras', which would cast it) meets it.
+
+    Raises:
+        TypeError: such an array.
+    """
+    if isinstance(bias, np.ndarray):
+        spec.check_bias_kind(bias.dtype.kind)
+
+
 def _on_host(ids: Any) -> bool:
     """Whether ``ids`` were given on the host: a numpy array, or what numpy makes one of."""
     return isinstance(ids, np.ndarray) or not (hasattr(ids, "shape") and hasattr(ids, "dtype"))

@@ -204,6 +204,11 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
         if kwargs.get("segment_ids") is not None:
             # (Keras would make int64 ids int32 on JAX, and has no uint64 on PyTorch.)
             kwargs["segment_ids"] = call.host_segment_ids(kwargs["segment_ids"])
+        if kwargs.get("positions") is not None:  # (no uint64 on PyTorch either)
+            kwargs["positions"] = call.host_positions(kwargs["positions"])
+        if kwargs.get("bias") is not None:  # Keras would cast an integer array
+            FACTS.as_bias(kwargs["bias"], None)
+            call.host_bias(kwargs["bias"])
         if cached:
             kwargs["cache"] = FACTS.as_cache(kwargs["cache"], None)
         if len(args) > 3:

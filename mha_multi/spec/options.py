@@ -93,8 +93,7 @@ def check_positions(
         ValueError: another shape, or keys that are not the queries'
             sequence (``K != Q`` without a cache).
     """
-    if positions_kind not in "iu":
-        raise TypeError(f"positions must be integers; got dtype kind {positions_kind!r}")
+    check_positions_kind(positions_kind)
     shape = tuple(positions_shape)
     if not one_of(shape, (batch, num_queries), (1, num_queries)):
         raise ValueError(
@@ -107,6 +106,20 @@ def check_positions(
             f"the keys must be as many as the queries; got {num_queries} queries and "
             f"{num_keys} keys (leave positions=None for cross-attention)"
         )
+
+
+def check_positions_kind(positions_kind: str) -> None:
+    """Raises ``TypeError`` unless ``positions`` of numpy dtype kind ``positions_kind``
+    are integers (:func:`check_positions`' first check)."""
+    if positions_kind not in "iu":
+        raise TypeError(f"positions must be integers; got dtype kind {positions_kind!r}")
+
+
+def check_bias_kind(bias_kind: str) -> None:
+    """Raises ``TypeError`` unless a ``bias`` of numpy dtype kind ``bias_kind`` is
+    floating-point (:func:`check_bias`' first check)."""
+    if bias_kind != "f":
+        raise TypeError(f"bias must be a floating-point array; got dtype kind {bias_kind!r}")
 
 
 def check_bias(
@@ -127,8 +140,7 @@ def check_bias(
         TypeError: ``bias`` is not floating-point.
         ValueError: a shape numpy would not broadcast to ``(B, H, Q, K)``.
     """
-    if bias_kind != "f":
-        raise TypeError(f"bias must be a floating-point array; got dtype kind {bias_kind!r}")
+    check_bias_kind(bias_kind)
     shape = tuple(bias_shape)
     target = (batch, num_heads, num_queries, num_keys)
     if len(shape) > 4 or any(

@@ -374,7 +374,8 @@ def check_scaling(scaling: Any) -> RotaryScaling | None:
     """``Rotary(scaling=...)`` as a scaling object (or ``None``).
 
     A dict names its type by ``rope_type`` (or transformers' older
-    ``type``); a dict without one is Llama 3's, as before the other types.
+    ``type``); a dict without one is Llama 3's, as before the other types;
+    transformers' ``default`` (no other field) is no scaling, ``None``.
 
     Raises:
         TypeError: not ``None``, a scaling or a dict; or a field of the wrong type.
@@ -390,6 +391,12 @@ def check_scaling(scaling: Any) -> RotaryScaling | None:
     if len(tags) > 1:
         raise ValueError(f"rotary.scaling rope_type and type differ: {sorted(map(str, tags))}")
     kind = tags.pop() if tags else "llama3"
+    if kind == "default":  # (transformers' frequencies theta ** (-2i / dim): no scaling)
+        if fields:
+            raise ValueError(
+                f"rotary.scaling of rope_type 'default' has no fields; got {sorted(fields)}"
+            )
+        return None
     if kind not in SCALINGS:
         raise ValueError(
             f"rotary.scaling rope_type must be one of {', '.join(map(repr, SCALINGS))}; "

@@ -146,6 +146,26 @@ def test_bad_positions_and_bias(runner, case):
         runner.call(layer, *inputs(), **native)
 
 
+def test_positions_and_bias_on_the_host_are_checked_before_any_conversion(runner):
+    """Numpy positions of any integer dtype rotate alike; float positions and an integer
+    bias are refused with the spec's message as it is (Keras' call wraps errors raised
+    inside it in text of its own, and converted such arrays itself)."""
+    layer, weights = built_layer(runner, rotary={"theta": 100.0})
+    queries = inputs(num_keys=3)[0]
+    positions = np.array([[3, 1, 4], [1, 5, 9]])
+    expected, _ = spec.reference_forward(
+        weights, *[queries] * 3, num_heads=2, rotary={"theta": 100.0}, positions=positions
+    )
+    for dtype in (np.int64, np.uint64, np.uint8):
+        output = runner.call(layer, *[queries] * 3, positions=positions.astype(dtype))
+        np.testing.assert_allclose(output, expected, rtol=0, atol=1e-5, err_msg=str(dtype))
+    x = runner.to_native(queries)
+    with pytest.raises(TypeError, match="^positions must be integers; got dtype kind 'f'"):
+        runner.call_as_given(layer, x, x, x, positions=positions.astype(np.float32))
+    with pytest.raises(TypeError, match="^bias must be "):  # (MXNet: an mxnet array)
+        runner.call_as_given(layer, x, x, x, bias=np.zeros((3, 3), np.int32))
+
+
 @pytest.mark.parametrize("shape", [(), (1,), (4,), (1, 4)], ids=str)
 def test_a_bias_of_fewer_axes_broadcasts(runner, shape):
     """Broadcastable to (B, H, Q, K) as numpy broadcasts: a key's bias alone, or one number

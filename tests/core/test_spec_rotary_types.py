@@ -181,6 +181,13 @@ def test_llama3_dicts_without_a_type_still_read_as_llama3():
     assert spec.Rotary(scaling={**llama3, "type": "llama3"}).scaling == spec.Llama3Scaling(**llama3)
 
 
+def test_transformers_default_type_is_no_scaling():
+    """A config's ``{"rope_type": "default"}`` (or ``type``) as it is: the frequencies
+    ``theta ** (-2i / dim)``, as ``scaling=None`` computes them."""
+    for scaling in ({"rope_type": "default"}, {"type": "default"}):
+        assert spec.Rotary(scaling=scaling) == spec.Rotary()
+
+
 @pytest.mark.parametrize(
     ("make", "error", "match"),
     [
@@ -230,6 +237,11 @@ def test_llama3_dicts_without_a_type_still_read_as_llama3():
             "rope_type and type differ",
         ),
         (lambda: spec.LinearScaling(factor="2"), TypeError, "rotary.scaling.factor"),
+        (
+            lambda: spec.Rotary(scaling={"rope_type": "default", "factor": 2.0}),
+            ValueError,
+            r"rope_type 'default' has no fields; got \['factor'\]",
+        ),
     ],
 )
 def test_errors_name_the_field(make, error, match):
