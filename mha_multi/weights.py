@@ -308,9 +308,17 @@ def check_weights(
     for name, shape in expected.items():
         if arrays[name].shape != shape:
             raise ValueError(f"weights[{name!r}] must have shape {shape}; got {arrays[name].shape}")
-        if arrays[name].dtype.kind != "f":
+        dtype = arrays[name].dtype
+        if dtype.kind != "f":
+            # (bfloat16, ml_dtypes' to numpy, is no numpy float: its kind is "V".)
+            detail = (
+                ": canonical weights are float16, float32 or float64 (bfloat16 casts to "
+                "float32 exactly)"
+                if dtype.name == "bfloat16"
+                else ""
+            )
             raise TypeError(
-                f"weights[{name!r}] must be a floating-point array; got dtype {arrays[name].dtype}"
+                f"weights[{name!r}] must be a floating-point array; got dtype {dtype}{detail}"
             )
     config = WeightsConfig(
         num_hiddens=num_hiddens,

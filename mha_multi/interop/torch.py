@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mha_multi import spec
 from mha_multi.interop.formats import llama_prefixes
 from mha_multi.torch._facts import host_array
 from mha_multi.weights import WeightsConfig, check_weights
@@ -80,6 +81,12 @@ def from_torch_mha_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]
         raise ValueError("state_dict is missing 'out_proj.weight'")
     out_weight = _numpy(state_dict["out_proj.weight"])
     embed_dim = out_weight.shape[0]
+    separate = sorted({"q_proj_weight", "k_proj_weight", "v_proj_weight"} & set(state_dict))
+    if "in_proj_weight" in state_dict and separate:
+        raise ValueError(
+            f"state_dict holds in_proj_weight and {separate}: a torch.nn.MultiheadAttention "
+            "has the packed layout or the separate one, not both"
+        )
     if "in_proj_weight" in state_dict:
         packed = _numpy(state_dict["in_proj_weight"])
         if packed.shape != (3 * embed_dim, embed_dim):
@@ -103,7 +110,14 @@ def from_torch_mha_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]
             "unsupported: biases on the input projections but not the output one (or the reverse)"
         )
     if has_in_bias:
-        biases = np.split(_numpy(state_dict["in_proj_bias"]), 3)
+        packed_bias = _numpy(state_dict["in_proj_bias"])
+        widths = [weights[f"W_{p}"].shape[1] for p in "qkv"]
+        if packed_bias.shape != (sum(widths),):
+            raise ValueError(
+                f"in_proj_bias must have shape ({sum(widths)},) (the query, key and value "
+                f"projections' biases); got {packed_bias.shape}"
+            )
+        biases = np.split(packed_bias, np.cumsum(widths)[:-1])
         weights.update({f"b_{p}": bias for p, bias in zip("qkv", biases, strict=True)})
         weights["b_o"] = _numpy(state_dict["out_proj.bias"])
     weights = {name: np.ascontiguousarray(array) for name, array in weights.items()}
@@ -180,13 +194,16 @@ def to_torch_mha(
     """A new ``torch.nn.MultiheadAttention`` holding canonical weights (float32, CPU).
 
     Raises:
-        ValueError: as :func:`to_torch_mha_state`.
+        TypeError: ``num_heads`` is not an int.
+        ValueError: as :func:`to_torch_mha_state`, or ``num_heads`` does not divide
+            ``num_hiddens`` (:func:`mha_multi.spec.check_config`).
     """
     arrays, config = check_weights(weights)
     _check_native_heads(config)
+    spec.check_config(config.num_hiddens, num_heads, 0.0)
     module = torch.nn.MultiheadAttention(
         config.num_hiddens,
-        num_heads,
+        int(num_heads),
         bias=config.bias,
         kdim=config.key_size,
         vdim=config.value_size,
@@ -284,7 +301,9 @@ def _load_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
             text = str(error)
             if "WeightsUnpickler error:" in text:  # the reason after paragraphs of advice
                 text = text.split("WeightsUnpickler error:", 1)[1]
-            detail = _first_sentence(text) or type(error).__name__
+            detail = _first_sentence(text)
+            if not detail or isinstance(error, KeyError):  # (a KeyError's text is its key)
+                detail = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
             raise ValueError(
                 f"{path!r} is not a PyTorch checkpoint that torch.load(weights_only=True) "
                 f"reads: {detail}"

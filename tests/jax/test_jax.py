@@ -364,6 +364,10 @@ def test_set_weights_keeps_the_parameter_dtype():
     for name, array in weights.items():
         assert got[name].dtype == np.float32
         np.testing.assert_array_equal(got[name], array.astype(jnp.bfloat16).astype(np.float32))
+    # Weights of bfloat16 (which numpy does not count among its floats) are named so.
+    bfloat16 = {name: jnp.asarray(array, jnp.bfloat16) for name, array in weights.items()}
+    with pytest.raises(TypeError, match=r"got dtype bfloat16: canonical weights are float16"):
+        set_weights(layer, bfloat16)
 
 
 # -- parameters and weights -----------------------------------------------------------

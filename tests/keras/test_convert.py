@@ -139,6 +139,31 @@ def test_canonical_to_keras_gqa_loads_into_keras_and_back(tmp_path, bias):
     assert all(restored[n].tobytes() == weights[n].tobytes() for n in weights)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+@pytest.mark.parametrize("format_name", ["keras-mha", "keras-gqa"])
+def test_keras_files_keep_the_weights_dtype(tmp_path, format_name, dtype):
+    """The file's variables are the weights' dtype: they come back bit for bit (Keras'
+    default layer dtype would round float64 weights and widen float16 ones)."""
+    weights = init_weights(8, bias=True, seed=3, num_heads=2, dtype=dtype)
+    source, keras_file = tmp_path / "canonical.npz", tmp_path / "file.weights.h5"
+    save_weights(source, weights)
+    args = ["--to", format_name, "--num-heads", "2"]
+    if dtype == np.float64 and backend.BACKEND == "jax":
+        import jax
+
+        if not jax.config.jax_enable_x64:  # (its float64 variables hold float32 values)
+            message = convert_error(source, keras_file, *args)
+            assert "holds float64 weights as float32: the file would change them" in message
+            assert not keras_file.exists()
+            return
+    assert cli(["convert", str(source), str(keras_file), *args]) == 0
+    back = tmp_path / "back.npz"
+    assert cli(["convert", str(keras_file), str(back), "--from", format_name]) == 0
+    restored = load_weights(back)
+    assert all(restored[n].dtype == dtype for n in weights)
+    assert all(restored[n].tobytes() == weights[n].tobytes() for n in weights)
+
+
 def test_mha_and_gqa_files_are_told_apart(tmp_path):
     weights = init_weights(8, bias=True, seed=0)
     mha_file = tmp_path / "mha.weights.h5"

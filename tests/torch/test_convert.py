@@ -126,6 +126,12 @@ def test_damaged_and_foreign_checkpoints(tmp_path):
     assert convert_error(empty, tmp_path / "o.npz") == (
         f"{str(empty)!r} {NOT_A_CHECKPOINT}EOFError"
     )
+    # Bytes that are no pickle: torch's KeyError says only the key it missed.
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"hello world garbage")
+    assert convert_error(junk, tmp_path / "o.npz") == (
+        f"{str(junk)!r} {NOT_A_CHECKPOINT}KeyError: 101"
+    )
     # The layout named by --from is checked against the keys.
     assert convert_error(native, tmp_path / "o.npz", "--from", "torch-d2l") == (
         "unexpected entry 'in_proj_weight' in a d2l MultiHeadAttention state_dict"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -89,6 +91,20 @@ def test_unsupported_native_options_are_refused():
     state["in_proj_weight"] = state["in_proj_weight"][:16]
     with pytest.raises(ValueError, match="in_proj_weight must have shape"):
         from_torch_mha_state(state)
+    state = torch.nn.MultiheadAttention(8, 2).state_dict()
+    with pytest.raises(ValueError, match=re.escape("in_proj_bias must have shape (24,)")):
+        from_torch_mha_state({**state, "in_proj_bias": torch.zeros(25)})
+    with pytest.raises(ValueError, match=r"holds in_proj_weight and \['q_proj_weight'\]"):
+        from_torch_mha_state({**state, "q_proj_weight": torch.zeros(8, 8)})
+
+
+def test_the_native_heads_are_checked_as_the_layer_checks_them():
+    """torch's own check is an assert (and takes a bool as 1 head)."""
+    weights = init_weights(8, num_heads=2)
+    with pytest.raises(ValueError, match=r"num_hiddens \(8\) must be divisible by num_heads"):
+        to_torch_mha(weights, 3)
+    with pytest.raises(TypeError, match="num_heads must be a positive int; got True"):
+        to_torch_mha(weights, True)
 
 
 def test_fully_hidden_rows_differ_from_native_by_design(runner, cases):

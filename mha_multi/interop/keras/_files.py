@@ -74,12 +74,30 @@ def load_keras_mha(
 
 
 def _save_model(path: str, layer: keras.layers.Layer, config: Any) -> None:
-    """``save_weights`` of the functional model ``layer(query, value, key)``."""
+    """``save_weights`` of the functional model ``layer(query, value, key)``.
+
+    Raises:
+        ValueError: the layer's variables are not of its dtype (float64 ones on Keras'
+            JAX backend without x64): the file would not hold the weights.
+    """
+    held = {keras.backend.standardize_dtype(variable.value.dtype) for variable in layer.weights}
+    if held != {layer.dtype}:
+        raise ValueError(
+            f"Keras' {keras.backend.backend()} backend holds {layer.dtype} weights as "
+            f"{', '.join(sorted(held))}: the file would change them (on JAX, "
+            "jax.config.update('jax_enable_x64', True) gives float64)"
+        )
     query = keras.Input((None, config.query_size), name="query")
     value = keras.Input((None, config.value_size), name="value")
     key = keras.Input((None, config.key_size), name="key")
     model = keras.Model([query, value, key], layer(query, value, key))
     model.save_weights(path)
+
+
+def _dtype_of(arrays: Mapping[str, np.ndarray]) -> str:
+    """The weights' dtype, the layer's: a file holds its variables in the layer's dtype
+    (Keras' default, float32, would round float64 weights and widen float16 ones)."""
+    return str(arrays["W_q"].dtype)
 
 
 def _check_weights_path(path: str) -> None:
@@ -124,7 +142,8 @@ def save_keras_mha(
     except ValueError as error:
         raise ValueError(f"{error}; its files are the keras-gqa format") from error
     resolve_heads(arrays, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    _save_model(path, to_keras_mha(arrays, num_heads, name="multi_head_attention"), config)
+    layer = to_keras_mha(arrays, num_heads, name="multi_head_attention", dtype=_dtype_of(arrays))
+    _save_model(path, layer, config)
 
 
 def load_keras_gqa(
@@ -215,6 +234,7 @@ def save_keras_gqa(
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         name="grouped_query_attention",
+        dtype=_dtype_of(arrays),
     )
     if config.value_size != config.query_size:
         raise ValueError(
