@@ -51,6 +51,7 @@ __all__ = [
     "SINKS_NAME",
     "WeightsConfig",
     "check_layer_weights",
+    "check_only_projections",
     "check_weights",
     "init_weights",
     "load_weights",
@@ -63,6 +64,24 @@ BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
 NORM_NAMES = spec.QK_NORM_NAMES
 #: The name of the heads' sink logits, ``(num_heads,)``, present iff ``sinks=True``.
 SINKS_NAME = "sinks"
+
+
+def check_only_projections(layer: Any, source: str) -> None:
+    """Raises where ``layer`` (ours, read as d2l's layer) holds weights beyond its four
+    projections: the query/key norms or the sink logits, which d2l's layer has no place
+    for, and which a reader of its projections alone would leave out.
+
+    Raises:
+        ValueError: naming the entry and ``source`` (the reader).
+    """
+    for name in (*NORM_NAMES, SINKS_NAME):
+        if getattr(layer, name, None) is not None:
+            raise ValueError(
+                f"unexpected entry {name!r} in a d2l MultiHeadAttention ({source}): d2l's "
+                "layer holds the four projections alone (get_weights reads every weight "
+                "of ours)"
+            )
+
 
 # A zip archive starts with a local file header, or, when empty, with its end record.
 _ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")

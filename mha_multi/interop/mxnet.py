@@ -28,7 +28,7 @@ from mxnet import gluon, npx
 
 from mha_multi.mxnet._facts import host_array
 from mha_multi.mxnet._projections import load_parameter
-from mha_multi.weights import KERNEL_NAMES, check_weights
+from mha_multi.weights import KERNEL_NAMES, check_only_projections, check_weights
 
 __all__ = [
     "from_mxnet_d2l",
@@ -102,9 +102,11 @@ def from_mxnet_d2l(block: gluon.Block) -> dict[str, np.ndarray]:
 
     Raises:
         ValueError: the block lacks a ``W_q``/``W_k``/``W_v``/``W_o`` Dense
-            child, or its weights are inconsistent.
+            child, its weights are inconsistent, or it holds weights beyond the
+            projections (ours with ``qk_norm`` or ``sinks``).
         RuntimeError: its parameters are not initialized (or sizes still deferred).
     """
+    check_only_projections(block, "from_mxnet_d2l")
     params: dict[str, Any] = {}
     for layer in _LAYERS:
         dense = getattr(block, layer, None)

@@ -278,6 +278,9 @@ class Graphs:
         #: The most recent call, where it wrote a cache in place outside the
         #: graphs: its inputs' shapes and dtypes, device and flags (:meth:`stand_in`).
         self.standing: tuple[list[Any], mx.Context, dict[str, bool]] | None = None
+        #: Why the most recent call ran outside the graphs, where it did (:meth:`ran_without`):
+        #: it has no graph to export.
+        self.graphless: str | None = None
 
     def hybridize(self, *args: Any, **kwargs: Any) -> None:
         """Gluon's ``hybridize`` of every graph, built or to be built."""
@@ -296,8 +299,14 @@ class Graphs:
         finally:
             graph.arrays = []  # not kept alive by the graph
         self.last = graph
-        self.standing = None
+        self.standing = self.graphless = None
         return out
+
+    def ran_without(self, reason: str) -> None:
+        """Notes a call that ran outside the graphs, on the parameters' arrays: the
+        most recent call has no graph (:meth:`exportable` gives none)."""
+        self.last = self.standing = None
+        self.graphless = reason
 
     def stand_in(self, inputs: Inputs, **flags: bool) -> None:
         """Notes a cached call made outside one graph (:func:`write_in_place`), for export.
@@ -309,6 +318,7 @@ class Graphs:
         """
         shapes = [None if x is None else (x.shape, x.dtype) for x in inputs]
         self.standing = (shapes, inputs[0].ctx, flags)
+        self.graphless = None
 
     def exportable(self, layer: gluon.HybridBlock) -> AttentionGraph | None:
         """The graph of the most recent call: a call that wrote in place gets its functional one.
@@ -406,6 +416,7 @@ def run(
         gates = gates.astype(layer.dtype)
     num_keys = keys.shape[1] if cache is None else cache.keys.shape[2]
     if 0 in (batch, num_queries, num_keys):
+        layer._graphs.ran_without("it had an empty batch, queries or keys, which no graph runs")
         output, weights = empty_attention(layer, queries, keys, values, num_keys, gates)
         return call.Result(output, weights if return_attention_weights else None, cache)
     in_place = fill is not None and appends and not mx.autograd.is_recording()
@@ -424,6 +435,11 @@ def run(
         # Positions and biases run on the parameters' arrays, hybridized or
         # not: MXNet graphs take no host constants (the angles' frequencies,
         # the ALiBi slopes). So does an imperative call that writes in place.
+        if scored:
+            layer._graphs.ran_without(
+                "its positions, bias, segment_ids or layer options (rotary, alibi, window, "
+                "softcap, sinks, qk_norm) run on the parameters' arrays, with no graph"
+            )
         used = PROJECTIONS if keys is not None else ("q", "o")
         params = parameter_arrays(layer, queries.ctx, queries, keys, values, projections=used)
         layout = {"heads": layer.heads, "num_hiddens": layer.num_hiddens, "dtype": layer.dtype}

@@ -228,9 +228,15 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
         layer's dtype.
 
         Raises:
-            RuntimeError: the block is not hybridized or was not called yet.
+            RuntimeError: the block is not hybridized or was not called yet, or
+                its most recent call ran without a graph (positions, a bias,
+                segment ids or layer options such as rotary).
         """
         graph = self._graphs.exportable(self) if self._active else None
+        if graph is None and self._active and self._graphs.graphless is not None:
+            raise RuntimeError(
+                f"the most recent call has no graph to export: {self._graphs.graphless}"
+            )
         if graph is None:
             raise RuntimeError("call hybridize() and then the layer at least once before export()")
         graph.export(path, epoch=epoch, remove_amp_cast=remove_amp_cast)

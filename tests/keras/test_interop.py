@@ -286,6 +286,20 @@ def test_d2l_layer_bias_mismatch_is_a_clear_error():
         interop.from_keras_d2l(object())
 
 
+@pytest.mark.parametrize(
+    ("options", "entry"), [({"sinks": True}, "sinks"), ({"qk_norm": {"scope": "heads"}}, "q_norm")]
+)
+def test_ours_with_weights_beyond_the_projections_is_no_d2l_layer(options, entry):
+    """Read as d2l's layer, ours would lose them: the function computed would change."""
+    from mha_multi.keras import MultiHeadAttention
+
+    ours = MultiHeadAttention(8, 2, **options)
+    x = np.ones((1, 2, 8), np.float32)
+    ours(x, x, x)
+    with pytest.raises(ValueError, match=f"unexpected entry '{entry}' in a d2l Multi"):
+        interop.from_keras_d2l(ours)
+
+
 # -- convert keras-mha --------------------------------------------------------------------
 
 

@@ -90,6 +90,19 @@ def test_trained_d2l_layer_converts_into_ours(tmp_path, bias):
     assert all(from_block[k].tobytes() == weights[k].tobytes() for k in weights)
 
 
+@pytest.mark.parametrize(
+    ("options", "entry"), [({"sinks": True}, "sinks"), ({"qk_norm": {"scope": "heads"}}, "q_norm")]
+)
+def test_ours_with_weights_beyond_the_projections_is_no_d2l_block(options, entry):
+    """Read as d2l's block, ours would lose them: the function computed would change."""
+    ours = MultiHeadAttention(8, 2, **options)
+    ours.initialize()
+    x = mx.np.ones((1, 2, 8))
+    ours(x, x, x)
+    with pytest.raises(ValueError, match=f"unexpected entry '{entry}' in a d2l Multi"):
+        from_mxnet_d2l(ours)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_params_round_trip_is_bit_exact(tmp_path, bias, dtype):

@@ -109,6 +109,29 @@ def test_export_needs_a_hybridized_call(tmp_path, cases):
         layer.export(str(tmp_path / "mha"))
 
 
+def test_a_call_without_a_graph_has_none_to_export(tmp_path, cases):
+    """A call with a bias (positions, segment ids, a layer option) runs on the parameters'
+    arrays: export refuses, where it wrote the graph of the call before, which computes
+    something else (without the bias)."""
+    case = cases["book"]
+    layer = HYBRID.layer_for(case)
+    inputs = [HYBRID.to_native(case.inputs[n]) for n in INPUT_NAMES]
+    HYBRID.forward(layer, *inputs, None)
+    layer.export(str(tmp_path / "plain"))  # (the plain call's graph)
+    bias = HYBRID.to_native(np.ones((1, 1, 1, inputs[1].shape[1]), np.float32))
+    HYBRID.forward(layer, *inputs, None, bias=bias)
+    with pytest.raises(RuntimeError, match="most recent call has no graph to export: its pos"):
+        layer.export(str(tmp_path / "biased"))
+    HYBRID.forward(layer, *inputs, None)
+    layer.export(str(tmp_path / "plain-again"))
+    windowed = MultiHeadAttention(case.config.num_hiddens, case.config.num_heads, window=2)
+    windowed.initialize()
+    windowed.hybridize()
+    windowed(*inputs, None)
+    with pytest.raises(RuntimeError, match="layer options .* run on the parameters' arrays"):
+        windowed.export(str(tmp_path / "windowed"))
+
+
 def test_deferred_sizes_are_inferred_on_first_call(mxnet_runner):
     runner = mxnet_runner
     layer = MultiHeadAttention(12, 3)

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 
 from mha_multi.keras import _facts
-from mha_multi.weights import check_weights
+from mha_multi.weights import check_only_projections, check_weights
 
 __all__ = ["from_keras_d2l", "to_keras_d2l"]
 
@@ -28,8 +28,10 @@ def from_keras_d2l(layer: Any) -> dict[str, np.ndarray]:
             with biases, a ``bias`` (Dense layers), or are variables (ours).
 
     Raises:
-        ValueError: a missing projection or invalid weights.
+        ValueError: a missing projection, invalid weights, or weights beyond the
+            projections (ours with ``qk_norm`` or ``sinks``).
     """
+    check_only_projections(layer, "from_keras_d2l")
     weights = {}
     for name in ("W_q", "W_k", "W_v", "W_o"):
         projection = getattr(layer, name, None)
