@@ -52,6 +52,7 @@ __all__ = [
     "WeightsConfig",
     "check_layer_weights",
     "check_only_projections",
+    "check_state_mapping",
     "check_weights",
     "init_weights",
     "load_weights",
@@ -64,6 +65,13 @@ BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
 NORM_NAMES = spec.QK_NORM_NAMES
 #: The name of the heads' sink logits, ``(num_heads,)``, present iff ``sinks=True``.
 SINKS_NAME = "sinks"
+
+
+def check_state_mapping(state: Any, name: str) -> None:
+    """Raises ``TypeError`` unless a framework's state (``name``, what a reader takes) is a
+    mapping of names to arrays, before anything reads it."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{name} must be a mapping of names to arrays; got {type(state).__name__}")
 
 
 def check_only_projections(layer: Any, source: str) -> None:

@@ -55,7 +55,7 @@ import numpy as np
 from flax import linen, nnx
 
 from mha_multi import spec
-from mha_multi.jax._facts import host_array
+from mha_multi.jax._facts import host_array, weight_array
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
 __all__ = [
@@ -325,6 +325,10 @@ def to_flax_linen(
     Returns:
         ``(module, variables)`` for ``module.apply(variables, q, k, v, mask=...)``;
         the variables are JAX arrays of the weights' dtype.
+
+    Raises:
+        ValueError: invalid weights, grouped heads, sizes given twice, or float64
+            weights without JAX's x64 (which would hold them as float32).
     """
     arrays, config = check_weights(weights)
     fixed = {"qkv_features", "out_features", "use_bias", "normalize_qk"}
@@ -345,7 +349,7 @@ def to_flax_linen(
         use_bias=config.bias,
         **kwargs,
     )
-    params = jax.tree.map(jnp.asarray, to_flax_nnx_state(arrays, num_heads))
+    params = jax.tree.map(weight_array, to_flax_nnx_state(arrays, num_heads))
     return module, {"params": params}
 
 
@@ -379,12 +383,15 @@ def to_jax_d2l(weights: Mapping[str, Any]) -> dict[str, Any]:
     Returns:
         ``{'params': {'W_q': {'kernel': ..., 'bias': ...}, ...}}`` as JAX
         arrays of the weights' dtype.
+
+    Raises:
+        ValueError: invalid weights, or float64 ones without JAX's x64.
     """
     arrays, _ = check_weights(weights)
     params: dict[str, dict[str, jax.Array]] = {}
     for name, array in arrays.items():
         entry = "kernel" if name in KERNEL_NAMES else "bias"
-        params.setdefault(f"W_{name[-1]}", {})[entry] = jnp.asarray(array)
+        params.setdefault(f"W_{name[-1]}", {})[entry] = weight_array(array)
     return {"params": params}
 
 
@@ -403,8 +410,15 @@ def attention_mask(
         ``None`` when every key is visible, else a boolean array, ``True``
         where key ``j`` is visible to query ``i``: ``(B, 1, 1|Q, K)``, or
         ``(1, 1, Q, K)`` for ``causal`` alone.
+
+    Raises:
+        TypeError: lengths that are neither integer nor floating.
+        ValueError: lengths of another shape.
     """
     lens = None if valid_lens is None else np.asarray(valid_lens)
+    if lens is not None:
+        spec.check_valid_lens_dtype(lens.dtype.kind)
+        spec.check_valid_lens_shape(lens.shape, lens.shape[0] if lens.ndim else 1, num_queries)
     visible = spec.visibility(spec.NumpyOps(), num_queries, num_keys, lens, causal=causal)
     if visible is None:
         return None

@@ -28,7 +28,12 @@ from mxnet import gluon, npx
 
 from mha_multi.mxnet._facts import host_array
 from mha_multi.mxnet._projections import load_parameter
-from mha_multi.weights import KERNEL_NAMES, check_only_projections, check_weights
+from mha_multi.weights import (
+    KERNEL_NAMES,
+    check_only_projections,
+    check_state_mapping,
+    check_weights,
+)
 
 __all__ = [
     "from_mxnet_d2l",
@@ -65,6 +70,7 @@ def from_mxnet_d2l_state(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     Raises:
         ValueError: an unexpected, missing or mis-shaped entry, named.
     """
+    check_state_mapping(params, "params")
     weights = {}
     for name, value in params.items():
         layer, _, kind = name.partition(".")

@@ -30,7 +30,7 @@ import torch
 from mha_multi import spec
 from mha_multi.interop.formats import llama_prefixes
 from mha_multi.torch._facts import host_array
-from mha_multi.weights import WeightsConfig, check_weights
+from mha_multi.weights import WeightsConfig, check_state_mapping, check_weights
 
 __all__ = [
     "checkpoint_format",
@@ -69,6 +69,7 @@ def from_torch_mha_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]
         ValueError: an entry the canonical layer cannot express (``bias_k``,
             ``bias_v``), a missing entry, or inconsistent shapes.
     """
+    check_state_mapping(state_dict, "state_dict")
     for name, reason in _UNSUPPORTED.items():
         if name in state_dict:
             raise ValueError(f"unsupported torch.nn.MultiheadAttention option: {reason}")
@@ -180,9 +181,14 @@ def from_torch_mha(module: torch.nn.MultiheadAttention) -> dict[str, np.ndarray]
     """Canonical weights of a ``torch.nn.MultiheadAttention`` (see the module notes).
 
     Raises:
+        TypeError: ``module`` is no ``torch.nn.MultiheadAttention``.
         ValueError: ``add_bias_kv`` or ``add_zero_attn``, which the spec has no
             counterpart for.
     """
+    if not isinstance(module, torch.nn.MultiheadAttention):
+        raise TypeError(
+            f"module must be a torch.nn.MultiheadAttention; got {type(module).__name__}"
+        )
     if module.add_zero_attn:
         raise ValueError("unsupported torch.nn.MultiheadAttention option: add_zero_attn=True")
     return from_torch_mha_state(module.state_dict())
@@ -221,6 +227,7 @@ def from_torch_d2l_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]
     weight ``(out, in)``); d2l's ``attention.dropout`` has no state. Grouped
     heads or an explicit ``head_dim`` (ours) give the widths of their layout.
     """
+    check_state_mapping(state_dict, "state_dict")
     weights = {}
     for name, value in state_dict.items():
         layer, _, kind = name.partition(".")

@@ -42,6 +42,7 @@ __all__ = [
     "batch_pieces",
     "device",
     "map_pieces",
+    "weight_array",
 ]
 
 #: Dtype name -> JAX dtype. float64 needs :func:`exact_float32`'s x64.
@@ -113,6 +114,22 @@ def to_native(x: Any, device: str = "cpu", dtype: str = "float32") -> jax.Array:
 def to_numpy(x: Any) -> np.ndarray:
     """A JAX array (bfloat16 included) as float64 numpy, on the host."""
     return np.asarray(jax.device_get(x)).astype(np.float64)
+
+
+def weight_array(array: np.ndarray) -> jax.Array:
+    """A canonical weight as a JAX array of its own dtype.
+
+    Raises:
+        ValueError: a float64 weight without ``jax_enable_x64``, where JAX would hold
+            it as float32 (the weights would change).
+    """
+    converted = jnp.asarray(array)
+    if converted.dtype != array.dtype:
+        raise ValueError(
+            f"JAX holds {array.dtype} weights as {converted.dtype} without x64: "
+            "jax.config.update('jax_enable_x64', True) keeps them, or cast them first"
+        )
+    return converted
 
 
 def host_array(x: Any) -> np.ndarray:

@@ -22,7 +22,7 @@ from jax.typing import DTypeLike
 
 from mha_multi import _docs, call, spec
 from mha_multi.jax import functional
-from mha_multi.jax._facts import JaxFacts, host_array
+from mha_multi.jax._facts import JaxFacts, host_array, weight_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.jax._projections import Projection, WeightsProjections
@@ -311,7 +311,8 @@ def variables_from_weights(
         The variables, as JAX arrays, for ``module.apply``.
 
     Raises:
-        ValueError: a missing, extra or mis-shaped entry, named.
+        ValueError: a missing, extra or mis-shaped entry, named; float64
+            variables without JAX's x64 (which would hold them as float32).
         TypeError: a non-floating entry.
     """
     config: dict[str, Any] = {}
@@ -337,10 +338,10 @@ def variables_from_weights(
         if dtype is not None:
             array = np.asarray(array).astype(np.dtype(dtype))
         if name in NORM_NAMES or name == SINKS_NAME:  # a parameter of the module itself
-            params[name] = jnp.asarray(array)
+            params[name] = weight_array(array)
             continue
         entry = "kernel" if name in KERNEL_NAMES else "bias"
-        params.setdefault(f"W_{name[-1]}", {})[entry] = jnp.asarray(array)
+        params.setdefault(f"W_{name[-1]}", {})[entry] = weight_array(array)
     return {"params": params}
 
 

@@ -230,13 +230,23 @@ def check_inputs(
         if size is not None and shape[2] != size:
             raise ValueError(f"{name} last dimension must be {size_name}={size}; got shape {shape}")
     if valid_lens_shape is not None:
-        lens_shape = tuple(valid_lens_shape)
-        num_queries = shapes[0][1]
-        if not one_of(lens_shape, (batch,), (batch, num_queries)):
-            raise ValueError(
-                f"valid_lens must have shape (batch,) = ({batch},) or "
-                f"(batch, num_queries) = ({batch}, {num_queries}); got {lens_shape}"
-            )
+        check_valid_lens_shape(valid_lens_shape, batch, shapes[0][1])
+
+
+def check_valid_lens_shape(valid_lens_shape: Sequence[Any], batch: Any, num_queries: Any) -> None:
+    """Raises ``ValueError`` unless ``valid_lens`` are ``(B,)`` or ``(B, Q)``.
+
+    Args:
+        valid_lens_shape: the lengths' shape.
+        batch: ``B``.
+        num_queries: ``Q``.
+    """
+    lens_shape = tuple(valid_lens_shape)
+    if not one_of(lens_shape, (batch,), (batch, num_queries)):
+        raise ValueError(
+            f"valid_lens must have shape (batch,) = ({batch},) or "
+            f"(batch, num_queries) = ({batch}, {num_queries}); got {lens_shape}"
+        )
 
 
 def one_of(shape: tuple[Any, ...], *allowed: tuple[Any, ...]) -> bool:

@@ -200,6 +200,41 @@ def test_nnx_grouped_heads_and_own_widths_both_ways(num_kv_heads, qkv_features, 
     np.testing.assert_allclose(ours(q, kv, kv, lens), expected, rtol=0, atol=5e-6)
 
 
+def test_float64_weights_without_x64_are_refused_not_rounded():
+    """Without x64 JAX holds float64 arrays as float32: the variables would not be the
+    weights (with it, they are, bit for bit)."""
+    weights = init_weights(8, num_heads=2, bias=True, seed=0, dtype=np.float64)
+    makers = {
+        "to_flax_linen": lambda: to_flax_linen(weights, 2)[1]["params"]["query"]["kernel"],
+        "to_jax_d2l": lambda: to_jax_d2l(weights)["params"]["W_q"]["kernel"],
+        "variables_from_weights": lambda: linen.variables_from_weights(weights)["params"]["W_q"][
+            "kernel"
+        ],
+    }
+    x64 = jax.config.jax_enable_x64
+    try:
+        jax.config.update("jax_enable_x64", False)
+        for make in makers.values():
+            with pytest.raises(ValueError, match="JAX holds float64 weights as float32"):
+                make()
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        for name, make in makers.items():
+            assert make().dtype == jnp.float64, name
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+
+
+def test_attention_mask_checks_the_lengths():
+    for lens in (np.ones((1, 3), np.int32), np.ones((2, 2, 2), np.int32)):
+        with pytest.raises(ValueError, match=r"valid_lens must have shape \(batch,\)"):
+            attention_mask(lens, 5, 5)
+    with pytest.raises(TypeError, match="valid_lens must be an integer or floating-point"):
+        attention_mask(np.ones(2, bool), 5, 5)
+
+
 def test_attention_mask_follows_the_spec_rule():
     # Hand-written: example 0 sees keys 0-1, example 1 key 0 only (from 0.5).
     mask = attention_mask(np.array([2.0, 0.5]), 2, 3)

@@ -276,6 +276,20 @@ def test_d2l_keras_layer_weights_give_equal_outputs(runner, cases, bias):
     assert interop.from_keras_d2l(ours).keys() == weights.keys()
 
 
+def test_what_is_no_state_or_layer_is_named():
+    for read in (interop.from_keras_mha_state, interop.from_keras_gqa_state):
+        with pytest.raises(TypeError, match="state must be a mapping of names to arrays; got"):
+            read(None)
+    with pytest.raises(TypeError, match="layer must be a keras.layers.MultiHeadAttention; got"):
+        interop.from_keras_mha({})
+
+
+def test_attention_mask_checks_the_lengths():
+    for lens in (np.ones((1, 3), np.int32), np.ones((2, 2, 2), np.int32)):
+        with pytest.raises(ValueError, match=r"valid_lens must have shape \(batch,\)"):
+            interop.attention_mask(lens, 5, 5)
+
+
 def test_d2l_layer_bias_mismatch_is_a_clear_error():
     d2l = D2lMultiHeadAttention(8, 2)
     x = np.ones((1, 2, 8), np.float32)

@@ -90,6 +90,11 @@ def test_trained_d2l_layer_converts_into_ours(tmp_path, bias):
     assert all(from_block[k].tobytes() == weights[k].tobytes() for k in weights)
 
 
+def test_what_is_no_state_is_named():
+    with pytest.raises(TypeError, match="params must be a mapping of names to arrays; got list"):
+        from_mxnet_d2l_state([1, 2])
+
+
 @pytest.mark.parametrize(
     ("options", "entry"), [({"sinks": True}, "sinks"), ({"qk_norm": {"scope": "heads"}}, "q_norm")]
 )

@@ -98,6 +98,15 @@ def test_unsupported_native_options_are_refused():
         from_torch_mha_state({**state, "q_proj_weight": torch.zeros(8, 8)})
 
 
+def test_what_is_no_state_or_module_is_named():
+    with pytest.raises(TypeError, match="state_dict must be a mapping of names to arrays; got"):
+        from_torch_mha_state(None)
+    with pytest.raises(TypeError, match="state_dict must be a mapping of names to arrays; got"):
+        from_torch_d2l_state([1, 2])
+    with pytest.raises(TypeError, match="module must be a torch.nn.MultiheadAttention; got dict"):
+        from_torch_mha({})
+
+
 def test_the_native_heads_are_checked_as_the_layer_checks_them():
     """torch's own check is an assert (and takes a bool as 1 head)."""
     weights = init_weights(8, num_heads=2)

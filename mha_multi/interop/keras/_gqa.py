@@ -15,7 +15,7 @@ import numpy as np
 from mha_multi import spec
 from mha_multi.interop.keras._projections import _kernels_of_state, _projection_state
 from mha_multi.keras import _native
-from mha_multi.weights import check_weights
+from mha_multi.weights import check_state_mapping, check_weights
 
 __all__ = [
     "KERAS_GQA_NAMES",
@@ -52,6 +52,7 @@ def from_keras_gqa_state(
             biases on some projections only, or shapes no head layout
             explains (named).
     """
+    check_state_mapping(state, "state")
     if any(name.startswith("gate/") for name in state):
         raise ValueError(
             "unsupported keras.layers.GroupQueryAttention option: use_gate=True "

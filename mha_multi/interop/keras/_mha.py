@@ -127,6 +127,10 @@ def to_keras_mha_state(weights: Mapping[str, Any], num_heads: int) -> dict[str, 
 
 
 def _check_keras_mha(layer: keras.layers.MultiHeadAttention) -> None:
+    if not isinstance(layer, keras.layers.MultiHeadAttention):
+        raise TypeError(
+            f"layer must be a keras.layers.MultiHeadAttention; got {type(layer).__name__}"
+        )
     config = layer.get_config()
     if config.get("use_gate"):
         raise ValueError("unsupported keras.layers.MultiHeadAttention option: use_gate=True")

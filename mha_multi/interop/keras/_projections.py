@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from mha_multi.keras import _facts
+from mha_multi.weights import check_state_mapping
 
 
 def _kernels_of_state(
@@ -29,6 +30,7 @@ def _kernels_of_state(
         ValueError: an unexpected entry, a missing kernel, or biases on some
             projections only.
     """
+    check_state_mapping(state, "state")
     expected = {f"{name}/{kind}" for name in names for kind in ("kernel", "bias")}
     extra = sorted(set(state) - expected)
     if extra:
