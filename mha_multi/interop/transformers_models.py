@@ -96,6 +96,12 @@ class _SequenceCache(DynamicCache):
             return 0
         return sequence.seen
 
+    def __bool__(self) -> bool:
+        # True while it holds positions, as a cache of keys and values is (a DynamicCache
+        # without layers is false): Phi-3's generate recomputes a sequence that crosses
+        # its original context length where its past_key_values are true.
+        return self.get_seq_length() > 0
+
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
         raise ValueError(
             "the layer's key/value cache cannot be reordered, cropped or regrouped (beam search, "
@@ -226,6 +232,12 @@ def _before_call(sequence: _Sequence, decoder: torch.nn.Module):
                     f"the sequence under way has {sequence.batch_size} examples; "
                     f"this call has {batch}"
                 )
+        elif past is not None and not isinstance(past, DynamicCache):
+            raise ValueError(
+                f"past_key_values is a {type(past).__name__} (generate's cache_implementation "
+                "other than the default): the layer keeps the sequence's keys and values in "
+                "its own cache; generate with the default dynamic cache"
+            )
         elif past is not None and (isinstance(past, _SequenceCache) or past.get_seq_length() > 0):
             raise ValueError(
                 "past_key_values holds keys and values computed by transformers' attention, or "
@@ -257,11 +269,13 @@ def _real_positions(
     """Which of the call's positions are tokens, from transformers' 2-D ``attention_mask``."""
     if mask is None:
         return None
+    expected = (
+        f"transformers' 2-D mask of the whole sequence so far, (batch, {sequence.seen + length})"
+    )
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be {expected}; got a {type(mask).__name__}")
     if mask.ndim != 2 or mask.shape[1] != sequence.seen + length:
-        raise ValueError(
-            "attention_mask must be transformers' 2-D mask of the whole sequence so far, "
-            f"(batch, {sequence.seen + length}); got shape {tuple(mask.shape)}"
-        )
+        raise ValueError(f"attention_mask must be {expected}; got shape {tuple(mask.shape)}")
     real = mask[:, -length:] != 0
     return None if bool(real.all()) else real
 

@@ -202,6 +202,34 @@ def test_greedy_generation_with_our_cache_gives_transformers_tokens(family):
         assert lengths == (mask.sum(dim=1) + tokens - 1).tolist()
 
 
+def test_phi3_generation_that_crosses_its_original_context_gives_transformers_logits():
+    """Phi-3's LongRoPE rotates by its long factors past its original context: its
+    generate recomputes the sequence where it crosses it, whose past_key_values are
+    true then (the adapter's were false, and the cached keys kept the short factors:
+    logits off by 1.4e-3)."""
+    longrope = {
+        "rope_type": "longrope",
+        "rope_theta": 100.0,
+        "partial_rotary_factor": 0.5,
+        "short_factor": [1.0, 1.5],
+        "long_factor": [2.0, 5.0],
+    }
+    model = causal_lm(
+        "phi3", torch.float64, rope_parameters=longrope, original_max_position_embeddings=8
+    )
+    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(2))
+    greedy = {"do_sample": False, "max_new_tokens": 8, "min_new_tokens": 8}
+    scores = {"output_scores": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        expected = model.generate(ids, **greedy, **scores).scores
+        replace_attention(model, max_length=16)
+        got = model.generate(ids, **greedy, **scores).scores
+    for step, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+        finite = theirs.isfinite()  # (the end token's -inf before min_new_tokens)
+        assert torch.equal(ours.isfinite(), finite), f"step {step}"
+        assert (ours - theirs)[finite].abs().max().item() <= 1e-7, f"step {step}"
+
+
 def test_what_the_adapter_does_not_support_is_refused():
     model = causal_lm("llama", torch.float64)
     blocks = [layer.self_attn for layer in model.model.layers]
@@ -215,6 +243,8 @@ def test_what_the_adapter_does_not_support_is_refused():
     with torch.no_grad():
         with pytest.raises(ValueError, match="beam search"):
             model.generate(ids, attention_mask=mask, num_beams=2, max_new_tokens=3)
+        with pytest.raises(ValueError, match="past_key_values is a StaticCache"):
+            model.generate(ids, attention_mask=mask, cache_implementation="static")
         with pytest.raises(ValueError, match="output_attentions is not supported"):
             model(ids, attention_mask=mask, output_attentions=True)
         with pytest.raises(ValueError, match="2-D mask of the whole sequence"):
