@@ -261,8 +261,18 @@ class PlainRoute(StepRoute, LengthsRoute, CrossRoute):
             return None  # (each step's length changes every angle: no table serves them)
         # (A layer's options are fixed when it is made: others set since get plans anew.)
         plans = self._plain_plans.of(layer, made_for=options)
-        # (The layer's heads and input sizes are fixed once it has been called.)
-        key = (dtype, causal, queries.shape, queries.dtype, device, records)
+        # (The layer's heads and input sizes are fixed once it has been called. Inference
+        # mode too: the tables and masks a plan makes under it are inference tensors, which
+        # a call that records a gradient may not save for its backward.)
+        key = (
+            dtype,
+            causal,
+            queries.shape,
+            queries.dtype,
+            device,
+            records,
+            torch.is_inference_mode_enabled(),
+        )
         if valid_lens is not None:
             key += (valid_lens.shape, valid_lens.dtype, valid_lens.device)
         if cache is not None:

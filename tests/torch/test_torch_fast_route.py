@@ -201,6 +201,33 @@ def test_calls_with_score_options_take_the_route_to_the_generic_numbers(options,
         np.testing.assert_allclose(out.double().numpy(), expected, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("on_a_gpu", [False, True], ids=["host", "gpu"])
+@pytest.mark.parametrize("options", CALL_OPTIONS.values(), ids=CALL_OPTIONS.keys())
+def test_a_call_under_inference_mode_leaves_no_plan_to_a_call_that_records(options, on_a_gpu):
+    """The tables and masks a plan makes under torch.inference_mode are inference tensors,
+    which a call recording gradients may not save: it makes a plan of its own, and its
+    gradients are the reference's."""
+    heads = {"num_heads": 4, "num_kv_heads": 2}
+    weights = init_weights(16, seed=26, sinks=bool(options.get("sinks")), **heads)
+    layer = set_weights(MultiHeadAttention(16, **options, **heads), weights).eval()
+    x = np.random.default_rng(26).standard_normal((2, 6, 16))
+    gradient = np.random.default_rng(27).standard_normal((2, 6, 16))
+    expected = spec.reference_gradients(
+        weights, x, x, x, causal=True, output_gradient=gradient, **options, **heads
+    )
+    queries = torch.from_numpy(x).float()
+    place = backend.as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext()
+    with place:
+        with torch.inference_mode():
+            layer(queries, queries, queries, causal=True)
+        queries.requires_grad_(True)
+        output = layer(queries, queries, queries, causal=True)
+        output.backward(torch.from_numpy(gradient).float())
+    grad = queries.grad.double().numpy()
+    total = expected["queries"] + expected["keys"] + expected["values"]
+    np.testing.assert_allclose(grad, total, rtol=0, atol=1e-5)
+
+
 def test_plain_self_attention_leaves_the_rest_to_the_generic_flow():
     """A NaN input (recording gradients or not) and autocast are not the route's: the
     reference's numbers, NaN rows where it has them; its errors are the generic flow's.
