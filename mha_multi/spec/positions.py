@@ -83,7 +83,7 @@ def visibility(
             # positive where it compares as at most 0 (NaN and inf compare as neither).
             # Such a length is 0.5 then, which shows key 0 alone. (No logical_not of a
             # comparison: TensorFlow's graph optimizer makes not(j < len) j >= len, false
-            # for a NaN length, which hides every key.)
+            # for a NaN length, whose row then saw every key.)
             flushed = ops.logical_and(ops.less(bits * 0, bits), ops.greater_equal(lens * 0, lens))
             lens = ops.where(flushed, lens * 0 + 0.5, lens)
         visible = ops.less(key_positions, lens)
