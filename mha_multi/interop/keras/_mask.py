@@ -38,8 +38,7 @@ def attention_mask(
     if valid_lens is None and not causal:
         raise ValueError("nothing is hidden without valid_lens or causal=True: pass no mask")
     lens = None if valid_lens is None else np.asarray(valid_lens)
-    if lens is not None:
-        spec.check_valid_lens_dtype(lens.dtype.kind)
+    if lens is not None:  # (their dtype: spec.visibility checks it)
         spec.check_valid_lens_shape(lens.shape, lens.shape[0] if lens.ndim else 1, num_queries)
     visible = spec.visibility(spec.NumpyOps(), num_queries, num_keys, lens, causal=causal)
     batch = 1 if lens is None else lens.shape[0]
