@@ -182,7 +182,10 @@ def as_valid_lens(valid_lens: Any) -> jax.Array | None:
     if isinstance(valid_lens, jax.Array):
         spec.check_valid_lens_dtype(dtype_kind(valid_lens.dtype))
         return valid_lens
-    return jnp.asarray(spec.lens_as_numpy(valid_lens, jax.dtypes.canonicalize_dtype(np.int64)))
+    index, widest = (jax.dtypes.canonicalize_dtype(t) for t in (np.int64, np.float64))
+    return jnp.asarray(
+        spec.lens_as_numpy(valid_lens, index, None if widest == np.float64 else widest)
+    )
 
 
 # -- the generic path on a CPU ----------------------------------------------------

@@ -49,7 +49,7 @@ from mha_multi.keras._kernel import (
     fused_attention,
     serves,
 )
-from mha_multi.keras._ops import OPS, dtype_kind, first_rows, index_dtype, rows_at
+from mha_multi.keras._ops import OPS, dtype_kind, dtype_name, first_rows, index_dtype, rows_at
 from mha_multi.keras._written_lengths import WRITTEN_LENGTHS, WrittenLengths
 from mha_multi.keras.sharding import head_vmap
 
@@ -150,11 +150,22 @@ def checked_lens(valid_lens: Any) -> Any:
 
     Integer arrays are converted to the backend's integer type by clipping:
     Keras' JAX backend without ``jax_enable_x64`` would wrap ``2**62`` to 0
-    and hide every key. Tensors are within their backend's range already.
+    and hide every key. Tensors are within their backend's range already,
+    but for uint64 ones, made int64 by clipping too: TensorFlow compares
+    them wrapped (``2**63 + 5`` hid key 5) and PyTorch compares none.
     """
-    if valid_lens is None or is_tensor(valid_lens):
-        return valid_lens
-    return spec.lens_as_numpy(valid_lens, index_dtype())
+    if valid_lens is None:
+        return None
+    if is_tensor(valid_lens):
+        if dtype_name(valid_lens.dtype) != "uint64":
+            return valid_lens
+        # The cast wraps lengths >= 2**63 to negative numbers, which no unsigned
+        # length is: they are the ones to clip.
+        signed = keras.ops.cast(valid_lens, "int64")
+        return keras.ops.where(signed < 0, np.iinfo(np.int64).max, signed)
+    index = index_dtype()
+    # (Only Keras on JAX without x64 counts in 32 bits, and it holds no float64 either.)
+    return spec.lens_as_numpy(valid_lens, index, "float32" if index == "int32" else None)
 
 
 def values_exact(q: Any, k: Any, v: Any, head_dim: int) -> bool | None:

@@ -193,7 +193,9 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
             if isinstance(value, np.ndarray) and value.dtype.kind != "f":
                 # Keras would cast it to the layer's dtype without a word.
                 raise TypeError(f"{name} must be a floating-point array; got {value.dtype}")
-        spec.check_causal(kwargs.get("causal", False))
+        causal = kwargs.get("causal", False)
+        if causal is not False and causal is not True:  # (Keras would make it a tensor)
+            kwargs["causal"] = spec.check_flag("causal", causal)
         weights = kwargs.get("return_attention_weights", False)
         if weights is not False and weights is not True:  # (Keras would make it a tensor)
             kwargs["return_attention_weights"] = spec.check_flag(

@@ -268,7 +268,7 @@ def check_valid_lens_dtype(kind: str) -> None:
         )
 
 
-def lens_as_numpy(valid_lens: Any, index_dtype: Any) -> np.ndarray:
+def lens_as_numpy(valid_lens: Any, index_dtype: Any, float_dtype: Any = None) -> np.ndarray:
     """Lengths given as a numpy array, a list or a scalar, checked and converted.
 
     What each backend does with lengths that are not yet its own arrays.
@@ -277,6 +277,10 @@ def lens_as_numpy(valid_lens: Any, index_dtype: Any) -> np.ndarray:
         valid_lens: array-like lengths.
         index_dtype: the framework's integer type; integer lengths are clipped
             into it (:func:`clip_integer_lens`), floating ones kept.
+        float_dtype: ``None``, or the widest floating type the framework
+            holds where it is narrower than float64 (JAX without x64:
+            float32); wider floating lengths are narrowed to it keeping the
+            keys they show (:func:`narrow_float_lens`).
 
     Raises:
         TypeError: ``valid_lens`` is not numeric (strings, booleans, objects).
@@ -288,7 +292,25 @@ def lens_as_numpy(valid_lens: Any, index_dtype: Any) -> np.ndarray:
             f"valid_lens must be an integer or floating-point array; got {valid_lens!r}"
         ) from error
     check_valid_lens_dtype(array.dtype.kind)
+    if float_dtype is not None and array.dtype.kind == "f":
+        return narrow_float_lens(array, float_dtype)
     return clip_integer_lens(array, index_dtype)
+
+
+def narrow_float_lens(valid_lens: np.ndarray, dtype: Any) -> np.ndarray:
+    """Floating lengths as the floating ``dtype``, each showing the keys it shows.
+
+    Key ``j`` is visible iff ``j < len``, which for an integer ``j`` is
+    ``j < ceil(len)``: a length rounded to a narrower type may cross an
+    integer (float64's ``2 + 1e-9`` rounds to float32's 2 and would hide key
+    2, ``5e-324`` to 0 and would hide key 0), its ceiling does not (every
+    integer up to ``2**24`` is a float32; NaN and infinities stay what they
+    are). Lengths no wider than ``dtype`` are returned unchanged.
+    """
+    if valid_lens.dtype.itemsize <= np.dtype(dtype).itemsize:
+        return valid_lens
+    with np.errstate(invalid="ignore"):
+        return np.ceil(valid_lens).astype(dtype)
 
 
 def clip_integer_lens(valid_lens: np.ndarray, dtype: Any) -> np.ndarray:

@@ -313,6 +313,19 @@ def test_integer_lengths_are_clipped_not_wrapped():
     assert spec.clip_integer_lens(floats, np.int32) is floats
 
 
+def test_float64_lengths_narrowed_to_float32_show_the_keys_they_show():
+    lens = np.array([5e-324, 2 + 1e-9, 2.0, 2.5, -1e-300, np.nan, np.inf, -np.inf])
+    narrowed = spec.lens_as_numpy(lens, np.int32, np.float32)
+    assert narrowed.dtype == np.float32
+    # Key j is shown iff j < len: the keys 0..4 of each length, counted by hand.
+    shown = [1, 3, 2, 3, 0, 0, 5, 0]
+    np.testing.assert_array_equal((np.arange(5) < narrowed[:, None]).sum(1), shown)
+    np.testing.assert_array_equal((np.arange(5) < lens[:, None]).sum(1), shown)
+    float32 = np.array([1e-45, 2.5], np.float32)
+    np.testing.assert_array_equal(spec.lens_as_numpy(float32, np.int32, np.float32), float32)
+    assert spec.lens_as_numpy(lens, np.int64).dtype == np.float64  # (no narrower type)
+
+
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16])
 def test_narrow_integer_lengths_compare_without_wrapping(dtype):
     visible = spec.visibility(OPS, 1, 200, np.array([100, 127], dtype))

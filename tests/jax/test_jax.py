@@ -474,6 +474,36 @@ def test_integer_lengths_beyond_32_bits_are_clipped_not_wrapped(lens, implementa
     np.testing.assert_allclose(out, expected, atol=5e-6)
 
 
+@pytest.mark.parametrize("implementation", ["generic", "xla"])
+@pytest.mark.parametrize(
+    "lens",
+    [
+        np.array([5e-324, 2 + 1e-9]),
+        np.array([[1e-310, 1 + 1e-12, -1e-300], [np.nan, np.inf, 3 - 1e-13]]),
+    ],
+    ids=["1d", "2d"],
+)
+def test_float64_lengths_without_x64_show_the_keys_they_show(lens, implementation):
+    # Rounded to float32, 5e-324 would be 0 (key 0 hidden) and 2 + 1e-9 would be 2.
+    weights = init_weights(8, seed=5)
+    queries, keys, values = small_inputs(5)
+    expected, _ = spec.reference_forward(weights, queries, keys, values, lens, num_heads=2)
+    with jax.enable_x64(False):
+        params = {name: jnp.asarray(w, jnp.float32) for name, w in weights.items()}
+        assert functional.as_valid_lens(lens).dtype == jnp.float32
+        out, _ = multi_head_attention(
+            params,
+            queries,
+            keys,
+            values,
+            lens,
+            num_heads=2,
+            return_attention_weights=False,
+            implementation=implementation,
+        )
+    np.testing.assert_allclose(out, expected, atol=5e-6)
+
+
 # -- the generic path on a CPU, piece by piece -------------------------------------
 
 

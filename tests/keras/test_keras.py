@@ -138,6 +138,82 @@ def test_integer_lengths_beyond_32_bits_are_clipped_without_x64(runner, cases):
     np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
 
 
+@pytest.mark.skipif(backend.BACKEND != "jax", reason="jax_enable_x64 is JAX's")
+def test_float64_lengths_without_x64_show_the_keys_they_show(runner, cases):
+    import jax
+
+    case = cases["lens_1d"]
+    layer = runner.layer_for(case)
+    tiny = np.array([5e-324, 2 + 1e-9, -1e-300])  # rounded to float32: 0, 2 and -0
+    expected, _ = spec.reference_forward(
+        case.weights, *inputs(case), tiny, num_heads=case.config.num_heads
+    )
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        out = layer(*inputs(case), tiny)
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+    np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
+
+
+def _uint64_tensor(values: list[int]):
+    """``values`` as the active backend's own uint64 tensor (JAX: under x64)."""
+    if backend.BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.constant(values, tf.uint64)
+    if backend.BACKEND == "torch":
+        import torch
+
+        return torch.tensor(values, dtype=torch.uint64)
+    import jax.numpy as jnp
+
+    return jnp.asarray(np.array(values, np.uint64))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_uint64_length_tensors_are_clipped_never_wrapped(runner, cases, fused):
+    """A framework's own uint64 lengths past int64's range hide nothing, as numpy's do
+    (TensorFlow compared them wrapped, PyTorch compared none)."""
+    case = cases["lens_1d"]
+    layer = runner.layer_for(case)
+    queries, keys, values = inputs(case)
+    lens = [2**63 + 5, 2**64 - 1, 2]  # as int64: negative, -1, 2
+    expected, _ = spec.reference_forward(
+        case.weights,
+        queries,
+        keys,
+        values,
+        np.array(lens, np.uint64),
+        num_heads=case.config.num_heads,
+    )
+    x64 = None
+    if backend.BACKEND == "jax":  # (JAX has no uint64 arrays without x64)
+        import jax
+
+        x64 = jax.config.jax_enable_x64
+        jax.config.update("jax_enable_x64", True)
+    try:
+        out = layer(queries, keys, values, _uint64_tensor(lens), return_attention_weights=not fused)
+    finally:
+        if x64 is not None:
+            jax.config.update("jax_enable_x64", x64)
+    out = out if fused else out[0]
+    np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
+
+
+def test_a_numpy_bool_is_a_causal_flag(runner, cases):
+    """As every other backend takes it: Keras would make it a tensor, which no flag is."""
+    case = cases["book"]
+    layer = runner.layer_for(case)
+    expected, _ = spec.reference_forward(
+        case.weights, *inputs(case), num_heads=case.config.num_heads, causal=True
+    )
+    out = layer(*inputs(case), causal=np.bool_(True))
+    np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
+
+
 # -- serialization ------------------------------------------------------------
 
 
