@@ -546,7 +546,7 @@ class _Torch(_Framework):
         tensors, no value read (:func:`mha_multi.torch._compiled_cache.write_in_place`).
         The spec's update gathers every position of a new cache at every step.
         ``sizes``: ``head_dim`` and ``causal``."""
-        if not self.torch.compiler.is_compiling() or self.compiled_cache.records_gradient(
+        if not self.torch.compiler.is_compiling() or not self.compiled_cache.writes_in_place(
             k, v, cache.keys, cache.values
         ):
             return None

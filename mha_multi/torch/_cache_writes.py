@@ -22,7 +22,8 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck, Written, from_host, versioned, writes_in_place
-from mha_multi.torch._compiled_cache import records_gradient, write_in_place
+from mha_multi.torch._compiled_cache import write_in_place
+from mha_multi.torch._compiled_cache import writes_in_place as compiled_writes_in_place
 
 __all__ = ["CacheWrites"]
 
@@ -55,13 +56,14 @@ class CacheWrites(call.Facts):
         positions in place: the returned cache shares ``keys`` and
         ``values`` with the given one (docs: "Generating with a cache").
         So does a call under ``torch.compile`` that records no gradient
-        through the cache, with one indexed write per array and no value read
-        (:func:`~mha_multi.torch._compiled_cache.write_in_place`). Anything
+        through the cache, into arrays that are each contiguous, with one
+        indexed write per array and no value read
+        (:func:`~mha_multi.torch._compiled_cache.writes_in_place`). Anything
         else (a cache or projections that require gradients, an inference
         tensor outside inference mode) gets the spec's functional update.
         """
         compiling = torch.compiler.is_compiling()
-        if compiling and k is not None and not records_gradient(k, v, cache.keys, cache.values):
+        if compiling and k is not None and compiled_writes_in_place(k, v, cache.keys, cache.values):
             # Static shapes, no value read: one indexed write per array (docs:
             # "Errors, and what compiled code does").
             return write_in_place(ops, cache, k, v, valid_lens, head_dim=head_dim, causal=causal)

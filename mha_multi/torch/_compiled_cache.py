@@ -14,7 +14,7 @@ import torch
 
 from mha_multi import spec
 
-__all__ = ["records_gradient", "write_in_place"]
+__all__ = ["records_gradient", "write_in_place", "writes_in_place"]
 
 
 def records_gradient(*arrays: torch.Tensor) -> bool:
@@ -25,6 +25,30 @@ def records_gradient(*arrays: torch.Tensor) -> bool:
     graph; inductor's graphs write an inference cache outside inference mode too.)
     """
     return torch.is_grad_enabled() and any(x.requires_grad for x in arrays)
+
+
+def writes_in_place(
+    k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> bool:
+    """Whether a compiled call writes its new rows ``k``, ``v`` into a cache's ``keys``
+    and ``values`` in place (:func:`write_in_place`): no gradient recorded through
+    them, and the arrays two, each contiguous.
+
+    No two elements of the cache may share memory, as in an eager call (docs:
+    "Generating with a cache"): an expanded view's examples share theirs, one
+    array given as both keys and values all, and a row written in place would
+    change the others. A compiled graph cannot ask where an array lies, only
+    how: two contiguous arrays have no element in common within each, and a
+    view of another layout (expanded, or interleaved with the other in one
+    buffer) is updated functionally, as its eager call's is. (Two contiguous
+    arrays cut from one buffer so that they overlap are not told apart.)
+    """
+    return (
+        not records_gradient(k, v, keys, values)
+        and keys is not values
+        and keys.is_contiguous()
+        and values.is_contiguous()
+    )
 
 
 def write_in_place(

@@ -14,6 +14,7 @@ import torch
 from cache_support import (
     CHUNKS,
     FLOAT32_ATOL,
+    HEAD_DIM,
     HEADS,
     LENGTHS,
     NUM_HIDDENS,
@@ -28,6 +29,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch_support import compiler as compiler
 
 from mha_multi.parity.decode import decode, full_reference
+from mha_multi.spec import KVCache
 
 
 def test_compiled_decoding_equals_eager_and_the_reference(compiler):
@@ -144,3 +146,33 @@ def test_compiled_overflow_drops_positions_and_keeps_counting(compiler):
         assert torch.equal(kept[:2], old[:2])
         assert torch.equal(kept[2, :, :3], old[2, :, :3])
         assert not torch.equal(kept[2, :, 3], old[2, :, 3])
+
+
+@pytest.mark.parametrize("layout", ["expanded", "same", "interleaved", "stacked"])
+def test_compiled_calls_write_a_cache_whose_elements_share_memory_as_new_arrays(layout):
+    """As an eager call (test_torch_cache_eager.py): a cache whose elements share
+    memory (one example's arrays expanded to every example, one array as both keys and
+    values, keys and values interleaved in one buffer) gets new arrays, with the spec's
+    numbers, and is left as it was; compiled in place, one example's rows landed on
+    another's. Keys and values stacked apart in one buffer are written in place."""
+    weights, layer, inputs = make(5)
+    if layout == "expanded":
+        keys, values = (x.expand(3, -1, -1, -1) for x in layer.init_cache(1, 9)[:2])
+    elif layout == "same":
+        keys = values = layer.init_cache(3, 9).keys
+    elif layout == "interleaved":
+        buffer = torch.zeros(3, 2, 9, HEAD_DIM, 2)  # (B, H_kv, max_length, dh, keys|values)
+        keys, values = buffer[..., 0], buffer[..., 1]
+    else:
+        keys, values = torch.zeros(2, 3, 2, 9, HEAD_DIM)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True, dynamic=False)
+    step, caches = stepper(compiled, KVCache(keys, values, torch.zeros(3, dtype=torch.int32)))
+    output = decode(step, inputs, LENGTHS, CHUNKS)
+
+    np.testing.assert_allclose(
+        output, full_reference(weights, inputs, LENGTHS, **HEADS), rtol=0, atol=FLOAT32_ATOL
+    )
+    in_place = layout == "stacked"
+    assert (caches[1].keys is keys and caches[1].values is values) == in_place
+    assert keys.any() == values.any() == in_place
