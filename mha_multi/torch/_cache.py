@@ -92,6 +92,8 @@ class CacheCheck:
         #: The arrays in the layouts a step's products take (:meth:`attended`); ``()``
         #: where they are no views.
         self._flat: tuple[torch.Tensor, ...] | None = None
+        #: The last positions :meth:`attended` viewed, ``(first, count, views)``.
+        self._attended: tuple[int, int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -260,10 +262,14 @@ class CacheCheck:
 
         Views of views of the arrays made once for this check (a step's host time is
         counted in operations: docs, "Results"), which the check holds while it
-        lives. Arrays whose examples and heads do not lie as one dimension (each
-        head's examples together) have no such views: their positions are copied at
-        each call instead.
+        lives; the last positions' views are kept, which the steps of one span (a
+        GPU's, rounded up to its bucket) share. Arrays whose examples and heads do
+        not lie as one dimension (each head's examples together) have no such
+        views: their positions are copied at each call instead.
         """
+        last = self._attended
+        if last is not None and last[0] == first and last[1] == count:
+            return last[2]
         flat = self._flat
         if flat is None:
             keys, values = self.keys(), self.values()
@@ -281,7 +287,9 @@ class CacheCheck:
                 keys.narrow(2, first, count).flatten(0, 1).transpose(1, 2),
                 values.narrow(2, first, count).flatten(0, 1),
             )
-        return flat[0].narrow(2, first, count), flat[1].narrow(1, first, count)
+        views = flat[0].narrow(2, first, count), flat[1].narrow(1, first, count)
+        self._attended = (first, count, views)
+        return views
 
     @staticmethod
     def host_lengths(lengths: torch.Tensor) -> np.ndarray | None:

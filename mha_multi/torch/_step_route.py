@@ -104,7 +104,10 @@ class StepRoute:
         step = check.step
         on_host = self.on_host(queries)
         if step is not None and step[0]() is layer and step[1] == key:
-            if torch.is_autocast_enabled("cpu" if on_host else device.type):
+            # (Any autocast first: one flag, where a device's asks its name parsed.)
+            if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(
+                "cpu" if on_host else device.type
+            ):
                 return None
             plan = step[2]
         else:

@@ -274,10 +274,11 @@ def generic_step(
     # Every example holds length + 1 positions now: the spec's masks and bias of a
     # query at length are the plan's patterns from max_length - length - 1 on.
     start, count = keys.shape[2] - filled + first, span - first
-    # (Where the span is the filled positions and no window binds, every key is seen:
-    # the mask would keep every score.)
-    if span == filled and plan.window is None:
-        visible = None
+    # (Where no window binds, the mask hides the span's positions past the filled ones
+    # alone: those scores are filled, the mask is not read; where the span is the
+    # filled positions, it would keep every score.)
+    if plan.window is None:
+        visible = None if span == filled else filled - first
     else:
         visible = plan.visible.narrow(-1, start, count)
     bias = plan.bias
@@ -361,7 +362,7 @@ def step_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    visible: torch.Tensor | None,
+    visible: torch.Tensor | int | None,
     heads: spec.Heads,
     fill: torch.Tensor | float = spec.MASK_VALUE,
     root: torch.Tensor | None = None,
@@ -380,7 +381,8 @@ def step_attention(
             <mha_multi.torch._cache.CacheCheck.attended>`).
         visible: ``None`` (every position), or which positions each query sees:
             booleans broadcastable to ``(B, H, 1, S)``, or ``(1, 1, S)`` where every
-            query sees the same.
+            query sees the same; or an ``int`` ``n``: every query sees the first ``n``
+            positions and none of the rest (their scores filled in place, no mask read).
         heads: the layer's heads.
         fill: :data:`mha_multi.spec.MASK_VALUE`, or it as a 0-d tensor of the scores'
             dtype (made once: a Python number is made a tensor at every call).
@@ -474,7 +476,7 @@ def _attend(
     grouped_q: torch.Tensor,
     keys: torch.Tensor,
     v: torch.Tensor,
-    visible: torch.Tensor | None,
+    visible: torch.Tensor | int | None,
     heads: spec.Heads,
     num_queries: int,
     fill: torch.Tensor | float = spec.MASK_VALUE,
@@ -496,12 +498,16 @@ def _attend(
     if low:  # (16-bit heads: float32 scores, spec.scaled_scores)
         # (The keys cast as they lie untransposed: a copy's layout is the product's.)
         grouped_q, keys = grouped_q.float(), keys.transpose(1, 2).float().transpose(1, 2)
-    # (bmm: the product torch.matmul makes of two batches alike, without its reshapes.)
-    scores = torch.bmm(grouped_q, keys) / (math.sqrt(head_dim) if root is None else root)
+    # (bmm: the product torch.matmul makes of two batches alike, without its reshapes;
+    # divided in place, the same numbers without a tensor more.)
+    scores = torch.bmm(grouped_q, keys).div_(math.sqrt(head_dim) if root is None else root)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     # The heads' view where a bias, the sinks or the visibility differ by head or query;
     # the softmax of the grouped layout's rows is the same numbers, two views fewer.
+    seen = visible if type(visible) is int else None
+    if seen is not None:
+        visible = None
     by_head = (visible is not None and visible.dim() != 3) or bias is not None or sinks is not None
     if by_head:
         scores = scores.view(-1, heads.num_heads, num_queries, num_keys)
@@ -509,6 +515,8 @@ def _attend(
         scores = scores + bias
     if visible is not None:
         scores = torch.where(visible, scores, fill)
+    elif seen is not None:  # (the scores are this call's own: filled in place)
+        scores.narrow(-1, seen, num_keys - seen).fill_(fill)
     if sinks is None:
         weights = softmax(scores)
         if by_head:
