@@ -133,7 +133,7 @@ def fused_step(
     finite, before anything is written.
     """
     heads = layer._heads
-    query_width, kv_width = heads.query_features, heads.kv_features
+    query_width = heads.query_features
     num_kv_heads, head_dim = heads.num_kv_heads, heads.head_dim
     keys, values, lengths = cache
     length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
@@ -156,15 +156,18 @@ def fused_step(
         query_heads, per_head = num_heads, 1
     wide = plan.wide_tables
     if rotary is None:
-        q, k, v = projected.split_with_sizes((query_width, kv_width, kv_width), -1)
+        # (B, 1, (H + 2*H_kv)*dh) is every head side by side, (B, H + 2*H_kv, dh).
+        q, k, v = projected.view(batch, -1, head_dim).split_with_sizes(
+            (num_heads, num_kv_heads, num_kv_heads), 1
+        )
         total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
         q = q.view(batch, query_heads, per_head, head_dim)
-        k = k.view(-1, num_kv_heads, head_dim)
     elif wide is not None:
         # Queries' and keys' heads rotated together, (B, H + H_kv, dh), by the rows of
         # the step's position (rotate_stacked's, on a step's one query).
-        both, v = projected.split_with_sizes((query_width + kv_width, kv_width), -1)
-        both = both.view(batch, num_heads + num_kv_heads, head_dim)
+        both, v = projected.view(batch, -1, head_dim).split_with_sizes(
+            (num_heads + num_kv_heads, num_kv_heads), 1
+        )
         turned = rotate_heads(both, (wide[0][length], wide[1][length]), rotary)
         total = turned.sum() + v.sum()
         q, k = (
@@ -175,15 +178,15 @@ def fused_step(
         q, k, v, turned = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
         total = turned.sum() + v.sum()
         q = q.view(batch, query_heads, per_head, head_dim)
-        k = k.view(-1, num_kv_heads, head_dim)
+        k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
     # One query sees its keys unmasked (a window's plan is that of the positions within
     # it): the read is the sum's, finite iff its difference with itself is 0 (inf - inf
     # and NaN are NaN).
     read = total.item()
     if read - read != 0.0:
         return None  # (no gradient here)
-    keys.select(2, length).copy_(k)
-    values.select(2, length).copy_(v.view(-1, num_kv_heads, head_dim))
+    keys.select(2, length).copy_(k)  # (both (B, H_kv, dh))
+    values.select(2, length).copy_(v)
     filled = length + 1
     updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
     check.stepped(updated, filled, step, lengths)
@@ -244,23 +247,24 @@ def generic_step(
     else:
         projected = step_projections(layer, queries, False, plan.norm)
     wide = plan.wide_tables
+    # (As fused_step splits them: every head side by side, (B, H + 2*H_kv, dh).)
     if rotary is None:
-        q, k, v = projected.split_with_sizes(
-            (heads.query_features, heads.kv_features, heads.kv_features), -1
+        q, k, v = projected.view(queries.shape[0], -1, head_dim).split_with_sizes(
+            (num_heads, num_kv_heads, num_kv_heads), 1
         )
     elif wide is not None:  # (as fused_step rotates: (B, H + H_kv, dh), one query each)
-        both, v = projected.split_with_sizes(
-            (heads.query_features + heads.kv_features, heads.kv_features), -1
+        both, v = projected.view(queries.shape[0], -1, head_dim).split_with_sizes(
+            (num_heads + num_kv_heads, num_kv_heads), 1
         )
-        both = both.view(-1, num_heads + num_kv_heads, head_dim)
         turned = rotate_heads(both, (wide[0][length], wide[1][length]), rotary)
         q, k = turned.narrow(1, 0, num_heads), turned.narrow(1, num_heads, num_kv_heads)
     else:
         q, k, v, _ = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
-    # The rows: one position of (B, H_kv, max_length, dh) from (B, 1, H_kv*dh).
+        k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+    # The rows: one position of (B, H_kv, max_length, dh), from (B, H_kv, dh).
     keys, values, lengths = cache
-    keys.select(2, length).copy_(k.view(-1, num_kv_heads, head_dim))
-    values.select(2, length).copy_(v.view(-1, num_kv_heads, head_dim))
+    keys.select(2, length).copy_(k)
+    values.select(2, length).copy_(v)
     filled = length + 1
     updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
     pending_from = check.pending_from
