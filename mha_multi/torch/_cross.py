@@ -99,7 +99,8 @@ class CrossRoute:
                 or values.requires_grad
             )
         device = queries.device
-        if torch.is_autocast_enabled(device.type):
+        # (Any autocast first: one flag, where a device's asks its name parsed.)
+        if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(device.type):
             return None
         key: tuple[Any, ...] = (dtype, records, queries.shape, queries.dtype, device)
         key += (keys.shape, keys.dtype, keys.device, values.shape, values.dtype, values.device)

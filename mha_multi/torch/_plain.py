@@ -166,13 +166,14 @@ class PlainRoute(StepRoute, LengthsRoute, CrossRoute):
         except RuntimeError:  # (values torch.vmap batches, which no read may take)
             return None
         if plan.fused:
-            k, v = (x.unflatten(-1, (heads.num_kv_heads, heads.head_dim)) for x in (k, v))
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            # (Views, not unflatten: a Python method, and a small call's cost is such calls.)
+            batch, length = q.shape[0], q.shape[1]
+            kv_shape = (batch, length, heads.num_kv_heads, heads.head_dim)
+            k, v = k.view(kv_shape).transpose(1, 2), v.view(kv_shape).transpose(1, 2)
             if plan.folded:  # (one query: folds_groups)
-                q = q.view(q.shape[0], heads.num_kv_heads, heads.group_size, heads.head_dim)
+                q = q.view(batch, heads.num_kv_heads, heads.group_size, heads.head_dim)
             else:
-                q = q.view(q.shape[0], q.shape[1], heads.num_heads, heads.head_dim)
-                q = q.transpose(1, 2)
+                q = q.view(batch, length, heads.num_heads, heads.head_dim).transpose(1, 2)
             if plan.mask is None:
                 context = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, **plan.arguments
@@ -254,7 +255,8 @@ class PlainRoute(StepRoute, LengthsRoute, CrossRoute):
         distance from the query alone).
         """
         device = queries.device
-        if torch.is_autocast_enabled(device.type):
+        # (Any autocast first: one flag, where a device's asks its name parsed.)
+        if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(device.type):
             return None
         rotary = None if options is None else options.rotary
         if rotary is not None and cache is not None and rotary.depends_on_length:
