@@ -477,7 +477,11 @@ def run(
         layout = {"heads": layer.heads, "num_hiddens": layer.num_hiddens, "dropout": layer.dropout}
         out = compute(ops, params, config, inputs, **layout)
     if config.appends:
-        cache = spec.KVCache(*out[-3:])
+        keys_out, values_out, lengths_out = out[-3:]
+        # (The lengths count positions: no gradient flows through them, and a graph's
+        # integer outputs must carry none into the next recorded call's backward pass,
+        # where MXNet 1.9's integer operations refuse one.)
+        cache = spec.KVCache(keys_out, values_out, lengths_out.detach())
     elif cache is not None and mx.autograd.is_recording():
         # W_k and W_v had no part in this call: their gradient is zero,
         # not what an earlier backward pass left there.

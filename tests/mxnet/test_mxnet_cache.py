@@ -124,6 +124,66 @@ def test_calls_recording_nothing_write_the_cache_in_place(runner):
 
 
 @pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID], ids=lambda runner: runner.name)
+def test_gradients_through_recorded_decoding_are_the_full_forwards(runner):
+    """The ragged schedule recorded by ``autograd.record()``, each call's cache the next
+    one's: every input row's and weight's gradient is that of one full causal
+    forward (the float64 reference's, derived by hand), padding rows get none.
+    Hybridized too, where each call's graph returned lengths whose gradient
+    the next call's backward pass sent into integer operations, which MXNet 1.9
+    refuses ("Backward only supports float types")."""
+    weights, inputs = weights_and_inputs("gqa")
+    layer = layer_of(runner, "gqa", weights, "float64")
+    rng = np.random.default_rng(3)
+    real = np.arange(MAX_LENGTH) < LENGTHS[:, None]
+    output_gradient = np.where(
+        real[..., None], rng.standard_normal((3, MAX_LENGTH, NUM_HIDDENS)), 0
+    )
+    cache = layer.init_cache(3, MAX_LENGTH)
+    consumed = np.zeros(3, np.int64)
+    chunks = []
+    with autograd.record(train_mode=False):
+        loss = 0.0
+        for num_new, new_lens in CHUNKS:
+            rows = native([chunk_rows(x, consumed, num_new) for x in inputs.values()], "float64")
+            for row in rows:
+                row.attach_grad()
+            output, cache = layer(*rows, int32(new_lens), causal=True, cache=cache)
+            index = (consumed[:, None] + np.arange(num_new)) % MAX_LENGTH
+            kept = np.arange(num_new) < np.asarray(new_lens)[:, None]
+            cotangent = np.take_along_axis(output_gradient, index[..., None], axis=1)
+            cotangent = np.where(kept[..., None], cotangent, 0.0)
+            loss = loss + (output * mx.np.array(cotangent, dtype="float64")).sum()
+            chunks.append((rows, index, kept))
+            consumed += new_lens
+    loss.backward()
+
+    expected = spec.reference_gradients(
+        weights,
+        *inputs.values(),
+        LENGTHS,
+        **reference_heads("gqa"),
+        causal=True,
+        output_gradient=output_gradient,
+    )
+    for position, name in enumerate(inputs):
+        gathered = np.zeros_like(expected[name])
+        for rows, index, kept in chunks:
+            grad = rows[position].grad.asnumpy()
+            assert not grad[~kept].any(), name  # (padding rows reach nothing)
+            for b, t in zip(*np.nonzero(kept), strict=True):
+                gathered[b, index[b, t]] += grad[b, t]
+        np.testing.assert_allclose(gathered, expected[name], rtol=0, atol=1e-10, err_msg=name)
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        dense = getattr(layer, name)
+        np.testing.assert_allclose(
+            dense.weight.grad().asnumpy().T, expected[name], rtol=0, atol=1e-10, err_msg=name
+        )
+        np.testing.assert_allclose(
+            dense.bias.grad().asnumpy(), expected[f"b_{name[-1]}"], rtol=0, atol=1e-10
+        )
+
+
+@pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID], ids=lambda runner: runner.name)
 def test_uniform_steps_attend_over_the_filled_positions_in_buckets(runner, monkeypatch):
     # A prompt, then steps of one across the buckets' edges: each call
     # attends over the filled positions rounded up to spec.SPAN_BUCKET (the
