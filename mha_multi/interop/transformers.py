@@ -39,6 +39,7 @@ from mha_multi.interop.families import (
 )
 from mha_multi.interop.fused_projections import FUSED_PROJECTIONS
 from mha_multi.interop.llama_state import (
+    PROJECTIONS,
     _canonical_arrays,
     _checked,
     block_arguments,
@@ -56,13 +57,31 @@ __all__ = ["REQUIRED_FIELDS", "attention_layers", "attention_state", "model_conf
 #: ``AutoConfig.from_pretrained(folder).save_pretrained(folder)`` writes them.
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "": ("model_type", "hidden_size", "num_attention_heads", "num_hidden_layers"),
-    "mistral": ("sliding_window",),
-    "gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "sliding_window"),
-    "gemma3_text": ("query_pre_attn_scalar", "sliding_window", "rms_norm_eps"),
-    "gpt_oss": ("sliding_window", "rope_parameters|rope_scaling"),
-    "qwen3": ("rms_norm_eps",),
+    # (num_key_value_heads: the config classes' own numbers; Llama's, Cohere's, OLMo 2's
+    # and Phi-3's are num_attention_heads, _KV_HEADS_ARE_HEADS.)
+    "mistral": ("sliding_window", "num_key_value_heads"),
+    "qwen2": ("num_key_value_heads",),
+    "gemma2": (
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "sliding_window",
+        "num_key_value_heads",
+    ),
+    "gemma3_text": (
+        "query_pre_attn_scalar",
+        "sliding_window",
+        "rms_norm_eps",
+        "num_key_value_heads",
+    ),
+    "gpt_oss": ("sliding_window", "rope_parameters|rope_scaling", "num_key_value_heads"),
+    "qwen3": ("rms_norm_eps", "num_key_value_heads"),
     "olmo2": ("rms_norm_eps",),
 }
+#: Model types whose config class takes a missing ``num_key_value_heads`` as
+#: ``num_attention_heads``; a null one too, but where the class takes an integer alone
+#: (:data:`_KV_HEADS_INTEGER`), which refuses it.
+_KV_HEADS_ARE_HEADS = ("llama", "cohere", "olmo2", "phi3")
+_KV_HEADS_INTEGER = ("mistral", "gemma2", "gemma3_text", "gpt_oss")
 #: Model types whose config class's default ``rope_theta`` is not transformers' 10^4
 #: (Cohere's 5 * 10^5, gpt-oss' 1.5 * 10^5): their configs must give it.
 _OWN_THETA = ("cohere", "gpt_oss")
@@ -162,11 +181,27 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
             f"({', '.join(_GEMMA3_LAYER_TYPES)}); got {parameters!r}"
         )
     namespace = SimpleNamespace(**config)
-    if model_type in _WINDOW_FLAGGED and not config.get("use_sliding_window", False):
-        namespace.sliding_window = None  # (the window is then unused, the flag off unless set)
+    if model_type in _WINDOW_FLAGGED:
+        if not config.get("use_sliding_window", False):
+            namespace.sliding_window = None  # (the window is then unused, the flag off unless set)
+        elif "sliding_window" not in config:
+            raise ValueError(
+                f"{source}: a {model_type!r} config with use_sliding_window needs the field "
+                "'sliding_window', whose default only transformers' config class knows: "
+                "re-save the config with transformers >= 5 "
+                "(AutoConfig.from_pretrained(...).save_pretrained(...))"
+            )
+    if config.get("num_key_value_heads") is None:
+        if model_type in _KV_HEADS_INTEGER:
+            raise ValueError(
+                f"{source}: a {model_type!r} config's num_key_value_heads is null, where "
+                "transformers' config class takes an integer; give the number of key/value heads"
+            )
+        # (Missing where _KV_HEADS_ARE_HEADS, REQUIRED_FIELDS otherwise; null: the heads.)
+        namespace.num_key_value_heads = config["num_attention_heads"]
     if config.get("layer_types") is None:
         namespace.layer_types = _default_layer_types(namespace)
-    if model_type == "gemma3_text" and config.get("rope_parameters") is None:
+    if model_type == "gemma3_text":
         namespace.rope_parameters = _gemma3_rope(config)
     check_config_fields(namespace, _block_of(model_type))
     return namespace
@@ -212,15 +247,24 @@ def _default_layer_types(config: SimpleNamespace) -> list[str] | None:
 
 
 def _gemma3_rope(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Gemma 3's rotary settings by layer type from a config before ``rope_parameters``.
+    """Gemma 3's rotary settings by layer type, completed as transformers' config class
+    completes them.
 
-    As transformers reads them: ``rope_scaling`` and ``rope_theta`` (10^6
-    unless given) for the global layers, ``rope_local_base_freq`` (10^4
-    unless given) for the local ones.
+    The ``rope_parameters`` of a layer type, or a config before them
+    (``rope_scaling`` for the global layers), default settings for a type
+    they leave out; a type's ``rope_theta`` where it gives none: the
+    config's ``rope_theta`` (10^6 unless given) for the global layers, its
+    ``rope_local_base_freq`` (10^4 unless given) for the local ones.
     """
-    full = {"rope_type": "default", **(config.get("rope_scaling") or {})}
+    parameters = config.get("rope_parameters")
+    if parameters is None:
+        full = {"rope_type": "default", **(config.get("rope_scaling") or {})}
+        local = {"rope_type": "default"}
+    else:
+        full = dict(parameters.get("full_attention") or {"rope_type": "default"})
+        local = dict(parameters.get("sliding_attention") or {"rope_type": "default"})
     full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
-    local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+    local.setdefault("rope_theta", config.get("rope_local_base_freq", 10_000.0))
     return {"sliding_attention": local, "full_attention": full}
 
 
@@ -380,10 +424,19 @@ def attention_state(
     heads, weights, _ = _checked(
         weights, config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     )
+    # (Canonical weights hold a zero b_o where the block's output has no bias.)
+    no_output_bias = _BIASES_FIXED.get(config.model_type) == "qkv" and "b_o" in weights
+    if no_output_bias and np.any(weights["b_o"] != 0):
+        raise ValueError(
+            f"a {config.model_type!r} block has {_BIASES['qkv']}; the weights' b_o is not "
+            "zero, which its checkpoint cannot hold"
+        )
     facts = _layer_facts(config, index, heads)
     factor = facts["scaling"] * float(np.sqrt(heads.head_dim))
     if factor != 1.0:
         fold_scale(weights, 1.0 / factor, facts["qk_norm"])
     layout = config.model_type if config.model_type in FUSED_PROJECTIONS else None
     state = llama_arrays(weights, heads.num_heads, heads.num_kv_heads, layout)
+    if no_output_bias:
+        del state[f"{PROJECTIONS['o']}.bias"]
     return {prefix + name: array for name, array in state.items()}

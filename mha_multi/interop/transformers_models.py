@@ -123,8 +123,12 @@ class OurAttention(torch.nn.Module):
         super().__init__()
         weights, kwargs = from_llama(block)
         reference = next(block.parameters())
-        layer = MultiHeadAttention(block.config.hidden_size, **kwargs)
-        self.layer = set_weights(layer, weights).to(reference.device, reference.dtype)
+        # (Made in the block's dtype, its weights set there: a float64 block's are not
+        # rounded through float32.)
+        layer = MultiHeadAttention(
+            block.config.hidden_size, **kwargs, device=reference.device, dtype=reference.dtype
+        )
+        self.layer = set_weights(layer, weights)
         self.train(block.training)
         self.layer_idx = block.layer_idx
         self.cache: spec.KVCache | None = None

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli import convert_error
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from transformers_checkpoints import CHECKPOINTS, FOLDERS, SPEC_OPTIONS, results, spec_output
 
 from mha_multi import spec
@@ -28,7 +28,7 @@ from mha_multi.__main__ import main
 from mha_multi.interop import checkpoint_conversion, checkpoint_files
 from mha_multi.interop.checkpoint_conversion import MANIFEST, convert_checkpoint, converted_layers
 from mha_multi.interop.transformers import attention_layers
-from mha_multi.weights import save_weights
+from mha_multi.weights import load_weights, save_weights
 
 
 @pytest.mark.parametrize("model", list(CHECKPOINTS))
@@ -136,6 +136,45 @@ def test_writing_back_gives_the_checkpoint(tmp_path):
         theirs, ours = load_file(FOLDERS / "gpt_oss" / shard.name), load_file(shard)
         assert theirs.keys() == ours.keys()
         assert all(np.array_equal(theirs[name], ours[name]) for name in theirs)
+
+
+def test_a_block_without_an_output_bias_is_written_back(tmp_path):
+    """Qwen 2's blocks have biases on q, k and v only, which canonical weights hold with a
+    zero ``b_o``: the way back leaves it out, and the checkpoint comes back to the byte
+    (it was refused: the weights gave an ``o_proj.bias`` the checkpoint lacks). A ``b_o``
+    that is not zero cannot be written into such a checkpoint."""
+    folder, out = tmp_path / "qwen2", tmp_path / "layers"
+    folder.mkdir()
+    config = {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "rope_theta": 100.0,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    widths = {"q": 16, "k": 8, "v": 8, "o": 16}
+    tensors = {}
+    for name, width in widths.items():
+        prefix = f"model.layers.0.self_attn.{name}_proj."
+        tensors[prefix + "weight"] = rng.standard_normal((width, 16)).astype(np.float32)
+        if name != "o":
+            tensors[prefix + "bias"] = rng.standard_normal(width).astype(np.float32)
+    save_file(tensors, folder / "model.safetensors")
+    assert main(["convert", str(folder), str(out)]) == 0
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    assert main(["convert", str(out), str(copy)]) == 0
+    assert (copy / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    (layer,) = json.loads((out / MANIFEST).read_text())["layers"]
+    weights = load_weights(out / layer["weights"])
+    save_weights(out / layer["weights"], {**weights, "b_o": np.full(16, 0.5, np.float32)})
+    message = convert_error(out, copy)
+    assert "a 'qwen2' block has biases on q_proj, k_proj and v_proj only" in message
+    assert (copy / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
 
 
 def _broken(tmp_path: Path, model: str, change) -> Path:

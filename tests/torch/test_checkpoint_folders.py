@@ -88,6 +88,28 @@ OLDER_CONFIGS = {
             "use_sliding_window",
         ),
     ),
+    # Gemma 3's settings by layer type without their rope_theta: the global layers' is
+    # the config's own (10^6 unless given), the local ones' its rope_local_base_freq.
+    "gemma3, settings by layer type without rope_theta": (
+        "gemma3",
+        lambda config: {
+            **config,
+            "rope_local_base_freq": 50.0,
+            "rope_parameters": {
+                kind: _without(parameters, "rope_theta")
+                for kind, parameters in config["rope_parameters"].items()
+            },
+        },
+    ),
+    # ... and without one layer type's settings: the default rotation, at its theta.
+    "gemma3, the settings of one layer type": (
+        "gemma3",
+        lambda config: {
+            **config,
+            "rope_theta": 300.0,
+            "rope_parameters": {"sliding_attention": {"rope_type": "default"}},
+        },
+    ),
 }
 
 
@@ -197,6 +219,76 @@ def test_configs_the_tensors_contradict_are_refused(name, tmp_path):
         list(attention_layers(folder))
 
 
+#: Fields beside the sizes that each model type's reader needs here.
+_KV_FIELDS = {
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 4,
+    "rope_theta": 100.0,
+    "query_pre_attn_scalar": 8,
+    "attn_logit_softcapping": None,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100.0},
+}
+
+
+@pytest.mark.parametrize("given", ["left out", "null"])
+@pytest.mark.parametrize(
+    "model_type",
+    ["llama", "cohere", "olmo2", "phi3", "qwen2", "qwen3", "mistral", "gemma2", "gpt_oss"],
+)
+def test_key_value_heads_read_as_the_config_class_reads_them(model_type, given):
+    """A config without ``num_key_value_heads``: Llama's, Cohere's, OLMo 2's and Phi-3's
+    classes take the query heads; the others' own numbers (Mistral's 8, Qwen's 32...),
+    which only they know, are refused. A null is the query heads where the class takes
+    one (Qwen's too), and refused where transformers' class takes an integer alone."""
+    fields = {**_SIZES, "model_type": model_type, **_KV_FIELDS}
+    if model_type != "gpt_oss":
+        del fields["rope_parameters"]
+    if given == "null":
+        fields["num_key_value_heads"] = None
+    try:
+        theirs = transformers.AutoConfig.for_model(**copy.deepcopy(fields))
+    except Exception as error:  # (huggingface_hub's strict check: an integer field's null)
+        assert "num_key_value_heads" in str(error)
+        theirs = None
+    if given == "left out" and model_type not in ("llama", "cohere", "olmo2", "phi3"):
+        assert theirs.num_key_value_heads != 2  # (the class's own number)
+        with pytest.raises(ValueError, match="needs the field 'num_key_value_heads'"):
+            model_config(fields)
+    elif theirs is None:
+        with pytest.raises(ValueError, match="num_key_value_heads is null"):
+            model_config(fields)
+    else:
+        assert model_config(fields).num_key_value_heads == theirs.num_key_value_heads == 2
+
+
+def test_grouped_tensors_of_a_config_without_key_value_heads_are_refused(tmp_path):
+    """Llama's config class takes the missing field as the 4 query heads, where the
+    tensors hold 2 key/value heads: transformers fails to load them, and so does the
+    reader (it read the heads from the tensors)."""
+    folder = tmp_path / "llama3"
+    shutil.copytree(FOLDERS / "llama3", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(_without(config, "num_key_value_heads")))
+    with pytest.raises(ValueError, match=re.escape("layer 0: W_k must have num_kv_heads")):
+        list(attention_layers(folder))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_a_qwen_window_without_its_size_is_refused(model_type):
+    """Qwen's config classes give a window of their own size (4096) where
+    ``use_sliding_window`` is set and ``sliding_window`` left out: the reader, which
+    does not know it, refuses (it read no window)."""
+    fields = {
+        **_SIZES,
+        "model_type": model_type,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "use_sliding_window": True,
+    }
+    with pytest.raises(ValueError, match="use_sliding_window needs the field 'sliding_window'"):
+        model_config(fields)
+
+
 def test_a_mistral_config_with_layer_types_is_refused():
     """transformers' Mistral blocks slide on every layer, its Ministral blocks (which
     ``AutoModel`` makes of such a config) by layer type: not knowing which the
@@ -205,6 +297,7 @@ def test_a_mistral_config_with_layer_types_is_refused():
         "model_type": "mistral",
         "hidden_size": 16,
         "num_attention_heads": 2,
+        "num_key_value_heads": 2,
         "num_hidden_layers": 2,
         "sliding_window": 3,
     }
@@ -279,6 +372,7 @@ ROTARY_READINGS = {
     # Only Phi-3's blocks rotate part of each head.
     "qwen3, partial_rotary_factor": {
         "model_type": "qwen3",
+        "num_key_value_heads": 2,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 100.0},
         "partial_rotary_factor": 0.5,
@@ -317,6 +411,7 @@ ROTARY_DEFAULTS_UNKNOWN = {
     "gpt_oss, rope_scaling without rope_theta": (
         {
             "model_type": "gpt_oss",
+            "num_key_value_heads": 2,
             "sliding_window": 4,
             "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
         },

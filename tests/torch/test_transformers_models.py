@@ -230,6 +230,32 @@ def test_phi3_generation_that_crosses_its_original_context_gives_transformers_lo
         assert (ours - theirs)[finite].abs().max().item() <= 1e-7, f"step {step}"
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_a_float64_models_layers_hold_its_float64_weights(family):
+    """Weights that float32 cannot hold (norms, sinks and biases drawn in float64) are
+    our layers' own, to the bit: none passes through float32 on the way in."""
+    from mha_multi.interop.llama import from_llama
+    from mha_multi.torch import get_weights
+
+    model = causal_lm(family, torch.float64)
+    blocks = [layer.self_attn for layer in model.model.layers]
+    with torch.no_grad():
+        for block in blocks:
+            for parameter in block.parameters():
+                parameter.add_(torch.randn_like(parameter) * 1e-3)
+    expected = [from_llama(block)[0] for block in blocks]
+    replace_attention(model, max_length=12)
+    for layer, weights in zip(model.model.layers, expected, strict=True):
+        held = get_weights(layer.self_attn.layer)
+        assert set(held) == set(weights)
+        for name, value in weights.items():
+            value = np.asarray(value)
+            assert value.dtype == np.float64, name
+            # (Not float32's: a pass through float32 would change them.)
+            assert np.any(value.astype(np.float32).astype(np.float64) != value), name
+            np.testing.assert_array_equal(np.asarray(held[name]), value, err_msg=name)
+
+
 def test_what_the_adapter_does_not_support_is_refused():
     model = causal_lm("llama", torch.float64)
     blocks = [layer.self_attn for layer in model.model.layers]
