@@ -221,6 +221,13 @@ def block_arguments(
     dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if dropout:
         kwargs["dropout"] = dropout
+    # The layer's own checks of its options, here: settings it refuses (a rotary
+    # attention_factor of 0) are refused before any arguments are given or written.
+    options = {name: kwargs[name] for name in ("window", "softcap", "qk_norm") if name in kwargs}
+    try:
+        spec.LayerOptions(rotary=rotary, **options).check(heads.head_dim)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{block}'s settings are not the layer's: {error}") from error
     return kwargs
 
 

@@ -196,6 +196,19 @@ CONTRADICTED = {
         {"rope_type": "linear", "factor": 2.0},
         "rope_parameters and rope_scaling are both set",
     ),
+    # transformers takes it (its scaled tables are zeros); the layer does not.
+    "an attention factor of 0": (
+        "llama3",
+        "rope_parameters",
+        {
+            "rope_type": "yarn",
+            "rope_theta": 100.0,
+            "factor": 2.0,
+            "attention_factor": 0.0,
+            "original_max_position_embeddings": 4,
+        },
+        "LlamaAttention's settings are not the layer's: rotary.scaling.attention_factor",
+    ),
     "gemma3's rope_parameters not by layer type": (
         "gemma3",
         "rope_parameters",
