@@ -392,8 +392,8 @@ def run(
     (``dropout``, ``dropout_rate`` and ``head_parallel`` are not read). What
     MXNet adds: a cache's lengths and a cached call's ``valid_lens`` (``T``
     by default) in int32, the graphs' one integer type (every length fits
-    in it, checked); the gates in the layer's dtype (the cast is recorded,
-    so their gradient keeps their own); empty axes answered from shapes
+    in it, checked); the gates in the layer's dtype, float32 for a 16-bit
+    layer (the cast is recorded, so their gradient keeps their own); empty axes answered from shapes
     (:func:`mha_multi.mxnet._projections.empty_attention`); and zero
     gradients for ``W_k`` and ``W_v`` from a cached call that used neither.
 
@@ -412,8 +412,10 @@ def run(
             if valid_lens is None:
                 valid_lens = mx.np.full((batch,), num_queries, dtype=np.int32, ctx=queries.ctx)
             valid_lens = as_int32(valid_lens)
-    if gates is not None and np.dtype(gates.dtype) != layer.dtype:
-        gates = gates.astype(layer.dtype)
+    # (A 16-bit layer's context is gated in float32, spec.apply_head_mask: its gates too.)
+    gate_dtype = np.promote_types(layer.dtype, np.float32)
+    if gates is not None and np.dtype(gates.dtype) != gate_dtype:
+        gates = gates.astype(gate_dtype)
     num_keys = keys.shape[1] if cache is None else cache.keys.shape[2]
     if 0 in (batch, num_queries, num_keys):
         layer._graphs.ran_without("it had an empty batch, queries or keys, which no graph runs")

@@ -37,7 +37,10 @@ def head_mask_gradient(
         TypeError: ``loss_fn`` returned neither an ``mxnet.numpy`` array nor a number.
         ValueError: it returned other than one number.
     """
-    gates = mx.np.ones((layer.num_heads,), dtype=layer.dtype, ctx=queries.ctx)
+    # (float32 gates for a 16-bit layer, as the other frameworks' take: their gradient is
+    # a sum that float16 does not hold.)
+    dtype = np.promote_types(np.dtype(layer.dtype), np.float32)
+    gates = mx.np.ones((layer.num_heads,), dtype=dtype, ctx=queries.ctx)
     gates.attach_grad()
     with autograd.record(train_mode=False):
         loss = loss_fn(layer(queries, keys, values, valid_lens, head_mask=gates))

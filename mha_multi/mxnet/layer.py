@@ -9,10 +9,10 @@ The checked call then runs through :func:`mha_multi.call.attend`
 hybridized, inside the configuration's graph, planned before it where shapes
 are known (:mod:`mha_multi.mxnet._graph`).
 
-A ``head_mask`` (docs: "Heads") is cast to the layer's dtype before it
-reaches a graph (the cast is recorded, so its gradient keeps the mask's own
-dtype) and multiplies the heads' concatenated context before ``W_o`` on
-every route. Inputs with an empty axis reach no MXNet kernel
+A ``head_mask`` (docs: "Heads") is cast to the layer's dtype (float32 for a
+16-bit layer) before it reaches a graph (the cast is recorded, so its
+gradient keeps the mask's own dtype) and multiplies the heads' concatenated
+context before ``W_o`` on every route. Inputs with an empty axis reach no MXNet kernel
 (:func:`mha_multi.mxnet._projections.empty_attention`).
 
 Importing the package sets ``MXNET_CUDA_TENSOR_OP_MATH_ALLOW_CONVERSION`` to
@@ -372,8 +372,9 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
                 floating ``mxnet.numpy`` gates on the queries' device (docs:
                 "Heads"): head ``h``'s context, its slice of ``weights @ v``
                 before ``W_o``, is multiplied by ``head_mask[..., h]``. Any
-                floating dtype; it is cast to the layer's (the cast is
-                recorded, so ``head_mask.grad`` has the gates' own dtype).
+                floating dtype; it is cast to the layer's, float32 for a
+                16-bit layer (the cast is recorded, so ``head_mask.grad``
+                has the gates' own dtype).
                 Gradients reach it through ``autograd`` as through any input.
             {positions_arg}
             bias: ``None``, or a floating ``mxnet.numpy`` array broadcastable

@@ -381,11 +381,19 @@ def apply_head_mask(
     ``(B, Q, num_heads * head_dim)``, before ``W_o``, times ``(num_heads,)``
     or ``(B, num_heads)`` gates; a gate of 0 removes the head, and the
     gradient with respect to the gates measures each head's importance.
+    A 16-bit context is gated in float32 and rounded once, so that the
+    gates' gradient (a sum over examples, queries and head entries, which
+    in float16 overflows where a head matters most) is taken in float32.
     """
     if head_mask is None:
         return context
+    dtype = ops.dtype(context)
+    low = is_low_precision(ops, dtype)
+    if low:
+        context = ops.cast(context, ops.float32())
     heads = ops.split_axis(context, 2, (num_heads, -1))  # (B, Q, H, dh)
     gates = ops.expand_dims(ops.cast(head_mask, ops.dtype(context)), -1)  # (1|B, H, 1)
     if ops.ndim(head_mask) == 2:
         gates = ops.expand_dims(gates, 1)  # (B, 1, H, 1)
-    return ops.merge_axes(heads * gates, 2)
+    gated = ops.merge_axes(heads * gates, 2)
+    return ops.cast(gated, dtype) if low else gated

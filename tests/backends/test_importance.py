@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+from mha_multi import spec
 from mha_multi.parity.compare import tolerance
 from mha_multi.parity.importance import (
     IMPORTANCE_CASES,
@@ -16,6 +17,7 @@ from mha_multi.parity.importance import (
     reference_importance,
     runner_importance,
 )
+from mha_multi.weights import init_weights
 
 
 @pytest.mark.parametrize("normalize", [True, False])
@@ -89,3 +91,38 @@ def test_head_importance_names_a_batch_that_is_not_four_arrays(runner, cases):
         runner.head_importance(layer, [batch[0]], loss_fn)
     with pytest.raises(ValueError, match="batches yielded no batch"):
         runner.head_importance(layer, [], loss_fn)
+
+
+def test_a_float16_layers_importance_is_its_float32_sum(runner):
+    """A float16 layer's gates are float32, and so is the sum that is their gradient:
+    heads that matter more than float16 holds (gradients of 86430 and 105600 here,
+    above its largest 65504, from an output gradient of 500 an entry) get finite
+    importances, the reference's within float16's rounding (they were inf in PyTorch,
+    JAX and MXNet, which summed in float16)."""
+    if not runner.dtype_supported("cpu", "float16"):
+        pytest.skip(f"{runner.name} does not run float16 on cpu")
+    sizes = {"query_size": 5, "key_size": 6, "value_size": 7}
+    weights = init_weights(16, num_heads=4, bias=True, seed=0, **sizes)
+    rng = np.random.default_rng(0)
+    queries, keys, values = (rng.standard_normal((32, 16, size)) for size in sizes.values())
+    output, _ = spec.reference_forward(weights, queries, keys, values, None, num_heads=4)
+    output_gradient = 500.0 * np.sign(output)
+    expected = spec.reference_gradients(
+        weights,
+        queries,
+        keys,
+        values,
+        None,
+        num_heads=4,
+        output_gradient=output_gradient,
+        head_mask=np.ones(4),
+    )["head_mask"]
+    assert np.abs(expected).max() > 65504  # (beyond float16)
+    layer = runner.make_layer(16, 4, bias=True, dtype="float16", **sizes)
+    layer = runner.set_weights(layer, {k: v.astype(np.float16) for k, v in weights.items()})
+    batch = tuple(runner.to_native(x, "cpu", "float16") for x in (queries, keys, values))
+    gradient = runner.to_native(output_gradient, "cpu", "float16")
+    got = runner.head_importance(
+        layer, [(*batch, None)], lambda out: runner.inner_product(out, gradient), normalize=False
+    )
+    np.testing.assert_allclose(got, np.abs(expected), rtol=2e-3, atol=0)
