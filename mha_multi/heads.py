@@ -102,7 +102,7 @@ def prune_heads(
         configuration to build the pruned layer with.
 
     Raises:
-        TypeError: a head index that is not an int.
+        TypeError: ``heads`` that are not an iterable of ints.
         ValueError: an index out of range or repeated, every head removed,
             part of a group of grouped heads, weights that do not fit the
             head layout, or the weights of a ``qk_norm`` of scope ``"whole"``.
@@ -172,6 +172,9 @@ def prune_heads(
 
 
 def _checked_heads(heads: Iterable[int], num_heads: int) -> set[int]:
+    # (A string or a mapping iterates too, but holds no head indices.)
+    if isinstance(heads, (str, bytes, Mapping)) or not isinstance(heads, Iterable):
+        raise TypeError(f"heads must be an iterable of ints; got {type(heads).__name__}")
     indices = list(heads)
     for index in indices:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):

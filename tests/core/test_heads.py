@@ -197,6 +197,8 @@ def test_a_pruned_layer_is_the_masked_one(name, removed, bias):
         ("mha", [-1], ValueError, "out of range"),
         ("mha", [1, 1], ValueError, "must not repeat"),
         ("mha", [1.0], TypeError, "must be ints"),
+        ("mha", 1, TypeError, "heads must be an iterable of ints; got int"),
+        ("mha", "12", TypeError, "heads must be an iterable of ints; got str"),
     ],
 )
 def test_bad_pruning_is_named(name, removed, error, match):
