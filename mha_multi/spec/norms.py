@@ -209,7 +209,10 @@ def rms_gain(ops: ArrayOps, normed: Array, weight: Array, norm: QKNorm, dtype: A
     if norm.product == "input":
         normed = normed if wide else ops.cast(normed, dtype)
         gain = weight + 1.0 if norm.unit_offset else weight
-        return normed * gain
+        # (A wider gain than the input, a float32 layer's under autocast, widens the
+        # product: it is rounded back, so that the keys keep the values' dtype.)
+        out = normed * gain
+        return out if wide else ops.cast(out, dtype)
     gain = weight if wide else ops.cast(weight, ops.dtype(normed))
     gain = gain + 1.0 if norm.unit_offset else gain
     out = normed * gain

@@ -28,7 +28,7 @@ from cache_support import (
 
 from mha_multi import spec
 from mha_multi.parity.decode import INPUT_NAMES, decode, full_reference
-from mha_multi.torch import KVCache
+from mha_multi.torch import KVCache, MultiHeadAttention, set_weights
 
 # -- eager writes in place -----------------------------------------------------
 
@@ -193,9 +193,23 @@ def test_a_cache_that_is_not_the_layers_is_a_clear_error():
         layer(*rows, cache=KVCache(cache.keys, cache.values, cache.lengths.float()))
 
 
-def test_decoding_under_autocast_with_a_16_bit_cache():
-    """Autocast projects in bfloat16, so the cache holds bfloat16 (init_cache's dtype)."""
+@pytest.mark.parametrize("qk_norm", [None, "input", "float32"])
+def test_decoding_under_autocast_with_a_16_bit_cache(qk_norm):
+    """Autocast projects in bfloat16, so the cache holds bfloat16 (init_cache's dtype),
+    query/key norms too: a norm's float32 gain (a float32 layer's) gave float32 keys
+    beside bfloat16 values, and no cache held both."""
     weights, layer, inputs = make(9)
+    if qk_norm is not None:
+        norm = {"eps": 1e-6, "product": qk_norm}
+        rng = np.random.default_rng(9)
+        weights = {
+            **weights,
+            "q_norm": 1 + 0.3 * rng.standard_normal(HEAD_DIM),
+            "k_norm": 1 + 0.3 * rng.standard_normal(HEAD_DIM),
+        }
+        layer = MultiHeadAttention(NUM_HIDDENS, bias=True, qk_norm=norm, **HEADS).eval()
+        layer = set_weights(layer, {k: v.astype(np.float32) for k, v in weights.items()})
+        weights = {k: v.astype(np.float32).astype(np.float64) for k, v in weights.items()}
     step_inputs = [x[:, :4] for x in inputs.values()]
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         with pytest.raises(TypeError, match="cache.keys dtype torch.float32 differs"):
@@ -206,7 +220,12 @@ def test_decoding_under_autocast_with_a_16_bit_cache():
             cache=layer.init_cache(3, 4, dtype=torch.bfloat16),
         )
     assert output.dtype == cache.keys.dtype == torch.bfloat16
+    options = {} if qk_norm is None else {"qk_norm": norm}
     expected = full_reference(
-        weights, dict(zip(INPUT_NAMES, step_inputs, strict=True)), np.full(3, 4), **HEADS
+        weights,
+        dict(zip(INPUT_NAMES, step_inputs, strict=True)),
+        np.full(3, 4),
+        **HEADS,
+        **options,
     )
     np.testing.assert_allclose(output.float().numpy(), expected, rtol=0, atol=2e-2)
