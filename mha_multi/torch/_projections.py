@@ -22,10 +22,27 @@ __all__ = [
     "in_features",
     "infer_size",
     "pack",
+    "parametrized_projection",
     "project_with",
     "projection",
     "split_stacked",
 ]
+
+
+def parametrized_projection(modules: dict[str, nn.Module]) -> TypeError:
+    """The refusal of projections whose weight a parametrization computes
+    (``torch.nn.utils.parametrize``, ``weight_norm``): the layer takes its
+    projections' weights and biases as parameters, packed for one product."""
+    names = [
+        name for name in ("W_q", "W_k", "W_v", "W_o") if "weight" not in modules[name]._parameters
+    ]
+    return TypeError(
+        f"the layer's {', '.join(names)}: a weight computed by a parametrization "
+        "(torch.nn.utils.parametrize, weight_norm) is not supported, the layer takes "
+        "its projections' weights as parameters; remove it first, keeping the weight it "
+        'computes (parametrize.remove_parametrizations(module, "weight"), '
+        "remove_weight_norm(module))"
+    )
 
 
 def projection(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
@@ -74,17 +91,21 @@ def infer_size(module: nn.Module, x: torch.Tensor) -> bool:
     return False
 
 
-def project_with(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``, with a 16-bit product accumulated in float32 and rounded once.
+def project_with(module: nn.Module, x: torch.Tensor, sharded: bool) -> torch.Tensor:
+    """The projection ``module`` of ``x``, a 16-bit product accumulated in float32 and
+    rounded once.
 
-    Products that are not 16-bit, or whose device kernels accumulate in
-    float32 by construction, call the module itself (its hooks run); the
-    others run on float32 copies.
+    The product of the module's parameters, as every other product of the
+    layer is taken (and ``nn.MultiheadAttention``'s ``out_proj``): no forward
+    hook of the module runs. A ``sharded`` layer's module is called instead
+    where the product is not 16-bit: its tensor parallelism runs through the
+    module's hooks (docs: "Sharding heads").
     """
-    if not needs_float32_copies(x, module.weight):
+    if sharded and not needs_float32_copies(x, module.weight):
         return module(x)
     infer_size(module, x)
-    return linear(x, module.weight, module.bias)
+    parameters = module._parameters
+    return linear(x, parameters["weight"], parameters["bias"])
 
 
 def addresses(modules: Sequence[nn.Module]) -> list[int | None]:
@@ -356,7 +377,7 @@ class PackedProjections(nn.Module):
         gets one input gradient instead of a sum of three.
         """
         if keys is None:
-            return project_with(self.W_q, queries), None, None
+            return project_with(self.W_q, queries, self._sharding is not None), None, None
         if queries is keys and keys is values and self._sharding is None:
             # Self-attention, every step of a decode: the one product.
             heads = self._heads
@@ -375,8 +396,10 @@ class PackedProjections(nn.Module):
         # the inputs and outputs (docs: "Sharding heads").
         separate = self._sharding is not None or len(shared) < 2
         if separate:
+            sharded = self._sharding is not None
             return tuple(
-                project_with(module, x) for module, x in zip(projections, inputs, strict=True)
+                project_with(module, x, sharded)
+                for module, x in zip(projections, inputs, strict=True)
             )
         weight, bias = self._stacks([projections[i] for i in shared])
         # Grouped heads project queries wider than keys and values.
@@ -384,7 +407,7 @@ class PackedProjections(nn.Module):
         packed = linear(inputs[first], weight, bias).split_with_sizes(widths, dim=-1)
         outputs = dict(zip(shared, packed, strict=True))
         return tuple(
-            outputs[i] if i in outputs else project_with(projections[i], inputs[i])
+            outputs[i] if i in outputs else project_with(projections[i], inputs[i], False)
             for i in range(3)
         )
 
@@ -449,4 +472,5 @@ class PackedProjections(nn.Module):
             weight, bias = self.output_parameters()
             return linear(context, weight, bias)
         module = self._modules["W_o"]
-        return project_with(module, spec.apply_head_mask(OPS, context, gates, self.num_heads))
+        gated = spec.apply_head_mask(OPS, context, gates, self.num_heads)
+        return project_with(module, gated, self._sharding is not None)

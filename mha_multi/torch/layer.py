@@ -27,6 +27,7 @@ from mha_multi.torch._projections import (
     PackedProjections,
     StackedWeights,
     finish_lazy,
+    parametrized_projection,
     projection,
 )
 from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME, check_layer_weights
@@ -285,6 +286,13 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
         """
         # The module tables, not nn.Module's attribute lookup: a small call's cost is such work.
         modules = self._modules
+        if not (
+            "weight" in modules["W_q"]._parameters
+            and "weight" in modules["W_k"]._parameters
+            and "weight" in modules["W_v"]._parameters
+            and "weight" in modules["W_o"]._parameters
+        ):
+            raise parametrized_projection(modules)
         dropout_p = modules["dropout"].p if self.training else 0.0
         # A plain decoding step runs straight through where the step before planned it
         # (docs: "Fast paths"); anything else, that route's other cases included, takes

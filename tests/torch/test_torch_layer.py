@@ -139,3 +139,53 @@ def test_autocast_rounds_operands_once_and_keeps_float32_scores():
     assert torch.equal(projected, expected.bfloat16())
     assert scores.dtype == torch.float32  # the spec's float32 scores, not lowered
     assert torch.equal(scores, x @ x.transpose(1, 2))
+
+
+@pytest.mark.parametrize("name", ["W_q", "W_k", "W_o"])
+def test_a_parametrized_projection_is_refused_naming_it(name):
+    """A weight a parametrization computes is no parameter of the module: every path
+    (the route, the generic flow, cross-attention) refuses it with one TypeError,
+    where each failed with a KeyError of its own."""
+    layer = MultiHeadAttention(16, 4, query_size=16, key_size=16, value_size=16)
+    x, y = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    layer(x, x, x)
+    torch.nn.utils.parametrizations.weight_norm(getattr(layer, name))
+    for call in (
+        lambda: layer(x, x, x),
+        lambda: layer(x, x, x, return_attention_weights=True),
+        lambda: layer(x, y, y),
+    ):
+        with pytest.raises(TypeError, match=f"the layer's {name}: a weight computed by a"):
+            call()
+    torch.nn.utils.parametrize.remove_parametrizations(getattr(layer, name), "weight")
+    assert layer(x, x, x).shape == (2, 3, 16)
+
+
+def test_forward_hooks_of_the_projections_do_not_run():
+    """The layer takes the product of its projections' parameters on every path (as
+    ``nn.MultiheadAttention`` takes its ``out_proj``'s): a hook of ``W_q`` or ``W_o``
+    changes no output, where it ran on some paths (gates, cross-attention) and not
+    on others (outputs off by a factor of 2)."""
+    weights = init_weights(16, num_heads=4, bias=True, seed=0)
+    layer = set_weights(MultiHeadAttention(16, 4, bias=True), weights).eval()
+    x, y = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    gates = torch.ones(4)
+    calls = {
+        "self": lambda: layer(x, x, x),
+        "gated": lambda: layer(x, x, x, head_mask=gates),
+        "cross": lambda: layer(x, y, y),
+        "cached": lambda: layer(x, x, x, causal=True, cache=layer.init_cache(2, 4))[0],
+    }
+    with torch.no_grad():
+        before = {name: call() for name, call in calls.items()}
+        handles = [
+            layer.W_q.register_forward_hook(lambda module, args, out: out * 0),
+            layer.W_o.register_forward_hook(lambda module, args, out: out * 2),
+        ]
+        for name, call in calls.items():
+            torch.testing.assert_close(call(), before[name], rtol=0, atol=0, msg=name)
+    for handle in handles:
+        handle.remove()
+    # (The gates of ones are the reference's output.)
+    expected, _ = spec.reference_forward(weights, *[x.double().numpy()] * 3, None, num_heads=4)
+    np.testing.assert_allclose(before["gated"].numpy(), expected, rtol=0, atol=1e-5)
