@@ -254,9 +254,15 @@ class KerasFacts(call.Facts):
         return dtype_kind(dtype)
 
     def check_input(self, name: str, x: Any, *, like: Tensor | None, dtype: Any) -> Tensor:
-        """A floating tensor (of any floating dtype: the projections cast it)."""
+        """A floating tensor (of any floating dtype: the projections cast it); a floating
+        numpy array made one (``stateless_call`` passes no ``__call__``, which makes it
+        one)."""
+        if isinstance(x, np.ndarray):
+            if x.dtype.kind != "f":
+                raise TypeError(f"{name} must be a floating-point array; got {x.dtype}")
+            x = keras.ops.convert_to_tensor(x)
         if not is_tensor(x):
-            raise TypeError(f"{name} must be a tensor; got {type(x).__name__}")
+            raise TypeError(f"{name} must be a tensor or a numpy array; got {type(x).__name__}")
         if dtype_kind(x.dtype) != "f":
             raise TypeError(f"{name} must be a floating-point tensor; got {x.dtype}")
         return x

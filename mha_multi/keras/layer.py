@@ -395,6 +395,37 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
             )
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
+    def compute_output_shape(
+        self,
+        queries_shape: tuple[int | None, ...],
+        keys_shape: tuple[int | None, ...],
+        values_shape: tuple[int | None, ...] | None = None,
+        valid_lens_shape: tuple[int | None, ...] | None = None,
+        *,
+        causal: bool = False,
+        return_attention_weights: bool = False,
+    ) -> tuple[int | None, ...] | tuple[tuple[int | None, ...], ...]:
+        """The output's shape ``(B, Q, num_hiddens)`` for inputs of these shapes (and with
+        ``return_attention_weights`` the weights' ``(B, H, Q, K)``), checked as a call
+        checks them (:meth:`compute_output_spec`, of floating inputs and integer
+        lengths); ``values_shape`` defaults to ``keys_shape``, as Keras' own layer's."""
+        floating = self.compute_dtype
+
+        def like(shape: Any, dtype: Any) -> keras.KerasTensor | None:
+            return None if shape is None else keras.KerasTensor(tuple(shape), dtype=dtype)
+
+        outputs = self.compute_output_spec(
+            like(queries_shape, floating),
+            like(keys_shape, floating),
+            like(keys_shape if values_shape is None else values_shape, floating),
+            like(valid_lens_shape, "int32"),
+            causal=causal,
+            return_attention_weights=return_attention_weights,
+        )
+        if isinstance(outputs, tuple):
+            return tuple(tuple(output.shape) for output in outputs)
+        return tuple(outputs.shape)
+
     def get_config(self) -> dict[str, Any]:
         """The constructor arguments; input sizes are recorded once known."""
         config = super().get_config()

@@ -656,3 +656,23 @@ def test_a_small_call_gives_the_numbers_of_keras_own_product(monkeypatch, num_qu
     with pytest.raises(ValueError) as again:
         layer(native, native, backend.to_native(x[:, :, :8]))
     assert str(again.value) == str(raised.value)
+
+
+def test_compute_output_shape_gives_a_calls_shapes():
+    """Keras' shape inference (``compute_output_shape``, which Keras' own layer has)
+    gives the shapes a call returns, checked as a call checks them."""
+    weights = init_weights(16, num_heads=4, seed=0)
+    layer = set_weights(MultiHeadAttention(16, 4), weights)
+    rng = np.random.default_rng(0)
+    queries, keys = rng.standard_normal((2, 3, 16)), rng.standard_normal((2, 5, 16))
+    output, attention = layer(
+        *(backend.to_native(x) for x in (queries, keys, keys)), return_attention_weights=True
+    )
+    assert layer.compute_output_shape((2, 3, 16), (2, 5, 16)) == tuple(output.shape)
+    shapes = layer.compute_output_shape(
+        (2, 3, 16), (2, 5, 16), (2, 5, 16), (2,), return_attention_weights=True
+    )
+    assert shapes == (tuple(output.shape), tuple(attention.shape)) == ((2, 3, 16), (2, 4, 3, 5))
+    assert layer.compute_output_shape((None, 3, 16), (None, None, 16)) == (None, 3, 16)
+    with pytest.raises(ValueError, match="batch"):
+        layer.compute_output_shape((2, 3, 16), (3, 5, 16))

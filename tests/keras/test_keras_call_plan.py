@@ -239,15 +239,20 @@ def test_layers_of_the_same_settings_share_their_programs(traces):
     assert len(traces) == (3 if PLANNED else 5)
 
 
-def test_a_direct_call_of_numpy_inputs_raises_the_flows_error(traces):
-    layer = _layer(_weights(8))
-    x = np.ones((2, 3, 8), np.float32)
+def test_a_direct_call_of_numpy_inputs_takes_them_as_a_call_does(traces):
+    """stateless_call passes its arguments to call as they are (no ``__call__`` makes
+    numpy inputs tensors): the flow makes floating ones tensors, as Keras' own layers
+    take them there (it refused them), and refuses others with the call's message."""
+    weights = _weights(8)
+    layer = _layer(weights)
+    x = np.random.default_rng(8).standard_normal((2, 3, 8)).astype(np.float32)
     layer(*_native(x, x, x))  # (built and called)
     trainable = [v.value for v in layer.trainable_variables]
     non_trainable = [v.value for v in layer.non_trainable_variables]
-    # stateless_call passes its arguments to call as they are: no plan takes numpy inputs.
-    with pytest.raises(TypeError, match="queries must be a tensor; got ndarray"):
-        layer.stateless_call(trainable, non_trainable, x, x, x)
+    output, _ = layer.stateless_call(trainable, non_trainable, x, x, x)
+    np.testing.assert_allclose(backend.to_numpy(output), _reference(weights, x), atol=1e-5)
+    with pytest.raises(TypeError, match="queries must be a floating-point array; got int64"):
+        layer.stateless_call(trainable, non_trainable, x.astype(np.int64), x, x)
 
 
 def test_a_traced_call_on_a_cpu_takes_the_batch_in_pieces(traces, monkeypatch):
