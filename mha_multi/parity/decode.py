@@ -23,9 +23,11 @@ INPUT_NAMES = ("queries", "keys", "values")
 
 __all__ = [
     "Chunk",
+    "chunk_index",
     "chunk_rows",
     "decode",
     "full_reference",
+    "full_reference_gradients",
     "random_schedule",
     "reference_decode",
 ]
@@ -47,8 +49,14 @@ def chunk_rows(x: np.ndarray, consumed: np.ndarray, num_new: int) -> np.ndarray:
     data, later ones included, so a backend that kept a padding position, or
     let a query see one, would give other numbers than the full forward.
     """
-    index = (consumed[:, None] + np.arange(num_new)) % x.shape[1]
+    index = chunk_index(consumed, num_new, x.shape[1])
     return np.take_along_axis(x, index[..., None], axis=1)
+
+
+def chunk_index(consumed: np.ndarray, num_new: int, length: int) -> np.ndarray:
+    """The positions ``(B, T)`` of one call's rows (:func:`chunk_rows`): ``consumed[b] +
+    t`` modulo ``length``."""
+    return (consumed[:, None] + np.arange(num_new)) % length
 
 
 def decode(
@@ -112,6 +120,29 @@ def full_reference(
     )
     real = np.arange(output.shape[1]) < np.asarray(lengths)[:, None]
     return np.where(real[..., None], output, 0.0)
+
+
+def full_reference_gradients(
+    weights: Mapping[str, np.ndarray],
+    inputs: Mapping[str, np.ndarray],
+    lengths: np.ndarray,
+    output_gradient: np.ndarray,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+) -> dict[str, np.ndarray]:
+    """What every schedule's gradients are: those of :func:`full_reference`'s one causal
+    float64 forward (:func:`mha_multi.spec.reference_gradients`), of ``sum(output *
+    output_gradient)``, keyed as it keys them."""
+    return spec.reference_gradients(
+        weights,
+        *(inputs[name] for name in INPUT_NAMES),
+        np.asarray(lengths),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        causal=True,
+        output_gradient=output_gradient,
+    )
 
 
 def reference_decode(

@@ -35,7 +35,12 @@ from mha_multi.mxnet import KVCache, MultiHeadAttention
 from mha_multi.mxnet._facts import MXNetFacts
 from mha_multi.mxnet._graph import AttentionGraph
 from mha_multi.parity.compare import tolerance
-from mha_multi.parity.decode import chunk_rows, full_reference
+from mha_multi.parity.decode import (
+    chunk_index,
+    chunk_rows,
+    full_reference,
+    full_reference_gradients,
+)
 from mha_multi.parity.harness import KernelCall
 from mha_multi.parity.harness import mxnet as backend
 
@@ -148,7 +153,7 @@ def test_gradients_through_recorded_decoding_are_the_full_forwards(runner):
             for row in rows:
                 row.attach_grad()
             output, cache = layer(*rows, int32(new_lens), causal=True, cache=cache)
-            index = (consumed[:, None] + np.arange(num_new)) % MAX_LENGTH
+            index = chunk_index(consumed, num_new, MAX_LENGTH)
             kept = np.arange(num_new) < np.asarray(new_lens)[:, None]
             cotangent = np.take_along_axis(output_gradient, index[..., None], axis=1)
             cotangent = np.where(kept[..., None], cotangent, 0.0)
@@ -157,13 +162,8 @@ def test_gradients_through_recorded_decoding_are_the_full_forwards(runner):
             consumed += new_lens
     loss.backward()
 
-    expected = spec.reference_gradients(
-        weights,
-        *inputs.values(),
-        LENGTHS,
-        **reference_heads("gqa"),
-        causal=True,
-        output_gradient=output_gradient,
+    expected = full_reference_gradients(
+        weights, inputs, LENGTHS, output_gradient, **reference_heads("gqa")
     )
     for position, name in enumerate(inputs):
         gathered = np.zeros_like(expected[name])

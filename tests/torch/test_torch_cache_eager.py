@@ -26,8 +26,13 @@ from cache_support import (
     tensors,
 )
 
-from mha_multi import spec
-from mha_multi.parity.decode import INPUT_NAMES, decode, full_reference
+from mha_multi.parity.decode import (
+    INPUT_NAMES,
+    chunk_index,
+    decode,
+    full_reference,
+    full_reference_gradients,
+)
 from mha_multi.torch import KVCache, MultiHeadAttention, set_weights
 
 # -- eager writes in place -----------------------------------------------------
@@ -120,7 +125,7 @@ def test_gradients_through_the_cache_are_the_full_forwards():
     consumed = np.zeros(3, np.int64)
     loss = 0.0
     for num_new, new_lens in CHUNKS:
-        index = torch.from_numpy((consumed[:, None] + np.arange(num_new)) % 9)[..., None]
+        index = torch.from_numpy(chunk_index(consumed, num_new, 9))[..., None]
         rows = [torch.take_along_dim(full[name], index, dim=1) for name in INPUT_NAMES]
         output, cache = layer(*rows, torch.tensor(new_lens), causal=True, cache=cache)
         for b, n in enumerate(new_lens):
@@ -128,14 +133,7 @@ def test_gradients_through_the_cache_are_the_full_forwards():
         consumed += new_lens
     loss.backward()
 
-    expected = spec.reference_gradients(
-        weights,
-        *inputs.values(),
-        LENGTHS,
-        **HEADS,
-        causal=True,
-        output_gradient=output_gradient,
-    )
+    expected = full_reference_gradients(weights, inputs, LENGTHS, output_gradient, **HEADS)
     for name in INPUT_NAMES:
         np.testing.assert_allclose(full[name].grad.numpy(), expected[name], rtol=0, atol=1e-10)
         assert not full[name].grad.numpy()[~real].any()
