@@ -67,6 +67,7 @@ __all__ = [
     "device_scope",
     "enable_float64",
     "exact_float32",
+    "floating_array",
     "gpu_available",
     "host_array",
     "is_tensor",
@@ -224,6 +225,14 @@ def _torch_compiling() -> Callable[[], bool]:
     return torch.compiler.is_compiling
 
 
+def floating_array(name: str, x: np.ndarray) -> np.ndarray:
+    """``x``, a numpy input of the call, where it is floating (Keras would cast another
+    to the layer's dtype without a word); raises ``TypeError`` naming ``name`` else."""
+    if x.dtype.kind != "f":
+        raise TypeError(f"{name} must be a floating-point array; got {x.dtype}")
+    return x
+
+
 class KerasFacts(call.Facts):
     """What a call of the Keras layer asks of Keras (:class:`mha_multi.call.Facts`).
 
@@ -258,9 +267,7 @@ class KerasFacts(call.Facts):
         numpy array made one (``stateless_call`` passes no ``__call__``, which makes it
         one)."""
         if isinstance(x, np.ndarray):
-            if x.dtype.kind != "f":
-                raise TypeError(f"{name} must be a floating-point array; got {x.dtype}")
-            x = keras.ops.convert_to_tensor(x)
+            x = keras.ops.convert_to_tensor(floating_array(name, x))
         if not is_tensor(x):
             raise TypeError(f"{name} must be a tensor or a numpy array; got {type(x).__name__}")
         if dtype_kind(x.dtype) != "f":

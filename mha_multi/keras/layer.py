@@ -27,6 +27,7 @@ from mha_multi.keras._direct_call import skips_keras_call
 from mha_multi.keras._facts import (
     FACTS,
     checked_lens,
+    floating_array,
     is_tensor,
 )
 from mha_multi.keras._ops import OPS
@@ -190,9 +191,8 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
                 raise TypeError(
                     f"{name} must be a tensor or a numpy array; got {type(value).__name__}"
                 )
-            if isinstance(value, np.ndarray) and value.dtype.kind != "f":
-                # Keras would cast it to the layer's dtype without a word.
-                raise TypeError(f"{name} must be a floating-point array; got {value.dtype}")
+            if isinstance(value, np.ndarray):
+                floating_array(name, value)
         causal = kwargs.get("causal", False)
         if causal is not False and causal is not True:  # (Keras would make it a tensor)
             kwargs["causal"] = spec.check_flag("causal", causal)

@@ -30,6 +30,7 @@ __all__ = [
     "LENS_DTYPES",
     "MXNetFacts",
     "as_int32",
+    "gates_dtype",
     "device",
 ]
 
@@ -139,6 +140,12 @@ def lens_to_native(valid_lens: Any, device: str = "cpu") -> Any:
     ):
         return mx.np.array(valid_lens, dtype=valid_lens.dtype, ctx=_device(device))
     return valid_lens
+
+
+def gates_dtype(dtype: Any) -> np.dtype:
+    """The dtype of a layer's head gates: its own, float32 for a 16-bit layer (whose
+    context is gated in float32, :func:`mha_multi.spec.apply_head_mask`)."""
+    return np.promote_types(np.dtype(dtype), np.float32)
 
 
 def as_int32(array: mx.np.ndarray) -> mx.np.ndarray:

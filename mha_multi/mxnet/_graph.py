@@ -42,7 +42,7 @@ import numpy as np
 from mxnet import gluon
 
 from mha_multi import call, spec
-from mha_multi.mxnet._facts import FACTS, as_int32
+from mha_multi.mxnet._facts import FACTS, as_int32, gates_dtype
 from mha_multi.mxnet._kernel import weights_dropout
 from mha_multi.mxnet._ops import MXNetOps
 from mha_multi.mxnet._projections import (
@@ -412,10 +412,8 @@ def run(
             if valid_lens is None:
                 valid_lens = mx.np.full((batch,), num_queries, dtype=np.int32, ctx=queries.ctx)
             valid_lens = as_int32(valid_lens)
-    # (A 16-bit layer's context is gated in float32, spec.apply_head_mask: its gates too.)
-    gate_dtype = np.promote_types(layer.dtype, np.float32)
-    if gates is not None and np.dtype(gates.dtype) != gate_dtype:
-        gates = gates.astype(gate_dtype)
+    if gates is not None and np.dtype(gates.dtype) != gates_dtype(layer.dtype):
+        gates = gates.astype(gates_dtype(layer.dtype))
     num_keys = keys.shape[1] if cache is None else cache.keys.shape[2]
     if 0 in (batch, num_queries, num_keys):
         layer._graphs.ran_without("it had an empty batch, queries or keys, which no graph runs")

@@ -10,7 +10,7 @@ import numpy as np
 from mxnet import autograd
 
 from mha_multi.heads import check_loss, importance_over
-from mha_multi.mxnet._facts import to_numpy
+from mha_multi.mxnet._facts import gates_dtype, to_numpy
 from mha_multi.mxnet.layer import MultiHeadAttention
 
 __all__ = ["head_importance", "head_mask_gradient"]
@@ -37,10 +37,8 @@ def head_mask_gradient(
         TypeError: ``loss_fn`` returned neither an ``mxnet.numpy`` array nor a number.
         ValueError: it returned other than one number.
     """
-    # (float32 gates for a 16-bit layer, as the other frameworks' take: their gradient is
-    # a sum that float16 does not hold.)
-    dtype = np.promote_types(np.dtype(layer.dtype), np.float32)
-    gates = mx.np.ones((layer.num_heads,), dtype=dtype, ctx=queries.ctx)
+    # (The gates' own dtype: float32 for a 16-bit layer, whose gradient float16 may not hold.)
+    gates = mx.np.ones((layer.num_heads,), dtype=gates_dtype(layer.dtype), ctx=queries.ctx)
     gates.attach_grad()
     with autograd.record(train_mode=False):
         loss = loss_fn(layer(queries, keys, values, valid_lens, head_mask=gates))

@@ -25,6 +25,7 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.spec.memo import KeptBy
+from mha_multi.torch._ops import autocasting
 from mha_multi.torch._steps import heads_attention
 
 __all__ = ["CrossRoute"]
@@ -99,8 +100,7 @@ class CrossRoute:
                 or values.requires_grad
             )
         device = queries.device
-        # (Any autocast first: one flag, where a device's asks its name parsed.)
-        if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(device.type):
+        if autocasting(device.type):
             return None
         key: tuple[Any, ...] = (dtype, records, queries.shape, queries.dtype, device)
         key += (keys.shape, keys.dtype, keys.device, values.shape, values.dtype, values.device)

@@ -104,6 +104,12 @@ def masks_few_keys_slowly(q: torch.Tensor, num_queries: Any, num_keys: Any) -> b
 _NOTHING = contextlib.nullcontext()
 
 
+def autocasting(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (``"cpu"``, ``"cuda"``...), asked of one
+    flag first: a device's own answer parses its name, and every route's call asks."""
+    return torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(device_type)
+
+
 def autocast_off(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """Autocast disabled on ``device`` (a no-op where it is not enabled).
 

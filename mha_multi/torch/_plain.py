@@ -26,7 +26,7 @@ from mha_multi.spec.memo import KeptBy
 from mha_multi.torch._cross import CrossRoute
 from mha_multi.torch._kernel import folded_mask, folds_groups
 from mha_multi.torch._lengths_route import LengthsRoute
-from mha_multi.torch._ops import SIXTEEN_BIT
+from mha_multi.torch._ops import SIXTEEN_BIT, autocasting
 from mha_multi.torch._projections import split_stacked
 from mha_multi.torch._reads import extremes, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked, wide_tables
@@ -255,8 +255,7 @@ class PlainRoute(StepRoute, LengthsRoute, CrossRoute):
         distance from the query alone).
         """
         device = queries.device
-        # (Any autocast first: one flag, where a device's asks its name parsed.)
-        if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(device.type):
+        if autocasting(device.type):
             return None
         rotary = None if options is None else options.rotary
         if rotary is not None and cache is not None and rotary.depends_on_length:

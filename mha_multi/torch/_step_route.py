@@ -23,6 +23,7 @@ import torch
 
 from mha_multi import call, spec
 from mha_multi.torch._cache import CacheCheck
+from mha_multi.torch._ops import autocasting
 from mha_multi.torch._ragged import ragged_step
 from mha_multi.torch._steps import PlainPlan, fused_step, generic_step
 
@@ -104,10 +105,7 @@ class StepRoute:
         step = check.step
         on_host = self.on_host(queries)
         if step is not None and step[0]() is layer and step[1] == key:
-            # (Any autocast first: one flag, where a device's asks its name parsed.)
-            if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(
-                "cpu" if on_host else device.type
-            ):
+            if autocasting("cpu" if on_host else device.type):
                 return None
             plan = step[2]
         else:
