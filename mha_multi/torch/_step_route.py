@@ -81,9 +81,10 @@ class StepRoute:
         window, soft-capping and sinks are taken too, their masks and bias
         patterns the plan made once, of which each step takes a view (those
         the generic flow makes at each step, of the step's one position).
-        Anything else, non-finite values read included, returns ``None``
-        before writing anything, and the generic flow runs the step (docs:
-        "Fast paths").
+        Anything else returns ``None`` before writing anything, and the
+        generic flow runs the step (docs: "Fast paths"); so do non-finite
+        values read, whose rows :func:`fused_step` has written and made zeros
+        again.
         """
         # (No step records a gradient: a cached call that does takes the generic flow; nor
         # writes in place under torch.func's transforms: torch.vmap's examples each make

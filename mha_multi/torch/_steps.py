@@ -130,7 +130,10 @@ def fused_step(
     kernels (docs: "Fast paths"). ``rotary``: the layer's, whose
     tables the plan holds; ``first``: the first cache position attended
     over (past it, a window's). ``None`` where the values read are not
-    finite, before anything is written.
+    finite, and the generic flow runs the step: the rows written are zeros
+    then, of which the check's facts of the positions past the filled ones
+    (finite, no key past its bound) hold, and the check holds for the cache
+    again.
     """
     heads = layer._heads
     query_width = heads.query_features
@@ -160,7 +163,7 @@ def fused_step(
         q, k, v = projected.view(batch, -1, head_dim).split_with_sizes(
             (num_heads, num_kv_heads, num_kv_heads), 1
         )
-        total = projected.sum()  # (float32 or float64: a fused plan's dtypes)
+        summed, rest = projected, None
         q = q.view(batch, query_heads, per_head, head_dim)
     elif wide is not None:
         # Queries' and keys' heads rotated together, (B, H + H_kv, dh), by the rows of
@@ -169,24 +172,34 @@ def fused_step(
             (num_heads + num_kv_heads, num_kv_heads), 1
         )
         turned = rotate_heads(both, (wide[0][length], wide[1][length]), rotary)
-        total = turned.sum() + v.sum()
+        summed, rest = turned, v
         q, k = (
             turned.narrow(1, 0, num_heads).view(batch, query_heads, per_head, head_dim),
             turned.narrow(1, num_heads, num_kv_heads),
         )
     else:
         q, k, v, turned = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
-        total = turned.sum() + v.sum()
+        summed, rest = turned, v
         q = q.view(batch, query_heads, per_head, head_dim)
         k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-    # One query sees its keys unmasked (a window's plan is that of the positions within
-    # it): the read is the sum's, finite iff its difference with itself is 0 (inf - inf
-    # and NaN are NaN).
-    read = total.item()
-    if read - read != 0.0:
-        return None  # (no gradient here)
     keys.select(2, length).copy_(k)  # (both (B, H_kv, dh))
     values.select(2, length).copy_(v)
+    # One query sees its keys unmasked (a window's plan is that of the positions within
+    # it): the read is the sum's, finite iff its difference with itself is 0 (inf - inf
+    # and NaN are NaN). It follows the rows' writes, which no call has attended over
+    # yet (they lie past the filled positions): the first kernel after the product
+    # starts cold, and the copies, which every step makes, take that start where a sum
+    # before them took it besides (docs: "Fast paths").
+    total = summed.sum() if rest is None else summed.sum() + rest.sum()
+    read = total.item()  # (float32 or float64: a fused plan's dtypes)
+    if read - read != 0.0:
+        # Back to the generic flow, which writes these rows itself. What the check knows
+        # of the positions past the filled ones (finite, no key past its bound) holds of
+        # zeros: the rows become zeros, and the check holds for the arrays again.
+        keys.select(2, length).zero_()
+        values.select(2, length).zero_()
+        check.versions = (keys._version, values._version)
+        return None  # (no gradient here)
     filled = length + 1
     updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
     check.stepped(updated, filled, step, lengths)
