@@ -368,6 +368,44 @@ def test_steps_the_fast_route_declines_take_the_generic_flow():
         torch.testing.assert_close(kept, old, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("rotary", ROUTE_ROTARY, ids=["plain", "rotary", "interleaved"])
+def test_a_step_that_reads_a_non_finite_value_leaves_its_cache_as_it_found_it(rotary):
+    """The host's step writes its rows before its finiteness read: a read that is not
+    finite makes them zeros again, as a new cache holds them past its filled positions,
+    and the cache's check holds for it still (the generic flow, which then runs the
+    step, trusts it), so that the step's output and cache are the reference's."""
+    options = {} if rotary is None else {"rotary": rotary}
+    weights, layer = self_attention(HEADS, 41, **options)
+    prompt = np.random.default_rng(41).standard_normal((3, 4, NUM_HIDDENS))
+    _, caches = feed_back(layer, prompt, 2, 9)  # the prompt, two steps: the route's plan
+    cache = caches[-1]
+    before = [t.clone() for t in cache]
+    x = torch.full((3, 1, NUM_HIDDENS), 0.5)
+    x[2, 0, 5] = np.inf
+    with torch.no_grad():
+        declined = _facts.FACTS.plain_step(
+            layer, x, cache, causal=True, dtype=torch.float32, options=layer.options
+        )
+    assert declined is None
+    for kept, old in zip(cache, before, strict=True):
+        torch.testing.assert_close(kept, old, rtol=0, atol=0)
+    assert _cache.CacheCheck.of(cache) is not None
+    expected, _, _ = spec.reference_cached_forward(
+        weights,
+        *(x.double().numpy(),) * 3,
+        spec.KVCache(*(t.numpy() for t in before)),
+        **HEADS,
+        causal=True,
+        **options,
+    )
+    with torch.no_grad():
+        output, cache = layer(x, x, x, causal=True, cache=cache)
+    np.testing.assert_array_equal(np.isnan(output.numpy()), np.isnan(expected))
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+    assert not np.isfinite(expected[2]).any() and np.isfinite(expected[:2]).all()
+    assert cache.lengths.tolist() == [7, 7, 7]
+
+
 @pytest.mark.parametrize("on_a_gpu", [False, True], ids=["host", "gpu"])
 def test_a_step_on_a_cache_of_another_dtype_writes_nothing_and_raises_the_generic_error(on_a_gpu):
     """A float32 layer stepping on a float64 cache another layer wrote (and whose check
