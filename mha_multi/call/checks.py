@@ -293,29 +293,25 @@ def host_segment_ids(segment_ids: Any) -> Any:
     return sides[0] if len(sides) == 1 else (sides[0], sides[1])
 
 
-def host_positions(positions: Any) -> Any:
+def host_positions(positions: Any, index: Any = np.int64) -> Any:
     """``positions`` given on the host (numpy arrays, lists) as an integer numpy array that
-    every framework holds (unsigned 64-bit ones as int64, which PyTorch has); the
-    framework's own arrays, and what is no array, as they are.
+    every framework holds (:func:`mha_multi.spec.positions_on_host`, ``index`` the widest
+    integers the framework holds); the framework's own arrays, and what is no array, as
+    they are.
 
     Raises:
         TypeError: positions on the host that are not integers, refused as
             :func:`mha_multi.spec.check_positions` refuses them, before a framework's
             conversion (Keras') meets them.
-        ValueError: unsigned positions of 2**63 or more.
+        ValueError: positions beyond ``index``, which a conversion would wrap.
     """
     if not _on_host(positions):
         return positions
     try:
-        array = np.asarray(positions)
+        np.asarray(positions)
     except (TypeError, ValueError):
         return positions
-    spec.check_positions_kind(array.dtype.kind)
-    if array.dtype == np.uint64:
-        if array.size and int(array.max()) > np.iinfo(np.int64).max:
-            raise ValueError(f"positions must be below 2**63; got {int(array.max())}")
-        array = array.astype(np.int64)
-    return array
+    return spec.positions_on_host(positions, index)
 
 
 def host_bias(bias: Any) -> None:

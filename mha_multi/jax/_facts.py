@@ -274,13 +274,12 @@ class JaxFacts(call.Facts):
         return spec.KVCache(*(jnp.asarray(x) for x in spec.as_kv_cache(cache)))
 
     def as_positions(self, positions: Any, like: Any) -> Any:
-        """A JAX array (or tracer) as it is; numpy arrays and sequences as JAX arrays."""
-        if hasattr(positions, "shape") and hasattr(positions, "dtype"):
+        """A JAX array (or tracer) as it is; numpy arrays and sequences checked as numpy
+        arrays JAX holds (:func:`mha_multi.spec.positions_on_host`: without
+        ``jax_enable_x64``, positions beyond int32 are refused, where JAX would wrap)."""
+        if isinstance(positions, jax.Array):
             return positions
-        array = np.asarray(positions)
-        if array.dtype.kind not in "iu":
-            raise TypeError(f"positions must be integers; got dtype kind {array.dtype.kind!r}")
-        return jnp.asarray(array)
+        return spec.positions_on_host(positions, jax.dtypes.canonicalize_dtype(np.int64))
 
     def as_bias(self, bias: Any, like: Any) -> Any:
         """A JAX or numpy array (or tracer), as it is: the scores cast it."""

@@ -296,10 +296,7 @@ class KerasFacts(call.Facts):
         """A tensor as it is; numpy arrays and sequences as integer tensors."""
         if is_tensor(positions):
             return positions
-        array = np.asarray(positions)
-        if array.dtype.kind not in "iu":
-            raise TypeError(f"positions must be integers; got dtype kind {array.dtype.kind!r}")
-        return keras.ops.convert_to_tensor(array)
+        return keras.ops.convert_to_tensor(spec.positions_on_host(positions, index_dtype()))
 
     def as_bias(self, bias: Any, like: Tensor | None) -> Any:
         """A tensor or a numpy array, as it is (the scores cast it to their dtype)."""

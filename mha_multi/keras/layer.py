@@ -30,7 +30,7 @@ from mha_multi.keras._facts import (
     floating_array,
     is_tensor,
 )
-from mha_multi.keras._ops import OPS
+from mha_multi.keras._ops import OPS, index_dtype
 from mha_multi.keras._projections import PROJECTIONS, ProjectionLayer, get_weights, set_weights
 from mha_multi.weights import SINKS_NAME
 
@@ -207,7 +207,7 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
             # (Keras would make int64 ids int32 on JAX, and has no uint64 on PyTorch.)
             kwargs["segment_ids"] = call.host_segment_ids(kwargs["segment_ids"])
         if kwargs.get("positions") is not None:  # (no uint64 on PyTorch either)
-            kwargs["positions"] = call.host_positions(kwargs["positions"])
+            kwargs["positions"] = call.host_positions(kwargs["positions"], index_dtype())
         if kwargs.get("bias") is not None:  # Keras would cast an integer array
             FACTS.as_bias(kwargs["bias"], None)
             call.host_bias(kwargs["bias"])

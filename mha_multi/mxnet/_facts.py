@@ -314,11 +314,7 @@ class MXNetFacts(call.Facts):
     def as_positions(self, positions: Any, like: mx.np.ndarray) -> mx.np.ndarray:
         """An ``mxnet.numpy`` array on the queries' device; numpy arrays and lists converted."""
         if not isinstance(positions, mx.np.ndarray):
-            positions = np.asarray(positions)
-            if positions.dtype.kind not in "iuf":
-                raise TypeError(
-                    f"positions must be integers; got dtype kind {positions.dtype.kind!r}"
-                )
+            positions = spec.positions_on_host(positions)
             dtype = positions.dtype
             if dtype.kind in "iu" and dtype.type not in (np.int8, np.uint8, np.int32, np.int64):
                 dtype = np.dtype(np.int64)  # (MXNet has no int16, uint16, uint32 or uint64 arrays)

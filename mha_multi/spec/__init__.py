@@ -114,6 +114,7 @@ from mha_multi.spec.options import (
     check_positions_kind,
     check_softcap,
     check_window,
+    positions_on_host,
 )
 from mha_multi.spec.pieces import CPU_PIECE_BYTES, batch_pieces, in_pieces
 from mha_multi.spec.plan import (
@@ -225,6 +226,7 @@ __all__ = [
     "masked_softmax",
     "plan_kernel",
     "plan_relations",
+    "positions_on_host",
     "reads_values",
     "scores_within_limit",
     "reference_cached_forward",

@@ -28,15 +28,21 @@ def check_alibi(alibi: Any) -> bool:
 
 
 def check_window(window: Any) -> int | None:
-    """``window`` as ``None`` or a positive int: the positions a query may see back.
+    """``window`` as ``None`` or a positive int below 2**31: the positions a query may see
+    back.
 
     Raises:
         TypeError: not ``None`` or an int.
-        ValueError: not positive (a window of 0 would hide every key).
+        ValueError: not positive (a window of 0 would hide every key), or 2**31 or
+            more: positions are compared as 32-bit integers in places (JAX without
+            ``jax_enable_x64``, MXNet, Keras on PyTorch), where such a window wraps,
+            and no sequence is that long (``None`` is no window).
     """
     if window is None:
         return None
     check_positive_int("window", window)
+    if window >= 2**31:
+        raise ValueError(f"window must be below 2**31 (None for no window); got {window}")
     return int(window)
 
 
@@ -113,6 +119,33 @@ def check_positions_kind(positions_kind: str) -> None:
     are integers (:func:`check_positions`' first check)."""
     if positions_kind not in "iu":
         raise TypeError(f"positions must be integers; got dtype kind {positions_kind!r}")
+
+
+def positions_on_host(positions: Any, index: Any = np.int64) -> np.ndarray:
+    """``positions`` given on the host (a numpy array, a list) as an integer numpy array
+    that every framework holds, checked before any conversion could wrap them: unsigned
+    64-bit ones as int64 (PyTorch and MXNet have no unsigned 64-bit arrays).
+
+    Args:
+        positions: the call's ``positions`` as given.
+        index: the widest integer dtype the framework holds here (JAX, and Keras
+            on JAX, hold int32 without ``jax_enable_x64``).
+
+    Raises:
+        TypeError: not integers (:func:`check_positions_kind`).
+        ValueError: a position beyond ``index`` (unsigned ones of 2**63 or more
+            beyond int64), which a conversion would wrap.
+    """
+    array = np.asarray(positions)
+    check_positions_kind(array.dtype.kind)
+    if array.size:
+        bounds, low, high = np.iinfo(index), int(array.min()), int(array.max())
+        if high > bounds.max or low < bounds.min:
+            raise ValueError(
+                f"positions must fit in {np.dtype(index).name}, the integers the framework "
+                f"holds here; got {high if high > bounds.max else low}"
+            )
+    return array.astype(np.int64) if array.dtype == np.uint64 else array
 
 
 def check_bias_kind(bias_kind: str) -> None:

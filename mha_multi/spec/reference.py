@@ -32,7 +32,13 @@ from mha_multi.spec.cache_checks import check_cache_values
 from mha_multi.spec.checks import Heads, check_inputs, heads_of_weights
 from mha_multi.spec.norms import QKNorm, rms_norm, rms_norm_backward
 from mha_multi.spec.ops import NumpyOps
-from mha_multi.spec.options import LayerOptions, alibi_slopes, check_bias, check_positions
+from mha_multi.spec.options import (
+    LayerOptions,
+    alibi_slopes,
+    check_bias,
+    check_positions,
+    positions_on_host,
+)
 from mha_multi.spec.positions import adjust_scores, call_positions, visibility
 from mha_multi.spec.rotary import Rotary, rotate
 from mha_multi.spec.segments import checked_segment_ids, reference_segments
@@ -83,7 +89,7 @@ def checked_positions(
     """A call's ``positions`` as int64 numpy, checked (:func:`check_positions`)."""
     if positions is None:
         return None
-    array = np.asarray(positions)
+    array = positions_on_host(positions)
     check_positions(
         array.shape, array.dtype.kind, batch=batch, num_queries=num_queries, num_keys=num_keys
     )

@@ -261,12 +261,7 @@ class TorchFacts(GuardedKernel, PlainRoute, CacheWrites, call.Facts):
     def as_positions(self, positions: Any, like: torch.Tensor) -> torch.Tensor:
         """On the queries' device; integer tensors as int64 (what the angles are computed from)."""
         if not isinstance(positions, torch.Tensor):
-            array = np.asarray(positions)
-            if array.dtype.kind not in "iuf":
-                raise TypeError(
-                    f"positions must be an integer tensor or array; got {type(positions).__name__}"
-                )
-            positions = torch.from_numpy(np.array(array, copy=True))
+            positions = torch.from_numpy(np.array(spec.positions_on_host(positions), copy=True))
         if positions.is_floating_point() or positions.dtype == torch.bool:
             return positions.to(like.device)  # refused by the spec's check, named
         return positions.to(like.device, torch.int64)

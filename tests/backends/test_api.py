@@ -55,6 +55,13 @@ def built_layer(runner, num_hiddens=8, num_heads=2, sizes=(8, 8, 8), bias=False,
         (8, 2, {"rotary": {"fraction": 0.3}}, ValueError, r"rotary.fraction \(0.3\)"),
         (8, 2, {"rotary": {"thetas": 1.0}}, ValueError, "rotary has unknown keys"),
         (8, 2, {"window": 0}, ValueError, "window must be a positive int"),
+        (
+            8,
+            2,
+            {"window": 2**31},
+            ValueError,
+            r"window must be below 2\*\*31 \(None for no window\)",
+        ),
         (8, 2, {"softcap": -2.0}, ValueError, "softcap must be a positive finite"),
         (8, 2, {"alibi": "yes"}, TypeError, "alibi must be a bool"),
     ],
@@ -162,6 +169,18 @@ def test_positions_and_bias_on_the_host_are_checked_before_any_conversion(runner
     x = runner.to_native(queries)
     with pytest.raises(TypeError, match="^positions must be integers; got dtype kind 'f'"):
         runner.call_as_given(layer, x, x, x, positions=positions.astype(np.float32))
+    with pytest.raises(TypeError, match="^positions must be integers; got dtype kind 'b'"):
+        runner.call_as_given(layer, x, x, x, positions=positions > 3)
+    # Unsigned positions past int64 would wrap to negative ones: refused, as the
+    # reference refuses them.
+    beyond = positions.astype(np.uint64) + np.uint64(2**63)
+    refused = r"^positions must fit in int64, the integers the framework holds here; got 922"
+    with pytest.raises(ValueError, match=refused):
+        runner.call_as_given(layer, x, x, x, positions=beyond)
+    with pytest.raises(ValueError, match=refused):
+        spec.reference_forward(
+            weights, *[queries] * 3, num_heads=2, rotary={"theta": 100.0}, positions=beyond
+        )
     with pytest.raises(TypeError, match="^bias must be "):  # (MXNet: an mxnet array)
         runner.call_as_given(layer, x, x, x, bias=np.zeros((3, 3), np.int32))
 

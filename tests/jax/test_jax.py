@@ -441,6 +441,39 @@ def test_valid_lens_accepts_sequences_numpy_and_jax_arrays(cases):
         np.testing.assert_allclose(out, case.reference["output"], atol=5e-6)
 
 
+def test_positions_beyond_32_bits_without_x64_are_refused_not_wrapped():
+    """Without x64 JAX holds int64 positions as int32, wrapping ``2**32 + 2`` to 2: numpy
+    positions past int32 are refused naming them, and those within it rotate as the
+    reference rotates them."""
+    weights = init_weights(8, seed=5)
+    queries = small_inputs(5)[0]
+    rotary = {"theta": 100.0}
+    beyond = np.array([[0, 1, 2**32 + 2], [3, 2**31, 5]])
+    within = np.array([[0, 1, 70000], [3, -9, 5]])
+    expected, _ = spec.reference_forward(
+        weights, *[queries] * 3, num_heads=2, rotary=rotary, positions=within
+    )
+    with jax.enable_x64(False):
+        params = {name: jnp.asarray(w, jnp.float32) for name, w in weights.items()}
+
+        def call(positions):
+            return multi_head_attention(
+                params,
+                *[queries] * 3,
+                num_heads=2,
+                options={"rotary": rotary},
+                positions=positions,
+                return_attention_weights=False,
+            )[0]
+
+        with pytest.raises(
+            ValueError, match=r"^positions must fit in int32, the integers .*4294967298$"
+        ):
+            call(beyond)
+        out = call(within)
+    np.testing.assert_allclose(out, expected, atol=5e-6)
+
+
 @pytest.mark.parametrize("implementation", ["generic", "xla"])
 @pytest.mark.parametrize(
     "lens",

@@ -139,6 +139,33 @@ def test_integer_lengths_beyond_32_bits_are_clipped_without_x64(runner, cases):
 
 
 @pytest.mark.skipif(backend.BACKEND != "jax", reason="jax_enable_x64 is JAX's")
+def test_positions_beyond_32_bits_without_x64_are_refused_not_wrapped(runner):
+    """Keras on JAX without x64 holds int64 positions as int32 (``2**32 + 2`` as 2): numpy
+    positions past int32 are refused naming them, those within it rotate as the
+    reference rotates them."""
+    import jax
+
+    rotary = {"theta": 100.0}
+    weights = init_weights(8, num_heads=2, seed=3)
+    queries = np.random.default_rng(3).standard_normal((2, 3, 8)).astype(np.float32)
+    layer = runner.set_weights(runner.make_layer(8, 2, rotary=rotary), weights)
+    within = np.array([[0, 1, 70000], [3, -9, 5]])
+    expected, _ = spec.reference_forward(
+        weights, *[queries] * 3, num_heads=2, rotary=rotary, positions=within
+    )
+    x = keras.ops.convert_to_tensor(queries)
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        with pytest.raises(ValueError, match="^positions must fit in int32, the integers"):
+            layer(x, x, x, positions=np.array([[0, 1, 2**32 + 2], [3, 4, 5]]))
+        out = layer(x, x, x, positions=within)
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+    np.testing.assert_allclose(backend.to_numpy(out), expected, atol=5e-6)
+
+
+@pytest.mark.skipif(backend.BACKEND != "jax", reason="jax_enable_x64 is JAX's")
 def test_float64_lengths_without_x64_show_the_keys_they_show(runner, cases):
     import jax
 
