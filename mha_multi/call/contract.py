@@ -7,7 +7,7 @@ of the contract is :class:`~mha_multi.call.facts.Facts`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from mha_multi import spec
@@ -71,14 +71,26 @@ class Result(NamedTuple):
         return self.output, self.cache
 
 
-def all_arrays_of(arrays: Iterable[Any], array_types: tuple[type, ...]) -> bool:
-    """Whether each of ``arrays`` is ``None``, of one of ``array_types`` (the exact type:
-    no subclass, no tracer), or a tuple of them (a cache, segment ids' pair): the
-    arguments a call plan's compiled program takes."""
-    for x in arrays:
+#: The call's arguments that may be tuples of arrays, and of how many: a cache's
+#: keys, values and lengths, and the queries' and keys' segment ids.
+TUPLE_ARGUMENTS = {"cache": 3, "segment_ids": 2}
+
+
+def all_arrays_of(arrays: Iterable[Any] | Mapping[str, Any], array_types: tuple[type, ...]) -> bool:
+    """Whether each of ``arrays`` is ``None`` or of one of ``array_types`` (the exact type:
+    no subclass, no tracer): the arguments a call plan's compiled program takes.
+
+    Given as a mapping of the call's keywords, a cache and segment ids may be
+    tuples of such arrays (:data:`TUPLE_ARGUMENTS`); no other argument may (a
+    tuple elsewhere, which the eager flow refuses naming it, would reach the
+    program as a tuple of traced arrays).
+    """
+    if not isinstance(arrays, Mapping):
+        return all(x is None or type(x) in array_types for x in arrays)
+    for name, x in arrays.items():
         if x is None or type(x) in array_types:
             continue
-        if type(x) is tuple or type(x) is spec.KVCache:
+        if (type(x) is tuple or type(x) is spec.KVCache) and len(x) == TUPLE_ARGUMENTS.get(name):
             for y in x:
                 if type(y) not in array_types:
                     return False

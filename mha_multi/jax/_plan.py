@@ -146,7 +146,7 @@ def planned_call(
     array_types = (_ARRAY_TYPE,)
     if not (
         call.all_arrays_of(inputs, array_types)
-        and call.all_arrays_of(arrays.values(), array_types)
+        and call.all_arrays_of(arrays, array_types)
         and call.all_arrays_of(params.values(), array_types)
     ):
         return None

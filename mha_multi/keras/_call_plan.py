@@ -149,7 +149,7 @@ def planned_call(
     arrays = {name: keywords.get(name) for name in ARRAY_KEYWORDS}
     concrete = framework.plan_arrays
     # (The inputs as arrays of the framework: the eager flow's TypeError for others.)
-    if not concrete(inputs[:3], numpy=False) or not concrete((inputs[3], *arrays.values())):
+    if not concrete(inputs[:3], numpy=False) or not concrete({"valid_lens": inputs[3], **arrays}):
         return None
     causal = keywords.get("causal", False)
     weights = keywords.get("return_attention_weights", False)

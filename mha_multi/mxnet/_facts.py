@@ -121,6 +121,15 @@ def host_array(value: Any) -> Any:
     return value
 
 
+def containers_on_host(value: Any) -> Any:
+    """A list or tuple holding MXNet arrays (at any depth) as a list of numpy arrays,
+    which numpy stacks as it stacks PyTorch's, JAX's and Keras' arrays (MXNet's have no
+    ``__array__``: numpy makes an array of objects of them); anything else as it is."""
+    if type(value) is list or type(value) is tuple:
+        return [containers_on_host(host_array(x)) for x in value]
+    return value
+
+
 def to_numpy(x: Any) -> np.ndarray:
     """An MXNet array, on any device, as float64 numpy."""
     return np.asarray(host_array(x), dtype=np.float64)
@@ -312,7 +321,10 @@ class MXNetFacts(call.Facts):
         return cache
 
     def as_positions(self, positions: Any, like: mx.np.ndarray) -> mx.np.ndarray:
-        """An ``mxnet.numpy`` array on the queries' device; numpy arrays and lists converted."""
+        """An ``mxnet.numpy`` array on the queries' device; numpy arrays and lists converted,
+        and MXNet's legacy arrays, as :meth:`as_lens` takes them (segment ids too)."""
+        if isinstance(positions, mx.nd.NDArray) and not isinstance(positions, mx.np.ndarray):
+            positions = positions.as_np_ndarray()
         if not isinstance(positions, mx.np.ndarray):
             positions = spec.positions_on_host(positions)
             dtype = positions.dtype

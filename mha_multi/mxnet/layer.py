@@ -33,7 +33,7 @@ from mxnet.gluon import nn
 
 from mha_multi import _docs, call, spec
 from mha_multi.canonical_layer import FromCanonical
-from mha_multi.mxnet._facts import FACTS
+from mha_multi.mxnet._facts import FACTS, containers_on_host
 from mha_multi.mxnet._graph import Graphs, run
 from mha_multi.mxnet._projections import PROJECTIONS, get_weights, in_units, set_weights
 from mha_multi.weights import SINKS_NAME
@@ -399,6 +399,13 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
                 included); with a cache, lengths out of range or a cache that
                 would overflow.
         """
+        # (The other frameworks' arrays stack as numpy arrays; MXNet's do not.)
+        valid_lens, positions = containers_on_host(valid_lens), containers_on_host(positions)
+        query_ids, key_ids = spec.split_segment_ids(segment_ids)
+        if key_ids is query_ids:
+            segment_ids = containers_on_host(segment_ids)
+        else:
+            segment_ids = (containers_on_host(query_ids), containers_on_host(key_ids))
         result = call.forward(
             FACTS,
             self,

@@ -144,11 +144,19 @@ def check_config(
 
 
 def check_input_sizes(**sizes: Any) -> None:
-    """Validates optional input sizes (``query_size=...`` etc.): positive ints or None."""
+    """Validates optional input sizes (``query_size=...`` etc.): positive ints or None.
+
+    Raises:
+        TypeError: a size that is no int (a bool, a float, a string), as every other
+            size of the constructor is refused.
+        ValueError: an int that is not positive.
+    """
     for name, value in sizes.items():
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be a positive int or None; got {value!r}")
+        if value <= 0:
             raise ValueError(f"{name} must be a positive int or None; got {value!r}")
 
 

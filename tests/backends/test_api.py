@@ -46,6 +46,8 @@ def built_layer(runner, num_hiddens=8, num_heads=2, sizes=(8, 8, 8), bias=False,
         (8, 2, {"dropout": 1.0}, ValueError, r"dropout must be in \[0, 1\)"),
         (8, 2, {"dropout": -0.5}, ValueError, r"dropout must be in \[0, 1\)"),
         (8, 2, {"query_size": 0}, ValueError, "query_size must be a positive int"),
+        (8, 2, {"key_size": 8.0}, TypeError, "key_size must be a positive int"),
+        (8, 2, {"value_size": True}, TypeError, "value_size must be a positive int"),
         (8, 4, {"num_kv_heads": 3}, ValueError, r"num_kv_heads \(3\) must divide num_heads \(4\)"),
         (8, 4, {"num_kv_heads": 0}, ValueError, "num_kv_heads must be a positive int"),
         (8, 4, {"num_kv_heads": 2.0}, TypeError, "num_kv_heads must be a positive int"),
@@ -151,6 +153,54 @@ def test_bad_positions_and_bias(runner, case):
     native = {name: runner.native_lens(value) for name, value in options.items()}
     with pytest.raises(error, match=match):
         runner.call(layer, *inputs(), **native)
+
+
+def test_a_tuple_where_one_array_belongs_is_refused_naming_its_shape(runner):
+    """A tuple of the framework's arrays as lengths, or as segment ids of other than two
+    sides, is read as one array and refused naming its shape, in every backend (Flax
+    NNX's call plan took such a tuple into its program, and refused it naming the
+    tracers it held)."""
+    layer, _ = built_layer(runner)
+    x = runner.to_native(inputs(num_keys=3)[0])
+    lens = runner.native_lens(np.array([2, 1], np.int32))
+    ids = runner.native_lens(np.array([[0, 0, 1], [0, 1, 1]], np.int32))
+    with pytest.raises(ValueError, match=r"valid_lens must have shape .*; got \(1, 2\)"):
+        runner.call_as_given(layer, x, x, x, (lens,))
+    for sides in ((ids,), (ids, ids, ids)):
+        shape = str((len(sides), 2, 3)).replace("(", r"\(").replace(")", r"\)")
+        with pytest.raises(ValueError, match=f"segment_ids of the queries .*; got {shape} "):
+            runner.call_as_given(layer, x, x, x, segment_ids=sides)
+
+
+def test_a_list_of_the_frameworks_arrays_is_the_array_they_stack(runner):
+    """Lengths, positions and segment ids given as lists of the framework's own arrays
+    are the arrays numpy stacks of them, in every backend (MXNet's arrays, which numpy
+    cannot stack, were refused as objects)."""
+    rotary = {"theta": 100.0}
+    layer, weights = built_layer(runner, rotary=rotary)
+    queries = inputs(num_keys=3)[0]
+    x = runner.to_native(queries)
+    positions, ids = np.array([[4, 1, 7], [0, 2, 9]]), np.array([[0, 0, 1], [0, 1, 1]], np.int32)
+    expected, _ = spec.reference_forward(
+        weights,
+        *[queries] * 3,
+        np.array([2, 3]),
+        num_heads=2,
+        rotary=rotary,
+        positions=positions,
+        segment_ids=ids,
+    )
+    native = runner.native_lens
+    output = runner.call_as_given(
+        layer,
+        x,
+        x,
+        x,
+        [native(np.int32(2)), native(np.int32(3))],
+        positions=[native(row) for row in positions],
+        segment_ids=[native(row) for row in ids],
+    )
+    np.testing.assert_allclose(runner.to_numpy(output), expected, rtol=0, atol=1e-5)
 
 
 def test_positions_and_bias_on_the_host_are_checked_before_any_conversion(runner):

@@ -274,6 +274,29 @@ def test_valid_lens_of_any_mxnet_dtype_or_interface(cases):
         assert_reference(case, layer(*inputs, valid_lens))
 
 
+@pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID], ids=["imperative", "hybrid"])
+def test_positions_and_segment_ids_of_the_legacy_interface(runner):
+    """Positions and segment ids as legacy NDArrays are taken as the lengths are (they
+    were refused naming positions, as objects)."""
+    rotary = {"theta": 100.0}
+    weights = init_weights(8, num_heads=2, seed=4)
+    layer = runner.set_weights(runner.make_layer(8, 2, rotary=rotary), weights)
+    queries = np.random.default_rng(4).standard_normal((2, 3, 8)).astype(np.float32)
+    positions, ids = np.array([[4, 1, 7], [0, 2, 9]]), np.array([[0, 0, 1], [0, 1, 1]])
+    expected, _ = spec.reference_forward(
+        weights, *[queries] * 3, num_heads=2, rotary=rotary, positions=positions, segment_ids=ids
+    )
+    x = runner.to_native(queries)
+    output = layer(
+        x,
+        x,
+        x,
+        positions=mx.nd.array(positions, dtype="int32"),
+        segment_ids=mx.nd.array(ids, dtype="int32"),
+    )
+    np.testing.assert_allclose(runner.to_numpy(output), expected, rtol=0, atol=1e-5)
+
+
 def test_bad_arrays_are_clear_errors():
     layer = MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8)
     layer.initialize()
