@@ -161,11 +161,7 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
 
     def input_sizes(self) -> dict[str, int]:
         """``query_size``, ``key_size`` and ``value_size``."""
-        return {
-            "query_size": int(self.W_q.kernel.shape[0]),
-            "key_size": int(self.W_k.kernel.shape[0]),
-            "value_size": int(self.W_v.kernel.shape[0]),
-        }
+        return _input_sizes(self)
 
     def params(self) -> dict[str, jax.Array]:
         """The parameters under their canonical names (``W_q``... ``b_o``, ``q_norm``,
@@ -369,7 +365,7 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
             WeightsProjections(
                 self.params(),
                 self.heads,
-                self.input_sizes(),
+                _input_sizes(self),
                 dtype=self.dtype,
                 precision=self.precision,
             ),
@@ -384,6 +380,17 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
             run=functional.attend_compiled,
         )
         return result.returned(return_attention_weights)
+
+
+def _input_sizes(layer: MultiHeadAttention) -> dict[str, int]:
+    """:meth:`MultiHeadAttention.input_sizes`, as a function: a call asks it, and
+    ``nnx.tabulate`` compiles each method a call makes and returns its ints as traced
+    arrays (the call's checks compare them with the inputs' sizes)."""
+    return {
+        "query_size": int(layer.W_q.kernel.shape[0]),
+        "key_size": int(layer.W_k.kernel.shape[0]),
+        "value_size": int(layer.W_v.kernel.shape[0]),
+    }
 
 
 def _dropout_key(rngs: nnx.Rngs | nnx.RngStream | jax.Array | None) -> jax.Array:

@@ -110,7 +110,7 @@ class MultiHeadAttention(nn.Module):
         )
         check_implementation(self.implementation)
         spec.check_flag("bias", self.bias)
-        self.layer_options()
+        _layer_options(self)  # (a function: Flax wraps a method, which needs a scope)
         super().__post_init__()
 
     @property
@@ -152,10 +152,7 @@ class MultiHeadAttention(nn.Module):
 
     def layer_options(self) -> spec.LayerOptions:
         """The checked positions and biases options (docs: "Positions and biases")."""
-        options = spec.LayerOptions(
-            self.rotary, self.alibi, self.window, self.softcap, self.sinks, qk_norm=self.qk_norm
-        )
-        return options.check(self.heads.head_dim)
+        return _layer_options(self)
 
     def _known_sizes(self) -> dict[str, int | None]:
         """Input sizes from the attributes, else from existing kernels, else ``None``."""
@@ -213,7 +210,7 @@ class MultiHeadAttention(nn.Module):
             positions=positions,
             bias=bias,
             segment_ids=segment_ids,
-            layer_options=self.layer_options(),
+            layer_options=_layer_options(self),
             dropout=functional.flax_dropout(
                 (lambda: self.make_rng("dropout")) if use_dropout else None, self.dropout
             ),
@@ -246,7 +243,7 @@ class MultiHeadAttention(nn.Module):
             params[f"W_{name}"] = kernel
             if bias is not None:
                 params[f"b_{name}"] = bias
-        norm = self.layer_options().qk_norm
+        norm = _layer_options(self).qk_norm
         if norm is not None:
             for name, shape in norm.shapes(heads).items():
                 initial = nn.initializers.constant(norm.initial_value)
@@ -370,3 +367,18 @@ def weights_from_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray
     if SINKS_NAME in params:
         weights[SINKS_NAME] = host_array(params[SINKS_NAME])
     return check_weights(weights, qk_norm=None, sinks=None)[0]
+
+
+def _layer_options(module: MultiHeadAttention) -> spec.LayerOptions:
+    """:meth:`MultiHeadAttention.layer_options`, as a function: the module's checks call it
+    before it is set up, where Flax fails a method it wraps (``tabulate``'s), and a
+    call's, where ``tabulate`` records a method's result as arrays."""
+    options = spec.LayerOptions(
+        module.rotary,
+        module.alibi,
+        module.window,
+        module.softcap,
+        module.sinks,
+        qk_norm=module.qk_norm,
+    )
+    return options.check(module.heads.head_dim)

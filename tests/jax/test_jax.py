@@ -642,3 +642,21 @@ def test_functional_sinks_are_a_parameter_and_an_option():
         multi_head_attention(without, q, kv, kv, num_heads=4, options={"sinks": True})
     with pytest.raises(ValueError, match="'sinks'"):
         multi_head_attention(weights, q, kv, kv, num_heads=4)
+
+
+@pytest.mark.parametrize("rotary", [None, {"theta": 100.0}], ids=["plain", "rotary"])
+def test_flax_summaries_tabulate_the_layer(rotary):
+    """``nnx.tabulate`` and Linen's ``Module.tabulate``, as for Flax's own attention: NNX
+    compiled each method a call makes and returned the input sizes as traced arrays,
+    which the call's checks compared (``TracerBoolConversionError``); Linen's checks
+    called a method before the module's setup (an ``AssertionError`` inside Flax)."""
+    x = jnp.ones((2, 5, 16))
+    layer = MultiHeadAttention(16, 4, rotary=rotary, rngs=nnx.Rngs(0))
+    table = nnx.tabulate(layer, x, x, x)
+    assert "W_q" in table and "MultiHeadAttention" in table
+    module = linen.MultiHeadAttention(16, 4, rotary=rotary)
+    table = module.tabulate(jax.random.key(0), x, x, x)
+    assert "W_q" in table and "MultiHeadAttention" in table
+    # The layer calls as before afterwards (nnx.tabulate's wrappers are gone).
+    layer.eval()
+    assert layer(x, x, x).shape == (2, 5, 16)
