@@ -63,8 +63,9 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
     (:mod:`mha_multi.mxnet._graph`); the numbers are those of the imperative
     mode, a cached call's to its dtype's rounding (its graph attends over the
     filled positions rounded up to :data:`mha_multi.spec.SPAN_BUCKET`, whose
-    sums round otherwise; docs: "Generating with a cache"). Dropout acts only in training mode (``autograd.record()``). Calls
-    that do not ask for the attention weights take a faster route to the
+    sums round otherwise; docs: "Generating with a cache"). Dropout acts only
+    in training mode (``autograd.record()``). Calls that do not ask for the
+    attention weights take a faster route to the
     same numbers (:mod:`mha_multi.mxnet._kernel`); plain self-attention
     called imperatively runs it by a plan made once per signature
     (:mod:`mha_multi.mxnet._plain`; docs: "Fast paths").
