@@ -91,7 +91,8 @@ class KernelPlan:
         mask_causal: the boolean mask holds the causal rule.
         fix_rows: rows may be fully hidden; give them the spec's value with
             :func:`fix_fully_hidden_rows` and :meth:`fix_visibility`.
-        fix_causal: the causal rule can hide whole rows (``Q > K``).
+        fix_causal: the causal rule can hide whole rows (``Q > K``, own query
+            positions, or packed sequences whose keys have ids of their own).
         repeat_kv: grouped key/value heads must be repeated (once, on the
             projected heads) for a kernel that takes no groups.
         bias: give the kernel the additive bias, :func:`score_bias` (the
@@ -173,7 +174,9 @@ class KernelPlan:
         bottom-right frame), so below that the lengths, and the window,
         tell which rows are fully hidden: a query at ``i_abs >= 0`` sees
         key ``i_abs`` through the window and the causal rule alike, so the
-        causal rule never empties a row the others leave seen.
+        causal rule never empties a row the others leave seen. Packed
+        sequences' ids may leave a query only later keys (the keys' own
+        ids): there the causal rule is read too (:attr:`fix_causal`).
         """
         if not self.fix_rows:
             return None
@@ -404,7 +407,10 @@ def plan_kernel(
         mask_lens=mask_lens,
         mask_causal=mask_causal,
         fix_rows=fix_rows,
-        fix_causal=causal_hides_rows,
+        # The rows to fix are found with the causal rule where it may empty them: past
+        # the keys, at own positions, or among packed sequences, whose keys may carry
+        # ids of their own (a pair of ids: the query's keys may all come after it).
+        fix_causal=causal and (causal_hides_rows or segments),
         repeat_kv=grouped and not (kernel.takes_grouped_heads and grouped_taken),
         bias=bias,
         softcap=softcap,

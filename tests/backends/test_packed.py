@@ -77,6 +77,41 @@ def test_a_packed_row_is_each_sequence_alone(runner):
         np.testing.assert_array_equal(grads[name][:, ~real], 0.0)
 
 
+@pytest.mark.parametrize(
+    "num_queries, query_ids, key_ids",
+    [(4, [0, 1, 1, 1], [1, 1, 0, 0]), (3, [0, 1, 1], [1, 1, 1, 1, 0])],
+    ids=["Q=K", "Q<K"],
+)
+def test_a_query_whose_keys_all_follow_it_sees_none(runner, num_queries, query_ids, key_ids):
+    """Keys with ids of their own (a pair of ids) under the causal rule: query 0's keys
+    of its id all lie after it, so it sees no key and takes the spec's uniform weights,
+    with no gradient to the queries and keys (PyTorch's fused call gave it a zero
+    context, and Keras on PyTorch wrong gradients)."""
+    rng = np.random.default_rng(5)
+    weights = init_weights(8, num_heads=2, seed=5, bias=True)
+    layer = runner.set_weights(runner.make_layer(8, 2, bias=True), weights)
+    num_keys = len(key_ids)
+    q = rng.standard_normal((1, num_queries, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, num_keys, 8)).astype(np.float32) for _ in range(2))
+    ids = (np.array([query_ids]), np.array([key_ids]))
+    output_gradient = rng.standard_normal((1, num_queries, 8)).astype(np.float32)
+    reference = {"num_heads": 2, "causal": True, "segment_ids": ids}
+    expected, _ = spec.reference_forward(weights, q, k, v, **reference)
+    expected_grads = spec.reference_gradients(
+        weights, q, k, v, output_gradient=output_gradient, **reference
+    )
+    settings = {"causal": True, "device": "cpu", "dtype": "float32"}
+    output = runner.call(layer, q, k, v, segment_ids=ids, **settings)
+    np.testing.assert_allclose(output, expected, rtol=0, atol=FORWARD)
+    grads = runner.gradients(
+        layer, q, k, v, None, output_gradient=output_gradient, segment_ids=ids, **settings
+    )
+    for name in ("queries", "keys", "values"):
+        np.testing.assert_allclose(
+            grads[name], expected_grads[name], rtol=0, atol=GRADIENTS, err_msg=name
+        )
+
+
 def test_padding_longer_than_the_sequences_leaves_a_rotary_of_the_calls_length_alone(runner):
     """A rotary type of the call's length (dynamic NTK scaling past a context of 2) reads
     the longest sequence's, however long the padding after it (padding's positions are
