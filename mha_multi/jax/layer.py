@@ -124,7 +124,7 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
         self.num_heads = int(num_heads)
         self.dropout = float(dropout)
         self.bias = spec.check_flag("bias", bias)
-        self.deterministic = bool(deterministic)
+        self.deterministic = spec.check_flag("deterministic", deterministic)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -245,7 +245,7 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
             deterministic: if ``True``, disables dropout.
         """
         if deterministic is not None:
-            self.deterministic = deterministic
+            self.deterministic = spec.check_flag("deterministic", deterministic)
 
     def __call__(
         self,
@@ -329,7 +329,10 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
                 With a cache in an eager call, also lengths out of range or
                 an overflow.
         """
-        deterministic = self.deterministic if deterministic is None else deterministic
+        if deterministic is None:
+            deterministic = self.deterministic
+        else:  # (a string would be truthy: "False" would turn dropout off)
+            deterministic = spec.check_flag("deterministic", deterministic)
         inputs = (queries, keys, values, valid_lens)
         arrays = {"cache": cache, "head_mask": head_mask, "positions": positions, "bias": bias}
         arrays["segment_ids"] = segment_ids

@@ -195,7 +195,8 @@ class MultiHeadAttention(nn.Module):
                 key and value sizes known: given, or from its variables.
             training: apply dropout (draws from the ``'dropout'`` rng).
         """
-        use_dropout = training and self.dropout > 0
+        # (A string would be truthy: "False" would turn dropout on.)
+        use_dropout = spec.check_flag("training", training) and self.dropout > 0
         result = call.forward(
             JaxFacts(self.precision, self.implementation),
             _ModuleProjections(self),

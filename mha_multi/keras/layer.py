@@ -295,6 +295,8 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
                 included), or, in
                 eager mode, a cached call's lengths out of range.
         """
+        if training is not None:  # (a string would be truthy: "False" would turn dropout on)
+            spec.check_flag("training", training)
         keywords = {
             "causal": causal,
             "return_attention_weights": return_attention_weights,

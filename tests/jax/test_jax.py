@@ -660,3 +660,21 @@ def test_flax_summaries_tabulate_the_layer(rotary):
     # The layer calls as before afterwards (nnx.tabulate's wrappers are gone).
     layer.eval()
     assert layer(x, x, x).shape == (2, 5, 16)
+
+
+def test_mode_flags_that_are_no_bools_are_refused():
+    """``deterministic`` (NNX) and ``training`` (Linen) are bools: the string "False" is
+    truthy, and turned NNX's dropout off and Linen's on."""
+    x = jnp.ones((2, 3, 8))
+    with pytest.raises(TypeError, match="^deterministic must be a bool; got 'False'"):
+        MultiHeadAttention(8, 2, dropout=0.5, deterministic="False", rngs=nnx.Rngs(0))
+    layer = MultiHeadAttention(8, 2, dropout=0.5, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="^deterministic must be a bool; got 'False'"):
+        layer(x, x, x, deterministic="False")
+    module = linen.MultiHeadAttention(8, 2, dropout=0.5)
+    variables = module.init(jax.random.key(0), x, x, x)
+    with pytest.raises(TypeError, match="^training must be a bool; got 'False'"):
+        module.apply(variables, x, x, x, training="False", rngs={"dropout": jax.random.key(1)})
+    # Numpy's bools are bools.
+    out = module.apply(variables, x, x, x, training=np.False_)
+    np.testing.assert_array_equal(out, module.apply(variables, x, x, x))

@@ -119,6 +119,14 @@ def test_bad_tensor_inputs_are_clear_errors():
         layer(x, x, x, causal=np.array([True, False]))
 
 
+def test_a_training_flag_that_is_no_bool_is_refused():
+    """``training="False"`` is truthy: it turned dropout on."""
+    layer = MultiHeadAttention(8, 2, dropout=0.5)
+    x = keras.ops.ones((2, 3, 8))
+    with pytest.raises(TypeError, match="training must be a bool; got 'False'"):
+        layer(x, x, x, training="False")
+
+
 @pytest.mark.skipif(backend.BACKEND != "jax", reason="jax_enable_x64 is JAX's")
 def test_integer_lengths_beyond_32_bits_are_clipped_without_x64(runner, cases):
     import jax
