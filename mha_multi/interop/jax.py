@@ -2,7 +2,9 @@
 
 Flax's ``flax.nnx.MultiHeadAttention`` and Linen's
 ``flax.linen.MultiHeadDotProductAttention`` compute the same function as the
-spec with ``normalize_qk=False`` (``qkv_features`` is ``num_heads *
+spec with ``normalize_qk=False``, their default ``attention_fn`` and no
+products of their own (``qkv_dot_general``... ``None``): modules with any
+other are refused either way (``qkv_features`` is ``num_heads *
 head_dim``, ``out_features`` is ``num_hiddens``). Their parameters are one
 tree (NNX state and Linen ``params`` alike)::
 
@@ -46,6 +48,8 @@ the canonical orientation and the layout of :mod:`mha_multi.jax.linen`.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -216,19 +220,59 @@ def to_flax_nnx_state(
     return params
 
 
-def _check_flax_module(module: Any) -> None:
+#: The Flax modules the converters read and make, by API.
+_FLAX_MODULES = {"nnx": nnx.MultiHeadAttention, "linen": linen.MultiHeadDotProductAttention}
+
+#: Options of Flax's attention that change what it computes, each ``None`` unless given:
+#: products of other precision or kind (a quantized ``dot_general``), other einsums.
+_FLAX_PRODUCT_OPTIONS = (
+    "qkv_dot_general",
+    "out_dot_general",
+    "qkv_dot_general_cls",
+    "out_dot_general_cls",
+    "qk_attn_weights_einsum_cls",
+    "attn_weights_value_einsum_cls",
+)
+
+
+def _default_attention_fn(api: str) -> Any:
+    """The ``attention_fn`` a Flax module of ``api`` has unless given one."""
+    if api == "nnx":
+        return inspect.signature(nnx.MultiHeadAttention.__init__).parameters["attention_fn"].default
+    fields = dataclasses.fields(linen.MultiHeadDotProductAttention)
+    return next(f.default for f in fields if f.name == "attention_fn")
+
+
+def _check_flax_module(module: Any, api: str) -> None:
+    """Refuses what is no Flax attention module of ``api``, and one whose options the
+    canonical layer cannot express (its normalized queries and keys, an attention
+    function or products of its own), which would convert to another computation."""
+    kind = _FLAX_MODULES[api]
+    if not isinstance(module, kind):
+        raise TypeError(f"module must be a flax.{api}.{kind.__name__}; got {type(module).__name__}")
     if getattr(module, "normalize_qk", False):
         raise ValueError(f"unsupported Flax attention option: {_UNSUPPORTED['query_ln']}")
+    attention_fn = getattr(module, "attention_fn", None)
+    if attention_fn is not None and attention_fn is not _default_attention_fn(api):
+        raise ValueError(
+            f"unsupported Flax attention option: attention_fn={attention_fn!r} (the "
+            "canonical layer's attention is Flax's default dot_product_attention)"
+        )
+    for option in _FLAX_PRODUCT_OPTIONS:
+        value = getattr(module, option, None)
+        if value is not None:
+            raise ValueError(f"unsupported Flax attention option: {option}={value!r}")
 
 
 def from_flax_nnx(module: nnx.MultiHeadAttention) -> dict[str, np.ndarray]:
     """Canonical weights of a ``flax.nnx.MultiHeadAttention`` (see the module notes).
 
     Raises:
-        ValueError: an option the canonical layer cannot express (see
-            :func:`from_flax_nnx_state`).
+        TypeError: ``module`` is no ``flax.nnx.MultiHeadAttention``.
+        ValueError: an option the canonical layer cannot express (see the
+            module notes and :func:`from_flax_nnx_state`).
     """
-    _check_flax_module(module)
+    _check_flax_module(module, "nnx")
     return from_flax_nnx_state(nnx.state(module, nnx.Param))
 
 
@@ -258,7 +302,8 @@ def to_flax_nnx(
 
     Raises:
         ValueError: invalid weights, ``key_size != value_size`` (NNX has one
-            ``in_kv_features``), or a size option in ``kwargs``.
+            ``in_kv_features``), a size option in ``kwargs``, or one the
+            canonical layer cannot express (see the module notes).
     """
     arrays, config = check_weights(weights)
     if config.key_size != config.value_size:
@@ -290,6 +335,7 @@ def to_flax_nnx(
     typed = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), params, current)
     nnx.replace_by_pure_dict(state, typed)
     nnx.update(module, state)
+    _check_flax_module(module, "nnx")  # (what the other way refuses, in kwargs)
     return module
 
 
@@ -303,11 +349,12 @@ def from_flax_linen(
         module: if given, its options are checked too.
 
     Raises:
-        ValueError: an option the canonical layer cannot express (see
-            :func:`from_flax_nnx_state`).
+        TypeError: a ``module`` that is no ``flax.linen.MultiHeadDotProductAttention``.
+        ValueError: an option the canonical layer cannot express (see the
+            module notes and :func:`from_flax_nnx_state`).
     """
     if module is not None:
-        _check_flax_module(module)
+        _check_flax_module(module, "linen")
     return from_flax_nnx_state(variables)
 
 
@@ -327,7 +374,8 @@ def to_flax_linen(
         the variables are JAX arrays of the weights' dtype.
 
     Raises:
-        ValueError: invalid weights, grouped heads, sizes given twice, or float64
+        ValueError: invalid weights, grouped heads, sizes given twice, an option
+            the canonical layer cannot express (see the module notes), or float64
             weights without JAX's x64 (which would hold them as float32).
     """
     arrays, config = check_weights(weights)
@@ -349,6 +397,7 @@ def to_flax_linen(
         use_bias=config.bias,
         **kwargs,
     )
+    _check_flax_module(module, "linen")  # (what the other way refuses, in kwargs)
     params = jax.tree.map(weight_array, to_flax_nnx_state(arrays, num_heads))
     return module, {"params": params}
 

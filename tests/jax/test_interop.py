@@ -125,11 +125,33 @@ def test_params_tree_layout_matches_flax():
     np.testing.assert_array_equal(params["out"]["kernel"][2], weights["W_o"][8:12])
 
 
+def _scaled_attention(query, key, value, **kwargs):
+    return nnx.dot_product_attention(query * 2.0, key, value, **kwargs)
+
+
 def test_unsupported_native_options_are_refused():
     with pytest.raises(ValueError, match="normalize_qk"):
         from_flax_nnx(
             nnx.MultiHeadAttention(2, 8, normalize_qk=True, decode=False, rngs=nnx.Rngs(0))
         )
+    # An attention function or products of the module's own compute something else.
+    for options in ({"attention_fn": _scaled_attention}, {"qkv_dot_general": jax.lax.dot_general}):
+        option = next(iter(options))
+        native = nnx.MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0), **options)
+        with pytest.raises(ValueError, match=f"unsupported Flax attention option: {option}="):
+            from_flax_nnx(native)
+        with pytest.raises(ValueError, match=f"unsupported Flax attention option: {option}="):
+            to_flax_nnx(init_weights(8, bias=True), 2, **options)
+        module = nn.MultiHeadDotProductAttention(2, **options)
+        with pytest.raises(ValueError, match=f"unsupported Flax attention option: {option}="):
+            from_flax_linen(module.init(jax.random.key(0), jnp.ones((1, 2, 8))), module)
+        with pytest.raises(ValueError, match=f"unsupported Flax attention option: {option}="):
+            to_flax_linen(init_weights(8, bias=True), 2, **options)
+    linen_module = nn.MultiHeadDotProductAttention(2)
+    with pytest.raises(TypeError, match="module must be a flax.nnx.MultiHeadAttention"):
+        from_flax_nnx(linen_module)
+    with pytest.raises(TypeError, match="module must be a flax.linen.MultiHeadDotProductAttention"):
+        from_flax_linen({"params": {}}, "x")
     grouped = init_weights(8, num_heads=4, num_kv_heads=2, seed=1)
     with pytest.raises(ValueError, match="no grouped key/value heads"):
         to_flax_linen(grouped, 4)

@@ -172,17 +172,35 @@ def test_keras_fully_hidden_rows_depend_on_its_path(cases, name):
     [
         ({"value_dim": 3}, r"value_dim \(3\) != key_dim \(4\)"),
         ({"output_shape": 10}, r"output_shape=\(10,\)"),
-        ({"attention_axes": (1, 2)}, "attention over several axes"),
+        ({"attention_axes": (1, 2)}, r"attention_axes=\(1, 2\)"),
+        # The batch or the heads' axis of 3-D inputs: Keras' einsum path attends over it.
+        ({"attention_axes": (0,)}, r"attention_axes=\(0,\)"),
+        ({"attention_axes": (2,)}, r"attention_axes=\(2,\)"),
         ({"use_gate": True}, "use_gate=True"),
         ({"sliding_window": 2}, "sliding_window=2"),
     ],
 )
 def test_unsupported_native_options_are_clear_errors(kwargs, message):
     native = keras.layers.MultiHeadAttention(2, 4, **kwargs)
-    shape = (1, 3, 3, 8) if "attention_axes" in kwargs else (1, 3, 8)
+    shape = (1, 3, 3, 8) if kwargs.get("attention_axes") == (1, 2) else (1, 3, 8)
     native.build(shape, shape)  # (calling it would hit a Keras bug on JAX with value_dim)
     with pytest.raises(ValueError, match=message):
         interop.from_keras_mha(native)
+    if "value_dim" not in kwargs and "output_shape" not in kwargs:
+        # Nor is a layer made with them: it would compute something else.
+        with pytest.raises(ValueError, match=message):
+            interop.to_keras_mha(init_weights(8, seed=0), 2, **kwargs)
+
+
+def test_the_sequence_axis_converts_either_way():
+    weights = init_weights(8, seed=0)
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    expected, _ = spec.reference_forward(weights, x, x, x, num_heads=2)
+    for axes in ((1,), (-2,)):
+        native = interop.to_keras_mha(weights, 2, attention_axes=axes)
+        output, _ = native(x, x, return_attention_scores=True)  # (Keras' einsum path)
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(output), expected, atol=5e-6)
+        np.testing.assert_array_equal(interop.from_keras_mha(native)["W_q"], weights["W_q"])
 
 
 def test_unbuilt_layer_is_a_clear_error():
@@ -525,6 +543,8 @@ def test_unsupported_gqa_options_are_clear_errors(kwargs, message):
 def test_gqa_conversion_errors():
     with pytest.raises(ValueError, match="not built yet"):
         interop.from_keras_gqa(keras.layers.GroupQueryAttention(4, 2, 1))
+    with pytest.raises(TypeError, match="layer must be a keras.layers.GroupQueryAttention"):
+        interop.from_keras_gqa(keras.layers.MultiHeadAttention(2, 4))
     weights = grouped_weights(True)
     with pytest.raises(ValueError, match="head_dim, use_bias follow from the weights"):
         interop.to_keras_gqa(weights, num_heads=4, head_dim=3, use_bias=True)

@@ -128,6 +128,10 @@ def to_keras_gqa_state(
 
 
 def _check_keras_gqa(layer: keras.layers.GroupQueryAttention) -> None:
+    if not isinstance(layer, keras.layers.GroupQueryAttention):
+        raise TypeError(
+            f"layer must be a keras.layers.GroupQueryAttention; got {type(layer).__name__}"
+        )
     config = layer.get_config()
     for option, default in (("use_gate", False), ("sliding_window", None)):
         if config.get(option, default) != default:

@@ -140,10 +140,12 @@ def _check_keras_mha(layer: keras.layers.MultiHeadAttention) -> None:
             f"sliding_window={config['sliding_window']}"
         )
     axes = config.get("attention_axes")
-    if axes is not None and len(tuple(axes)) != 1:
+    if axes is not None and tuple(axes) not in ((1,), (-2,)):
+        # (Keras' fast path attends over the sequence whatever the axes; its einsum path,
+        # which returns the scores or drops them out, over the axes given.)
         raise ValueError(
-            f"unsupported: attention over several axes (attention_axes={tuple(axes)}); "
-            "the canonical layer attends over the sequence axis of 3-D inputs"
+            f"unsupported: attention_axes={tuple(axes)}; the canonical layer attends over "
+            "the sequence axis of 3-D inputs (attention_axes=(1,) or None)"
         )
     if config["value_dim"] != config["key_dim"]:
         raise ValueError(
@@ -189,7 +191,8 @@ def to_keras_mha(
         **kwargs: more ``keras.layers.MultiHeadAttention`` arguments
             (``dropout``, ``dtype``, ``name``...); not ``key_dim``,
             ``value_dim``, ``use_bias`` or ``output_shape``, which the
-            weights fix.
+            weights fix, nor what :func:`from_keras_mha` refuses (a gate,
+            a sliding window, attention over other axes).
 
     Returns:
         The layer, built for ``(B, Q, query_size)`` queries and
@@ -200,9 +203,12 @@ def to_keras_mha(
     Raises:
         ValueError: invalid weights, ``num_hiddens`` not divisible by
             ``num_heads``, grouped key/value heads or an explicit ``head_dim``
-            (:func:`to_keras_gqa` holds those), or a keyword the weights fix.
+            (:func:`to_keras_gqa` holds those), a keyword the weights fix, or
+            one that makes a layer the canonical one is not.
     """
     fixed = sorted({"key_dim", "value_dim", "use_bias", "output_shape"} & set(kwargs))
     if fixed:
         raise ValueError(f"{', '.join(fixed)} follow from the weights; do not pass them")
-    return _native.native_layer(weights, num_heads, **kwargs)
+    layer = _native.native_layer(weights, num_heads, **kwargs)
+    _check_keras_mha(layer)  # (what the other way refuses: a gate, a window, other axes)
+    return layer
