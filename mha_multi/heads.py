@@ -190,12 +190,14 @@ def importance(gradients: Sequence[np.ndarray], *, normalize: bool = True) -> np
     """Head importance from the gates' gradients of each batch (docs: "Heads").
 
     ``I_h = mean over batches of |dL/dξ_h|``, divided by its L2 norm over the
-    heads when ``normalize`` (Michel, Levy & Neubig 2019); all zero stays zero.
+    heads when ``normalize`` (Michel, Levy & Neubig 2019); all zero stays zero,
+    and a NaN makes every normalized importance NaN (the norm is NaN).
     """
     grads = np.stack([np.abs(np.asarray(g, np.float64)) for g in gradients])
     scores = grads.mean(axis=0)
     norm = float(np.linalg.norm(scores))
-    return scores / norm if normalize and norm > 0 else scores
+    # (NaN > 0 is false: a NaN norm divides too, as it does every score.)
+    return scores / norm if normalize and not norm <= 0 else scores
 
 
 def importance_over(

@@ -44,8 +44,18 @@ def head_mask_gradient(
     dtype = torch.promote_types(parameter.dtype, torch.float32)
     # The whole layer's heads, also when they are sharded (docs: "Sharding heads").
     num_heads = layer._canonical_heads().num_heads
-    gates = torch.ones(num_heads, dtype=dtype, device=parameter.device, requires_grad=True)
-    with torch.enable_grad():
+    # Under torch.inference_mode nothing records a gradient (the gates' would be zeros),
+    # and its tensors cannot be saved for a backward pass: the gradient is taken outside
+    # it, of copies of such inputs.
+    with torch.inference_mode(False), torch.enable_grad():
+        copies: dict[int, torch.Tensor] = {}
+        queries, keys, values = (
+            copies.setdefault(id(x), x.clone())
+            if isinstance(x, torch.Tensor) and x.is_inference()
+            else x
+            for x in (queries, keys, values)
+        )
+        gates = torch.ones(num_heads, dtype=dtype, device=parameter.device, requires_grad=True)
         loss = loss_fn(layer(queries, keys, values, valid_lens, head_mask=gates))
         if not check_loss(loss, torch.is_tensor) or not loss.requires_grad:
             return torch.zeros_like(gates, requires_grad=False)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mha_multi import spec
-from mha_multi.heads import LayerConfig, prune_heads
+from mha_multi.heads import LayerConfig, importance, prune_heads
 from mha_multi.weights import init_weights
 
 LAYOUTS = {
@@ -225,3 +225,15 @@ def test_a_cached_call_gates_its_heads_as_the_full_forward_does():
         weights, queries, keys, values, num_heads=4, causal=True, head_mask=gates
     )
     np.testing.assert_allclose(cached, full, rtol=0, atol=1e-12)
+
+
+def test_importance_is_the_mean_gradient_over_its_norm():
+    """Hand-computed: |g| averaged over batches, over its L2 norm; zeros stay zeros, and a
+    NaN makes every normalized importance NaN (its finite ones were left unnormalized)."""
+    gradients = [np.array([3.0, -4.0, 0.0]), np.array([-3.0, 4.0, 0.0])]
+    np.testing.assert_array_equal(importance(gradients), [0.6, 0.8, 0.0])
+    np.testing.assert_array_equal(importance(gradients, normalize=False), [3.0, 4.0, 0.0])
+    np.testing.assert_array_equal(importance([np.zeros(3)]), np.zeros(3))
+    with_nan = [np.array([3.0, np.nan, 4.0])]
+    assert np.isnan(importance(with_nan)).all()
+    np.testing.assert_array_equal(importance(with_nan, normalize=False), [3.0, np.nan, 4.0])

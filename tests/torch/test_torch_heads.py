@@ -7,6 +7,8 @@ generic parity checks of the head-mask cases run through the runners.
 
 from __future__ import annotations
 
+import contextlib
+
 import heads_cases as hc
 import numpy as np
 import pytest
@@ -294,9 +296,12 @@ def test_gates_on_the_cpu_gate_a_gpu_layer():
 # -- head_importance -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", [None, "inference"])
 @pytest.mark.parametrize("normalize", [True, False])
-def test_head_importance_is_the_references(normalize):
-    """In eval mode whatever the layer's, which is restored; no parameter gets a ``.grad``."""
+def test_head_importance_is_the_references(normalize, mode):
+    """In eval mode whatever the layer's, which is restored; no parameter gets a ``.grad``.
+    Under ``torch.inference_mode``, of its tensors, too (it was zeros: nothing recorded
+    the gates' gradient)."""
     weights, layer, _, rng = make(7, num_heads=6, num_kv_heads=3, head_dim=3)
     layer.dropout.p = 0.5
     layer.train()
@@ -306,12 +311,14 @@ def test_head_importance_is_the_references(normalize):
     def loss_fn(output):
         return (output * next(losses)).sum()
 
-    importance = head_importance(
-        layer,
-        ((*(tensor(x) for x in arrays), torch.from_numpy(lens)) for arrays, lens, _ in batches),
-        loss_fn,
-        normalize=normalize,
-    )
+    context = torch.inference_mode() if mode == "inference" else contextlib.nullcontext()
+    with context:  # (the batches' tensors made in it)
+        importance = head_importance(
+            layer,
+            [(*(tensor(x) for x in arrays), torch.from_numpy(lens)) for arrays, lens, _ in batches],
+            loss_fn,
+            normalize=normalize,
+        )
     expected = hc.reference_importance(weights, batches, num_heads=6, normalize=normalize)
     assert importance.shape == (6,) and importance.dtype == np.float64
     np.testing.assert_allclose(importance, expected, rtol=0, atol=FLOAT32_GRAD_ATOL)
