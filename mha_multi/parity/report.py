@@ -63,8 +63,11 @@ def build_report(
 ) -> dict[str, object]:
     """Compares every stored result with the reference and with each other.
 
-    A backend in ``expected_backends`` with no results, or a case missing
-    from a backend's cell, is a failure.
+    A backend in ``expected_backends`` with no results, a backend folder
+    without the run's ``meta.json`` (an interrupted run), or without any
+    result, or without a cell, workflow or importance result the run
+    recorded it would make, or a case missing from a backend's cell, is a
+    failure.
     """
     cases: dict[str, Case] = {case.name: case for case in load_cases(cases_dir)}
     results_root = Path(results_dir)
@@ -79,6 +82,15 @@ def build_report(
     for backend in backends:
         meta_path = results_root / backend / "meta.json"
         metas[backend] = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        missing_files = [
+            name
+            for name in ("meta.json", "workflow.npy", "importance.json")
+            if not (results_root / backend / name).exists()
+        ]
+        if missing_files:
+            cells[(backend, "-", "-")] = Cell(
+                backend, "-", "-", failures=[f"no {', '.join(missing_files)}: the run did not end"]
+            )
         for path in sorted((results_root / backend).glob("*.npz")):
             device, dtype, case_name = path.stem.split("__")
             cell = cells.setdefault((backend, device, dtype), Cell(backend, device, dtype))
@@ -101,6 +113,15 @@ def build_report(
     for cell in cells.values():
         if cell.device != "-" and cell.cases < len(cases):
             cell.failures.append(f"{len(cases) - cell.cases} of {len(cases)} cases have no result")
+    for backend in backends:
+        ran = [(device, dtype) for device, dtype in metas[backend].get("cells", [])]
+        if not any(key[0] == backend and key[1] != "-" for key in cells):
+            ran = ran or [("-", "-")]  # (a run of no cell: none of its devices was there)
+        for device, dtype in ran:
+            if (backend, device, dtype) not in cells:
+                cells[(backend, device, dtype)] = Cell(
+                    backend, device, dtype, failures=["no results"]
+                )
     missing = [b for b in expected_backends if b not in backends]
     for backend in missing:
         cells[(backend, "-", "-")] = Cell(backend, "-", "-", failures=["no results"])

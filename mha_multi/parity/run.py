@@ -76,6 +76,8 @@ def run_backends(
             "python": sys.version.split()[0],
             "platform": platform.platform(),
             "devices": {},
+            # The (device, dtype) cells this run runs: the report misses none of them.
+            "cells": [],
             "errors": [],
         }
         for device in devices:
@@ -88,6 +90,7 @@ def run_backends(
             for dtype in DTYPES:
                 if not runner.dtype_supported(device, dtype):
                     continue
+                meta["cells"].append([device, dtype])
                 passed = 0
                 for case in cases:
                     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from mha_multi.parity.cases import (
     write_cases,
 )
 from mha_multi.parity.compare import compare
+from mha_multi.parity.importance import IMPORTANCE_CASES, reference_importance
 from mha_multi.parity.report import build_report, format_markdown
 from mha_multi.parity.run import result_path
 from mha_multi.weights import load_weights
@@ -97,10 +100,50 @@ def test_report_verdicts(tmp_path, case_dir):
     assert not good_only["passed"]  # the other backends' results are still there
 
 
+def _write_run(results_dir, backend, case_dir, cells):
+    """What a run writes besides its results: its meta (the cells it runs), the
+    workflow's output and the heads' importance, each the reference's."""
+    cases = {case.name: case for case in load_cases(case_dir)}
+    directory = results_dir / backend
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"backend": backend, "cells": [list(cell) for cell in cells], "errors": []}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    np.save(directory / "workflow.npy", cases["book"].reference["output"])
+    scores = {name: reference_importance(cases[name]).tolist() for name in IMPORTANCE_CASES}
+    (directory / "importance.json").write_text(json.dumps(scores))
+
+
 def test_report_passes_when_everything_is_within_tolerance(tmp_path, case_dir):
     for case in load_cases(case_dir):
         _write_results(tmp_path, "good", case)
         _write_results(tmp_path, "good", case, shift=1e-13, dtype="float64")
+    _write_run(tmp_path, "good", case_dir, [("cpu", "float64"), ("cpu", "float32")])
     report = build_report(tmp_path, case_dir, expected_backends=["good"])
     assert report["passed"], format_markdown(report)
     assert [c["dtype"] for c in report["cells"]] == ["float64", "float32"]
+
+
+def test_a_run_that_left_results_out_fails(tmp_path, case_dir):
+    """A backend whose run made no result (a GPU-only run on a host without one), lost a
+    cell the run made (its float64 results), or did not end (no meta, workflow or
+    importance), fails, where the report passed every one."""
+    cases = load_cases(case_dir)
+    for case in cases:
+        _write_results(tmp_path, "lost_a_cell", case)
+        _write_results(tmp_path, "unfinished", case)
+    _write_run(tmp_path, "no_device", case_dir, [])
+    _write_run(tmp_path, "lost_a_cell", case_dir, [("cpu", "float64"), ("cpu", "float32")])
+    report = build_report(
+        tmp_path, case_dir, expected_backends=["no_device", "lost_a_cell", "unfinished"]
+    )
+    failures = {}
+    for cell in report["cells"]:
+        failures.setdefault(cell["backend"], []).extend(
+            f"{cell['device']} {cell['dtype']}: {failure}" for failure in cell["failures"]
+        )
+    assert failures == {
+        "lost_a_cell": ["cpu float64: no results"],
+        "no_device": ["- -: no results"],
+        "unfinished": ["- -: no meta.json, workflow.npy, importance.json: the run did not end"],
+    }
+    assert not report["passed"]
