@@ -336,6 +336,13 @@ def check_weights(
         if arrays[name].shape != shape:
             raise ValueError(f"weights[{name!r}] must have shape {shape}; got {arrays[name].shape}")
         dtype = arrays[name].dtype
+        if dtype.kind == "f" and dtype.itemsize > 8:
+            # (numpy's extended precision: no framework, and no file format but numpy's,
+            # holds it; each writer failed its own way.)
+            raise TypeError(
+                f"weights[{name!r}] has dtype {dtype}: canonical weights are float16, float32 "
+                "or float64"
+            )
         if dtype.kind != "f":
             # (bfloat16, ml_dtypes' to numpy, is no numpy float: its kind is "V".)
             detail = (

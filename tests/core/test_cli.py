@@ -21,7 +21,7 @@ from mha_multi.interop.formats import (
     resolve_heads,
     safetensors_format,
 )
-from mha_multi.weights import init_weights, load_weights, save_weights
+from mha_multi.weights import check_weights, init_weights, load_weights, save_weights
 
 PREFIX = "python -m mha_multi convert: error: "
 HELP = " (see python -m mha_multi convert --help)"
@@ -86,6 +86,31 @@ def test_non_positive_num_heads_is_an_argument_error(tmp_path, source, heads):
 def test_non_positive_num_heads_in_the_api(tmp_path, source):
     with pytest.raises(ValueError, match=r"^--num-heads must be a positive integer; got 0$"):
         convert(source, tmp_path / "out.npz", num_heads=0)
+
+
+@pytest.mark.parametrize("option", [{"num_heads": 2}, {"head_dim": 4}], ids=str)
+def test_heads_given_are_checked_against_the_sinks_and_norms(tmp_path, option):
+    """Sinks (one a head) and per-head norms (of head_dim) fix the layout too: 4 heads of
+    2 here, which --num-heads 2 or --head-dim 4 contradicts (both were taken)."""
+    weights = init_weights(8, num_heads=4, sinks=True, seed=0)
+    weights["q_norm"] = weights["k_norm"] = np.ones(2, np.float32)
+    path = tmp_path / "sinks.safetensors"
+    save_weights(path, weights)
+    refused = r"have no head layout given --(num-heads 2|head-dim 4): weights\['q_norm'\]"
+    with pytest.raises(ValueError, match=refused):
+        convert(path, tmp_path / "out.npz", **option)
+    with pytest.raises(ValueError, match=refused):
+        load(path, **option)
+    assert not (tmp_path / "out.npz").exists()
+    assert load(path, num_heads=4)["sinks"].shape == (4,)
+
+
+def test_numpy_extended_precision_is_no_canonical_dtype():
+    weights = {name: array.astype(np.longdouble) for name, array in init_weights(8).items()}
+    if np.dtype(np.longdouble).itemsize <= 8:
+        pytest.skip("this platform's long double is float64")
+    with pytest.raises(TypeError, match="canonical weights are float16, float32 or float64"):
+        check_weights(weights)
 
 
 @pytest.mark.parametrize(

@@ -115,13 +115,16 @@ def resolve_heads(
                 f"{layout['num_kv_heads']} key/value heads"
             )
     try:
-        return spec.check_heads(
+        heads = spec.check_heads(
             hidden, layout["num_heads"], num_kv_heads=layout["num_kv_heads"], head_dim=dim
         )
+        # The sinks (one a head) and per-head norms (of head_dim) fix the layout too.
+        check_weights(weights, num_hiddens=hidden, qk_norm=None, sinks=None, **layout)
     except ValueError as error:
         raise ValueError(
             f"the weights{where} have no head layout given {basis}: {error}"
         ) from error
+    return heads
 
 
 def check_stored_heads(
