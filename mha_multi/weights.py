@@ -275,6 +275,10 @@ def check_weights(
             array = np.asarray(value)
         except Exception as error:
             raise TypeError(f"weights[{name!r}] is not convertible to a numpy array") from error
+        if not array.dtype.isnative:
+            # (A file's big-endian arrays, which numpy keeps so: the same numbers in the
+            # host's order, which PyTorch takes alone.)
+            array = array.astype(array.dtype.newbyteorder("="))
         arrays[name] = array
     for name in KERNEL_NAMES:
         if name not in arrays:

@@ -280,6 +280,20 @@ def test_weights_round_trip_bit_exact(runner, bias, dtype):
     np.testing.assert_allclose(runner.call(layer, q, k, v, dtype=dtype), expected, atol=5e-6)
 
 
+def test_big_endian_weights_load_as_their_numbers(runner):
+    """Arrays of the other byte order (a file's, which numpy keeps so) load as the same
+    numbers in every backend (PyTorch refused them with its own error)."""
+    weights = init_weights(8, bias=True, seed=9)
+    swapped = {name: array.astype(array.dtype.newbyteorder(">")) for name, array in weights.items()}
+    layer, _ = built_layer(runner, bias=True)
+    got = runner.get_weights(runner.set_weights(layer, swapped))
+    for name, array in weights.items():
+        np.testing.assert_array_equal(got[name], array, err_msg=name)
+    q, k, v = inputs()
+    expected, _ = spec.reference_forward(weights, q, k, v, num_heads=2)
+    np.testing.assert_allclose(runner.call(layer, q, k, v), expected, rtol=0, atol=5e-6)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_grouped_weights_round_trip_and_load_strictly(runner, bias):
     heads = {"num_kv_heads": 2, "head_dim": 3}

@@ -105,6 +105,20 @@ def test_heads_given_are_checked_against_the_sinks_and_norms(tmp_path, option):
     assert load(path, num_heads=4)["sinks"].shape == (4,)
 
 
+@pytest.mark.parametrize(
+    ("destination", "name"),
+    [("a.safetensors", "torch-d2l"), ("b.npz", "torch-mha"), ("c.pt", "mxnet-d2l")],
+)
+def test_a_format_given_is_written_under_its_own_file_names_only(tmp_path, destination, name):
+    """A file named as another format's would be read back as that one (a PyTorch pickle
+    named .safetensors was written, and could not be read)."""
+    suffixes = " or ".join(FORMATS[name].suffixes)
+    refused = f"^path must end in {suffixes} for the {name} format; got "
+    with pytest.raises(ValueError, match=refused):
+        save(tmp_path / destination, init_weights(8), name, num_heads=2)
+    assert not (tmp_path / destination).exists()
+
+
 def test_numpy_extended_precision_is_no_canonical_dtype():
     weights = {name: array.astype(np.longdouble) for name, array in init_weights(8).items()}
     if np.dtype(np.longdouble).itemsize <= 8:

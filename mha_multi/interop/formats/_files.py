@@ -160,15 +160,22 @@ def save(
             checked against the weights' widths.
 
     Raises:
-        ValueError: an unknown format, invalid weights, weights the format
-            cannot express, or head options that are missing where needed or
-            do not fit the weights.
+        ValueError: an unknown format, a path whose name is no file name of
+            the format, invalid weights, weights the format cannot express,
+            or head options that are missing where needed or do not fit the
+            weights.
         ImportError: the format's framework is not installed.
         OSError: the file cannot be written.
     """
     options = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     name = detect_format(path, reading=False) if format is None else _record(format).name
     record = FORMATS[name]
+    if _suffix(path) not in record.suffixes:
+        # (A file named as another format's would be read back as that format.)
+        raise ValueError(
+            f"path must end in {' or '.join(record.suffixes)} for the {name} format; "
+            f"got {os.fspath(path)!r}"
+        )
     _check_options(options)
     check_heads_given(name, reading=False, **options)
     heads = resolve_heads(weights, **options)
