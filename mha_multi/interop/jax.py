@@ -176,7 +176,12 @@ def from_flax_nnx_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
             else kernel.reshape(num_heads * head_dim, -1)
         )
         if with_bias:
-            weights[f"b_{short}"] = host_array(tree[name]["bias"]).reshape(-1)
+            bias = host_array(tree[name]["bias"])
+            # Flax's shapes alone: a flat or transposed bias would reshape to other heads.
+            shape = (out.shape[2],) if short == "o" else kernel.shape[1:]
+            if bias.shape != shape:
+                raise ValueError(f"{name}/bias must have shape {shape}; got {bias.shape}")
+            weights[f"b_{short}"] = bias.reshape(-1)
     weights = {name: np.ascontiguousarray(array) for name, array in weights.items()}
     return check_weights(weights)[0]
 

@@ -116,8 +116,7 @@ def from_mxnet_d2l(block: gluon.Block) -> dict[str, np.ndarray]:
     params: dict[str, Any] = {}
     for layer in _LAYERS:
         dense = getattr(block, layer, None)
-        if not isinstance(dense, gluon.nn.Dense):
-            raise ValueError(f"{type(block).__name__} has no Dense block {layer!r}")
+        _check_dense(block, dense, layer)
         params[f"{layer}.weight"] = dense.weight
         if dense.bias is not None:
             params[f"{layer}.bias"] = dense.bias
@@ -141,8 +140,7 @@ def to_mxnet_d2l(
     denses = {}
     for layer in _LAYERS:
         dense = getattr(block, layer, None)
-        if not isinstance(dense, gluon.nn.Dense):
-            raise ValueError(f"{type(block).__name__} has no Dense block {layer!r}")
+        _check_dense(block, dense, layer)
         if (dense.bias is not None) != config.bias:
             raise ValueError(
                 f"{layer} has {'a' if dense.bias is not None else 'no'} bias but the weights "
@@ -162,6 +160,21 @@ def to_mxnet_d2l(
             )
         load_parameter(parameter, value, ctx)
     return block
+
+
+def _check_dense(block: gluon.Block, dense: Any, name: str) -> None:
+    """Refuses what is no d2l projection: no ``Dense`` block, or one with an activation
+    or that flattens its input (d2l's are linear, ``flatten=False``), which would give
+    the weights another computation."""
+    if not isinstance(dense, gluon.nn.Dense):
+        raise ValueError(f"{type(block).__name__} has no Dense block {name!r}")
+    if dense.act is not None:
+        raise ValueError(f"{name} has the activation {dense.act!r}; d2l's projections are linear")
+    if dense._flatten:
+        raise ValueError(
+            f"{name} flattens its input (flatten=True); d2l's projections take "
+            "flatten=False, each position on its own"
+        )
 
 
 def _reason(error: Exception) -> str:

@@ -163,6 +163,11 @@ def test_unsupported_native_options_are_refused():
     del params["key"]["bias"]
     with pytest.raises(ValueError, match="biases on some projections only"):
         from_flax_nnx_state(params)
+    # Flax's bias shapes alone: a flat or transposed one reshaped to other heads' biases.
+    params = to_flax_nnx_state(init_weights(8, bias=True), 2)
+    for bias in (params["query"]["bias"].reshape(-1), params["query"]["bias"].T):
+        with pytest.raises(ValueError, match=r"^query/bias must have shape \(2, 4\); got "):
+            from_flax_nnx_state({**params, "query": {**params["query"], "bias": bias}})
     with pytest.raises(ValueError, match=r"unexpected entries.*\['extra'\]"):
         from_flax_nnx_state({**to_flax_nnx_state(init_weights(8), 2), "extra": {}})
     with pytest.raises(ValueError, match=r"missing \['out'\]"):

@@ -318,6 +318,19 @@ def test_d2l_layer_bias_mismatch_is_a_clear_error():
         interop.from_keras_d2l(object())
 
 
+def test_a_d2l_layer_with_an_activation_is_refused_both_ways():
+    """d2l's projections are linear: one with an activation would convert to another
+    computation (its weights were read and loaded as they are)."""
+    d2l = D2lMultiHeadAttention(8, 2)
+    x = np.ones((1, 2, 8), np.float32)
+    d2l(x, x, x, np.array([2]))
+    d2l.W_k.activation = keras.activations.relu
+    with pytest.raises(ValueError, match="^W_k has the activation 'relu'; the canonical layer"):
+        interop.from_keras_d2l(d2l)
+    with pytest.raises(ValueError, match="^W_k has the activation 'relu'; the canonical layer"):
+        interop.to_keras_d2l(init_weights(8, seed=0), d2l)
+
+
 @pytest.mark.parametrize(
     ("options", "entry"), [({"sinks": True}, "sinks"), ({"qk_norm": {"scope": "heads"}}, "q_norm")]
 )

@@ -108,6 +108,25 @@ def test_ours_with_weights_beyond_the_projections_is_no_d2l_block(options, entry
         from_mxnet_d2l(ours)
 
 
+@pytest.mark.parametrize(
+    ("dense", "message"),
+    [
+        ({"activation": "relu"}, "W_k has the activation"),
+        ({"flatten": True}, r"W_k flattens its input \(flatten=True\)"),
+    ],
+)
+def test_a_d2l_block_with_other_projections_is_refused_both_ways(dense, message):
+    """d2l's projections are linear and take each position on its own: other Dense
+    blocks would convert to another computation (they were read and loaded as they are)."""
+    d2l = D2LMultiHeadAttention(8, 2)
+    d2l.W_k = mx.gluon.nn.Dense(8, use_bias=False, in_units=8, **dense)
+    d2l.initialize()
+    with pytest.raises(ValueError, match=message):
+        from_mxnet_d2l(d2l)
+    with pytest.raises(ValueError, match=message):
+        to_mxnet_d2l(init_weights(8, seed=0), d2l)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_params_round_trip_is_bit_exact(tmp_path, bias, dtype):

@@ -40,6 +40,7 @@ def from_keras_d2l(layer: Any) -> dict[str, np.ndarray]:
         if isinstance(projection, keras.Variable):  # ours: the kernel itself, b_* beside it
             kernel, bias = projection, getattr(layer, f"b_{name[-1]}", None)
         else:  # a Dense layer
+            _check_linear(projection, name)
             kernel, bias = projection.kernel, projection.bias
         weights[name] = _facts.host_array(kernel)
         if bias is not None:
@@ -64,6 +65,7 @@ def to_keras_d2l(weights: Mapping[str, Any], layer: Any) -> Any:
     arrays, config = check_weights(weights)
     for name in ("W_q", "W_k", "W_v", "W_o"):
         dense = getattr(layer, name)
+        _check_linear(dense, name)
         if not dense.built:
             raise ValueError(f"{name} is not built yet: call the layer once")
         if (dense.bias is not None) != config.bias:
@@ -80,3 +82,14 @@ def to_keras_d2l(weights: Mapping[str, Any], layer: Any) -> Any:
         if config.bias:
             dense.bias.assign(arrays[f"b_{name[-1]}"])
     return layer
+
+
+def _check_linear(dense: Any, name: str) -> None:
+    """Refuses a ``Dense`` projection with an activation: d2l's are linear, and the
+    canonical layer's, so its weights would convert to another computation."""
+    activation = getattr(dense, "activation", None)
+    if activation is not None and activation is not keras.activations.linear:
+        raise ValueError(
+            f"{name} has the activation {getattr(activation, '__name__', activation)!r}; "
+            "the canonical layer's projections are linear"
+        )
