@@ -31,14 +31,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--cases", required=True)
     run.add_argument("--out", required=True)
     run.add_argument("--devices", default="cpu,gpu", help="comma-separated devices, of cpu and gpu")
-    run.add_argument("backends", nargs="+")
+    run.add_argument(
+        "backends",
+        nargs="+",
+        help="the backends to run, of: " + ", ".join(_runner_names()),
+    )
     report = commands.add_parser("report", help="compare results and write report.md/json")
     report.add_argument("--results", required=True)
     report.add_argument("--cases", help="case directory (default: RESULTS/../cases)")
     report.add_argument("--out", required=True)
     report.add_argument("--expect", default="", help="comma-separated backends that must appear")
     args = parser.parse_args(argv)
+    try:
+        return _command(args, parser, argv)
+    except (ValueError, TypeError, OSError, ImportError) as error:
+        # Bad arguments and files, and missing frameworks, are the user's to fix: one
+        # line, as argparse reports its own errors (and python -m mha_multi its own).
+        # Other exceptions are bugs and keep their traceback.
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        return 2
 
+
+def _runner_names() -> list[str]:
+    from mha_multi.parity.runners import runner_names
+
+    return runner_names()
+
+
+def _command(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> int:
+    """The command ``args`` names; its exit status."""
     if args.command == "cases":
         from mha_multi.parity.cases import CACHED_CASES, CASES, write_cases
         from mha_multi.parity.packed_cases import PACKED_CASES
@@ -47,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[parity] wrote {len(paths)} cases to {args.directory}")
         return 0
     if args.command == "clean":
+        if os.path.lexists(args.directory) and not os.path.isdir(args.directory):
+            raise NotADirectoryError(f"{args.directory!r} is no results directory")
         shutil.rmtree(args.directory, ignore_errors=True)
         return 0
     if args.command == "run":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +53,11 @@ def _worse(current: Check | None, new: Check) -> Check:
 
 
 def _load(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as file:
-        return {name: file[name] for name in file.files}
+    try:
+        with np.load(path, allow_pickle=False) as file:
+            return {name: file[name] for name in file.files}
+    except (zipfile.BadZipFile, EOFError, ValueError, MemoryError) as error:
+        raise ValueError(f"{os.fspath(path)!r} is damaged: {error}") from error
 
 
 def build_report(
@@ -92,7 +96,13 @@ def build_report(
                 backend, "-", "-", failures=[f"no {', '.join(missing_files)}: the run did not end"]
             )
         for path in sorted((results_root / backend).glob("*.npz")):
-            device, dtype, case_name = path.stem.split("__")
+            parts = path.stem.split("__")
+            if len(parts) != 3 or parts[2] not in cases:
+                raise ValueError(
+                    f"{os.fspath(path)!r} is no result of these cases "
+                    f"(<device>__<dtype>__<case>.npz, a case of {os.fspath(cases_dir)!r})"
+                )
+            device, dtype, case_name = parts
             cell = cells.setdefault((backend, device, dtype), Cell(backend, device, dtype))
             results = _load(path)
             cell.cases += 1

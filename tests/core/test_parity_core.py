@@ -147,3 +147,35 @@ def test_a_run_that_left_results_out_fails(tmp_path, case_dir):
         "unfinished": ["- -: no meta.json, workflow.npy, importance.json: the run did not end"],
     }
     assert not report["passed"]
+
+
+def test_the_command_names_bad_arguments_and_files_in_one_line(tmp_path, case_dir, capsys):
+    """``python -m mha_multi.parity``: an unknown backend, a stray file among results, a
+    file given as results to clean: one line on stderr and exit status 2, as ``python -m
+    mha_multi`` reports them (tracebacks before, and clean removed nothing, said 0)."""
+    from mha_multi.parity.__main__ import main
+
+    stray = tmp_path / "results" / "torch" / "stray.npz"
+    stray.parent.mkdir(parents=True)
+    np.savez(stray, output=np.zeros(1))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    commands = {
+        "unknown backend 'bogus'": ["run", "--cases", str(case_dir), "--out", "o", "bogus"],
+        "stray.npz' is no result of these cases": [
+            "report",
+            "--results",
+            str(stray.parent.parent),
+            "--cases",
+            str(case_dir),
+            "--out",
+            str(tmp_path / "report"),
+        ],
+        "a_file' is no results directory": ["clean", str(a_file)],
+    }
+    for message, argv in commands.items():
+        assert main(argv) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("python -m mha_multi.parity: error: ")
+        assert message in lines[0]
+    assert a_file.exists()
