@@ -467,7 +467,7 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
                 return {name: archive[name] for name in archive.files}
         # What zipfile and zlib raise for damaged archives: a bad header can ask
         # for an unsupported feature or version, encryption, or a seek before
-        # the start of the file (OSError).
+        # the start of the file (OSError), or an array no memory holds.
         except (
             zipfile.BadZipFile,
             zlib.error,
@@ -475,6 +475,7 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
             NotImplementedError,
             RuntimeError,
             OSError,
+            MemoryError,
         ) as error:
             raise ValueError(
                 f"{path!r} is not a valid .npz file (truncated or corrupt): {error}"
@@ -493,7 +494,9 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
         raise ValueError(
             f"{path!r} is not a valid .safetensors file (truncated or corrupt): {error}"
         ) from error
-    except TypeError as error:  # a valid file of a dtype numpy lacks, e.g. bfloat16
+    # A valid file of a dtype numpy lacks: bfloat16 (TypeError), the float8 types
+    # (safetensors asks numpy for them by name: AttributeError).
+    except (TypeError, AttributeError) as error:
         raise TypeError(
             f"{path!r} holds a tensor numpy cannot represent ({error}); "
             "canonical weights are float16, float32 or float64"

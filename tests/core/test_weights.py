@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import zipfile
@@ -223,6 +224,28 @@ def test_bfloat16_safetensors_is_a_type_error(tmp_path):
         load_weights(path)
     assert str(info.value).startswith(f"{str(path)!r} holds a tensor numpy cannot represent (")
     assert "bfloat16" in str(info.value)
+
+
+def test_float8_safetensors_is_a_type_error(tmp_path):
+    # numpy has no float8 either: safetensors asked it for one by name (AttributeError).
+    header = json.dumps({"W_q": {"dtype": "F8_E4M3", "shape": [2, 2], "data_offsets": [0, 4]}})
+    path = tmp_path / "f8.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(4))
+    with pytest.raises(TypeError) as info:
+        load_weights(path)
+    assert str(info.value).startswith(f"{str(path)!r} holds a tensor numpy cannot represent (")
+
+
+def test_an_npz_member_claiming_more_than_memory_is_a_damaged_file(tmp_path):
+    path = tmp_path / "claims.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        header = io.BytesIO()
+        shape = {"descr": "<f4", "fortran_order": False, "shape": (2**21, 2**21)}
+        np.lib.format.write_array_header_1_0(header, shape)
+        archive.writestr("W_q.npy", header.getvalue() + bytes(64))
+    with pytest.raises(ValueError) as info:
+        load_weights(path)
+    assert str(info.value).startswith(f"{str(path)!r} is not a valid .npz file (truncated or ")
 
 
 @pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
