@@ -51,7 +51,10 @@ class FromCanonical:
             "head_dim": heads.head_dim,
             "sinks": SINKS_NAME in weights,
         }
-        layer = cls(config.num_hiddens, num_heads, **{**found, **kwargs})
+        # (num_hiddens among the arguments, as LayerConfig.kwargs() gives it: the same
+        # value, or a layer the weights do not fit, which loading them names.)
+        num_hiddens = kwargs.pop("num_hiddens", config.num_hiddens)
+        layer = cls(num_hiddens, num_heads, **{**found, **kwargs})
         return layer._load_canonical(weights)
 
     def _load_canonical(self: Layer, weights: Mapping[str, Any]) -> Layer:

@@ -517,6 +517,8 @@ def load_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """
     reader = _read_npz if _format(path) == ".npz" else _read_safetensors
     path = os.fspath(path)
+    if os.path.isdir(path):  # (safetensors' own error named no path)
+        raise IsADirectoryError(f"{path!r} is a directory, not a weights file")
     weights = reader(path)
     if not weights:
         raise ValueError(

@@ -19,6 +19,7 @@ from transformers_blocks import HIDDEN, batch
 from transformers_checkpoints import CHECKPOINTS, FOLDERS, results
 
 from mha_multi import spec
+from mha_multi.heads import prune_heads
 from mha_multi.interop.transformers import attention_layers
 from mha_multi.parity.compare import TOLERANCES
 from mha_multi.weights import init_weights
@@ -61,4 +62,20 @@ def test_from_canonical_reads_the_layout_from_the_weights(runner):
     inputs = [rng.standard_normal((2, 3, size)) for size in (6, 5, 4)]
     output = runner.forward(layer, *map(runner.to_native, inputs), None)
     expected, _ = spec.reference_forward(weights, *inputs, num_heads=4, sinks=True)
+    np.testing.assert_allclose(runner.to_numpy(output), expected, rtol=0, atol=FORWARD)
+
+
+def test_a_pruned_layer_is_made_from_its_weights_and_configuration(runner):
+    """``from_canonical(pruned, **config.kwargs())``, as the heads guide prunes: the
+    configuration's ``num_hiddens`` is the weights' (a TypeError, given twice, before)."""
+    if runner.name.endswith("linen"):
+        pytest.skip("a Linen module is built by its runner")
+    weights = init_weights(8, num_heads=4, seed=3)
+    pruned, config = prune_heads(weights, [1], num_heads=4)
+    layer_class = importlib.import_module(runner.package).MultiHeadAttention
+    layer = layer_class.from_canonical(pruned, **config.kwargs())
+    inputs = [np.random.default_rng(3).standard_normal((2, 3, 8)) for _ in range(3)]
+    output = runner.forward(layer, *map(runner.to_native, inputs), None)
+    gates = np.array([1.0, 0.0, 1.0, 1.0])
+    expected, _ = spec.reference_forward(weights, *inputs, num_heads=4, head_mask=gates)
     np.testing.assert_allclose(runner.to_numpy(output), expected, rtol=0, atol=FORWARD)

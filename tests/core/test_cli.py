@@ -119,6 +119,19 @@ def test_a_format_given_is_written_under_its_own_file_names_only(tmp_path, desti
     assert not (tmp_path / destination).exists()
 
 
+@pytest.mark.parametrize("name", ["w.safetensors", "w.npz", "w.params", "w.pt"])
+def test_a_directory_is_no_weights_file(tmp_path, name):
+    """Named, reading and writing, before any format's own reader or writer meets it
+    (safetensors named no path; MXNet's writer failed with a traceback)."""
+    directory = tmp_path / name
+    directory.mkdir()
+    with pytest.raises(IsADirectoryError, match="is a directory, not a weights file"):
+        save(directory, init_weights(8), num_heads=2)
+    if name.endswith((".npz", ".safetensors")):
+        with pytest.raises(IsADirectoryError, match="is a directory, not a weights file"):
+            load_weights(directory)
+
+
 def test_numpy_extended_precision_is_no_canonical_dtype():
     weights = {name: array.astype(np.longdouble) for name, array in init_weights(8).items()}
     if np.dtype(np.longdouble).itemsize <= 8:

@@ -170,6 +170,8 @@ def save(
     options = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     name = detect_format(path, reading=False) if format is None else _record(format).name
     record = FORMATS[name]
+    if os.path.isdir(path):  # (each writer failed its own way: MXNet with a traceback)
+        raise IsADirectoryError(f"{os.fspath(path)!r} is a directory, not a weights file")
     if _suffix(path) not in record.suffixes:
         # (A file named as another format's would be read back as that format.)
         raise ValueError(
