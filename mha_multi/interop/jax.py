@@ -337,6 +337,13 @@ def to_flax_nnx(
     state = nnx.state(module, nnx.Param)
     params = to_flax_nnx_state(arrays, num_heads, num_kv_heads=heads.num_kv_heads)
     current = nnx.to_pure_dict(state)
+    asked = np.dtype(kwargs.get("param_dtype", jnp.float32))
+    held = jax.tree.leaves(current)[0].dtype
+    if held != asked:  # (JAX without x64 holds float64 as float32: the weights would change)
+        raise ValueError(
+            f"JAX holds {asked} parameters as {held} without x64: "
+            "jax.config.update('jax_enable_x64', True) keeps them"
+        )
     typed = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), params, current)
     nnx.replace_by_pure_dict(state, typed)
     nnx.update(module, state)

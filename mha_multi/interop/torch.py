@@ -102,6 +102,19 @@ def from_torch_mha_state(state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]
         if missing:
             raise ValueError(f"state_dict is missing {missing} (and has no in_proj_weight)")
         kernels = [_numpy(state_dict[f"{p}_proj_weight"]) for p in "qkv"]
+        # torch.nn.MultiheadAttention's shapes: (embed_dim, embed_dim) queries, and
+        # (embed_dim, kdim|vdim) keys and values.
+        for p, kernel in zip("qkv", kernels, strict=True):
+            if (
+                kernel.ndim != 2
+                or kernel.shape[0] != embed_dim
+                or (p == "q" and kernel.shape[1] != embed_dim)
+            ):
+                width = "embed_dim" if p == "q" else "kdim" if p == "k" else "vdim"
+                raise ValueError(
+                    f"{p}_proj_weight must have shape (embed_dim, {width}) with embed_dim "
+                    f"{embed_dim} (out_proj.weight's); got {kernel.shape}"
+                )
     weights = {f"W_{p}": kernel.T for p, kernel in zip("qkv", kernels, strict=True)}
     weights["W_o"] = out_weight.T
     has_in_bias = state_dict.get("in_proj_bias") is not None
@@ -256,9 +269,11 @@ def from_torch_d2l(module: torch.nn.Module) -> dict[str, np.ndarray]:
     """Canonical weights of d2l's torch ``MultiHeadAttention`` (or ours).
 
     Raises:
+        TypeError: ``module`` is no ``torch.nn.Module``.
         ValueError: a parameter or buffer other than the projections', or
             weights that do not fit the canonical layer.
     """
+    _check_module(module)
     return from_torch_d2l_state(module.state_dict())
 
 
@@ -275,9 +290,11 @@ def to_torch_d2l(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.n
         ``module``.
 
     Raises:
+        TypeError: ``module`` is no ``torch.nn.Module``.
         ValueError: invalid weights, or a layer whose parameters differ in
             names or shapes.
     """
+    _check_module(module)
     state = to_torch_d2l_state(weights)
     try:
         module.load_state_dict(state, strict=True)
@@ -287,6 +304,11 @@ def to_torch_d2l(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.n
             f"the weights do not fit {type(module).__name__}: {' '.join(text.split())}"
         ) from error
     return module
+
+
+def _check_module(module: Any) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
 
 
 def _first_sentence(text: str) -> str:

@@ -237,12 +237,14 @@ def test_float64_weights_without_x64_are_refused_not_rounded():
         "variables_from_weights": lambda: linen.variables_from_weights(weights)["params"]["W_q"][
             "kernel"
         ],
+        # (Parameters of a float64 param_dtype, which JAX held as float32.)
+        "to_flax_nnx": lambda: to_flax_nnx(weights, 2, param_dtype=jnp.float64).query.kernel.value,
     }
     x64 = jax.config.jax_enable_x64
     try:
         jax.config.update("jax_enable_x64", False)
         for make in makers.values():
-            with pytest.raises(ValueError, match="JAX holds float64 weights as float32"):
+            with pytest.raises(ValueError, match="JAX holds float64 (weights|parameters) as float"):
                 make()
     finally:
         jax.config.update("jax_enable_x64", x64)

@@ -105,6 +105,21 @@ def test_what_is_no_state_or_module_is_named():
         from_torch_d2l_state([1, 2])
     with pytest.raises(TypeError, match="module must be a torch.nn.MultiheadAttention; got dict"):
         from_torch_mha({})
+    with pytest.raises(TypeError, match="^module must be a torch.nn.Module; got NoneType"):
+        from_torch_d2l(None)
+    with pytest.raises(TypeError, match="^module must be a torch.nn.Module; got NoneType"):
+        to_torch_d2l(init_weights(8), None)
+
+
+def test_separate_projections_of_other_shapes_than_torchs_are_named():
+    """torch.nn.MultiheadAttention's q_proj_weight is (embed_dim, embed_dim): one of 6
+    rows was blamed on in_proj_bias or W_o, one of 5 columns taken."""
+    state = torch.nn.MultiheadAttention(8, 2, kdim=3, vdim=4).state_dict()
+    for shape in ((6, 8), (8, 5)):
+        wrong = {**state, "q_proj_weight": torch.zeros(shape)}
+        expected = re.escape("q_proj_weight must have shape (embed_dim, embed_dim) with ")
+        with pytest.raises(ValueError, match=f"^{expected}.*got {re.escape(str(shape))}$"):
+            from_torch_mha_state(wrong)
 
 
 def test_the_native_heads_are_checked_as_the_layer_checks_them():
