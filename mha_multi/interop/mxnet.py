@@ -18,6 +18,7 @@ truncates it (2.5 shows 2 keys), while the spec's rule ``j < 2.5`` shows 3.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -198,7 +199,7 @@ def load_mxnet_d2l(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no such file: {path!r}")
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     try:
         try:
             loaded = npx.load(path)

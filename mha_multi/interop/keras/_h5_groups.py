@@ -7,6 +7,7 @@ for a model holding one ``keras.layers.MultiHeadAttention`` or
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -43,7 +44,7 @@ def _open_weights_file(path: str) -> Any:
     import h5py
 
     if not os.path.exists(path):  # h5py reports it as a plain OSError
-        raise FileNotFoundError(f"no such file: {path!r}")
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     try:
         return h5py.File(path, "r")
     except OSError as error:  # h5py's error for a file that is not HDF5, or is damaged
