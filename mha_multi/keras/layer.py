@@ -206,8 +206,11 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
         if kwargs.get("segment_ids") is not None:
             # (Keras would make int64 ids int32 on JAX, and has no uint64 on PyTorch.)
             kwargs["segment_ids"] = call.host_segment_ids(kwargs["segment_ids"])
-        if kwargs.get("positions") is not None:  # (no uint64 on PyTorch either)
-            kwargs["positions"] = call.host_positions(kwargs["positions"], index_dtype())
+        positions = kwargs.get("positions")
+        if positions is not None and not is_tensor(positions):  # (no uint64 on PyTorch either)
+            # (On the host alone: asking the backend its integers makes a tensor, which
+            # torch.compile's trace of a call would break at.)
+            kwargs["positions"] = call.host_positions(positions, index_dtype())
         if kwargs.get("bias") is not None:  # Keras would cast an integer array
             FACTS.as_bias(kwargs["bias"], None)
             call.host_bias(kwargs["bias"])

@@ -257,6 +257,31 @@ def test_torch_compile_takes_a_rotary_grouped_step_whole():
     assert backend.to_numpy(cache[2]).tolist() == [at] * 3
 
 
+@pytest.mark.skipif(backend.BACKEND != "torch", reason="torch.compile is PyTorch's")
+def test_torch_compile_takes_a_call_with_positions_whole():
+    """Keras on PyTorch: a call given its positions (a tensor) is one graph under
+    ``torch.compile(fullgraph=True)``: the check of positions on the host asked the backend
+    its integers, a tensor made inside the trace, where a tensor needs none."""
+    import torch
+    import torch._dynamo
+
+    rotary = {"theta": 100.0}
+    weights = grouped_weights(6, head_dim=4)
+    layer = MultiHeadAttention(**{**CONFIG, "head_dim": 4}, bias=True, rotary=rotary)
+    layer = set_weights(layer, weights)
+    x = sequences(6)["queries"]
+    positions = np.array([[4, 1, 7, 2, 0, 3]] * 3)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, p: layer(q, q, q, positions=p), fullgraph=True, backend="eager"
+    )
+    output = compiled(backend.to_native(x), torch.from_numpy(positions))
+    expected, _ = spec.reference_forward(
+        weights, x, x, x, **HEADS, rotary=rotary, positions=positions
+    )
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+
+
 # -- eager writes ------------------------------------------------------------------
 
 
