@@ -161,14 +161,19 @@ class StackedWeights:
     through :class:`StackedView`, whose gradient is each parameter's block.
     A compiled graph, and projections that are not packed, stack them anew
     at every call (a copy, part of a recorded graph). The view is kept for
-    the next call while the parameters lie where it does (their addresses
-    and sizes tell: the view holds that memory, so no other tensor can be
-    there).
+    the next call while the parameters lie where it does: each parameter is
+    still set to an alias of it as the view found it (the same storage,
+    offset, sizes and strides, :meth:`torch.Tensor.is_set_to`) and of its
+    dtype.
     """
 
     def __init__(self) -> None:
         self._key: list[Any] | None = None
         self._views: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # Each module's parameter table, and aliases of its weight and bias as the view
+        # found them: while every parameter is set to its alias (the same storage,
+        # offset, sizes and strides) and of its dtype, the view holds (no key made).
+        self._held: list[tuple[dict, torch.Tensor, torch.Tensor | None]] | None = None
 
     def __call__(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight, bias)`` of ``modules`` stacked along the output features."""
@@ -192,6 +197,28 @@ class StackedWeights:
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(weight, bias)`` of ``modules`` as views of their back-to-back parameters, for
         eager code that records no gradient; ``None`` where they are not back to back."""
+        held = self._held
+        if held is not None and len(held) == len(modules):
+            # Where the view was made, one call per parameter tells that it holds: a
+            # decoding step's cost is such calls (docs: "Fast paths").
+            try:
+                for module, (parameters, weight, bias) in zip(modules, held, strict=True):
+                    if module._parameters is not parameters:
+                        break
+                    p = parameters["weight"]
+                    if not p.is_set_to(weight) or p.dtype is not weight.dtype:
+                        break
+                    p = parameters["bias"]
+                    if bias is None:
+                        if p is not None:
+                            break
+                    elif p is None or not p.is_set_to(bias) or p.dtype is not bias.dtype:
+                        break
+                else:
+                    return self._views
+            except (RuntimeError, TypeError, NotImplementedError):
+                pass  # (a tensor of another kind set as a parameter's data: asked below)
+            self._key = self._held = None  # (moved: made again, strides included)
         try:
             # The parameter tables, not nn.Module's attribute lookup: every call asks.
             # (A loop, not a comprehension: a step's cost is such calls.)
@@ -207,11 +234,23 @@ class StackedWeights:
             weights = [table["weight"] for table in tables]
             with torch.no_grad():  # (a view of the storage, no part of any graph)
                 self._key, self._views = key, _views(weights, [table["bias"] for table in tables])
+                self._held = (
+                    None
+                    if self._views is None
+                    else [
+                        (
+                            table,
+                            table["weight"].detach(),
+                            None if table["bias"] is None else table["bias"].detach(),
+                        )
+                        for table in tables
+                    ]
+                )
         return self._views
 
     def clear(self) -> None:
         """Forgets the view (the parameters were packed anew: the old memory may go)."""
-        self._key = self._views = None
+        self._key = self._views = self._held = None
 
 
 class StackedView(torch.autograd.Function):

@@ -47,7 +47,16 @@ def test_shared_inputs_project_in_one_product(runner, cases, shared, name):
 
 
 @pytest.mark.parametrize(
-    "change", ["set_weights", "optimizer", "data", "data in place", "replaced", "converted"]
+    "change",
+    [
+        "set_weights",
+        "optimizer",
+        "data",
+        "data transposed",
+        "data in place",
+        "replaced",
+        "converted",
+    ],
 )
 def test_stacked_weights_follow_every_change_of_the_parameters(runner, cases, change):
     # Calls without gradients project with W_q/W_k/W_v stacked: after any change of
@@ -71,6 +80,8 @@ def test_stacked_weights_follow_every_change_of_the_parameters(runner, cases, ch
             optimizer.step()
         elif change == "data":
             layer.W_v.weight.data = torch.randn_like(layer.W_v.weight)
+        elif change == "data transposed":  # (the same memory, of other strides)
+            layer.W_v.weight.data = layer.W_v.weight.data.t()
         elif change == "data in place":
             layer.W_v.weight.data.mul_(2)
         elif change == "replaced":
