@@ -43,7 +43,8 @@ qk_norm: ``None``, or the RMSNorm of the projected queries and keys
     # The Flax modules' (NNX and Linen) computation settings.
     "flax_compute_args": """\
 dtype: computation dtype; ``None`` promotes inputs and parameters.
-param_dtype: dtype of the parameters.
+param_dtype: dtype of the parameters. float64 (either) needs JAX's x64,
+    without which JAX holds float32: refused (``ValueError``).
 precision: precision of every matrix product.
 implementation: which attention kernel runs when the weights are not
     requested and dropout is off: ``None`` (cuDNN's for 16-bit inputs

@@ -464,7 +464,13 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
         stream.seek(0)
         try:
             with np.load(stream, allow_pickle=False) as archive:
-                return {name: archive[name] for name in archive.files}
+                names = archive.files
+                # (A zip archive may hold a name twice, or as name and name.npy: numpy
+                # would read the last of them, with no word.)
+                twice = sorted({name for name in names if names.count(name) > 1})
+                if twice:
+                    raise ValueError(f"it holds {', '.join(map(repr, twice))} twice")
+                return {name: archive[name] for name in names}
         # What zipfile and zlib raise for damaged archives: a bad header can ask
         # for an unsupported feature or version, encryption, or a seek before
         # the start of the file (OSError), or an array no memory holds.

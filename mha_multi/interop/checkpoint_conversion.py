@@ -127,11 +127,46 @@ def _manifest(out: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{os.fspath(out)!r} has no {MANIFEST} (a converted folder's)")
     try:
         manifest = json.loads(path.read_text())
-        if not isinstance(manifest["layers"], list):
-            raise TypeError("layers")
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{os.fspath(path)!r} is not a converted folder's manifest") from error
+    except ValueError as error:
+        raise ValueError(
+            f"{os.fspath(path)!r} is not a converted folder's manifest: {error}"
+        ) from error
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise ValueError(f"{os.fspath(path)!r} is not a converted folder's manifest: {problem}")
     return manifest
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What a manifest lacks of :data:`MANIFEST`'s form, in words; ``None`` where nothing.
+
+    Each layer's ``weights`` must name a file of the folder itself: a manifest
+    read back is a file like any other, which may have been edited.
+    """
+    if not isinstance(manifest, dict):
+        return "it is no JSON object"
+    if not isinstance(manifest.get("model_type"), str):
+        return "its model_type is no string"
+    layers = manifest.get("layers")
+    if not isinstance(layers, list):
+        return "its layers are no list"
+    for position, entry in enumerate(layers):
+        if not (
+            isinstance(entry, dict)
+            and type(entry.get("index")) is int
+            and isinstance(entry.get("weights"), str)
+            and isinstance(entry.get("kwargs"), dict)
+        ):
+            return (
+                f"its layers[{position}] is not {{'index': int, 'weights': str, 'kwargs': dict}}"
+            )
+        name = entry["weights"]
+        if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            return f"layer {entry['index']}'s weights {name!r} is no file name of the folder"
+    indices = [entry["index"] for entry in layers]
+    if len(set(indices)) != len(indices):
+        return "it lists a layer twice"
+    return None
 
 
 def is_converted(path: str | os.PathLike[str]) -> bool:

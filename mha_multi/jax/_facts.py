@@ -132,6 +132,27 @@ def weight_array(array: np.ndarray) -> jax.Array:
     return converted
 
 
+def check_held_dtype(name: str, dtype: DTypeLike | None) -> None:
+    """Refuses a dtype that JAX holds as another (float64 as float32 without x64): a
+    layer asked for it would compute in float32, with JAX's warning alone.
+
+    Raises:
+        ValueError: ``name`` is such a dtype.
+    """
+    if dtype is None:
+        return
+    try:
+        asked = np.dtype(dtype)
+    except TypeError:
+        return  # (no dtype: Flax's own check names it)
+    held = jax.dtypes.canonicalize_dtype(asked)
+    if held != asked:
+        raise ValueError(
+            f"{name} {asked}: JAX holds {asked} arrays as {held} without x64: "
+            "jax.config.update('jax_enable_x64', True) keeps them"
+        )
+
+
 def host_array(x: Any) -> np.ndarray:
     """A JAX array (or an ``nnx.Variable``) as a numpy copy in a canonical dtype.
 

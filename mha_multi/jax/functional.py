@@ -172,10 +172,12 @@ def init_cache(
     Raises:
         TypeError: ``batch_size`` or ``max_length`` not an int, or ``dtype``
             not floating.
-        ValueError: ``batch_size`` or ``max_length`` negative.
+        ValueError: ``batch_size`` or ``max_length`` negative, or ``dtype``
+            float64 without JAX's x64 (which would hold float32).
     """
     shape = spec.cache_shape(batch_size, max_length, heads)
     spec.check_new_cache_dtype(dtype, dtype_kind)
+    _facts.check_held_dtype("dtype", dtype)
     # Two buffers, not one shared: a jit step may donate keys and values.
     keys, values = (jnp.zeros(shape, dtype, device=device) for _ in range(2))
     return spec.KVCache(keys, values, jnp.zeros(shape[:1], jnp.int32, device=device))

@@ -17,7 +17,7 @@ from jax.typing import DTypeLike
 from mha_multi import _docs, call, spec
 from mha_multi.canonical_layer import FromCanonical
 from mha_multi.jax import _plan, functional
-from mha_multi.jax._facts import JaxFacts, host_array
+from mha_multi.jax._facts import JaxFacts, check_held_dtype, host_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.jax._projections import WeightsProjections
@@ -125,6 +125,8 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
         self.dropout = float(dropout)
         self.bias = spec.check_flag("bias", bias)
         self.deterministic = spec.check_flag("deterministic", deterministic)
+        check_held_dtype("dtype", dtype)
+        check_held_dtype("param_dtype", param_dtype)
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -218,7 +220,8 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
         Raises:
             TypeError: ``batch_size`` or ``max_length`` not an int, or
                 ``dtype`` not floating.
-            ValueError: ``batch_size`` or ``max_length`` negative.
+            ValueError: ``batch_size`` or ``max_length`` negative, or
+                ``dtype`` float64 without JAX's x64.
         """
         kernel = self.W_q.kernel[...]
         if dtype is None:

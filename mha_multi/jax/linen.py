@@ -22,7 +22,7 @@ from jax.typing import DTypeLike
 
 from mha_multi import _docs, call, spec
 from mha_multi.jax import functional
-from mha_multi.jax._facts import JaxFacts, host_array, weight_array
+from mha_multi.jax._facts import JaxFacts, check_held_dtype, host_array, weight_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.jax._projections import Projection, WeightsProjections
@@ -110,6 +110,8 @@ class MultiHeadAttention(nn.Module):
         )
         check_implementation(self.implementation)
         spec.check_flag("bias", self.bias)
+        check_held_dtype("dtype", self.dtype)
+        check_held_dtype("param_dtype", self.param_dtype)
         _layer_options(self)  # (a function: Flax wraps a method, which needs a scope)
         super().__post_init__()
 
@@ -144,7 +146,8 @@ class MultiHeadAttention(nn.Module):
         Raises:
             TypeError: ``batch_size`` or ``max_length`` not an int, or
                 ``dtype`` not floating.
-            ValueError: ``batch_size`` or ``max_length`` negative.
+            ValueError: ``batch_size`` or ``max_length`` negative, or
+                ``dtype`` float64 without JAX's x64.
         """
         if dtype is None:
             dtype = self.param_dtype if self.dtype is None else self.dtype

@@ -18,6 +18,7 @@ import numpy as np
 
 from mha_multi import spec
 from mha_multi.keras._facts import device_scope
+from mha_multi.keras._ops import check_held_dtype
 from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [
@@ -70,8 +71,9 @@ def native_layer(
 
     Raises:
         ValueError: invalid weights, ``num_hiddens`` not divisible by
-            ``num_heads``, or a head layout other than d2l's
-            (:func:`check_native_mha_layout`).
+            ``num_heads``, a head layout other than d2l's
+            (:func:`check_native_mha_layout`), or a float64 ``dtype`` on
+            Keras' JAX backend without x64.
     """
     arrays, config = check_weights(weights)
     check_native_mha_layout(config)
@@ -84,6 +86,7 @@ def native_layer(
             output_shape=None if config.query_size == config.num_hiddens else config.num_hiddens,
             **kwargs,
         )
+        _check_held_dtypes(layer)
         layer.build(
             (None, None, config.query_size),
             (None, None, config.value_size),
@@ -217,7 +220,8 @@ def native_gqa_layer(
         ``(B, K, key_size|value_size)`` keys and values.
 
     Raises:
-        ValueError: as :func:`gqa_state`.
+        ValueError: as :func:`gqa_state`, or a float64 ``dtype`` on Keras' JAX
+            backend without x64.
     """
     state = gqa_state(weights, num_heads, num_kv_heads=num_kv_heads)
     in_features = {name: state[f"{name}/kernel"].shape[0] for name in ("query", "key", "value")}
@@ -226,6 +230,7 @@ def native_gqa_layer(
         layer = keras.layers.GroupQueryAttention(
             head_dim, num_heads, num_kv_heads, use_bias="query/bias" in state, **kwargs
         )
+        _check_held_dtypes(layer)
         layer.build(
             (None, None, in_features["query"]),
             (None, None, in_features["value"]),
@@ -236,3 +241,11 @@ def native_gqa_layer(
         if dense.bias is not None:
             dense.bias.assign(state[f"{name}/bias"])
     return layer
+
+
+def _check_held_dtypes(layer: keras.layers.Layer) -> None:
+    """Refuses a float64 ``dtype`` that the backend would hold as float32 (Keras on JAX
+    without x64): the layer would not compute what was asked."""
+    policy = layer.dtype_policy
+    check_held_dtype("dtype", policy.variable_dtype)
+    check_held_dtype("dtype", policy.compute_dtype)

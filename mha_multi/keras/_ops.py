@@ -146,6 +146,24 @@ def index_dtype() -> str:
     return keras.backend.standardize_dtype(ops.convert_to_tensor(np.zeros(0, np.int64)).dtype)
 
 
+def check_held_dtype(name: str, dtype: str) -> None:
+    """Refuses float64 where the active backend holds it as float32 (Keras on JAX
+    without ``jax_enable_x64``, with JAX's warning alone): a layer or cache asked
+    for it would compute in float32.
+
+    Raises:
+        ValueError: ``name`` is such a dtype.
+    """
+    if dtype != "float64":
+        return
+    held = keras.backend.standardize_dtype(ops.convert_to_tensor(np.zeros(0, dtype)).dtype)
+    if held != dtype:
+        raise ValueError(
+            f"{name} {dtype}: Keras' {keras.backend.backend()} backend holds {dtype} arrays "
+            f"as {held} without x64: jax.config.update('jax_enable_x64', True) keeps them"
+        )
+
+
 class KerasOps:
     """:class:`mha_multi.spec.ArrayOps` on ``keras.ops`` (any Keras backend).
 

@@ -26,7 +26,7 @@ from mha_multi.keras._facts import (
     host_array,
     values_readable,
 )
-from mha_multi.keras._ops import OPS, is_16_bit, matmul_16_bit
+from mha_multi.keras._ops import OPS, check_held_dtype, is_16_bit, matmul_16_bit
 from mha_multi.keras.sharding import cache_layout, check_variable_layout
 from mha_multi.weights import (
     BIAS_NAMES,
@@ -257,7 +257,8 @@ class ProjectionLayer(keras.layers.Layer):
         Raises:
             TypeError: ``batch_size`` or ``max_length`` is not an int, or
                 ``dtype`` is not floating.
-            ValueError: either is negative.
+            ValueError: either is negative, or ``dtype`` is float64 on JAX
+                without x64 (which would hold float32).
         """
         shape = spec.cache_shape(batch_size, max_length, self._heads)
         if dtype is None:
@@ -265,6 +266,7 @@ class ProjectionLayer(keras.layers.Layer):
         else:
             spec.check_new_cache_dtype(dtype, _dtype_kind)
             dtype = keras.backend.standardize_dtype(dtype)
+            check_held_dtype("dtype", dtype)
         variable = self.W_o.value
         # A traced value (stateless_call under jax.jit) has no device to ask;
         # the trace places the cache.

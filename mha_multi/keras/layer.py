@@ -30,7 +30,7 @@ from mha_multi.keras._facts import (
     floating_array,
     is_tensor,
 )
-from mha_multi.keras._ops import OPS, index_dtype
+from mha_multi.keras._ops import OPS, check_held_dtype, index_dtype
 from mha_multi.keras._projections import PROJECTIONS, ProjectionLayer, get_weights, set_weights
 from mha_multi.weights import SINKS_NAME
 
@@ -107,7 +107,9 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
         bias_initializer: initializer of the ``b_*`` biases.
         seed: seed of the dropout's ``keras.random.SeedGenerator``.
         **kwargs: ``keras.layers.Layer`` arguments (``name``, ``dtype``,
-            ``trainable``...).
+            ``trainable``...). A float64 ``dtype`` on Keras' JAX backend
+            needs ``jax_enable_x64``, without which JAX holds float32:
+            refused (``ValueError``).
     """
 
     def __init__(
@@ -138,6 +140,9 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
+        policy = self.dtype_policy
+        check_held_dtype("dtype", policy.variable_dtype)
+        check_held_dtype("dtype", policy.compute_dtype)
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
         self.options = spec.LayerOptions(
             rotary, alibi, window, softcap, sinks, qk_norm=qk_norm

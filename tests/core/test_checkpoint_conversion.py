@@ -286,6 +286,47 @@ def test_options_that_do_not_apply_are_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "out"]
 
 
+def _error(function, *args):
+    with pytest.raises(ValueError) as info:
+        list(function(*args))
+    return str(info.value)
+
+
+def _edit_layer(**fields):
+    def change(manifest):
+        manifest["layers"][0].update(fields)
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda m: m.pop("model_type"), "its model_type is no string"),
+        (lambda m: m.update(layers={"0": {}}), "its layers are no list"),
+        (lambda m: m["layers"][0].pop("index"), "its layers[0] is not {'index': int, 'weights': str"),
+        (_edit_layer(index="1"), "is not {'index': int"),
+        (_edit_layer(index=True), "is not {'index': int"),
+        (_edit_layer(kwargs=None), "is not {'index': int"),
+        (_edit_layer(weights="../model/model.safetensors"), "is no file name of the folder"),
+        (_edit_layer(weights=""), "is no file name of the folder"),
+        (lambda m: m["layers"].append(dict(m["layers"][0])), "it lists a layer twice"),
+    ],
+)
+def test_a_damaged_manifest_is_named_not_a_key_error(tmp_path, change, problem):
+    out = tmp_path / "out"
+    assert main(["convert", str(FOLDERS / "qwen3"), str(out), "--layers", "1"]) == 0
+    manifest = json.loads((out / MANIFEST).read_text())
+    change(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    shutil.copytree(FOLDERS / "qwen3", tmp_path / "model")
+    before = (tmp_path / "model" / "model.safetensors").read_bytes()
+    named = f"{str(out / MANIFEST)!r} is not a converted folder's manifest: "
+    for message in (convert_error(out, tmp_path / "model"), _error(converted_layers, out)):
+        assert named in message and problem in message, message
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == before
+
+
 def test_the_command_exits_2_with_one_line(tmp_path):
     missing = tmp_path / "nothing"
     missing.mkdir()

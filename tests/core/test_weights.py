@@ -117,6 +117,26 @@ def test_npz_load_refuses_pickles(tmp_path):
     )
 
 
+@pytest.mark.parametrize("member", ["W_q.npy", "W_q"])
+def test_npz_load_refuses_a_name_held_twice(tmp_path, member):
+    """A zip archive may hold a member twice (appended), or as ``W_q`` beside
+    ``W_q.npy``: numpy reads the last, which is no choice to make silently."""
+    import io
+    import warnings
+    import zipfile
+
+    path = tmp_path / "weights.npz"
+    save_weights(path, init_weights(4))
+    stream = io.BytesIO()
+    np.save(stream, np.full((4, 4), 7.0, np.float32))
+    with zipfile.ZipFile(path, "a") as archive, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (zipfile's "Duplicate name")
+        archive.writestr(member, stream.getvalue())
+    with pytest.raises(ValueError) as info:
+        load_weights(path)
+    assert str(info.value) == f"{str(path)!r} is not a valid .npz file: it holds 'W_q' twice"
+
+
 def saved(tmp_path, suffix):
     path = tmp_path / f"weights{suffix}"
     save_weights(path, init_weights(8, bias=True, seed=1))

@@ -678,3 +678,32 @@ def test_mode_flags_that_are_no_bools_are_refused():
     # Numpy's bools are bools.
     out = module.apply(variables, x, x, x, training=np.False_)
     np.testing.assert_array_equal(out, module.apply(variables, x, x, x))
+
+
+def test_a_float64_layer_or_cache_without_x64_is_refused_not_computed_in_float32():
+    """Without x64 JAX holds float64 as float32: a layer asked for float64 computed in
+    float32 with JAX's warning alone. With x64 the same calls give float64."""
+    makers = {
+        "nnx dtype": lambda: MultiHeadAttention(8, 2, dtype=jnp.float64),
+        "nnx param_dtype": lambda: MultiHeadAttention(8, 2, param_dtype=jnp.float64),
+        "linen param_dtype": lambda: linen.MultiHeadAttention(8, 2, param_dtype=jnp.float64),
+        "linen dtype": lambda: linen.MultiHeadAttention(8, 2, dtype="float64"),
+        "init_cache": lambda: MultiHeadAttention(8, 2).init_cache(1, 4, dtype=jnp.float64),
+    }
+    x64 = jax.config.jax_enable_x64
+    try:
+        jax.config.update("jax_enable_x64", False)
+        for name, make in makers.items():
+            with pytest.raises(
+                ValueError,
+                match="^dtype float64: JAX holds float64 arrays as float32"
+                if "param" not in name
+                else "^param_dtype float64: JAX holds",
+            ):
+                make()
+        jax.config.update("jax_enable_x64", True)
+        x = np.ones((1, 3, 8))
+        assert MultiHeadAttention(8, 2, dtype=jnp.float64)(x, x, x).dtype == jnp.float64
+        assert makers["init_cache"]().keys.dtype == jnp.float64
+    finally:
+        jax.config.update("jax_enable_x64", x64)

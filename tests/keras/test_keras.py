@@ -11,6 +11,7 @@ keras = pytest.importorskip("keras")
 from keras_testing import COPY_KEYWORD_WARNING, inputs, keras_runner  # noqa: E402, F401
 
 from mha_multi import spec  # noqa: E402
+from mha_multi.interop.keras import to_keras_gqa, to_keras_mha  # noqa: E402
 from mha_multi.keras import MultiHeadAttention, get_weights, set_weights  # noqa: E402
 from mha_multi.parity.harness import keras as backend  # noqa: E402
 from mha_multi.weights import init_weights  # noqa: E402
@@ -125,6 +126,33 @@ def test_a_training_flag_that_is_no_bool_is_refused():
     x = keras.ops.ones((2, 3, 8))
     with pytest.raises(TypeError, match="training must be a bool; got 'False'"):
         layer(x, x, x, training="False")
+
+
+@pytest.mark.skipif(backend.BACKEND != "jax", reason="jax_enable_x64 is JAX's")
+def test_a_float64_layer_or_cache_without_x64_is_refused_not_computed_in_float32():
+    """Keras on JAX without x64 holds float64 as float32: a float64 layer's variables
+    said float64 while its outputs were float32. With x64, float64 throughout."""
+    import jax
+
+    x64 = jax.config.jax_enable_x64
+    try:
+        jax.config.update("jax_enable_x64", False)
+        with pytest.raises(ValueError, match="^dtype float64: Keras' jax backend holds float64"):
+            MultiHeadAttention(8, 2, dtype="float64")
+        with pytest.raises(ValueError, match="^dtype float64: Keras' jax backend holds float64"):
+            MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8).init_cache(
+                1, 4, dtype="float64"
+            )
+        weights = init_weights(8, num_heads=2, seed=0)
+        for convert in (to_keras_mha, lambda w, h, **kw: to_keras_gqa(w, num_heads=h, **kw)):
+            with pytest.raises(ValueError, match="^dtype float64: Keras' jax backend holds"):
+                convert(weights, 2, dtype="float64")
+        jax.config.update("jax_enable_x64", True)
+        layer = MultiHeadAttention(8, 2, dtype="float64")
+        x = np.ones((1, 3, 8))
+        assert keras.backend.standardize_dtype(layer(x, x, x).dtype) == "float64"
+    finally:
+        jax.config.update("jax_enable_x64", x64)
 
 
 @pytest.mark.skipif(backend.BACKEND != "jax", reason="jax_enable_x64 is JAX's")

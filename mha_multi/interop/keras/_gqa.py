@@ -183,7 +183,8 @@ def to_keras_gqa(
         ``(query, value, key)``.
 
     Raises:
-        ValueError: as :func:`to_keras_gqa_state`, or a keyword refused above.
+        ValueError: as :func:`to_keras_gqa_state`, a keyword refused above, or a
+            float64 ``dtype`` on Keras' JAX backend without x64 (which holds float32).
     """
     fixed = sorted({"head_dim", "num_query_heads", "num_key_value_heads", "use_bias"} & set(kwargs))
     if fixed:

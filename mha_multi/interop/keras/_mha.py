@@ -203,8 +203,9 @@ def to_keras_mha(
     Raises:
         ValueError: invalid weights, ``num_hiddens`` not divisible by
             ``num_heads``, grouped key/value heads or an explicit ``head_dim``
-            (:func:`to_keras_gqa` holds those), a keyword the weights fix, or
-            one that makes a layer the canonical one is not.
+            (:func:`to_keras_gqa` holds those), a keyword the weights fix,
+            one that makes a layer the canonical one is not, or a float64
+            ``dtype`` on Keras' JAX backend without x64 (which holds float32).
     """
     fixed = sorted({"key_dim", "value_dim", "use_bias", "output_shape"} & set(kwargs))
     if fixed:
