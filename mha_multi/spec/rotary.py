@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from mha_multi.spec.checks import check_positive_int, check_positive_real
-from mha_multi.spec.ops import Array, ArrayOps, NumpyOps
+from mha_multi.spec.ops import Array, ArrayOps
 from mha_multi.spec.rotary_scaling import (
     Llama3Scaling,
     RotaryScaling,
@@ -106,8 +106,8 @@ class Rotary:
         if self.scaling is None:
             return inv
         if self.depends_on_length:
-            at = np.float64(0 if length is None else length)
-            return self.scaling.at_length(NumpyOps(), np.asarray, inv, at)
+            at = float(0 if length is None else length)
+            return self.scaling.at_length(_HOST_LENGTH, np.asarray, inv, at)
         return self.scaling.frequencies(inv, self.theta, self.dim(head_dim))
 
     def default_frequencies(self, head_dim: int) -> np.ndarray:
@@ -162,6 +162,33 @@ def rotary_length(ops: ArrayOps, positions: Array, other: Array | None = None) -
         return 0
     joined = arrays[0] if len(arrays) == 1 else ops.concat_last(arrays)
     return ops.largest(joined) + 1
+
+
+class _HostLength:
+    """The operations :meth:`RotaryScaling.at_length` asks of a length known on the
+    host, a Python float: its comparisons and products are Python's, the numbers of
+    float64 arrays. (A tracer, ``torch.compile``'s, evaluates Python's numbers as it
+    traces; numpy's 0-d arrays it would trace as tensors, whose dtype it cannot read.)
+    """
+
+    @staticmethod
+    def greater_equal(x: float, y: float) -> bool:
+        return x >= y
+
+    @staticmethod
+    def where(condition: bool, x: float, fill: float) -> float:
+        return x if condition else fill
+
+    @staticmethod
+    def dtype(x: Any) -> None:
+        return None  # (what cast takes below: a Python float)
+
+    @staticmethod
+    def cast(x: bool, dtype: None) -> float:
+        return float(x)
+
+
+_HOST_LENGTH: Any = _HostLength()
 
 
 def rotary_tables(

@@ -304,7 +304,10 @@ def _edit_layer(**fields):
     [
         (lambda m: m.pop("model_type"), "its model_type is no string"),
         (lambda m: m.update(layers={"0": {}}), "its layers are no list"),
-        (lambda m: m["layers"][0].pop("index"), "its layers[0] is not {'index': int, 'weights': str"),
+        (
+            lambda m: m["layers"][0].pop("index"),
+            "its layers[0] is not {'index': int, 'weights': str",
+        ),
         (_edit_layer(index="1"), "is not {'index': int"),
         (_edit_layer(index=True), "is not {'index': int"),
         (_edit_layer(kwargs=None), "is not {'index': int"),

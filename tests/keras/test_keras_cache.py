@@ -282,6 +282,37 @@ def test_torch_compile_takes_a_call_with_positions_whole():
     np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
 
 
+@pytest.mark.skipif(backend.BACKEND != "torch", reason="torch.compile is PyTorch's")
+def test_torch_compile_takes_a_call_rotated_by_its_length_whole():
+    """Keras on PyTorch: LongRoPE's frequencies depend on a call's length, a number on the
+    host where shapes are static, computed in Python's numbers under
+    ``torch.compile(fullgraph=True)`` (numpy's 0-d arrays broke the graph), beyond the
+    original context too."""
+    import torch
+    import torch._dynamo
+
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.5],
+        "long_factor": [2.0, 3.0],
+        "original_max_position_embeddings": 4,
+        "factor": 2.0,
+    }
+    rotary = {"theta": 100.0, "scaling": scaling}
+    weights = grouped_weights(7, head_dim=4)
+    layer = MultiHeadAttention(**{**CONFIG, "head_dim": 4}, bias=True, rotary=rotary)
+    layer = set_weights(layer, weights)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q: layer(q, q, q, causal=True), fullgraph=True, dynamic=False, backend="eager"
+    )
+    for length in (3, 6):
+        x = sequences(7, length)["queries"]
+        expected, _ = spec.reference_forward(weights, x, x, x, **HEADS, rotary=rotary, causal=True)
+        output = compiled(backend.to_native(x))
+        np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+
+
 # -- eager writes ------------------------------------------------------------------
 
 
