@@ -157,9 +157,7 @@ def _manifest_problem(manifest: Any) -> str | None:
             and isinstance(entry.get("weights"), str)
             and isinstance(entry.get("kwargs"), dict)
         ):
-            return (
-                f"its layers[{position}] is not {{'index': int, 'weights': str, 'kwargs': dict}}"
-            )
+            return f"its layers[{position}] is not {{'index': int, 'weights': str, 'kwargs': dict}}"
         name = entry["weights"]
         if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
             return f"layer {entry['index']}'s weights {name!r} is no file name of the folder"

@@ -67,9 +67,11 @@ from mha_multi.interop.families import (
 from mha_multi.interop.formats import check_heads_given, llama_prefixes, resolve_heads
 from mha_multi.interop.fused_projections import FUSED_PROJECTIONS, fused_layout_of
 from mha_multi.interop.llama_state import (
+    PROJECTIONS,
     _canonical_arrays,
     _checked,
     block_arguments,
+    fold_scale,
     from_llama_state,
     llama_arrays,
     llama_config,
@@ -169,7 +171,9 @@ def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Mo
 
     The module tells its layout: separate ``q_proj``, ``k_proj``, ``v_proj``,
     or a fused projection of :data:`FUSED_PROJECTIONS` (Phi-3's ``qkv_proj``),
-    which then gets their rows joined.
+    which then gets their rows joined; and its score scale, which
+    :func:`from_llama` folds into the weights (Gemma's
+    ``query_pre_attn_scalar``): it is taken out of them here.
 
     Raises:
         ValueError: the module's configuration, entries or shapes differ
@@ -184,13 +188,28 @@ def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Mo
         actual = getattr(config, field, None)
         if hasattr(config, field) and actual != value:
             raise ValueError(f"the module's config has {field}={actual}; the weights need {value}")
+    # The block scales its scores by its own factor (Gemma's query_pre_attn_scalar),
+    # which from_llama folded into the weights: taken out again, as a checkpoint's
+    # layers are written back.
+    heads, arrays, _ = _checked(weights, num_heads, config.num_key_value_heads)
+    factor = float(module.scaling) * float(np.sqrt(heads.head_dim))
+    if factor != 1.0:
+        fold_scale(arrays, 1.0 / factor, qk_norm_of(module))
     reference = module.state_dict()
     state = to_llama_state(
-        weights,
+        arrays,
         num_heads=num_heads,
         num_kv_heads=config.num_key_value_heads,
         layout=fused_layout_of(reference),
     )
+    output_bias = f"{PROJECTIONS['o']}.bias"
+    if output_bias in state and output_bias not in reference:
+        # (A block whose output has no bias, Qwen2's, converts with b_o = 0.)
+        if torch.any(state[output_bias] != 0):
+            raise ValueError(
+                f"{type(module).__name__} has no {output_bias}; the weights' b_o is not zero"
+            )
+        del state[output_bias]
     if (SINKS_NAME in state) != (SINKS_NAME in reference):
         has = "has" if SINKS_NAME in reference else "has no"
         raise ValueError(

@@ -20,6 +20,8 @@ from mha_multi.weights import init_weights
 
 transformers = pytest.importorskip("transformers")
 from llama_support import llama_attention, llama_output  # noqa: E402
+from transformers_blocks import MODELS  # noqa: E402
+from transformers_blocks import block as transformers_block  # noqa: E402
 
 # (num_heads, num_kv_heads, head_dim): GQA with a head size of its own, MQA, MHA. (transformers
 # wants an even head_dim and a hidden_size that num_heads divides.)
@@ -289,3 +291,19 @@ def test_a_block_from_llama_does_not_know_is_refused(make, match):
     with pytest.raises(ValueError, match=match):
         converted = from_llama(block)
     assert converted is None
+
+
+@pytest.mark.parametrize("model", [name for name in MODELS if name != "bloom"])
+def test_every_known_block_takes_its_weights_back(model):
+    """``to_llama(from_llama(block)[0], fresh)`` gives ``block``'s state: what the way in
+    folds into the weights (Gemma's score scale, into ``W_q`` or ``q_norm``) the way
+    back takes out (it was loaded folded: Gemma 2's queries scaled twice)."""
+    block, _ = transformers_block(model)
+    weights, _ = from_llama(block)
+    fresh, _ = transformers_block(model, seed=1)
+    assert not all(torch.equal(fresh.state_dict()[n], t) for n, t in block.state_dict().items())
+    to_llama(weights, fresh)
+    for name, tensor in block.state_dict().items():
+        np.testing.assert_allclose(
+            fresh.state_dict()[name].numpy(), tensor.numpy(), rtol=1e-15, atol=1e-15, err_msg=name
+        )
