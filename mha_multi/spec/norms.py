@@ -27,6 +27,7 @@ QK_NORM_SCOPES = ("heads", "whole")
 #: Where the weight's product is taken: ``"input"`` (the normalised values cast back
 #: to the input dtype first), or ``"float32"`` (the product cast once).
 QK_NORM_PRODUCTS = ("input", "float32")
+_SMALLEST_NORMAL = 2.0**-126  # float32's
 _QK_NORM_KEYS = ("scope", "eps", "unit_offset", "product")
 
 
@@ -66,7 +67,15 @@ class QKNorm:
             raise ValueError(
                 f"qk_norm.scope must be one of {', '.join(QK_NORM_SCOPES)}; got {self.scope!r}"
             )
-        object.__setattr__(self, "eps", check_positive_real("qk_norm.eps", self.eps))
+        eps = check_positive_real("qk_norm.eps", self.eps)
+        if eps < _SMALLEST_NORMAL:
+            # (The norms compute in float32 at least: XLA and TensorFlow flush a smaller eps
+            # to zero, and float32 holds none below 2**-149.)
+            raise ValueError(
+                "qk_norm.eps must be at least 2**-126 (float32's smallest normal number, in "
+                f"which the norms compute); got {self.eps!r}"
+            )
+        object.__setattr__(self, "eps", eps)
         if not isinstance(self.unit_offset, (bool, np.bool_)):
             raise TypeError(f"qk_norm.unit_offset must be a bool; got {self.unit_offset!r}")
         object.__setattr__(self, "unit_offset", bool(self.unit_offset))

@@ -46,14 +46,28 @@ def check_window(window: Any) -> int | None:
     return int(window)
 
 
+#: The largest soft cap: scores over a larger one fall below float32's smallest normal
+#: number (``2**-126``) where they exceed ``2**-62``, and XLA and TensorFlow flush such
+#: numbers to zero (docs: "Edge cases"); below it, what they flush is below ``2**-62``.
+SOFTCAP_LIMIT = 2.0**64
+
+
 def check_softcap(softcap: Any) -> float | None:
-    """``softcap`` as ``None`` or a positive finite float.
+    """``softcap`` as ``None`` or a positive finite float, at most :data:`SOFTCAP_LIMIT`.
 
     Raises:
         TypeError: not ``None`` or a number.
-        ValueError: not positive and finite.
+        ValueError: not positive and finite, or past the limit.
     """
-    return None if softcap is None else check_positive_real("softcap", softcap)
+    if softcap is None:
+        return None
+    checked = check_positive_real("softcap", softcap)
+    if checked > SOFTCAP_LIMIT:
+        raise ValueError(
+            "softcap must be at most 2**64 (scores divided by more fall below float32's "
+            f"normal numbers, which XLA and TensorFlow flush to zero); got {softcap!r}"
+        )
+    return checked
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -337,13 +351,20 @@ class LayerOptions:
         # Every call of a layer asks both, and the options never change: decided once.
         # (Plain attributes, not functools.cached_property: Python 3.11's takes a lock,
         # which torch.compile cannot trace.)
+        # (Of values not yet checked too: an array given for a flag is no default, and
+        # check() names it.)
         others_default = all(
-            getattr(self, field.name) == field.default
+            _is_default(getattr(self, field.name), field.default)
             for field in dataclasses.fields(self)
             if field.name != "rotary"
         )
-        touches = self.alibi or self.window is not None or self.softcap is not None or self.sinks
-        object.__setattr__(self, "touches_scores", bool(touches))
+        touches = (
+            not _is_default(self.alibi, False)
+            or self.window is not None
+            or self.softcap is not None
+            or not _is_default(self.sinks, False)
+        )
+        object.__setattr__(self, "touches_scores", touches)
         object.__setattr__(self, "is_default", self.rotary is None and others_default)
 
     # Set on each instance by __post_init__; not a field, so that
@@ -376,3 +397,14 @@ class LayerOptions:
             window=self.window,
             query_positions=query_positions,
         )
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether an option's value, checked or not, is its field's default (``None`` or
+    ``False``); an array, whose comparison is no bool, is none."""
+    if value is default:
+        return True
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError):
+        return False

@@ -65,6 +65,12 @@ class Rotary:
             raise TypeError(f"rotary.interleaved must be a bool; got {self.interleaved!r}")
         object.__setattr__(self, "interleaved", bool(self.interleaved))
         object.__setattr__(self, "scaling", check_scaling(self.scaling))
+        if self.theta == 1.0 and getattr(self.scaling, "rope_type", None) == "yarn":
+            # (Its correction range is a quotient of logarithms of theta.)
+            raise ValueError(
+                "rotary.theta must not be 1 with rope_type 'yarn': its correction range "
+                "divides by ln(theta)"
+            )
 
     @property
     def depends_on_length(self) -> bool:

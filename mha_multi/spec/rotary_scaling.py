@@ -315,6 +315,16 @@ class LongRopeScaling(_Scaling):
                 "rotary.scaling of rope_type 'longrope' needs factor (transformers: "
                 "max_position_embeddings / original_max_position_embeddings) or attention_factor"
             )
+        if (
+            self.attention_factor is None
+            and self.factor > 1.0
+            and self.original_max_position_embeddings == 1
+        ):
+            raise ValueError(
+                "rotary.scaling of rope_type 'longrope' with factor > 1 needs "
+                "original_max_position_embeddings > 1 or attention_factor: its default "
+                "attention factor divides by ln(original_max_position_embeddings)"
+            )
 
     def attention_scaling(self) -> float:
         if self.attention_factor is not None:
@@ -387,7 +397,11 @@ def check_scaling(scaling: Any) -> RotaryScaling | None:
     fields = option_fields(
         scaling, "rotary.scaling", "Llama3Scaling (or another rotary type)", ["rope_type", "..."]
     )
-    tags = {fields.pop(key) for key in ("rope_type", "type") if key in fields}
+    given = [fields.pop(key) for key in ("rope_type", "type") if key in fields]
+    for tag in given:
+        if not isinstance(tag, str):
+            raise TypeError(f"rotary.scaling rope_type must be a string; got {tag!r}")
+    tags = set(given)
     if len(tags) > 1:
         raise ValueError(f"rotary.scaling rope_type and type differ: {sorted(map(str, tags))}")
     kind = tags.pop() if tags else "llama3"

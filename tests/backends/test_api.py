@@ -37,6 +37,9 @@ def built_layer(runner, num_hiddens=8, num_heads=2, sizes=(8, 8, 8), bias=False,
     return runner.set_weights(layer, weights), weights
 
 
+YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4}
+
+
 @pytest.mark.parametrize(
     ("num_hiddens", "num_heads", "options", "error", "match"),
     [
@@ -65,6 +68,18 @@ def built_layer(runner, num_hiddens=8, num_heads=2, sizes=(8, 8, 8), bias=False,
             r"window must be below 2\*\*31 \(None for no window\)",
         ),
         (8, 2, {"softcap": -2.0}, ValueError, "softcap must be a positive finite"),
+        # (Past them float32 meets numbers XLA and TensorFlow flush to zero.)
+        (8, 2, {"softcap": 3e38}, ValueError, r"softcap must be at most 2\*\*64"),
+        (8, 2, {"qk_norm": {"eps": 1e-39}}, ValueError, r"qk_norm.eps must be at least 2\*\*-126"),
+        (8, 2, {"window": np.array([2, 3])}, TypeError, "window must be a positive int"),
+        (8, 2, {"alibi": np.array([True, False])}, TypeError, "alibi must be a bool"),
+        (
+            8,
+            2,
+            {"rotary": {"theta": 1.0, "scaling": YARN}},
+            ValueError,
+            "rotary.theta must not be 1 with rope_type 'yarn'",
+        ),
         (8, 2, {"alibi": "yes"}, TypeError, "alibi must be a bool"),
     ],
 )

@@ -237,6 +237,25 @@ def test_transformers_default_type_is_no_scaling():
             "rope_type and type differ",
         ),
         (lambda: spec.LinearScaling(factor="2"), TypeError, "rotary.scaling.factor"),
+        # (Division by ln(1) in the formulas: ZeroDivisionError at the first call before.)
+        (
+            lambda: spec.Rotary(
+                scaling={**LONGROPE, "original_max_position_embeddings": 1, "factor": 2.0}
+            ),
+            ValueError,
+            "with factor > 1 needs original_max_position_embeddings > 1 or attention_factor",
+        ),
+        (
+            lambda: spec.Rotary(theta=1.0, scaling=CASES["yarn"][0]),
+            ValueError,
+            "rotary.theta must not be 1 with rope_type 'yarn'",
+        ),
+        (
+            lambda: spec.Rotary(scaling={"rope_type": ["linear"], "factor": 2.0}),
+            TypeError,
+            r"rotary.scaling rope_type must be a string; got \['linear'\]",
+        ),
+        (lambda: spec.QKNorm(eps=1e-39), ValueError, r"qk_norm.eps must be at least 2\*\*-126"),
         (
             lambda: spec.Rotary(scaling={"rope_type": "default", "factor": 2.0}),
             ValueError,
