@@ -203,8 +203,8 @@ def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Mo
         layout=fused_layout_of(reference),
     )
     output_bias = f"{PROJECTIONS['o']}.bias"
-    if output_bias in state and output_bias not in reference:
-        # (A block whose output has no bias, Qwen2's, converts with b_o = 0.)
+    if output_bias in state and set(state) - {output_bias} == set(reference):
+        # (A block whose output alone has no bias, Qwen2's, converts with b_o = 0.)
         if torch.any(state[output_bias] != 0):
             raise ValueError(
                 f"{type(module).__name__} has no {output_bias}; the weights' b_o is not zero"

@@ -147,7 +147,9 @@ def lens_to_native(valid_lens: Any, device: str = "cpu") -> Any:
         and valid_lens.dtype.kind in "iuf"
         and valid_lens.dtype.name in LENS_DTYPES
     ):
-        return mx.np.array(valid_lens, dtype=valid_lens.dtype, ctx=_device(device))
+        # (By its name: numpy 1.23's longlong is an int64 whose type MXNet's tables lack.)
+        dtype = np.dtype(valid_lens.dtype.name)
+        return mx.np.array(valid_lens.astype(dtype, copy=False), dtype=dtype, ctx=_device(device))
     return valid_lens
 
 

@@ -28,7 +28,7 @@ from mha_multi.spec.attention import (
     scaled_scores,
 )
 from mha_multi.spec.cache import KVCache
-from mha_multi.spec.cache_checks import check_cache_values
+from mha_multi.spec.cache_checks import check_cache_values, check_cached_call
 from mha_multi.spec.checks import Heads, check_inputs, heads_of_weights
 from mha_multi.spec.norms import QKNorm, rms_norm, rms_norm_backward
 from mha_multi.spec.ops import NumpyOps
@@ -490,13 +490,26 @@ def reference_cached_forward(
     heads = heads_of_weights(w, num_heads, num_kv_heads=num_kv_heads)
     queries = as_float64(queries)
     cache_keys, cache_values = (as_float64(x).copy() for x in (cache.keys, cache.values))
+    lens = None if valid_lens is None else np.asarray(valid_lens)
+    # (The layers' checks of a cached call, on the same shapes and dtypes.)
+    check_cached_call(
+        queries,
+        None if keys is None else np.asarray(keys),
+        None if values is None else np.asarray(values),
+        lens,
+        KVCache(cache_keys, cache_values, np.asarray(cache.lengths)),
+        heads=heads,
+        dtype_kind=lambda dtype: np.dtype(dtype).kind,
+        itemsize=lambda dtype: np.dtype(dtype).itemsize,
+        causal=causal,
+    )
     lengths = np.asarray(cache.lengths).astype(np.int64)
     batch, num_new = queries.shape[:2]
     max_length = cache_keys.shape[2]
     if keys is None:
         new = np.zeros(batch, np.int64)
     else:
-        new = np.full(batch, num_new) if valid_lens is None else np.asarray(valid_lens)
+        new = np.full(batch, num_new) if lens is None else lens
     check_cache_values(lengths, new, num_new, max_length)
     gates = checked_head_mask(head_mask, heads, batch)
     if gates is not None and gates.ndim == 1:

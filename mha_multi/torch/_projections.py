@@ -47,8 +47,35 @@ def parametrized_projection(modules: dict[str, nn.Module]) -> TypeError:
 
 def projection(in_features: int | None, out_features: int, bias: bool) -> nn.Module:
     if in_features is None:
-        return nn.LazyLinear(out_features, bias=bias)
+        return LazyProjection(out_features, bias=bias)
     return nn.Linear(in_features, out_features, bias=bias)
+
+
+class LazyProjection(nn.LazyLinear):
+    """``nn.LazyLinear`` whose rows are the layer's: a lazy module takes the shape of
+    what it loads, and a state dict of other heads (another ``num_kv_heads``) loaded
+    into it was taken, failing at the first call. Its parameters take the layer's rows
+    and the input size loaded; the load then names the mismatch of the rows, as it
+    does for a layer built with its input sizes (``RuntimeError``, "size mismatch").
+    Becomes an ``nn.Linear`` once its input size is known, as ``nn.LazyLinear`` does.
+    """
+
+    def _lazy_load_hook(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        rows = self.out_features
+        weight, bias = (state_dict.get(prefix + name) for name in ("weight", "bias"))
+        if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):
+            weight = None  # (its input size unknown: the load takes it as it is)
+        if weight is not None and (
+            weight.shape[0] != rows
+            or (isinstance(bias, torch.Tensor) and tuple(bias.shape) != (rows,))
+        ):
+            shapes = {"weight": (rows, weight.shape[1]), "bias": (rows,)}
+            with torch.no_grad():
+                for name, shape in shapes.items():
+                    parameter = self._parameters.get(name)
+                    if parameter is not None and type(parameter) is UninitializedParameter:
+                        parameter.materialize(shape)
+        super()._lazy_load_hook(state_dict, prefix, *args)
 
 
 def in_features(linear: nn.Module) -> int | None:

@@ -243,6 +243,27 @@ def test_cache_value_and_type_errors():
         )
 
 
+@pytest.mark.parametrize(
+    ("lens", "error", "match"),
+    [
+        (np.array([1.0, 2.0]), TypeError, "valid_lens of a cached call .* must be integers"),
+        (np.ones((2, 3), np.int64), ValueError, r"must have shape \(batch,\) = \(2,\)"),
+    ],
+)
+def test_the_reference_cached_call_checks_its_lengths_as_the_layers_do(lens, error, match):
+    """The reference's cached call checks what every layer checks (its numpy indexing
+    raised ``slice indices must be integers`` and the like)."""
+    weights = init_weights(8, num_heads=2, seed=0)
+    cache = spec.KVCache(np.zeros((2, 2, 6, 4)), np.zeros((2, 2, 6, 4)), np.zeros(2, np.int32))
+    x = np.ones((2, 3, 8))
+    with pytest.raises(error, match=match):
+        spec.reference_cached_forward(weights, x, x, x, cache, lens, num_heads=2)
+    *_, updated = spec.reference_cached_forward(
+        weights, x, x, x, cache, np.array([1, 2]), num_heads=2
+    )
+    assert updated.lengths.tolist() == [1, 2]
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_host_visibility_of_a_fill_is_the_cached_visibility(causal):
     fill = spec.check_cache_values(np.array([3, 1, 0]), np.array([2, 0, 3]), 3, 8)

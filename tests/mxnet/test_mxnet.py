@@ -9,7 +9,7 @@ from mxnet import autograd, gluon
 
 from conftest import device_or_skip
 from mha_multi import spec
-from mha_multi.mxnet import MultiHeadAttention, get_weights, set_weights
+from mha_multi.mxnet import MultiHeadAttention, _facts, get_weights, set_weights
 from mha_multi.parity.cases import INPUT_NAMES
 from mha_multi.parity.harness import mxnet as backend
 from mha_multi.parity.runners import get_runner
@@ -378,3 +378,17 @@ def test_gpu_with_valid_lens_on_either_device(mxnet_runner, cases, gpu):
         out = runner.forward(layer, *inputs, runner.native_lens(case.valid_lens, lens_device))
         assert out.ctx == backend.device(gpu)
         assert_reference(case, out)
+
+
+def test_the_harness_takes_int64_lengths_of_numpy_s_longlong_type():
+    """numpy 1.23 makes some int64 arrays of its ``longlong`` type (``a + 2**40``), which
+    MXNet's dtype tables lack: the harness's conversion raised ``KeyError``; the layer
+    takes the converted lengths as it takes any int64 ones."""
+    lens = np.array([1, 3], dtype=np.longlong)
+    converted = _facts.lens_to_native(lens)
+    assert converted.dtype == np.int64 and converted.asnumpy().tolist() == [1, 3]
+    layer = MultiHeadAttention(8, 2)
+    layer.initialize()
+    x = mx.np.ones((2, 3, 8))
+    expected = layer(x, x, x, mx.np.array([1, 3], dtype=np.int64)).asnumpy()
+    np.testing.assert_array_equal(layer(x, x, x, converted).asnumpy(), expected)

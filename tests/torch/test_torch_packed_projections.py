@@ -16,6 +16,7 @@ import torch
 from torch_support import runner as runner
 
 from mha_multi import spec
+from mha_multi.interop.torch import to_torch_d2l
 from mha_multi.torch import MultiHeadAttention, _projections, get_weights, set_weights
 from mha_multi.weights import init_weights
 
@@ -200,3 +201,29 @@ def test_training_steps_with_the_packed_weights_are_those_with_a_stack_made_anew
     packed, anew = (dict(layer.named_parameters()) for layer in layers)
     assert all(torch.equal(packed[name], anew[name]) for name in packed)
     assert not torch.equal(packed["W_v.weight"], initial)  # (trained)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 4])
+def test_a_lazy_layer_refuses_a_state_dict_of_other_heads(num_kv_heads):
+    """A layer without its input sizes took the shapes of the ``W_k``/``W_v`` it loaded
+    (``nn.LazyLinear``'s rule): another ``num_kv_heads``' state dict loaded, and the
+    first call failed deep inside. It is refused as a built layer refuses it (PyTorch's
+    size mismatch), and so is a bias of other rows; ``to_torch_d2l`` says so in a
+    ``ValueError``. The same layer's state loads."""
+    source = MultiHeadAttention(12, 4, num_kv_heads=2, head_dim=8, bias=True)
+    x = torch.randn(1, 3, 12)
+    with torch.no_grad():
+        expected = source(x, x, x)
+    state = source.state_dict()
+    other = MultiHeadAttention(12, 4, num_kv_heads=num_kv_heads, head_dim=8, bias=True)
+    with pytest.raises(RuntimeError, match=r"size mismatch for W_k.weight: .*\[16, 12\]"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="size mismatch for W_k.weight"):
+        to_torch_d2l(get_weights(source), other)
+    same = MultiHeadAttention(12, 4, num_kv_heads=2, head_dim=8, bias=True)
+    with pytest.raises(RuntimeError, match=r"size mismatch for W_v.bias: .*\[5\]"):
+        same.load_state_dict({**state, "W_v.bias": torch.zeros(5)})
+    same = MultiHeadAttention(12, 4, num_kv_heads=2, head_dim=8, bias=True)
+    same.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(same(x, x, x), expected)
