@@ -21,7 +21,13 @@ from mha_multi.jax._facts import JaxFacts, check_held_dtype, host_array
 from mha_multi.jax._kernel import check_implementation
 from mha_multi.jax._ops import PrecisionLike
 from mha_multi.jax._projections import WeightsProjections
-from mha_multi.weights import KERNEL_NAMES, NORM_NAMES, SINKS_NAME, check_layer_weights
+from mha_multi.weights import (
+    KERNEL_NAMES,
+    NORM_NAMES,
+    SINKS_NAME,
+    check_layer_weights,
+    weight_shapes,
+)
 
 __all__ = ["MultiHeadAttention", "get_weights", "set_weights"]
 
@@ -183,6 +189,7 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
             variables.update({name: getattr(self, name) for name in NORM_NAMES})
         if self.options.sinks:
             variables[SINKS_NAME] = self.sinks
+        _check_held(self, variables)
         if stored:
             return {name: variable.get_raw_value() for name, variable in variables.items()}
         return {name: variable[...] for name, variable in variables.items()}
@@ -386,6 +393,65 @@ class MultiHeadAttention(FromCanonical, nnx.Module):
             run=functional.attend_compiled,
         )
         return result.returned(return_attention_weights)
+
+
+def _check_held(layer: MultiHeadAttention, variables: Mapping[str, Any]) -> None:
+    """Refuses variables that are not the layer's configuration's: ``nnx.update`` (or
+    ``nnx.merge``) takes the state of any layer, of other heads (the call failed deep
+    inside) or options (the sinks or norms of another layer, set beside the layer's own
+    and ignored).
+
+    Raises:
+        ValueError: naming the variable and what the layer's configuration needs.
+    """
+    held = vars(layer)
+    for name in (SINKS_NAME, *NORM_NAMES):
+        if name not in variables and held.get(name) is not None:
+            raise ValueError(
+                f"the layer holds {name!r}, which its options do not use "
+                f"(sinks={layer.options.sinks}, qk_norm={layer.options.qk_norm}): "
+                "a state of another layer?"
+            )
+    layout = (
+        layer.num_hiddens,
+        tuple(_input_sizes(layer).values()),
+        layer.bias,
+        layer.heads,
+        layer.options,
+    )
+    try:
+        expected = _held_shapes(*layout)
+    except TypeError:  # (options that cannot be hashed: made anew)
+        expected = _held_shapes.__wrapped__(*layout)
+    for name, variable in variables.items():
+        shape = tuple(variable.get_raw_value().shape)
+        if shape != expected.get(name):
+            raise ValueError(
+                f"the layer holds {name} of shape {shape}; its configuration ({layer.heads}) "
+                f"needs {expected.get(name)}: a state of another layer?"
+            )
+
+
+@functools.lru_cache(maxsize=64)
+def _held_shapes(
+    num_hiddens: int, sizes: tuple[int, ...], bias: bool, heads: spec.Heads, options: Any
+) -> dict[str, tuple[int, ...]]:
+    """The canonical shapes of a layer's variables (a call asks: made once per layout)."""
+    query_size, key_size, value_size = sizes
+    shapes = weight_shapes(
+        num_hiddens,
+        query_size=query_size,
+        key_size=key_size,
+        value_size=value_size,
+        bias=bias,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
+        head_dim=heads.head_dim,
+        sinks=options.sinks,
+    )
+    if options.qk_norm is not None:
+        shapes.update(options.qk_norm.shapes(heads))
+    return shapes
 
 
 def _input_sizes(layer: MultiHeadAttention) -> dict[str, int]:

@@ -284,12 +284,41 @@ class _ModuleProjections(WeightsProjections):
                 "module with keys and values, or give it key_size and value_size"
             )
         params = self.module._make_params(sizes)
-        # The variables are the caller's (apply's argument): their dtypes are checked.
+        # The variables are the caller's (apply's argument): their dtypes are checked, and
+        # none may be left unused (Flax takes any: another module's sinks, norms or biases
+        # would be ignored).
         norm = self.module.layer_options().qk_norm
         functional.check_params(
             params, qk_norm=False if norm is None else norm.scope, sinks=self.module.sinks
         )
+        _check_unused(self.module)
         return params
+
+
+def _check_unused(module: MultiHeadAttention) -> None:
+    """Refuses parameters the module holds but does not use.
+
+    Raises:
+        ValueError: naming them and the options that do not use them.
+    """
+    held = module.variables.get("params", {})
+    bias = {"kernel", "bias"} if module.bias else {"kernel"}
+    used: dict[str, set[str] | None] = {name: bias for name in KERNEL_NAMES}
+    if module.layer_options().qk_norm is not None:
+        used.update(dict.fromkeys(NORM_NAMES))
+    if module.sinks:
+        used[SINKS_NAME] = None
+    unused = sorted(set(held) - set(used))
+    for name, names in used.items():
+        if names is not None and name in held:
+            unused += [f"{name}/{inner}" for inner in sorted(set(held[name]) - names)]
+    if unused:
+        raise ValueError(
+            f"the module's params hold {', '.join(unused)}, which it does not use "
+            f"(bias={module.bias}, qk_norm={module.layer_options().qk_norm}, "
+            f"sinks={module.sinks}): "
+            "variables of another module?"
+        )
 
 
 def variables_from_weights(

@@ -491,19 +491,19 @@ def reference_cached_forward(
     queries = as_float64(queries)
     cache_keys, cache_values = (as_float64(x).copy() for x in (cache.keys, cache.values))
     lens = None if valid_lens is None else np.asarray(valid_lens)
+    lengths = np.asarray(cache.lengths).astype(np.int64)  # (as a harness hands them: any)
     # (The layers' checks of a cached call, on the same shapes and dtypes.)
     check_cached_call(
         queries,
         None if keys is None else np.asarray(keys),
         None if values is None else np.asarray(values),
         lens,
-        KVCache(cache_keys, cache_values, np.asarray(cache.lengths)),
+        KVCache(cache_keys, cache_values, lengths),
         heads=heads,
         dtype_kind=lambda dtype: np.dtype(dtype).kind,
         itemsize=lambda dtype: np.dtype(dtype).itemsize,
         causal=causal,
     )
-    lengths = np.asarray(cache.lengths).astype(np.int64)
     batch, num_new = queries.shape[:2]
     max_length = cache_keys.shape[2]
     if keys is None:

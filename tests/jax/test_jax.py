@@ -707,3 +707,46 @@ def test_a_float64_layer_or_cache_without_x64_is_refused_not_computed_in_float32
         assert makers["init_cache"]().keys.dtype == jnp.float64
     finally:
         jax.config.update("jax_enable_x64", x64)
+
+
+def test_a_state_of_another_layer_is_refused_at_the_call():
+    """``nnx.update`` takes any layer's state: another ``num_kv_heads``' kernels failed deep
+    inside the call, and the sinks and norms of a layer with them were set beside an
+    optionless layer's own and ignored (off by 0.5). The call names them; a state of
+    the same configuration loads and gives its layer's numbers."""
+    options = {"num_kv_heads": 2, "head_dim": 8, "sinks": True, "qk_norm": {"scope": "heads"}}
+    source = MultiHeadAttention(12, 4, rngs=nnx.Rngs(0), **options)
+    x = np.random.default_rng(0).standard_normal((1, 5, 12)).astype(np.float32)
+    others = {
+        "without options": ({"num_kv_heads": 2, "head_dim": 8}, "the layer holds 'sinks'"),
+        "other heads": ({**options, "num_kv_heads": 1}, r"the layer holds W_k of shape \(12, 16\)"),
+    }
+    for config, match in others.values():
+        target = MultiHeadAttention(12, 4, rngs=nnx.Rngs(1), **config)
+        nnx.update(target, nnx.state(source))
+        with pytest.raises(ValueError, match=match):
+            target(x, x, x)
+    same = MultiHeadAttention(12, 4, rngs=nnx.Rngs(1), **options)
+    nnx.update(same, nnx.state(source))
+    np.testing.assert_array_equal(np.asarray(same(x, x, x)), np.asarray(source(x, x, x)))
+
+
+def test_a_linen_module_refuses_parameters_it_does_not_use():
+    """Flax applies a module to any variables: the sinks, norms or biases of another
+    module's were ignored (off by 0.2 to 0.6). The module names them; its own apply."""
+    weights = init_weights(8, num_heads=2, bias=True, seed=3)
+    weights.update(sinks=np.ones(2, np.float32), q_norm=np.ones(4, np.float32))
+    weights["k_norm"] = np.ones(4, np.float32)
+    variables = linen.variables_from_weights(weights)
+    x = np.ones((1, 3, 8), np.float32)
+    for config, unused in (
+        ({"bias": True}, "k_norm, q_norm, sinks"),
+        ({"bias": True, "sinks": True, "qk_norm": {"scope": "heads"}}, None),
+        ({"bias": False, "sinks": True, "qk_norm": {"scope": "heads"}}, "W_q/bias, W_k/bias"),
+    ):
+        module = linen.MultiHeadAttention(8, 2, **config)
+        if unused is None:
+            module.apply(variables, x, x, x)
+            continue
+        with pytest.raises(ValueError, match=f"the module's params hold {unused}"):
+            module.apply(variables, x, x, x)
