@@ -59,7 +59,7 @@ import numpy as np
 from flax import linen, nnx
 
 from mha_multi import spec
-from mha_multi.jax._facts import host_array, weight_array
+from mha_multi.jax._facts import check_held_dtype, host_array, weight_array
 from mha_multi.weights import KERNEL_NAMES, check_weights
 
 __all__ = [
@@ -322,6 +322,8 @@ def to_flax_nnx(
     if clashes:
         raise ValueError(f"{clashes} follow from the weights; do not pass them")
     heads = spec.heads_of_weights(arrays, num_heads, num_kv_heads=num_kv_heads)
+    # (JAX without x64 holds float64 as float32: the weights would change.)
+    check_held_dtype("param_dtype", kwargs.get("param_dtype", jnp.float32))
     module = nnx.MultiHeadAttention(
         num_heads,
         config.query_size,
@@ -337,13 +339,6 @@ def to_flax_nnx(
     state = nnx.state(module, nnx.Param)
     params = to_flax_nnx_state(arrays, num_heads, num_kv_heads=heads.num_kv_heads)
     current = nnx.to_pure_dict(state)
-    asked = np.dtype(kwargs.get("param_dtype", jnp.float32))
-    held = jax.tree.leaves(current)[0].dtype
-    if held != asked:  # (JAX without x64 holds float64 as float32: the weights would change)
-        raise ValueError(
-            f"JAX holds {asked} parameters as {held} without x64: "
-            "jax.config.update('jax_enable_x64', True) keeps them"
-        )
     typed = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), params, current)
     nnx.replace_by_pure_dict(state, typed)
     nnx.update(module, state)

@@ -244,7 +244,7 @@ def test_float64_weights_without_x64_are_refused_not_rounded():
     try:
         jax.config.update("jax_enable_x64", False)
         for make in makers.values():
-            with pytest.raises(ValueError, match="JAX holds float64 (weights|parameters) as float"):
+            with pytest.raises(ValueError, match="JAX holds float64 (weights|arrays) as float"):
                 make()
     finally:
         jax.config.update("jax_enable_x64", x64)
