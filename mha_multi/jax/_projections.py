@@ -112,6 +112,8 @@ class WeightsProjections:
         if dtype is None:
             dtype = jnp.result_type(*(x for x in inputs if x is not None), *params.values())
         self._weights = {name: jnp.asarray(value, dtype) for name, value in params.items()}
+        # (Uncast: the softmax takes them in its own dtype, float32 for 16-bit scores.)
+        self._sink_logits = params.get("sinks")
         return tuple(
             None if x is None else self._project(jnp.asarray(x, dtype), name)
             for x, name in zip(inputs, "qkv", strict=True)
@@ -122,8 +124,10 @@ class WeightsProjections:
         return self._weights["q_norm"], self._weights["k_norm"]
 
     def sink_logits(self) -> jax.Array:
-        """The heads' sink logits ``(H,)`` in the computation dtype (:meth:`project_inputs`)."""
-        return self._weights["sinks"]
+        """The heads' sink logits ``(H,)`` as the parameters hold them: the softmax takes
+        them in its own dtype (float32 for 16-bit scores; docs: "Positions and biases"), and
+        a float32 logit rounded to a float16 computation first would be ``inf`` past 65504."""
+        return self._sink_logits
 
     def project_output(self, context: jax.Array, gates: Any) -> jax.Array:
         context = spec.apply_head_mask(JaxOps(self.precision), context, gates, self.heads.num_heads)

@@ -83,7 +83,9 @@ class ProjectionLayer(keras.layers.Layer):
             for w in (self.q_norm, self.k_norm)
         )
 
-    def _add_head_weight(self, name: str, shape: tuple[int, ...], initializer: Any) -> Any:
+    def _add_head_weight(
+        self, name: str, shape: tuple[int, ...], initializer: Any, *, autocast: bool = True
+    ) -> Any:
         """``add_weight``, refused where an active distribution would split a head.
 
         Checked before the variable exists, on the path it will have as far
@@ -93,7 +95,9 @@ class ProjectionLayer(keras.layers.Layer):
         actual path (docs: "Sharding heads").
         """
         check_variable_layout(self, name, f"{self.path or self.name}/{name}")
-        variable = self.add_weight(shape=shape, initializer=initializer, name=name)
+        variable = self.add_weight(
+            shape=shape, initializer=initializer, name=name, autocast=autocast
+        )
         if check_variable_layout(self, name, variable.path) > 1 and name == "W_q":
             # Heads split over devices: attend head by head, so that XLA keeps
             # each device's heads on it (docs: "Sharding heads").
@@ -193,7 +197,10 @@ class ProjectionLayer(keras.layers.Layer):
         return tuple(self._project(x, n) for x, n in ((queries, "q"), (keys, "k"), (values, "v")))
 
     def sink_logits(self) -> Any:
-        """The heads' sink logits ``(H,)``, as their variable holds them (cast with the scores)."""
+        """The heads' sink logits ``(H,)``, as their variable holds them (made without
+        autocast: the softmax takes them in its own dtype, float32 for 16-bit scores, where a
+        float32 logit rounded to a mixed policy's float16 first would be ``inf`` past 65504;
+        docs: "Positions and biases")."""
         return self.sinks.value
 
     def project_output(self, context: Any, gates: Any) -> Any:

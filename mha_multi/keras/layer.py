@@ -168,7 +168,9 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
         self._add_projection("o", self._heads.query_features)
         self.sinks = None
         if self.options.sinks:  # each head's sink logit, zeros at first
-            self.sinks = self._add_head_weight(SINKS_NAME, (self.num_heads,), "zeros")
+            self.sinks = self._add_head_weight(
+                SINKS_NAME, (self.num_heads,), "zeros", autocast=False
+            )
         sizes = (query_size, key_size, value_size)
         if all(size is not None for size in sizes):
             self.build(*((None, None, size) for size in sizes))

@@ -750,3 +750,23 @@ def test_a_linen_module_refuses_parameters_it_does_not_use():
             continue
         with pytest.raises(ValueError, match=f"the module's params hold {unused}"):
             module.apply(variables, x, x, x)
+
+
+def test_float16_computation_takes_float32_sink_logits_into_the_float32_softmax():
+    """Parameters in float32, computation in float16: a sink logit past float16's 65504
+    rounded to the computation's dtype first was ``inf``, and every output NaN (NNX and
+    Linen). Head 0's sink takes all its weight: its context is 0, as the reference's."""
+    weights = init_weights(8, num_heads=2, seed=1, sinks=True)
+    weights["sinks"] = np.array([1e5, 0.5], np.float32)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float16)
+    rounded = {n: (a if n == "sinks" else a.astype(np.float16)) for n, a in weights.items()}
+    expected, _ = spec.reference_forward(
+        {n: a.astype(np.float64) for n, a in rounded.items()}, x, x, x, num_heads=2, sinks=True
+    )
+    nnx_layer = set_weights(
+        MultiHeadAttention(8, 2, sinks=True, dtype=jnp.float16, param_dtype=jnp.float32), weights
+    )
+    module = linen.MultiHeadAttention(8, 2, sinks=True, dtype=jnp.float16)
+    variables = linen.variables_from_weights(weights, module)
+    for output in (nnx_layer(x, x, x), module.apply(variables, x, x, x)):
+        np.testing.assert_allclose(np.asarray(output, np.float64), expected, rtol=0, atol=2e-3)

@@ -739,3 +739,23 @@ def test_compute_output_shape_gives_a_calls_shapes():
     assert layer.compute_output_shape((None, 3, 16), (None, None, 16)) == (None, 3, 16)
     with pytest.raises(ValueError, match="batch"):
         layer.compute_output_shape((2, 3, 16), (3, 5, 16))
+
+
+def test_a_mixed_policy_takes_its_float32_sink_logits_into_the_float32_softmax():
+    """``mixed_float16``: the sinks variable is float32 and the softmax of 16-bit scores
+    float32 (docs: "Positions and biases"); a logit past float16's 65504 rounded to the
+    computation's float16 first was ``inf``, and every output NaN. Head 0's sink takes
+    all its weight: its context is 0, as the reference's."""
+    weights = init_weights(8, num_heads=2, seed=1, sinks=True)
+    weights["sinks"] = np.array([1e5, 0.5], np.float32)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float16)
+    rounded = {n: (a if n == "sinks" else a.astype(np.float16)) for n, a in weights.items()}
+    expected, _ = spec.reference_forward(
+        {n: a.astype(np.float64) for n, a in rounded.items()}, x, x, x, num_heads=2, sinks=True
+    )
+    layer = MultiHeadAttention(8, 2, sinks=True, dtype="mixed_float16")
+    layer(x, x, x)  # (built)
+    set_weights(layer, weights)
+    assert keras.backend.standardize_dtype(layer.sinks.dtype) == "float32"
+    output = backend.to_numpy(layer(x, x, x))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=2e-3)
