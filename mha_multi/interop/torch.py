@@ -270,8 +270,9 @@ def from_torch_d2l(module: torch.nn.Module) -> dict[str, np.ndarray]:
 
     Raises:
         TypeError: ``module`` is no ``torch.nn.Module``.
-        ValueError: a parameter or buffer other than the projections', or
-            weights that do not fit the canonical layer.
+        ValueError: a parameter or buffer other than the projections',
+            weights that do not fit the canonical layer, or a layer whose heads
+            are sharded (:func:`mha_multi.torch.get_weights` gathers them).
     """
     _check_module(module)
     return from_torch_d2l_state(module.state_dict())
@@ -291,8 +292,9 @@ def to_torch_d2l(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.n
 
     Raises:
         TypeError: ``module`` is no ``torch.nn.Module``.
-        ValueError: invalid weights, or a layer whose parameters differ in
-            names or shapes.
+        ValueError: invalid weights, a layer whose parameters differ in
+            names or shapes, or one whose heads are sharded
+            (:func:`mha_multi.torch.set_weights` distributes them).
     """
     _check_module(module)
     state = to_torch_d2l_state(weights)
@@ -309,6 +311,11 @@ def to_torch_d2l(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.n
 def _check_module(module: Any) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+    if getattr(module, "_sharding", None) is not None:  # (its parameters are split tensors)
+        raise ValueError(
+            "the module's heads are sharded: mha_multi.torch.get_weights and set_weights "
+            "gather and distribute its weights (called on every process)"
+        )
 
 
 def _first_sentence(text: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -9,7 +10,13 @@ import keras
 import numpy as np
 
 from mha_multi.heads import check_loss, importance_over
-from mha_multi.keras._facts import device_of, device_scope, host_array, scalar_gradient
+from mha_multi.keras._facts import (
+    device_of,
+    device_scope,
+    host_array,
+    is_tensor,
+    scalar_gradient,
+)
 from mha_multi.keras.layer import MultiHeadAttention
 
 __all__ = ["head_importance", "head_mask_gradient"]
@@ -43,7 +50,9 @@ def head_mask_gradient(
         ValueError: it returned other than one number.
     """
     dtype = "float64" if layer.compute_dtype == "float64" else "float32"
-    with device_scope(device_of(queries)):
+    # (Numpy batches, which the layer takes, live nowhere: the gates go where it puts them.)
+    placed = device_scope(device_of(queries)) if is_tensor(queries) else contextlib.nullcontext()
+    with placed:
         gates = keras.ops.ones((layer.num_heads,), dtype)
 
         def loss(gates: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mha_multi import spec
-from mha_multi.torch._ops import needs_float32_copies
+from mha_multi.torch._ops import autocasting, needs_float32_copies, product_dtype
 from mha_multi.torch.layer import MultiHeadAttention
 
 __all__ = ["shard_heads"]
@@ -83,11 +83,15 @@ class HeadSharding:
                 the sharded projections (modules whose weights are
                 distributed tensors) do not.
         """
-        if needs_float32_copies(queries, layer.W_o.weight):
+        weight = layer.W_o.weight
+        if needs_float32_copies(queries, weight):
+            device = queries.device.type
+            cast = " under torch.autocast" if autocasting(device) else ""
             raise TypeError(
                 f"a head-sharded layer computes 16-bit products only where they accumulate in "
-                f"float32 (CUDA); got {queries.dtype} queries on {queries.device.type} with "
-                f'{layer.W_o.weight.dtype} weights: use float32 there (docs: "Sharding heads")'
+                f"float32 (CUDA); got {product_dtype(queries, weight)} products{cast} of "
+                f"{queries.dtype} queries and {weight.dtype} weights on {device}: use float32 "
+                'there (docs: "Sharding heads")'
             )
 
     @staticmethod
@@ -101,12 +105,13 @@ class HeadSharding:
         """The whole of a sharded parameter (an all-gather: every process must call it)."""
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
-    @staticmethod
-    def distribute_like(parameter: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-        """The full ``tensor`` split as ``parameter`` is: process 0's values, scattered."""
-        if not isinstance(parameter, DTensor):
-            return tensor
+    def distribute_like(self, parameter: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """The full ``tensor`` split as ``parameter`` is, or whole where every process holds
+        the parameter whole (a per-head norm's weights): process 0's values, scattered or
+        broadcast."""
         tensor = tensor.to(device=parameter.device, dtype=parameter.dtype)
+        if not isinstance(parameter, DTensor):
+            return distribute_tensor(tensor, self.mesh, [Replicate()]).to_local()
         return distribute_tensor(tensor, parameter.device_mesh, parameter.placements)
 
 
@@ -163,7 +168,8 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
         ValueError: the mesh is not 1-D, its size does not divide
             ``num_heads`` and ``num_kv_heads`` (:func:`mha_multi.spec.shard_heads`),
             an input size is still lazy, the layer is already sharded or has
-            ``qk_norm`` of scope ``"whole"`` (its mean square spans every head), its
+            ``qk_norm`` of scope ``"whole"`` (its mean square spans every head) or
+            ``alibi`` (its bias spans every head), its
             parameters are not on the mesh's device type, or this process
             is not part of the mesh.
     """
@@ -172,6 +178,11 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
             f"layer must be a mha_multi.torch.MultiHeadAttention; got {type(layer).__name__}"
         )
     spec.refuse_whole_norm(layer.options.qk_norm, "sharding heads")
+    if layer.options.alibi:
+        raise ValueError(
+            "sharding heads is not possible with alibi: its bias spans every head, and a "
+            'layer whose heads are sharded takes no bias (docs: "Sharding heads")'
+        )
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(
             f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh; "
@@ -216,6 +227,11 @@ def shard_heads(layer: MultiHeadAttention, device_mesh: DeviceMesh) -> MultiHead
     if layer.options.sinks:  # each head's sink logit goes with its head
         sinks = distribute_tensor(layer.sinks.data, device_mesh, [Shard(0)])
         layer.sinks = torch.nn.Parameter(sinks, requires_grad=layer.sinks.requires_grad)
+    if layer.options.qk_norm is not None:  # every process holds the norms whole: process 0's
+        with torch.no_grad():
+            for name in spec.QK_NORM_NAMES:
+                held = layer._parameters[name]
+                held.copy_(distribute_tensor(held.detach(), device_mesh, [Replicate()]).to_local())
     layer._sharding = HeadSharding(device_mesh, layer._heads, local, coordinate[0])
     layer._heads = local
     layer.num_heads = local.num_heads

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from mha_multi import spec
+from mha_multi.interop.torch import from_torch_d2l, to_torch_d2l
 from mha_multi.torch import MultiHeadAttention, get_weights, set_weights
 from mha_multi.weights import init_weights
 
@@ -241,6 +242,14 @@ def _worker(rank: int, world_size: int, init_method: str, out_dir: str) -> None:
         arrays |= {f"set_weights/get_weights/{k}": v for k, v in get_weights(layer).items()}
         result = _forward_backward(layer, "cross", return_attention_weights=False)
         arrays |= {f"set_weights/{key}": value for key, value in result.items()}
+        # Process 0's weights are the ones kept, the norms' too: each process starts from
+        # weights of its own, then loads weights of its own.
+        layer = shard_heads(_layer("qk_norm", _weights("qk_norm", seed=10 + rank)), mesh)
+        arrays |= {f"first/shard/{k}": v for k, v in get_weights(layer).items()}
+        set_weights(layer, _weights("qk_norm", seed=20 + rank))
+        arrays |= {f"first/set/{k}": v for k, v in get_weights(layer).items()}
+        result = _forward_backward(layer, "qk_norm", return_attention_weights=False)
+        arrays |= {f"first/{key}": value for key, value in result.items()}
         decoder = shard_heads(_layer("grouped_head_mask", _weights("grouped_head_mask")), mesh)
         arrays |= {f"decode/{key}": value for key, value in _decode(decoder).items()}
 
@@ -265,7 +274,17 @@ def _worker(rank: int, world_size: int, init_method: str, out_dir: str) -> None:
             "bfloat16_cpu": lambda: layer.to(torch.bfloat16)(
                 *(x.bfloat16() for x in (queries, keys, values))
             ),
+            "alibi": sharded(num_hiddens=16, num_heads=4, alibi=True),
+            "from_d2l": lambda: from_torch_d2l(layer),
+            "to_d2l": lambda: to_torch_d2l(_weights("cross"), layer),
         }
+        autocast_layer = shard_heads(_layer("cross", _weights("cross")), mesh)
+
+        def autocast_call() -> Any:
+            with torch.autocast("cpu", torch.bfloat16):
+                return autocast_layer(queries, keys, values)
+
+        errors["autocast"] = autocast_call
         arrays |= {f"error/{key}": np.array(_error(call)) for key, call in errors.items()}
         importance_layer = shard_heads(_layer("cross", _weights("cross")), mesh)
         arrays["head_importance"] = head_importance(importance_layer, *_importance_inputs("cross"))
@@ -372,6 +391,21 @@ def test_set_weights_loads_the_whole_layer(ranks: list[dict[str, np.ndarray]]) -
             np.testing.assert_allclose(got[key], value, **TOLERANCE, err_msg=key)
 
 
+def test_process_0s_weights_are_kept_norms_included(ranks: list[dict[str, np.ndarray]]) -> None:
+    """Each process starts from, then loads, weights of its own: process 0's are every
+    process's, the per-head norms' (held whole by each) included; the calls give that
+    layer's numbers (each process normalised its heads with its own norms before)."""
+    expected = _forward_backward(
+        _layer("qk_norm", _weights("qk_norm", seed=20)), "qk_norm", return_attention_weights=False
+    )
+    for got in _sharded(ranks, "first/"):
+        for stage, seed in (("shard", 10), ("set", 20)):
+            for key, value in _weights("qk_norm", seed=seed).items():
+                np.testing.assert_array_equal(got[f"{stage}/{key}"], value, err_msg=key)
+        for key, value in expected.items():
+            np.testing.assert_allclose(got[key], value, **TOLERANCE, err_msg=key)
+
+
 def test_cached_decode_equals_unsharded(ranks: list[dict[str, np.ndarray]]) -> None:
     expected = _decode(_layer("grouped_head_mask", _weights("grouped_head_mask")))
     layer_config = DECODE["layer"]
@@ -413,6 +447,15 @@ def test_bad_shard_counts_raise_the_spec_error(ranks: list[dict[str, np.ndarray]
         ("twice", "ValueError: the layer's heads are already sharded 2 ways"),
         ("local_head_mask", "ValueError: head_mask must have shape (num_heads,) = (4,)"),
         ("bfloat16_cpu", "TypeError: a head-sharded layer computes 16-bit products only"),
+        ("alibi", "ValueError: sharding heads is not possible with alibi"),
+        ("from_d2l", "ValueError: the module's heads are sharded"),
+        ("to_d2l", "ValueError: the module's heads are sharded"),
+        (
+            "autocast",
+            "TypeError: a head-sharded layer computes 16-bit products only where they "
+            "accumulate in float32 (CUDA); got torch.bfloat16 products under torch.autocast "
+            "of torch.float32 queries",
+        ),
     ],
 )
 def test_errors(ranks: list[dict[str, np.ndarray]], key: str, message: str) -> None:
