@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import AxisType
 from jax.typing import DTypeLike
 
 from mha_multi import call, spec
@@ -151,6 +152,21 @@ def check_held_dtype(name: str, dtype: DTypeLike | None) -> None:
             f"{name} {asked}: JAX holds {asked} arrays as {held} without x64: "
             "jax.config.update('jax_enable_x64', True) keeps them"
         )
+
+
+def _explicit_axes(x: Any) -> list[str]:
+    """The ``Explicit`` mesh axes ``x`` (a JAX array or tracer) is split on, in its type."""
+    if not isinstance(x, (jax.Array, jax.core.Tracer)):
+        return []
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not mesh.axis_names:
+        return []
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    named = []
+    for entry in sharding.spec:
+        named += entry if isinstance(entry, tuple) else [entry]
+    return [axis for axis in named if axis is not None and kinds[axis] == AxisType.Explicit]
 
 
 def host_array(x: Any) -> np.ndarray:
@@ -292,6 +308,20 @@ class JaxFacts(call.Facts):
         return as_valid_lens(valid_lens)
 
     def as_cache(self, cache: Any, like: Any) -> spec.KVCache:
+        """The cache as JAX arrays; refused beside queries split on an ``Explicit`` mesh
+        axis, whose rows would carry it in their type into a cache's update.
+
+        Raises:
+            ValueError: such queries, naming the axes.
+        """
+        explicit = _explicit_axes(like)
+        if explicit:
+            raise ValueError(
+                f"a cached call takes no queries split on an Explicit mesh axis "
+                f"({', '.join(map(repr, explicit))}): the cache's update would write rows "
+                "whose type carries that axis; make it an Auto axis "
+                '(axis_types=(jax.sharding.AxisType.Auto, ...); docs: "Sharding heads")'
+            )
         return spec.KVCache(*(jnp.asarray(x) for x in spec.as_kv_cache(cache)))
 
     def as_positions(self, positions: Any, like: Any) -> Any:

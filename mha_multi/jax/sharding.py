@@ -80,8 +80,8 @@ def _check_axis(mesh: Any, axis: Any, name: str = "axis") -> int:
     axis_type = mesh.axis_types[mesh.axis_names.index(axis)]
     if axis_type != AxisType.Auto:
         raise ValueError(
-            f"{name}={axis!r} is an {axis_type.name} axis of the mesh; sharding heads needs an "
-            "Auto axis, whose layouts XLA chooses: make the mesh with "
+            f"{name}={axis!r} is an {axis_type.name} axis of the mesh; sharded heads and "
+            "their cache need Auto axes, whose layouts XLA chooses: make the mesh with "
             "axis_types=(jax.sharding.AxisType.Auto, ...)"
         )
     return int(mesh.shape[axis])

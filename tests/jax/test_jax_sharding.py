@@ -470,7 +470,8 @@ def test_shard_counts_must_divide_heads(results: dict[str, Any]) -> None:
 def test_bad_arguments() -> None:
     import jax
     import numpy as np
-    from jax.sharding import AxisType, Mesh
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from mha_multi.jax import MultiHeadAttention, linen, shard_cache, shard_heads
 
@@ -494,6 +495,17 @@ def test_bad_arguments() -> None:
     module = linen.MultiHeadAttention(8, 2, qk_norm=whole)
     with pytest.raises(ValueError, match="sharding heads is not possible with qk_norm"):
         linen.shard_variables(module, {}, mesh)
+    # Queries split on an Explicit batch axis: a cached call names it (the cache's
+    # update failed deep inside JAX); one without a cache takes them.
+    batch = Mesh(
+        devices.reshape(1, 1), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto)
+    )
+    split = jax.device_put(np.ones((2, 3, 8), np.float32), NamedSharding(batch, P("data")))
+    assert layer(split, split, split).shape == (2, 3, 8)
+    with pytest.raises(ValueError, match=r"a cached call takes no queries split on an Explicit"):
+        layer(split, split, split, cache=layer.init_cache(2, 4))
+    with pytest.raises(ValueError, match=r"batch_axis='data' is an Explicit axis .* need Auto"):
+        shard_cache(layer.init_cache(2, 4), batch, "model", batch_axis="data")
     # A one-device axis divides every head count: the layer keeps computing the same.
     assert shard_heads(layer, mesh) is layer
     x = np.ones((1, 3, 8), np.float32)
