@@ -150,7 +150,19 @@ class _TensorFlowOps(_KerasOps):
 
         self.tf = tf
         self.raw = tf.raw_ops
-        self.update_slice = dynamic_update_slice  # (Keras' slice_update)
+
+        @tf.custom_gradient
+        def update_slice(held: Tensor, rows: Tensor, start: Any) -> Any:
+            # Keras' slice_update, differentiable: TensorFlow registers no gradient for
+            # XlaDynamicUpdateSlice, which an eager cached call under a GradientTape met.
+            def gradient(upstream: Tensor) -> tuple[Tensor, Tensor, None]:
+                # held's: the upstream gradient but where the rows went; the rows': there.
+                cleared = dynamic_update_slice(upstream, tf.zeros_like(rows), start)
+                return cleared, tf.slice(upstream, start, tf.shape(rows)), None
+
+            return dynamic_update_slice(held, rows, start), gradient
+
+        self.update_slice = update_slice
         #: Fills of where(), by value, dtype and device.
         self._fills: dict[tuple[float, Any, str], Tensor] = {}
         # An eager tensor knows its sizes without a TensorShape (15 Python calls).
