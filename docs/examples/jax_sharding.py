@@ -11,8 +11,11 @@ if jax.device_count() < 4:
     # XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax is
     # imported. Where it started with fewer (the docs' test run), the example
     # runs again in a fresh interpreter that sets the flag.
+    flag = "--xla_force_host_platform_device_count=4"
+    if flag in os.environ.get("XLA_FLAGS", ""):  # (the run again, still short: no loop)
+        sys.exit(f"XLA_FLAGS holds {flag}, yet JAX sees {jax.device_count()}: check XLA_FLAGS")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " " + flag
     subprocess.run([sys.executable, __file__], env=env, check=True)
 else:
     import numpy as np

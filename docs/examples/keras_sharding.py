@@ -32,7 +32,10 @@ if keras.backend.backend() != "jax":
     else:
         raise AssertionError("layout_map must refuse a backend that would not shard")
 elif len(keras.distribution.list_devices()) < 4:
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+    flag = "--xla_force_host_platform_device_count=4"
+    if flag in os.environ.get("XLA_FLAGS", ""):  # (the run again, still short: no loop)
+        sys.exit(f"XLA_FLAGS holds {flag}, yet there are fewer devices: check XLA_FLAGS")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {flag}"
     env = {**os.environ, "XLA_FLAGS": flags.strip(), "KERAS_BACKEND": "jax"}
     subprocess.run([sys.executable, __file__], env=env, check=True)
 else:
