@@ -258,6 +258,33 @@ def test_torch_compile_takes_a_rotary_grouped_step_whole():
 
 
 @pytest.mark.skipif(backend.BACKEND != "torch", reason="torch.compile is PyTorch's")
+def test_torch_compile_takes_a_call_whole_whatever_dtypes_it_meets_first(monkeypatch):
+    """Keras on PyTorch: the dtype names a call looks up were memoised inside the trace
+    where a compiled call met a dtype first (int32 lengths): a dict mutation, after which
+    dynamo read no mapping proxy, and Keras' call reads one (``fullgraph`` broke). The
+    memos are written outside traces only."""
+    import torch
+    import torch._dynamo
+
+    from mha_multi.keras import _ops
+
+    weights = grouped_weights(8)
+    layer = set_weights(MultiHeadAttention(**CONFIG, bias=True), weights)
+    x = sequences(8)["queries"]
+    lens = np.array([6, 2, 4], np.int32)
+    monkeypatch.setattr(_ops, "_NAMES", {})  # (no dtype met yet)
+    monkeypatch.setattr(_ops, "_KIND_OF", {})
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, n: layer(q, q, q, n), fullgraph=True, dynamic=False, backend="eager"
+    )
+    output = compiled(backend.to_native(x), torch.from_numpy(lens))
+    expected, _ = spec.reference_forward(weights, x, x, x, lens, **HEADS)
+    np.testing.assert_allclose(backend.to_numpy(output), expected, rtol=0, atol=5e-6)
+    assert not _ops._NAMES and not _ops._KIND_OF
+
+
+@pytest.mark.skipif(backend.BACKEND != "torch", reason="torch.compile is PyTorch's")
 def test_torch_compile_takes_a_call_with_positions_whole():
     """Keras on PyTorch: a call given its positions (a tensor) is one graph under
     ``torch.compile(fullgraph=True)``: the check of positions on the host asked the backend
