@@ -42,6 +42,11 @@ class _KerasOps:
         """Whether ``x`` is a floating array that :attr:`functions` take as Keras' do."""
         return False
 
+    def memos_writable(self) -> bool:
+        """Whether a call may write a module's memo now (:mod:`mha_multi.keras._ops`'
+        dtype names): where no tracer records the write."""
+        return True
+
     def shape(self, x: Tensor) -> tuple[Any, ...]:
         """``x``'s sizes, Python ints where known (else as ``x.shape`` gives them)."""
         return tuple(x.shape)
@@ -416,6 +421,12 @@ class _TorchOps(_KerasOps):
 
         self.torch = self.functions = torch
         self.torch_softmax = softmax
+
+    def memos_writable(self) -> bool:
+        # Not while torch.compile traces: the write is a dict mutation, after which dynamo
+        # reads no mapping proxy, and Keras' call reads one (its signature's parameters):
+        # fullgraph=True broke where a compiled call met a dtype first.
+        return not self.torch.compiler.is_compiling()
 
     def reshape(self, x: Tensor, shape: tuple[Any, ...]) -> Tensor:
         # torch's own, which keras.ops' reaches through some 130 Python calls of dispatch.

@@ -36,28 +36,13 @@ Tensor = Any
 _NAMES: dict[Any, str] = {}
 
 
-def _memo_writable() -> bool:
-    """Whether a memo may be written now: not while ``torch.compile`` traces the call
-    (Keras on PyTorch), where the write is a mutation of a dict, after which dynamo
-    reads no mapping proxy, and Keras' call reads one (its signature's parameters):
-    ``fullgraph=True`` broke where a compiled call met a dtype first."""
-    return True
-
-
-if keras.backend.backend() == "torch":
-    import torch
-
-    def _memo_writable() -> bool:
-        return not torch.compiler.is_compiling()
-
-
 def dtype_name(dtype: Any) -> str:
     """Keras' name of ``dtype`` (``"float32"``...), as ``keras.backend.standardize_dtype``."""
     try:
         return _NAMES[dtype]
     except (KeyError, TypeError):  # (new, or a dtype that cannot be hashed)
         name = keras.backend.standardize_dtype(dtype)
-    if _memo_writable():
+    if framework_ops().memos_writable():
         with contextlib.suppress(TypeError):
             _NAMES[dtype] = name
     return name
@@ -84,7 +69,7 @@ def dtype_kind(dtype: Any) -> str:
         return _KIND_OF[name]
     except KeyError:
         kind = _kind_of(name)
-        if _memo_writable():
+        if framework_ops().memos_writable():
             _KIND_OF[name] = kind
         return kind
 
