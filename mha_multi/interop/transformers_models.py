@@ -26,12 +26,14 @@ How a call is read (docs: "Porting weights"):
   positions are zeros (transformers' are meaningless there too).
 * **Positions** are transformers' ``position_ids`` (given, or what the
   model would compute: ``arange`` after the positions the sequence holds).
-* **Packed sequences.** A call without a cache (``use_cache=False``) and
-  without an ``attention_mask``, given ``position_ids`` that restart within a
-  row (``DataCollatorWithFlattening``), packs several sequences into that row,
-  as transformers reads it: a sequence starts wherever a position is not the
-  one before it plus 1. Each attends only within itself (the layer's
-  ``segment_ids``; docs: "Packed sequences").
+* **Packed sequences.** A call without a cache (``use_cache=False``, no
+  ``past_key_values``) and without an ``attention_mask``, given
+  ``position_ids`` that restart within a row (``DataCollatorWithFlattening``),
+  packs several sequences into that row, as transformers reads it: a sequence
+  starts wherever a position is not the one before it plus 1. Each attends
+  only within itself (the layer's ``segment_ids``; docs: "Packed sequences").
+  gpt-oss' model builds its masks without the positions, and reads one
+  sequence per row whatever they are: so does the layer there.
 
 Not supported, with a ``ValueError`` saying so: ``output_attentions``,
 reordering or cropping the cache (beam search, assisted generation), a 4-D
@@ -206,6 +208,11 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
+#: Model types whose model builds its masks without the call's ``position_ids``
+#: (transformers 5.23's gpt-oss): a row is one causal sequence whatever its positions.
+_ONE_SEQUENCE_PER_ROW = frozenset({"gpt_oss"})
+
+
 def _before_call(sequence: _Sequence, decoder: torch.nn.Module):
     """The decoder's forward pre-hook: reads the call's sequence, padding and positions."""
     signature = inspect.signature(decoder.forward)
@@ -254,7 +261,12 @@ def _before_call(sequence: _Sequence, decoder: torch.nn.Module):
         sequence.use_cache, sequence.length = bool(use_cache), length
         sequence.real = _real_positions(given.get("attention_mask"), sequence, length)
         sequence.segments = None
-        if given.get("attention_mask") is None and not use_cache and not continuing:
+        if (
+            given.get("attention_mask") is None
+            and not use_cache
+            and past is None
+            and module.config.model_type not in _ONE_SEQUENCE_PER_ROW
+        ):
             sequence.segments = _packed_sequences(given.get("position_ids"), batch)
         if given.get("position_ids") is None:
             start = sequence.seen

@@ -310,3 +310,28 @@ def test_packed_sequences_give_transformers_logits():
     assert (ours - masked).abs().max().item() <= 1e-6
     assert (ours - packed).abs().max().item() <= 1e-6
     assert (ours.reshape(-1, ours.shape[-1]) - torch.cat(alone)).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("family", "cache"), [("gpt_oss", False), ("llama", True)], ids=["gpt_oss", "empty_cache"]
+)
+def test_rows_transformers_reads_as_one_sequence_stay_one(family, cache):
+    """Restarting position ids pack sequences only where transformers packs them: not in
+    gpt-oss' model (it builds its masks without the positions), nor beside a
+    ``past_key_values``, even an empty one (transformers looks for packing without one
+    alone). The layer packed both (off by 0.2)."""
+    from transformers import DynamicCache
+
+    model = causal_lm(family, torch.float32)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]] * 2)
+    ids = torch.randint(3, 97, positions.shape, generator=torch.Generator().manual_seed(7))
+    given = {"position_ids": positions, "use_cache": False}
+    with torch.no_grad():
+        if cache:
+            given["past_key_values"] = DynamicCache(config=model.config)
+        theirs = model(ids, **given).logits
+        replace_attention(model, max_length=12)
+        if cache:
+            given["past_key_values"] = DynamicCache(config=model.config)
+        ours = model(ids, **given).logits
+    assert (ours - theirs).abs().max().item() <= 2e-5
