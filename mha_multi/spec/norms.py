@@ -261,7 +261,7 @@ def rms_norm_backward(
     """
     shape = x.shape
     if norm.scope == "heads":
-        x = x.reshape(*shape[:2], -1, head_dim)
+        x = x.reshape(*shape[:2], shape[2] // head_dim, head_dim)  # (no -1: B, T may be 0)
         grad_y = grad_y.reshape(x.shape)
     rms = 1.0 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + norm.eps)
     normed = x * rms

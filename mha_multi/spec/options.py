@@ -137,8 +137,9 @@ def check_positions_kind(positions_kind: str) -> None:
 
 def positions_on_host(positions: Any, index: Any = np.int64) -> np.ndarray:
     """``positions`` given on the host (a numpy array, a list) as an integer numpy array
-    that every framework holds, checked before any conversion could wrap them: unsigned
-    64-bit ones as int64 (PyTorch and MXNet have no unsigned 64-bit arrays).
+    of ``index``, checked before any conversion could wrap them: the widest integers the
+    framework holds (PyTorch and MXNet have no unsigned 64-bit arrays, and a call's
+    length, its largest position + 1, would wrap in a narrow dtype: an int8's 127).
 
     Args:
         positions: the call's ``positions`` as given.
@@ -159,7 +160,7 @@ def positions_on_host(positions: Any, index: Any = np.int64) -> np.ndarray:
                 f"positions must fit in {np.dtype(index).name}, the integers the framework "
                 f"holds here; got {high if high > bounds.max else low}"
             )
-    return array.astype(np.int64) if array.dtype == np.uint64 else array
+    return array.astype(index)
 
 
 def check_bias_kind(bias_kind: str) -> None:

@@ -160,14 +160,19 @@ def rotary_length(ops: ArrayOps, positions: Array, other: Array | None = None) -
             ``arange(K)``, both 1-D), or ``None``.
 
     Returns:
-        A 0-d integer array, or 0 where every positions array is empty.
+        A 0-d integer array (float32 for positions of 16 bits or fewer), or 0 where
+        every positions array is empty.
     """
     arrays = [positions] if other is None or other is positions else [positions, other]
     arrays = [p for p in arrays if not any(ops.size(p, a) == 0 for a in range(ops.ndim(p)))]
     if not arrays:
         return 0
     joined = arrays[0] if len(arrays) == 1 else ops.concat_last(arrays)
-    return ops.largest(joined) + 1
+    largest = ops.largest(joined)
+    if ops.itemsize(ops.dtype(largest)) <= 2:
+        # (A narrow integer's largest + 1 may wrap, an int8's 127; float32 holds them all.)
+        largest = ops.cast(largest, ops.float32())
+    return largest + 1
 
 
 class _HostLength:

@@ -218,6 +218,37 @@ def test_a_list_of_the_frameworks_arrays_is_the_array_they_stack(runner):
     np.testing.assert_allclose(runner.to_numpy(output), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "dynamic", "factor": 8.0, "max_position_embeddings": 4},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.0],
+            "long_factor": [8.0, 8.0],
+            "original_max_position_embeddings": 4,
+            "factor": 2.0,
+        },
+    ],
+    ids=["dynamic", "longrope"],
+)
+def test_narrow_integer_positions_do_not_wrap_a_calls_length(runner, scaling):
+    """A rotary type of the call's length (its largest position + 1) given int8 or uint8
+    positions: MXNet, JAX and Keras added 1 in their dtype (127 + 1 wrapped to -128, 255
+    + 1 to 0), and the call took the unscaled frequencies (off by 0.3 to 1.7)."""
+    rotary = {"scaling": scaling}
+    layer, weights = built_layer(
+        runner, num_hiddens=16, num_heads=4, sizes=(16,) * 3, rotary=rotary
+    )
+    queries = np.random.default_rng(0).standard_normal((1, 3, 16)) * 3
+    for positions in (np.array([[0, 1, 127]], np.int8), np.array([[0, 1, 255]], np.uint8)):
+        expected, _ = spec.reference_forward(
+            weights, *[queries] * 3, num_heads=4, rotary=rotary, positions=positions, causal=True
+        )
+        output = runner.call(layer, *[queries] * 3, positions=positions, causal=True)
+        np.testing.assert_allclose(output, expected, rtol=0, atol=5e-6, err_msg=str(positions))
+
+
 def test_positions_and_bias_on_the_host_are_checked_before_any_conversion(runner):
     """Numpy positions of any integer dtype rotate alike; float positions and an integer
     bias are refused with the spec's message as it is (Keras' call wraps errors raised

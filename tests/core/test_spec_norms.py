@@ -85,6 +85,25 @@ def test_reference_gradients_match_finite_differences(name):
     assert_central_differences(grads, arrays, loss, rng=rng, entries=4, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", list(NORMS))
+@pytest.mark.parametrize("shape", [(3, 4, 0), (3, 0, 4), (0, 4, 4)], ids=["K=0", "Q=0", "B=0"])
+def test_reference_gradients_of_an_empty_axis(name, shape):
+    """As the edge cases say (docs: "Edge cases"): ``b_o`` gets the sum of the output
+    gradient, every other gradient is zero. Per-head norms of an empty batch or of no
+    queries raised numpy's ``cannot reshape`` (a ``-1`` among zero sizes)."""
+    weights, _, norm, rng = setup(name)
+    batch, num_queries, num_keys = shape
+    x = rng.standard_normal((batch, num_queries, 12))
+    y = rng.standard_normal((batch, num_keys, 12))
+    output_gradient = rng.standard_normal((batch, num_queries, 12))
+    grads = spec.reference_gradients(
+        weights, x, y, y, output_gradient=output_gradient, num_heads=4, qk_norm=norm
+    )
+    for key, value in grads.items():
+        expected = output_gradient.sum(axis=(0, 1)) if key == "b_o" else 0.0
+        np.testing.assert_array_equal(value, np.broadcast_to(expected, value.shape), err_msg=key)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "olmo2"])
 def test_cached_chunks_equal_one_full_call(name):
     """Keys are normalised before they enter the cache: any split gives one causal forward."""
