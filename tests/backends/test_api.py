@@ -6,6 +6,7 @@ import importlib
 
 import numpy as np
 import pytest
+from option_cases import LENGTH_DEPENDENT_ROTARY
 
 from mha_multi import call, spec
 from mha_multi.weights import init_weights
@@ -218,25 +219,12 @@ def test_a_list_of_the_frameworks_arrays_is_the_array_they_stack(runner):
     np.testing.assert_allclose(runner.to_numpy(output), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "scaling",
-    [
-        {"rope_type": "dynamic", "factor": 8.0, "max_position_embeddings": 4},
-        {
-            "rope_type": "longrope",
-            "short_factor": [1.0, 1.0],
-            "long_factor": [8.0, 8.0],
-            "original_max_position_embeddings": 4,
-            "factor": 2.0,
-        },
-    ],
-    ids=["dynamic", "longrope"],
-)
+@pytest.mark.parametrize("scaling", sorted(LENGTH_DEPENDENT_ROTARY))
 def test_narrow_integer_positions_do_not_wrap_a_calls_length(runner, scaling):
     """A rotary type of the call's length (its largest position + 1) given int8 or uint8
     positions: MXNet, JAX and Keras added 1 in their dtype (127 + 1 wrapped to -128, 255
     + 1 to 0), and the call took the unscaled frequencies (off by 0.3 to 1.7)."""
-    rotary = {"scaling": scaling}
+    rotary = {"scaling": LENGTH_DEPENDENT_ROTARY[scaling]}
     layer, weights = built_layer(
         runner, num_hiddens=16, num_heads=4, sizes=(16,) * 3, rotary=rotary
     )

@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 import pytest
+from option_cases import LENGTH_DEPENDENT_ROTARY
 from parity_support import checks_within_tolerance
 
 from mha_multi import spec
@@ -121,18 +122,6 @@ def prefilled(runner, layer, inputs, new_lens, max_length):
     rows = [x[:, :3] for x in inputs.values()]
     result = runner.forward(layer, *native(runner, rows, new_lens), causal=True, cache=cache)
     return result[-1]
-
-
-LENGTH_DEPENDENT_ROTARY = {
-    "dynamic": {"rope_type": "dynamic", "factor": 3.0, "max_position_embeddings": 4},
-    "longrope": {
-        "rope_type": "longrope",
-        "short_factor": [1.0, 2.0],
-        "long_factor": [3.0, 7.0],
-        "original_max_position_embeddings": 4,
-        "factor": 4.0,
-    },
-}
 
 
 @pytest.mark.parametrize("kind", sorted(LENGTH_DEPENDENT_ROTARY))

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 from jax_support import LinenRunner, NNXRunner, gpu, inputs
+from option_cases import sink_past_float16
 
 from mha_multi import spec
 from mha_multi.jax import (
@@ -756,13 +757,7 @@ def test_float16_computation_takes_float32_sink_logits_into_the_float32_softmax(
     """Parameters in float32, computation in float16: a sink logit past float16's 65504
     rounded to the computation's dtype first was ``inf``, and every output NaN (NNX and
     Linen). Head 0's sink takes all its weight: its context is 0, as the reference's."""
-    weights = init_weights(8, num_heads=2, seed=1, sinks=True)
-    weights["sinks"] = np.array([1e5, 0.5], np.float32)
-    x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float16)
-    rounded = {n: (a if n == "sinks" else a.astype(np.float16)) for n, a in weights.items()}
-    expected, _ = spec.reference_forward(
-        {n: a.astype(np.float64) for n, a in rounded.items()}, x, x, x, num_heads=2, sinks=True
-    )
+    weights, x, expected = sink_past_float16()
     nnx_layer = set_weights(
         MultiHeadAttention(8, 2, sinks=True, dtype=jnp.float16, param_dtype=jnp.float32), weights
     )

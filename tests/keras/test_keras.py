@@ -9,6 +9,7 @@ import pytest
 keras = pytest.importorskip("keras")
 
 from keras_testing import COPY_KEYWORD_WARNING, inputs, keras_runner  # noqa: E402, F401
+from option_cases import sink_past_float16  # noqa: E402
 
 from mha_multi import spec  # noqa: E402
 from mha_multi.interop.keras import to_keras_gqa, to_keras_mha  # noqa: E402
@@ -746,13 +747,7 @@ def test_a_mixed_policy_takes_its_float32_sink_logits_into_the_float32_softmax()
     float32 (docs: "Positions and biases"); a logit past float16's 65504 rounded to the
     computation's float16 first was ``inf``, and every output NaN. Head 0's sink takes
     all its weight: its context is 0, as the reference's."""
-    weights = init_weights(8, num_heads=2, seed=1, sinks=True)
-    weights["sinks"] = np.array([1e5, 0.5], np.float32)
-    x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float16)
-    rounded = {n: (a if n == "sinks" else a.astype(np.float16)) for n, a in weights.items()}
-    expected, _ = spec.reference_forward(
-        {n: a.astype(np.float64) for n, a in rounded.items()}, x, x, x, num_heads=2, sinks=True
-    )
+    weights, x, expected = sink_past_float16()
     layer = MultiHeadAttention(8, 2, sinks=True, dtype="mixed_float16")
     layer(x, x, x)  # (built)
     set_weights(layer, weights)

@@ -25,6 +25,7 @@ from keras_testing import (  # noqa: E402, F401
     keras_runner,
     kernel_key_heads,
 )
+from option_cases import LENGTH_DEPENDENT_ROTARY  # noqa: E402
 
 import mha_multi.keras._kernel as kernel_module  # noqa: E402
 from conftest import device_or_skip, recording_host_moves, without_synchronisation  # noqa: E402
@@ -318,14 +319,7 @@ def test_torch_compile_takes_a_call_rotated_by_its_length_whole():
     import torch
     import torch._dynamo
 
-    scaling = {
-        "rope_type": "longrope",
-        "short_factor": [1.0, 1.5],
-        "long_factor": [2.0, 3.0],
-        "original_max_position_embeddings": 4,
-        "factor": 2.0,
-    }
-    rotary = {"theta": 100.0, "scaling": scaling}
+    rotary = {"theta": 100.0, "scaling": LENGTH_DEPENDENT_ROTARY["longrope"]}
     weights = grouped_weights(7, head_dim=4)
     layer = MultiHeadAttention(**{**CONFIG, "head_dim": 4}, bias=True, rotary=rotary)
     layer = set_weights(layer, weights)

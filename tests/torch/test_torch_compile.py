@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from option_cases import LENGTH_DEPENDENT_ROTARY
 from torch_support import compiler as compiler
 from torch_support import kernel_ran
 from torch_support import runner as runner
@@ -83,26 +84,13 @@ def test_a_compiled_layer_takes_valid_arguments_once_lengths_vary(compiler, argu
     np.testing.assert_allclose(out.numpy(), expected, atol=5e-6)
 
 
-#: Rotary types whose frequencies depend on a call's length (original context: 4).
-LENGTH_SCALINGS = {
-    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 4},
-    "longrope": {
-        "rope_type": "longrope",
-        "short_factor": [1.0, 1.5],
-        "long_factor": [2.0, 3.0],
-        "original_max_position_embeddings": 4,
-        "factor": 2.0,
-    },
-}
-
-
-@pytest.mark.parametrize("scaling", list(LENGTH_SCALINGS))
+@pytest.mark.parametrize("scaling", sorted(LENGTH_DEPENDENT_ROTARY))
 def test_a_call_rotated_by_its_length_is_one_graph(compiler, scaling):
     """Dynamic NTK and LongRoPE frequencies depend on a call's length, a number on the
     host where shapes are static: computed in Python's numbers, which the trace
     evaluates (numpy's 0-d arrays broke ``fullgraph``), within and beyond the original
     context, to the reference's numbers."""
-    rotary = {"theta": 100.0, "scaling": LENGTH_SCALINGS[scaling]}
+    rotary = {"theta": 100.0, "scaling": LENGTH_DEPENDENT_ROTARY[scaling]}
     weights = init_weights(8, seed=5)
     layer = set_weights(MultiHeadAttention(8, 2, rotary=rotary), weights).eval()
     compiled = compiler(layer, fullgraph=True, dynamic=False, backend="eager")
