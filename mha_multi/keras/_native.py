@@ -18,7 +18,7 @@ import numpy as np
 
 from mha_multi import spec
 from mha_multi.keras._facts import device_scope
-from mha_multi.keras._ops import check_held_dtype
+from mha_multi.keras._ops import check_held_policy
 from mha_multi.weights import WeightsConfig, check_weights
 
 __all__ = [
@@ -86,7 +86,7 @@ def native_layer(
             output_shape=None if config.query_size == config.num_hiddens else config.num_hiddens,
             **kwargs,
         )
-        _check_held_dtypes(layer)
+        check_held_policy(layer.dtype_policy)
         layer.build(
             (None, None, config.query_size),
             (None, None, config.value_size),
@@ -230,7 +230,7 @@ def native_gqa_layer(
         layer = keras.layers.GroupQueryAttention(
             head_dim, num_heads, num_kv_heads, use_bias="query/bias" in state, **kwargs
         )
-        _check_held_dtypes(layer)
+        check_held_policy(layer.dtype_policy)
         layer.build(
             (None, None, in_features["query"]),
             (None, None, in_features["value"]),
@@ -241,11 +241,3 @@ def native_gqa_layer(
         if dense.bias is not None:
             dense.bias.assign(state[f"{name}/bias"])
     return layer
-
-
-def _check_held_dtypes(layer: keras.layers.Layer) -> None:
-    """Refuses a float64 ``dtype`` that the backend would hold as float32 (Keras on JAX
-    without x64): the layer would not compute what was asked."""
-    policy = layer.dtype_policy
-    check_held_dtype("dtype", policy.variable_dtype)
-    check_held_dtype("dtype", policy.compute_dtype)

@@ -167,6 +167,13 @@ def check_held_dtype(name: str, dtype: str) -> None:
         )
 
 
+def check_held_policy(policy: Any) -> None:
+    """:func:`check_held_dtype` of a layer's dtype policy: its variables' and its
+    computation's dtypes (the library's layer and the native ones its converters make)."""
+    check_held_dtype("dtype", policy.variable_dtype)
+    check_held_dtype("dtype", policy.compute_dtype)
+
+
 class KerasOps:
     """:class:`mha_multi.spec.ArrayOps` on ``keras.ops`` (any Keras backend).
 

@@ -30,7 +30,7 @@ from mha_multi.keras._facts import (
     floating_array,
     is_tensor,
 )
-from mha_multi.keras._ops import OPS, check_held_dtype, index_dtype
+from mha_multi.keras._ops import OPS, check_held_policy, index_dtype
 from mha_multi.keras._projections import PROJECTIONS, ProjectionLayer, get_weights, set_weights
 from mha_multi.weights import SINKS_NAME
 
@@ -140,9 +140,7 @@ class MultiHeadAttention(FromCanonical, ProjectionLayer):
         spec.check_input_sizes(query_size=query_size, key_size=key_size, value_size=value_size)
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
-        policy = self.dtype_policy
-        check_held_dtype("dtype", policy.variable_dtype)
-        check_held_dtype("dtype", policy.compute_dtype)
+        check_held_policy(self.dtype_policy)
         self._heads = spec.check_heads(num_hiddens, num_heads, **heads)
         self.options = spec.LayerOptions(
             rotary, alibi, window, softcap, sinks, qk_norm=qk_norm
