@@ -50,14 +50,18 @@ def check_window(window: Any) -> int | None:
 #: number (``2**-126``) where they exceed ``2**-62``, and XLA and TensorFlow flush such
 #: numbers to zero (docs: "Edge cases"); below it, what they flush is below ``2**-62``.
 SOFTCAP_LIMIT = 2.0**64
+#: The smallest soft cap, float32's smallest normal number: XLA and TensorFlow flush a
+#: smaller one to zero, and a score of 0 over it is 0 / 0 there (docs: "Edge cases").
+SOFTCAP_SMALLEST = 2.0**-126
 
 
 def check_softcap(softcap: Any) -> float | None:
-    """``softcap`` as ``None`` or a positive finite float, at most :data:`SOFTCAP_LIMIT`.
+    """``softcap`` as ``None`` or a positive finite float from :data:`SOFTCAP_SMALLEST` to
+    :data:`SOFTCAP_LIMIT`.
 
     Raises:
         TypeError: not ``None`` or a number.
-        ValueError: not positive and finite, or past the limit.
+        ValueError: not positive and finite, or outside those bounds.
     """
     if softcap is None:
         return None
@@ -66,6 +70,11 @@ def check_softcap(softcap: Any) -> float | None:
         raise ValueError(
             "softcap must be at most 2**64 (scores divided by more fall below float32's "
             f"normal numbers, which XLA and TensorFlow flush to zero); got {softcap!r}"
+        )
+    if checked < SOFTCAP_SMALLEST:
+        raise ValueError(
+            "softcap must be at least 2**-126 (float32's smallest normal number: XLA and "
+            f"TensorFlow flush a smaller one to zero); got {softcap!r}"
         )
     return checked
 

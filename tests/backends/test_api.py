@@ -71,6 +71,7 @@ YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 
         (8, 2, {"softcap": -2.0}, ValueError, "softcap must be a positive finite"),
         # (Past them float32 meets numbers XLA and TensorFlow flush to zero.)
         (8, 2, {"softcap": 3e38}, ValueError, r"softcap must be at most 2\*\*64"),
+        (8, 2, {"softcap": 1e-38}, ValueError, r"softcap must be at least 2\*\*-126"),
         (8, 2, {"qk_norm": {"eps": 1e-39}}, ValueError, r"qk_norm.eps must be at least 2\*\*-126"),
         (8, 2, {"window": np.array([2, 3])}, TypeError, "window must be a positive int"),
         (8, 2, {"alibi": np.array([True, False])}, TypeError, "alibi must be a bool"),
