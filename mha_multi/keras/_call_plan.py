@@ -179,12 +179,10 @@ def planned_call(
         return None
     _CALLING.layer = layer
     try:
-        returned = program(
-            [v.value for v in layer.trainable_variables],
-            [v.value for v in layer.non_trainable_variables],
-            inputs,
-            arrays,
-        )
+        # (In the order of layer.variables, which every layer of these settings makes its
+        # variables in: which of them are trainable may differ between layers sharing the
+        # program, and within one layer between calls; the flow splits them.)
+        returned = program([v.value for v in layer.variables], inputs, arrays)
     finally:
         _CALLING.layer = None
     cache = arrays["cache"]
@@ -212,8 +210,14 @@ def _program(
     (:func:`layer_settings`); its variables are the program's arguments.
     """
 
-    def flow(trainable: list[Any], non_trainable: list[Any], inputs: tuple, arrays: dict) -> Any:
-        returned, _ = _CALLING.layer.stateless_call(
+    def flow(values: list[Any], inputs: tuple, arrays: dict) -> Any:
+        layer = _CALLING.layer
+        # (stateless_call takes the trainable values and the others apart, in the order of
+        # the layer's lists: the tracing layer's split, of the values in one order.)
+        trainable, non_trainable = [], []
+        for variable, value in zip(layer.variables, values, strict=True):
+            (trainable if variable.trainable else non_trainable).append(value)
+        returned, _ = layer.stateless_call(
             trainable,
             non_trainable,
             *inputs,

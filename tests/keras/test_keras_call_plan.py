@@ -239,6 +239,26 @@ def test_layers_of_the_same_settings_share_their_programs(traces):
     assert len(traces) == (3 if PLANNED else 5)
 
 
+def test_layers_freezing_different_variables_share_a_program_and_keep_their_weights(traces):
+    # W_k and W_v have one shape: a program traced for one layer's split of trainable
+    # variables, taken by another's, must not put one's values in the other's place.
+    x = np.random.default_rng(14).standard_normal((2, 3, 8)).astype(np.float32)
+    (x_native,) = _native(x)
+    weights = _weights(15)
+    expected = _reference(weights, x, causal=True)
+    frozen_k, frozen_v = _layer(weights), _layer(weights)
+    frozen_k.W_k.trainable = False
+    frozen_v.W_v.trainable = False
+    for layer in (frozen_k, frozen_v, frozen_k, frozen_v):
+        output = layer(x_native, x_native, x_native, causal=True)
+        np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
+    # One layer whose frozen variable changes between calls.
+    frozen_k.W_k.trainable, frozen_k.W_v.trainable = True, False
+    output = frozen_k(x_native, x_native, x_native, causal=True)
+    np.testing.assert_allclose(backend.to_numpy(output), expected, atol=FORWARD, rtol=0)
+    assert len(traces) == (1 if PLANNED else 5)
+
+
 def test_a_direct_call_of_numpy_inputs_takes_them_as_a_call_does(traces):
     """stateless_call passes its arguments to call as they are (no ``__call__`` makes
     numpy inputs tensors): the flow makes floating ones tensors, as Keras' own layers
