@@ -172,7 +172,10 @@ def pack(modules: Sequence[nn.Module]) -> None:
             for p in params
         ):
             continue
-        with torch.no_grad():
+        # (Outside inference mode, as infer_size makes them: a layer whose sizes its first
+        # call learns under torch.inference_mode packs there, and inference tensors as its
+        # parameters could not be trained later.)
+        with torch.inference_mode(False), torch.no_grad():
             buffer = torch.cat([p.detach().reshape(-1) for p in params])
         offset = 0
         for p in params:

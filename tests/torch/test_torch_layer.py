@@ -52,6 +52,22 @@ def test_lazy_sizes_are_inferred_on_first_call(runner):
         layer(runner.to_native(rng.standard_normal((2, 3, 8))), k, v)
 
 
+def test_a_lazy_layer_first_called_under_inference_mode_trains_later():
+    # Its sizes, learnt under inference mode, make ordinary parameters, packed as such.
+    x_np = np.random.default_rng(1).standard_normal((2, 3, 8))
+    x = torch.tensor(x_np, dtype=torch.float32)
+    layer = MultiHeadAttention(8, 2, bias=True)
+    with torch.inference_mode():
+        layer(x, x, x)
+    assert not any(parameter.is_inference() for parameter in layer.parameters())
+    output = layer(x, x, x, causal=True)
+    output.sum().backward()
+    weights = get_weights(layer)
+    expected = spec.reference_forward(weights, x_np, x_np, x_np, num_heads=2, causal=True)[0]
+    np.testing.assert_allclose(output.detach().numpy(), expected, atol=5e-6, rtol=0)
+    assert all(parameter.grad is not None for parameter in layer.parameters())
+
+
 def test_set_weights_fixes_lazy_sizes(runner, cases):
     case = cases["cross_sizes"]
     config = case.config
