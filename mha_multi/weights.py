@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mha_multi import spec
+from mha_multi.spec.checks import check_positive_int
 
 __all__ = [
     "BIAS_NAMES",
@@ -143,6 +144,10 @@ def weight_shapes(
     depend on the number of heads; ``sinks=True`` needs ``num_heads`` (else
     a ``ValueError``).
     """
+    check_positive_int("num_hiddens", num_hiddens)
+    for name, size in (("query_size", query_size), ("key_size", key_size), ("value_size", value_size)):
+        if size is not None:
+            check_positive_int(name, size)
     query_features, kv_features = _features(num_hiddens, num_heads, num_kv_heads, head_dim)
     shapes: dict[str, tuple[int, ...]] = {
         "W_q": (num_hiddens if query_size is None else query_size, query_features),
@@ -285,6 +290,9 @@ def check_weights(
             raise ValueError(f"weights is missing {name!r}")
         if arrays[name].ndim != 2:
             raise ValueError(f"weights[{name!r}] must be 2-D; got shape {arrays[name].shape}")
+        if 0 in arrays[name].shape:
+            # (A layer has no size of 0: its constructor refuses one.)
+            raise ValueError(f"weights[{name!r}] must not be empty; got shape {arrays[name].shape}")
     if bias is None:
         bias = "b_q" in arrays
     if sinks is None:

@@ -12,7 +12,7 @@ created, so only that framework is ever imported.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import keras
@@ -135,9 +135,10 @@ class _Framework:
     #: to the rest of the write (an eager one); ``None`` on TensorFlow.
     traced_write: Callable[..., tuple[spec.KVCache, Tensor] | None] | None = None
 
-    def version(self, x: Tensor) -> int | None:
-        """What changes when ``x`` is written in place, or ``None`` where nothing would
-        tell. TensorFlow's and JAX's arrays cannot be written: always 0."""
+    def version(self, x: Tensor) -> Hashable | None:
+        """What changes when ``x`` is written in place or given other storage, or ``None``
+        where nothing would tell. TensorFlow's and JAX's arrays cannot be written:
+        always 0."""
         return 0
 
     def kernel_takes_grouped(self, q: Tensor, num_queries: Any, head_dim: int) -> bool:
@@ -442,9 +443,10 @@ class _Torch(_Framework):
         (:func:`mha_multi.torch._cache.writes_in_place`)."""
         return self.plain.writes_in_place(*arrays)
 
-    def version(self, x: Tensor) -> int | None:
-        # Inference tensors keep no version counter.
-        return None if x.is_inference() else x._version
+    def version(self, x: Tensor) -> Hashable | None:
+        # Inference tensors keep no version counter; storage swapped through .data keeps
+        # the counter, not the address.
+        return None if x.is_inference() else (x._version, x.data_ptr())
 
     def dot_product_attention(
         self,

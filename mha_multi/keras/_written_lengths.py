@@ -20,14 +20,14 @@ class WrittenLengths:
     (docs: "Generating with a cache"); a read from a GPU waits for it. The
     lengths the step before wrote are known without one. An entry holds
     while its tensor lives, unchanged: TensorFlow's and JAX's arrays cannot
-    be written, PyTorch's tell by their version counters. (PyTorch's own
+    be written, PyTorch's tell by their version counters and addresses. (PyTorch's own
     layer keeps this on the tensor, in its ``CacheCheck``; TensorFlow's and
     JAX's arrays take no attributes, hence a table.)
     """
 
     def __init__(self) -> None:
         # id -> (the tensor, weakly; its version; its values).
-        self._held: dict[int, tuple[Any, int, np.ndarray]] = {}
+        self._held: dict[int, tuple[Any, Any, np.ndarray]] = {}
 
     def remember(self, lengths: Any, values: np.ndarray) -> None:
         """That ``lengths``, a tensor an eager call made, holds ``values``."""

@@ -237,6 +237,12 @@ def check_inputs(
     for name, size_name, shape, size in zip(names, size_names, shapes, sizes, strict=True):
         if size is not None and shape[2] != size:
             raise ValueError(f"{name} last dimension must be {size_name}={size}; got shape {shape}")
+        if size is None and shape[2] == 0:
+            # (The layer learns its size from it, which a layer refuses to be made with.)
+            raise ValueError(
+                f"{name} last dimension must be positive: it sets the layer's {size_name}; "
+                f"got shape {shape}"
+            )
     if valid_lens_shape is not None:
         check_valid_lens_shape(valid_lens_shape, batch, shapes[0][1])
 

@@ -23,9 +23,10 @@ from mha_multi.torch._compiled_cache import records_gradient
 from mha_multi.torch._reads import finite_sum
 
 __all__ = [
-    "CHECKED",
+    "CHECKS",
     "CacheCheck",
     "Written",
+    "carried_check",
     "from_host",
     "poison_of",
     "versioned",
@@ -57,7 +58,7 @@ class CacheCheck:
     lengths on the host (``lengths + added``, added when first asked for: a
     decoding step's check adds 1 to its last one's). The next call trusts
     all this only for the same tensors unchanged since (their version
-    counters), so that a decoding step checks its new rows and the
+    counters and addresses), so that a decoding step checks its new rows and the
     positions its span adds instead of the whole cache, and reads no lengths
     back.
     """
@@ -73,6 +74,8 @@ class CacheCheck:
     ) -> None:
         self.keys, self.values = weakref.ref(cache.keys), weakref.ref(cache.values)
         self.versions = (cache.keys._version, cache.values._version)
+        # (And their addresses: storage swapped in through .data keeps the version counter.)
+        self.addresses = (cache.keys.data_ptr(), cache.values.data_ptr())
         self.poison, self.upto = poison, upto
         self.pending: tuple[torch.Tensor, ...] | None = pending
         self.pending_from: int | None = None
@@ -82,10 +85,13 @@ class CacheCheck:
         #: How many examples the lengths are for.
         self.examples: int = lengths.size
         self.lengths_version = cache.lengths._version
+        self.lengths_address = cache.lengths.data_ptr()
         self._uniform: int | None = -1  # not known yet
         #: What the plain step that wrote the cache decided (``StepRoute.plain_step``):
         #: ``(layer, key, plan)``, for the next step of that layer and key.
         self.step: tuple[Any, tuple, Any] | None = None
+        #: The lengths tensor that carries this check, weakly (:func:`carried_check`).
+        self.carrier: weakref.ref[torch.Tensor] = weakref.ref(cache.lengths)
         #: The lengths of the plain steps to come (:func:`next_lengths`).
         self.bank: list[torch.Tensor | None] | None = None
         self.bank_from = 0
@@ -143,15 +149,18 @@ class CacheCheck:
         self.poison, self.upto, self.pending, self.pending_from = poison, filled, pending, None
         self._added += 1
         self.lengths_version, self._uniform, self.step = lengths._version, filled, step
+        self.lengths_address = lengths.data_ptr()
         # (max and min: builtins' calls, spelled out: a step's cost is such work.)
         if finite_from is not None and finite_from < filled:
             self.finite_from = filled
         self.key_upto = key_upto
         if not key_upto:
             self.key_max = 0.0  # (a bound of nothing)
-        # (CHECKED, as an attribute: getattr and setattr are calls, and every step asks.)
-        del previous._mha_multi_checked
-        lengths._mha_multi_checked = self
+        # (_carry's, inline: every step moves its check.)
+        CHECKS.pop(id(previous), None)
+        key = id(lengths)
+        CHECKS[key] = self
+        self.carrier = weakref.ref(lengths, lambda _: CHECKS.pop(key, None))
         return self
 
     def ragged_stepped(
@@ -204,7 +213,7 @@ class CacheCheck:
             return None
         check = cls(cache, *state, **named)
         check._uniform = uniform
-        setattr(cache.lengths, CHECKED, check)
+        _carry(check, cache.lengths)
         return check
 
     def written_past(self, prior: CacheCheck | None, first: int, filled: int) -> None:
@@ -224,12 +233,13 @@ class CacheCheck:
             keys is self.keys()
             and values is self.values()
             and (keys._version, values._version) == self.versions
+            and (keys.data_ptr(), values.data_ptr()) == self.addresses
         )
 
     @staticmethod
     def of(cache: spec.KVCache) -> CacheCheck | None:
         """The check ``cache``'s lengths carry, where it still describes its arrays."""
-        check = getattr(cache.lengths, CHECKED, None)
+        check = carried_check(cache.lengths)
         keys, values = cache.keys, cache.values
         # Inference tensors keep no version counter: nothing would tell an edit.
         if check is None or keys.is_inference() or values.is_inference():
@@ -294,8 +304,13 @@ class CacheCheck:
     @staticmethod
     def host_lengths(lengths: torch.Tensor) -> np.ndarray | None:
         """``lengths`` as the call that made it left them, where it is unchanged since."""
-        check = getattr(lengths, CHECKED, None)
-        if check is None or lengths.is_inference() or lengths._version != check.lengths_version:
+        check = carried_check(lengths)
+        if (
+            check is None
+            or lengths.is_inference()
+            or lengths._version != check.lengths_version
+            or lengths.data_ptr() != check.lengths_address
+        ):
             return None
         return check.lengths.copy()
 
@@ -360,8 +375,25 @@ def from_host(array: np.ndarray, device: torch.device, dtype: torch.dtype | None
     return tensor if device.type == "cpu" else tensor.to(device)
 
 
-#: The attribute of a cache's lengths tensor that holds its :class:`CacheCheck`.
-CHECKED = "_mha_multi_checked"
+#: The checks lengths tensors carry: ``id(lengths)`` -> its check, whose ``carrier`` is
+#: that tensor, weakly (:func:`carried_check`). A table rather than an attribute of the
+#: tensor: a tensor pickles its attributes (``torch.save``), and a check holds weak
+#: references, which no pickle takes. (Keras' ``WrittenLengths`` keeps such a table.)
+CHECKS: dict[int, CacheCheck] = {}
+
+
+def carried_check(lengths: torch.Tensor) -> CacheCheck | None:
+    """The check ``lengths`` carries, if any (:data:`CHECKS`)."""
+    check = CHECKS.get(id(lengths))
+    return check if check is not None and check.carrier() is lengths else None
+
+
+def _carry(check: CacheCheck, lengths: torch.Tensor) -> None:
+    """``check`` carried by ``lengths`` from now on (:data:`CHECKS`): its entry goes with
+    the tensor, before the id can name another."""
+    key = id(lengths)
+    CHECKS[key] = check
+    check.carrier = weakref.ref(lengths, lambda _: CHECKS.pop(key, None))
 
 #: A context manager that does nothing (reusable: it holds no state).
 _NOTHING = contextlib.nullcontext()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mha_multi import call, spec
-from mha_multi.torch._cache import CacheCheck
+from mha_multi.torch._cache import CHECKS, CacheCheck
 from mha_multi.torch._ops import autocasting
 from mha_multi.torch._ragged import ragged_step
 from mha_multi.torch._steps import PlainPlan, fused_step, generic_step
@@ -217,16 +217,17 @@ class StepRoute:
         if type(cache) is not spec.KVCache:
             return None
         keys, values, lengths = cache
-        # CacheCheck.of, inline: every step asks (CHECKED as an attribute: getattr is a call).
-        try:
-            check = lengths._mha_multi_checked
-        except AttributeError:
+        # CacheCheck.of, inline: every step asks (carried_check's, a call less).
+        check = CHECKS.get(id(lengths))
+        if check is None or check.carrier() is not lengths:
             return None
         if (
             keys is not check.keys()
             or values is not check.values()
             or (keys._version, values._version) != check.versions
             or lengths._version != check.lengths_version
+            or (keys.data_ptr(), values.data_ptr()) != check.addresses
+            or lengths.data_ptr() != check.lengths_address
             # (No inference tensor, which keeps no version counter: a check holds none of
             # them, CacheCheck.attach.)
         ):

@@ -138,6 +138,15 @@ def test_bad_inputs(runner, case):
         runner.call(layer, *args)
 
 
+def test_a_call_that_would_set_an_input_size_of_0_is_refused(runner):
+    # A layer whose input sizes its first call sets (NNX's default to num_hiddens) takes
+    # none of 0, which no constructor takes either.
+    q, k, v = inputs()
+    layer = runner.make_layer(8, 2)
+    with pytest.raises(ValueError, match="queries last dimension must be (positive|query_size=8)"):
+        runner.call(layer, q[..., :0], k, v, None)
+
+
 def test_valid_lens_may_be_a_list_numpy_or_the_frameworks_array(runner, cases):
     case = cases["lens_1d"]
     layer = runner.layer_for(case)

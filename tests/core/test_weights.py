@@ -66,6 +66,7 @@ def test_check_infers_config():
             r"W_q'\] must have shape \(8, 8\)",
         ),
         (lambda w: w.update(W_v=np.zeros(8, np.float32)), {}, "must be 2-D"),
+        (lambda w: w.update(W_q=np.zeros((0, 8), np.float32)), {}, r"W_q'\] must not be empty"),
     ],
 )
 def test_check_is_strict(edit, kwargs, match):
@@ -73,6 +74,14 @@ def test_check_is_strict(edit, kwargs, match):
     edit(weights)
     with pytest.raises(ValueError, match=match):
         check_weights(weights, **kwargs)
+
+
+@pytest.mark.parametrize("size", ["query_size", "key_size", "value_size"])
+def test_sizes_of_zero_are_refused_by_name(size):
+    with pytest.raises(ValueError, match=f"{size} must be a positive int; got 0"):
+        init_weights(8, num_heads=2, **{size: 0})
+    with pytest.raises(ValueError, match="num_hiddens must be a positive int; got 0"):
+        weight_shapes(0)
 
 
 def test_check_rejects_non_float_and_non_mapping():

@@ -608,6 +608,10 @@ def test_a_step_reads_none_of_the_lengths_the_call_before_returned(monkeypatch, 
                 cache.lengths.sub_(1)
             read, cache = step(cache, 3)
             assert read == 1
+            # Other storage swapped in through .data (which keeps the version counter): read.
+            cache.lengths.data = cache.lengths.data - 1
+            read, cache = step(cache, 3)
+            assert read == 1
         read, cache = step(cache, 4)
         assert read == 0
         # A ragged call (its examples append 1, 0 and 0 positions) reads its

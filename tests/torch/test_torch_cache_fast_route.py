@@ -9,7 +9,9 @@ flow's. The GPU's steps are ``test_torch_cache_gpu_steps.py``'s.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
+import io
 import weakref
 from unittest import mock
 
@@ -55,17 +57,23 @@ def test_a_steps_check_is_the_one_attach_and_written_past_make(finite_from, key_
     def updated():
         return spec.KVCache(keys, values, torch.full((2,), 5))
 
+    slow_cache, fast_cache = updated(), updated()
     slow = _cache.CacheCheck.attach(
-        updated(), kept["poison"], 5, prior.lengths, pending=kept["pending"], added=1
+        slow_cache, kept["poison"], 5, prior.lengths, pending=kept["pending"], added=1
     )
     slow.step, slow._uniform = "this plan", 5
     slow.written_past(prior, 4, 5)
-    fast = prior.stepped(updated(), 5, "this plan", before, **kept)
-    # (The arrays, poison and pending rows are the same objects in both: compared by identity.)
-    fields = {name: value for name, value in vars(slow).items() if name not in ("keys", "values")}
+    fast = prior.stepped(fast_cache, 5, "this plan", before, **kept)
+    # (The arrays, poison and pending rows are the same objects in both: compared by identity;
+    # each check carried by its own lengths.)
+    own = ("keys", "values", "carrier", "lengths_address")
+    fields = {name: value for name, value in vars(slow).items() if name not in own}
     assert {name: value for name, value in vars(fast).items() if name in fields} == fields
     assert vars(fast).keys() == vars(slow).keys()
     assert fast.keys() is keys and fast.values() is values
+    assert _cache.carried_check(fast_cache.lengths) is fast
+    assert _cache.carried_check(slow_cache.lengths) is slow
+    assert fast.lengths_address == fast_cache.lengths.data_ptr()
     assert fast.lengths.tolist() == [5, 5] and fast.uniform == 5
     # The lengths before carry no check: a call given them again reads them.
     assert _cache.CacheCheck.of(spec.KVCache(keys, values, before)) is None
@@ -487,6 +495,60 @@ def test_a_cache_made_outside_inference_mode_decodes_inside_it():
     assert answers == [True, True, True]
     assert not cache.lengths.is_inference()
     assert cache.lengths.tolist() == [7, 7, 7]
+
+
+def _step_matches_the_reference(layer, weights, y, cache):
+    """One step of ``y`` on ``cache``, checked against the reference of the cache as it is."""
+    before = spec.KVCache(*(t.numpy().copy() for t in cache))
+    with torch.no_grad():
+        output, cache = layer(y, y, y, causal=True, cache=cache)
+    expected, _, expected_lengths = spec.reference_cached_forward(
+        weights, *(y.double().numpy(),) * 3, before, **HEADS, causal=True
+    )
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
+    np.testing.assert_array_equal(cache.lengths.numpy(), expected_lengths.lengths)
+    return output, cache
+
+
+def test_a_saved_cache_loads_and_decodes_on():
+    """A cache pickles as its tensors (``torch.save``, loaded with ``weights_only``): what
+    a call knew of it stays with the tensors it was made for, and the loaded one
+    decodes on with the reference's numbers."""
+    weights, layer = self_attention(HEADS, seed=15)
+    x = torch.from_numpy(np.random.default_rng(15).standard_normal((3, 4, NUM_HIDDENS))).float()
+    with torch.no_grad():
+        output, cache = layer(x, x, x, causal=True, cache=layer.init_cache(3, 9))
+    output, cache = _step_matches_the_reference(layer, weights, output[:, -1:], cache)
+    buffer = io.BytesIO()
+    torch.save(tuple(cache), buffer)
+    buffer.seek(0)
+    loaded = spec.KVCache(*torch.load(buffer))
+    assert copy.deepcopy(cache).lengths.tolist() == [5, 5, 5]
+    for _ in range(2):
+        output, loaded = _step_matches_the_reference(layer, weights, output, loaded)
+    assert loaded.lengths.tolist() == [7, 7, 7]
+
+
+@pytest.mark.parametrize("swapped", ["lengths", "values"])
+@pytest.mark.parametrize("on_a_gpu", [False, True], ids=["host", "gpu"])
+def test_storage_swapped_in_through_data_is_read_anew(swapped, on_a_gpu):
+    """``.data =`` gives a tensor other storage but keeps its version counter: a check made
+    for the old storage (the lengths on the host, the views a step attends over) no
+    longer holds, and the step has the reference's numbers for the new."""
+    weights, layer = self_attention(HEADS, seed=16, sinks=False)
+    x = torch.from_numpy(np.random.default_rng(16).standard_normal((3, 4, NUM_HIDDENS))).float()
+    context = backend.as_if_on_a_gpu() if on_a_gpu else contextlib.nullcontext()
+    with context:
+        with torch.no_grad():
+            output, cache = layer(x, x, x, causal=True, cache=layer.init_cache(3, 9))
+        for _ in range(2):
+            output, cache = _step_matches_the_reference(layer, weights, output[:, -1:], cache)
+            output = output[:, -1:]
+        tensor = getattr(cache, swapped)
+        tensor.data = tensor.data - 2 if swapped == "lengths" else tensor.data * 2
+        for _ in range(2):
+            output, cache = _step_matches_the_reference(layer, weights, output, cache)
+    assert cache.lengths.tolist() == ([6, 6, 6] if swapped == "lengths" else [8, 8, 8])
 
 
 def test_a_fast_step_raises_the_generic_flows_errors():

@@ -24,7 +24,7 @@ from mha_multi import spec
 from mha_multi.parity.harness import torch as backend
 from mha_multi.spec import plan as spec_plan
 from mha_multi.torch import MultiHeadAttention, _ragged, get_weights
-from mha_multi.torch._cache import CHECKED
+from mha_multi.torch._cache import carried_check
 
 RANDOMISED = settings(
     deadline=None,
@@ -361,7 +361,7 @@ def known_of(cache) -> torch.Tensor:
     """What a cache's check knows (:class:`mha_multi.torch._cache.CacheCheck`), as numbers:
     the positions checked and known finite, the keys' bound, and whether a poison or
     rows are left to read (-1: nothing known)."""
-    check = getattr(cache.lengths, CHECKED, None)
+    check = carried_check(cache.lengths)
     if check is None:
         return torch.tensor([-1.0])
     finite_from = -1 if check.finite_from is None else check.finite_from

@@ -135,13 +135,21 @@ def forward(
     **kwargs: Any,
 ) -> Any:
     """One call of an NNX layer (in ``train()`` or ``eval()`` mode) or a Linen
-    layer (whose dropout draws a fresh key in training).
+    layer (whose dropout draws a fresh key in training; initialised by its first
+    call where it has no variables yet).
 
     ``head_mask`` is the layer's, passed as it is; ``kwargs`` are the
     layer's (``causal``, ``return_attention_weights``, ``cache``).
     """
     kwargs["head_mask"] = head_mask
     if isinstance(layer, LinenLayer):
+        if layer.variables is None:
+            # A layer of sizes its first call gives: initialised from the call's inputs, as
+            # a Linen user's init is.
+            variables = layer.module.init(
+                layer.next_rng(), queries, keys, values, valid_lens, **kwargs
+            )
+            layer.variables = jax.device_put(variables, layer.device)
         rngs = {"dropout": layer.next_rng()} if training else {}
         return layer.module.apply(
             layer.variables,

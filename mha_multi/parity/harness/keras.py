@@ -223,8 +223,8 @@ def forward(
     :func:`_shared`); a cached call too, after which the lengths are read
     and checked as an eager call checks them (compiled code cannot). Calls
     with values that cannot be traced (a ``causal`` that is not a bool,
-    lengths that are no tensor) or in training go through the layer as a
-    user's call does.
+    lengths that are no tensor), in training or of a layer not built yet go
+    through the layer as a user's call does.
 
     Args:
         layer: the layer.
@@ -240,6 +240,7 @@ def forward(
     extras = tuple(name for name in _EXTRAS if kwargs.get(name) is not None)
     traceable = (
         driver().stateless
+        and layer.built
         and not training
         and set(kwargs) <= {"causal", "return_attention_weights", "cache", *_EXTRAS}
         and type(causal) is bool
