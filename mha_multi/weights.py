@@ -145,7 +145,11 @@ def weight_shapes(
     a ``ValueError``).
     """
     check_positive_int("num_hiddens", num_hiddens)
-    for name, size in (("query_size", query_size), ("key_size", key_size), ("value_size", value_size)):
+    for name, size in (
+        ("query_size", query_size),
+        ("key_size", key_size),
+        ("value_size", value_size),
+    ):
         if size is not None:
             check_positive_int(name, size)
     query_features, kv_features = _features(num_hiddens, num_heads, num_kv_heads, head_dim)

@@ -395,6 +395,7 @@ def _carry(check: CacheCheck, lengths: torch.Tensor) -> None:
     CHECKS[key] = check
     check.carrier = weakref.ref(lengths, lambda _: CHECKS.pop(key, None))
 
+
 #: A context manager that does nothing (reusable: it holds no state).
 _NOTHING = contextlib.nullcontext()
 
