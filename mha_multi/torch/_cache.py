@@ -90,8 +90,10 @@ class CacheCheck:
         #: What the plain step that wrote the cache decided (``StepRoute.plain_step``):
         #: ``(layer, key, plan)``, for the next step of that layer and key.
         self.step: tuple[Any, tuple, Any] | None = None
-        #: The lengths tensor that carries this check, weakly (:func:`carried_check`).
+        #: The lengths tensor that carries this check, weakly, and its id, the check's key
+        #: in :data:`CHECKS` (:func:`carried_check`).
         self.carrier: weakref.ref[torch.Tensor] = weakref.ref(cache.lengths)
+        self.key = id(cache.lengths)
         #: The lengths of the plain steps to come (:func:`next_lengths`).
         self.bank: list[torch.Tensor | None] | None = None
         self.bank_from = 0
@@ -157,8 +159,8 @@ class CacheCheck:
         if not key_upto:
             self.key_max = 0.0  # (a bound of nothing)
         # (_carry's, inline: every step moves its check.)
-        CHECKS.pop(id(previous), None)
-        key = id(lengths)
+        CHECKS.pop(self.key, None)  # (previous's)
+        self.key = key = id(lengths)
         CHECKS[key] = self
         self.carrier = weakref.ref(lengths, lambda _: CHECKS.pop(key, None))
         return self
@@ -391,7 +393,7 @@ def carried_check(lengths: torch.Tensor) -> CacheCheck | None:
 def _carry(check: CacheCheck, lengths: torch.Tensor) -> None:
     """``check`` carried by ``lengths`` from now on (:data:`CHECKS`): its entry goes with
     the tensor, before the id can name another."""
-    key = id(lengths)
+    check.key = key = id(lengths)
     CHECKS[key] = check
     check.carrier = weakref.ref(lengths, lambda _: CHECKS.pop(key, None))
 

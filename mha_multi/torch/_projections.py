@@ -228,9 +228,10 @@ class StackedWeights:
         """``(weight, bias)`` of ``modules`` as views of their back-to-back parameters, for
         eager code that records no gradient; ``None`` where they are not back to back."""
         held = self._held
-        if held is not None and len(held) == len(modules):
+        if held is not None:
             # Where the view was made, one call per parameter tells that it holds: a
-            # decoding step's cost is such calls (docs: "Fast paths").
+            # decoding step's cost is such calls (docs: "Fast paths"). (Other modules
+            # than it was made of: zip's ValueError.)
             try:
                 for module, (parameters, weight, bias) in zip(modules, held, strict=True):
                     if module._parameters is not parameters:
@@ -246,7 +247,7 @@ class StackedWeights:
                         break
                 else:
                     return self._views
-            except (RuntimeError, TypeError, NotImplementedError):
+            except (RuntimeError, TypeError, NotImplementedError, ValueError):
                 pass  # (a tensor of another kind set as a parameter's data: asked below)
             self._key = self._held = None  # (moved: made again, strides included)
         try:

@@ -217,9 +217,11 @@ class StepRoute:
         if type(cache) is not spec.KVCache:
             return None
         keys, values, lengths = cache
-        # CacheCheck.of, inline: every step asks (carried_check's, a call less).
+        # CacheCheck.of, inline: every step asks. (carried_check's, but for its test of the
+        # carrier: an entry goes when its tensor does, or when its check moves on to
+        # other lengths, so that the entry of a live tensor's id is the check it carries.)
         check = CHECKS.get(id(lengths))
-        if check is None or check.carrier() is not lengths:
+        if check is None:
             return None
         if (
             keys is not check.keys()

@@ -66,7 +66,7 @@ def test_a_steps_check_is_the_one_attach_and_written_past_make(finite_from, key_
     fast = prior.stepped(fast_cache, 5, "this plan", before, **kept)
     # (The arrays, poison and pending rows are the same objects in both: compared by identity;
     # each check carried by its own lengths.)
-    own = ("keys", "values", "carrier", "lengths_address")
+    own = ("keys", "values", "carrier", "key", "lengths_address")
     fields = {name: value for name, value in vars(slow).items() if name not in own}
     assert {name: value for name, value in vars(fast).items() if name in fields} == fields
     assert vars(fast).keys() == vars(slow).keys()
@@ -74,6 +74,7 @@ def test_a_steps_check_is_the_one_attach_and_written_past_make(finite_from, key_
     assert _cache.carried_check(fast_cache.lengths) is fast
     assert _cache.carried_check(slow_cache.lengths) is slow
     assert fast.lengths_address == fast_cache.lengths.data_ptr()
+    assert fast.key == id(fast_cache.lengths)
     assert fast.lengths.tolist() == [5, 5] and fast.uniform == 5
     # The lengths before carry no check: a call given them again reads them.
     assert _cache.CacheCheck.of(spec.KVCache(keys, values, before)) is None
