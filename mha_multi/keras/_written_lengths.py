@@ -20,9 +20,9 @@ class WrittenLengths:
     (docs: "Generating with a cache"); a read from a GPU waits for it. The
     lengths the step before wrote are known without one. An entry holds
     while its tensor lives, unchanged: TensorFlow's and JAX's arrays cannot
-    be written, PyTorch's tell by their version counters and addresses. (PyTorch's own
-    layer keeps this on the tensor, in its ``CacheCheck``; TensorFlow's and
-    JAX's arrays take no attributes, hence a table.)
+    be written, PyTorch's tell by their version counters and addresses. (PyTorch's
+    own layer keeps this in its ``CacheCheck``, in such a table too: attributes of a
+    tensor are pickled with it, and TensorFlow's and JAX's arrays take none.)
     """
 
     def __init__(self) -> None:

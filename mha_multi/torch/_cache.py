@@ -1,7 +1,7 @@
 """What an eager PyTorch call knows of a cache it wrote in place.
 
-A cache written in place under ``torch.no_grad()`` carries, on its lengths
-tensor, what the call that wrote it knew (:class:`CacheCheck`): the lengths
+A cache written in place under ``torch.no_grad()`` carries, beside its lengths
+tensor (:data:`CHECKS`), what the call that wrote it knew (:class:`CacheCheck`): the lengths
 on the host, and whether every position it attended over and every row it
 wrote was finite (one sum, :func:`mha_multi.torch._reads.finite_sum`); the
 next call trusts this only for the same tensors unchanged since (docs:
