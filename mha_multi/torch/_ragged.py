@@ -34,7 +34,13 @@ from mha_multi.torch._kernel import folded_mask
 from mha_multi.torch._ops import ops_on
 from mha_multi.torch._reads import extremes, finite_sum, larger, magnitude_of, read_together
 from mha_multi.torch._rotary import rotate_stacked
-from mha_multi.torch._steps import PlainPlan, project_output, step_attention, step_projections
+from mha_multi.torch._steps import (
+    PlainPlan,
+    StepResult,
+    project_output,
+    step_attention,
+    step_projections,
+)
 
 __all__ = ["ragged_step"]
 
@@ -61,7 +67,7 @@ def ragged_step(
     check: CacheCheck,
     step: tuple[Any, tuple, Any] | None,
     options: spec.LayerOptions | None,
-) -> call.Result | None:
+) -> StepResult | None:
     """The plain route's decoding step of examples at different lengths, on a plan that
     takes them (``plan.ragged``): a fused plan whose kernel is SDPA with the lengths'
     mask, a window's and ALiBi's bias (the host's), or a generic one (a GPU's, or one of
@@ -207,7 +213,7 @@ def ragged_step(
             bias=bias,
             sinks=layer.sink_logits() if plan.sinks else None,
         )
-    return call.Result(project_output(layer, context, plan.fused or plan.direct), None, updated)
+    return project_output(layer, context, plan.fused or plan.direct), updated
 
 
 def _fused_read(

@@ -6,8 +6,8 @@ before its flow (:meth:`mha_multi.torch.MultiHeadAttention.forward`): one
 query per example, a cache whose check (:class:`CacheCheck`) still holds,
 every example at a length with room for one more. The plan the step before
 made for the same layer and arguments, which the cache's check carries, runs
-it straight through (:func:`~mha_multi.torch._steps.fused_step`, and
-:func:`~mha_multi.torch._steps.generic_step` where a GPU reads nothing;
+it straight through (:func:`~mha_multi.torch._steps.decoding_step`, on the fused
+plan or, where a GPU reads nothing, the generic one;
 examples at different lengths, :func:`~mha_multi.torch._ragged.ragged_step`);
 the first step of a signature is planned by
 :class:`~mha_multi.torch._plain.PlainRoute`, of which this is a part.
@@ -25,7 +25,7 @@ from mha_multi import call, spec
 from mha_multi.torch._cache import CHECKS, CacheCheck
 from mha_multi.torch._ops import autocasting
 from mha_multi.torch._ragged import ragged_step
-from mha_multi.torch._steps import PlainPlan, fused_step, generic_step
+from mha_multi.torch._steps import PlainPlan, StepResult, decoding_step
 
 __all__ = ["StepRoute"]
 
@@ -48,15 +48,16 @@ class StepRoute:
         causal: bool,
         dtype: torch.dtype | None,
         options: spec.LayerOptions | None,
-    ) -> call.Result | None:
+    ) -> StepResult | None:
         """A plain decoding step (a call :func:`mha_multi.call.plain_self_attention` names,
-        with a cache and no lengths), or ``None`` where the route takes none.
+        with a cache and no lengths): its output and updated cache, or ``None`` where the
+        route takes none.
 
         What the generic flow's checks, plan and span decided for the step before,
         of this layer and these arguments, the cache's check carries
         (:attr:`mha_multi.torch._cache.CacheCheck.step`): a step of the same
         signature on a cache that check still holds runs straight through to
-        :func:`fused_step` or :func:`generic_step`. The PyTorch layer asks here
+        :func:`decoding_step`. The PyTorch layer asks here
         first, before its call's flow, where its call is a plain step
         (:meth:`mha_multi.torch.MultiHeadAttention.forward`).
 
@@ -83,7 +84,7 @@ class StepRoute:
         the generic flow makes at each step, of the step's one position).
         Anything else returns ``None`` before writing anything, and the
         generic flow runs the step (docs: "Fast paths"); so do non-finite
-        values read, whose rows :func:`fused_step` has written and made zeros
+        values read, whose rows :func:`decoding_step` has written and made zeros
         again.
         """
         # (No step records a gradient: a cached call that does takes the generic flow; nor
@@ -104,9 +105,11 @@ class StepRoute:
         device = queries.device
         key = (dtype, causal, queries.shape, queries.dtype, device, options)
         step = check.step
-        on_host = self.on_host(queries)
         if step is not None and step[0]() is layer and step[1] == key:
-            if autocasting("cpu" if on_host else device.type):
+            # (Autocast's one flag asked first, autocasting's own first test: every step asks.)
+            if torch._C._is_any_autocast_enabled() and autocasting(
+                "cpu" if self.on_host(queries) else device.type
+            ):
                 return None
             plan = step[2]
         else:
@@ -121,17 +124,17 @@ class StepRoute:
             return ragged_step(self, plan, layer, queries, cache, check, step, options)
         first = 0  # (the first cache position attended over)
         if plan.window is not None:
-            first = self._window_first(check, plan, cache, on_host=on_host)
+            first = self._window_first(check, plan, cache, on_host=self.on_host(queries))
             if first == check._uniform + 1 - plan.window or check._uniform < plan.window:
                 plan = plan.within  # (the window hides none of the keys attended over)
                 if plan is None:
                     return None
         if (check.pending is not None or check.poison is not None) and (
-            plan.fused or (on_host and plan.may_read)
+            plan.fused or (plan.may_read and self.on_host(queries))
         ):
             return None  # (rows no call has read yet: the generic flow reads them here)
         if plan.fused:
-            return fused_step(layer, queries, cache, check, plan, step, rotary, first)
+            return decoding_step(layer, queries, cache, check, plan, step, rotary, first)
         filled = check._uniform + 1  # (CacheCheck.uniform, resolved by the check)
         spans = plan.spans
         span = spans.get(filled, 0)
@@ -143,7 +146,7 @@ class StepRoute:
                 spans[upto] = span
         if span is None:
             return None  # (the generic flow reads for it)
-        return generic_step(layer, queries, cache, check, plan, step, rotary, span, first)
+        return decoding_step(layer, queries, cache, check, plan, step, rotary, first, span)
 
     def _window_first(
         self, check: CacheCheck, plan: PlainPlan, cache: spec.KVCache, *, on_host: bool

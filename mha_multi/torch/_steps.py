@@ -1,11 +1,11 @@
-"""The plain route's calls written out: a decoding step in one function, on each plan,
+"""The plain route's calls written out: a decoding step in one function, on either plan,
 and the generic path's attention for PyTorch.
 
 A small call's cost on the host is its Python as much as its kernels (docs:
-"Fast paths"): :func:`fused_step` (SDPA after the one finiteness read, the
-host's plan) and :func:`generic_step` (the generic path's attention, which
-reads nothing: a GPU's plan) run the operations the generic flow would, on
-the same tensors, with none of its indirection; :func:`heads_attention` and
+"Fast paths"): :func:`decoding_step` (SDPA after the one finiteness read, the
+host's plan; or the generic path's attention, which reads nothing, a GPU's
+plan) runs the operations the generic flow would, on the same tensors, with
+none of its indirection; :func:`heads_attention` and
 :func:`step_attention` are :func:`mha_multi.spec.attention`'s layouts,
 products, mask and softmax on the same shapes, to its numbers.
 :class:`mha_multi.torch._plain.PlainRoute` decides which, once per layer and
@@ -26,14 +26,20 @@ from mha_multi.torch._rotary import WideTables, rotate_heads, rotate_stacked
 
 __all__ = [
     "PlainPlan",
-    "fused_step",
-    "generic_step",
+    "StepResult",
+    "decoding_step",
     "heads_attention",
     "normalized",
     "project_output",
     "step_attention",
     "step_projections",
 ]
+
+
+#: What a decoding step of the route returns: its output ``(B, 1, num_hiddens)`` and the
+#: updated cache (a plain tuple, not :class:`mha_multi.call.Result`: a step's cost is
+#: such work, and a step has no weights to return).
+StepResult = tuple[torch.Tensor, spec.KVCache]
 
 
 class PlainPlan(NamedTuple):
@@ -61,8 +67,7 @@ class PlainPlan(NamedTuple):
     logits join the softmax. A decoding step's are those of a step at the
     cache's last position, ``max_length - 1``, over ``2 * max_length``
     keys: the last dimension's positions from ``max_length - length - 1`` on
-    are a step's at ``length`` (a view, :func:`fused_step`,
-    :func:`generic_step`). A generic step's ``fill`` is the spec's
+    are a step's at ``length`` (a view, :func:`decoding_step`). A generic step's ``fill`` is the spec's
     :data:`~mha_multi.spec.MASK_VALUE` as a 0-d tensor of the scores'
     dtype, ``root`` the scores' divisor ``sqrt(head_dim)`` as one on the CPU
     (:func:`step_attention`), and ``spans``, each filled length's span
@@ -113,117 +118,7 @@ class PlainPlan(NamedTuple):
     ragged: bool = False
 
 
-def fused_step(
-    layer: call.Projections,
-    queries: torch.Tensor,
-    cache: spec.KVCache,
-    check: CacheCheck,
-    plan: PlainPlan,
-    step: tuple[Any, tuple, Any],
-    rotary: spec.Rotary | None,
-    first: int = 0,
-) -> call.Result | None:
-    """The plain route's decoding step on a fused plan (the host's).
-
-    The route's operations for one query per example, written out in one
-    function: a step's cost on the host is its Python as much as its
-    kernels (docs: "Fast paths"). ``rotary``: the layer's, whose
-    tables the plan holds; ``first``: the first cache position attended
-    over (past it, a window's). ``None`` where the values read are not
-    finite, and the generic flow runs the step: the rows written are zeros
-    then, of which the check's facts of the positions past the filled ones
-    (finite, no key past its bound) hold, and the check holds for the cache
-    again.
-    """
-    heads = layer._heads
-    query_width = heads.query_features
-    num_kv_heads, head_dim = heads.num_kv_heads, heads.head_dim
-    keys, values, lengths = cache
-    length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
-    modules = layer._modules
-    # step_projections' direct product, inline: the host's uniform step is the route's
-    # most frequent call, and a function call is a measurable part of it (docs: "Results",
-    # Python calls per call). (The layer was called before: its parameters are sized;
-    # views of them where packed.)
-    stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
-    projected = torch.nn.functional.linear(queries, *(stacked or layer.stacked_parameters(queries)))
-    if plan.norm is not None:
-        projected = normalized(projected, layer, plan.norm)
-    # One query per example: (B, 1, H*dh) is (B, H, 1, dh) as it lies (the queries SDPA
-    # takes; folded, (B, H_kv, G, dh)), and (B, 1, H_kv*dh) a position of (B, H_kv,
-    # max_length, dh) (the rows).
-    batch, num_heads = queries.shape[0], heads.num_heads
-    if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
-        query_heads, per_head = num_kv_heads, heads.group_size
-    else:
-        query_heads, per_head = num_heads, 1
-    wide = plan.wide_tables
-    if rotary is None:
-        # (B, 1, (H + 2*H_kv)*dh) is every head side by side, (B, H + 2*H_kv, dh).
-        q, k, v = projected.view(batch, -1, head_dim).split_with_sizes(
-            (num_heads, num_kv_heads, num_kv_heads), 1
-        )
-        summed, rest = projected, None
-        q = q.view(batch, query_heads, per_head, head_dim)
-    elif wide is not None:
-        # Queries' and keys' heads rotated together, (B, H + H_kv, dh), by the rows of
-        # the step's position (rotate_stacked's, on a step's one query).
-        both, v = projected.view(batch, -1, head_dim).split_with_sizes(
-            (num_heads + num_kv_heads, num_kv_heads), 1
-        )
-        turned = rotate_heads(both, (wide[0][length], wide[1][length]), rotary)
-        summed, rest = turned, v
-        q, k = (
-            turned.narrow(1, 0, num_heads).view(batch, query_heads, per_head, head_dim),
-            turned.narrow(1, num_heads, num_kv_heads),
-        )
-    else:
-        q, k, v, turned = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
-        summed, rest = turned, v
-        q = q.view(batch, query_heads, per_head, head_dim)
-        k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-    keys.select(2, length).copy_(k)  # (both (B, H_kv, dh))
-    values.select(2, length).copy_(v)
-    # One query sees its keys unmasked (a window's plan is that of the positions within
-    # it): the read is the sum's, finite iff its difference with itself is 0 (inf - inf
-    # and NaN are NaN). It follows the rows' writes, which no call has attended over
-    # yet (they lie past the filled positions): the first kernel after the product
-    # starts cold, and the copies, which every step makes, take that start where a sum
-    # before them took it besides (docs: "Fast paths").
-    total = summed.sum() if rest is None else summed.sum() + rest.sum()
-    read = total.item()  # (float32 or float64: a fused plan's dtypes)
-    if read - read != 0.0:
-        # Back to the generic flow, which writes these rows itself. What the check knows
-        # of the positions past the filled ones (finite, no key past its bound) holds of
-        # zeros: the rows become zeros, and the check holds for the arrays again.
-        keys.select(2, length).zero_()
-        values.select(2, length).zero_()
-        check.versions = (keys._version, values._version)
-        return None  # (no gradient here)
-    filled = length + 1
-    updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
-    check.stepped(updated, filled, step, lengths)
-    mask, count = plan.mask, filled - first
-    if mask is None:
-        context = torch.nn.functional.scaled_dot_product_attention(
-            q, keys.narrow(2, first, count), values.narrow(2, first, count), **plan.arguments
-        )
-    else:
-        context = torch.nn.functional.scaled_dot_product_attention(
-            q,
-            keys.narrow(2, first, count),
-            values.narrow(2, first, count),
-            attn_mask=mask.narrow(-1, keys.shape[2] - count, count),
-            **plan.arguments,
-        )
-    parameters = modules["W_o"]._parameters
-    output = torch.nn.functional.linear(
-        context.reshape(batch, 1, query_width), parameters["weight"], parameters["bias"]
-    )
-    return call.Result(output, None, updated)
-
-
-def generic_step(
+def decoding_step(
     layer: call.Projections,
     queries: torch.Tensor,
     cache: spec.KVCache,
@@ -231,93 +126,161 @@ def generic_step(
     plan: PlainPlan,
     step: tuple[Any, tuple, Any] | None,
     rotary: spec.Rotary | None,
-    span: int,
     first: int = 0,
-) -> call.Result:
-    """The plain route's decoding step on the generic plan (a GPU's): nothing read.
+    span: int = 0,
+) -> StepResult | None:
+    """The plain route's decoding step, on either plan: one query per example.
 
-    The rows are written in place at the length every example holds, and
-    left for a later read to check, as the generic flow's write leaves them,
-    with the rows the plain steps before wrote: one region of the cache,
-    summed once when a call reads it (a write of the generic flow settles it
-    first; :meth:`~mha_multi.torch._cache.CacheCheck.take_pending` makes the
-    rows' views). The one query per example then attends over the cache's
-    positions ``first`` to ``span`` by :func:`step_attention`, the generic
-    path's operations, those past the filled ones hidden.
-    ``rotary``: the layer's, whose tables the plan holds. Written out in one
-    function, as :func:`fused_step` is: a GPU's step is host time.
+    The rows are written in place at the length every example holds. A
+    fused plan's (the host's) then reads them, with the step's queries, in
+    one sum, and runs SDPA over the filled positions; where the values read
+    are not finite it returns ``None`` and the generic flow runs the step:
+    the rows written are zeros then, of which the check's facts of the
+    positions past the filled ones (finite, no key past its bound) hold, and
+    the check holds for the cache again. A generic plan's (a GPU's) reads
+    nothing: its rows are left for a later read to check, as the generic
+    flow's write leaves them, with the rows the plain steps before wrote (one
+    region of the cache, summed once when a call reads it; a write of the
+    generic flow settles it first,
+    :meth:`~mha_multi.torch._cache.CacheCheck.take_pending`), and the query
+    attends over the cache's positions ``first`` to ``span`` by
+    :func:`step_attention`, the generic path's operations, those past the
+    filled ones hidden.
+
+    ``rotary``: the layer's, whose tables the plan holds; ``first``: the
+    first cache position attended over (past it, a window's); ``span``: a
+    generic plan's. Written out in one function: a step's cost on the host is
+    its Python as much as its kernels, and a GPU's step is host time (docs:
+    "Fast paths").
     """
     heads = layer._heads
     num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
+    keys, values, lengths = cache
     length = check._uniform  # (CacheCheck.uniform, which the route's check resolved)
     modules = layer._modules
-    if plan.direct:  # (step_projections' direct product, inline)
+    fused = plan.fused
+    if fused or plan.direct:
+        # step_projections' direct product, inline: the host's uniform step is the route's
+        # most frequent call, and a function call is a measurable part of it (docs:
+        # "Results", Python calls per call). (The layer was called before: its parameters
+        # are sized; views of them where packed. A fused plan's heads are never 16-bit.)
         stacked = layer._stacks.views((modules["W_q"], modules["W_k"], modules["W_v"]))
-        weight, bias = stacked or layer.stacked_parameters(queries)
-        projected = torch.nn.functional.linear(queries, weight, bias)
+        projected = torch.nn.functional.linear(
+            queries, *(stacked or layer.stacked_parameters(queries))
+        )
         if plan.norm is not None:
             projected = normalized(projected, layer, plan.norm)
     else:
         projected = step_projections(layer, queries, False, plan.norm)
+    # One query per example: (B, 1, (H + 2*H_kv)*dh) is every head side by side, (B, H +
+    # 2*H_kv, 1, dh) as it lies: the queries SDPA takes (B, H, 1, dh) (folded, (B, H_kv,
+    # G, dh)), and the keys' and values' rows (B, H_kv, 1, dh), a position of (B, H_kv,
+    # max_length, dh).
+    batch = queries.shape[0]
+    heads_of = projected.view(batch, -1, 1, head_dim)
     wide = plan.wide_tables
-    # (As fused_step splits them: every head side by side, (B, H + 2*H_kv, dh).)
     if rotary is None:
-        q, k, v = projected.view(queries.shape[0], -1, head_dim).split_with_sizes(
-            (num_heads, num_kv_heads, num_kv_heads), 1
-        )
-    elif wide is not None:  # (as fused_step rotates: (B, H + H_kv, dh), one query each)
-        both, v = projected.view(queries.shape[0], -1, head_dim).split_with_sizes(
-            (num_heads + num_kv_heads, num_kv_heads), 1
-        )
-        turned = rotate_heads(both, (wide[0][length], wide[1][length]), rotary)
-        q, k = turned.narrow(1, 0, num_heads), turned.narrow(1, num_heads, num_kv_heads)
+        q, k, v = heads_of.split_with_sizes((num_heads, num_kv_heads, num_kv_heads), 1)
+        summed, rest = projected, None
+    elif wide is not None:
+        # Queries' and keys' heads rotated together by the rows of the step's position
+        # (rotate_stacked's, on a step's one query); half-split pairs by rotate_heads'
+        # own operations, inline where the heads are of the tables' dtype.
+        both, v = heads_of.split_with_sizes((num_heads + num_kv_heads, num_kv_heads), 1)
+        rows = wide[0][length], wide[1][length]
+        if rotary.interleaved or rows[0].dtype is not both.dtype:
+            turned = rotate_heads(both, rows, rotary)
+        else:
+            turned = both * rows[0] + both.roll(head_dim // 2, -1) * rows[1]
+        summed, rest = turned, v
+        q, k = turned.split_with_sizes((num_heads, num_kv_heads), 1)
     else:
-        q, k, v, _ = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
-        k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-    # The rows: one position of (B, H_kv, max_length, dh), from (B, H_kv, dh).
-    keys, values, lengths = cache
-    keys.select(2, length).copy_(k)
-    values.select(2, length).copy_(v)
+        q, k, v, turned = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
+        summed, rest = turned, v
+        q = q.view(batch, num_heads, 1, head_dim)
+        k, v = k.view(-1, num_kv_heads, 1, head_dim), v.view(-1, num_kv_heads, 1, head_dim)
+    keys.narrow(2, length, 1).copy_(k)
+    values.narrow(2, length, 1).copy_(v)
     filled = length + 1
-    updated = spec.KVCache(keys, values, next_lengths(check, lengths, filled))
-    pending_from = check.pending_from
-    if pending_from is None:
-        poison, pending_from = check.settled(), length
+    if fused:
+        # One query sees its keys unmasked (a window's plan is that of the positions
+        # within it): the read is the sum's, finite iff its difference with itself is 0
+        # (inf - inf and NaN are NaN). It follows the rows' writes, which no call has
+        # attended over yet (they lie past the filled positions): the first kernel after
+        # the product starts cold, and the copies, which every step makes, take that
+        # start where a sum before them took it besides (docs: "Fast paths").
+        total = summed.sum() if rest is None else summed.sum() + rest.sum()
+        read = total.item()  # (float32 or float64: a fused plan's dtypes)
+        if read - read != 0.0:
+            # Back to the generic flow, which writes these rows itself. What the check
+            # knows of the positions past the filled ones (finite, no key past its bound)
+            # holds of zeros: the rows become zeros, and the check holds for the arrays
+            # again.
+            keys.select(2, length).zero_()
+            values.select(2, length).zero_()
+            check.versions = (keys._version, values._version)
+            return None  # (no gradient here)
+    # (tuple's own constructor: the named tuple's is a Python function more, and every
+    # step makes one.)
+    updated = tuple.__new__(spec.KVCache, (keys, values, next_lengths(check, lengths, filled)))
+    if fused:
+        check.stepped(updated, filled, step, lengths)
+        if plan.folded:  # (each key/value head's query heads as its queries: folds_groups)
+            q = q.view(batch, num_kv_heads, heads.group_size, head_dim)
+        mask, count = plan.mask, filled - first
+        if mask is None:
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q, keys.narrow(2, first, count), values.narrow(2, first, count), **plan.arguments
+            )
+        else:
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q,
+                keys.narrow(2, first, count),
+                values.narrow(2, first, count),
+                attn_mask=mask.narrow(-1, keys.shape[2] - count, count),
+                **plan.arguments,
+            )
+        context = context.reshape(batch, 1, heads.query_features)
     else:
-        poison = check.poison
-    check.stepped(
-        updated, filled, step, lengths, poison=poison, pending=()
-    ).pending_from = pending_from
-    # Every example holds length + 1 positions now: the spec's masks and bias of a
-    # query at length are the plan's patterns from max_length - length - 1 on.
-    start, count = keys.shape[2] - filled + first, span - first
-    # (Where no window binds, the mask hides the span's positions past the filled ones
-    # alone: those scores are filled, the mask is not read; where the span is the
-    # filled positions, it would keep every score.)
-    if plan.window is None:
-        visible = None if span == filled else filled - first
-    else:
-        visible = plan.visible.narrow(-1, start, count)
-    bias = plan.bias
-    if bias is not None:
-        bias = bias.narrow(-1, start, count)
-    context = step_attention(
-        q,
-        *check.attended(first, count),
-        visible,
-        heads,
-        plan.fill,
-        plan.root,
-        softcap=plan.softcap,
-        bias=bias,
-        sinks=layer.sink_logits() if plan.sinks else None,
+        pending_from = check.pending_from
+        if pending_from is None:
+            poison, pending_from = check.settled(), length
+        else:
+            poison = check.poison
+        check.stepped(
+            updated, filled, step, lengths, poison=poison, pending=()
+        ).pending_from = pending_from
+        # Every example holds length + 1 positions now: the spec's masks and bias of a
+        # query at length are the plan's patterns from max_length - length - 1 on.
+        start, count = keys.shape[2] - filled + first, span - first
+        # (Where no window binds, the mask hides the span's positions past the filled
+        # ones alone: those scores are filled, the mask is not read; where the span is
+        # the filled positions, it would keep every score.)
+        if plan.window is None:
+            visible = None if span == filled else filled - first
+        else:
+            visible = plan.visible.narrow(-1, start, count)
+        bias = plan.bias
+        if bias is not None:
+            bias = bias.narrow(-1, start, count)
+        context = step_attention(
+            q,
+            *check.attended(first, count),
+            visible,
+            heads,
+            plan.fill,
+            plan.root,
+            softcap=plan.softcap,
+            bias=bias,
+            sinks=layer.sink_logits() if plan.sinks else None,
+        )
+        if not plan.direct:
+            return layer.project_output(context, None), updated
+    parameters = modules["W_o"]._parameters
+    return (
+        torch.nn.functional.linear(context, parameters["weight"], parameters["bias"]),
+        updated,
     )
-    if plan.direct:
-        parameters = modules["W_o"]._parameters
-        output = torch.nn.functional.linear(context, parameters["weight"], parameters["bias"])
-    else:
-        output = layer.project_output(context, None)
-    return call.Result(output, None, updated)
 
 
 def step_projections(

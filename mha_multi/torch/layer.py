@@ -320,7 +320,7 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
                 options=self.options,
             )
             if result is not None:
-                return result.output, result.cache
+                return result  # (output, cache)
         if self._sharding is not None and isinstance(queries, torch.Tensor):
             self._sharding.check_inputs(queries, self)
         result = call.forward(
