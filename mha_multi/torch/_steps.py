@@ -67,9 +67,10 @@ class PlainPlan(NamedTuple):
     logits join the softmax. A decoding step's are those of a step at the
     cache's last position, ``max_length - 1``, over ``2 * max_length``
     keys: the last dimension's positions from ``max_length - length - 1`` on
-    are a step's at ``length`` (a view, :func:`decoding_step`). A generic step's ``fill`` is the spec's
-    :data:`~mha_multi.spec.MASK_VALUE` as a 0-d tensor of the scores'
-    dtype, ``root`` the scores' divisor ``sqrt(head_dim)`` as one on the CPU
+    are a step's at ``length`` (a view, :func:`decoding_step`). A generic
+    step's ``fill`` is the spec's :data:`~mha_multi.spec.MASK_VALUE` as a 0-d
+    tensor of the scores' dtype, ``root`` the scores' divisor
+    ``sqrt(head_dim)`` as one on the CPU
     (:func:`step_attention`), and ``spans``, each filled length's span
     (:func:`mha_multi.spec.rounded_span`) as steps meet them (a bucket's
     lengths at once), or ``None`` where the generic flow would read
