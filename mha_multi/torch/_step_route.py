@@ -97,9 +97,45 @@ class StepRoute:
             or torch._C._are_functorch_transforms_active()
         ):
             return None
-        check = self._plain_step_check(queries, cache)
+        # The check of the step's cache, whose ``uniform`` length every example holds (a
+        # fused plan asks besides that every position below the lengths be known finite).
+        # CacheCheck.of, inline: every step asks. (carried_check's, but for its test of the
+        # carrier: an entry goes when its tensor does, or when its check moves on to other
+        # lengths, so that the entry of a live tensor's id is the check it carries.)
+        if type(cache) is not spec.KVCache:
+            return None
+        keys, values, lengths = cache
+        check = CHECKS.get(id(lengths))
         if check is None:
             return None
+        if (
+            keys is not check.keys()
+            or values is not check.values()
+            or (keys._version, values._version) != check.versions
+            or lengths._version != check.lengths_version
+            or (keys.data_ptr(), values.data_ptr()) != check.addresses
+            or lengths.data_ptr() != check.lengths_address
+            # (No inference tensor, which keeps no version counter: a check holds none of
+            # them, CacheCheck.attach.)
+        ):
+            return None
+        if queries.shape[:2] != (check.examples, 1):
+            return None
+        length = check._uniform
+        if length == -1:  # (not known yet: CacheCheck.uniform resolves it)
+            length = check.uniform
+        # (Examples at different lengths: a ragged step, whose rest ragged_step checks.)
+        if length is not None or not check.examples:
+            # (A check may stand for more positions than are filled: those a GPU's span
+            # rounded up to and a read checked. An overflow among them: the generic flow
+            # raises it.)
+            if length is None or length < 1 or check.upto < length or length >= keys.shape[2]:
+                return None
+            # (Nothing past the filled positions is attended over: the values there must
+            # be known finite, call.Facts.finite_past.)
+            finite_from = check.finite_from
+            if finite_from is None or finite_from > length + 1:
+                return None
         # The step before, where it was this layer's with these arguments, planned this
         # one. (The options compared by identity first: a tuple's items are.)
         device = queries.device
@@ -211,45 +247,3 @@ class StepRoute:
             if spec.reads_values(self.on_host(keys), 1, span, total_scores=total_scores)
             else span
         )
-
-    @staticmethod
-    def _plain_step_check(queries: torch.Tensor, cache: Any) -> CacheCheck | None:
-        """The check of a plain step's cache, whose ``uniform`` length every example
-        holds, or ``None`` where the step is not plain (:meth:`plain_step`; a fused
-        plan asks besides that every position below the lengths be known finite)."""
-        if type(cache) is not spec.KVCache:
-            return None
-        keys, values, lengths = cache
-        # CacheCheck.of, inline: every step asks. (carried_check's, but for its test of the
-        # carrier: an entry goes when its tensor does, or when its check moves on to
-        # other lengths, so that the entry of a live tensor's id is the check it carries.)
-        check = CHECKS.get(id(lengths))
-        if check is None:
-            return None
-        if (
-            keys is not check.keys()
-            or values is not check.values()
-            or (keys._version, values._version) != check.versions
-            or lengths._version != check.lengths_version
-            or (keys.data_ptr(), values.data_ptr()) != check.addresses
-            or lengths.data_ptr() != check.lengths_address
-            # (No inference tensor, which keeps no version counter: a check holds none of
-            # them, CacheCheck.attach.)
-        ):
-            return None
-        length = check._uniform
-        if length == -1:  # (not known yet: CacheCheck.uniform resolves it)
-            length = check.uniform
-        if length is None and check.examples:
-            # Examples at different lengths: a ragged step (ragged_step checks the rest).
-            return check if queries.shape[:2] == (check.examples, 1) else None
-        # (A check may stand for more positions than are filled: those a GPU's span rounded
-        # up to and a read checked.)
-        if length is None or length < 1 or check.upto < length or length >= keys.shape[2]:
-            return None  # (an overflow among them: the generic flow raises it)
-        # (Nothing past the filled positions is attended over: the values there must be
-        # known finite, call.Facts.finite_past.)
-        finite_from = check.finite_from
-        if finite_from is None or finite_from > length + 1:
-            return None
-        return check if queries.shape[:2] == (check.examples, 1) else None
