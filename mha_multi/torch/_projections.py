@@ -421,6 +421,13 @@ class PackedProjections(nn.Module):
             pack([self.W_q, self.W_k, self.W_v])
             self._stacks.clear()
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (copy.deepcopy) or an unpickled layer (torch.save of the module) gives
+        # each parameter storage of its own: packed again, as after a conversion (a
+        # stack made anew at every call is slower, and its product may round otherwise).
+        super().__setstate__(state)
+        self._pack()
+
     def _apply(self, fn: Any, recurse: bool = True) -> PackedProjections:
         # A conversion (.to(), .double()...) gives each parameter storage of its
         # own: packed again, as nn.RNNBase flattens its weights again. What

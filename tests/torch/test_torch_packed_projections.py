@@ -8,6 +8,8 @@ its weights anew at every call, to the bit.
 
 from __future__ import annotations
 
+import copy
+import pickle
 from unittest import mock
 
 import numpy as np
@@ -120,6 +122,30 @@ def test_the_input_projections_are_packed_and_stay_packed(runner, cases):
     assert packed() and all(m.weight.is_shared() for m in modules)
     layer.W_k.weight = torch.nn.Parameter(layer.W_k.weight.detach().clone())
     assert not packed()  # stacked at every call instead
+
+
+@pytest.mark.parametrize("copy_of", ["deepcopy", "pickle"])
+def test_a_copy_of_the_layer_is_packed_and_computes_its_numbers(runner, cases, copy_of):
+    """A deep copy and an unpickled layer (``torch.save`` of the module) have their input
+    projections packed again, and give the layer's numbers to the bit: on inputs whose
+    product a stack made at every call rounds otherwise (a non-contiguous batch)."""
+    layer = runner.layer_for(cases["bias"]).eval()
+    copies = {"deepcopy": copy.deepcopy, "pickle": lambda x: pickle.loads(pickle.dumps(x))}
+    copied = copies[copy_of](layer)
+    modules = [copied.W_q, copied.W_k, copied.W_v]
+    with torch.no_grad():
+        weight, bias = copied._stacks(modules)
+    assert weight.data_ptr() == copied.W_q.weight.data_ptr() != layer.W_q.weight.data_ptr()
+    assert bias.data_ptr() == copied.W_q.bias.data_ptr()
+    x = torch.randn(9, 7, layer.W_q.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    x = x.transpose(0, 1)  # (7, 9, D), examples apart in memory
+    with torch.no_grad():
+        expected, out = layer(x, x, x), copied(x, x, x)
+    assert torch.equal(out, expected)
+    reference, _ = spec.reference_forward(
+        cases["bias"].weights, x.numpy(), x.numpy(), x.numpy(), None, num_heads=copied.num_heads
+    )
+    np.testing.assert_allclose(out.numpy(), reference, atol=5e-6)
 
 
 @pytest.mark.parametrize("name", ["bias", "gqa"])
