@@ -151,8 +151,9 @@ def pack(modules: Sequence[nn.Module]) -> None:
 
     As ``nn.RNNBase.flatten_parameters`` does for a recurrent layer's weights:
     the layer packs its input projections when it makes them, when it learns
-    lazy sizes, when weights are set, and after every conversion (``.to()``,
-    ``.double()``...), which gives each parameter storage of its own. A view
+    lazy sizes, when weights are set, after every conversion (``.to()``,
+    ``.double()``...) and in a copy (``copy.deepcopy``, unpickling), which give
+    each parameter storage of its own. A view
     needs no copy, and follows every change of the parameters, in place
     through ``.data`` included. Projections that cannot be packed (lazy,
     of other input sizes, dtypes or devices, or not plain tensors) are left
