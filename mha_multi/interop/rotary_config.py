@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["INTERLEAVED_ROTARY", "OWN_CONTEXT_LENGTH", "WHOLE_HEAD_ROTARY", "rotary_of"]
+__all__ = [
+    "INTERLEAVED_ROTARY",
+    "OWN_CONTEXT_LENGTH",
+    "ROPE_BY_LAYER_TYPE",
+    "WHOLE_HEAD_ROTARY",
+    "rotary_of",
+]
 
 #: Model types whose rotary embedding pairs entry ``2 i`` with ``2 i + 1``
 #: (Cohere's ``rotate_half``); the others pair ``i`` with ``i + dim / 2``.
@@ -27,6 +33,10 @@ WHOLE_HEAD_ROTARY = frozenset(
 #: own (Phi-3's, 4096 unless given): a config of theirs always has the field, which a
 #: scaled rotary type takes over its parameters' (as any config's field of that name).
 OWN_CONTEXT_LENGTH = frozenset({"phi3"})
+#: Model types whose blocks take rotary settings by layer type where the config's
+#: ``rope_parameters`` are keyed by its ``layer_types`` (Gemma 3's: a rotary embedding
+#: per layer type); the others' blocks share one, of settings given once.
+ROPE_BY_LAYER_TYPE = frozenset({"gemma3_text"})
 #: Model types whose config class reads these rotary types as another (Phi-3's).
 _RENAMED_TYPES = {"phi3": {"su": "longrope", "yarn": "longrope"}}
 
@@ -70,7 +80,9 @@ def rotary_of(config: Any, layer_type: str | None = None) -> dict[str, Any]:
             without a ``layer_type`` it has settings for; a
             ``partial_rotary_factor`` other than 1 with a scaled rotary type
             where the blocks rotate whole heads; a layer type's YaRN
-            ``truncate`` of false, which transformers does not read; a
+            ``truncate`` of false, which transformers does not read; settings
+            by layer type where the model type's blocks share one rotary
+            embedding (:data:`ROPE_BY_LAYER_TYPE`); a
             ``max_position_embeddings`` that the rotary type reads and the
             config lacks; an ``original_max_position_embeddings`` of ``None``
             that it reads; settings by layer type beside fields of no layer
@@ -238,6 +250,15 @@ def _layer_parameters(config: Any, layer_type: str | None) -> tuple[dict[str, An
     # layer type of the config's layers; another layer type's settings are not read.)
     if not set(parameters) & layer_types:
         return parameters, False
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ROPE_BY_LAYER_TYPE:
+        raise ValueError(
+            f"the config's rope_parameters are given by layer type "
+            f"({sorted(set(parameters) & layer_types)}), which model_type {model_type!r} "
+            "does not read: its blocks share one rotary embedding (transformers reads "
+            f"settings by layer type for {', '.join(map(repr, sorted(ROPE_BY_LAYER_TYPE)))} "
+            "alone); give its rotary settings once"
+        )
     stray = sorted(
         key for key, value in parameters.items() if not (value is None or isinstance(value, dict))
     )

@@ -58,7 +58,8 @@ __all__ = ["REQUIRED_FIELDS", "attention_layers", "attention_state", "model_conf
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "": ("model_type", "hidden_size", "num_attention_heads", "num_hidden_layers"),
     # (num_key_value_heads: the config classes' own numbers; Llama's, Cohere's, OLMo 2's
-    # and Phi-3's are num_attention_heads, _KV_HEADS_ARE_HEADS.)
+    # and Phi-3's are num_attention_heads, _KV_HEADS_ARE_HEADS. head_dim: Qwen 3's,
+    # Gemma's and gpt-oss' classes have their own, not hidden_size / num_attention_heads.)
     "mistral": ("sliding_window", "num_key_value_heads"),
     "qwen2": ("num_key_value_heads",),
     "gemma2": (
@@ -66,15 +67,22 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
         "attn_logit_softcapping",
         "sliding_window",
         "num_key_value_heads",
+        "head_dim",
     ),
     "gemma3_text": (
         "query_pre_attn_scalar",
         "sliding_window",
         "rms_norm_eps",
         "num_key_value_heads",
+        "head_dim",
     ),
-    "gpt_oss": ("sliding_window", "rope_parameters|rope_scaling", "num_key_value_heads"),
-    "qwen3": ("rms_norm_eps", "num_key_value_heads"),
+    "gpt_oss": (
+        "sliding_window",
+        "rope_parameters|rope_scaling",
+        "num_key_value_heads",
+        "head_dim",
+    ),
+    "qwen3": ("rms_norm_eps", "num_key_value_heads", "head_dim"),
     "olmo2": ("rms_norm_eps",),
 }
 #: Model types whose config class takes a missing ``num_key_value_heads`` as

@@ -234,6 +234,7 @@ def test_configs_the_tensors_contradict_are_refused(name, tmp_path):
 
 #: Fields beside the sizes that each model type's reader needs here.
 _KV_FIELDS = {
+    "head_dim": 8,
     "rms_norm_eps": 1e-6,
     "sliding_window": 4,
     "rope_theta": 100.0,
@@ -295,6 +296,7 @@ def test_a_qwen_window_without_its_size_is_refused(model_type):
         **_SIZES,
         "model_type": model_type,
         "num_key_value_heads": 2,
+        "head_dim": 8,
         "rms_norm_eps": 1e-6,
         "use_sliding_window": True,
     }
@@ -386,6 +388,7 @@ ROTARY_READINGS = {
     "qwen3, partial_rotary_factor": {
         "model_type": "qwen3",
         "num_key_value_heads": 2,
+        "head_dim": 8,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 100.0},
         "partial_rotary_factor": 0.5,
@@ -425,6 +428,7 @@ ROTARY_DEFAULTS_UNKNOWN = {
         {
             "model_type": "gpt_oss",
             "num_key_value_heads": 2,
+            "head_dim": 8,
             "sliding_window": 4,
             "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
         },
@@ -463,6 +467,49 @@ def test_rotary_fields_only_a_config_class_knows_are_refused(name):
     fields, match = ROTARY_DEFAULTS_UNKNOWN[name]
     with pytest.raises(ValueError, match=re.escape(match)):
         rotary_of(model_config({**_SIZES, **fields}))
+
+
+@pytest.mark.parametrize("model", ["llama3", "qwen3"])
+def test_settings_by_layer_type_where_the_blocks_share_one_are_refused(model, tmp_path):
+    """Only Gemma 3's blocks take rotary settings by layer type: Llama's model reads one
+    (transformers' default frequencies, off by 0.4 to 0.75 had each layer taken its
+    type's), Qwen 3's fails to load. A folder of such settings, and a
+    block's config, are refused rather than read layer by layer."""
+    folder = tmp_path / model
+    shutil.copytree(FOLDERS / model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config["layer_types"] = (["sliding_attention", "full_attention"] * layers)[:layers]
+    config["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    match = f"which model_type {config['model_type']!r} does not read"
+    with pytest.raises(ValueError, match=re.escape(match)):
+        list(attention_layers(folder))
+    block_config = SimpleNamespace(
+        model_type=config["model_type"],
+        layer_types=config["layer_types"],
+        rope_parameters=config["rope_parameters"],
+    )
+    with pytest.raises(ValueError, match=re.escape(match)):
+        rotary_of(block_config, "sliding_attention")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "gemma3_text", "gpt_oss"])
+def test_a_config_without_its_head_size_is_refused_where_the_class_has_its_own(model_type):
+    """Qwen 3's, Gemma's and gpt-oss' config classes have a head size of their own, not
+    ``hidden_size / num_attention_heads``: transformers builds blocks of it, which the
+    checkpoint's tensors do not fit. The reader, which does not know it, refuses."""
+    fields = {**_SIZES, "model_type": model_type, **_KV_FIELDS, "num_key_value_heads": 2}
+    if model_type == "gemma3_text":  # (its rotary settings are by layer type)
+        del fields["rope_parameters"]
+    theirs = transformers.AutoConfig.for_model(**copy.deepcopy(_without(fields, "head_dim")))
+    assert theirs.head_dim != _SIZES["hidden_size"] // _SIZES["num_attention_heads"]
+    with pytest.raises(ValueError, match="needs the field 'head_dim'"):
+        model_config(_without(fields, "head_dim"))
+    assert model_config(fields).head_dim == 8
 
 
 def test_settings_by_layer_type_beside_other_fields_are_refused():
