@@ -71,11 +71,14 @@ def check_cached_inputs(
                 "none: pass valid_lens=None"
             )
     else:
+        # (valid_lens of another rank: the cached call's own message below, after the
+        # inputs' checks, which would name the shapes of a call without a cache.)
+        one_per_example = valid_lens_shape is None or len(tuple(valid_lens_shape)) == 1
         check_inputs(
             queries_shape,
             keys_shape,
             values_shape,
-            valid_lens_shape,
+            valid_lens_shape if one_per_example else None,
             query_size=query_size,
             key_size=key_size,
             value_size=value_size,
@@ -86,7 +89,7 @@ def check_cached_inputs(
                 f"keys and values of a cached call are the queries' new positions and must "
                 f"have their length {queries_shape[1]}; got {tuple(keys_shape)[1]}"
             )
-        if valid_lens_shape is not None and len(tuple(valid_lens_shape)) != 1:
+        if not one_per_example:
             raise ValueError(
                 f"valid_lens of a cached call must have shape (batch,) = ({queries_shape[0]},): "
                 f"the number of new positions of each example; got {tuple(valid_lens_shape)}"

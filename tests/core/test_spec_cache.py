@@ -181,6 +181,9 @@ def test_new_lengths_outside_the_call_are_clipped_where_unchecked():
         (((2, 3, 4), (2, 3, 4), None, None), "keys and values must both be given"),
         (((2, 3, 4), (2, 2, 4), (2, 2, 4), None), "must have their length 3"),
         (((2, 3, 4), (2, 3, 4), (2, 3, 4), (2, 3)), r"must have shape \(batch,\) = \(2,\)"),
+        # (not the shapes of a call without a cache, whose valid_lens may be (B, Q))
+        (((2, 3, 4), (2, 3, 4), (2, 3, 4), ()), r"of a cached call must have shape \(batch,\)"),
+        (((2, 3, 4), (2, 3, 4), (2, 3, 4), (2, 3, 1)), r"cached call must have shape \(batch,\)"),
         (((2, 3, 4), None, None, (2,)), "pass valid_lens=None"),
         (((2, 3, 5), None, None, None), "query_size=4"),
     ],
