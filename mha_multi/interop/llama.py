@@ -75,6 +75,7 @@ from mha_multi.interop.llama_state import (
     from_llama_state,
     llama_arrays,
     llama_config,
+    score_factor,
 )
 from mha_multi.interop.rotary_config import INTERLEAVED_ROTARY, rotary_of
 from mha_multi.interop.torch import _load_state_dict, _save_state_dict
@@ -192,7 +193,7 @@ def to_llama(weights: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Mo
     # which from_llama folded into the weights: taken out again, as a checkpoint's
     # layers are written back.
     heads, arrays, _ = _checked(weights, num_heads, config.num_key_value_heads)
-    factor = float(module.scaling) * float(np.sqrt(heads.head_dim))
+    factor = score_factor(float(module.scaling), heads.head_dim)
     if factor != 1.0:
         fold_scale(arrays, 1.0 / factor, qk_norm_of(module))
     reference = module.state_dict()

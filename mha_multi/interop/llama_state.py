@@ -188,7 +188,7 @@ def block_arguments(
         )
     # Our scores are scaled by 1/sqrt(head_dim): another scale goes into W_q, or
     # into the queries' norm where it follows W_q.
-    factor = scaling * float(np.sqrt(heads.head_dim))
+    factor = score_factor(scaling, heads.head_dim)
     if factor != 1.0:
         fold_scale(weights, factor, qk_norm)
     rotary = rotary_of(config, layer_type)
@@ -229,6 +229,21 @@ def block_arguments(
     except (TypeError, ValueError) as error:
         raise ValueError(f"{block}'s settings are not the layer's: {error}") from error
     return kwargs
+
+
+def score_factor(scaling: float, head_dim: int) -> float:
+    """The factor a block's score scale ``scaling`` puts on its queries against the
+    layer's ``1 / sqrt(head_dim)``, which :func:`fold_scale` folds into the weights.
+
+    1.0 where ``scaling`` is transformers' own ``head_dim ** -0.5`` (Llama's,
+    Mistral's...): that scale is the layer's, though its product with
+    ``sqrt(head_dim)`` rounds to ``1 + 2**-52`` for some sizes (8, 32, 128...),
+    and a fold of it would return ``W_q`` in float64, off its block's by that
+    factor (docs: "Porting weights").
+    """
+    if scaling == head_dim**-0.5:
+        return 1.0
+    return scaling * float(np.sqrt(head_dim))
 
 
 def fold_scale(weights: dict[str, np.ndarray], factor: float, qk_norm: Any) -> None:

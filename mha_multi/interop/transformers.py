@@ -45,6 +45,7 @@ from mha_multi.interop.llama_state import (
     block_arguments,
     fold_scale,
     llama_arrays,
+    score_factor,
 )
 from mha_multi.interop.rotary_config import OWN_CONTEXT_LENGTH
 
@@ -440,7 +441,7 @@ def attention_state(
             "zero, which its checkpoint cannot hold"
         )
     facts = _layer_facts(config, index, heads)
-    factor = facts["scaling"] * float(np.sqrt(heads.head_dim))
+    factor = score_factor(facts["scaling"], heads.head_dim)
     if factor != 1.0:
         fold_scale(weights, 1.0 / factor, facts["qk_norm"])
     layout = config.model_type if config.model_type in FUSED_PROJECTIONS else None

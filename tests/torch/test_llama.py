@@ -293,6 +293,26 @@ def test_a_block_from_llama_does_not_know_is_refused(make, match):
     assert converted is None
 
 
+@pytest.mark.parametrize("layout", [None, "phi3"])
+@pytest.mark.parametrize("head_dim", [8, 32])
+def test_a_block_of_the_layers_own_scale_converts_its_weights_as_they_are(head_dim, layout):
+    """``head_dim ** -0.5 * sqrt(head_dim)`` rounds to ``1 + 2**-52`` for these sizes:
+    the block's scale is still the layer's, nothing is folded, and its weights convert
+    as they are, dtype included, both ways (a fold returned ``W_q`` in float64, scaled)."""
+    module = llama_attention(2, 1, head_dim, bias=False, hidden_size=16).float()
+    assert module.scaling * np.sqrt(head_dim) != 1.0
+    weights, _ = from_llama(module)
+    native = module.q_proj.weight.detach().numpy().T
+    assert weights["W_q"].dtype == np.float32 and weights["W_q"].tobytes() == native.tobytes()
+    from_state = from_llama_state(module.state_dict(), num_heads=2)
+    assert all(from_state[name].tobytes() == weights[name].tobytes() for name in weights)
+    state = to_llama_state(weights, num_heads=2, layout=layout)
+    entry = "qkv_proj.weight" if layout else "q_proj.weight"
+    assert state[entry].dtype == torch.float32
+    if layout is None:
+        assert torch.equal(state[entry], module.q_proj.weight.detach())
+
+
 @pytest.mark.parametrize("model", [name for name in MODELS if name != "bloom"])
 def test_every_known_block_takes_its_weights_back(model):
     """``to_llama(from_llama(block)[0], fresh)`` gives ``block``'s state: what the way in
