@@ -405,7 +405,7 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
         # (The other frameworks' arrays stack as numpy arrays; MXNet's do not.)
         valid_lens, positions = containers_on_host(valid_lens), containers_on_host(positions)
         query_ids, key_ids = spec.split_segment_ids(segment_ids)
-        if key_ids is query_ids:
+        if query_ids is segment_ids:  # (one array, or nested lists: not a pair)
             segment_ids = containers_on_host(segment_ids)
         else:
             segment_ids = (containers_on_host(query_ids), containers_on_host(key_ids))

@@ -166,6 +166,19 @@ def test_ids_of_any_integer_dtype_on_the_host_mean_their_segments(runner, ids, s
     np.testing.assert_allclose(got, expected, rtol=0, atol=FORWARD)
 
 
+def test_a_pair_of_one_array_gives_the_queries_and_keys_its_ids(runner):
+    """``segment_ids=(ids, ids)``, one array given for the queries and for the keys, is a
+    pair like any other: the ids of self-attention (MXNet stacked the pair into one
+    ``(2, B, N)`` array and refused it)."""
+    weights = init_weights(8, num_heads=2, seed=3)
+    layer = runner.set_weights(runner.make_layer(8, 2), weights)
+    x = np.random.default_rng(4).standard_normal((2, 6, 8)).astype(np.float32)
+    ids = np.array([[0, 0, 1, 1, 1, -1], [4, 4, 4, 4, 2, 2]], np.int32)
+    expected, _ = spec.reference_forward(weights, x, x, x, segment_ids=ids, num_heads=2)
+    got = runner.call(layer, x, x, x, segment_ids=(ids, ids), device="cpu", dtype="float32")
+    np.testing.assert_allclose(got, expected, rtol=0, atol=FORWARD)
+
+
 @pytest.mark.parametrize(
     ("segment_ids", "error", "match"),
     [
