@@ -91,6 +91,20 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
 #: (:data:`_KV_HEADS_INTEGER`), which refuses it.
 _KV_HEADS_ARE_HEADS = ("llama", "cohere", "olmo2", "phi3")
 _KV_HEADS_INTEGER = ("mistral", "gemma2", "gemma3_text", "gpt_oss")
+#: Config fields of sizes, positive integers where given (not null).
+_SIZE_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "head_dim",
+)
+#: Model types whose config class takes a missing or null ``head_dim`` as ``hidden_size
+#: // num_attention_heads``; and those whose class has no such field, whose block reads a
+#: missing one so (a null one it takes as the size, and fails). Where neither, the class
+#: has a default of its own: :data:`REQUIRED_FIELDS`.
+_HEAD_DIM_DERIVED = ("llama", "mistral")
+_HEAD_DIM_READ = ("qwen2", "cohere", "olmo2", "phi3")
 #: Model types whose config class's default ``rope_theta`` is not transformers' 10^4
 #: (Cohere's 5 * 10^5, gpt-oss' 1.5 * 10^5): their configs must give it.
 _OWN_THETA = ("cohere", "gpt_oss")
@@ -200,6 +214,27 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
                 "re-save the config with transformers >= 5 "
                 "(AutoConfig.from_pretrained(...).save_pretrained(...))"
             )
+    for field in _SIZE_FIELDS:
+        value = config.get(field)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(
+                f"{source}: config {field}={value!r}; transformers' config class takes a "
+                "positive integer"
+            )
+    if config.get("head_dim") is None:
+        if "head_dim" in config and model_type not in _HEAD_DIM_DERIVED:
+            raise ValueError(
+                f"{source}: a {model_type!r} config's head_dim is null, of which transformers "
+                "builds no block: give the head size"
+                + (
+                    ", or leave the field out (hidden_size // num_attention_heads)"
+                    if model_type in _HEAD_DIM_READ
+                    else ""
+                )
+            )
+        # (Missing, or null where the config class derives it: the block's head size is
+        # hidden_size // num_attention_heads, which the tensors are checked against.)
+        namespace.head_dim = config["hidden_size"] // config["num_attention_heads"]
     if config.get("num_key_value_heads") is None:
         if model_type in _KV_HEADS_INTEGER:
             raise ValueError(

@@ -387,12 +387,18 @@ def weights_from_variables(variables: Mapping[str, Any]) -> dict[str, np.ndarray
         as float32; every other dtype is kept.
 
     Raises:
-        ValueError: a missing or extra projection parameter, named.
+        ValueError: a missing or extra parameter, named.
     """
     params = nn.meta.unbox(variables.get("params", variables))
+    extra = sorted(map(str, set(params) - {*KERNEL_NAMES, *NORM_NAMES, SINKS_NAME}))
+    if extra:
+        raise ValueError(f"unexpected entries in the layer's Linen params: {extra}")
     weights = {}
     for name in KERNEL_NAMES:
         projection = params.get(name, {})
+        extra = sorted(map(str, set(projection) - {"kernel", "bias"}))
+        if extra:
+            raise ValueError(f"unexpected entries in the Linen params' {name}: {extra}")
         for entry, canonical in (("kernel", name), ("bias", f"b_{name[-1]}")):
             if entry in projection:
                 weights[canonical] = host_array(projection[entry])

@@ -420,6 +420,14 @@ def test_linen_variables_round_trip_and_strict_loading():
     with pytest.raises(ValueError, match=r"W_q'\] must have shape \(8, 12\)"):
         module = linen.MultiHeadAttention(12, 3, bias=True, query_size=8)
         linen.variables_from_weights(weights, module)
+    module = linen.MultiHeadAttention(12, 3, bias=True)
+    params = dict(linen.variables_from_weights(weights, module)["params"])
+    for edited, match in (
+        ({**params, "W_x": params["W_q"]}, r"Linen params: \['W_x'\]"),
+        ({**params, "W_q": {**params["W_q"], "scale": params["W_q"]["bias"]}}, r"W_q: \['scale'\]"),
+    ):
+        with pytest.raises(ValueError, match=match):  # (not dropped: read back, they are lost)
+            linen.weights_from_variables({"params": edited})
 
 
 def test_configuration_errors_at_construction():

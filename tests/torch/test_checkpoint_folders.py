@@ -534,3 +534,55 @@ def test_every_known_model_type_says_whether_its_blocks_rotate_whole_heads():
     part of each head (``apply_rotary_pos_emb`` with a pass-through part)."""
     assert set(KNOWN_BLOCKS.values()) - WHOLE_HEAD_ROTARY == {"phi3"}
     assert set(KNOWN_BLOCKS.values()) >= WHOLE_HEAD_ROTARY
+
+
+def _block_head_dim(fields: dict) -> int | None:
+    """The head size of the attention block transformers builds of ``fields``, or
+    ``None`` where it builds none (its config class or the block refuses them)."""
+    try:
+        config = transformers.AutoConfig.for_model(**copy.deepcopy(fields))
+        block = next(name for name, kind in KNOWN_BLOCKS.items() if kind == fields["model_type"])
+        module = getattr(transformers, block[: -len("Attention")] + "ForCausalLM").__module__
+        attention = getattr(__import__(module, fromlist=[block]), block)(config, layer_idx=0)
+        attention.q_proj if hasattr(attention, "q_proj") else attention.qkv_proj
+    except Exception:  # (huggingface_hub's strict check, or the block's)
+        return None
+    return attention.head_dim
+
+
+@pytest.mark.parametrize("given", ["left out", "null", 4, 8])
+@pytest.mark.parametrize(
+    "model_type",
+    ["llama", "cohere", "olmo2", "phi3", "qwen2", "qwen3", "mistral", "gemma2", "gpt_oss"],
+)
+def test_the_head_size_is_read_as_transformers_builds_its_blocks(model_type, given):
+    """A config's ``head_dim``, given, left out or null: the reader's is the head size
+    of the block transformers builds of it (Llama's and Mistral's classes take a missing
+    or null one as ``hidden_size // num_attention_heads``, the blocks of the classes
+    without the field a missing one; a null one they fail on), or it refuses where
+    transformers builds none or one of a size of its class's own."""
+    fields = {**_SIZES, "model_type": model_type, **_KV_FIELDS, "num_key_value_heads": 2}
+    if model_type != "gpt_oss":
+        del fields["rope_parameters"]
+    if given == "left out":
+        del fields["head_dim"]
+    else:
+        fields["head_dim"] = None if given == "null" else given
+    theirs = _block_head_dim(fields)
+    if theirs is None or (given == "left out" and theirs != 8):
+        with pytest.raises(ValueError, match="head_dim"):
+            model_config(fields)
+    else:
+        assert model_config(fields).head_dim == theirs
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("head_dim", 8.9), ("head_dim", 8.0), ("hidden_size", "16"), ("num_attention_heads", True)],
+)
+def test_sizes_that_are_no_positive_integers_are_refused(field, value):
+    """transformers' config classes take integers: a size of another type (truncated,
+    it would convert layers of another size than the config says) is refused, named."""
+    fields = {**_SIZES, "model_type": "llama", "num_key_value_heads": 2, field: value}
+    with pytest.raises(ValueError, match=re.escape(f"config {field}={value!r}")):
+        model_config(fields)
