@@ -235,6 +235,7 @@ def model_config(config: Mapping[str, Any], *, source: str = CONFIG) -> SimpleNa
         # (Missing, or null where the config class derives it: the block's head size is
         # hidden_size // num_attention_heads, which the tensors are checked against.)
         namespace.head_dim = config["hidden_size"] // config["num_attention_heads"]
+        namespace.head_dim_derived = True  # (for messages: no number the file states)
     if config.get("num_key_value_heads") is None:
         if model_type in _KV_HEADS_INTEGER:
             raise ValueError(
@@ -403,9 +404,11 @@ def _check_fits(
     }
     for field, (value, held) in stated.items():
         if value is not None and int(value) != held:
+            said = f"config {field}={value!r}"
+            if field == "head_dim" and getattr(config, "head_dim_derived", False):
+                said = f"config head_dim (none given: hidden_size // num_attention_heads = {value})"
             raise ValueError(
-                f"config {field}={value!r} does not fit the checkpoint's tensors, "
-                f"which hold {field} {held}"
+                f"{said} does not fit the checkpoint's tensors, which hold {field} {held}"
             )
     model_type = config.model_type
     if model_type in _BIASES_FIXED:

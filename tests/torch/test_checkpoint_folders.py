@@ -586,3 +586,26 @@ def test_sizes_that_are_no_positive_integers_are_refused(field, value):
     fields = {**_SIZES, "model_type": "llama", "num_key_value_heads": 2, field: value}
     with pytest.raises(ValueError, match=re.escape(f"config {field}={value!r}")):
         model_config(fields)
+
+
+@pytest.mark.parametrize("given", ["left out", "null"])
+def test_tensors_of_another_head_size_than_the_derived_one_are_refused(given, tmp_path):
+    """A Llama config without a head size: transformers builds blocks of ``hidden_size //
+    num_attention_heads`` (4) and fails to load tensors of head size 8; nothing is
+    converted, and the message says where the 4 comes from."""
+    config = transformers.LlamaConfig(
+        vocab_size=8,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    fields = _without(fields, "head_dim") if given == "left out" else {**fields, "head_dim": None}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    match = "config head_dim (none given: hidden_size // num_attention_heads = 4) does not fit"
+    with pytest.raises(ValueError, match=re.escape(match)):
+        list(attention_layers(tmp_path))
