@@ -544,7 +544,6 @@ def _block_head_dim(fields: dict) -> int | None:
         block = next(name for name, kind in KNOWN_BLOCKS.items() if kind == fields["model_type"])
         module = getattr(transformers, block[: -len("Attention")] + "ForCausalLM").__module__
         attention = getattr(__import__(module, fromlist=[block]), block)(config, layer_idx=0)
-        attention.q_proj if hasattr(attention, "q_proj") else attention.qkv_proj
     except Exception:  # (huggingface_hub's strict check, or the block's)
         return None
     return attention.head_dim
