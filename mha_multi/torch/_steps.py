@@ -182,7 +182,6 @@ def decoding_step(
     wide = plan.wide_tables
     if rotary is None:
         q, k, v = heads_of.split_with_sizes((num_heads, num_kv_heads, num_kv_heads), 1)
-        summed, rest = projected, None
     elif wide is not None:
         # Queries' and keys' heads rotated together by the rows of the step's position
         # (rotate_stacked's, on a step's one query); half-split pairs by rotate_heads'
@@ -193,11 +192,9 @@ def decoding_step(
             turned = rotate_heads(both, rows, rotary)
         else:
             turned = both * rows[0] + both.roll(head_dim // 2, -1) * rows[1]
-        summed, rest = turned, v
         q, k = turned.split_with_sizes((num_heads, num_kv_heads), 1)
     else:
         q, k, v, turned = rotate_stacked(projected, plan.tables, None, rotary, heads, length)
-        summed, rest = turned, v
         q = q.view(batch, num_heads, 1, head_dim)
         k, v = k.view(-1, num_kv_heads, 1, head_dim), v.view(-1, num_kv_heads, 1, head_dim)
     keys.narrow(2, length, 1).copy_(k)
@@ -205,13 +202,17 @@ def decoding_step(
     filled = length + 1
     if fused:
         # One query sees its keys unmasked (a window's plan is that of the positions
-        # within it): the read is the sum's, finite iff its difference with itself is 0
-        # (inf - inf and NaN are NaN). It follows the rows' writes, which no call has
-        # attended over yet (they lie past the filled positions): the first kernel after
-        # the product starts cold, and the copies, which every step makes, take that
-        # start where a sum before them took it besides (docs: "Fast paths").
-        total = summed.sum() if rest is None else summed.sum() + rest.sum()
-        read = total.item()  # (float32 or float64: a fused plan's dtypes)
+        # within it): the read is that the step's projections are finite, their dot
+        # product with themselves (and so their rotations, each a sum of two of them
+        # times factors of at most 1). Finite values whose squares sum past the dtype's
+        # range (each past 2**64 / sqrt(count) in float32) read as not finite: the
+        # generic flow runs the step and reads for itself. BLAS's dot, not a sum: after
+        # SDPA's pass over the cache a reduction's code starts cold at every step, and
+        # took 2% to 4% of a large step more (docs: "Fast paths"). After the rows'
+        # writes, which no call has attended over yet (past the filled positions): the
+        # copies take the cold start of the first kernel after the product.
+        flat = projected.view(-1)  # (a product's or a norm's: contiguous)
+        read = torch.dot(flat, flat).item()  # (float32 or float64: a fused plan's dtypes)
         if read - read != 0.0:
             # Back to the generic flow, which writes these rows itself. What the check
             # knows of the positions past the filled ones (finite, no key past its bound)

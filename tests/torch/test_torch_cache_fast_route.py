@@ -32,7 +32,7 @@ from route_support import answered_calls, generic_only
 
 from mha_multi import spec
 from mha_multi.parity.harness import torch as backend
-from mha_multi.torch import _cache, _facts, _steps
+from mha_multi.torch import _cache, _facts, _steps, set_weights
 
 
 @pytest.mark.parametrize("finite_from", [None, 3, 9])
@@ -413,6 +413,52 @@ def test_a_step_that_reads_a_non_finite_value_leaves_its_cache_as_it_found_it(ro
     np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=FLOAT32_ATOL)
     assert not np.isfinite(expected[2]).any() and np.isfinite(expected[:2]).all()
     assert cache.lengths.tolist() == [7, 7, 7]
+
+
+@pytest.mark.parametrize("scale", [1e17, 1e20])
+@pytest.mark.parametrize("rotary", ROUTE_ROTARY, ids=["plain", "rotary", "interleaved"])
+def test_a_step_of_finite_values_whose_squares_pass_float32_takes_the_generic_flow(rotary, scale):
+    """The host's step reads its projections as their dot product with themselves: values
+    near 1e20, finite but whose squares sum past float32's range, read as not finite, and
+    the generic flow runs each step (its own read finds them finite and runs SDPA); near
+    1e17 the route takes them. Either way, the generic flow's outputs and cache to the
+    bit, and the reference's numbers."""
+    options = {} if rotary is None else {"rotary": rotary}
+    weights, layer = self_attention(HEADS, 43, **options)
+    # Values near the scale (a step's 24 squares past float32's 3.4e38 at 1e20, within it
+    # at 1e17), queries and keys as drawn: scores and outputs well within float32.
+    weights = {k: v * scale if k in ("W_v", "b_v") else v for k, v in weights.items()}
+    layer = set_weights(layer, {k: v.astype(np.float32) for k, v in weights.items()})
+    weights = {k: v.astype(np.float32).astype(np.float64) for k, v in weights.items()}
+    rng = np.random.default_rng(43)
+    inputs = [rng.standard_normal((3, n, NUM_HIDDENS)).astype(np.float32) for n in (4, 1, 1, 1)]
+
+    def decode(route):
+        outputs, cache = [], layer.init_cache(3, 8)
+        with contextlib.ExitStack() as stack:
+            if not route:
+                stack.enter_context(generic_only())
+            answers = stack.enter_context(answered_calls())
+            stack.enter_context(torch.no_grad())
+            for x in map(torch.from_numpy, inputs):
+                before = spec.KVCache(*(t.numpy().copy() for t in cache))
+                output, cache = layer(x, x, x, causal=True, cache=cache)
+                expected, _, _ = spec.reference_cached_forward(
+                    weights, *(x.double().numpy(),) * 3, before, **HEADS, causal=True, **options
+                )
+                # (float32's rounding of values of this scale, cancellations among them)
+                atol = FLOAT32_ATOL * np.abs(expected).max()
+                np.testing.assert_allclose(output.double().numpy(), expected, rtol=0, atol=atol)
+                outputs.append(output)
+        return outputs, [cache], answers
+
+    outputs, caches, answers = decode(route=True)
+    # (The prompt's call, then each step: offered, and declined past float32's squares.)
+    assert answers == [False] + [scale < 1e18] * 3
+    assert np.abs(outputs[-1].numpy()).max() > scale / 10
+    assert _cache.CacheCheck.of(caches[-1]) is not None
+    generic_outputs, generic_caches, _ = decode(route=False)
+    assert_same_decoding((outputs, caches), (generic_outputs, generic_caches))
 
 
 @pytest.mark.parametrize("on_a_gpu", [False, True], ids=["host", "gpu"])
