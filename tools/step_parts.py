@@ -12,7 +12,8 @@ the filled positions, the output product) plus some of its parts:
 
 * ``views``: the check that the projections' weights are still the views the
   stacked product takes (:class:`mha_multi.torch._projections.StackedWeights`);
-* ``read``: the one finiteness read (a sum and its value, docs: "Fast paths");
+* ``read``: the one finiteness read (the projections' dot product with
+  themselves, and its value; docs: "Fast paths");
 * ``book``: the cache's bookkeeping (the next lengths and the check moved on,
   :mod:`mha_multi.torch._cache`).
 
@@ -70,7 +71,8 @@ def cut_down(layer: MultiHeadAttention, parts: str) -> None:
         values.narrow(2, length, 1).copy_(v)
         filled = length + 1
         if "read" in parts:
-            read = projected.sum().item()
+            flat = projected.view(-1)
+            read = torch.dot(flat, flat).item()
             if read - read != 0.0:
                 raise ValueError("the step's values are not finite")
         if "book" in parts:
