@@ -205,7 +205,7 @@ def decoding_step(
         # within it): the read is that the step's projections are finite, their dot
         # product with themselves (and so their rotations, each a sum of two of them
         # times factors of at most 1). Finite values whose squares sum past the dtype's
-        # range (each past 2**64 / sqrt(count) in float32) read as not finite: the
+        # range (in float32, values of about 2**64 / sqrt(count)) read as not finite: the
         # generic flow runs the step and reads for itself. BLAS's dot, not a sum: after
         # SDPA's pass over the cache a reduction's code starts cold at every step, and
         # took 2% to 4% of a large step more (docs: "Fast paths"). After the rows'
