@@ -71,10 +71,17 @@ class Environment:
 TEST_TOOLS = (PINS["pytest"], PINS["pytest-xdist"], PINS["hypothesis"])
 # Eager JAX compiles every operation for every new shape, and the tests make
 # thousands of small programs: XLA's LLVM optimizations off cut tests-jax from
-# 7.8 to 6.3 minutes on a 2-core machine. The numbers are IEEE float32 either
-# way (no fast math); the parity and bench sessions compile as users do.
+# 7.8 to 6.3 minutes on a 2-core machine; XLA's older fusion emitters (the
+# default MLIR ones take longer to compile a small program) with one codegen
+# thread per program (the two test processes hold both cores) from 7.3 to 3.2
+# (tests-keras-jax 3.8 to 2.1). The numbers are IEEE float32 either way (no
+# fast math); the parity and bench sessions compile as users do.
 FAST_XLA_COMPILES = {
-    "XLA_FLAGS": "--xla_backend_optimization_level=0",
+    "XLA_FLAGS": (
+        "--xla_backend_optimization_level=0"
+        " --xla_cpu_use_fusion_emitters=false"
+        " --xla_cpu_parallel_codegen_split_count=1"
+    ),
     # Fewer randomised examples (conftest.py): each is new shapes to compile.
     "HYPOTHESIS_PROFILE": "compiles-each-shape",
 }
