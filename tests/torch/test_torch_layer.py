@@ -34,8 +34,16 @@ def test_gradcheck_float64(runner, cases, name):
         runner.to_native(case.inputs[n], dtype="float64").requires_grad_(True) for n in INPUT_NAMES
     ]
     lens = runner.native_lens(case.valid_lens)
+    # fast_mode: the Jacobian's product with random vectors against its finite
+    # differences (the full Jacobian, a forward pass per input entry, took 32 s for these
+    # cases), within float64's tolerances: one entry of the gradient off by 0.1% fails.
+    torch.manual_seed(0)  # (the random vectors)
     assert torch.autograd.gradcheck(
-        lambda q, k, v: layer(q, k, v, lens, causal=case.config.causal), inputs
+        lambda q, k, v: layer(q, k, v, lens, causal=case.config.causal),
+        inputs,
+        fast_mode=True,
+        atol=1e-8,
+        rtol=1e-6,
     )
 
 
