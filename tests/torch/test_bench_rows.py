@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from generation_support import FLOAT32, TINY, assert_spec_generation, generated
+from torch_support import TRACED
 
 from mha_multi.bench.host import count_calls, time_host
 from mha_multi.bench.torch import FRAMEWORK
@@ -28,9 +29,8 @@ def test_ours_and_the_hand_written_decoder_generate_the_spec_numbers(rotary):
 
 
 def test_compiled_ways_generate_the_spec_numbers_in_one_graph_each(monkeypatch):
-    # Traced whole (fullgraph) and functionalized as under inductor, without
-    # inductor's minutes of code generation: AOT autograd's eager backend.
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    # Traced whole (fullgraph) and functionalized as under inductor (TRACED).
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=TRACED))
     for prompt, outputs in generated(FRAMEWORK, TINY, "compiled").values():
         assert_spec_generation(TINY, prompt, outputs)
 

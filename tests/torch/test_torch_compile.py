@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from option_cases import LENGTH_DEPENDENT_ROTARY
+from torch_support import TRACED, kernel_ran
 from torch_support import compiler as compiler
-from torch_support import kernel_ran
 from torch_support import runner as runner
 
 from mha_multi import spec
@@ -58,13 +58,12 @@ def test_a_compiled_layer_takes_valid_arguments_once_lengths_vary(compiler, argu
     """Once the queries' length has varied, ``torch.compile`` traces it as a symbol;
     a call's argument of a matching shape (positions ``(B, Q)``, gates ``(B, H)``,
     lengths ``(B,)`` or ``(B, Q)``, a bias ``(1, H, Q, K)``) must still be taken,
-    with the reference's numbers (the shape checks compare sizes one by one). Traced by
-    dynamo and AOTAutograd, run by eager kernels (``aot_eager``): what is checked is the
-    trace; inductor's numbers are the tests' above (each inductor graph takes seconds to
-    compile on a 2-core machine)."""
+    with the reference's numbers (the shape checks compare sizes one by one). What is
+    checked is the trace (:data:`torch_support.TRACED`); inductor's numbers are the
+    tests' above."""
     weights = init_weights(8, seed=31)
     layer = set_weights(MultiHeadAttention(8, 2, rotary={"theta": 100.0}), weights).eval()
-    compiled = compiler(layer, fullgraph=True, backend="aot_eager")
+    compiled = compiler(layer, fullgraph=True, backend=TRACED)
     rng = np.random.default_rng(31)
     for length in (2, 3):  # (the queries' length is a symbol from here on)
         x = torch.from_numpy(rng.standard_normal((3, length, 8)).astype(np.float32))

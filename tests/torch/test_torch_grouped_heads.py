@@ -13,9 +13,9 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from torch_support import TRACED, sdpa_spy
 from torch_support import compiler as compiler
 from torch_support import runner as runner
-from torch_support import sdpa_spy
 
 from conftest import record_sdpa_key_heads
 from mha_multi import spec
@@ -76,12 +76,11 @@ def test_sdpa_without_grouped_heads_gets_them_repeated_once(runner, cases, name)
 @pytest.mark.parametrize("name", ["gqa", "mqa", "head_dim"])
 def test_torch_compile_grouped_heads_match_reference(runner, cases, name, compiler):
     """Forward, weights and gradients of a compiled layer of grouped heads: inductor's
-    for grouped heads, the same trace run by eager kernels (``aot_eager``) for one
-    key/value head and a head size of its own, whose graphs differ from it in sizes
-    alone (each inductor graph takes seconds to compile on a 2-core machine)."""
+    for grouped heads; for one key/value head and a head size of their own, whose graphs
+    differ from it in sizes alone, the trace (:data:`torch_support.TRACED`)."""
     case = cases[name]
     layer = runner.layer_for(case)
-    compiled = compiler(layer, fullgraph=True, backend="inductor" if name == "gqa" else "aot_eager")
+    compiled = compiler(layer, fullgraph=True, backend="inductor" if name == "gqa" else TRACED)
     inputs = [case.inputs[n] for n in INPUT_NAMES]
     kwargs = {"causal": case.config.causal}
     out = runner.call(compiled, *inputs, case.valid_lens, **kwargs)

@@ -13,6 +13,7 @@ import heads_cases as hc
 import numpy as np
 import pytest
 import torch
+from torch_support import TRACED
 from torch_support import compiler as compiler
 
 from conftest import gpu_required
@@ -193,11 +194,11 @@ def test_gradients_of_a_cached_call_with_a_head_mask_are_the_full_forwards():
 
 def test_torch_compile_with_a_head_mask(compiler):
     """One graph: forward, the gates' gradient and a cached call, against the reference.
-    Traced by dynamo and AOTAutograd, run by eager kernels (``aot_eager``): what is
-    checked is the trace of the gates (one broadcast product with each head's context);
-    inductor's numbers of the layer's graphs are ``test_torch_compile.py``'s."""
+    What is checked is the trace of the gates (:data:`torch_support.TRACED`: one
+    broadcast product with each head's context); inductor's numbers of the layer's
+    graphs are ``test_torch_compile.py``'s."""
     weights, layer, inputs, rng = make(3)
-    compiled = compiler(layer, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled = compiler(layer, fullgraph=True, dynamic=False, backend=TRACED)
     lens = np.array([6, 1, 4])
     gates = rng.uniform(-1, 2, (3, 4))
     output_gradient = rng.standard_normal((3, 5, 16))

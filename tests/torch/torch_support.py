@@ -16,6 +16,12 @@ import torch
 
 from mha_multi.parity.runners import get_runner
 
+#: The ``torch.compile`` backend of tests whose claim is the trace (one graph, guards,
+#: shapes taken as symbols, functionalized writes): dynamo's and AOTAutograd's graph, run
+#: by eager kernels. Inductor's own numbers are the tests' that compile with it; each of
+#: its graphs takes seconds of code generation on a 2-core machine.
+TRACED = "aot_eager"
+
 
 @pytest.fixture(scope="module")
 def runner():
