@@ -454,8 +454,10 @@ def _apart(keys: torch.Tensor, values: torch.Tensor) -> bool:
     return keys_end <= values_start or values_end <= keys_start
 
 
-#: How many plain steps' lengths :func:`next_lengths` makes at once.
-_BANKED = 64
+#: How many plain steps' lengths :func:`next_lengths` makes at once: first, and at most
+#: (twice as many each time: a view's making is most of a bank's cost, so that a long
+#: generation's steps share the rest, and a short one's first step makes few).
+_BANKED, _MOST_BANKED = 64, 1024
 
 
 def next_lengths(
@@ -466,8 +468,9 @@ def next_lengths(
     the new lengths of a ragged step (:func:`mha_multi.torch._ragged.ragged_step`),
     whose first is ``filled``.
 
-    A row of :attr:`CacheCheck.bank`, the lengths of the next :data:`_BANKED`
-    steps made at once where the lengths live (no copy from the host for a plain
+    A row of :attr:`CacheCheck.bank`, the lengths of the next steps (:data:`_BANKED`,
+    then twice as many as the bank before, up to :data:`_MOST_BANKED`) made at once
+    where the lengths live (no copy from the host for a plain
     step's), outside inference mode (:func:`versioned`): a view made in
     inference mode of such a tensor is no inference tensor, so each step's
     lengths keep a version counter (the bank's, which an edit of any step's
@@ -479,20 +482,19 @@ def next_lengths(
     bank = check.bank
     if bank is not None:
         row = filled - check.bank_from
-        if 0 <= row < _BANKED:
+        if 0 <= row < len(bank):
             taken = bank[row]
             if taken is not None:
                 bank[row] = None
                 return taken
+    count = _BANKED if bank is None else min(2 * len(bank), _MOST_BANKED)
     with versioned():
         if held is None:
-            steps = torch.arange(
-                filled, filled + _BANKED, dtype=lengths.dtype, device=lengths.device
-            )
+            steps = torch.arange(filled, filled + count, dtype=lengths.dtype, device=lengths.device)
             # (The rows as views made at once: a step takes one with no operation.)
             bank = steps.unsqueeze(1).repeat(1, lengths.shape[0]).unbind(0)
         else:
-            steps = torch.arange(_BANKED, dtype=lengths.dtype, device=lengths.device)
+            steps = torch.arange(count, dtype=lengths.dtype, device=lengths.device)
             bank = (from_host(held, lengths.device, lengths.dtype) + steps.unsqueeze(1)).unbind(0)
     check.bank, check.bank_from = [None, *bank[1:]], filled
     return bank[0]

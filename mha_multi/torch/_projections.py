@@ -204,7 +204,8 @@ class StackedWeights:
         # Each module's parameter table, and aliases of its weight and bias as the view
         # found them: while every parameter is set to its alias (the same storage,
         # offset, sizes and strides) and of its dtype, the view holds (no key made).
-        self._held: list[tuple[dict, torch.Tensor, torch.Tensor | None]] | None = None
+        # (Three of them, the last one repeated where there are two: views.)
+        self._held: tuple[tuple[dict, torch.Tensor, torch.Tensor | None], ...] | None = None
 
     def __call__(self, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight, bias)`` of ``modules`` stacked along the output features."""
@@ -230,24 +231,32 @@ class StackedWeights:
         eager code that records no gradient; ``None`` where they are not back to back."""
         held = self._held
         if held is not None:
-            # Where the view was made, one call per parameter tells that it holds: a
-            # decoding step's cost is such calls (docs: "Fast paths"). (Other modules
-            # than it was made of: zip's ValueError.)
+            # Where the view was made, one call per parameter tells that it holds, written
+            # out for three projections (two, where keys and values alone share their
+            # input: the last one twice): a decoding step's cost is such work, a loop's
+            # own included (docs: "Fast paths"). (Other modules than it was made of: the
+            # unpacking's ValueError.)
             try:
-                for module, (parameters, weight, bias) in zip(modules, held, strict=True):
-                    if module._parameters is not parameters:
-                        break
-                    p = parameters["weight"]
-                    if not p.is_set_to(weight) or p.dtype is not weight.dtype:
-                        break
-                    p = parameters["bias"]
-                    if bias is None:
-                        if p is not None:
-                            break
-                    elif p is None or not p.is_set_to(bias) or p.dtype is not bias.dtype:
-                        break
-                else:
-                    return self._views
+                q, k, v = modules if len(modules) == 3 else _as_three(modules)
+                (tq, wq, bq), (tk, wk, bk), (tv, wv, bv) = held
+                if q._parameters is tq and k._parameters is tk and v._parameters is tv:
+                    p, r, t = tq["weight"], tk["weight"], tv["weight"]
+                    if (
+                        p.is_set_to(wq)
+                        and r.is_set_to(wk)
+                        and t.is_set_to(wv)
+                        and p.dtype is wq.dtype
+                        and r.dtype is wk.dtype
+                        and t.dtype is wv.dtype
+                        and (
+                            tq["bias"] is None and tk["bias"] is None and tv["bias"] is None
+                            if bq is None  # (the view's biases are all there or none is)
+                            else _set_to(tq["bias"], bq)
+                            and _set_to(tk["bias"], bk)
+                            and _set_to(tv["bias"], bv)
+                        )
+                    ):
+                        return self._views
             except (RuntimeError, TypeError, NotImplementedError, ValueError):
                 pass  # (a tensor of another kind set as a parameter's data: asked below)
             self._key = self._held = None  # (moved: made again, strides included)
@@ -268,15 +277,17 @@ class StackedWeights:
                 self._key, self._views = key, _views(weights, [table["bias"] for table in tables])
                 self._held = (
                     None
-                    if self._views is None
-                    else [
-                        (
-                            table,
-                            table["weight"].detach(),
-                            None if table["bias"] is None else table["bias"].detach(),
-                        )
-                        for table in tables
-                    ]
+                    if self._views is None or len(tables) > 3
+                    else _as_three(
+                        [
+                            (
+                                table,
+                                table["weight"].detach(),
+                                None if table["bias"] is None else table["bias"].detach(),
+                            )
+                            for table in tables
+                        ]
+                    )
                 )
         return self._views
 
@@ -342,6 +353,19 @@ def _c_apply(function: type[torch.autograd.Function]) -> Any:
 
 
 _apply_stacked_view = _c_apply(StackedView)
+
+
+def _as_three(items: Sequence[Any]) -> tuple[Any, Any, Any]:
+    """Up to three ``items`` as three, the last one repeated (:meth:`StackedWeights.views`)."""
+    if not 0 < len(items) <= 3:
+        raise ValueError(f"{len(items)} projections: a view is held for up to three")
+    return (*items, *[items[-1]] * (3 - len(items)))  # type: ignore[return-value]
+
+
+def _set_to(p: torch.Tensor | None, alias: torch.Tensor) -> bool:
+    """Whether parameter ``p`` is still set to ``alias`` (the same storage, offset, sizes
+    and strides) and of its dtype."""
+    return p is not None and p.is_set_to(alias) and p.dtype is alias.dtype
 
 
 def _views(

@@ -119,8 +119,6 @@ class StepRoute:
             # them, CacheCheck.attach.)
         ):
             return None
-        if queries.shape[:2] != (check.examples, 1):
-            return None
         length = check._uniform
         if length == -1:  # (not known yet: CacheCheck.uniform resolves it)
             length = check.uniform
@@ -137,7 +135,8 @@ class StepRoute:
             if finite_from is None or finite_from > length + 1:
                 return None
         # The step before, where it was this layer's with these arguments, planned this
-        # one. (The options compared by identity first: a tuple's items are.)
+        # one. (The options compared by identity first: a tuple's items are. The queries'
+        # shape is the key's: the check's examples, one query each, where it was planned.)
         device = queries.device
         key = (dtype, causal, queries.shape, queries.dtype, device, options)
         step = check.step
@@ -148,6 +147,8 @@ class StepRoute:
             ):
                 return None
             plan = step[2]
+        elif queries.shape[:2] != (check.examples, 1):
+            return None
         else:
             plan = self._plain_plan(
                 layer, queries, cache, causal=causal, dtype=dtype, options=options

@@ -57,6 +57,7 @@ def test_shared_inputs_project_in_one_product(runner, cases, shared, name):
         "data",
         "data transposed",
         "data in place",
+        "bias data",
         "replaced",
         "converted",
     ],
@@ -87,6 +88,8 @@ def test_stacked_weights_follow_every_change_of_the_parameters(runner, cases, ch
             layer.W_v.weight.data = layer.W_v.weight.data.t()
         elif change == "data in place":
             layer.W_v.weight.data.mul_(2)
+        elif change == "bias data":
+            layer.W_v.bias.data = torch.randn_like(layer.W_v.bias)
         elif change == "replaced":
             layer.W_v.weight = torch.nn.Parameter(torch.randn_like(layer.W_v.weight))
         else:
@@ -94,11 +97,15 @@ def test_stacked_weights_follow_every_change_of_the_parameters(runner, cases, ch
                 layer.W_v.weight.mul_(2)
             layer.double().float()
         weights = get_weights(layer)
-    assert not np.array_equal(weights["W_v"], case.weights["W_v"])
+    changed = "b_v" if change == "bias data" else "W_v"
+    assert not np.array_equal(weights[changed], case.weights[changed])
     expected, _ = spec.reference_forward(weights, x, x, x, None, num_heads=num_heads)
+    # (Keys and values alone sharing their input: their two projections stacked.)
+    shared, _ = spec.reference_forward(weights, x[:, :2], x, x, None, num_heads=num_heads)
     for mode in (torch.no_grad, torch.inference_mode):  # no_grad first: as the last call
         with mode():
             np.testing.assert_allclose(layer(x, x, x).numpy(), expected, atol=5e-6)
+            np.testing.assert_allclose(layer(x[:, :2], x, x).numpy(), shared, atol=5e-6)
 
 
 def test_the_input_projections_are_packed_and_stay_packed(runner, cases):
