@@ -482,8 +482,11 @@ def next_lengths(
     bank = check.bank
     if bank is not None:
         row = filled - check.bank_from
-        if 0 <= row < len(bank):
-            taken = bank[row]
+        if row >= 0:
+            try:  # (no len(): a step's cost is such calls, docs: "Results")
+                taken = bank[row]
+            except IndexError:
+                taken = None
             if taken is not None:
                 bank[row] = None
                 return taken

@@ -227,17 +227,17 @@ class StackedWeights:
     def views(
         self, modules: Sequence[nn.Module]
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``(weight, bias)`` of ``modules`` as views of their back-to-back parameters, for
-        eager code that records no gradient; ``None`` where they are not back to back."""
+        """``(weight, bias)`` of ``modules`` (two or three projections) as views of their
+        back-to-back parameters, for eager code that records no gradient; ``None`` where
+        they are not back to back."""
         held = self._held
         if held is not None:
             # Where the view was made, one call per parameter tells that it holds, written
             # out for three projections (two, where keys and values alone share their
             # input: the last one twice): a decoding step's cost is such work, a loop's
-            # own included (docs: "Fast paths"). (Other modules than it was made of: the
-            # unpacking's ValueError.)
+            # own included (docs: "Fast paths").
             try:
-                q, k, v = modules if len(modules) == 3 else _as_three(modules)
+                q, k, v = modules[0], modules[1], modules[-1]
                 (tq, wq, bq), (tk, wk, bk), (tv, wv, bv) = held
                 if q._parameters is tq and k._parameters is tk and v._parameters is tv:
                     p, r, t = tq["weight"], tk["weight"], tv["weight"]
@@ -257,9 +257,11 @@ class StackedWeights:
                         )
                     ):
                         return self._views
-            except (RuntimeError, TypeError, NotImplementedError, ValueError):
+            except (RuntimeError, TypeError, NotImplementedError, ValueError, IndexError):
                 pass  # (a tensor of another kind set as a parameter's data: asked below)
             self._key = self._held = None  # (moved: made again, strides included)
+        if not 2 <= len(modules) <= 3:
+            raise ValueError(f"{len(modules)} projections stacked: two or three are")
         try:
             # The parameter tables, not nn.Module's attribute lookup: every call asks.
             # (A loop, not a comprehension: a step's cost is such calls.)
@@ -277,7 +279,7 @@ class StackedWeights:
                 self._key, self._views = key, _views(weights, [table["bias"] for table in tables])
                 self._held = (
                     None
-                    if self._views is None or len(tables) > 3
+                    if self._views is None
                     else _as_three(
                         [
                             (
@@ -356,10 +358,9 @@ _apply_stacked_view = _c_apply(StackedView)
 
 
 def _as_three(items: Sequence[Any]) -> tuple[Any, Any, Any]:
-    """Up to three ``items`` as three, the last one repeated (:meth:`StackedWeights.views`)."""
-    if not 0 < len(items) <= 3:
-        raise ValueError(f"{len(items)} projections: a view is held for up to three")
-    return (*items, *[items[-1]] * (3 - len(items)))  # type: ignore[return-value]
+    """Two or three ``items`` as three, the last one twice where there are two
+    (:meth:`StackedWeights.views`)."""
+    return items[0], items[1], items[-1]
 
 
 def _set_to(p: torch.Tensor | None, alias: torch.Tensor) -> bool:

@@ -619,6 +619,26 @@ def test_a_fast_step_raises_the_generic_flows_errors():
         assert torch.equal(caches[-1].lengths, torch.tensor([6, 6, 6], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("new_lens", [None, np.array([2, 1, 2])], ids=["uniform", "ragged"])
+def test_a_long_generation_takes_the_route_with_each_steps_own_lengths(new_lens):
+    """Past the lengths the first steps make at once (64 steps', then twice as many each
+    time): every step takes the route to the generic flow's outputs and cache to the
+    bit, and each step's lengths hold its own values after the steps that follow."""
+    _, layer = self_attention(HEADS, 47)
+    prompt = np.random.default_rng(47).standard_normal((3, 2, NUM_HIDDENS))
+    steps = 64 + 128 + 8
+    with answered_calls() as answers:
+        ours = feed_back(layer, prompt, steps, steps + 2, new_lens)
+    # (The prompt's call is offered where it has no lengths, and declined.)
+    assert answers == [False] * (new_lens is None) + [True] * steps
+    with generic_only():
+        theirs = feed_back(layer, prompt, steps, steps + 2, new_lens)
+    assert_same_decoding(ours, theirs)
+    first = np.array([2, 2, 2]) if new_lens is None else new_lens
+    for step, cache in enumerate(ours[1]):
+        assert cache.lengths.tolist() == (first + step).tolist()
+
+
 @pytest.mark.parametrize("new_lens", [None, np.array([5, 3, 4])], ids=["uniform", "ragged"])
 @pytest.mark.parametrize("route", ["host", "gpu", "generic"])
 def test_a_cache_its_caller_drops_goes_at_once(route, new_lens):
