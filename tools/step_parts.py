@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,7 @@ from mha_multi.bench.generate import (
     generate,
     generate_in_turns,
 )
+from mha_multi.bench.host import TINY_PLAIN
 from mha_multi.bench.torch import FRAMEWORK
 from mha_multi.torch import MultiHeadAttention
 from mha_multi.torch._cache import CHECKS, next_lengths
@@ -63,7 +65,7 @@ COPIES = ("layer", "views,read,book", "views", "read", "book", "")
 #: The decoders called past ``nn.Module.__call__`` (:func:`called_directly`).
 DIRECT = ("route", "operations, no module")
 #: The host rows' tiny plain layer, generating long enough to time (``--tiny``).
-TINY = GenerationShape(batch=1, prompt=4, new_tokens=2048, num_hiddens=16, num_heads=2)
+TINY = replace(TINY_PLAIN, new_tokens=2048)
 
 
 def cut_down(layer: MultiHeadAttention, parts: str) -> None:

@@ -237,7 +237,7 @@ class StackedWeights:
             # input: the last one twice): a decoding step's cost is such work, a loop's
             # own included (docs: "Fast paths").
             try:
-                q, k, v = modules[0], modules[1], modules[-1]
+                q, k, v = modules[0], modules[1], modules[-1]  # (_as_three, inline: every step)
                 (tq, wq, bq), (tk, wk, bk), (tv, wv, bv) = held
                 if q._parameters is tq and k._parameters is tk and v._parameters is tv:
                     p, r, t = tq["weight"], tk["weight"], tv["weight"]
@@ -365,7 +365,8 @@ def _as_three(items: Sequence[Any]) -> tuple[Any, Any, Any]:
 
 def _set_to(p: torch.Tensor | None, alias: torch.Tensor) -> bool:
     """Whether parameter ``p`` is still set to ``alias`` (the same storage, offset, sizes
-    and strides) and of its dtype."""
+    and strides) and of its dtype: :meth:`StackedWeights.views`' test of each weight, for
+    a bias, which may be ``None`` (the weights' written out there: every step asks)."""
     return p is not None and p.is_set_to(alias) and p.dtype is alias.dtype
 
 
