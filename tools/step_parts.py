@@ -32,14 +32,23 @@ leaves the machine's own count); ``--tiny`` generates with the host rows' tiny
 plain layer instead (16 hiddens, 2 heads, one example, a 4-token prompt, then
 2048 steps), whose step is Python's time.
 
-    python tools/step_parts.py [rounds] [--threads N] [--tiny]   # 12 rounds
+``--kernels`` splits each step's time instead: the layer and the hand-written
+decoder in turns, the time of every call of the products
+(``functional.linear``), of SDPA and of the read (``torch.dot``) apart from
+the rest (the host's work, the rows' copies into the cache). A wrapper times
+each such call of both ways alike.
+
+    python tools/step_parts.py [rounds] [--threads N] [--tiny] [--kernels]   # 12 rounds
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -66,6 +75,12 @@ COPIES = ("layer", "views,read,book", "views", "read", "book", "")
 DIRECT = ("route", "operations, no module")
 #: The host rows' tiny plain layer, generating long enough to time (``--tiny``).
 TINY = replace(TINY_PLAIN, new_tokens=2048)
+#: The calls ``--kernels`` times apart, by the module each way calls them from.
+KERNELS = (
+    (functional, "linear"),
+    (functional, "scaled_dot_product_attention"),
+    (torch, "dot"),
+)
 
 
 def cut_down(layer: MultiHeadAttention, parts: str) -> None:
@@ -151,15 +166,84 @@ def called_directly(makers: dict[str, Any], name: str, shape: GenerationShape) -
     return FRAMEWORK.cached_generator(layer, call, shape)
 
 
-def main(rounds: int, threads: int, shape: GenerationShape) -> None:
-    torch.set_num_threads(threads)
-    prompt = FRAMEWORK.array(
+def prompt_of(shape: GenerationShape) -> torch.Tensor:
+    """The prompt every way generates from."""
+    return FRAMEWORK.array(
         np.random.default_rng(0)
         .standard_normal((shape.batch, shape.prompt, shape.num_hiddens))
         .astype(np.float32),
         "cpu",
         "float32",
     )
+
+
+@contextlib.contextmanager
+def kernels_timed(spent: dict[tuple[str, str], float], way: list[str]) -> Iterator[None]:
+    """Each call of :data:`KERNELS` timed into ``spent[(way[0], name)]`` (``way[0]``: the
+    way whose step runs, ``""`` outside the steps), the functions put back after."""
+
+    def timed(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            spent[way[0], name] += time.perf_counter() - start
+            return result
+
+        return call
+
+    originals = [(module, name, getattr(module, name)) for module, name in KERNELS]
+    try:
+        for module, name, function in originals:
+            setattr(module, name, timed(function, name))
+        yield
+    finally:
+        for module, name, function in originals:
+            setattr(module, name, function)
+
+
+def kernel_split(rounds: int, shape: GenerationShape) -> None:
+    """Prints each way's time per step, each kernel's apart (``--kernels``)."""
+    prompt = prompt_of(shape)
+    spent: dict[tuple[str, str], float] = collections.defaultdict(float)
+    way = [""]
+
+    def counted(name: str, generator: Generator) -> Generator:
+        def prefill(prompt: torch.Tensor) -> Any:
+            way[0] = ""  # (a prefill's kernels are no step's)
+            return generator.prefill(prompt)
+
+        def step(state: Any, token: torch.Tensor) -> Any:
+            way[0] = name
+            return generator.step(state, token)
+
+        return Generator(prefill, step, generator.sync, generator.to_numpy)
+
+    with kernels_timed(spent, way):
+        for index in range(rounds):
+            makers = FRAMEWORK.generators(shape, "cpu", "float32")
+            names = ("cached", "hand-written") if index % 2 == 0 else ("hand-written", "cached")
+            decoders = {name: makers[name]() for name in names}
+            way[0] = ""  # (the warm-up's steps are none of the turns')
+            for decoder in decoders.values():
+                generate(decoder, prompt, 2)
+            timed = generate_in_turns(
+                {name: counted(name, decoder) for name, decoder in decoders.items()},
+                prompt,
+                shape.new_tokens,
+            )
+            for name in names:
+                spent[name, "step"] += timed[name][1]
+    steps = rounds * shape.new_tokens
+    for name, label in (("cached", "layer"), ("hand-written", "hand-written")):
+        parts = {kernel: spent[name, kernel] / steps * 1e6 for _, kernel in KERNELS}
+        total = spent[name, "step"] / steps * 1e6
+        split = ", ".join(f"{kernel} {us:.1f}" for kernel, us in parts.items() if us)
+        rest = total - sum(parts.values())
+        print(f"{label:>12}: {total:.1f} us a step: {split}; the rest {rest:.1f}")
+
+
+def main(rounds: int, shape: GenerationShape) -> None:
+    prompt = prompt_of(shape)
     ratios: dict[str, list[float]] = {copy: [] for copy in (*COPIES, *DIRECT)}
     for index in range(rounds):
         decoders = {}
@@ -196,5 +280,8 @@ if __name__ == "__main__":
     parser.add_argument("rounds", nargs="?", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--kernels", action="store_true")
     arguments = parser.parse_args()
-    main(arguments.rounds, arguments.threads, TINY if arguments.tiny else GenerationShape())
+    torch.set_num_threads(arguments.threads)
+    shape = TINY if arguments.tiny else GenerationShape()
+    (kernel_split if arguments.kernels else main)(arguments.rounds, shape)

@@ -94,9 +94,10 @@ class CacheCheck:
         #: in :data:`CHECKS` (:func:`carried_check`).
         self.carrier: weakref.ref[torch.Tensor] = weakref.ref(cache.lengths)
         self.key = id(cache.lengths)
-        #: The lengths of the plain steps to come (:func:`next_lengths`).
-        self.bank: list[torch.Tensor | None] | None = None
-        self.bank_from = 0
+        #: The lengths of the plain steps to come, a row each (:func:`next_lengths`): the
+        #: length of the first row's first example, and the first row not handed out.
+        self.bank: torch.Tensor | None = None
+        self.bank_from = self.bank_next = 0
         #: The arrays in the layouts a step's products take (:meth:`attended`); ``()``
         #: where they are no views.
         self._flat: tuple[torch.Tensor, ...] | None = None
@@ -455,8 +456,8 @@ def _apart(keys: torch.Tensor, values: torch.Tensor) -> bool:
 
 
 #: How many plain steps' lengths :func:`next_lengths` makes at once: first, and at most
-#: (twice as many each time: a view's making is most of a bank's cost, so that a long
-#: generation's steps share the rest, and a short one's first step makes few).
+#: (twice as many each time, so that a short generation's first step makes few rows and
+#: a long one's steps share the making of many).
 _BANKED, _MOST_BANKED = 64, 1024
 
 
@@ -475,31 +476,36 @@ def next_lengths(
     inference mode of such a tensor is no inference tensor, so each step's
     lengths keep a version counter (the bank's, which an edit of any step's
     lengths moves: the steps after it then check their caches again). Each step
-    adds one to every example's length, so a step's row is found by its first.
+    adds one to every example's length, so a step's row is found by its first;
+    each row is handed out once, so that a cache's lengths are its own memory.
+
+    The bank is one tensor, of which a step views its row when it takes it: views
+    made at once would be as many objects for the garbage collector, alive for
+    many steps, whose collections (a full one walks every object of the process,
+    tens of milliseconds beside PyTorch) then fall on a decoding loop's steps.
     """
-    # A row handed out leaves the bank: the check it carries then holds no reference to
-    # it, and a cache its caller drops goes at once, with no cycle for the collector.
+    # (The check holds the bank, never a row it handed out: a cache its caller drops
+    # goes at once, with no cycle for the collector.)
     bank = check.bank
     if bank is not None:
         row = filled - check.bank_from
-        if row >= 0:
+        if row >= check.bank_next:
             try:  # (no len(): a step's cost is such calls, docs: "Results")
                 taken = bank[row]
             except IndexError:
-                taken = None
-            if taken is not None:
-                bank[row] = None
+                pass
+            else:
+                check.bank_next = row + 1
                 return taken
-    count = _BANKED if bank is None else min(2 * len(bank), _MOST_BANKED)
+    count = _BANKED if bank is None else min(2 * bank.shape[0], _MOST_BANKED)
     with versioned():
         if held is None:
             steps = torch.arange(filled, filled + count, dtype=lengths.dtype, device=lengths.device)
-            # (The rows as views made at once: a step takes one with no operation.)
-            bank = steps.unsqueeze(1).repeat(1, lengths.shape[0]).unbind(0)
+            bank = steps.unsqueeze(1).repeat(1, lengths.shape[0])
         else:
             steps = torch.arange(count, dtype=lengths.dtype, device=lengths.device)
-            bank = (from_host(held, lengths.device, lengths.dtype) + steps.unsqueeze(1)).unbind(0)
-    check.bank, check.bank_from = [None, *bank[1:]], filled
+            bank = from_host(held, lengths.device, lengths.dtype) + steps.unsqueeze(1)
+    check.bank, check.bank_from, check.bank_next = bank, filled, 1
     return bank[0]
 
 

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import gc
 import io
+import itertools
 import weakref
 from unittest import mock
 
@@ -637,6 +638,35 @@ def test_a_long_generation_takes_the_route_with_each_steps_own_lengths(new_lens)
     first = np.array([2, 2, 2]) if new_lens is None else new_lens
     for step, cache in enumerate(ours[1]):
         assert cache.lengths.tolist() == (first + step).tolist()
+
+
+@pytest.mark.parametrize("new_lens", [None, np.array([2, 1, 2])], ids=["uniform", "ragged"])
+def test_a_long_generation_leaves_the_collector_no_objects(new_lens):
+    """No step of a loop that keeps only the last cache makes objects for the garbage
+    collector by the hundred, past the banks of lengths the steps make (64 steps',
+    then 128): a bank's rows made as objects at once would live for many steps and
+    set off the collector's passes (a full one walks every object of the process)
+    within a decoding loop."""
+    _, layer = self_attention(HEADS, 48)
+    prompt = torch.from_numpy(np.random.default_rng(48).standard_normal((3, 2, NUM_HIDDENS)))
+    lens = None if new_lens is None else torch.from_numpy(new_lens)
+    counts = []
+    collecting = gc.isenabled()
+    gc.disable()  # (the count is then the tracked objects made less those gone)
+    try:
+        with torch.no_grad(), answered_calls() as answers:
+            x = prompt.float()
+            y, cache = layer(x, x, x, lens, causal=True, cache=layer.init_cache(3, 220))
+            y = y[:, -1:]
+            for _ in range(200):
+                y, cache = layer(y, y, y, causal=True, cache=cache)
+                counts.append(gc.get_count()[0])
+    finally:
+        if collecting:
+            gc.enable()
+    assert answers[-200:] == [True] * 200
+    made = [after - before for before, after in itertools.pairwise(counts)]
+    assert max(made) <= 8, made
 
 
 @pytest.mark.parametrize("new_lens", [None, np.array([5, 3, 4])], ids=["uniform", "ragged"])
