@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,6 +18,7 @@ __all__ = [
     "Measurement",
     "Shape",
     "attention_flops",
+    "collector_paused",
     "inputs",
     "key_lengths",
     "kv_bytes",
@@ -117,6 +120,27 @@ def median_seconds(
 
 #: The shortest sample :func:`medians_in_turns` times: short calls are timed in runs.
 SAMPLE_S = 0.005
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's garbage collector off while ways are timed, after a collection (as
+    :mod:`timeit` times).
+
+    The outputs a generation keeps, step after step, are objects the collector
+    tracks: a few hundred of them set off its passes, and a full one walks every
+    object of the process (tens of milliseconds beside a framework, as long as a
+    quarter of a 256-step generation on a CPU), falling on whichever way's turn
+    was running. Garbage a way makes waits for the collection after.
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def medians_in_turns(

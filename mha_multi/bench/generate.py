@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_multi.bench.common import Measurement, Shape, kv_bytes
+from mha_multi.bench.common import Measurement, Shape, collector_paused, kv_bytes
 
 __all__ = [
     "GenerationShape",
@@ -144,21 +144,23 @@ ROUNDS = 3
 
 
 def generate(generator: Generator, prompt: Any, new_tokens: int) -> tuple[float, float, np.ndarray]:
-    """Prefills, then generates ``new_tokens`` tokens, each the previous output.
+    """Prefills, then generates ``new_tokens`` tokens, each the previous output (the
+    garbage collector waiting, :func:`~mha_multi.bench.common.collector_paused`).
 
     Returns:
         ``(prefill seconds, generation seconds, outputs (B, new_tokens, D))``.
     """
-    start = time.perf_counter()
-    state, token = generator.prefill(prompt)
-    generator.sync(token)
-    prefilled = time.perf_counter()
-    outputs = []
-    for _ in range(new_tokens):
-        state, token = generator.step(state, token)
-        outputs.append(token)
-    generator.sync(token)
-    done = time.perf_counter()
+    with collector_paused():
+        start = time.perf_counter()
+        state, token = generator.prefill(prompt)
+        generator.sync(token)
+        prefilled = time.perf_counter()
+        outputs = []
+        for _ in range(new_tokens):
+            state, token = generator.step(state, token)
+            outputs.append(token)
+        generator.sync(token)
+        done = time.perf_counter()
     gathered = np.concatenate([generator.to_numpy(x) for x in outputs], axis=1)
     return prefilled - start, done - prefilled, gathered
 
@@ -172,27 +174,29 @@ def generate_in_turns(
     other can differ by that drift alone, while ways that alternate every
     few steps meet the same minutes. Each turn ends with a sync; the order
     of the ways is the same at every turn, so that no way's turn follows its
-    own (:func:`~mha_multi.bench.common.medians_in_turns`).
+    own (:func:`~mha_multi.bench.common.medians_in_turns`). The garbage
+    collector waits (:func:`~mha_multi.bench.common.collector_paused`).
 
     Returns:
         Name -> ``(prefill seconds, generation seconds, outputs (B, new_tokens, D))``.
     """
     states, prefill_s, seconds, outputs = {}, {}, {}, {}
-    for name, generator in generators.items():
-        start = time.perf_counter()
-        states[name] = generator.prefill(prompt)
-        generator.sync(states[name][1])
-        prefill_s[name], seconds[name], outputs[name] = time.perf_counter() - start, 0.0, []
-    for first in range(0, new_tokens, TURN):
+    with collector_paused():
         for name, generator in generators.items():
             start = time.perf_counter()
-            state, token = states[name]
-            for _ in range(min(TURN, new_tokens - first)):
-                state, token = generator.step(state, token)
-                outputs[name].append(token)
-            generator.sync(token)
-            seconds[name] += time.perf_counter() - start
-            states[name] = (state, token)
+            states[name] = generator.prefill(prompt)
+            generator.sync(states[name][1])
+            prefill_s[name], seconds[name], outputs[name] = time.perf_counter() - start, 0.0, []
+        for first in range(0, new_tokens, TURN):
+            for name, generator in generators.items():
+                start = time.perf_counter()
+                state, token = states[name]
+                for _ in range(min(TURN, new_tokens - first)):
+                    state, token = generator.step(state, token)
+                    outputs[name].append(token)
+                generator.sync(token)
+                seconds[name] += time.perf_counter() - start
+                states[name] = (state, token)
     return {
         name: (
             prefill_s[name],

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_multi.bench.common import Measurement
+from mha_multi.bench.common import Measurement, collector_paused
 from mha_multi.bench.generate import GenerationShape, Generator
 
 __all__ = [
@@ -65,7 +65,8 @@ def alternating_blocks(
     A warm-up block each first; then ``blocks`` rounds, the ways in the same
     order every round (:func:`~mha_multi.bench.common.medians_in_turns`: no
     block follows its own way's). Each block ends with ``sync`` of its last
-    result.
+    result. The garbage collector waits
+    (:func:`~mha_multi.bench.common.collector_paused`).
 
     Returns:
         Name -> the seconds per call of each timed block.
@@ -73,13 +74,14 @@ def alternating_blocks(
     for call in calls.values():
         sync([call() for _ in range(BLOCK)][-1])
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(blocks):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            for _ in range(BLOCK - 1):
-                call()
-            sync(call())
-            times[name].append((time.perf_counter() - start) / BLOCK)
+    with collector_paused():
+        for _ in range(blocks):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                for _ in range(BLOCK - 1):
+                    call()
+                sync(call())
+                times[name].append((time.perf_counter() - start) / BLOCK)
     return times
 
 
