@@ -94,10 +94,10 @@ class CacheCheck:
         #: in :data:`CHECKS` (:func:`carried_check`).
         self.carrier: weakref.ref[torch.Tensor] = weakref.ref(cache.lengths)
         self.key = id(cache.lengths)
-        #: The lengths of the plain steps to come, a row each (:func:`next_lengths`): the
-        #: length of the first row's first example, and the first row not handed out.
-        self.bank: torch.Tensor | None = None
-        self.bank_from = self.bank_next = 0
+        #: The lengths of the plain steps to come (:func:`next_lengths`), from the step
+        #: whose first example's length is ``bank_from``.
+        self.bank: list[torch.Tensor | None] | None = None
+        self.bank_from = 0
         #: The arrays in the layouts a step's products take (:meth:`attended`); ``()``
         #: where they are no views.
         self._flat: tuple[torch.Tensor, ...] | None = None
@@ -455,10 +455,11 @@ def _apart(keys: torch.Tensor, values: torch.Tensor) -> bool:
     return keys_end <= values_start or values_end <= keys_start
 
 
-#: How many plain steps' lengths :func:`next_lengths` makes at once: first, and at most
-#: (twice as many each time, so that a short generation's first step makes few rows and
-#: a long one's steps share the making of many).
-_BANKED, _MOST_BANKED = 64, 1024
+#: How many plain steps' lengths :func:`next_lengths` makes at once. (Each is an object
+#: Python's garbage collector tracks, alive until its step: made by the hundred, as many
+#: as 1024 at once, they set off the collector's passes, whose full ones walk every
+#: object of the process, tens of milliseconds beside PyTorch, within a decoding loop.)
+_BANKED = 64
 
 
 def next_lengths(
@@ -469,43 +470,39 @@ def next_lengths(
     the new lengths of a ragged step (:func:`mha_multi.torch._ragged.ragged_step`),
     whose first is ``filled``.
 
-    A row of :attr:`CacheCheck.bank`, the lengths of the next steps (:data:`_BANKED`,
-    then twice as many as the bank before, up to :data:`_MOST_BANKED`) made at once
-    where the lengths live (no copy from the host for a plain
+    A row of :attr:`CacheCheck.bank`, the lengths of the next :data:`_BANKED`
+    steps made at once where the lengths live (no copy from the host for a plain
     step's), outside inference mode (:func:`versioned`): a view made in
     inference mode of such a tensor is no inference tensor, so each step's
     lengths keep a version counter (the bank's, which an edit of any step's
     lengths moves: the steps after it then check their caches again). Each step
     adds one to every example's length, so a step's row is found by its first;
     each row is handed out once, so that a cache's lengths are its own memory.
-
-    The bank is one tensor, of which a step views its row when it takes it: views
-    made at once would be as many objects for the garbage collector, alive for
-    many steps, whose collections (a full one walks every object of the process,
-    tens of milliseconds beside PyTorch) then fall on a decoding loop's steps.
     """
-    # (The check holds the bank, never a row it handed out: a cache its caller drops
-    # goes at once, with no cycle for the collector.)
+    # A row handed out leaves the bank: the check it carries then holds no reference to
+    # it, and a cache its caller drops goes at once, with no cycle for the collector.
     bank = check.bank
     if bank is not None:
         row = filled - check.bank_from
-        if row >= check.bank_next:
+        if row >= 0:
             try:  # (no len(): a step's cost is such calls, docs: "Results")
                 taken = bank[row]
             except IndexError:
-                pass
-            else:
-                check.bank_next = row + 1
+                taken = None
+            if taken is not None:
+                bank[row] = None
                 return taken
-    count = _BANKED if bank is None else min(2 * bank.shape[0], _MOST_BANKED)
     with versioned():
         if held is None:
-            steps = torch.arange(filled, filled + count, dtype=lengths.dtype, device=lengths.device)
-            bank = steps.unsqueeze(1).repeat(1, lengths.shape[0])
+            steps = torch.arange(
+                filled, filled + _BANKED, dtype=lengths.dtype, device=lengths.device
+            )
+            # (The rows as views made at once: a step takes one with no operation.)
+            bank = steps.unsqueeze(1).repeat(1, lengths.shape[0]).unbind(0)
         else:
-            steps = torch.arange(count, dtype=lengths.dtype, device=lengths.device)
-            bank = from_host(held, lengths.device, lengths.dtype) + steps.unsqueeze(1)
-    check.bank, check.bank_from, check.bank_next = bank, filled, 1
+            steps = torch.arange(_BANKED, dtype=lengths.dtype, device=lengths.device)
+            bank = (from_host(held, lengths.device, lengths.dtype) + steps.unsqueeze(1)).unbind(0)
+    check.bank, check.bank_from = [None, *bank[1:]], filled
     return bank[0]
 
 

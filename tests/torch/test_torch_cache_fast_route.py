@@ -643,10 +643,10 @@ def test_a_long_generation_takes_the_route_with_each_steps_own_lengths(new_lens)
 @pytest.mark.parametrize("new_lens", [None, np.array([2, 1, 2])], ids=["uniform", "ragged"])
 def test_a_long_generation_leaves_the_collector_no_objects(new_lens):
     """No step of a loop that keeps only the last cache makes objects for the garbage
-    collector by the hundred, past the banks of lengths the steps make (64 steps',
-    then 128): a bank's rows made as objects at once would live for many steps and
+    collector by the hundred, past three banks of lengths (64 steps' each): a bank's
+    rows are objects made at once, alive for as many steps, which by the hundred
     set off the collector's passes (a full one walks every object of the process)
-    within a decoding loop."""
+    within a decoding loop; and the loop leaves as many as it found."""
     _, layer = self_attention(HEADS, 48)
     prompt = torch.from_numpy(np.random.default_rng(48).standard_normal((3, 2, NUM_HIDDENS)))
     lens = None if new_lens is None else torch.from_numpy(new_lens)
@@ -666,7 +666,9 @@ def test_a_long_generation_leaves_the_collector_no_objects(new_lens):
             gc.enable()
     assert answers[-200:] == [True] * 200
     made = [after - before for before, after in itertools.pairwise(counts)]
-    assert max(made) <= 8, made
+    assert max(made) <= 64, made
+    if new_lens is None:  # (a ragged step adds one to the count, not to the objects tracked)
+        assert counts[-1] - counts[0] <= 8, (counts[0], counts[-1])
 
 
 @pytest.mark.parametrize("new_lens", [None, np.array([5, 3, 4])], ids=["uniform", "ragged"])
