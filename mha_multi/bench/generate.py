@@ -25,6 +25,7 @@ max_length * head_dim`` elements.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -143,14 +144,17 @@ TURN = 16
 ROUNDS = 3
 
 
-def generate(generator: Generator, prompt: Any, new_tokens: int) -> tuple[float, float, np.ndarray]:
+def generate(
+    generator: Generator, prompt: Any, new_tokens: int, *, pause_collector: bool = True
+) -> tuple[float, float, np.ndarray]:
     """Prefills, then generates ``new_tokens`` tokens, each the previous output (the
-    garbage collector waiting, :func:`~mha_multi.bench.common.collector_paused`).
+    garbage collector waiting, :func:`~mha_multi.bench.common.collector_paused`, unless
+    not ``pause_collector``).
 
     Returns:
         ``(prefill seconds, generation seconds, outputs (B, new_tokens, D))``.
     """
-    with collector_paused():
+    with collector_paused() if pause_collector else contextlib.nullcontext():
         start = time.perf_counter()
         state, token = generator.prefill(prompt)
         generator.sync(token)
@@ -332,4 +336,7 @@ def generation_peak_mib(framework: Any, device: str, dtype: str, shape: Generati
     )
     make = framework.generators(shape, device, dtype)["cached"]
     generate(make(), prompt, 2)
-    return framework.peak_mib(device, lambda: generate(make(), prompt, shape.new_tokens))
+    # (The collector running, as in a user's loop: garbage it would take is no peak.)
+    return framework.peak_mib(
+        device, lambda: generate(make(), prompt, shape.new_tokens, pause_collector=False)
+    )

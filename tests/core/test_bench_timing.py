@@ -56,3 +56,11 @@ def test_one_generation_is_timed_with_the_collector_paused(collector):
     _, _, outputs = generate(_way(seen), np.zeros((1, 1, 2)), 5)
     assert seen == [False] * 6 and outputs.shape == (1, 5, 2)
     assert gc.isenabled() is collector
+
+
+def test_a_generation_whose_memory_is_measured_runs_with_the_collector_as_it_is(collector):
+    """Not paused where a generation's peak memory is measured (``pause_collector=False``):
+    garbage the collector would take in a user's loop is no peak."""
+    seen: list[bool] = []
+    generate(_way(seen), np.zeros((1, 1, 2)), 5, pause_collector=False)
+    assert seen == [collector] * 6
