@@ -622,8 +622,8 @@ def test_a_fast_step_raises_the_generic_flows_errors():
 
 @pytest.mark.parametrize("new_lens", [None, np.array([2, 1, 2])], ids=["uniform", "ragged"])
 def test_a_long_generation_takes_the_route_with_each_steps_own_lengths(new_lens):
-    """Past the lengths the first steps make at once (64 steps', then twice as many each
-    time): every step takes the route to the generic flow's outputs and cache to the
+    """Past the lengths the steps make at once (64 steps' each time, three banks of
+    them): every step takes the route to the generic flow's outputs and cache to the
     bit, and each step's lengths hold its own values after the steps that follow."""
     _, layer = self_attention(HEADS, 47)
     prompt = np.random.default_rng(47).standard_normal((3, 2, NUM_HIDDENS))
