@@ -484,11 +484,8 @@ def next_lengths(
     bank = check.bank
     if bank is not None:
         row = filled - check.bank_from
-        if row >= 0:
-            try:  # (no len(): a step's cost is such calls, docs: "Results")
-                taken = bank[row]
-            except IndexError:
-                taken = None
+        if 0 <= row < _BANKED:
+            taken = bank[row]
             if taken is not None:
                 bank[row] = None
                 return taken

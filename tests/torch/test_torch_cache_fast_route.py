@@ -627,7 +627,7 @@ def test_a_long_generation_takes_the_route_with_each_steps_own_lengths(new_lens)
     bit, and each step's lengths hold its own values after the steps that follow."""
     _, layer = self_attention(HEADS, 47)
     prompt = np.random.default_rng(47).standard_normal((3, 2, NUM_HIDDENS))
-    steps = 64 + 128 + 8
+    steps = 3 * 64 + 8
     with answered_calls() as answers:
         ours = feed_back(layer, prompt, steps, steps + 2, new_lens)
     # (The prompt's call is offered where it has no lengths, and declined.)
