@@ -36,7 +36,11 @@ plain layer instead (16 hiddens, 2 heads, one example, a 4-token prompt, then
 decoder in turns, the time of every call of the products
 (``functional.linear``), of SDPA and of the read (``torch.dot``) apart from
 the rest (the host's work, the rows' copies into the cache). A wrapper times
-each such call of both ways alike.
+each such call of both ways alike. The rest is split in turn by where it
+falls: before the step's first kernel (the call's entry: the layer's
+module call, its tests and the route's), between two kernels (``linear ->
+scaled_dot_product_attention``: the rows' copies, and in the layer the read's
+operations and the cache's bookkeeping), after the last (the call's return).
 
     python tools/step_parts.py [rounds] [--threads N] [--tiny] [--kernels]   # 12 rounds
 """
@@ -178,15 +182,23 @@ def prompt_of(shape: GenerationShape) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def kernels_timed(spent: dict[tuple[str, str], float], way: list[str]) -> Iterator[None]:
+def kernels_timed(
+    spent: dict[tuple[str, str], float], way: list[str], last: list[tuple[str, float]]
+) -> Iterator[None]:
     """Each call of :data:`KERNELS` timed into ``spent[(way[0], name)]`` (``way[0]``: the
-    way whose step runs, ``""`` outside the steps), the functions put back after."""
+    way whose step runs, ``""`` outside the steps), and the time since the kernel before
+    (``last[0]``: its name, or ``"start"``, and when it ended) into
+    ``spent[(way[0], "before -> name")]``; the functions put back after."""
 
     def timed(function: Callable[..., Any], name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
+            before, ended = last[0]
             result = function(*args, **kwargs)
-            spent[way[0], name] += time.perf_counter() - start
+            end = time.perf_counter()
+            spent[way[0], name] += end - start
+            spent[way[0], f"{before} -> {name}"] += start - ended
+            last[0] = (name, end)
             return result
 
         return call
@@ -206,6 +218,7 @@ def kernel_split(rounds: int, shape: GenerationShape) -> None:
     prompt = prompt_of(shape)
     spent: dict[tuple[str, str], float] = collections.defaultdict(float)
     way = [""]
+    last = [("start", 0.0)]
 
     def counted(name: str, generator: Generator) -> Generator:
         def prefill(prompt: torch.Tensor) -> Any:
@@ -213,12 +226,15 @@ def kernel_split(rounds: int, shape: GenerationShape) -> None:
             return generator.prefill(prompt)
 
         def step(state: Any, token: torch.Tensor) -> Any:
-            way[0] = name
-            return generator.step(state, token)
+            way[0], last[0] = name, ("start", time.perf_counter())
+            result = generator.step(state, token)
+            before, ended = last[0]
+            spent[name, f"{before} -> end"] += time.perf_counter() - ended
+            return result
 
         return Generator(prefill, step, generator.sync, generator.to_numpy)
 
-    with kernels_timed(spent, way):
+    with kernels_timed(spent, way, last):
         for index in range(rounds):
             makers = FRAMEWORK.generators(shape, "cpu", "float32")
             names = ("cached", "hand-written") if index % 2 == 0 else ("hand-written", "cached")
@@ -240,6 +256,12 @@ def kernel_split(rounds: int, shape: GenerationShape) -> None:
         split = ", ".join(f"{kernel} {us:.1f}" for kernel, us in parts.items() if us)
         rest = total - sum(parts.values())
         print(f"{label:>12}: {total:.1f} us a step: {split}; the rest {rest:.1f}")
+        gaps = ", ".join(
+            f"{gap} {seconds / steps * 1e6:.1f}"
+            for (of, gap), seconds in spent.items()
+            if of == name and "->" in gap
+        )
+        print(f"{'':>12}  the rest, by where it falls: {gaps}")
 
 
 def main(rounds: int, shape: GenerationShape) -> None:
