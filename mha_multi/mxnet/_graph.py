@@ -21,7 +21,9 @@ cached graph takes each new length as it comes). That graph serves recorded
 calls and :meth:`~mha_multi.mxnet.MultiHeadAttention.export`. A cached call
 that records nothing writes its rows into the cache's own arrays outside
 the graphs and attends in the graph of a call without keys, over the filled
-positions (:func:`write_in_place`). A ``head_mask`` (docs: "Heads") is the
+positions (:func:`write_in_place`); a plain decoding step runs its signature's
+plan instead, as an imperative layer's (:mod:`mha_multi.mxnet._plain`), and
+leaves ``export`` the shapes of its functional graph. A ``head_mask`` (docs: "Heads") is the
 graph's last input.
 
 An imperative call runs the same computation (:func:`compute`) on the
@@ -33,7 +35,7 @@ writes the cache in place and attends over the filled positions, through
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -277,7 +279,7 @@ class Graphs:
         self.hybridize_args = hybridize_args
         #: The most recent call, where it wrote a cache in place outside the
         #: graphs: its inputs' shapes and dtypes, device and flags (:meth:`stand_in`).
-        self.standing: tuple[list[Any], mx.Context, dict[str, bool]] | None = None
+        self.standing: tuple[Sequence[Any], mx.Context, dict[str, bool]] | None = None
         #: Why the most recent call ran outside the graphs, where it did (:meth:`ran_without`):
         #: it has no graph to export.
         self.graphless: str | None = None
@@ -308,16 +310,27 @@ class Graphs:
         self.last = self.standing = None
         self.graphless = reason
 
-    def stand_in(self, inputs: Inputs, **flags: bool) -> None:
-        """Notes a cached call made outside one graph (:func:`write_in_place`), for export.
+    def stand_in(
+        self,
+        inputs: Inputs | Sequence[tuple[tuple[int, ...], Any] | None],
+        ctx: mx.Context | None = None,
+        **flags: bool,
+    ) -> None:
+        """Notes a cached call made outside one graph (:func:`write_in_place`, or a
+        hybridized layer's decoding step by its plan, :mod:`mha_multi.mxnet._plain`),
+        for export.
 
         Args:
             inputs: the call's arrays as the functional graph takes them
-                (:data:`Inputs`), the cache as it was given.
+                (:data:`Inputs`), the cache as it was given; or, with ``ctx``,
+                their ``(shape, dtype)`` pairs.
+            ctx: the arrays' device, where ``inputs`` are their shapes.
             flags: the call's ``causal`` and ``return_attention_weights``.
         """
-        shapes = [None if x is None else (x.shape, x.dtype) for x in inputs]
-        self.standing = (shapes, inputs[0].ctx, flags)
+        if ctx is None:
+            ctx = inputs[0].ctx
+            inputs = [None if x is None else (x.shape, x.dtype) for x in inputs]
+        self.standing = (inputs, ctx, flags)
         self.graphless = None
 
     def exportable(self, layer: gluon.HybridBlock) -> AttentionGraph | None:

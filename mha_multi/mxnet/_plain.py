@@ -3,7 +3,9 @@
 A call whose queries are its keys and values and that asks for nothing else
 (:func:`mha_multi.call.plain_self_attention`), of a layer with any options,
 made imperatively (without a cache, recording a gradient or not; a hybridized
-layer with options runs its calls so too), is offered to
+layer with options runs its calls so too, and a hybridized layer without
+options its decoding steps that record nothing, whose rows are written outside
+any graph), is offered to
 :func:`plain_attention` before any check (docs: "Fast paths"). The first call
 of a signature (the queries' shape, dtype and device, ``causal``, a cache's
 arrays; a layer keeps a table of them for its options) runs the generic flow's
@@ -24,14 +26,16 @@ the same shape, where the generic flow draws it).
 
 A decoding step (new positions appended to a cache, one per example, or
 several without the causal rule) still reads the cache's lengths and the
-values past the filled positions at every call, as the generic flow does: a
-cache without room, negative lengths, a non-finite value past the filled
-positions or a window that hides keys (a layer's window is taken where it
+values past the positions it attends over at every call, as the generic flow
+does: a cache without room, negative lengths, a non-finite value past them
+or a window that hides keys (a layer's window is taken where it
 holds every position, as the generic flow plans such a step without it; a
 call without a cache takes its mask) return ``None`` before anything is
 written, and the generic flow checks and runs the call. The step writes its
 rows into the cache's arrays (a ragged batch's, each example's at its own
-position) and attends over the filled positions, as the generic flow does
+position) and attends over the filled positions rounded up to the facts' span
+bucket (:meth:`mha_multi.mxnet._facts.MXNetFacts.span_bucket_of`), those past
+the filled ones hidden by ``sequence_mask``, as the generic flow does
 for a call that records nothing.
 """
 
@@ -90,7 +94,9 @@ def plain_attention(
     Taken by an imperative layer, or a hybridized one with options (whose
     calls run on its arrays, not in a graph), for a call of ``mxnet.numpy``
     arrays; with a cache, a :class:`mha_multi.spec.KVCache` of them recording
-    nothing (see the module's docstring). A layer's dropout acts on the
+    nothing (see the module's docstring), by a hybridized layer without
+    options too (the step's functional graph left for ``export``,
+    :meth:`mha_multi.mxnet._graph.Graphs.stand_in`). A layer's dropout acts on the
     weights where the generic flow's does (``npx.dropout``, in training mode
     only), drawing the same mask from MXNet's random state.
 
@@ -106,11 +112,13 @@ def plain_attention(
         valid_lens: the call's lengths, unchecked: an ``mxnet.numpy`` array on the
             queries' device, of a call without a cache (else the generic flow).
     """
-    default = options is None or options.is_default
-    if (layer._active and default) or type(queries) is not mx.np.ndarray:
-        # (A hybridized layer runs its graphs; with options, which a graph takes as no
-        # host constants, it runs the generic flow on its arrays, whose numbers the plan
-        # gives.)
+    # A hybridized layer without options runs its graphs, but for a decoding step that
+    # records nothing: that step writes its rows outside any graph, and took 1.8x the
+    # plan's time with its attention in a graph (docs: "Fast paths"). With options,
+    # which a graph takes as no host constants, a layer runs the generic flow on its
+    # arrays, whose numbers the plan gives.
+    graphed = layer._active and (options is None or options.is_default)
+    if type(queries) is not mx.np.ndarray or (graphed and cache is None):
         return None
     if cache is not None and mx.autograd.is_recording():
         return None  # (a recorded cached call updates its cache functionally)
@@ -138,7 +146,11 @@ def plain_attention(
         return None
     if cache is None:
         return call.Result(_attend(plan, queries, valid_lens, ctx), None, None)
-    return _step(facts, plan, queries, cache, ctx)
+    result = _step(facts, plan, queries, cache, ctx)
+    if graphed and result is not None:
+        # What export writes for it: its functional graph, as for the graph's own steps.
+        layer._graphs.stand_in(plan.standing, ctx, causal=causal, return_attention_weights=False)
+    return result
 
 
 def _plan(
@@ -187,11 +199,16 @@ def _plan(
         rotary.interleaved or rotary.depends_on_length or rotary.dim(dh) != dh
     ):
         return None
-    max_length = None
+    max_length = standing = None
     if cache is not None:
         if (causal and num_new > 1) or np.dtype(cache.lengths.dtype) != np.int32:
             return None  # a causal chunk needs a mask per query; lengths are made int32
         max_length = cache.keys.shape[2]
+        # (The functional graph's inputs: queries, keys, values, int32 valid_lens (B,),
+        # the cache's three arrays, no gates; mha_multi.mxnet._graph.write_in_place.)
+        given = (queries.shape, queries.dtype)
+        held = ((x.shape, x.dtype) for x in cache)
+        standing = (given, given, given, ((batch,), np.dtype(np.int32)), *held, None)
     rotated = tables = shapes = None
     if rotary is not None:
         half = (2, dh // 2)
@@ -223,6 +240,7 @@ def _plan(
         tables=tables,
         mask_lengths=mask_lengths,
         max_length=max_length,
+        standing=standing,
     )
 
 
@@ -397,7 +415,10 @@ def _step(
         return None  # the generic flow refuses it
     if plan.window is not None and span > plan.window:
         return None  # the window hides keys: the generic flow's mask
-    if span < max_length and not facts.finite_past(keys, values, span):
+    # The generic flow's span (CacheFill.span): the filled positions rounded up to the
+    # facts' bucket, those past the filled ones hidden by the mask lengths.
+    attended = spec.rounded_span(span, max_length, facts.span_bucket_of(keys))
+    if attended < max_length and not facts.finite_past(keys, values, attended):
         return None  # the generic flow attends over every position
     q, k, v = _projected(plan, queries, ctx)
     if ragged:
@@ -426,8 +447,8 @@ def _step(
         keys.slice_assign(k, begin, end, step)
         values.slice_assign(v, begin, end, step)
     held_keys, held_values = keys, values
-    if span < max_length:
-        held_keys, held_values = facts.cache_prefix(keys, values, span)
+    if attended < max_length:
+        held_keys, held_values = facts.cache_prefix(keys, values, attended)
     if plan.scored is None:
         mask_lengths = None
         if ragged:
@@ -435,6 +456,11 @@ def _step(
             # the rows of the scores in their order: example, head, query).
             visible = np.repeat(read.astype(np.int32) + num_new, plan.num_heads * num_new)
             mask_lengths = copied_to(ctx, visible, np.int32)
+        elif attended > span:
+            # (Every row sees the filled positions: made where it lies, no copy from the
+            # host; the registered operator, mx.np.full's, without its Python around it.)
+            rows = plan.scores[0] * plan.scores[1]
+            mask_lengths = _npi.full(shape=(rows,), value=span, ctx=ctx, dtype=np.int32)
         # (B, H_kv, span, dh) -> (B*H_kv, span, dh)
         held_keys, held_values = (
             mx.npx.reshape(held_keys, (-5, -4)),

@@ -93,6 +93,11 @@ class PlainPlan(NamedTuple):
     #: The layer's dropout rate on the weights (``npx.dropout``, which acts in training
     #: mode only), as the generic flow's kernel call and generic path apply it.
     dropout: float = 0.0
+    #: A cached call's inputs as the graph of its functional update takes them, each
+    #: ``(shape, dtype)`` (``None`` for an input it has not), which a hybridized layer's
+    #: step leaves for ``export`` (:meth:`mha_multi.mxnet._graph.Graphs.stand_in`);
+    #: ``None`` without a cache.
+    standing: tuple[tuple[tuple[int, ...], Any] | None, ...] | None = None
 
 
 def layout(

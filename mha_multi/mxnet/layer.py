@@ -61,13 +61,13 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
     symbols have no dtype or rank, which the masks depend on).
     ``hybridize()`` compiles one graph per call configuration
     (:mod:`mha_multi.mxnet._graph`); the numbers are those of the imperative
-    mode, a cached call's to its dtype's rounding (its graph attends over the
-    filled positions rounded up to :data:`mha_multi.spec.SPAN_BUCKET`, whose
-    sums round otherwise; docs: "Generating with a cache"). Dropout acts only
+    mode, a cached call's to its dtype's rounding (its graph's operations
+    round otherwise; docs: "Generating with a cache"). Dropout acts only
     in training mode (``autograd.record()``). Calls that do not ask for the
     attention weights take a faster route to the
     same numbers (:mod:`mha_multi.mxnet._kernel`); plain self-attention
-    called imperatively runs it by a plan made once per signature
+    called imperatively, and a hybridized layer's plain decoding step that
+    records nothing, run it by a plan made once per signature
     (:mod:`mha_multi.mxnet._plain`; docs: "Fast paths").
 
     float16 products are taken in float32 and rounded once, on every device.
@@ -337,9 +337,10 @@ class MultiHeadAttention(FromCanonical, gluon.HybridBlock):
         cache as it is and appends nothing. A call that records nothing
         (outside ``autograd.record()``), imperative or hybridized, writes
         the rows into the given cache's ``keys`` and ``values`` and attends
-        over the filled positions only (hybridized: rounded up to
-        :data:`mha_multi.spec.SPAN_BUCKET`, in a graph); the returned cache
-        shares them. A recorded call leaves the given cache as it was and
+        over the filled positions only, rounded up to
+        :data:`mha_multi.spec.SPAN_BUCKET` (hybridized, in a graph, but for
+        a plain decoding step, which runs the imperative plan); the
+        returned cache shares them. A recorded call leaves the given cache as it was and
         returns a new one (docs: "Generating with a cache").
 
         The layer reads the cache's lengths and ``valid_lens`` (one wait for

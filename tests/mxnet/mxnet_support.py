@@ -1,11 +1,16 @@
 """What several MXNet test files build: the imperative and hybridized
-runners, and grouped layers of one layout with their canonical weights."""
+runners, grouped layers of one layout with their canonical weights, and a
+layer's exported graph loaded back."""
 
 from __future__ import annotations
 
+import json
+import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from mxnet import gluon
 
 from mha_multi.parity.runners import Runner, get_runner
 from mha_multi.weights import init_weights
@@ -56,3 +61,19 @@ def layout_inputs(
 def reference_heads(kind: str) -> dict[str, int]:
     """The layout's heads, as the float64 reference's keyword arguments."""
     return {"num_heads": NUM_HEADS, "num_kv_heads": KV_HEADS[kind]}
+
+
+def exported(layer: Any, path: Path) -> tuple[Any, set[str]]:
+    """The graph of ``layer``'s last (appending) call as a ``SymbolBlock``, and its operators."""
+    prefix = str(path / "cached")
+    layer.export(prefix)
+    with open(f"{prefix}-symbol.json") as file:
+        operators = {node["op"] for node in json.load(file)["nodes"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # SymbolBlock guesses the inputs' types
+        block = gluon.SymbolBlock.imports(
+            f"{prefix}-symbol.json",
+            [f"data{i}" for i in range(7)],  # queries ... valid_lens, the cache's three
+            f"{prefix}-0000.params",
+        )
+    return block, operators

@@ -10,13 +10,12 @@ the imperative and the hybridized layer alike.
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 
 import mxnet as mx
 import numpy as np
 import pytest
-from mxnet import autograd, gluon
+from mxnet import autograd
 from mxnet_support import (
     HYBRID,
     IMPERATIVE,
@@ -24,6 +23,7 @@ from mxnet_support import (
     NUM_HEADS,
     NUM_HIDDENS,
     QUERY_SIZE,
+    exported,
     layer_of,
     layout_inputs,
     layout_weights,
@@ -185,9 +185,10 @@ def test_gradients_through_recorded_decoding_are_the_full_forwards(runner):
 
 @pytest.mark.parametrize("runner", [IMPERATIVE, HYBRID], ids=lambda runner: runner.name)
 def test_uniform_steps_attend_over_the_filled_positions_in_buckets(runner, monkeypatch):
-    # A prompt, then steps of one across the buckets' edges: each call
-    # attends over the filled positions rounded up to spec.SPAN_BUCKET (the
-    # whole cache past the last bucket), with the reference's numbers.
+    # A prompt, then steps of one across the buckets' edges: each call, imperative
+    # or hybridized, attends over the filled positions rounded up to
+    # spec.SPAN_BUCKET (the whole cache past the last bucket), with the
+    # reference's numbers.
     spans = []
     prefix = MXNetFacts.cache_prefix
 
@@ -205,9 +206,6 @@ def test_uniform_steps_attend_over_the_filled_positions_in_buckets(runner, monke
     output = runner.decode(layer, inputs, np.array([length, length]), chunks, max_length=max_length)
     expected = full_reference(weights, inputs, np.array([length, length]), **reference_heads("gqa"))
     np.testing.assert_allclose(output, expected, rtol=0, atol=tolerance("float32", "output"))
-    # An imperative call takes any length at no cost: its bucket is one.
-    if runner is IMPERATIVE:
-        bucket = 1
     rounded = [min(-(-n // bucket) * bucket, max_length) for n in prompt + np.arange(len(chunks))]
     assert spans == [span for span in rounded if span < max_length]
     if runner is HYBRID:
@@ -270,22 +268,6 @@ def test_a_decode_loop_traces_one_graph_per_kind_of_lengths(monkeypatch, recordi
             (True, False, 2),
             (True, False, 1),
         ]
-
-
-def exported(layer, path):
-    """The graph of ``layer``'s last (appending) call as a ``SymbolBlock``, and its operators."""
-    prefix = str(path / "cached")
-    layer.export(prefix)
-    with open(f"{prefix}-symbol.json") as file:
-        operators = {node["op"] for node in json.load(file)["nodes"]}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # SymbolBlock guesses the inputs' types
-        block = gluon.SymbolBlock.imports(
-            f"{prefix}-symbol.json",
-            [f"data{i}" for i in range(7)],  # queries ... valid_lens, the cache's three
-            f"{prefix}-0000.params",
-        )
-    return block, operators
 
 
 def as_numpy(cache):
@@ -408,11 +390,11 @@ def test_grouped_cached_calls_score_each_key_value_head_once(tmp_path, monkeypat
     layer(*rows, causal=True, cache=layer.init_cache(3, MAX_LENGTH))
     head_dim = NUM_HIDDENS // NUM_HEADS
     blocks, rows_per_block = 3 * kv_heads, group * 2
-    # An imperative call attends over the 2 positions the cache then holds.
-    cached = (blocks, 2, head_dim)
+    # The 2 positions the cache then holds, rounded up to spec.SPAN_BUCKET: all 6.
+    cached = (blocks, MAX_LENGTH, head_dim)
     assert seen == [
         ((blocks, rows_per_block, head_dim), cached),
-        ((blocks, rows_per_block, 2), cached),
+        ((blocks, rows_per_block, MAX_LENGTH), cached),
     ]
     layer = layer_of(HYBRID, kind, weights)
     for return_attention_weights in (False, True):

@@ -1,22 +1,24 @@
 """The imperative layer's plans of plain self-attention: made once per signature, reused.
 
 A call whose queries are its keys and values, and that asks for nothing
-else, of an imperative layer recording nothing runs the plan of its
-signature (docs: "Fast paths"): a second call reuses it, with the float64
-reference's numbers and the generic flow's to the bit (and, recorded, its
-gradients); another signature makes its own; a decoding step still reads its
-lengths at every call.
+else, of an imperative layer recording nothing (or a hybridized layer's
+decoding step) runs the plan of its signature (docs: "Fast paths"): a second
+call reuses it, with the float64 reference's numbers and the generic flow's to
+the bit (and, recorded, its gradients); another signature makes its own; a
+decoding step still reads its lengths at every call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from unittest import mock
 
 import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import autograd
+from mxnet_support import exported
 
 from mha_multi import spec
 from mha_multi.bench.mxnet import FRAMEWORK
@@ -326,6 +328,76 @@ def test_hybridized_and_recorded_cached_calls_keep_no_plan():
     output = layer(rows, rows, rows)
     assert plans_of(layer) == {}
     np.testing.assert_allclose(output.asnumpy(), expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+def test_a_hybridized_layers_decoding_steps_run_their_plan_and_export_their_graph(
+    ragged, tmp_path, monkeypatch
+):
+    """A hybridized layer without options decodes one token per example by its plan, as
+    an imperative one does (a step's rows are written outside any graph either way):
+    the imperative layer's numbers and the generic flow's to the bit, the reference's
+    within ``ATOL``, over spans rounded up to ``spec.SPAN_BUCKET`` (across a bucket's
+    edge: a prefix of the cache, then all of it); its prompt, a causal chunk, runs its
+    graph. ``export`` after such a step writes the step's functional graph, which gives
+    the step's output and cache."""
+    spans = []  # (every prefix of the cache a call attends over: one bucket's)
+    prefix = _facts.MXNetFacts.cache_prefix
+
+    def spying(facts, keys, values, span, first=0):
+        spans.append(span)
+        return prefix(facts, keys, values, span, first)
+
+    monkeypatch.setattr(_facts.MXNetFacts, "cache_prefix", spying)
+    layer, weights = layer_and_weights(11)
+    twin, _ = layer_and_weights(11)
+    layer.hybridize()
+    max_length, prompt = spec.SPAN_BUCKET + 6, spec.SPAN_BUCKET - 4
+    lengths = [prompt, prompt - 3] if ragged else [prompt, prompt]
+    positions = range(prompt, max_length - 1)
+    x = np.random.default_rng(11).standard_normal((2, max_length, 16))
+    runs = []
+    for each, route in ((layer, None), (twin, None), (twin, generic_only())):
+        with route or contextlib.nullcontext():
+            rows = native(x[:, :prompt])
+            lens = mx.np.array(lengths, dtype=np.int32) if ragged else None
+            empty = each.init_cache(2, max_length)
+            _, cache = each(rows, rows, rows, lens, causal=True, cache=empty)
+            outputs = []
+            for position in positions:
+                before = cache
+                step = native(x[:, position : position + 1])
+                output, cache = each(step, step, step, causal=True, cache=cache)
+                assert cache.keys is before.keys  # (written in place)
+                outputs.append(output.asnumpy())
+        runs.append((outputs, [a.asnumpy() for a in cache]))
+    assert set(spans) == {spec.SPAN_BUCKET}
+    for (outputs, held), (other_outputs, other_held) in itertools.pairwise(runs):
+        for got, want in zip(outputs + held, other_outputs + other_held, strict=True):
+            np.testing.assert_array_equal(got, want)
+    outputs, held = runs[0]
+    steps = [p for p in plans_of(layer).values() if p is not None and p.max_length == max_length]
+    assert len(steps) == 1
+    expected_cache = spec.KVCache(*[np.zeros((2, 2, max_length, 4))] * 2, np.zeros(2))
+    _, _, expected_cache = spec.reference_cached_forward(
+        weights, *[x[:, :prompt]] * 3, expected_cache, np.array(lengths), **HEADS, causal=True
+    )
+    for position, output in zip(positions, outputs, strict=True):
+        rows = x[:, position : position + 1]
+        expected, _, expected_cache = spec.reference_cached_forward(
+            weights, rows, rows, rows, expected_cache, **HEADS, causal=True
+        )
+        np.testing.assert_allclose(output, expected, rtol=0, atol=ATOL)
+
+    graph, _ = exported(layer, tmp_path)
+    lengths = mx.np.array(held[2] - 1, dtype=np.int32)
+    earlier = [mx.np.array(a, dtype=np.float32) for a in held[:2]]  # (the row rewritten)
+    step = native(x[:, positions[-1] : positions[-1] + 1])
+    ones = mx.np.array([1, 1], dtype=np.int32)
+    output, *updated = graph(step, step, step, ones, *earlier, lengths)
+    np.testing.assert_allclose(output.asnumpy(), outputs[-1], rtol=0, atol=ATOL)
+    for got, want in zip(updated, held, strict=True):
+        np.testing.assert_allclose(got.asnumpy(), want, rtol=0, atol=ATOL)
 
 
 def test_a_hybridized_rotary_layer_runs_its_plan_to_the_generic_flows_bits():
