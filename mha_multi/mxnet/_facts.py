@@ -215,20 +215,13 @@ class MXNetFacts(call.Facts):
     """
 
     kernel = SEQUENCE_MASK
+    # (span_bucket_of: the default, spec.SPAN_BUCKET, imperative calls' too. They compile
+    # nothing, but the cache's positions they attend over are a copy, npx.slice along
+    # them: at a new size at every step, glibc's allocator serves the larger ones from a
+    # heap that does not shrink, and a generation's resident memory grows by many times
+    # its cache; docs: "Generating with a cache".)
     attends_filled = True
     rows_of_one_table = True
-
-    def span_bucket_of(self, keys: Any) -> int:
-        """:data:`mha_multi.spec.SPAN_BUCKET`, as a hybridized call's graph rounds its span
-        (:func:`mha_multi.mxnet._graph.write_in_place`).
-
-        An imperative call compiles nothing, but the cache's positions it attends
-        over are a copy (``npx.slice`` along them): at a new size at every step,
-        glibc's allocator serves the larger ones from a heap that does not shrink,
-        and a generation's resident memory grows by many times its cache (docs:
-        "Generating with a cache").
-        """
-        return spec.SPAN_BUCKET
 
     def ops(self, like: mx.np.ndarray) -> MXNetOps:
         return OPS

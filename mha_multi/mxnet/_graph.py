@@ -35,7 +35,7 @@ writes the cache in place and attends over the filled positions, through
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -62,6 +62,9 @@ Array = Any
 #: valid_lens, the cache's keys, values and lengths, and the gates (``None``
 #: where absent).
 Inputs = tuple[Any, ...]
+#: :data:`Inputs` as ``(shape, dtype)`` pairs (``None`` where absent): what a graph
+#: is traced and exported for, without the arrays.
+Shapes = tuple[tuple[tuple[int, ...], Any] | None, ...]
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,7 @@ class Graphs:
         self.hybridize_args = hybridize_args
         #: The most recent call, where it wrote a cache in place outside the
         #: graphs: its inputs' shapes and dtypes, device and flags (:meth:`stand_in`).
-        self.standing: tuple[Sequence[Any], mx.Context, dict[str, bool]] | None = None
+        self.standing: tuple[Shapes, mx.Context, dict[str, bool]] | None = None
         #: Why the most recent call ran outside the graphs, where it did (:meth:`ran_without`):
         #: it has no graph to export.
         self.graphless: str | None = None
@@ -310,28 +313,34 @@ class Graphs:
         self.last = self.standing = None
         self.graphless = reason
 
-    def stand_in(
-        self,
-        inputs: Inputs | Sequence[tuple[tuple[int, ...], Any] | None],
-        ctx: mx.Context | None = None,
-        **flags: bool,
-    ) -> None:
+    def stand_in(self, shapes: Shapes, ctx: mx.Context, **flags: bool) -> None:
         """Notes a cached call made outside one graph (:func:`write_in_place`, or a
         hybridized layer's decoding step by its plan, :mod:`mha_multi.mxnet._plain`),
         for export.
 
         Args:
-            inputs: the call's arrays as the functional graph takes them
-                (:data:`Inputs`), the cache as it was given; or, with ``ctx``,
-                their ``(shape, dtype)`` pairs.
-            ctx: the arrays' device, where ``inputs`` are their shapes.
+            shapes: the call's inputs as its functional graph takes them
+                (:meth:`functional_inputs`).
+            ctx: their device.
             flags: the call's ``causal`` and ``return_attention_weights``.
         """
-        if ctx is None:
-            ctx = inputs[0].ctx
-            inputs = [None if x is None else (x.shape, x.dtype) for x in inputs]
-        self.standing = (inputs, ctx, flags)
+        self.standing = (shapes, ctx, flags)
         self.graphless = None
+
+    @staticmethod
+    def functional_inputs(
+        queries: Array, keys: Array, values: Array, cache: spec.KVCache, gates: Array | None
+    ) -> Shapes:
+        """The inputs of an appending cached call's functional graph, as ``(shape, dtype)``
+        (:data:`Inputs`' order, ``None`` for gates it has not): the queries, keys and
+        values, int32 ``valid_lens`` ``(B,)`` (:func:`run` makes them for every such
+        call), the cache's keys and values, its lengths in int32."""
+        batch = (queries.shape[0],)
+        int32 = np.dtype(np.int32)
+        arrays = ((x.shape, x.dtype) for x in (queries, keys, values))
+        held = ((x.shape, x.dtype) for x in cache[:2])
+        gated = None if gates is None else (gates.shape, gates.dtype)
+        return (*arrays, (batch, int32), *held, (batch, int32), gated)
 
     def exportable(self, layer: gluon.HybridBlock) -> AttentionGraph | None:
         """The graph of the most recent call: a call that wrote in place gets its functional one.
@@ -545,16 +554,17 @@ def write_in_place(
     del k, v  # in the cache now: not kept alive while the graph runs
     held_keys, held_values = written.keys, written.values
     if not return_attention_weights:
-        # The graph's bucket, not an imperative call's (FACTS.span_bucket_of).
         held_keys, held_values, _ = call.attended_positions(
-            FACTS, held_keys, held_values, fill, queries.shape[1], bucket=spec.SPAN_BUCKET
+            FACTS, held_keys, held_values, fill, queries.shape[1]
         )
     inputs = (queries, None, None, None, held_keys, held_values, visible, gates)
     flags = {"causal": False, "return_attention_weights": return_attention_weights}
     out = layer._graphs.run(layer, configure(layer, inputs, **flags), inputs)
     out = tuple(out) if isinstance(out, (list, tuple)) else (out,)
-    standing = (queries, keys, values, valid_lens, *cache, gates)
     layer._graphs.stand_in(
-        standing, causal=causal, return_attention_weights=return_attention_weights
+        Graphs.functional_inputs(queries, keys, values, cache, gates),
+        queries.ctx,
+        causal=causal,
+        return_attention_weights=return_attention_weights,
     )
     return call.Result(out[0], out[1] if return_attention_weights else None, written)

@@ -34,7 +34,7 @@ call without a cache takes its mask) return ``None`` before anything is
 written, and the generic flow checks and runs the call. The step writes its
 rows into the cache's arrays (a ragged batch's, each example's at its own
 position) and attends over the filled positions rounded up to the facts' span
-bucket (:meth:`mha_multi.mxnet._facts.MXNetFacts.span_bucket_of`), those past
+bucket (:meth:`mha_multi.call.Facts.span_bucket_of`), those past
 the filled ones hidden by ``sequence_mask``, as the generic flow does
 for a call that records nothing.
 """
@@ -204,11 +204,9 @@ def _plan(
         if (causal and num_new > 1) or np.dtype(cache.lengths.dtype) != np.int32:
             return None  # a causal chunk needs a mask per query; lengths are made int32
         max_length = cache.keys.shape[2]
-        # (The functional graph's inputs: queries, keys, values, int32 valid_lens (B,),
-        # the cache's three arrays, no gates; mha_multi.mxnet._graph.write_in_place.)
-        given = (queries.shape, queries.dtype)
-        held = ((x.shape, x.dtype) for x in cache)
-        standing = (given, given, given, ((batch,), np.dtype(np.int32)), *held, None)
+        # (What a hybridized layer's step leaves for export; no import of the graphs,
+        # which import these facts.)
+        standing = layer._graphs.functional_inputs(queries, queries, queries, cache, None)
     rotated = tables = shapes = None
     if rotary is not None:
         half = (2, dh // 2)
