@@ -33,13 +33,20 @@ num_kv_heads: number of key/value heads; must divide ``num_heads``
     (``None``: ``num_heads``).
 head_dim: size of each head (``None``: ``num_hiddens // num_heads``).""",
     "options_args": """\
-rotary, alibi, window, softcap, sinks: positions and biases inside attention
-    (docs: "Positions and biases"; :class:`~mha_multi.spec.LayerOptions`);
-    ``sinks=True`` gives each head a learned sink logit, the weight ``sinks``
-    ``(num_heads,)`` (zeros at first).
+rotary: ``None``, or rotary position embeddings of the projected
+    queries and keys: a :class:`~mha_multi.spec.Rotary` or a dict of
+    its fields (docs: "Positions and biases").
+alibi: add ALiBi's per-head linear bias of the key distance.
+window: ``None``, or the sliding window: a query sees the keys at
+    most ``window - 1`` positions behind it.
+softcap: ``None``, or Gemma 2's soft cap of the scaled scores.
 qk_norm: ``None``, or the RMSNorm of the projected queries and keys
     before rotary: a :class:`~mha_multi.spec.QKNorm` or a dict of its
-    fields; its weights are the parameters ``q_norm`` and ``k_norm``.""",
+    fields; its weights are the parameters ``q_norm`` and ``k_norm``.
+sinks: give each head a learned sink logit (the weight ``sinks``
+    ``(num_heads,)``, zeros at first) that joins every query's softmax,
+    taking weight but giving no value (gpt-oss). Together they are the
+    layer's :class:`~mha_multi.spec.LayerOptions`.""",
     # The Flax modules' (NNX and Linen) computation settings.
     "flax_compute_args": """\
 dtype: computation dtype; ``None`` promotes inputs and parameters.

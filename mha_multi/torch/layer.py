@@ -55,20 +55,7 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
         key_size: last dimension of the keys (lazy when ``None``).
         value_size: last dimension of the values (lazy when ``None``).
         {kv_heads_args}
-        rotary: ``None``, or rotary position embeddings of the projected
-            queries and keys: a :class:`~mha_multi.spec.Rotary` or a dict of
-            its fields (docs: "Positions and biases").
-        alibi: add ALiBi's per-head linear bias of the key distance.
-        window: ``None``, or the sliding window: a query sees the keys at
-            most ``window - 1`` positions behind it.
-        softcap: ``None``, or Gemma 2's soft cap of the scaled scores.
-        sinks: give each head a learned sink logit (the parameter ``sinks``
-            ``(num_heads,)``, zeros at first) that joins every query's
-            softmax, taking weight but giving no value (gpt-oss; docs:
-            "Positions and biases").
-        qk_norm: ``None``, or the RMSNorm of the projected queries and keys
-            before rotary: a :class:`~mha_multi.spec.QKNorm` or a dict of its
-            fields; its weights are the parameters ``q_norm`` and ``k_norm``.
+        {options_args}
         device: where to create the parameters.
         dtype: dtype of the parameters.
     """
@@ -89,8 +76,8 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
         alibi: bool = False,
         window: int | None = None,
         softcap: float | None = None,
-        sinks: bool = False,
         qk_norm: spec.QKNorm | Mapping[str, Any] | None = None,
+        sinks: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
