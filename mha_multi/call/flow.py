@@ -398,6 +398,7 @@ def forward(
     head_parallel: bool = False,
     local_gates: Callable[[Array], Array] | None = None,
     run: Callable[..., Result] = attend,
+    declined: bool = False,
 ) -> Result:
     """One call of the layer: the checks, then :func:`attend`.
 
@@ -421,6 +422,9 @@ def forward(
         run: what computes the checked call: :func:`attend`, or a function
             of its arguments that runs it elsewhere (MXNet's hybridized
             graphs, planned here where shapes are known and attending inside).
+        declined: the facts' plan of a plain call declined it already (a
+            layer that offers its plain calls at its own door, PyTorch's):
+            not offered again.
 
     Returns:
         The :class:`Result`; :meth:`Result.returned` is the layer's return value.
@@ -435,7 +439,7 @@ def forward(
     # A plain call is offered first to the facts' plan of it (the function and its
     # arguments, not a partial: every call of every layer asks).
     offered: tuple[Callable[..., Result | None], tuple[Any, ...]] | None = None
-    kind = _plain_kind(queries, keys, values, causal, others)
+    kind = None if declined else _plain_kind(queries, keys, values, causal, others)
     if kind == "self":
         offered = facts.plain_attention, (layer, queries, cache)
     elif kind == "cross" and cache is None:

@@ -100,7 +100,8 @@ class CrossRoute:
                 or values.requires_grad
             )
         device = queries.device
-        if autocasting(device.type):
+        # (Autocast's one flag asked first, autocasting's own first test: every call asks.)
+        if torch._C._is_any_autocast_enabled() and autocasting(device.type):
             return None
         key: tuple[Any, ...] = (dtype, records, queries.shape, queries.dtype, device)
         key += (keys.shape, keys.dtype, keys.device, values.shape, values.dtype, values.device)

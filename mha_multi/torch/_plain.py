@@ -45,6 +45,10 @@ __all__ = ["PlainPlan", "PlainRoute"]
 _PLAIN_PLANS = 64
 
 
+#: What a signature's table holds where it has no plan yet (its plan may be ``None``).
+_UNPLANNED = object()
+
+
 #: The generic flow's kernel plans of a ragged step that the route's takes: SDPA with the
 #: lengths' mask, the window's too (whose fix of rows hidden whole changes nothing: every
 #: query sees its own new key), and either with ALiBi's bias.
@@ -255,7 +259,8 @@ class PlainRoute(StepRoute, LengthsRoute, CrossRoute):
         distance from the query alone).
         """
         device = queries.device
-        if autocasting(device.type):
+        # (Autocast's one flag asked first, autocasting's own first test: every call asks.)
+        if torch._C._is_any_autocast_enabled() and autocasting(device.type):
             return None
         rotary = None if options is None else options.rotary
         if rotary is not None and cache is not None and rotary.depends_on_length:
@@ -289,8 +294,10 @@ class PlainRoute(StepRoute, LengthsRoute, CrossRoute):
                 lengths.dtype,
                 lengths.device,
             )
-        if key in plans:
-            return plans[key]
+        # (One lookup: a plan may be None, the route's answer for the signature.)
+        plan = plans.get(key, _UNPLANNED)
+        if plan is not _UNPLANNED:
+            return plan
         heads = layer.heads
         on_host = self.on_host(queries)
         ops = self.ops(queries)

@@ -281,14 +281,16 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
         ):
             raise parametrized_projection(modules)
         dropout_p = modules["dropout"].p if self.training else 0.0
-        # A plain decoding step runs straight through where the step before planned it
-        # (docs: "Fast paths"); anything else, that route's other cases included, takes
-        # the call's flow. (Each argument compared here: a step's cost is such work.)
+        # A plain call is offered to the route at the door, before the call's flow (docs:
+        # "Fast paths"): a decoding step runs straight through where the step before
+        # planned it, a call without a cache by its signature's plan; anything else, the
+        # route's other cases and the calls it declines included, takes the call's flow,
+        # which offers them nothing again. (Each argument compared here: a small call's
+        # cost is such work, the flow's keyword arguments included.)
+        declined = False
         if (
-            cache is not None
-            and keys is queries
+            keys is queries
             and values is queries
-            and valid_lens is None
             and return_attention_weights is False
             and head_mask is None
             and positions is None
@@ -298,16 +300,31 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
             and self._sharding is None
             and (causal is True or causal is False)
         ):
-            result = FACTS.plain_step(
-                self,
-                queries,
-                cache,
-                causal=causal,
-                dtype=modules["W_o"]._parameters["weight"].dtype,
-                options=self.options,
-            )
-            if result is not None:
-                return result  # (output, cache)
+            if cache is None:
+                result = FACTS.plain_attention(
+                    self,
+                    queries,
+                    None,
+                    causal=causal,
+                    dtype=modules["W_o"]._parameters["weight"].dtype,
+                    options=self.options,
+                    valid_lens=valid_lens,
+                )
+                if result is not None:
+                    return result.output
+                declined = True
+            elif valid_lens is None:
+                result = FACTS.plain_step(
+                    self,
+                    queries,
+                    cache,
+                    causal=causal,
+                    dtype=modules["W_o"]._parameters["weight"].dtype,
+                    options=self.options,
+                )
+                if result is not None:
+                    return result  # (output, cache)
+                declined = True
         if self._sharding is not None and isinstance(queries, torch.Tensor):
             self._sharding.check_inputs(queries, self)
         result = call.forward(
@@ -331,6 +348,7 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
             dropout_rate=dropout_p,
             # A sharded layer gates its own heads (docs: "Sharding heads").
             local_gates=None if self._sharding is None else self._sharding.local_head_mask,
+            declined=declined,
         )
         return result.returned(return_attention_weights)
 
