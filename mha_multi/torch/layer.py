@@ -300,13 +300,14 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
             and self._sharding is None
             and (causal is True or causal is False)
         ):
+            dtype = modules["W_o"]._parameters["weight"].dtype
             if cache is None:
                 result = FACTS.plain_attention(
                     self,
                     queries,
                     None,
                     causal=causal,
-                    dtype=modules["W_o"]._parameters["weight"].dtype,
+                    dtype=dtype,
                     options=self.options,
                     valid_lens=valid_lens,
                 )
@@ -314,16 +315,11 @@ class MultiHeadAttention(FromCanonical, PackedProjections):
                     return result.output
                 declined = True
             elif valid_lens is None:
-                result = FACTS.plain_step(
-                    self,
-                    queries,
-                    cache,
-                    causal=causal,
-                    dtype=modules["W_o"]._parameters["weight"].dtype,
-                    options=self.options,
+                step = FACTS.plain_step(
+                    self, queries, cache, causal=causal, dtype=dtype, options=self.options
                 )
-                if result is not None:
-                    return result  # (output, cache)
+                if step is not None:
+                    return step  # (output, cache)
                 declined = True
         if self._sharding is not None and isinstance(queries, torch.Tensor):
             self._sharding.check_inputs(queries, self)
