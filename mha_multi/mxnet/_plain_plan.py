@@ -19,14 +19,15 @@ import numpy as np
 
 from mha_multi import call, spec
 from mha_multi.mxnet._ops import MXNetOps
-from mha_multi.spec.memo import Kept
+from mha_multi.spec.memo import MISSING, Kept
 
 __all__ = ["NOT_YET", "Layout", "PlainPlan", "kept", "layout", "relaid", "shaped_plan"]
 
 Array = Any
 #: What a plan's maker answers where a plan cannot be made yet (an input size deferred:
-#: the generic flow's first call fixes it), and what a table answers for no plan yet.
-NOT_YET = object()
+#: the generic flow's first call fixes it), and what a table answers for no plan yet
+#: (the tables' own sentinel).
+NOT_YET = MISSING
 #: A change of layout: ``(operation, shape or axes)`` steps, each ``mx.npx.reshape``
 #: or ``mx.np.transpose``.
 Layout = tuple[tuple[Any, tuple[int, ...]], ...]

@@ -14,9 +14,14 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any, TypeVar
 
-__all__ = ["Kept", "KeptBy"]
+__all__ = ["MISSING", "Kept", "KeptBy"]
 
 V = TypeVar("V")
+
+#: What a table's ``get(key, MISSING)`` gives where it keeps nothing for ``key``: a kept
+#: value may be ``None`` (a route's answer that it takes no such call), so one lookup
+#: tells the two apart.
+MISSING: Any = object()
 
 
 class Kept(OrderedDict[Hashable, V]):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mha_multi import call, spec
-from mha_multi.spec.memo import KeptBy
+from mha_multi.spec.memo import MISSING, KeptBy
 from mha_multi.torch._cross import CrossRoute
 from mha_multi.torch._kernel import folded_mask, folds_groups
 from mha_multi.torch._lengths_route import LengthsRoute
@@ -43,10 +43,6 @@ __all__ = ["PlainPlan", "PlainRoute"]
 
 #: How many shapes of a layer's calls :meth:`PlainRoute.plain_attention` keeps plans for.
 _PLAIN_PLANS = 64
-
-
-#: What a signature's table holds where it has no plan yet (its plan may be ``None``).
-_UNPLANNED = object()
 
 
 #: The generic flow's kernel plans of a ragged step that the route's takes: SDPA with the
@@ -294,9 +290,8 @@ class PlainRoute(StepRoute, LengthsRoute, CrossRoute):
                 lengths.dtype,
                 lengths.device,
             )
-        # (One lookup: a plan may be None, the route's answer for the signature.)
-        plan = plans.get(key, _UNPLANNED)
-        if plan is not _UNPLANNED:
+        plan = plans.get(key, MISSING)  # (one lookup: a plan may be None)
+        if plan is not MISSING:
             return plan
         heads = layer.heads
         on_host = self.on_host(queries)
